@@ -1,0 +1,185 @@
+"""EAGLE draft heads: EAGLE-1/2 and EAGLE-3, parameter names as in their public checkpoints
+(../shared/reference/formats.md; the loader maps `midlayer.` / `layers.0.` prefixes).
+
+A head consumes pairs (feature at position p, token at position p + 1) at RoPE position p and
+predicts the token at p + 2. Its output hidden is fed back as the feature of the next draft
+step. `run` is the one entry point: K/V are written for every input row, while attention
+output, o-proj, MLP and norms are computed only for the rows in `query_rows`, the rows whose
+logits are needed (all rows during tree steps; the last live row per request in catch-up).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+from spectandem.kv_cache import CacheBatch
+from spectandem.modeling.layers import GatedMLP, RMSNorm, RopeSpec, Rotary, apply_rotary, masked_attention
+
+
+@dataclass(frozen=True)
+class HeadSpec:
+    kind: str                        # "eagle" (EAGLE-1/2) or "eagle3"
+    hidden_size: int                 # H, the head's width
+    target_hidden_size: int          # Ht
+    intermediate_size: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    rms_norm_eps: float
+    rope: RopeSpec
+    vocab_size: int                  # target vocabulary V
+    draft_vocab_size: int            # Vd (EAGLE-3: own lm_head rows; EAGLE-1: V)
+    fc_bias: bool
+    qkv_bias: bool
+    aux_layers: tuple[int, ...]      # EAGLE-3: HF hidden-state indices, ascending; EAGLE-1: ()
+    norm_before_residual: bool = False
+
+    @property
+    def feature_size(self) -> int:
+        """Width of the target feature one position contributes."""
+        return self.target_hidden_size * (len(self.aux_layers) if self.kind == "eagle3" else 1)
+
+
+class _HeadAttention(nn.Module):
+    def __init__(self, spec: HeadSpec, in_dim: int):
+        super().__init__()
+        hd = spec.head_dim
+        self.num_heads, self.num_kv_heads, self.head_dim = spec.num_heads, spec.num_kv_heads, hd
+        self.q_proj = nn.Linear(in_dim, spec.num_heads * hd, bias=spec.qkv_bias)
+        self.k_proj = nn.Linear(in_dim, spec.num_kv_heads * hd, bias=spec.qkv_bias)
+        self.v_proj = nn.Linear(in_dim, spec.num_kv_heads * hd, bias=spec.qkv_bias)
+        self.o_proj = nn.Linear(spec.num_heads * hd, spec.hidden_size, bias=False)
+
+    def forward(self, x, x_q, cos, sin, cos_q, sin_q, cache: CacheBatch, mask):
+        """x [B, T, D] (K/V rows); x_q [B, Tq, D] (query rows); mask [B, Tq, span]."""
+        b, t, _ = x.shape
+        tq = x_q.shape[1]
+        k = self.k_proj(x).view(b, t, self.num_kv_heads, self.head_dim).transpose(1, 2)
+        v = self.v_proj(x).view(b, t, self.num_kv_heads, self.head_dim).transpose(1, 2)
+        q = self.q_proj(x_q).view(b, tq, self.num_heads, self.head_dim).transpose(1, 2)
+        k_all, v_all = cache.update(0, apply_rotary(k, cos, sin), v)
+        out = masked_attention(apply_rotary(q, cos_q, sin_q), k_all, v_all, mask, self.head_dim ** -0.5)
+        return self.o_proj(out)
+
+
+class _Layer(nn.Module):
+    def __init__(self, spec: HeadSpec, in_dim: int, input_norms: bool):
+        super().__init__()
+        self.self_attn = _HeadAttention(spec, in_dim)
+        self.mlp = GatedMLP(spec.hidden_size, spec.intermediate_size)
+        self.post_attention_layernorm = RMSNorm(spec.hidden_size, spec.rms_norm_eps)
+        if input_norms:  # EAGLE-3: one norm for the embedding, one for the hidden
+            self.input_layernorm = RMSNorm(spec.hidden_size, spec.rms_norm_eps)
+            self.hidden_norm = RMSNorm(spec.hidden_size, spec.rms_norm_eps)
+
+
+def _gather_rows(x: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
+    """x [B, T, D], rows [B, Tq] -> [B, Tq, D]."""
+    return x.gather(1, rows[..., None].expand(-1, -1, x.shape[-1]))
+
+
+class DraftHead(nn.Module):
+    """Common driver; subclasses define how a (token, feature) pair becomes the layer input."""
+
+    spec: HeadSpec
+
+    def project(self, features: torch.Tensor) -> torch.Tensor:
+        """Target features [..., feature_size] -> head input hidden [..., H]."""
+        raise NotImplementedError
+
+    def logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """hidden [..., H] -> draft logits [..., draft_vocab_size] (float32)."""
+        raise NotImplementedError
+
+    def draft_to_target(self, draft_ids: torch.Tensor) -> torch.Tensor:
+        """Draft vocabulary indices -> target token ids (same shape)."""
+        return draft_ids
+
+    def run(self, token_ids: torch.Tensor, hidden: torch.Tensor, positions: torch.Tensor,
+            cache: CacheBatch, mask: torch.Tensor, query_rows: torch.Tensor) -> torch.Tensor:
+        """One head layer over pairs.
+
+        token_ids [B, T] int64 (target ids of the token after each feature's position);
+        hidden [B, T, H] (projected target features, or the head's own previous outputs);
+        positions [B, T]; mask [B, Tq, cache.span] bool for the query rows;
+        query_rows [B, Tq] int64, indices into T.
+        Returns the head's output hidden for the query rows, [B, Tq, H] (pre-norm).
+        """
+        assert token_ids.shape == positions.shape == hidden.shape[:2], (token_ids.shape, hidden.shape)
+        assert query_rows.shape[0] == token_ids.shape[0] and mask.shape[:2] == query_rows.shape
+        layer = self.layer
+        emb = self.embed_tokens(token_ids).to(hidden.dtype)
+        x, residual = self._layer_input(emb, hidden)
+        cos, sin = self.rotary.cos_sin(positions, x.dtype)
+        x_q = _gather_rows(x, query_rows)
+        cos_q, sin_q = _gather_rows(cos, query_rows), _gather_rows(sin, query_rows)
+        a = _gather_rows(residual, query_rows) + layer.self_attn(x, x_q, cos, sin, cos_q, sin_q, cache, mask)
+        out = a + layer.mlp(layer.post_attention_layernorm(a))
+        assert out.shape == (token_ids.shape[0], query_rows.shape[1], self.spec.hidden_size)
+        return out
+
+    def _layer_input(self, emb, hidden):
+        raise NotImplementedError
+
+
+class Eagle1Head(DraftHead):
+    """EAGLE-1/2: z = fc([embed(token), feature]); one decoder layer without input norm; the
+    target's lm_head on the un-normalised output. Embedding and lm_head come from the target."""
+
+    def __init__(self, spec: HeadSpec):
+        super().__init__()
+        self.spec = spec
+        h = spec.hidden_size
+        self.fc = nn.Linear(2 * h, h, bias=spec.fc_bias)
+        self.layer = _Layer(spec, h, input_norms=False)
+        self.embed_tokens = nn.Embedding(spec.vocab_size, h)
+        self.lm_head = nn.Linear(h, spec.vocab_size, bias=False)
+        self.rotary = Rotary(spec.rope)
+
+    def project(self, features):
+        return features
+
+    def _layer_input(self, emb, hidden):
+        z = self.fc(torch.cat([emb, hidden], dim=-1))
+        return z, z
+
+    def logits(self, hidden):
+        return self.lm_head(hidden).float()
+
+
+class Eagle3Head(DraftHead):
+    """EAGLE-3: u = fc(concat(low, mid, high target layers)); the layer's q/k/v read
+    [input_layernorm(embed), hidden_norm(u)] (2H wide); final norm and the head's own lm_head
+    over a reduced vocabulary mapped to target ids by `d2t` (target id = i + d2t[i])."""
+
+    def __init__(self, spec: HeadSpec):
+        super().__init__()
+        self.spec = spec
+        h = spec.hidden_size
+        self.fc = nn.Linear(spec.feature_size, h, bias=spec.fc_bias)
+        self.layer = _Layer(spec, 2 * h, input_norms=True)
+        self.norm = RMSNorm(h, spec.rms_norm_eps)
+        self.lm_head = nn.Linear(h, spec.draft_vocab_size, bias=False)
+        self.embed_tokens = nn.Embedding(spec.vocab_size, h)
+        self.register_buffer("d2t", torch.zeros(spec.draft_vocab_size, dtype=torch.int64))
+        self.rotary = Rotary(spec.rope)
+
+    def project(self, features):
+        return self.fc(features)
+
+    def _layer_input(self, emb, hidden):
+        normed = self.layer.hidden_norm(hidden)
+        residual = normed if self.spec.norm_before_residual else hidden
+        return torch.cat([self.layer.input_layernorm(emb), normed], dim=-1), residual
+
+    def logits(self, hidden):
+        return self.lm_head(self.norm(hidden)).float()
+
+    def draft_to_target(self, draft_ids):
+        return draft_ids + self.d2t[draft_ids]
+
+
+HEAD_CLASSES = {"eagle": Eagle1Head, "eagle3": Eagle3Head}

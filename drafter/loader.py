@@ -1,0 +1,198 @@
+"""Loading EAGLE-1/2 and EAGLE-3 draft heads from their public checkpoint formats.
+
+Accepted (../shared/reference/formats.md):
+- files: model.safetensors, or pytorch_model.bin through torch.load(weights_only=True);
+- key prefixes: `midlayer.` (official / SpecForge EAGLE-3), `layers.0.` (EAGLE-1, speculators),
+  each optionally under `model.`;
+- `fc.bias` present or not (the bias is decided by the weights, cross-checked with `bias`);
+- EAGLE-3 `d2t` offsets (target id = i + d2t[i]); `t2d` is ignored (training-only);
+- auxiliary layers: top-level `eagle_aux_hidden_state_layer_ids` are HuggingFace hidden-state
+  indices; `eagle_config.eagle_aux_hidden_state_layer_ids` (SpecForge/SGLang) count decoder-layer
+  outputs from 0, so 1 is added; with neither, (2, L//2, L-3);
+- embeddings (and the EAGLE-1 lm_head) come from the target when the file has none.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+
+from drafter.heads import HEAD_CLASSES, DraftHead, HeadSpec
+from spectandem.checkpoint import CheckpointError, load_weights, read_config
+from spectandem.modeling.layers import RopeSpec
+from spectandem.modeling.llama import LlamaModel
+
+_LAYER_PREFIXES = ("model.midlayer.", "model.layers.0.", "midlayer.", "layers.0.")
+_IGNORED = ("t2d",)
+
+
+def _normalise_keys(state: dict[str, torch.Tensor], path: str) -> dict[str, torch.Tensor]:
+    """Maps checkpoint names onto the head's parameter names (`layer.*`, `fc.*`, ...)."""
+    out: dict[str, torch.Tensor] = {}
+    for key, tensor in state.items():
+        name = key
+        for prefix in _LAYER_PREFIXES:
+            if key.startswith(prefix):
+                name = "layer." + key[len(prefix):]
+                break
+        else:
+            if name.startswith("model."):
+                name = name[len("model."):]
+        if name in _IGNORED or "rotary_emb" in name:
+            continue
+        if name.startswith("layers."):
+            raise CheckpointError(f"{path}: tensor {key!r}: heads with more than one layer are not supported")
+        out[name] = tensor
+    return out
+
+
+def detect_kind(state: dict[str, torch.Tensor], hidden: int) -> str:
+    """EAGLE-3 has 2H-wide q/k/v inputs; EAGLE-1 has fc [H, 2H] and H-wide q/k/v."""
+    q = state.get("layer.self_attn.q_proj.weight")
+    if q is None:
+        raise CheckpointError("no self_attn.q_proj.weight found: not an EAGLE head")
+    return "eagle3" if q.shape[1] == 2 * hidden else "eagle"
+
+
+def aux_layers_from_config(cfg: dict, num_target_layers: int) -> tuple[int, ...]:
+    """Auxiliary target layers as HuggingFace hidden-state indices, ascending."""
+    if cfg.get("eagle_aux_hidden_state_layer_ids") is not None:
+        ids = [int(i) for i in cfg["eagle_aux_hidden_state_layer_ids"]]
+    elif (cfg.get("eagle_config") or {}).get("eagle_aux_hidden_state_layer_ids") is not None:
+        ids = [int(i) + 1 for i in cfg["eagle_config"]["eagle_aux_hidden_state_layer_ids"]]
+    else:
+        n = num_target_layers
+        ids = [2, n // 2, n - 3]
+    for i in ids:
+        if not 0 <= i <= num_target_layers:
+            raise ValueError(f"auxiliary layer {i} is outside the target's hidden states 0..{num_target_layers}")
+    return tuple(sorted(ids))
+
+
+def load_head(directory: str | Path, target: LlamaModel, kind: str | None = None,
+              dtype: torch.dtype = torch.float32, device: str | torch.device = "cpu") -> DraftHead:
+    """Loads a draft head for `target`. `kind` is "eagle" or "eagle3" (None: from the weights)."""
+    directory = Path(directory)
+    cfg = read_config(directory)
+    src = str(directory)
+    raw = load_weights(directory)
+    state = _normalise_keys(raw, src)
+    try:
+        hidden = int(cfg["hidden_size"])
+        heads = int(cfg["num_attention_heads"])
+    except KeyError as exc:
+        raise CheckpointError(f"{directory / 'config.json'}: missing field {exc.args[0]!r}") from None
+    detected = detect_kind(state, hidden)
+    if kind is not None and kind != detected:
+        raise CheckpointError(f"{src}: asked for an {kind} head but the weights are {detected}")
+    tspec = target.spec
+    vocab = int(cfg.get("vocab_size", tspec.vocab_size))
+    if vocab != tspec.vocab_size:
+        raise CheckpointError(f"{directory / 'config.json'}: vocab_size {vocab} does not match "
+                              f"the target's {tspec.vocab_size}")
+    target_hidden = int(cfg.get("target_hidden_size") or hidden)
+    if target_hidden != tspec.hidden_size:
+        raise CheckpointError(f"{directory / 'config.json'}: head expects target hidden size "
+                              f"{target_hidden}, the target has {tspec.hidden_size}")
+    if hidden != tspec.hidden_size and "embed_tokens.weight" not in state:
+        raise CheckpointError(f"{src}: head hidden size {hidden} differs from the target's "
+                              f"{tspec.hidden_size} and the file has no embed_tokens.weight")
+    head_dim = int(cfg.get("head_dim") or hidden // heads)
+    if detected == "eagle3":
+        if (cfg.get("eagle_config") or {}).get("use_aux_hidden_state") is False:
+            raise CheckpointError(f"{directory / 'config.json'}: use_aux_hidden_state=false heads are not supported")
+        lm = state.get("lm_head.weight")
+        draft_vocab = int(lm.shape[0]) if lm is not None else vocab
+        aux = aux_layers_from_config(cfg, tspec.num_layers)
+    else:
+        draft_vocab, aux = vocab, ()
+    spec = HeadSpec(
+        kind=detected, hidden_size=hidden, target_hidden_size=target_hidden,
+        intermediate_size=int(cfg["intermediate_size"]), num_heads=heads,
+        num_kv_heads=int(cfg.get("num_key_value_heads") or heads), head_dim=head_dim,
+        rms_norm_eps=float(cfg.get("rms_norm_eps", 1e-6)),
+        rope=RopeSpec.from_config(cfg, head_dim, f"{directory / 'config.json'}"),
+        vocab_size=vocab, draft_vocab_size=draft_vocab,
+        # The weights decide the fc bias: configs that disagree with their files are common
+        # (formats.md 1.1, SGLang #5773).
+        fc_bias="fc.bias" in state, qkv_bias="layer.self_attn.q_proj.bias" in state,
+        aux_layers=aux, norm_before_residual=bool(cfg.get("norm_before_residual", False)),
+    )
+    head = HEAD_CLASSES[detected](spec)
+    # Weights taken from the target where the format says so.
+    state.setdefault("embed_tokens.weight", target.model.embed_tokens.weight.detach())
+    if detected == "eagle" or "lm_head.weight" not in state:
+        state["lm_head.weight"] = target.lm_head.weight.detach()
+        if detected == "eagle3":
+            state["d2t"] = torch.zeros(vocab, dtype=torch.int64)
+    expected = head.state_dict()
+    missing = sorted(expected.keys() - state.keys())
+    unexpected = sorted(state.keys() - expected.keys())
+    if missing or unexpected:
+        raise CheckpointError(f"{src}: tensors do not match an {detected} head "
+                              f"(missing {missing[:6]}, unexpected {unexpected[:6]})")
+    for name, tensor in state.items():
+        if tuple(tensor.shape) != tuple(expected[name].shape):
+            raise CheckpointError(f"{src}: tensor {name} has shape {tuple(tensor.shape)}, "
+                                  f"expected {tuple(expected[name].shape)} from config.json")
+    d2t = state["d2t"] if detected == "eagle3" else None
+    if d2t is not None:
+        ids = d2t + torch.arange(d2t.numel())
+        if d2t.numel() and (ids.min() < 0 or ids.max() >= vocab):
+            raise CheckpointError(f"{src}: d2t maps draft ids outside the target vocabulary 0..{vocab - 1}")
+    head.load_state_dict({k: v.to(expected[k].dtype) if k != "d2t" else v for k, v in state.items()})
+    head.rotary.inv_freq = spec.rope.inv_freq()
+    head = head.to(device=device)
+    for p in head.parameters():
+        p.data = p.data.to(dtype)
+    return head.eval()
+
+
+def save_head(head: DraftHead, directory: str | Path, num_target_layers: int) -> None:
+    """Writes `head` in its public format: config.json + model.safetensors, without the
+    tensors taken from the target (embeddings; EAGLE-1 lm_head). EAGLE-3 uses the official
+    `midlayer.` names, bf16 weights, int64 `d2t` and bool `t2d`; EAGLE-1 uses `layers.0.`."""
+    import json
+
+    from safetensors.torch import save_file
+
+    spec = head.spec
+    directory = Path(directory)
+    directory.mkdir(parents=True, exist_ok=True)
+    prefix = "midlayer." if spec.kind == "eagle3" else "layers.0."
+    tensors: dict[str, torch.Tensor] = {}
+    for name, tensor in head.state_dict().items():
+        if name == "embed_tokens.weight" or (spec.kind == "eagle" and name == "lm_head.weight"):
+            continue
+        key = prefix + name[len("layer."):] if name.startswith("layer.") else name
+        tensors[key] = tensor.detach().to("cpu").contiguous()
+        if tensor.is_floating_point():
+            tensors[key] = tensors[key].to(torch.bfloat16)
+    if spec.kind == "eagle3":
+        used = head.d2t.cpu() + torch.arange(spec.draft_vocab_size)
+        t2d = torch.zeros(spec.vocab_size, dtype=torch.bool)
+        t2d[used] = True
+        tensors["t2d"] = t2d
+    save_file(tensors, str(directory / "model.safetensors"))
+    cfg = {
+        "architectures": ["LlamaForCausalLMEagle3" if spec.kind == "eagle3" else "LlamaForCausalLMEagle"],
+        "model_type": "llama",
+        "hidden_size": spec.hidden_size,
+        "intermediate_size": spec.intermediate_size,
+        "num_attention_heads": spec.num_heads,
+        "num_key_value_heads": spec.num_kv_heads,
+        "head_dim": spec.head_dim,
+        "num_hidden_layers": 1,
+        "rms_norm_eps": spec.rms_norm_eps,
+        "rope_theta": spec.rope.theta,
+        "vocab_size": spec.vocab_size,
+        "bias": spec.fc_bias,
+        "torch_dtype": "bfloat16",
+        "tie_word_embeddings": False,
+    }
+    if spec.kind == "eagle3":
+        cfg["draft_vocab_size"] = spec.draft_vocab_size
+        cfg["target_hidden_size"] = spec.target_hidden_size
+        cfg["eagle_aux_hidden_state_layer_ids"] = list(spec.aux_layers)
+    (directory / "config.json").write_text(json.dumps(cfg, indent=2) + "\n")

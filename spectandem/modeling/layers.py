@@ -1,0 +1,132 @@
+"""Building blocks shared by the target model and the draft heads: RMSNorm, rotary
+embeddings, gated MLP and masked attention over an explicit KV cache.
+
+Numerics follow HuggingFace's Llama implementation (fp32 RMSNorm statistics, fp32 rotary
+tables, softmax in fp32), so that greedy tokens match transformers' own `generate`.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, dim: int, eps: float):
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(dim))
+        self.eps = eps
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        dtype = x.dtype
+        x32 = x.float()
+        x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.weight * x32.to(dtype)
+
+
+class GatedMLP(nn.Module):
+    def __init__(self, hidden: int, intermediate: int, bias: bool = False):
+        super().__init__()
+        self.gate_proj = nn.Linear(hidden, intermediate, bias=bias)
+        self.up_proj = nn.Linear(hidden, intermediate, bias=bias)
+        self.down_proj = nn.Linear(intermediate, hidden, bias=bias)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+
+
+@dataclass(frozen=True)
+class RopeSpec:
+    """Rotary embedding parameters as read from a HuggingFace config."""
+
+    head_dim: int
+    theta: float = 10000.0
+    kind: str = "default"            # default | linear | llama3
+    factor: float = 1.0
+    low_freq_factor: float = 1.0      # llama3 only
+    high_freq_factor: float = 4.0     # llama3 only
+    original_max_position: int = 8192  # llama3 only
+
+    @staticmethod
+    def from_config(cfg: dict, head_dim: int, source: str = "config.json") -> "RopeSpec":
+        # transformers >= 5 writes `rope_parameters`; older files `rope_theta` + `rope_scaling`.
+        params = dict(cfg.get("rope_parameters") or {})
+        scaling = cfg.get("rope_scaling") or {}
+        theta = float(params.get("rope_theta", cfg.get("rope_theta", 10000.0)))
+        merged = {**scaling, **params}
+        kind = merged.get("rope_type", merged.get("type", "default")) or "default"
+        if kind == "default":
+            return RopeSpec(head_dim=head_dim, theta=theta)
+        if kind == "linear":
+            return RopeSpec(head_dim=head_dim, theta=theta, kind="linear", factor=float(merged["factor"]))
+        if kind == "llama3":
+            return RopeSpec(
+                head_dim=head_dim, theta=theta, kind="llama3", factor=float(merged["factor"]),
+                low_freq_factor=float(merged.get("low_freq_factor", 1.0)),
+                high_freq_factor=float(merged.get("high_freq_factor", 4.0)),
+                original_max_position=int(merged.get("original_max_position_embeddings", 8192)),
+            )
+        raise ValueError(f"{source}: rope scaling type {kind!r} is not supported "
+                         "(supported: default, linear, llama3)")
+
+    def inv_freq(self) -> torch.Tensor:
+        """[head_dim // 2] float32 inverse frequencies, as transformers computes them."""
+        inv = 1.0 / (self.theta ** (torch.arange(0, self.head_dim, 2, dtype=torch.int64).float() / self.head_dim))
+        if self.kind == "linear":
+            return inv / self.factor
+        if self.kind == "llama3":
+            low_wavelen = self.original_max_position / self.low_freq_factor
+            high_wavelen = self.original_max_position / self.high_freq_factor
+            wavelen = 2 * math.pi / inv
+            scaled = torch.where(wavelen > low_wavelen, inv / self.factor, inv)
+            smooth = (self.original_max_position / wavelen - self.low_freq_factor) / (
+                self.high_freq_factor - self.low_freq_factor)
+            smoothed = (1 - smooth) * scaled / self.factor + smooth * scaled
+            medium = (wavelen >= high_wavelen) & (wavelen <= low_wavelen)
+            return torch.where(medium, smoothed, scaled)
+        return inv
+
+
+class Rotary(nn.Module):
+    def __init__(self, spec: RopeSpec):
+        super().__init__()
+        self.register_buffer("inv_freq", spec.inv_freq(), persistent=False)
+
+    def cos_sin(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        """positions [B, T] int64 -> cos, sin [B, T, head_dim]."""
+        freqs = positions[..., None].float() * self.inv_freq.float()  # [B, T, hd/2]
+        emb = torch.cat((freqs, freqs), dim=-1)
+        return emb.cos().to(dtype), emb.sin().to(dtype)
+
+
+def _rotate_half(x: torch.Tensor) -> torch.Tensor:
+    half = x.shape[-1] // 2
+    return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+
+
+def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """x [B, heads, T, hd]; cos/sin [B, T, hd]."""
+    return x * cos[:, None] + _rotate_half(x) * sin[:, None]
+
+
+def masked_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor,
+                     scale: float) -> torch.Tensor:
+    """Grouped-query attention with an explicit boolean mask.
+
+    q [B, nh, T, hd]; k, v [B, nkv, S, hd]; mask [B, T, S] bool (True = may attend).
+    Returns [B, T, nh * hd]. A row whose mask is all False yields finite garbage (callers
+    only do that for padding rows, whose outputs they never read).
+    """
+    nh, nkv = q.shape[1], k.shape[1]
+    if nh != nkv:
+        k = k.repeat_interleave(nh // nkv, dim=1)
+        v = v.repeat_interleave(nh // nkv, dim=1)
+    scores = torch.matmul(q, k.transpose(2, 3)) * scale  # [B, nh, T, S]
+    scores = scores.masked_fill(~mask[:, None], torch.finfo(scores.dtype).min)
+    probs = torch.softmax(scores, dim=-1, dtype=torch.float32).to(q.dtype)
+    out = torch.matmul(probs, v)  # [B, nh, T, hd]
+    return out.transpose(1, 2).reshape(q.shape[0], q.shape[2], -1)

@@ -1,0 +1,192 @@
+"""Native Llama-family decoder (Llama, Qwen2, Qwen3, Mistral) over an explicit KV cache.
+
+The model has no mode flags: prefill, one-token decode and tree verification are the same
+forward over a different number of positions with a mask built by the caller. Parameter
+names equal HuggingFace's, so checkpoints load with `load_state_dict`.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+from spectandem.kv_cache import CacheBatch
+from spectandem.modeling.layers import GatedMLP, RMSNorm, RopeSpec, Rotary, apply_rotary, masked_attention
+
+NATIVE_ARCHITECTURES = ("LlamaForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM", "MistralForCausalLM")
+
+
+@dataclass(frozen=True)
+class LlamaSpec:
+    """Shapes and options of a Llama-family model, read from config.json."""
+
+    architecture: str
+    vocab_size: int
+    hidden_size: int
+    intermediate_size: int
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    rms_norm_eps: float
+    rope: RopeSpec
+    max_position_embeddings: int
+    tie_word_embeddings: bool
+    qkv_bias: bool
+    mlp_bias: bool
+    qk_norm: bool
+    eos_token_ids: tuple[int, ...]
+
+    @staticmethod
+    def from_config(cfg: dict, source: str = "config.json") -> "LlamaSpec":
+        archs = cfg.get("architectures") or []
+        arch = archs[0] if archs else ""
+        if arch not in NATIVE_ARCHITECTURES:
+            raise ValueError(f"{source}: architecture {arch!r} has no native implementation "
+                             f"(native: {', '.join(NATIVE_ARCHITECTURES)})")
+        try:
+            hidden = int(cfg["hidden_size"])
+            heads = int(cfg["num_attention_heads"])
+            head_dim = int(cfg.get("head_dim") or hidden // heads)
+            eos = cfg.get("eos_token_id")
+            eos_ids = tuple(eos) if isinstance(eos, list) else (() if eos is None else (int(eos),))
+            return LlamaSpec(
+                architecture=arch,
+                vocab_size=int(cfg["vocab_size"]),
+                hidden_size=hidden,
+                intermediate_size=int(cfg["intermediate_size"]),
+                num_layers=int(cfg["num_hidden_layers"]),
+                num_heads=heads,
+                num_kv_heads=int(cfg.get("num_key_value_heads") or heads),
+                head_dim=head_dim,
+                rms_norm_eps=float(cfg.get("rms_norm_eps", 1e-6)),
+                rope=RopeSpec.from_config(cfg, head_dim, source),
+                max_position_embeddings=int(cfg.get("max_position_embeddings", 2048)),
+                tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
+                # Qwen2 always has q/k/v biases; the others say so with attention_bias.
+                qkv_bias=arch == "Qwen2ForCausalLM" or bool(cfg.get("attention_bias", False)),
+                mlp_bias=bool(cfg.get("mlp_bias", False)),
+                qk_norm=arch == "Qwen3ForCausalLM",
+                eos_token_ids=eos_ids,
+            )
+        except KeyError as exc:
+            raise ValueError(f"{source}: missing field {exc.args[0]!r}") from None
+
+
+class Attention(nn.Module):
+    def __init__(self, spec: LlamaSpec):
+        super().__init__()
+        hd = spec.head_dim
+        self.num_heads, self.num_kv_heads, self.head_dim = spec.num_heads, spec.num_kv_heads, hd
+        self.q_proj = nn.Linear(spec.hidden_size, spec.num_heads * hd, bias=spec.qkv_bias)
+        self.k_proj = nn.Linear(spec.hidden_size, spec.num_kv_heads * hd, bias=spec.qkv_bias)
+        self.v_proj = nn.Linear(spec.hidden_size, spec.num_kv_heads * hd, bias=spec.qkv_bias)
+        self.o_proj = nn.Linear(spec.num_heads * hd, spec.hidden_size, bias=False)
+        if spec.qk_norm:
+            self.q_norm = RMSNorm(hd, spec.rms_norm_eps)
+            self.k_norm = RMSNorm(hd, spec.rms_norm_eps)
+        else:
+            self.q_norm = self.k_norm = None
+
+    def forward(self, x, cos, sin, cache: CacheBatch, layer: int, mask):
+        b, t, _ = x.shape
+        q = self.q_proj(x).view(b, t, self.num_heads, self.head_dim)
+        k = self.k_proj(x).view(b, t, self.num_kv_heads, self.head_dim)
+        v = self.v_proj(x).view(b, t, self.num_kv_heads, self.head_dim)
+        if self.q_norm is not None:
+            q, k = self.q_norm(q), self.k_norm(k)
+        q = apply_rotary(q.transpose(1, 2), cos, sin)
+        k = apply_rotary(k.transpose(1, 2), cos, sin)
+        k_all, v_all = cache.update(layer, k, v.transpose(1, 2))
+        out = masked_attention(q, k_all, v_all, mask, self.head_dim ** -0.5)
+        return self.o_proj(out)
+
+
+class DecoderLayer(nn.Module):
+    def __init__(self, spec: LlamaSpec):
+        super().__init__()
+        self.self_attn = Attention(spec)
+        self.mlp = GatedMLP(spec.hidden_size, spec.intermediate_size, spec.mlp_bias)
+        self.input_layernorm = RMSNorm(spec.hidden_size, spec.rms_norm_eps)
+        self.post_attention_layernorm = RMSNorm(spec.hidden_size, spec.rms_norm_eps)
+
+    def forward(self, x, cos, sin, cache, layer, mask):
+        x = x + self.self_attn(self.input_layernorm(x), cos, sin, cache, layer, mask)
+        return x + self.mlp(self.post_attention_layernorm(x))
+
+
+class LlamaBody(nn.Module):
+    def __init__(self, spec: LlamaSpec):
+        super().__init__()
+        self.embed_tokens = nn.Embedding(spec.vocab_size, spec.hidden_size)
+        self.layers = nn.ModuleList(DecoderLayer(spec) for _ in range(spec.num_layers))
+        self.norm = RMSNorm(spec.hidden_size, spec.rms_norm_eps)
+        self.rotary_emb = Rotary(spec.rope)
+
+
+class LlamaModel(nn.Module):
+    """`forward` returns the final-normed hidden states and, when asked, the residual
+    stream at the requested HuggingFace hidden-state indices (k = 0: embeddings, k = i + 1:
+    after decoder layer i), concatenated in the order given."""
+
+    def __init__(self, spec: LlamaSpec):
+        super().__init__()
+        self.spec = spec
+        self.model = LlamaBody(spec)
+        self.lm_head = nn.Linear(spec.hidden_size, spec.vocab_size, bias=False)
+        if spec.tie_word_embeddings:
+            self.lm_head.weight = self.model.embed_tokens.weight
+
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, cache: CacheBatch,
+                mask: torch.Tensor, capture: tuple[int, ...] = ()) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """input_ids, positions [B, T] int64; mask [B, T, cache.span] bool.
+
+        Returns (hidden [B, T, H] after the final norm, aux [B, T, len(capture) * H] or None).
+        """
+        x = self.model.embed_tokens(input_ids)
+        cos, sin = self.model.rotary_emb.cos_sin(positions, x.dtype)
+        captured: dict[int, torch.Tensor] = {}
+        if 0 in capture:
+            captured[0] = x
+        for i, layer in enumerate(self.model.layers):
+            x = layer(x, cos, sin, cache, i, mask)
+            if i + 1 in capture:
+                captured[i + 1] = x
+        aux = torch.cat([captured[k] for k in capture], dim=-1) if capture else None
+        return self.model.norm(x), aux
+
+    def logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """hidden [..., H] -> logits [..., V] (float32)."""
+        return self.lm_head(hidden).float()
+
+
+def load_llama(directory, dtype: torch.dtype = torch.float32, device: str | torch.device = "cpu") -> LlamaModel:
+    """Loads a Llama-family checkpoint directory into the native model."""
+    from spectandem.checkpoint import CheckpointError, load_weights, read_config
+
+    spec = LlamaSpec.from_config(read_config(directory), f"{directory}/config.json")
+    state = load_weights(directory)
+    state = {k: v for k, v in state.items() if "rotary_emb" not in k}
+    if spec.tie_word_embeddings:
+        state.pop("lm_head.weight", None)
+    with torch.device("meta"):
+        model = LlamaModel(spec)
+    model = model.to_empty(device=device)
+    expected = {k for k in model.state_dict() if not (spec.tie_word_embeddings and k == "lm_head.weight")}
+    missing = sorted(expected - state.keys())
+    unexpected = sorted(state.keys() - expected)
+    if missing or unexpected:
+        raise CheckpointError(f"{directory}: weights do not match {spec.architecture} "
+                              f"(missing {missing[:5]}, unexpected {unexpected[:5]})")
+    for name, tensor in state.items():
+        shape = tuple(model.state_dict()[name].shape)
+        if tuple(tensor.shape) != shape:
+            raise CheckpointError(f"{directory}: tensor {name} has shape {tuple(tensor.shape)}, "
+                                  f"config.json implies {shape}")
+    model.load_state_dict(state, strict=False, assign=False)
+    model.model.rotary_emb.inv_freq = spec.rope.inv_freq().to(device)
+    if spec.tie_word_embeddings:
+        model.lm_head.weight = model.model.embed_tokens.weight
+    return model.to(dtype).eval()
