@@ -14,6 +14,7 @@ Accepted (../shared/reference/formats.md):
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -22,6 +23,29 @@ from drafter.heads import HEAD_CLASSES, DraftHead, HeadSpec
 from spectandem.checkpoint import CheckpointError, load_weights, read_config
 from spectandem.modeling.layers import RopeSpec
 from spectandem.modeling.llama import LlamaModel
+
+@dataclass(frozen=True)
+class TargetTensors:
+    """What a head needs of its target: shapes, and the weights it may share."""
+
+    vocab_size: int
+    hidden_size: int
+    num_layers: int
+    embed_tokens: torch.Tensor   # [V, Ht]
+    lm_head: torch.Tensor        # [V, Ht]
+
+    @staticmethod
+    def of(model) -> "TargetTensors":
+        """From the native LlamaModel or any transformers causal LM."""
+        if isinstance(model, LlamaModel):
+            s = model.spec
+            return TargetTensors(s.vocab_size, s.hidden_size, s.num_layers,
+                                 model.model.embed_tokens.weight.detach(), model.lm_head.weight.detach())
+        cfg = model.config
+        return TargetTensors(int(cfg.vocab_size), int(cfg.hidden_size), int(cfg.num_hidden_layers),
+                             model.get_input_embeddings().weight.detach(),
+                             model.get_output_embeddings().weight.detach())
+
 
 _LAYER_PREFIXES = ("model.midlayer.", "model.layers.0.", "midlayer.", "layers.0.")
 _IGNORED = ("t2d",)
@@ -70,10 +94,12 @@ def aux_layers_from_config(cfg: dict, num_target_layers: int) -> tuple[int, ...]
     return tuple(sorted(ids))
 
 
-def load_head(directory: str | Path, target: LlamaModel, kind: str | None = None,
+def load_head(directory: str | Path, target: "TargetTensors | LlamaModel", kind: str | None = None,
               dtype: torch.dtype = torch.float32, device: str | torch.device = "cpu") -> DraftHead:
     """Loads a draft head for `target`. `kind` is "eagle" or "eagle3" (None: from the weights)."""
     directory = Path(directory)
+    if not isinstance(target, TargetTensors):
+        target = TargetTensors.of(target)
     cfg = read_config(directory)
     src = str(directory)
     raw = load_weights(directory)
@@ -86,7 +112,7 @@ def load_head(directory: str | Path, target: LlamaModel, kind: str | None = None
     detected = detect_kind(state, hidden)
     if kind is not None and kind != detected:
         raise CheckpointError(f"{src}: asked for an {kind} head but the weights are {detected}")
-    tspec = target.spec
+    tspec = target
     vocab = int(cfg.get("vocab_size", tspec.vocab_size))
     if vocab != tspec.vocab_size:
         raise CheckpointError(f"{directory / 'config.json'}: vocab_size {vocab} does not match "
@@ -121,9 +147,9 @@ def load_head(directory: str | Path, target: LlamaModel, kind: str | None = None
     )
     head = HEAD_CLASSES[detected](spec)
     # Weights taken from the target where the format says so.
-    state.setdefault("embed_tokens.weight", target.model.embed_tokens.weight.detach())
+    state.setdefault("embed_tokens.weight", target.embed_tokens)
     if detected == "eagle" or "lm_head.weight" not in state:
-        state["lm_head.weight"] = target.lm_head.weight.detach()
+        state["lm_head.weight"] = target.lm_head
         if detected == "eagle3":
             state["d2t"] = torch.zeros(vocab, dtype=torch.int64)
     expected = head.state_dict()

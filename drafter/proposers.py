@@ -1,0 +1,299 @@
+"""Proposers: the small interface every draft method implements, and the registry.
+
+A proposer keeps per-request state (its own KV cache slot, the last catch-up output) and
+offers three calls, in this order per request: `catch_up` (absorb newly committed tokens, with
+target features where the method reads them), `propose` (a DraftTree for the next round),
+`remove`. `DrafterEngine` (drafter/engine.py) does the bookkeeping around them.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Protocol
+
+import torch
+
+from drafter.heads import DraftHead
+from drafter.tree import TreeDraft, expand_topk, sample_chains
+from spectandem.config import SamplingParams, SpecConfig
+from spectandem.kv_cache import KVCache
+from spectandem.modeling.llama import LlamaModel
+
+
+@dataclass
+class DraftRequest:
+    """The drafter's view of one request."""
+
+    request_id: str
+    token_ids: list[int]          # committed tokens (prompt + generated)
+    params: SamplingParams
+    seed: int
+    sample_drafts: bool           # drafts are sampled from q (else deterministic top-k)
+
+    @property
+    def committed_len(self) -> int:
+        return len(self.token_ids)
+
+
+class Proposer(Protocol):
+    # What the verifier must send back per position: None (nothing), "final" (last hidden
+    # state after the final norm) or a tuple of HuggingFace hidden-state indices.
+    feature_layers: None | str | tuple[int, ...]
+
+    def catch_up(self, reqs: list[DraftRequest], num_new: list[int], features: list[torch.Tensor | None]) -> None:
+        """Absorb each request's `num_new` newest committed tokens (features [num_new, F])."""
+
+    def propose(self, reqs: list[DraftRequest]) -> TreeDraft:
+        """Draft nodes for each request (root excluded)."""
+
+    def remove(self, request_id: str) -> None:
+        ...
+
+
+class _Slots:
+    """Slot allocation for a proposer's KV cache."""
+
+    def __init__(self, num_slots: int):
+        self.free = list(range(num_slots - 1, -1, -1))
+        self.of: dict[str, int] = {}
+
+    def get(self, request_id: str) -> int:
+        if request_id not in self.of:
+            if not self.free:
+                raise RuntimeError(f"drafter KV cache is full ({len(self.of)} requests)")
+            self.of[request_id] = self.free.pop()
+        return self.of[request_id]
+
+    def release(self, request_id: str) -> int | None:
+        slot = self.of.pop(request_id, None)
+        if slot is not None:
+            self.free.append(slot)
+        return slot
+
+
+def _pad(rows: list[torch.Tensor], fill) -> torch.Tensor:
+    """Right-pads 1-D or 2-D tensors along dim 0 into [B, max_len, ...]."""
+    n = max(r.shape[0] for r in rows)
+    out = rows[0].new_full((len(rows), n, *rows[0].shape[1:]), fill)
+    for i, r in enumerate(rows):
+        out[i, : r.shape[0]] = r
+    return out
+
+
+class _ScratchTree:
+    """Index arithmetic of tree steps over a KV cache whose first `base[b]` entries are real.
+
+    Step i (1-based) writes branch j at cache index base + (i-1)*k + j, RoPE position
+    base + i - 1 + pos_offset; branch j may attend to every real entry and to the scratch
+    entries `visible[b, j]` marks.
+    """
+
+    def __init__(self, cache: KVCache, slots: torch.Tensor, base: torch.Tensor, k: int, pos_offset: int):
+        self.cache, self.slots, self.base, self.k, self.pos_offset = cache, slots, base, k, pos_offset
+
+    def batch(self, step: int, visible: torch.Tensor):
+        b, k = self.base.shape[0], self.k
+        dev = self.base.device
+        write = self.base[:, None] + (step - 1) * k + torch.arange(k, device=dev)        # [B, k]
+        positions = (self.base[:, None] + step - 1 + self.pos_offset).expand(b, k)       # [B, k]
+        span = int(self.base.max()) + step * k
+        cols = torch.arange(span, device=dev)
+        mask = (cols[None, None, :] < self.base[:, None, None]).expand(b, k, span).clone()
+        rel = cols[None, :] - self.base[:, None]                                           # [B, span]
+        in_scratch = (rel >= 0) & (rel < step * k)
+        vis = visible.gather(2, rel.clamp(0, step * k - 1)[:, None, :].expand(b, k, span))
+        mask |= vis & in_scratch[:, None, :]
+        return self.cache.batch(self.slots, write, span), positions, mask
+
+
+class EagleProposer:
+    """EAGLE-1/2 and EAGLE-3 heads. Per request: a head KV slot holding one entry per pair
+    (feature p, token p + 1) absorbed so far, i.e. committed_len - 1 entries, and the last
+    catch-up row's output hidden and logits."""
+
+    def __init__(self, head: DraftHead, cfg: SpecConfig, max_slots: int, max_len: int):
+        self.head, self.cfg = head, cfg
+        self.feature_layers = head.spec.aux_layers if head.spec.kind == "eagle3" else "final"
+        s = head.spec
+        self.dtype = next(head.parameters()).dtype
+        self.device = next(head.parameters()).device
+        self.cache = KVCache(1, max_slots, s.num_kv_heads, max_len, s.head_dim, self.dtype, self.device)
+        self.slots = _Slots(max_slots)
+        self.cache_len: dict[str, int] = {}
+        self.last_hidden: dict[str, torch.Tensor] = {}   # [H]
+        self.last_logits: dict[str, torch.Tensor] = {}   # [Vd]
+
+    @torch.no_grad()
+    def catch_up(self, reqs, num_new, features):
+        """Writes K/V for every new pair but computes the layer's attention output, o-proj,
+        MLP and norms only for each request's last new pair (the only row whose logits are
+        sampled). Exact because the head has one layer: K/V depend only on each row's input."""
+        head = self.head
+        slots = torch.tensor([self.slots.get(r.request_id) for r in reqs], device=self.device)
+        base = [self.cache_len.get(r.request_id, 0) for r in reqs]
+        for r, n, b0 in zip(reqs, num_new, base):
+            assert n >= 1 and b0 + n == r.committed_len - 1, (r.request_id, b0, n, r.committed_len)
+        toks = _pad([torch.tensor(r.token_ids[r.committed_len - n:], device=self.device)
+                     for r, n in zip(reqs, num_new)], 0)                                   # [B, T]
+        feats = _pad([f.to(self.device, self.dtype) for f in features], 0.0)               # [B, T, F]
+        t = toks.shape[1]
+        ar = torch.arange(t, device=self.device)
+        base_t = torch.tensor(base, device=self.device)
+        n_t = torch.tensor(num_new, device=self.device)
+        positions = base_t[:, None] + ar                                                   # [B, T]
+        write = torch.where(ar < n_t[:, None], positions, self.cache.trash_index)
+        span = int((base_t + n_t).max())
+        last = (n_t - 1)[:, None]                                                          # [B, 1]
+        mask = (torch.arange(span, device=self.device)[None, None, :] < (base_t + n_t)[:, None, None])
+        out = head.run(toks, head.project(feats), positions, self.cache.batch(slots, write, span), mask, last)
+        logits = head.logits(out)                                                          # [B, 1, Vd]
+        for i, r in enumerate(reqs):
+            self.cache_len[r.request_id] = base[i] + num_new[i]
+            self.last_hidden[r.request_id] = out[i, 0]
+            self.last_logits[r.request_id] = logits[i, 0]
+
+    @torch.no_grad()
+    def propose(self, reqs):
+        ids = [r.request_id for r in reqs]
+        slots = torch.tensor([self.slots.of[i] for i in ids], device=self.device)
+        base = torch.tensor([self.cache_len[i] for i in ids], device=self.device)
+        first = torch.stack([self.last_logits[i] for i in ids])                           # [B, Vd]
+        hidden0 = torch.stack([self.last_hidden[i] for i in ids])[:, None]                # [B, 1, H]
+        k = self.cfg.topk
+        scratch = _ScratchTree(self.cache, slots, base, k, pos_offset=0)
+        prev = {"out": hidden0}
+
+        def step(i, token_ids, parent_rows, visible):
+            cache, positions, mask = scratch.batch(i, visible)
+            parent_h = prev["out"].gather(1, parent_rows[..., None].expand(-1, -1, hidden0.shape[-1]))
+            rows = torch.arange(k, device=self.device).expand(len(ids), k)
+            out = self.head.run(token_ids, parent_h, positions, cache, mask, rows)        # [B, k, H]
+            prev["out"] = out
+            return self.head.logits(out)
+
+        return _draft(reqs, first, step, self.head.draft_to_target, self.cfg, self.head.spec.vocab_size)
+
+    def remove(self, request_id):
+        self.slots.release(request_id)
+        for d in (self.cache_len, self.last_hidden, self.last_logits):
+            d.pop(request_id, None)
+
+
+class DraftModelProposer:
+    """A separate small causal LM ("draft-model"). Its cache holds every committed token
+    (committed_len entries); tree steps feed draft tokens at their own positions."""
+
+    feature_layers = None
+
+    def __init__(self, model: LlamaModel, cfg: SpecConfig, max_slots: int, max_len: int):
+        self.model, self.cfg = model, cfg
+        s = model.spec
+        self.device = next(model.parameters()).device
+        dtype = next(model.parameters()).dtype
+        self.cache = KVCache(s.num_layers, max_slots, s.num_kv_heads, max_len, s.head_dim, dtype, self.device)
+        self.slots = _Slots(max_slots)
+        self.cache_len: dict[str, int] = {}
+        self.last_logits: dict[str, torch.Tensor] = {}
+
+    @torch.no_grad()
+    def catch_up(self, reqs, num_new, features):
+        slots = torch.tensor([self.slots.get(r.request_id) for r in reqs], device=self.device)
+        base = [self.cache_len.get(r.request_id, 0) for r in reqs]
+        # The LM reads tokens, not pairs: it absorbs everything committed after its cache.
+        new = [r.committed_len - b0 for r, b0 in zip(reqs, base)]
+        toks = _pad([torch.tensor(r.token_ids[b0:], device=self.device) for r, b0 in zip(reqs, base)], 0)
+        t = toks.shape[1]
+        ar = torch.arange(t, device=self.device)
+        base_t = torch.tensor(base, device=self.device)
+        n_t = torch.tensor(new, device=self.device)
+        positions = base_t[:, None] + ar
+        write = torch.where(ar < n_t[:, None], positions, self.cache.trash_index)
+        span = int((base_t + n_t).max())
+        cols = torch.arange(span, device=self.device)
+        mask = (cols[None, None, :] <= positions[:, :, None]) & (ar < n_t[:, None])[:, :, None]
+        mask[:, :, 0] |= True  # padding rows attend somewhere; their outputs are never read
+        hidden, _ = self.model(toks, positions, self.cache.batch(slots, write, span), mask)
+        last = hidden.gather(1, (n_t - 1)[:, None, None].expand(-1, 1, hidden.shape[-1]))
+        logits = self.model.logits(last)[:, 0]
+        for i, r in enumerate(reqs):
+            self.cache_len[r.request_id] = r.committed_len
+            self.last_logits[r.request_id] = logits[i]
+
+    @torch.no_grad()
+    def propose(self, reqs):
+        ids = [r.request_id for r in reqs]
+        slots = torch.tensor([self.slots.of[i] for i in ids], device=self.device)
+        base = torch.tensor([self.cache_len[i] for i in ids], device=self.device)
+        first = torch.stack([self.last_logits[i] for i in ids])
+        # Step i feeds depth-i tokens, at position committed_len - 1 + i = base + i - 1.
+        scratch = _ScratchTree(self.cache, slots, base, self.cfg.topk, pos_offset=0)
+
+        def step(i, token_ids, parent_rows, visible):
+            cache, positions, mask = scratch.batch(i, visible)
+            hidden, _ = self.model(token_ids, positions, cache, mask)
+            return self.model.logits(hidden)
+
+        return _draft(reqs, first, step, lambda t: t, self.cfg, self.model.spec.vocab_size)
+
+    def remove(self, request_id):
+        self.slots.release(request_id)
+        self.cache_len.pop(request_id, None)
+        self.last_logits.pop(request_id, None)
+
+
+class NgramProposer:
+    """Prompt lookup: the longest suffix n-gram (ngram_max down to ngram_min) that occurred
+    earlier in the request's tokens proposes the tokens that followed its latest earlier
+    occurrence, as a chain of up to min(num_steps, num_draft_tokens - 1) deterministic drafts."""
+
+    feature_layers = None
+
+    def __init__(self, cfg: SpecConfig):
+        self.cfg = cfg
+
+    def catch_up(self, reqs, num_new, features):
+        return None
+
+    def _lookup(self, tokens: list[int]) -> list[int]:
+        want = min(self.cfg.num_steps, self.cfg.num_draft_tokens - 1)
+        for n in range(min(self.cfg.ngram_max, len(tokens) - 1), self.cfg.ngram_min - 1, -1):
+            suffix = tokens[-n:]
+            for start in range(len(tokens) - n - 1, -1, -1):
+                if tokens[start:start + n] == suffix:
+                    return tokens[start + n: start + n + want]
+        return []
+
+    def propose(self, reqs):
+        chains = [self._lookup(r.token_ids) for r in reqs]
+        m = max(1, max(len(c) for c in chains))
+        tok = torch.full((len(reqs), m), -1, dtype=torch.long)
+        parents = torch.arange(m).expand(len(reqs), m).clone()          # node j+1's parent is node j
+        scores = torch.full((len(reqs), m), float("-inf"))
+        for i, c in enumerate(chains):
+            tok[i, : len(c)] = torch.tensor(c, dtype=torch.long)
+            scores[i, : len(c)] = 0.0
+        return TreeDraft(token_ids=tok, parents=parents, scores=scores)
+
+    def remove(self, request_id):
+        return None
+
+
+def _draft(reqs: list[DraftRequest], first: torch.Tensor, step, to_target, cfg: SpecConfig,
+           vocab_size: int) -> TreeDraft:
+    """Deterministic top-k trees (argmax chains when topk == 1), or sampled chains whose
+    draft probabilities are returned over the target vocabulary [B, M + 1, vocab_size]."""
+    sampled = {r.sample_drafts for r in reqs}
+    assert len(sampled) == 1, "the drafter engine drafts sampled and deterministic requests in separate calls"
+    if not sampled.pop():
+        return expand_topk(first, step, to_target, cfg.num_steps, cfg.topk, cfg.num_draft_tokens, argmax=True)
+    tree = sample_chains(first, step, to_target, cfg.num_steps, cfg.topk, cfg.num_draft_tokens,
+                         [r.params.temperature for r in reqs], [r.params.top_k for r in reqs],
+                         [r.params.top_p for r in reqs], [r.seed for r in reqs],
+                         [r.committed_len for r in reqs])
+    probs = tree.node_probs                                                   # [B, M + 1, Vd]
+    if probs.shape[-1] != vocab_size or not torch.equal(to_target(torch.arange(probs.shape[-1])),
+                                                        torch.arange(probs.shape[-1])):
+        full = probs.new_zeros(*probs.shape[:2], vocab_size)
+        full[..., to_target(torch.arange(probs.shape[-1], device=probs.device))] = probs
+        tree.node_probs = full
+    return tree

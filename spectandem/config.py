@@ -1,0 +1,89 @@
+"""Configuration: frozen, keyword-only dataclasses validated once, at construction."""
+
+from __future__ import annotations
+
+import math
+import os
+from dataclasses import dataclass
+
+METHODS = ("eagle", "eagle3", "draft-model", "ngram", "none")
+
+
+@dataclass(frozen=True, kw_only=True)
+class SpecConfig:
+    """How drafts are made. `num_steps`, `topk`, `num_draft_tokens` have SGLang's meaning:
+    tree depth, children expanded per node, and verified tokens per request per round
+    including the root (so at most `num_draft_tokens - 1` draft nodes)."""
+
+    method: str = "eagle3"
+    num_steps: int = 4
+    topk: int = 1
+    num_draft_tokens: int = 5
+    # Requests sampled below this temperature use deterministic drafts verified without
+    # draft probabilities (target-only tree sampling); at or above it, drafts are sampled
+    # and verified with their probabilities q by rejection sampling.
+    draft_sampling_min_temperature: float = 0.5
+    fused: bool = False              # one draft token per round, verify + extend in one step
+    ngram_max: int = 4               # prompt-lookup n-gram sizes tried, longest first
+    ngram_min: int = 1
+
+    def __post_init__(self):
+        if self.method not in METHODS:
+            raise ValueError(f"method must be one of {', '.join(METHODS)}; got {self.method!r}")
+        if self.num_steps < 1:
+            raise ValueError(f"num_steps must be >= 1, got {self.num_steps}")
+        if self.topk < 1:
+            raise ValueError(f"topk must be >= 1, got {self.topk}")
+        if self.num_draft_tokens < 2:
+            raise ValueError(f"num_draft_tokens must be >= 2 (the root plus one draft), got {self.num_draft_tokens}")
+        if self.fused and (self.num_draft_tokens != 2 or self.method not in ("eagle", "eagle3")):
+            raise ValueError("fused mode needs an EAGLE method and num_draft_tokens == 2, got "
+                             f"method={self.method!r}, num_draft_tokens={self.num_draft_tokens}")
+        if not 1 <= self.ngram_min <= self.ngram_max:
+            raise ValueError(f"need 1 <= ngram_min <= ngram_max, got {self.ngram_min}, {self.ngram_max}")
+        if not self.draft_sampling_min_temperature >= 0:
+            raise ValueError(f"draft_sampling_min_temperature must be >= 0, got {self.draft_sampling_min_temperature}")
+
+    @property
+    def max_draft_nodes(self) -> int:
+        """Draft nodes per request per round (the tree without its root)."""
+        if self.method == "none":
+            return 0
+        if self.topk == 1 or self.method == "ngram":
+            return min(self.num_draft_tokens - 1, self.num_steps)
+        return min(self.num_draft_tokens - 1, self.topk + (self.num_steps - 1) * self.topk ** 2)
+
+
+@dataclass(frozen=True, kw_only=True)
+class SamplingParams:
+    """Per-request generation parameters. temperature 0 is greedy."""
+
+    max_tokens: int = 64
+    temperature: float = 0.0
+    top_p: float = 1.0
+    top_k: int = 0
+    seed: int | None = None
+    stop_token_ids: tuple[int, ...] = ()
+    ignore_eos: bool = False
+
+    def __post_init__(self):
+        if isinstance(self.max_tokens, bool) or not isinstance(self.max_tokens, int) or self.max_tokens < 1:
+            raise ValueError(f"max_tokens must be an integer >= 1, got {self.max_tokens!r}")
+        if not (isinstance(self.temperature, (int, float)) and math.isfinite(self.temperature)
+                and self.temperature >= 0):
+            raise ValueError(f"temperature must be a finite number >= 0, got {self.temperature!r}")
+        if not (isinstance(self.top_p, (int, float)) and 0 < self.top_p <= 1):
+            raise ValueError(f"top_p must be in (0, 1], got {self.top_p!r}")
+        if not isinstance(self.top_k, int) or self.top_k < 0:
+            raise ValueError(f"top_k must be an integer >= 0 (0 = off), got {self.top_k!r}")
+        if self.seed is not None and (not isinstance(self.seed, int) or not 0 <= self.seed < 2 ** 63):
+            raise ValueError(f"seed must be an integer in [0, 2**63), got {self.seed!r}")
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0
+
+    def resolved_seed(self) -> int:
+        """The seed to key this request's random numbers with (a fresh one when unset; never
+        the global RNG)."""
+        return self.seed if self.seed is not None else int.from_bytes(os.urandom(8), "little") >> 1

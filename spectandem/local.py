@@ -1,0 +1,55 @@
+"""Both engines in this process: what `spectandem generate` uses without a server address."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+
+from drafter.engine import DrafterEngine, build_proposer
+from spectandem.config import SamplingParams, SpecConfig
+from spectandem.fused import FusedStep
+from spectandem.reference import Completion, generate
+from verifier.engine import VerifierEngine
+from verifier.runner import load_runner
+
+
+class LocalSpeculator:
+    def __init__(self, target_dir: str | Path, draft_dir: str | Path | None, cfg: SpecConfig,
+                 max_slots: int = 8, max_len: int | None = None, dtype: torch.dtype = torch.float32,
+                 device: str = "cpu", force_hf_target: bool = False):
+        from spectandem.checkpoint import load_tokenizer, read_config
+
+        self.cfg = cfg
+        # The head decides which features it reads, and takes weights from the target: build the
+        # target first, then the proposer, then tell the runner what to return.
+        runner, model = load_runner(target_dir, None, max_slots, max_len, dtype, device, force_hf_target)
+        proposer = None
+        if cfg.method != "none":
+            proposer = build_proposer(cfg, model, draft_dir, max_slots, runner.max_len, dtype, device)
+            runner.feature_layers = proposer.feature_layers
+        self.verifier = VerifierEngine(runner, max_slots)
+        self.drafter = DrafterEngine(proposer, cfg) if proposer is not None else None
+        target_cfg = read_config(target_dir)
+        eos = target_cfg.get("eos_token_id")
+        self.eos_token_ids = tuple(eos) if isinstance(eos, list) else (() if eos is None else (int(eos),))
+        self.tokenizer = load_tokenizer(target_dir)
+        self.vocab_size = int(target_cfg["vocab_size"])
+
+    @property
+    def lookahead(self) -> int:
+        """Cache entries past the committed prefix one round may write (tree nodes, draft scratch)."""
+        if self.drafter is None:
+            return 1
+        c = self.cfg
+        return max(c.max_draft_nodes + 1, (c.num_steps - 1) * c.topk + 1)
+
+    def generate(self, prompts: list[list[int]], params: list[SamplingParams],
+                 request_ids: list[str] | None = None) -> list[Completion]:
+        for i, p in enumerate(prompts):
+            bad = [t for t in p if not 0 <= t < self.vocab_size]
+            if bad:
+                raise ValueError(f"prompt {i}: token ids {bad[:5]} are outside the vocabulary 0..{self.vocab_size - 1}")
+        fused = FusedStep(self.verifier, self.drafter) if self.cfg.fused else None
+        return generate(self.verifier, self.drafter, prompts, params, self.eos_token_ids, self.lookahead,
+                        request_ids, fused)

@@ -1,0 +1,85 @@
+"""What flows between drafter and verifier, as plain dataclasses (protobuf only at the edges).
+
+Every message carries, per request, the request id and the committed length it belongs to;
+an engine rejects a message whose committed length is not its own (a draft of another round).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+
+class StaleMessage(ValueError):
+    """A message tagged with a committed length (round) other than the receiver's."""
+
+
+@dataclass
+class DraftTree:
+    """One round's draft trees for B requests, N nodes each.
+
+    Node 0 is the root: the request's last committed token, at position committed_len - 1.
+    A node of depth d holds the draft for position committed_len - 1 + d. Parents precede
+    their children. Example (topk 2, 4 nodes): token_ids [r, a, b, c], parents [-1, 0, 0, 1]
+    is r -> {a, b}, a -> c.
+    """
+
+    request_ids: list[str]
+    committed_lens: list[int]        # the tag: each request's committed length when drafted
+    token_ids: torch.Tensor          # [B, N] int64 target token ids (-1 on padding)
+    parents: torch.Tensor            # [B, N] int64, -1 for the root and padding
+    node_valid: torch.Tensor         # [B, N] bool
+    scores: torch.Tensor             # [B, N] float32 summed draft log-probs (root 0)
+    # [B, N, V] float64: row i is the distribution q the children of node i were sampled from;
+    # None when no request's drafts were sampled.
+    draft_probs: torch.Tensor | None = None
+    sampled: list[bool] = field(default_factory=list)  # per request: children drawn from q
+
+    def __post_init__(self):
+        b, n = self.token_ids.shape
+        assert len(self.request_ids) == len(self.committed_lens) == b
+        assert self.parents.shape == self.node_valid.shape == self.scores.shape == (b, n)
+        if not self.sampled:
+            self.sampled = [False] * b
+        assert len(self.sampled) == b
+        assert self.draft_probs is None or self.draft_probs.shape[:2] == (b, n)
+
+    @property
+    def num_nodes(self) -> int:
+        return self.token_ids.shape[1]
+
+    def select(self, request_ids: list[str]) -> "DraftTree":
+        """The rows of these requests, in this order."""
+        rows = [self.request_ids.index(r) for r in request_ids]
+        idx = torch.tensor(rows, dtype=torch.long)
+        return DraftTree(request_ids=list(request_ids), committed_lens=[self.committed_lens[i] for i in rows],
+                         token_ids=self.token_ids[idx], parents=self.parents[idx], node_valid=self.node_valid[idx],
+                         scores=self.scores[idx],
+                         draft_probs=None if self.draft_probs is None else self.draft_probs[idx],
+                         sampled=[self.sampled[i] for i in rows])
+
+    def num_draft_tokens(self, b: int) -> int:
+        """Valid draft nodes of request b (root excluded)."""
+        return int(self.node_valid[b, 1:].sum())
+
+
+@dataclass
+class VerifyOutput:
+    """The verifier's verdict for one request of a round."""
+
+    request_id: str
+    committed_len: int               # after this round's tokens were committed
+    token_ids: list[int]             # accepted drafts, then the bonus or correction token
+    num_accepted: int
+    num_draft_tokens: int
+    # [num_accepted + 1, F]: target features at the root and each accepted node, the pairs the
+    # drafter's catch-up needs (None when the drafter reads no features).
+    features: torch.Tensor | None
+
+
+@dataclass
+class PrefillOutput:
+    request_id: str
+    first_token_id: int              # sampled from the logits after the prompt
+    features: torch.Tensor | None    # [prompt_len, F]

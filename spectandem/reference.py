@@ -1,0 +1,123 @@
+"""The reference speculative loop, in one process. Read this first.
+
+    prefill  : verifier runs the prompt, samples the first token, returns the prompt's features;
+               drafter absorbs them (its catch-up pass)
+    repeat   : drafter.draft   -> a tree per request (root = last committed token)
+               verifier.verify -> accepted drafts + one bonus/correction token per request,
+                                  and the target features of the accepted path
+               commit          -> append tokens, stop on a stop token / max_tokens / context end
+               drafter.extend  -> catch-up on the accepted tokens with the real target features
+
+Every later process split (Ray actors, gRPC services, the router) must produce exactly the tokens
+this loop produces. `Completion.stats` counts rounds, drafted and accepted tokens;
+accept_length = committed tokens per verification round, bonus included.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+from spectandem.config import SamplingParams
+from spectandem.messages import DraftTree
+
+
+@dataclass
+class Stats:
+    num_rounds: int = 0
+    draft_tokens: int = 0
+    accepted_tokens: int = 0
+
+    @property
+    def accept_length(self) -> float:
+        return (self.accepted_tokens + self.num_rounds) / self.num_rounds if self.num_rounds else 0.0
+
+    def as_dict(self) -> dict:
+        return {"num_rounds": self.num_rounds, "draft_tokens": self.draft_tokens,
+                "accepted_tokens": self.accepted_tokens, "accept_length": round(self.accept_length, 4)}
+
+
+@dataclass
+class Completion:
+    request_id: str
+    prompt_ids: list[int]
+    token_ids: list[int] = field(default_factory=list)
+    finish_reason: str | None = None
+    stats: Stats = field(default_factory=Stats)
+
+
+def root_only_tree(request_ids: list[str], committed_lens: list[int], last_tokens: list[int]) -> DraftTree:
+    """A round without drafts (plain decoding): each tree is just its root."""
+    b = len(request_ids)
+    return DraftTree(request_ids=request_ids, committed_lens=committed_lens,
+                     token_ids=torch.tensor(last_tokens, dtype=torch.long)[:, None],
+                     parents=torch.full((b, 1), -1, dtype=torch.long), node_valid=torch.ones(b, 1, dtype=torch.bool),
+                     scores=torch.zeros(b, 1))
+
+
+def _append(c: Completion, tokens: list[int], params: SamplingParams, eos: tuple[int, ...],
+            committed_len: int, max_len: int) -> None:
+    """Commit tokens to the completion, ending it on a stop token, max_tokens or a full context."""
+    stops = set(params.stop_token_ids) | (set() if params.ignore_eos else set(eos))
+    for t in tokens:
+        c.token_ids.append(t)
+        if t in stops:
+            c.finish_reason = "stop"
+            return
+        if len(c.token_ids) >= params.max_tokens:
+            c.finish_reason = "length"
+            return
+    if committed_len >= max_len:
+        c.finish_reason = "length"
+
+
+def generate(verifier, drafter, prompts: list[list[int]], params: list[SamplingParams],
+             eos_token_ids: tuple[int, ...] = (), lookahead: int = 1,
+             request_ids: list[str] | None = None, fused=None) -> list[Completion]:
+    """Speculative generation for a batch of prompts. `drafter` None means plain decoding;
+    `lookahead` is how many cache entries past the committed prefix a round may write on either
+    side (tree nodes, draft scratch). `fused` (a FusedStep) makes verify + extend + the next
+    draft one call per round."""
+    ids = request_ids or [f"req-{i}" for i in range(len(prompts))]
+    seeds = [p.resolved_seed() for p in params]
+    by_id = {rid: (Completion(rid, list(p)), sp) for rid, p, sp in zip(ids, prompts, params)}
+    for out in verifier.prefill(ids, prompts, params, seeds):
+        c, sp = by_id[out.request_id]
+        _append(c, [out.first_token_id], sp, eos_token_ids, len(c.prompt_ids) + 1, verifier.max_len)
+        if drafter is not None and c.finish_reason is None:
+            drafter.add(out.request_id, c.prompt_ids, out.first_token_id, sp, seeds[ids.index(out.request_id)],
+                        out.features)
+    active = [rid for rid in ids if by_id[rid][0].finish_reason is None]
+    next_tree = None
+    while active:
+        lens = [verifier.committed_len(rid) for rid in active]
+        # Speculate only where the whole tree still fits in the context; else decode plainly.
+        room = all(n - 1 + lookahead <= verifier.max_len for n in lens)
+        if drafter is not None and room:
+            tree = next_tree.select(active) if next_tree is not None else drafter.draft(active)
+        else:
+            tree = root_only_tree(active, lens, [by_id[r][0].token_ids[-1] for r in active])
+        if fused is not None and tree.num_nodes > 1:
+            outs, next_tree = fused(tree)
+        else:
+            outs, next_tree = verifier.verify(tree), None
+        still = []
+        for out in outs:
+            c, sp = by_id[out.request_id]
+            c.stats.num_rounds += 1
+            c.stats.draft_tokens += out.num_draft_tokens
+            c.stats.accepted_tokens += out.num_accepted
+            _append(c, out.token_ids, sp, eos_token_ids, out.committed_len, verifier.max_len)
+            if c.finish_reason is None:
+                still.append(out)
+            else:
+                verifier.release(out.request_id)
+                if drafter is not None:
+                    drafter.remove(out.request_id)
+        if drafter is not None and still and next_tree is None:
+            drafter.extend(still)
+        active = [o.request_id for o in still]
+    for rid in ids:
+        verifier.release(rid)
+    return [by_id[rid][0] for rid in ids]

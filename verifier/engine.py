@@ -1,0 +1,148 @@
+"""The verifier engine: prefill, verify a round's trees, commit the accepted paths.
+
+Per request it keeps the KV slot, the committed length and the sampling parameters. For each
+request in a verify batch it picks the acceptance rule:
+- temperature 0: greedy (`verify_greedy`);
+- deterministic drafts, temperature > 0: target-only tree sampling (`verify_tree_sampling`),
+  which draws each position's token with the same uniform plain decoding would use;
+- sampled drafts with their probabilities: recursive rejection sampling (`verify_rejection`).
+Uniforms come from `spectandem.rng`, keyed by (seed, position, stream, index): a result never
+depends on what else is in the batch, and the global RNG is never touched.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from spectandem import rng
+from spectandem.config import SamplingParams
+from spectandem.messages import DraftTree, PrefillOutput, StaleMessage, VerifyOutput
+from spectandem.sampling import greedy, logits_to_probs, sample_from_probs
+from verifier.accept import VerifyResult, verify_greedy, verify_rejection, verify_tree_sampling
+
+
+@dataclass
+class _Request:
+    slot: int
+    committed_len: int
+    params: SamplingParams
+    seed: int
+
+
+class VerifierEngine:
+    def __init__(self, runner, max_slots: int):
+        self.runner = runner
+        self.requests: dict[str, _Request] = {}
+        self.free_slots = list(range(max_slots - 1, -1, -1))
+
+    @property
+    def max_len(self) -> int:
+        return self.runner.max_len
+
+    def _sample_one(self, logits: torch.Tensor, req: _Request, position: int) -> int:
+        """The token at `position` from logits [V]: argmax, or a keyed draw from the target."""
+        if req.params.greedy:
+            return int(greedy(logits))
+        probs = logits_to_probs(logits[None], req.params.temperature, req.params.top_k, req.params.top_p)
+        u = torch.tensor([rng.uniform(req.seed, position, rng.STREAM_TARGET)], dtype=torch.float64)
+        return int(sample_from_probs(probs, u)[0])
+
+    def prefill(self, request_ids: list[str], prompts: list[list[int]], params: list[SamplingParams],
+                seeds: list[int]) -> list[PrefillOutput]:
+        for rid, p in zip(request_ids, prompts):
+            if rid in self.requests:
+                raise ValueError(f"request id {rid!r} is already active")
+            if not p:
+                raise ValueError(f"request {rid!r}: prompt is empty")
+            if len(p) >= self.max_len:
+                raise ValueError(f"request {rid!r}: prompt has {len(p)} tokens; the context holds {self.max_len}")
+        if len(request_ids) > len(self.free_slots):
+            raise RuntimeError(f"verifier has {len(self.free_slots)} free slots, {len(request_ids)} requested")
+        slots = [self.free_slots.pop() for _ in request_ids]
+        logits, feats = self.runner.prefill(slots, prompts)
+        outs = []
+        for i, rid in enumerate(request_ids):
+            req = _Request(slots[i], len(prompts[i]), params[i], seeds[i])
+            first = self._sample_one(logits[i], req, len(prompts[i]))
+            req.committed_len += 1
+            self.requests[rid] = req
+            outs.append(PrefillOutput(rid, first, None if feats is None else feats[i]))
+        return outs
+
+    def verify(self, tree: DraftTree) -> list[VerifyOutput]:
+        reqs = [self.requests[rid] for rid in tree.request_ids]
+        for rid, req, tag in zip(tree.request_ids, reqs, tree.committed_lens):
+            if tag != req.committed_len:
+                raise StaleMessage(f"draft for {rid!r} was made at committed length {tag}; the verifier "
+                                   f"is at {req.committed_len}")
+            if req.committed_len - 1 + tree.num_nodes > self.max_len:
+                raise ValueError(f"request {rid!r}: a tree of {tree.num_nodes} nodes at committed length "
+                                 f"{req.committed_len} exceeds the context of {self.max_len}")
+        slots = [r.slot for r in reqs]
+        cache_lens = [r.committed_len - 1 for r in reqs]
+        logits, feats = self.runner.verify(slots, cache_lens, tree.token_ids, tree.parents, tree.node_valid)
+        result = self._accept(tree, reqs, logits)
+        self.runner.commit(slots, cache_lens, result.accepted_nodes)
+        outs = []
+        for b, (rid, req) in enumerate(zip(tree.request_ids, reqs)):
+            toks = result.tokens(b)
+            req.committed_len += len(toks)
+            path = result.accepted_nodes[b, : len(toks)]
+            outs.append(VerifyOutput(
+                request_id=rid, committed_len=req.committed_len, token_ids=toks,
+                num_accepted=int(result.num_accepted[b]), num_draft_tokens=tree.num_draft_tokens(b),
+                features=None if feats is None else feats[b, path.to(feats.device)]))
+        return outs
+
+    def _accept(self, tree: DraftTree, reqs: list[_Request], logits: torch.Tensor) -> VerifyResult:
+        """Runs each request's acceptance rule on its rows and merges the results."""
+        groups: dict[str, list[int]] = {}
+        for b, req in enumerate(reqs):
+            rule = "greedy" if req.params.greedy else ("rejection" if tree.sampled[b] else "tree")
+            groups.setdefault(rule, []).append(b)
+        b_all, width = len(reqs), tree.num_nodes
+        accepted = torch.full((b_all, width), -1, dtype=torch.long)
+        outputs = torch.full((b_all, width), -1, dtype=torch.long)
+        num_acc = torch.zeros(b_all, dtype=torch.long)
+        bonus = torch.zeros(b_all, dtype=torch.long)
+        lg = logits.float().cpu()
+        for rule, idx in groups.items():
+            sel = torch.tensor(idx)
+            args = (tree.token_ids[sel], tree.parents[sel], tree.node_valid[sel])
+            if rule == "greedy":
+                res = verify_greedy(*args, lg[sel])
+            else:
+                probs = torch.stack([logits_to_probs(lg[b], reqs[b].params.temperature, reqs[b].params.top_k,
+                                                     reqs[b].params.top_p) for b in idx])
+                target_u = self._uniforms(reqs, idx, width, rng.STREAM_TARGET)
+                if rule == "tree":
+                    res = verify_tree_sampling(*args, probs, target_u)
+                else:
+                    k = width
+                    accept_u = torch.stack([self._uniforms(reqs, idx, width, rng.STREAM_ACCEPT, j)
+                                            for j in range(k)], dim=-1)
+                    res = verify_rejection(*args, probs, tree.draft_probs[sel], accept_u, target_u)
+            w = res.accepted_nodes.shape[1]
+            accepted[sel, :w] = res.accepted_nodes
+            outputs[sel, :w] = res.output_token_ids
+            num_acc[sel] = res.num_accepted
+            bonus[sel] = res.bonus_token_ids
+        return VerifyResult(accepted_nodes=accepted, num_accepted=num_acc, output_token_ids=outputs,
+                            bonus_token_ids=bonus)
+
+    @staticmethod
+    def _uniforms(reqs, idx, width, stream, index=0) -> torch.Tensor:
+        """[len(idx), width] float64: column d is the uniform for the token at committed_len + d."""
+        return torch.tensor([[rng.uniform(reqs[b].seed, reqs[b].committed_len + d, stream, index)
+                              for d in range(width)] for b in idx], dtype=torch.float64)
+
+    def release(self, request_id: str) -> None:
+        req = self.requests.pop(request_id, None)
+        if req is not None:
+            self.runner.release(req.slot)
+            self.free_slots.append(req.slot)
+
+    def committed_len(self, request_id: str) -> int:
+        return self.requests[request_id].committed_len

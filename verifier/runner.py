@@ -1,0 +1,192 @@
+"""Target model runners: the native Llama-family runner over an explicit KV cache with tree
+attention, and a transformers fallback for every other architecture (slower, same tokens).
+
+Cache convention (per request): the runner holds K/V for `cache_len = committed_len - 1`
+positions; the root of a round (the last committed token) is not in the cache yet. `verify`
+writes the tree's N nodes after the committed entries; `commit` keeps the accepted path
+(compacting it onto the next positions) and drops the rest.
+
+Features returned per position (what the draft head reads): None, "final" (last hidden after
+the final norm, EAGLE-1/2) or a tuple of HF hidden-state indices (EAGLE-3's auxiliary layers).
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+
+from spectandem.kv_cache import KVCache
+from spectandem.modeling.llama import NATIVE_ARCHITECTURES, LlamaModel, load_llama
+from spectandem.tree import ancestor_mask, node_depths
+
+FeatureSpec = None | str | tuple[int, ...]
+
+
+class NativeRunner:
+    def __init__(self, model: LlamaModel, feature_layers: FeatureSpec, max_slots: int, max_len: int):
+        s = model.spec
+        self.model, self.spec, self.feature_layers = model, s, feature_layers
+        self.device = next(model.parameters()).device
+        self.dtype = next(model.parameters()).dtype
+        self.max_len = max_len
+        self.cache = KVCache(s.num_layers, max_slots, s.num_kv_heads, max_len, s.head_dim, self.dtype, self.device)
+
+    def _features(self, hidden, aux):
+        if self.feature_layers is None:
+            return None
+        return hidden if self.feature_layers == "final" else aux
+
+    def _capture(self) -> tuple[int, ...]:
+        return self.feature_layers if isinstance(self.feature_layers, tuple) else ()
+
+    @torch.no_grad()
+    def prefill(self, slots: list[int], prompts: list[list[int]]):
+        """-> (logits after each prompt [B, V], features per request [[P_b, F]] or None)."""
+        lens = torch.tensor([len(p) for p in prompts], device=self.device)
+        t = int(lens.max())
+        toks = torch.zeros(len(prompts), t, dtype=torch.long, device=self.device)
+        for i, p in enumerate(prompts):
+            toks[i, : len(p)] = torch.tensor(p, device=self.device)
+        ar = torch.arange(t, device=self.device)
+        positions = ar.expand(len(prompts), t)
+        real = ar[None] < lens[:, None]                                               # [B, T]
+        write = torch.where(real, positions, self.cache.trash_index)
+        mask = (ar[None, None, :] <= ar[None, :, None]) & real[:, :, None]
+        mask[:, :, 0] |= True  # padding rows attend somewhere; never read
+        slot_t = torch.tensor(slots, device=self.device)
+        hidden, aux = self.model(toks, positions, self.cache.batch(slot_t, write, t), mask, self._capture())
+        last = hidden.gather(1, (lens - 1)[:, None, None].expand(-1, 1, hidden.shape[-1]))
+        feats = self._features(hidden, aux)
+        per_req = None if feats is None else [feats[i, : len(p)] for i, p in enumerate(prompts)]
+        return self.model.logits(last)[:, 0], per_req
+
+    @torch.no_grad()
+    def verify(self, slots: list[int], cache_lens: list[int], token_ids: torch.Tensor, parents: torch.Tensor,
+               node_valid: torch.Tensor):
+        """One forward over every tree node. token_ids, parents [B, N]; node_valid [B, N].
+        -> (logits [B, N, V] float32, features [B, N, F] or None)."""
+        b, n = token_ids.shape
+        base = torch.tensor(cache_lens, device=self.device)
+        depth = node_depths(parents, node_valid).to(self.device)
+        positions = base[:, None] + depth                                            # [B, N]
+        write = base[:, None] + torch.arange(n, device=self.device)                  # [B, N]
+        span = int(base.max()) + n
+        cols = torch.arange(span, device=self.device)
+        mask = (cols[None, None, :] < base[:, None, None]).expand(b, n, span).clone()
+        tree = ancestor_mask(parents, node_valid).to(self.device)                    # [B, N, N]
+        rows = torch.arange(b, device=self.device)[:, None, None]
+        mask[rows, torch.arange(n, device=self.device)[None, :, None], write[:, None, :]] = tree
+        toks = token_ids.clamp(min=0).to(self.device)
+        slot_t = torch.tensor(slots, device=self.device)
+        hidden, aux = self.model(toks, positions, self.cache.batch(slot_t, write, span), mask, self._capture())
+        return self.model.logits(hidden), self._features(hidden, aux)
+
+    def commit(self, slots: list[int], cache_lens: list[int], accepted_nodes: torch.Tensor) -> None:
+        """Keeps the accepted path: accepted_nodes [B, A] node indices (root first, -1 padded),
+        node j was written at cache_len + j and moves to cache_len + its rank on the path."""
+        base = torch.tensor(cache_lens, device=self.device)[:, None]
+        nodes = accepted_nodes.to(self.device)
+        rank = torch.arange(nodes.shape[1], device=self.device)[None]
+        ok = nodes >= 0
+        src = torch.where(ok, base + nodes, self.cache.trash_index)
+        dst = torch.where(ok, base + rank, self.cache.trash_index)
+        self.cache.compact(torch.tensor(slots, device=self.device), src, dst)
+
+    def release(self, slot: int) -> None:
+        return None  # entries are overwritten by the slot's next owner
+
+
+class HFRunner:
+    """Any transformers causal LM: one DynamicCache per request, a 4-D mask for the tree.
+    `commit` crops the cache to the committed prefix and re-runs the accepted path (one extra
+    forward per round: slower, same tokens)."""
+
+    def __init__(self, model, feature_layers: FeatureSpec, max_len: int):
+        self.model, self.feature_layers, self.max_len = model, feature_layers, max_len
+        self.device = next(model.parameters()).device
+        self.caches: dict[int, object] = {}
+        self.last_tree: dict[int, torch.Tensor] = {}   # slot -> [N] tokens of its last verified tree
+        self.num_layers = model.config.num_hidden_layers
+
+    def _features(self, out):
+        if self.feature_layers is None:
+            return None
+        hs = out.hidden_states
+        if self.feature_layers == "final":
+            return hs[-1]
+        return torch.cat([hs[k] for k in self.feature_layers], dim=-1)
+
+    @torch.no_grad()
+    def prefill(self, slots, prompts):
+        from transformers import DynamicCache
+
+        logits, feats = [], []
+        for slot, p in zip(slots, prompts):
+            cache = DynamicCache()
+            ids = torch.tensor([p], device=self.device)
+            out = self.model(input_ids=ids, past_key_values=cache, use_cache=True,
+                             output_hidden_states=self.feature_layers is not None)
+            self.caches[slot] = out.past_key_values
+            logits.append(out.logits[0, -1].float())
+            f = self._features(out)
+            feats.append(None if f is None else f[0])
+        return torch.stack(logits), (None if self.feature_layers is None else feats)
+
+    @torch.no_grad()
+    def verify(self, slots, cache_lens, token_ids, parents, node_valid):
+        depth = node_depths(parents, node_valid)
+        tree = ancestor_mask(parents, node_valid)
+        logits, feats = [], []
+        for i, (slot, base) in enumerate(zip(slots, cache_lens)):
+            n = token_ids.shape[1]
+            mask = torch.zeros(1, 1, n, base + n, dtype=torch.bool, device=self.device)
+            mask[0, 0, :, :base] = True
+            mask[0, 0, :, base:] = tree[i]
+            additive = torch.zeros(mask.shape, dtype=self.model.dtype, device=self.device)
+            additive.masked_fill_(~mask, torch.finfo(self.model.dtype).min)
+            out = self.model(input_ids=token_ids[i: i + 1].clamp(min=0).to(self.device),
+                             position_ids=(base + depth[i: i + 1]).to(self.device),
+                             attention_mask=additive, past_key_values=self.caches[slot], use_cache=True,
+                             output_hidden_states=self.feature_layers is not None)
+            self.caches[slot].crop(base)
+            self.last_tree[slot] = token_ids[i].clone()
+            logits.append(out.logits[0].float())
+            f = self._features(out)
+            feats.append(None if f is None else f[0])
+        return torch.stack(logits), (None if self.feature_layers is None else torch.stack(feats))
+
+    @torch.no_grad()
+    def commit(self, slots, cache_lens, accepted_nodes):
+        for i, (slot, base) in enumerate(zip(slots, cache_lens)):
+            nodes = [int(x) for x in accepted_nodes[i] if x >= 0]
+            path = self.last_tree.pop(slot)[nodes][None].to(self.device)
+            pos = torch.arange(base, base + len(nodes), device=self.device)[None]
+            self.model(input_ids=path, position_ids=pos, past_key_values=self.caches[slot], use_cache=True)
+
+    def release(self, slot: int) -> None:
+        self.caches.pop(slot, None)
+        self.last_tree.pop(slot, None)
+
+
+def load_runner(target_dir: str | Path, feature_layers: FeatureSpec, max_slots: int, max_len: int | None,
+                dtype: torch.dtype = torch.float32, device: str = "cpu", force_hf: bool = False):
+    """Native runner for Llama-family checkpoints, transformers otherwise (or when forced).
+    Returns (runner, the loaded model: native LlamaModel or transformers')."""
+    from spectandem.checkpoint import read_config
+
+    cfg = read_config(target_dir)
+    arch = (cfg.get("architectures") or [""])[0]
+    context = int(cfg.get("max_position_embeddings", 2048))
+    max_len = min(max_len or context, context)
+    if arch in NATIVE_ARCHITECTURES and not force_hf:
+        model = load_llama(target_dir, dtype, device)
+        return NativeRunner(model, feature_layers, max_slots, max_len), model
+    from transformers import AutoModelForCausalLM
+
+    try:
+        model = AutoModelForCausalLM.from_pretrained(str(target_dir), dtype=dtype, local_files_only=True)
+    except (ValueError, OSError, KeyError) as exc:
+        raise ValueError(f"{target_dir}: cannot load architecture {arch!r} ({exc})") from None
+    model = model.to(device).eval()
+    return HFRunner(model, feature_layers, max_len), model
