@@ -31,10 +31,12 @@ class DraftProbStore:
         self._rows[request_id] = (committed_len, probs)
 
     def take(self, request_id: str, committed_len: int) -> torch.Tensor:
-        tag, probs = self._rows.pop(request_id)
+        tag, probs = self._rows[request_id]
         if tag != committed_len:
+            # A stale caller must not consume the rows of the round still in flight.
             raise StaleMessage(f"draft probabilities of {request_id!r} were drafted at committed length "
                                f"{tag}, not {committed_len}")
+        del self._rows[request_id]
         return probs
 
     def drop(self, request_id: str) -> None:
@@ -65,15 +67,15 @@ class DrafterEngine:
 
     def extend(self, outputs: list[VerifyOutput]) -> None:
         """Catch-up after verification: absorb each request's accepted tokens and bonus token."""
-        reqs = []
-        for out in outputs:
-            req = self.requests[out.request_id]
+        reqs = [self.requests[out.request_id] for out in outputs]
+        # Check every verdict before changing anything: a stale one leaves the whole batch as it was.
+        for out, req in zip(outputs, reqs):
             if req.committed_len + len(out.token_ids) != out.committed_len:
                 raise StaleMessage(f"{out.request_id!r}: verdict for committed length {out.committed_len} "
                                    f"does not follow the drafter's {req.committed_len}")
+        for out, req in zip(outputs, reqs):
             self.store.drop(out.request_id)  # the round's verdict is in: its q rows are spent
             req.token_ids.extend(out.token_ids)
-            reqs.append(req)
         if reqs:
             self.proposer.catch_up(reqs, [len(o.token_ids) for o in outputs], [o.features for o in outputs])
 

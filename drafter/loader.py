@@ -71,15 +71,15 @@ def _normalise_keys(state: dict[str, torch.Tensor], path: str) -> dict[str, torc
     return out
 
 
-def detect_kind(state: dict[str, torch.Tensor], hidden: int) -> str:
+def detect_kind(state: dict[str, torch.Tensor], hidden: int, source: str = "checkpoint") -> str:
     """EAGLE-3 has 2H-wide q/k/v inputs; EAGLE-1 has fc [H, 2H] and H-wide q/k/v."""
     q = state.get("layer.self_attn.q_proj.weight")
     if q is None:
-        raise CheckpointError("no self_attn.q_proj.weight found: not an EAGLE head")
+        raise CheckpointError(f"{source}: no self_attn.q_proj.weight found: not an EAGLE head")
     return "eagle3" if q.shape[1] == 2 * hidden else "eagle"
 
 
-def aux_layers_from_config(cfg: dict, num_target_layers: int) -> tuple[int, ...]:
+def aux_layers_from_config(cfg: dict, num_target_layers: int, source: str = "config.json") -> tuple[int, ...]:
     """Auxiliary target layers as HuggingFace hidden-state indices, ascending."""
     if cfg.get("eagle_aux_hidden_state_layer_ids") is not None:
         ids = [int(i) for i in cfg["eagle_aux_hidden_state_layer_ids"]]
@@ -90,7 +90,8 @@ def aux_layers_from_config(cfg: dict, num_target_layers: int) -> tuple[int, ...]
         ids = [2, n // 2, n - 3]
     for i in ids:
         if not 0 <= i <= num_target_layers:
-            raise ValueError(f"auxiliary layer {i} is outside the target's hidden states 0..{num_target_layers}")
+            raise ValueError(f"{source}: auxiliary layer {i} is outside the target's hidden states "
+                             f"0..{num_target_layers}")
     return tuple(sorted(ids))
 
 
@@ -109,7 +110,7 @@ def load_head(directory: str | Path, target: "TargetTensors | LlamaModel", kind:
         heads = int(cfg["num_attention_heads"])
     except KeyError as exc:
         raise CheckpointError(f"{directory / 'config.json'}: missing field {exc.args[0]!r}") from None
-    detected = detect_kind(state, hidden)
+    detected = detect_kind(state, hidden, src)
     if kind is not None and kind != detected:
         raise CheckpointError(f"{src}: asked for an {kind} head but the weights are {detected}")
     tspec = target
@@ -130,7 +131,7 @@ def load_head(directory: str | Path, target: "TargetTensors | LlamaModel", kind:
             raise CheckpointError(f"{directory / 'config.json'}: use_aux_hidden_state=false heads are not supported")
         lm = state.get("lm_head.weight")
         draft_vocab = int(lm.shape[0]) if lm is not None else vocab
-        aux = aux_layers_from_config(cfg, tspec.num_layers)
+        aux = aux_layers_from_config(cfg, tspec.num_layers, f"{directory / 'config.json'}")
     else:
         draft_vocab, aux = vocab, ()
     spec = HeadSpec(
@@ -150,8 +151,8 @@ def load_head(directory: str | Path, target: "TargetTensors | LlamaModel", kind:
     state.setdefault("embed_tokens.weight", target.embed_tokens)
     if detected == "eagle" or "lm_head.weight" not in state:
         state["lm_head.weight"] = target.lm_head
-        if detected == "eagle3":
-            state["d2t"] = torch.zeros(vocab, dtype=torch.int64)
+    if detected == "eagle3" and "d2t" not in state and draft_vocab == vocab:
+        state["d2t"] = torch.zeros(vocab, dtype=torch.int64)  # full vocabulary: identity mapping
     expected = head.state_dict()
     missing = sorted(expected.keys() - state.keys())
     unexpected = sorted(state.keys() - expected.keys())
@@ -175,9 +176,10 @@ def load_head(directory: str | Path, target: "TargetTensors | LlamaModel", kind:
     return head.eval()
 
 
-def save_head(head: DraftHead, directory: str | Path, num_target_layers: int) -> None:
+def save_head(head: DraftHead, directory: str | Path) -> None:
     """Writes `head` in its public format: config.json + model.safetensors, without the
-    tensors taken from the target (embeddings; EAGLE-1 lm_head). EAGLE-3 uses the official
+    tensors taken from the target (embeddings, unless the head is narrower or wider than the
+    target and so cannot share them; EAGLE-1 lm_head). EAGLE-3 uses the official
     `midlayer.` names, bf16 weights, int64 `d2t` and bool `t2d`; EAGLE-1 uses `layers.0.`."""
     import json
 
@@ -188,8 +190,9 @@ def save_head(head: DraftHead, directory: str | Path, num_target_layers: int) ->
     directory.mkdir(parents=True, exist_ok=True)
     prefix = "midlayer." if spec.kind == "eagle3" else "layers.0."
     tensors: dict[str, torch.Tensor] = {}
+    own_embedding = spec.hidden_size != spec.target_hidden_size  # load_head requires it then
     for name, tensor in head.state_dict().items():
-        if name == "embed_tokens.weight" or (spec.kind == "eagle" and name == "lm_head.weight"):
+        if (name == "embed_tokens.weight" and not own_embedding) or (spec.kind == "eagle" and name == "lm_head.weight"):
             continue
         key = prefix + name[len("layer."):] if name.startswith("layer.") else name
         tensors[key] = tensor.detach().to("cpu").contiguous()

@@ -213,7 +213,7 @@ def train_draft(target_dir: str, corpus: str, out_dir: str, cfg: TrainConfig,
         starts = [i * cfg.seq_len for i in range(n) if (i + 1) * cfg.seq_len <= held_ids.numel()]
         _, held_accs = loss_and_acc(batch_from(held_ids, starts)) if starts else (None, [])
     log(f"held-out top-1 agreement with the target per TTT step: {[round(a, 3) for a in held_accs]}")
-    save_head(head.float().cpu(), out_dir, target.spec.num_layers)
+    save_head(head.float().cpu(), out_dir)
     report = {"config": cfg.__dict__, "held_out_top1_per_step": held_accs,
               "train_tokens": train_ids.numel(), "seconds": round(time.time() - t0, 1)}
     (Path(out_dir) / "train_report.json").write_text(json.dumps(report, indent=2) + "\n")

@@ -160,7 +160,8 @@ def sample_chains(first_logits: torch.Tensor, step: StepFn, to_target, num_steps
         scores.append(scores[-1] + q.gather(2, tok[..., None])[..., 0].log())
         parent_rows = torch.arange(k, device=dev).expand(b, k)
         visible = _extend_visible(visible, parent_rows, k)
-    m = depth * k
+    # With num_draft_tokens - 1 < k only the first num_draft_tokens - 1 root draws fit the budget.
+    m = min(depth * k, num_draft_tokens - 1)
     node_idx = torch.arange(1, m + 1, device=dev)
     parents = torch.where(node_idx <= k, 0, node_idx - k).expand(b, m)
     vd = first_logits.shape[-1]
@@ -168,5 +169,5 @@ def sample_chains(first_logits: torch.Tensor, step: StepFn, to_target, num_steps
     probs[:, 0] = q_root[:, 0]
     for d, q in enumerate(node_probs[1:], start=1):                         # rows of depth-d nodes
         probs[:, 1 + (d - 1) * k: 1 + d * k] = q
-    return TreeDraft(token_ids=to_target(torch.cat(toks, 1)), parents=parents.clone(),
-                     scores=torch.cat(scores, 1).float(), node_probs=probs)
+    return TreeDraft(token_ids=to_target(torch.cat(toks, 1)[:, :m]), parents=parents.clone(),
+                     scores=torch.cat(scores, 1)[:, :m].float(), node_probs=probs)

@@ -149,7 +149,11 @@ class HFRunner:
                              position_ids=(base + depth[i: i + 1]).to(self.device),
                              attention_mask=additive, past_key_values=self.caches[slot], use_cache=True,
                              output_hidden_states=self.feature_layers is not None)
-            self.caches[slot].crop(base)
+            # Drop the tree's entries. crop(-n) removes n entries in every transformers version;
+            # a positive argument meant "keep that many" before 5.x and is refused since.
+            extra = self.caches[slot].get_seq_length() - base
+            if extra > 0:
+                self.caches[slot].crop(-extra)
             self.last_tree[slot] = token_ids[i].clone()
             logits.append(out.logits[0].float())
             f = self._features(out)
@@ -181,6 +185,10 @@ def load_runner(target_dir: str | Path, feature_layers: FeatureSpec, max_slots: 
     max_len = min(max_len or context, context)
     if arch in NATIVE_ARCHITECTURES and not force_hf:
         model = load_llama(target_dir, dtype, device)
+        if model.spec.sliding_window:
+            # Within the window, sliding-window attention is full attention: capping the context
+            # there keeps the native path exact without a windowed mask.
+            max_len = min(max_len, model.spec.sliding_window)
         return NativeRunner(model, feature_layers, max_slots, max_len), model
     from transformers import AutoModelForCausalLM
 

@@ -35,9 +35,11 @@ class LlamaSpec:
     max_position_embeddings: int
     tie_word_embeddings: bool
     qkv_bias: bool
+    o_bias: bool
     mlp_bias: bool
     qk_norm: bool
     eos_token_ids: tuple[int, ...]
+    sliding_window: int | None = None  # attention span limit; the runner caps the context at it
 
     @staticmethod
     def from_config(cfg: dict, source: str = "config.json") -> "LlamaSpec":
@@ -50,6 +52,12 @@ class LlamaSpec:
             hidden = int(cfg["hidden_size"])
             heads = int(cfg["num_attention_heads"])
             head_dim = int(cfg.get("head_dim") or hidden // heads)
+            act = cfg.get("hidden_act", "silu")
+            if act != "silu":
+                raise ValueError(f"{source}: hidden_act {act!r} is not supported natively (only 'silu')")
+            window = cfg.get("sliding_window")
+            if arch != "MistralForCausalLM" and not cfg.get("use_sliding_window", False):
+                window = None
             eos = cfg.get("eos_token_id")
             eos_ids = tuple(eos) if isinstance(eos, list) else (() if eos is None else (int(eos),))
             return LlamaSpec(
@@ -65,11 +73,14 @@ class LlamaSpec:
                 rope=RopeSpec.from_config(cfg, head_dim, source),
                 max_position_embeddings=int(cfg.get("max_position_embeddings", 2048)),
                 tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
-                # Qwen2 always has q/k/v biases; the others say so with attention_bias.
+                # Qwen2 always has q/k/v biases (never o); in the others attention_bias puts a bias
+                # on all four projections.
                 qkv_bias=arch == "Qwen2ForCausalLM" or bool(cfg.get("attention_bias", False)),
+                o_bias=arch != "Qwen2ForCausalLM" and bool(cfg.get("attention_bias", False)),
                 mlp_bias=bool(cfg.get("mlp_bias", False)),
                 qk_norm=arch == "Qwen3ForCausalLM",
                 eos_token_ids=eos_ids,
+                sliding_window=int(window) if window else None,
             )
         except KeyError as exc:
             raise ValueError(f"{source}: missing field {exc.args[0]!r}") from None
@@ -83,7 +94,7 @@ class Attention(nn.Module):
         self.q_proj = nn.Linear(spec.hidden_size, spec.num_heads * hd, bias=spec.qkv_bias)
         self.k_proj = nn.Linear(spec.hidden_size, spec.num_kv_heads * hd, bias=spec.qkv_bias)
         self.v_proj = nn.Linear(spec.hidden_size, spec.num_kv_heads * hd, bias=spec.qkv_bias)
-        self.o_proj = nn.Linear(spec.num_heads * hd, spec.hidden_size, bias=False)
+        self.o_proj = nn.Linear(spec.num_heads * hd, spec.hidden_size, bias=spec.o_bias)
         if spec.qk_norm:
             self.q_norm = RMSNorm(hd, spec.rms_norm_eps)
             self.k_norm = RMSNorm(hd, spec.rms_norm_eps)
