@@ -50,6 +50,7 @@ class DrafterEngine:
     def __init__(self, proposer: Proposer, cfg: SpecConfig):
         self.proposer, self.cfg = proposer, cfg
         self.requests: dict[str, DraftRequest] = {}
+        self.epochs: dict[str, int] = {}
         self.store = DraftProbStore()
 
     @property
@@ -57,13 +58,33 @@ class DrafterEngine:
         return self.proposer.feature_layers
 
     def add(self, request_id: str, prompt_ids: list[int], first_token_id: int, params: SamplingParams,
-            seed: int, features: torch.Tensor | None) -> None:
+            seed: int, features: torch.Tensor | None, epoch: int = 0) -> None:
         """Prefill: the prompt, the first sampled token and the target features of every prompt
         position ([len(prompt_ids), F])."""
-        sample = params.temperature >= max(self.cfg.draft_sampling_min_temperature, 1e-12) and not params.greedy
-        req = DraftRequest(request_id, list(prompt_ids) + [first_token_id], params, seed, sample)
-        self.requests[request_id] = req
-        self.proposer.catch_up([req], [len(prompt_ids)], [features])
+        self.add_many([(request_id, prompt_ids, first_token_id, params, seed, features, epoch)])
+
+    def add_many(self, items: list[tuple]) -> None:
+        """Several prefills in one catch-up pass; items are the arguments of `add`."""
+        reqs = []
+        for request_id, prompt_ids, first_token_id, params, seed, features, epoch in items:
+            if request_id in self.requests:
+                self.remove(request_id)  # a re-prefill (resync after a restart or preemption)
+            sample = params.temperature >= max(self.cfg.draft_sampling_min_temperature, 1e-12) and not params.greedy
+            req = DraftRequest(request_id, list(prompt_ids) + [first_token_id], params, seed, sample)
+            self.requests[request_id] = req
+            self.epochs[request_id] = epoch
+            reqs.append(req)
+        if reqs:
+            self.proposer.catch_up(reqs, [r.committed_len - 1 for r in reqs], [it[5] for it in items])
+
+    def check_tag(self, request_id: str, epoch: int, committed_len: int) -> None:
+        """Raises StaleMessage unless the request is at this epoch and committed length."""
+        req = self.requests.get(request_id)
+        if req is None:
+            raise StaleMessage(f"request {request_id!r} is not active on the drafter")
+        if (self.epochs[request_id], req.committed_len) != (epoch, committed_len):
+            raise StaleMessage(f"request {request_id!r} is at epoch {self.epochs[request_id]}, committed "
+                               f"length {req.committed_len}; the message is for {epoch}, {committed_len}")
 
     def extend(self, outputs: list[VerifyOutput]) -> None:
         """Catch-up after verification: absorb each request's accepted tokens and bonus token."""
@@ -126,6 +147,7 @@ class DrafterEngine:
 
     def remove(self, request_id: str) -> None:
         self.requests.pop(request_id, None)
+        self.epochs.pop(request_id, None)
         self.store.drop(request_id)
         self.proposer.remove(request_id)
 

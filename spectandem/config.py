@@ -64,6 +64,7 @@ class SamplingParams:
     top_k: int = 0
     seed: int | None = None
     stop_token_ids: tuple[int, ...] = ()
+    stop: tuple[str, ...] = ()       # stop strings (served requests; the output is cut before them)
     ignore_eos: bool = False
 
     def __post_init__(self):
@@ -76,6 +77,8 @@ class SamplingParams:
             raise ValueError(f"top_p must be in (0, 1], got {self.top_p!r}")
         if not isinstance(self.top_k, int) or self.top_k < 0:
             raise ValueError(f"top_k must be an integer >= 0 (0 = off), got {self.top_k!r}")
+        if any(not isinstance(s, str) or not s for s in self.stop):
+            raise ValueError(f"stop strings must be non-empty strings, got {self.stop!r}")
         if self.seed is not None and (not isinstance(self.seed, int) or not 0 <= self.seed < 2 ** 63):
             raise ValueError(f"seed must be an integer in [0, 2**63), got {self.seed!r}")
 

@@ -28,7 +28,7 @@ class LocalSpeculator:
         if cfg.method != "none":
             proposer = build_proposer(cfg, model, draft_dir, max_slots, runner.max_len, dtype, device)
             runner.feature_layers = proposer.feature_layers
-        self.verifier = VerifierEngine(runner, max_slots)
+        self.verifier = VerifierEngine(runner, max_slots, int(read_config(target_dir)["vocab_size"]))
         self.drafter = DrafterEngine(proposer, cfg) if proposer is not None else None
         target_cfg = read_config(target_dir)
         eos = target_cfg.get("eos_token_id")

@@ -83,3 +83,40 @@ class PrefillOutput:
     request_id: str
     first_token_id: int              # sampled from the logits after the prompt
     features: torch.Tensor | None    # [prompt_len, F]
+
+
+def root_only_tree(request_ids: list[str], committed_lens: list[int], last_tokens: list[int]) -> DraftTree:
+    """A round without drafts (plain decoding): each tree is just its root."""
+    b = len(request_ids)
+    return DraftTree(request_ids=list(request_ids), committed_lens=list(committed_lens),
+                     token_ids=torch.tensor(last_tokens, dtype=torch.long).reshape(b, 1),
+                     parents=torch.full((b, 1), -1, dtype=torch.long), node_valid=torch.ones(b, 1, dtype=torch.bool),
+                     scores=torch.zeros(b, 1))
+
+
+def concat_trees(a: DraftTree, b: DraftTree) -> DraftTree:
+    """Rows of `a` then rows of `b`, padded to the wider node count."""
+    n = max(a.num_nodes, b.num_nodes)
+
+    def pad(t: DraftTree, x: torch.Tensor, fill) -> torch.Tensor:
+        if x.shape[1] == n:
+            return x
+        extra = x.new_full((x.shape[0], n - x.shape[1], *x.shape[2:]), fill)
+        return torch.cat([x, extra], dim=1)
+
+    probs = None
+    if a.draft_probs is not None or b.draft_probs is not None:
+        vocab = (a.draft_probs if a.draft_probs is not None else b.draft_probs).shape[-1]
+        parts = []
+        for t in (a, b):
+            p = t.draft_probs if t.draft_probs is not None else torch.zeros(len(t.request_ids), t.num_nodes, vocab,
+                                                                              dtype=torch.float64)
+            parts.append(pad(t, p, 0.0))
+        probs = torch.cat(parts)
+    return DraftTree(
+        request_ids=a.request_ids + b.request_ids, committed_lens=a.committed_lens + b.committed_lens,
+        token_ids=torch.cat([pad(a, a.token_ids, -1), pad(b, b.token_ids, -1)]),
+        parents=torch.cat([pad(a, a.parents, -1), pad(b, b.parents, -1)]),
+        node_valid=torch.cat([pad(a, a.node_valid, False), pad(b, b.node_valid, False)]),
+        scores=torch.cat([pad(a, a.scores, float("-inf")), pad(b, b.scores, float("-inf"))]),
+        draft_probs=probs, sampled=a.sampled + b.sampled)

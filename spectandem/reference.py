@@ -20,7 +20,7 @@ from dataclasses import dataclass, field
 import torch
 
 from spectandem.config import SamplingParams
-from spectandem.messages import DraftTree
+from spectandem.messages import root_only_tree
 
 
 @dataclass
@@ -45,15 +45,6 @@ class Completion:
     token_ids: list[int] = field(default_factory=list)
     finish_reason: str | None = None
     stats: Stats = field(default_factory=Stats)
-
-
-def root_only_tree(request_ids: list[str], committed_lens: list[int], last_tokens: list[int]) -> DraftTree:
-    """A round without drafts (plain decoding): each tree is just its root."""
-    b = len(request_ids)
-    return DraftTree(request_ids=request_ids, committed_lens=committed_lens,
-                     token_ids=torch.tensor(last_tokens, dtype=torch.long)[:, None],
-                     parents=torch.full((b, 1), -1, dtype=torch.long), node_valid=torch.ones(b, 1, dtype=torch.bool),
-                     scores=torch.zeros(b, 1))
 
 
 def _append(c: Completion, tokens: list[int], params: SamplingParams, eos: tuple[int, ...],

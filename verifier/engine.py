@@ -26,14 +26,20 @@ from verifier.accept import VerifyResult, verify_greedy, verify_rejection, verif
 @dataclass
 class _Request:
     slot: int
-    committed_len: int
+    token_ids: list[int]         # committed tokens (prompt + generated)
     params: SamplingParams
     seed: int
+    epoch: int = 0
+
+    @property
+    def committed_len(self) -> int:
+        return len(self.token_ids)
 
 
 class VerifierEngine:
-    def __init__(self, runner, max_slots: int):
+    def __init__(self, runner, max_slots: int, vocab_size: int = 0):
         self.runner = runner
+        self.vocab_size = vocab_size
         self.requests: dict[str, _Request] = {}
         self.free_slots = list(range(max_slots - 1, -1, -1))
 
@@ -50,7 +56,7 @@ class VerifierEngine:
         return int(sample_from_probs(probs, u)[0])
 
     def prefill(self, request_ids: list[str], prompts: list[list[int]], params: list[SamplingParams],
-                seeds: list[int]) -> list[PrefillOutput]:
+                seeds: list[int], epochs: list[int] | None = None) -> list[PrefillOutput]:
         for rid, p in zip(request_ids, prompts):
             if rid in self.requests:
                 raise ValueError(f"request id {rid!r} is already active")
@@ -64,9 +70,9 @@ class VerifierEngine:
         logits, feats = self.runner.prefill(slots, prompts)
         outs = []
         for i, rid in enumerate(request_ids):
-            req = _Request(slots[i], len(prompts[i]), params[i], seeds[i])
+            req = _Request(slots[i], list(prompts[i]), params[i], seeds[i], epochs[i] if epochs else 0)
             first = self._sample_one(logits[i], req, len(prompts[i]))
-            req.committed_len += 1
+            req.token_ids.append(first)
             self.requests[rid] = req
             outs.append(PrefillOutput(rid, first, None if feats is None else feats[i]))
         return outs
@@ -88,7 +94,7 @@ class VerifierEngine:
         outs = []
         for b, (rid, req) in enumerate(zip(tree.request_ids, reqs)):
             toks = result.tokens(b)
-            req.committed_len += len(toks)
+            req.token_ids.extend(toks)
             path = result.accepted_nodes[b, : len(toks)]
             outs.append(VerifyOutput(
                 request_id=rid, committed_len=req.committed_len, token_ids=toks,
@@ -146,3 +152,18 @@ class VerifierEngine:
 
     def committed_len(self, request_id: str) -> int:
         return self.requests[request_id].committed_len
+
+    def check_tag(self, request_id: str, epoch: int, committed_len: int) -> None:
+        """Raises StaleMessage unless the request is at this epoch and committed length."""
+        req = self.requests.get(request_id)
+        if req is None:
+            raise StaleMessage(f"request {request_id!r} is not active on the verifier")
+        if (req.epoch, req.committed_len) != (epoch, committed_len):
+            raise StaleMessage(f"request {request_id!r} is at epoch {req.epoch}, committed length "
+                               f"{req.committed_len}; the message is for {epoch}, {committed_len}")
+
+    def features(self, request_id: str) -> torch.Tensor | None:
+        """Target features of every committed position but the last ([committed_len - 1, F]),
+        recomputed without touching the request's KV (to rebuild a drafter's state)."""
+        req = self.requests[request_id]
+        return self.runner.features(req.token_ids[:-1])

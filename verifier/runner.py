@@ -82,6 +82,21 @@ class NativeRunner:
         hidden, aux = self.model(toks, positions, self.cache.batch(slot_t, write, span), mask, self._capture())
         return self.model.logits(hidden), self._features(hidden, aux)
 
+    @torch.no_grad()
+    def features(self, tokens: list[int]) -> torch.Tensor | None:
+        """[len(tokens), F] features of a causal forward over `tokens`, in a scratch cache."""
+        if self.feature_layers is None:
+            return None
+        s = self.spec
+        t = len(tokens)
+        scratch = KVCache(s.num_layers, 1, s.num_kv_heads, t, s.head_dim, self.dtype, self.device)
+        pos = torch.arange(t, device=self.device)[None]
+        mask = torch.tril(torch.ones(t, t, dtype=torch.bool, device=self.device))[None]
+        hidden, aux = self.model(torch.tensor([tokens], device=self.device), pos,
+                                 scratch.batch(torch.zeros(1, dtype=torch.long, device=self.device), pos, t),
+                                 mask, self._capture())
+        return self._features(hidden, aux)[0]
+
     def commit(self, slots: list[int], cache_lens: list[int], accepted_nodes: torch.Tensor) -> None:
         """Keeps the accepted path: accepted_nodes [B, A] node indices (root first, -1 padded),
         node j was written at cache_len + j and moves to cache_len + its rank on the path."""
@@ -159,6 +174,13 @@ class HFRunner:
             f = self._features(out)
             feats.append(None if f is None else f[0])
         return torch.stack(logits), (None if self.feature_layers is None else torch.stack(feats))
+
+    @torch.no_grad()
+    def features(self, tokens: list[int]) -> torch.Tensor | None:
+        if self.feature_layers is None:
+            return None
+        out = self.model(input_ids=torch.tensor([tokens], device=self.device), output_hidden_states=True)
+        return self._features(out)[0]
 
     @torch.no_grad()
     def commit(self, slots, cache_lens, accepted_nodes):

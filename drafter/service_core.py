@@ -1,0 +1,37 @@
+"""What every drafter adapter (in-process link, Ray actor, gRPC servicer) does: translate the
+link messages of router/links.py into engine calls and back. No model logic here."""
+
+from __future__ import annotations
+
+from router.links import DrafterPrefillItem, EngineInfo, ExtendItem, Tag
+from spectandem.messages import DraftTree, VerifyOutput
+
+
+def drafter_prefill(engine, items: list[DrafterPrefillItem]) -> list[str]:
+    engine.add_many([(i.tag.request_id, i.prompt_ids, i.first_token_id, i.params, i.seed, i.features, i.tag.epoch)
+                     for i in items])
+    return []
+
+
+def drafter_draft(engine, tags: list[Tag]) -> DraftTree:
+    for t in tags:
+        engine.check_tag(t.request_id, t.epoch, t.committed_len)
+    return engine.draft([t.request_id for t in tags])
+
+
+def drafter_extend(engine, items: list[ExtendItem]) -> list[str]:
+    """Catch-up; returns the ids this drafter does not hold (it restarted: re-prefill them)."""
+    unknown = [i.tag.request_id for i in items if i.tag.request_id not in engine.requests]
+    known = [i for i in items if i.tag.request_id in engine.requests]
+    for i in known:
+        engine.check_tag(i.tag.request_id, i.tag.epoch, i.tag.committed_len - len(i.token_ids))
+    engine.extend([VerifyOutput(request_id=i.tag.request_id, committed_len=i.tag.committed_len,
+                                token_ids=list(i.token_ids), num_accepted=len(i.token_ids) - 1,
+                                num_draft_tokens=0, features=i.features) for i in known])
+    return unknown
+
+
+def drafter_info(engine, model_name: str) -> EngineInfo:
+    cfg = engine.cfg
+    return EngineInfo(role="drafter", model=model_name, kind=cfg.method, vocab_size=0, max_len=0,
+                      max_slots=0, used_slots=len(engine.requests), feature_layers=engine.feature_layers)

@@ -1,0 +1,223 @@
+"""How the router reaches the drafter and the verifier: one small async interface, three
+implementations (in-process here; Ray actors in router/links_ray.py; gRPC stubs in
+router/links_grpc.py).
+
+The router deals in ids, tokens and counts. Tensors never pass through it as tensors: a draft
+tree and a request's features travel as opaque handles that one link returns and the other
+accepts (in-process: the objects; Ray: object refs, moved actor to actor by the object store;
+gRPC: serialized protobuf messages).
+
+Errors: a link raises `EngineUnavailable` when its engine cannot be reached or failed; the
+router then falls back (drafter) or fails the affected requests with UNAVAILABLE (verifier).
+A `StaleMessage` from an engine means a tag (epoch, committed length) did not match.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from dataclasses import dataclass, field
+from typing import Any, Protocol
+
+from spectandem.config import SamplingParams
+
+
+class EngineUnavailable(Exception):
+    """The engine behind a link is unreachable or failed."""
+
+
+@dataclass(frozen=True)
+class Tag:
+    request_id: str
+    epoch: int
+    committed_len: int
+
+
+@dataclass
+class VerifierPrefillItem:
+    tag: Tag                       # committed_len = prompt length
+    prompt_ids: list[int]
+    params: SamplingParams         # seed always set
+    seed: int
+
+
+@dataclass
+class VerifierPrefillResult:
+    tag: Tag                       # committed_len = prompt length + 1
+    first_token_id: int
+    features: Any                  # opaque handle for the drafter, or None
+
+
+@dataclass
+class PlainItem:
+    """A request decoded without a draft this round (its tree is just the root)."""
+
+    tag: Tag
+    last_token_id: int
+
+
+@dataclass
+class RoundResult:
+    tag: Tag                       # committed_len after the round
+    token_ids: list[int]
+    num_accepted: int
+    num_draft_tokens: int
+    features: Any                  # opaque handle for the drafter's catch-up, or None
+
+
+@dataclass
+class DrafterPrefillItem:
+    tag: Tag                       # committed_len = len(prompt_ids) + 1
+    prompt_ids: list[int]
+    first_token_id: int
+    params: SamplingParams
+    seed: int
+    features: Any
+
+
+@dataclass
+class ExtendItem:
+    tag: Tag                       # committed_len after the round
+    token_ids: list[int]
+    features: Any
+
+
+@dataclass
+class DraftHandle:
+    """A round's trees for `tags` (opaque `payload`)."""
+
+    tags: list[Tag]
+    payload: Any
+
+
+@dataclass
+class EngineInfo:
+    role: str
+    model: str
+    kind: str
+    vocab_size: int
+    max_len: int
+    max_slots: int
+    used_slots: int
+    feature_layers: Any = None
+    extra: dict = field(default_factory=dict)
+
+
+class VerifierLink(Protocol):
+    async def prefill(self, items: list[VerifierPrefillItem], want_features: bool) -> list[VerifierPrefillResult]: ...
+
+    async def verify(self, draft: DraftHandle | None, plain: list[PlainItem], want_features: bool) -> list[RoundResult]:
+        """Verifies the drafted trees and the plain rows in one batch; results in the order
+        draft.tags then plain."""
+
+    async def features(self, tag: Tag) -> Any:
+        """Features of every committed position but the last (to rebuild a drafter's state)."""
+
+    async def release(self, request_ids: list[str]) -> None: ...
+
+    async def info(self) -> EngineInfo: ...
+
+    async def close(self) -> None: ...
+
+
+class DrafterLink(Protocol):
+    async def prefill(self, items: list[DrafterPrefillItem]) -> list[str]:
+        """Returns the ids it did not take (none normally)."""
+
+    async def draft(self, tags: list[Tag]) -> DraftHandle: ...
+
+    async def extend(self, items: list[ExtendItem]) -> list[str]:
+        """Returns the request ids the drafter does not know (it restarted): re-prefill them."""
+
+    async def release(self, request_ids: list[str]) -> None: ...
+
+    async def info(self) -> EngineInfo: ...
+
+    async def close(self) -> None: ...
+
+
+# ----------------------------------------------------------------------------------------------
+# In-process links: the engines of this process, each call run in a worker thread so the event
+# loop keeps streaming while a forward runs.
+
+
+class LocalVerifierLink:
+    def __init__(self, engine, model_name: str = "target"):
+        self.engine, self.model_name = engine, model_name
+        self._lock = asyncio.Lock()
+
+    async def _run(self, fn, *args):
+        async with self._lock:
+            try:
+                return await asyncio.to_thread(fn, *args)
+            except (ValueError, KeyError):
+                raise
+            except Exception as exc:  # the engine itself failed: the router treats it as gone
+                raise EngineUnavailable(f"verifier failed: {exc}") from exc
+
+    async def prefill(self, items, want_features):
+        from verifier.service_core import verifier_prefill
+
+        return await self._run(verifier_prefill, self.engine, items, want_features)
+
+    async def verify(self, draft, plain, want_features):
+        from verifier.service_core import verifier_verify
+
+        return await self._run(verifier_verify, self.engine, draft.payload if draft else None,
+                               [d for d in (draft.tags if draft else [])], plain, want_features)
+
+    async def features(self, tag):
+        from verifier.service_core import verifier_features
+
+        return await self._run(verifier_features, self.engine, tag)
+
+    async def release(self, request_ids):
+        await self._run(lambda: [self.engine.release(r) for r in request_ids])
+
+    async def info(self):
+        from verifier.service_core import verifier_info
+
+        return verifier_info(self.engine, self.model_name)
+
+    async def close(self):
+        return None
+
+
+class LocalDrafterLink:
+    def __init__(self, engine, model_name: str = "draft"):
+        self.engine, self.model_name = engine, model_name
+        self._lock = asyncio.Lock()
+
+    async def _run(self, fn, *args):
+        async with self._lock:
+            try:
+                return await asyncio.to_thread(fn, *args)
+            except (ValueError, KeyError):
+                raise
+            except Exception as exc:
+                raise EngineUnavailable(f"drafter failed: {exc}") from exc
+
+    async def prefill(self, items):
+        from drafter.service_core import drafter_prefill
+
+        return await self._run(drafter_prefill, self.engine, items)
+
+    async def draft(self, tags):
+        from drafter.service_core import drafter_draft
+
+        return DraftHandle(tags, await self._run(drafter_draft, self.engine, tags))
+
+    async def extend(self, items):
+        from drafter.service_core import drafter_extend
+
+        return await self._run(drafter_extend, self.engine, items)
+
+    async def release(self, request_ids):
+        await self._run(lambda: [self.engine.remove(r) for r in request_ids])
+
+    async def info(self):
+        from drafter.service_core import drafter_info
+
+        return drafter_info(self.engine, self.model_name)
+
+    async def close(self):
+        return None

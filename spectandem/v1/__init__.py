@@ -1,0 +1,1 @@
+"""Generated from proto/spectandem/v1 by `python -m spectandem.genproto`; do not edit."""

@@ -1,0 +1,192 @@
+from spectandem.v1 import common_pb2 as _common_pb2
+from google.protobuf.internal import containers as _containers
+from google.protobuf import descriptor as _descriptor
+from google.protobuf import message as _message
+from collections.abc import Iterable as _Iterable, Mapping as _Mapping
+from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
+
+DESCRIPTOR: _descriptor.FileDescriptor
+
+class VerifierPrefillItem(_message.Message):
+    __slots__ = ("tag", "prompt_ids", "params")
+    TAG_FIELD_NUMBER: _ClassVar[int]
+    PROMPT_IDS_FIELD_NUMBER: _ClassVar[int]
+    PARAMS_FIELD_NUMBER: _ClassVar[int]
+    tag: _common_pb2.RequestTag
+    prompt_ids: _containers.RepeatedScalarFieldContainer[int]
+    params: _common_pb2.SamplingParams
+    def __init__(self, tag: _Optional[_Union[_common_pb2.RequestTag, _Mapping]] = ..., prompt_ids: _Optional[_Iterable[int]] = ..., params: _Optional[_Union[_common_pb2.SamplingParams, _Mapping]] = ...) -> None: ...
+
+class VerifierPrefillRequest(_message.Message):
+    __slots__ = ("items", "want_features")
+    ITEMS_FIELD_NUMBER: _ClassVar[int]
+    WANT_FEATURES_FIELD_NUMBER: _ClassVar[int]
+    items: _containers.RepeatedCompositeFieldContainer[VerifierPrefillItem]
+    want_features: bool
+    def __init__(self, items: _Optional[_Iterable[_Union[VerifierPrefillItem, _Mapping]]] = ..., want_features: _Optional[bool] = ...) -> None: ...
+
+class VerifierPrefillResult(_message.Message):
+    __slots__ = ("tag", "first_token_id", "features")
+    TAG_FIELD_NUMBER: _ClassVar[int]
+    FIRST_TOKEN_ID_FIELD_NUMBER: _ClassVar[int]
+    FEATURES_FIELD_NUMBER: _ClassVar[int]
+    tag: _common_pb2.RequestTag
+    first_token_id: int
+    features: _common_pb2.Tensor
+    def __init__(self, tag: _Optional[_Union[_common_pb2.RequestTag, _Mapping]] = ..., first_token_id: _Optional[int] = ..., features: _Optional[_Union[_common_pb2.Tensor, _Mapping]] = ...) -> None: ...
+
+class VerifierPrefillReply(_message.Message):
+    __slots__ = ("results",)
+    RESULTS_FIELD_NUMBER: _ClassVar[int]
+    results: _containers.RepeatedCompositeFieldContainer[VerifierPrefillResult]
+    def __init__(self, results: _Optional[_Iterable[_Union[VerifierPrefillResult, _Mapping]]] = ...) -> None: ...
+
+class DraftTreeMsg(_message.Message):
+    __slots__ = ("tags", "token_ids", "parents", "node_valid", "scores", "draft_probs", "sampled")
+    TAGS_FIELD_NUMBER: _ClassVar[int]
+    TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
+    PARENTS_FIELD_NUMBER: _ClassVar[int]
+    NODE_VALID_FIELD_NUMBER: _ClassVar[int]
+    SCORES_FIELD_NUMBER: _ClassVar[int]
+    DRAFT_PROBS_FIELD_NUMBER: _ClassVar[int]
+    SAMPLED_FIELD_NUMBER: _ClassVar[int]
+    tags: _containers.RepeatedCompositeFieldContainer[_common_pb2.RequestTag]
+    token_ids: _common_pb2.Tensor
+    parents: _common_pb2.Tensor
+    node_valid: _common_pb2.Tensor
+    scores: _common_pb2.Tensor
+    draft_probs: _common_pb2.Tensor
+    sampled: _containers.RepeatedScalarFieldContainer[bool]
+    def __init__(self, tags: _Optional[_Iterable[_Union[_common_pb2.RequestTag, _Mapping]]] = ..., token_ids: _Optional[_Union[_common_pb2.Tensor, _Mapping]] = ..., parents: _Optional[_Union[_common_pb2.Tensor, _Mapping]] = ..., node_valid: _Optional[_Union[_common_pb2.Tensor, _Mapping]] = ..., scores: _Optional[_Union[_common_pb2.Tensor, _Mapping]] = ..., draft_probs: _Optional[_Union[_common_pb2.Tensor, _Mapping]] = ..., sampled: _Optional[_Iterable[bool]] = ...) -> None: ...
+
+class VerifyRequest(_message.Message):
+    __slots__ = ("tree", "want_features")
+    TREE_FIELD_NUMBER: _ClassVar[int]
+    WANT_FEATURES_FIELD_NUMBER: _ClassVar[int]
+    tree: DraftTreeMsg
+    want_features: bool
+    def __init__(self, tree: _Optional[_Union[DraftTreeMsg, _Mapping]] = ..., want_features: _Optional[bool] = ...) -> None: ...
+
+class VerifyResultMsg(_message.Message):
+    __slots__ = ("tag", "token_ids", "num_accepted", "num_draft_tokens", "features")
+    TAG_FIELD_NUMBER: _ClassVar[int]
+    TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
+    NUM_ACCEPTED_FIELD_NUMBER: _ClassVar[int]
+    NUM_DRAFT_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    FEATURES_FIELD_NUMBER: _ClassVar[int]
+    tag: _common_pb2.RequestTag
+    token_ids: _containers.RepeatedScalarFieldContainer[int]
+    num_accepted: int
+    num_draft_tokens: int
+    features: _common_pb2.Tensor
+    def __init__(self, tag: _Optional[_Union[_common_pb2.RequestTag, _Mapping]] = ..., token_ids: _Optional[_Iterable[int]] = ..., num_accepted: _Optional[int] = ..., num_draft_tokens: _Optional[int] = ..., features: _Optional[_Union[_common_pb2.Tensor, _Mapping]] = ...) -> None: ...
+
+class VerifyReply(_message.Message):
+    __slots__ = ("results",)
+    RESULTS_FIELD_NUMBER: _ClassVar[int]
+    results: _containers.RepeatedCompositeFieldContainer[VerifyResultMsg]
+    def __init__(self, results: _Optional[_Iterable[_Union[VerifyResultMsg, _Mapping]]] = ...) -> None: ...
+
+class FeaturesRequest(_message.Message):
+    __slots__ = ("tag",)
+    TAG_FIELD_NUMBER: _ClassVar[int]
+    tag: _common_pb2.RequestTag
+    def __init__(self, tag: _Optional[_Union[_common_pb2.RequestTag, _Mapping]] = ...) -> None: ...
+
+class FeaturesReply(_message.Message):
+    __slots__ = ("features",)
+    FEATURES_FIELD_NUMBER: _ClassVar[int]
+    features: _common_pb2.Tensor
+    def __init__(self, features: _Optional[_Union[_common_pb2.Tensor, _Mapping]] = ...) -> None: ...
+
+class ReleaseRequest(_message.Message):
+    __slots__ = ("request_ids",)
+    REQUEST_IDS_FIELD_NUMBER: _ClassVar[int]
+    request_ids: _containers.RepeatedScalarFieldContainer[str]
+    def __init__(self, request_ids: _Optional[_Iterable[str]] = ...) -> None: ...
+
+class ReleaseReply(_message.Message):
+    __slots__ = ("released",)
+    RELEASED_FIELD_NUMBER: _ClassVar[int]
+    released: int
+    def __init__(self, released: _Optional[int] = ...) -> None: ...
+
+class DrafterPrefillItem(_message.Message):
+    __slots__ = ("tag", "prompt_ids", "first_token_id", "params", "features")
+    TAG_FIELD_NUMBER: _ClassVar[int]
+    PROMPT_IDS_FIELD_NUMBER: _ClassVar[int]
+    FIRST_TOKEN_ID_FIELD_NUMBER: _ClassVar[int]
+    PARAMS_FIELD_NUMBER: _ClassVar[int]
+    FEATURES_FIELD_NUMBER: _ClassVar[int]
+    tag: _common_pb2.RequestTag
+    prompt_ids: _containers.RepeatedScalarFieldContainer[int]
+    first_token_id: int
+    params: _common_pb2.SamplingParams
+    features: _common_pb2.Tensor
+    def __init__(self, tag: _Optional[_Union[_common_pb2.RequestTag, _Mapping]] = ..., prompt_ids: _Optional[_Iterable[int]] = ..., first_token_id: _Optional[int] = ..., params: _Optional[_Union[_common_pb2.SamplingParams, _Mapping]] = ..., features: _Optional[_Union[_common_pb2.Tensor, _Mapping]] = ...) -> None: ...
+
+class DrafterPrefillRequest(_message.Message):
+    __slots__ = ("items",)
+    ITEMS_FIELD_NUMBER: _ClassVar[int]
+    items: _containers.RepeatedCompositeFieldContainer[DrafterPrefillItem]
+    def __init__(self, items: _Optional[_Iterable[_Union[DrafterPrefillItem, _Mapping]]] = ...) -> None: ...
+
+class DraftRequest(_message.Message):
+    __slots__ = ("tags",)
+    TAGS_FIELD_NUMBER: _ClassVar[int]
+    tags: _containers.RepeatedCompositeFieldContainer[_common_pb2.RequestTag]
+    def __init__(self, tags: _Optional[_Iterable[_Union[_common_pb2.RequestTag, _Mapping]]] = ...) -> None: ...
+
+class DraftReply(_message.Message):
+    __slots__ = ("tree",)
+    TREE_FIELD_NUMBER: _ClassVar[int]
+    tree: DraftTreeMsg
+    def __init__(self, tree: _Optional[_Union[DraftTreeMsg, _Mapping]] = ...) -> None: ...
+
+class ExtendItem(_message.Message):
+    __slots__ = ("tag", "token_ids", "features")
+    TAG_FIELD_NUMBER: _ClassVar[int]
+    TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
+    FEATURES_FIELD_NUMBER: _ClassVar[int]
+    tag: _common_pb2.RequestTag
+    token_ids: _containers.RepeatedScalarFieldContainer[int]
+    features: _common_pb2.Tensor
+    def __init__(self, tag: _Optional[_Union[_common_pb2.RequestTag, _Mapping]] = ..., token_ids: _Optional[_Iterable[int]] = ..., features: _Optional[_Union[_common_pb2.Tensor, _Mapping]] = ...) -> None: ...
+
+class ExtendRequest(_message.Message):
+    __slots__ = ("items",)
+    ITEMS_FIELD_NUMBER: _ClassVar[int]
+    items: _containers.RepeatedCompositeFieldContainer[ExtendItem]
+    def __init__(self, items: _Optional[_Iterable[_Union[ExtendItem, _Mapping]]] = ...) -> None: ...
+
+class DrafterReply(_message.Message):
+    __slots__ = ("unknown_request_ids",)
+    UNKNOWN_REQUEST_IDS_FIELD_NUMBER: _ClassVar[int]
+    unknown_request_ids: _containers.RepeatedScalarFieldContainer[str]
+    def __init__(self, unknown_request_ids: _Optional[_Iterable[str]] = ...) -> None: ...
+
+class EngineInfoRequest(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
+
+class EngineInfo(_message.Message):
+    __slots__ = ("role", "model", "kind", "vocab_size", "max_len", "max_slots", "used_slots", "feature_layers", "device")
+    ROLE_FIELD_NUMBER: _ClassVar[int]
+    MODEL_FIELD_NUMBER: _ClassVar[int]
+    KIND_FIELD_NUMBER: _ClassVar[int]
+    VOCAB_SIZE_FIELD_NUMBER: _ClassVar[int]
+    MAX_LEN_FIELD_NUMBER: _ClassVar[int]
+    MAX_SLOTS_FIELD_NUMBER: _ClassVar[int]
+    USED_SLOTS_FIELD_NUMBER: _ClassVar[int]
+    FEATURE_LAYERS_FIELD_NUMBER: _ClassVar[int]
+    DEVICE_FIELD_NUMBER: _ClassVar[int]
+    role: str
+    model: str
+    kind: str
+    vocab_size: int
+    max_len: int
+    max_slots: int
+    used_slots: int
+    feature_layers: str
+    device: str
+    def __init__(self, role: _Optional[str] = ..., model: _Optional[str] = ..., kind: _Optional[str] = ..., vocab_size: _Optional[int] = ..., max_len: _Optional[int] = ..., max_slots: _Optional[int] = ..., used_slots: _Optional[int] = ..., feature_layers: _Optional[str] = ..., device: _Optional[str] = ...) -> None: ...

@@ -1,0 +1,40 @@
+"""What every verifier adapter (in-process link, Ray actor, gRPC servicer) does: translate the
+link messages of router/links.py into engine calls and back. No model logic here."""
+
+from __future__ import annotations
+
+from router.links import EngineInfo, PlainItem, RoundResult, Tag, VerifierPrefillItem, VerifierPrefillResult
+from spectandem.messages import DraftTree, concat_trees, root_only_tree
+
+
+def verifier_prefill(engine, items: list[VerifierPrefillItem], want_features: bool) -> list[VerifierPrefillResult]:
+    outs = engine.prefill([i.tag.request_id for i in items], [i.prompt_ids for i in items],
+                          [i.params for i in items], [i.seed for i in items], [i.tag.epoch for i in items])
+    return [VerifierPrefillResult(Tag(i.tag.request_id, i.tag.epoch, len(i.prompt_ids) + 1), o.first_token_id,
+                                  o.features if want_features else None) for i, o in zip(items, outs)]
+
+
+def verifier_verify(engine, tree: DraftTree | None, tags: list[Tag], plain: list[PlainItem],
+                    want_features: bool) -> list[RoundResult]:
+    for t in tags + [p.tag for p in plain]:
+        engine.check_tag(t.request_id, t.epoch, t.committed_len)
+    rows = root_only_tree([p.tag.request_id for p in plain], [p.tag.committed_len for p in plain],
+                          [p.last_token_id for p in plain]) if plain else None
+    merged = tree if rows is None else (rows if tree is None else concat_trees(tree, rows))
+    epochs = {t.request_id: t.epoch for t in tags + [p.tag for p in plain]}
+    return [RoundResult(Tag(o.request_id, epochs[o.request_id], o.committed_len), o.token_ids, o.num_accepted,
+                        o.num_draft_tokens, o.features if want_features else None)
+            for o in engine.verify(merged)]
+
+
+def verifier_features(engine, tag: Tag):
+    engine.check_tag(tag.request_id, tag.epoch, tag.committed_len)
+    return engine.features(tag.request_id)
+
+
+def verifier_info(engine, model_name: str) -> EngineInfo:
+    runner = engine.runner
+    return EngineInfo(role="verifier", model=model_name, kind=type(runner).__name__,
+                      vocab_size=engine.vocab_size, max_len=engine.max_len,
+                      max_slots=len(engine.free_slots) + len(engine.requests), used_slots=len(engine.requests),
+                      feature_layers=runner.feature_layers)
