@@ -20,7 +20,7 @@ from dataclasses import dataclass, field
 import torch
 
 from spectandem.config import SamplingParams
-from spectandem.messages import root_only_tree
+from spectandem.messages import concat_trees, root_only_tree
 
 
 @dataclass
@@ -47,20 +47,26 @@ class Completion:
     stats: Stats = field(default_factory=Stats)
 
 
+def take_tokens(num_generated: int, tokens: list[int], params: SamplingParams, eos: tuple[int, ...],
+                committed_len: int, max_len: int) -> tuple[int, str | None]:
+    """How many of a round's `tokens` a completion keeps, and why it ends (None: it goes on).
+
+    It ends after a stop token (eos unless ignore_eos), at max_tokens, or when the committed
+    sequence fills the context. Shared by this loop and the router, so both stop alike."""
+    stops = set(params.stop_token_ids) | (set() if params.ignore_eos else set(eos))
+    for i, t in enumerate(tokens):
+        if t in stops:
+            return i + 1, "stop"
+        if num_generated + i + 1 >= params.max_tokens:
+            return i + 1, "length"
+    return len(tokens), ("length" if committed_len >= max_len else None)
+
+
 def _append(c: Completion, tokens: list[int], params: SamplingParams, eos: tuple[int, ...],
             committed_len: int, max_len: int) -> None:
-    """Commit tokens to the completion, ending it on a stop token, max_tokens or a full context."""
-    stops = set(params.stop_token_ids) | (set() if params.ignore_eos else set(eos))
-    for t in tokens:
-        c.token_ids.append(t)
-        if t in stops:
-            c.finish_reason = "stop"
-            return
-        if len(c.token_ids) >= params.max_tokens:
-            c.finish_reason = "length"
-            return
-    if committed_len >= max_len:
-        c.finish_reason = "length"
+    n, reason = take_tokens(len(c.token_ids), tokens, params, eos, committed_len, max_len)
+    c.token_ids.extend(tokens[:n])
+    c.finish_reason = reason
 
 
 def generate(verifier, drafter, prompts: list[list[int]], params: list[SamplingParams],
@@ -80,18 +86,19 @@ def generate(verifier, drafter, prompts: list[list[int]], params: list[SamplingP
             drafter.add(out.request_id, c.prompt_ids, out.first_token_id, sp, seeds[ids.index(out.request_id)],
                         out.features)
     active = [rid for rid in ids if by_id[rid][0].finish_reason is None]
-    next_tree = None
+    next_tree = None  # fused mode: the next round's draft, made in the same step
     while active:
         lens = [verifier.committed_len(rid) for rid in active]
-        # Speculate only where the whole tree still fits in the context; else decode plainly.
-        room = all(n - 1 + lookahead <= verifier.max_len for n in lens)
-        if drafter is not None and room:
-            tree = next_tree.select(active) if next_tree is not None else drafter.draft(active)
-        else:
-            tree = root_only_tree(active, lens, [by_id[r][0].token_ids[-1] for r in active])
-        if fused is not None and tree.num_nodes > 1:
+        # Speculate where the whole round still fits in the context; the rest decode plainly.
+        fits = [rid for rid, n in zip(active, lens) if drafter is not None and n - 1 + lookahead <= verifier.max_len]
+        rest = [(rid, n) for rid, n in zip(active, lens) if rid not in fits]
+        plain = root_only_tree([r for r, _ in rest], [n for _, n in rest], [by_id[r][0].token_ids[-1] for r, _ in rest])
+        if fits and not rest and fused is not None:
+            tree = next_tree.select(fits) if next_tree is not None else drafter.draft(fits)
             outs, next_tree = fused(tree)
         else:
+            tree = drafter.draft(fits) if fits else None
+            tree = plain if tree is None else (tree if not rest else concat_trees(tree, plain))
             outs, next_tree = verifier.verify(tree), None
         still = []
         for out in outs:

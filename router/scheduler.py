@@ -1,0 +1,354 @@
+"""The router's round loop: admission, one batched verify per round, streaming, cancellation
+and drafter fallback.
+
+Invariants:
+- a request's committed length only grows; tokens are streamed once, in order, never taken back;
+- drafts are provisional until a verdict for their (epoch, committed length) arrives;
+- the verifier is never made to wait on a missing draft: a request without one decodes plainly
+  (its tree is just the root) in the same verify batch;
+- every admitted request ends in exactly one terminal event (finish or failure), and is released
+  on both sides.
+
+The drafter is optional at every moment: if it is absent, slow (no answer within
+`drafter_timeout`) or failing, the round goes on without it; the requests it held are marked
+unsynced and are re-prefilled on the drafter (from the verifier's recomputed features) once it
+answers again.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+import uuid
+from dataclasses import dataclass, field
+
+from router.detok import Detokenizer
+from router.links import (DrafterLink, DrafterPrefillItem, EngineUnavailable, ExtendItem, PlainItem, Tag,
+                          VerifierLink, VerifierPrefillItem)
+from spectandem.config import SamplingParams
+from spectandem.messages import StaleMessage
+from spectandem.reference import take_tokens
+
+log = logging.getLogger("spectandem.router")
+
+
+@dataclass
+class Chunk:
+    token_ids: list[int]
+    text: str
+    finish_reason: str | None = None
+    stats: dict | None = None
+    prompt_tokens: int = 0
+
+
+@dataclass
+class Failure:
+    code: str          # a grpc.StatusCode name: UNAVAILABLE, INTERNAL, RESOURCE_EXHAUSTED, ...
+    message: str
+
+
+@dataclass
+class ServedRequest:
+    request_id: str
+    prompt_ids: list[int]
+    params: SamplingParams
+    seed: int
+    detok: Detokenizer
+    epoch: int = 0
+    tokens: list[int] = field(default_factory=list)
+    events: asyncio.Queue = field(default_factory=asyncio.Queue)
+    done: bool = False
+    cancelled: bool = False
+    on_verifier: bool = False
+    on_drafter: bool = False         # the drafter holds this request's state, in sync
+    num_rounds: int = 0
+    draft_tokens: int = 0
+    accepted_tokens: int = 0
+    fallback_rounds: int = 0
+    started: float = field(default_factory=time.monotonic)
+
+    @property
+    def committed_len(self) -> int:
+        return len(self.prompt_ids) + len(self.tokens)
+
+    def tag(self) -> Tag:
+        return Tag(self.request_id, self.epoch, self.committed_len)
+
+    def stats(self) -> dict:
+        al = (self.accepted_tokens + self.num_rounds) / self.num_rounds if self.num_rounds else 0.0
+        return {"num_rounds": self.num_rounds, "draft_tokens": self.draft_tokens,
+                "accepted_tokens": self.accepted_tokens, "accept_length": round(al, 4),
+                "fallback_rounds": self.fallback_rounds}
+
+
+@dataclass(frozen=True, kw_only=True)
+class RouterConfig:
+    max_len: int                     # context length (prompt + completion)
+    eos_token_ids: tuple[int, ...]
+    lookahead: int                   # cache entries past the committed prefix a round may write
+    want_features: bool              # the drafter reads target features
+    max_running: int = 64            # requests in the running batch (engine slots)
+    drafter_timeout: float = 10.0    # seconds a drafter call may take before the round goes on without it
+    probe_interval: float = 1.0      # seconds between health probes of a failed engine
+
+
+class Router:
+    def __init__(self, verifier: VerifierLink, drafter: DrafterLink | None, tokenizer, cfg: RouterConfig):
+        self.verifier, self.drafter, self.tokenizer, self.cfg = verifier, drafter, tokenizer, cfg
+        self.waiting: list[ServedRequest] = []
+        self.running: list[ServedRequest] = []
+        self.serving = True                      # the verifier answers
+        self.drafter_up = drafter is not None
+        self._wake = asyncio.Event()
+        self._task: asyncio.Task | None = None
+        self._last_probe = 0.0
+        self.on_serving_change = None            # callback(bool), e.g. to update gRPC health
+
+    # ---------------------------------------------------------------- public side
+
+    def start(self) -> None:
+        self._task = asyncio.get_running_loop().create_task(self._loop())
+
+    async def stop(self) -> None:
+        if self._task:
+            self._task.cancel()
+            try:
+                await self._task
+            except asyncio.CancelledError:
+                pass
+        for r in self.waiting + self.running:
+            self._finish_failure(r, Failure("UNAVAILABLE", "server is shutting down"))
+        await self._release([r for r in self.running if r.on_verifier or r.on_drafter])
+
+    def submit(self, prompt_ids: list[int], params: SamplingParams, request_id: str | None = None) -> ServedRequest:
+        if not self.serving:
+            raise EngineUnavailable("the verifier is not available")
+        req = ServedRequest(request_id or uuid.uuid4().hex, list(prompt_ids), params, params.resolved_seed(),
+                            Detokenizer(self.tokenizer, params.stop))
+        self.waiting.append(req)
+        self._wake.set()
+        return req
+
+    def cancel(self, req: ServedRequest) -> None:
+        """Stops all work for the request (client cancel, disconnect or deadline)."""
+        if not req.done:
+            req.cancelled = True
+            req.done = True
+            req.events.put_nowait(Chunk([], "", finish_reason="abort", stats=req.stats()))
+            self._wake.set()
+
+    @property
+    def num_active(self) -> int:
+        return len(self.waiting) + len(self.running)
+
+    # ---------------------------------------------------------------- the loop
+
+    async def _loop(self) -> None:
+        while True:
+            if not self.waiting and not self.running:
+                self._wake.clear()
+                await self._wake.wait()
+            try:
+                await self._probe()
+                await self._admit()
+                await self._round()
+            except asyncio.CancelledError:
+                raise
+            except Exception as exc:  # a bug must not leave clients waiting forever
+                log.exception("round failed")
+                for r in self.running + self.waiting:
+                    self._finish_failure(r, Failure("INTERNAL", f"round failed: {exc}"))
+                await self._release(self.running)
+                self.running, self.waiting = [], []
+            await asyncio.sleep(0)
+
+    async def _probe(self) -> None:
+        """Health probes of failed engines, at most every probe_interval."""
+        now = time.monotonic()
+        if (self.serving and (self.drafter_up or self.drafter is None)) or now - self._last_probe < self.cfg.probe_interval:
+            return
+        self._last_probe = now
+        if not self.serving:
+            try:
+                await asyncio.wait_for(self.verifier.info(), self.cfg.probe_interval * 5)
+                self._set_serving(True)
+            except Exception:
+                pass
+        if self.drafter is not None and not self.drafter_up:
+            try:
+                await asyncio.wait_for(self.drafter.info(), self.cfg.drafter_timeout)
+                self.drafter_up = True
+                log.info("drafter is back; speculation resumes")
+            except Exception:
+                pass
+
+    def _set_serving(self, up: bool) -> None:
+        if up != self.serving:
+            self.serving = up
+            log.warning("verifier %s", "is back" if up else "is unavailable")
+            if self.on_serving_change:
+                self.on_serving_change(up)
+
+    async def _admit(self) -> None:
+        self.waiting = [r for r in self.waiting if not r.cancelled]
+        room = self.cfg.max_running - len(self.running)
+        batch, self.waiting = self.waiting[:room], self.waiting[room:]
+        if not batch:
+            return
+        items = [VerifierPrefillItem(Tag(r.request_id, r.epoch, len(r.prompt_ids)), r.prompt_ids, r.params, r.seed)
+                 for r in batch]
+        try:
+            results = await self.verifier.prefill(items, self.cfg.want_features)
+        except EngineUnavailable as exc:
+            self._verifier_failed(batch, exc)
+            return
+        for r in batch:
+            r.on_verifier = True
+        self.running.extend(batch)
+        features = {}
+        for r, res in zip(batch, results):
+            if self._commit(r, [res.first_token_id]):
+                features[r.request_id] = res.features
+        live = [r for r in batch if not r.done]
+        if self.drafter_up and live:
+            await self._drafter_prefill(live, [features[r.request_id] for r in live])
+        await self._release([r for r in batch if r.done])
+
+    async def _drafter_prefill(self, reqs: list[ServedRequest], features: list) -> None:
+        items = [DrafterPrefillItem(r.tag(), r.prompt_ids + r.tokens[:-1], r.tokens[-1], r.params, r.seed, f)
+                 for r, f in zip(reqs, features)]
+        try:
+            await asyncio.wait_for(self.drafter.prefill(items), self.cfg.drafter_timeout)
+            for r in reqs:
+                r.on_drafter = True
+        except (EngineUnavailable, asyncio.TimeoutError, StaleMessage) as exc:
+            self._drafter_failed(exc)
+
+    async def _round(self) -> None:
+        finished = [r for r in self.running if r.done]
+        self.running = [r for r in self.running if not r.done]
+        await self._release(finished)
+        if not self.running:
+            return
+        await self._resync()
+        fits = lambda r: r.committed_len - 1 + self.cfg.lookahead <= self.cfg.max_len
+        drafted = [r for r in self.running if self.drafter_up and r.on_drafter and fits(r)]
+        draft = None
+        if drafted:
+            try:
+                draft = await asyncio.wait_for(self.drafter.draft([r.tag() for r in drafted]), self.cfg.drafter_timeout)
+            except (EngineUnavailable, asyncio.TimeoutError, StaleMessage) as exc:
+                self._drafter_failed(exc)
+                drafted = []
+        plain_reqs = [r for r in self.running if r not in drafted]
+        plain = [PlainItem(r.tag(), r.tokens[-1]) for r in plain_reqs]
+        order = drafted + plain_reqs
+        try:
+            results = await self.verifier.verify(draft, plain, self.cfg.want_features)
+        except EngineUnavailable as exc:
+            self._verifier_failed(list(self.running), exc)
+            self.running = []
+            return
+        extend = []
+        for r, res in zip(order, results):
+            assert res.tag.request_id == r.request_id
+            r.num_rounds += 1
+            r.draft_tokens += res.num_draft_tokens
+            r.accepted_tokens += res.num_accepted
+            if r not in drafted and self.drafter is not None:
+                r.fallback_rounds += 1
+            going_on = self._commit(r, res.token_ids) if not r.done else False
+            if going_on and r.on_drafter and self.drafter_up:
+                extend.append(ExtendItem(Tag(r.request_id, r.epoch, r.committed_len), res.token_ids, res.features))
+            elif going_on:
+                r.on_drafter = False
+        if extend:
+            await self._extend(extend)
+
+    async def _extend(self, items: list[ExtendItem]) -> None:
+        try:
+            unknown = await asyncio.wait_for(self.drafter.extend(items), self.cfg.drafter_timeout)
+        except (EngineUnavailable, asyncio.TimeoutError, StaleMessage) as exc:
+            self._drafter_failed(exc)
+            return
+        for r in self.running:
+            if r.request_id in unknown:
+                r.on_drafter = False   # the drafter restarted: re-prefill it
+
+    async def _resync(self) -> None:
+        """Re-prefills, on a drafter that is (back) up, the requests it does not hold."""
+        if not self.drafter_up:
+            return
+        stale = [r for r in self.running if not r.on_drafter and not r.done]
+        if not stale:
+            return
+        feats = []
+        try:
+            for r in stale:
+                feats.append(await self.verifier.features(r.tag()) if self.cfg.want_features else None)
+        except EngineUnavailable as exc:
+            self._verifier_failed(list(self.running), exc)
+            self.running = []
+            return
+        await self._drafter_prefill(stale, feats)
+
+    # ---------------------------------------------------------------- helpers
+
+    def _commit(self, r: ServedRequest, tokens: list[int]) -> bool:
+        """Streams a round's tokens; returns True while the request goes on."""
+        if r.done:
+            return False
+        n, reason = take_tokens(len(r.tokens), tokens, r.params, self.cfg.eos_token_ids,
+                                r.committed_len + len(tokens), self.cfg.max_len)
+        new = tokens[:n]
+        r.tokens.extend(new)
+        text = r.detok.push(new)
+        if r.detok.stopped and reason is None:
+            reason = "stop"
+        first = r.num_rounds == 0 and len(r.tokens) == len(new)
+        if reason is None:
+            r.events.put_nowait(Chunk(new, text, prompt_tokens=len(r.prompt_ids) if first else 0))
+            return True
+        text += r.detok.flush()
+        r.done = True
+        r.events.put_nowait(Chunk(new, text, finish_reason=reason, stats=r.stats(),
+                                  prompt_tokens=len(r.prompt_ids) if first else 0))
+        return False
+
+    def _finish_failure(self, r: ServedRequest, failure: Failure) -> None:
+        if not r.done:
+            r.done = True
+            r.events.put_nowait(failure)
+
+    def _verifier_failed(self, reqs: list[ServedRequest], exc: Exception) -> None:
+        log.error("verifier failed: %s", exc)
+        for r in reqs + self.waiting:
+            self._finish_failure(r, Failure("UNAVAILABLE", f"the verifier is unavailable: {exc}"))
+        self.waiting = []
+        self._set_serving(False)
+        self._last_probe = time.monotonic()
+
+    def _drafter_failed(self, exc: Exception) -> None:
+        if self.drafter_up:
+            log.warning("drafter unavailable (%s): decoding without drafts", exc)
+        self.drafter_up = False
+        self._last_probe = time.monotonic()
+        for r in self.running:
+            r.on_drafter = False
+
+    async def _release(self, reqs: list[ServedRequest]) -> None:
+        ids_v = [r.request_id for r in reqs if r.on_verifier]
+        ids_d = [r.request_id for r in reqs if r.on_drafter]
+        for r in reqs:
+            r.on_verifier = r.on_drafter = False
+        if ids_v and self.serving:
+            try:
+                await self.verifier.release(ids_v)
+            except EngineUnavailable:
+                pass
+        if ids_d and self.drafter_up:
+            try:
+                await asyncio.wait_for(self.drafter.release(ids_d), self.cfg.drafter_timeout)
+            except (EngineUnavailable, asyncio.TimeoutError):
+                self._drafter_failed(EngineUnavailable("release failed"))
