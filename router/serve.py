@@ -131,7 +131,10 @@ async def _wait_ready(link, what: str, timeout: float = 300.0):
             await asyncio.sleep(0.5)
 
 
-async def serve_async(args, ready_message=True, stop_event: asyncio.Event | None = None) -> None:
+async def serve_async(args, ready_message=True, stop_event: asyncio.Event | None = None,
+                      state: dict | None = None) -> None:
+    """Runs until SIGINT/SIGTERM (or `stop_event`). `state`, when given, receives the router,
+    the links and the bound port once serving (for tests and embedding)."""
     from router.scheduler import Router, RouterConfig
     from router.server import Limits, start_server
     from spectandem.checkpoint import load_tokenizer, read_config
@@ -162,6 +165,8 @@ async def serve_async(args, ready_message=True, stop_event: asyncio.Event | None
                     max_message_bytes=limits.max_message_bytes, vocab_size=limits.vocab_size,
                     backend=args.backend, fused=cfg.fused)
         server, port = await start_server(router, tokenizer, limits, info, args.host, args.port)
+        if state is not None:
+            state.update(router=router, verifier=v, drafter=d, port=port)
         if ready_message:
             print(f"spectandem serving {info['target_model']} ({cfg.method}, backend {args.backend}) "
                   f"on {args.host}:{port}", flush=True)

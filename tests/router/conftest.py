@@ -1,0 +1,89 @@
+"""A served router in a background thread, for end-to-end tests over real gRPC."""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+import time
+
+import grpc
+import pytest
+
+from spectandem.v1 import common_pb2, generation_pb2, generation_pb2_grpc
+
+
+class Served:
+    def __init__(self, argv: list[str]):
+        from router.serve import serve_async
+        from spectandem.cli import build_parser
+
+        self.args = build_parser().parse_args(["serve", "--port", "0", *argv])
+        self.state: dict = {}
+        self.loop = asyncio.new_event_loop()
+        self.stop = None
+        self.error = None
+
+        def run():
+            asyncio.set_event_loop(self.loop)
+            self.stop = asyncio.Event()
+            try:
+                self.loop.run_until_complete(serve_async(self.args, ready_message=False, stop_event=self.stop,
+                                                         state=self.state))
+            except BaseException as exc:  # surfaced by wait_ready
+                self.error = exc
+
+        self.thread = threading.Thread(target=run, daemon=True)
+        self.thread.start()
+
+    def wait_ready(self, timeout: float = 180.0) -> "Served":
+        deadline = time.monotonic() + timeout
+        while "port" not in self.state:
+            if self.error is not None:
+                raise self.error
+            if time.monotonic() > deadline:
+                raise TimeoutError("server did not come up")
+            time.sleep(0.1)
+        self.address = f"localhost:{self.state['port']}"
+        self.channel = grpc.insecure_channel(self.address)
+        self.stub = generation_pb2_grpc.GenerationStub(self.channel)
+        return self
+
+    def run(self, coro):
+        """Runs a coroutine on the server's loop (to inspect router state safely)."""
+        return asyncio.run_coroutine_threadsafe(coro, self.loop).result(60)
+
+    def slots_in_use(self) -> tuple[int, int]:
+        async def q():
+            v = (await self.state["verifier"].info()).used_slots
+            d = (await self.state["drafter"].info()).used_slots if self.state["drafter"] else 0
+            return v, d
+        return self.run(q())
+
+    def close(self):
+        self.channel.close()
+        self.loop.call_soon_threadsafe(self.stop.set)
+        self.thread.join(60)
+
+
+def request(text=None, ids=None, **params) -> generation_pb2.GenerateRequest:
+    p = common_pb2.SamplingParams(**params)
+    if ids is not None:
+        return generation_pb2.GenerateRequest(token_ids=generation_pb2.TokenIds(ids=ids), params=p)
+    return generation_pb2.GenerateRequest(text=text, params=p)
+
+
+def collect(stub, req, timeout=120) -> tuple[list[int], str, str, object]:
+    toks, text, reason, stats = [], "", "", None
+    for chunk in stub.Generate(req, timeout=timeout):
+        toks += list(chunk.token_ids)
+        text += chunk.text
+        if chunk.finish_reason:
+            reason, stats = chunk.finish_reason, chunk.stats
+    return toks, text, reason, stats
+
+
+@pytest.fixture(scope="module")
+def local_server():
+    s = Served(["--backend", "local", "--max-len", "512", "--max-running", "64"]).wait_ready()
+    yield s
+    s.close()
