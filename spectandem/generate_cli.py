@@ -1,5 +1,5 @@
 """`spectandem generate`: one completion, in this process (no server address) with the demo
-pair when no model flags are given."""
+pair when no model flags are given, or from a server through the client SDK (`--address`)."""
 
 from __future__ import annotations
 
@@ -25,8 +25,14 @@ def add_model_flags(p: argparse.ArgumentParser) -> None:
 
 
 def add_generate(sub) -> None:
-    p = sub.add_parser("generate", help="generate a completion (in this process)")
+    p = sub.add_parser("generate", help="generate a completion (in this process, or from a server)")
     p.add_argument("prompt", help="prompt text")
+    p.add_argument("--address", default=None, metavar="HOST:PORT",
+                   help="ask this server instead of loading models here (the model flags are then ignored)")
+    p.add_argument("--stream", action="store_true",
+                   help="print text as it arrives (with --json: one JSON line per chunk, then the result); "
+                        "needs --address")
+    p.add_argument("--timeout", type=float, default=None, help="deadline in seconds (needs --address)")
     add_model_flags(p)
     p.add_argument("--max-tokens", type=int, default=64)
     p.add_argument("--temperature", type=float, default=0.0)
@@ -67,6 +73,10 @@ def _generate(args) -> int:
 
     params = SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature, top_p=args.top_p,
                             top_k=args.top_k, seed=args.seed, stop_token_ids=tuple(args.stop_token_ids))
+    if args.address is not None:
+        return _generate_remote(args, params)
+    if args.stream or args.timeout is not None:
+        raise ValueError("--stream and --timeout need --address (in-process generation runs to the end)")
     spec = build_local(args)
     prompt_ids = spec.tokenizer.encode(args.prompt).ids
     if not prompt_ids:
@@ -81,4 +91,36 @@ def _generate(args) -> int:
         print(f"\n[{args.method}] {len(c.token_ids)} tokens, finish_reason={c.finish_reason}, "
               f"rounds={s.num_rounds}, drafted={s.draft_tokens}, accepted={s.accepted_tokens}, "
               f"accept_length={s.accept_length:.2f}", file=sys.stderr)
+    return 0
+
+
+def _generate_remote(args, params) -> int:
+    from spectandem.client import Client, Completion, SpectandemError
+
+    chunks = []
+    if args.stream and not args.json:
+        sys.stdout.write(args.prompt)
+    try:
+        with Client(args.address, timeout=args.timeout) as client:
+            for chunk in client.stream(args.prompt, params):
+                chunks.append(chunk)
+                if args.stream and args.json:
+                    print(json.dumps({"text": chunk.text, "token_ids": chunk.token_ids,
+                                      "finish_reason": chunk.finish_reason, "stats": chunk.stats}), flush=True)
+                elif args.stream:
+                    sys.stdout.write(chunk.text)
+                    sys.stdout.flush()
+        c = Completion.from_chunks(chunks)
+    except SpectandemError as exc:  # one clear line, as for config errors
+        print(f"spectandem: error: {args.address}: {exc}", file=sys.stderr)
+        return 1
+    if args.json:
+        print(json.dumps({"text": c.text, "token_ids": c.token_ids, "finish_reason": c.finish_reason,
+                          "stats": c.stats}))
+        return 0
+    sys.stdout.write(("" if args.stream else args.prompt + c.text) + "\n")
+    s = c.stats
+    print(f"\n[{args.address}] {len(c.token_ids)} tokens, finish_reason={c.finish_reason}, "
+          f"rounds={s['num_rounds']}, drafted={s['draft_tokens']}, accepted={s['accepted_tokens']}, "
+          f"accept_length={s['accept_length']:.2f}", file=sys.stderr)
     return 0

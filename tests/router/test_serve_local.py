@@ -136,3 +136,29 @@ def test_health_and_reflection(local_server):
     assert "spectandem.v1.Generation" in names and "grpc.health.v1.Health" in names
     info = local_server.stub.GetModelInfo(generation_pb2.GetModelInfoRequest())
     assert info.method == "eagle3" and info.max_context == 512 and info.vocab_size == 4096
+
+
+def test_sdk_against_real_router(local_server, reference):
+    import asyncio
+
+    from spectandem import AsyncClient, Client, SamplingParams as SP
+
+    prompt = PROMPT_TEXTS[3]
+    ids = reference.tokenizer.encode(prompt).ids
+    expected = reference.generate([ids], [SP(max_tokens=20)])[0]
+    with Client(local_server.address, timeout=60) as client:
+        client.wait_for_ready(30)
+        done = client.generate(prompt, SP(max_tokens=20))
+        assert done.token_ids == expected.token_ids and done.finish_reason == expected.finish_reason
+        assert done.text == reference.tokenizer.decode(expected.token_ids)
+        chunks = list(client.stream(ids, SP(max_tokens=20)))
+        assert [t for c in chunks for t in c.token_ids] == expected.token_ids
+        assert client.model_info()["method"] == "eagle3"
+
+    async def run():
+        async with AsyncClient(local_server.address, timeout=60) as client:
+            got = []
+            async for c in client.stream(prompt, SP(max_tokens=20)):
+                got += c.token_ids
+            return got
+    assert asyncio.run(run()) == expected.token_ids
