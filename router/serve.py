@@ -31,6 +31,8 @@ def add_serve(sub) -> None:
     p.add_argument("--host", default="localhost")
     p.add_argument("--port", type=int, default=50051)
     p.add_argument("--max-running", type=int, default=64, help="requests in the running batch (engine slots)")
+    p.add_argument("--first-request", default=None, metavar="PROMPT",
+                   help="once serving, send this prompt through the client SDK and print the completion")
     p.add_argument("--drafter-timeout", type=float, default=10.0,
                    help="seconds a drafter call may take before rounds go on without it")
     p.set_defaults(func=_serve)
@@ -61,7 +63,8 @@ def _free_port() -> int:
 
 
 async def _build_links(args, cfg, target, draft):
-    """-> (verifier link, drafter link or None, cleanup coroutine function, backend name)."""
+    """-> (verifier link, drafter link or None, cleanup coroutine function, {role: Popen} of the
+    engine processes started here)."""
     import torch
 
     max_slots = args.max_running
@@ -76,7 +79,7 @@ async def _build_links(args, cfg, target, draft):
 
         async def cleanup():
             return None
-        return v, d, cleanup
+        return v, d, cleanup, {}
     if args.backend == "ray":
         from router.links_ray import ray_init, start_engines
 
@@ -86,10 +89,10 @@ async def _build_links(args, cfg, target, draft):
 
         async def cleanup():
             stop()
-        return v, d, cleanup
+        return v, d, cleanup, {}
     from router.links_grpc import GrpcDrafterLink, GrpcVerifierLink
 
-    procs: list[subprocess.Popen] = []
+    procs: dict[str, subprocess.Popen] = {}
     common = ["--method", cfg.method, "--num-steps", str(cfg.num_steps), "--topk", str(cfg.topk),
               "--num-draft-tokens", str(cfg.num_draft_tokens), "--device", args.device, "--dtype", args.dtype,
               "--max-slots", str(max_slots), "--target", target] + (["--draft", draft] if draft else []) + (
@@ -97,11 +100,11 @@ async def _build_links(args, cfg, target, draft):
     verifier_address, drafter_address = args.verifier_address, args.drafter_address
     if verifier_address is None:
         port = _free_port()
-        procs.append(subprocess.Popen([sys.executable, "-m", "verifier", "--port", str(port)] + common))
+        procs["verifier"] = subprocess.Popen([sys.executable, "-m", "verifier", "--port", str(port)] + common)
         verifier_address = f"localhost:{port}"
     if drafter_address is None and cfg.method != "none":
         port = _free_port()
-        procs.append(subprocess.Popen([sys.executable, "-m", "drafter", "--port", str(port)] + common))
+        procs["drafter"] = subprocess.Popen([sys.executable, "-m", "drafter", "--port", str(port)] + common)
         drafter_address = f"localhost:{port}"
     v = GrpcVerifierLink(verifier_address)
     d = GrpcDrafterLink(drafter_address) if drafter_address else None
@@ -110,14 +113,14 @@ async def _build_links(args, cfg, target, draft):
         await v.close()
         if d:
             await d.close()
-        for p in procs:
+        for p in procs.values():
             p.terminate()
-        for p in procs:
+        for p in procs.values():
             try:
                 p.wait(10)
             except subprocess.TimeoutExpired:
                 p.kill()
-    return v, d, cleanup
+    return v, d, cleanup, procs
 
 
 async def _wait_ready(link, what: str, timeout: float = 300.0):
@@ -144,7 +147,7 @@ async def serve_async(args, ready_message=True, stop_event: asyncio.Event | None
     tcfg = read_config(target)
     eos = tcfg.get("eos_token_id")
     eos_ids = tuple(eos) if isinstance(eos, list) else (() if eos is None else (int(eos),))
-    v, d, cleanup = await _build_links(args, cfg, target, draft)
+    v, d, cleanup, procs = await _build_links(args, cfg, target, draft)
     server = None
     router = None
     try:
@@ -166,10 +169,12 @@ async def serve_async(args, ready_message=True, stop_event: asyncio.Event | None
                     backend=args.backend, fused=cfg.fused)
         server, port = await start_server(router, tokenizer, limits, info, args.host, args.port)
         if state is not None:
-            state.update(router=router, verifier=v, drafter=d, port=port)
+            state.update(router=router, verifier=v, drafter=d, port=port, procs=procs)
         if ready_message:
             print(f"spectandem serving {info['target_model']} ({cfg.method}, backend {args.backend}) "
                   f"on {args.host}:{port}", flush=True)
+        if args.first_request:
+            asyncio.get_running_loop().create_task(_first_request(f"localhost:{port}", args.first_request))
         stop = stop_event or asyncio.Event()
         loop = asyncio.get_running_loop()
         for sig in (signal.SIGINT, signal.SIGTERM):
@@ -186,6 +191,21 @@ async def serve_async(args, ready_message=True, stop_event: asyncio.Event | None
         await cleanup()
         if ready_message:
             print("spectandem stopped", flush=True)
+
+
+async def _first_request(address: str, prompt: str) -> None:
+    """What a user's first call looks like: the SDK against the running server."""
+    from spectandem import AsyncClient, SamplingParams
+
+    try:
+        async with AsyncClient(address, timeout=120) as client:
+            done = await client.generate(prompt, SamplingParams(max_tokens=64))
+        s = done.stats
+        print(f"--- first request: {prompt!r}\n{prompt}{done.text}\n--- {len(done.token_ids)} tokens, "
+              f"finish_reason={done.finish_reason}, rounds={s['num_rounds']}, accepted={s['accepted_tokens']}"
+              f"/{s['draft_tokens']} drafted, accept_length={s['accept_length']:.2f}", flush=True)
+    except Exception as exc:
+        print(f"first request failed: {exc}", flush=True)
 
 
 def _serve(args) -> int:

@@ -33,13 +33,31 @@ def _train_draft(args) -> int:
     return 0
 
 
+def _add_services(sub) -> None:
+    """`spectandem verifier` / `spectandem drafter`: the engines as gRPC services (the demo pair
+    without model flags); the same flags as `python -m verifier` / `python -m drafter`."""
+    from drafter.service import add_drafter_args, run_drafter
+    from verifier.service import add_verifier_args, run_verifier
+
+    p = sub.add_parser("verifier", help="serve the target model as the Verifier gRPC service")
+    add_verifier_args(p)
+    p.set_defaults(func=run_verifier)
+    p = sub.add_parser("drafter", help="serve a draft head (or n-gram drafting) as the Drafter gRPC service")
+    add_drafter_args(p)
+    p.set_defaults(func=run_drafter)
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="spectandem", description=__doc__)
     sub = parser.add_subparsers(dest="command", required=True)
     from spectandem.generate_cli import add_generate
 
     add_generate(sub)
+    from router.serve import add_serve
+
+    add_serve(sub)
     _add_train_draft(sub)
+    _add_services(sub)
     return parser
 
 

@@ -59,13 +59,23 @@ class DraftTreeMsg(_message.Message):
     sampled: _containers.RepeatedScalarFieldContainer[bool]
     def __init__(self, tags: _Optional[_Iterable[_Union[_common_pb2.RequestTag, _Mapping]]] = ..., token_ids: _Optional[_Union[_common_pb2.Tensor, _Mapping]] = ..., parents: _Optional[_Union[_common_pb2.Tensor, _Mapping]] = ..., node_valid: _Optional[_Union[_common_pb2.Tensor, _Mapping]] = ..., scores: _Optional[_Union[_common_pb2.Tensor, _Mapping]] = ..., draft_probs: _Optional[_Union[_common_pb2.Tensor, _Mapping]] = ..., sampled: _Optional[_Iterable[bool]] = ...) -> None: ...
 
+class PlainItem(_message.Message):
+    __slots__ = ("tag", "last_token_id")
+    TAG_FIELD_NUMBER: _ClassVar[int]
+    LAST_TOKEN_ID_FIELD_NUMBER: _ClassVar[int]
+    tag: _common_pb2.RequestTag
+    last_token_id: int
+    def __init__(self, tag: _Optional[_Union[_common_pb2.RequestTag, _Mapping]] = ..., last_token_id: _Optional[int] = ...) -> None: ...
+
 class VerifyRequest(_message.Message):
-    __slots__ = ("tree", "want_features")
+    __slots__ = ("tree", "want_features", "plain")
     TREE_FIELD_NUMBER: _ClassVar[int]
     WANT_FEATURES_FIELD_NUMBER: _ClassVar[int]
+    PLAIN_FIELD_NUMBER: _ClassVar[int]
     tree: DraftTreeMsg
     want_features: bool
-    def __init__(self, tree: _Optional[_Union[DraftTreeMsg, _Mapping]] = ..., want_features: _Optional[bool] = ...) -> None: ...
+    plain: _containers.RepeatedCompositeFieldContainer[PlainItem]
+    def __init__(self, tree: _Optional[_Union[DraftTreeMsg, _Mapping]] = ..., want_features: _Optional[bool] = ..., plain: _Optional[_Iterable[_Union[PlainItem, _Mapping]]] = ...) -> None: ...
 
 class VerifyResultMsg(_message.Message):
     __slots__ = ("tag", "token_ids", "num_accepted", "num_draft_tokens", "features")

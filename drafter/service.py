@@ -1,0 +1,166 @@
+"""The drafter as a gRPC service (spectandem.v1.Drafter): a thin servicer that decodes the
+protobuf messages, calls drafter/service_core.py on a DrafterEngine and encodes the replies.
+
+    python -m drafter --target DIR --draft DIR --method eagle3 --num-steps 4 --port N
+
+EAGLE heads take their embeddings and lm_head from the target, so this process loads the target
+model too (its weights only; the verifier owns the target's KV). n-gram drafting needs no model.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import logging
+from pathlib import Path
+
+import torch
+
+from drafter.engine import DrafterEngine, build_proposer
+from drafter.service_core import drafter_draft, drafter_extend, drafter_info, drafter_prefill
+from spectandem import codec
+from spectandem.config import SpecConfig
+from spectandem.grpc_server import EngineCalls, EngineServer
+from spectandem.v1 import engines_pb2, engines_pb2_grpc
+
+SERVICE_NAME = engines_pb2.DESCRIPTOR.services_by_name["Drafter"].full_name
+
+
+class DrafterServicer(engines_pb2_grpc.DrafterServicer):
+    def __init__(self, engine: DrafterEngine, model_name: str = "draft", device: str = "cpu",
+                 max_slots: int = 0, max_len: int = 0):
+        self.engine, self.model_name, self.device = engine, model_name, device
+        self.max_slots, self.max_len = max_slots, max_len
+        self.calls = EngineCalls("drafter")
+
+    async def Prefill(self, request, context):
+        return await self.calls.run(context, self._prefill, request)
+
+    async def Draft(self, request, context):
+        return await self.calls.run(context, self._draft, request)
+
+    async def Extend(self, request, context):
+        return await self.calls.run(context, self._extend, request)
+
+    async def Release(self, request, context):
+        return await self.calls.run(context, self._release, request)
+
+    async def GetInfo(self, request, context):
+        return await self.calls.peek(context, self._info)
+
+    # The bodies run in the worker thread, one at a time (_info inline: it only reads counters).
+
+    def _prefill(self, request: engines_pb2.DrafterPrefillRequest) -> engines_pb2.DrafterReply:
+        items = [codec.drafter_prefill_item_from_msg(m) for m in request.items]
+        return engines_pb2.DrafterReply(unknown_request_ids=drafter_prefill(self.engine, items))
+
+    def _draft(self, request: engines_pb2.DraftRequest) -> engines_pb2.DraftReply:
+        tags = [codec.tag_from_msg(t) for t in request.tags]
+        if not tags:
+            raise ValueError("draft request has no requests")
+        tree = drafter_draft(self.engine, tags)
+        return engines_pb2.DraftReply(tree=codec.draft_tree_to_msg(tree, [t.epoch for t in tags]))
+
+    def _extend(self, request: engines_pb2.ExtendRequest) -> engines_pb2.DrafterReply:
+        items = [codec.extend_item_from_msg(m) for m in request.items]
+        return engines_pb2.DrafterReply(unknown_request_ids=drafter_extend(self.engine, items))
+
+    def _release(self, request: engines_pb2.ReleaseRequest) -> engines_pb2.ReleaseReply:
+        known = [r for r in request.request_ids if r in self.engine.requests]
+        for r in request.request_ids:
+            self.engine.remove(r)
+        return engines_pb2.ReleaseReply(released=len(known))
+
+    def _info(self) -> engines_pb2.EngineInfo:
+        info = drafter_info(self.engine, self.model_name)
+        info.max_slots, info.max_len = self.max_slots, self.max_len
+        info.extra["device"] = self.device
+        return codec.engine_info_to_msg(info)
+
+
+# ----------------------------------------------------------------------------------------------
+# Building the engine and serving it
+
+
+def build_drafter_engine(cfg: SpecConfig, target_dir: str | Path | None, draft_dir: str | Path | None,
+                         max_slots: int = 8, max_len: int | None = None, dtype: torch.dtype = torch.float32,
+                         device: str = "cpu") -> tuple[DrafterEngine, int]:
+    """-> (engine, context length: the verifier's for the same target and max_len, 0 when n-gram
+    drafting is given neither)."""
+    if cfg.method == "none":
+        raise ValueError("--method none has no drafter")
+    if cfg.fused:
+        raise ValueError("fused mode runs verify and extend in one process; it cannot be served as a drafter")
+    target, context = None, max_len or 0
+    if cfg.method != "ngram":
+        if target_dir is None:
+            raise ValueError(f"--method {cfg.method} needs --target (the head shares the target's weights)")
+        from verifier.runner import load_runner
+
+        # One slot: this runner is dropped at once; only the model's weights are kept.
+        runner, target = load_runner(target_dir, None, 1, max_len, dtype, device)
+        context = runner.max_len
+        del runner
+    elif target_dir is not None:
+        from spectandem.checkpoint import read_config
+
+        limit = int(read_config(target_dir).get("max_position_embeddings", 2048))
+        context = min(max_len or limit, limit)
+    proposer = build_proposer(cfg, target, draft_dir, max_slots, context, dtype, device)
+    return DrafterEngine(proposer, cfg), context
+
+
+async def start_drafter_server(engine: DrafterEngine, host: str = "127.0.0.1", port: int = 0,
+                               model_name: str = "draft", device: str = "cpu", max_slots: int = 0,
+                               max_len: int = 0) -> EngineServer:
+    """Serves `engine` from the running event loop; returns the started server (port 0: a free one)."""
+    servicer = DrafterServicer(engine, model_name, device, max_slots, max_len)
+    return await EngineServer.start(lambda s: engines_pb2_grpc.add_DrafterServicer_to_server(servicer, s),
+                                    SERVICE_NAME, host, port)
+
+
+def serve_drafter(cfg: SpecConfig, target_dir: str | Path | None, draft_dir: str | Path | None,
+                  host: str = "0.0.0.0", port: int = 50053, max_slots: int = 8, max_len: int | None = None,
+                  device: str = "cpu", dtype: torch.dtype = torch.float32) -> None:
+    """Loads the drafter, serves it until SIGTERM/SIGINT."""
+    engine, context = build_drafter_engine(cfg, target_dir, draft_dir, max_slots, max_len, dtype, device)
+    name = Path(draft_dir).name if draft_dir is not None else cfg.method
+
+    async def main():
+        server = await start_drafter_server(engine, host, port, name, device, max_slots, context)
+        print(f"spectandem drafter: {cfg.method} {name}, features "
+              f"{codec.feature_layers_to_str(engine.feature_layers)}, listening on {host}:{server.port}", flush=True)
+        await server.serve_until_signal()
+
+    asyncio.run(main())
+
+
+# ----------------------------------------------------------------------------------------------
+# Command line (python -m drafter, spectandem drafter)
+
+
+def add_drafter_args(p: argparse.ArgumentParser) -> None:
+    from spectandem.generate_cli import add_model_flags
+
+    add_model_flags(p)
+    p.add_argument("--max-slots", type=int, default=8, help="requests held at once")
+    p.add_argument("--host", default="0.0.0.0")
+    p.add_argument("--port", type=int, default=50053, help="0 picks a free port (printed)")
+
+
+def run_drafter(args: argparse.Namespace) -> int:
+    from spectandem.demo import demo_paths
+
+    cfg = SpecConfig(method=args.method, num_steps=args.num_steps, topk=args.topk,
+                     num_draft_tokens=args.num_draft_tokens, fused=args.fused,
+                     draft_sampling_min_temperature=args.draft_sampling_min_temperature)
+    target, draft = args.target, args.draft
+    if target is None:
+        target, demo_draft = demo_paths(args.method)
+        draft = draft or demo_draft
+    elif draft is None and args.method in ("eagle", "eagle3", "draft-model"):
+        raise ValueError(f"--method {args.method} with --target needs --draft")
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
+    serve_drafter(cfg, target, draft, args.host, args.port, args.max_slots, args.max_len, args.device,
+                  getattr(torch, args.dtype))
+    return 0

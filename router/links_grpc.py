@@ -1,0 +1,115 @@
+"""Links to a drafter and a verifier in other processes, over gRPC (spectandem.v1.Drafter and
+spectandem.v1.Verifier; servers: drafter/service.py, verifier/service.py).
+
+The router still never decodes a tensor: a verifier's features arrive as `Tensor` messages and
+are handed to the drafter unchanged, and a drafter's trees travel as the `DraftTreeMsg` inside
+`DraftHandle.payload` (serialized bytes through this process; decoded only by the verifier).
+
+Status codes -> link errors (servers: spectandem/grpc_server.py):
+    FAILED_PRECONDITION                      -> StaleMessage (a tag did not match)
+    INVALID_ARGUMENT                         -> ValueError
+    UNAVAILABLE, DEADLINE_EXCEEDED, CANCELLED,
+    INTERNAL, connection failure, any other  -> EngineUnavailable
+Every call has a deadline (`timeout_s`), so a dead or hung engine costs at most that long.
+"""
+
+from __future__ import annotations
+
+import asyncio
+
+import grpc
+
+from router.links import (DraftHandle, DrafterPrefillItem, EngineInfo, EngineUnavailable, ExtendItem, PlainItem,
+                          RoundResult, Tag, VerifierPrefillItem, VerifierPrefillResult)
+from spectandem import codec
+from spectandem.grpc_server import CHANNEL_OPTIONS
+from spectandem.messages import StaleMessage
+from spectandem.v1 import engines_pb2, engines_pb2_grpc
+
+
+class _GrpcLink:
+    role = "engine"
+
+    def __init__(self, address: str, timeout_s: float | None = 30.0):
+        """`address` is host:port; `timeout_s` the deadline of every call (None: none). Construct
+        links inside the event loop that uses them (grpc.aio channels belong to one loop)."""
+        self.address, self.timeout_s = address, timeout_s
+        self.channel = grpc.aio.insecure_channel(address, options=CHANNEL_OPTIONS)
+
+    async def _call(self, method, request):
+        try:
+            return await method(request, timeout=self.timeout_s)
+        except grpc.aio.AioRpcError as exc:
+            code, details = exc.code(), exc.details() or ""
+            if code == grpc.StatusCode.FAILED_PRECONDITION:
+                raise StaleMessage(details) from None
+            if code == grpc.StatusCode.INVALID_ARGUMENT:
+                raise ValueError(f"{self.role} at {self.address}: {details}") from None
+            raise EngineUnavailable(f"{self.role} at {self.address}: {code.name}: {details}") from exc
+
+    async def wait_ready(self, timeout_s: float) -> None:
+        """Waits until the channel connects (a server still loading its model is not there yet)."""
+        try:
+            await asyncio.wait_for(self.channel.channel_ready(), timeout_s)
+        except asyncio.TimeoutError:
+            raise EngineUnavailable(f"{self.role} at {self.address}: not reachable after {timeout_s} s") from None
+
+    async def close(self) -> None:
+        await self.channel.close()
+
+
+class GrpcVerifierLink(_GrpcLink):
+    role = "verifier"
+
+    def __init__(self, address: str, timeout_s: float | None = 30.0):
+        super().__init__(address, timeout_s)
+        self.stub = engines_pb2_grpc.VerifierStub(self.channel)
+
+    async def prefill(self, items: list[VerifierPrefillItem], want_features: bool) -> list[VerifierPrefillResult]:
+        request = engines_pb2.VerifierPrefillRequest(items=[codec.verifier_prefill_item_to_msg(i) for i in items],
+                                                     want_features=want_features)
+        reply = await self._call(self.stub.Prefill, request)
+        return [codec.verifier_prefill_result_from_msg(r) for r in reply.results]
+
+    async def verify(self, draft: DraftHandle | None, plain: list[PlainItem], want_features: bool) -> list[RoundResult]:
+        request = engines_pb2.VerifyRequest(tree=draft.payload if draft is not None else None,
+                                            plain=[codec.plain_item_to_msg(p) for p in plain],
+                                            want_features=want_features)
+        reply = await self._call(self.stub.Verify, request)
+        return [codec.round_result_from_msg(r) for r in reply.results]
+
+    async def features(self, tag: Tag):
+        reply = await self._call(self.stub.Features, engines_pb2.FeaturesRequest(tag=codec.tag_to_msg(tag)))
+        return reply.features if reply.HasField("features") else None
+
+    async def release(self, request_ids: list[str]) -> None:
+        await self._call(self.stub.Release, engines_pb2.ReleaseRequest(request_ids=request_ids))
+
+    async def info(self) -> EngineInfo:
+        return codec.engine_info_from_msg(await self._call(self.stub.GetInfo, engines_pb2.EngineInfoRequest()))
+
+
+class GrpcDrafterLink(_GrpcLink):
+    role = "drafter"
+
+    def __init__(self, address: str, timeout_s: float | None = 30.0):
+        super().__init__(address, timeout_s)
+        self.stub = engines_pb2_grpc.DrafterStub(self.channel)
+
+    async def prefill(self, items: list[DrafterPrefillItem]) -> list[str]:
+        request = engines_pb2.DrafterPrefillRequest(items=[codec.drafter_prefill_item_to_msg(i) for i in items])
+        return list((await self._call(self.stub.Prefill, request)).unknown_request_ids)
+
+    async def draft(self, tags: list[Tag]) -> DraftHandle:
+        reply = await self._call(self.stub.Draft, engines_pb2.DraftRequest(tags=[codec.tag_to_msg(t) for t in tags]))
+        return DraftHandle([codec.tag_from_msg(t) for t in reply.tree.tags], reply.tree)
+
+    async def extend(self, items: list[ExtendItem]) -> list[str]:
+        request = engines_pb2.ExtendRequest(items=[codec.extend_item_to_msg(i) for i in items])
+        return list((await self._call(self.stub.Extend, request)).unknown_request_ids)
+
+    async def release(self, request_ids: list[str]) -> None:
+        await self._call(self.stub.Release, engines_pb2.ReleaseRequest(request_ids=request_ids))
+
+    async def info(self) -> EngineInfo:
+        return codec.engine_info_from_msg(await self._call(self.stub.GetInfo, engines_pb2.EngineInfoRequest()))

@@ -1,0 +1,21 @@
+"""python -m verifier: serve the target model as the spectandem.v1.Verifier gRPC service."""
+
+import argparse
+import sys
+
+from verifier.service import add_verifier_args, run_verifier
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(prog="python -m verifier", description=__doc__)
+    add_verifier_args(p)
+    args = p.parse_args(argv)
+    try:
+        return run_verifier(args)
+    except ValueError as exc:  # config and input errors: one clear line, no traceback
+        print(f"verifier: error: {exc}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

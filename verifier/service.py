@@ -1,0 +1,169 @@
+"""The verifier as a gRPC service (spectandem.v1.Verifier): a thin servicer that decodes the
+protobuf messages, calls verifier/service_core.py on a VerifierEngine and encodes the replies.
+
+    python -m verifier --target DIR [--method eagle3 --draft DIR | --feature-layers 2,4,5] --port N
+
+The verifier returns the target features the drafter reads, so it must know which: given by
+--feature-layers ("none", "final" or comma-separated HuggingFace hidden-state indices), or
+derived from --method and the draft head's config.json.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import logging
+from pathlib import Path
+
+import torch
+
+from spectandem import codec
+from spectandem.grpc_server import EngineCalls, EngineServer
+from spectandem.v1 import engines_pb2, engines_pb2_grpc
+from verifier.engine import VerifierEngine
+from verifier.service_core import verifier_features, verifier_info, verifier_prefill, verifier_verify
+
+SERVICE_NAME = engines_pb2.DESCRIPTOR.services_by_name["Verifier"].full_name
+
+
+class VerifierServicer(engines_pb2_grpc.VerifierServicer):
+    def __init__(self, engine: VerifierEngine, model_name: str = "target", device: str = "cpu"):
+        self.engine, self.model_name, self.device = engine, model_name, device
+        self.calls = EngineCalls("verifier")
+
+    async def Prefill(self, request, context):
+        return await self.calls.run(context, self._prefill, request)
+
+    async def Verify(self, request, context):
+        return await self.calls.run(context, self._verify, request)
+
+    async def Features(self, request, context):
+        return await self.calls.run(context, self._features, request)
+
+    async def Release(self, request, context):
+        return await self.calls.run(context, self._release, request)
+
+    async def GetInfo(self, request, context):
+        return await self.calls.peek(context, self._info)
+
+    # The bodies run in the worker thread, one at a time (_info inline: it only reads counters).
+
+    def _prefill(self, request: engines_pb2.VerifierPrefillRequest) -> engines_pb2.VerifierPrefillReply:
+        items = [codec.verifier_prefill_item_from_msg(m) for m in request.items]
+        results = verifier_prefill(self.engine, items, request.want_features)
+        return engines_pb2.VerifierPrefillReply(results=[codec.verifier_prefill_result_to_msg(r) for r in results])
+
+    def _verify(self, request: engines_pb2.VerifyRequest) -> engines_pb2.VerifyReply:
+        tree, tags = codec.draft_tree_from_msg(request.tree) if request.HasField("tree") else (None, [])
+        plain = [codec.plain_item_from_msg(m) for m in request.plain]
+        if tree is None and not plain:
+            raise ValueError("verify request has neither a tree nor plain items")
+        results = verifier_verify(self.engine, tree, tags, plain, request.want_features)
+        return engines_pb2.VerifyReply(results=[codec.round_result_to_msg(r) for r in results])
+
+    def _features(self, request: engines_pb2.FeaturesRequest) -> engines_pb2.FeaturesReply:
+        feats = verifier_features(self.engine, codec.tag_from_msg(request.tag))
+        return engines_pb2.FeaturesReply(features=codec.optional_tensor_to_msg(feats))
+
+    def _release(self, request: engines_pb2.ReleaseRequest) -> engines_pb2.ReleaseReply:
+        known = [r for r in request.request_ids if r in self.engine.requests]
+        for r in known:
+            self.engine.release(r)
+        return engines_pb2.ReleaseReply(released=len(known))
+
+    def _info(self) -> engines_pb2.EngineInfo:
+        info = verifier_info(self.engine, self.model_name)
+        info.extra["device"] = self.device
+        return codec.engine_info_to_msg(info)
+
+
+# ----------------------------------------------------------------------------------------------
+# Building the engine and serving it
+
+
+def resolve_feature_layers(feature_layers: str | None, method: str, draft_dir: str | Path | None,
+                           target_dir: str | Path):
+    """What the drafter reads: None, "final" or HF hidden-state indices. An explicit
+    `feature_layers` string wins; else the method decides (EAGLE-3: the head's auxiliary layers,
+    read from its config.json without loading weights)."""
+    if feature_layers is not None:
+        return codec.feature_layers_from_str(feature_layers)
+    if method == "eagle":
+        return "final"
+    if method != "eagle3":
+        return None
+    if draft_dir is None:
+        raise ValueError("--method eagle3 needs --draft (to read the head's auxiliary layers) or --feature-layers")
+    from drafter.loader import aux_layers_from_config
+    from spectandem.checkpoint import read_config
+
+    num_layers = int(read_config(target_dir)["num_hidden_layers"])
+    return aux_layers_from_config(read_config(draft_dir), num_layers, str(Path(draft_dir) / "config.json"))
+
+
+def build_verifier_engine(target_dir: str | Path, feature_layers, max_slots: int = 8, max_len: int | None = None,
+                          dtype: torch.dtype = torch.float32, device: str = "cpu") -> VerifierEngine:
+    from spectandem.checkpoint import read_config
+    from verifier.runner import load_runner
+
+    runner, _ = load_runner(target_dir, feature_layers, max_slots, max_len, dtype, device)
+    return VerifierEngine(runner, max_slots, int(read_config(target_dir)["vocab_size"]))
+
+
+async def start_verifier_server(engine: VerifierEngine, host: str = "127.0.0.1", port: int = 0,
+                                model_name: str = "target", device: str = "cpu") -> EngineServer:
+    """Serves `engine` from the running event loop; returns the started server (port 0: a free one)."""
+    servicer = VerifierServicer(engine, model_name, device)
+    return await EngineServer.start(lambda s: engines_pb2_grpc.add_VerifierServicer_to_server(servicer, s),
+                                    SERVICE_NAME, host, port)
+
+
+def serve_verifier(target_dir: str | Path, method: str = "eagle3", draft_dir: str | Path | None = None,
+                   host: str = "0.0.0.0", port: int = 50052, max_slots: int = 8, max_len: int | None = None,
+                   device: str = "cpu", dtype: torch.dtype = torch.float32, feature_layers: str | None = None) -> None:
+    """Loads the target, serves it until SIGTERM/SIGINT. `draft_dir` is read only for the
+    feature layers (see resolve_feature_layers)."""
+    layers = resolve_feature_layers(feature_layers, method, draft_dir, target_dir)
+    engine = build_verifier_engine(target_dir, layers, max_slots, max_len, dtype, device)
+
+    async def main():
+        server = await start_verifier_server(engine, host, port, Path(target_dir).name, device)
+        print(f"spectandem verifier: {Path(target_dir).name}, features {codec.feature_layers_to_str(layers)}, "
+              f"listening on {host}:{server.port}", flush=True)
+        await server.serve_until_signal()
+
+    asyncio.run(main())
+
+
+# ----------------------------------------------------------------------------------------------
+# Command line (python -m verifier, spectandem verifier)
+
+
+def add_verifier_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--target", default=None, help="target checkpoint directory (default: the demo target)")
+    p.add_argument("--draft", default=None,
+                   help="the drafter's head directory, read for its feature layers (default: the demo's)")
+    p.add_argument("--method", choices=["eagle", "eagle3", "draft-model", "ngram", "none"], default="eagle3",
+                   help="the drafter's method: decides which target features are returned")
+    p.add_argument("--feature-layers", default=None,
+                   help='features the drafter reads: "none", "final" or comma-separated HF hidden-state indices '
+                        "(default: from --method and --draft)")
+    p.add_argument("--device", default="cpu")
+    p.add_argument("--dtype", choices=["float32", "bfloat16", "float16"], default="float32")
+    p.add_argument("--max-len", type=int, default=None, help="context length (default: the target's)")
+    p.add_argument("--max-slots", type=int, default=8, help="requests held at once")
+    p.add_argument("--host", default="0.0.0.0")
+    p.add_argument("--port", type=int, default=50052, help="0 picks a free port (printed)")
+
+
+def run_verifier(args: argparse.Namespace) -> int:
+    from spectandem.demo import demo_paths
+
+    target, draft = args.target, args.draft
+    if target is None:
+        target, demo_draft = demo_paths(args.method)
+        draft = draft or demo_draft
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
+    serve_verifier(target, args.method, draft, args.host, args.port, args.max_slots, args.max_len, args.device,
+                   getattr(torch, args.dtype), args.feature_layers)
+    return 0
