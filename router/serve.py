@@ -81,22 +81,28 @@ async def _build_links(args, cfg, target, draft):
             return None
         return v, d, cleanup, {}
     if args.backend == "ray":
+        import ray
+
         from router.links_ray import ray_init, start_engines
 
+        started_here = not ray.is_initialized() and args.ray_address is None
         ray_init(args.ray_address)
         v, d, stop = start_engines(target, draft, cfg, max_slots=max_slots, max_len=args.max_len,
-                                   device=args.device)
+                                   device=args.device, dtype=getattr(torch, args.dtype))
 
         async def cleanup():
             stop()
+            if started_here:  # a local cluster this command started: take it down too
+                ray.shutdown()
         return v, d, cleanup, {}
     from router.links_grpc import GrpcDrafterLink, GrpcVerifierLink
 
     procs: dict[str, subprocess.Popen] = {}
-    common = ["--method", cfg.method, "--num-steps", str(cfg.num_steps), "--topk", str(cfg.topk),
-              "--num-draft-tokens", str(cfg.num_draft_tokens), "--device", args.device, "--dtype", args.dtype,
-              "--max-slots", str(max_slots), "--target", target] + (["--draft", draft] if draft else []) + (
+    common = ["--method", cfg.method, "--device", args.device, "--dtype", args.dtype, "--max-slots", str(max_slots),
+              "--target", target] + (["--draft", draft] if draft else []) + (
               ["--max-len", str(args.max_len)] if args.max_len else [])
+    tree = ["--num-steps", str(cfg.num_steps), "--topk", str(cfg.topk), "--num-draft-tokens", str(cfg.num_draft_tokens),
+            "--draft-sampling-min-temperature", str(cfg.draft_sampling_min_temperature)]
     verifier_address, drafter_address = args.verifier_address, args.drafter_address
     if verifier_address is None:
         port = _free_port()
@@ -104,7 +110,7 @@ async def _build_links(args, cfg, target, draft):
         verifier_address = f"localhost:{port}"
     if drafter_address is None and cfg.method != "none":
         port = _free_port()
-        procs["drafter"] = subprocess.Popen([sys.executable, "-m", "drafter", "--port", str(port)] + common)
+        procs["drafter"] = subprocess.Popen([sys.executable, "-m", "drafter", "--port", str(port)] + common + tree)
         drafter_address = f"localhost:{port}"
     v = GrpcVerifierLink(verifier_address)
     d = GrpcDrafterLink(drafter_address) if drafter_address else None

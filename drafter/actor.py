@@ -1,0 +1,77 @@
+"""The drafter as a Ray actor: builds the engine from directories, then translates each call
+through drafter/service_core.py. No model logic here.
+
+Features arrive as ObjectRefs inside the items (put by the verifier actor); Ray resolves only
+top-level arguments, so they are fetched here, all of a call's at once. A round's DraftTree
+leaves as a task return that the caller owns: the router passes the ref on to the verifier
+unresolved, and the tree outlives a crash of this actor.
+
+Run with max_restarts=-1: a restart re-runs __init__ and comes back empty; `extend` then names
+the requests it does not hold and the router re-prefills them.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import replace
+from pathlib import Path
+
+import ray
+import torch
+
+from drafter.engine import DrafterEngine, build_proposer
+from drafter.service_core import drafter_draft, drafter_extend, drafter_info, drafter_prefill
+from router.links import DrafterPrefillItem, EngineInfo, ExtendItem, Tag
+from spectandem.config import SpecConfig
+from spectandem.messages import DraftTree
+from verifier.runner import load_runner
+
+
+def _resolve_features(items: list):
+    """The items with each ObjectRef `features` replaced by its tensor (one ray.get for all)."""
+    refs = [i.features for i in items if isinstance(i.features, ray.ObjectRef)]
+    values = iter(ray.get(refs))
+    return [replace(i, features=next(values)) if isinstance(i.features, ray.ObjectRef) else i for i in items]
+
+
+@ray.remote
+class DrafterActor:
+    def __init__(self, target_dir: str | Path, draft_dir: str | Path | None, cfg: SpecConfig, max_slots: int,
+                 max_len: int | None, dtype: torch.dtype = torch.float32, device: str = "cpu",
+                 force_hf_target: bool = False, model_name: str = "draft", num_threads: int = 1):
+        torch.set_num_threads(num_threads)
+        # EAGLE heads take embeddings and lm_head from the target, and the context length comes
+        # from the same rule as the verifier's: load it through the runner loader (one slot of
+        # cache, dropped with the runner).
+        runner, target = load_runner(target_dir, None, 1, max_len, dtype, device, force_hf_target)
+        proposer = build_proposer(cfg, target, draft_dir, max_slots, runner.max_len, dtype, device)
+        if proposer is None:
+            raise ValueError(f"method {cfg.method!r} has no drafter")
+        self.engine = DrafterEngine(proposer, cfg)
+        self.model_name = model_name
+
+    def prefill(self, items: list[DrafterPrefillItem]) -> list[str]:
+        return drafter_prefill(self.engine, _resolve_features(items))
+
+    @ray.method(num_returns=2)
+    def draft(self, tags: list[Tag]) -> tuple[DraftTree, None]:
+        """(the round's trees, a done marker): the caller awaits the marker, which raises as the
+        call failed, and forwards the tree's ref without fetching it."""
+        return drafter_draft(self.engine, tags), None
+
+    def extend(self, items: list[ExtendItem]) -> list[str]:
+        """Catch-up; returns the ids this drafter does not hold (it restarted)."""
+        return drafter_extend(self.engine, _resolve_features(items))
+
+    def release(self, request_ids: list[str]) -> None:
+        for rid in request_ids:
+            self.engine.remove(rid)
+
+    def info(self) -> EngineInfo:
+        info = drafter_info(self.engine, self.model_name)
+        ctx = ray.get_runtime_context()
+        info.extra.update(pid=os.getpid(), node_id=ctx.get_node_id(), placement_group_id=ctx.get_placement_group_id())
+        return info
+
+    def ping(self) -> bool:
+        return True

@@ -1,0 +1,200 @@
+"""The router's links to a verifier actor and a drafter actor on a Ray cluster.
+
+Handles are object refs: a DraftHandle's payload is the ref of the drafter's DraftTree, passed
+unresolved to the verifier's `verify` (Ray resolves it there); every `features` the verifier
+returns is the ref of a tensor in the object store, passed on inside the drafter's items. The
+router awaits only small results (ids, tokens, counts, refs).
+
+Errors, mapped in one place (`_call`): the actor died, is restarting or is unreachable, a call
+timed out, or the engine failed inside -> EngineUnavailable; a ValueError or KeyError raised by
+the engine (StaleMessage included) -> re-raised as itself.
+
+Calls are at most once (max_task_retries 0): verify, draft and extend change KV state, so a
+blind retry would corrupt it; the router retries with epochs instead. The verifier is not
+restarted (its KV is the requests' truth; losing it fails them); the drafter restarts empty and
+says so through `extend`.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from pathlib import Path
+from typing import Callable
+
+import ray
+import torch
+from ray.util.placement_group import placement_group, remove_placement_group
+from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
+
+from drafter.actor import DrafterActor
+from router.links import (DraftHandle, DrafterPrefillItem, EngineInfo, EngineUnavailable, ExtendItem, PlainItem,
+                          RoundResult, Tag, VerifierPrefillItem, VerifierPrefillResult)
+from spectandem.config import SpecConfig
+from verifier.actor import VerifierActor
+
+
+def ray_init(address: str | None, num_cpus: int | None = None) -> None:
+    """Joins the cluster at `address` ("auto": the one this node belongs to), or starts a local
+    one when None. Does nothing when Ray is already initialized."""
+    if ray.is_initialized():
+        return
+    if address:
+        ray.init(address=address)
+    else:
+        # "local" explicitly: never join whatever RAY_ADDRESS the environment happens to name.
+        ray.init(address="local", num_cpus=num_cpus, include_dashboard=False, log_to_driver=False)
+
+
+async def _call(ref, role: str, timeout_s: float | None):
+    """Awaits one actor call, mapping Ray's failures to the link errors."""
+    try:
+        return await asyncio.wait_for(_awaited(ref), timeout_s)
+    except ray.exceptions.RayTaskError as exc:  # raised inside the actor's method
+        cause = exc.cause
+        if isinstance(cause, (ValueError, KeyError)):
+            raise cause from exc  # StaleMessage stays a StaleMessage
+        raise EngineUnavailable(f"{role} failed: {cause!r}") from exc
+    except ray.exceptions.RayError as exc:  # died, restarting, unreachable, its objects lost
+        raise EngineUnavailable(f"{role} is unavailable: {type(exc).__name__}: {exc}") from exc
+    except asyncio.TimeoutError as exc:
+        raise EngineUnavailable(f"{role} did not answer within {timeout_s} s") from exc
+
+
+async def _awaited(ref):
+    return await ref
+
+
+class RayVerifierLink:
+    def __init__(self, actor, call_timeout_s: float | None = 120.0):
+        self.actor, self.call_timeout_s = actor, call_timeout_s
+
+    def _call(self, ref):
+        return _call(ref, "verifier", self.call_timeout_s)
+
+    async def prefill(self, items: list[VerifierPrefillItem], want_features: bool) -> list[VerifierPrefillResult]:
+        return await self._call(self.actor.prefill.remote(items, want_features))
+
+    async def verify(self, draft: DraftHandle | None, plain: list[PlainItem], want_features: bool) -> list[RoundResult]:
+        tree_ref, tags = (draft.payload, list(draft.tags)) if draft is not None else (None, [])
+        return await self._call(self.actor.verify.remote(tree_ref, tags, plain, want_features))
+
+    async def features(self, tag: Tag):
+        return await self._call(self.actor.features.remote(tag))
+
+    async def release(self, request_ids: list[str]) -> None:
+        await self._call(self.actor.release.remote(list(request_ids)))
+
+    async def info(self) -> EngineInfo:
+        return await self._call(self.actor.info.remote())
+
+    async def ping(self) -> bool:
+        return await self._call(self.actor.ping.remote())
+
+    async def close(self) -> None:
+        return None  # the actors belong to start_engines' cleanup
+
+
+class RayDrafterLink:
+    def __init__(self, actor, call_timeout_s: float | None = 120.0):
+        self.actor, self.call_timeout_s = actor, call_timeout_s
+
+    def _call(self, ref):
+        return _call(ref, "drafter", self.call_timeout_s)
+
+    async def prefill(self, items: list[DrafterPrefillItem]) -> list[str]:
+        return await self._call(self.actor.prefill.remote(items))
+
+    async def draft(self, tags: list[Tag]) -> DraftHandle:
+        tree_ref, done = self.actor.draft.remote(list(tags))
+        await self._call(done)  # raises as the draft failed; the tree itself stays in Ray
+        return DraftHandle(list(tags), tree_ref)
+
+    async def extend(self, items: list[ExtendItem]) -> list[str]:
+        return await self._call(self.actor.extend.remote(items))
+
+    async def release(self, request_ids: list[str]) -> None:
+        await self._call(self.actor.release.remote(list(request_ids)))
+
+    async def info(self) -> EngineInfo:
+        return await self._call(self.actor.info.remote())
+
+    async def ping(self) -> bool:
+        return await self._call(self.actor.ping.remote())
+
+    async def close(self) -> None:
+        return None
+
+
+def _placement(num_actors: int, device: str, timeout_s: float):
+    """A ready placement group of one bundle per actor, and whether the bundles hold GPUs."""
+    gpus = int(ray.cluster_resources().get("GPU", 0))
+    if device == "cuda" and gpus < num_actors:
+        raise ValueError(f"device 'cuda' needs {num_actors} GPUs (one per actor); the cluster has {gpus}")
+    on_gpu = device == "cuda" or (device == "auto" and gpus >= num_actors)
+    bundle = {"GPU": 1, "CPU": 1} if on_gpu else {"CPU": 1}
+    pg = placement_group([dict(bundle) for _ in range(num_actors)], strategy="STRICT_PACK" if on_gpu else "PACK")
+    try:
+        ray.get(pg.ready(), timeout=timeout_s)
+    except ray.exceptions.GetTimeoutError:
+        remove_placement_group(pg)
+        raise EngineUnavailable(f"no room for {num_actors} bundles of {bundle} within {timeout_s} s "
+                                f"(cluster: {ray.cluster_resources()})") from None
+    return pg, on_gpu
+
+
+def start_engines(target_dir: str | Path, draft_dir: str | Path | None, cfg: SpecConfig, max_slots: int,
+                  max_len: int | None, device: str = "auto", *, dtype: torch.dtype = torch.float32,
+                  force_hf_target: bool = False, call_timeout_s: float | None = 120.0,
+                  startup_timeout_s: float = 300.0, num_threads: int = 1,
+                  ) -> tuple[RayVerifierLink, RayDrafterLink | None, Callable[[], None]]:
+    """Places a verifier actor (and a drafter actor unless cfg.method is "none") in one
+    placement group, one bundle each, and waits until they are built.
+
+    device: "cuda" needs one GPU per actor (STRICT_PACK: one node, so features move over the
+    node's shared memory or NVLink); "cpu" places CPU-only bundles (PACK); "auto" picks "cuda"
+    when the cluster has a GPU per actor. Returns the links and a cleanup that kills both actors
+    and frees the placement group. Ray must be initialized (ray_init)."""
+    if not ray.is_initialized():
+        raise ValueError("Ray is not initialized: call ray_init(address) first")
+    if device not in ("auto", "cpu", "cuda"):
+        raise ValueError(f"device must be 'auto', 'cpu' or 'cuda', got {device!r}")
+    num_actors = 1 if cfg.method == "none" else 2
+    pg, on_gpu = _placement(num_actors, device, startup_timeout_s)
+
+    def options(index: int, max_restarts: int) -> dict:
+        return dict(num_cpus=1, num_gpus=1 if on_gpu else 0, max_restarts=max_restarts, max_task_retries=0,
+                    runtime_env={"env_vars": {"OMP_NUM_THREADS": str(num_threads)}},
+                    scheduling_strategy=PlacementGroupSchedulingStrategy(
+                        placement_group=pg, placement_group_bundle_index=index))
+
+    engine_device = "cuda" if on_gpu else "cpu"
+    target_dir = str(target_dir)
+    actors = []
+
+    def cleanup() -> None:
+        for a in actors:
+            ray.kill(a, no_restart=True)
+        remove_placement_group(pg)
+
+    try:
+        # Both load at once (each holds the target); the drafter's head then decides which
+        # target features the verifier returns.
+        verifier = VerifierActor.options(**options(0, 0)).remote(
+            target_dir, None, max_slots, max_len, dtype, engine_device, force_hf_target,
+            model_name=Path(target_dir).name, num_threads=num_threads)
+        actors.append(verifier)
+        drafter = None
+        if num_actors == 2:
+            drafter = DrafterActor.options(**options(1, -1)).remote(
+                target_dir, None if draft_dir is None else str(draft_dir), cfg, max_slots, max_len, dtype,
+                engine_device, force_hf_target, model_name=Path(draft_dir).name if draft_dir else cfg.method,
+                num_threads=num_threads)
+            actors.append(drafter)
+            info = ray.get(drafter.info.remote(), timeout=startup_timeout_s)
+            ray.get(verifier.set_feature_layers.remote(info.feature_layers), timeout=startup_timeout_s)
+        ray.get(verifier.ping.remote(), timeout=startup_timeout_s)
+    except Exception:
+        cleanup()
+        raise
+    return (RayVerifierLink(verifier, call_timeout_s),
+            None if drafter is None else RayDrafterLink(drafter, call_timeout_s), cleanup)

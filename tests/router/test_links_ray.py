@@ -1,0 +1,219 @@
+"""The Ray links on a real local Ray cluster (one session for the module: worker start-up is
+slow): greedy speculation through the actors equals the in-process speculator token for token;
+the router side holds only refs, never feature tensors; a killed drafter shows up as
+EngineUnavailable, comes back empty, names its requests as unknown, and a re-prefill from the
+verifier's features resumes generation exactly."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+
+import pytest
+import ray
+import torch
+
+from router.links import (DrafterPrefillItem, EngineUnavailable, ExtendItem, PlainItem, Tag, VerifierPrefillItem)
+from router.links_ray import RayVerifierLink, ray_init, start_engines
+from spectandem.checkpoint import load_tokenizer
+from spectandem.config import SamplingParams, SpecConfig
+from spectandem.demo import demo_paths
+from spectandem.local import LocalSpeculator
+from spectandem.messages import StaleMessage
+from spectandem.reference import Completion, _append
+
+pytestmark = pytest.mark.slow
+
+CFG = SpecConfig(method="eagle3", num_steps=4, topk=1, num_draft_tokens=5)
+MAX_SLOTS, MAX_LEN, MAX_TOKENS = 8, 256, 24
+TEXTS = ["def fibonacci(n):\n", "import os\nimport sys\n\n", "class Queue:\n    def __init__(self",
+         "    for i in range(len("]
+
+
+@pytest.fixture(scope="module")
+def engines():
+    ray_init(None, num_cpus=4)
+    ray_init(None, num_cpus=4)  # idempotent
+    target, draft = demo_paths(CFG.method)
+    verifier, drafter, cleanup = start_engines(target, draft, CFG, MAX_SLOTS, MAX_LEN, device="cpu")
+    yield verifier, drafter
+    cleanup()
+    ray.shutdown()
+
+
+@pytest.fixture(scope="module")
+def local():
+    target, draft = demo_paths(CFG.method)
+    return LocalSpeculator(target, draft, CFG, max_slots=MAX_SLOTS, max_len=MAX_LEN)
+
+
+@pytest.fixture(scope="module")
+def prompts():
+    tok = load_tokenizer(demo_paths("none")[0])
+    return [tok.encode(t).ids for t in TEXTS]
+
+
+class Seen:
+    """Every handle the router side received, and the requests the drafter forgot."""
+
+    def __init__(self):
+        self.handles: list = []
+        self.results: list = []
+        self.resynced: list[str] = []
+
+
+async def speculate(verifier, drafter, prompts, params, eos, lookahead, seen: Seen, before_extend=None):
+    """The loop of spectandem/reference.py, through the links, as a router runs it (plus the
+    re-prefill of requests the drafter reports unknown)."""
+    max_len = (await verifier.info()).max_len
+    ids = [f"req-{i}" for i in range(len(prompts))]
+    seeds = {rid: sp.resolved_seed() for rid, sp in zip(ids, params)}
+    by_id = {rid: (Completion(rid, list(p)), sp) for rid, p, sp in zip(ids, prompts, params)}
+    tags: dict[str, Tag] = {}
+    pres = await verifier.prefill([VerifierPrefillItem(Tag(rid, 0, len(p)), p, sp, seeds[rid])
+                                   for rid, p, sp in zip(ids, prompts, params)], want_features=True)
+    items = []
+    for r in pres:
+        rid = r.tag.request_id
+        c, sp = by_id[rid]
+        seen.handles.append(r.features)
+        seen.results.append(r)
+        tags[rid] = r.tag
+        _append(c, [r.first_token_id], sp, eos, r.tag.committed_len, max_len)
+        if c.finish_reason is None:
+            items.append(DrafterPrefillItem(r.tag, c.prompt_ids, r.first_token_id, sp, seeds[rid], r.features))
+    assert await drafter.prefill(items) == []
+    active = [i.tag.request_id for i in items]
+    round_no = 0
+    while active:
+        if all(tags[r].committed_len - 1 + lookahead <= max_len for r in active):
+            draft, plain = await drafter.draft([tags[r] for r in active]), []
+            seen.handles.append(draft.payload)
+        else:
+            draft, plain = None, [PlainItem(tags[r], by_id[r][0].token_ids[-1]) for r in active]
+        results = await verifier.verify(draft, plain, want_features=True)
+        still, done = [], []
+        for res in results:
+            rid = res.tag.request_id
+            c, sp = by_id[rid]
+            seen.handles.append(res.features)
+            seen.results.append(res)
+            tags[rid] = res.tag
+            c.stats.num_rounds += 1
+            c.stats.draft_tokens += res.num_draft_tokens
+            c.stats.accepted_tokens += res.num_accepted
+            _append(c, res.token_ids, sp, eos, res.tag.committed_len, max_len)
+            (still if c.finish_reason is None else done).append(res)
+        if done:
+            ids_done = [r.tag.request_id for r in done]
+            await verifier.release(ids_done)
+            await drafter.release(ids_done)
+        if before_extend is not None:
+            await before_extend(round_no)
+        unknown = await drafter.extend([ExtendItem(r.tag, r.token_ids, r.features) for r in still])
+        for rid in unknown:  # the drafter restarted: rebuild it from the verifier's features
+            c, sp = by_id[rid]
+            committed = c.prompt_ids + c.token_ids
+            feats = await verifier.features(tags[rid])
+            seen.handles.append(feats)
+            assert await drafter.prefill([DrafterPrefillItem(tags[rid], committed[:-1], committed[-1], sp,
+                                                             seeds[rid], feats)]) == []
+            seen.resynced.append(rid)
+        active = [r.tag.request_id for r in still]
+        round_no += 1
+    return [by_id[rid][0] for rid in ids]
+
+
+def _greedy(n: int) -> list[SamplingParams]:
+    return [SamplingParams(max_tokens=MAX_TOKENS) for _ in range(n)]
+
+
+def _assert_only_refs(seen: Seen):
+    assert seen.handles and all(isinstance(h, ray.ObjectRef) for h in seen.handles), \
+        [type(h) for h in seen.handles if not isinstance(h, ray.ObjectRef)]
+    for r in seen.results:
+        assert not any(isinstance(v, torch.Tensor) for v in vars(r).values()), r
+
+
+def test_greedy_through_ray_equals_local(engines, local, prompts):
+    verifier, drafter = engines
+    expected = local.generate(prompts, _greedy(len(prompts)))
+    seen = Seen()
+    got = asyncio.run(speculate(verifier, drafter, prompts, _greedy(len(prompts)), local.eos_token_ids,
+                                local.lookahead, seen))
+    for i, (g, e) in enumerate(zip(got, expected)):
+        assert g.token_ids == e.token_ids, f"prompt {i}: {g.token_ids} != {e.token_ids}"
+        assert g.finish_reason == e.finish_reason
+        assert g.stats.as_dict() == e.stats.as_dict()  # the same drafts were made and accepted
+    assert sum(g.stats.accepted_tokens for g in got) > 0
+    _assert_only_refs(seen)
+    infos = asyncio.run(_infos(verifier, drafter))
+    assert [i.used_slots for i in infos] == [0, 0]  # every request released on both sides
+
+
+async def _infos(verifier, drafter):
+    return await verifier.info(), await drafter.info()
+
+
+def test_both_actors_in_one_placement_group(engines):
+    vinfo, dinfo = asyncio.run(_infos(*engines))
+    assert vinfo.feature_layers == dinfo.feature_layers is not None
+    pg_id = vinfo.extra["placement_group_id"]
+    assert pg_id is not None and dinfo.extra["placement_group_id"] == pg_id
+    pg = ray.util.placement_group_table()[pg_id]
+    assert pg["strategy"] == "PACK" and list(pg["bundles"].values()) == [{"CPU": 1.0}, {"CPU": 1.0}]
+
+
+def test_errors_map_to_link_errors(engines):
+    verifier, drafter = engines
+
+    async def run():
+        with pytest.raises(StaleMessage, match="not active on the verifier") as stale:
+            await verifier.verify(None, [PlainItem(Tag("nobody", 0, 3), 1)], want_features=False)
+        assert type(stale.value) is StaleMessage  # the engine's own exception, not Ray's wrapper
+        with pytest.raises(StaleMessage, match="not active on the drafter") as stale:
+            await drafter.draft([Tag("nobody", 0, 3)])
+        assert type(stale.value) is StaleMessage
+        with pytest.raises(EngineUnavailable, match="did not answer"):
+            await RayVerifierLink(verifier.actor, call_timeout_s=1e-6).info()
+
+    asyncio.run(run())
+
+
+def test_drafter_crash_restarts_empty_and_resyncs(engines, local, prompts):
+    verifier, drafter = engines
+    expected = local.generate(prompts[:2], _greedy(2))
+    before = asyncio.run(drafter.info()).extra["pid"]
+    outcome = {}
+
+    async def crash_once(round_no):
+        if round_no != 1:
+            return
+        ray.kill(drafter.actor, no_restart=False)
+        # The kill lands asynchronously: poll until a call fails, then until the new one answers.
+        deadline = time.monotonic() + 30
+        while "error" not in outcome:
+            assert time.monotonic() < deadline, "the killed drafter kept answering"
+            try:
+                await drafter.ping()
+                await asyncio.sleep(0.05)
+            except EngineUnavailable as exc:
+                outcome["error"] = exc
+        while "info" not in outcome:
+            assert time.monotonic() < deadline, "the drafter did not come back"
+            try:
+                outcome["info"] = await drafter.info()
+            except EngineUnavailable:
+                await asyncio.sleep(0.2)
+
+    seen = Seen()
+    got = asyncio.run(speculate(verifier, drafter, prompts[:2], _greedy(2), local.eos_token_ids, local.lookahead,
+                                seen, before_extend=crash_once))
+    assert isinstance(outcome["error"], EngineUnavailable)
+    info = outcome["info"]
+    assert info.extra["pid"] != before and info.used_slots == 0  # a new process, empty
+    assert info.extra["placement_group_id"] == asyncio.run(verifier.info()).extra["placement_group_id"]
+    assert seen.resynced == ["req-0", "req-1"]  # extend named both as unknown
+    for g, e in zip(got, expected):
+        assert g.token_ids == e.token_ids
+    _assert_only_refs(seen)

@@ -1,0 +1,184 @@
+"""The served system with the engines in separate processes: gRPC services and Ray actors.
+Exactness against the reference loop, and faults: the drafter killed mid-stream (every request
+completes by fallback with the same greedy tokens), the verifier killed (UNAVAILABLE, none
+hangs, NOT_SERVING), and `spectandem serve` started as a user would."""
+
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+
+import grpc
+import pytest
+
+from spectandem.config import SamplingParams, SpecConfig
+from spectandem.demo import demo_paths
+from spectandem.local import LocalSpeculator
+from tests.e2e.conftest import PROMPT_TEXTS
+from tests.router.conftest import Served, collect, request
+
+MAX_LEN = "256"
+
+
+@pytest.fixture(scope="module")
+def reference():
+    t, d = demo_paths("eagle3")
+    return LocalSpeculator(t, d, SpecConfig(method="eagle3"), max_slots=16, max_len=int(MAX_LEN))
+
+
+def _prompts(reference, n):
+    return [reference.tokenizer.encode(PROMPT_TEXTS[i]).ids for i in range(n)]
+
+
+def _concurrent(stub, reqs, on_first_chunk=None, timeout=120):
+    """Runs streams in threads; returns per request (tokens, finish_reason, stats) or the RpcError."""
+    out: dict[int, object] = {}
+    firsts = threading.Barrier(len(reqs) + 1) if on_first_chunk else None
+
+    def worker(i):
+        toks, reason, stats = [], None, None
+        try:
+            for n, chunk in enumerate(stub.Generate(reqs[i], timeout=timeout)):
+                toks += list(chunk.token_ids)
+                if n == 0 and firsts:
+                    firsts.wait(60)
+                if chunk.finish_reason:
+                    reason, stats = chunk.finish_reason, chunk.stats
+            out[i] = (toks, reason, stats)
+        except grpc.RpcError as exc:
+            out[i] = exc
+            if firsts and not firsts.broken:
+                firsts.abort()
+
+    threads = [threading.Thread(target=worker, args=(i,)) for i in range(len(reqs))]
+    for t in threads:
+        t.start()
+    if firsts:
+        try:
+            firsts.wait(120)
+        except threading.BrokenBarrierError:
+            pass
+        on_first_chunk()
+    for t in threads:
+        t.join(timeout + 30)
+        assert not t.is_alive(), "a stream hung"
+    return out
+
+
+def test_grpc_backend_exact_and_drafter_killed(reference):
+    server = Served(["--backend", "grpc", "--max-len", MAX_LEN, "--max-running", "16",
+                     "--drafter-timeout", "3"]).wait_ready()
+    try:
+        prompts = _prompts(reference, 6)
+        greedy = reference.generate(prompts, [SamplingParams(max_tokens=20)] * 6)
+        sampled = reference.generate(prompts, [SamplingParams(max_tokens=20, temperature=0.9, seed=i) for i in range(6)])
+        for i, p in enumerate(prompts):
+            assert collect(server.stub, request(ids=p, max_tokens=20))[0] == greedy[i].token_ids
+            assert collect(server.stub, request(ids=p, max_tokens=20, temperature=0.9, seed=i))[0] == sampled[i].token_ids
+
+        long = reference.generate(prompts, [SamplingParams(max_tokens=120, ignore_eos=True)] * 6)
+        drafter = server.state["procs"]["drafter"]
+        res = _concurrent(server.stub, [request(ids=p, max_tokens=120, ignore_eos=True) for p in prompts],
+                          on_first_chunk=lambda: drafter.send_signal(signal.SIGKILL))
+        for i in range(6):
+            toks, reason, stats = res[i]
+            assert toks == long[i].token_ids and reason == "length"
+        assert sum(res[i][2].fallback_rounds for i in range(6)) > 0
+        assert server.state["router"].drafter_up is False
+    finally:
+        server.close()
+
+
+def test_grpc_backend_verifier_killed():
+    server = Served(["--backend", "grpc", "--max-len", MAX_LEN, "--max-running", "16"]).wait_ready()
+    try:
+        from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+        verifier = server.state["procs"]["verifier"]
+        reqs = [request(text=PROMPT_TEXTS[i], max_tokens=200, ignore_eos=True) for i in range(4)]
+        res = _concurrent(server.stub, reqs, on_first_chunk=lambda: verifier.send_signal(signal.SIGKILL), timeout=60)
+        for i in range(4):
+            assert isinstance(res[i], grpc.RpcError) and res[i].code() == grpc.StatusCode.UNAVAILABLE, res[i]
+        health = health_pb2_grpc.HealthStub(server.channel)
+        status = health.Check(health_pb2.HealthCheckRequest(service="spectandem.v1.Generation")).status
+        assert status == health_pb2.HealthCheckResponse.NOT_SERVING
+        with pytest.raises(grpc.RpcError) as err:
+            collect(server.stub, request(text="x", max_tokens=3), timeout=20)
+        assert err.value.code() == grpc.StatusCode.UNAVAILABLE
+    finally:
+        server.close()
+
+
+def test_ray_backend_exact_and_drafter_killed(reference):
+    import ray
+
+    server = Served(["--backend", "ray", "--max-len", MAX_LEN, "--max-running", "16",
+                     "--drafter-timeout", "5"]).wait_ready(300)
+    try:
+        prompts = _prompts(reference, 4)
+        greedy = reference.generate(prompts, [SamplingParams(max_tokens=20)] * 4)
+        sampled = reference.generate(prompts, [SamplingParams(max_tokens=20, temperature=0.9, seed=i) for i in range(4)])
+        for i, p in enumerate(prompts):
+            assert collect(server.stub, request(ids=p, max_tokens=20))[0] == greedy[i].token_ids
+            assert collect(server.stub, request(ids=p, max_tokens=20, temperature=0.9, seed=i))[0] == sampled[i].token_ids
+
+        long = reference.generate(prompts, [SamplingParams(max_tokens=120, ignore_eos=True)] * 4)
+        actor = server.state["drafter"].actor
+        res = _concurrent(server.stub, [request(ids=p, max_tokens=120, ignore_eos=True) for p in prompts],
+                          on_first_chunk=lambda: ray.kill(actor, no_restart=False))
+        for i in range(4):
+            toks, reason, stats = res[i]
+            assert toks == long[i].token_ids and reason == "length"
+        # The drafter actor restarts empty; speculation resumes for new requests.
+        deadline = time.monotonic() + 120
+        while time.monotonic() < deadline:
+            toks, _, reason, stats = collect(server.stub, request(ids=prompts[0], max_tokens=40))
+            if stats.accepted_tokens > 0:
+                break
+            time.sleep(1)
+        assert stats.accepted_tokens > 0
+    finally:
+        server.close()
+
+
+def _free_port():
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def test_spectandem_serve_as_a_user_would(tmp_path):
+    port = _free_port()
+    env = dict(os.environ, OMP_NUM_THREADS="1")
+    proc = subprocess.Popen([sys.executable, "-m", "spectandem.cli", "serve", "--port", str(port)],
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env)
+    try:
+        from spectandem import Client
+
+        with Client(f"localhost:{port}", timeout=60) as client:
+            client.wait_for_ready(300)
+        out = subprocess.run([sys.executable, "-m", "spectandem.cli", "generate", "def f(x):", "--address",
+                              f"localhost:{port}", "--max-tokens", "12", "--json"],
+                             capture_output=True, text=True, timeout=120, env=env)
+        assert out.returncode == 0, out.stderr
+        import json
+
+        obj = json.loads(out.stdout)
+        assert len(obj["token_ids"]) == 12 and obj["finish_reason"] == "length"
+        assert obj["stats"]["num_rounds"] >= 1
+    finally:
+        proc.send_signal(signal.SIGTERM)
+        try:
+            rc = proc.wait(90)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            rc = None
+        log = proc.stdout.read()
+    assert f"on localhost:{port}" in log
+    assert rc == 0, log
+    assert "spectandem stopped" in log

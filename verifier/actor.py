@@ -1,0 +1,74 @@
+"""The verifier as a Ray actor: builds the engine from directories, then translates each call
+through verifier/service_core.py. No model logic here.
+
+Features leave this actor only as object refs: each request's feature tensor is `ray.put` here,
+in the verifier's object store, and the results carry the refs. The router holds and forwards
+the refs; the drafter actor fetches the tensors (directly from the object store, never through
+the router).
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import replace
+from pathlib import Path
+
+import ray
+import torch
+
+from router.links import EngineInfo, PlainItem, RoundResult, Tag, VerifierPrefillItem, VerifierPrefillResult
+from verifier.engine import VerifierEngine
+from verifier.runner import FeatureSpec, load_runner
+from verifier.service_core import verifier_features, verifier_info, verifier_prefill, verifier_verify
+
+
+def _put(features: torch.Tensor | None) -> ray.ObjectRef | None:
+    return None if features is None else ray.put(features)
+
+
+@ray.remote
+class VerifierActor:
+    def __init__(self, target_dir: str | Path, feature_layers: FeatureSpec, max_slots: int, max_len: int | None,
+                 dtype: torch.dtype = torch.float32, device: str = "cpu", force_hf_target: bool = False,
+                 model_name: str = "target", num_threads: int = 1):
+        from spectandem.checkpoint import read_config
+
+        torch.set_num_threads(num_threads)
+        runner, _ = load_runner(target_dir, feature_layers, max_slots, max_len, dtype, device, force_hf_target)
+        self.engine = VerifierEngine(runner, max_slots, int(read_config(target_dir)["vocab_size"]))
+        self.model_name = model_name
+
+    def set_feature_layers(self, feature_layers: FeatureSpec) -> None:
+        """Which target features to return: the drafter's head decides (its info says), so a
+        verifier built alongside its drafter learns them after both have loaded."""
+        if self.engine.requests:
+            raise ValueError(f"cannot change the feature layers with {len(self.engine.requests)} requests active")
+        self.engine.runner.feature_layers = feature_layers
+
+    def prefill(self, items: list[VerifierPrefillItem], want_features: bool) -> list[VerifierPrefillResult]:
+        """Results whose `features` is an ObjectRef of the prompt's features [prompt_len, F] (or None)."""
+        return [replace(r, features=_put(r.features)) for r in verifier_prefill(self.engine, items, want_features)]
+
+    def verify(self, draft_payload, tags: list[Tag], plain: list[PlainItem], want_features: bool) -> list[RoundResult]:
+        """`draft_payload`: the drafter's DraftTree (Ray resolves the ref passed at top level) or
+        None. Results in the order tags then plain; `features` an ObjectRef of
+        [num_accepted + 1, F] (or None)."""
+        outs = verifier_verify(self.engine, draft_payload, tags, plain, want_features)
+        return [replace(r, features=_put(r.features)) for r in outs]
+
+    def features(self, tag: Tag) -> ray.ObjectRef | None:
+        """An ObjectRef of the features of every committed position but the last."""
+        return _put(verifier_features(self.engine, tag))
+
+    def release(self, request_ids: list[str]) -> None:
+        for rid in request_ids:
+            self.engine.release(rid)
+
+    def info(self) -> EngineInfo:
+        info = verifier_info(self.engine, self.model_name)
+        ctx = ray.get_runtime_context()
+        info.extra.update(pid=os.getpid(), node_id=ctx.get_node_id(), placement_group_id=ctx.get_placement_group_id())
+        return info
+
+    def ping(self) -> bool:
+        return True
