@@ -82,6 +82,33 @@ class ServedRequest:
                 "fallback_rounds": self.fallback_rounds}
 
 
+@dataclass
+class RouterCounters:
+    """Monotonic counters since start (read by GetServerStats, `spectandem stats` and /metrics)."""
+
+    rounds: int = 0                  # verification rounds (one batched verify each)
+    num_drafts: int = 0              # request-rounds verified with a draft
+    draft_tokens: int = 0            # draft tokens verified
+    accepted_tokens: int = 0         # draft tokens accepted
+    accepted_per_pos: list[int] = field(default_factory=list)  # [i]: drafts accepted at depth i + 1
+    fallback_rounds: int = 0         # request-rounds decoded without a draft while a drafter is configured
+    preemptions: int = 0
+    resumes: int = 0
+    stale_dropped: int = 0           # replies of an old epoch or committed length, dropped unapplied
+    draft_ahead_hits: int = 0
+    draft_ahead_misses: int = 0
+    requests_admitted: int = 0
+    requests_finished: int = 0
+    requests_failed: int = 0
+    requests_cancelled: int = 0
+
+    def add_accepted(self, num_accepted: int) -> None:
+        if len(self.accepted_per_pos) < num_accepted:
+            self.accepted_per_pos.extend([0] * (num_accepted - len(self.accepted_per_pos)))
+        for i in range(num_accepted):
+            self.accepted_per_pos[i] += 1
+
+
 @dataclass(frozen=True, kw_only=True)
 class RouterConfig:
     max_len: int                     # context length (prompt + completion)
@@ -104,6 +131,11 @@ class Router:
         self._task: asyncio.Task | None = None
         self._last_probe = 0.0
         self.on_serving_change = None            # callback(bool), e.g. to update gRPC health
+        self.counters = RouterCounters()
+        # Listeners get (event, request, data): "admitted", "tokens" (data: number of new tokens,
+        # the first time also {"first": True}), "finished" (data: finish reason),
+        # "failed" (data: status code name), "cancelled". Metrics and logs hook in here.
+        self.listeners: list = []
 
     # ---------------------------------------------------------------- public side
 
@@ -130,9 +162,18 @@ class Router:
         self._wake.set()
         return req
 
+    def _emit(self, event: str, req: ServedRequest, data=None) -> None:
+        for fn in self.listeners:
+            try:
+                fn(event, req, data)
+            except Exception:  # an observer must never break serving
+                log.exception("listener failed on %s", event)
+
     def cancel(self, req: ServedRequest) -> None:
         """Stops all work for the request (client cancel, disconnect or deadline)."""
         if not req.done:
+            self.counters.requests_cancelled += 1
+            self._emit("cancelled", req)
             req.cancelled = True
             req.done = True
             req.events.put_nowait(Chunk([], "", finish_reason="abort", stats=req.stats()))
@@ -205,6 +246,8 @@ class Router:
             return
         for r in batch:
             r.on_verifier = True
+            self.counters.requests_admitted += 1
+            self._emit("admitted", r)
         self.running.extend(batch)
         features = {}
         for r, res in zip(batch, results):
@@ -251,13 +294,21 @@ class Router:
             self.running = []
             return
         extend = []
+        c = self.counters
+        c.rounds += 1
         for r, res in zip(order, results):
             assert res.tag.request_id == r.request_id
             r.num_rounds += 1
             r.draft_tokens += res.num_draft_tokens
             r.accepted_tokens += res.num_accepted
+            if res.num_draft_tokens:
+                c.num_drafts += 1
+                c.draft_tokens += res.num_draft_tokens
+                c.accepted_tokens += res.num_accepted
+                c.add_accepted(res.num_accepted)
             if r not in drafted and self.drafter is not None:
                 r.fallback_rounds += 1
+                c.fallback_rounds += 1
             going_on = self._commit(r, res.token_ids) if not r.done else False
             if going_on and r.on_drafter and self.drafter_up:
                 extend.append(ExtendItem(Tag(r.request_id, r.epoch, r.committed_len), res.token_ids, res.features))
@@ -307,17 +358,22 @@ class Router:
         if r.detok.stopped and reason is None:
             reason = "stop"
         first = r.num_rounds == 0 and len(r.tokens) == len(new)
+        self._emit("tokens", r, {"count": len(new), "first": first})
         if reason is None:
             r.events.put_nowait(Chunk(new, text, prompt_tokens=len(r.prompt_ids) if first else 0))
             return True
         text += r.detok.flush()
         r.done = True
+        self.counters.requests_finished += 1
+        self._emit("finished", r, reason)
         r.events.put_nowait(Chunk(new, text, finish_reason=reason, stats=r.stats(),
                                   prompt_tokens=len(r.prompt_ids) if first else 0))
         return False
 
     def _finish_failure(self, r: ServedRequest, failure: Failure) -> None:
         if not r.done:
+            self.counters.requests_failed += 1
+            self._emit("failed", r, failure.code)
             r.done = True
             r.events.put_nowait(failure)
 
