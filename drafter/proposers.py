@@ -16,7 +16,7 @@ import torch
 from drafter.heads import DraftHead
 from drafter.tree import TreeDraft, expand_topk, sample_chains
 from spectandem.config import SamplingParams, SpecConfig
-from spectandem.kv_cache import KVCache
+from spectandem.kv_cache import PagedKVCache
 from spectandem.modeling.llama import LlamaModel
 
 
@@ -111,13 +111,15 @@ class EagleProposer:
     (feature p, token p + 1) absorbed so far, i.e. committed_len - 1 entries, and the last
     catch-up row's output hidden and logits."""
 
-    def __init__(self, head: DraftHead, cfg: SpecConfig, max_slots: int, max_len: int):
+    def __init__(self, head: DraftHead, cfg: SpecConfig, max_slots: int, max_len: int,
+                 kv_blocks: int | None = None, block_size: int = 16):
         self.head, self.cfg = head, cfg
         self.feature_layers = head.spec.aux_layers if head.spec.kind == "eagle3" else "final"
         s = head.spec
         self.dtype = next(head.parameters()).dtype
         self.device = next(head.parameters()).device
-        self.cache = KVCache(1, max_slots, s.num_kv_heads, max_len, s.head_dim, self.dtype, self.device)
+        self.cache = PagedKVCache(1, max_slots, s.num_kv_heads, max_len, s.head_dim, self.dtype, self.device,
+                                  num_blocks=kv_blocks, block_size=block_size)
         self.slots = _Slots(max_slots)
         self.cache_len: dict[str, int] = {}
         self.last_hidden: dict[str, torch.Tensor] = {}   # [H]
@@ -133,6 +135,10 @@ class EagleProposer:
         base = [self.cache_len.get(r.request_id, 0) for r in reqs]
         for r, n, b0 in zip(reqs, num_new, base):
             assert n >= 1 and b0 + n == r.committed_len - 1, (r.request_id, b0, n, r.committed_len)
+            assert features[reqs.index(r)].shape[0] == n, "one feature row per new pair"
+            slot = self.slots.of[r.request_id]
+            self.cache.trim(slot, b0)      # last round's draft scratch
+            self.cache.reserve(slot, b0 + n)
         toks = _pad([torch.tensor(r.token_ids[r.committed_len - n:], device=self.device)
                      for r, n in zip(reqs, num_new)], 0)                                   # [B, T]
         feats = _pad([f.to(self.device, self.dtype) for f in features], 0.0)               # [B, T, F]
@@ -160,6 +166,8 @@ class EagleProposer:
         first = torch.stack([self.last_logits[i] for i in ids])                           # [B, Vd]
         hidden0 = torch.stack([self.last_hidden[i] for i in ids])[:, None]                # [B, 1, H]
         k = self.cfg.topk
+        for i, b0 in zip(ids, base.tolist()):
+            self.cache.reserve(self.slots.of[i], b0 + max(0, self.cfg.num_steps - 1) * k)
         scratch = _ScratchTree(self.cache, slots, base, k, pos_offset=0)
         prev = {"out": hidden0}
 
@@ -173,8 +181,13 @@ class EagleProposer:
 
         return _draft(reqs, first, step, self.head.draft_to_target, self.cfg, self.head.spec.vocab_size)
 
+    def kv_stats(self) -> dict:
+        return self.cache.stats()
+
     def remove(self, request_id):
-        self.slots.release(request_id)
+        slot = self.slots.release(request_id)
+        if slot is not None:
+            self.cache.free(slot)
         for d in (self.cache_len, self.last_hidden, self.last_logits):
             d.pop(request_id, None)
 
@@ -185,12 +198,14 @@ class DraftModelProposer:
 
     feature_layers = None
 
-    def __init__(self, model: LlamaModel, cfg: SpecConfig, max_slots: int, max_len: int):
+    def __init__(self, model: LlamaModel, cfg: SpecConfig, max_slots: int, max_len: int,
+                 kv_blocks: int | None = None, block_size: int = 16):
         self.model, self.cfg = model, cfg
         s = model.spec
         self.device = next(model.parameters()).device
         dtype = next(model.parameters()).dtype
-        self.cache = KVCache(s.num_layers, max_slots, s.num_kv_heads, max_len, s.head_dim, dtype, self.device)
+        self.cache = PagedKVCache(s.num_layers, max_slots, s.num_kv_heads, max_len, s.head_dim, dtype, self.device,
+                                  num_blocks=kv_blocks, block_size=block_size)
         self.slots = _Slots(max_slots)
         self.cache_len: dict[str, int] = {}
         self.last_logits: dict[str, torch.Tensor] = {}
@@ -201,6 +216,10 @@ class DraftModelProposer:
         base = [self.cache_len.get(r.request_id, 0) for r in reqs]
         # The LM reads tokens, not pairs: it absorbs everything committed after its cache.
         new = [r.committed_len - b0 for r, b0 in zip(reqs, base)]
+        for r, b0 in zip(reqs, base):
+            slot = self.slots.of[r.request_id]
+            self.cache.trim(slot, b0)
+            self.cache.reserve(slot, r.committed_len)
         toks = _pad([torch.tensor(r.token_ids[b0:], device=self.device) for r, b0 in zip(reqs, base)], 0)
         t = toks.shape[1]
         ar = torch.arange(t, device=self.device)
@@ -226,6 +245,8 @@ class DraftModelProposer:
         base = torch.tensor([self.cache_len[i] for i in ids], device=self.device)
         first = torch.stack([self.last_logits[i] for i in ids])
         # Step i feeds depth-i tokens, at position committed_len - 1 + i = base + i - 1.
+        for i, b0 in zip(ids, base.tolist()):
+            self.cache.reserve(self.slots.of[i], b0 + max(0, self.cfg.num_steps - 1) * self.cfg.topk)
         scratch = _ScratchTree(self.cache, slots, base, self.cfg.topk, pos_offset=0)
 
         def step(i, token_ids, parent_rows, visible):
@@ -235,8 +256,13 @@ class DraftModelProposer:
 
         return _draft(reqs, first, step, lambda t: t, self.cfg, self.model.spec.vocab_size)
 
+    def kv_stats(self) -> dict:
+        return self.cache.stats()
+
     def remove(self, request_id):
-        self.slots.release(request_id)
+        slot = self.slots.release(request_id)
+        if slot is not None:
+            self.cache.free(slot)
         self.cache_len.pop(request_id, None)
         self.last_logits.pop(request_id, None)
 
@@ -253,6 +279,9 @@ class NgramProposer:
 
     def catch_up(self, reqs, num_new, features):
         return None
+
+    def kv_stats(self) -> dict:
+        return {}  # no model, no cache
 
     def _lookup(self, tokens: list[int]) -> list[int]:
         want = min(self.cfg.num_steps, self.cfg.num_draft_tokens - 1)

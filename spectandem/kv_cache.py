@@ -68,3 +68,96 @@ class CacheBatch:
         self.cache.v[layer][rows, :, self.write_index] = v_new.transpose(1, 2).to(self.cache.v[layer].dtype)
         return (self.cache.k[layer][self.slots, :, : self.span],
                 self.cache.v[layer][self.slots, :, : self.span])
+
+
+class PagedKVCache:
+    """The same interface as KVCache over a pool of fixed-size blocks.
+
+    Storage per layer: `k[layer] [num_blocks * block_size + 1, nkv, hd]`; the last row is the
+    trash row. A slot's logical index i lives at row `table[i // block_size] * block_size +
+    i % block_size`. Example (block_size 4, table [7, 2]): logical 5 -> row 2 * 4 + 1 = 9.
+    `reserve(slot, n)` grows the slot's table to hold n entries (KVCacheFull when the pool is
+    out); `free(slot)` returns its blocks. Logical indices past the reservation map to the trash
+    row (the masks never read them).
+    """
+
+    def __init__(self, num_layers: int, num_slots: int, num_kv_heads: int, max_len: int, head_dim: int,
+                 dtype: torch.dtype, device: torch.device | str = "cpu", num_blocks: int | None = None,
+                 block_size: int = 16):
+        from spectandem.block_manager import BlockManager, blocks_for
+
+        if num_blocks is None:  # as much as the contiguous cache: every slot at full length
+            num_blocks = num_slots * blocks_for(max_len + 1, block_size)
+        self.blocks = BlockManager(num_blocks, block_size)
+        rows = num_blocks * block_size + 1
+        self.k = [torch.zeros(rows, num_kv_heads, head_dim, dtype=dtype, device=device) for _ in range(num_layers)]
+        self.v = [torch.zeros(rows, num_kv_heads, head_dim, dtype=dtype, device=device) for _ in range(num_layers)]
+        self.num_slots, self.max_len, self.block_size = num_slots, max_len, block_size
+        self.trash_index = max_len
+        self._trash_row = rows - 1
+        self.device = device
+        # [num_slots, max_blocks] physical block ids, -1 where none (kept in step with `blocks`).
+        self._tables = torch.full((num_slots, blocks_for(max_len + 1, block_size)), -1, dtype=torch.long,
+                                  device=device)
+
+    def reserve(self, slot: int, num_entries: int) -> None:
+        if num_entries > self.max_len:
+            raise ValueError(f"sequence needs {num_entries} cache entries, more than max_len {self.max_len}")
+        table = self.blocks.allocate(slot, num_entries)
+        self._tables[slot, : len(table)] = torch.tensor(table, dtype=torch.long)
+
+    def free(self, slot: int) -> None:
+        self.blocks.deallocate(slot)
+        self._tables[slot] = -1
+
+    def trim(self, slot: int, num_entries: int) -> None:
+        """Returns the slot's blocks past `num_entries` entries (a round's scratch) to the pool."""
+        from spectandem.block_manager import blocks_for
+
+        table = self.blocks.tables.get(slot)
+        keep = blocks_for(num_entries, self.block_size)
+        if table and len(table) > keep:
+            self.blocks.free.extend(reversed(table[keep:]))
+            del table[keep:]
+            self._tables[slot, keep:] = -1
+
+    def stats(self) -> dict:
+        return {"num_blocks": self.blocks.num_blocks, "block_size": self.block_size,
+                "used_blocks": self.blocks.num_used}
+
+    def rows(self, slots: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
+        """Physical rows of logical `index [B, T]` in `slots [B]`."""
+        bs = self.block_size
+        block = self._tables[slots[:, None], (index // bs).clamp(max=self._tables.shape[1] - 1)]  # [B, T]
+        ok = (block >= 0) & (index < self.max_len)
+        return torch.where(ok, block * bs + index % bs, self._trash_row)
+
+    def batch(self, slots: torch.Tensor, write_index: torch.Tensor, span: int) -> "PagedCacheBatch":
+        if span > self.max_len:
+            raise ValueError(f"sequence needs {span} cache entries, more than max_len {self.max_len}")
+        read = torch.arange(span, device=slots.device).expand(slots.shape[0], span)
+        return PagedCacheBatch(self, self.rows(slots, write_index), self.rows(slots, read))
+
+    def compact(self, slots: torch.Tensor, src_index: torch.Tensor, dst_index: torch.Tensor) -> None:
+        src, dst = self.rows(slots, src_index), self.rows(slots, dst_index)
+        for layer in range(len(self.k)):
+            for cache in (self.k[layer], self.v[layer]):
+                moved = cache[src]
+                cache[dst] = moved
+
+    def clear_slot(self, slot: int) -> None:
+        self.free(slot)
+
+
+@dataclass
+class PagedCacheBatch:
+    cache: PagedKVCache
+    write_rows: torch.Tensor   # [B, T] physical rows
+    read_rows: torch.Tensor    # [B, span] physical rows
+
+    def update(self, layer: int, k_new: torch.Tensor, v_new: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Writes `k_new, v_new [B, nkv, T, hd]`, returns `k, v [B, nkv, span, hd]`."""
+        k, v = self.cache.k[layer], self.cache.v[layer]
+        k[self.write_rows] = k_new.transpose(1, 2).to(k.dtype)
+        v[self.write_rows] = v_new.transpose(1, 2).to(v.dtype)
+        return k[self.read_rows].transpose(1, 2), v[self.read_rows].transpose(1, 2)

@@ -56,23 +56,37 @@ class VerifierEngine:
         return int(sample_from_probs(probs, u)[0])
 
     def prefill(self, request_ids: list[str], prompts: list[list[int]], params: list[SamplingParams],
-                seeds: list[int], epochs: list[int] | None = None) -> list[PrefillOutput]:
-        for rid, p in zip(request_ids, prompts):
+                seeds: list[int], epochs: list[int] | None = None,
+                resume: list[bool] | None = None) -> list[PrefillOutput]:
+        """New requests: KV for the prompt, then the first token is sampled. Resumed requests
+        (after preemption): `prompts` holds every committed token; KV is rebuilt for all but the
+        last (the next round's root) and nothing is sampled."""
+        resume = resume or [False] * len(request_ids)
+        for rid, p, r in zip(request_ids, prompts, resume):
             if rid in self.requests:
                 raise ValueError(f"request id {rid!r} is already active")
             if not p:
                 raise ValueError(f"request {rid!r}: prompt is empty")
-            if len(p) >= self.max_len:
+            if len(p) - int(r) >= self.max_len:
                 raise ValueError(f"request {rid!r}: prompt has {len(p)} tokens; the context holds {self.max_len}")
         if len(request_ids) > len(self.free_slots):
             raise RuntimeError(f"verifier has {len(self.free_slots)} free slots, {len(request_ids)} requested")
         slots = [self.free_slots.pop() for _ in request_ids]
-        logits, feats = self.runner.prefill(slots, prompts)
+        try:
+            logits, feats = self.runner.prefill(slots, [p[:-1] if r else p for p, r in zip(prompts, resume)])
+        except Exception:
+            for slot in slots:
+                self.runner.release(slot)
+                self.free_slots.append(slot)
+            raise
         outs = []
         for i, rid in enumerate(request_ids):
             req = _Request(slots[i], list(prompts[i]), params[i], seeds[i], epochs[i] if epochs else 0)
-            first = self._sample_one(logits[i], req, len(prompts[i]))
-            req.token_ids.append(first)
+            if resume[i]:
+                first = req.token_ids[-1]
+            else:
+                first = self._sample_one(logits[i], req, len(prompts[i]))
+                req.token_ids.append(first)
             self.requests[rid] = req
             outs.append(PrefillOutput(rid, first, None if feats is None else feats[i]))
         return outs
@@ -152,6 +166,9 @@ class VerifierEngine:
 
     def committed_len(self, request_id: str) -> int:
         return self.requests[request_id].committed_len
+
+    def kv_stats(self) -> dict:
+        return self.runner.kv_stats()
 
     def check_tag(self, request_id: str, epoch: int, committed_len: int) -> None:
         """Raises StaleMessage unless the request is at this epoch and committed length."""

@@ -16,7 +16,7 @@ from pathlib import Path
 
 import torch
 
-from spectandem.kv_cache import KVCache
+from spectandem.kv_cache import KVCache, PagedKVCache
 from spectandem.modeling.llama import NATIVE_ARCHITECTURES, LlamaModel, load_llama
 from spectandem.tree import ancestor_mask, node_depths
 
@@ -24,13 +24,18 @@ FeatureSpec = None | str | tuple[int, ...]
 
 
 class NativeRunner:
-    def __init__(self, model: LlamaModel, feature_layers: FeatureSpec, max_slots: int, max_len: int):
+    def __init__(self, model: LlamaModel, feature_layers: FeatureSpec, max_slots: int, max_len: int,
+                 kv_blocks: int | None = None, block_size: int = 16):
         s = model.spec
         self.model, self.spec, self.feature_layers = model, s, feature_layers
         self.device = next(model.parameters()).device
         self.dtype = next(model.parameters()).dtype
         self.max_len = max_len
-        self.cache = KVCache(s.num_layers, max_slots, s.num_kv_heads, max_len, s.head_dim, self.dtype, self.device)
+        self.cache = PagedKVCache(s.num_layers, max_slots, s.num_kv_heads, max_len, s.head_dim, self.dtype,
+                                  self.device, num_blocks=kv_blocks, block_size=block_size)
+
+    def kv_stats(self) -> dict:
+        return self.cache.stats()
 
     def _features(self, hidden, aux):
         if self.feature_layers is None:
@@ -43,6 +48,8 @@ class NativeRunner:
     @torch.no_grad()
     def prefill(self, slots: list[int], prompts: list[list[int]]):
         """-> (logits after each prompt [B, V], features per request [[P_b, F]] or None)."""
+        for slot, p in zip(slots, prompts):
+            self.cache.reserve(slot, len(p))
         lens = torch.tensor([len(p) for p in prompts], device=self.device)
         t = int(lens.max())
         toks = torch.zeros(len(prompts), t, dtype=torch.long, device=self.device)
@@ -67,6 +74,8 @@ class NativeRunner:
         """One forward over every tree node. token_ids, parents [B, N]; node_valid [B, N].
         -> (logits [B, N, V] float32, features [B, N, F] or None)."""
         b, n = token_ids.shape
+        for slot, c in zip(slots, cache_lens):
+            self.cache.reserve(slot, c + n)
         base = torch.tensor(cache_lens, device=self.device)
         depth = node_depths(parents, node_valid).to(self.device)
         positions = base[:, None] + depth                                            # [B, N]
@@ -107,9 +116,12 @@ class NativeRunner:
         src = torch.where(ok, base + nodes, self.cache.trash_index)
         dst = torch.where(ok, base + rank, self.cache.trash_index)
         self.cache.compact(torch.tensor(slots, device=self.device), src, dst)
+        # The tree's scratch past the committed entries goes back to the pool.
+        for slot, c, k in zip(slots, cache_lens, ok.sum(1).tolist()):
+            self.cache.trim(slot, c + k)
 
     def release(self, slot: int) -> None:
-        return None  # entries are overwritten by the slot's next owner
+        self.cache.free(slot)
 
 
 class HFRunner:
@@ -190,13 +202,17 @@ class HFRunner:
             pos = torch.arange(base, base + len(nodes), device=self.device)[None]
             self.model(input_ids=path, position_ids=pos, past_key_values=self.caches[slot], use_cache=True)
 
+    def kv_stats(self) -> dict:
+        return {}  # transformers' own caches: not paged, no pool to report
+
     def release(self, slot: int) -> None:
         self.caches.pop(slot, None)
         self.last_tree.pop(slot, None)
 
 
 def load_runner(target_dir: str | Path, feature_layers: FeatureSpec, max_slots: int, max_len: int | None,
-                dtype: torch.dtype = torch.float32, device: str = "cpu", force_hf: bool = False):
+                dtype: torch.dtype = torch.float32, device: str = "cpu", force_hf: bool = False,
+                kv_blocks: int | None = None, block_size: int = 16):
     """Native runner for Llama-family checkpoints, transformers otherwise (or when forced).
     Returns (runner, the loaded model: native LlamaModel or transformers')."""
     from spectandem.checkpoint import read_config
@@ -211,7 +227,7 @@ def load_runner(target_dir: str | Path, feature_layers: FeatureSpec, max_slots: 
             # Within the window, sliding-window attention is full attention: capping the context
             # there keeps the native path exact without a windowed mask.
             max_len = min(max_len, model.spec.sliding_window)
-        return NativeRunner(model, feature_layers, max_slots, max_len), model
+        return NativeRunner(model, feature_layers, max_slots, max_len, kv_blocks, block_size), model
     from transformers import AutoModelForCausalLM
 
     try:

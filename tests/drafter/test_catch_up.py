@@ -82,7 +82,8 @@ def _cfg(head, **kw) -> SpecConfig:
 def _entries(proposer, rid: str) -> tuple[torch.Tensor, torch.Tensor]:
     """The committed K/V entries of a request in a proposer's (one-layer) cache."""
     slot, n = proposer.slots.of[rid], proposer.cache_len[rid]
-    return proposer.cache.k[0][slot, :, :n], proposer.cache.v[0][slot, :, :n]
+    rows = proposer.cache.rows(torch.tensor([slot]), torch.arange(n)[None])[0]     # paged: logical -> row
+    return proposer.cache.k[0][rows].transpose(0, 1), proposer.cache.v[0][rows].transpose(0, 1)
 
 
 # ---------------------------------------------------------------- DraftHead.run: reduced == full
