@@ -153,7 +153,8 @@ class DrafterEngine:
 
 
 def build_proposer(cfg: SpecConfig, target, draft_dir: str | Path | None, max_slots: int, max_len: int,
-                   dtype: torch.dtype = torch.float32, device: str = "cpu") -> Proposer | None:
+                   dtype: torch.dtype = torch.float32, device: str = "cpu", kv_blocks: int | None = None,
+                   block_size: int = 16) -> Proposer | None:
     """The one place a method name becomes a proposer. `target` is the target model, native or
     transformers (EAGLE heads take embeddings and lm_head from it)."""
     if cfg.method == "none":
@@ -172,8 +173,8 @@ def build_proposer(cfg: SpecConfig, target, draft_dir: str | Path | None, max_sl
         if model.spec.vocab_size != vocab:
             raise ValueError(f"{draft_dir}: draft model vocab_size {model.spec.vocab_size} does not match "
                              f"the target's {vocab}")
-        return DraftModelProposer(model, cfg, max_slots, max_len)
+        return DraftModelProposer(model, cfg, max_slots, max_len, kv_blocks, block_size)
     from drafter.loader import load_head
 
     head = load_head(draft_dir, target, kind=cfg.method, dtype=dtype, device=device)
-    return EagleProposer(head, cfg, max_slots, max_len)
+    return EagleProposer(head, cfg, max_slots, max_len, kv_blocks, block_size)

@@ -21,6 +21,7 @@ from drafter.service_core import drafter_draft, drafter_extend, drafter_info, dr
 from spectandem import codec
 from spectandem.config import SpecConfig
 from spectandem.grpc_server import EngineCalls, EngineServer
+from spectandem.tls import ServerTls, add_server_tls_flags, server_tls_from_args
 from spectandem.v1 import engines_pb2, engines_pb2_grpc
 
 SERVICE_NAME = engines_pb2.DESCRIPTOR.services_by_name["Drafter"].full_name
@@ -84,7 +85,8 @@ class DrafterServicer(engines_pb2_grpc.DrafterServicer):
 
 def build_drafter_engine(cfg: SpecConfig, target_dir: str | Path | None, draft_dir: str | Path | None,
                          max_slots: int = 8, max_len: int | None = None, dtype: torch.dtype = torch.float32,
-                         device: str = "cpu") -> tuple[DrafterEngine, int]:
+                         device: str = "cpu", kv_blocks: int | None = None,
+                         block_size: int = 16) -> tuple[DrafterEngine, int]:
     """-> (engine, context length: the verifier's for the same target and max_len, 0 when n-gram
     drafting is given neither)."""
     if cfg.method == "none":
@@ -106,28 +108,31 @@ def build_drafter_engine(cfg: SpecConfig, target_dir: str | Path | None, draft_d
 
         limit = int(read_config(target_dir).get("max_position_embeddings", 2048))
         context = min(max_len or limit, limit)
-    proposer = build_proposer(cfg, target, draft_dir, max_slots, context, dtype, device)
+    proposer = build_proposer(cfg, target, draft_dir, max_slots, context, dtype, device, kv_blocks, block_size)
     return DrafterEngine(proposer, cfg), context
 
 
 async def start_drafter_server(engine: DrafterEngine, host: str = "127.0.0.1", port: int = 0,
                                model_name: str = "draft", device: str = "cpu", max_slots: int = 0,
-                               max_len: int = 0) -> EngineServer:
-    """Serves `engine` from the running event loop; returns the started server (port 0: a free one)."""
+                               max_len: int = 0, tls: ServerTls | None = None) -> EngineServer:
+    """Serves `engine` from the running event loop; returns the started server (port 0: a free one).
+    `tls`: TLS or mTLS on the port (None: plaintext)."""
     servicer = DrafterServicer(engine, model_name, device, max_slots, max_len)
     return await EngineServer.start(lambda s: engines_pb2_grpc.add_DrafterServicer_to_server(servicer, s),
-                                    SERVICE_NAME, host, port)
+                                    SERVICE_NAME, host, port, tls.grpc_credentials() if tls else None)
 
 
 def serve_drafter(cfg: SpecConfig, target_dir: str | Path | None, draft_dir: str | Path | None,
                   host: str = "0.0.0.0", port: int = 50053, max_slots: int = 8, max_len: int | None = None,
-                  device: str = "cpu", dtype: torch.dtype = torch.float32) -> None:
+                  device: str = "cpu", dtype: torch.dtype = torch.float32, kv_blocks: int | None = None,
+                  block_size: int = 16, tls: ServerTls | None = None) -> None:
     """Loads the drafter, serves it until SIGTERM/SIGINT."""
-    engine, context = build_drafter_engine(cfg, target_dir, draft_dir, max_slots, max_len, dtype, device)
+    engine, context = build_drafter_engine(cfg, target_dir, draft_dir, max_slots, max_len, dtype, device,
+                                           kv_blocks, block_size)
     name = Path(draft_dir).name if draft_dir is not None else cfg.method
 
     async def main():
-        server = await start_drafter_server(engine, host, port, name, device, max_slots, context)
+        server = await start_drafter_server(engine, host, port, name, device, max_slots, context, tls=tls)
         print(f"spectandem drafter: {cfg.method} {name}, features "
               f"{codec.feature_layers_to_str(engine.feature_layers)}, listening on {host}:{server.port}", flush=True)
         await server.serve_until_signal()
@@ -146,6 +151,7 @@ def add_drafter_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--max-slots", type=int, default=8, help="requests held at once")
     p.add_argument("--host", default="0.0.0.0")
     p.add_argument("--port", type=int, default=50053, help="0 picks a free port (printed)")
+    add_server_tls_flags(p, "the Drafter service")
 
 
 def run_drafter(args: argparse.Namespace) -> int:
@@ -160,7 +166,9 @@ def run_drafter(args: argparse.Namespace) -> int:
         draft = draft or demo_draft
     elif draft is None and args.method in ("eagle", "eagle3", "draft-model"):
         raise ValueError(f"--method {args.method} with --target needs --draft")
+    tls = server_tls_from_args(args)  # flag and file errors before the model loads
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
+    # --draft-kv-blocks sizes this drafter's pool (--kv-blocks is the verifier's).
     serve_drafter(cfg, target, draft, args.host, args.port, args.max_slots, args.max_len, args.device,
-                  getattr(torch, args.dtype))
+                  getattr(torch, args.dtype), args.draft_kv_blocks, args.block_size, tls=tls)
     return 0

@@ -34,4 +34,5 @@ def drafter_extend(engine, items: list[ExtendItem]) -> list[str]:
 def drafter_info(engine, model_name: str) -> EngineInfo:
     cfg = engine.cfg
     return EngineInfo(role="drafter", model=model_name, kind=cfg.method, vocab_size=0, max_len=0,
-                      max_slots=0, used_slots=len(engine.requests), feature_layers=engine.feature_layers)
+                      max_slots=0, used_slots=len(engine.requests), feature_layers=engine.feature_layers,
+                      kv=engine.proposer.kv_stats())

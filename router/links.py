@@ -38,6 +38,7 @@ class VerifierPrefillItem:
     prompt_ids: list[int]
     params: SamplingParams         # seed always set
     seed: int
+    resume: bool = False           # after preemption: prompt_ids = every committed token, no sampling
 
 
 @dataclass
@@ -100,6 +101,7 @@ class EngineInfo:
     used_slots: int
     feature_layers: Any = None
     extra: dict = field(default_factory=dict)
+    kv: dict = field(default_factory=dict)   # num_blocks, block_size, used_blocks (paged caches)
 
 
 class VerifierLink(Protocol):

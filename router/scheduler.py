@@ -1,5 +1,5 @@
-"""The router's round loop: admission, one batched verify per round, streaming, cancellation
-and drafter fallback.
+"""The router's round loop: admission by KV capacity, one batched verify per round, streaming,
+preemption by recompute, cancellation and drafter fallback.
 
 Invariants:
 - a request's committed length only grows; tokens are streamed once, in order, never taken back;
@@ -7,7 +7,16 @@ Invariants:
 - the verifier is never made to wait on a missing draft: a request without one decodes plainly
   (its tree is just the root) in the same verify batch;
 - every admitted request ends in exactly one terminal event (finish or failure), and is released
-  on both sides.
+  on both sides;
+- a reply whose (epoch, committed length) is not the request's own is dropped and counted, never
+  applied.
+
+Capacity: before each round the router checks that every running request's next round fits in
+both KV pools (committed_len - 1 + lookahead entries, rounded up to blocks, per side). If not,
+it preempts the most recently admitted request: frees its KV on both sides, keeps its committed
+tokens, bumps its epoch and requeues it ahead of new requests. On resume the verifier rebuilds
+its KV from the committed tokens (nothing is resampled) and the drafter is re-prefilled from the
+verifier's features. A request that cannot fit even alone fails with RESOURCE_EXHAUSTED.
 
 The drafter is optional at every moment: if it is absent, slow (no answer within
 `drafter_timeout`) or failing, the round goes on without it; the requests it held are marked
@@ -26,6 +35,7 @@ from dataclasses import dataclass, field
 from router.detok import Detokenizer
 from router.links import (DrafterLink, DrafterPrefillItem, EngineUnavailable, ExtendItem, PlainItem, Tag,
                           VerifierLink, VerifierPrefillItem)
+from spectandem.block_manager import blocks_for
 from spectandem.config import SamplingParams
 from spectandem.messages import StaleMessage
 from spectandem.reference import take_tokens
@@ -67,6 +77,8 @@ class ServedRequest:
     accepted_tokens: int = 0
     fallback_rounds: int = 0
     started: float = field(default_factory=time.monotonic)
+    admit_seq: int = -1              # order of first admission (preemption takes the latest)
+    preempted: bool = False          # waiting to resume
 
     @property
     def committed_len(self) -> int:
@@ -118,6 +130,10 @@ class RouterConfig:
     max_running: int = 64            # requests in the running batch (engine slots)
     drafter_timeout: float = 10.0    # seconds a drafter call may take before the round goes on without it
     probe_interval: float = 1.0      # seconds between health probes of a failed engine
+    kv_blocks: int = 0               # verifier KV pool (0: not paged, unlimited here)
+    kv_block_size: int = 16
+    draft_kv_blocks: int = 0         # drafter KV pool (0: none or unlimited)
+    draft_kv_block_size: int = 16
 
 
 class Router:
@@ -130,6 +146,7 @@ class Router:
         self._wake = asyncio.Event()
         self._task: asyncio.Task | None = None
         self._last_probe = 0.0
+        self._admitted = 0
         self.on_serving_change = None            # callback(bool), e.g. to update gRPC health
         self.counters = RouterCounters()
         # Listeners get (event, request, data): "admitted", "tokens" (data: number of new tokens,
@@ -231,13 +248,70 @@ class Router:
             if self.on_serving_change:
                 self.on_serving_change(up)
 
+    def _need(self, r: ServedRequest, committed_len: int | None = None) -> tuple[int, int]:
+        """KV blocks (verifier, drafter) the request's next round may hold."""
+        n = (committed_len or r.committed_len) - 1 + self.cfg.lookahead
+        v = blocks_for(n, self.cfg.kv_block_size) if self.cfg.kv_blocks else 0
+        d = blocks_for(n, self.cfg.draft_kv_block_size) if self.cfg.draft_kv_blocks and self.drafter else 0
+        return v, d
+
+    def _fits(self, reqs: list[ServedRequest], extra: tuple[int, int] = (0, 0)) -> bool:
+        v = extra[0] + sum(self._need(r)[0] for r in reqs)
+        d = extra[1] + sum(self._need(r)[1] for r in reqs)
+        return (not self.cfg.kv_blocks or v <= self.cfg.kv_blocks) and (
+            not self.cfg.draft_kv_blocks or d <= self.cfg.draft_kv_blocks)
+
+    def _never_fits(self, r: ServedRequest, need: tuple[int, int]) -> str | None:
+        if self.cfg.kv_blocks and need[0] > self.cfg.kv_blocks:
+            return (f"the request needs {need[0]} KV blocks of {self.cfg.kv_block_size} entries on the verifier; "
+                    f"its pool has {self.cfg.kv_blocks} (--kv-blocks)")
+        if self.cfg.draft_kv_blocks and need[1] > self.cfg.draft_kv_blocks:
+            return (f"the request needs {need[1]} KV blocks of {self.cfg.draft_kv_block_size} entries on the "
+                    f"drafter; its pool has {self.cfg.draft_kv_blocks} (--draft-kv-blocks)")
+        return None
+
+    async def _plan(self) -> None:
+        """Preempts the latest-admitted running requests until the next round fits both pools."""
+        while self.running and not self._fits(self.running):
+            if len(self.running) == 1:
+                r = self.running[0]
+                why = self._never_fits(r, self._need(r)) or "the KV pools cannot hold it"
+                self._finish_failure(r, Failure("RESOURCE_EXHAUSTED", why))
+                self.running = []
+                await self._release([r])
+                return
+            victim = max(self.running, key=lambda r: r.admit_seq)
+            self.running.remove(victim)
+            await self._release([victim])
+            victim.epoch += 1
+            victim.preempted = True
+            self.counters.preemptions += 1
+            first_new = next((i for i, w in enumerate(self.waiting) if not w.preempted), len(self.waiting))
+            self.waiting.insert(first_new, victim)
+            log.info("preempted %s at committed length %d (epoch %d)", victim.request_id, victim.committed_len,
+                     victim.epoch)
+
     async def _admit(self) -> None:
         self.waiting = [r for r in self.waiting if not r.cancelled]
-        room = self.cfg.max_running - len(self.running)
-        batch, self.waiting = self.waiting[:room], self.waiting[room:]
+        batch: list[ServedRequest] = []
+        for r in list(self.waiting):
+            if len(self.running) + len(batch) >= self.cfg.max_running:
+                break
+            need = self._need(r, r.committed_len if r.preempted else len(r.prompt_ids) + 1)
+            why = self._never_fits(r, need)
+            if why is not None:
+                self.waiting.remove(r)
+                self._finish_failure(r, Failure("RESOURCE_EXHAUSTED", why))
+                continue
+            if not self._fits(self.running + batch, need):
+                break  # first come, first served: later requests wait behind this one
+            self.waiting.remove(r)
+            batch.append(r)
         if not batch:
             return
-        items = [VerifierPrefillItem(Tag(r.request_id, r.epoch, len(r.prompt_ids)), r.prompt_ids, r.params, r.seed)
+        items = [VerifierPrefillItem(Tag(r.request_id, r.epoch, r.committed_len if r.preempted else len(r.prompt_ids)),
+                                     r.prompt_ids + r.tokens if r.preempted else r.prompt_ids, r.params, r.seed,
+                                     resume=r.preempted)
                  for r in batch]
         try:
             results = await self.verifier.prefill(items, self.cfg.want_features)
@@ -246,12 +320,19 @@ class Router:
             return
         for r in batch:
             r.on_verifier = True
-            self.counters.requests_admitted += 1
-            self._emit("admitted", r)
+            if r.admit_seq < 0:
+                self._admitted += 1
+                r.admit_seq = self._admitted
+                self.counters.requests_admitted += 1
+                self._emit("admitted", r)
         self.running.extend(batch)
         features = {}
         for r, res in zip(batch, results):
-            if self._commit(r, [res.first_token_id]):
+            if r.preempted:  # resumed: nothing new to commit
+                r.preempted = False
+                self.counters.resumes += 1
+                features[r.request_id] = res.features
+            elif self._commit(r, [res.first_token_id]):
                 features[r.request_id] = res.features
         live = [r for r in batch if not r.done]
         if self.drafter_up and live:
@@ -272,6 +353,7 @@ class Router:
         finished = [r for r in self.running if r.done]
         self.running = [r for r in self.running if not r.done]
         await self._release(finished)
+        await self._plan()
         if not self.running:
             return
         await self._resync()
@@ -281,6 +363,9 @@ class Router:
         if drafted:
             try:
                 draft = await asyncio.wait_for(self.drafter.draft([r.tag() for r in drafted]), self.cfg.drafter_timeout)
+                if [t for t in draft.tags] != [r.tag() for r in drafted]:
+                    self.counters.stale_dropped += 1   # a draft of another epoch or length: never verified
+                    draft, drafted = None, []
             except (EngineUnavailable, asyncio.TimeoutError, StaleMessage) as exc:
                 self._drafter_failed(exc)
                 drafted = []
@@ -296,8 +381,14 @@ class Router:
         extend = []
         c = self.counters
         c.rounds += 1
-        for r, res in zip(order, results):
-            assert res.tag.request_id == r.request_id
+        expected = {r.request_id: r for r in order}
+        for res in results:
+            r = expected.pop(res.tag.request_id, None)
+            if r is None or res.tag.epoch != r.epoch or res.tag.committed_len != r.committed_len + len(res.token_ids):
+                c.stale_dropped += 1   # a reply of an old epoch (or unknown): dropped, never applied
+                if r is not None:
+                    expected[r.request_id] = r
+                continue
             r.num_rounds += 1
             r.draft_tokens += res.num_draft_tokens
             r.accepted_tokens += res.num_accepted

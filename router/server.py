@@ -137,6 +137,33 @@ class GenerationServicer(generation_pb2_grpc.GenerationServicer):
     async def GetModelInfo(self, request, context):
         return generation_pb2.ModelInfo(**self.info)
 
+    async def GetServerStats(self, request, context):
+        return await server_stats(self.router)
+
+
+async def server_stats(router) -> generation_pb2.ServerStats:
+    """The router's counters, its queues and both sides' KV usage (from the engines' info)."""
+    from dataclasses import asdict
+
+    counters = asdict(router.counters)
+    out = generation_pb2.ServerStats(**counters, running=len(router.running), waiting=len(router.waiting))
+
+    async def kv(link):
+        if link is None:
+            return {}
+        try:
+            return (await asyncio.wait_for(link.info(), 5)).kv
+        except Exception:  # an engine that does not answer reports no usage
+            return {}
+    routers = getattr(router, "replicas", None) or [router]  # a ReplicaSet sums its pairs
+    for field_name, side in (("verifier_kv", "verifier"), ("drafter_kv", "drafter")):
+        usages = [await kv(getattr(r, side)) for r in routers]
+        getattr(out, field_name).CopyFrom(generation_pb2.KvUsage(
+            num_blocks=sum(u.get("num_blocks", 0) for u in usages),
+            used_blocks=sum(u.get("used_blocks", 0) for u in usages),
+            block_size=max((u.get("block_size", 0) for u in usages), default=0)))
+    return out
+
 
 def _response(request_id: str, ev: Chunk) -> generation_pb2.GenerateResponse:
     out = generation_pb2.GenerateResponse(request_id=request_id, token_ids=ev.token_ids, text=ev.text,
@@ -148,10 +175,12 @@ def _response(request_id: str, ev: Chunk) -> generation_pb2.GenerateResponse:
 
 
 async def start_server(router: Router, tokenizer, limits: Limits, info: dict, host: str = "localhost",
-                       port: int = 50051, credentials: grpc.ServerCredentials | None = None):
+                       port: int = 50051, credentials: grpc.ServerCredentials | None = None,
+                       interceptors: tuple = ()):
     """Starts the public server; returns (server, bound port). Health is SERVING while the
-    verifier answers."""
-    server = grpc.aio.server(options=[
+    verifier answers. `credentials`: TLS (None: plaintext); `interceptors`: e.g. the API-key
+    check (router/auth.py)."""
+    server = grpc.aio.server(interceptors=list(interceptors) or None, options=[
         ("grpc.max_receive_message_length", limits.max_message_bytes),
         ("grpc.max_send_message_length", 64 * 1024 * 1024),
         ("grpc.http2.min_recv_ping_interval_without_data_ms", 5000),

@@ -58,6 +58,7 @@ def build_parser() -> argparse.ArgumentParser:
     add_serve(sub)
     _add_train_draft(sub)
     _add_services(sub)
+    _add_stats(sub)
     return parser
 
 
@@ -68,6 +69,58 @@ def main(argv: list[str] | None = None) -> int:
     except ValueError as exc:  # config and input errors: one clear line, no traceback
         print(f"spectandem: error: {exc}", file=sys.stderr)
         return 2
+
+
+
+def _add_stats(sub) -> None:
+    p = sub.add_parser("stats", help="a running server's counters, queues and KV usage")
+    p.add_argument("--address", default="localhost:50051")
+    p.add_argument("--json", action="store_true")
+    p.add_argument("--timeout", type=float, default=10.0)
+    p.set_defaults(func=_stats)
+
+
+def _stats(args) -> int:
+    import json
+
+    import grpc
+    from google.protobuf.json_format import MessageToDict
+
+    from spectandem.v1 import generation_pb2, generation_pb2_grpc
+
+    with grpc.insecure_channel(args.address) as channel:
+        try:
+            stats = generation_pb2_grpc.GenerationStub(channel).GetServerStats(
+                generation_pb2.GetServerStatsRequest(), timeout=args.timeout)
+        except grpc.RpcError as exc:
+            print(f"spectandem: error: {args.address}: {exc.code().name}: {exc.details()}", file=sys.stderr)
+            return 1
+    d = MessageToDict(stats, preserving_proto_field_name=True, always_print_fields_with_no_presence=True)
+
+    def numbers(x):  # protobuf's JSON mapping writes 64-bit integers as strings; print numbers
+        if isinstance(x, dict):
+            return {k: numbers(v) for k, v in x.items()}
+        if isinstance(x, list):
+            return [numbers(v) for v in x]
+        return int(x) if isinstance(x, str) and x.isdigit() else x
+    d = numbers(d)
+    if args.json:
+        print(json.dumps(d))
+        return 0
+    al = (stats.accepted_tokens + stats.num_drafts) / stats.num_drafts if stats.num_drafts else 0.0
+    print(f"rounds {stats.rounds}  drafts {stats.num_drafts}  draft tokens {stats.draft_tokens}  "
+          f"accepted {stats.accepted_tokens}  accept length {al:.2f}")
+    print(f"accepted per position {list(stats.accepted_per_pos)}")
+    print(f"preemptions {stats.preemptions}  resumes {stats.resumes}  stale dropped {stats.stale_dropped}  "
+          f"fallback rounds {stats.fallback_rounds}  draft-ahead hits/misses {stats.draft_ahead_hits}/"
+          f"{stats.draft_ahead_misses}")
+    print(f"requests admitted {stats.requests_admitted}  finished {stats.requests_finished}  failed "
+          f"{stats.requests_failed}  cancelled {stats.requests_cancelled}  running {stats.running}  "
+          f"waiting {stats.waiting}")
+    for side in ("verifier_kv", "drafter_kv"):
+        kv = getattr(stats, side)
+        print(f"{side.split('_')[0]} KV blocks used {kv.used_blocks}/{kv.num_blocks} (block size {kv.block_size})")
+    return 0
 
 
 if __name__ == "__main__":

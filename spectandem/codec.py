@@ -203,14 +203,14 @@ def _features_in(msg, decode: bool):
 
 def verifier_prefill_item_to_msg(item: VerifierPrefillItem) -> engines_pb2.VerifierPrefillItem:
     return engines_pb2.VerifierPrefillItem(tag=tag_to_msg(item.tag), prompt_ids=item.prompt_ids,
-                                           params=params_to_msg(item.params, item.seed))
+                                           params=params_to_msg(item.params, item.seed), resume=item.resume)
 
 
 def verifier_prefill_item_from_msg(msg: engines_pb2.VerifierPrefillItem) -> VerifierPrefillItem:
     params = params_from_msg(msg.params)
     if params.seed is None:
         raise ValueError(f"request {msg.tag.request_id!r}: prefill without a seed")
-    return VerifierPrefillItem(tag_from_msg(msg.tag), list(msg.prompt_ids), params, params.seed)
+    return VerifierPrefillItem(tag_from_msg(msg.tag), list(msg.prompt_ids), params, params.seed, msg.resume)
 
 
 def verifier_prefill_result_to_msg(r: VerifierPrefillResult) -> engines_pb2.VerifierPrefillResult:
@@ -268,11 +268,15 @@ def engine_info_to_msg(info: EngineInfo) -> engines_pb2.EngineInfo:
     return engines_pb2.EngineInfo(role=info.role, model=info.model, kind=info.kind, vocab_size=info.vocab_size,
                                   max_len=info.max_len, max_slots=info.max_slots, used_slots=info.used_slots,
                                   feature_layers=feature_layers_to_str(info.feature_layers),
-                                  device=str(info.extra.get("device", "")))
+                                  device=str(info.extra.get("device", "")),
+                                  kv_blocks=info.kv.get("num_blocks", 0), kv_block_size=info.kv.get("block_size", 0),
+                                  kv_used_blocks=info.kv.get("used_blocks", 0))
 
 
 def engine_info_from_msg(msg: engines_pb2.EngineInfo) -> EngineInfo:
     return EngineInfo(role=msg.role, model=msg.model, kind=msg.kind, vocab_size=msg.vocab_size, max_len=msg.max_len,
                       max_slots=msg.max_slots, used_slots=msg.used_slots,
                       feature_layers=feature_layers_from_str(msg.feature_layers),
-                      extra={"device": msg.device} if msg.device else {})
+                      extra={"device": msg.device} if msg.device else {},
+                      kv={"num_blocks": msg.kv_blocks, "block_size": msg.kv_block_size,
+                          "used_blocks": msg.kv_used_blocks} if msg.kv_blocks else {})

@@ -22,6 +22,11 @@ def add_model_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("--device", default="cpu")
     p.add_argument("--dtype", choices=["float32", "bfloat16", "float16"], default="float32")
     p.add_argument("--max-len", type=int, default=None, help="context length (default: the target's)")
+    p.add_argument("--kv-blocks", type=int, default=None,
+                   help="verifier KV pool in blocks (default: every slot at full context)")
+    p.add_argument("--draft-kv-blocks", type=int, default=None,
+                   help="drafter KV pool in blocks (default: every slot at full context)")
+    p.add_argument("--block-size", type=int, default=16, help="cache entries per KV block (both sides)")
 
 
 def add_generate(sub) -> None:

@@ -17,16 +17,19 @@ from verifier.runner import load_runner
 class LocalSpeculator:
     def __init__(self, target_dir: str | Path, draft_dir: str | Path | None, cfg: SpecConfig,
                  max_slots: int = 8, max_len: int | None = None, dtype: torch.dtype = torch.float32,
-                 device: str = "cpu", force_hf_target: bool = False):
+                 device: str = "cpu", force_hf_target: bool = False, kv_blocks: int | None = None,
+                 draft_kv_blocks: int | None = None, block_size: int = 16):
         from spectandem.checkpoint import load_tokenizer, read_config
 
         self.cfg = cfg
         # The head decides which features it reads, and takes weights from the target: build the
         # target first, then the proposer, then tell the runner what to return.
-        runner, model = load_runner(target_dir, None, max_slots, max_len, dtype, device, force_hf_target)
+        runner, model = load_runner(target_dir, None, max_slots, max_len, dtype, device, force_hf_target,
+                                    kv_blocks, block_size)
         proposer = None
         if cfg.method != "none":
-            proposer = build_proposer(cfg, model, draft_dir, max_slots, runner.max_len, dtype, device)
+            proposer = build_proposer(cfg, model, draft_dir, max_slots, runner.max_len, dtype, device,
+                                      draft_kv_blocks, block_size)
             runner.feature_layers = proposer.feature_layers
         self.verifier = VerifierEngine(runner, max_slots, int(read_config(target_dir)["vocab_size"]))
         self.drafter = DrafterEngine(proposer, cfg) if proposer is not None else None

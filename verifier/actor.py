@@ -30,11 +30,13 @@ def _put(features: torch.Tensor | None) -> ray.ObjectRef | None:
 class VerifierActor:
     def __init__(self, target_dir: str | Path, feature_layers: FeatureSpec, max_slots: int, max_len: int | None,
                  dtype: torch.dtype = torch.float32, device: str = "cpu", force_hf_target: bool = False,
-                 model_name: str = "target", num_threads: int = 1):
+                 model_name: str = "target", num_threads: int = 1, kv_blocks: int | None = None,
+                 block_size: int = 16):
         from spectandem.checkpoint import read_config
 
         torch.set_num_threads(num_threads)
-        runner, _ = load_runner(target_dir, feature_layers, max_slots, max_len, dtype, device, force_hf_target)
+        runner, _ = load_runner(target_dir, feature_layers, max_slots, max_len, dtype, device, force_hf_target,
+                                kv_blocks, block_size)
         self.engine = VerifierEngine(runner, max_slots, int(read_config(target_dir)["vocab_size"]))
         self.model_name = model_name
 

@@ -19,6 +19,7 @@ import torch
 
 from spectandem import codec
 from spectandem.grpc_server import EngineCalls, EngineServer
+from spectandem.tls import ServerTls, add_server_tls_flags, server_tls_from_args
 from spectandem.v1 import engines_pb2, engines_pb2_grpc
 from verifier.engine import VerifierEngine
 from verifier.service_core import verifier_features, verifier_info, verifier_prefill, verifier_verify
@@ -102,32 +103,37 @@ def resolve_feature_layers(feature_layers: str | None, method: str, draft_dir: s
 
 
 def build_verifier_engine(target_dir: str | Path, feature_layers, max_slots: int = 8, max_len: int | None = None,
-                          dtype: torch.dtype = torch.float32, device: str = "cpu") -> VerifierEngine:
+                          dtype: torch.dtype = torch.float32, device: str = "cpu", kv_blocks: int | None = None,
+                          block_size: int = 16) -> VerifierEngine:
     from spectandem.checkpoint import read_config
     from verifier.runner import load_runner
 
-    runner, _ = load_runner(target_dir, feature_layers, max_slots, max_len, dtype, device)
+    runner, _ = load_runner(target_dir, feature_layers, max_slots, max_len, dtype, device, kv_blocks=kv_blocks,
+                            block_size=block_size)
     return VerifierEngine(runner, max_slots, int(read_config(target_dir)["vocab_size"]))
 
 
 async def start_verifier_server(engine: VerifierEngine, host: str = "127.0.0.1", port: int = 0,
-                                model_name: str = "target", device: str = "cpu") -> EngineServer:
-    """Serves `engine` from the running event loop; returns the started server (port 0: a free one)."""
+                                model_name: str = "target", device: str = "cpu",
+                                tls: ServerTls | None = None) -> EngineServer:
+    """Serves `engine` from the running event loop; returns the started server (port 0: a free one).
+    `tls`: TLS or mTLS on the port (None: plaintext)."""
     servicer = VerifierServicer(engine, model_name, device)
     return await EngineServer.start(lambda s: engines_pb2_grpc.add_VerifierServicer_to_server(servicer, s),
-                                    SERVICE_NAME, host, port)
+                                    SERVICE_NAME, host, port, tls.grpc_credentials() if tls else None)
 
 
 def serve_verifier(target_dir: str | Path, method: str = "eagle3", draft_dir: str | Path | None = None,
                    host: str = "0.0.0.0", port: int = 50052, max_slots: int = 8, max_len: int | None = None,
-                   device: str = "cpu", dtype: torch.dtype = torch.float32, feature_layers: str | None = None) -> None:
+                   device: str = "cpu", dtype: torch.dtype = torch.float32, feature_layers: str | None = None,
+                   kv_blocks: int | None = None, block_size: int = 16, tls: ServerTls | None = None) -> None:
     """Loads the target, serves it until SIGTERM/SIGINT. `draft_dir` is read only for the
     feature layers (see resolve_feature_layers)."""
     layers = resolve_feature_layers(feature_layers, method, draft_dir, target_dir)
-    engine = build_verifier_engine(target_dir, layers, max_slots, max_len, dtype, device)
+    engine = build_verifier_engine(target_dir, layers, max_slots, max_len, dtype, device, kv_blocks, block_size)
 
     async def main():
-        server = await start_verifier_server(engine, host, port, Path(target_dir).name, device)
+        server = await start_verifier_server(engine, host, port, Path(target_dir).name, device, tls=tls)
         print(f"spectandem verifier: {Path(target_dir).name}, features {codec.feature_layers_to_str(layers)}, "
               f"listening on {host}:{server.port}", flush=True)
         await server.serve_until_signal()
@@ -152,8 +158,11 @@ def add_verifier_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--dtype", choices=["float32", "bfloat16", "float16"], default="float32")
     p.add_argument("--max-len", type=int, default=None, help="context length (default: the target's)")
     p.add_argument("--max-slots", type=int, default=8, help="requests held at once")
+    p.add_argument("--kv-blocks", type=int, default=None, help="KV pool in blocks (default: every slot at full context)")
+    p.add_argument("--block-size", type=int, default=16, help="cache entries per KV block")
     p.add_argument("--host", default="0.0.0.0")
     p.add_argument("--port", type=int, default=50052, help="0 picks a free port (printed)")
+    add_server_tls_flags(p, "the Verifier service")
 
 
 def run_verifier(args: argparse.Namespace) -> int:
@@ -163,7 +172,8 @@ def run_verifier(args: argparse.Namespace) -> int:
     if target is None:
         target, demo_draft = demo_paths(args.method)
         draft = draft or demo_draft
+    tls = server_tls_from_args(args)  # flag and file errors before the model loads
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
     serve_verifier(target, args.method, draft, args.host, args.port, args.max_slots, args.max_len, args.device,
-                   getattr(torch, args.dtype), args.feature_layers)
+                   getattr(torch, args.dtype), args.feature_layers, args.kv_blocks, args.block_size, tls=tls)
     return 0

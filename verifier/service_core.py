@@ -9,9 +9,11 @@ from spectandem.messages import DraftTree, concat_trees, root_only_tree
 
 def verifier_prefill(engine, items: list[VerifierPrefillItem], want_features: bool) -> list[VerifierPrefillResult]:
     outs = engine.prefill([i.tag.request_id for i in items], [i.prompt_ids for i in items],
-                          [i.params for i in items], [i.seed for i in items], [i.tag.epoch for i in items])
-    return [VerifierPrefillResult(Tag(i.tag.request_id, i.tag.epoch, len(i.prompt_ids) + 1), o.first_token_id,
-                                  o.features if want_features else None) for i, o in zip(items, outs)]
+                          [i.params for i in items], [i.seed for i in items], [i.tag.epoch for i in items],
+                          [i.resume for i in items])
+    return [VerifierPrefillResult(Tag(i.tag.request_id, i.tag.epoch, len(i.prompt_ids) + (0 if i.resume else 1)),
+                                  o.first_token_id, o.features if want_features else None)
+            for i, o in zip(items, outs)]
 
 
 def verifier_verify(engine, tree: DraftTree | None, tags: list[Tag], plain: list[PlainItem],
@@ -37,4 +39,4 @@ def verifier_info(engine, model_name: str) -> EngineInfo:
     return EngineInfo(role="verifier", model=model_name, kind=type(runner).__name__,
                       vocab_size=engine.vocab_size, max_len=engine.max_len,
                       max_slots=len(engine.free_slots) + len(engine.requests), used_slots=len(engine.requests),
-                      feature_layers=runner.feature_layers)
+                      feature_layers=runner.feature_layers, kv=engine.kv_stats())

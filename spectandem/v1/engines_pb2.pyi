@@ -8,14 +8,16 @@ from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
 DESCRIPTOR: _descriptor.FileDescriptor
 
 class VerifierPrefillItem(_message.Message):
-    __slots__ = ("tag", "prompt_ids", "params")
+    __slots__ = ("tag", "prompt_ids", "params", "resume")
     TAG_FIELD_NUMBER: _ClassVar[int]
     PROMPT_IDS_FIELD_NUMBER: _ClassVar[int]
     PARAMS_FIELD_NUMBER: _ClassVar[int]
+    RESUME_FIELD_NUMBER: _ClassVar[int]
     tag: _common_pb2.RequestTag
     prompt_ids: _containers.RepeatedScalarFieldContainer[int]
     params: _common_pb2.SamplingParams
-    def __init__(self, tag: _Optional[_Union[_common_pb2.RequestTag, _Mapping]] = ..., prompt_ids: _Optional[_Iterable[int]] = ..., params: _Optional[_Union[_common_pb2.SamplingParams, _Mapping]] = ...) -> None: ...
+    resume: bool
+    def __init__(self, tag: _Optional[_Union[_common_pb2.RequestTag, _Mapping]] = ..., prompt_ids: _Optional[_Iterable[int]] = ..., params: _Optional[_Union[_common_pb2.SamplingParams, _Mapping]] = ..., resume: _Optional[bool] = ...) -> None: ...
 
 class VerifierPrefillRequest(_message.Message):
     __slots__ = ("items", "want_features")
@@ -180,7 +182,7 @@ class EngineInfoRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class EngineInfo(_message.Message):
-    __slots__ = ("role", "model", "kind", "vocab_size", "max_len", "max_slots", "used_slots", "feature_layers", "device")
+    __slots__ = ("role", "model", "kind", "vocab_size", "max_len", "max_slots", "used_slots", "feature_layers", "device", "kv_blocks", "kv_block_size", "kv_used_blocks")
     ROLE_FIELD_NUMBER: _ClassVar[int]
     MODEL_FIELD_NUMBER: _ClassVar[int]
     KIND_FIELD_NUMBER: _ClassVar[int]
@@ -190,6 +192,9 @@ class EngineInfo(_message.Message):
     USED_SLOTS_FIELD_NUMBER: _ClassVar[int]
     FEATURE_LAYERS_FIELD_NUMBER: _ClassVar[int]
     DEVICE_FIELD_NUMBER: _ClassVar[int]
+    KV_BLOCKS_FIELD_NUMBER: _ClassVar[int]
+    KV_BLOCK_SIZE_FIELD_NUMBER: _ClassVar[int]
+    KV_USED_BLOCKS_FIELD_NUMBER: _ClassVar[int]
     role: str
     model: str
     kind: str
@@ -199,4 +204,7 @@ class EngineInfo(_message.Message):
     used_slots: int
     feature_layers: str
     device: str
-    def __init__(self, role: _Optional[str] = ..., model: _Optional[str] = ..., kind: _Optional[str] = ..., vocab_size: _Optional[int] = ..., max_len: _Optional[int] = ..., max_slots: _Optional[int] = ..., used_slots: _Optional[int] = ..., feature_layers: _Optional[str] = ..., device: _Optional[str] = ...) -> None: ...
+    kv_blocks: int
+    kv_block_size: int
+    kv_used_blocks: int
+    def __init__(self, role: _Optional[str] = ..., model: _Optional[str] = ..., kind: _Optional[str] = ..., vocab_size: _Optional[int] = ..., max_len: _Optional[int] = ..., max_slots: _Optional[int] = ..., used_slots: _Optional[int] = ..., feature_layers: _Optional[str] = ..., device: _Optional[str] = ..., kv_blocks: _Optional[int] = ..., kv_block_size: _Optional[int] = ..., kv_used_blocks: _Optional[int] = ...) -> None: ...

@@ -74,3 +74,59 @@ class ModelInfo(_message.Message):
     backend: str
     fused: bool
     def __init__(self, target_model: _Optional[str] = ..., draft_model: _Optional[str] = ..., method: _Optional[str] = ..., num_steps: _Optional[int] = ..., topk: _Optional[int] = ..., num_draft_tokens: _Optional[int] = ..., max_context: _Optional[int] = ..., max_tokens_limit: _Optional[int] = ..., max_stop_strings: _Optional[int] = ..., max_message_bytes: _Optional[int] = ..., vocab_size: _Optional[int] = ..., backend: _Optional[str] = ..., fused: _Optional[bool] = ...) -> None: ...
+
+class GetServerStatsRequest(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
+
+class KvUsage(_message.Message):
+    __slots__ = ("num_blocks", "used_blocks", "block_size")
+    NUM_BLOCKS_FIELD_NUMBER: _ClassVar[int]
+    USED_BLOCKS_FIELD_NUMBER: _ClassVar[int]
+    BLOCK_SIZE_FIELD_NUMBER: _ClassVar[int]
+    num_blocks: int
+    used_blocks: int
+    block_size: int
+    def __init__(self, num_blocks: _Optional[int] = ..., used_blocks: _Optional[int] = ..., block_size: _Optional[int] = ...) -> None: ...
+
+class ServerStats(_message.Message):
+    __slots__ = ("rounds", "num_drafts", "draft_tokens", "accepted_tokens", "accepted_per_pos", "preemptions", "resumes", "stale_dropped", "draft_ahead_hits", "draft_ahead_misses", "fallback_rounds", "requests_admitted", "requests_finished", "requests_failed", "requests_cancelled", "running", "waiting", "verifier_kv", "drafter_kv")
+    ROUNDS_FIELD_NUMBER: _ClassVar[int]
+    NUM_DRAFTS_FIELD_NUMBER: _ClassVar[int]
+    DRAFT_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    ACCEPTED_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    ACCEPTED_PER_POS_FIELD_NUMBER: _ClassVar[int]
+    PREEMPTIONS_FIELD_NUMBER: _ClassVar[int]
+    RESUMES_FIELD_NUMBER: _ClassVar[int]
+    STALE_DROPPED_FIELD_NUMBER: _ClassVar[int]
+    DRAFT_AHEAD_HITS_FIELD_NUMBER: _ClassVar[int]
+    DRAFT_AHEAD_MISSES_FIELD_NUMBER: _ClassVar[int]
+    FALLBACK_ROUNDS_FIELD_NUMBER: _ClassVar[int]
+    REQUESTS_ADMITTED_FIELD_NUMBER: _ClassVar[int]
+    REQUESTS_FINISHED_FIELD_NUMBER: _ClassVar[int]
+    REQUESTS_FAILED_FIELD_NUMBER: _ClassVar[int]
+    REQUESTS_CANCELLED_FIELD_NUMBER: _ClassVar[int]
+    RUNNING_FIELD_NUMBER: _ClassVar[int]
+    WAITING_FIELD_NUMBER: _ClassVar[int]
+    VERIFIER_KV_FIELD_NUMBER: _ClassVar[int]
+    DRAFTER_KV_FIELD_NUMBER: _ClassVar[int]
+    rounds: int
+    num_drafts: int
+    draft_tokens: int
+    accepted_tokens: int
+    accepted_per_pos: _containers.RepeatedScalarFieldContainer[int]
+    preemptions: int
+    resumes: int
+    stale_dropped: int
+    draft_ahead_hits: int
+    draft_ahead_misses: int
+    fallback_rounds: int
+    requests_admitted: int
+    requests_finished: int
+    requests_failed: int
+    requests_cancelled: int
+    running: int
+    waiting: int
+    verifier_kv: KvUsage
+    drafter_kv: KvUsage
+    def __init__(self, rounds: _Optional[int] = ..., num_drafts: _Optional[int] = ..., draft_tokens: _Optional[int] = ..., accepted_tokens: _Optional[int] = ..., accepted_per_pos: _Optional[_Iterable[int]] = ..., preemptions: _Optional[int] = ..., resumes: _Optional[int] = ..., stale_dropped: _Optional[int] = ..., draft_ahead_hits: _Optional[int] = ..., draft_ahead_misses: _Optional[int] = ..., fallback_rounds: _Optional[int] = ..., requests_admitted: _Optional[int] = ..., requests_finished: _Optional[int] = ..., requests_failed: _Optional[int] = ..., requests_cancelled: _Optional[int] = ..., running: _Optional[int] = ..., waiting: _Optional[int] = ..., verifier_kv: _Optional[_Union[KvUsage, _Mapping]] = ..., drafter_kv: _Optional[_Union[KvUsage, _Mapping]] = ...) -> None: ...

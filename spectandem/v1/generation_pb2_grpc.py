@@ -44,6 +44,11 @@ class GenerationStub:
                 request_serializer=spectandem_dot_v1_dot_generation__pb2.GetModelInfoRequest.SerializeToString,
                 response_deserializer=spectandem_dot_v1_dot_generation__pb2.ModelInfo.FromString,
                 _registered_method=True)
+        self.GetServerStats = channel.unary_unary(
+                '/spectandem.v1.Generation/GetServerStats',
+                request_serializer=spectandem_dot_v1_dot_generation__pb2.GetServerStatsRequest.SerializeToString,
+                response_deserializer=spectandem_dot_v1_dot_generation__pb2.ServerStats.FromString,
+                _registered_method=True)
 
 
 class GenerationServicer:
@@ -64,6 +69,13 @@ class GenerationServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def GetServerStats(self, request, context):
+        """Counters since start, queues and KV usage on each side.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_GenerationServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -76,6 +88,11 @@ def add_GenerationServicer_to_server(servicer, server):
                     servicer.GetModelInfo,
                     request_deserializer=spectandem_dot_v1_dot_generation__pb2.GetModelInfoRequest.FromString,
                     response_serializer=spectandem_dot_v1_dot_generation__pb2.ModelInfo.SerializeToString,
+            ),
+            'GetServerStats': grpc.unary_unary_rpc_method_handler(
+                    servicer.GetServerStats,
+                    request_deserializer=spectandem_dot_v1_dot_generation__pb2.GetServerStatsRequest.FromString,
+                    response_serializer=spectandem_dot_v1_dot_generation__pb2.ServerStats.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -132,6 +149,33 @@ class Generation:
             '/spectandem.v1.Generation/GetModelInfo',
             spectandem_dot_v1_dot_generation__pb2.GetModelInfoRequest.SerializeToString,
             spectandem_dot_v1_dot_generation__pb2.ModelInfo.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def GetServerStats(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/spectandem.v1.Generation/GetServerStats',
+            spectandem_dot_v1_dot_generation__pb2.GetServerStatsRequest.SerializeToString,
+            spectandem_dot_v1_dot_generation__pb2.ServerStats.FromString,
             options,
             channel_credentials,
             insecure,
