@@ -30,11 +30,14 @@ from spectandem.v1 import engines_pb2, engines_pb2_grpc
 class _GrpcLink:
     role = "engine"
 
-    def __init__(self, address: str, timeout_s: float | None = 30.0):
-        """`address` is host:port; `timeout_s` the deadline of every call (None: none). Construct
-        links inside the event loop that uses them (grpc.aio channels belong to one loop)."""
+    def __init__(self, address: str, timeout_s: float | None = 30.0,
+                 credentials: grpc.ChannelCredentials | None = None):
+        """`address` is host:port; `timeout_s` the deadline of every call (None: none);
+        `credentials` TLS (spectandem/tls.py; None: plaintext). Construct links inside the event
+        loop that uses them (grpc.aio channels belong to one loop)."""
         self.address, self.timeout_s = address, timeout_s
-        self.channel = grpc.aio.insecure_channel(address, options=CHANNEL_OPTIONS)
+        self.channel = (grpc.aio.secure_channel(address, credentials, options=CHANNEL_OPTIONS) if credentials
+                        else grpc.aio.insecure_channel(address, options=CHANNEL_OPTIONS))
 
     async def _call(self, method, request):
         try:
@@ -61,8 +64,9 @@ class _GrpcLink:
 class GrpcVerifierLink(_GrpcLink):
     role = "verifier"
 
-    def __init__(self, address: str, timeout_s: float | None = 30.0):
-        super().__init__(address, timeout_s)
+    def __init__(self, address: str, timeout_s: float | None = 30.0,
+                 credentials: grpc.ChannelCredentials | None = None):
+        super().__init__(address, timeout_s, credentials)
         self.stub = engines_pb2_grpc.VerifierStub(self.channel)
 
     async def prefill(self, items: list[VerifierPrefillItem], want_features: bool) -> list[VerifierPrefillResult]:
@@ -92,8 +96,9 @@ class GrpcVerifierLink(_GrpcLink):
 class GrpcDrafterLink(_GrpcLink):
     role = "drafter"
 
-    def __init__(self, address: str, timeout_s: float | None = 30.0):
-        super().__init__(address, timeout_s)
+    def __init__(self, address: str, timeout_s: float | None = 30.0,
+                 credentials: grpc.ChannelCredentials | None = None):
+        super().__init__(address, timeout_s, credentials)
         self.stub = engines_pb2_grpc.DrafterStub(self.channel)
 
     async def prefill(self, items: list[DrafterPrefillItem]) -> list[str]:

@@ -134,6 +134,13 @@ class RouterConfig:
     kv_block_size: int = 16
     draft_kv_blocks: int = 0         # drafter KV pool (0: none or unlimited)
     draft_kv_block_size: int = 16
+    # "sequential": draft, verify, extend per round; "pingpong": two micro-batches overlap the
+    # drafter with the verifier; "auto": ping-pong from 2 * pingpong_min_batch requests.
+    pipeline: str = "auto"
+    pingpong_min_batch: int = 2
+    adaptive_window: int = 64                 # drafted request-rounds per acceptance check (0: off)
+    adaptive_min_accept_length: float = 1.1   # below this, drafting costs more than it gains
+    adaptive_off_rounds: int = 32             # plain rounds before speculation is tried again
 
 
 class Router:
@@ -147,6 +154,8 @@ class Router:
         self._task: asyncio.Task | None = None
         self._last_probe = 0.0
         self._admitted = 0
+        self._recent: list[int] = []      # accepted drafts of recent drafted request-rounds
+        self._spec_off_until = 0          # round number until which speculation is off
         self.on_serving_change = None            # callback(bool), e.g. to update gRPC health
         self.counters = RouterCounters()
         # Listeners get (event, request, data): "admitted", "tokens" (data: number of new tokens,
@@ -357,31 +366,76 @@ class Router:
         if not self.running:
             return
         await self._resync()
+        if self._pingpong():
+            await self._pingpong_round()
+            return
+        draft, drafted = await self._draft(self.running)
+        results = await self._verify(draft, drafted, self.running)
+        if results is not None:
+            extend = self._apply(results, drafted, self.running)
+            if extend:
+                await self._extend(extend)
+
+    def _pingpong(self) -> bool:
+        """Two micro-batches pay off when the drafter has work to hide behind the verifier."""
+        mode = self.cfg.pipeline
+        return (mode == "pingpong" or (mode == "auto" and len(self.running) >= 2 * self.cfg.pingpong_min_batch)) \
+            and self.drafter_up and len(self.running) >= 2
+
+    async def _pingpong_round(self) -> None:
+        """Ping-pong: the drafter drafts half B while the verifier verifies half A, then catches
+        up half A while the verifier verifies half B. Each request still sees draft -> verify ->
+        extend in order, so its tokens are those of the sequential loop."""
+        a, b = self.running[0::2], self.running[1::2]
+        draft_a, drafted_a = await self._draft(a)
+        verify_a = asyncio.ensure_future(self._verify(draft_a, drafted_a, a))
+        draft_b, drafted_b = await self._draft(b)
+        results_a = await verify_a
+        if results_a is None:
+            return
+        extend_a = self._apply(results_a, drafted_a, a)
+        verify_b = asyncio.ensure_future(self._verify(draft_b, drafted_b, b))
+        if extend_a:
+            await self._extend(extend_a)
+        results_b = await verify_b
+        if results_b is None:
+            return
+        extend_b = self._apply(results_b, drafted_b, b)
+        if extend_b:
+            await self._extend(extend_b)
+
+    async def _draft(self, group: list[ServedRequest]):
+        """-> (draft handle or None, the requests it covers). Requests not covered decode plainly."""
         fits = lambda r: r.committed_len - 1 + self.cfg.lookahead <= self.cfg.max_len
-        drafted = [r for r in self.running if self.drafter_up and r.on_drafter and fits(r)]
-        draft = None
-        if drafted:
-            try:
-                draft = await asyncio.wait_for(self.drafter.draft([r.tag() for r in drafted]), self.cfg.drafter_timeout)
-                if [t for t in draft.tags] != [r.tag() for r in drafted]:
-                    self.counters.stale_dropped += 1   # a draft of another epoch or length: never verified
-                    draft, drafted = None, []
-            except (EngineUnavailable, asyncio.TimeoutError, StaleMessage) as exc:
-                self._drafter_failed(exc)
-                drafted = []
-        plain_reqs = [r for r in self.running if r not in drafted]
-        plain = [PlainItem(r.tag(), r.tokens[-1]) for r in plain_reqs]
-        order = drafted + plain_reqs
+        drafted = [r for r in group if self.drafter_up and r.on_drafter and fits(r) and not self._spec_off()]
+        if not drafted:
+            return None, []
         try:
-            results = await self.verifier.verify(draft, plain, self.cfg.want_features)
+            draft = await asyncio.wait_for(self.drafter.draft([r.tag() for r in drafted]), self.cfg.drafter_timeout)
+        except (EngineUnavailable, asyncio.TimeoutError, StaleMessage) as exc:
+            self._drafter_failed(exc)
+            return None, []
+        if list(draft.tags) != [r.tag() for r in drafted]:
+            self.counters.stale_dropped += 1   # a draft of another epoch or length: never verified
+            return None, []
+        return draft, drafted
+
+    async def _verify(self, draft, drafted: list[ServedRequest], group: list[ServedRequest]):
+        """One batched verify of the group (drafted rows, then plain rows); None if the verifier failed."""
+        plain = [PlainItem(r.tag(), r.tokens[-1]) for r in group if r not in drafted]
+        try:
+            return await self.verifier.verify(draft, plain, self.cfg.want_features)
         except EngineUnavailable as exc:
             self._verifier_failed(list(self.running), exc)
             self.running = []
-            return
+            return None
+
+    def _apply(self, results, drafted: list[ServedRequest], group: list[ServedRequest]) -> list[ExtendItem]:
+        """Commits a verify's results (dropping stale ones); returns the drafter catch-up items."""
         extend = []
         c = self.counters
         c.rounds += 1
-        expected = {r.request_id: r for r in order}
+        expected = {r.request_id: r for r in group}
         for res in results:
             r = expected.pop(res.tag.request_id, None)
             if r is None or res.tag.epoch != r.epoch or res.tag.committed_len != r.committed_len + len(res.token_ids):
@@ -397,6 +451,7 @@ class Router:
                 c.draft_tokens += res.num_draft_tokens
                 c.accepted_tokens += res.num_accepted
                 c.add_accepted(res.num_accepted)
+                self._observe_acceptance(res.num_accepted)
             if r not in drafted and self.drafter is not None:
                 r.fallback_rounds += 1
                 c.fallback_rounds += 1
@@ -405,8 +460,26 @@ class Router:
                 extend.append(ExtendItem(Tag(r.request_id, r.epoch, r.committed_len), res.token_ids, res.features))
             elif going_on:
                 r.on_drafter = False
-        if extend:
-            await self._extend(extend)
+        return extend
+
+    # Adaptive speculation: when drafts are almost never accepted, drafting only costs time.
+    # The router then decodes plainly for `adaptive_off_rounds` rounds and tries again.
+
+    def _observe_acceptance(self, num_accepted: int) -> None:
+        w = self.cfg.adaptive_window
+        if not w:
+            return
+        self._recent.append(num_accepted)
+        if len(self._recent) >= w:
+            mean_len = 1 + sum(self._recent) / len(self._recent)
+            self._recent.clear()
+            if mean_len < self.cfg.adaptive_min_accept_length:
+                self._spec_off_until = self.counters.rounds + self.cfg.adaptive_off_rounds
+                log.info("mean acceptance length %.2f < %.2f: speculation off for %d rounds", mean_len,
+                         self.cfg.adaptive_min_accept_length, self.cfg.adaptive_off_rounds)
+
+    def _spec_off(self) -> bool:
+        return self.counters.rounds < self._spec_off_until
 
     async def _extend(self, items: list[ExtendItem]) -> None:
         try:

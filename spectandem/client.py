@@ -233,7 +233,8 @@ def _model_info_dict(info: generation_pb2.ModelInfo) -> dict:
 
 class _Base:
     def __init__(self, address: str, timeout: float | None, max_retries: int,
-                 tls: bool | grpc.ChannelCredentials | None, options: Sequence[tuple[str, Any]]):
+                 tls: bool | grpc.ChannelCredentials | None, options: Sequence[tuple[str, Any]],
+                 api_key: str | None = None):
         if timeout is not None and not timeout > 0:
             raise ValueError(f"timeout must be > 0 seconds or None, got {timeout!r}")
         if max_retries < 0:
@@ -243,6 +244,8 @@ class _Base:
         self.max_retries = max_retries
         self._credentials = _channel_credentials(tls)
         self._options = list(options)
+        # Sent with every call but health checks (which servers leave open).
+        self._metadata = (("authorization", f"Bearer {api_key}"),) if api_key else None
 
     def _call_deadline(self, timeout: float | None) -> float | None:
         return _deadline(self.timeout if timeout is None else timeout)
@@ -269,11 +272,14 @@ def _not_ready_reason(err: grpc.RpcError) -> str:
 
 class Client(_Base):
     """Blocking client. `tls`: None/False for plaintext, True for TLS with the system roots, or
-    `grpc.ChannelCredentials`. `options`: extra gRPC channel arguments."""
+    `grpc.ChannelCredentials` (e.g. `grpc.ssl_channel_credentials(ca, key, cert)` for a private CA
+    and mTLS). `api_key`: sent as `authorization: Bearer KEY` (servers run with --api-key).
+    `options`: extra gRPC channel arguments."""
 
     def __init__(self, address: str = "localhost:50051", *, timeout: float | None = None, max_retries: int = 3,
-                 tls: bool | grpc.ChannelCredentials | None = None, options: Sequence[tuple[str, Any]] = ()):
-        super().__init__(address, timeout, max_retries, tls, options)
+                 tls: bool | grpc.ChannelCredentials | None = None, options: Sequence[tuple[str, Any]] = (),
+                 api_key: str | None = None):
+        super().__init__(address, timeout, max_retries, tls, options, api_key)
         if self._credentials is None:
             self._channel = grpc.insecure_channel(address, options=self._options)
         else:
@@ -296,7 +302,7 @@ class Client(_Base):
         retries = 0
         while True:
             reader = _ChunkReader()
-            call = self._generation.Generate(request, timeout=_remaining(deadline))
+            call = self._generation.Generate(request, timeout=_remaining(deadline), metadata=self._metadata)
             try:
                 for response in call:
                     yield reader.chunk(response)
@@ -317,7 +323,7 @@ class Client(_Base):
         while True:
             try:
                 info = self._generation.GetModelInfo(generation_pb2.GetModelInfoRequest(),
-                                                     timeout=_remaining(deadline))
+                                                     timeout=_remaining(deadline), metadata=self._metadata)
                 return _model_info_dict(info)
             except grpc.RpcError as err:
                 delay = _retry_delay(err, retries, self.max_retries, deadline)
@@ -359,8 +365,9 @@ class AsyncClient(_Base):
     the first call, in that call's event loop, and the client stays bound to that loop."""
 
     def __init__(self, address: str = "localhost:50051", *, timeout: float | None = None, max_retries: int = 3,
-                 tls: bool | grpc.ChannelCredentials | None = None, options: Sequence[tuple[str, Any]] = ()):
-        super().__init__(address, timeout, max_retries, tls, options)
+                 tls: bool | grpc.ChannelCredentials | None = None, options: Sequence[tuple[str, Any]] = (),
+                 api_key: str | None = None):
+        super().__init__(address, timeout, max_retries, tls, options, api_key)
         self._channel: grpc.aio.Channel | None = None
 
     def _stubs(self) -> tuple[generation_pb2_grpc.GenerationStub, health_pb2_grpc.HealthStub]:
@@ -394,7 +401,7 @@ class AsyncClient(_Base):
         retries = 0
         while True:
             reader = _ChunkReader()
-            call = generation.Generate(request, timeout=_remaining(deadline))
+            call = generation.Generate(request, timeout=_remaining(deadline), metadata=self._metadata)
             try:
                 async for response in call:
                     yield reader.chunk(response)
@@ -416,7 +423,7 @@ class AsyncClient(_Base):
         while True:
             try:
                 info = await generation.GetModelInfo(generation_pb2.GetModelInfoRequest(),
-                                                     timeout=_remaining(deadline))
+                                                     timeout=_remaining(deadline), metadata=self._metadata)
                 return _model_info_dict(info)
             except grpc.RpcError as err:
                 delay = _retry_delay(err, retries, self.max_retries, deadline)

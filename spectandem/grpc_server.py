@@ -79,8 +79,9 @@ class EngineServer:
 
     @classmethod
     async def start(cls, register: Callable[[grpc.aio.Server], None], service_name: str, host: str,
-                    port: int) -> "EngineServer":
-        """`register(server)` adds the engine servicer; port 0 picks a free port."""
+                    port: int, credentials: grpc.ServerCredentials | None = None) -> "EngineServer":
+        """`register(server)` adds the engine servicer; port 0 picks a free port; `credentials`
+        TLS or mTLS (spectandem/tls.py; None: plaintext)."""
         # No SO_REUSEPORT: a second engine on a taken port must fail, not share its traffic.
         server = grpc.aio.server(options=CHANNEL_OPTIONS + [("grpc.so_reuseport", 0)])
         register(server)
@@ -88,7 +89,8 @@ class EngineServer:
         health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
         reflection.enable_server_reflection((service_name, health.SERVICE_NAME, reflection.SERVICE_NAME), server)
         try:
-            bound = server.add_insecure_port(f"{host}:{port}")
+            address = f"{host}:{port}"
+            bound = server.add_secure_port(address, credentials) if credentials else server.add_insecure_port(address)
         except RuntimeError as exc:
             raise ValueError(f"cannot listen on {host}:{port}: {exc}") from None
         await server.start()

@@ -17,7 +17,10 @@ class Served:
         from router.serve import serve_async
         from spectandem.cli import build_parser
 
-        self.args = build_parser().parse_args(["serve", "--port", "0", *argv])
+        # The HTTP front and metrics are off unless a test asks (their fixed default ports would
+        # collide between concurrent test runs); later flags in argv win.
+        self.args = build_parser().parse_args(["serve", "--port", "0", "--http-port", "0", "--metrics-port", "0",
+                                               *argv])
         self.state: dict = {}
         self.loop = asyncio.new_event_loop()
         self.stop = None

@@ -1,0 +1,191 @@
+"""Prometheus metrics of the router, named like vLLM's with the prefix `spectandem:`.
+
+Two sources, one registry (a private `CollectorRegistry`, so nothing process-global leaks in):
+
+- `RouterCollector` reads `Router.counters`, the queues and the engines' slot use *at scrape
+  time*, so /metrics can never drift from what the router (and GetServerStats) reports.
+    counters   spectandem:spec_decode_num_drafts, _num_draft_tokens, _num_accepted_tokens,
+               _num_accepted_tokens_per_pos{position} (position 0 = the first draft token),
+               spectandem:num_rounds, num_preemptions, num_resumes, num_fallback_rounds,
+               num_stale_replies_dropped, num_draft_ahead_{hits,misses},
+               num_requests_{admitted,finished,failed,cancelled}
+               (exposed with the `_total` suffix)
+    gauges     spectandem:num_requests_running, num_requests_waiting,
+               spectandem:kv_cache_usage_perc{side="verifier"|"drafter"} (0..1)
+- `RequestTimings`, a router listener, observes latencies from request events:
+    histograms spectandem:time_to_first_token_seconds (submit -> first token),
+               spectandem:time_per_output_token_seconds (per finished request: (end - first
+               token) / (tokens - 1); a per-chunk interval would mislead, as one speculative
+               round commits several tokens), spectandem:e2e_request_latency_seconds
+               (submit -> finish, finished requests only)
+    counters   spectandem:prompt_tokens, spectandem:generation_tokens
+
+PromQL as for vLLM: acceptance rate = rate(..._num_accepted_tokens_total) /
+rate(..._num_draft_tokens_total); mean acceptance length (bonus token included) = 1 +
+rate(..._num_accepted_tokens_total) / rate(..._num_drafts_total).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+
+from aiohttp import web
+from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Histogram, generate_latest
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+
+log = logging.getLogger("spectandem.metrics")
+
+PREFIX = "spectandem:"
+INFO_TIMEOUT_S = 1.0   # an engine that does not answer within this is left out of one scrape
+
+# vLLM's buckets, with finer low ends: the demo pair answers in milliseconds.
+TTFT_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0,
+                20.0, 40.0, 80.0, 160.0, 640.0, 2560.0)
+TPOT_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.0, 2.5,
+                5.0, 7.5, 10.0, 20.0, 40.0, 80.0)
+E2E_BUCKETS = (0.01, 0.05, 0.1, 0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 40.0, 50.0, 60.0,
+               120.0, 240.0, 480.0, 960.0, 1920.0, 7680.0)
+
+# (metric name without prefix, RouterCounters field, help)
+ROUTER_COUNTERS = (
+    ("spec_decode_num_drafts", "num_drafts", "Request-rounds verified with a draft"),
+    ("spec_decode_num_draft_tokens", "draft_tokens", "Draft tokens verified"),
+    ("spec_decode_num_accepted_tokens", "accepted_tokens", "Draft tokens accepted"),
+    ("num_rounds", "rounds", "Verification rounds (one batched verify each)"),
+    ("num_preemptions", "preemptions", "Requests preempted (their cache freed, to be resumed)"),
+    ("num_resumes", "resumes", "Preempted requests resumed"),
+    ("num_fallback_rounds", "fallback_rounds",
+     "Request-rounds decoded without a draft while a drafter is configured"),
+    ("num_stale_replies_dropped", "stale_dropped", "Engine replies of an old epoch or length, dropped unapplied"),
+    ("num_draft_ahead_hits", "draft_ahead_hits", "Trees drafted ahead (pipelined) that were used"),
+    ("num_draft_ahead_misses", "draft_ahead_misses", "Trees drafted ahead (pipelined) that were discarded"),
+    ("num_requests_admitted", "requests_admitted", "Requests admitted to the running batch"),
+    ("num_requests_finished", "requests_finished", "Requests finished (stop or length)"),
+    ("num_requests_failed", "requests_failed", "Requests ended by an error"),
+    ("num_requests_cancelled", "requests_cancelled", "Requests cancelled by the client, a disconnect or a deadline"),
+)
+
+
+class RouterCollector:
+    """Counters and gauges read from the router when scraped.
+
+    `links` maps a side ("verifier", "drafter") to its engine links (one per replica; a side's
+    usage sums over them). `positions` is the deepest draft position a round can accept
+    (positions 0..positions-1 are always exposed, at 0 until reached). `default_slots` stands in
+    for an engine that reports no slot limit (an in-process drafter sized like the router)."""
+
+    def __init__(self, router, links: dict, positions: int = 0, default_slots: int = 0):
+        self.router, self.links, self.positions, self.default_slots = router, links, positions, default_slots
+        self._kv_usage: dict[str, float] = {}
+
+    async def refresh(self) -> None:
+        """Polls the engines' slot use (async, so before the synchronous collect)."""
+        usage = {}
+        for side, links in self.links.items():
+            used = total = 0
+            for link in links:
+                try:
+                    info = await asyncio.wait_for(link.info(), INFO_TIMEOUT_S)
+                except Exception as exc:  # a down engine must not fail the scrape; it is left out
+                    log.debug("metrics: %s info failed: %s", side, exc)
+                    continue
+                u, t = kv_usage(info, self.default_slots)
+                used, total = used + u, total + t
+            if total > 0:
+                usage[side] = used / total
+        self._kv_usage = usage
+
+    def collect(self):
+        c = self.router.counters
+        for name, field, doc in ROUTER_COUNTERS:
+            yield CounterMetricFamily(PREFIX + name, doc, value=getattr(c, field))
+        per_pos = CounterMetricFamily(PREFIX + "spec_decode_num_accepted_tokens_per_pos",
+                                      "Drafts accepted at least to this position (0 = the first draft token)",
+                                      labels=["position"])
+        accepted = list(c.accepted_per_pos)
+        for i in range(max(self.positions, len(accepted))):
+            per_pos.add_metric([str(i)], accepted[i] if i < len(accepted) else 0)
+        yield per_pos
+        yield GaugeMetricFamily(PREFIX + "num_requests_running", "Requests in the running batch",
+                                value=len(self.router.running))
+        yield GaugeMetricFamily(PREFIX + "num_requests_waiting", "Requests waiting for admission",
+                                value=len(self.router.waiting))
+        kv = GaugeMetricFamily(PREFIX + "kv_cache_usage_perc",
+                               "KV-cache usage per engine, 0..1 (cache blocks, else request slots)", labels=["side"])
+        for side, frac in sorted(self._kv_usage.items()):
+            kv.add_metric([side], frac)
+        yield kv
+
+
+def kv_usage(info, default_slots: int = 0) -> tuple[int, int]:
+    """(used, total) KV capacity of an engine: cache blocks when its info reports a paged cache
+    (`EngineInfo.kv`: num_blocks, used_blocks), else request slots."""
+    kv = getattr(info, "kv", None) or {}  # engines of an older build report slots only
+    if kv.get("num_blocks"):
+        return int(kv.get("used_blocks", 0)), int(kv["num_blocks"])
+    return info.used_slots, info.max_slots or default_slots
+
+
+class RequestTimings:
+    """A router listener: latency histograms and token counters from request events. Timestamps
+    are monotonic and taken in the router's event loop (submit time: `ServedRequest.started`)."""
+
+    def __init__(self, registry: CollectorRegistry):
+        self.ttft = Histogram(PREFIX + "time_to_first_token_seconds", "Submit to first token",
+                              buckets=TTFT_BUCKETS, registry=registry)
+        self.tpot = Histogram(PREFIX + "time_per_output_token_seconds",
+                              "Per finished request: (finish - first token) / (tokens - 1)",
+                              buckets=TPOT_BUCKETS, registry=registry)
+        self.e2e = Histogram(PREFIX + "e2e_request_latency_seconds", "Submit to finish (finished requests)",
+                             buckets=E2E_BUCKETS, registry=registry)
+        self.prompt_tokens = Counter(PREFIX + "prompt_tokens", "Prompt tokens of admitted requests", registry=registry)
+        self.generation_tokens = Counter(PREFIX + "generation_tokens", "Tokens streamed to clients", registry=registry)
+        # id(request) -> monotonic time of its first token; keyed by identity, as clients may
+        # reuse request ids. Dropped at the request's terminal event.
+        self._first: dict[int, float] = {}
+
+    def __call__(self, event: str, req, data) -> None:
+        now = time.monotonic()
+        if event == "admitted":
+            self.prompt_tokens.inc(len(req.prompt_ids))
+        elif event == "tokens":
+            self.generation_tokens.inc(data["count"])
+            if data.get("first"):
+                self._first[id(req)] = now
+                self.ttft.observe(now - req.started)
+        elif event == "finished":
+            first = self._first.pop(id(req), None)
+            self.e2e.observe(now - req.started)
+            if first is not None and len(req.tokens) > 1:
+                self.tpot.observe((now - first) / (len(req.tokens) - 1))
+        elif event in ("failed", "cancelled"):
+            self._first.pop(id(req), None)
+
+
+class Metrics:
+    """The router's metrics: a private registry holding the collector and the listener."""
+
+    def __init__(self, router, links: dict, positions: int = 0, default_slots: int = 0):
+        self.registry = CollectorRegistry(auto_describe=False)
+        self.collector = RouterCollector(router, links, positions, default_slots)
+        self.registry.register(self.collector)
+        self.timings = RequestTimings(self.registry)
+        router.listeners.append(self.timings)
+
+    async def render(self) -> bytes:
+        await self.collector.refresh()
+        return generate_latest(self.registry)
+
+    async def handle(self, request: web.Request) -> web.Response:
+        """aiohttp handler for GET /metrics."""
+        return web.Response(body=await self.render(), headers={"Content-Type": CONTENT_TYPE_LATEST})
+
+
+async def start_metrics_server(metrics: Metrics, host: str, port: int) -> tuple[web.AppRunner, int]:
+    from router.ops import start_http
+
+    app = web.Application()
+    app.router.add_get("/metrics", metrics.handle)
+    return await start_http(app, host, port)
