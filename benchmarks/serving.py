@@ -68,7 +68,7 @@ def main() -> None:
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
     rows = [run(args.backend, mode, args.clients, args.max_tokens, args.requests_per_client)
-            for mode in ("sequential", "pingpong")]
+            for mode in ("sequential", "pingpong", "auto")]
     print(f"{'pipeline':<11} {'clients':>7} {'verify batches/s':>16} {'tokens/s':>9} {'accept_len':>10}")
     for r in rows:
         print(f"{r['pipeline']:<11} {r['clients']:>7} {r['verify_batches_per_s']:>16} {r['tokens_per_s']:>9} "

@@ -138,6 +138,7 @@ class RouterConfig:
     # drafter with the verifier; "auto": ping-pong from 2 * pingpong_min_batch requests.
     pipeline: str = "auto"
     pingpong_min_batch: int = 2
+    mode_window: int = 8                      # rounds per measurement of a pipeline mode in "auto"
     adaptive_window: int = 64                 # drafted request-rounds per acceptance check (0: off)
     adaptive_min_accept_length: float = 1.1   # below this, drafting costs more than it gains
     adaptive_off_rounds: int = 32             # plain rounds before speculation is tried again
@@ -155,6 +156,8 @@ class Router:
         self._last_probe = 0.0
         self._admitted = 0
         self._recent: list[int] = []      # accepted drafts of recent drafted request-rounds
+        self._tokens_committed = 0
+        self._mode_trial: dict = {"mode": None, "phase": None, "left": 0, "rates": {}}
         self._spec_off_until = 0          # round number until which speculation is off
         self.on_serving_change = None            # callback(bool), e.g. to update gRPC health
         self.counters = RouterCounters()
@@ -366,9 +369,15 @@ class Router:
         if not self.running:
             return
         await self._resync()
-        if self._pingpong():
+        mode = self._choose_mode()
+        t0, before = time.perf_counter(), self._tokens_committed
+        if mode == "pingpong":
             await self._pingpong_round()
-            return
+        else:
+            await self._sequential_round()
+        self._mode_record(mode, self._tokens_committed - before, time.perf_counter() - t0)
+
+    async def _sequential_round(self) -> None:
         draft, drafted = await self._draft(self.running)
         results = await self._verify(draft, drafted, self.running)
         if results is not None:
@@ -376,11 +385,41 @@ class Router:
             if extend:
                 await self._extend(extend)
 
-    def _pingpong(self) -> bool:
-        """Two micro-batches pay off when the drafter has work to hide behind the verifier."""
-        mode = self.cfg.pipeline
-        return (mode == "pingpong" or (mode == "auto" and len(self.running) >= 2 * self.cfg.pingpong_min_batch)) \
-            and self.drafter_up and len(self.running) >= 2
+    def _choose_mode(self) -> str:
+        """"sequential" or "pingpong". In "auto", with enough requests for two micro-batches, the
+        router measures both (committed tokens per second over a window of rounds each) and keeps
+        the faster for a while: ping-pong wins when drafter and verifier have devices of their own,
+        and loses when they share the same cores (measured: benchmarks/serving.py)."""
+        usable = self.drafter_up and len(self.running) >= 2
+        if self.cfg.pipeline != "auto":
+            return "pingpong" if self.cfg.pipeline == "pingpong" and usable else "sequential"
+        if not usable or len(self.running) < 2 * self.cfg.pingpong_min_batch:
+            return "sequential"
+        trial = self._mode_trial
+        if trial["left"] > 0:
+            return trial["mode"]
+        if trial["mode"] is None or trial["phase"] == "keep":          # start measuring sequential
+            trial.update(mode="sequential", phase="measure", left=self.cfg.mode_window, rates={})
+        elif trial["mode"] == "sequential" and "pingpong" not in trial["rates"]:
+            trial.update(mode="pingpong", left=self.cfg.mode_window)
+        else:                                                         # both measured: keep the faster
+            rates = trial["rates"]
+            best = max(rates, key=rates.get)
+            trial.update(mode=best, phase="keep", left=self.cfg.mode_window * 8)
+            log.info("pipeline mode %s (committed tokens/s: %s)", best, {k: round(v, 1) for k, v in rates.items()})
+        return trial["mode"]
+
+    def _mode_record(self, mode: str, tokens: int, seconds: float) -> None:
+        trial = self._mode_trial
+        if trial["mode"] != mode or trial["left"] <= 0:
+            return
+        trial["left"] -= 1
+        if trial["phase"] == "measure":
+            t, sec = trial.setdefault("acc", {}).get(mode, (0, 0.0))
+            trial["acc"][mode] = (t + tokens, sec + seconds)
+            if trial["left"] == 0:
+                t, sec = trial["acc"].pop(mode)
+                trial["rates"][mode] = t / sec if sec > 0 else 0.0
 
     async def _pingpong_round(self) -> None:
         """Ping-pong: the drafter drafts half B while the verifier verifies half A, then catches
@@ -518,6 +557,7 @@ class Router:
                                 r.committed_len + len(tokens), self.cfg.max_len)
         new = tokens[:n]
         r.tokens.extend(new)
+        self._tokens_committed += len(new)
         text = r.detok.push(new)
         if r.detok.stopped and reason is None:
             reason = "stop"

@@ -77,6 +77,8 @@ def _add_stats(sub) -> None:
     p.add_argument("--address", default="localhost:50051")
     p.add_argument("--json", action="store_true")
     p.add_argument("--timeout", type=float, default=10.0)
+    p.add_argument("--api-key", default=None,
+                   help="bearer token for a server run with --api-key (default: $SPECTANDEM_API_KEY)")
     p.set_defaults(func=_stats)
 
 
@@ -90,8 +92,12 @@ def _stats(args) -> int:
 
     with grpc.insecure_channel(args.address) as channel:
         try:
+            import os
+
+            key = args.api_key or os.environ.get("SPECTANDEM_API_KEY")
             stats = generation_pb2_grpc.GenerationStub(channel).GetServerStats(
-                generation_pb2.GetServerStatsRequest(), timeout=args.timeout)
+                generation_pb2.GetServerStatsRequest(), timeout=args.timeout,
+                metadata=(("authorization", f"Bearer {key}"),) if key else None)
         except grpc.RpcError as exc:
             print(f"spectandem: error: {args.address}: {exc.code().name}: {exc.details()}", file=sys.stderr)
             return 1

@@ -38,6 +38,8 @@ def add_generate(sub) -> None:
                    help="print text as it arrives (with --json: one JSON line per chunk, then the result); "
                         "needs --address")
     p.add_argument("--timeout", type=float, default=None, help="deadline in seconds (needs --address)")
+    p.add_argument("--api-key", default=None,
+                   help="bearer token for a server run with --api-key (default: $SPECTANDEM_API_KEY)")
     add_model_flags(p)
     p.add_argument("--max-tokens", type=int, default=64)
     p.add_argument("--temperature", type=float, default=0.0)
@@ -106,7 +108,10 @@ def _generate_remote(args, params) -> int:
     if args.stream and not args.json:
         sys.stdout.write(args.prompt)
     try:
-        with Client(args.address, timeout=args.timeout) as client:
+        import os
+
+        api_key = args.api_key or os.environ.get("SPECTANDEM_API_KEY")
+        with Client(args.address, timeout=args.timeout, api_key=api_key) as client:
             for chunk in client.stream(args.prompt, params):
                 chunks.append(chunk)
                 if args.stream and args.json:

@@ -212,3 +212,29 @@ def test_the_scan_finds_what_it_forbids(tmp_path):
                    "torch.load('x', weights_only=True)\nsock.recv_pyobj()\n")
     assert [f.split(": ", 1)[1] for f in unsafe_calls(bad)] == [
         "pickle.loads", "torch.load without weights_only=True", "torch.load without weights_only=True", "recv_pyobj"]
+
+
+def test_cli_sends_the_api_key():
+    """`spectandem generate --address` and `spectandem stats` reach a keyed server with --api-key
+    (or $SPECTANDEM_API_KEY), and are refused without it."""
+    import json
+    import os
+    import subprocess
+    import sys
+
+    s = Served(["--backend", "local", "--max-len", "256", "--max-running", "2", "--api-key", KEY]).wait_ready()
+    try:
+        base = [sys.executable, "-m", "spectandem.cli"]
+        env = {k: v for k, v in os.environ.items() if k != "SPECTANDEM_API_KEY"}
+        gen = ["generate", "def f():", "--address", s.address, "--max-tokens", "4", "--json"]
+        refused = subprocess.run(base + gen, capture_output=True, text=True, timeout=120, env=env)
+        assert refused.returncode != 0 and "UNAUTHENTICATED" in refused.stderr
+        ok = subprocess.run(base + gen + ["--api-key", KEY], capture_output=True, text=True, timeout=120, env=env)
+        assert ok.returncode == 0, ok.stderr
+        assert len(json.loads(ok.stdout)["token_ids"]) == 4
+        stats = subprocess.run(base + ["stats", "--address", s.address, "--json"], capture_output=True, text=True,
+                               timeout=60, env=dict(env, SPECTANDEM_API_KEY=KEY))
+        assert stats.returncode == 0, stats.stderr
+        assert json.loads(stats.stdout)["requests_finished"] >= 1
+    finally:
+        s.close()

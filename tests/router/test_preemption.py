@@ -218,3 +218,24 @@ def test_old_epoch_replies_are_dropped_and_counted(reference):
     assert counters.preemptions > 0 and delivered == 1
     assert counters.stale_dropped == 1
     assert outs == [e.token_ids for e in expected]
+
+
+def test_pingpong_pipeline_under_preemption_keeps_tokens(reference):
+    """Two micro-batches overlapping drafter and verifier, with a small pool forcing preemptions:
+    greedy and seeded tokens are those of the reference loop."""
+    server = Served(["--backend", "local", "--max-len", "256", "--max-running", "16", "--kv-blocks", "24",
+                     "--block-size", "16", "--pipeline", "pingpong"]).wait_ready()
+    try:
+        prompts = _prompts(reference, 12)
+        greedy = reference.generate(prompts, [SamplingParams(max_tokens=MAX_TOKENS, ignore_eos=True)] * 12)
+        sampled = reference.generate(prompts, [SamplingParams(max_tokens=48, temperature=0.8, seed=i, ignore_eos=True)
+                                               for i in range(12)])
+        got = _run_concurrently(server.stub, [request(ids=p, max_tokens=MAX_TOKENS, ignore_eos=True) for p in prompts])
+        assert [got[i][0] for i in range(12)] == [g.token_ids for g in greedy]
+        got = _run_concurrently(server.stub, [request(ids=p, max_tokens=48, temperature=0.8, seed=i, ignore_eos=True)
+                                              for i, p in enumerate(prompts)])
+        assert [got[i][0] for i in range(12)] == [s.token_ids for s in sampled]
+        s = _wait_baseline(server)
+        assert s.preemptions > 0
+    finally:
+        server.close()

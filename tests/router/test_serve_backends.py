@@ -182,3 +182,26 @@ def test_spectandem_serve_as_a_user_would(tmp_path):
     assert f"on localhost:{port}" in log
     assert rc == 0, log
     assert "spectandem stopped" in log
+
+
+def test_ray_backend_64_streams_cancel_and_deadline(reference):
+    server = Served(["--backend", "ray", "--max-len", MAX_LEN, "--max-running", "64"]).wait_ready(300)
+    try:
+        prompts = [reference.tokenizer.encode(PROMPT_TEXTS[i % len(PROMPT_TEXTS)]).ids for i in range(64)]
+        expected = LocalSpeculator(*demo_paths("eagle3"), SpecConfig(method="eagle3"), max_slots=64,
+                                   max_len=int(MAX_LEN)).generate(prompts, [SamplingParams(max_tokens=12)] * 64)
+        res = _concurrent(server.stub, [request(ids=p, max_tokens=12) for p in prompts], timeout=300)
+        assert [res[i][0] for i in range(64)] == [e.token_ids for e in expected]
+
+        call = server.stub.Generate(request(text=PROMPT_TEXTS[0], max_tokens=200, ignore_eos=True))
+        assert next(call).token_ids
+        call.cancel()
+        with pytest.raises(grpc.RpcError) as err:
+            collect(server.stub, request(text=PROMPT_TEXTS[1], max_tokens=220, ignore_eos=True), timeout=0.5)
+        assert err.value.code() == grpc.StatusCode.DEADLINE_EXCEEDED
+        deadline = time.monotonic() + 30
+        while server.slots_in_use() != (0, 0) or server.state["router"].num_active:
+            assert time.monotonic() < deadline, server.slots_in_use()
+            time.sleep(0.1)
+    finally:
+        server.close()
