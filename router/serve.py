@@ -13,6 +13,7 @@ import sys
 import time
 from pathlib import Path
 
+from router.ops import OpsConfig, add_ops_flags
 from spectandem.generate_cli import add_model_flags
 
 log = logging.getLogger("spectandem.serve")
@@ -26,15 +27,24 @@ def add_serve(sub) -> None:
                         "grpc: as gRPC services (started here unless --drafter-address/--verifier-address); "
                         "local: both engines in this process")
     p.add_argument("--ray-address", default=None, help="join an existing Ray cluster (e.g. 'auto')")
-    p.add_argument("--drafter-address", default=None, help="use a separately deployed drafter service")
-    p.add_argument("--verifier-address", default=None, help="use a separately deployed verifier service")
+    p.add_argument("--drafter-address", action="append", default=None,
+                   help="use a separately deployed drafter service (repeat: one per replica)")
+    p.add_argument("--verifier-address", action="append", default=None,
+                   help="use a separately deployed verifier service (repeat: one per replica)")
+    p.add_argument("--replicas", type=int, default=None,
+                   help="drafter/verifier pairs behind this server, each with its own round loop (on Ray: its "
+                        "own placement group, so a pair shares a node); --max-running is per replica "
+                        "(default: 1, or one per --verifier-address)")
     p.add_argument("--host", default="localhost")
     p.add_argument("--port", type=int, default=50051)
     p.add_argument("--max-running", type=int, default=64, help="requests in the running batch (engine slots)")
     p.add_argument("--first-request", default=None, metavar="PROMPT",
                    help="once serving, send this prompt through the client SDK and print the completion")
+    p.add_argument("--pipeline", choices=["auto", "sequential", "pingpong"], default="auto",
+                   help="ping-pong: two micro-batches overlap drafting with verification (auto: from 4 requests)")
     p.add_argument("--drafter-timeout", type=float, default=10.0,
                    help="seconds a drafter call may take before rounds go on without it")
+    add_ops_flags(p)
     p.set_defaults(func=_serve)
 
 
@@ -62,9 +72,42 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-async def _build_links(args, cfg, target, draft):
-    """-> (verifier link, drafter link or None, cleanup coroutine function, {role: Popen} of the
-    engine processes started here)."""
+def _num_replicas(args) -> int:
+    counts = {flag: len(addrs) for flag, addrs in (("--verifier-address", args.verifier_address),
+                                                   ("--drafter-address", args.drafter_address)) if addrs}
+    n = args.replicas if args.replicas is not None else max(counts.values(), default=1)
+    if n < 1:
+        raise ValueError(f"--replicas must be >= 1, got {n}")
+    for flag, k in counts.items():
+        if k != n:
+            raise ValueError(f"{flag} is given {k} times for {n} replicas (one address per replica)")
+    return n
+
+
+async def _build_replicas(args, cfg, target, draft):
+    """-> ([(verifier link, drafter link or None)] one pair per replica, cleanup coroutine
+    function, {role: Popen} of the engine processes started here; replica i > 0 as "role-i")."""
+    pairs, cleanups, procs = [], [], {}
+    try:
+        for i in range(_num_replicas(args)):
+            v, d, cleanup, started = await _build_links(args, cfg, target, draft, i)
+            pairs.append((v, d))
+            cleanups.append(cleanup)
+            procs.update({(role if i == 0 else f"{role}-{i}"): p for role, p in started.items()})
+    except BaseException:
+        for cleanup in reversed(cleanups):
+            await cleanup()
+        raise
+
+    async def cleanup_all():
+        for cleanup in reversed(cleanups):  # replica 0 last: its cleanup may stop the Ray cluster
+            await cleanup()
+    return pairs, cleanup_all, procs
+
+
+async def _build_links(args, cfg, target, draft, index: int = 0):
+    """One replica's links: -> (verifier link, drafter link or None, cleanup coroutine function,
+    {role: Popen} of the engine processes started here)."""
     import torch
 
     max_slots = args.max_running
@@ -73,7 +116,8 @@ async def _build_links(args, cfg, target, draft):
         from spectandem.local import LocalSpeculator
 
         spec = LocalSpeculator(target, draft, cfg, max_slots=max_slots, max_len=args.max_len,
-                               dtype=getattr(torch, args.dtype), device=args.device)
+                               dtype=getattr(torch, args.dtype), device=args.device, kv_blocks=args.kv_blocks,
+                               draft_kv_blocks=args.draft_kv_blocks, block_size=args.block_size)
         v = LocalVerifierLink(spec.verifier, Path(target).name)
         d = LocalDrafterLink(spec.drafter, Path(draft).name if draft else "") if spec.drafter else None
 
@@ -86,9 +130,11 @@ async def _build_links(args, cfg, target, draft):
         from router.links_ray import ray_init, start_engines
 
         started_here = not ray.is_initialized() and args.ray_address is None
-        ray_init(args.ray_address)
+        # A local cluster gets a logical CPU per engine actor of every replica (bundles hold one).
+        ray_init(args.ray_address, None if args.ray_address else max(os.cpu_count() or 1, 2 * _num_replicas(args)))
         v, d, stop = start_engines(target, draft, cfg, max_slots=max_slots, max_len=args.max_len,
-                                   device=args.device, dtype=getattr(torch, args.dtype))
+                                   device=args.device, dtype=getattr(torch, args.dtype), kv_blocks=args.kv_blocks,
+                                   draft_kv_blocks=args.draft_kv_blocks, block_size=args.block_size)
 
         async def cleanup():
             stop()
@@ -100,20 +146,33 @@ async def _build_links(args, cfg, target, draft):
     procs: dict[str, subprocess.Popen] = {}
     common = ["--method", cfg.method, "--device", args.device, "--dtype", args.dtype, "--max-slots", str(max_slots),
               "--target", target] + (["--draft", draft] if draft else []) + (
-              ["--max-len", str(args.max_len)] if args.max_len else [])
+              ["--max-len", str(args.max_len)] if args.max_len else []) + ["--block-size", str(args.block_size)]
+    ops = OpsConfig.from_args(args)
+    # Engines started here serve this router only: loopback, and the internal TLS when asked.
+    common += ["--host", "127.0.0.1"] + ops.engine_flags()
+    if args.kv_blocks:
+        common_v = ["--kv-blocks", str(args.kv_blocks)]
+    else:
+        common_v = []
+    if args.draft_kv_blocks:
+        common_d = ["--draft-kv-blocks", str(args.draft_kv_blocks)]
+    else:
+        common_d = []
     tree = ["--num-steps", str(cfg.num_steps), "--topk", str(cfg.topk), "--num-draft-tokens", str(cfg.num_draft_tokens),
             "--draft-sampling-min-temperature", str(cfg.draft_sampling_min_temperature)]
-    verifier_address, drafter_address = args.verifier_address, args.drafter_address
+    verifier_address = args.verifier_address[index] if args.verifier_address else None
+    drafter_address = args.drafter_address[index] if args.drafter_address else None
     if verifier_address is None:
         port = _free_port()
-        procs["verifier"] = subprocess.Popen([sys.executable, "-m", "verifier", "--port", str(port)] + common)
+        procs["verifier"] = subprocess.Popen([sys.executable, "-m", "verifier", "--port", str(port)] + common + common_v)
         verifier_address = f"localhost:{port}"
     if drafter_address is None and cfg.method != "none":
         port = _free_port()
-        procs["drafter"] = subprocess.Popen([sys.executable, "-m", "drafter", "--port", str(port)] + common + tree)
+        procs["drafter"] = subprocess.Popen([sys.executable, "-m", "drafter", "--port", str(port)] + common + tree + common_d)
         drafter_address = f"localhost:{port}"
-    v = GrpcVerifierLink(verifier_address)
-    d = GrpcDrafterLink(drafter_address) if drafter_address else None
+    creds = ops.link_credentials()
+    v = GrpcVerifierLink(verifier_address, credentials=creds)
+    d = GrpcDrafterLink(drafter_address, credentials=creds) if drafter_address else None
 
     async def cleanup():
         await v.close()
@@ -144,27 +203,42 @@ async def serve_async(args, ready_message=True, stop_event: asyncio.Event | None
                       state: dict | None = None) -> None:
     """Runs until SIGINT/SIGTERM (or `stop_event`). `state`, when given, receives the router,
     the links and the bound port once serving (for tests and embedding)."""
+    from router.openai_protocol import ChatTemplate
+    from router.ops import start_fronts
+    from router.replicas import ReplicaSet
     from router.scheduler import Router, RouterConfig
     from router.server import Limits, start_server
     from spectandem.checkpoint import load_tokenizer, read_config
 
+    ops = OpsConfig.from_args(args)  # flag errors before any model loads
     cfg, target, draft = _spec(args)
     tokenizer = load_tokenizer(target)
     tcfg = read_config(target)
     eos = tcfg.get("eos_token_id")
     eos_ids = tuple(eos) if isinstance(eos, list) else (() if eos is None else (int(eos),))
-    v, d, cleanup, procs = await _build_links(args, cfg, target, draft)
+    pairs, cleanup, procs = await _build_replicas(args, cfg, target, draft)
     server = None
     router = None
+    fronts = None
     try:
-        vinfo = await _wait_ready(v, "verifier")
-        dinfo = await _wait_ready(d, "drafter") if d else None
-        want = dinfo is not None and dinfo.feature_layers not in (None, "none")
-        lookahead = 1 if d is None else max(cfg.max_draft_nodes + 1, (cfg.num_steps - 1) * cfg.topk + 1)
-        router = Router(v, d, tokenizer, RouterConfig(max_len=vinfo.max_len, eos_token_ids=eos_ids,
-                                                      lookahead=lookahead, want_features=want,
-                                                      max_running=args.max_running,
-                                                      drafter_timeout=args.drafter_timeout))
+        routers = []
+        for v, d in pairs:
+            vinfo = await _wait_ready(v, "verifier")
+            dinfo = await _wait_ready(d, "drafter") if d else None
+            want = dinfo is not None and dinfo.feature_layers not in (None, "none")
+            lookahead = 1 if d is None else max(cfg.max_draft_nodes + 1, (cfg.num_steps - 1) * cfg.topk + 1)
+            routers.append(Router(v, d, tokenizer, RouterConfig(max_len=vinfo.max_len, eos_token_ids=eos_ids,
+                                                                lookahead=lookahead, want_features=want,
+                                                                max_running=args.max_running,
+                                                                drafter_timeout=args.drafter_timeout,
+                                                      pipeline=args.pipeline,
+                                                      kv_blocks=vinfo.kv.get("num_blocks", 0),
+                                                      kv_block_size=vinfo.kv.get("block_size", 16) or 16,
+                                                      draft_kv_blocks=dinfo.kv.get("num_blocks", 0) if dinfo else 0,
+                                                      draft_kv_block_size=(dinfo.kv.get("block_size", 16) or 16)
+                                                      if dinfo else 16)))
+        router = routers[0] if len(routers) == 1 else ReplicaSet(routers)
+        v, d = pairs[0]
         router.start()
         limits = Limits(max_context=vinfo.max_len, vocab_size=int(tcfg["vocab_size"]))
         info = dict(target_model=Path(target).name, draft_model=Path(draft).name if draft else "",
@@ -173,14 +247,27 @@ async def serve_async(args, ready_message=True, stop_event: asyncio.Event | None
                     max_tokens_limit=vinfo.max_len - 1, max_stop_strings=limits.max_stop_strings,
                     max_message_bytes=limits.max_message_bytes, vocab_size=limits.vocab_size,
                     backend=args.backend, fused=cfg.fused)
-        server, port = await start_server(router, tokenizer, limits, info, args.host, args.port)
+        credentials, interceptors = ops.grpc_server_security()
+        server, port = await start_server(router, tokenizer, limits, info, args.host, args.port,
+                                          credentials=credentials, interceptors=interceptors)
+        fronts = await start_fronts(ops, router, tokenizer, limits, model_name=info["target_model"], host=args.host,
+                                    links={"verifier": [v for v, _ in pairs], "drafter": [d for _, d in pairs if d]},
+                                    positions=min(cfg.num_steps, cfg.max_draft_nodes),
+                                    default_slots=args.max_running, chat_template=ChatTemplate.from_model_dir(target))
         if state is not None:
-            state.update(router=router, verifier=v, drafter=d, port=port, procs=procs)
+            state.update(router=router, verifier=v, drafter=d, port=port, procs=procs, pairs=pairs,
+                         http_port=fronts.http_port, metrics_port=fronts.metrics_port)
         if ready_message:
-            print(f"spectandem serving {info['target_model']} ({cfg.method}, backend {args.backend}) "
+            replicas = f", {len(pairs)} replicas" if len(pairs) > 1 else ""
+            print(f"spectandem serving {info['target_model']} ({cfg.method}, backend {args.backend}{replicas}) "
                   f"on {args.host}:{port}", flush=True)
+            if fronts.http_port or fronts.metrics_port:
+                print(f"  OpenAI-compatible HTTP: {f'{args.host}:{fronts.http_port}' if fronts.http_port else 'off'}"
+                      f", metrics: {f'{args.host}:{fronts.metrics_port}/metrics' if fronts.metrics_port else 'off'}",
+                      flush=True)
         if args.first_request:
-            asyncio.get_running_loop().create_task(_first_request(f"localhost:{port}", args.first_request))
+            asyncio.get_running_loop().create_task(_first_request(f"localhost:{port}", args.first_request,
+                                                                  ops.api_key, ops.public_tls is not None))
         stop = stop_event or asyncio.Event()
         loop = asyncio.get_running_loop()
         for sig in (signal.SIGINT, signal.SIGTERM):
@@ -190,6 +277,8 @@ async def serve_async(args, ready_message=True, stop_event: asyncio.Event | None
                 pass
         await stop.wait()
     finally:
+        if fronts is not None:
+            await fronts.close()
         if server is not None:
             await server.stop(grace=2)
         if router is not None:
@@ -199,12 +288,13 @@ async def serve_async(args, ready_message=True, stop_event: asyncio.Event | None
             print("spectandem stopped", flush=True)
 
 
-async def _first_request(address: str, prompt: str) -> None:
-    """What a user's first call looks like: the SDK against the running server."""
+async def _first_request(address: str, prompt: str, api_key: str | None = None, tls: bool = False) -> None:
+    """What a user's first call looks like: the SDK against the running server (over TLS: trusting
+    the system's roots)."""
     from spectandem import AsyncClient, SamplingParams
 
     try:
-        async with AsyncClient(address, timeout=120) as client:
+        async with AsyncClient(address, timeout=120, api_key=api_key, tls=tls or None) as client:
             done = await client.generate(prompt, SamplingParams(max_tokens=64))
         s = done.stats
         print(f"--- first request: {prompt!r}\n{prompt}{done.text}\n--- {len(done.token_ids)} tokens, "
@@ -215,7 +305,14 @@ async def _first_request(address: str, prompt: str) -> None:
 
 
 def _serve(args) -> int:
-    logging.basicConfig(level=os.environ.get("SPECTANDEM_LOG_LEVEL", "WARNING"),
-                        format="%(asctime)s %(levelname)s %(name)s %(message)s")
+    level = os.environ.get("SPECTANDEM_LOG_LEVEL", "WARNING")
+    if args.log_format == "json":
+        from router.request_log import configure_json_logging
+
+        configure_json_logging(level)
+    else:
+        logging.basicConfig(level=level, format="%(asctime)s %(levelname)s %(name)s %(message)s")
+    if args.api_key is None:  # the environment is read here, in the entry point, only
+        args.api_key = os.environ.get("SPECTANDEM_API_KEY") or None
     asyncio.run(serve_async(args))
     return 0
