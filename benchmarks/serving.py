@@ -14,7 +14,6 @@ import json
 import threading
 import time
 
-import grpc
 import torch
 
 sys_path_root = __import__("pathlib").Path(__file__).resolve().parent.parent

@@ -88,7 +88,7 @@ class _ScratchTree:
     entries `visible[b, j]` marks.
     """
 
-    def __init__(self, cache: KVCache, slots: torch.Tensor, base: torch.Tensor, k: int, pos_offset: int):
+    def __init__(self, cache: PagedKVCache, slots: torch.Tensor, base: torch.Tensor, k: int, pos_offset: int):
         self.cache, self.slots, self.base, self.k, self.pos_offset = cache, slots, base, k, pos_offset
 
     def batch(self, step: int, visible: torch.Tensor):

@@ -142,8 +142,12 @@ class DrafterLink(Protocol):
 # loop keeps streaming while a forward runs.
 
 
-class LocalVerifierLink:
-    def __init__(self, engine, model_name: str = "target"):
+class _LocalLink:
+    """One engine of this process: calls run one at a time in a worker thread."""
+
+    role = "engine"
+
+    def __init__(self, engine, model_name: str):
         self.engine, self.model_name = engine, model_name
         self._lock = asyncio.Lock()
 
@@ -151,10 +155,17 @@ class LocalVerifierLink:
         async with self._lock:
             try:
                 return await asyncio.to_thread(fn, *args)
-            except (ValueError, KeyError):
+            except (ValueError, KeyError):  # bad input or a stale tag: the caller's to handle
                 raise
             except Exception as exc:  # the engine itself failed: the router treats it as gone
-                raise EngineUnavailable(f"verifier failed: {exc}") from exc
+                raise EngineUnavailable(f"{self.role} failed: {exc}") from exc
+
+
+class LocalVerifierLink(_LocalLink):
+    role = "verifier"
+
+    def __init__(self, engine, model_name: str = "target"):
+        super().__init__(engine, model_name)
 
     async def prefill(self, items, want_features):
         from verifier.service_core import verifier_prefill
@@ -184,19 +195,11 @@ class LocalVerifierLink:
         return None
 
 
-class LocalDrafterLink:
-    def __init__(self, engine, model_name: str = "draft"):
-        self.engine, self.model_name = engine, model_name
-        self._lock = asyncio.Lock()
+class LocalDrafterLink(_LocalLink):
+    role = "drafter"
 
-    async def _run(self, fn, *args):
-        async with self._lock:
-            try:
-                return await asyncio.to_thread(fn, *args)
-            except (ValueError, KeyError):
-                raise
-            except Exception as exc:
-                raise EngineUnavailable(f"drafter failed: {exc}") from exc
+    def __init__(self, engine, model_name: str = "draft"):
+        super().__init__(engine, model_name)
 
     async def prefill(self, items):
         from drafter.service_core import drafter_prefill

@@ -30,118 +30,18 @@ import asyncio
 import logging
 import time
 import uuid
-from dataclasses import dataclass, field
 
 from router.detok import Detokenizer
 from router.links import (DrafterLink, DrafterPrefillItem, EngineUnavailable, ExtendItem, PlainItem, Tag,
                           VerifierLink, VerifierPrefillItem)
+from router.pipeline import ModeChooser, SpeculationSwitch
+from router.requests import Chunk, Failure, RouterConfig, RouterCounters, ServedRequest  # noqa: F401 (re-exported)
 from spectandem.block_manager import blocks_for
 from spectandem.config import SamplingParams
 from spectandem.messages import StaleMessage
 from spectandem.reference import take_tokens
 
 log = logging.getLogger("spectandem.router")
-
-
-@dataclass
-class Chunk:
-    token_ids: list[int]
-    text: str
-    finish_reason: str | None = None
-    stats: dict | None = None
-    prompt_tokens: int = 0
-
-
-@dataclass
-class Failure:
-    code: str          # a grpc.StatusCode name: UNAVAILABLE, INTERNAL, RESOURCE_EXHAUSTED, ...
-    message: str
-
-
-@dataclass
-class ServedRequest:
-    request_id: str
-    prompt_ids: list[int]
-    params: SamplingParams
-    seed: int
-    detok: Detokenizer
-    epoch: int = 0
-    tokens: list[int] = field(default_factory=list)
-    events: asyncio.Queue = field(default_factory=asyncio.Queue)
-    done: bool = False
-    cancelled: bool = False
-    on_verifier: bool = False
-    on_drafter: bool = False         # the drafter holds this request's state, in sync
-    num_rounds: int = 0
-    draft_tokens: int = 0
-    accepted_tokens: int = 0
-    fallback_rounds: int = 0
-    started: float = field(default_factory=time.monotonic)
-    admit_seq: int = -1              # order of first admission (preemption takes the latest)
-    preempted: bool = False          # waiting to resume
-
-    @property
-    def committed_len(self) -> int:
-        return len(self.prompt_ids) + len(self.tokens)
-
-    def tag(self) -> Tag:
-        return Tag(self.request_id, self.epoch, self.committed_len)
-
-    def stats(self) -> dict:
-        al = (self.accepted_tokens + self.num_rounds) / self.num_rounds if self.num_rounds else 0.0
-        return {"num_rounds": self.num_rounds, "draft_tokens": self.draft_tokens,
-                "accepted_tokens": self.accepted_tokens, "accept_length": round(al, 4),
-                "fallback_rounds": self.fallback_rounds}
-
-
-@dataclass
-class RouterCounters:
-    """Monotonic counters since start (read by GetServerStats, `spectandem stats` and /metrics)."""
-
-    rounds: int = 0                  # verification rounds (one batched verify each)
-    num_drafts: int = 0              # request-rounds verified with a draft
-    draft_tokens: int = 0            # draft tokens verified
-    accepted_tokens: int = 0         # draft tokens accepted
-    accepted_per_pos: list[int] = field(default_factory=list)  # [i]: drafts accepted at depth i + 1
-    fallback_rounds: int = 0         # request-rounds decoded without a draft while a drafter is configured
-    preemptions: int = 0
-    resumes: int = 0
-    stale_dropped: int = 0           # replies of an old epoch or committed length, dropped unapplied
-    draft_ahead_hits: int = 0
-    draft_ahead_misses: int = 0
-    requests_admitted: int = 0
-    requests_finished: int = 0
-    requests_failed: int = 0
-    requests_cancelled: int = 0
-
-    def add_accepted(self, num_accepted: int) -> None:
-        if len(self.accepted_per_pos) < num_accepted:
-            self.accepted_per_pos.extend([0] * (num_accepted - len(self.accepted_per_pos)))
-        for i in range(num_accepted):
-            self.accepted_per_pos[i] += 1
-
-
-@dataclass(frozen=True, kw_only=True)
-class RouterConfig:
-    max_len: int                     # context length (prompt + completion)
-    eos_token_ids: tuple[int, ...]
-    lookahead: int                   # cache entries past the committed prefix a round may write
-    want_features: bool              # the drafter reads target features
-    max_running: int = 64            # requests in the running batch (engine slots)
-    drafter_timeout: float = 10.0    # seconds a drafter call may take before the round goes on without it
-    probe_interval: float = 1.0      # seconds between health probes of a failed engine
-    kv_blocks: int = 0               # verifier KV pool (0: not paged, unlimited here)
-    kv_block_size: int = 16
-    draft_kv_blocks: int = 0         # drafter KV pool (0: none or unlimited)
-    draft_kv_block_size: int = 16
-    # "sequential": draft, verify, extend per round; "pingpong": two micro-batches overlap the
-    # drafter with the verifier; "auto": ping-pong from 2 * pingpong_min_batch requests.
-    pipeline: str = "auto"
-    pingpong_min_batch: int = 2
-    mode_window: int = 8                      # rounds per measurement of a pipeline mode in "auto"
-    adaptive_window: int = 64                 # drafted request-rounds per acceptance check (0: off)
-    adaptive_min_accept_length: float = 1.1   # below this, drafting costs more than it gains
-    adaptive_off_rounds: int = 32             # plain rounds before speculation is tried again
 
 
 class Router:
@@ -155,9 +55,9 @@ class Router:
         self._task: asyncio.Task | None = None
         self._last_probe = 0.0
         self._admitted = 0
-        self._recent: list[int] = []      # accepted drafts of recent drafted request-rounds
         self._tokens_committed = 0
-        self._mode_trial: dict = {"mode": None, "phase": None, "left": 0, "rates": {}}
+        self._modes = ModeChooser(cfg)
+        self._switch = SpeculationSwitch(cfg)
         self._spec_off_until = 0          # round number until which speculation is off
         self.on_serving_change = None            # callback(bool), e.g. to update gRPC health
         self.counters = RouterCounters()
@@ -369,13 +269,13 @@ class Router:
         if not self.running:
             return
         await self._resync()
-        mode = self._choose_mode()
+        mode = self._modes.choose(len(self.running), self.drafter_up)
         t0, before = time.perf_counter(), self._tokens_committed
         if mode == "pingpong":
             await self._pingpong_round()
         else:
             await self._sequential_round()
-        self._mode_record(mode, self._tokens_committed - before, time.perf_counter() - t0)
+        self._modes.record(mode, self._tokens_committed - before, time.perf_counter() - t0)
 
     async def _sequential_round(self) -> None:
         draft, drafted = await self._draft(self.running)
@@ -384,42 +284,6 @@ class Router:
             extend = self._apply(results, drafted, self.running)
             if extend:
                 await self._extend(extend)
-
-    def _choose_mode(self) -> str:
-        """"sequential" or "pingpong". In "auto", with enough requests for two micro-batches, the
-        router measures both (committed tokens per second over a window of rounds each) and keeps
-        the faster for a while: ping-pong wins when drafter and verifier have devices of their own,
-        and loses when they share the same cores (measured: benchmarks/serving.py)."""
-        usable = self.drafter_up and len(self.running) >= 2
-        if self.cfg.pipeline != "auto":
-            return "pingpong" if self.cfg.pipeline == "pingpong" and usable else "sequential"
-        if not usable or len(self.running) < 2 * self.cfg.pingpong_min_batch:
-            return "sequential"
-        trial = self._mode_trial
-        if trial["left"] > 0:
-            return trial["mode"]
-        if trial["mode"] is None or trial["phase"] == "keep":          # start measuring sequential
-            trial.update(mode="sequential", phase="measure", left=self.cfg.mode_window, rates={})
-        elif trial["mode"] == "sequential" and "pingpong" not in trial["rates"]:
-            trial.update(mode="pingpong", left=self.cfg.mode_window)
-        else:                                                         # both measured: keep the faster
-            rates = trial["rates"]
-            best = max(rates, key=rates.get)
-            trial.update(mode=best, phase="keep", left=self.cfg.mode_window * 8)
-            log.info("pipeline mode %s (committed tokens/s: %s)", best, {k: round(v, 1) for k, v in rates.items()})
-        return trial["mode"]
-
-    def _mode_record(self, mode: str, tokens: int, seconds: float) -> None:
-        trial = self._mode_trial
-        if trial["mode"] != mode or trial["left"] <= 0:
-            return
-        trial["left"] -= 1
-        if trial["phase"] == "measure":
-            t, sec = trial.setdefault("acc", {}).get(mode, (0, 0.0))
-            trial["acc"][mode] = (t + tokens, sec + seconds)
-            if trial["left"] == 0:
-                t, sec = trial["acc"].pop(mode)
-                trial["rates"][mode] = t / sec if sec > 0 else 0.0
 
     async def _pingpong_round(self) -> None:
         """Ping-pong: the drafter drafts half B while the verifier verifies half A, then catches
@@ -446,7 +310,8 @@ class Router:
     async def _draft(self, group: list[ServedRequest]):
         """-> (draft handle or None, the requests it covers). Requests not covered decode plainly."""
         fits = lambda r: r.committed_len - 1 + self.cfg.lookahead <= self.cfg.max_len
-        drafted = [r for r in group if self.drafter_up and r.on_drafter and fits(r) and not self._spec_off()]
+        drafted = [r for r in group if self.drafter_up and r.on_drafter and fits(r)
+                   and not self._switch.off(self.counters.rounds)]
         if not drafted:
             return None, []
         try:
@@ -490,7 +355,7 @@ class Router:
                 c.draft_tokens += res.num_draft_tokens
                 c.accepted_tokens += res.num_accepted
                 c.add_accepted(res.num_accepted)
-                self._observe_acceptance(res.num_accepted)
+                self._switch.observe(res.num_accepted, c.rounds)
             if r not in drafted and self.drafter is not None:
                 r.fallback_rounds += 1
                 c.fallback_rounds += 1
@@ -500,25 +365,6 @@ class Router:
             elif going_on:
                 r.on_drafter = False
         return extend
-
-    # Adaptive speculation: when drafts are almost never accepted, drafting only costs time.
-    # The router then decodes plainly for `adaptive_off_rounds` rounds and tries again.
-
-    def _observe_acceptance(self, num_accepted: int) -> None:
-        w = self.cfg.adaptive_window
-        if not w:
-            return
-        self._recent.append(num_accepted)
-        if len(self._recent) >= w:
-            mean_len = 1 + sum(self._recent) / len(self._recent)
-            self._recent.clear()
-            if mean_len < self.cfg.adaptive_min_accept_length:
-                self._spec_off_until = self.counters.rounds + self.cfg.adaptive_off_rounds
-                log.info("mean acceptance length %.2f < %.2f: speculation off for %d rounds", mean_len,
-                         self.cfg.adaptive_min_accept_length, self.cfg.adaptive_off_rounds)
-
-    def _spec_off(self) -> bool:
-        return self.counters.rounds < self._spec_off_until
 
     async def _extend(self, items: list[ExtendItem]) -> None:
         try:

@@ -3,7 +3,6 @@ router, and the public gRPC server on --host:--port, until Ctrl-C or SIGTERM."""
 
 from __future__ import annotations
 
-import argparse
 import asyncio
 import logging
 import os
@@ -49,19 +48,9 @@ def add_serve(sub) -> None:
 
 
 def _spec(args):
-    from spectandem.config import SpecConfig
-    from spectandem.demo import demo_paths
+    from spectandem.generate_cli import spec_from_flags
 
-    cfg = SpecConfig(method=args.method, num_steps=args.num_steps, topk=args.topk,
-                     num_draft_tokens=args.num_draft_tokens, fused=args.fused,
-                     draft_sampling_min_temperature=args.draft_sampling_min_temperature)
-    target, draft = args.target, args.draft
-    if target is None:
-        demo_target, demo_draft = demo_paths(args.method)
-        target, draft = str(demo_target), (draft or (str(demo_draft) if demo_draft else None))
-    elif draft is None and args.method in ("eagle", "eagle3", "draft-model"):
-        raise ValueError(f"--method {args.method} with --target needs --draft")
-    return cfg, target, draft
+    return spec_from_flags(args)
 
 
 def _free_port() -> int:

@@ -51,12 +51,10 @@ def add_generate(sub) -> None:
     p.set_defaults(func=_generate)
 
 
-def build_local(args):
-    import torch
-
+def spec_from_flags(args):
+    """The model flags -> (SpecConfig, target dir, draft dir or None); the demo pair by default."""
     from spectandem.config import SpecConfig
     from spectandem.demo import demo_paths
-    from spectandem.local import LocalSpeculator
 
     cfg = SpecConfig(method=args.method, num_steps=args.num_steps, topk=args.topk,
                      num_draft_tokens=args.num_draft_tokens, fused=args.fused,
@@ -64,9 +62,18 @@ def build_local(args):
     target, draft = args.target, args.draft
     if target is None:
         demo_target, demo_draft = demo_paths(args.method)
-        target, draft = demo_target, draft or demo_draft
+        target, draft = str(demo_target), (draft or (str(demo_draft) if demo_draft else None))
     elif draft is None and args.method in ("eagle", "eagle3", "draft-model"):
         raise ValueError(f"--method {args.method} with --target needs --draft")
+    return cfg, target, draft
+
+
+def build_local(args):
+    import torch
+
+    from spectandem.local import LocalSpeculator
+
+    cfg, target, draft = spec_from_flags(args)
     return LocalSpeculator(target, draft, cfg, max_slots=4, max_len=args.max_len,
                            dtype=getattr(torch, args.dtype), device=args.device)
 

@@ -17,7 +17,6 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-import torch
 
 from spectandem.config import SamplingParams
 from spectandem.messages import concat_trees, root_only_tree

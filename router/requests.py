@@ -1,0 +1,112 @@
+"""What the router keeps per request, what it streams, and what it counts. No torch here."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from dataclasses import dataclass, field
+
+from router.detok import Detokenizer
+from router.links import Tag
+from spectandem.config import SamplingParams
+
+
+@dataclass
+class Chunk:
+    token_ids: list[int]
+    text: str
+    finish_reason: str | None = None
+    stats: dict | None = None
+    prompt_tokens: int = 0
+
+
+@dataclass
+class Failure:
+    code: str          # a grpc.StatusCode name: UNAVAILABLE, INTERNAL, RESOURCE_EXHAUSTED, ...
+    message: str
+
+
+@dataclass
+class ServedRequest:
+    request_id: str
+    prompt_ids: list[int]
+    params: SamplingParams
+    seed: int
+    detok: Detokenizer
+    epoch: int = 0
+    tokens: list[int] = field(default_factory=list)
+    events: asyncio.Queue = field(default_factory=asyncio.Queue)
+    done: bool = False
+    cancelled: bool = False
+    on_verifier: bool = False
+    on_drafter: bool = False         # the drafter holds this request's state, in sync
+    num_rounds: int = 0
+    draft_tokens: int = 0
+    accepted_tokens: int = 0
+    fallback_rounds: int = 0
+    started: float = field(default_factory=time.monotonic)
+    admit_seq: int = -1              # order of first admission (preemption takes the latest)
+    preempted: bool = False          # waiting to resume
+
+    @property
+    def committed_len(self) -> int:
+        return len(self.prompt_ids) + len(self.tokens)
+
+    def tag(self) -> Tag:
+        return Tag(self.request_id, self.epoch, self.committed_len)
+
+    def stats(self) -> dict:
+        al = (self.accepted_tokens + self.num_rounds) / self.num_rounds if self.num_rounds else 0.0
+        return {"num_rounds": self.num_rounds, "draft_tokens": self.draft_tokens,
+                "accepted_tokens": self.accepted_tokens, "accept_length": round(al, 4),
+                "fallback_rounds": self.fallback_rounds}
+
+
+@dataclass
+class RouterCounters:
+    """Monotonic counters since start (read by GetServerStats, `spectandem stats` and /metrics)."""
+
+    rounds: int = 0                  # verification rounds (one batched verify each)
+    num_drafts: int = 0              # request-rounds verified with a draft
+    draft_tokens: int = 0            # draft tokens verified
+    accepted_tokens: int = 0         # draft tokens accepted
+    accepted_per_pos: list[int] = field(default_factory=list)  # [i]: drafts accepted at depth i + 1
+    fallback_rounds: int = 0         # request-rounds decoded without a draft while a drafter is configured
+    preemptions: int = 0
+    resumes: int = 0
+    stale_dropped: int = 0           # replies of an old epoch or committed length, dropped unapplied
+    draft_ahead_hits: int = 0
+    draft_ahead_misses: int = 0
+    requests_admitted: int = 0
+    requests_finished: int = 0
+    requests_failed: int = 0
+    requests_cancelled: int = 0
+
+    def add_accepted(self, num_accepted: int) -> None:
+        if len(self.accepted_per_pos) < num_accepted:
+            self.accepted_per_pos.extend([0] * (num_accepted - len(self.accepted_per_pos)))
+        for i in range(num_accepted):
+            self.accepted_per_pos[i] += 1
+
+
+@dataclass(frozen=True, kw_only=True)
+class RouterConfig:
+    max_len: int                     # context length (prompt + completion)
+    eos_token_ids: tuple[int, ...]
+    lookahead: int                   # cache entries past the committed prefix a round may write
+    want_features: bool              # the drafter reads target features
+    max_running: int = 64            # requests in the running batch (engine slots)
+    drafter_timeout: float = 10.0    # seconds a drafter call may take before the round goes on without it
+    probe_interval: float = 1.0      # seconds between health probes of a failed engine
+    kv_blocks: int = 0               # verifier KV pool (0: not paged, unlimited here)
+    kv_block_size: int = 16
+    draft_kv_blocks: int = 0         # drafter KV pool (0: none or unlimited)
+    draft_kv_block_size: int = 16
+    # "sequential": draft, verify, extend per round; "pingpong": two micro-batches overlap the
+    # drafter with the verifier; "auto": ping-pong from 2 * pingpong_min_batch requests.
+    pipeline: str = "auto"
+    pingpong_min_batch: int = 2
+    mode_window: int = 8                      # rounds per measurement of a pipeline mode in "auto"
+    adaptive_window: int = 64                 # drafted request-rounds per acceptance check (0: off)
+    adaptive_min_accept_length: float = 1.1   # below this, drafting costs more than it gains
+    adaptive_off_rounds: int = 32             # plain rounds before speculation is tried again
