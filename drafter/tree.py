@@ -165,7 +165,7 @@ def sample_chains(first_logits: torch.Tensor, step: StepFn, to_target, num_steps
     node_idx = torch.arange(1, m + 1, device=dev)
     parents = torch.where(node_idx <= k, 0, node_idx - k).expand(b, m)
     vd = first_logits.shape[-1]
-    probs = torch.zeros(b, m + 1, vd, dtype=torch.float64)
+    probs = torch.zeros(b, m + 1, vd, dtype=torch.float64, device=dev)
     probs[:, 0] = q_root[:, 0]
     for d, q in enumerate(node_probs[1:], start=1):                         # rows of depth-d nodes
         probs[:, 1 + (d - 1) * k: 1 + d * k] = q

@@ -104,6 +104,7 @@ def sample_from_probs(
         bad = u[~((u > 0) & (u < 1))][0].item()
         raise ValueError(f"u must lie in the open interval (0, 1), got {bad!r}")
     probs = probs.to(torch.float64)
+    u = u.to(probs.device)  # uniforms are made on the host; the draw happens where probs live
     if not torch.isfinite(probs).all() or (probs < 0).any():
         raise ValueError("probs must be finite and non-negative")
     cdf = torch.cumsum(probs, dim=-1)  # [B, V]
