@@ -20,8 +20,9 @@ from drafter.engine import DrafterEngine, build_proposer
 from drafter.service_core import drafter_draft, drafter_extend, drafter_info, drafter_prefill
 from spectandem import codec
 from spectandem.config import SpecConfig
+from spectandem.service_args import add_drafter_args  # noqa: F401 (re-exported)
 from spectandem.grpc_server import EngineCalls, EngineServer
-from spectandem.tls import ServerTls, add_server_tls_flags, server_tls_from_args
+from spectandem.tls import ServerTls, server_tls_from_args
 from spectandem.v1 import engines_pb2, engines_pb2_grpc
 
 SERVICE_NAME = engines_pb2.DESCRIPTOR.services_by_name["Drafter"].full_name
@@ -142,16 +143,6 @@ def serve_drafter(cfg: SpecConfig, target_dir: str | Path | None, draft_dir: str
 
 # ----------------------------------------------------------------------------------------------
 # Command line (python -m drafter, spectandem drafter)
-
-
-def add_drafter_args(p: argparse.ArgumentParser) -> None:
-    from spectandem.generate_cli import add_model_flags
-
-    add_model_flags(p)
-    p.add_argument("--max-slots", type=int, default=8, help="requests held at once")
-    p.add_argument("--host", default="0.0.0.0")
-    p.add_argument("--port", type=int, default=50053, help="0 picks a free port (printed)")
-    add_server_tls_flags(p, "the Drafter service")
 
 
 def run_drafter(args: argparse.Namespace) -> int:

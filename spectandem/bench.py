@@ -15,12 +15,9 @@ and the temperature table are not in it yet.
 
 from __future__ import annotations
 
-import argparse
 import json
 import time
 from pathlib import Path
-
-import torch
 
 DEMO_MODES = {
     "none": ("none", {}),
@@ -36,12 +33,16 @@ PROMPTS = ["def fibonacci(n):\n", "import os\nimport sys\n\n", "class Queue:\n  
 
 
 def _sync(device: str) -> None:
+    import torch
+
     if device.startswith("cuda"):
         torch.cuda.synchronize()
 
 
 def copy_bandwidth(device: str) -> float:
     """Device-to-device copy bandwidth in bytes/s, counting bytes read and written."""
+    import torch
+
     if not device.startswith("cuda"):
         return 0.0
     x = torch.empty(1 << 30, dtype=torch.uint8, device=device)
@@ -56,7 +57,7 @@ def copy_bandwidth(device: str) -> float:
     return 2 * x.numel() * 10 / (time.perf_counter() - t0)
 
 
-def bench_demo(modes: list[str], batch_sizes: list[int], max_tokens: int, device: str, dtype: torch.dtype) -> list[dict]:
+def bench_demo(modes: list[str], batch_sizes: list[int], max_tokens: int, device: str, dtype) -> list[dict]:
     from spectandem.config import SamplingParams, SpecConfig
     from spectandem.demo import demo_paths
     from spectandem.local import LocalSpeculator
@@ -87,7 +88,8 @@ def bench_demo(modes: list[str], batch_sizes: list[int], max_tokens: int, device
     return records
 
 
-def bench_hf_generate(max_tokens: int, device: str, dtype: torch.dtype) -> dict:
+def bench_hf_generate(max_tokens: int, device: str, dtype) -> dict:
+    import torch
     from transformers import AutoModelForCausalLM
 
     from spectandem.checkpoint import load_tokenizer
@@ -124,6 +126,8 @@ def llama8b_spec():
 
 def bench_llama8b_plain(device: str, steps: int, context: int, bandwidth: float) -> dict:
     """Plain decoding at batch 1 of an 8B-shaped bf16 target with random weights."""
+    import torch
+
     from spectandem.kv_cache import PagedKVCache
     from spectandem.modeling.llama import LlamaModel
 
@@ -169,7 +173,7 @@ def add_bench(sub) -> None:
     p.add_argument("--modes", default=",".join(DEMO_MODES), help=f"demo modes: {', '.join(DEMO_MODES)}")
     p.add_argument("--batch-sizes", default="1,4,16,64")
     p.add_argument("--max-tokens", type=int, default=128)
-    p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    p.add_argument("--device", default=None, help="cuda when available, else cpu")
     p.add_argument("--dtype", choices=["float32", "bfloat16"], default="float32")
     p.add_argument("--llama8b-steps", type=int, default=64)
     p.add_argument("--llama8b-context", type=int, default=512)
@@ -178,7 +182,9 @@ def add_bench(sub) -> None:
 
 
 def _bench(args) -> int:
-    device = args.device
+    import torch
+
+    device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
     dtype = getattr(torch, args.dtype)
     workloads = args.workloads.split(",")
     bandwidth = copy_bandwidth(device)

@@ -36,8 +36,17 @@ def _train_draft(args) -> int:
 def _add_services(sub) -> None:
     """`spectandem verifier` / `spectandem drafter`: the engines as gRPC services (the demo pair
     without model flags); the same flags as `python -m verifier` / `python -m drafter`."""
-    from drafter.service import add_drafter_args, run_drafter
-    from verifier.service import add_verifier_args, run_verifier
+    from spectandem.service_args import add_drafter_args, add_verifier_args
+
+    def run_verifier(args):
+        from verifier.service import run_verifier as run
+
+        return run(args)
+
+    def run_drafter(args):
+        from drafter.service import run_drafter as run
+
+        return run(args)
 
     p = sub.add_parser("verifier", help="serve the target model as the Verifier gRPC service")
     add_verifier_args(p)

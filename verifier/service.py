@@ -18,8 +18,9 @@ from pathlib import Path
 import torch
 
 from spectandem import codec
+from spectandem.service_args import add_verifier_args  # noqa: F401 (re-exported)
 from spectandem.grpc_server import EngineCalls, EngineServer
-from spectandem.tls import ServerTls, add_server_tls_flags, server_tls_from_args
+from spectandem.tls import ServerTls, server_tls_from_args
 from spectandem.v1 import engines_pb2, engines_pb2_grpc
 from verifier.engine import VerifierEngine
 from verifier.service_core import verifier_features, verifier_info, verifier_prefill, verifier_verify
@@ -143,26 +144,6 @@ def serve_verifier(target_dir: str | Path, method: str = "eagle3", draft_dir: st
 
 # ----------------------------------------------------------------------------------------------
 # Command line (python -m verifier, spectandem verifier)
-
-
-def add_verifier_args(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--target", default=None, help="target checkpoint directory (default: the demo target)")
-    p.add_argument("--draft", default=None,
-                   help="the drafter's head directory, read for its feature layers (default: the demo's)")
-    p.add_argument("--method", choices=["eagle", "eagle3", "draft-model", "ngram", "none"], default="eagle3",
-                   help="the drafter's method: decides which target features are returned")
-    p.add_argument("--feature-layers", default=None,
-                   help='features the drafter reads: "none", "final" or comma-separated HF hidden-state indices '
-                        "(default: from --method and --draft)")
-    p.add_argument("--device", default="cpu")
-    p.add_argument("--dtype", choices=["float32", "bfloat16", "float16"], default="float32")
-    p.add_argument("--max-len", type=int, default=None, help="context length (default: the target's)")
-    p.add_argument("--max-slots", type=int, default=8, help="requests held at once")
-    p.add_argument("--kv-blocks", type=int, default=None, help="KV pool in blocks (default: every slot at full context)")
-    p.add_argument("--block-size", type=int, default=16, help="cache entries per KV block")
-    p.add_argument("--host", default="0.0.0.0")
-    p.add_argument("--port", type=int, default=50052, help="0 picks a free port (printed)")
-    add_server_tls_flags(p, "the Verifier service")
 
 
 def run_verifier(args: argparse.Namespace) -> int:

@@ -1,0 +1,39 @@
+"""Command-line flags of the engine services (`spectandem verifier|drafter`, `python -m
+verifier|drafter`), kept apart from the services so that parsing a command line loads no
+model code, gRPC server or torch."""
+
+from __future__ import annotations
+
+import argparse
+
+from spectandem.tls import add_server_tls_flags
+
+
+def add_verifier_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--target", default=None, help="target checkpoint directory (default: the demo target)")
+    p.add_argument("--draft", default=None,
+                   help="the drafter's head directory, read for its feature layers (default: the demo's)")
+    p.add_argument("--method", choices=["eagle", "eagle3", "draft-model", "ngram", "none"], default="eagle3",
+                   help="the drafter's method: decides which target features are returned")
+    p.add_argument("--feature-layers", default=None,
+                   help='features the drafter reads: "none", "final" or comma-separated HF hidden-state indices '
+                        "(default: from --method and --draft)")
+    p.add_argument("--device", default="cpu")
+    p.add_argument("--dtype", choices=["float32", "bfloat16", "float16"], default="float32")
+    p.add_argument("--max-len", type=int, default=None, help="context length (default: the target's)")
+    p.add_argument("--max-slots", type=int, default=8, help="requests held at once")
+    p.add_argument("--kv-blocks", type=int, default=None, help="KV pool in blocks (default: every slot at full context)")
+    p.add_argument("--block-size", type=int, default=16, help="cache entries per KV block")
+    p.add_argument("--host", default="0.0.0.0")
+    p.add_argument("--port", type=int, default=50052, help="0 picks a free port (printed)")
+    add_server_tls_flags(p, "the Verifier service")
+
+
+def add_drafter_args(p: argparse.ArgumentParser) -> None:
+    from spectandem.generate_cli import add_model_flags
+
+    add_model_flags(p)
+    p.add_argument("--max-slots", type=int, default=8, help="requests held at once")
+    p.add_argument("--host", default="0.0.0.0")
+    p.add_argument("--port", type=int, default=50053, help="0 picks a free port (printed)")
+    add_server_tls_flags(p, "the Drafter service")
