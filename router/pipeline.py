@@ -1,10 +1,12 @@
 """How the router runs rounds: the pipeline mode, and whether speculation is worth it now.
 
-`ModeChooser`: "sequential" (draft, verify, extend per round) or "pingpong" (two micro-batches,
-the drafter working on one while the verifier verifies the other). In "auto", with enough
-requests for two micro-batches, it measures both (committed tokens per second over a window of
-rounds each) and keeps the faster for a while: ping-pong wins when drafter and verifier have
-devices of their own and loses when they share the same cores (measured: benchmarks/serving.py).
+`ModeChooser`: "sequential" (draft, verify, extend per round), "pingpong" (two micro-batches,
+the drafter working on one while the verifier verifies the other) or "plain" (no drafts for
+requests whose tokens a plain round does not change). In "auto", with enough requests for two
+micro-batches, it measures all three (committed tokens per second over a window of rounds each)
+and keeps the fastest for a while: ping-pong wins when drafter and verifier have devices of their
+own and loses when they share the same cores (benchmarks/serving.py); plain wins at large batches
+where verifying trees costs more than it saves (spectandem bench on the H200, batch 64).
 
 `SpeculationSwitch`: when drafts are almost never accepted, drafting only costs time; the router
 then decodes plainly for a number of rounds and tries again.
@@ -38,7 +40,9 @@ class ModeChooser:
             self.mode, self.phase, self.left, self.rates = "sequential", "measure", self.cfg.mode_window, {}
         elif self.mode == "sequential" and "pingpong" not in self.rates:
             self.mode, self.left = "pingpong", self.cfg.mode_window
-        else:                                                     # both measured: keep the faster
+        elif self.mode == "pingpong" and "plain" not in self.rates:
+            self.mode, self.left = "plain", self.cfg.mode_window
+        else:                                                     # all measured: keep the fastest
             self.mode = max(self.rates, key=self.rates.get)
             self.phase, self.left = "keep", self.cfg.mode_window * 8
             log.info("pipeline mode %s (committed tokens/s: %s)", self.mode,

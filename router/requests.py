@@ -106,6 +106,10 @@ class RouterConfig:
     # drafter with the verifier; "auto": ping-pong from 2 * pingpong_min_batch requests.
     pipeline: str = "auto"
     pingpong_min_batch: int = 2
+    # Requests at or above this temperature have sampled drafts; speculation is never switched off
+    # for them (a plain round changes their seeded tokens). Below it, a plain round draws the same
+    # tokens as a speculative one, so switching off is invisible. Must equal the drafter's setting.
+    draft_sampling_min_temperature: float = 0.5
     mode_window: int = 8                      # rounds per measurement of a pipeline mode in "auto"
     adaptive_window: int = 64                 # drafted request-rounds per acceptance check (0: off)
     adaptive_min_accept_length: float = 1.1   # below this, drafting costs more than it gains

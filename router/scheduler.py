@@ -57,6 +57,7 @@ class Router:
         self._admitted = 0
         self._tokens_committed = 0
         self._modes = ModeChooser(cfg)
+        self._mode = "sequential"
         self._switch = SpeculationSwitch(cfg)
         self._spec_off_until = 0          # round number until which speculation is off
         self.on_serving_change = None            # callback(bool), e.g. to update gRPC health
@@ -269,7 +270,7 @@ class Router:
         if not self.running:
             return
         await self._resync()
-        mode = self._modes.choose(len(self.running), self.drafter_up)
+        mode = self._mode = self._modes.choose(len(self.running), self.drafter_up)
         t0, before = time.perf_counter(), self._tokens_committed
         if mode == "pingpong":
             await self._pingpong_round()
@@ -284,6 +285,10 @@ class Router:
             extend = self._apply(results, drafted, self.running)
             if extend:
                 await self._extend(extend)
+
+    def _invisible_when_plain(self, r: ServedRequest) -> bool:
+        """Deterministic drafts: a plain round draws exactly the tokens a speculative one would."""
+        return r.params.greedy or r.params.temperature < self.cfg.draft_sampling_min_temperature
 
     async def _pingpong_round(self) -> None:
         """Ping-pong: the drafter drafts half B while the verifier verifies half A, then catches
@@ -310,8 +315,9 @@ class Router:
     async def _draft(self, group: list[ServedRequest]):
         """-> (draft handle or None, the requests it covers). Requests not covered decode plainly."""
         fits = lambda r: r.committed_len - 1 + self.cfg.lookahead <= self.cfg.max_len
+        spec_off = self._switch.off(self.counters.rounds) or self._mode == "plain"
         drafted = [r for r in group if self.drafter_up and r.on_drafter and fits(r)
-                   and not self._switch.off(self.counters.rounds)]
+                   and not (spec_off and self._invisible_when_plain(r))]
         if not drafted:
             return None, []
         try:
