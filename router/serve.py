@@ -139,25 +139,19 @@ async def _build_links(args, cfg, target, draft, index: int = 0):
     ops = OpsConfig.from_args(args)
     # Engines started here serve this router only: loopback, and the internal TLS when asked.
     common += ["--host", "127.0.0.1"] + ops.engine_flags()
-    if args.kv_blocks:
-        common_v = ["--kv-blocks", str(args.kv_blocks)]
-    else:
-        common_v = []
-    if args.draft_kv_blocks:
-        common_d = ["--draft-kv-blocks", str(args.draft_kv_blocks)]
-    else:
-        common_d = []
+    pool_v = ["--kv-blocks", str(args.kv_blocks)] if args.kv_blocks else []
+    pool_d = ["--draft-kv-blocks", str(args.draft_kv_blocks)] if args.draft_kv_blocks else []
     tree = ["--num-steps", str(cfg.num_steps), "--topk", str(cfg.topk), "--num-draft-tokens", str(cfg.num_draft_tokens),
             "--draft-sampling-min-temperature", str(cfg.draft_sampling_min_temperature)]
     verifier_address = args.verifier_address[index] if args.verifier_address else None
     drafter_address = args.drafter_address[index] if args.drafter_address else None
     if verifier_address is None:
         port = _free_port()
-        procs["verifier"] = subprocess.Popen([sys.executable, "-m", "verifier", "--port", str(port)] + common + common_v)
+        procs["verifier"] = subprocess.Popen([sys.executable, "-m", "verifier", "--port", str(port)] + common + pool_v)
         verifier_address = f"localhost:{port}"
     if drafter_address is None and cfg.method != "none":
         port = _free_port()
-        procs["drafter"] = subprocess.Popen([sys.executable, "-m", "drafter", "--port", str(port)] + common + tree + common_d)
+        procs["drafter"] = subprocess.Popen([sys.executable, "-m", "drafter", "--port", str(port)] + common + tree + pool_d)
         drafter_address = f"localhost:{port}"
     creds = ops.link_credentials()
     v = GrpcVerifierLink(verifier_address, credentials=creds)
