@@ -81,7 +81,12 @@ class Router:
                 pass
         for r in self.waiting + self.running:
             self._finish_failure(r, Failure("UNAVAILABLE", "server is shutting down"))
-        await self._release([r for r in self.running if r.on_verifier or r.on_drafter])
+        try:
+            # A dying or restarting engine must not hold shutdown: the engines go away next anyway.
+            await asyncio.wait_for(self._release([r for r in self.running if r.on_verifier or r.on_drafter]),
+                                   self.cfg.probe_interval * 5)
+        except asyncio.TimeoutError:
+            log.warning("engines did not confirm releases at shutdown")
 
     def submit(self, prompt_ids: list[int], params: SamplingParams, request_id: str | None = None) -> ServedRequest:
         if not self.serving:

@@ -65,7 +65,9 @@ class Served:
     def close(self):
         self.channel.close()
         self.loop.call_soon_threadsafe(self.stop.set)
-        self.thread.join(60)
+        self.thread.join(240)
+        # The next server must not start while this one still holds engines (a Ray placement group).
+        assert not self.thread.is_alive(), "the server did not shut down in 240 s"
 
 
 def request(text=None, ids=None, **params) -> generation_pb2.GenerateRequest:
