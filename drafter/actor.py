@@ -20,7 +20,8 @@ import ray
 import torch
 
 from drafter.engine import DrafterEngine, build_proposer
-from drafter.service_core import drafter_draft, drafter_extend, drafter_info, drafter_prefill
+from drafter.service_core import (drafter_draft, drafter_draft_ahead, drafter_extend, drafter_info, drafter_prefill,
+                                  drafter_release)
 from router.links import DrafterPrefillItem, EngineInfo, ExtendItem, Tag
 from spectandem.config import SpecConfig
 from spectandem.messages import DraftTree
@@ -56,18 +57,20 @@ class DrafterActor:
         return drafter_prefill(self.engine, _resolve_features(items))
 
     @ray.method(num_returns=2)
-    def draft(self, tags: list[Tag]) -> tuple[DraftTree, None]:
+    def draft(self, tags: list[Tag], num_steps: list[int | None] | None = None) -> tuple[DraftTree, None]:
         """(the round's trees, a done marker): the caller awaits the marker, which raises as the
         call failed, and forwards the tree's ref without fetching it."""
-        return drafter_draft(self.engine, tags), None
+        return drafter_draft(self.engine, tags, num_steps), None
+
+    def draft_ahead(self, tags: list[Tag]) -> list[bool | None]:
+        return drafter_draft_ahead(self.engine, tags)
 
     def extend(self, items: list[ExtendItem]) -> list[str]:
         """Catch-up; returns the ids this drafter does not hold (it restarted)."""
         return drafter_extend(self.engine, _resolve_features(items))
 
-    def release(self, request_ids: list[str]) -> None:
-        for rid in request_ids:
-            self.engine.remove(rid)
+    def release(self, request_ids: list[str], keep_draft: bool = False) -> None:
+        drafter_release(self.engine, request_ids, keep_draft)
 
     def info(self) -> EngineInfo:
         info = drafter_info(self.engine, self.model_name)

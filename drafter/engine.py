@@ -2,10 +2,26 @@
 
 Per request it keeps the committed tokens and the draft probabilities of the round in flight,
 tagged with the committed length they were drafted at (`DraftProbStore`).
+
+Draft ahead (SSD's outcome cache, ../shared/reference/disagg.md): while the verifier checks a
+round's tree, `draft_ahead` prepares the next tree for the round's likeliest outcomes. An
+outcome is what the round commits: the accepted path plus the bonus token. The drafter forks the
+request's state once per tree node and absorbs that node's path with its own predicted features.
+This gives the draft distribution after every node. Outcomes (node u, bonus b), with b not a
+child of u, are scored by log q(path to u) + log q_u(b), and the `ahead_width` best get a tree
+each. When the verdict arrives (`extend`), a hit makes the cached tree the request's next draft.
+The catch-up with the real target features is then deferred to the next call that needs the
+state: it runs while the verifier is busy with that tree. A miss catches up at once and drafts on
+demand. Any tree is valid for verification, so hits never change greedy output; sampled trees
+carry the q they were drawn from.
+
+Preemption: `remove(..., keep_draft=True)` keeps a request's next tree (and its q) tagged with
+its committed length; a re-prefill at the same committed length makes it the next draft again.
 """
 
 from __future__ import annotations
 
+import logging
 from pathlib import Path
 
 import torch
@@ -13,7 +29,10 @@ import torch
 from drafter.proposers import DraftModelProposer, DraftRequest, EagleProposer, NgramProposer, Proposer
 from drafter.tree import TreeDraft
 from spectandem.config import SamplingParams, SpecConfig
+from spectandem.block_manager import KVCacheFull
 from spectandem.messages import DraftTree, StaleMessage, VerifyOutput
+
+log = logging.getLogger("spectandem.drafter")
 
 
 class DraftProbStore:
@@ -52,6 +71,14 @@ class DrafterEngine:
         self.requests: dict[str, DraftRequest] = {}
         self.epochs: dict[str, int] = {}
         self.store = DraftProbStore()
+        # Draft ahead, per request:
+        self.in_flight: dict[str, tuple[int, list[int], list[int], list[bool]]] = {}  # tree being verified
+        self.outcomes: dict[str, tuple[int, dict[tuple[int, ...], tuple[TreeDraft, int]]]] = {}
+        self.ready: dict[str, tuple[int, TreeDraft, int]] = {}   # next tree (committed_len, tree, row)
+        self.deferred: dict[str, tuple[int, torch.Tensor | None]] = {}  # catch-up not run yet
+        self.last_hit: dict[str, bool] = {}     # did the last verdict hit the outcome cache
+        self.kept: dict[str, tuple[int, TreeDraft, int]] = {}    # next trees kept through preemption
+        self.ahead_hits = self.ahead_misses = 0
 
     @property
     def feature_layers(self):
@@ -68,11 +95,14 @@ class DrafterEngine:
         reqs = []
         for request_id, prompt_ids, first_token_id, params, seed, features, epoch in items:
             if request_id in self.requests:
-                self.remove(request_id)  # a re-prefill (resync after a restart or preemption)
+                self.remove(request_id, keep_draft=True)  # a re-prefill (resync after a restart or preemption)
             sample = params.temperature >= max(self.cfg.draft_sampling_min_temperature, 1e-12) and not params.greedy
             req = DraftRequest(request_id, list(prompt_ids) + [first_token_id], params, seed, sample)
             self.requests[request_id] = req
             self.epochs[request_id] = epoch
+            kept = self.kept.pop(request_id, None)
+            if kept is not None and kept[0] == req.committed_len:
+                self.ready[request_id] = kept   # the draft pending at preemption, still current
             reqs.append(req)
         if reqs:
             self.proposer.catch_up(reqs, [r.committed_len - 1 for r in reqs], [it[5] for it in items])
@@ -94,21 +124,53 @@ class DrafterEngine:
             if req.committed_len + len(out.token_ids) != out.committed_len:
                 raise StaleMessage(f"{out.request_id!r}: verdict for committed length {out.committed_len} "
                                    f"does not follow the drafter's {req.committed_len}")
+        self._flush([out.request_id for out in outputs])
+        now = []
         for out, req in zip(outputs, reqs):
-            self.store.drop(out.request_id)  # the round's verdict is in: its q rows are spent
+            rid = out.request_id
+            self.store.drop(rid)  # the round's verdict is in: its q rows are spent
+            self.in_flight.pop(rid, None)
+            self.ready.pop(rid, None)
+            cache = self.outcomes.pop(rid, None)
+            if cache is not None and cache[0] == req.committed_len:
+                hit = cache[1].get(tuple(out.token_ids))
+                self.last_hit[rid] = hit is not None
+                self.ahead_hits += hit is not None
+                self.ahead_misses += hit is None
+                if hit is not None:
+                    self.ready[rid] = (out.committed_len, *hit)
             req.token_ids.extend(out.token_ids)
-        if reqs:
-            self.proposer.catch_up(reqs, [len(o.token_ids) for o in outputs], [o.features for o in outputs])
+            if rid in self.ready:
+                self.deferred[rid] = (len(out.token_ids), out.features)
+            else:
+                now.append((req, len(out.token_ids), out.features))
+        if now:
+            self.proposer.catch_up([r for r, _, _ in now], [n for _, n, _ in now], [f for _, _, f in now])
 
-    def draft(self, request_ids: list[str]) -> DraftTree:
-        """One round's trees for these requests (sampled and deterministic drafted separately)."""
+    def _flush(self, request_ids: list[str]) -> None:
+        """Runs the deferred catch-ups of these requests."""
+        todo = [(self.requests[i], *self.deferred.pop(i)) for i in request_ids if i in self.deferred]
+        if todo:
+            self.proposer.catch_up([r for r, _, _ in todo], [n for _, n, _ in todo], [f for _, _, f in todo])
+
+    def draft(self, request_ids: list[str], num_steps: list[int | None] | None = None) -> DraftTree:
+        """One round's trees for these requests (sampled and deterministic drafted separately):
+        a request's ready tree (outcome cache, or kept through preemption) if it has one at its
+        committed length, else a new one of depth at most `num_steps[i]` (None: configured)."""
+        steps = list(num_steps) if num_steps is not None else [None] * len(request_ids)
         reqs = [self.requests[i] for i in request_ids]
-        parts: dict[bool, list[int]] = {}
-        for i, r in enumerate(reqs):
-            parts.setdefault(r.sample_drafts, []).append(i)
         drafts: dict[int, tuple[TreeDraft, int]] = {}
-        for idx in parts.values():
-            tree = self.proposer.propose([reqs[i] for i in idx])
+        for i, r in enumerate(reqs):
+            ready = self.ready.pop(r.request_id, None)
+            if ready is not None and ready[0] == r.committed_len:
+                drafts[i] = ready[1:]
+        self._flush([r.request_id for i, r in enumerate(reqs) if i not in drafts])
+        parts: dict[tuple, list[int]] = {}
+        for i, r in enumerate(reqs):
+            if i not in drafts:
+                parts.setdefault((r.sample_drafts, steps[i] or self.cfg.num_steps), []).append(i)
+        for (_, depth), idx in parts.items():
+            tree = self.proposer.propose([reqs[i] for i in idx], depth)
             for row, i in enumerate(idx):
                 drafts[i] = (tree, row)
         m = max(d.token_ids.shape[1] for d, _ in drafts.values())
@@ -134,6 +196,9 @@ class DrafterEngine:
                 probs_rows.append(rows)
             else:
                 probs_rows.append(None)
+        for i, r in enumerate(reqs):
+            self.in_flight[r.request_id] = (r.committed_len, token_ids[i].tolist(), parents[i].tolist(),
+                                            valid[i].tolist())
         draft_probs = None
         if any_sampled:
             vocab = next(p.shape[-1] for p in probs_rows if p is not None)
@@ -145,7 +210,95 @@ class DrafterEngine:
                          token_ids=token_ids, parents=parents, node_valid=valid, scores=scores,
                          draft_probs=draft_probs, sampled=[r.sample_drafts for r in reqs])
 
-    def remove(self, request_id: str) -> None:
+    def draft_ahead(self, request_ids: list[str]) -> list[bool | None]:
+        """Fills the outcome cache for the trees of these requests now being verified. Returns,
+        per request, whether its tree being verified came from the cache (None: no cache then)."""
+        flags = [self.last_hit.pop(i, None) for i in request_ids]
+        if not (self.cfg.ahead_width and getattr(self.proposer, "supports_ahead", False)):
+            return flags
+        self._flush(request_ids)
+        todo = [i for i in request_ids if self.in_flight.get(i, (-1,))[0] == self.requests[i].committed_len]
+        forks: list[str] = []
+        try:
+            self._fill_outcomes(todo, forks)
+        except KVCacheFull as exc:   # no room for forks now: this round's verdicts draft on demand
+            log.info("draft ahead skipped: %s", exc)
+            for i in todo:
+                self.outcomes.pop(i, None)
+        finally:
+            for f in reversed(forks):   # borrowers before lenders
+                self.proposer.remove(f)
+        return flags
+
+    def _fill_outcomes(self, request_ids: list[str], forks: list[str]) -> None:
+        width = self.cfg.ahead_width
+        # 1. A fork per tree node that has absorbed the path to it: the draft's q after the node.
+        nodes, fork_reqs = [], []
+        for rid in request_ids:
+            req = self.requests[rid]
+            _, toks, parents, valid = self.in_flight[rid]
+            paths = {0: []}
+            for j in range(1, len(toks)):
+                if valid[j]:
+                    paths[j] = paths[parents[j]] + [toks[j]]   # a parent always has a lower index
+            for j, path in paths.items():
+                fid = f"{rid}\x1fahead{j}"
+                forks.append(fid)   # before the fork: a fork that fails half-way is still freed
+                self.proposer.ahead_fork(rid, fid)
+                nodes.append((rid, j, path))
+                fork_reqs.append(DraftRequest(fid, req.token_ids + path, req.params, req.seed, req.sample_drafts))
+        self.proposer.ahead_absorb(fork_reqs, [len(p) for _, _, p in nodes])
+        logq = self.proposer.ahead_logprobs([f.request_id for f in fork_reqs]).float().cpu()
+        row = {(rid, j): i for i, (rid, j, _) in enumerate(nodes)}
+        # 2. The likeliest outcomes per request.
+        chosen = []
+        for rid in request_ids:
+            _, toks, parents, valid = self.in_flight[rid]
+            children: dict[int, set[int]] = {}
+            for j in range(1, len(toks)):
+                if valid[j]:
+                    children.setdefault(parents[j], set()).add(toks[j])
+            reach, cands = {}, []
+            for (r, j, path) in nodes:
+                if r != rid:
+                    continue
+                reach[j] = 0.0 if j == 0 else reach[parents[j]] + float(logq[row[(rid, parents[j])], toks[j]])
+                lp, tok = logq[row[(rid, j)]].topk(min(width + len(children.get(j, ())), logq.shape[-1]))
+                for v, b in zip(lp.tolist(), tok.tolist()):
+                    if b not in children.get(j, ()) and v > float("-inf"):
+                        cands.append((-(reach[j] + v), j, b, path))
+            cands.sort(key=lambda c: c[:3])
+            chosen += [(rid, j, b, path) for _, j, b, path in cands[:width]]
+        # 3. A fork per outcome absorbs its bonus token and drafts the next tree.
+        out_reqs = []
+        for rid, j, b, path in chosen:
+            src = fork_reqs[row[(rid, j)]]
+            fid = f"{src.request_id}-{b}"
+            forks.append(fid)
+            self.proposer.ahead_fork(src.request_id, fid)
+            out_reqs.append(DraftRequest(fid, src.token_ids + [b], src.params, src.seed, src.sample_drafts))
+        self.proposer.ahead_absorb(out_reqs, [1] * len(out_reqs))
+        for rid in request_ids:
+            self.outcomes[rid] = (self.requests[rid].committed_len, {})
+        parts: dict[bool, list[int]] = {}
+        for i, r in enumerate(out_reqs):
+            parts.setdefault(r.sample_drafts, []).append(i)
+        for idx in parts.values():
+            tree = self.proposer.propose([out_reqs[i] for i in idx])
+            for k, i in enumerate(idx):
+                rid, _, b, path = chosen[i]
+                self.outcomes[rid][1][tuple(path) + (b,)] = (tree, k)
+
+    def remove(self, request_id: str, keep_draft: bool = False) -> None:
+        """Forgets a request; with keep_draft, its ready next tree stays for a re-prefill at the
+        same committed length (preemption)."""
+        ready = self.ready.pop(request_id, None)
+        if keep_draft and ready is not None:
+            self.kept[request_id] = ready
+        elif not keep_draft:
+            self.kept.pop(request_id, None)
+        for d in (self.in_flight, self.outcomes, self.deferred, self.last_hit):
+            d.pop(request_id, None)
         self.requests.pop(request_id, None)
         self.epochs.pop(request_id, None)
         self.store.drop(request_id)
@@ -154,9 +307,10 @@ class DrafterEngine:
 
 def build_proposer(cfg: SpecConfig, target, draft_dir: str | Path | None, max_slots: int, max_len: int,
                    dtype: torch.dtype = torch.float32, device: str = "cpu", kv_blocks: int | None = None,
-                   block_size: int = 16) -> Proposer | None:
+                   block_size: int = 16, cuda_graphs: bool = False) -> Proposer | None:
     """The one place a method name becomes a proposer. `target` is the target model, native or
-    transformers (EAGLE heads take embeddings and lm_head from it)."""
+    transformers (EAGLE heads take embeddings and lm_head from it). `cuda_graphs`: EAGLE argmax
+    chains run as CUDA graphs (drafter/graphs.py); other methods and trees run eagerly."""
     if cfg.method == "none":
         return None
     if cfg.method == "ngram":
@@ -177,4 +331,4 @@ def build_proposer(cfg: SpecConfig, target, draft_dir: str | Path | None, max_sl
     from drafter.loader import load_head
 
     head = load_head(draft_dir, target, kind=cfg.method, dtype=dtype, device=device)
-    return EagleProposer(head, cfg, max_slots, max_len, kv_blocks, block_size)
+    return EagleProposer(head, cfg, max_slots, max_len, kv_blocks, block_size, cuda_graphs)

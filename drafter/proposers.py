@@ -13,6 +13,7 @@ from typing import Protocol
 
 import torch
 
+from drafter.graphs import ChainGraphs
 from drafter.heads import DraftHead
 from drafter.tree import TreeDraft, expand_topk, sample_chains
 from spectandem.config import SamplingParams, SpecConfig
@@ -43,11 +44,40 @@ class Proposer(Protocol):
     def catch_up(self, reqs: list[DraftRequest], num_new: list[int], features: list[torch.Tensor | None]) -> None:
         """Absorb each request's `num_new` newest committed tokens (features [num_new, F])."""
 
-    def propose(self, reqs: list[DraftRequest]) -> TreeDraft:
-        """Draft nodes for each request (root excluded)."""
+    def propose(self, reqs: list[DraftRequest], num_steps: int | None = None) -> TreeDraft:
+        """Draft nodes for each request (root excluded); `num_steps` caps the tree depth."""
+
+    # Draft ahead (optional; `supports_ahead`): work on forks of a request's state while the
+    # verifier is busy. A fork shares the request's cache prefix; the engine frees it with `remove`.
+    supports_ahead: bool
+
+    def ahead_fork(self, src_id: str, dst_id: str) -> None:
+        """A new request state `dst_id`, a copy of `src_id`'s (its cache shared, not copied)."""
+
+    def ahead_absorb(self, reqs: list[DraftRequest], num_new: list[int]) -> None:
+        """Like catch_up, without target features: the method's own predictions stand in."""
+
+    def ahead_logprobs(self, request_ids: list[str]) -> torch.Tensor:
+        """[B, vocab_size] log-probabilities of each request's next token (target ids; -inf
+        for tokens the draft cannot propose)."""
 
     def remove(self, request_id: str) -> None:
         ...
+
+
+def ahead_slots(cfg: SpecConfig, max_slots: int) -> int:
+    """Extra cache slots for draft-ahead forks: per request, one per tree node and one per outcome."""
+    return max_slots * (cfg.max_draft_nodes + 1 + cfg.ahead_width) if cfg.ahead_width else 0
+
+
+def _paged(num_layers, max_slots, num_kv_heads, max_len, head_dim, dtype, device, kv_blocks, block_size, cfg):
+    """The proposer's cache: a pool sized for `max_slots` requests (or `kv_blocks`), with slots
+    for draft-ahead forks on top (forks borrow their request's blocks)."""
+    from spectandem.block_manager import blocks_for
+
+    num_blocks = kv_blocks or max_slots * blocks_for(max_len + 1, block_size)
+    return PagedKVCache(num_layers, max_slots + ahead_slots(cfg, max_slots), num_kv_heads, max_len, head_dim,
+                        dtype, device, num_blocks=num_blocks, block_size=block_size)
 
 
 class _Slots:
@@ -109,21 +139,23 @@ class _ScratchTree:
 class EagleProposer:
     """EAGLE-1/2 and EAGLE-3 heads. Per request: a head KV slot holding one entry per pair
     (feature p, token p + 1) absorbed so far, i.e. committed_len - 1 entries, and the last
-    catch-up row's output hidden and logits."""
+    catch-up row's output hidden and logits. With `cuda_graphs`, argmax chains (topk 1) are
+    drafted by one CUDA graph per shape (drafter/graphs.py)."""
 
     def __init__(self, head: DraftHead, cfg: SpecConfig, max_slots: int, max_len: int,
-                 kv_blocks: int | None = None, block_size: int = 16):
+                 kv_blocks: int | None = None, block_size: int = 16, cuda_graphs: bool = False):
         self.head, self.cfg = head, cfg
         self.feature_layers = head.spec.aux_layers if head.spec.kind == "eagle3" else "final"
         s = head.spec
         self.dtype = next(head.parameters()).dtype
         self.device = next(head.parameters()).device
-        self.cache = PagedKVCache(1, max_slots, s.num_kv_heads, max_len, s.head_dim, self.dtype, self.device,
-                                  num_blocks=kv_blocks, block_size=block_size)
-        self.slots = _Slots(max_slots)
+        self.cache = _paged(1, max_slots, s.num_kv_heads, max_len, s.head_dim, self.dtype, self.device,
+                            kv_blocks, block_size, cfg)
+        self.slots = _Slots(self.cache.num_slots)
         self.cache_len: dict[str, int] = {}
         self.last_hidden: dict[str, torch.Tensor] = {}   # [H]
         self.last_logits: dict[str, torch.Tensor] = {}   # [Vd]
+        self.chain = ChainGraphs(head, self.cache) if cuda_graphs else None
 
     @torch.no_grad()
     def catch_up(self, reqs, num_new, features):
@@ -158,8 +190,46 @@ class EagleProposer:
             self.last_hidden[r.request_id] = out[i, 0]
             self.last_logits[r.request_id] = logits[i, 0]
 
+    supports_ahead = True
+
+    def ahead_fork(self, src_id, dst_id):
+        self.cache.fork(self.slots.of[src_id], self.slots.get(dst_id), self.cache_len[src_id])
+        self.cache_len[dst_id] = self.cache_len[src_id]
+        self.last_hidden[dst_id] = self.last_hidden[src_id]
+        self.last_logits[dst_id] = self.last_logits[src_id]
+
     @torch.no_grad()
-    def propose(self, reqs):
+    def ahead_absorb(self, reqs, num_new):
+        """One pair per step, (head output of the previous pair, next token): the pairs a tree
+        step feeds, so a fork that absorbs a draft path sees what the tree's drafting saw."""
+        todo = [(r, n) for r, n in zip(reqs, num_new) if n > 0]
+        for step in range(max((n for _, n in todo), default=0)):
+            live = [(r, n) for r, n in todo if step < n]
+            ids = [r.request_id for r, _ in live]
+            slots = torch.tensor([self.slots.of[i] for i in ids], device=self.device)
+            base = torch.tensor([self.cache_len[i] for i in ids], device=self.device)
+            for i, b0 in zip(ids, base.tolist()):
+                self.cache.reserve(self.slots.of[i], b0 + 1)
+            toks = torch.tensor([[r.token_ids[r.committed_len - n + step]] for r, n in live], device=self.device)
+            hidden = torch.stack([self.last_hidden[i] for i in ids])[:, None]
+            span = int(base.max()) + 1
+            mask = torch.arange(span, device=self.device)[None, None, :] <= base[:, None, None]
+            rows = torch.zeros(len(ids), 1, dtype=torch.long, device=self.device)
+            out = self.head.run(toks, hidden, base[:, None], self.cache.batch(slots, base[:, None], span), mask, rows)
+            logits = self.head.logits(out)
+            for j, i in enumerate(ids):
+                self.cache_len[i] += 1
+                self.last_hidden[i], self.last_logits[i] = out[j, 0], logits[j, 0]
+
+    @torch.no_grad()
+    def ahead_logprobs(self, request_ids):
+        lp = torch.log_softmax(torch.stack([self.last_logits[i] for i in request_ids]).float(), -1)
+        full = lp.new_full((len(request_ids), self.head.spec.vocab_size), float("-inf"))
+        full[:, self.head.draft_to_target(torch.arange(lp.shape[-1], device=lp.device))] = lp
+        return full
+
+    @torch.no_grad()
+    def propose(self, reqs, num_steps=None):
         ids = [r.request_id for r in reqs]
         slots = torch.tensor([self.slots.of[i] for i in ids], device=self.device)
         base = torch.tensor([self.cache_len[i] for i in ids], device=self.device)
@@ -168,6 +238,10 @@ class EagleProposer:
         k = self.cfg.topk
         for i, b0 in zip(ids, base.tolist()):
             self.cache.reserve(self.slots.of[i], b0 + max(0, self.cfg.num_steps - 1) * k)
+        steps = min(num_steps or self.cfg.num_steps, self.cfg.num_steps)
+        if self.chain is not None and self.chain.supports(len(ids), k, reqs[0].sample_drafts, steps):
+            return self.chain.propose(slots, [self.cache_len[i] for i in ids], first, hidden0, steps,
+                                      self.cfg.num_draft_tokens)
         scratch = _ScratchTree(self.cache, slots, base, k, pos_offset=0)
         prev = {"out": hidden0}
 
@@ -179,7 +253,7 @@ class EagleProposer:
             prev["out"] = out
             return self.head.logits(out)
 
-        return _draft(reqs, first, step, self.head.draft_to_target, self.cfg, self.head.spec.vocab_size)
+        return _draft(reqs, first, step, self.head.draft_to_target, self.cfg, self.head.spec.vocab_size, num_steps)
 
     def kv_stats(self) -> dict:
         return self.cache.stats()
@@ -204,11 +278,27 @@ class DraftModelProposer:
         s = model.spec
         self.device = next(model.parameters()).device
         dtype = next(model.parameters()).dtype
-        self.cache = PagedKVCache(s.num_layers, max_slots, s.num_kv_heads, max_len, s.head_dim, dtype, self.device,
-                                  num_blocks=kv_blocks, block_size=block_size)
-        self.slots = _Slots(max_slots)
+        self.cache = _paged(s.num_layers, max_slots, s.num_kv_heads, max_len, s.head_dim, dtype, self.device,
+                            kv_blocks, block_size, cfg)
+        self.slots = _Slots(self.cache.num_slots)
         self.cache_len: dict[str, int] = {}
         self.last_logits: dict[str, torch.Tensor] = {}
+
+    supports_ahead = True
+
+    def ahead_fork(self, src_id, dst_id):
+        self.cache.fork(self.slots.of[src_id], self.slots.get(dst_id), self.cache_len[src_id])
+        self.cache_len[dst_id] = self.cache_len[src_id]
+        self.last_logits[dst_id] = self.last_logits[src_id]
+
+    def ahead_absorb(self, reqs, num_new):
+        # The LM reads tokens only: absorbing predicted tokens is an ordinary catch-up.
+        live = [r for r, n in zip(reqs, num_new) if n > 0]
+        if live:
+            self.catch_up(live, [n for n in num_new if n > 0], [None] * len(live))
+
+    def ahead_logprobs(self, request_ids):
+        return torch.log_softmax(torch.stack([self.last_logits[i] for i in request_ids]).float(), -1)
 
     @torch.no_grad()
     def catch_up(self, reqs, num_new, features):
@@ -239,7 +329,7 @@ class DraftModelProposer:
             self.last_logits[r.request_id] = logits[i]
 
     @torch.no_grad()
-    def propose(self, reqs):
+    def propose(self, reqs, num_steps=None):
         ids = [r.request_id for r in reqs]
         slots = torch.tensor([self.slots.of[i] for i in ids], device=self.device)
         base = torch.tensor([self.cache_len[i] for i in ids], device=self.device)
@@ -254,7 +344,7 @@ class DraftModelProposer:
             hidden, _ = self.model(token_ids, positions, cache, mask)
             return self.model.logits(hidden)
 
-        return _draft(reqs, first, step, lambda t: t, self.cfg, self.model.spec.vocab_size)
+        return _draft(reqs, first, step, lambda t: t, self.cfg, self.model.spec.vocab_size, num_steps)
 
     def kv_stats(self) -> dict:
         return self.cache.stats()
@@ -273,6 +363,7 @@ class NgramProposer:
     occurrence, as a chain of up to min(num_steps, num_draft_tokens - 1) deterministic drafts."""
 
     feature_layers = None
+    supports_ahead = False   # a lookup costs next to nothing: no need to do it ahead
 
     def __init__(self, cfg: SpecConfig):
         self.cfg = cfg
@@ -283,8 +374,8 @@ class NgramProposer:
     def kv_stats(self) -> dict:
         return {}  # no model, no cache
 
-    def _lookup(self, tokens: list[int]) -> list[int]:
-        want = min(self.cfg.num_steps, self.cfg.num_draft_tokens - 1)
+    def _lookup(self, tokens: list[int], num_steps: int) -> list[int]:
+        want = min(num_steps, self.cfg.num_draft_tokens - 1)
         for n in range(min(self.cfg.ngram_max, len(tokens) - 1), self.cfg.ngram_min - 1, -1):
             suffix = tokens[-n:]
             for start in range(len(tokens) - n - 1, -1, -1):
@@ -292,8 +383,8 @@ class NgramProposer:
                     return tokens[start + n: start + n + want]
         return []
 
-    def propose(self, reqs):
-        chains = [self._lookup(r.token_ids) for r in reqs]
+    def propose(self, reqs, num_steps=None):
+        chains = [self._lookup(r.token_ids, num_steps or self.cfg.num_steps) for r in reqs]
         m = max(1, max(len(c) for c in chains))
         tok = torch.full((len(reqs), m), -1, dtype=torch.long)
         parents = torch.arange(m).expand(len(reqs), m).clone()          # node j+1's parent is node j
@@ -308,14 +399,15 @@ class NgramProposer:
 
 
 def _draft(reqs: list[DraftRequest], first: torch.Tensor, step, to_target, cfg: SpecConfig,
-           vocab_size: int) -> TreeDraft:
+           vocab_size: int, num_steps: int | None = None) -> TreeDraft:
     """Deterministic top-k trees (argmax chains when topk == 1), or sampled chains whose
     draft probabilities are returned over the target vocabulary [B, M + 1, vocab_size]."""
     sampled = {r.sample_drafts for r in reqs}
     assert len(sampled) == 1, "the drafter engine drafts sampled and deterministic requests in separate calls"
+    steps = min(num_steps or cfg.num_steps, cfg.num_steps)
     if not sampled.pop():
-        return expand_topk(first, step, to_target, cfg.num_steps, cfg.topk, cfg.num_draft_tokens, argmax=True)
-    tree = sample_chains(first, step, to_target, cfg.num_steps, cfg.topk, cfg.num_draft_tokens,
+        return expand_topk(first, step, to_target, steps, cfg.topk, cfg.num_draft_tokens, argmax=True)
+    tree = sample_chains(first, step, to_target, steps, cfg.topk, cfg.num_draft_tokens,
                          [r.params.temperature for r in reqs], [r.params.top_k for r in reqs],
                          [r.params.top_p for r in reqs], [r.seed for r in reqs],
                          [r.committed_len for r in reqs])

@@ -17,7 +17,8 @@ from pathlib import Path
 import torch
 
 from drafter.engine import DrafterEngine, build_proposer
-from drafter.service_core import drafter_draft, drafter_extend, drafter_info, drafter_prefill
+from drafter.service_core import (drafter_draft, drafter_draft_ahead, drafter_extend, drafter_info, drafter_prefill,
+                                  drafter_release)
 from spectandem import codec
 from spectandem.config import SpecConfig
 from spectandem.service_args import add_drafter_args  # noqa: F401 (re-exported)
@@ -41,6 +42,9 @@ class DrafterServicer(engines_pb2_grpc.DrafterServicer):
     async def Draft(self, request, context):
         return await self.calls.run(context, self._draft, request)
 
+    async def DraftAhead(self, request, context):
+        return await self.calls.run(context, self._draft_ahead, request)
+
     async def Extend(self, request, context):
         return await self.calls.run(context, self._extend, request)
 
@@ -60,18 +64,20 @@ class DrafterServicer(engines_pb2_grpc.DrafterServicer):
         tags = [codec.tag_from_msg(t) for t in request.tags]
         if not tags:
             raise ValueError("draft request has no requests")
-        tree = drafter_draft(self.engine, tags)
+        tree = drafter_draft(self.engine, tags, list(request.num_steps) or None)
         return engines_pb2.DraftReply(tree=codec.draft_tree_to_msg(tree, [t.epoch for t in tags]))
+
+    def _draft_ahead(self, request: engines_pb2.DraftAheadRequest) -> engines_pb2.DraftAheadReply:
+        flags = drafter_draft_ahead(self.engine, [codec.tag_from_msg(t) for t in request.tags])
+        return engines_pb2.DraftAheadReply(cache_hits=[-1 if f is None else int(f) for f in flags])
 
     def _extend(self, request: engines_pb2.ExtendRequest) -> engines_pb2.DrafterReply:
         items = [codec.extend_item_from_msg(m) for m in request.items]
         return engines_pb2.DrafterReply(unknown_request_ids=drafter_extend(self.engine, items))
 
     def _release(self, request: engines_pb2.ReleaseRequest) -> engines_pb2.ReleaseReply:
-        known = [r for r in request.request_ids if r in self.engine.requests]
-        for r in request.request_ids:
-            self.engine.remove(r)
-        return engines_pb2.ReleaseReply(released=len(known))
+        known = drafter_release(self.engine, list(request.request_ids), request.keep_draft)
+        return engines_pb2.ReleaseReply(released=known)
 
     def _info(self) -> engines_pb2.EngineInfo:
         info = drafter_info(self.engine, self.model_name)
@@ -150,7 +156,8 @@ def run_drafter(args: argparse.Namespace) -> int:
 
     cfg = SpecConfig(method=args.method, num_steps=args.num_steps, topk=args.topk,
                      num_draft_tokens=args.num_draft_tokens, fused=args.fused,
-                     draft_sampling_min_temperature=args.draft_sampling_min_temperature)
+                     draft_sampling_min_temperature=args.draft_sampling_min_temperature,
+                     ahead_width=args.ahead_width)
     target, draft = args.target, args.draft
     if target is None:
         target, demo_draft = demo_paths(args.method)

@@ -13,10 +13,27 @@ def drafter_prefill(engine, items: list[DrafterPrefillItem]) -> list[str]:
     return []
 
 
-def drafter_draft(engine, tags: list[Tag]) -> DraftTree:
+def drafter_draft(engine, tags: list[Tag], num_steps: list[int | None] | None = None) -> DraftTree:
+    """num_steps: per tag, a depth cap for new trees (None or 0: as configured)."""
     for t in tags:
         engine.check_tag(t.request_id, t.epoch, t.committed_len)
-    return engine.draft([t.request_id for t in tags])
+    if num_steps is not None and len(num_steps) != len(tags):
+        raise ValueError(f"num_steps has {len(num_steps)} entries for {len(tags)} requests")
+    return engine.draft([t.request_id for t in tags], [n or None for n in num_steps] if num_steps else None)
+
+
+def drafter_draft_ahead(engine, tags: list[Tag]) -> list[bool | None]:
+    for t in tags:
+        engine.check_tag(t.request_id, t.epoch, t.committed_len)
+    return engine.draft_ahead([t.request_id for t in tags])
+
+
+def drafter_release(engine, request_ids: list[str], keep_draft: bool = False) -> int:
+    """Frees the requests (idempotent); returns how many were known."""
+    known = sum(r in engine.requests for r in request_ids)
+    for r in request_ids:
+        engine.remove(r, keep_draft=keep_draft)
+    return known
 
 
 def drafter_extend(engine, items: list[ExtendItem]) -> list[str]:

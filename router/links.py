@@ -125,12 +125,18 @@ class DrafterLink(Protocol):
     async def prefill(self, items: list[DrafterPrefillItem]) -> list[str]:
         """Returns the ids it did not take (none normally)."""
 
-    async def draft(self, tags: list[Tag]) -> DraftHandle: ...
+    async def draft(self, tags: list[Tag], num_steps: list[int | None] | None = None) -> DraftHandle:
+        """The round's trees; per tag, a new one at most `num_steps[i]` deep (None: as configured)."""
+
+    async def draft_ahead(self, tags: list[Tag]) -> list[bool | None]:
+        """Called while the trees of `tags` are verified: fill the outcome cache for them.
+        Returns per tag whether that tree came from the cache (None: there was none)."""
 
     async def extend(self, items: list[ExtendItem]) -> list[str]:
         """Returns the request ids the drafter does not know (it restarted): re-prefill them."""
 
-    async def release(self, request_ids: list[str]) -> None: ...
+    async def release(self, request_ids: list[str], keep_draft: bool = False) -> None:
+        """keep_draft: keep each request's next tree for its re-prefill (preemption)."""
 
     async def info(self) -> EngineInfo: ...
 
@@ -206,18 +212,25 @@ class LocalDrafterLink(_LocalLink):
 
         return await self._run(drafter_prefill, self.engine, items)
 
-    async def draft(self, tags):
+    async def draft(self, tags, num_steps=None):
         from drafter.service_core import drafter_draft
 
-        return DraftHandle(tags, await self._run(drafter_draft, self.engine, tags))
+        return DraftHandle(tags, await self._run(drafter_draft, self.engine, tags, num_steps))
+
+    async def draft_ahead(self, tags):
+        from drafter.service_core import drafter_draft_ahead
+
+        return await self._run(drafter_draft_ahead, self.engine, tags)
 
     async def extend(self, items):
         from drafter.service_core import drafter_extend
 
         return await self._run(drafter_extend, self.engine, items)
 
-    async def release(self, request_ids):
-        await self._run(lambda: [self.engine.remove(r) for r in request_ids])
+    async def release(self, request_ids, keep_draft=False):
+        from drafter.service_core import drafter_release
+
+        await self._run(drafter_release, self.engine, request_ids, keep_draft)
 
     async def info(self):
         from drafter.service_core import drafter_info

@@ -105,16 +105,23 @@ class GrpcDrafterLink(_GrpcLink):
         request = engines_pb2.DrafterPrefillRequest(items=[codec.drafter_prefill_item_to_msg(i) for i in items])
         return list((await self._call(self.stub.Prefill, request)).unknown_request_ids)
 
-    async def draft(self, tags: list[Tag]) -> DraftHandle:
-        reply = await self._call(self.stub.Draft, engines_pb2.DraftRequest(tags=[codec.tag_to_msg(t) for t in tags]))
+    async def draft(self, tags: list[Tag], num_steps: list[int | None] | None = None) -> DraftHandle:
+        request = engines_pb2.DraftRequest(tags=[codec.tag_to_msg(t) for t in tags],
+                                           num_steps=[n or 0 for n in num_steps] if num_steps else [])
+        reply = await self._call(self.stub.Draft, request)
         return DraftHandle([codec.tag_from_msg(t) for t in reply.tree.tags], reply.tree)
+
+    async def draft_ahead(self, tags: list[Tag]) -> list[bool | None]:
+        reply = await self._call(self.stub.DraftAhead,
+                                 engines_pb2.DraftAheadRequest(tags=[codec.tag_to_msg(t) for t in tags]))
+        return [None if h < 0 else bool(h) for h in reply.cache_hits]
 
     async def extend(self, items: list[ExtendItem]) -> list[str]:
         request = engines_pb2.ExtendRequest(items=[codec.extend_item_to_msg(i) for i in items])
         return list((await self._call(self.stub.Extend, request)).unknown_request_ids)
 
-    async def release(self, request_ids: list[str]) -> None:
-        await self._call(self.stub.Release, engines_pb2.ReleaseRequest(request_ids=request_ids))
+    async def release(self, request_ids: list[str], keep_draft: bool = False) -> None:
+        await self._call(self.stub.Release, engines_pb2.ReleaseRequest(request_ids=request_ids, keep_draft=keep_draft))
 
     async def info(self) -> EngineInfo:
         return codec.engine_info_from_msg(await self._call(self.stub.GetInfo, engines_pb2.EngineInfoRequest()))

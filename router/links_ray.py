@@ -104,16 +104,19 @@ class RayDrafterLink:
     async def prefill(self, items: list[DrafterPrefillItem]) -> list[str]:
         return await self._call(self.actor.prefill.remote(items))
 
-    async def draft(self, tags: list[Tag]) -> DraftHandle:
-        tree_ref, done = self.actor.draft.remote(list(tags))
+    async def draft(self, tags: list[Tag], num_steps: list[int | None] | None = None) -> DraftHandle:
+        tree_ref, done = self.actor.draft.remote(list(tags), num_steps)
         await self._call(done)  # raises as the draft failed; the tree itself stays in Ray
         return DraftHandle(list(tags), tree_ref)
+
+    async def draft_ahead(self, tags: list[Tag]) -> list[bool | None]:
+        return await self._call(self.actor.draft_ahead.remote(list(tags)))
 
     async def extend(self, items: list[ExtendItem]) -> list[str]:
         return await self._call(self.actor.extend.remote(items))
 
-    async def release(self, request_ids: list[str]) -> None:
-        await self._call(self.actor.release.remote(list(request_ids)))
+    async def release(self, request_ids: list[str], keep_draft: bool = False) -> None:
+        await self._call(self.actor.release.remote(list(request_ids), keep_draft))
 
     async def info(self) -> EngineInfo:
         return await self._call(self.actor.info.remote())

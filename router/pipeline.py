@@ -1,12 +1,24 @@
 """How the router runs rounds: the pipeline mode, and whether speculation is worth it now.
 
-`ModeChooser`: "sequential" (draft, verify, extend per round), "pingpong" (two micro-batches,
-the drafter working on one while the verifier verifies the other) or "plain" (no drafts for
-requests whose tokens a plain round does not change). In "auto", with enough requests for two
-micro-batches, it measures all three (committed tokens per second over a window of rounds each)
-and keeps the fastest for a while: ping-pong wins when drafter and verifier have devices of their
-own and loses when they share the same cores (benchmarks/serving.py); plain wins at large batches
-where verifying trees costs more than it saves (spectandem bench on the H200, batch 64).
+`ModeChooser` picks how the next round runs:
+- "sequential": draft, verify, extend;
+- "ahead": the same, while the verifier verifies the drafter fills its outcome cache for the
+  round's trees (drafter/engine.py), so a hit's next tree is ready when the verdict arrives
+  (latency at small batch);
+- "pingpong": two micro-batches, the drafter working on one while the verifier verifies the
+  other (throughput);
+- "short:N": sequential with trees at most N deep;
+- "plain": no drafts.
+"short:N" and "plain" only touch requests whose tokens do not depend on the tree (deterministic
+drafts), and in "auto" so does "ahead" (a sampled request's tree decides its seeded tokens; the
+choice must not depend on load). The others keep full drafts.
+
+In "auto" the candidates depend on the batch: below 2 * pingpong_min_batch requests, sequential
+and ahead; from there, sequential, ping-pong, each short draft length and plain. It measures
+each (committed tokens per second over a window of rounds) and keeps the fastest for a while,
+then measures again; a change of candidates starts over. Ping-pong wins when drafter and
+verifier have devices of their own and loses when they share cores (benchmarks/serving.py);
+short drafts and plain win at large batches where verifying trees costs more than it saves.
 
 `SpeculationSwitch`: when drafts are almost never accepted, drafting only costs time; the router
 then decodes plainly for a number of rounds and tries again.
@@ -23,25 +35,32 @@ class ModeChooser:
     def __init__(self, cfg):
         self.cfg = cfg
         self.mode: str | None = None
+        self.cands: tuple[str, ...] = ()
         self.phase: str | None = None    # "measure" or "keep"
         self.left = 0                    # rounds left in the current phase
         self.rates: dict[str, float] = {}
         self._acc: dict[str, tuple[int, float]] = {}
 
+    def candidates(self, num_running: int) -> tuple[str, ...]:
+        if num_running < 2 * self.cfg.pingpong_min_batch:
+            return ("sequential", "ahead")
+        return ("sequential", "pingpong", *(f"short:{n}" for n in self.cfg.short_draft_steps), "plain")
+
     def choose(self, num_running: int, drafter_up: bool) -> str:
-        usable = drafter_up and num_running >= 2
-        if self.cfg.pipeline != "auto":
-            return "pingpong" if self.cfg.pipeline == "pingpong" and usable else "sequential"
-        if not usable or num_running < 2 * self.cfg.pingpong_min_batch:
+        if not drafter_up:
             return "sequential"
+        if self.cfg.pipeline != "auto":
+            return "sequential" if self.cfg.pipeline == "pingpong" and num_running < 2 else self.cfg.pipeline
+        cands = self.candidates(num_running)
+        if cands != self.cands:                                   # another batch class: start over
+            self.cands, self.mode, self.phase, self.left, self.rates, self._acc = cands, None, None, 0, {}, {}
         if self.left > 0:
             return self.mode
-        if self.mode is None or self.phase == "keep":             # start measuring: sequential first
-            self.mode, self.phase, self.left, self.rates = "sequential", "measure", self.cfg.mode_window, {}
-        elif self.mode == "sequential" and "pingpong" not in self.rates:
-            self.mode, self.left = "pingpong", self.cfg.mode_window
-        elif self.mode == "pingpong" and "plain" not in self.rates:
-            self.mode, self.left = "plain", self.cfg.mode_window
+        todo = [c for c in cands if c not in self.rates]
+        if self.phase != "measure":                               # start measuring, first candidate first
+            self.mode, self.phase, self.left, self.rates = cands[0], "measure", self.cfg.mode_window, {}
+        elif todo:
+            self.mode, self.left = todo[0], self.cfg.mode_window
         else:                                                     # all measured: keep the fastest
             self.mode = max(self.rates, key=self.rates.get)
             self.phase, self.left = "keep", self.cfg.mode_window * 8

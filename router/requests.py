@@ -47,6 +47,7 @@ class ServedRequest:
     started: float = field(default_factory=time.monotonic)
     admit_seq: int = -1              # order of first admission (preemption takes the latest)
     preempted: bool = False          # waiting to resume
+    drafter_kept: bool = False       # preempted; the drafter keeps its next tree until released
 
     @property
     def committed_len(self) -> int:
@@ -103,9 +104,13 @@ class RouterConfig:
     draft_kv_blocks: int = 0         # drafter KV pool (0: none or unlimited)
     draft_kv_block_size: int = 16
     # "sequential": draft, verify, extend per round; "pingpong": two micro-batches overlap the
-    # drafter with the verifier; "auto": ping-pong from 2 * pingpong_min_batch requests.
+    # drafter with the verifier; "ahead": the drafter prepares the next trees for the likeliest
+    # outcomes while the verifier verifies (router/pipeline.py); "auto": measured choice.
     pipeline: str = "auto"
     pingpong_min_batch: int = 2
+    # Draft lengths "auto" also tries from 2 * pingpong_min_batch requests (tree depth caps, for
+    # requests whose tokens do not depend on the tree).
+    short_draft_steps: tuple[int, ...] = (1, 2)
     # Requests at or above this temperature have sampled drafts; speculation is never switched off
     # for them (a plain round changes their seeded tokens). Below it, a plain round draws the same
     # tokens as a speculative one, so switching off is invisible. Must equal the drafter's setting.
@@ -114,3 +119,12 @@ class RouterConfig:
     adaptive_window: int = 64                 # drafted request-rounds per acceptance check (0: off)
     adaptive_min_accept_length: float = 1.1   # below this, drafting costs more than it gains
     adaptive_off_rounds: int = 32             # plain rounds before speculation is tried again
+
+    def __post_init__(self):
+        if self.pipeline not in PIPELINES:
+            raise ValueError(f"pipeline must be one of {', '.join(PIPELINES)}; got {self.pipeline!r}")
+        if any(n < 1 for n in self.short_draft_steps):
+            raise ValueError(f"short_draft_steps must be >= 1, got {self.short_draft_steps}")
+
+
+PIPELINES = ("auto", "sequential", "pingpong", "ahead")

@@ -14,9 +14,15 @@ Invariants:
 Capacity: before each round the router checks that every running request's next round fits in
 both KV pools (committed_len - 1 + lookahead entries, rounded up to blocks, per side). If not,
 it preempts the most recently admitted request: frees its KV on both sides, keeps its committed
-tokens, bumps its epoch and requeues it ahead of new requests. On resume the verifier rebuilds
-its KV from the committed tokens (nothing is resampled) and the drafter is re-prefilled from the
-verifier's features. A request that cannot fit even alone fails with RESOURCE_EXHAUSTED.
+tokens, bumps its epoch and requeues it ahead of new requests. The drafter keeps the request's
+pending next tree, if it has one ready (draft ahead), with its draft probabilities, tagged with
+the committed length. On resume the verifier rebuilds its KV from the committed tokens (nothing
+is resampled), the drafter is re-prefilled from the verifier's features, and the kept tree is
+the next draft if its committed length still matches. A request that cannot fit even alone
+fails with RESOURCE_EXHAUSTED.
+
+Rounds run in the mode router/pipeline.py chooses: sequential, ahead (the drafter fills its
+outcome cache while the verifier verifies), ping-pong, short drafts or plain.
 
 The drafter is optional at every moment: if it is absent, slow (no answer within
 `drafter_timeout`) or failing, the round goes on without it; the requests it held are marked
@@ -200,7 +206,7 @@ class Router:
                 return
             victim = max(self.running, key=lambda r: r.admit_seq)
             self.running.remove(victim)
-            await self._release([victim])
+            await self._release([victim], keep_draft=True)
             victim.epoch += 1
             victim.preempted = True
             self.counters.preemptions += 1
@@ -210,6 +216,7 @@ class Router:
                      victim.epoch)
 
     async def _admit(self) -> None:
+        await self._forget_kept([r for r in self.waiting if r.cancelled])
         self.waiting = [r for r in self.waiting if not r.cancelled]
         batch: list[ServedRequest] = []
         for r in list(self.waiting):
@@ -220,6 +227,7 @@ class Router:
             if why is not None:
                 self.waiting.remove(r)
                 self._finish_failure(r, Failure("RESOURCE_EXHAUSTED", why))
+                await self._forget_kept([r])
                 continue
             if not self._fits(self.running + batch, need):
                 break  # first come, first served: later requests wait behind this one
@@ -264,6 +272,7 @@ class Router:
             await asyncio.wait_for(self.drafter.prefill(items), self.cfg.drafter_timeout)
             for r in reqs:
                 r.on_drafter = True
+                r.drafter_kept = False   # the prefill took the kept tree back, or dropped it
         except (EngineUnavailable, asyncio.TimeoutError, StaleMessage) as exc:
             self._drafter_failed(exc)
 
@@ -279,6 +288,8 @@ class Router:
         t0, before = time.perf_counter(), self._tokens_committed
         if mode == "pingpong":
             await self._pingpong_round()
+        elif mode == "ahead":
+            await self._ahead_round()
         else:
             await self._sequential_round()
         self._modes.record(mode, self._tokens_committed - before, time.perf_counter() - t0)
@@ -290,6 +301,32 @@ class Router:
             extend = self._apply(results, drafted, self.running)
             if extend:
                 await self._extend(extend)
+
+    async def _ahead_round(self) -> None:
+        """Sequential, but while the verifier verifies, the drafter prepares the next trees for
+        the likeliest outcomes: on a hit the next draft call returns at once and the catch-up with
+        the real features runs while the verifier is busy again."""
+        draft, drafted = await self._draft(self.running)
+        verify = asyncio.ensure_future(self._verify(draft, drafted, self.running))
+        ahead = [r for r in drafted if self.cfg.pipeline == "ahead" or self._invisible_when_plain(r)]
+        try:
+            if ahead:
+                await self._draft_ahead(ahead)
+        finally:
+            results = await verify
+        if results is not None:
+            extend = self._apply(results, drafted, self.running)
+            if extend:
+                await self._extend(extend)
+
+    async def _draft_ahead(self, reqs: list[ServedRequest]) -> None:
+        try:
+            flags = await asyncio.wait_for(self.drafter.draft_ahead([r.tag() for r in reqs]), self.cfg.drafter_timeout)
+        except (EngineUnavailable, asyncio.TimeoutError, StaleMessage) as exc:
+            self._drafter_failed(exc)
+            return
+        self.counters.draft_ahead_hits += sum(f is True for f in flags)
+        self.counters.draft_ahead_misses += sum(f is False for f in flags)
 
     def _invisible_when_plain(self, r: ServedRequest) -> bool:
         """Deterministic drafts: a plain round draws exactly the tokens a speculative one would."""
@@ -325,8 +362,13 @@ class Router:
                    and not (spec_off and self._invisible_when_plain(r))]
         if not drafted:
             return None, []
+        steps = None
+        if self._mode.startswith("short:"):   # shorter trees where the tree does not decide the tokens
+            cap = int(self._mode.split(":")[1])
+            steps = [cap if self._invisible_when_plain(r) else None for r in drafted]
         try:
-            draft = await asyncio.wait_for(self.drafter.draft([r.tag() for r in drafted]), self.cfg.drafter_timeout)
+            draft = await asyncio.wait_for(self.drafter.draft([r.tag() for r in drafted], steps),
+                                           self.cfg.drafter_timeout)
         except (EngineUnavailable, asyncio.TimeoutError, StaleMessage) as exc:
             self._drafter_failed(exc)
             return None, []
@@ -454,10 +496,24 @@ class Router:
         for r in self.running:
             r.on_drafter = False
 
-    async def _release(self, reqs: list[ServedRequest]) -> None:
+    async def _forget_kept(self, reqs: list[ServedRequest]) -> None:
+        """Releases the drafter's kept trees of preempted requests that will not resume."""
+        kept = [r for r in reqs if r.drafter_kept]
+        for r in kept:
+            r.drafter_kept = False
+        if kept and self.drafter_up:
+            try:
+                await asyncio.wait_for(self.drafter.release([r.request_id for r in kept]), self.cfg.drafter_timeout)
+            except (EngineUnavailable, asyncio.TimeoutError):
+                self._drafter_failed(EngineUnavailable("release failed"))
+
+    async def _release(self, reqs: list[ServedRequest], keep_draft: bool = False) -> None:
+        """Frees the requests on both sides; keep_draft (preemption): the drafter keeps each
+        one's ready next tree for its resume."""
         ids_v = [r.request_id for r in reqs if r.on_verifier]
         ids_d = [r.request_id for r in reqs if r.on_drafter]
         for r in reqs:
+            r.drafter_kept = keep_draft and r.on_drafter and self.drafter_up
             r.on_verifier = r.on_drafter = False
         if ids_v and self.serving:
             try:
@@ -466,6 +522,6 @@ class Router:
                 pass
         if ids_d and self.drafter_up:
             try:
-                await asyncio.wait_for(self.drafter.release(ids_d), self.cfg.drafter_timeout)
+                await asyncio.wait_for(self.drafter.release(ids_d, keep_draft), self.cfg.drafter_timeout)
             except (EngineUnavailable, asyncio.TimeoutError):
                 self._drafter_failed(EngineUnavailable("release failed"))

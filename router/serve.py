@@ -39,8 +39,10 @@ def add_serve(sub) -> None:
     p.add_argument("--max-running", type=int, default=64, help="requests in the running batch (engine slots)")
     p.add_argument("--first-request", default=None, metavar="PROMPT",
                    help="once serving, send this prompt through the client SDK and print the completion")
-    p.add_argument("--pipeline", choices=["auto", "sequential", "pingpong"], default="auto",
-                   help="ping-pong: two micro-batches overlap drafting with verification (auto: from 4 requests)")
+    p.add_argument("--pipeline", choices=["auto", "sequential", "pingpong", "ahead"], default="auto",
+                   help="ahead: the drafter prepares the next trees for likely outcomes during the verify "
+                        "(latency); pingpong: two micro-batches overlap drafting with verification "
+                        "(throughput); auto: measured per batch size, with shorter drafts and plain rounds")
     p.add_argument("--drafter-timeout", type=float, default=10.0,
                    help="seconds a drafter call may take before rounds go on without it")
     add_ops_flags(p)
@@ -142,7 +144,8 @@ async def _build_links(args, cfg, target, draft, index: int = 0):
     pool_v = ["--kv-blocks", str(args.kv_blocks)] if args.kv_blocks else []
     pool_d = ["--draft-kv-blocks", str(args.draft_kv_blocks)] if args.draft_kv_blocks else []
     tree = ["--num-steps", str(cfg.num_steps), "--topk", str(cfg.topk), "--num-draft-tokens", str(cfg.num_draft_tokens),
-            "--draft-sampling-min-temperature", str(cfg.draft_sampling_min_temperature)]
+            "--draft-sampling-min-temperature", str(cfg.draft_sampling_min_temperature),
+            "--ahead-width", str(cfg.ahead_width)]
     verifier_address = args.verifier_address[index] if args.verifier_address else None
     drafter_address = args.drafter_address[index] if args.drafter_address else None
     if verifier_address is None:

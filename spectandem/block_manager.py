@@ -23,6 +23,9 @@ class BlockManager:
         self.num_blocks, self.block_size = num_blocks, block_size
         self.free: list[int] = list(range(num_blocks - 1, -1, -1))
         self.tables: dict[int, list[int]] = {}
+        # Owners whose first blocks are borrowed from another owner (a fork): how many. Borrowed
+        # blocks are read-only for the borrower and never returned to the pool by it.
+        self.borrowed: dict[int, int] = {}
 
     @property
     def num_free(self) -> int:
@@ -48,5 +51,14 @@ class BlockManager:
             table.append(self.free.pop())
         return table
 
+    def share(self, owner: int, blocks: list[int]) -> None:
+        """Starts `owner`'s table with another owner's `blocks`, borrowed (a fork of its prefix).
+        The lender must keep them (unchanged) until the borrower is deallocated."""
+        if self.tables.get(owner):
+            raise ValueError(f"owner {owner} already holds blocks")
+        self.tables[owner] = list(blocks)
+        self.borrowed[owner] = len(blocks)
+
     def deallocate(self, owner: int) -> None:
-        self.free.extend(reversed(self.tables.pop(owner, [])))
+        table = self.tables.pop(owner, [])
+        self.free.extend(reversed(table[self.borrowed.pop(owner, 0):]))

@@ -25,6 +25,9 @@ class SpecConfig:
     draft_sampling_min_temperature: float = 0.5
     fused: bool = False              # one draft token per round, verify + extend in one step
     ngram_max: int = 4               # prompt-lookup n-gram sizes tried, longest first
+    # Draft ahead: how many likely outcomes (accepted path, bonus token) of the round being
+    # verified the drafter prepares the next tree for, when the router asks it to (0 = never).
+    ahead_width: int = 4
     ngram_min: int = 1
 
     def __post_init__(self):
@@ -39,6 +42,8 @@ class SpecConfig:
         if self.fused and (self.num_draft_tokens != 2 or self.method not in ("eagle", "eagle3")):
             raise ValueError("fused mode needs an EAGLE method and num_draft_tokens == 2, got "
                              f"method={self.method!r}, num_draft_tokens={self.num_draft_tokens}")
+        if isinstance(self.ahead_width, bool) or not isinstance(self.ahead_width, int) or self.ahead_width < 0:
+            raise ValueError(f"ahead_width must be an integer >= 0, got {self.ahead_width!r}")
         if not 1 <= self.ngram_min <= self.ngram_max:
             raise ValueError(f"need 1 <= ngram_min <= ngram_max, got {self.ngram_min}, {self.ngram_max}")
         if not self.draft_sampling_min_temperature >= 0:

@@ -19,6 +19,8 @@ def add_model_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("--fused", action="store_true", help="one draft token per round, verify+extend fused")
     p.add_argument("--draft-sampling-min-temperature", type=float, default=0.5,
                    help="below this temperature drafts are deterministic and verified without q")
+    p.add_argument("--ahead-width", type=int, default=4,
+                   help="draft ahead: outcomes of a round prepared while it is verified (0: never)")
     p.add_argument("--device", default="cpu")
     p.add_argument("--dtype", choices=["float32", "bfloat16", "float16"], default="float32")
     p.add_argument("--max-len", type=int, default=None, help="context length (default: the target's)")
@@ -58,7 +60,8 @@ def spec_from_flags(args):
 
     cfg = SpecConfig(method=args.method, num_steps=args.num_steps, topk=args.topk,
                      num_draft_tokens=args.num_draft_tokens, fused=args.fused,
-                     draft_sampling_min_temperature=args.draft_sampling_min_temperature)
+                     draft_sampling_min_temperature=args.draft_sampling_min_temperature,
+                     ahead_width=args.ahead_width)
     target, draft = args.target, args.draft
     if target is None:
         demo_target, demo_draft = demo_paths(args.method)

@@ -115,11 +115,35 @@ class PagedKVCache:
         from spectandem.block_manager import blocks_for
 
         table = self.blocks.tables.get(slot)
-        keep = blocks_for(num_entries, self.block_size)
+        keep = max(blocks_for(num_entries, self.block_size), self.blocks.borrowed.get(slot, 0))
         if table and len(table) > keep:
             self.blocks.free.extend(reversed(table[keep:]))
             del table[keep:]
             self._tables[slot, keep:] = -1
+
+    def fork(self, src: int, dst: int, num_entries: int) -> None:
+        """Gives slot `dst` (empty) the first `num_entries` entries of slot `src`: the full blocks
+        are shared (read-only for `dst`; `src` must leave them alone until `dst` is freed), the
+        partial last block is copied. `dst` then writes only past `num_entries`."""
+        from spectandem.block_manager import blocks_for
+
+        bs = self.block_size
+        table = self.blocks.tables.get(src, [])
+        if len(table) < blocks_for(num_entries, bs):
+            raise ValueError(f"slot {src} holds fewer than {num_entries} entries")
+        full = num_entries // bs
+        self.blocks.share(dst, table[:full])
+        self._tables[dst, :full] = self._tables[src, :full]
+        if num_entries % bs:
+            try:
+                self.reserve(dst, num_entries)
+            except Exception:
+                self.free(dst)
+                raise
+            s0, d0 = table[full] * bs, self.blocks.tables[dst][full] * bs
+            for layer in range(len(self.k)):
+                for cache in (self.k[layer], self.v[layer]):
+                    cache[d0: d0 + bs] = cache[s0: s0 + bs]
 
     def stats(self) -> dict:
         return {"num_blocks": self.blocks.num_blocks, "block_size": self.block_size,

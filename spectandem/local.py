@@ -18,18 +18,19 @@ class LocalSpeculator:
     def __init__(self, target_dir: str | Path, draft_dir: str | Path | None, cfg: SpecConfig,
                  max_slots: int = 8, max_len: int | None = None, dtype: torch.dtype = torch.float32,
                  device: str = "cpu", force_hf_target: bool = False, kv_blocks: int | None = None,
-                 draft_kv_blocks: int | None = None, block_size: int = 16):
+                 draft_kv_blocks: int | None = None, block_size: int = 16, cuda_graphs: bool = False):
+        """cuda_graphs: the target's verify steps and EAGLE argmax chains run as CUDA graphs."""
         from spectandem.checkpoint import load_tokenizer, read_config
 
         self.cfg = cfg
         # The head decides which features it reads, and takes weights from the target: build the
         # target first, then the proposer, then tell the runner what to return.
         runner, model = load_runner(target_dir, None, max_slots, max_len, dtype, device, force_hf_target,
-                                    kv_blocks, block_size)
+                                    kv_blocks, block_size, cuda_graphs)
         proposer = None
         if cfg.method != "none":
             proposer = build_proposer(cfg, model, draft_dir, max_slots, runner.max_len, dtype, device,
-                                      draft_kv_blocks, block_size)
+                                      draft_kv_blocks, block_size, cuda_graphs)
             runner.feature_layers = proposer.feature_layers
         self.verifier = VerifierEngine(runner, max_slots, int(read_config(target_dir)["vocab_size"]))
         self.drafter = DrafterEngine(proposer, cfg) if proposer is not None else None
@@ -48,11 +49,11 @@ class LocalSpeculator:
         return max(c.max_draft_nodes + 1, (c.num_steps - 1) * c.topk + 1)
 
     def generate(self, prompts: list[list[int]], params: list[SamplingParams],
-                 request_ids: list[str] | None = None) -> list[Completion]:
+                 request_ids: list[str] | None = None, ahead: bool = False) -> list[Completion]:
         for i, p in enumerate(prompts):
             bad = [t for t in p if not 0 <= t < self.vocab_size]
             if bad:
                 raise ValueError(f"prompt {i}: token ids {bad[:5]} are outside the vocabulary 0..{self.vocab_size - 1}")
         fused = FusedStep(self.verifier, self.drafter) if self.cfg.fused else None
         return generate(self.verifier, self.drafter, prompts, params, self.eos_token_ids, self.lookahead,
-                        request_ids, fused)
+                        request_ids, fused, ahead)

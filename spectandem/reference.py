@@ -70,11 +70,12 @@ def _append(c: Completion, tokens: list[int], params: SamplingParams, eos: tuple
 
 def generate(verifier, drafter, prompts: list[list[int]], params: list[SamplingParams],
              eos_token_ids: tuple[int, ...] = (), lookahead: int = 1,
-             request_ids: list[str] | None = None, fused=None) -> list[Completion]:
+             request_ids: list[str] | None = None, fused=None, ahead: bool = False) -> list[Completion]:
     """Speculative generation for a batch of prompts. `drafter` None means plain decoding;
     `lookahead` is how many cache entries past the committed prefix a round may write on either
     side (tree nodes, draft scratch). `fused` (a FusedStep) makes verify + extend + the next
-    draft one call per round."""
+    draft one call per round. `ahead`: the drafter fills its outcome cache for each round's
+    trees before they are verified (what the router overlaps with the verify)."""
     ids = request_ids or [f"req-{i}" for i in range(len(prompts))]
     seeds = [p.resolved_seed() for p in params]
     by_id = {rid: (Completion(rid, list(p)), sp) for rid, p, sp in zip(ids, prompts, params)}
@@ -97,6 +98,8 @@ def generate(verifier, drafter, prompts: list[list[int]], params: list[SamplingP
             outs, next_tree = fused(tree)
         else:
             tree = drafter.draft(fits) if fits else None
+            if tree is not None and ahead:
+                drafter.draft_ahead(fits)
             tree = plain if tree is None else (tree if not rest else concat_trees(tree, plain))
             outs, next_tree = verifier.verify(tree), None
         still = []

@@ -25,7 +25,7 @@ _sym_db = _symbol_database.Default()
 from spectandem.v1 import common_pb2 as spectandem_dot_v1_dot_common__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1bspectandem/v1/engines.proto\x12\rspectandem.v1\x1a\x1aspectandem/v1/common.proto\"\x90\x01\n\x13VerifierPrefillItem\x12&\n\x03tag\x18\x01 \x01(\x0b\x32\x19.spectandem.v1.RequestTag\x12\x12\n\nprompt_ids\x18\x02 \x03(\r\x12-\n\x06params\x18\x03 \x01(\x0b\x32\x1d.spectandem.v1.SamplingParams\x12\x0e\n\x06resume\x18\x04 \x01(\x08\"b\n\x16VerifierPrefillRequest\x12\x31\n\x05items\x18\x01 \x03(\x0b\x32\".spectandem.v1.VerifierPrefillItem\x12\x15\n\rwant_features\x18\x02 \x01(\x08\"\x80\x01\n\x15VerifierPrefillResult\x12&\n\x03tag\x18\x01 \x01(\x0b\x32\x19.spectandem.v1.RequestTag\x12\x16\n\x0e\x66irst_token_id\x18\x02 \x01(\r\x12\'\n\x08\x66\x65\x61tures\x18\x03 \x01(\x0b\x32\x15.spectandem.v1.Tensor\"M\n\x14VerifierPrefillReply\x12\x35\n\x07results\x18\x01 \x03(\x0b\x32$.spectandem.v1.VerifierPrefillResult\"\x98\x02\n\x0c\x44raftTreeMsg\x12\'\n\x04tags\x18\x01 \x03(\x0b\x32\x19.spectandem.v1.RequestTag\x12(\n\ttoken_ids\x18\x02 \x01(\x0b\x32\x15.spectandem.v1.Tensor\x12&\n\x07parents\x18\x03 \x01(\x0b\x32\x15.spectandem.v1.Tensor\x12)\n\nnode_valid\x18\x04 \x01(\x0b\x32\x15.spectandem.v1.Tensor\x12%\n\x06scores\x18\x05 \x01(\x0b\x32\x15.spectandem.v1.Tensor\x12*\n\x0b\x64raft_probs\x18\x06 \x01(\x0b\x32\x15.spectandem.v1.Tensor\x12\x0f\n\x07sampled\x18\x07 \x03(\x08\"J\n\tPlainItem\x12&\n\x03tag\x18\x01 \x01(\x0b\x32\x19.spectandem.v1.RequestTag\x12\x15\n\rlast_token_id\x18\x02 \x01(\r\"z\n\rVerifyRequest\x12)\n\x04tree\x18\x01 \x01(\x0b\x32\x1b.spectandem.v1.DraftTreeMsg\x12\x15\n\rwant_features\x18\x02 \x01(\x08\x12\'\n\x05plain\x18\x03 \x03(\x0b\x32\x18.spectandem.v1.PlainItem\"\xa5\x01\n\x0fVerifyResultMsg\x12&\n\x03tag\x18\x01 \x01(\x0b\x32\x19.spectandem.v1.RequestTag\x12\x11\n\ttoken_ids\x18\x02 \x03(\r\x12\x14\n\x0cnum_accepted\x18\x03 \x01(\r\x12\x18\n\x10num_draft_tokens\x18\x04 \x01(\r\x12\'\n\x08\x66\x65\x61tures\x18\x05 \x01(\x0b\x32\x15.spectandem.v1.Tensor\">\n\x0bVerifyReply\x12/\n\x07results\x18\x01 \x03(\x0b\x32\x1e.spectandem.v1.VerifyResultMsg\"9\n\x0f\x46\x65\x61turesRequest\x12&\n\x03tag\x18\x01 \x01(\x0b\x32\x19.spectandem.v1.RequestTag\"8\n\rFeaturesReply\x12\'\n\x08\x66\x65\x61tures\x18\x01 \x01(\x0b\x32\x15.spectandem.v1.Tensor\"%\n\x0eReleaseRequest\x12\x13\n\x0brequest_ids\x18\x01 \x03(\t\" \n\x0cReleaseReply\x12\x10\n\x08released\x18\x01 \x01(\r\"\xc0\x01\n\x12\x44rafterPrefillItem\x12&\n\x03tag\x18\x01 \x01(\x0b\x32\x19.spectandem.v1.RequestTag\x12\x12\n\nprompt_ids\x18\x02 \x03(\r\x12\x16\n\x0e\x66irst_token_id\x18\x03 \x01(\r\x12-\n\x06params\x18\x04 \x01(\x0b\x32\x1d.spectandem.v1.SamplingParams\x12\'\n\x08\x66\x65\x61tures\x18\x05 \x01(\x0b\x32\x15.spectandem.v1.Tensor\"I\n\x15\x44rafterPrefillRequest\x12\x30\n\x05items\x18\x01 \x03(\x0b\x32!.spectandem.v1.DrafterPrefillItem\"7\n\x0c\x44raftRequest\x12\'\n\x04tags\x18\x01 \x03(\x0b\x32\x19.spectandem.v1.RequestTag\"7\n\nDraftReply\x12)\n\x04tree\x18\x01 \x01(\x0b\x32\x1b.spectandem.v1.DraftTreeMsg\"p\n\nExtendItem\x12&\n\x03tag\x18\x01 \x01(\x0b\x32\x19.spectandem.v1.RequestTag\x12\x11\n\ttoken_ids\x18\x02 \x03(\r\x12\'\n\x08\x66\x65\x61tures\x18\x03 \x01(\x0b\x32\x15.spectandem.v1.Tensor\"9\n\rExtendRequest\x12(\n\x05items\x18\x01 \x03(\x0b\x32\x19.spectandem.v1.ExtendItem\"+\n\x0c\x44rafterReply\x12\x1b\n\x13unknown_request_ids\x18\x01 \x03(\t\"\x13\n\x11\x45ngineInfoRequest\"\xed\x01\n\nEngineInfo\x12\x0c\n\x04role\x18\x01 \x01(\t\x12\r\n\x05model\x18\x02 \x01(\t\x12\x0c\n\x04kind\x18\x03 \x01(\t\x12\x12\n\nvocab_size\x18\x04 \x01(\r\x12\x0f\n\x07max_len\x18\x05 \x01(\r\x12\x11\n\tmax_slots\x18\x06 \x01(\r\x12\x12\n\nused_slots\x18\x07 \x01(\r\x12\x16\n\x0e\x66\x65\x61ture_layers\x18\x08 \x01(\t\x12\x0e\n\x06\x64\x65vice\x18\t \x01(\t\x12\x11\n\tkv_blocks\x18\n \x01(\r\x12\x15\n\rkv_block_size\x18\x0b \x01(\r\x12\x16\n\x0ekv_used_blocks\x18\x0c \x01(\r2\xfe\x02\n\x08Verifier\x12U\n\x07Prefill\x12%.spectandem.v1.VerifierPrefillRequest\x1a#.spectandem.v1.VerifierPrefillReply\x12\x42\n\x06Verify\x12\x1c.spectandem.v1.VerifyRequest\x1a\x1a.spectandem.v1.VerifyReply\x12H\n\x08\x46\x65\x61tures\x12\x1e.spectandem.v1.FeaturesRequest\x1a\x1c.spectandem.v1.FeaturesReply\x12\x45\n\x07Release\x12\x1d.spectandem.v1.ReleaseRequest\x1a\x1b.spectandem.v1.ReleaseReply\x12\x46\n\x07GetInfo\x12 .spectandem.v1.EngineInfoRequest\x1a\x19.spectandem.v1.EngineInfo2\xec\x02\n\x07\x44rafter\x12L\n\x07Prefill\x12$.spectandem.v1.DrafterPrefillRequest\x1a\x1b.spectandem.v1.DrafterReply\x12?\n\x05\x44raft\x12\x1b.spectandem.v1.DraftRequest\x1a\x19.spectandem.v1.DraftReply\x12\x43\n\x06\x45xtend\x12\x1c.spectandem.v1.ExtendRequest\x1a\x1b.spectandem.v1.DrafterReply\x12\x45\n\x07Release\x12\x1d.spectandem.v1.ReleaseRequest\x1a\x1b.spectandem.v1.ReleaseReply\x12\x46\n\x07GetInfo\x12 .spectandem.v1.EngineInfoRequest\x1a\x19.spectandem.v1.EngineInfob\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1bspectandem/v1/engines.proto\x12\rspectandem.v1\x1a\x1aspectandem/v1/common.proto\"\x90\x01\n\x13VerifierPrefillItem\x12&\n\x03tag\x18\x01 \x01(\x0b\x32\x19.spectandem.v1.RequestTag\x12\x12\n\nprompt_ids\x18\x02 \x03(\r\x12-\n\x06params\x18\x03 \x01(\x0b\x32\x1d.spectandem.v1.SamplingParams\x12\x0e\n\x06resume\x18\x04 \x01(\x08\"b\n\x16VerifierPrefillRequest\x12\x31\n\x05items\x18\x01 \x03(\x0b\x32\".spectandem.v1.VerifierPrefillItem\x12\x15\n\rwant_features\x18\x02 \x01(\x08\"\x80\x01\n\x15VerifierPrefillResult\x12&\n\x03tag\x18\x01 \x01(\x0b\x32\x19.spectandem.v1.RequestTag\x12\x16\n\x0e\x66irst_token_id\x18\x02 \x01(\r\x12\'\n\x08\x66\x65\x61tures\x18\x03 \x01(\x0b\x32\x15.spectandem.v1.Tensor\"M\n\x14VerifierPrefillReply\x12\x35\n\x07results\x18\x01 \x03(\x0b\x32$.spectandem.v1.VerifierPrefillResult\"\x98\x02\n\x0c\x44raftTreeMsg\x12\'\n\x04tags\x18\x01 \x03(\x0b\x32\x19.spectandem.v1.RequestTag\x12(\n\ttoken_ids\x18\x02 \x01(\x0b\x32\x15.spectandem.v1.Tensor\x12&\n\x07parents\x18\x03 \x01(\x0b\x32\x15.spectandem.v1.Tensor\x12)\n\nnode_valid\x18\x04 \x01(\x0b\x32\x15.spectandem.v1.Tensor\x12%\n\x06scores\x18\x05 \x01(\x0b\x32\x15.spectandem.v1.Tensor\x12*\n\x0b\x64raft_probs\x18\x06 \x01(\x0b\x32\x15.spectandem.v1.Tensor\x12\x0f\n\x07sampled\x18\x07 \x03(\x08\"J\n\tPlainItem\x12&\n\x03tag\x18\x01 \x01(\x0b\x32\x19.spectandem.v1.RequestTag\x12\x15\n\rlast_token_id\x18\x02 \x01(\r\"z\n\rVerifyRequest\x12)\n\x04tree\x18\x01 \x01(\x0b\x32\x1b.spectandem.v1.DraftTreeMsg\x12\x15\n\rwant_features\x18\x02 \x01(\x08\x12\'\n\x05plain\x18\x03 \x03(\x0b\x32\x18.spectandem.v1.PlainItem\"\xa5\x01\n\x0fVerifyResultMsg\x12&\n\x03tag\x18\x01 \x01(\x0b\x32\x19.spectandem.v1.RequestTag\x12\x11\n\ttoken_ids\x18\x02 \x03(\r\x12\x14\n\x0cnum_accepted\x18\x03 \x01(\r\x12\x18\n\x10num_draft_tokens\x18\x04 \x01(\r\x12\'\n\x08\x66\x65\x61tures\x18\x05 \x01(\x0b\x32\x15.spectandem.v1.Tensor\">\n\x0bVerifyReply\x12/\n\x07results\x18\x01 \x03(\x0b\x32\x1e.spectandem.v1.VerifyResultMsg\"9\n\x0f\x46\x65\x61turesRequest\x12&\n\x03tag\x18\x01 \x01(\x0b\x32\x19.spectandem.v1.RequestTag\"8\n\rFeaturesReply\x12\'\n\x08\x66\x65\x61tures\x18\x01 \x01(\x0b\x32\x15.spectandem.v1.Tensor\"9\n\x0eReleaseRequest\x12\x13\n\x0brequest_ids\x18\x01 \x03(\t\x12\x12\n\nkeep_draft\x18\x02 \x01(\x08\" \n\x0cReleaseReply\x12\x10\n\x08released\x18\x01 \x01(\r\"\xc0\x01\n\x12\x44rafterPrefillItem\x12&\n\x03tag\x18\x01 \x01(\x0b\x32\x19.spectandem.v1.RequestTag\x12\x12\n\nprompt_ids\x18\x02 \x03(\r\x12\x16\n\x0e\x66irst_token_id\x18\x03 \x01(\r\x12-\n\x06params\x18\x04 \x01(\x0b\x32\x1d.spectandem.v1.SamplingParams\x12\'\n\x08\x66\x65\x61tures\x18\x05 \x01(\x0b\x32\x15.spectandem.v1.Tensor\"I\n\x15\x44rafterPrefillRequest\x12\x30\n\x05items\x18\x01 \x03(\x0b\x32!.spectandem.v1.DrafterPrefillItem\"J\n\x0c\x44raftRequest\x12\'\n\x04tags\x18\x01 \x03(\x0b\x32\x19.spectandem.v1.RequestTag\x12\x11\n\tnum_steps\x18\x02 \x03(\r\"<\n\x11\x44raftAheadRequest\x12\'\n\x04tags\x18\x01 \x03(\x0b\x32\x19.spectandem.v1.RequestTag\"%\n\x0f\x44raftAheadReply\x12\x12\n\ncache_hits\x18\x01 \x03(\x11\"7\n\nDraftReply\x12)\n\x04tree\x18\x01 \x01(\x0b\x32\x1b.spectandem.v1.DraftTreeMsg\"p\n\nExtendItem\x12&\n\x03tag\x18\x01 \x01(\x0b\x32\x19.spectandem.v1.RequestTag\x12\x11\n\ttoken_ids\x18\x02 \x03(\r\x12\'\n\x08\x66\x65\x61tures\x18\x03 \x01(\x0b\x32\x15.spectandem.v1.Tensor\"9\n\rExtendRequest\x12(\n\x05items\x18\x01 \x03(\x0b\x32\x19.spectandem.v1.ExtendItem\"+\n\x0c\x44rafterReply\x12\x1b\n\x13unknown_request_ids\x18\x01 \x03(\t\"\x13\n\x11\x45ngineInfoRequest\"\xed\x01\n\nEngineInfo\x12\x0c\n\x04role\x18\x01 \x01(\t\x12\r\n\x05model\x18\x02 \x01(\t\x12\x0c\n\x04kind\x18\x03 \x01(\t\x12\x12\n\nvocab_size\x18\x04 \x01(\r\x12\x0f\n\x07max_len\x18\x05 \x01(\r\x12\x11\n\tmax_slots\x18\x06 \x01(\r\x12\x12\n\nused_slots\x18\x07 \x01(\r\x12\x16\n\x0e\x66\x65\x61ture_layers\x18\x08 \x01(\t\x12\x0e\n\x06\x64\x65vice\x18\t \x01(\t\x12\x11\n\tkv_blocks\x18\n \x01(\r\x12\x15\n\rkv_block_size\x18\x0b \x01(\r\x12\x16\n\x0ekv_used_blocks\x18\x0c \x01(\r2\xfe\x02\n\x08Verifier\x12U\n\x07Prefill\x12%.spectandem.v1.VerifierPrefillRequest\x1a#.spectandem.v1.VerifierPrefillReply\x12\x42\n\x06Verify\x12\x1c.spectandem.v1.VerifyRequest\x1a\x1a.spectandem.v1.VerifyReply\x12H\n\x08\x46\x65\x61tures\x12\x1e.spectandem.v1.FeaturesRequest\x1a\x1c.spectandem.v1.FeaturesReply\x12\x45\n\x07Release\x12\x1d.spectandem.v1.ReleaseRequest\x1a\x1b.spectandem.v1.ReleaseReply\x12\x46\n\x07GetInfo\x12 .spectandem.v1.EngineInfoRequest\x1a\x19.spectandem.v1.EngineInfo2\xbc\x03\n\x07\x44rafter\x12L\n\x07Prefill\x12$.spectandem.v1.DrafterPrefillRequest\x1a\x1b.spectandem.v1.DrafterReply\x12?\n\x05\x44raft\x12\x1b.spectandem.v1.DraftRequest\x1a\x19.spectandem.v1.DraftReply\x12N\n\nDraftAhead\x12 .spectandem.v1.DraftAheadRequest\x1a\x1e.spectandem.v1.DraftAheadReply\x12\x43\n\x06\x45xtend\x12\x1c.spectandem.v1.ExtendRequest\x1a\x1b.spectandem.v1.DrafterReply\x12\x45\n\x07Release\x12\x1d.spectandem.v1.ReleaseRequest\x1a\x1b.spectandem.v1.ReleaseReply\x12\x46\n\x07GetInfo\x12 .spectandem.v1.EngineInfoRequest\x1a\x19.spectandem.v1.EngineInfob\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -55,29 +55,33 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_FEATURESREPLY']._serialized_start=1305
   _globals['_FEATURESREPLY']._serialized_end=1361
   _globals['_RELEASEREQUEST']._serialized_start=1363
-  _globals['_RELEASEREQUEST']._serialized_end=1400
-  _globals['_RELEASEREPLY']._serialized_start=1402
-  _globals['_RELEASEREPLY']._serialized_end=1434
-  _globals['_DRAFTERPREFILLITEM']._serialized_start=1437
-  _globals['_DRAFTERPREFILLITEM']._serialized_end=1629
-  _globals['_DRAFTERPREFILLREQUEST']._serialized_start=1631
-  _globals['_DRAFTERPREFILLREQUEST']._serialized_end=1704
-  _globals['_DRAFTREQUEST']._serialized_start=1706
-  _globals['_DRAFTREQUEST']._serialized_end=1761
-  _globals['_DRAFTREPLY']._serialized_start=1763
-  _globals['_DRAFTREPLY']._serialized_end=1818
-  _globals['_EXTENDITEM']._serialized_start=1820
-  _globals['_EXTENDITEM']._serialized_end=1932
-  _globals['_EXTENDREQUEST']._serialized_start=1934
-  _globals['_EXTENDREQUEST']._serialized_end=1991
-  _globals['_DRAFTERREPLY']._serialized_start=1993
-  _globals['_DRAFTERREPLY']._serialized_end=2036
-  _globals['_ENGINEINFOREQUEST']._serialized_start=2038
-  _globals['_ENGINEINFOREQUEST']._serialized_end=2057
-  _globals['_ENGINEINFO']._serialized_start=2060
-  _globals['_ENGINEINFO']._serialized_end=2297
-  _globals['_VERIFIER']._serialized_start=2300
-  _globals['_VERIFIER']._serialized_end=2682
-  _globals['_DRAFTER']._serialized_start=2685
-  _globals['_DRAFTER']._serialized_end=3049
+  _globals['_RELEASEREQUEST']._serialized_end=1420
+  _globals['_RELEASEREPLY']._serialized_start=1422
+  _globals['_RELEASEREPLY']._serialized_end=1454
+  _globals['_DRAFTERPREFILLITEM']._serialized_start=1457
+  _globals['_DRAFTERPREFILLITEM']._serialized_end=1649
+  _globals['_DRAFTERPREFILLREQUEST']._serialized_start=1651
+  _globals['_DRAFTERPREFILLREQUEST']._serialized_end=1724
+  _globals['_DRAFTREQUEST']._serialized_start=1726
+  _globals['_DRAFTREQUEST']._serialized_end=1800
+  _globals['_DRAFTAHEADREQUEST']._serialized_start=1802
+  _globals['_DRAFTAHEADREQUEST']._serialized_end=1862
+  _globals['_DRAFTAHEADREPLY']._serialized_start=1864
+  _globals['_DRAFTAHEADREPLY']._serialized_end=1901
+  _globals['_DRAFTREPLY']._serialized_start=1903
+  _globals['_DRAFTREPLY']._serialized_end=1958
+  _globals['_EXTENDITEM']._serialized_start=1960
+  _globals['_EXTENDITEM']._serialized_end=2072
+  _globals['_EXTENDREQUEST']._serialized_start=2074
+  _globals['_EXTENDREQUEST']._serialized_end=2131
+  _globals['_DRAFTERREPLY']._serialized_start=2133
+  _globals['_DRAFTERREPLY']._serialized_end=2176
+  _globals['_ENGINEINFOREQUEST']._serialized_start=2178
+  _globals['_ENGINEINFOREQUEST']._serialized_end=2197
+  _globals['_ENGINEINFO']._serialized_start=2200
+  _globals['_ENGINEINFO']._serialized_end=2437
+  _globals['_VERIFIER']._serialized_start=2440
+  _globals['_VERIFIER']._serialized_end=2822
+  _globals['_DRAFTER']._serialized_start=2825
+  _globals['_DRAFTER']._serialized_end=3269
 # @@protoc_insertion_point(module_scope)

@@ -112,10 +112,12 @@ class FeaturesReply(_message.Message):
     def __init__(self, features: _Optional[_Union[_common_pb2.Tensor, _Mapping]] = ...) -> None: ...
 
 class ReleaseRequest(_message.Message):
-    __slots__ = ("request_ids",)
+    __slots__ = ("request_ids", "keep_draft")
     REQUEST_IDS_FIELD_NUMBER: _ClassVar[int]
+    KEEP_DRAFT_FIELD_NUMBER: _ClassVar[int]
     request_ids: _containers.RepeatedScalarFieldContainer[str]
-    def __init__(self, request_ids: _Optional[_Iterable[str]] = ...) -> None: ...
+    keep_draft: bool
+    def __init__(self, request_ids: _Optional[_Iterable[str]] = ..., keep_draft: _Optional[bool] = ...) -> None: ...
 
 class ReleaseReply(_message.Message):
     __slots__ = ("released",)
@@ -144,10 +146,24 @@ class DrafterPrefillRequest(_message.Message):
     def __init__(self, items: _Optional[_Iterable[_Union[DrafterPrefillItem, _Mapping]]] = ...) -> None: ...
 
 class DraftRequest(_message.Message):
+    __slots__ = ("tags", "num_steps")
+    TAGS_FIELD_NUMBER: _ClassVar[int]
+    NUM_STEPS_FIELD_NUMBER: _ClassVar[int]
+    tags: _containers.RepeatedCompositeFieldContainer[_common_pb2.RequestTag]
+    num_steps: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, tags: _Optional[_Iterable[_Union[_common_pb2.RequestTag, _Mapping]]] = ..., num_steps: _Optional[_Iterable[int]] = ...) -> None: ...
+
+class DraftAheadRequest(_message.Message):
     __slots__ = ("tags",)
     TAGS_FIELD_NUMBER: _ClassVar[int]
     tags: _containers.RepeatedCompositeFieldContainer[_common_pb2.RequestTag]
     def __init__(self, tags: _Optional[_Iterable[_Union[_common_pb2.RequestTag, _Mapping]]] = ...) -> None: ...
+
+class DraftAheadReply(_message.Message):
+    __slots__ = ("cache_hits",)
+    CACHE_HITS_FIELD_NUMBER: _ClassVar[int]
+    cache_hits: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, cache_hits: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class DraftReply(_message.Message):
     __slots__ = ("tree",)

@@ -293,6 +293,11 @@ class DrafterStub:
                 request_serializer=spectandem_dot_v1_dot_engines__pb2.DraftRequest.SerializeToString,
                 response_deserializer=spectandem_dot_v1_dot_engines__pb2.DraftReply.FromString,
                 _registered_method=True)
+        self.DraftAhead = channel.unary_unary(
+                '/spectandem.v1.Drafter/DraftAhead',
+                request_serializer=spectandem_dot_v1_dot_engines__pb2.DraftAheadRequest.SerializeToString,
+                response_deserializer=spectandem_dot_v1_dot_engines__pb2.DraftAheadReply.FromString,
+                _registered_method=True)
         self.Extend = channel.unary_unary(
                 '/spectandem.v1.Drafter/Extend',
                 request_serializer=spectandem_dot_v1_dot_engines__pb2.ExtendRequest.SerializeToString,
@@ -321,7 +326,15 @@ class DrafterServicer:
         raise NotImplementedError('Method not implemented!')
 
     def Draft(self, request, context):
-        """Propose one round's trees.
+        """Propose one round's trees (a request's ready tree from the outcome cache when it has one).
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def DraftAhead(self, request, context):
+        """While the verifier checks the trees of these requests: prepare the next trees for their
+        likeliest outcomes (accepted path, bonus token).
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
@@ -360,6 +373,11 @@ def add_DrafterServicer_to_server(servicer, server):
                     servicer.Draft,
                     request_deserializer=spectandem_dot_v1_dot_engines__pb2.DraftRequest.FromString,
                     response_serializer=spectandem_dot_v1_dot_engines__pb2.DraftReply.SerializeToString,
+            ),
+            'DraftAhead': grpc.unary_unary_rpc_method_handler(
+                    servicer.DraftAhead,
+                    request_deserializer=spectandem_dot_v1_dot_engines__pb2.DraftAheadRequest.FromString,
+                    response_serializer=spectandem_dot_v1_dot_engines__pb2.DraftAheadReply.SerializeToString,
             ),
             'Extend': grpc.unary_unary_rpc_method_handler(
                     servicer.Extend,
@@ -431,6 +449,33 @@ class Drafter:
             '/spectandem.v1.Drafter/Draft',
             spectandem_dot_v1_dot_engines__pb2.DraftRequest.SerializeToString,
             spectandem_dot_v1_dot_engines__pb2.DraftReply.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def DraftAhead(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/spectandem.v1.Drafter/DraftAhead',
+            spectandem_dot_v1_dot_engines__pb2.DraftAheadRequest.SerializeToString,
+            spectandem_dot_v1_dot_engines__pb2.DraftAheadReply.FromString,
             options,
             channel_credentials,
             insecure,

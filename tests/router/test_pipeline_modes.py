@@ -1,5 +1,6 @@
-"""The pipeline-mode chooser (pure router logic): measures each mode over a window and keeps the
-fastest; fixed modes are honoured; too few requests or no drafter mean sequential."""
+"""The pipeline-mode chooser (pure router logic): measures each candidate over a window and keeps
+the fastest; the candidates depend on the batch (ahead below two micro-batches; ping-pong, short
+drafts and plain from there); fixed modes are honoured; no drafter means sequential."""
 
 from router.pipeline import ModeChooser, SpeculationSwitch
 from router.requests import RouterConfig
@@ -9,28 +10,46 @@ def _cfg(**kw):
     return RouterConfig(max_len=256, eos_token_ids=(0,), lookahead=5, want_features=True, mode_window=3, **kw)
 
 
-def _run(chooser, rates, rounds):
+def _run(chooser, rates, rounds, num_running=8):
     chosen = []
     for _ in range(rounds):
-        mode = chooser.choose(num_running=8, drafter_up=True)
+        mode = chooser.choose(num_running=num_running, drafter_up=True)
         chosen.append(mode)
         chooser.record(mode, tokens=int(rates[mode] * 10), seconds=10.0)
     return chosen
 
 
 def test_auto_measures_every_mode_then_keeps_the_fastest():
-    for fastest in ("sequential", "pingpong", "plain"):
-        rates = {"sequential": 100.0, "pingpong": 100.0, "plain": 100.0, fastest: 150.0}
-        chosen = _run(ModeChooser(_cfg(pipeline="auto")), rates, 9 + 24)
-        assert chosen[:9] == ["sequential"] * 3 + ["pingpong"] * 3 + ["plain"] * 3
-        assert set(chosen[9:]) == {fastest}
+    order = ["sequential", "pingpong", "short:1", "short:2", "plain"]
+    for fastest in order:
+        rates = {m: 100.0 for m in order} | {fastest: 150.0}
+        chosen = _run(ModeChooser(_cfg(pipeline="auto")), rates, 15 + 24)
+        assert chosen[:15] == [m for m in order for _ in range(3)]
+        assert set(chosen[15:]) == {fastest}
 
 
-def test_fixed_modes_and_small_batches():
+def test_auto_small_batches_choose_between_sequential_and_ahead():
+    for fastest in ("sequential", "ahead"):
+        rates = {"sequential": 100.0, "ahead": 100.0, fastest: 150.0}
+        chosen = _run(ModeChooser(_cfg(pipeline="auto")), rates, 6 + 24, num_running=3)
+        assert chosen[:6] == ["sequential"] * 3 + ["ahead"] * 3
+        assert set(chosen[6:]) == {fastest}
+
+
+def test_a_new_batch_class_starts_measuring_again():
+    chooser = ModeChooser(_cfg(pipeline="auto"))
+    rates = {"sequential": 100.0, "ahead": 150.0}
+    _run(chooser, rates, 12, num_running=1)
+    assert chooser.choose(8, True) == "sequential" and chooser.phase == "measure"
+
+
+def test_fixed_modes():
     assert ModeChooser(_cfg(pipeline="sequential")).choose(8, True) == "sequential"
     assert ModeChooser(_cfg(pipeline="pingpong")).choose(8, True) == "pingpong"
-    assert ModeChooser(_cfg(pipeline="pingpong")).choose(8, False) == "sequential"   # no drafter
-    assert ModeChooser(_cfg(pipeline="auto")).choose(3, True) == "sequential"         # < 2 micro-batches of 2
+    assert ModeChooser(_cfg(pipeline="pingpong")).choose(1, True) == "sequential"     # one request: no halves
+    assert ModeChooser(_cfg(pipeline="ahead")).choose(1, True) == "ahead"
+    for pipeline in ("pingpong", "ahead", "auto"):
+        assert ModeChooser(_cfg(pipeline=pipeline)).choose(8, False) == "sequential"   # no drafter
 
 
 def test_speculation_switch_turns_off_on_low_acceptance_only():
