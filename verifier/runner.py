@@ -19,13 +19,16 @@ import torch
 from spectandem.kv_cache import KVCache, PagedKVCache
 from spectandem.modeling.llama import NATIVE_ARCHITECTURES, LlamaModel, load_llama
 from spectandem.tree import ancestor_mask, node_depths
+from verifier.graphs import VerifyGraphs, verify_forward, verify_inputs
 
 FeatureSpec = None | str | tuple[int, ...]
 
 
 class NativeRunner:
     def __init__(self, model: LlamaModel, feature_layers: FeatureSpec, max_slots: int, max_len: int,
-                 kv_blocks: int | None = None, block_size: int = 16):
+                 kv_blocks: int | None = None, block_size: int = 16, cuda_graphs: bool = False):
+        """cuda_graphs: verify through CUDA graphs (verifier/graphs.py) for batches up to the
+        largest bucket, eagerly beyond; needs a CUDA device."""
         s = model.spec
         self.model, self.spec, self.feature_layers = model, s, feature_layers
         self.device = next(model.parameters()).device
@@ -33,6 +36,7 @@ class NativeRunner:
         self.max_len = max_len
         self.cache = PagedKVCache(s.num_layers, max_slots, s.num_kv_heads, max_len, s.head_dim, self.dtype,
                                   self.device, num_blocks=kv_blocks, block_size=block_size)
+        self.graphs = VerifyGraphs(model, self.cache) if cuda_graphs else None
 
     def kv_stats(self) -> dict:
         return self.cache.stats()
@@ -76,20 +80,12 @@ class NativeRunner:
         b, n = token_ids.shape
         for slot, c in zip(slots, cache_lens):
             self.cache.reserve(slot, c + n)
-        base = torch.tensor(cache_lens, device=self.device)
-        depth = node_depths(parents, node_valid).to(self.device)
-        positions = base[:, None] + depth                                            # [B, N]
-        write = base[:, None] + torch.arange(n, device=self.device)                  # [B, N]
-        span = int(base.max()) + n
-        cols = torch.arange(span, device=self.device)
-        mask = (cols[None, None, :] < base[:, None, None]).expand(b, n, span).clone()
-        tree = ancestor_mask(parents, node_valid).to(self.device)                    # [B, N, N]
-        rows = torch.arange(b, device=self.device)[:, None, None]
-        mask[rows, torch.arange(n, device=self.device)[None, :, None], write[:, None, :]] = tree
-        toks = token_ids.clamp(min=0).to(self.device)
-        slot_t = torch.tensor(slots, device=self.device)
-        hidden, aux = self.model(toks, positions, self.cache.batch(slot_t, write, span), mask, self._capture())
-        return self.model.logits(hidden), self._features(hidden, aux)
+        if self.graphs is not None and self.graphs.supports(b):
+            step = self.graphs.run(slots, cache_lens, token_ids, parents, node_valid, self.feature_layers)
+            return step.logits, step.features
+        # Eagerly: the static-shape step without padding (rows = B, span = max(cache_len) + N).
+        inp = verify_inputs(self.cache, slots, cache_lens, token_ids, parents, node_valid, b, max(cache_lens) + n)
+        return verify_forward(self.model, self.cache, self.feature_layers, inp)
 
     @torch.no_grad()
     def features(self, tokens: list[int]) -> torch.Tensor | None:
@@ -212,9 +208,10 @@ class HFRunner:
 
 def load_runner(target_dir: str | Path, feature_layers: FeatureSpec, max_slots: int, max_len: int | None,
                 dtype: torch.dtype = torch.float32, device: str = "cpu", force_hf: bool = False,
-                kv_blocks: int | None = None, block_size: int = 16):
+                kv_blocks: int | None = None, block_size: int = 16, cuda_graphs: bool = False):
     """Native runner for Llama-family checkpoints, transformers otherwise (or when forced).
-    Returns (runner, the loaded model: native LlamaModel or transformers')."""
+    Returns (runner, the loaded model: native LlamaModel or transformers'). `cuda_graphs`
+    (native runner only): verify steps run as CUDA graphs."""
     from spectandem.checkpoint import read_config
 
     cfg = read_config(target_dir)
@@ -227,7 +224,10 @@ def load_runner(target_dir: str | Path, feature_layers: FeatureSpec, max_slots: 
             # Within the window, sliding-window attention is full attention: capping the context
             # there keeps the native path exact without a windowed mask.
             max_len = min(max_len, model.spec.sliding_window)
-        return NativeRunner(model, feature_layers, max_slots, max_len, kv_blocks, block_size), model
+        return NativeRunner(model, feature_layers, max_slots, max_len, kv_blocks, block_size, cuda_graphs), model
+    if cuda_graphs:
+        raise ValueError(f"{target_dir}: CUDA graphs need the native runner; architecture {arch!r} "
+                         f"(force_hf={force_hf}) runs on transformers")
     from transformers import AutoModelForCausalLM
 
     try:

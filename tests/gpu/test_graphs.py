@@ -1,0 +1,146 @@
+"""CUDA graphs on the GPU (run with `python -m pytest -m gpu tests/gpu`): graphed verify steps and
+draft chains against the same padded computation run eagerly (bit for bit: the same kernels at the
+same shapes) and against the unpadded eager step (a few ulps in fp32, argmaxes equal), and greedy
+speculative decoding with graphs on equals plain decoding on 24 prompts (fp32)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from drafter.graphs import ChainGraphs
+from drafter.loader import load_head
+from drafter.proposers import DraftRequest, EagleProposer
+from spectandem.config import SamplingParams, SpecConfig
+from spectandem.demo import demo_paths
+from spectandem.local import LocalSpeculator
+from spectandem.modeling.llama import load_llama
+from tests.e2e.conftest import PROMPT_TEXTS
+from verifier.graphs import VerifyGraphs
+from verifier.runner import NativeRunner
+
+pytestmark = pytest.mark.gpu
+
+AUX = (2, 4, 5)
+MAX_LEN = 512
+# Unpadded eager vs padded graph, logits [B, N, V] float32: fp32 reductions in another order; bf16
+# activations round at every layer, so a different summation order moves logits by bf16 ulps.
+TOLERANCE = {torch.float32: dict(atol=1e-4, rtol=1e-5), torch.bfloat16: dict(atol=0.25, rtol=0.05)}
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _cuda():
+    if not torch.cuda.is_available():
+        pytest.fail("the gpu marker needs a CUDA device")
+
+
+def _tree(g: torch.Generator, b: int, n: int):
+    parents = torch.full((b, n), -1, dtype=torch.long)
+    valid = torch.ones(b, n, dtype=torch.bool)
+    for i in range(b):
+        live = n - (i % 3 if n > 3 else 0)
+        for j in range(1, live):
+            parents[i, j] = int(torch.randint(0, j, (1,), generator=g))
+        valid[i, live:] = False
+    return torch.randint(1, 4096, (b, n), generator=g).masked_fill(~valid, -1), parents, valid
+
+
+def _accepted(parents, valid):
+    b, n = parents.shape
+    out = torch.full((b, n), -1, dtype=torch.long)
+    for i in range(b):
+        node, path = int(valid[i].nonzero().max()), []
+        while node >= 0:
+            path.append(node)
+            node = int(parents[i, node])
+        out[i, : len(path)] = torch.tensor(path[::-1])
+    return out
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+@pytest.mark.parametrize("b,n", [(1, 1), (3, 5), (4, 16), (20, 5)])
+def test_graphed_verify_equals_eager(dtype, b, n):
+    model = load_llama(demo_paths("none")[0], dtype, "cuda")
+    eager = NativeRunner(model, AUX, max_slots=32, max_len=MAX_LEN)
+    static = NativeRunner(model, AUX, max_slots=32, max_len=MAX_LEN)
+    static.graphs = VerifyGraphs(model, static.cache, graph=False)
+    graphed = NativeRunner(model, AUX, max_slots=32, max_len=MAX_LEN, cuda_graphs=True)
+    runners = (eager, static, graphed)
+    g = torch.Generator().manual_seed(100 * b + n)
+    slots = list(range(b))[::-1]
+    prompts = [torch.randint(1, 4096, (5 + 7 * i,), generator=g).tolist() for i in range(b)]
+    for r in runners:
+        r.prefill(slots, prompts)
+    cache_lens = [len(p) for p in prompts]
+    for _ in range(3):  # later rounds replay graphs captured earlier, over the committed paths
+        tokens, parents, valid = _tree(g, b, n)
+        (la, fa), (ls, fs), (lg, fg) = [r.verify(slots, cache_lens, tokens, parents, valid) for r in runners]
+        assert torch.equal(lg, ls) and torch.equal(fg, fs), "graph replay differs from the same step run eagerly"
+        torch.testing.assert_close(lg[valid], la[valid], **TOLERANCE[dtype])
+        torch.testing.assert_close(fg[valid], fa[valid], **TOLERANCE[dtype])
+        if dtype == torch.float32:
+            assert torch.equal(lg[valid].argmax(-1), la[valid].argmax(-1))
+        else:  # bf16 near-ties may flip; nearly all must agree
+            assert (lg[valid].argmax(-1) == la[valid].argmax(-1)).float().mean() >= 0.9
+        accepted = _accepted(parents, valid)
+        for r in runners:
+            r.commit(slots, cache_lens, accepted)
+        cache_lens = [c + int((a >= 0).sum()) for c, a in zip(cache_lens, accepted)]
+    assert graphed.graphs._captured, "nothing was captured"
+
+
+@pytest.mark.parametrize("kind", ["eagle3", "eagle"])
+@pytest.mark.parametrize("b", [1, 3])
+def test_graphed_chain_equals_eager(kind, b):
+    target = load_llama(demo_paths("none")[0], torch.float32, "cuda")
+    head = load_head(demo_paths(kind)[1], target, kind=kind, dtype=torch.float32, device="cuda")
+    cfg = SpecConfig(method=kind, num_steps=5, topk=1, num_draft_tokens=5)
+    eager = EagleProposer(head, cfg, max_slots=8, max_len=MAX_LEN)
+    static = EagleProposer(head, cfg, max_slots=8, max_len=MAX_LEN)
+    static.chain = ChainGraphs(head, static.cache, graph=False)
+    graphed = EagleProposer(head, cfg, max_slots=8, max_len=MAX_LEN, cuda_graphs=True)
+    g = torch.Generator().manual_seed(b)
+    reqs = [DraftRequest(f"r{i}", torch.randint(1, 4096, (4 + 13 * i,), generator=g).tolist(), SamplingParams(), 0,
+                         False) for i in range(b)]
+    new = [r.committed_len - 1 for r in reqs]
+    for _ in range(3):
+        feats = [torch.randn(n, head.spec.feature_size, generator=g).cuda() for n in new]
+        for p in (eager, static, graphed):
+            p.catch_up(reqs, new, feats)
+        a, s, gr = [p.propose(reqs) for p in (eager, static, graphed)]
+        assert torch.equal(gr.token_ids, s.token_ids) and torch.equal(gr.token_ids, a.token_ids)
+        assert torch.equal(gr.parents, a.parents) and torch.equal(gr.scores, a.scores)
+        new = [1 + i % 3 for i in range(b)]
+        for r, n in zip(reqs, new):
+            r.token_ids.extend(torch.randint(1, 4096, (n,), generator=g).tolist())
+    assert graphed.chain._captured, "nothing was captured"
+
+
+@pytest.fixture(scope="module")
+def plain():
+    spec = LocalSpeculator(*demo_paths("none"), SpecConfig(method="none"), max_slots=32, max_len=MAX_LEN,
+                           device="cuda")
+    prompts = [spec.tokenizer.encode(t).ids for t in PROMPT_TEXTS]
+    outs = spec.generate(prompts, [SamplingParams(max_tokens=48)] * len(prompts))
+    return prompts, [o.token_ids for o in outs]
+
+
+CONFIGS = [
+    ("none", dict()),
+    ("eagle3", dict(num_steps=4, topk=1, num_draft_tokens=5)),
+    ("eagle3", dict(num_steps=5, topk=4, num_draft_tokens=16)),
+    ("eagle", dict(num_steps=4, topk=1, num_draft_tokens=5)),
+]
+
+
+@pytest.mark.parametrize("method,tree", CONFIGS, ids=[f"{m}-{t.get('topk', 0)}" for m, t in CONFIGS])
+def test_greedy_with_cuda_graphs_equals_plain(plain, method, tree):
+    prompts, expected = plain
+    spec = LocalSpeculator(*demo_paths(method), SpecConfig(method=method, **tree), max_slots=32, max_len=MAX_LEN,
+                           device="cuda", cuda_graphs=True)
+    outs = spec.generate(prompts, [SamplingParams(max_tokens=48)] * len(prompts))
+    mismatched = [i for i, (o, e) in enumerate(zip(outs, expected)) if o.token_ids != e]
+    assert not mismatched, f"prompts {mismatched} differ from plain decoding"
+    assert spec.verifier.runner.graphs._captured
+    if method != "none":
+        assert sum(o.stats.accepted_tokens for o in outs) > 0

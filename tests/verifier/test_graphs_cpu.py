@@ -1,0 +1,155 @@
+"""verifier.graphs on the CPU: the padded static-shape verify step (what a CUDA graph replays),
+run eagerly, against `NativeRunner.verify`'s unpadded step on the demo target, over two rounds
+with a commit between them; the buckets; the eager fallback past the largest batch bucket.
+
+Padding rows and columns add exact zeros, but a wider reduction or another matmul kernel may sum
+in another order, so logits agree to a few fp32 ulps (not bit for bit) and argmaxes exactly.
+Without padding the step is the same computation, bit for bit."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+
+from spectandem.modeling.llama import load_llama
+from verifier.graphs import VerifyGraphs, batch_bucket, span_bucket
+from verifier.runner import NativeRunner, load_runner
+
+DEMO = Path(__file__).resolve().parents[2] / "models" / "demo" / "target"
+AUX = (2, 4, 5)
+MAX_LEN = 160
+ULPS = dict(atol=5e-5, rtol=1e-5)   # fp32 logits of magnitude ~10, another summation order
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _one_thread():
+    n = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(n)
+
+
+@pytest.fixture(scope="module")
+def model():
+    return load_llama(DEMO)
+
+
+def _runners(model, features, buckets=(1, 2, 4, 8)):
+    """(eager runner, runner whose verify takes the static eager path), same weights."""
+    eager = NativeRunner(model, features, max_slots=8, max_len=MAX_LEN)
+    static = NativeRunner(model, features, max_slots=8, max_len=MAX_LEN)
+    static.graphs = VerifyGraphs(model, static.cache, graph=False, batch_buckets=buckets)
+    return eager, static
+
+
+def _tree(g: torch.Generator, b: int, n: int):
+    """Random trees [B, N]: parents precede children; some rows end in padding nodes."""
+    parents = torch.full((b, n), -1, dtype=torch.long)
+    valid = torch.ones(b, n, dtype=torch.bool)
+    for i in range(b):
+        live = n - (i % 3 if n > 3 else 0)
+        for j in range(1, live):
+            parents[i, j] = int(torch.randint(0, j, (1,), generator=g))
+        valid[i, live:] = False
+    tokens = torch.randint(1, 4096, (b, n), generator=g).masked_fill(~valid, -1)
+    return tokens, parents, valid
+
+
+def _accepted(parents: torch.Tensor, valid: torch.Tensor) -> torch.Tensor:
+    """[B, N] root-first path to each row's last valid node, -1 padded."""
+    b, n = parents.shape
+    out = torch.full((b, n), -1, dtype=torch.long)
+    for i in range(b):
+        node, path = int(valid[i].nonzero().max()), []
+        while node >= 0:
+            path.append(node)
+            node = int(parents[i, node])
+        out[i, : len(path)] = torch.tensor(path[::-1])
+    return out
+
+
+def _compare(a, b, valid):
+    (la, fa), (lb, fb) = a, b
+    assert la.shape == lb.shape
+    torch.testing.assert_close(lb[valid], la[valid], **ULPS)
+    assert torch.equal(lb[valid].argmax(-1), la[valid].argmax(-1))
+    if fa is None:
+        assert fb is None
+    else:
+        torch.testing.assert_close(fb[valid], fa[valid], **ULPS)
+
+
+@pytest.mark.parametrize("features", [AUX, "final", None], ids=["aux", "final", "none"])
+@pytest.mark.parametrize("b,n", [(1, 1), (3, 5), (4, 5), (2, 16), (5, 16)])
+def test_static_verify_equals_dynamic(model, features, b, n):
+    """B = 3 and 5 run in padded buckets (4, 8); spans pad to powers of two."""
+    g = torch.Generator().manual_seed(100 * b + n)
+    eager, static = _runners(model, features)
+    slots = list(range(b))[::-1]
+    prompts = [torch.randint(1, 4096, (4 + 9 * i,), generator=g).tolist() for i in range(b)]
+    for r in (eager, static):
+        r.prefill(slots, prompts)
+    cache_lens = [len(p) for p in prompts]
+    for _ in range(2):  # the second round reads the first's committed path
+        tokens, parents, valid = _tree(g, b, n)
+        outs = [r.verify(slots, cache_lens, tokens, parents, valid) for r in (eager, static)]
+        _compare(*outs, valid)
+        accepted = _accepted(parents, valid)
+        for r in (eager, static):
+            r.commit(slots, cache_lens, accepted)
+        cache_lens = [c + int((a >= 0).sum()) for c, a in zip(cache_lens, accepted)]
+
+
+def test_unpadded_static_step_is_bit_identical(model):
+    """B = 2 fills its bucket and span 16 + 16 = 32 is a bucket: no padding, the same bits."""
+    g = torch.Generator().manual_seed(7)
+    eager, static = _runners(model, AUX)
+    prompts = [torch.randint(1, 4096, (16,), generator=g).tolist() for _ in range(2)]
+    for r in (eager, static):
+        r.prefill([0, 1], prompts)
+    tokens, parents, valid = _tree(g, 2, 16)
+    (la, fa), (lb, fb) = [r.verify([0, 1], [16, 16], tokens, parents, valid) for r in (eager, static)]
+    assert torch.equal(la, lb) and torch.equal(fa, fb)
+
+
+def test_run_returns_the_argmax_of_its_logits(model):
+    g = torch.Generator().manual_seed(3)
+    _, static = _runners(model, None)
+    static.prefill([0, 1, 2], [torch.randint(1, 4096, (9,), generator=g).tolist() for _ in range(3)])
+    tokens, parents, valid = _tree(g, 3, 5)
+    for slot in range(3):
+        static.cache.reserve(slot, 9 + 5)
+    step = static.graphs.run([0, 1, 2], [9, 9, 9], tokens, parents, valid, None)
+    assert step.logits.shape == (3, 5, model.spec.vocab_size) and step.features is None
+    assert torch.equal(step.argmax, step.logits.argmax(-1))
+
+
+def test_batches_past_the_largest_bucket_run_eagerly(model):
+    """Bucket limit 2: a batch of 3 takes the eager path, bit for bit."""
+    g = torch.Generator().manual_seed(5)
+    eager, static = _runners(model, "final", buckets=(1, 2))
+    prompts = [torch.randint(1, 4096, (6 + i,), generator=g).tolist() for i in range(3)]
+    for r in (eager, static):
+        r.prefill([0, 1, 2], prompts)
+    tokens, parents, valid = _tree(g, 3, 5)
+    (la, fa), (lb, fb) = [r.verify([0, 1, 2], [6, 7, 8], tokens, parents, valid) for r in (eager, static)]
+    assert torch.equal(la, lb) and torch.equal(fa, fb)
+    assert not static.graphs.supports(3) and static.graphs.supports(2)
+
+
+def test_buckets():
+    assert [batch_bucket(b) for b in (1, 2, 3, 5, 33, 64)] == [1, 2, 4, 8, 64, 64]
+    assert batch_bucket(65) is None
+    assert [span_bucket(s, 300) for s in (1, 32, 33, 129, 256, 257, 300)] == [32, 32, 64, 256, 256, 300, 300]
+    assert span_bucket(5, 20) == 20
+    with pytest.raises(ValueError, match="span must be in"):
+        span_bucket(301, 300)
+
+
+def test_cuda_graphs_need_cuda_and_the_native_runner(model):
+    with pytest.raises(ValueError, match="CUDA graphs need a CUDA device"):
+        NativeRunner(model, None, max_slots=1, max_len=32, cuda_graphs=True)
+    with pytest.raises(ValueError, match="need the native runner"):
+        load_runner(DEMO, None, max_slots=1, max_len=32, force_hf=True, cuda_graphs=True)

@@ -1,0 +1,225 @@
+"""CUDA graphs for the target's verify step: the same forward as `NativeRunner.verify`, at static
+shapes, captured once per shape and replayed with each step's inputs copied into its buffers.
+
+Static-shape formulation. A verify over B requests and N tree nodes, whose longest request needs
+`span = max(cache_len) + N` cache entries, runs as Bc >= B rows (`BATCH_BUCKETS`) over S >= span
+cache columns (`span_bucket`: a power of two, at most the cache's max_len). All per-step values
+travel in `VerifyInputs` tensors of shape [Bc, N], [Bc, S], [Bc, N, S]; the forward reads no
+Python value that changes between steps, and makes no host sync.
+
+Padding:
+- rows B..Bc-1: token 0 at position 0, written to the trash row, reading only the trash row
+  (column 0 unmasked, so softmax stays finite); their outputs are dropped;
+- columns span..S of a real row: masked out. Their scores are finfo.min, whose exp underflows
+  to exactly 0, and they read finite K/V (the trash row or a stale block), so they add exact
+  zeros. Only the summation order can change (wider reductions, another matmul kernel for
+  another M or S): the padded step equals the unpadded one to a few ulps, not bit for bit.
+
+Graph hazards:
+- A replay reads weights, the KV pools (allocated once by PagedKVCache) and the static buffers
+  at the addresses of capture time: moving the model (`.to`) or rebuilding the cache after a
+  capture makes its graphs stale.
+- All graphs share one memory pool. Nothing allocated in it outlives its capture (results are
+  copied, inside the graph, into output buffers allocated outside the pool), so graphs may
+  replay in any order. Output buffers are shared by every span bucket of one (Bc, N) and
+  overwritten by the next replay: `run` returns copies.
+- Warm-up (on a side stream, as capture requires) and capture run with every row padding: they
+  write only the trash row.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, fields
+from typing import Callable
+
+import torch
+
+from spectandem.kv_cache import PagedCacheBatch, PagedKVCache
+from spectandem.tree import ancestor_mask, node_depths
+
+BATCH_BUCKETS = (1, 2, 4, 8, 16, 32, 64)
+MIN_SPAN = 32
+FeatureSpec = None | str | tuple[int, ...]
+
+
+def batch_bucket(batch: int, buckets: tuple[int, ...] = BATCH_BUCKETS) -> int | None:
+    """The smallest bucket holding `batch` rows; None past the largest (run eagerly)."""
+    return next((b for b in buckets if b >= batch), None)
+
+
+def span_bucket(span: int, max_len: int) -> int:
+    """Cache columns a step of `span` entries runs over: the next power of two (at least
+    MIN_SPAN), capped at max_len. Example: max_len 300 -> 5 -> 32, 33 -> 64, 257 -> 300."""
+    if not 1 <= span <= max_len:
+        raise ValueError(f"span must be in [1, {max_len}] (the cache's max_len), got {span}")
+    return min(max(MIN_SPAN, 1 << (span - 1).bit_length()), max_len)
+
+
+def capture_graph(fn: Callable[[], None], pool, device: torch.device, warmup: int = 2) -> "torch.cuda.CUDAGraph":
+    """Captures `fn` (which must only write buffers allocated outside `pool`). The warm-up runs
+    on a side stream first, so lazy initialisation (cuBLAS handles, workspaces) happens outside
+    the capture."""
+    with torch.cuda.device(device), torch.no_grad():
+        side = torch.cuda.Stream()
+        side.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(side):
+            for _ in range(warmup):
+                fn()
+        torch.cuda.current_stream().wait_stream(side)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph, pool=pool):
+            fn()
+    return graph
+
+
+@dataclass
+class VerifyInputs:
+    """One verify step at static shape: Bc rows (the last Bc - B padding), N nodes, S columns."""
+
+    token_ids: torch.Tensor    # [Bc, N] int64 (padding nodes and rows: 0)
+    positions: torch.Tensor    # [Bc, N] int64 RoPE positions: cache_len + depth
+    write_rows: torch.Tensor   # [Bc, N] int64 physical cache rows the nodes are written to
+    read_rows: torch.Tensor    # [Bc, S] int64 physical rows of logical entries 0..S-1
+    mask: torch.Tensor         # [Bc, N, S] bool: node i may attend to column j
+
+    def copy_(self, other: "VerifyInputs") -> None:
+        for f in fields(self):
+            getattr(self, f.name).copy_(getattr(other, f.name))
+
+
+def verify_inputs(cache: PagedKVCache, slots: list[int], cache_lens: list[int], token_ids: torch.Tensor,
+                  parents: torch.Tensor, node_valid: torch.Tensor, rows: int, span: int) -> VerifyInputs:
+    """Static-shape inputs of a verify (see `NativeRunner.verify` for the tree arguments, all
+    [B, N]) padded to `rows` >= B rows and `span` >= max(cache_lens) + N columns. The slots
+    must already hold cache_len + N entries (`cache.reserve`)."""
+    b, n = token_ids.shape
+    assert rows >= b and max(cache_lens) + n <= span <= cache.max_len, (rows, b, cache_lens, n, span)
+    dev = cache.k[0].device
+    pad = rows - b
+    real = torch.arange(rows, device=dev) < b                                         # [Bc]
+    base = torch.tensor(list(cache_lens) + [0] * pad, device=dev)                     # [Bc]
+    node = torch.arange(n, device=dev)
+    cols = torch.arange(span, device=dev)
+    # Node j of request b is written at logical cache_len + j; padding rows read and write the
+    # logical trash index, which `cache.rows` maps to the trash row.
+    write = torch.where(real[:, None], base[:, None] + node, cache.trash_index)        # [Bc, N]
+    read = torch.where(real[:, None], cols, cache.trash_index)                          # [Bc, S]
+    slot_t = torch.tensor(list(slots) + [slots[0]] * pad, device=dev)
+    positions = torch.zeros(rows, n, dtype=torch.long, device=dev)
+    positions[:b] = base[:b, None] + node_depths(parents, node_valid).to(dev)
+    # Column j < cache_len: committed, visible to every node; column cache_len + j: node j,
+    # visible to its descendants and itself.
+    mask = (cols[None, None, :] < base[:, None, None]).expand(rows, n, span).clone()   # [Bc, N, S]
+    tree = ancestor_mask(parents, node_valid).to(dev)                                  # [B, N, N]
+    mask[torch.arange(b, device=dev)[:, None, None], node[None, :, None], write[:b, None, :]] = tree
+    mask[b:, :, 0] = True
+    toks = torch.zeros(rows, n, dtype=torch.long, device=dev)
+    toks[:b] = token_ids.clamp(min=0).to(dev)
+    return VerifyInputs(toks, positions, cache.rows(slot_t, write), cache.rows(slot_t, read), mask)
+
+
+def padding_inputs(cache: PagedKVCache, rows: int, n: int, span: int) -> VerifyInputs:
+    """Inputs with every row padding (what warm-up and capture run on): only the trash row."""
+    dev = cache.k[0].device
+    slot0 = torch.zeros(rows, dtype=torch.long, device=dev)
+    trash = torch.full((rows, max(n, span)), cache.trash_index, dtype=torch.long, device=dev)
+    mask = torch.zeros(rows, n, span, dtype=torch.bool, device=dev)
+    mask[:, :, 0] = True
+    zeros = torch.zeros(rows, n, dtype=torch.long, device=dev)
+    return VerifyInputs(zeros, zeros.clone(), cache.rows(slot0, trash[:, :n]), cache.rows(slot0, trash[:, :span]),
+                        mask)
+
+
+@dataclass
+class VerifyStep:
+    logits: torch.Tensor                 # [B, N, V] float32
+    features: torch.Tensor | None        # [B, N, F] (None when the runner returns none)
+    argmax: torch.Tensor                 # [B, N] int64, logits.argmax(-1)
+
+    def rows(self, b: int) -> "VerifyStep":
+        """Copies of the first b rows."""
+        return VerifyStep(self.logits[:b].clone(), None if self.features is None else self.features[:b].clone(),
+                          self.argmax[:b].clone())
+
+
+def verify_forward(model, cache: PagedKVCache, feature_layers: FeatureSpec,
+                   inp: VerifyInputs) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """The verify forward over static inputs -> (logits [Bc, N, V] float32, features or None).
+    Features: None, "final" (hidden after the final norm) or HF hidden-state indices (aux)."""
+    capture = feature_layers if isinstance(feature_layers, tuple) else ()
+    cache_batch = PagedCacheBatch(cache, inp.write_rows, inp.read_rows)
+    hidden, aux = model(inp.token_ids, inp.positions, cache_batch, inp.mask, capture)
+    feats = None if feature_layers is None else (hidden if feature_layers == "final" else aux)
+    return model.logits(hidden), feats
+
+
+@dataclass
+class _Captured:
+    inputs: VerifyInputs                 # the buffers the graph reads
+    graph: "torch.cuda.CUDAGraph | None"
+
+
+class VerifyGraphs:
+    """Verify steps at bucketed static shapes, one CUDA graph per (Bc, N, S, feature spec),
+    captured lazily on first use. With `graph=False` the same padded computation runs eagerly
+    (the CPU-testable "static eager" path)."""
+
+    def __init__(self, model, cache: PagedKVCache, graph: bool = True,
+                 batch_buckets: tuple[int, ...] = BATCH_BUCKETS):
+        self.model, self.cache, self.graph = model, cache, graph
+        self.device = cache.k[0].device
+        if graph and self.device.type != "cuda":
+            raise ValueError(f"CUDA graphs need a CUDA device, the cache is on {self.device}")
+        self.batch_buckets = tuple(sorted(batch_buckets))
+        self.pool = None                                   # one memory pool, made at the first capture
+        self._captured: dict[tuple, _Captured] = {}
+        self._outputs: dict[tuple, VerifyStep] = {}        # (Bc, N, feature spec) -> static outputs
+
+    def supports(self, batch: int) -> bool:
+        return batch_bucket(batch, self.batch_buckets) is not None
+
+    def run(self, slots: list[int], cache_lens: list[int], token_ids: torch.Tensor, parents: torch.Tensor,
+            node_valid: torch.Tensor, feature_layers: FeatureSpec) -> VerifyStep:
+        """The step for B <= max bucket requests (arguments as `NativeRunner.verify`; slots
+        already reserved) -> its first B rows."""
+        b, n = token_ids.shape
+        rows = batch_bucket(b, self.batch_buckets)
+        assert rows is not None, f"batch {b} is past the largest bucket {self.batch_buckets[-1]}"
+        span = span_bucket(max(cache_lens) + n, self.cache.max_len)
+        inp = verify_inputs(self.cache, slots, cache_lens, token_ids, parents, node_valid, rows, span)
+        if not self.graph:
+            logits, feats = verify_forward(self.model, self.cache, feature_layers, inp)
+            return VerifyStep(logits, feats, logits.argmax(-1)).rows(b)
+        step = self._captured.get((rows, n, span, feature_layers))
+        if step is None:
+            step = self._capture(rows, n, span, feature_layers)
+        step.inputs.copy_(inp)
+        step.graph.replay()
+        return self._outputs[(rows, n, feature_layers)].rows(b)
+
+    def _capture(self, rows: int, n: int, span: int, feature_layers: FeatureSpec) -> _Captured:
+        inputs = padding_inputs(self.cache, rows, n, span)
+        out = self._outputs.get((rows, n, feature_layers))
+        if out is None:
+            spec = self.model.spec
+            width = 0 if feature_layers is None else spec.hidden_size * (
+                1 if feature_layers == "final" else len(feature_layers))
+            dtype = next(self.model.parameters()).dtype
+            out = VerifyStep(torch.empty(rows, n, spec.vocab_size, device=self.device),
+                             None if feature_layers is None else torch.empty(rows, n, width, dtype=dtype,
+                                                                             device=self.device),
+                             torch.empty(rows, n, dtype=torch.long, device=self.device))
+            self._outputs[(rows, n, feature_layers)] = out
+
+        def body():
+            logits, feats = verify_forward(self.model, self.cache, feature_layers, inputs)
+            out.logits.copy_(logits)
+            out.argmax.copy_(logits.argmax(-1))
+            if feats is not None:
+                out.features.copy_(feats)
+
+        if self.pool is None:
+            self.pool = torch.cuda.graph_pool_handle()
+        step = _Captured(inputs, capture_graph(body, self.pool, self.device))
+        self._captured[(rows, n, span, feature_layers)] = step
+        return step
