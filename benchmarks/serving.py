@@ -1,10 +1,12 @@
 """Rounds and tokens per second of the served demo pair, with and without pipelining.
 
     python benchmarks/serving.py [--backend local] [--clients 16] [--max-tokens 64]
+                                 [--modes sequential,ahead,pingpong,auto]
 
 Starts `spectandem serve` in this process (engines in-process by default, so the drafter and the
 verifier run in two threads), drives it with concurrent gRPC clients (greedy, ignore_eos), and
-prints one row per pipeline mode. On the CPU the two engines share the machine's cores.
+prints one row per pipeline mode (with the draft-ahead hit share where the outcome cache ran).
+On the CPU the two engines share the machine's cores.
 """
 
 from __future__ import annotations
@@ -48,10 +50,13 @@ def run(backend: str, pipeline: str, clients: int, max_tokens: int, rounds_per_c
         tokens = clients * rounds_per_client * max_tokens
         drafts = after.num_drafts - before.num_drafts
         acc = after.accepted_tokens - before.accepted_tokens
+        hits = after.draft_ahead_hits - before.draft_ahead_hits
+        looked = hits + after.draft_ahead_misses - before.draft_ahead_misses
         return {"backend": backend, "pipeline": pipeline, "clients": clients, "seconds": round(dt, 2),
                 "verify_batches_per_s": round((after.rounds - before.rounds) / dt, 1),
                 "tokens_per_s": round(tokens / dt, 1),
-                "accept_length": round((acc + drafts) / drafts, 3) if drafts else 0.0}
+                "accept_length": round((acc + drafts) / drafts, 3) if drafts else 0.0,
+                "ahead_hit_share": round(hits / looked, 3) if looked else None}
     finally:
         server.close()
 
@@ -63,15 +68,18 @@ def main() -> None:
     ap.add_argument("--max-tokens", type=int, default=64)
     ap.add_argument("--requests-per-client", type=int, default=2)
     ap.add_argument("--threads", type=int, default=1, help="torch threads per engine")
+    ap.add_argument("--modes", default="sequential,ahead,pingpong,auto")
     ap.add_argument("--json", default=None)
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
     rows = [run(args.backend, mode, args.clients, args.max_tokens, args.requests_per_client)
-            for mode in ("sequential", "pingpong", "auto")]
-    print(f"{'pipeline':<11} {'clients':>7} {'verify batches/s':>16} {'tokens/s':>9} {'accept_len':>10}")
+            for mode in args.modes.split(",")]
+    print(f"{'pipeline':<11} {'clients':>7} {'verify batches/s':>16} {'tokens/s':>9} {'accept_len':>10} "
+          f"{'ahead hits':>10}")
     for r in rows:
+        share = "" if r["ahead_hit_share"] is None else f"{r['ahead_hit_share']:.2f}"
         print(f"{r['pipeline']:<11} {r['clients']:>7} {r['verify_batches_per_s']:>16} {r['tokens_per_s']:>9} "
-              f"{r['accept_length']:>10}")
+              f"{r['accept_length']:>10} {share:>10}")
     if args.json:
         with open(args.json, "w") as f:
             json.dump(rows, f, indent=2)

@@ -71,11 +71,14 @@ def ahead_slots(cfg: SpecConfig, max_slots: int) -> int:
 
 
 def _paged(num_layers, max_slots, num_kv_heads, max_len, head_dim, dtype, device, kv_blocks, block_size, cfg):
-    """The proposer's cache: a pool sized for `max_slots` requests (or `kv_blocks`), with slots
-    for draft-ahead forks on top (forks borrow their request's blocks)."""
+    """The proposer's cache: `kv_blocks`, or by default every request at full length plus room
+    for draft-ahead forks (each borrows its request's full blocks and needs a copy of the partial
+    one plus what it absorbs and drafts); slots for the forks on top."""
     from spectandem.block_manager import blocks_for
 
-    num_blocks = kv_blocks or max_slots * blocks_for(max_len + 1, block_size)
+    fork_entries = block_size + cfg.num_steps + 1 + max(0, cfg.num_steps - 1) * cfg.topk
+    num_blocks = kv_blocks or (max_slots * blocks_for(max_len + 1, block_size)
+                               + ahead_slots(cfg, max_slots) * blocks_for(fork_entries, block_size))
     return PagedKVCache(num_layers, max_slots + ahead_slots(cfg, max_slots), num_kv_heads, max_len, head_dim,
                         dtype, device, num_blocks=num_blocks, block_size=block_size)
 

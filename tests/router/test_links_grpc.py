@@ -57,11 +57,11 @@ def _greedy(n: int) -> list[SamplingParams]:
     return [SamplingParams(max_tokens=MAX_TOKENS) for _ in range(n)]
 
 
-def _local(method: str, prompts, *param_lists) -> tuple[list[list[Completion]], tuple[int, ...], int]:
+def _local(method: str, prompts, *param_lists, ahead: bool = False) -> tuple[list[list[Completion]], tuple[int, ...], int]:
     """The in-process reference: completions for each list of params, eos ids, lookahead."""
     target, draft = demo_paths(method)
     spec = LocalSpeculator(target, draft, SpecConfig(method=method, **TREE), max_slots=4, max_len=MAX_LEN)
-    return [spec.generate(prompts, ps) for ps in param_lists], spec.eos_token_ids, spec.lookahead
+    return [spec.generate(prompts, ps, ahead=ahead) for ps in param_lists], spec.eos_token_ids, spec.lookahead
 
 
 # ----------------------------------------------------------------------------------------------
@@ -180,9 +180,11 @@ def test_params_and_link_messages_round_trip():
 
 
 async def speculate(vlink, dlink, prompts, params, eos: tuple[int, ...], lookahead: int,
-                    plain_rounds=lambda rid, n: False) -> list[Completion]:
+                    plain_rounds=lambda rid, n: False, ahead: list | None = None) -> list[Completion]:
     """prefill -> (draft -> verify -> extend)* for a batch, as spectandem.reference.generate does.
-    `plain_rounds(request_id, round)` True sends that request as a plain row (no draft)."""
+    `plain_rounds(request_id, round)` True sends that request as a plain row (no draft).
+    `ahead` (a list): DraftAhead on each round's trees, overlapped with their verify; the hit
+    flags are appended to it."""
     max_len = (await vlink.info()).max_len
     ids = [f"req-{i}" for i in range(len(prompts))]
     seeds = [p.resolved_seed() for p in params]
@@ -204,7 +206,12 @@ async def speculate(vlink, dlink, prompts, params, eos: tuple[int, ...], lookahe
         drafted = [t for t in active if room and not plain_rounds(t.request_id, n)]
         plain = [PlainItem(t, comps[t.request_id].token_ids[-1]) for t in active if t not in drafted]
         draft = await dlink.draft(drafted) if drafted else None
-        outs = await vlink.verify(draft, plain, want_features=True)
+        if ahead is not None and draft is not None:
+            outs, flags = await asyncio.gather(vlink.verify(draft, plain, want_features=True),
+                                               dlink.draft_ahead(drafted))
+            ahead += flags
+        else:
+            outs = await vlink.verify(draft, plain, want_features=True)
         assert [o.tag.request_id for o in outs] == [t.request_id for t in drafted] + [p.tag.request_id for p in plain]
         still = []
         for o in outs:
@@ -414,6 +421,30 @@ def test_eagle3_subprocesses_match_local(eagle3_processes, prompts):
     _assert_same(got, expected)
     _assert_same(got_seeded, expected_seeded)
     assert any(s.token_ids != g.token_ids for s, g in zip(got_seeded, got))  # it really sampled
+
+
+def test_draft_ahead_over_grpc_matches_local(eagle3_processes, prompts):
+    """DraftAhead over gRPC, overlapped with Verify: greedy and seeded sampled tokens, and the
+    trees (stats), equal the in-process loop with the outcome cache; hits and misses happen."""
+    (expected, expected_seeded), eos, lookahead = _local("eagle3", prompts, _greedy(len(prompts)),
+                                                         _seeded(len(prompts)), ahead=True)
+
+    async def main():
+        v, d = _links(eagle3_processes)
+        flags: list = []
+        try:
+            return (await speculate(v, d, prompts, _greedy(len(prompts)), eos, lookahead, ahead=flags),
+                    await speculate(v, d, prompts, _seeded(len(prompts)), eos, lookahead, ahead=flags),
+                    flags, await d.info())
+        finally:
+            await v.close()
+            await d.close()
+
+    got, got_seeded, flags, info = asyncio.run(main())
+    _assert_same(got, expected)
+    _assert_same(got_seeded, expected_seeded)
+    assert flags.count(True) > 0 and flags.count(False) > 0
+    assert info.kv["used_blocks"] == 0
 
 
 def test_health_and_reflection(eagle3_processes):

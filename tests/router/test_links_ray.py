@@ -60,11 +60,15 @@ class Seen:
         self.handles: list = []
         self.results: list = []
         self.resynced: list[str] = []
+        self.ahead: list = []
 
 
-async def speculate(verifier, drafter, prompts, params, eos, lookahead, seen: Seen, before_extend=None):
+async def speculate(verifier, drafter, prompts, params, eos, lookahead, seen: Seen, before_extend=None,
+                    ahead: bool = False):
     """The loop of spectandem/reference.py, through the links, as a router runs it (plus the
-    re-prefill of requests the drafter reports unknown)."""
+    re-prefill of requests the drafter reports unknown). `ahead`: DraftAhead on each round's
+    trees, overlapped with their verify as the router's "ahead" mode does; the hit flags go to
+    `seen.ahead`."""
     max_len = (await verifier.info()).max_len
     ids = [f"req-{i}" for i in range(len(prompts))]
     seeds = {rid: sp.resolved_seed() for rid, sp in zip(ids, params)}
@@ -91,7 +95,12 @@ async def speculate(verifier, drafter, prompts, params, eos, lookahead, seen: Se
             seen.handles.append(draft.payload)
         else:
             draft, plain = None, [PlainItem(tags[r], by_id[r][0].token_ids[-1]) for r in active]
-        results = await verifier.verify(draft, plain, want_features=True)
+        if ahead and draft is not None:
+            results, flags = await asyncio.gather(verifier.verify(draft, plain, want_features=True),
+                                                  drafter.draft_ahead(list(draft.tags)))
+            seen.ahead += flags
+        else:
+            results = await verifier.verify(draft, plain, want_features=True)
         still, done = [], []
         for res in results:
             rid = res.tag.request_id
@@ -149,6 +158,21 @@ def test_greedy_through_ray_equals_local(engines, local, prompts):
     _assert_only_refs(seen)
     infos = asyncio.run(_infos(verifier, drafter))
     assert [i.used_slots for i in infos] == [0, 0]  # every request released on both sides
+
+
+def test_draft_ahead_through_ray_equals_local(engines, local, prompts):
+    """DraftAhead on the actor, overlapped with the verify: the in-process loop's tokens and
+    outcome-cache hits, and the drafter's KV back to empty."""
+    verifier, drafter = engines
+    expected = local.generate(prompts, _greedy(len(prompts)), ahead=True)
+    seen = Seen()
+    got = asyncio.run(speculate(verifier, drafter, prompts, _greedy(len(prompts)), local.eos_token_ids,
+                                local.lookahead, seen, ahead=True))
+    assert [g.token_ids for g in got] == [e.token_ids for e in expected]
+    assert [g.stats.as_dict() for g in got] == [e.stats.as_dict() for e in expected]  # the same trees
+    assert seen.ahead.count(True) > 0 and seen.ahead.count(False) > 0
+    infos = asyncio.run(_infos(verifier, drafter))
+    assert infos[1].used_slots == 0 and infos[1].kv["used_blocks"] == 0
 
 
 async def _infos(verifier, drafter):

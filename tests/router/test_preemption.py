@@ -239,3 +239,47 @@ def test_pingpong_pipeline_under_preemption_keeps_tokens(reference):
         assert s.preemptions > 0
     finally:
         server.close()
+
+
+def test_ahead_pipeline_under_preemption_keeps_tokens(reference):
+    """--pipeline ahead: the drafter fills its outcome cache while each round is verified, and a
+    preempted request's next tree is kept and reused on resume. Greedy tokens are the reference
+    loop's; seeded sampled tokens are those of each request run alone with the outcome cache
+    (its trees decide sampled tokens, and they depend only on the request). Hits happen, and
+    afterwards nothing is left on either side, kept trees included."""
+    server = Served(["--backend", "local", "--max-len", "256", "--max-running", "16", "--kv-blocks", "24",
+                     "--block-size", "16", "--pipeline", "ahead"]).wait_ready()
+    try:
+        prompts = _prompts(reference, 12)
+        greedy = reference.generate(prompts, [SamplingParams(max_tokens=MAX_TOKENS, ignore_eos=True)] * 12)
+        params = [SamplingParams(max_tokens=48, temperature=0.8, seed=i, ignore_eos=True) for i in range(12)]
+        alone = [reference.generate([p], [sp], ahead=True)[0].token_ids for p, sp in zip(prompts, params)]
+        got = _run_concurrently(server.stub, [request(ids=p, max_tokens=MAX_TOKENS, ignore_eos=True) for p in prompts])
+        assert [got[i][0] for i in range(12)] == [g.token_ids for g in greedy]
+        got = _run_concurrently(server.stub, [request(ids=p, max_tokens=48, temperature=0.8, seed=i, ignore_eos=True)
+                                              for i, p in enumerate(prompts)])
+        assert [got[i][0] for i in range(12)] == alone
+        s = _wait_baseline(server)
+        assert s.preemptions > 0 and s.draft_ahead_hits > 0 and s.draft_ahead_misses > 0
+        drafter = server.state["drafter"].engine
+        assert not (drafter.requests or drafter.kept or drafter.ready or drafter.outcomes or len(drafter.store))
+    finally:
+        server.close()
+
+
+def test_ahead_hit_share_at_batch_one(reference):
+    """The issue's number: on the demo pair at batch 1, the share of verdicts served from the
+    outcome cache (printed; run with -s to see it)."""
+    server = Served(["--backend", "local", "--max-len", "256", "--pipeline", "ahead"]).wait_ready()
+    try:
+        prompts = _prompts(reference, 6)
+        expected = reference.generate(prompts, [SamplingParams(max_tokens=64, ignore_eos=True)] * 6)
+        for p, e in zip(prompts, expected):
+            assert collect(server.stub, request(ids=p, max_tokens=64, ignore_eos=True))[0] == e.token_ids
+        s = _wait_baseline(server)
+        share = s.draft_ahead_hits / (s.draft_ahead_hits + s.draft_ahead_misses)
+        print(f"draft-ahead hit share at batch 1: {share:.2f} ({s.draft_ahead_hits} of "
+              f"{s.draft_ahead_hits + s.draft_ahead_misses} verdicts)")
+        assert share > 0.3
+    finally:
+        server.close()
