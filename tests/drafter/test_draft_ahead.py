@@ -5,7 +5,8 @@
 - seeded sampled drafts from the cache carry their own q: batched equals alone, and the output
   distribution is the target's (chi-square), with a control that must be caught;
 - forks share the request's KV blocks and give every block back;
-- the next tree survives preemption (remove with keep_draft, re-prefill at the same length).
+- the next tree survives preemption (remove with keep_draft, re-prefill at the same length);
+- per-request draft length caps (the router's short-draft modes) leave greedy output unchanged.
 """
 
 from __future__ import annotations
@@ -205,3 +206,36 @@ def test_next_tree_is_kept_through_preemption():
     d.remove("r")
     assert not d.kept and not d.requests
     v.release("r")
+
+
+@pytest.mark.parametrize("method,tree", CASES[:2] + CASES[3:], ids=["eagle3-chain", "eagle3-tree", "draft-model"])
+def test_draft_length_caps_per_request(plain, method, tree):
+    """The router's short-draft modes: `draft(ids, num_steps=[...])` caps each request's tree
+    depth on its own; greedy output is unchanged and the trees really are shallower."""
+    from spectandem.tree import node_depths
+
+    prompts, expected = plain
+    spec = _spec(method, **tree)
+    v, d = spec.verifier, spec.drafter
+    ids = [f"r{i}" for i in range(3)]
+    sp = SamplingParams(max_tokens=40)
+    for out, p in zip(v.prefill(ids, prompts[:3], [sp] * 3, [1, 2, 3]), prompts):
+        d.add(out.request_id, p, out.first_token_id, sp, 1, out.features)
+    tokens = {i: [] for i in ids}
+    caps = [1, 2, None]
+    seen_depths = set()
+    while min(len(t) for t in tokens.values()) < 39:
+        drafts = d.draft(ids, caps)
+        depth = node_depths(drafts.parents, drafts.node_valid).masked_fill(~drafts.node_valid, 0).amax(1).tolist()
+        assert depth[0] <= 1 and depth[1] <= 2 and depth[2] <= tree["num_steps"]
+        seen_depths.add(depth[2])
+        outs = v.verify(drafts)
+        for o in outs:
+            tokens[o.request_id] += o.token_ids
+        d.extend(outs)
+    assert max(seen_depths) > 2   # the uncapped request drafts deeper
+    for i, rid in enumerate(ids):
+        assert [expected[i][0]] + tokens[rid][:38] == expected[i][:39]
+    for rid in ids:
+        v.release(rid)
+        d.remove(rid)
