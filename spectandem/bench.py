@@ -1,46 +1,43 @@
-"""`spectandem bench`: speed of the engines on the machine at hand, one run, a table and JSON.
+"""`spectandem bench`: speed of the engines on the machine at hand, one run, a table, JSON and a PNG.
 
-Workloads:
-- demo: the trained demo pair (real acceptance). Per method and mode: batch-1 latency (ms per
-  output token, tokens/s, mean acceptance length) and a throughput sweep over batch sizes; plus
-  transformers' own `generate` on the same target at batch 1.
-- llama8b: a Llama-3.1-8B-shaped target (hidden 4096, 32 layers, 32/8 heads, MLP 14336, vocab
-  128256) with random bf16 weights made on the device (no download): plain decoding at batch 1
-  and its fraction of the memory-bandwidth roofline (bytes of weights and KV read per step over
-  the measured device-to-device copy bandwidth). GPU only.
+Sections (`--sections`, all by default):
+- demo: the trained demo pair (real acceptance), per method and mode: batch-1 latency (ms per
+  output token, tokens/s, mean accept length) and throughput over batch sizes
+  (spectandem/bench_demo.py);
+- hf: transformers' own greedy `generate` on the demo target at batch 1;
+- assisted: transformers' assisted generation, `assistant_model` = the demo draft LM, batch 1;
+- temperature: the demo EAGLE-3 chain at temperatures 0..2, with sampled drafts (rejection
+  sampling with their probabilities) and with greedy drafts (target-only verification);
+- llama8b: plain decoding of a Llama-3.1-8B-shaped bf16 target (random weights, no download)
+  against the copy-bandwidth roofline (spectandem/bench_llama8b.py);
+- controlled: on that target, an EAGLE-3 head of matching shape whose drafts the target accepts
+  at a controlled rate (spectandem/bench_controlled.py), batch 1 and over batch sizes; one
+  verify forward of a 16-node tree against a one-token decode step; measured against ideal;
+- pipeline: the router over in-process links per pipeline mode, and with the drafter on its own
+  GPU where there are two (spectandem/bench_pipeline.py).
+The llama8b sections need CUDA at full size; `--llama8b-scale tiny` runs a small copy anywhere.
 
-This is the first part of the benchmark; the controlled-acceptance proposer, assisted generation
-and the temperature table are not in it yet.
+Output: `--out DIR` (or a .json path) gets bench.json (run-level results and one record per
+configuration: spectandem/bench_records.py), bench.txt (the printed table) and bench.png
+(spectandem/bench_plot.py, with matplotlib; `--plot-from bench.json` draws it later elsewhere).
+The default run takes about 4 minutes on an H200.
 """
 
 from __future__ import annotations
 
 import json
 import time
+from dataclasses import dataclass
 from pathlib import Path
 
-DEMO_MODES = {
-    "none": ("none", {}),
-    "eagle3-chain": ("eagle3", dict(num_steps=4, topk=1, num_draft_tokens=5)),
-    "eagle3-tree": ("eagle3", dict(num_steps=5, topk=4, num_draft_tokens=16)),
-    "eagle3-fused": ("eagle3", dict(num_steps=1, topk=1, num_draft_tokens=2, fused=True)),
-    "eagle-chain": ("eagle", dict(num_steps=4, topk=1, num_draft_tokens=5)),
-    "draft-model-chain": ("draft-model", dict(num_steps=4, topk=1, num_draft_tokens=5)),
-    "ngram-chain": ("ngram", dict(num_steps=4, num_draft_tokens=5)),
-}
-PROMPTS = ["def fibonacci(n):\n", "import os\nimport sys\n\n", "class Queue:\n    def __init__(self",
-           "    for i in range(len(", "# Copyright 2001 Python Software Foundation\n", "def __repr__(self):\n"]
+from spectandem.bench_demo import DEMO_MODES, TEMPERATURES
+from spectandem.bench_records import sync
 
-
-def _sync(device: str) -> None:
-    import torch
-
-    if device.startswith("cuda"):
-        torch.cuda.synchronize()
+SECTIONS = ("demo", "hf", "assisted", "llama8b", "controlled", "temperature", "pipeline")
 
 
 def copy_bandwidth(device: str) -> float:
-    """Device-to-device copy bandwidth in bytes/s, counting bytes read and written."""
+    """Device-to-device copy bandwidth in bytes/s, counting bytes read and written (0 off CUDA)."""
     import torch
 
     if not device.startswith("cuda"):
@@ -49,164 +46,224 @@ def copy_bandwidth(device: str) -> float:
     y = torch.empty_like(x)
     for _ in range(3):
         y.copy_(x)
-    _sync(device)
+    sync(device)
     t0 = time.perf_counter()
     for _ in range(10):
         y.copy_(x)
-    _sync(device)
+    sync(device)
     return 2 * x.numel() * 10 / (time.perf_counter() - t0)
 
 
-def bench_demo(modes: list[str], batch_sizes: list[int], max_tokens: int, device: str, dtype) -> list[dict]:
-    from spectandem.config import SamplingParams, SpecConfig
-    from spectandem.demo import demo_paths
-    from spectandem.local import LocalSpeculator
-
-    records = []
-    for name in modes:
-        method, tree = DEMO_MODES[name]
-        target, draft = demo_paths(method)
-        spec = LocalSpeculator(target, draft, SpecConfig(method=method, **tree), max_slots=max(batch_sizes),
-                               max_len=512, dtype=dtype, device=device)
-        prompts = [spec.tokenizer.encode(p).ids for p in PROMPTS]
-        params = SamplingParams(max_tokens=max_tokens, ignore_eos=True)
-        spec.generate(prompts[:1], [params])  # warm-up
-        for b in batch_sizes:
-            batch = [prompts[i % len(prompts)] for i in range(b)]
-            _sync(device)
-            t0 = time.perf_counter()
-            outs = spec.generate(batch, [params] * b)
-            _sync(device)
-            dt = time.perf_counter() - t0
-            toks = sum(len(o.token_ids) for o in outs)
-            rounds = sum(o.stats.num_rounds for o in outs)
-            acc = sum(o.stats.accepted_tokens for o in outs)
-            records.append({"workload": "demo", "method": method, "mode": name, "batch_size": b,
-                            "tokens_per_s": round(toks / dt, 1), "ms_per_token": round(1000 * dt / (toks / b), 3),
-                            "accept_length": round((acc + rounds) / rounds, 3) if rounds else 1.0,
-                            "acceptance_rate": None})
-    return records
+def _numbers(text: str, kind, flag: str, low: float, high: float = float("inf")) -> tuple:
+    try:
+        values = tuple(kind(v) for v in text.split(",") if v.strip())
+    except ValueError:
+        raise ValueError(f"{flag}: expected comma-separated numbers, got {text!r}") from None
+    if not values or any(not low <= v <= high for v in values):
+        raise ValueError(f"{flag}: need one or more values in [{low}, {high}], got {text!r}")
+    return values
 
 
-def bench_hf_generate(max_tokens: int, device: str, dtype) -> dict:
-    import torch
-    from transformers import AutoModelForCausalLM
+@dataclass(frozen=True, kw_only=True)
+class BenchPlan:
+    """What one run measures, checked before anything loads."""
 
-    from spectandem.checkpoint import load_tokenizer
-    from spectandem.demo import demo_paths
+    sections: tuple[str, ...]
+    device: str
+    modes: tuple[str, ...]
+    batch_sizes: tuple[int, ...]
+    temperatures: tuple[float, ...]
+    acceptance_rates: tuple[float, ...]
+    pipeline_modes: tuple[str, ...]
+    pipeline_batch_sizes: tuple[int, ...]
 
-    target = demo_paths("none")[0]
-    model = AutoModelForCausalLM.from_pretrained(str(target), dtype=dtype).to(device).eval()
-    ids = torch.tensor([load_tokenizer(target).encode(PROMPTS[0]).ids], device=device)
-    kw = dict(attention_mask=torch.ones_like(ids), max_new_tokens=max_tokens, min_new_tokens=max_tokens,
-              do_sample=False, pad_token_id=0)
-    with torch.no_grad():
-        model.generate(ids, **kw)
-        _sync(device)
-        t0 = time.perf_counter()
-        model.generate(ids, **kw)
-        _sync(device)
-    dt = time.perf_counter() - t0
-    return {"workload": "demo", "method": "transformers-generate", "mode": "plain", "batch_size": 1,
-            "tokens_per_s": round(max_tokens / dt, 1), "ms_per_token": round(1000 * dt / max_tokens, 3),
-            "accept_length": 1.0, "acceptance_rate": None}
-
-
-def llama8b_spec():
-    from spectandem.modeling.layers import RopeSpec
-    from spectandem.modeling.llama import LlamaSpec
-
-    return LlamaSpec(architecture="LlamaForCausalLM", vocab_size=128256, hidden_size=4096, intermediate_size=14336,
-                     num_layers=32, num_heads=32, num_kv_heads=8, head_dim=128, rms_norm_eps=1e-5,
-                     rope=RopeSpec(head_dim=128, theta=500000.0, kind="llama3", factor=8.0, low_freq_factor=1.0,
-                                   high_freq_factor=4.0, original_max_position=8192),
-                     max_position_embeddings=131072, tie_word_embeddings=False, qkv_bias=False, o_bias=False,
-                     mlp_bias=False, qk_norm=False, eos_token_ids=(128001,))
-
-
-def bench_llama8b_plain(device: str, steps: int, context: int, bandwidth: float) -> dict:
-    """Plain decoding at batch 1 of an 8B-shaped bf16 target with random weights."""
-    import torch
-
-    from spectandem.kv_cache import PagedKVCache
-    from spectandem.modeling.llama import LlamaModel
-
-    spec = llama8b_spec()
-    with torch.device(device):
-        model = LlamaModel(spec).to(torch.bfloat16).eval()
-    for p in model.parameters():
-        torch.nn.init.normal_(p, std=0.02)
-    weight_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
-    cache = PagedKVCache(spec.num_layers, 1, spec.num_kv_heads, context + steps + 1, spec.head_dim, torch.bfloat16,
-                         device, block_size=16)
-    slot = torch.zeros(1, dtype=torch.long, device=device)
-    cache.reserve(0, context + steps)
-    with torch.no_grad():
-        ids = torch.randint(0, spec.vocab_size, (1, context), device=device)
-        pos = torch.arange(context, device=device)[None]
-        mask = torch.tril(torch.ones(context, context, dtype=torch.bool, device=device))[None]
-        model(ids, pos, cache.batch(slot, pos, context), mask)
-        tok = torch.zeros(1, 1, dtype=torch.long, device=device)
-        times = []
-        for i in range(steps):
-            n = context + i
-            p = torch.tensor([[n]], device=device)
-            _sync(device)
-            t0 = time.perf_counter()
-            h, _ = model(tok, p, cache.batch(slot, p, n + 1), torch.ones(1, 1, n + 1, dtype=torch.bool, device=device))
-            tok = model.logits(h[:, -1:]).argmax(-1)
-            _sync(device)
-            times.append(time.perf_counter() - t0)
-    step = sorted(times)[len(times) // 2]
-    kv_bytes = 2 * spec.num_layers * spec.num_kv_heads * spec.head_dim * 2 * (context + steps // 2)
-    floor = (weight_bytes + kv_bytes) / bandwidth if bandwidth else 0.0
-    return {"workload": "llama8b", "method": "none", "mode": "plain", "batch_size": 1,
-            "tokens_per_s": round(1 / step, 1), "ms_per_token": round(1000 * step, 3), "accept_length": 1.0,
-            "acceptance_rate": None, "roofline_ms": round(1000 * floor, 3),
-            "roofline_fraction": round(floor / step, 3) if floor else None,
-            "weight_bytes": weight_bytes, "context": context}
+    @staticmethod
+    def from_args(args, device: str) -> "BenchPlan":
+        sections = tuple(s for s in args.sections.split(",") if s)
+        unknown = sorted(set(sections) - set(SECTIONS))
+        if unknown or not sections:
+            raise ValueError(f"--sections: unknown {unknown or sections}; choose from {', '.join(SECTIONS)}")
+        modes = tuple(args.modes.split(","))
+        bad = sorted(set(modes) - set(DEMO_MODES))
+        if bad:
+            raise ValueError(f"--modes: unknown {bad}; choose from {', '.join(DEMO_MODES)}")
+        for flag in ("max_tokens", "prompts", "controlled_steps", "llama8b_steps", "llama8b_context",
+                     "llama8b_prompt_len"):
+            if getattr(args, flag) < 1:
+                raise ValueError(f"--{flag.replace('_', '-')} must be >= 1, got {getattr(args, flag)}")
+        needs_8b = sorted({"llama8b", "controlled"} & set(sections))
+        if needs_8b and args.llama8b_scale == "full" and not device.startswith("cuda"):
+            raise ValueError(f"sections {', '.join(needs_8b)} at full size need a CUDA device (--device cuda); "
+                             "--llama8b-scale tiny runs a small copy of them on any device")
+        return BenchPlan(sections=sections, device=device, modes=modes,
+                         batch_sizes=_numbers(args.batch_sizes, int, "--batch-sizes", 1),
+                         temperatures=_numbers(args.temperatures, float, "--temperatures", 0.0),
+                         acceptance_rates=_numbers(args.acceptance_rates, float, "--acceptance-rates", 0.0, 1.0),
+                         pipeline_modes=tuple(m for m in args.pipeline_modes.split(",") if m),
+                         pipeline_batch_sizes=_numbers(args.pipeline_batch_sizes, int, "--pipeline-batch-sizes", 1))
 
 
 def add_bench(sub) -> None:
-    p = sub.add_parser("bench", help="measure speed on this machine (table + JSON)")
-    p.add_argument("--workloads", default="demo,llama8b", help="comma-separated: demo, llama8b (GPU only)")
+    p = sub.add_parser("bench", help="measure speed on this machine (table + JSON + PNG)")
+    p.add_argument("--sections", default=",".join(SECTIONS), help=f"comma-separated: {', '.join(SECTIONS)}")
     p.add_argument("--modes", default=",".join(DEMO_MODES), help=f"demo modes: {', '.join(DEMO_MODES)}")
-    p.add_argument("--batch-sizes", default="1,4,16,64")
-    p.add_argument("--max-tokens", type=int, default=128)
+    p.add_argument("--batch-sizes", default="1,4,16,64", help="demo and controlled sweeps")
+    p.add_argument("--max-tokens", type=int, default=128, help="generated tokens per request")
+    p.add_argument("--prompts", type=int, default=3, help="prompts run one after the other for batch-1 rows")
     p.add_argument("--device", default=None, help="cuda when available, else cpu")
-    p.add_argument("--dtype", choices=["float32", "bfloat16"], default="float32")
-    p.add_argument("--llama8b-steps", type=int, default=64)
-    p.add_argument("--llama8b-context", type=int, default=512)
-    p.add_argument("--out", default="benchmarks/results/bench.json")
+    p.add_argument("--dtype", choices=["float32", "bfloat16"], default="float32", help="demo pair dtype")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--temperatures", default=",".join(str(t) for t in TEMPERATURES))
+    p.add_argument("--llama8b-scale", choices=["full", "tiny"], default="full",
+                   help="full: the 8B shapes (CUDA only); tiny: a small copy (any device); bf16 on CUDA, else fp32")
+    p.add_argument("--llama8b-steps", type=int, default=64, help="plain decoding steps of the roofline row")
+    p.add_argument("--llama8b-context", type=int, default=512, help="context of the roofline and verify-forward rows")
+    p.add_argument("--llama8b-prompt-len", type=int, default=32, help="random prompt length of the controlled runs")
+    p.add_argument("--acceptance-rates", default="0.6,0.8,0.9")
+    p.add_argument("--controlled-steps", type=int, default=4, help="drafts per chain in the controlled runs")
+    p.add_argument("--pipeline-modes", default="sequential,pingpong,ahead",
+                   help="router pipeline modes (those RouterConfig rejects are skipped)")
+    p.add_argument("--pipeline-batch-sizes", default="4,16,64")
+    p.add_argument("--out", default="benchmarks/results/bench.json",
+                   help="a directory (bench.json, .txt, .png in it) or a .json path (.txt, .png beside it)")
+    p.add_argument("--plot", default=None, help="PNG path (default: beside the JSON)")
+    p.add_argument("--plot-from", default=None, metavar="JSON",
+                   help="only draw the PNG from an earlier run's JSON (measures nothing)")
     p.set_defaults(func=_bench)
+
+
+def _llama8b(plan: BenchPlan, args, bandwidth: float) -> tuple[list[dict], dict | None]:
+    """The llama8b and controlled sections on one target (built once)."""
+    import torch
+
+    from spectandem.bench_llama8b import (SHAPES, ControlledRuns, bench_controlled, bench_plain_roofline,
+                                          llama8b_spec, random_eagle3_head, random_target, verify_forward_times)
+
+    device = plan.device
+    dtype = torch.bfloat16 if device.startswith("cuda") else torch.float32
+    model = random_target(llama8b_spec(args.llama8b_scale), device, dtype, args.seed)
+    records, verify = [], None
+    if "llama8b" in plan.sections:
+        records.append(bench_plain_roofline(model, device, args.llama8b_steps, args.llama8b_context, bandwidth))
+    if "controlled" in plan.sections:
+        head = random_eagle3_head(model, SHAPES[args.llama8b_scale]["draft_vocab_size"], device, dtype, args.seed)
+        verify = verify_forward_times(model, head.spec.aux_layers, device, args.llama8b_context,
+                                      args.controlled_steps + 1)
+        runs = ControlledRuns(model, head, device, max(plan.batch_sizes), args.prompts, args.llama8b_prompt_len,
+                              args.max_tokens, args.controlled_steps, args.seed)
+        records += bench_controlled(runs, list(plan.acceptance_rates), list(plan.batch_sizes), verify)
+    for r in records:
+        r["scale"] = args.llama8b_scale
+    return records, verify
+
+
+def _measure(plan: BenchPlan, args, dtype, bandwidth: float) -> tuple[list[dict], dict]:
+    """-> (records, run-level results: verify_forward, skipped_pipeline_modes)."""
+    from spectandem import bench_demo
+
+    device, sections, records = plan.device, plan.sections, []
+    info = {"verify_forward": None, "skipped_pipeline_modes": []}
+    if "demo" in sections:
+        records += bench_demo.bench_demo(list(plan.modes), list(plan.batch_sizes), args.prompts, args.max_tokens,
+                                         device, dtype)
+    for name, assisted in (("hf", False), ("assisted", True)):
+        if name in sections:
+            records.append(bench_demo.bench_hf(args.prompts, args.max_tokens, device, dtype, assisted))
+    if "temperature" in sections:
+        records += bench_demo.bench_temperature(list(plan.temperatures), args.prompts, args.max_tokens, device,
+                                                dtype, args.seed)
+    if {"llama8b", "controlled"} & set(sections):
+        more, info["verify_forward"] = _llama8b(plan, args, bandwidth)
+        records += more
+    if "pipeline" in sections:
+        from spectandem.bench_pipeline import bench_pipeline, split_modes
+
+        modes, rejected = split_modes(list(plan.pipeline_modes))
+        info["skipped_pipeline_modes"] = rejected
+        if rejected:
+            print(f"pipeline modes RouterConfig rejects, skipped: {', '.join(rejected)}")
+        if modes:
+            records += bench_pipeline(modes, list(plan.pipeline_batch_sizes), args.max_tokens, device, dtype)
+    return records, info
+
+
+def _note(r: dict) -> str:
+    notes = []
+    if r.get("roofline_fraction") is not None:
+        notes.append(f"roofline {r['roofline_fraction']:.2f} of {r['roofline_ms']} ms")
+    if r.get("temperature") is not None:
+        notes.append(f"T={r['temperature']} {r['drafts']} drafts")
+    if r.get("speedup") is not None:
+        notes.append(f"speedup {r['speedup']:.2f}x (expect accept {r['expected_accept_length']})")
+    if r.get("measured_over_ideal") is not None:
+        notes.append(f"{r['measured_over_ideal']:.2f} of ideal {r['ideal_tokens_per_s']}/s")
+    if r.get("matches_plain") is False:
+        notes.append("OUTPUT DIFFERS FROM PLAIN")
+    if r.get("rounds_per_s") is not None:
+        notes.append(f"rounds/s {r['rounds_per_s']} {r['placement']}")
+    if r.get("target_forwards") is not None and r["method"] == "hf-assisted":
+        notes.append(f"{r['target_forwards']} target forwards")
+    return ", ".join(notes)
+
+
+def format_table(results: dict) -> str:
+    lines = [f"device {results['gpu']}, copy bandwidth {results['copy_bandwidth'] / 1e12:.2f} TB/s",
+             f"{'section':<11} {'workload':<8} {'method':<21} {'mode':<17} {'batch':>5} {'a':>4} {'tokens/s':>9} "
+             f"{'ms/token':>9} {'accept':>6}  notes"]
+    for r in results["records"]:
+        a = "" if r["acceptance_rate"] is None else f"{r['acceptance_rate']:g}"
+        lines.append(f"{r['section']:<11} {r['workload']:<8} {r['method']:<21} {r['mode']:<17} {r['batch_size']:>5} "
+                     f"{a:>4} {r['tokens_per_s']:>9} {r['ms_per_token']:>9} {r['accept_length']:>6}  {_note(r)}")
+    v = results.get("verify_forward")
+    if v:
+        lines.append(f"verify forward at context {v['context']}: decode {v['decode_ms']} ms, "
+                     f"chain of {v['chain_nodes']} {v['chain_ms']} ms ({v['chain_over_decode']}x), "
+                     f"16-node tree {v['tree16_ms']} ms ({v['tree16_over_decode']}x decode; "
+                     f"target <= {v['target_tree16_over_decode']}x)")
+    return "\n".join(lines)
+
+
+def _paths(out: str, plot: str | None) -> tuple[Path, Path, Path]:
+    """(JSON, table, PNG) paths for --out DIR or --out FILE.json."""
+    out_path = Path(out)
+    json_path = out_path if out_path.suffix == ".json" else out_path / "bench.json"
+    return json_path, json_path.with_suffix(".txt"), Path(plot) if plot else json_path.with_suffix(".png")
 
 
 def _bench(args) -> int:
     import torch
+    import transformers
 
+    from spectandem import bench_plot
+
+    if args.plot_from:
+        if not bench_plot.have_matplotlib():
+            raise ValueError("--plot-from needs matplotlib: pip install 'spectandem[bench]'")
+        print(f"-> {bench_plot.draw_from(args.plot_from, args.plot)}")
+        return 0
     device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
-    dtype = getattr(torch, args.dtype)
-    workloads = args.workloads.split(",")
+    plan = BenchPlan.from_args(args, device)
+    json_path, txt_path, png_path = _paths(args.out, args.plot)
+    t0 = time.perf_counter()
     bandwidth = copy_bandwidth(device)
-    records = []
-    if "demo" in workloads:
-        records += bench_demo(args.modes.split(","), [int(b) for b in args.batch_sizes.split(",")], args.max_tokens,
-                              device, dtype)
-        records.append(bench_hf_generate(args.max_tokens, device, dtype))
-    if "llama8b" in workloads:
-        if not device.startswith("cuda"):
-            raise ValueError("the llama8b workload needs a CUDA device (--device cuda)")
-        records.append(bench_llama8b_plain(device, args.llama8b_steps, args.llama8b_context, bandwidth))
-    gpu = torch.cuda.get_device_name() if device.startswith("cuda") else "cpu"
-    print(f"device {gpu}, copy bandwidth {bandwidth / 1e12:.2f} TB/s")
-    print(f"{'workload':<9} {'mode':<20} {'batch':>5} {'tokens/s':>10} {'ms/token':>9} {'accept_len':>10} {'roofline':>8}")
-    for r in records:
-        roof = f"{r['roofline_fraction']:.2f}" if r.get("roofline_fraction") else ""
-        print(f"{r['workload']:<9} {r['mode'] if r['method'] != 'transformers-generate' else 'hf-generate':<20} "
-              f"{r['batch_size']:>5} {r['tokens_per_s']:>10} {r['ms_per_token']:>9} {r['accept_length']:>10} {roof:>8}")
-    out = Path(args.out)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps({"device": gpu, "copy_bandwidth_bytes_per_s": bandwidth, "dtype": args.dtype,
-                               "records": records}, indent=2) + "\n")
-    print(f"-> {out}")
+    records, info = _measure(plan, args, getattr(torch, args.dtype), bandwidth)
+    gpu = torch.cuda.get_device_name(device) if device.startswith("cuda") else "cpu"
+    results = {"gpu": gpu, "copy_bandwidth": bandwidth, "device": gpu, "copy_bandwidth_bytes_per_s": bandwidth,
+               "dtype": args.dtype, "torch": torch.__version__, "transformers": transformers.__version__,
+               "seconds": round(time.perf_counter() - t0, 1),
+               "settings": {k: v for k, v in vars(args).items() if k not in ("func", "plot_from")},
+               **info, "records": records}
+    table = format_table(results)
+    print(table)
+    json_path.parent.mkdir(parents=True, exist_ok=True)
+    json_path.write_text(json.dumps(results, indent=2) + "\n")
+    txt_path.write_text(table + "\n")
+    print(f"-> {json_path}, {txt_path} ({results['seconds']} s)")
+    if not bench_plot.plottable(results):
+        print("no plot: no series over two or more batch sizes and no controlled speedups")
+    elif not bench_plot.have_matplotlib():
+        print(f"plot skipped: matplotlib is not installed (pip install 'spectandem[bench]'); draw it later with "
+              f"spectandem bench --plot-from {json_path} --plot {png_path}")
+    else:
+        print(f"-> {bench_plot.draw(results, png_path)}")
     return 0

@@ -1,0 +1,92 @@
+"""The benchmark's controlled-acceptance drafts: the plan, and the proposer that swaps them into
+a real proposer's chains (spectandem/bench_controlled.py)."""
+
+import pytest
+import torch
+
+from drafter.proposers import DraftRequest
+from drafter.tree import TreeDraft
+from spectandem.bench_controlled import ControlledProposer, expected_accept_length, plan_drafts
+from spectandem.config import SamplingParams, SpecConfig
+
+VOCAB = 50
+
+
+def test_plan_keeps_the_prompt_and_replaces_at_the_planned_rate():
+    truth = [i % VOCAB for i in range(5000)]
+    assert plan_drafts(truth, 10, 1.0, VOCAB, "s").drafts == tuple(truth)
+    none = plan_drafts(truth, 10, 0.0, VOCAB, "s").drafts
+    assert none[:10] == tuple(truth[:10]) and all(d != t for d, t in zip(none[10:], truth[10:]))
+    plan = plan_drafts(truth, 10, 0.7, VOCAB, "s")
+    kept = sum(d == t for d, t in zip(plan.drafts[10:], truth[10:])) / (len(truth) - 10)
+    assert 0.67 < kept < 0.73
+    assert all(0 <= d < VOCAB for d in plan.drafts)
+    assert plan == plan_drafts(truth, 10, 0.7, VOCAB, "s") != plan_drafts(truth, 10, 0.7, VOCAB, "t")
+    with pytest.raises(ValueError, match="acceptance rate"):
+        plan_drafts(truth, 10, 1.5, VOCAB, "s")
+
+
+def test_expected_accept_length():
+    assert expected_accept_length(0.8, 4) == pytest.approx(1 + 0.8 + 0.64 + 0.512 + 0.4096)
+    assert expected_accept_length(1.0, 4) == 5 and expected_accept_length(0.0, 4) == 1
+
+
+class _ScriptedProposer:
+    """A chain proposer that drafts token 0 at every node and records its calls."""
+
+    feature_layers = (1, 2, 3)
+
+    def __init__(self, cfg):
+        self.cfg, self.calls = cfg, []
+
+    def catch_up(self, reqs, num_new, features):
+        self.calls.append(("catch_up", [r.request_id for r in reqs], list(num_new)))
+
+    def propose(self, reqs, num_steps=None):
+        self.calls.append(("propose", [r.request_id for r in reqs], num_steps))
+        m = num_steps or self.cfg.num_steps
+        return TreeDraft(token_ids=torch.zeros(len(reqs), m, dtype=torch.long),
+                         parents=torch.arange(m).expand(len(reqs), m).clone(), scores=torch.zeros(len(reqs), m))
+
+    def kv_stats(self):
+        return {"used_blocks": 1}
+
+    def remove(self, request_id):
+        self.calls.append(("remove", request_id))
+
+
+def _req(rid, tokens, temperature=0.0):
+    params = SamplingParams(temperature=temperature)
+    return DraftRequest(rid, list(tokens), params, 0, sample_drafts=temperature > 0)
+
+
+def test_proposer_runs_the_inner_one_and_drafts_the_plan():
+    inner = _ScriptedProposer(SpecConfig(method="eagle3", num_steps=3, topk=1, num_draft_tokens=4))
+    truth = list(range(10, 30))
+    plans = {"a": plan_drafts(truth, 4, 1.0, VOCAB, "a"), "b": plan_drafts(truth, 4, 0.0, VOCAB, "b")}
+    p = ControlledProposer(inner, plans)
+    assert p.feature_layers == (1, 2, 3) and p.kv_stats() == {"used_blocks": 1}
+    reqs = [_req("a", truth[:6]), _req("b", truth[:6])]
+    p.catch_up(reqs, [5, 5], [None, None])
+    tree = p.propose(reqs)
+    # committed_len 6: the chain drafts positions 6, 7, 8.
+    assert tree.token_ids[0].tolist() == truth[6:9]
+    assert tree.token_ids[1].tolist() == list(plans["b"].drafts[6:9]) and all(
+        d != t for d, t in zip(tree.token_ids[1].tolist(), truth[6:9]))
+    assert p.propose(reqs, num_steps=2).token_ids[0].tolist() == truth[6:8]
+    assert [c[0] for c in inner.calls] == ["catch_up", "propose", "propose"] and inner.calls[2][2] == 2
+    assert not p.diverged
+    reqs[1].token_ids.append(99)   # a committed token the truth does not have
+    p.catch_up(reqs[1:], [1], [None])
+    assert p.diverged == {"b"}
+    p.remove("a")
+    assert inner.calls[-1] == ("remove", "a")
+
+
+def test_proposer_refuses_trees_and_sampled_drafts():
+    with pytest.raises(ValueError, match="topk 1"):
+        ControlledProposer(_ScriptedProposer(SpecConfig(method="eagle3", num_steps=3, topk=2, num_draft_tokens=6)), {})
+    p = ControlledProposer(_ScriptedProposer(SpecConfig(method="eagle3", num_steps=3, topk=1, num_draft_tokens=4)),
+                           {"a": plan_drafts(list(range(20)), 4, 1.0, VOCAB, "a")})
+    with pytest.raises(ValueError, match="deterministic drafts"):
+        p.propose([_req("a", range(6), temperature=1.0)])
