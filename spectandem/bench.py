@@ -76,6 +76,7 @@ class BenchPlan:
     acceptance_rates: tuple[float, ...]
     pipeline_modes: tuple[str, ...]
     pipeline_batch_sizes: tuple[int, ...]
+    cuda_graphs: bool = False
 
     @staticmethod
     def from_args(args, device: str) -> "BenchPlan":
@@ -95,7 +96,10 @@ class BenchPlan:
         if needs_8b and args.llama8b_scale == "full" and not device.startswith("cuda"):
             raise ValueError(f"sections {', '.join(needs_8b)} at full size need a CUDA device (--device cuda); "
                              "--llama8b-scale tiny runs a small copy of them on any device")
-        return BenchPlan(sections=sections, device=device, modes=modes,
+        if args.cuda_graphs == "on" and not device.startswith("cuda"):
+            raise ValueError("--cuda-graphs on needs a CUDA device")
+        graphs = device.startswith("cuda") and args.cuda_graphs != "off"
+        return BenchPlan(sections=sections, device=device, modes=modes, cuda_graphs=graphs,
                          batch_sizes=_numbers(args.batch_sizes, int, "--batch-sizes", 1),
                          temperatures=_numbers(args.temperatures, float, "--temperatures", 0.0),
                          acceptance_rates=_numbers(args.acceptance_rates, float, "--acceptance-rates", 0.0, 1.0),
@@ -124,6 +128,8 @@ def add_bench(sub) -> None:
     p.add_argument("--pipeline-modes", default="sequential,pingpong,ahead",
                    help="router pipeline modes (those RouterConfig rejects are skipped)")
     p.add_argument("--pipeline-batch-sizes", default="4,16,64")
+    p.add_argument("--cuda-graphs", choices=["auto", "on", "off"], default="auto",
+                   help="engines replay CUDA graphs (auto: on CUDA); the 8B plain row is measured both ways")
     p.add_argument("--out", default="benchmarks/results/bench.json",
                    help="a directory (bench.json, .txt, .png in it) or a .json path (.txt, .png beside it)")
     p.add_argument("--plot", default=None, help="PNG path (default: beside the JSON)")
@@ -145,12 +151,15 @@ def _llama8b(plan: BenchPlan, args, bandwidth: float) -> tuple[list[dict], dict 
     records, verify = [], None
     if "llama8b" in plan.sections:
         records.append(bench_plain_roofline(model, device, args.llama8b_steps, args.llama8b_context, bandwidth))
+        if plan.cuda_graphs:
+            records.append(bench_plain_roofline(model, device, args.llama8b_steps, args.llama8b_context, bandwidth,
+                                                cuda_graphs=True))
     if "controlled" in plan.sections:
         head = random_eagle3_head(model, SHAPES[args.llama8b_scale]["draft_vocab_size"], device, dtype, args.seed)
         verify = verify_forward_times(model, head.spec.aux_layers, device, args.llama8b_context,
-                                      args.controlled_steps + 1)
+                                      args.controlled_steps + 1, cuda_graphs=plan.cuda_graphs)
         runs = ControlledRuns(model, head, device, max(plan.batch_sizes), args.prompts, args.llama8b_prompt_len,
-                              args.max_tokens, args.controlled_steps, args.seed)
+                              args.max_tokens, args.controlled_steps, args.seed, plan.cuda_graphs)
         records += bench_controlled(runs, list(plan.acceptance_rates), list(plan.batch_sizes), verify)
     for r in records:
         r["scale"] = args.llama8b_scale
@@ -165,13 +174,13 @@ def _measure(plan: BenchPlan, args, dtype, bandwidth: float) -> tuple[list[dict]
     info = {"verify_forward": None, "skipped_pipeline_modes": []}
     if "demo" in sections:
         records += bench_demo.bench_demo(list(plan.modes), list(plan.batch_sizes), args.prompts, args.max_tokens,
-                                         device, dtype)
+                                         device, dtype, plan.cuda_graphs)
     for name, assisted in (("hf", False), ("assisted", True)):
         if name in sections:
             records.append(bench_demo.bench_hf(args.prompts, args.max_tokens, device, dtype, assisted))
     if "temperature" in sections:
         records += bench_demo.bench_temperature(list(plan.temperatures), args.prompts, args.max_tokens, device,
-                                                dtype, args.seed)
+                                                dtype, args.seed, plan.cuda_graphs)
     if {"llama8b", "controlled"} & set(sections):
         more, info["verify_forward"] = _llama8b(plan, args, bandwidth)
         records += more
@@ -183,7 +192,8 @@ def _measure(plan: BenchPlan, args, dtype, bandwidth: float) -> tuple[list[dict]
         if rejected:
             print(f"pipeline modes RouterConfig rejects, skipped: {', '.join(rejected)}")
         if modes:
-            records += bench_pipeline(modes, list(plan.pipeline_batch_sizes), args.max_tokens, device, dtype)
+            records += bench_pipeline(modes, list(plan.pipeline_batch_sizes), args.max_tokens, device, dtype,
+                                      plan.cuda_graphs)
     return records, info
 
 
@@ -249,7 +259,7 @@ def _bench(args) -> int:
     records, info = _measure(plan, args, getattr(torch, args.dtype), bandwidth)
     gpu = torch.cuda.get_device_name(device) if device.startswith("cuda") else "cpu"
     results = {"gpu": gpu, "copy_bandwidth": bandwidth, "device": gpu, "copy_bandwidth_bytes_per_s": bandwidth,
-               "dtype": args.dtype, "torch": torch.__version__, "transformers": transformers.__version__,
+               "cuda_graphs": plan.cuda_graphs, "dtype": args.dtype, "torch": torch.__version__, "transformers": transformers.__version__,
                "seconds": round(time.perf_counter() - t0, 1),
                "settings": {k: v for k, v in vars(args).items() if k not in ("func", "plot_from")},
                **info, "records": records}

@@ -100,9 +100,12 @@ def random_eagle3_head(target, draft_vocab_size: int, device: str, dtype, seed: 
     return head.eval()
 
 
-def bench_plain_roofline(model, device: str, steps: int, context: int, bandwidth: float) -> dict:
-    """Plain decoding at batch 1: the model's own forward over a KV cache, `steps` tokens after a
-    `context`-token prefix; the median step against (weights + KV bytes) / copy bandwidth."""
+def bench_plain_roofline(model, device: str, steps: int, context: int, bandwidth: float,
+                         cuda_graphs: bool = False) -> dict:
+    """Plain decoding at batch 1, `steps` tokens after a `context`-token prefix; the median step
+    against (weights + KV bytes) / copy bandwidth. Eager: the model's own forward over a KV cache.
+    With `cuda_graphs`: the verifier runner's one-node verify and commit (what the engine runs),
+    replayed as a CUDA graph."""
     import torch
 
     from spectandem.kv_cache import PagedKVCache
@@ -116,32 +119,63 @@ def bench_plain_roofline(model, device: str, steps: int, context: int, bandwidth
     slot = torch.zeros(1, dtype=torch.long, device=device)
     cache.reserve(0, context + steps)
     times = []
-    with torch.no_grad():
-        ids = torch.randint(0, spec.vocab_size, (1, context), generator=torch.Generator().manual_seed(0)).to(device)
-        pos = torch.arange(context, device=device)[None]
-        mask = torch.tril(torch.ones(context, context, dtype=torch.bool, device=device))[None]
-        model(ids, pos, cache.batch(slot, pos, context), mask)
-        tok = torch.zeros(1, 1, dtype=torch.long, device=device)
-        for i in range(steps):
-            n = context + i
-            p = torch.tensor([[n]], device=device)
-            visible = torch.ones(1, 1, n + 1, dtype=torch.bool, device=device)
+    if cuda_graphs:
+        times = _graphed_plain_steps(model, device, steps, context)
+    else:
+        with torch.no_grad():
+            ids = torch.randint(0, spec.vocab_size, (1, context), generator=torch.Generator().manual_seed(0)).to(device)
+            pos = torch.arange(context, device=device)[None]
+            mask = torch.tril(torch.ones(context, context, dtype=torch.bool, device=device))[None]
+            model(ids, pos, cache.batch(slot, pos, context), mask)
+            tok = torch.zeros(1, 1, dtype=torch.long, device=device)
+            for i in range(steps):
+                n = context + i
+                p = torch.tensor([[n]], device=device)
+                visible = torch.ones(1, 1, n + 1, dtype=torch.bool, device=device)
 
-            def step():
-                h, _ = model(tok, p, cache.batch(slot, p, n + 1), visible)
-                return model.logits(h[:, -1:]).argmax(-1)
-            tok, dt = timed(step, (device,))
-            times.append(dt)
+                def step():
+                    h, _ = model(tok, p, cache.batch(slot, p, n + 1), visible)
+                    return model.logits(h[:, -1:]).argmax(-1)
+                tok, dt = timed(step, (device,))
+                times.append(dt)
     step = sorted(times)[len(times) // 2]
     kv_bytes = 2 * spec.num_layers * spec.num_kv_heads * spec.head_dim * elem * (context + steps // 2)
     floor = (weight_bytes + kv_bytes) / bandwidth if bandwidth else 0.0
-    return record(section="llama8b", workload="llama8b", method="none", mode="plain", batch_size=1, tokens=1,
+    return record(section="llama8b", workload="llama8b", method="none",
+                  mode="plain-cuda-graphs" if cuda_graphs else "plain", batch_size=1, tokens=1,
                   seconds=step, accept_length=1.0, roofline_fraction=round(floor / step, 3) if floor else None,
-                  roofline_ms=round(1000 * floor, 3), weight_bytes=weight_bytes, context=context)
+                  roofline_ms=round(1000 * floor, 3), weight_bytes=weight_bytes, context=context,
+                  cuda_graphs=cuda_graphs)
+
+
+def _graphed_plain_steps(model, device: str, steps: int, context: int) -> list[float]:
+    """Per-step seconds of plain decoding through NativeRunner with CUDA graphs: each step is a
+    one-node verify (the graph, argmax inside) and its commit."""
+    import torch
+
+    from verifier.runner import NativeRunner
+
+    runner = NativeRunner(model, None, 1, context + steps + 1, cuda_graphs=True)
+    v = model.spec.vocab_size
+    logits, _ = runner.prefill([0], [torch.randint(0, v, (context,), generator=torch.Generator().manual_seed(0)).tolist()])
+    tok = int(logits[0].argmax())
+    parents, valid, accepted = torch.tensor([[-1]]), torch.ones(1, 1, dtype=torch.bool), torch.tensor([[0]])
+    times = []
+    for i in range(steps):
+        n = context + i
+
+        def step():
+            out, _ = runner.verify([0], [n], torch.tensor([[tok]]), parents, valid)
+            runner.commit([0], [n], accepted)
+            return int(out[0, 0].argmax())
+        tok, dt = timed(step, (device,))
+        times.append(dt)
+    runner.release(0)
+    return times
 
 
 def verify_forward_times(model, feature_layers, device: str, context: int, chain_nodes: int,
-                         repeats: int = 20) -> dict:
+                         repeats: int = 20, cuda_graphs: bool = False) -> dict:
     """Median time of one verify forward (runner.verify: the target over N nodes with tree
     attention, logits of every node) at batch 1 after `context` tokens, for a one-token decode
     step, a chain of `chain_nodes` nodes and a 16-node tree."""
@@ -151,7 +185,7 @@ def verify_forward_times(model, feature_layers, device: str, context: int, chain
 
     g = torch.Generator().manual_seed(0)
     v = model.spec.vocab_size
-    runner = NativeRunner(model, feature_layers, 1, context + 32)
+    runner = NativeRunner(model, feature_layers, 1, context + 32, cuda_graphs=cuda_graphs)
     runner.prefill([0], [torch.randint(0, v, (context,), generator=g).tolist()])
     shapes = {"decode": (-1,), "chain": tuple(range(-1, chain_nodes - 1)), "tree16": TREE16_PARENTS}
     out = {}
@@ -167,7 +201,8 @@ def verify_forward_times(model, feature_layers, device: str, context: int, chain
     sync(device)
     return {"context": context, "chain_nodes": chain_nodes, "tree_nodes": len(TREE16_PARENTS), **out,
             "tree16_over_decode": round(out["tree16_ms"] / out["decode_ms"], 3),
-            "chain_over_decode": round(out["chain_ms"] / out["decode_ms"], 3), "target_tree16_over_decode": 1.2}
+            "chain_over_decode": round(out["chain_ms"] / out["decode_ms"], 3), "target_tree16_over_decode": 1.2,
+            "cuda_graphs": cuda_graphs}
 
 
 
@@ -179,7 +214,7 @@ class ControlledRuns:
     Batch 1 runs the prompts in turn; a larger batch runs them at once, cycled."""
 
     def __init__(self, model, head, device: str, max_slots: int, num_prompts: int, prompt_len: int,
-                 max_tokens: int, num_steps: int, seed: int):
+                 max_tokens: int, num_steps: int, seed: int, cuda_graphs: bool = False):
         import torch
 
         from drafter.proposers import EagleProposer
@@ -196,10 +231,11 @@ class ControlledRuns:
         self.lookahead = self.cfg.max_draft_nodes + 1       # a chain round writes its root and drafts
         truth_len = max_tokens + num_steps + 1          # drafts may reach num_steps past the last token
         max_len = prompt_len + truth_len + self.lookahead
-        self.inner = EagleProposer(head, self.cfg, max_slots, max_len)
-        self.plain = VerifierEngine(NativeRunner(model, None, max_slots, max_len), max_slots, v)
-        self.verifier = VerifierEngine(NativeRunner(model, self.inner.feature_layers, max_slots, max_len),
-                                       max_slots, v)
+        self.inner = EagleProposer(head, self.cfg, max_slots, max_len, cuda_graphs=cuda_graphs)
+        self.plain = VerifierEngine(NativeRunner(model, None, max_slots, max_len, cuda_graphs=cuda_graphs),
+                                    max_slots, v)
+        self.verifier = VerifierEngine(NativeRunner(model, self.inner.feature_layers, max_slots, max_len,
+                                                    cuda_graphs=cuda_graphs), max_slots, v)
         g = torch.Generator().manual_seed(seed)
         self.prompts = [torch.randint(0, v, (prompt_len,), generator=g).tolist() for _ in range(num_prompts)]
         truth_params = SamplingParams(max_tokens=truth_len, ignore_eos=True)
