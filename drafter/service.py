@@ -20,7 +20,7 @@ from drafter.engine import DrafterEngine, build_proposer
 from drafter.service_core import (drafter_draft, drafter_draft_ahead, drafter_extend, drafter_info, drafter_prefill,
                                   drafter_release)
 from spectandem import codec
-from spectandem.config import SpecConfig
+from spectandem.config import GpuPaths, SpecConfig
 from spectandem.service_args import add_drafter_args  # noqa: F401 (re-exported)
 from spectandem.grpc_server import EngineCalls, EngineServer
 from spectandem.tls import ServerTls, server_tls_from_args
@@ -93,7 +93,7 @@ class DrafterServicer(engines_pb2_grpc.DrafterServicer):
 def build_drafter_engine(cfg: SpecConfig, target_dir: str | Path | None, draft_dir: str | Path | None,
                          max_slots: int = 8, max_len: int | None = None, dtype: torch.dtype = torch.float32,
                          device: str = "cpu", kv_blocks: int | None = None,
-                         block_size: int = 16) -> tuple[DrafterEngine, int]:
+                         block_size: int = 16, gpu: GpuPaths | None = None) -> tuple[DrafterEngine, int]:
     """-> (engine, context length: the verifier's for the same target and max_len, 0 when n-gram
     drafting is given neither)."""
     if cfg.method == "none":
@@ -115,7 +115,8 @@ def build_drafter_engine(cfg: SpecConfig, target_dir: str | Path | None, draft_d
 
         limit = int(read_config(target_dir).get("max_position_embeddings", 2048))
         context = min(max_len or limit, limit)
-    proposer = build_proposer(cfg, target, draft_dir, max_slots, context, dtype, device, kv_blocks, block_size)
+    proposer = build_proposer(cfg, target, draft_dir, max_slots, context, dtype, device, kv_blocks, block_size,
+                              **(gpu or GpuPaths()).proposer_kwargs())
     return DrafterEngine(proposer, cfg), context
 
 
@@ -132,10 +133,10 @@ async def start_drafter_server(engine: DrafterEngine, host: str = "127.0.0.1", p
 def serve_drafter(cfg: SpecConfig, target_dir: str | Path | None, draft_dir: str | Path | None,
                   host: str = "0.0.0.0", port: int = 50053, max_slots: int = 8, max_len: int | None = None,
                   device: str = "cpu", dtype: torch.dtype = torch.float32, kv_blocks: int | None = None,
-                  block_size: int = 16, tls: ServerTls | None = None) -> None:
+                  block_size: int = 16, tls: ServerTls | None = None, gpu: GpuPaths | None = None) -> None:
     """Loads the drafter, serves it until SIGTERM/SIGINT."""
     engine, context = build_drafter_engine(cfg, target_dir, draft_dir, max_slots, max_len, dtype, device,
-                                           kv_blocks, block_size)
+                                           kv_blocks, block_size, gpu)
     name = Path(draft_dir).name if draft_dir is not None else cfg.method
 
     async def main():
@@ -168,5 +169,6 @@ def run_drafter(args: argparse.Namespace) -> int:
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
     # --draft-kv-blocks sizes this drafter's pool (--kv-blocks is the verifier's).
     serve_drafter(cfg, target, draft, args.host, args.port, args.max_slots, args.max_len, args.device,
-                  getattr(torch, args.dtype), args.draft_kv_blocks, args.block_size, tls=tls)
+                  getattr(torch, args.dtype), args.draft_kv_blocks, args.block_size, tls=tls,
+                  gpu=GpuPaths.from_args(args))
     return 0

@@ -29,7 +29,7 @@ from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 from drafter.actor import DrafterActor
 from router.links import (DraftHandle, DrafterPrefillItem, EngineInfo, EngineUnavailable, ExtendItem, PlainItem,
                           RoundResult, Tag, VerifierPrefillItem, VerifierPrefillResult)
-from spectandem.config import SpecConfig
+from spectandem.config import GpuPaths, SpecConfig
 from verifier.actor import VerifierActor
 
 
@@ -149,7 +149,7 @@ def start_engines(target_dir: str | Path, draft_dir: str | Path | None, cfg: Spe
                   max_len: int | None, device: str = "auto", *, dtype: torch.dtype = torch.float32,
                   force_hf_target: bool = False, call_timeout_s: float | None = 120.0,
                   startup_timeout_s: float = 300.0, num_threads: int = 1, kv_blocks: int | None = None,
-                  draft_kv_blocks: int | None = None, block_size: int = 16,
+                  draft_kv_blocks: int | None = None, block_size: int = 16, gpu: GpuPaths | None = None,
                   ) -> tuple[RayVerifierLink, RayDrafterLink | None, Callable[[], None]]:
     """Places a verifier actor (and a drafter actor unless cfg.method is "none") in one
     placement group, one bundle each, and waits until they are built.
@@ -185,14 +185,15 @@ def start_engines(target_dir: str | Path, draft_dir: str | Path | None, cfg: Spe
         # target features the verifier returns.
         verifier = VerifierActor.options(**options(0, 0)).remote(
             target_dir, None, max_slots, max_len, dtype, engine_device, force_hf_target,
-            model_name=Path(target_dir).name, num_threads=num_threads, kv_blocks=kv_blocks, block_size=block_size)
+            model_name=Path(target_dir).name, num_threads=num_threads, kv_blocks=kv_blocks, block_size=block_size,
+            gpu=gpu)
         actors.append(verifier)
         drafter = None
         if num_actors == 2:
             drafter = DrafterActor.options(**options(1, -1)).remote(
                 target_dir, None if draft_dir is None else str(draft_dir), cfg, max_slots, max_len, dtype,
                 engine_device, force_hf_target, model_name=Path(draft_dir).name if draft_dir else cfg.method,
-                num_threads=num_threads, kv_blocks=draft_kv_blocks, block_size=block_size)
+                num_threads=num_threads, kv_blocks=draft_kv_blocks, block_size=block_size, gpu=gpu)
             actors.append(drafter)
             info = ray.get(drafter.info.remote(), timeout=startup_timeout_s)
             ray.get(verifier.set_feature_layers.remote(info.feature_layers), timeout=startup_timeout_s)

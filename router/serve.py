@@ -12,6 +12,7 @@ import sys
 import time
 from pathlib import Path
 
+from spectandem.config import GpuPaths
 from router.ops import OpsConfig, add_ops_flags
 from spectandem.generate_cli import add_model_flags
 
@@ -108,7 +109,8 @@ async def _build_links(args, cfg, target, draft, index: int = 0):
 
         spec = LocalSpeculator(target, draft, cfg, max_slots=max_slots, max_len=args.max_len,
                                dtype=getattr(torch, args.dtype), device=args.device, kv_blocks=args.kv_blocks,
-                               draft_kv_blocks=args.draft_kv_blocks, block_size=args.block_size)
+                               draft_kv_blocks=args.draft_kv_blocks, block_size=args.block_size,
+                               **GpuPaths.from_args(args).runner_kwargs())
         v = LocalVerifierLink(spec.verifier, Path(target).name)
         d = LocalDrafterLink(spec.drafter, Path(draft).name if draft else "") if spec.drafter else None
 
@@ -125,7 +127,8 @@ async def _build_links(args, cfg, target, draft, index: int = 0):
         ray_init(args.ray_address, None if args.ray_address else max(os.cpu_count() or 1, 2 * _num_replicas(args)))
         v, d, stop = start_engines(target, draft, cfg, max_slots=max_slots, max_len=args.max_len,
                                    device=args.device, dtype=getattr(torch, args.dtype), kv_blocks=args.kv_blocks,
-                                   draft_kv_blocks=args.draft_kv_blocks, block_size=args.block_size)
+                                   draft_kv_blocks=args.draft_kv_blocks, block_size=args.block_size,
+                                   gpu=GpuPaths.from_args(args))
 
         async def cleanup():
             stop()
@@ -140,7 +143,7 @@ async def _build_links(args, cfg, target, draft, index: int = 0):
               ["--max-len", str(args.max_len)] if args.max_len else []) + ["--block-size", str(args.block_size)]
     ops = OpsConfig.from_args(args)
     # Engines started here serve this router only: loopback, and the internal TLS when asked.
-    common += ["--host", "127.0.0.1"] + ops.engine_flags()
+    common += ["--host", "127.0.0.1"] + ops.engine_flags() + GpuPaths.from_args(args).flags()
     pool_v = ["--kv-blocks", str(args.kv_blocks)] if args.kv_blocks else []
     pool_d = ["--draft-kv-blocks", str(args.draft_kv_blocks)] if args.draft_kv_blocks else []
     tree = ["--num-steps", str(cfg.num_steps), "--topk", str(cfg.topk), "--num-draft-tokens", str(cfg.num_draft_tokens),

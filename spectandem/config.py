@@ -95,3 +95,27 @@ class SamplingParams:
         """The seed to key this request's random numbers with (a fresh one when unset; never
         the global RNG)."""
         return self.seed if self.seed is not None else int.from_bytes(os.urandom(8), "little") >> 1
+
+
+@dataclass(frozen=True, kw_only=True)
+class GpuPaths:
+    """The engines' GPU fast paths (CUDA only; the engines refuse them on the CPU).
+
+    cuda_graphs: the target's verify steps and EAGLE argmax chains replay CUDA graphs
+    (verifier/graphs.py, drafter/graphs.py)."""
+
+    cuda_graphs: bool = False
+
+    @staticmethod
+    def from_args(args) -> "GpuPaths":
+        return GpuPaths(cuda_graphs=bool(getattr(args, "cuda_graphs", False)))
+
+    def flags(self) -> list[str]:
+        """Command-line flags that give an engine process the same paths."""
+        return ["--cuda-graphs"] if self.cuda_graphs else []
+
+    def runner_kwargs(self) -> dict:
+        return {"cuda_graphs": self.cuda_graphs}
+
+    def proposer_kwargs(self) -> dict:
+        return {"cuda_graphs": self.cuda_graphs}

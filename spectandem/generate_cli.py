@@ -22,6 +22,8 @@ def add_model_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("--ahead-width", type=int, default=4,
                    help="draft ahead: outcomes of a round prepared while it is verified (0: never)")
     p.add_argument("--device", default="cpu")
+    p.add_argument("--cuda-graphs", action="store_true",
+                   help="replay CUDA graphs for verify steps and EAGLE argmax chains (CUDA only)")
     p.add_argument("--dtype", choices=["float32", "bfloat16", "float16"], default="float32")
     p.add_argument("--max-len", type=int, default=None, help="context length (default: the target's)")
     p.add_argument("--kv-blocks", type=int, default=None,
@@ -74,11 +76,13 @@ def spec_from_flags(args):
 def build_local(args):
     import torch
 
+    from spectandem.config import GpuPaths
     from spectandem.local import LocalSpeculator
 
     cfg, target, draft = spec_from_flags(args)
     return LocalSpeculator(target, draft, cfg, max_slots=4, max_len=args.max_len,
-                           dtype=getattr(torch, args.dtype), device=args.device)
+                           dtype=getattr(torch, args.dtype), device=args.device,
+                           **GpuPaths.from_args(args).runner_kwargs())
 
 
 def completion_json(text: str, c) -> dict:

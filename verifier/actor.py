@@ -17,6 +17,7 @@ import ray
 import torch
 
 from router.links import EngineInfo, PlainItem, RoundResult, Tag, VerifierPrefillItem, VerifierPrefillResult
+from spectandem.config import GpuPaths
 from verifier.engine import VerifierEngine
 from verifier.runner import FeatureSpec, load_runner
 from verifier.service_core import verifier_features, verifier_info, verifier_prefill, verifier_verify
@@ -31,12 +32,12 @@ class VerifierActor:
     def __init__(self, target_dir: str | Path, feature_layers: FeatureSpec, max_slots: int, max_len: int | None,
                  dtype: torch.dtype = torch.float32, device: str = "cpu", force_hf_target: bool = False,
                  model_name: str = "target", num_threads: int = 1, kv_blocks: int | None = None,
-                 block_size: int = 16):
+                 block_size: int = 16, gpu: GpuPaths | None = None):
         from spectandem.checkpoint import read_config
 
         torch.set_num_threads(num_threads)
         runner, _ = load_runner(target_dir, feature_layers, max_slots, max_len, dtype, device, force_hf_target,
-                                kv_blocks, block_size)
+                                kv_blocks, block_size, **(gpu or GpuPaths()).runner_kwargs())
         self.engine = VerifierEngine(runner, max_slots, int(read_config(target_dir)["vocab_size"]))
         self.model_name = model_name
 

@@ -18,6 +18,7 @@ from pathlib import Path
 import torch
 
 from spectandem import codec
+from spectandem.config import GpuPaths
 from spectandem.service_args import add_verifier_args  # noqa: F401 (re-exported)
 from spectandem.grpc_server import EngineCalls, EngineServer
 from spectandem.tls import ServerTls, server_tls_from_args
@@ -105,12 +106,12 @@ def resolve_feature_layers(feature_layers: str | None, method: str, draft_dir: s
 
 def build_verifier_engine(target_dir: str | Path, feature_layers, max_slots: int = 8, max_len: int | None = None,
                           dtype: torch.dtype = torch.float32, device: str = "cpu", kv_blocks: int | None = None,
-                          block_size: int = 16) -> VerifierEngine:
+                          block_size: int = 16, gpu: GpuPaths | None = None) -> VerifierEngine:
     from spectandem.checkpoint import read_config
     from verifier.runner import load_runner
 
     runner, _ = load_runner(target_dir, feature_layers, max_slots, max_len, dtype, device, kv_blocks=kv_blocks,
-                            block_size=block_size)
+                            block_size=block_size, **(gpu or GpuPaths()).runner_kwargs())
     return VerifierEngine(runner, max_slots, int(read_config(target_dir)["vocab_size"]))
 
 
@@ -127,11 +128,12 @@ async def start_verifier_server(engine: VerifierEngine, host: str = "127.0.0.1",
 def serve_verifier(target_dir: str | Path, method: str = "eagle3", draft_dir: str | Path | None = None,
                    host: str = "0.0.0.0", port: int = 50052, max_slots: int = 8, max_len: int | None = None,
                    device: str = "cpu", dtype: torch.dtype = torch.float32, feature_layers: str | None = None,
-                   kv_blocks: int | None = None, block_size: int = 16, tls: ServerTls | None = None) -> None:
+                   kv_blocks: int | None = None, block_size: int = 16, tls: ServerTls | None = None,
+                   gpu: GpuPaths | None = None) -> None:
     """Loads the target, serves it until SIGTERM/SIGINT. `draft_dir` is read only for the
     feature layers (see resolve_feature_layers)."""
     layers = resolve_feature_layers(feature_layers, method, draft_dir, target_dir)
-    engine = build_verifier_engine(target_dir, layers, max_slots, max_len, dtype, device, kv_blocks, block_size)
+    engine = build_verifier_engine(target_dir, layers, max_slots, max_len, dtype, device, kv_blocks, block_size, gpu)
 
     async def main():
         server = await start_verifier_server(engine, host, port, Path(target_dir).name, device, tls=tls)
@@ -156,5 +158,6 @@ def run_verifier(args: argparse.Namespace) -> int:
     tls = server_tls_from_args(args)  # flag and file errors before the model loads
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
     serve_verifier(target, args.method, draft, args.host, args.port, args.max_slots, args.max_len, args.device,
-                   getattr(torch, args.dtype), args.feature_layers, args.kv_blocks, args.block_size, tls=tls)
+                   getattr(torch, args.dtype), args.feature_layers, args.kv_blocks, args.block_size, tls=tls,
+                   gpu=GpuPaths.from_args(args))
     return 0
