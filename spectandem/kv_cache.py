@@ -163,11 +163,11 @@ class PagedKVCache:
         return PagedCacheBatch(self, self.rows(slots, write_index), self.rows(slots, read))
 
     def compact(self, slots: torch.Tensor, src_index: torch.Tensor, dst_index: torch.Tensor) -> None:
-        src, dst = self.rows(slots, src_index), self.rows(slots, dst_index)
-        for layer in range(len(self.k)):
-            for cache in (self.k[layer], self.v[layer]):
-                moved = cache[src]
-                cache[dst] = moved
+        """One Triton launch for every layer's K and V on the GPU (spectandem/kernels/compact.py),
+        the same copies in torch otherwise."""
+        from spectandem.kernels.compact import compact_rows
+
+        compact_rows(self.k + self.v, self.rows(slots, src_index), self.rows(slots, dst_index))
 
     def clear_slot(self, slot: int) -> None:
         self.free(slot)

@@ -20,6 +20,7 @@ from spectandem import rng
 from spectandem.config import SamplingParams
 from spectandem.messages import DraftTree, PrefillOutput, StaleMessage, VerifyOutput
 from spectandem.sampling import greedy, logits_to_probs, sample_from_probs
+from spectandem.kernels.accept import greedy_accept
 from verifier.accept import VerifyResult, verify_greedy, verify_rejection, verify_tree_sampling
 
 
@@ -127,11 +128,18 @@ class VerifierEngine:
         outputs = torch.full((b_all, width), -1, dtype=torch.long)
         num_acc = torch.zeros(b_all, dtype=torch.long)
         bonus = torch.zeros(b_all, dtype=torch.long)
-        lg = logits.float().cpu()
+        # Greedy rows on the GPU are walked there (spectandem/kernels/accept.py): only the argmax
+        # and the results cross to the host, not the logits.
+        on_gpu = logits.is_cuda
+        lg = logits.float().cpu() if not on_gpu or set(groups) != {"greedy"} else None
         for rule, idx in groups.items():
             sel = torch.tensor(idx)
             args = (tree.token_ids[sel], tree.parents[sel], tree.node_valid[sel])
-            if rule == "greedy":
+            if rule == "greedy" and on_gpu:
+                dev = logits.device
+                res = greedy_accept(logits[sel.to(dev)].argmax(-1), *(a.to(dev) for a in args))
+                res = VerifyResult(*(t.cpu() for t in res))
+            elif rule == "greedy":
                 res = verify_greedy(*args, lg[sel])
             else:
                 probs = torch.stack([logits_to_probs(lg[b], reqs[b].params.temperature, reqs[b].params.top_k,
