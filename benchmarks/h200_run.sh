@@ -1,0 +1,24 @@
+#!/usr/bin/env bash
+# What benchmarks/results/ was made with: the GPU tests, then `spectandem bench`, on the H200
+# machine (2 GPUs, so the drafter-on-its-own-GPU rows run too). The image has torch, triton and
+# transformers but no pytest: wheels carried in .whl/ are installed to a scratch directory.
+#
+#   bash benchmarks/h200_run.sh OUT_DIR [tests|bench|all]
+set -euo pipefail
+out=${1:?output directory}
+what=${2:-all}
+mkdir -p "$out"
+if [ -d .whl ]; then
+  python3 -m pip install -q --no-index --no-deps --target /tmp/site .whl/*.whl
+  export PYTHONPATH=$PWD:/tmp/site
+else
+  export PYTHONPATH=$PWD
+fi
+nvidia-smi --query-gpu=name,memory.total --format=csv,noheader | tee "$out/gpus.txt"
+if [ "$what" = tests ] || [ "$what" = all ]; then
+  python3 -m pytest -m gpu tests/gpu -q -p no:cacheprovider -rf 2>&1 | tail -40 | tee "$out/gpu-tests.txt"
+fi
+if [ "$what" = bench ] || [ "$what" = all ]; then
+  python3 -m spectandem.cli bench --device cuda --batch-sizes 1,4,16,64 --max-tokens 128 \
+    --out "$out/bench-h200.json" 2>&1 | tail -80
+fi
