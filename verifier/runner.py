@@ -17,7 +17,7 @@ from pathlib import Path
 import torch
 
 from spectandem.kv_cache import KVCache, PagedKVCache
-from spectandem.modeling.llama import NATIVE_ARCHITECTURES, LlamaModel, load_llama
+from spectandem.modeling.llama import NATIVE_ARCHITECTURES, InvariantBatch, LlamaModel, load_llama
 from spectandem.tree import ancestor_mask, node_depths
 from verifier.graphs import VerifyGraphs, verify_forward, verify_inputs
 
@@ -26,9 +26,14 @@ FeatureSpec = None | str | tuple[int, ...]
 
 class NativeRunner:
     def __init__(self, model: LlamaModel, feature_layers: FeatureSpec, max_slots: int, max_len: int,
-                 kv_blocks: int | None = None, block_size: int = 16, cuda_graphs: bool = False):
+                 kv_blocks: int | None = None, block_size: int = 16, cuda_graphs: bool = False,
+                 batch_invariant: bool = False):
         """cuda_graphs: verify through CUDA graphs (verifier/graphs.py) for batches up to the
-        largest bucket, eagerly beyond; needs a CUDA device."""
+        largest bucket, eagerly beyond; needs a CUDA device.
+        batch_invariant: prefill and verify through the batch-invariant kernels
+        (spectandem/kernels/batch_invariant.py), so a token's logits do not depend on the batch or
+        tree around it and greedy speculation equals plain decoding bit for bit in bf16; needs a
+        CUDA device and Triton, runs eagerly (not with cuda_graphs)."""
         s = model.spec
         self.model, self.spec, self.feature_layers = model, s, feature_layers
         self.device = next(model.parameters()).device
@@ -37,6 +42,9 @@ class NativeRunner:
         self.cache = PagedKVCache(s.num_layers, max_slots, s.num_kv_heads, max_len, s.head_dim, self.dtype,
                                   self.device, num_blocks=kv_blocks, block_size=block_size)
         self.graphs = VerifyGraphs(model, self.cache) if cuda_graphs else None
+        self.batch_invariant = batch_invariant
+        if batch_invariant:
+            _check_batch_invariant(self.device, cuda_graphs)
 
     def kv_stats(self) -> dict:
         return self.cache.stats()
@@ -66,11 +74,16 @@ class NativeRunner:
         mask = (ar[None, None, :] <= ar[None, :, None]) & real[:, :, None]
         mask[:, :, 0] |= True  # padding rows attend somewhere; never read
         slot_t = torch.tensor(slots, device=self.device)
-        hidden, aux = self.model(toks, positions, self.cache.batch(slot_t, write, t), mask, self._capture())
+        if self.batch_invariant:
+            hidden, aux = self.model.forward_invariant(toks, positions, self._prefill_keys(slot_t, write, real),
+                                                       self._capture())
+        else:
+            hidden, aux = self.model(toks, positions, self.cache.batch(slot_t, write, t), mask, self._capture())
         last = hidden.gather(1, (lens - 1)[:, None, None].expand(-1, 1, hidden.shape[-1]))
         feats = self._features(hidden, aux)
         per_req = None if feats is None else [feats[i, : len(p)] for i, p in enumerate(prompts)]
-        return self.model.logits(last)[:, 0], per_req
+        logits = self.model.logits_invariant(last) if self.batch_invariant else self.model.logits(last)
+        return logits[:, 0], per_req
 
     @torch.no_grad()
     def verify(self, slots: list[int], cache_lens: list[int], token_ids: torch.Tensor, parents: torch.Tensor,
@@ -80,12 +93,37 @@ class NativeRunner:
         b, n = token_ids.shape
         for slot, c in zip(slots, cache_lens):
             self.cache.reserve(slot, c + n)
+        if self.batch_invariant:
+            return self._verify_invariant(slots, cache_lens, token_ids, parents, node_valid)
         if self.graphs is not None and self.graphs.supports(b):
             step = self.graphs.run(slots, cache_lens, token_ids, parents, node_valid, self.feature_layers)
             return step.logits, step.features
         # Eagerly: the static-shape step without padding (rows = B, span = max(cache_len) + N).
         inp = verify_inputs(self.cache, slots, cache_lens, token_ids, parents, node_valid, b, max(cache_lens) + n)
         return verify_forward(self.model, self.cache, self.feature_layers, inp)
+
+    def _prefill_keys(self, slot_t: torch.Tensor, write: torch.Tensor, real: torch.Tensor) -> InvariantBatch:
+        """Prompt token t reads entries 0..t (itself included) through the table: the keys it
+        would read decoded alone. Padding rows (`real` False) read only their own trash row."""
+        rows = self.cache.rows(slot_t, write)                                         # [B, T]
+        upto = torch.arange(1, write.shape[1] + 1, device=self.device)
+        return InvariantBatch(self.cache, rows, self.cache._tables[slot_t], torch.where(real, upto, 0),
+                              rows[..., None], (~real).long())
+
+    def _verify_invariant(self, slots, cache_lens, token_ids, parents, node_valid):
+        """`verify` through LlamaModel.forward_invariant: node j (written at cache_len + j) reads
+        the committed entries, then its path from the root."""
+        from spectandem.kernels.batch_invariant import tree_paths
+
+        b, n = token_ids.shape
+        slot_t = torch.tensor(slots, device=self.device)
+        base = torch.tensor(cache_lens, device=self.device)[:, None]                   # [B, 1]
+        write = self.cache.rows(slot_t, base + torch.arange(n, device=self.device))     # [B, N]
+        path_rows, path_lens = tree_paths(parents.to(self.device), node_valid.to(self.device), write)
+        keys = InvariantBatch(self.cache, write, self.cache._tables[slot_t], base.expand(b, n), path_rows, path_lens)
+        hidden, aux = self.model.forward_invariant(token_ids.clamp(min=0).to(self.device), base + path_lens - 1,
+                                                   keys, self._capture())
+        return self.model.logits_invariant(hidden), self._features(hidden, aux)
 
     @torch.no_grad()
     def features(self, tokens: list[int]) -> torch.Tensor | None:
@@ -118,6 +156,16 @@ class NativeRunner:
 
     def release(self, slot: int) -> None:
         self.cache.free(slot)
+
+
+def _check_batch_invariant(device: torch.device, cuda_graphs: bool) -> None:
+    from spectandem.kernels import HAVE_TRITON
+
+    if device.type != "cuda" or not HAVE_TRITON:
+        raise ValueError(f"batch_invariant needs a CUDA device and the triton package; the model is on {device}, "
+                         f"triton is {'installed' if HAVE_TRITON else 'not installed'}")
+    if cuda_graphs:
+        raise ValueError("batch_invariant verify runs eagerly; it cannot be combined with cuda_graphs=True")
 
 
 class HFRunner:
@@ -208,10 +256,12 @@ class HFRunner:
 
 def load_runner(target_dir: str | Path, feature_layers: FeatureSpec, max_slots: int, max_len: int | None,
                 dtype: torch.dtype = torch.float32, device: str = "cpu", force_hf: bool = False,
-                kv_blocks: int | None = None, block_size: int = 16, cuda_graphs: bool = False):
+                kv_blocks: int | None = None, block_size: int = 16, cuda_graphs: bool = False,
+                batch_invariant: bool = False):
     """Native runner for Llama-family checkpoints, transformers otherwise (or when forced).
     Returns (runner, the loaded model: native LlamaModel or transformers'). `cuda_graphs`
-    (native runner only): verify steps run as CUDA graphs."""
+    (native runner only): verify steps run as CUDA graphs. `batch_invariant` (native runner
+    only): prefill and verify through the batch-invariant kernels (NativeRunner)."""
     from spectandem.checkpoint import read_config
 
     cfg = read_config(target_dir)
@@ -224,10 +274,14 @@ def load_runner(target_dir: str | Path, feature_layers: FeatureSpec, max_slots: 
             # Within the window, sliding-window attention is full attention: capping the context
             # there keeps the native path exact without a windowed mask.
             max_len = min(max_len, model.spec.sliding_window)
-        return NativeRunner(model, feature_layers, max_slots, max_len, kv_blocks, block_size, cuda_graphs), model
+        return NativeRunner(model, feature_layers, max_slots, max_len, kv_blocks, block_size, cuda_graphs,
+                            batch_invariant), model
     if cuda_graphs:
         raise ValueError(f"{target_dir}: CUDA graphs need the native runner; architecture {arch!r} "
                          f"(force_hf={force_hf}) runs on transformers")
+    if batch_invariant:
+        raise ValueError(f"{target_dir}: batch-invariant verification needs the native runner; architecture "
+                         f"{arch!r} (force_hf={force_hf}) runs on transformers")
     from transformers import AutoModelForCausalLM
 
     try:

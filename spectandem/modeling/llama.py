@@ -2,7 +2,8 @@
 
 The model has no mode flags: prefill, one-token decode and tree verification are the same
 forward over a different number of positions with a mask built by the caller. Parameter
-names equal HuggingFace's, so checkpoints load with `load_state_dict`.
+names equal HuggingFace's, so checkpoints load with `load_state_dict`. `forward_invariant` is
+the same forward through the batch-invariant kernels (NativeRunner's `batch_invariant`).
 """
 
 from __future__ import annotations
@@ -10,9 +11,10 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 
-from spectandem.kv_cache import CacheBatch
+from spectandem.kv_cache import CacheBatch, PagedKVCache
 from spectandem.modeling.layers import GatedMLP, RMSNorm, RopeSpec, Rotary, apply_rotary, masked_attention
 
 NATIVE_ARCHITECTURES = ("LlamaForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM", "MistralForCausalLM")
@@ -172,6 +174,30 @@ class LlamaModel(nn.Module):
         """hidden [..., H] -> logits [..., V] (float32)."""
         return self.lm_head(hidden).float()
 
+    def forward_invariant(self, input_ids: torch.Tensor, positions: torch.Tensor, batch: "InvariantBatch",
+                          capture: tuple[int, ...] = ()) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """`forward` through the batch-invariant kernels (spectandem/kernels/batch_invariant.py):
+        each row's result depends on its own token, position and logical keys only, never on the
+        other rows. `batch` says where K/V go and which keys each row reads (instead of a cache
+        view and a mask). Same weights, same returns; the last bits differ from `forward`."""
+        x = self.model.embed_tokens(input_ids)
+        cos, sin = self.model.rotary_emb.cos_sin(positions, x.dtype)
+        captured: dict[int, torch.Tensor] = {0: x} if 0 in capture else {}
+        for i, layer in enumerate(self.model.layers):
+            x = x + _attention_invariant(layer.self_attn, _norm_invariant(layer.input_layernorm, x), cos, sin, batch, i)
+            h = _norm_invariant(layer.post_attention_layernorm, x)
+            mlp = layer.mlp
+            x = x + _linear_invariant(mlp.down_proj, F.silu(_linear_invariant(mlp.gate_proj, h))
+                                      * _linear_invariant(mlp.up_proj, h))
+            if i + 1 in capture:
+                captured[i + 1] = x
+        aux = torch.cat([captured[k] for k in capture], dim=-1) if capture else None
+        return _norm_invariant(self.model.norm, x), aux
+
+    def logits_invariant(self, hidden: torch.Tensor) -> torch.Tensor:
+        """`logits` through bi_linear."""
+        return _linear_invariant(self.lm_head, hidden).float()
+
 
 def load_llama(directory, dtype: torch.dtype = torch.float32, device: str | torch.device = "cpu") -> LlamaModel:
     """Loads a Llama-family checkpoint directory into the native model."""
@@ -201,3 +227,58 @@ def load_llama(directory, dtype: torch.dtype = torch.float32, device: str | torc
     if spec.tie_word_embeddings:
         model.lm_head.weight = model.model.embed_tokens.weight
     return model.to(dtype).eval()
+
+
+@dataclass
+class InvariantBatch:
+    """Where `LlamaModel.forward_invariant` writes each token's K/V and which keys each query row
+    reads: the logical key sequence of spectandem/kernels/batch_invariant.py (cache entries
+    0..prefix_lens-1 through the block table, then the row's tree path, root first)."""
+
+    cache: PagedKVCache
+    write_rows: torch.Tensor    # [B, T] physical rows the tokens' K/V are written to
+    block_tables: torch.Tensor  # [B, max_blocks] physical block ids of each request, -1 where none
+    prefix_lens: torch.Tensor   # [B, T] cache entries row t reads through the table
+    path_rows: torch.Tensor     # [B, T, D] physical rows of row t's path (its own last), -1 padded
+    path_lens: torch.Tensor     # [B, T] entries of path_rows[b, t] in use
+
+    def __post_init__(self):
+        # The kernel reads int32 rows; converting once here saves four copies per layer.
+        for name in ("block_tables", "prefix_lens", "path_rows", "path_lens"):
+            setattr(self, name, getattr(self, name).to(torch.int32).contiguous())
+
+    def attend(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float) -> torch.Tensor:
+        """Writes `k, v [B, nkv, T, hd]`, then attends `q [B, nh, T, hd]` -> [B, T, nh * hd]."""
+        from spectandem.kernels.batch_invariant import bi_attention
+
+        k_pool, v_pool = self.cache.k[layer], self.cache.v[layer]
+        k_pool[self.write_rows] = k.transpose(1, 2).to(k_pool.dtype)
+        v_pool[self.write_rows] = v.transpose(1, 2).to(v_pool.dtype)
+        return bi_attention(q, k_pool, v_pool, self.block_tables, self.prefix_lens, self.path_rows, self.path_lens,
+                            scale, self.cache.block_size)
+
+
+def _linear_invariant(linear: nn.Linear, x: torch.Tensor) -> torch.Tensor:
+    from spectandem.kernels.batch_invariant import bi_linear
+
+    return bi_linear(x, linear.weight, linear.bias)
+
+
+def _norm_invariant(norm: RMSNorm, x: torch.Tensor) -> torch.Tensor:
+    from spectandem.kernels.batch_invariant import bi_rmsnorm
+
+    return bi_rmsnorm(x, norm.weight, norm.eps)
+
+
+def _attention_invariant(attn: Attention, x: torch.Tensor, cos, sin, batch: InvariantBatch, layer: int) -> torch.Tensor:
+    """Attention.forward with bi_* kernels; the elementwise steps (rotary) are the same code."""
+    b, t, _ = x.shape
+    q = _linear_invariant(attn.q_proj, x).view(b, t, attn.num_heads, attn.head_dim)
+    k = _linear_invariant(attn.k_proj, x).view(b, t, attn.num_kv_heads, attn.head_dim)
+    v = _linear_invariant(attn.v_proj, x).view(b, t, attn.num_kv_heads, attn.head_dim)
+    if attn.q_norm is not None:
+        q, k = _norm_invariant(attn.q_norm, q), _norm_invariant(attn.k_norm, k)
+    q = apply_rotary(q.transpose(1, 2), cos, sin)
+    k = apply_rotary(k.transpose(1, 2), cos, sin)
+    out = batch.attend(layer, q, k, v.transpose(1, 2), attn.head_dim ** -0.5)
+    return _linear_invariant(attn.o_proj, out)
