@@ -102,20 +102,25 @@ class GpuPaths:
     """The engines' GPU fast paths (CUDA only; the engines refuse them on the CPU).
 
     cuda_graphs: the target's verify steps and EAGLE argmax chains replay CUDA graphs
-    (verifier/graphs.py, drafter/graphs.py)."""
+    (verifier/graphs.py, drafter/graphs.py).
+    batch_invariant: the target runs kernels whose per-row results do not depend on the batch
+    or the tree (spectandem/kernels/batch_invariant.py), so bf16 speculation gives exactly the
+    tokens of bf16 plain decoding. It runs eagerly: the target's graphs are off with it."""
 
     cuda_graphs: bool = False
+    batch_invariant: bool = False
 
     @staticmethod
     def from_args(args) -> "GpuPaths":
-        return GpuPaths(cuda_graphs=bool(getattr(args, "cuda_graphs", False)))
+        return GpuPaths(cuda_graphs=bool(getattr(args, "cuda_graphs", False)),
+                        batch_invariant=bool(getattr(args, "batch_invariant", False)))
 
     def flags(self) -> list[str]:
         """Command-line flags that give an engine process the same paths."""
-        return ["--cuda-graphs"] if self.cuda_graphs else []
+        return (["--cuda-graphs"] if self.cuda_graphs else []) + (["--batch-invariant"] if self.batch_invariant else [])
 
     def runner_kwargs(self) -> dict:
-        return {"cuda_graphs": self.cuda_graphs}
+        return {"cuda_graphs": self.cuda_graphs and not self.batch_invariant, "batch_invariant": self.batch_invariant}
 
     def proposer_kwargs(self) -> dict:
         return {"cuda_graphs": self.cuda_graphs}

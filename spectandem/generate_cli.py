@@ -24,6 +24,9 @@ def add_model_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("--device", default="cpu")
     p.add_argument("--cuda-graphs", action="store_true",
                    help="replay CUDA graphs for verify steps and EAGLE argmax chains (CUDA only)")
+    p.add_argument("--batch-invariant", action="store_true",
+                   help="batch-invariant target kernels: bf16 speculation gives plain decoding's exact tokens "
+                        "(CUDA + Triton; the target then runs without CUDA graphs)")
     p.add_argument("--dtype", choices=["float32", "bfloat16", "float16"], default="float32")
     p.add_argument("--max-len", type=int, default=None, help="context length (default: the target's)")
     p.add_argument("--kv-blocks", type=int, default=None,
