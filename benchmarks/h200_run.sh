@@ -16,7 +16,11 @@ else
 fi
 nvidia-smi --query-gpu=name,memory.total --format=csv,noheader | tee "$out/gpus.txt"
 if [ "$what" = tests ] || [ "$what" = all ]; then
-  python3 -m pytest -m gpu tests/gpu -q -p no:cacheprovider -rf 2>&1 | tail -40 | tee "$out/gpu-tests.txt"
+  for f in tests/gpu/test_batch_invariant.py tests/gpu/test_graphs.py tests/gpu/test_gpu_exact.py tests/gpu/test_kernels.py; do
+    name=$(basename "$f" .py)
+    timeout 400 python3 -m pytest -m gpu "$f" -q -p no:cacheprovider -rf --durations=5 >"$out/$name.txt" 2>&1 || true
+    echo "== $f"; grep -E "passed|failed|error|FAILED" "$out/$name.txt" | tail -12
+  done
 fi
 if [ "$what" = bench ] || [ "$what" = all ]; then
   python3 -m spectandem.cli bench --device cuda --batch-sizes 1,4,16,64 --max-tokens 128 \
