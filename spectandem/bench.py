@@ -125,7 +125,7 @@ def add_bench(sub) -> None:
     p.add_argument("--llama8b-prompt-len", type=int, default=32, help="random prompt length of the controlled runs")
     p.add_argument("--acceptance-rates", default="0.6,0.8,0.9")
     p.add_argument("--controlled-steps", type=int, default=4, help="drafts per chain in the controlled runs")
-    p.add_argument("--pipeline-modes", default="sequential,pingpong,ahead",
+    p.add_argument("--pipeline-modes", default="plain,sequential,pingpong,ahead,auto",
                    help="router pipeline modes (those RouterConfig rejects are skipped)")
     p.add_argument("--pipeline-batch-sizes", default="4,16,64")
     p.add_argument("--cuda-graphs", choices=["auto", "on", "off"], default="auto",
@@ -199,6 +199,8 @@ def _measure(plan: BenchPlan, args, dtype, bandwidth: float) -> tuple[list[dict]
 
 def _note(r: dict) -> str:
     notes = []
+    if r.get("auto_mode"):
+        notes.append(f"auto kept {r['auto_mode']}")
     if r.get("roofline_fraction") is not None:
         notes.append(f"roofline {r['roofline_fraction']:.2f} of {r['roofline_ms']} ms")
     if r.get("temperature") is not None:

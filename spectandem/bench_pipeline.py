@@ -3,7 +3,9 @@ both engines on one device and, where two GPUs exist, the drafter on its own (cu
 
 The router (router/scheduler.py) runs over in-process links (router/links.py), as
 `spectandem serve --backend local` does, on the demo pair's EAGLE-3 chain. Every batch is
-submitted at once (greedy, ignore_eos) and timed until its last token.
+submitted at once (greedy, ignore_eos) and timed until its last token. Mode "plain" is the
+router without a drafter (the baseline); "auto" first runs the same batch once untimed, so its
+online measurement is done and the timed run shows the mode it keeps (recorded as `auto_mode`).
 """
 
 from __future__ import annotations
@@ -19,6 +21,8 @@ def split_modes(modes: list[str]) -> tuple[list[str], list[str]]:
     from router.requests import RouterConfig
 
     def accepted(mode: str) -> bool:
+        if mode == "plain":
+            return True
         try:
             RouterConfig(max_len=16, eos_token_ids=(), lookahead=1, want_features=False, pipeline=mode)
         except ValueError:
@@ -94,15 +98,19 @@ async def _rows(engines, modes: list[str], batch_sizes: list[int], max_tokens: i
     devices = tuple({placement["verifier_device"], placement["drafter_device"]})
     records = []
     for mode in modes:
-        router = Router(vlink, dlink, tokenizer, RouterConfig(
-            max_len=verifier.max_len, eos_token_ids=eos, lookahead=lookahead, want_features=True,
-            max_running=max(batch_sizes), pipeline=mode,
+        plain = mode == "plain"
+        router = Router(vlink, None if plain else dlink, tokenizer, RouterConfig(
+            max_len=verifier.max_len, eos_token_ids=eos, lookahead=1 if plain else lookahead, want_features=not plain,
+            max_running=max(batch_sizes), pipeline="sequential" if plain else mode,
             draft_sampling_min_temperature=drafter.cfg.draft_sampling_min_temperature))
         router.start()
         try:
             await _complete(router, prompts[:2], SamplingParams(max_tokens=8, ignore_eos=True))  # warm-up
             await _settle((vlink, dlink))
             for b in batch_sizes:
+                if mode == "auto":   # let the online measurement finish on this batch size first
+                    await _complete(router, [prompts[i % len(prompts)] for i in range(b)], params)
+                    await _settle((vlink, dlink))
                 before = dataclasses.asdict(router.counters)
                 t0 = time.perf_counter()
                 tokens = await _complete(router, [prompts[i % len(prompts)] for i in range(b)], params)
@@ -113,10 +121,11 @@ async def _rows(engines, modes: list[str], batch_sizes: list[int], max_tokens: i
                 c = {k: v - before[k] for k, v in dataclasses.asdict(router.counters).items() if isinstance(v, int)}
                 drafts = c["num_drafts"]
                 records.append(record(
-                    section="pipeline", workload="demo", method="eagle3", mode=mode, batch_size=b, tokens=tokens,
+                    section="pipeline", workload="demo", method="none" if plain else "eagle3", mode=mode, batch_size=b, tokens=tokens,
                     seconds=dt, accept_length=(c["accepted_tokens"] + drafts) / drafts if drafts else 1.0,
                     rounds_per_s=round(c["rounds"] / dt, 1), draft_ahead_hits=c["draft_ahead_hits"],
-                    draft_ahead_misses=c["draft_ahead_misses"], fallback_rounds=c["fallback_rounds"], **placement))
+                    draft_ahead_misses=c["draft_ahead_misses"], fallback_rounds=c["fallback_rounds"],
+                    auto_mode=router._modes.mode if mode == "auto" else None, **placement))
         finally:
             await router.stop()
     return records

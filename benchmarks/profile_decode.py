@@ -1,0 +1,63 @@
+"""Where a plain decoding step of the 8B-shaped bf16 target spends its GPU time: the top CUDA
+kernels of one `NativeRunner.verify` call (N = 1) at batch 1, eager and CUDA-graphed, and the
+batch-invariant path, from torch.profiler. CUDA only.
+
+    python benchmarks/profile_decode.py [--context 512] [--top 12]
+"""
+
+from __future__ import annotations
+
+import argparse
+import time
+
+import torch
+
+from spectandem.bench_llama8b import llama8b_spec, random_target
+from verifier.runner import NativeRunner
+
+
+def _runner(model, context: int, **paths) -> tuple[NativeRunner, tuple]:
+    runner = NativeRunner(model, None, max_slots=1, max_len=context + 64, **paths)
+    g = torch.Generator().manual_seed(0)
+    runner.prefill([0], [torch.randint(1, model.spec.vocab_size, (context,), generator=g).tolist()])
+    args = ([0], [context], torch.randint(1, model.spec.vocab_size, (1, 1), generator=g), torch.tensor([[-1]]),
+            torch.ones(1, 1, dtype=torch.bool))
+    return runner, args
+
+
+def _median_ms(fn, iters: int = 30) -> float:
+    for _ in range(3):
+        fn()
+    times = []
+    for _ in range(iters):
+        torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        fn()
+        torch.cuda.synchronize()
+        times.append(time.perf_counter() - t0)
+    return 1000 * sorted(times)[len(times) // 2]
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--context", type=int, default=512)
+    ap.add_argument("--top", type=int, default=12)
+    args = ap.parse_args()
+    model = random_target(llama8b_spec("full"), "cuda", torch.bfloat16, 0)
+    for name, paths in (("eager", {}), ("cuda-graphs", {"cuda_graphs": True}),
+                        ("batch-invariant", {"batch_invariant": True})):
+        runner, step_args = _runner(model, args.context, **paths)
+        ms = _median_ms(lambda: runner.verify(*step_args))
+        with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
+            for _ in range(5):
+                runner.verify(*step_args)
+            torch.cuda.synchronize()
+        print(f"\n== {name}: {ms:.2f} ms per step (median wall), top CUDA kernels over 5 steps")
+        print(prof.key_averages().table(sort_by="cuda_time_total", row_limit=args.top, max_name_column_width=60))
+        runner.release(0)
+        del runner
+        torch.cuda.empty_cache()
+
+
+if __name__ == "__main__":
+    main()
