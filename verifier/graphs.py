@@ -67,7 +67,9 @@ def capture_graph(fn: Callable[[], None], pool, device: torch.device, warmup: in
                 fn()
         torch.cuda.current_stream().wait_stream(side)
         graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph, pool=pool):
+        # thread_local: the other engine of this process may launch work from its own thread
+        # while this one captures (the router runs drafter and verifier calls concurrently).
+        with torch.cuda.graph(graph, pool=pool, capture_error_mode="thread_local"):
             fn()
     return graph
 
