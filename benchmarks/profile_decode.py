@@ -1,6 +1,7 @@
 """Where a plain decoding step of the 8B-shaped bf16 target spends its GPU time: the top CUDA
-kernels of one `NativeRunner.verify` call (N = 1) at batch 1, eager and CUDA-graphed, and the
-batch-invariant path, from torch.profiler. CUDA only.
+kernels of one `NativeRunner.verify` call (N = 1) at batch 1, eager and CUDA-graphed, CUDA-graphed
+with the Triton paged tree attention (no span gather, no dense mask), and the batch-invariant path,
+from torch.profiler. CUDA only.
 
     python benchmarks/profile_decode.py [--context 512] [--top 12]
 """
@@ -45,6 +46,7 @@ def main() -> None:
     args = ap.parse_args()
     model = random_target(llama8b_spec("full"), "cuda", torch.bfloat16, 0)
     for name, paths in (("eager", {}), ("cuda-graphs", {"cuda_graphs": True}),
+                        ("cuda-graphs+triton-attention", {"cuda_graphs": True, "triton_attention": True}),
                         ("batch-invariant", {"batch_invariant": True})):
         runner, step_args = _runner(model, args.context, **paths)
         ms = _median_ms(lambda: runner.verify(*step_args))

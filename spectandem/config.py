@@ -105,22 +105,34 @@ class GpuPaths:
     (verifier/graphs.py, drafter/graphs.py).
     batch_invariant: the target runs kernels whose per-row results do not depend on the batch
     or the tree (spectandem/kernels/batch_invariant.py), so bf16 speculation gives exactly the
-    tokens of bf16 plain decoding. It runs eagerly: the target's graphs are off with it."""
+    tokens of bf16 plain decoding. It runs eagerly: the target's graphs are off with it.
+    triton_attention: the target's verify steps attend through the Triton paged tree attention
+    (spectandem/kernels/attention.py) instead of gathering the span and masking it densely; eager
+    or graphed. Not with batch_invariant, which attends through its own kernel."""
 
     cuda_graphs: bool = False
     batch_invariant: bool = False
+    triton_attention: bool = False
+
+    def __post_init__(self):
+        if self.triton_attention and self.batch_invariant:
+            raise ValueError("triton_attention and batch_invariant are two verify paths for the target; choose one")
 
     @staticmethod
     def from_args(args) -> "GpuPaths":
         return GpuPaths(cuda_graphs=bool(getattr(args, "cuda_graphs", False)),
-                        batch_invariant=bool(getattr(args, "batch_invariant", False)))
+                        batch_invariant=bool(getattr(args, "batch_invariant", False)),
+                        triton_attention=bool(getattr(args, "triton_attention", False)))
 
     def flags(self) -> list[str]:
         """Command-line flags that give an engine process the same paths."""
-        return (["--cuda-graphs"] if self.cuda_graphs else []) + (["--batch-invariant"] if self.batch_invariant else [])
+        on = {"--cuda-graphs": self.cuda_graphs, "--batch-invariant": self.batch_invariant,
+              "--triton-attention": self.triton_attention}
+        return [flag for flag, enabled in on.items() if enabled]
 
     def runner_kwargs(self) -> dict:
-        return {"cuda_graphs": self.cuda_graphs and not self.batch_invariant, "batch_invariant": self.batch_invariant}
+        return {"cuda_graphs": self.cuda_graphs and not self.batch_invariant, "batch_invariant": self.batch_invariant,
+                "triton_attention": self.triton_attention}
 
     def proposer_kwargs(self) -> dict:
         return {"cuda_graphs": self.cuda_graphs}

@@ -24,6 +24,9 @@ def add_model_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("--device", default="cpu")
     p.add_argument("--cuda-graphs", action="store_true",
                    help="replay CUDA graphs for verify steps and EAGLE argmax chains (CUDA only)")
+    p.add_argument("--triton-attention", action="store_true",
+                   help="the target's verify attends through the Triton paged tree attention, eager or with "
+                        "--cuda-graphs (CUDA + Triton; not with --batch-invariant)")
     p.add_argument("--batch-invariant", action="store_true",
                    help="batch-invariant target kernels: bf16 speculation gives plain decoding's exact tokens "
                         "(CUDA + Triton; the target then runs without CUDA graphs)")

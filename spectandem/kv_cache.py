@@ -10,7 +10,11 @@ round commits, the accepted nodes are compacted onto the positions right after t
 committed prefix (`compact`); everything beyond is scratch and is overwritten later.
 
 The engines own the slot bookkeeping (which request lives in which slot and how many of its
-entries are committed); this module only moves tensors.
+entries are committed); this module moves tensors. A forward sees the cache through one view
+per step, whose `attend(layer, q, k_new, v_new, mask, scale)` writes the step's K/V and attends:
+`CacheBatch` / `PagedCacheBatch` gather the span and apply the caller's dense mask;
+`PagedTreeBatch` (NativeRunner's triton_attention) reads the pool in place through the block
+tables with the tree mask it carries.
 """
 
 from __future__ import annotations
@@ -18,6 +22,9 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
+
+from spectandem.kernels.attention import paged_tree_attention
+from spectandem.modeling.layers import masked_attention
 
 
 class KVCache:
@@ -68,6 +75,13 @@ class CacheBatch:
         self.cache.v[layer][rows, :, self.write_index] = v_new.transpose(1, 2).to(self.cache.v[layer].dtype)
         return (self.cache.k[layer][self.slots, :, : self.span],
                 self.cache.v[layer][self.slots, :, : self.span])
+
+    def attend(self, layer: int, q: torch.Tensor, k_new: torch.Tensor, v_new: torch.Tensor, mask: torch.Tensor,
+               scale: float) -> torch.Tensor:
+        """Writes `k_new, v_new [B, nkv, T, hd]`, then attends `q [B, nh, T, hd]` over the span
+        under `mask [B, T, span]` -> [B, T, nh * hd]."""
+        k, v = self.update(layer, k_new, v_new)
+        return masked_attention(q, k, v, mask, scale)
 
 
 class PagedKVCache:
@@ -156,6 +170,10 @@ class PagedKVCache:
         ok = (block >= 0) & (index < self.max_len)
         return torch.where(ok, block * bs + index % bs, self._trash_row)
 
+    def block_tables(self, slots: torch.Tensor) -> torch.Tensor:
+        """[B, max_blocks] physical block ids of `slots [B]`, -1 where none (a copy)."""
+        return self._tables[slots]
+
     def batch(self, slots: torch.Tensor, write_index: torch.Tensor, span: int) -> "PagedCacheBatch":
         if span > self.max_len:
             raise ValueError(f"sequence needs {span} cache entries, more than max_len {self.max_len}")
@@ -185,3 +203,42 @@ class PagedCacheBatch:
         k[self.write_rows] = k_new.transpose(1, 2).to(k.dtype)
         v[self.write_rows] = v_new.transpose(1, 2).to(v.dtype)
         return k[self.read_rows].transpose(1, 2), v[self.read_rows].transpose(1, 2)
+
+    def attend(self, layer: int, q: torch.Tensor, k_new: torch.Tensor, v_new: torch.Tensor, mask: torch.Tensor,
+               scale: float) -> torch.Tensor:
+        """Writes `k_new, v_new [B, nkv, T, hd]`, then attends `q [B, nh, T, hd]` over the read
+        rows under `mask [B, T, span]` -> [B, T, nh * hd]."""
+        k, v = self.update(layer, k_new, v_new)
+        return masked_attention(q, k, v, mask, scale)
+
+
+@dataclass
+class PagedTreeBatch:
+    """A verify step without a dense mask or a gather: K/V are written in place and the attention
+    reads the pool through the block tables (spectandem/kernels/attention.py; the Triton kernel on
+    CUDA, its torch reference otherwise).
+
+    The kernel's convention, which NativeRunner.verify's layout already is: request b's committed
+    entries are logical [0, prefix_lens[b]) and its T round tokens are written at logical
+    prefix_lens[b] + t (`write_rows` holds their physical rows); token t sees every committed entry
+    and the round entries its row of `tree_mask` allows. Example: prefix_lens [3], parents
+    [-1, 0, 0] -> token 2 is written at entry 5 and sees entries 0, 1, 2, 3 and 5.
+    Padding rows (a CUDA graph's bucket): prefix 0, a table of -1 and an identity mask; the kernel
+    then loads no K/V for them and returns zeros (the reference reads the trash row)."""
+
+    cache: PagedKVCache
+    write_rows: torch.Tensor    # [B, T] physical rows of logical entries prefix_lens + 0..T-1
+    block_tables: torch.Tensor  # [B, max_blocks] physical block ids, -1 where none
+    prefix_lens: torch.Tensor   # [B] committed entries, visible to every round token
+    tree_mask: torch.Tensor     # [B, T, T] bool: token t may see round entry j (itself and its ancestors)
+
+    def attend(self, layer: int, q: torch.Tensor, k_new: torch.Tensor, v_new: torch.Tensor, mask: None,
+               scale: float) -> torch.Tensor:
+        """Writes `k_new, v_new [B, nkv, T, hd]`, then attends `q [B, nh, T, hd]` -> [B, T, nh * hd].
+        `mask` must be None: this batch carries its own (prefix_lens and tree_mask)."""
+        assert mask is None, "a PagedTreeBatch masks through prefix_lens and tree_mask; the forward's mask must be None"
+        k, v = self.cache.k[layer], self.cache.v[layer]
+        k[self.write_rows] = k_new.transpose(1, 2).to(k.dtype)
+        v[self.write_rows] = v_new.transpose(1, 2).to(v.dtype)
+        return paged_tree_attention(q, k, v, self.block_tables, self.prefix_lens, self.tree_mask, scale,
+                                    self.cache.block_size)

@@ -19,17 +19,19 @@ class LocalSpeculator:
                  max_slots: int = 8, max_len: int | None = None, dtype: torch.dtype = torch.float32,
                  device: str = "cpu", force_hf_target: bool = False, kv_blocks: int | None = None,
                  draft_kv_blocks: int | None = None, block_size: int = 16, cuda_graphs: bool = False,
-                 batch_invariant: bool = False):
+                 batch_invariant: bool = False, triton_attention: bool = False):
         """cuda_graphs: the target's verify steps and EAGLE argmax chains run as CUDA graphs.
         batch_invariant: the target's prefill and verify run the batch-invariant kernels (greedy
-        speculation equals plain decoding bit for bit in bf16; CUDA and Triton only)."""
+        speculation equals plain decoding bit for bit in bf16; CUDA and Triton only).
+        triton_attention: the target's verify attends through the Triton paged tree attention
+        (CUDA and Triton only; with or without cuda_graphs)."""
         from spectandem.checkpoint import load_tokenizer, read_config
 
         self.cfg = cfg
         # The head decides which features it reads, and takes weights from the target: build the
         # target first, then the proposer, then tell the runner what to return.
         runner, model = load_runner(target_dir, None, max_slots, max_len, dtype, device, force_hf_target,
-                                    kv_blocks, block_size, cuda_graphs, batch_invariant)
+                                    kv_blocks, block_size, cuda_graphs, batch_invariant, triton_attention)
         proposer = None
         if cfg.method != "none":
             proposer = build_proposer(cfg, model, draft_dir, max_slots, runner.max_len, dtype, device,

@@ -25,6 +25,14 @@ Graph hazards:
   overwritten by the next replay: `run` returns copies.
 - Warm-up (on a side stream, as capture requires) and capture run with every row padding: they
   write only the trash row.
+
+With the Triton tree attention (`tree_attention=True`, NativeRunner's `triton_attention`) the
+step carries no columns: `TreeVerifyInputs` holds each row's block table [Bc, max_blocks], prefix
+length [Bc] and tree mask [Bc, N, N], and the kernel reads the lengths on the device, so one graph
+per (Bc, N) serves every span. Padding rows: prefix 0, a table of -1, an identity tree mask; the
+kernel loads no K/V for them. The kernel's result for a row depends only on that row's query and
+the entries it sees (spectandem/kernels/attention.py), so padding changes only the other matmuls'
+shapes: a step whose B fills its bucket is the eager step bit for bit.
 """
 
 from __future__ import annotations
@@ -34,7 +42,7 @@ from typing import Callable
 
 import torch
 
-from spectandem.kv_cache import PagedCacheBatch, PagedKVCache
+from spectandem.kv_cache import PagedCacheBatch, PagedKVCache, PagedTreeBatch
 from spectandem.tree import ancestor_mask, node_depths
 
 BATCH_BUCKETS = (1, 2, 4, 8, 16, 32, 64)
@@ -85,8 +93,35 @@ class VerifyInputs:
     mask: torch.Tensor         # [Bc, N, S] bool: node i may attend to column j
 
     def copy_(self, other: "VerifyInputs") -> None:
-        for f in fields(self):
-            getattr(self, f.name).copy_(getattr(other, f.name))
+        _copy_fields(self, other)
+
+    def forward_args(self, cache: PagedKVCache) -> tuple[PagedCacheBatch, torch.Tensor]:
+        """(cache view, mask) for LlamaModel.forward."""
+        return PagedCacheBatch(cache, self.write_rows, self.read_rows), self.mask
+
+
+@dataclass
+class TreeVerifyInputs:
+    """The same step for the Triton tree attention (PagedTreeBatch): Bc rows, N nodes, no columns."""
+
+    token_ids: torch.Tensor     # [Bc, N] int64 (padding nodes and rows: 0)
+    positions: torch.Tensor     # [Bc, N] int64 RoPE positions: cache_len + depth
+    write_rows: torch.Tensor    # [Bc, N] int64 physical rows of logical entries cache_len + 0..N-1
+    block_tables: torch.Tensor  # [Bc, max_blocks] int64 physical block ids, -1 where none (padding rows: all)
+    prefix_lens: torch.Tensor   # [Bc] int64 cache_len (padding rows: 0)
+    tree_mask: torch.Tensor     # [Bc, N, N] bool ancestor mask (padding rows: identity)
+
+    def copy_(self, other: "TreeVerifyInputs") -> None:
+        _copy_fields(self, other)
+
+    def forward_args(self, cache: PagedKVCache) -> tuple[PagedTreeBatch, None]:
+        """(cache view, mask) for LlamaModel.forward: the view carries the mask."""
+        return PagedTreeBatch(cache, self.write_rows, self.block_tables, self.prefix_lens, self.tree_mask), None
+
+
+def _copy_fields(dst, src) -> None:
+    for f in fields(dst):
+        getattr(dst, f.name).copy_(getattr(src, f.name))
 
 
 def verify_inputs(cache: PagedKVCache, slots: list[int], cache_lens: list[int], token_ids: torch.Tensor,
@@ -132,6 +167,39 @@ def padding_inputs(cache: PagedKVCache, rows: int, n: int, span: int) -> VerifyI
                         mask)
 
 
+def tree_verify_inputs(cache: PagedKVCache, slots: list[int], cache_lens: list[int], token_ids: torch.Tensor,
+                       parents: torch.Tensor, node_valid: torch.Tensor, rows: int) -> TreeVerifyInputs:
+    """`verify_inputs` for the tree attention, padded to `rows` >= B rows. Node j of request b is
+    written at logical cache_len + j, where the kernel looks for round entry j (prefix = cache_len).
+    The slots must already hold cache_len + N entries (`cache.reserve`)."""
+    b, n = token_ids.shape
+    assert rows >= b and max(cache_lens) + n <= cache.max_len, (rows, b, cache_lens, n)
+    dev = cache.k[0].device
+    inp = padding_tree_inputs(cache, rows, n)
+    base = torch.tensor(cache_lens, device=dev)                                         # [B]
+    slot_t = torch.tensor(slots, device=dev)
+    inp.token_ids[:b] = token_ids.clamp(min=0).to(dev)
+    inp.positions[:b] = base[:, None] + node_depths(parents, node_valid).to(dev)
+    inp.write_rows[:b] = cache.rows(slot_t, base[:, None] + torch.arange(n, device=dev))
+    inp.block_tables[:b] = cache.block_tables(slot_t)
+    inp.prefix_lens[:b] = base
+    inp.tree_mask[:b] = ancestor_mask(parents, node_valid).to(dev)
+    return inp
+
+
+def padding_tree_inputs(cache: PagedKVCache, rows: int, n: int) -> TreeVerifyInputs:
+    """Tree inputs with every row padding: token 0 at position 0 written to the trash row, prefix 0,
+    no blocks, each node seeing only itself (the kernel loads nothing for such a row)."""
+    dev = cache.k[0].device
+    zeros = torch.zeros(rows, n, dtype=torch.long, device=dev)
+    trash = torch.full((rows, n), cache.trash_index, dtype=torch.long, device=dev)
+    slot0 = torch.zeros(rows, dtype=torch.long, device=dev)
+    tables = cache.block_tables(slot0).fill_(-1)                                        # [Bc, max_blocks]
+    eye = torch.eye(n, dtype=torch.bool, device=dev).expand(rows, n, n).contiguous()
+    return TreeVerifyInputs(zeros, zeros.clone(), cache.rows(slot0, trash), tables,
+                            torch.zeros(rows, dtype=torch.long, device=dev), eye)
+
+
 @dataclass
 class VerifyStep:
     logits: torch.Tensor                 # [B, N, V] float32
@@ -145,30 +213,31 @@ class VerifyStep:
 
 
 def verify_forward(model, cache: PagedKVCache, feature_layers: FeatureSpec,
-                   inp: VerifyInputs) -> tuple[torch.Tensor, torch.Tensor | None]:
+                   inp: VerifyInputs | TreeVerifyInputs) -> tuple[torch.Tensor, torch.Tensor | None]:
     """The verify forward over static inputs -> (logits [Bc, N, V] float32, features or None).
     Features: None, "final" (hidden after the final norm) or HF hidden-state indices (aux)."""
     capture = feature_layers if isinstance(feature_layers, tuple) else ()
-    cache_batch = PagedCacheBatch(cache, inp.write_rows, inp.read_rows)
-    hidden, aux = model(inp.token_ids, inp.positions, cache_batch, inp.mask, capture)
+    cache_batch, mask = inp.forward_args(cache)
+    hidden, aux = model(inp.token_ids, inp.positions, cache_batch, mask, capture)
     feats = None if feature_layers is None else (hidden if feature_layers == "final" else aux)
     return model.logits(hidden), feats
 
 
 @dataclass
 class _Captured:
-    inputs: VerifyInputs                 # the buffers the graph reads
+    inputs: VerifyInputs | TreeVerifyInputs  # the buffers the graph reads
     graph: "torch.cuda.CUDAGraph | None"
 
 
 class VerifyGraphs:
     """Verify steps at bucketed static shapes, one CUDA graph per (Bc, N, S, feature spec),
     captured lazily on first use. With `graph=False` the same padded computation runs eagerly
-    (the CPU-testable "static eager" path)."""
+    (the CPU-testable "static eager" path). `tree_attention`: the steps attend through the Triton
+    tree attention (TreeVerifyInputs, PagedTreeBatch); one graph per (Bc, N, feature spec)."""
 
     def __init__(self, model, cache: PagedKVCache, graph: bool = True,
-                 batch_buckets: tuple[int, ...] = BATCH_BUCKETS):
-        self.model, self.cache, self.graph = model, cache, graph
+                 batch_buckets: tuple[int, ...] = BATCH_BUCKETS, tree_attention: bool = False):
+        self.model, self.cache, self.graph, self.tree_attention = model, cache, graph, tree_attention
         self.device = cache.k[0].device
         if graph and self.device.type != "cuda":
             raise ValueError(f"CUDA graphs need a CUDA device, the cache is on {self.device}")
@@ -187,8 +256,12 @@ class VerifyGraphs:
         b, n = token_ids.shape
         rows = batch_bucket(b, self.batch_buckets)
         assert rows is not None, f"batch {b} is past the largest bucket {self.batch_buckets[-1]}"
-        span = span_bucket(max(cache_lens) + n, self.cache.max_len)
-        inp = verify_inputs(self.cache, slots, cache_lens, token_ids, parents, node_valid, rows, span)
+        if self.tree_attention:  # the kernel reads each row's length on the device: no span bucket
+            span = None
+            inp = tree_verify_inputs(self.cache, slots, cache_lens, token_ids, parents, node_valid, rows)
+        else:
+            span = span_bucket(max(cache_lens) + n, self.cache.max_len)
+            inp = verify_inputs(self.cache, slots, cache_lens, token_ids, parents, node_valid, rows, span)
         if not self.graph:
             logits, feats = verify_forward(self.model, self.cache, feature_layers, inp)
             return VerifyStep(logits, feats, logits.argmax(-1)).rows(b)
@@ -199,8 +272,11 @@ class VerifyGraphs:
         step.graph.replay()
         return self._outputs[(rows, n, feature_layers)].rows(b)
 
-    def _capture(self, rows: int, n: int, span: int, feature_layers: FeatureSpec) -> _Captured:
-        inputs = padding_inputs(self.cache, rows, n, span)
+    def _capture(self, rows: int, n: int, span: int | None, feature_layers: FeatureSpec) -> _Captured:
+        if span is None:
+            inputs = padding_tree_inputs(self.cache, rows, n)
+        else:
+            inputs = padding_inputs(self.cache, rows, n, span)
         out = self._outputs.get((rows, n, feature_layers))
         if out is None:
             spec = self.model.spec

@@ -19,7 +19,7 @@ import torch
 from spectandem.kv_cache import KVCache, PagedKVCache
 from spectandem.modeling.llama import NATIVE_ARCHITECTURES, InvariantBatch, LlamaModel, load_llama
 from spectandem.tree import ancestor_mask, node_depths
-from verifier.graphs import VerifyGraphs, verify_forward, verify_inputs
+from verifier.graphs import VerifyGraphs, tree_verify_inputs, verify_forward, verify_inputs
 
 FeatureSpec = None | str | tuple[int, ...]
 
@@ -27,13 +27,18 @@ FeatureSpec = None | str | tuple[int, ...]
 class NativeRunner:
     def __init__(self, model: LlamaModel, feature_layers: FeatureSpec, max_slots: int, max_len: int,
                  kv_blocks: int | None = None, block_size: int = 16, cuda_graphs: bool = False,
-                 batch_invariant: bool = False):
+                 batch_invariant: bool = False, triton_attention: bool = False):
         """cuda_graphs: verify through CUDA graphs (verifier/graphs.py) for batches up to the
         largest bucket, eagerly beyond; needs a CUDA device.
         batch_invariant: prefill and verify through the batch-invariant kernels
         (spectandem/kernels/batch_invariant.py), so a token's logits do not depend on the batch or
         tree around it and greedy speculation equals plain decoding bit for bit in bf16; needs a
-        CUDA device and Triton, runs eagerly (not with cuda_graphs)."""
+        CUDA device and Triton, runs eagerly (not with cuda_graphs).
+        triton_attention: verify attends through the Triton paged tree attention
+        (spectandem/kernels/attention.py, via PagedTreeBatch) instead of gathering the span and
+        masking it densely; eager or with cuda_graphs; prefill keeps the dense path. Needs a CUDA
+        device and Triton (tests set the attribute after construction to run the same path on the
+        torch reference)."""
         s = model.spec
         self.model, self.spec, self.feature_layers = model, s, feature_layers
         self.device = next(model.parameters()).device
@@ -41,10 +46,13 @@ class NativeRunner:
         self.max_len = max_len
         self.cache = PagedKVCache(s.num_layers, max_slots, s.num_kv_heads, max_len, s.head_dim, self.dtype,
                                   self.device, num_blocks=kv_blocks, block_size=block_size)
-        self.graphs = VerifyGraphs(model, self.cache) if cuda_graphs else None
+        if triton_attention:
+            _check_triton_attention(self.device, batch_invariant)
+        self.graphs = VerifyGraphs(model, self.cache, tree_attention=triton_attention) if cuda_graphs else None
         self.batch_invariant = batch_invariant
         if batch_invariant:
             _check_batch_invariant(self.device, cuda_graphs)
+        self.triton_attention = triton_attention
 
     def kv_stats(self) -> dict:
         return self.cache.stats()
@@ -98,8 +106,12 @@ class NativeRunner:
         if self.graphs is not None and self.graphs.supports(b):
             step = self.graphs.run(slots, cache_lens, token_ids, parents, node_valid, self.feature_layers)
             return step.logits, step.features
-        # Eagerly: the static-shape step without padding (rows = B, span = max(cache_len) + N).
-        inp = verify_inputs(self.cache, slots, cache_lens, token_ids, parents, node_valid, b, max(cache_lens) + n)
+        # Eagerly: the static-shape step without padding (rows = B; dense: span = max(cache_len) + N).
+        if self.triton_attention:
+            inp = tree_verify_inputs(self.cache, slots, cache_lens, token_ids, parents, node_valid, b)
+        else:
+            inp = verify_inputs(self.cache, slots, cache_lens, token_ids, parents, node_valid, b,
+                                max(cache_lens) + n)
         return verify_forward(self.model, self.cache, self.feature_layers, inp)
 
     def _prefill_keys(self, slot_t: torch.Tensor, write: torch.Tensor, real: torch.Tensor) -> InvariantBatch:
@@ -166,6 +178,17 @@ def _check_batch_invariant(device: torch.device, cuda_graphs: bool) -> None:
                          f"triton is {'installed' if HAVE_TRITON else 'not installed'}")
     if cuda_graphs:
         raise ValueError("batch_invariant verify runs eagerly; it cannot be combined with cuda_graphs=True")
+
+
+def _check_triton_attention(device: torch.device, batch_invariant: bool) -> None:
+    from spectandem.kernels import HAVE_TRITON
+
+    if device.type != "cuda" or not HAVE_TRITON:
+        raise ValueError(f"triton_attention needs a CUDA device and the triton package; the model is on {device}, "
+                         f"triton is {'installed' if HAVE_TRITON else 'not installed'}")
+    if batch_invariant:
+        raise ValueError("triton_attention and batch_invariant are two verify paths; choose one "
+                         "(batch_invariant already attends through its own Triton kernel)")
 
 
 class HFRunner:
@@ -257,11 +280,13 @@ class HFRunner:
 def load_runner(target_dir: str | Path, feature_layers: FeatureSpec, max_slots: int, max_len: int | None,
                 dtype: torch.dtype = torch.float32, device: str = "cpu", force_hf: bool = False,
                 kv_blocks: int | None = None, block_size: int = 16, cuda_graphs: bool = False,
-                batch_invariant: bool = False):
+                batch_invariant: bool = False, triton_attention: bool = False):
     """Native runner for Llama-family checkpoints, transformers otherwise (or when forced).
     Returns (runner, the loaded model: native LlamaModel or transformers'). `cuda_graphs`
     (native runner only): verify steps run as CUDA graphs. `batch_invariant` (native runner
-    only): prefill and verify through the batch-invariant kernels (NativeRunner)."""
+    only): prefill and verify through the batch-invariant kernels (NativeRunner).
+    `triton_attention` (native runner only): verify attends through the Triton paged tree
+    attention (NativeRunner)."""
     from spectandem.checkpoint import read_config
 
     cfg = read_config(target_dir)
@@ -275,12 +300,15 @@ def load_runner(target_dir: str | Path, feature_layers: FeatureSpec, max_slots: 
             # there keeps the native path exact without a windowed mask.
             max_len = min(max_len, model.spec.sliding_window)
         return NativeRunner(model, feature_layers, max_slots, max_len, kv_blocks, block_size, cuda_graphs,
-                            batch_invariant), model
+                            batch_invariant, triton_attention), model
     if cuda_graphs:
         raise ValueError(f"{target_dir}: CUDA graphs need the native runner; architecture {arch!r} "
                          f"(force_hf={force_hf}) runs on transformers")
     if batch_invariant:
         raise ValueError(f"{target_dir}: batch-invariant verification needs the native runner; architecture "
+                         f"{arch!r} (force_hf={force_hf}) runs on transformers")
+    if triton_attention:
+        raise ValueError(f"{target_dir}: the Triton tree attention needs the native runner; architecture "
                          f"{arch!r} (force_hf={force_hf}) runs on transformers")
     from transformers import AutoModelForCausalLM
 

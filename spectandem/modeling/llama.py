@@ -15,7 +15,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from spectandem.kv_cache import CacheBatch, PagedKVCache
-from spectandem.modeling.layers import GatedMLP, RMSNorm, RopeSpec, Rotary, apply_rotary, masked_attention
+from spectandem.modeling.layers import GatedMLP, RMSNorm, RopeSpec, Rotary, apply_rotary
 
 NATIVE_ARCHITECTURES = ("LlamaForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM", "MistralForCausalLM")
 
@@ -112,8 +112,7 @@ class Attention(nn.Module):
             q, k = self.q_norm(q), self.k_norm(k)
         q = apply_rotary(q.transpose(1, 2), cos, sin)
         k = apply_rotary(k.transpose(1, 2), cos, sin)
-        k_all, v_all = cache.update(layer, k, v.transpose(1, 2))
-        out = masked_attention(q, k_all, v_all, mask, self.head_dim ** -0.5)
+        out = cache.attend(layer, q, k, v.transpose(1, 2), mask, self.head_dim ** -0.5)
         return self.o_proj(out)
 
 
@@ -153,8 +152,9 @@ class LlamaModel(nn.Module):
             self.lm_head.weight = self.model.embed_tokens.weight
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, cache: CacheBatch,
-                mask: torch.Tensor, capture: tuple[int, ...] = ()) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """input_ids, positions [B, T] int64; mask [B, T, cache.span] bool.
+                mask: torch.Tensor | None, capture: tuple[int, ...] = ()) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """input_ids, positions [B, T] int64; mask [B, T, span] bool over the cache view's span, or
+        None when the view carries its own (PagedTreeBatch).
 
         Returns (hidden [B, T, H] after the final norm, aux [B, T, len(capture) * H] or None).
         """
