@@ -129,7 +129,7 @@ def add_bench(sub) -> None:
                    help="router pipeline modes (those RouterConfig rejects are skipped)")
     p.add_argument("--pipeline-batch-sizes", default="4,16,64")
     p.add_argument("--cuda-graphs", choices=["auto", "on", "off"], default="auto",
-                   help="engines replay CUDA graphs (auto: on CUDA); the 8B plain row is measured both ways")
+                   help="the fast path: CUDA graphs and the Triton paged attention (auto: on CUDA); the 8B plain row is measured both ways")
     p.add_argument("--out", default="benchmarks/results/bench.json",
                    help="a directory (bench.json, .txt, .png in it) or a .json path (.txt, .png beside it)")
     p.add_argument("--plot", default=None, help="PNG path (default: beside the JSON)")

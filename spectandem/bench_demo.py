@@ -3,7 +3,7 @@
 
 from __future__ import annotations
 
-from spectandem.bench_records import PROMPTS, accept_length, record, timed
+from spectandem.bench_records import PROMPTS, accept_length, fast_paths, record, timed
 
 DEMO_MODES = {
     "none": ("none", {}),
@@ -29,7 +29,7 @@ def _speculator(mode: str, max_slots: int, device: str, dtype, cuda_graphs: bool
     method, tree = DEMO_MODES[mode]
     target, draft = demo_paths(method)
     return LocalSpeculator(target, draft, SpecConfig(method=method, **tree, **cfg_overrides), max_slots=max_slots,
-                           max_len=512, dtype=dtype, device=device, cuda_graphs=cuda_graphs)
+                           max_len=512, dtype=dtype, device=device, **fast_paths(cuda_graphs))
 
 
 def _one_by_one(spec, prompts: list[list[int]], params: list, device: str):

@@ -17,7 +17,7 @@ Run time does not depend on weight values: the shapes and the kernels are those 
 from __future__ import annotations
 
 from spectandem.bench_controlled import ControlledProposer, expected_accept_length, plan_drafts
-from spectandem.bench_records import accept_length, record, sync, timed
+from spectandem.bench_records import accept_length, fast_paths, record, sync, timed
 
 SHAPES = {  # vocab, hidden, MLP, layers, heads, kv heads, head dim, draft vocab
     "full": dict(vocab_size=128256, hidden_size=4096, intermediate_size=14336, num_layers=32, num_heads=32,
@@ -105,6 +105,7 @@ def bench_plain_roofline(model, device: str, steps: int, context: int, bandwidth
     """Plain decoding at batch 1, `steps` tokens after a `context`-token prefix; the median step
     against (weights + KV bytes) / copy bandwidth. Eager: the model's own forward over a KV cache.
     With `cuda_graphs`: the verifier runner's one-node verify and commit (what the engine runs),
+    on the fast path (CUDA graphs and the Triton paged attention: bench_records.fast_paths),
     replayed as a CUDA graph."""
     import torch
 
@@ -142,7 +143,7 @@ def bench_plain_roofline(model, device: str, steps: int, context: int, bandwidth
     kv_bytes = 2 * spec.num_layers * spec.num_kv_heads * spec.head_dim * elem * (context + steps // 2)
     floor = (weight_bytes + kv_bytes) / bandwidth if bandwidth else 0.0
     return record(section="llama8b", workload="llama8b", method="none",
-                  mode="plain-cuda-graphs" if cuda_graphs else "plain", batch_size=1, tokens=1,
+                  mode="plain-fast" if cuda_graphs else "plain", batch_size=1, tokens=1,
                   seconds=step, accept_length=1.0, roofline_fraction=round(floor / step, 3) if floor else None,
                   roofline_ms=round(1000 * floor, 3), weight_bytes=weight_bytes, context=context,
                   cuda_graphs=cuda_graphs)
@@ -155,7 +156,7 @@ def _graphed_plain_steps(model, device: str, steps: int, context: int) -> list[f
 
     from verifier.runner import NativeRunner
 
-    runner = NativeRunner(model, None, 1, context + steps + 1, cuda_graphs=True)
+    runner = NativeRunner(model, None, 1, context + steps + 1, **fast_paths(True))
     v = model.spec.vocab_size
     logits, _ = runner.prefill([0], [torch.randint(0, v, (context,), generator=torch.Generator().manual_seed(0)).tolist()])
     tok = int(logits[0].argmax())
@@ -185,7 +186,7 @@ def verify_forward_times(model, feature_layers, device: str, context: int, chain
 
     g = torch.Generator().manual_seed(0)
     v = model.spec.vocab_size
-    runner = NativeRunner(model, feature_layers, 1, context + 32, cuda_graphs=cuda_graphs)
+    runner = NativeRunner(model, feature_layers, 1, context + 32, **fast_paths(cuda_graphs))
     runner.prefill([0], [torch.randint(0, v, (context,), generator=g).tolist()])
     shapes = {"decode": (-1,), "chain": tuple(range(-1, chain_nodes - 1)), "tree16": TREE16_PARENTS}
     out = {}
@@ -232,10 +233,10 @@ class ControlledRuns:
         truth_len = max_tokens + num_steps + 1          # drafts may reach num_steps past the last token
         max_len = prompt_len + truth_len + self.lookahead
         self.inner = EagleProposer(head, self.cfg, max_slots, max_len, cuda_graphs=cuda_graphs)
-        self.plain = VerifierEngine(NativeRunner(model, None, max_slots, max_len, cuda_graphs=cuda_graphs),
+        self.plain = VerifierEngine(NativeRunner(model, None, max_slots, max_len, **fast_paths(cuda_graphs)),
                                     max_slots, v)
         self.verifier = VerifierEngine(NativeRunner(model, self.inner.feature_layers, max_slots, max_len,
-                                                    cuda_graphs=cuda_graphs), max_slots, v)
+                                                    **fast_paths(cuda_graphs)), max_slots, v)
         g = torch.Generator().manual_seed(seed)
         self.prompts = [torch.randint(0, v, (prompt_len,), generator=g).tolist() for _ in range(num_prompts)]
         truth_params = SamplingParams(max_tokens=truth_len, ignore_eos=True)

@@ -13,7 +13,7 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 
-from spectandem.bench_records import PROMPTS, record, sync
+from spectandem.bench_records import PROMPTS, fast_paths, record, sync
 
 
 def split_modes(modes: list[str]) -> tuple[list[str], list[str]]:
@@ -44,7 +44,7 @@ def demo_engines(max_slots: int, dtype, verifier_device: str, drafter_device: st
 
     cfg = SpecConfig(method="eagle3", num_steps=4, topk=1, num_draft_tokens=5)
     target, draft = demo_paths("eagle3")
-    runner, model = load_runner(target, None, max_slots, 512, dtype, verifier_device, cuda_graphs=cuda_graphs)
+    runner, model = load_runner(target, None, max_slots, 512, dtype, verifier_device, **fast_paths(cuda_graphs))
     proposer = build_proposer(cfg, model, draft, max_slots, runner.max_len, dtype, drafter_device,
                               cuda_graphs=cuda_graphs)
     runner.feature_layers = proposer.feature_layers

@@ -93,9 +93,10 @@ def _close(a, b, valid, dtype, tolerance) -> None:
     (la, fa), (lb, fb) = a, b
     torch.testing.assert_close(lb[valid], la[valid], **tolerance[dtype])
     torch.testing.assert_close(fb[valid], fa[valid], **tolerance[dtype])
-    agree = (lb[valid].argmax(-1) == la[valid].argmax(-1)).float().mean()
+    same = lb[valid].argmax(-1) == la[valid].argmax(-1)
+    agree = same.float().mean()
     if dtype == torch.float32:
-        assert agree == 1, f"argmaxes differ on {(1 - agree) * 100:.1f}% of the nodes"
+        assert bool(same.all()), f"argmaxes differ on {int((~same).sum())} of {same.numel()} nodes"
     else:  # bf16 near-ties may flip; nearly all must agree
         assert agree >= 0.9
 
