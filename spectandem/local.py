@@ -44,6 +44,12 @@ class LocalSpeculator:
         self.eos_token_ids = tuple(eos) if isinstance(eos, list) else (() if eos is None else (int(eos),))
         self.tokenizer = load_tokenizer(target_dir)
         self.vocab_size = int(target_cfg["vocab_size"])
+        # Fused mode on the GPU with graphs: greedy rounds replay one graph (spectandem/fused.py).
+        self._fused_graph = None
+        if cfg.fused and cuda_graphs and not batch_invariant:
+            from spectandem.fused import FusedGraphStep
+
+            self._fused_graph = FusedGraphStep(self.verifier, self.drafter, graph=True)
 
     @property
     def lookahead(self) -> int:
@@ -59,6 +65,6 @@ class LocalSpeculator:
             bad = [t for t in p if not 0 <= t < self.vocab_size]
             if bad:
                 raise ValueError(f"prompt {i}: token ids {bad[:5]} are outside the vocabulary 0..{self.vocab_size - 1}")
-        fused = FusedStep(self.verifier, self.drafter) if self.cfg.fused else None
+        fused = FusedStep(self.verifier, self.drafter, self._fused_graph) if self.cfg.fused else None
         return generate(self.verifier, self.drafter, prompts, params, self.eos_token_ids, self.lookahead,
                         request_ids, fused, ahead)
