@@ -38,7 +38,7 @@ class NativeRunner:
         (spectandem/kernels/attention.py, via PagedTreeBatch) instead of gathering the span and
         masking it densely; eager or with cuda_graphs; prefill keeps the dense path. Needs a CUDA
         device and Triton (tests set the attribute after construction to run the same path on the
-        torch reference)."""
+        torch reference). Also turns on the model's fused kernels (LlamaModel.use_fused_kernels)."""
         s = model.spec
         self.model, self.spec, self.feature_layers = model, s, feature_layers
         self.device = next(model.parameters()).device
@@ -48,6 +48,7 @@ class NativeRunner:
                                   self.device, num_blocks=kv_blocks, block_size=block_size)
         if triton_attention:
             _check_triton_attention(self.device, batch_invariant)
+            model.use_fused_kernels()  # the fast path: fewer launches, the same bits
         self.graphs = VerifyGraphs(model, self.cache, tree_attention=triton_attention) if cuda_graphs else None
         self.batch_invariant = batch_invariant
         if batch_invariant:

@@ -16,12 +16,16 @@ from torch import nn
 
 
 class RMSNorm(nn.Module):
+    fused = False  # LlamaModel.use_fused_kernels: one Triton launch on CUDA, the same bits
+
     def __init__(self, dim: int, eps: float):
         super().__init__()
         self.weight = nn.Parameter(torch.ones(dim))
         self.eps = eps
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.fused:
+            return _fused_kernels().rmsnorm(x, self.weight, self.eps)
         dtype = x.dtype
         x32 = x.float()
         x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
@@ -29,6 +33,8 @@ class RMSNorm(nn.Module):
 
 
 class GatedMLP(nn.Module):
+    fused = False  # LlamaModel.use_fused_kernels: silu(gate) * up in one Triton launch on CUDA
+
     def __init__(self, hidden: int, intermediate: int, bias: bool = False):
         super().__init__()
         self.gate_proj = nn.Linear(hidden, intermediate, bias=bias)
@@ -36,7 +42,17 @@ class GatedMLP(nn.Module):
         self.down_proj = nn.Linear(intermediate, hidden, bias=bias)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.fused:
+            return self.down_proj(_fused_kernels().silu_mul(self.gate_proj(x), self.up_proj(x)))
         return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+
+
+def _fused_kernels():
+    """spectandem/kernels/fused.py, whose functions fall back to the torch code above off CUDA or
+    without Triton. Imported lazily: spectandem.kernels imports this module."""
+    from spectandem.kernels import fused
+
+    return fused
 
 
 @dataclass(frozen=True)

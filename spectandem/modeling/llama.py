@@ -3,7 +3,9 @@
 The model has no mode flags: prefill, one-token decode and tree verification are the same
 forward over a different number of positions with a mask built by the caller. Parameter
 names equal HuggingFace's, so checkpoints load with `load_state_dict`. `forward_invariant` is
-the same forward through the batch-invariant kernels (NativeRunner's `batch_invariant`).
+the same forward through the batch-invariant kernels (NativeRunner's `batch_invariant`);
+`use_fused_kernels` runs `forward`'s elementwise steps through fused Triton kernels of the same
+bits (NativeRunner's `triton_attention`).
 """
 
 from __future__ import annotations
@@ -14,6 +16,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from spectandem.kernels.fused import rotary
 from spectandem.kv_cache import CacheBatch, PagedKVCache
 from spectandem.modeling.layers import GatedMLP, RMSNorm, RopeSpec, Rotary, apply_rotary
 
@@ -89,6 +92,8 @@ class LlamaSpec:
 
 
 class Attention(nn.Module):
+    fused = False  # LlamaModel.use_fused_kernels: rotary on q and k in one Triton launch on CUDA
+
     def __init__(self, spec: LlamaSpec):
         super().__init__()
         hd = spec.head_dim
@@ -110,8 +115,11 @@ class Attention(nn.Module):
         v = self.v_proj(x).view(b, t, self.num_kv_heads, self.head_dim)
         if self.q_norm is not None:
             q, k = self.q_norm(q), self.k_norm(k)
-        q = apply_rotary(q.transpose(1, 2), cos, sin)
-        k = apply_rotary(k.transpose(1, 2), cos, sin)
+        if self.fused:
+            q, k = rotary(q.transpose(1, 2), k.transpose(1, 2), cos, sin)
+        else:
+            q = apply_rotary(q.transpose(1, 2), cos, sin)
+            k = apply_rotary(k.transpose(1, 2), cos, sin)
         out = cache.attend(layer, q, k, v.transpose(1, 2), mask, self.head_dim ** -0.5)
         return self.o_proj(out)
 
@@ -173,6 +181,15 @@ class LlamaModel(nn.Module):
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """hidden [..., H] -> logits [..., V] (float32)."""
         return self.lm_head(hidden).float()
+
+    def use_fused_kernels(self, enabled: bool = True) -> None:
+        """`forward` runs RMSNorm, the rotary embedding and the SiLU product through the fused
+        kernels of spectandem/kernels/fused.py (one launch each on CUDA with Triton, the same bits
+        as the torch code; the torch code elsewhere). A property of the model: every runner over it
+        takes the path. `forward_invariant` is unaffected."""
+        for module in self.modules():
+            if isinstance(module, (RMSNorm, GatedMLP, Attention)):
+                module.fused = enabled
 
     def forward_invariant(self, input_ids: torch.Tensor, positions: torch.Tensor, batch: "InvariantBatch",
                           capture: tuple[int, ...] = ()) -> tuple[torch.Tensor, torch.Tensor | None]:

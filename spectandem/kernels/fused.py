@@ -1,0 +1,397 @@
+"""Fused kernels of the target's forward on the fast path: RMSNorm, the rotary embedding and the
+gated MLP's SiLU product in one launch each, each bit for bit what the torch code of
+spectandem/modeling/layers.py computes on the same GPU. `LlamaModel.use_fused_kernels` turns them on.
+
+    rmsnorm   RMSNorm.forward: 8 torch kernels in bf16 (cast, square, mean, + eps, rsqrt, scale,
+              cast, times the weight), 6 in fp32
+    rotary    apply_rotary on q and k: 5 torch kernels per tensor (two products, neg, cat, sum)
+    silu_mul  GatedMLP's F.silu(gate) * up: 2 torch kernels
+
+Bit for bit, step by step. Each kernel computes in fp32 and rounds to the tensor's dtype exactly
+where torch's kernels do (after every op in bf16: `x * cos` is rounded before the sum). Launches
+pass `enable_fp_fusion=False`, so no mul + add becomes one FMA (torch's separate kernels round
+between them), and `enable_reflect_ftz=False` (nvcc's default: libdevice keeps subnormals). The
+transcendentals are the libdevice calls nvcc compiles torch's to: `__nv_expf` (silu's exp) and
+`__nv_rsqrtf` (torch.rsqrt); the division rounds to nearest (`tl.div_rn`, nvcc's -prec-div=true).
+Triton's unary minus is `0 - x` (+0 stays +0), so negations are written `x * -1.0`, as torch's.
+
+RMSNorm's mean. `x32.pow(2).mean(-1)` is ATen's reduction (cuda/Reduce.cuh as of recent torch;
+tests/gpu/test_fused_kernels.py pins it on the installed one) over contiguous rows of H fp32
+squares. Its summation order depends on H and on the number of rows M:
+
+    vectorized  H > 128: `lanes` threads share a row; thread w reads the 4-float vectors w,
+                w + lanes, w + 2 lanes, ... into four accumulators, one per position in the vector
+    otherwise   thread w reads the elements w, w + lanes, ...; its s-th goes to accumulator s % 4
+    then        each thread adds ((a0 + a1) + a2) + a3; the threads are folded in halves (lane w
+                += lane w + half) down to 32, then a warp shuffle tree pairs neighbours (0, 1),
+                (2, 3), ... until one value is left; mean = sum * float(M) / float(M * H)
+
+with `lanes` from setReduceConfig (`reduction_layout`). Example: H = 4096: M = 1 -> 512 lanes of
+2 vectors each; M = 4 -> 128 lanes of 8; M >= 16 -> 32 lanes of 32. The kernel replays that order
+(so its compiled variant depends on M, as ATen's order does). Layouts it does not replay (H > 128
+not a multiple of 4; rows long enough that ATen splits them across warps, values per thread >=
+min(16 * rows per block, 256): H > 7680) run the torch code, for every M alike.
+
+Every public function has the three forms of spectandem.kernels: `<name>_triton` (the kernel
+behind a validating wrapper), `<name>_ref` (the torch code of layers.py, any device) and `<name>`
+(the kernel for CUDA tensors it reproduces when Triton is installed, the reference otherwise).
+Under Triton's interpreter (the CPU tests) exp and rsqrt are numpy's: bit-for-bit claims against
+torch hold on the GPU only.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import torch
+import torch.nn.functional as F
+
+from spectandem.kernels import HAVE_TRITON
+from spectandem.modeling.layers import apply_rotary
+
+_FLOAT_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
+# ATen's reduce launch (cuda/Reduce.cuh) for a float32 mean.
+_MAX_REDUCE_THREADS = 512  # mnt_wrapper<float>::MAX_NUM_THREADS
+_WARP = 32
+_VEC = 4                   # input_vec_size = vt0: floats per vector load, accumulators per thread
+# Torch's rounding steps, not Triton's defaults (module docstring).
+_EXACT = dict(enable_fp_fusion=False, enable_reflect_ftz=False)
+_SILU_BLOCK = 1024
+_NUM_WARPS = 4
+
+if HAVE_TRITON:
+    import triton
+    import triton.language as tl
+    from triton.language.extra.cuda import libdevice
+
+    @triton.jit
+    def _square(row_ptr, cols, H: tl.constexpr):
+        x = tl.load(row_ptr + cols, mask=cols < H, other=0.0).to(tl.float32)
+        return x * x  # masked columns add +0.0: a no-op on a sum of squares
+
+    @triton.jit
+    def _rmsnorm_kernel(
+        x_ptr,  # [M, H] contiguous
+        w_ptr,  # [H]
+        out_ptr,  # [M, H]
+        eps,  # fp32, as torch rounds the Python float
+        mean_factor,  # fp32: ATen's float(M) / float(M * H)
+        H: tl.constexpr, LANES: tl.constexpr, LANE_STRIDE: tl.constexpr, ACC_STRIDE: tl.constexpr,
+        HALVINGS: tl.constexpr, PAIRINGS: tl.constexpr, BLOCK_H: tl.constexpr, INTERPRETED: tl.constexpr,
+    ):
+        row = tl.program_id(0).to(tl.int64)
+        x_row = x_ptr + row * H
+        # Lane w's accumulator j at step s reads element s * 4 * LANES + w * LANE_STRIDE + j * ACC_STRIDE:
+        # vectorized (4, 1): vector s * LANES + w, position j; otherwise (1, LANES): step 4 s + j.
+        first = tl.arange(0, LANES) * LANE_STRIDE
+        a0 = tl.zeros([LANES], tl.float32)
+        a1 = tl.zeros([LANES], tl.float32)
+        a2 = tl.zeros([LANES], tl.float32)
+        a3 = tl.zeros([LANES], tl.float32)
+        for start in range(0, H, 4 * LANES):  # in ATen's step order: each accumulator sums sequentially
+            cols = start + first
+            a0 = a0 + _square(x_row, cols, H)
+            a1 = a1 + _square(x_row, cols + ACC_STRIDE, H)
+            a2 = a2 + _square(x_row, cols + 2 * ACC_STRIDE, H)
+            a3 = a3 + _square(x_row, cols + 3 * ACC_STRIDE, H)
+        total = ((a0 + a1) + a2) + a3
+        # A sum over an axis of 2 is one addition, so these replay block_x_reduce's tree exactly.
+        for i in tl.static_range(HALVINGS):  # shared memory: lane w += lane w + half
+            total = tl.sum(tl.reshape(total, [2, LANES >> (i + 1)]), axis=0)
+        for i in tl.static_range(PAIRINGS):  # warp shuffles: lane w += lane w + 1, w + 2, ...
+            total = tl.sum(tl.reshape(total, [(LANES >> HALVINGS) >> (i + 1), 2]), axis=1)
+        mean = tl.sum(total, axis=0) * mean_factor
+        if INTERPRETED:  # the interpreter has no libdevice
+            inv = tl.rsqrt(mean + eps)
+        else:
+            inv = libdevice.rsqrt(mean + eps)
+        for start in range(0, H, BLOCK_H):
+            cols = start + tl.arange(0, BLOCK_H)
+            ok = cols < H
+            x = tl.load(x_row + cols, mask=ok, other=0.0).to(tl.float32)
+            # RMSNorm rounds the normalised row to x's dtype before the weight's product.
+            y = (x * inv).to(x_ptr.dtype.element_ty).to(tl.float32)
+            w = tl.load(w_ptr + cols, mask=ok, other=0.0).to(tl.float32)
+            tl.store(out_ptr + row * H + cols, (w * y).to(out_ptr.dtype.element_ty), mask=ok)
+
+    @triton.jit
+    def _rotate_heads(
+        x_ptr,  # head 0 of one token, [heads, hd] at stride_h
+        out_ptr,
+        stride_h, out_stride_h,
+        cos1, cos2, sin1, sin2,  # [BLOCK_HALF] fp32: the two halves of the token's tables
+        NUM_HEADS: tl.constexpr, BLOCK_HEADS: tl.constexpr, HALF: tl.constexpr, BLOCK_HALF: tl.constexpr,
+    ):
+        h = tl.arange(0, BLOCK_HEADS)[:, None]
+        d = tl.arange(0, BLOCK_HALF)[None, :]
+        ok = (h < NUM_HEADS) & (d < HALF)
+        x1 = tl.load(x_ptr + h * stride_h + d, mask=ok, other=0.0).to(tl.float32)
+        x2 = tl.load(x_ptr + h * stride_h + HALF + d, mask=ok, other=0.0).to(tl.float32)
+        dt = out_ptr.dtype.element_ty
+        # x * cos + rotate_half(x) * sin with rotate_half(x) = cat(-x2, x1); each product rounded to
+        # x's dtype before the sum, as torch's kernels round (a no-op in fp32).
+        lo = (x1 * cos1[None, :]).to(dt).to(tl.float32) + ((x2 * -1.0) * sin1[None, :]).to(dt).to(tl.float32)
+        hi = (x2 * cos2[None, :]).to(dt).to(tl.float32) + (x1 * sin2[None, :]).to(dt).to(tl.float32)
+        tl.store(out_ptr + h * out_stride_h + d, lo.to(dt), mask=ok)
+        tl.store(out_ptr + h * out_stride_h + HALF + d, hi.to(dt), mask=ok)
+
+    @triton.jit(do_not_specialize=["num_tokens"])
+    def _rotary_kernel(
+        q_ptr,  # [B, nh, T, hd], hd contiguous
+        k_ptr,  # [B, nkv, T, hd], hd contiguous
+        cos_ptr, sin_ptr,  # [B, T, hd] contiguous
+        q_out_ptr, k_out_ptr,  # as q and k
+        num_tokens,  # T
+        sq_b, sq_h, sq_t, sk_b, sk_h, sk_t, soq_b, soq_h, soq_t, sok_b, sok_h, sok_t,
+        NUM_Q: tl.constexpr, NUM_K: tl.constexpr, BLOCK_Q: tl.constexpr, BLOCK_K: tl.constexpr,
+        HALF: tl.constexpr, BLOCK_HALF: tl.constexpr,
+    ):
+        r = tl.program_id(0).to(tl.int64)  # token b * T + t: every head of q and k, one table row
+        b = r // num_tokens
+        t = r % num_tokens
+        d = tl.arange(0, BLOCK_HALF)
+        d_ok = d < HALF
+        table = r * 2 * HALF
+        cos1 = tl.load(cos_ptr + table + d, mask=d_ok, other=0.0).to(tl.float32)
+        cos2 = tl.load(cos_ptr + table + HALF + d, mask=d_ok, other=0.0).to(tl.float32)
+        sin1 = tl.load(sin_ptr + table + d, mask=d_ok, other=0.0).to(tl.float32)
+        sin2 = tl.load(sin_ptr + table + HALF + d, mask=d_ok, other=0.0).to(tl.float32)
+        _rotate_heads(q_ptr + b * sq_b + t * sq_t, q_out_ptr + b * soq_b + t * soq_t, sq_h, soq_h,
+                      cos1, cos2, sin1, sin2, NUM_Q, BLOCK_Q, HALF, BLOCK_HALF)
+        _rotate_heads(k_ptr + b * sk_b + t * sk_t, k_out_ptr + b * sok_b + t * sok_t, sk_h, sok_h,
+                      cos1, cos2, sin1, sin2, NUM_K, BLOCK_K, HALF, BLOCK_HALF)
+
+    @triton.jit(do_not_specialize=["numel"])
+    def _silu_mul_kernel(
+        gate_ptr, up_ptr, out_ptr,  # [numel] contiguous, one dtype
+        numel,
+        BLOCK: tl.constexpr, INTERPRETED: tl.constexpr,
+    ):
+        offs = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
+        ok = offs < numel
+        g = tl.load(gate_ptr + offs, mask=ok, other=0.0).to(tl.float32)
+        u = tl.load(up_ptr + offs, mask=ok, other=0.0).to(tl.float32)
+        if INTERPRETED:  # the interpreter has no libdevice
+            e = tl.exp(g * -1.0)
+        else:
+            e = libdevice.exp(g * -1.0)
+        # ATen's silu: x / (1 + exp(-x)) in fp32, rounded to the dtype; then the product, rounded.
+        act = tl.div_rn(g, 1.0 + e).to(out_ptr.dtype.element_ty).to(tl.float32)
+        tl.store(out_ptr + offs, (act * u).to(out_ptr.dtype.element_ty), mask=ok)
+
+    # Under TRITON_INTERPRET=1 `triton.jit` makes InterpretedFunctions, which run numpy.
+    _INTERPRETED = not isinstance(_silu_mul_kernel, triton.runtime.JITFunction)
+
+
+# ----------------------------------------------------------------------------------------------
+# RMSNorm
+
+
+@functools.lru_cache(maxsize=1024)
+def reduction_layout(rows: int, hidden: int) -> tuple[int, bool] | None:
+    """ATen's split of a float32 mean over contiguous rows [rows, hidden] (setReduceConfig):
+    (lanes per row, vectorized), or None where the kernel does not replay its order (module
+    docstring). Examples: (1, 4096) -> (512, True); (16, 4096) -> (32, True); (64, 128) -> (32, False)."""
+    vectorized = hidden > 128
+    if vectorized and hidden % _VEC:
+        return None  # ATen reduces an unaligned head or a tail of the row separately
+    dim0 = hidden // _VEC if vectorized else hidden
+    dim0_pow2 = _last_pow2(dim0) if dim0 < _MAX_REDUCE_THREADS else _MAX_REDUCE_THREADS
+    dim1_pow2 = _last_pow2(rows) if rows < _MAX_REDUCE_THREADS else _MAX_REDUCE_THREADS
+    lanes = min(dim0_pow2, _WARP)
+    height = min(dim1_pow2, _MAX_REDUCE_THREADS // lanes)  # rows per thread block
+    lanes = min(dim0_pow2, _MAX_REDUCE_THREADS // height)
+    if -(-hidden // lanes) >= min(16 * height, 256):
+        return None  # split across warps (and maybe thread blocks): another order
+    return lanes, vectorized
+
+
+def rmsnorm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """x [..., H], weight [H] -> [..., H] in promote(x, weight): RMSNorm.forward, one launch where
+    the kernel reproduces it (CUDA, Triton, contiguous x, a replayed layout), the torch code otherwise."""
+    if HAVE_TRITON and x.is_cuda and _rmsnorm_replays(x, weight):
+        return rmsnorm_triton(x, weight, eps)
+    return rmsnorm_ref(x, weight, eps)
+
+
+def rmsnorm_triton(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    if not HAVE_TRITON:
+        raise RuntimeError("rmsnorm_triton needs the triton package")
+    _check_rmsnorm(x, weight)
+    h = x.shape[-1]
+    rows = x.numel() // h if h else 0
+    layout = reduction_layout(rows, h)
+    if layout is None or not x.is_contiguous():
+        raise ValueError(f"rmsnorm_triton replays torch's mean over contiguous rows whose layout it models; got "
+                         f"{rows} rows of {h} (H > 128 must be a multiple of 4 and at most 16 * rows per block "
+                         f"values per thread, see reduction_layout), contiguous={x.is_contiguous()}")
+    out = torch.empty(x.shape, dtype=torch.promote_types(weight.dtype, x.dtype), device=x.device)
+    if rows == 0:
+        return out
+    lanes, vectorized = layout
+    halvings = max(lanes // _WARP, 1).bit_length() - 1
+    _rmsnorm_kernel[(rows,)](
+        x, weight.contiguous(), out, float(eps), _mean_factor(rows, h),
+        H=h, LANES=lanes, LANE_STRIDE=_VEC if vectorized else 1, ACC_STRIDE=1 if vectorized else lanes,
+        HALVINGS=halvings, PAIRINGS=(lanes >> halvings).bit_length() - 1,
+        BLOCK_H=min(4096, triton.next_power_of_2(h)), INTERPRETED=_INTERPRETED, num_warps=_NUM_WARPS, **_EXACT,
+    )
+    return out
+
+
+def rmsnorm_ref(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """RMSNorm.forward's torch code: fp32 statistics, the row rounded to x's dtype, times the weight."""
+    dtype = x.dtype
+    x32 = x.float()
+    x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + eps)
+    return weight * x32.to(dtype)
+
+
+def _rmsnorm_replays(x: torch.Tensor, weight: torch.Tensor) -> bool:
+    if x.dim() < 1 or x.dtype not in _FLOAT_DTYPES or weight.dtype not in _FLOAT_DTYPES or not x.is_contiguous():
+        return False
+    h = x.shape[-1]
+    # One row is the most restrictive count (H <= 7680 replays at every count, H > 8160 at none), so
+    # requiring it decides by H alone: a token's norm takes one implementation, decoded or verified.
+    return (tuple(weight.shape) == (h,) and weight.device == x.device and h > 0
+            and reduction_layout(1, h) is not None and reduction_layout(x.numel() // h, h) is not None)
+
+
+@functools.lru_cache(maxsize=256)
+def _mean_factor(rows: int, hidden: int) -> float:
+    """ATen's mean factor: float(rows) / float(rows * hidden), both rounded to fp32 first (exact in fp32)."""
+    ratio = torch.tensor(float(rows), dtype=torch.float32) / torch.tensor(float(rows * hidden), dtype=torch.float32)
+    return float(ratio)
+
+
+def _last_pow2(n: int) -> int:
+    return 1 << (max(n, 1).bit_length() - 1)
+
+
+def _check_rmsnorm(x, weight) -> None:
+    if not isinstance(x, torch.Tensor) or x.dim() < 1 or x.dtype not in _FLOAT_DTYPES:
+        raise ValueError(f"x must be a float16/bfloat16/float32 tensor [..., H], got {_describe(x)}")
+    if not isinstance(weight, torch.Tensor) or tuple(weight.shape) != (x.shape[-1],) \
+            or weight.dtype not in _FLOAT_DTYPES or weight.device != x.device:
+        raise ValueError(f"weight must be a float tensor [{x.shape[-1]}] on {x.device}, got {_describe(weight)}")
+
+
+# ----------------------------------------------------------------------------------------------
+# Rotary embedding
+
+
+def rotary(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """q [B, nh, T, hd], k [B, nkv, T, hd], cos/sin [B, T, hd] -> (apply_rotary(q), apply_rotary(k)),
+    values and strides: one launch on CUDA with Triton where all four share a dtype, the torch code
+    otherwise."""
+    if HAVE_TRITON and q.is_cuda and _rotary_replays(q, k, cos, sin):
+        return rotary_triton(q, k, cos, sin)
+    return rotary_ref(q, k, cos, sin)
+
+
+def rotary_triton(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor,
+                  sin: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    if not HAVE_TRITON:
+        raise RuntimeError("rotary_triton needs the triton package")
+    _check_rotary(q, k, cos, sin)
+    b, nh, t, hd = q.shape
+    nkv = k.shape[1]
+    q_out, k_out = _like_apply_rotary(q), _like_apply_rotary(k)
+    if b * t == 0:
+        return q_out, k_out
+    half = hd // 2
+    _rotary_kernel[(b * t,)](
+        q, k, cos.contiguous(), sin.contiguous(), q_out, k_out, t,
+        q.stride(0), q.stride(1), q.stride(2), k.stride(0), k.stride(1), k.stride(2),
+        q_out.stride(0), q_out.stride(1), q_out.stride(2), k_out.stride(0), k_out.stride(1), k_out.stride(2),
+        NUM_Q=nh, NUM_K=nkv, BLOCK_Q=triton.next_power_of_2(nh), BLOCK_K=triton.next_power_of_2(nkv),
+        HALF=half, BLOCK_HALF=triton.next_power_of_2(half), num_warps=_NUM_WARPS, **_EXACT,
+    )
+    return q_out, k_out
+
+
+def rotary_ref(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor,
+               sin: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """apply_rotary (layers.py) on q and k."""
+    return apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
+
+
+def _like_apply_rotary(x: torch.Tensor) -> torch.Tensor:
+    """Uninitialised, with the strides torch gives apply_rotary(x): contiguous when x is (size-1
+    dims aside; e.g. T = 1), x's own otherwise (TensorIterator keeps the dense layout of `x * cos`).
+    Downstream matmuls pick kernels by strides, so the values alone are not enough."""
+    return torch.empty(x.shape, dtype=x.dtype, device=x.device) if x.is_contiguous() else torch.empty_like(x)
+
+
+def _rotary_replays(q, k, cos, sin) -> bool:
+    if q.dim() != 4 or k.dim() != 4 or q.dtype not in _FLOAT_DTYPES or q.shape[3] % 2:
+        return False
+    b, _, t, hd = q.shape
+    return ((k.shape[0], k.shape[2], k.shape[3]) == (b, t, hd) and cos.shape == sin.shape == (b, t, hd)
+            and all(x.dtype == q.dtype and x.device == q.device for x in (k, cos, sin))
+            and q.stride(3) == 1 and k.stride(3) == 1)
+
+
+def _check_rotary(q, k, cos, sin) -> None:
+    if not isinstance(q, torch.Tensor) or q.dim() != 4 or q.dtype not in _FLOAT_DTYPES or q.shape[3] % 2:
+        raise ValueError(f"q must be a float16/bfloat16/float32 tensor [B, nh, T, hd] with hd even, got {_describe(q)}")
+    b, _, t, hd = q.shape
+    if not isinstance(k, torch.Tensor) or k.dim() != 4 or (k.shape[0], k.shape[2], k.shape[3]) != (b, t, hd):
+        raise ValueError(f"k must be a tensor [{b}, nkv, {t}, {hd}], got {_describe(k)}")
+    for name, table in (("cos", cos), ("sin", sin)):
+        if not isinstance(table, torch.Tensor) or tuple(table.shape) != (b, t, hd):
+            raise ValueError(f"{name} must be a tensor [{b}, {t}, {hd}], got {_describe(table)}")
+    for name, x in (("k", k), ("cos", cos), ("sin", sin)):
+        if x.dtype != q.dtype or x.device != q.device:
+            raise ValueError(f"{name} must have q's dtype {q.dtype} and device {q.device} (apply_rotary "
+                             f"would promote), got {_describe(x)}")
+    if q.stride(3) != 1 or k.stride(3) != 1:
+        raise ValueError(f"q and k must be contiguous in hd, got strides {q.stride()} and {k.stride()}")
+
+
+# ----------------------------------------------------------------------------------------------
+# SiLU-gated product
+
+
+def silu_mul(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
+    """gate, up [..., I] -> F.silu(gate) * up: one launch on CUDA with Triton for contiguous tensors
+    of one dtype, the torch code otherwise."""
+    if HAVE_TRITON and gate.is_cuda and _silu_mul_replays(gate, up):
+        return silu_mul_triton(gate, up)
+    return silu_mul_ref(gate, up)
+
+
+def silu_mul_triton(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
+    if not HAVE_TRITON:
+        raise RuntimeError("silu_mul_triton needs the triton package")
+    _check_silu_mul(gate, up)
+    out = torch.empty_like(gate)
+    n = gate.numel()
+    if n:
+        _silu_mul_kernel[(triton.cdiv(n, _SILU_BLOCK),)](gate, up, out, n, BLOCK=_SILU_BLOCK,
+                                                          INTERPRETED=_INTERPRETED, num_warps=_NUM_WARPS, **_EXACT)
+    return out
+
+
+def silu_mul_ref(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
+    """GatedMLP's torch code."""
+    return F.silu(gate) * up
+
+
+def _silu_mul_replays(gate, up) -> bool:
+    return (gate.shape == up.shape and gate.dtype == up.dtype and gate.dtype in _FLOAT_DTYPES
+            and gate.is_contiguous() and up.is_contiguous())
+
+
+def _check_silu_mul(gate, up) -> None:
+    if not isinstance(gate, torch.Tensor) or gate.dtype not in _FLOAT_DTYPES or not gate.is_contiguous():
+        raise ValueError(f"gate must be a contiguous float16/bfloat16/float32 tensor, got {_describe(gate)}")
+    if not isinstance(up, torch.Tensor) or up.shape != gate.shape or up.dtype != gate.dtype \
+            or up.device != gate.device or not up.is_contiguous():
+        raise ValueError(f"up must be a contiguous tensor like gate ({_describe(gate)}), got {_describe(up)}")
+
+
+def _describe(value: object) -> str:
+    if isinstance(value, torch.Tensor):
+        return f"shape {tuple(value.shape)} dtype {value.dtype} device {value.device}"
+    return type(value).__name__
