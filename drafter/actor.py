@@ -8,6 +8,11 @@ unresolved, and the tree outlives a crash of this actor.
 
 Run with max_restarts=-1: a restart re-runs __init__ and comes back empty; `extend` then names
 the requests it does not hold and the router re-prefills them.
+
+With a direct feature channel open (`open_feature_channel`, spectandem/channel.py) features
+arrive as ChannelRefs and are taken from it. A restarted actor has no channel: it reports the
+requests of such items as unknown, and the verifier's sender, its peer gone, soon goes back to
+object refs.
 """
 
 from __future__ import annotations
@@ -23,6 +28,7 @@ from drafter.engine import DrafterEngine, build_proposer
 from drafter.service_core import (drafter_draft, drafter_draft_ahead, drafter_extend, drafter_info, drafter_prefill,
                                   drafter_release)
 from router.links import DrafterPrefillItem, EngineInfo, ExtendItem, Tag
+from spectandem.channel import FeatureReceiver
 from spectandem.config import GpuPaths, SpecConfig
 from spectandem.messages import DraftTree
 from verifier.runner import load_runner
@@ -51,10 +57,17 @@ class DrafterActor:
         if proposer is None:
             raise ValueError(f"method {cfg.method!r} has no drafter")
         self.engine = DrafterEngine(proposer, cfg)
-        self.model_name = model_name
+        self.model_name, self.device = model_name, device
+        self.receiver: FeatureReceiver | None = None
+
+    def open_feature_channel(self, address: str) -> None:
+        """Starts the drafter's end of the verifier's feature channel; connecting runs in the background."""
+        if self.receiver is not None:
+            self.receiver.close()
+        self.receiver = FeatureReceiver(address, self.device)
 
     def prefill(self, items: list[DrafterPrefillItem]) -> list[str]:
-        return drafter_prefill(self.engine, _resolve_features(items))
+        return drafter_prefill(self.engine, _resolve_features(items), self.receiver)
 
     @ray.method(num_returns=2)
     def draft(self, tags: list[Tag], num_steps: list[int | None] | None = None) -> tuple[DraftTree, None]:
@@ -67,7 +80,7 @@ class DrafterActor:
 
     def extend(self, items: list[ExtendItem]) -> list[str]:
         """Catch-up; returns the ids this drafter does not hold (it restarted)."""
-        return drafter_extend(self.engine, _resolve_features(items))
+        return drafter_extend(self.engine, _resolve_features(items), self.receiver)
 
     def release(self, request_ids: list[str], keep_draft: bool = False) -> None:
         drafter_release(self.engine, request_ids, keep_draft)
@@ -76,6 +89,8 @@ class DrafterActor:
         info = drafter_info(self.engine, self.model_name)
         ctx = ray.get_runtime_context()
         info.extra.update(pid=os.getpid(), node_id=ctx.get_node_id(), placement_group_id=ctx.get_placement_group_id())
+        if self.receiver is not None:
+            info.extra["feature_channel"] = self.receiver.state
         return info
 
     def ping(self) -> bool:

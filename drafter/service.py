@@ -5,6 +5,8 @@ protobuf messages, calls drafter/service_core.py on a DrafterEngine and encodes 
 
 EAGLE heads take their embeddings and lm_head from the target, so this process loads the target
 model too (its weights only; the verifier owns the target's KV). n-gram drafting needs no model.
+With --feature-channel tcp://HOST:PORT (the verifier's) target features come over a direct
+channel (spectandem/channel.py) where the router's messages carry ChannelRefs.
 """
 
 from __future__ import annotations
@@ -20,6 +22,7 @@ from drafter.engine import DrafterEngine, build_proposer
 from drafter.service_core import (drafter_draft, drafter_draft_ahead, drafter_extend, drafter_info, drafter_prefill,
                                   drafter_release)
 from spectandem import codec
+from spectandem.channel import FeatureReceiver
 from spectandem.config import GpuPaths, SpecConfig
 from spectandem.service_args import add_drafter_args  # noqa: F401 (re-exported)
 from spectandem.grpc_server import EngineCalls, EngineServer
@@ -31,9 +34,9 @@ SERVICE_NAME = engines_pb2.DESCRIPTOR.services_by_name["Drafter"].full_name
 
 class DrafterServicer(engines_pb2_grpc.DrafterServicer):
     def __init__(self, engine: DrafterEngine, model_name: str = "draft", device: str = "cpu",
-                 max_slots: int = 0, max_len: int = 0):
+                 max_slots: int = 0, max_len: int = 0, receiver: FeatureReceiver | None = None):
         self.engine, self.model_name, self.device = engine, model_name, device
-        self.max_slots, self.max_len = max_slots, max_len
+        self.max_slots, self.max_len, self.receiver = max_slots, max_len, receiver
         self.calls = EngineCalls("drafter")
 
     async def Prefill(self, request, context):
@@ -58,7 +61,7 @@ class DrafterServicer(engines_pb2_grpc.DrafterServicer):
 
     def _prefill(self, request: engines_pb2.DrafterPrefillRequest) -> engines_pb2.DrafterReply:
         items = [codec.drafter_prefill_item_from_msg(m) for m in request.items]
-        return engines_pb2.DrafterReply(unknown_request_ids=drafter_prefill(self.engine, items))
+        return engines_pb2.DrafterReply(unknown_request_ids=drafter_prefill(self.engine, items, self.receiver))
 
     def _draft(self, request: engines_pb2.DraftRequest) -> engines_pb2.DraftReply:
         tags = [codec.tag_from_msg(t) for t in request.tags]
@@ -73,7 +76,7 @@ class DrafterServicer(engines_pb2_grpc.DrafterServicer):
 
     def _extend(self, request: engines_pb2.ExtendRequest) -> engines_pb2.DrafterReply:
         items = [codec.extend_item_from_msg(m) for m in request.items]
-        return engines_pb2.DrafterReply(unknown_request_ids=drafter_extend(self.engine, items))
+        return engines_pb2.DrafterReply(unknown_request_ids=drafter_extend(self.engine, items, self.receiver))
 
     def _release(self, request: engines_pb2.ReleaseRequest) -> engines_pb2.ReleaseReply:
         known = drafter_release(self.engine, list(request.request_ids), request.keep_draft)
@@ -83,6 +86,8 @@ class DrafterServicer(engines_pb2_grpc.DrafterServicer):
         info = drafter_info(self.engine, self.model_name)
         info.max_slots, info.max_len = self.max_slots, self.max_len
         info.extra["device"] = self.device
+        if self.receiver is not None:
+            info.extra["feature_channel"] = self.receiver.state
         return codec.engine_info_to_msg(info)
 
 
@@ -122,10 +127,11 @@ def build_drafter_engine(cfg: SpecConfig, target_dir: str | Path | None, draft_d
 
 async def start_drafter_server(engine: DrafterEngine, host: str = "127.0.0.1", port: int = 0,
                                model_name: str = "draft", device: str = "cpu", max_slots: int = 0,
-                               max_len: int = 0, tls: ServerTls | None = None) -> EngineServer:
+                               max_len: int = 0, tls: ServerTls | None = None,
+                               receiver: FeatureReceiver | None = None) -> EngineServer:
     """Serves `engine` from the running event loop; returns the started server (port 0: a free one).
-    `tls`: TLS or mTLS on the port (None: plaintext)."""
-    servicer = DrafterServicer(engine, model_name, device, max_slots, max_len)
+    `tls`: TLS or mTLS on the port (None: plaintext); `receiver`: the feature channel's end."""
+    servicer = DrafterServicer(engine, model_name, device, max_slots, max_len, receiver)
     return await EngineServer.start(lambda s: engines_pb2_grpc.add_DrafterServicer_to_server(servicer, s),
                                     SERVICE_NAME, host, port, tls.grpc_credentials() if tls else None)
 
@@ -133,19 +139,28 @@ async def start_drafter_server(engine: DrafterEngine, host: str = "127.0.0.1", p
 def serve_drafter(cfg: SpecConfig, target_dir: str | Path | None, draft_dir: str | Path | None,
                   host: str = "0.0.0.0", port: int = 50053, max_slots: int = 8, max_len: int | None = None,
                   device: str = "cpu", dtype: torch.dtype = torch.float32, kv_blocks: int | None = None,
-                  block_size: int = 16, tls: ServerTls | None = None, gpu: GpuPaths | None = None) -> None:
-    """Loads the drafter, serves it until SIGTERM/SIGINT."""
+                  block_size: int = 16, tls: ServerTls | None = None, gpu: GpuPaths | None = None,
+                  feature_channel: str | None = None) -> None:
+    """Loads the drafter, serves it until SIGTERM/SIGINT. `feature_channel`: tcp://HOST:PORT of
+    the verifier's direct feature channel (None: features come inline)."""
+    # Connecting runs in the background, while the model loads.
+    receiver = FeatureReceiver(feature_channel, device) if feature_channel else None
     engine, context = build_drafter_engine(cfg, target_dir, draft_dir, max_slots, max_len, dtype, device,
                                            kv_blocks, block_size, gpu)
     name = Path(draft_dir).name if draft_dir is not None else cfg.method
 
     async def main():
-        server = await start_drafter_server(engine, host, port, name, device, max_slots, context, tls=tls)
+        server = await start_drafter_server(engine, host, port, name, device, max_slots, context, tls=tls,
+                                            receiver=receiver)
         print(f"spectandem drafter: {cfg.method} {name}, features "
               f"{codec.feature_layers_to_str(engine.feature_layers)}, listening on {host}:{server.port}", flush=True)
         await server.serve_until_signal()
 
-    asyncio.run(main())
+    try:
+        asyncio.run(main())
+    finally:
+        if receiver is not None:
+            receiver.close()
 
 
 # ----------------------------------------------------------------------------------------------
@@ -170,5 +185,5 @@ def run_drafter(args: argparse.Namespace) -> int:
     # --draft-kv-blocks sizes this drafter's pool (--kv-blocks is the verifier's).
     serve_drafter(cfg, target, draft, args.host, args.port, args.max_slots, args.max_len, args.device,
                   getattr(torch, args.dtype), args.draft_kv_blocks, args.block_size, tls=tls,
-                  gpu=GpuPaths.from_args(args))
+                  gpu=GpuPaths.from_args(args), feature_channel=args.feature_channel)
     return 0

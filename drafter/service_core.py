@@ -1,16 +1,55 @@
 """What every drafter adapter (in-process link, Ray actor, gRPC servicer) does: translate the
-link messages of router/links.py into engine calls and back. No model logic here."""
+link messages of router/links.py into engine calls and back. No model logic here.
+
+`receiver`: the drafter's end of the direct feature channel (spectandem/channel.py), or None.
+Items whose features are a ChannelRef take them from it; when they do not come (late, dropped,
+no channel here), the request is reported as one this drafter does not hold, and the router
+re-prefills it with features from the verifier's Features call."""
 
 from __future__ import annotations
 
+import logging
+import time
+from dataclasses import replace
+
 from router.links import DrafterPrefillItem, EngineInfo, ExtendItem, Tag
+from spectandem.channel import ChannelRef, FeatureChannelError, FeatureReceiver
 from spectandem.messages import DraftTree, VerifyOutput
 
+log = logging.getLogger("spectandem.drafter")
 
-def drafter_prefill(engine, items: list[DrafterPrefillItem]) -> list[str]:
+
+def _take_features(receiver: FeatureReceiver | None, items: list) -> tuple[list, list[str]]:
+    """(the items with each ChannelRef replaced by its tensor, leaving out those whose features
+    did not come; their ids). The items of one call share one deadline."""
+    if not any(isinstance(i.features, ChannelRef) for i in items):
+        return items, []
+    deadline = time.monotonic() + (receiver.take_timeout_s if receiver is not None else 0.0)
+    taken, missing, why = [], [], None
+    for i in items:
+        if not isinstance(i.features, ChannelRef):
+            taken.append(i)
+            continue
+        try:
+            if receiver is None:
+                raise FeatureChannelError("this drafter has no feature channel")
+            taken.append(replace(i, features=receiver.take(i.features, max(0.0, deadline - time.monotonic()))))
+        except FeatureChannelError as exc:
+            missing.append(i.tag.request_id)
+            why = why or exc
+    if missing:
+        log.warning("features of %d requests did not come over the channel (%s); resyncing them", len(missing), why)
+    return taken, missing
+
+
+def drafter_prefill(engine, items: list[DrafterPrefillItem], receiver: FeatureReceiver | None = None) -> list[str]:
+    """Returns the ids it did not take (their features did not come over the channel)."""
+    items, missing = _take_features(receiver, items)
+    for rid in missing:  # a re-prefill that did not come: its old state goes, a kept tree stays
+        engine.remove(rid, keep_draft=True)
     engine.add_many([(i.tag.request_id, i.prompt_ids, i.first_token_id, i.params, i.seed, i.features, i.tag.epoch)
                      for i in items])
-    return []
+    return missing
 
 
 def drafter_draft(engine, tags: list[Tag], num_steps: list[int | None] | None = None) -> DraftTree:
@@ -36,12 +75,17 @@ def drafter_release(engine, request_ids: list[str], keep_draft: bool = False) ->
     return known
 
 
-def drafter_extend(engine, items: list[ExtendItem]) -> list[str]:
-    """Catch-up; returns the ids this drafter does not hold (it restarted: re-prefill them)."""
+def drafter_extend(engine, items: list[ExtendItem], receiver: FeatureReceiver | None = None) -> list[str]:
+    """Catch-up; returns the ids this drafter does not hold (it restarted, or the round's
+    features did not come over the channel: re-prefill them)."""
     unknown = [i.tag.request_id for i in items if i.tag.request_id not in engine.requests]
     known = [i for i in items if i.tag.request_id in engine.requests]
     for i in known:
         engine.check_tag(i.tag.request_id, i.tag.epoch, i.tag.committed_len - len(i.token_ids))
+    known, missing = _take_features(receiver, known)
+    for rid in missing:  # forgotten, so that "unknown" is true and the re-prefill starts clean
+        engine.remove(rid)
+    unknown += missing
     engine.extend([VerifyOutput(request_id=i.tag.request_id, committed_len=i.tag.committed_len,
                                 token_ids=list(i.token_ids), num_accepted=len(i.token_ids) - 1,
                                 num_draft_tokens=0, features=i.features) for i in known])

@@ -2,8 +2,9 @@
 
 Handles are object refs: a DraftHandle's payload is the ref of the drafter's DraftTree, passed
 unresolved to the verifier's `verify` (Ray resolves it there); every `features` the verifier
-returns is the ref of a tensor in the object store, passed on inside the drafter's items. The
-router awaits only small results (ids, tokens, counts, refs).
+returns is the ref of a tensor in the object store, passed on inside the drafter's items (or,
+with a direct feature channel, a ChannelRef: spectandem/channel.py). The router awaits only
+small results (ids, tokens, counts, refs).
 
 Errors, mapped in one place (`_call`): the actor died, is restarting or is unreachable, a call
 timed out, or the engine failed inside -> EngineUnavailable; a ValueError or KeyError raised by
@@ -150,6 +151,7 @@ def start_engines(target_dir: str | Path, draft_dir: str | Path | None, cfg: Spe
                   force_hf_target: bool = False, call_timeout_s: float | None = 120.0,
                   startup_timeout_s: float = 300.0, num_threads: int = 1, kv_blocks: int | None = None,
                   draft_kv_blocks: int | None = None, block_size: int = 16, gpu: GpuPaths | None = None,
+                  feature_channel: str | None = None,
                   ) -> tuple[RayVerifierLink, RayDrafterLink | None, Callable[[], None]]:
     """Places a verifier actor (and a drafter actor unless cfg.method is "none") in one
     placement group, one bundle each, and waits until they are built.
@@ -157,7 +159,10 @@ def start_engines(target_dir: str | Path, draft_dir: str | Path | None, cfg: Spe
     device: "cuda" needs one GPU per actor (STRICT_PACK: one node, so features move over the
     node's shared memory or NVLink); "cpu" places CPU-only bundles (PACK); "auto" picks "cuda"
     when the cluster has a GPU per actor. Returns the links and a cleanup that kills both actors
-    and frees the placement group. Ray must be initialized (ray_init)."""
+    and frees the placement group. Ray must be initialized (ray_init).
+
+    feature_channel: "auto" (a free port on the verifier's node) or tcp://HOST:PORT opens the
+    direct feature channel between the two actors once both are built (None: object refs)."""
     if not ray.is_initialized():
         raise ValueError("Ray is not initialized: call ray_init(address) first")
     if device not in ("auto", "cpu", "cuda"):
@@ -197,6 +202,11 @@ def start_engines(target_dir: str | Path, draft_dir: str | Path | None, cfg: Spe
             actors.append(drafter)
             info = ray.get(drafter.info.remote(), timeout=startup_timeout_s)
             ray.get(verifier.set_feature_layers.remote(info.feature_layers), timeout=startup_timeout_s)
+            if feature_channel:
+                # Both ends connect in background threads: neither call waits for the other.
+                address = ray.get(verifier.open_feature_channel.remote(
+                    None if feature_channel == "auto" else feature_channel), timeout=startup_timeout_s)
+                ray.get(drafter.open_feature_channel.remote(address), timeout=startup_timeout_s)
         ray.get(verifier.ping.remote(), timeout=startup_timeout_s)
     except Exception:
         cleanup()

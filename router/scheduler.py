@@ -269,9 +269,9 @@ class Router:
         items = [DrafterPrefillItem(r.tag(), r.prompt_ids + r.tokens[:-1], r.tokens[-1], r.params, r.seed, f)
                  for r, f in zip(reqs, features)]
         try:
-            await asyncio.wait_for(self.drafter.prefill(items), self.cfg.drafter_timeout)
+            untaken = await asyncio.wait_for(self.drafter.prefill(items), self.cfg.drafter_timeout)
             for r in reqs:
-                r.on_drafter = True
+                r.on_drafter = r.request_id not in untaken   # untaken: resynced before the next draft
                 r.drafter_kept = False   # the prefill took the kept tree back, or dropped it
         except (EngineUnavailable, asyncio.TimeoutError, StaleMessage) as exc:
             self._drafter_failed(exc)

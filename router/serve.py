@@ -46,6 +46,10 @@ def add_serve(sub) -> None:
                         "(throughput); auto: measured per batch size, with shorter drafts and plain rounds")
     p.add_argument("--drafter-timeout", type=float, default=10.0,
                    help="seconds a drafter call may take before rounds go on without it")
+    p.add_argument("--feature-channel", nargs="?", const="auto", default=None, metavar="tcp://HOST:PORT",
+                   help="target features go verifier -> drafter over a direct NCCL (CUDA) or gloo (CPU) channel "
+                        "instead of through the router; without a value ('auto') on a free port of the "
+                        "verifier's node (--backend grpc with engines started here, or ray)")
     add_ops_flags(p)
     p.set_defaults(func=_serve)
 
@@ -103,6 +107,12 @@ async def _build_links(args, cfg, target, draft, index: int = 0):
     import torch
 
     max_slots = args.max_running
+    if args.feature_channel and (args.backend == "local" or args.verifier_address or args.drafter_address):
+        raise ValueError("--feature-channel connects engines this command starts (--backend grpc or ray); give "
+                         "separately deployed services their own --feature-channel")
+    if args.feature_channel not in (None, "auto") and _num_replicas(args) > 1:
+        raise ValueError(f"--feature-channel {args.feature_channel} is one pair's address; with "
+                         f"{_num_replicas(args)} replicas give --feature-channel without a value")
     if args.backend == "local":
         from router.links import LocalDrafterLink, LocalVerifierLink
         from spectandem.local import LocalSpeculator
@@ -128,7 +138,7 @@ async def _build_links(args, cfg, target, draft, index: int = 0):
         v, d, stop = start_engines(target, draft, cfg, max_slots=max_slots, max_len=args.max_len,
                                    device=args.device, dtype=getattr(torch, args.dtype), kv_blocks=args.kv_blocks,
                                    draft_kv_blocks=args.draft_kv_blocks, block_size=args.block_size,
-                                   gpu=GpuPaths.from_args(args))
+                                   gpu=GpuPaths.from_args(args), feature_channel=args.feature_channel)
 
         async def cleanup():
             stop()
@@ -151,6 +161,9 @@ async def _build_links(args, cfg, target, draft, index: int = 0):
             "--ahead-width", str(cfg.ahead_width)]
     verifier_address = args.verifier_address[index] if args.verifier_address else None
     drafter_address = args.drafter_address[index] if args.drafter_address else None
+    if args.feature_channel and cfg.method != "none":
+        channel = f"tcp://127.0.0.1:{_free_port()}" if args.feature_channel == "auto" else args.feature_channel
+        common += ["--feature-channel", channel]
     if verifier_address is None:
         port = _free_port()
         procs["verifier"] = subprocess.Popen([sys.executable, "-m", "verifier", "--port", str(port)] + common + pool_v)
@@ -188,6 +201,18 @@ async def _wait_ready(link, what: str, timeout: float = 300.0):
             await asyncio.sleep(0.5)
 
 
+async def _wait_channel(link, timeout: float = 120.0) -> None:
+    """Waits until the verifier's feature channel is no longer connecting (the verifier returns
+    features inline until then, so this only makes the first rounds use it)."""
+    deadline = time.monotonic() + timeout
+    state = (await link.info()).extra.get("feature_channel", "")
+    while state == "connecting" and time.monotonic() < deadline:
+        await asyncio.sleep(0.1)
+        state = (await link.info()).extra.get("feature_channel", "")
+    if state != "up":
+        log.warning("the feature channel is %r: target features go through the router", state or "absent")
+
+
 async def serve_async(args, ready_message=True, stop_event: asyncio.Event | None = None,
                       state: dict | None = None) -> None:
     """Runs until SIGINT/SIGTERM (or `stop_event`). `state`, when given, receives the router,
@@ -214,6 +239,8 @@ async def serve_async(args, ready_message=True, stop_event: asyncio.Event | None
         for v, d in pairs:
             vinfo = await _wait_ready(v, "verifier")
             dinfo = await _wait_ready(d, "drafter") if d else None
+            if args.feature_channel and d is not None:
+                await _wait_channel(v)
             want = dinfo is not None and dinfo.feature_layers not in (None, "none")
             lookahead = 1 if d is None else max(cfg.max_draft_nodes + 1, (cfg.num_steps - 1) * cfg.topk + 1)
             routers.append(Router(v, d, tokenizer, RouterConfig(max_len=vinfo.max_len, eos_token_ids=eos_ids,

@@ -18,6 +18,7 @@ import torch
 
 from router.links import (DrafterPrefillItem, EngineInfo, ExtendItem, PlainItem, RoundResult, Tag,
                           VerifierPrefillItem, VerifierPrefillResult)
+from spectandem.channel import ChannelRef
 from spectandem.config import SamplingParams
 from spectandem.messages import DraftTree
 from spectandem.v1 import common_pb2, engines_pb2
@@ -76,12 +77,16 @@ def optional_tensor_from_msg(parent, field: str) -> torch.Tensor | None:
     return tensor_from_msg(getattr(parent, field)) if parent.HasField(field) else None
 
 
-def feature_handle(x) -> common_pb2.Tensor | None:
-    """A feature handle for the wire: Tensor messages pass through unchanged (features from a
-    gRPC verifier); a torch tensor (from an in-process verifier) is encoded."""
-    if x is None or isinstance(x, common_pb2.Tensor):
-        return x
-    return tensor_to_msg(x)
+def feature_handle(x) -> dict:
+    """A feature handle as the keyword arguments of a message's `feature_handle` oneof: Tensor
+    messages pass through unchanged (features from a gRPC verifier), a torch tensor (from an
+    in-process verifier) is encoded, a ChannelRef (features sent over the direct channel)
+    becomes `feature_ref`; None sets nothing."""
+    if x is None:
+        return {}
+    if isinstance(x, ChannelRef):
+        return {"feature_ref": engines_pb2.ChannelRef(seq=x.seq, index=x.index)}
+    return {"features": x if isinstance(x, common_pb2.Tensor) else tensor_to_msg(x)}
 
 
 # ----------------------------------------------------------------------------------------------
@@ -190,13 +195,17 @@ def draft_tree_from_msg(msg: engines_pb2.DraftTreeMsg) -> tuple[DraftTree, list[
 
 
 # ----------------------------------------------------------------------------------------------
-# Link messages. Feature fields: what the router receives (prefill and round results) keeps
-# them as Tensor messages, opaque handles it passes on; what the drafter receives (prefill and
-# extend items) decodes them to tensors. The encoders accept either (see feature_handle).
+# Link messages. Feature handles (the `feature_handle` oneof): what the router receives (prefill
+# and round results) keeps them as Tensor messages or ChannelRefs, opaque handles it passes on;
+# what the drafter receives (prefill and extend items) decodes Tensors to tensors and leaves
+# ChannelRefs for the drafter to take from its channel. The encoders accept any (feature_handle).
 
 
 def _features_in(msg, decode: bool):
-    if not msg.HasField("features"):
+    which = msg.WhichOneof("feature_handle")
+    if which == "feature_ref":
+        return ChannelRef(msg.feature_ref.seq, msg.feature_ref.index)
+    if which is None:
         return None
     return tensor_from_msg(msg.features) if decode else msg.features
 
@@ -215,7 +224,7 @@ def verifier_prefill_item_from_msg(msg: engines_pb2.VerifierPrefillItem) -> Veri
 
 def verifier_prefill_result_to_msg(r: VerifierPrefillResult) -> engines_pb2.VerifierPrefillResult:
     return engines_pb2.VerifierPrefillResult(tag=tag_to_msg(r.tag), first_token_id=r.first_token_id,
-                                             features=feature_handle(r.features))
+                                             **feature_handle(r.features))
 
 
 def verifier_prefill_result_from_msg(msg: engines_pb2.VerifierPrefillResult) -> VerifierPrefillResult:
@@ -232,7 +241,7 @@ def plain_item_from_msg(msg: engines_pb2.PlainItem) -> PlainItem:
 
 def round_result_to_msg(r: RoundResult) -> engines_pb2.VerifyResultMsg:
     return engines_pb2.VerifyResultMsg(tag=tag_to_msg(r.tag), token_ids=r.token_ids, num_accepted=r.num_accepted,
-                                       num_draft_tokens=r.num_draft_tokens, features=feature_handle(r.features))
+                                       num_draft_tokens=r.num_draft_tokens, **feature_handle(r.features))
 
 
 def round_result_from_msg(msg: engines_pb2.VerifyResultMsg) -> RoundResult:
@@ -244,7 +253,7 @@ def drafter_prefill_item_to_msg(item: DrafterPrefillItem) -> engines_pb2.Drafter
     return engines_pb2.DrafterPrefillItem(tag=tag_to_msg(item.tag), prompt_ids=item.prompt_ids,
                                           first_token_id=item.first_token_id,
                                           params=params_to_msg(item.params, item.seed),
-                                          features=feature_handle(item.features))
+                                          **feature_handle(item.features))
 
 
 def drafter_prefill_item_from_msg(msg: engines_pb2.DrafterPrefillItem) -> DrafterPrefillItem:
@@ -257,7 +266,7 @@ def drafter_prefill_item_from_msg(msg: engines_pb2.DrafterPrefillItem) -> Drafte
 
 def extend_item_to_msg(item: ExtendItem) -> engines_pb2.ExtendItem:
     return engines_pb2.ExtendItem(tag=tag_to_msg(item.tag), token_ids=item.token_ids,
-                                  features=feature_handle(item.features))
+                                  **feature_handle(item.features))
 
 
 def extend_item_from_msg(msg: engines_pb2.ExtendItem) -> ExtendItem:
@@ -270,13 +279,14 @@ def engine_info_to_msg(info: EngineInfo) -> engines_pb2.EngineInfo:
                                   feature_layers=feature_layers_to_str(info.feature_layers),
                                   device=str(info.extra.get("device", "")),
                                   kv_blocks=info.kv.get("num_blocks", 0), kv_block_size=info.kv.get("block_size", 0),
-                                  kv_used_blocks=info.kv.get("used_blocks", 0))
+                                  kv_used_blocks=info.kv.get("used_blocks", 0),
+                                  feature_channel=str(info.extra.get("feature_channel", "")))
 
 
 def engine_info_from_msg(msg: engines_pb2.EngineInfo) -> EngineInfo:
     return EngineInfo(role=msg.role, model=msg.model, kind=msg.kind, vocab_size=msg.vocab_size, max_len=msg.max_len,
                       max_slots=msg.max_slots, used_slots=msg.used_slots,
                       feature_layers=feature_layers_from_str(msg.feature_layers),
-                      extra={"device": msg.device} if msg.device else {},
+                      extra={k: v for k, v in (("device", msg.device), ("feature_channel", msg.feature_channel)) if v},
                       kv={"num_blocks": msg.kv_blocks, "block_size": msg.kv_block_size,
                           "used_blocks": msg.kv_used_blocks} if msg.kv_blocks else {})

@@ -26,6 +26,9 @@ def add_verifier_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--block-size", type=int, default=16, help="cache entries per KV block")
     p.add_argument("--host", default="0.0.0.0")
     p.add_argument("--port", type=int, default=50052, help="0 picks a free port (printed)")
+    p.add_argument("--feature-channel", default=None, metavar="tcp://HOST:PORT",
+                   help="send target features to the drafter over a direct NCCL (CUDA) or gloo (CPU) channel; this "
+                        "verifier listens at HOST:PORT for it (the drafter gets the same address)")
     add_server_tls_flags(p, "the Verifier service")
 
 
@@ -36,4 +39,7 @@ def add_drafter_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--max-slots", type=int, default=8, help="requests held at once")
     p.add_argument("--host", default="0.0.0.0")
     p.add_argument("--port", type=int, default=50053, help="0 picks a free port (printed)")
+    p.add_argument("--feature-channel", default=None, metavar="tcp://HOST:PORT",
+                   help="take target features from the verifier's direct channel at this address (its "
+                        "--feature-channel)")
     add_server_tls_flags(p, "the Drafter service")

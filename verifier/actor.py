@@ -4,12 +4,14 @@ through verifier/service_core.py. No model logic here.
 Features leave this actor only as object refs: each request's feature tensor is `ray.put` here,
 in the verifier's object store, and the results carry the refs. The router holds and forwards
 the refs; the drafter actor fetches the tensors (directly from the object store, never through
-the router).
+the router). With a direct feature channel open (`open_feature_channel`, spectandem/channel.py)
+they go over it instead and the results carry ChannelRefs.
 """
 
 from __future__ import annotations
 
 import os
+import socket
 from dataclasses import replace
 from pathlib import Path
 
@@ -17,14 +19,16 @@ import ray
 import torch
 
 from router.links import EngineInfo, PlainItem, RoundResult, Tag, VerifierPrefillItem, VerifierPrefillResult
+from spectandem.channel import FeatureSender
 from spectandem.config import GpuPaths
 from verifier.engine import VerifierEngine
 from verifier.runner import FeatureSpec, load_runner
 from verifier.service_core import verifier_features, verifier_info, verifier_prefill, verifier_verify
 
 
-def _put(features: torch.Tensor | None) -> ray.ObjectRef | None:
-    return None if features is None else ray.put(features)
+def _put(features):
+    """A tensor -> its ObjectRef; None and ChannelRefs (sent over the channel) stay."""
+    return ray.put(features) if isinstance(features, torch.Tensor) else features
 
 
 @ray.remote
@@ -39,7 +43,20 @@ class VerifierActor:
         runner, _ = load_runner(target_dir, feature_layers, max_slots, max_len, dtype, device, force_hf_target,
                                 kv_blocks, block_size, **(gpu or GpuPaths()).runner_kwargs())
         self.engine = VerifierEngine(runner, max_slots, int(read_config(target_dir)["vocab_size"]))
-        self.model_name = model_name
+        self.model_name, self.device = model_name, device
+        self.sender: FeatureSender | None = None
+
+    def open_feature_channel(self, address: str | None) -> str:
+        """Starts the verifier's end of the direct feature channel at `address` (None: a free port
+        of this node) and returns the address; connecting runs in the background."""
+        if address is None:
+            with socket.socket() as s:
+                s.bind(("", 0))
+                address = f"tcp://{ray.util.get_node_ip_address()}:{s.getsockname()[1]}"
+        if self.sender is not None:
+            self.sender.close()
+        self.sender = FeatureSender(address, self.device)
+        return address
 
     def set_feature_layers(self, feature_layers: FeatureSpec) -> None:
         """Which target features to return: the drafter's head decides (its info says), so a
@@ -50,13 +67,14 @@ class VerifierActor:
 
     def prefill(self, items: list[VerifierPrefillItem], want_features: bool) -> list[VerifierPrefillResult]:
         """Results whose `features` is an ObjectRef of the prompt's features [prompt_len, F] (or None)."""
-        return [replace(r, features=_put(r.features)) for r in verifier_prefill(self.engine, items, want_features)]
+        return [replace(r, features=_put(r.features))
+                for r in verifier_prefill(self.engine, items, want_features, self.sender)]
 
     def verify(self, draft_payload, tags: list[Tag], plain: list[PlainItem], want_features: bool) -> list[RoundResult]:
         """`draft_payload`: the drafter's DraftTree (Ray resolves the ref passed at top level) or
         None. Results in the order tags then plain; `features` an ObjectRef of
         [num_accepted + 1, F] (or None)."""
-        outs = verifier_verify(self.engine, draft_payload, tags, plain, want_features)
+        outs = verifier_verify(self.engine, draft_payload, tags, plain, want_features, self.sender)
         return [replace(r, features=_put(r.features)) for r in outs]
 
     def features(self, tag: Tag) -> ray.ObjectRef | None:
@@ -71,6 +89,8 @@ class VerifierActor:
         info = verifier_info(self.engine, self.model_name)
         ctx = ray.get_runtime_context()
         info.extra.update(pid=os.getpid(), node_id=ctx.get_node_id(), placement_group_id=ctx.get_placement_group_id())
+        if self.sender is not None:
+            info.extra["feature_channel"] = self.sender.state
         return info
 
     def ping(self) -> bool:

@@ -5,7 +5,9 @@ protobuf messages, calls verifier/service_core.py on a VerifierEngine and encode
 
 The verifier returns the target features the drafter reads, so it must know which: given by
 --feature-layers ("none", "final" or comma-separated HuggingFace hidden-state indices), or
-derived from --method and the draft head's config.json.
+derived from --method and the draft head's config.json. With --feature-channel tcp://HOST:PORT
+they go to the drafter over a direct channel (spectandem/channel.py; this process listens
+there) and the replies carry ChannelRefs; until it is up, or once it broke, they go inline.
 """
 
 from __future__ import annotations
@@ -18,6 +20,7 @@ from pathlib import Path
 import torch
 
 from spectandem import codec
+from spectandem.channel import FeatureSender
 from spectandem.config import GpuPaths
 from spectandem.service_args import add_verifier_args  # noqa: F401 (re-exported)
 from spectandem.grpc_server import EngineCalls, EngineServer
@@ -30,8 +33,9 @@ SERVICE_NAME = engines_pb2.DESCRIPTOR.services_by_name["Verifier"].full_name
 
 
 class VerifierServicer(engines_pb2_grpc.VerifierServicer):
-    def __init__(self, engine: VerifierEngine, model_name: str = "target", device: str = "cpu"):
-        self.engine, self.model_name, self.device = engine, model_name, device
+    def __init__(self, engine: VerifierEngine, model_name: str = "target", device: str = "cpu",
+                 sender: FeatureSender | None = None):
+        self.engine, self.model_name, self.device, self.sender = engine, model_name, device, sender
         self.calls = EngineCalls("verifier")
 
     async def Prefill(self, request, context):
@@ -53,7 +57,7 @@ class VerifierServicer(engines_pb2_grpc.VerifierServicer):
 
     def _prefill(self, request: engines_pb2.VerifierPrefillRequest) -> engines_pb2.VerifierPrefillReply:
         items = [codec.verifier_prefill_item_from_msg(m) for m in request.items]
-        results = verifier_prefill(self.engine, items, request.want_features)
+        results = verifier_prefill(self.engine, items, request.want_features, self.sender)
         return engines_pb2.VerifierPrefillReply(results=[codec.verifier_prefill_result_to_msg(r) for r in results])
 
     def _verify(self, request: engines_pb2.VerifyRequest) -> engines_pb2.VerifyReply:
@@ -61,7 +65,7 @@ class VerifierServicer(engines_pb2_grpc.VerifierServicer):
         plain = [codec.plain_item_from_msg(m) for m in request.plain]
         if tree is None and not plain:
             raise ValueError("verify request has neither a tree nor plain items")
-        results = verifier_verify(self.engine, tree, tags, plain, request.want_features)
+        results = verifier_verify(self.engine, tree, tags, plain, request.want_features, self.sender)
         return engines_pb2.VerifyReply(results=[codec.round_result_to_msg(r) for r in results])
 
     def _features(self, request: engines_pb2.FeaturesRequest) -> engines_pb2.FeaturesReply:
@@ -77,6 +81,8 @@ class VerifierServicer(engines_pb2_grpc.VerifierServicer):
     def _info(self) -> engines_pb2.EngineInfo:
         info = verifier_info(self.engine, self.model_name)
         info.extra["device"] = self.device
+        if self.sender is not None:
+            info.extra["feature_channel"] = self.sender.state
         return codec.engine_info_to_msg(info)
 
 
@@ -117,10 +123,10 @@ def build_verifier_engine(target_dir: str | Path, feature_layers, max_slots: int
 
 async def start_verifier_server(engine: VerifierEngine, host: str = "127.0.0.1", port: int = 0,
                                 model_name: str = "target", device: str = "cpu",
-                                tls: ServerTls | None = None) -> EngineServer:
+                                tls: ServerTls | None = None, sender: FeatureSender | None = None) -> EngineServer:
     """Serves `engine` from the running event loop; returns the started server (port 0: a free one).
-    `tls`: TLS or mTLS on the port (None: plaintext)."""
-    servicer = VerifierServicer(engine, model_name, device)
+    `tls`: TLS or mTLS on the port (None: plaintext); `sender`: the feature channel's end."""
+    servicer = VerifierServicer(engine, model_name, device, sender)
     return await EngineServer.start(lambda s: engines_pb2_grpc.add_VerifierServicer_to_server(servicer, s),
                                     SERVICE_NAME, host, port, tls.grpc_credentials() if tls else None)
 
@@ -129,19 +135,27 @@ def serve_verifier(target_dir: str | Path, method: str = "eagle3", draft_dir: st
                    host: str = "0.0.0.0", port: int = 50052, max_slots: int = 8, max_len: int | None = None,
                    device: str = "cpu", dtype: torch.dtype = torch.float32, feature_layers: str | None = None,
                    kv_blocks: int | None = None, block_size: int = 16, tls: ServerTls | None = None,
-                   gpu: GpuPaths | None = None) -> None:
+                   gpu: GpuPaths | None = None, feature_channel: str | None = None) -> None:
     """Loads the target, serves it until SIGTERM/SIGINT. `draft_dir` is read only for the
-    feature layers (see resolve_feature_layers)."""
+    feature layers (see resolve_feature_layers). `feature_channel`: tcp://HOST:PORT of the
+    direct channel to the drafter (None: features go inline)."""
     layers = resolve_feature_layers(feature_layers, method, draft_dir, target_dir)
+    # Connecting runs in the background, while the model loads.
+    sender = FeatureSender(feature_channel, device) if feature_channel else None
     engine = build_verifier_engine(target_dir, layers, max_slots, max_len, dtype, device, kv_blocks, block_size, gpu)
 
     async def main():
-        server = await start_verifier_server(engine, host, port, Path(target_dir).name, device, tls=tls)
+        server = await start_verifier_server(engine, host, port, Path(target_dir).name, device, tls=tls,
+                                             sender=sender)
         print(f"spectandem verifier: {Path(target_dir).name}, features {codec.feature_layers_to_str(layers)}, "
               f"listening on {host}:{server.port}", flush=True)
         await server.serve_until_signal()
 
-    asyncio.run(main())
+    try:
+        asyncio.run(main())
+    finally:
+        if sender is not None:
+            sender.close()
 
 
 # ----------------------------------------------------------------------------------------------
@@ -159,5 +173,5 @@ def run_verifier(args: argparse.Namespace) -> int:
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
     serve_verifier(target, args.method, draft, args.host, args.port, args.max_slots, args.max_len, args.device,
                    getattr(torch, args.dtype), args.feature_layers, args.kv_blocks, args.block_size, tls=tls,
-                   gpu=GpuPaths.from_args(args))
+                   gpu=GpuPaths.from_args(args), feature_channel=args.feature_channel)
     return 0

@@ -1,32 +1,46 @@
 """What every verifier adapter (in-process link, Ray actor, gRPC servicer) does: translate the
-link messages of router/links.py into engine calls and back. No model logic here."""
+link messages of router/links.py into engine calls and back. No model logic here.
+
+`sender`: the verifier's end of the direct feature channel (spectandem/channel.py), or None.
+While it is up, the results carry ChannelRefs in place of feature tensors; otherwise tensors."""
 
 from __future__ import annotations
 
 from router.links import EngineInfo, PlainItem, RoundResult, Tag, VerifierPrefillItem, VerifierPrefillResult
+from spectandem.channel import FeatureSender
 from spectandem.messages import DraftTree, concat_trees, root_only_tree
 
 
-def verifier_prefill(engine, items: list[VerifierPrefillItem], want_features: bool) -> list[VerifierPrefillResult]:
+def _handles(sender: FeatureSender | None, features: list) -> list:
+    """Feature handles for the results: ChannelRefs when the channel took them, else the tensors."""
+    refs = sender.send(features) if sender is not None else None
+    return features if refs is None else refs
+
+
+def verifier_prefill(engine, items: list[VerifierPrefillItem], want_features: bool,
+                     sender: FeatureSender | None = None) -> list[VerifierPrefillResult]:
     outs = engine.prefill([i.tag.request_id for i in items], [i.prompt_ids for i in items],
                           [i.params for i in items], [i.seed for i in items], [i.tag.epoch for i in items],
                           [i.resume for i in items])
+    features = _handles(sender, [o.features if want_features else None for o in outs])
     return [VerifierPrefillResult(Tag(i.tag.request_id, i.tag.epoch, len(i.prompt_ids) + (0 if i.resume else 1)),
-                                  o.first_token_id, o.features if want_features else None)
-            for i, o in zip(items, outs)]
+                                  o.first_token_id, f)
+            for i, o, f in zip(items, outs, features)]
 
 
 def verifier_verify(engine, tree: DraftTree | None, tags: list[Tag], plain: list[PlainItem],
-                    want_features: bool) -> list[RoundResult]:
+                    want_features: bool, sender: FeatureSender | None = None) -> list[RoundResult]:
     for t in tags + [p.tag for p in plain]:
         engine.check_tag(t.request_id, t.epoch, t.committed_len)
     rows = root_only_tree([p.tag.request_id for p in plain], [p.tag.committed_len for p in plain],
                           [p.last_token_id for p in plain]) if plain else None
     merged = tree if rows is None else (rows if tree is None else concat_trees(tree, rows))
     epochs = {t.request_id: t.epoch for t in tags + [p.tag for p in plain]}
+    outs = engine.verify(merged)
+    features = _handles(sender, [o.features if want_features else None for o in outs])
     return [RoundResult(Tag(o.request_id, epochs[o.request_id], o.committed_len), o.token_ids, o.num_accepted,
-                        o.num_draft_tokens, o.features if want_features else None)
-            for o in engine.verify(merged)]
+                        o.num_draft_tokens, f)
+            for o, f in zip(outs, features)]
 
 
 def verifier_features(engine, tag: Tag):

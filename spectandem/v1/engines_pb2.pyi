@@ -28,14 +28,24 @@ class VerifierPrefillRequest(_message.Message):
     def __init__(self, items: _Optional[_Iterable[_Union[VerifierPrefillItem, _Mapping]]] = ..., want_features: _Optional[bool] = ...) -> None: ...
 
 class VerifierPrefillResult(_message.Message):
-    __slots__ = ("tag", "first_token_id", "features")
+    __slots__ = ("tag", "first_token_id", "features", "feature_ref")
     TAG_FIELD_NUMBER: _ClassVar[int]
     FIRST_TOKEN_ID_FIELD_NUMBER: _ClassVar[int]
     FEATURES_FIELD_NUMBER: _ClassVar[int]
+    FEATURE_REF_FIELD_NUMBER: _ClassVar[int]
     tag: _common_pb2.RequestTag
     first_token_id: int
     features: _common_pb2.Tensor
-    def __init__(self, tag: _Optional[_Union[_common_pb2.RequestTag, _Mapping]] = ..., first_token_id: _Optional[int] = ..., features: _Optional[_Union[_common_pb2.Tensor, _Mapping]] = ...) -> None: ...
+    feature_ref: ChannelRef
+    def __init__(self, tag: _Optional[_Union[_common_pb2.RequestTag, _Mapping]] = ..., first_token_id: _Optional[int] = ..., features: _Optional[_Union[_common_pb2.Tensor, _Mapping]] = ..., feature_ref: _Optional[_Union[ChannelRef, _Mapping]] = ...) -> None: ...
+
+class ChannelRef(_message.Message):
+    __slots__ = ("seq", "index")
+    SEQ_FIELD_NUMBER: _ClassVar[int]
+    INDEX_FIELD_NUMBER: _ClassVar[int]
+    seq: int
+    index: int
+    def __init__(self, seq: _Optional[int] = ..., index: _Optional[int] = ...) -> None: ...
 
 class VerifierPrefillReply(_message.Message):
     __slots__ = ("results",)
@@ -80,18 +90,20 @@ class VerifyRequest(_message.Message):
     def __init__(self, tree: _Optional[_Union[DraftTreeMsg, _Mapping]] = ..., want_features: _Optional[bool] = ..., plain: _Optional[_Iterable[_Union[PlainItem, _Mapping]]] = ...) -> None: ...
 
 class VerifyResultMsg(_message.Message):
-    __slots__ = ("tag", "token_ids", "num_accepted", "num_draft_tokens", "features")
+    __slots__ = ("tag", "token_ids", "num_accepted", "num_draft_tokens", "features", "feature_ref")
     TAG_FIELD_NUMBER: _ClassVar[int]
     TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     NUM_ACCEPTED_FIELD_NUMBER: _ClassVar[int]
     NUM_DRAFT_TOKENS_FIELD_NUMBER: _ClassVar[int]
     FEATURES_FIELD_NUMBER: _ClassVar[int]
+    FEATURE_REF_FIELD_NUMBER: _ClassVar[int]
     tag: _common_pb2.RequestTag
     token_ids: _containers.RepeatedScalarFieldContainer[int]
     num_accepted: int
     num_draft_tokens: int
     features: _common_pb2.Tensor
-    def __init__(self, tag: _Optional[_Union[_common_pb2.RequestTag, _Mapping]] = ..., token_ids: _Optional[_Iterable[int]] = ..., num_accepted: _Optional[int] = ..., num_draft_tokens: _Optional[int] = ..., features: _Optional[_Union[_common_pb2.Tensor, _Mapping]] = ...) -> None: ...
+    feature_ref: ChannelRef
+    def __init__(self, tag: _Optional[_Union[_common_pb2.RequestTag, _Mapping]] = ..., token_ids: _Optional[_Iterable[int]] = ..., num_accepted: _Optional[int] = ..., num_draft_tokens: _Optional[int] = ..., features: _Optional[_Union[_common_pb2.Tensor, _Mapping]] = ..., feature_ref: _Optional[_Union[ChannelRef, _Mapping]] = ...) -> None: ...
 
 class VerifyReply(_message.Message):
     __slots__ = ("results",)
@@ -126,18 +138,20 @@ class ReleaseReply(_message.Message):
     def __init__(self, released: _Optional[int] = ...) -> None: ...
 
 class DrafterPrefillItem(_message.Message):
-    __slots__ = ("tag", "prompt_ids", "first_token_id", "params", "features")
+    __slots__ = ("tag", "prompt_ids", "first_token_id", "params", "features", "feature_ref")
     TAG_FIELD_NUMBER: _ClassVar[int]
     PROMPT_IDS_FIELD_NUMBER: _ClassVar[int]
     FIRST_TOKEN_ID_FIELD_NUMBER: _ClassVar[int]
     PARAMS_FIELD_NUMBER: _ClassVar[int]
     FEATURES_FIELD_NUMBER: _ClassVar[int]
+    FEATURE_REF_FIELD_NUMBER: _ClassVar[int]
     tag: _common_pb2.RequestTag
     prompt_ids: _containers.RepeatedScalarFieldContainer[int]
     first_token_id: int
     params: _common_pb2.SamplingParams
     features: _common_pb2.Tensor
-    def __init__(self, tag: _Optional[_Union[_common_pb2.RequestTag, _Mapping]] = ..., prompt_ids: _Optional[_Iterable[int]] = ..., first_token_id: _Optional[int] = ..., params: _Optional[_Union[_common_pb2.SamplingParams, _Mapping]] = ..., features: _Optional[_Union[_common_pb2.Tensor, _Mapping]] = ...) -> None: ...
+    feature_ref: ChannelRef
+    def __init__(self, tag: _Optional[_Union[_common_pb2.RequestTag, _Mapping]] = ..., prompt_ids: _Optional[_Iterable[int]] = ..., first_token_id: _Optional[int] = ..., params: _Optional[_Union[_common_pb2.SamplingParams, _Mapping]] = ..., features: _Optional[_Union[_common_pb2.Tensor, _Mapping]] = ..., feature_ref: _Optional[_Union[ChannelRef, _Mapping]] = ...) -> None: ...
 
 class DrafterPrefillRequest(_message.Message):
     __slots__ = ("items",)
@@ -172,14 +186,16 @@ class DraftReply(_message.Message):
     def __init__(self, tree: _Optional[_Union[DraftTreeMsg, _Mapping]] = ...) -> None: ...
 
 class ExtendItem(_message.Message):
-    __slots__ = ("tag", "token_ids", "features")
+    __slots__ = ("tag", "token_ids", "features", "feature_ref")
     TAG_FIELD_NUMBER: _ClassVar[int]
     TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     FEATURES_FIELD_NUMBER: _ClassVar[int]
+    FEATURE_REF_FIELD_NUMBER: _ClassVar[int]
     tag: _common_pb2.RequestTag
     token_ids: _containers.RepeatedScalarFieldContainer[int]
     features: _common_pb2.Tensor
-    def __init__(self, tag: _Optional[_Union[_common_pb2.RequestTag, _Mapping]] = ..., token_ids: _Optional[_Iterable[int]] = ..., features: _Optional[_Union[_common_pb2.Tensor, _Mapping]] = ...) -> None: ...
+    feature_ref: ChannelRef
+    def __init__(self, tag: _Optional[_Union[_common_pb2.RequestTag, _Mapping]] = ..., token_ids: _Optional[_Iterable[int]] = ..., features: _Optional[_Union[_common_pb2.Tensor, _Mapping]] = ..., feature_ref: _Optional[_Union[ChannelRef, _Mapping]] = ...) -> None: ...
 
 class ExtendRequest(_message.Message):
     __slots__ = ("items",)
@@ -198,7 +214,7 @@ class EngineInfoRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class EngineInfo(_message.Message):
-    __slots__ = ("role", "model", "kind", "vocab_size", "max_len", "max_slots", "used_slots", "feature_layers", "device", "kv_blocks", "kv_block_size", "kv_used_blocks")
+    __slots__ = ("role", "model", "kind", "vocab_size", "max_len", "max_slots", "used_slots", "feature_layers", "device", "kv_blocks", "kv_block_size", "kv_used_blocks", "feature_channel")
     ROLE_FIELD_NUMBER: _ClassVar[int]
     MODEL_FIELD_NUMBER: _ClassVar[int]
     KIND_FIELD_NUMBER: _ClassVar[int]
@@ -211,6 +227,7 @@ class EngineInfo(_message.Message):
     KV_BLOCKS_FIELD_NUMBER: _ClassVar[int]
     KV_BLOCK_SIZE_FIELD_NUMBER: _ClassVar[int]
     KV_USED_BLOCKS_FIELD_NUMBER: _ClassVar[int]
+    FEATURE_CHANNEL_FIELD_NUMBER: _ClassVar[int]
     role: str
     model: str
     kind: str
@@ -223,4 +240,5 @@ class EngineInfo(_message.Message):
     kv_blocks: int
     kv_block_size: int
     kv_used_blocks: int
-    def __init__(self, role: _Optional[str] = ..., model: _Optional[str] = ..., kind: _Optional[str] = ..., vocab_size: _Optional[int] = ..., max_len: _Optional[int] = ..., max_slots: _Optional[int] = ..., used_slots: _Optional[int] = ..., feature_layers: _Optional[str] = ..., device: _Optional[str] = ..., kv_blocks: _Optional[int] = ..., kv_block_size: _Optional[int] = ..., kv_used_blocks: _Optional[int] = ...) -> None: ...
+    feature_channel: str
+    def __init__(self, role: _Optional[str] = ..., model: _Optional[str] = ..., kind: _Optional[str] = ..., vocab_size: _Optional[int] = ..., max_len: _Optional[int] = ..., max_slots: _Optional[int] = ..., used_slots: _Optional[int] = ..., feature_layers: _Optional[str] = ..., device: _Optional[str] = ..., kv_blocks: _Optional[int] = ..., kv_block_size: _Optional[int] = ..., kv_used_blocks: _Optional[int] = ..., feature_channel: _Optional[str] = ...) -> None: ...

@@ -1,0 +1,208 @@
+"""The direct feature channel end to end on CPU (gloo): `python -m verifier` and `python -m
+drafter` started with the same --feature-channel, driven through the gRPC links, and `spectandem
+serve --backend grpc --feature-channel`.
+
+- greedy and seeded-sampling tokens (and the drafts: stats) equal the in-process speculator's,
+  while every prefill and verify reply carried ChannelRefs, never tensors;
+- features that do not come (a stale reference) make the drafter report the request unknown;
+  the re-prefill from the verifier's Features call resumes it with the same tokens;
+- the drafter killed mid-stream: every request completes with the same tokens, and the
+  verifier's sender reports the channel broken (it then returns features inline);
+- the Ray actors with a channel (start_engines(feature_channel="auto")): the same tokens, and
+  ChannelRefs where object refs went before.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import signal
+import socket
+
+import pytest
+
+from router.links_grpc import GrpcDrafterLink, GrpcVerifierLink
+from spectandem.channel import ChannelRef
+from spectandem.checkpoint import load_tokenizer
+from spectandem.config import SamplingParams, SpecConfig
+from spectandem.demo import demo_paths
+from tests.router.conftest import Served, collect, request
+from tests.router.test_links_grpc import (MAX_LEN, PROMPT_TEXTS, TREE, _assert_same, _greedy, _local, _seeded, _spawn,
+                                          _stop, speculate)
+
+
+@pytest.fixture(scope="module")
+def prompts():
+    tok = load_tokenizer(demo_paths("none")[0])
+    return [tok.encode(t).ids for t in PROMPT_TEXTS]
+
+
+def _address() -> str:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return f"tcp://127.0.0.1:{s.getsockname()[1]}"
+
+
+class RecordingVerifier(GrpcVerifierLink):
+    """Keeps every feature handle the router side received."""
+
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.handles: list = []
+
+    async def prefill(self, items, want_features):
+        results = await super().prefill(items, want_features)
+        self.handles += [r.features for r in results]
+        return results
+
+    async def verify(self, draft, plain, want_features):
+        results = await super().verify(draft, plain, want_features)
+        self.handles += [r.features for r in results]
+        return results
+
+
+class LosingDrafter(GrpcDrafterLink):
+    """Passes request `victim`'s features of round `at` as a reference to a message long gone."""
+
+    def __init__(self, *args, victim: str, at: int, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.victim, self.at, self.rounds = victim, at, 0
+
+    async def extend(self, items):
+        if self.rounds == self.at:
+            items = [type(i)(i.tag, i.token_ids, ChannelRef(1, 0)) if i.tag.request_id == self.victim else i
+                     for i in items]
+        self.rounds += 1
+        return await super().extend(items)
+
+
+async def _channel_state(link) -> str:
+    return (await link.info()).extra.get("feature_channel", "")
+
+
+async def _wait_state(link, state: str, timeout: float = 30.0) -> None:
+    for _ in range(int(timeout * 10)):
+        if await _channel_state(link) == state:
+            return
+        await asyncio.sleep(0.1)
+    raise AssertionError(f"the feature channel is {await _channel_state(link)!r}, not {state!r}")
+
+
+@pytest.fixture(scope="module")
+def channel_processes(tmp_path_factory):
+    logs = tmp_path_factory.mktemp("logs")
+    channel = ["--feature-channel", _address()]
+    tree = ["--num-steps", str(TREE["num_steps"]), "--topk", str(TREE["topk"]),
+            "--num-draft-tokens", str(TREE["num_draft_tokens"])]
+    procs = []
+    try:
+        procs.append(_spawn(["-m", "verifier", "--max-slots", "4", "--max-len", str(MAX_LEN), *channel],
+                            logs / "v.log"))
+        procs.append(_spawn(["-m", "drafter", "--max-slots", "4", "--max-len", str(MAX_LEN), *tree, *channel],
+                            logs / "d.log"))
+        yield tuple(a for _, a in procs)
+    finally:
+        for p, _ in procs:
+            _stop(p)
+
+
+def test_features_cross_the_channel_and_tokens_match_local(channel_processes, prompts):
+    (expected, expected_seeded), eos, lookahead = _local("eagle3", prompts, _greedy(len(prompts)),
+                                                         _seeded(len(prompts)))
+
+    async def main():
+        v, d = RecordingVerifier(channel_processes[0]), GrpcDrafterLink(channel_processes[1])
+        try:
+            await _wait_state(v, "up")
+            assert await _channel_state(d) == "up"
+            got = await speculate(v, d, prompts, _greedy(len(prompts)), eos, lookahead)
+            got_seeded = await speculate(v, d, prompts, _seeded(len(prompts)), eos, lookahead)
+            return got, got_seeded, v.handles
+        finally:
+            await v.close()
+            await d.close()
+
+    got, got_seeded, handles = asyncio.run(main())
+    _assert_same(got, expected)
+    _assert_same(got_seeded, expected_seeded)
+    assert handles and all(isinstance(h, ChannelRef) for h in handles), {type(h) for h in handles}
+
+
+def test_features_that_do_not_come_are_resynced(channel_processes, prompts):
+    from tests.router.test_links_ray import Seen, speculate as speculate_with_resync   # the loop that resyncs
+
+    (expected,), eos, lookahead = _local("eagle3", prompts, _greedy(len(prompts)))
+
+    async def main():
+        v = GrpcVerifierLink(channel_processes[0])
+        d = LosingDrafter(channel_processes[1], victim="req-1", at=2)
+        seen = Seen()
+        try:
+            got = await speculate_with_resync(v, d, prompts, _greedy(len(prompts)), eos, lookahead, seen)
+            return got, seen, (await d.info()).used_slots
+        finally:
+            await v.close()
+            await d.close()
+
+    got, seen, used = asyncio.run(main())
+    assert seen.resynced == ["req-1"]
+    _assert_same(got, expected, same_stats=False)
+    assert used == 0
+
+
+@pytest.mark.slow
+def test_serve_grpc_with_channel_exact_and_drafter_killed(prompts):
+    from tests.router.test_serve_backends import _concurrent
+
+    server = Served(["--backend", "grpc", "--feature-channel", "--max-len", str(MAX_LEN), "--max-running", "8",
+                     "--drafter-timeout", "3", "--num-steps", "4", "--topk", "2", "--num-draft-tokens", "8"]
+                    ).wait_ready()
+    try:
+        assert server.run(_channel_state(server.state["verifier"])) == "up"
+        (greedy, sampled, long), _, _ = _local("eagle3", prompts, [SamplingParams(max_tokens=20)] * len(prompts),
+                                               [SamplingParams(max_tokens=20, temperature=0.9, seed=i)
+                                                for i in range(len(prompts))],
+                                               [SamplingParams(max_tokens=80, ignore_eos=True)] * len(prompts))
+        for i, p in enumerate(prompts):
+            assert collect(server.stub, request(ids=p, max_tokens=20))[0] == greedy[i].token_ids
+            assert collect(server.stub, request(ids=p, max_tokens=20, temperature=0.9, seed=i))[0] == \
+                sampled[i].token_ids
+        drafter = server.state["procs"]["drafter"]
+        res = _concurrent(server.stub, [request(ids=p, max_tokens=80, ignore_eos=True) for p in prompts],
+                          on_first_chunk=lambda: drafter.send_signal(signal.SIGKILL))
+        for i in range(len(prompts)):
+            toks, reason, _ = res[i]
+            assert toks == long[i].token_ids and reason == "length"
+        server.run(_wait_state(server.state["verifier"], "broken"))
+    finally:
+        server.close()
+
+
+@pytest.mark.slow
+def test_ray_actors_with_channel_match_local(prompts):
+    import ray
+
+    from router.links_ray import ray_init, start_engines
+    from tests.router.test_links_ray import Seen, speculate as speculate_with_resync
+
+    (expected,), eos, lookahead = _local("eagle3", prompts, _greedy(len(prompts)))
+    started_here = not ray.is_initialized()
+    ray_init(None, num_cpus=2)
+    target, draft = demo_paths("eagle3")
+    v, d, cleanup = start_engines(target, draft, SpecConfig(method="eagle3", **TREE), 4, MAX_LEN, device="cpu",
+                                  feature_channel="auto")
+
+    async def main():
+        await _wait_state(v, "up")
+        assert await _channel_state(d) == "up"
+        seen = Seen()
+        return await speculate_with_resync(v, d, prompts, _greedy(len(prompts)), eos, lookahead, seen), seen
+
+    try:
+        got, seen = asyncio.run(main())
+    finally:
+        cleanup()
+        if started_here:
+            ray.shutdown()
+    _assert_same(got, expected)
+    assert not seen.resynced
+    assert seen.results and all(isinstance(r.features, ChannelRef) for r in seen.results)

@@ -1,0 +1,160 @@
+"""The direct feature channel (spectandem/channel.py) over gloo on localhost, both ends in this
+process (their own threads and groups, as in two processes): messages arrive in order and
+whole, several in flight; the mailbox is bounded and says what it dropped; `take` times out
+with a clear error; a peer that dies or stops receiving never blocks the verifier's `send`, and
+the sender then reports itself broken so features go inline."""
+
+from __future__ import annotations
+
+import os
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+from router.links import ExtendItem, RoundResult, Tag
+from spectandem import codec
+from spectandem.channel import (MAX_ITEMS, ChannelRef, FeatureChannelError, FeatureReceiver, FeatureSender, _Group,
+                                parse_address)
+from spectandem.v1 import engines_pb2
+
+ROOT = Path(__file__).resolve().parents[2]
+
+def _address() -> str:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return f"tcp://127.0.0.1:{s.getsockname()[1]}"
+
+
+def _wait(predicate, timeout: float = 10.0) -> None:
+    deadline = time.monotonic() + timeout
+    while not predicate():
+        assert time.monotonic() < deadline, "timed out"
+        time.sleep(0.01)
+
+
+@pytest.fixture
+def pair():
+    address = _address()
+    sender = FeatureSender(address, "cpu", send_timeout_s=2.0)
+    receiver = FeatureReceiver(address, "cpu", capacity=4, take_timeout_s=2.0)
+    _wait(lambda: sender.ready and receiver.ready)
+    yield sender, receiver
+    sender.close()
+    receiver.close()
+
+
+def test_messages_arrive_in_order_and_whole(pair):
+    sender, receiver = pair
+    g = torch.Generator().manual_seed(0)
+    rounds = [[torch.randn(3, 8, generator=g), None, torch.randn(1, 8, generator=g)],
+              [torch.randn(2, 8, generator=g).to(torch.bfloat16)],
+              [torch.randn(0, 8, generator=g)],
+              [torch.randint(0, 9, (5,), generator=g)]]
+    refs = [sender.send(feats) for feats in rounds]   # all four in flight before any take
+    assert refs[0] == [ChannelRef(1, 0), None, ChannelRef(1, 1)]
+    assert [r[0].seq for r in refs[1:]] == [2, 3, 4]
+    for feats, rs in reversed(list(zip(rounds, refs))):   # taken in any order
+        for f, r in zip(feats, rs):
+            if f is not None:
+                got = receiver.take(r)
+                assert got.dtype == f.dtype and torch.equal(got, f)
+    with pytest.raises(FeatureChannelError, match="already taken"):
+        receiver.take(refs[0][0])
+    assert sender.send([None, None]) == [None, None]   # nothing to send: no message
+
+
+def test_a_call_over_max_items_is_split(pair):
+    sender, receiver = pair
+    feats = [torch.full((1, 4), float(i)) for i in range(MAX_ITEMS + 3)]
+    refs = sender.send(feats)
+    assert {r.seq for r in refs} == {1, 2} and refs[MAX_ITEMS] == ChannelRef(2, 0)
+    assert all(torch.equal(receiver.take(r), f) for r, f in zip(refs, feats))
+
+
+def test_mailbox_is_bounded_and_late_messages_time_out(pair):
+    sender, receiver = pair
+    refs = [sender.send([torch.full((2,), float(i))])[0] for i in range(6)]   # capacity 4
+    _wait(lambda: receiver.dropped == 2)
+    for r in refs[:2]:
+        start = time.monotonic()
+        with pytest.raises(FeatureChannelError, match="dropped"):   # at once, no waiting
+            receiver.take(r)
+        assert time.monotonic() - start < 0.5
+    assert torch.equal(receiver.take(refs[5]), torch.full((2,), 5.0))
+    start = time.monotonic()
+    with pytest.raises(FeatureChannelError, match="did not arrive within 0.3 s"):
+        receiver.take(ChannelRef(99, 0), timeout_s=0.3)
+    assert 0.3 <= time.monotonic() - start < 2.0
+    with pytest.raises(FeatureChannelError, match="has 1 items"):
+        receiver.take(ChannelRef(refs[4].seq, 1))
+
+
+def test_dead_receiver_never_blocks_send():
+    """The drafter process dies (SIGKILL): send() keeps returning at once; the sender breaks."""
+    address = _address()
+    sender = FeatureSender(address, "cpu", send_timeout_s=2.0)
+    child = subprocess.Popen([sys.executable, "-c", "import sys, time; from spectandem.channel import "
+                              "FeatureReceiver; r = FeatureReceiver(sys.argv[1], 'cpu'); time.sleep(600)", address],
+                             cwd=ROOT, env=dict(os.environ, PYTHONPATH=str(ROOT), OMP_NUM_THREADS="1"))
+    try:
+        _wait(lambda: sender.ready, timeout=60)
+        child.kill()
+        child.wait()
+        start = time.monotonic()
+        for _ in range(20):
+            sender.send([torch.randn(4, 8)])   # returns at once whatever happens to the messages
+        assert time.monotonic() - start < 0.5
+        _wait(lambda: sender.state == "broken", timeout=5)
+        assert sender.send([torch.randn(4, 8)]) is None   # the caller now returns tensors inline
+    finally:
+        child.kill()
+        sender.close()
+
+
+def test_a_receiver_that_stops_receiving_breaks_the_sender_within_the_timeout():
+    address = _address()
+    sender = FeatureSender(address, "cpu", send_timeout_s=1.0)
+    peer = _Group(address, 1, torch.device("cpu"), 10.0)   # connects, takes the handshake, then nothing
+    try:
+        peer.recv_header()
+        peer.recv_payload(torch.empty(8, dtype=torch.uint8))
+        _wait(lambda: sender.ready)
+        start = time.monotonic()
+        sender.send([torch.randn(2, 2)])
+        assert time.monotonic() - start < 0.2
+        _wait(lambda: not sender.ready, timeout=5)   # `ready` (and every send) checks
+        assert sender.state == "broken" and time.monotonic() - start < 3.0
+        assert sender.send([torch.randn(2, 2)]) is None
+    finally:
+        sender.close()
+        peer.abort()
+
+
+def test_no_peer_means_not_ready():
+    sender = FeatureSender(_address(), "cpu", connect_timeout_s=0.5)
+    try:
+        assert sender.send([torch.zeros(1)]) is None   # still connecting: inline
+        _wait(lambda: sender.state == "broken", timeout=10)
+    finally:
+        sender.close()
+
+
+def test_addresses_and_codec():
+    assert parse_address("tcp://10.0.0.2:29500") == ("10.0.0.2", 29500)
+    for bad in ("10.0.0.2:29500", "tcp://host", "udp://h:1"):
+        with pytest.raises(ValueError, match="tcp://HOST:PORT"):
+            parse_address(bad)
+    r = RoundResult(Tag("r", 1, 9), [4, 5], 1, 3, ChannelRef(7, 2))
+    msg = engines_pb2.VerifyResultMsg.FromString(codec.round_result_to_msg(r).SerializeToString())
+    assert msg.WhichOneof("feature_handle") == "feature_ref" and not msg.HasField("features")
+    assert codec.round_result_from_msg(msg) == r
+    item = codec.extend_item_from_msg(codec.extend_item_to_msg(ExtendItem(Tag("r", 1, 9), [4, 5], ChannelRef(7, 2))))
+    assert item.features == ChannelRef(7, 2)
+    feats = torch.randn(2, 8)
+    item = codec.extend_item_from_msg(codec.extend_item_to_msg(ExtendItem(Tag("r", 1, 9), [4, 5], feats)))
+    assert torch.equal(item.features, feats)
