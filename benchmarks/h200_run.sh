@@ -3,7 +3,7 @@
 # machine (2 GPUs, so the drafter-on-its-own-GPU rows run too). The image has torch, triton and
 # transformers but no pytest: wheels carried in .whl/ are installed to a scratch directory.
 #
-#   bash benchmarks/h200_run.sh OUT_DIR [tests|bench|all]
+#   bash benchmarks/h200_run.sh OUT_DIR [tests|bench|channel|all]     (channel: that test, then the bench)
 set -euo pipefail
 out=${1:?output directory}
 what=${2:-all}
@@ -16,13 +16,17 @@ else
 fi
 nvidia-smi --query-gpu=name,memory.total --format=csv,noheader | tee "$out/gpus.txt"
 if [ "$what" = tests ] || [ "$what" = all ]; then
-  for f in tests/gpu/test_batch_invariant.py tests/gpu/test_graphs.py tests/gpu/test_gpu_exact.py tests/gpu/test_kernels.py; do
+  for f in tests/gpu/test_*.py; do
     name=$(basename "$f" .py)
     timeout 400 python3 -m pytest -m gpu "$f" -q -p no:cacheprovider -rf --durations=5 >"$out/$name.txt" 2>&1 || true
     echo "== $f"; grep -E "passed|failed|error|FAILED" "$out/$name.txt" | tail -12
   done
 fi
-if [ "$what" = bench ] || [ "$what" = all ]; then
+if [ "$what" = channel ]; then
+  timeout 300 python3 -m pytest -q -m gpu -s -p no:cacheprovider tests/gpu/test_feature_channel.py 2>&1 | tail -30 \
+    | tee "$out/feature-channel.txt"
+fi
+if [ "$what" = bench ] || [ "$what" = all ] || [ "$what" = channel ]; then
   python3 -m spectandem.cli bench --device cuda --batch-sizes 1,4,16,64 --max-tokens 128 \
     --out "$out/bench-h200.json" 2>&1 | tail -80
 fi
