@@ -149,18 +149,38 @@ class DrafterLink(Protocol):
 
 
 class _LocalLink:
-    """One engine of this process: calls run one at a time in a worker thread."""
+    """One engine of this process: calls run one at a time in a worker thread.
+
+    On a GPU each engine works on a CUDA stream of its own, and a call returns only once its
+    stream is done (what it hands on is complete). The two engines' calls run concurrently; on
+    the legacy default stream, one engine's work would break the other's CUDA graph capture."""
 
     role = "engine"
 
     def __init__(self, engine, model_name: str):
         self.engine, self.model_name = engine, model_name
         self._lock = asyncio.Lock()
+        self._stream = None
+        device = _engine_device(engine)
+        if device is not None and device.type == "cuda":
+            import torch
+
+            self._stream = torch.cuda.Stream(device=device)
+
+    def _call(self, fn, *args):
+        if self._stream is None:
+            return fn(*args)
+        import torch
+
+        with torch.cuda.stream(self._stream):
+            out = fn(*args)
+        self._stream.synchronize()
+        return out
 
     async def _run(self, fn, *args):
         async with self._lock:
             try:
-                return await asyncio.to_thread(fn, *args)
+                return await asyncio.to_thread(self._call, fn, *args)
             except (ValueError, KeyError):  # bad input or a stale tag: the caller's to handle
                 raise
             except Exception as exc:  # the engine itself failed: the router treats it as gone
@@ -239,3 +259,15 @@ class LocalDrafterLink(_LocalLink):
 
     async def close(self):
         return None
+
+
+def _engine_device(engine):
+    """The torch device an in-process engine computes on (None: none, e.g. n-gram drafting)."""
+    runner = getattr(engine, "runner", None)
+    proposer = getattr(engine, "proposer", None)
+    device = getattr(runner, "device", None) or getattr(proposer, "device", None)
+    if device is None:
+        return None
+    import torch
+
+    return torch.device(device)
