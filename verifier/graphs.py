@@ -37,6 +37,8 @@ shapes: a step whose B fills its bucket is the eager step bit for bit.
 
 from __future__ import annotations
 
+import threading
+
 from dataclasses import dataclass, fields
 from typing import Callable
 
@@ -63,11 +65,19 @@ def span_bucket(span: int, max_len: int) -> int:
     return min(max(MIN_SPAN, 1 << (span - 1).bit_length()), max_len)
 
 
+_CAPTURE_LOCK = threading.Lock()
+
+
 def capture_graph(fn: Callable[[], None], pool, device: torch.device, warmup: int = 2) -> "torch.cuda.CUDAGraph":
     """Captures `fn` (which must only write buffers allocated outside `pool`). The warm-up runs
     on a side stream first, so lazy initialisation (cuBLAS handles, workspaces) happens outside
-    the capture."""
-    with torch.cuda.device(device), torch.no_grad():
+    the capture.
+
+    The capture runs on that side stream, made on `device`: torch.cuda.graph's default capture
+    stream is one per process, made on whichever device captured first, so a drafter capturing
+    on cuda:1 after a verifier on cuda:0 would capture nothing (seen on the H200). Captures are
+    serialized across the process's threads (the two engines of `serve --backend local`)."""
+    with _CAPTURE_LOCK, torch.cuda.device(device), torch.no_grad():
         side = torch.cuda.Stream()
         side.wait_stream(torch.cuda.current_stream())
         with torch.cuda.stream(side):
@@ -77,7 +87,7 @@ def capture_graph(fn: Callable[[], None], pool, device: torch.device, warmup: in
         graph = torch.cuda.CUDAGraph()
         # thread_local: the other engine of this process may launch work from its own thread
         # while this one captures (the router runs drafter and verifier calls concurrently).
-        with torch.cuda.graph(graph, pool=pool, capture_error_mode="thread_local"):
+        with torch.cuda.graph(graph, pool=pool, stream=side, capture_error_mode="thread_local"):
             fn()
     return graph
 
