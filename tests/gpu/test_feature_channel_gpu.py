@@ -1,5 +1,5 @@
 """The direct feature channel over NCCL between two GPUs (run with `python -m pytest -m gpu -s
-tests/gpu/test_feature_channel.py`; -s shows the microbenchmark):
+tests/gpu/test_feature_channel_gpu.py`; -s shows the microbenchmark):
 
 - `python -m verifier` on GPU 0 and `python -m drafter` on GPU 1 (CUDA_VISIBLE_DEVICES per
   process, as Ray and Kubernetes place them), joined by --feature-channel: greedy and seeded
