@@ -67,6 +67,9 @@ class Router:
         self._switch = SpeculationSwitch(cfg)
         self._spec_off_until = 0          # round number until which speculation is off
         self.on_serving_change = None            # callback(bool), e.g. to update gRPC health
+        # Requests the drafter held when the router stopped talking to it (slow or failed): if it
+        # was only slow it still holds them, so they are released once it answers again.
+        self._drafter_orphans: set[str] = set()
         self.counters = RouterCounters()
         # Listeners get (event, request, data): "admitted", "tokens" (data: number of new tokens,
         # the first time also {"first": True}), "finished" (data: finish reason),
@@ -163,7 +166,15 @@ class Router:
                 self.drafter_up = True
                 log.info("drafter is back; speculation resumes")
             except Exception:
-                pass
+                return
+            live = {r.request_id for r in self.running}   # these are re-prefilled, which resets them
+            orphans = sorted(self._drafter_orphans - live)
+            self._drafter_orphans.clear()
+            if orphans:
+                try:
+                    await asyncio.wait_for(self.drafter.release(orphans), self.cfg.drafter_timeout)
+                except (EngineUnavailable, asyncio.TimeoutError) as exc:
+                    self._drafter_failed(exc)
 
     def _set_serving(self, up: bool) -> None:
         if up != self.serving:
@@ -494,6 +505,8 @@ class Router:
         self.drafter_up = False
         self._last_probe = time.monotonic()
         for r in self.running:
+            if r.on_drafter:
+                self._drafter_orphans.add(r.request_id)
             r.on_drafter = False
 
     async def _forget_kept(self, reqs: list[ServedRequest]) -> None:
@@ -501,10 +514,13 @@ class Router:
         kept = [r for r in reqs if r.drafter_kept]
         for r in kept:
             r.drafter_kept = False
-        if kept and self.drafter_up:
+        if kept and not self.drafter_up:
+            self._drafter_orphans.update(r.request_id for r in kept)
+        elif kept:
             try:
                 await asyncio.wait_for(self.drafter.release([r.request_id for r in kept]), self.cfg.drafter_timeout)
             except (EngineUnavailable, asyncio.TimeoutError):
+                self._drafter_orphans.update(r.request_id for r in kept)
                 self._drafter_failed(EngineUnavailable("release failed"))
 
     async def _release(self, reqs: list[ServedRequest], keep_draft: bool = False) -> None:
@@ -524,4 +540,5 @@ class Router:
             try:
                 await asyncio.wait_for(self.drafter.release(ids_d, keep_draft), self.cfg.drafter_timeout)
             except (EngineUnavailable, asyncio.TimeoutError):
+                self._drafter_orphans.update(ids_d)
                 self._drafter_failed(EngineUnavailable("release failed"))
