@@ -42,13 +42,19 @@ BENCH_SHAPE, BENCH_ROUNDS, BENCH_WARMUP = (5, 12288), 300, 30
 
 
 @pytest.fixture(scope="module", autouse=True)
+
+def _pythonpath() -> str:
+    """The repo first, then whatever the caller had (the GPU image gets pytest and the gRPC health
+    package from a carried directory on PYTHONPATH: the engine processes need it too)."""
+    return os.pathsep.join(p for p in (str(ROOT), os.environ.get("PYTHONPATH", "")) if p)
+
 def _two_gpus():
     if torch.cuda.device_count() < 2:
         pytest.fail(f"the feature channel test needs 2 CUDA devices, found {torch.cuda.device_count()}")
 
 
 def _spawn_on(gpu: int, args: list[str], log: Path) -> tuple[subprocess.Popen, str]:
-    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=str(ROOT), CUDA_VISIBLE_DEVICES=str(gpu))
+    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=_pythonpath(), CUDA_VISIBLE_DEVICES=str(gpu))
     with log.open("w") as err:
         proc = subprocess.Popen([sys.executable, *args, "--device", ENGINE_DEVICE, "--host", "127.0.0.1",
                                  "--port", "0"], cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=err, text=True)
@@ -135,7 +141,7 @@ def _channel_handoff(x: torch.Tensor, tmp_path: Path) -> tuple[list[float], list
     address, out = _address(), tmp_path / "arrived.json"
     child = subprocess.Popen([sys.executable, "-c", "import sys; from tests.gpu.test_feature_channel import "
                               "_bench_receiver as r; r(sys.argv[1], sys.argv[2])", address, str(out)],
-                             cwd=ROOT, env=dict(os.environ, PYTHONPATH=str(ROOT)))
+                             cwd=ROOT, env=dict(os.environ, PYTHONPATH=_pythonpath()))
     sender = FeatureSender(address, VERIFIER_DEVICE)
     try:
         deadline = time.monotonic() + 120
