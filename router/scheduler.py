@@ -37,12 +37,12 @@ import logging
 import time
 import uuid
 
+from router.capacity import KvBudget
 from router.detok import Detokenizer
 from router.links import (DrafterLink, DrafterPrefillItem, EngineUnavailable, ExtendItem, PlainItem, Tag,
                           VerifierLink, VerifierPrefillItem)
 from router.pipeline import ModeChooser, SpeculationSwitch
 from router.requests import Chunk, Failure, RouterConfig, RouterCounters, ServedRequest  # noqa: F401 (re-exported)
-from spectandem.block_manager import blocks_for
 from spectandem.config import SamplingParams
 from spectandem.messages import StaleMessage
 from spectandem.reference import take_tokens
@@ -71,6 +71,7 @@ class Router:
         # was only slow it still holds them, so they are released once it answers again.
         self._drafter_orphans: set[str] = set()
         self.counters = RouterCounters()
+        self.kv = KvBudget(cfg, drafter is not None)
         # Listeners get (event, request, data): "admitted", "tokens" (data: number of new tokens,
         # the first time also {"first": True}), "finished" (data: finish reason),
         # "failed" (data: status code name), "cancelled". Metrics and logs hook in here.
@@ -183,34 +184,12 @@ class Router:
             if self.on_serving_change:
                 self.on_serving_change(up)
 
-    def _need(self, r: ServedRequest, committed_len: int | None = None) -> tuple[int, int]:
-        """KV blocks (verifier, drafter) the request's next round may hold."""
-        n = (committed_len or r.committed_len) - 1 + self.cfg.lookahead
-        v = blocks_for(n, self.cfg.kv_block_size) if self.cfg.kv_blocks else 0
-        d = blocks_for(n, self.cfg.draft_kv_block_size) if self.cfg.draft_kv_blocks and self.drafter else 0
-        return v, d
-
-    def _fits(self, reqs: list[ServedRequest], extra: tuple[int, int] = (0, 0)) -> bool:
-        v = extra[0] + sum(self._need(r)[0] for r in reqs)
-        d = extra[1] + sum(self._need(r)[1] for r in reqs)
-        return (not self.cfg.kv_blocks or v <= self.cfg.kv_blocks) and (
-            not self.cfg.draft_kv_blocks or d <= self.cfg.draft_kv_blocks)
-
-    def _never_fits(self, r: ServedRequest, need: tuple[int, int]) -> str | None:
-        if self.cfg.kv_blocks and need[0] > self.cfg.kv_blocks:
-            return (f"the request needs {need[0]} KV blocks of {self.cfg.kv_block_size} entries on the verifier; "
-                    f"its pool has {self.cfg.kv_blocks} (--kv-blocks)")
-        if self.cfg.draft_kv_blocks and need[1] > self.cfg.draft_kv_blocks:
-            return (f"the request needs {need[1]} KV blocks of {self.cfg.draft_kv_block_size} entries on the "
-                    f"drafter; its pool has {self.cfg.draft_kv_blocks} (--draft-kv-blocks)")
-        return None
-
     async def _plan(self) -> None:
         """Preempts the latest-admitted running requests until the next round fits both pools."""
-        while self.running and not self._fits(self.running):
+        while self.running and not self.kv.fits([r.committed_len for r in self.running]):
             if len(self.running) == 1:
                 r = self.running[0]
-                why = self._never_fits(r, self._need(r)) or "the KV pools cannot hold it"
+                why = self.kv.never_fits(self.kv.need(r.committed_len)) or "the KV pools cannot hold it"
                 self._finish_failure(r, Failure("RESOURCE_EXHAUSTED", why))
                 self.running = []
                 await self._release([r])
@@ -233,14 +212,14 @@ class Router:
         for r in list(self.waiting):
             if len(self.running) + len(batch) >= self.cfg.max_running:
                 break
-            need = self._need(r, r.committed_len if r.preempted else len(r.prompt_ids) + 1)
-            why = self._never_fits(r, need)
+            need = self.kv.need(r.committed_len if r.preempted else len(r.prompt_ids) + 1)
+            why = self.kv.never_fits(need)
             if why is not None:
                 self.waiting.remove(r)
                 self._finish_failure(r, Failure("RESOURCE_EXHAUSTED", why))
                 await self._forget_kept([r])
                 continue
-            if not self._fits(self.running + batch, need):
+            if not self.kv.fits([x.committed_len for x in self.running + batch], need):
                 break  # first come, first served: later requests wait behind this one
             self.waiting.remove(r)
             batch.append(r)
@@ -299,30 +278,20 @@ class Router:
         t0, before = time.perf_counter(), self._tokens_committed
         if mode == "pingpong":
             await self._pingpong_round()
-        elif mode == "ahead":
-            await self._ahead_round()
         else:
-            await self._sequential_round()
+            await self._sequential_round(ahead=mode == "ahead")
         self._modes.record(mode, self._tokens_committed - before, time.perf_counter() - t0)
 
-    async def _sequential_round(self) -> None:
-        draft, drafted = await self._draft(self.running)
-        results = await self._verify(draft, drafted, self.running)
-        if results is not None:
-            extend = self._apply(results, drafted, self.running)
-            if extend:
-                await self._extend(extend)
-
-    async def _ahead_round(self) -> None:
-        """Sequential, but while the verifier verifies, the drafter prepares the next trees for
-        the likeliest outcomes: on a hit the next draft call returns at once and the catch-up with
-        the real features runs while the verifier is busy again."""
+    async def _sequential_round(self, ahead: bool = False) -> None:
+        """Draft, verify, extend. `ahead`: while the verifier verifies, the drafter prepares the
+        next trees for the likeliest outcomes; on a hit the next draft call returns at once and
+        the catch-up with the real features runs while the verifier is busy again."""
         draft, drafted = await self._draft(self.running)
         verify = asyncio.ensure_future(self._verify(draft, drafted, self.running))
-        ahead = [r for r in drafted if self.cfg.pipeline == "ahead" or self._invisible_when_plain(r)]
+        cached = [r for r in drafted if ahead and (self.cfg.pipeline == "ahead" or self._invisible_when_plain(r))]
         try:
-            if ahead:
-                await self._draft_ahead(ahead)
+            if cached:
+                await self._draft_ahead(cached)
         finally:
             results = await verify
         if results is not None:
