@@ -139,14 +139,13 @@ class FusedGraphStep:
         return inp, (rows, v_span, h_span, self.runner.feature_layers)
 
     def _forward(self, inp: _Inputs, out: _Outputs) -> None:
+        from spectandem.kv_cache import PagedCacheBatch
         from verifier.graphs import verify_forward
 
         head = self.proposer.head
         logits, feats = verify_forward(self.runner.model, self.runner.cache, self.runner.feature_layers, inp.verify)
         am = logits.argmax(-1)                                                        # [Bc, 2]
         accepted = am[:, 0] == inp.verify.token_ids[:, 1]
-        from spectandem.kv_cache import PagedCacheBatch
-
         rows = torch.arange(2, device=self.device).expand(am.shape[0], 2)
         hidden = head.run(am, head.project(feats.to(next(head.parameters()).dtype)), inp.head_positions,
                           PagedCacheBatch(self.proposer.cache, inp.head_write, inp.head_read), inp.head_mask, rows)
@@ -168,7 +167,7 @@ class FusedGraphStep:
 
     @torch.no_grad()
     def _run(self, tree: DraftTree) -> _Outputs:
-        from verifier.graphs import batch_bucket, capture_graph
+        from verifier.graphs import batch_bucket
 
         rows = batch_bucket(len(tree.request_ids))
         inp, key = self._inputs(tree, rows)
@@ -177,26 +176,28 @@ class FusedGraphStep:
             self._forward(inp, out)
             return out
         if key not in self._captured:
-            static = _Inputs(*(torch.empty_like(t) if isinstance(t, torch.Tensor) else t for t in (
-                _padding_verify(self.runner.cache, rows, key[1]), inp.head_write, inp.head_read, inp.head_mask,
-                inp.head_positions)))
-            # Warm-up and capture run on padding only: every head row reads and writes the trash row.
-            trash = self.proposer.cache.rows(torch.zeros(rows, dtype=torch.long, device=self.device),
-                                             torch.full_like(inp.head_read, self.proposer.cache.trash_index))
-            static.head_write.copy_(trash[:, :1].expand(-1, 2))
-            static.head_read.copy_(trash)
-            static.head_mask.zero_()
-            static.head_mask[:, :, 0] = True
-            static.head_positions.zero_()
-            out = self._new_outputs(rows)
-            if self.pool is None:
-                self.pool = torch.cuda.graph_pool_handle()
-            graph = capture_graph(lambda: self._forward(static, out), self.pool, self.device)
-            self._captured[key] = (static, graph, out)
+            self._captured[key] = self._capture(rows, key[1], inp)
         static, graph, out = self._captured[key]
         static.copy_(inp)
         graph.replay()
         return out
+
+    def _capture(self, rows: int, v_span, like: _Inputs) -> tuple[_Inputs, object, _Outputs]:
+        """(static inputs, graph, outputs) for one shape. Warm-up and capture run on padding
+        only: every row reads and writes the trash rows of both caches."""
+        from verifier.graphs import capture_graph
+
+        cache = self.proposer.cache
+        trash = cache.rows(torch.zeros(rows, dtype=torch.long, device=self.device),
+                           torch.full_like(like.head_read, cache.trash_index))
+        mask = torch.zeros_like(like.head_mask)
+        mask[:, :, 0] = True
+        static = _Inputs(_padding_verify(self.runner.cache, rows, v_span), trash[:, :1].expand(-1, 2).clone(), trash,
+                         mask, torch.zeros_like(like.head_positions))
+        out = self._new_outputs(rows)
+        if self.pool is None:
+            self.pool = torch.cuda.graph_pool_handle()
+        return static, capture_graph(lambda: self._forward(static, out), self.pool, self.device), out
 
     # ------------------------------------------------------------------ bookkeeping
 
