@@ -23,7 +23,7 @@ from spectandem.modeling.llama import load_llama
 from verifier.runner import NativeRunner
 
 
-def _median_ms(fn, iters: int) -> float:
+def median_ms(fn, iters: int) -> float:
     for _ in range(3):
         fn()
     times = []
@@ -43,7 +43,7 @@ def verify_ms(model, n: int, context: int, iters: int, cuda_graphs: bool) -> flo
     tokens = torch.randint(1, model.spec.vocab_size, (1, n), generator=g)
     parents = (torch.arange(n) - 1)[None]                      # a chain: node j's parent is j - 1
     valid = torch.ones(1, n, dtype=torch.bool)
-    return _median_ms(lambda: runner.verify([0], [context], tokens, parents, valid), iters)
+    return median_ms(lambda: runner.verify([0], [context], tokens, parents, valid), iters)
 
 
 def chain_ms(context: int, iters: int, cuda_graphs: bool) -> float:
@@ -58,7 +58,7 @@ def chain_ms(context: int, iters: int, cuda_graphs: bool) -> float:
     g = torch.Generator().manual_seed(0)
     req = DraftRequest("r", torch.randint(1, 4096, (context,), generator=g).tolist(), SamplingParams(), 0, False)
     proposer.catch_up([req], [context - 1], [torch.randn(context - 1, head.spec.feature_size, device="cuda")])
-    return _median_ms(lambda: proposer.propose([req]), iters)
+    return median_ms(lambda: proposer.propose([req]), iters)
 
 
 def main() -> int:

@@ -9,10 +9,10 @@ from torch.profiler. CUDA only.
 from __future__ import annotations
 
 import argparse
-import time
 
 import torch
 
+from graphs_timing import median_ms  # benchmarks/: this script's own folder
 from spectandem.bench_llama8b import llama8b_spec, random_target
 from verifier.runner import NativeRunner
 
@@ -26,19 +26,6 @@ def _runner(model, context: int, **paths) -> tuple[NativeRunner, tuple]:
     return runner, args
 
 
-def _median_ms(fn, iters: int = 30) -> float:
-    for _ in range(3):
-        fn()
-    times = []
-    for _ in range(iters):
-        torch.cuda.synchronize()
-        t0 = time.perf_counter()
-        fn()
-        torch.cuda.synchronize()
-        times.append(time.perf_counter() - t0)
-    return 1000 * sorted(times)[len(times) // 2]
-
-
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--context", type=int, default=512)
@@ -49,7 +36,7 @@ def main() -> None:
                         ("cuda-graphs+triton-attention", {"cuda_graphs": True, "triton_attention": True}),
                         ("batch-invariant", {"batch_invariant": True})):
         runner, step_args = _runner(model, args.context, **paths)
-        ms = _median_ms(lambda: runner.verify(*step_args))
+        ms = median_ms(lambda: runner.verify(*step_args), 30)
         with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
             for _ in range(5):
                 runner.verify(*step_args)
