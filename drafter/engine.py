@@ -79,6 +79,7 @@ class DrafterEngine:
         self.last_hit: dict[str, bool] = {}     # did the last verdict hit the outcome cache
         self.kept: dict[str, tuple[int, TreeDraft, int]] = {}    # next trees kept through preemption
         self.ahead_hits = self.ahead_misses = 0
+        self._drafts_ahead = bool(cfg.ahead_width and getattr(proposer, "supports_ahead", False))
 
     @property
     def feature_layers(self):
@@ -196,9 +197,10 @@ class DrafterEngine:
                 probs_rows.append(rows)
             else:
                 probs_rows.append(None)
-        for i, r in enumerate(reqs):
-            self.in_flight[r.request_id] = (r.committed_len, token_ids[i].tolist(), parents[i].tolist(),
-                                            valid[i].tolist())
+        if self._drafts_ahead:   # what draft_ahead forks from; nothing else reads it
+            for i, r in enumerate(reqs):
+                self.in_flight[r.request_id] = (r.committed_len, token_ids[i].tolist(), parents[i].tolist(),
+                                                valid[i].tolist())
         draft_probs = None
         if any_sampled:
             vocab = next(p.shape[-1] for p in probs_rows if p is not None)
@@ -214,7 +216,7 @@ class DrafterEngine:
         """Fills the outcome cache for the trees of these requests now being verified. Returns,
         per request, whether its tree being verified came from the cache (None: no cache then)."""
         flags = [self.last_hit.pop(i, None) for i in request_ids]
-        if not (self.cfg.ahead_width and getattr(self.proposer, "supports_ahead", False)):
+        if not self._drafts_ahead:
             return flags
         self._flush(request_ids)
         todo = [i for i in request_ids if self.in_flight.get(i, (-1,))[0] == self.requests[i].committed_len]

@@ -236,9 +236,6 @@ class FusedGraphStep:
             token_ids=torch.stack([torch.tensor(roots), next_draft], 1), parents=torch.tensor([[-1, 0]] * b),
             node_valid=torch.ones(b, 2, dtype=torch.bool), scores=torch.zeros(b, 2), draft_probs=None,
             sampled=[False] * b)
-        for i, rid in enumerate(ids):
-            self.drafter.in_flight[rid] = (next_tree.committed_lens[i], next_tree.token_ids[i].tolist(), [-1, 0],
-                                           [True, True])
         return outs, next_tree
 
 
