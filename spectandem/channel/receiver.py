@@ -1,0 +1,160 @@
+"""The drafter's end of the feature channel (spectandem/channel/__init__.py)."""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import math
+import threading
+import time
+from collections import OrderedDict
+from dataclasses import dataclass, field
+
+import torch
+
+from spectandem.channel.wire import (_CLOSE, _DTYPES, ChannelRef, FeatureChannelError, _device, _Group, parse_address)
+
+log = logging.getLogger("spectandem.channel")
+
+# ----------------------------------------------------------------------------------------------
+# Receiver (the drafter)
+
+
+@dataclass
+class _Message:
+    payload: torch.Tensor              # [nbytes] uint8
+    shapes: list[tuple[int, ...]]
+    dtype: torch.dtype
+    taken: set = field(default_factory=set)
+
+    def item(self, index: int) -> torch.Tensor:
+        size = torch.empty((), dtype=self.dtype).element_size()
+        start = sum(math.prod(s) for s in self.shapes[:index]) * size
+        shape = self.shapes[index]
+        return self.payload[start:start + math.prod(shape) * size].view(self.dtype).view(shape)
+
+
+class FeatureReceiver:
+    """The drafter's end: a thread receives messages in order into a bounded mailbox; `take`
+    hands out one request's features."""
+
+    def __init__(self, address: str, device: str | torch.device, *, connect_timeout_s: float = 600.0,
+                 take_timeout_s: float = 5.0, capacity: int = 32, max_bytes: int = 1 << 30):
+        parse_address(address)
+        if capacity < 1 or take_timeout_s < 0:
+            raise ValueError(f"capacity must be >= 1 and take_timeout_s >= 0, got {capacity}, {take_timeout_s}")
+        self.address, self.device = address, _device(device)
+        self.connect_timeout_s, self.take_timeout_s = connect_timeout_s, take_timeout_s
+        self.capacity, self.max_bytes = capacity, max_bytes
+        self.state = "connecting"        # -> "up" -> "broken" | "closed"
+        self.dropped = 0                 # messages evicted before every item was taken
+        self._mail: OrderedDict[int, _Message] = OrderedDict()
+        self._bytes = 0
+        self._last_seq = 0
+        self._cond = threading.Condition()
+        self._group: _Group | None = None
+        self._thread = threading.Thread(target=self._run, name="feature-receiver", daemon=True)
+        self._thread.start()
+
+    @property
+    def ready(self) -> bool:
+        return self.state == "up"
+
+    def take(self, ref: ChannelRef, timeout_s: float | None = None) -> torch.Tensor:
+        """The features behind `ref` (a view of the message's payload, on this side's device);
+        waits up to `timeout_s` (default take_timeout_s) for a message not yet here."""
+        deadline = time.monotonic() + (self.take_timeout_s if timeout_s is None else timeout_s)
+        with self._cond:
+            while True:
+                msg = self._mail.get(ref.seq)
+                if msg is not None:
+                    return self._hand_out(ref, msg)
+                if ref.seq <= self._last_seq:
+                    raise FeatureChannelError(f"features of channel message {ref.seq} were dropped (the mailbox "
+                                              f"holds {self.capacity} messages) or already taken")
+                if self.state in ("broken", "closed"):
+                    raise FeatureChannelError(f"the feature channel is {self.state}; message {ref.seq} never came")
+                remaining = deadline - time.monotonic()
+                if remaining <= 0:
+                    raise FeatureChannelError(f"features of channel message {ref.seq} did not arrive within "
+                                              f"{self.take_timeout_s if timeout_s is None else timeout_s} s")
+                self._cond.wait(remaining)
+
+    def close(self) -> None:
+        """Stops taking messages. The thread ends with the next header (or the process): gloo
+        cannot always interrupt a posted recv; the verifier's sender then breaks on its payload."""
+        with self._cond:
+            if self.state != "broken":
+                self.state = "closed"
+            self._cond.notify_all()
+        if self._thread.is_alive() and self._group is not None:
+            self._group.abort()
+        self._thread.join(0.5)
+
+    def _hand_out(self, ref: ChannelRef, msg: _Message) -> torch.Tensor:
+        if not 0 <= ref.index < len(msg.shapes):
+            raise FeatureChannelError(f"channel message {ref.seq} has {len(msg.shapes)} items, not {ref.index + 1}")
+        if ref.index in msg.taken:
+            raise FeatureChannelError(f"item {ref.index} of channel message {ref.seq} was already taken")
+        out = msg.item(ref.index)
+        if out.is_cuda:
+            # The payload was allocated on the receiver's stream: keep its memory from being
+            # reused there while the taker's stream still reads it.
+            out.record_stream(torch.cuda.current_stream(out.device))
+        msg.taken.add(ref.index)
+        if len(msg.taken) == len(msg.shapes):
+            del self._mail[ref.seq]
+            self._bytes -= msg.payload.numel()
+        return out
+
+    def _run(self) -> None:
+        try:
+            self._group = _Group(self.address, 1, self.device, self.connect_timeout_s)
+            if self._group.stream is not None:
+                torch.cuda.set_device(self.device)
+            stream = self._group.stream
+            with torch.cuda.stream(stream) if stream is not None else contextlib.nullcontext():
+                while True:
+                    header = self._group.recv_header()
+                    seq, num_items, ndim, code = header[:4]
+                    if num_items == _CLOSE or self.state == "closed":
+                        break
+                    shapes = [tuple(header[4 + i * ndim:4 + (i + 1) * ndim]) for i in range(num_items)]
+                    dtype = _DTYPES[code]
+                    nbytes = sum(math.prod(s) for s in shapes) * torch.empty((), dtype=dtype).element_size()
+                    payload = torch.empty(nbytes, dtype=torch.uint8, device=self.device)
+                    if nbytes:
+                        self._group.recv_payload(payload)
+                    if seq == 0:   # the handshake
+                        self._set_state("up")
+                        log.info("feature channel from the verifier up at %s", self.address)
+                        continue
+                    self._store(seq, _Message(payload, shapes, dtype))
+            self._set_state("closed")
+        except Exception as exc:
+            if self.state != "closed":
+                log.warning("feature channel from the verifier broken (%s: %s): features of later rounds are "
+                            "resynced through the router", type(exc).__name__, exc)
+            self._set_state("broken")
+
+    def _set_state(self, state: str) -> None:
+        with self._cond:
+            if self.state not in ("broken", "closed"):
+                self.state = state
+            self._cond.notify_all()
+
+    def _store(self, seq: int, msg: _Message) -> None:
+        with self._cond:
+            self._mail[seq] = msg
+            self._bytes += msg.payload.numel()
+            self._last_seq = seq
+            # Bounded: the oldest go first, the newest message always stays.
+            while len(self._mail) > self.capacity or (self._bytes > self.max_bytes and len(self._mail) > 1):
+                old_seq, old = self._mail.popitem(last=False)
+                self._bytes -= old.payload.numel()
+                self.dropped += 1
+                # Items of requests that finished in their round are never taken: routine.
+                level = logging.INFO if not old.taken else logging.DEBUG
+                log.log(level, "feature mailbox full: dropped message %d (%d of %d items untaken)", old_seq,
+                        len(old.shapes) - len(old.taken), len(old.shapes))
+            self._cond.notify_all()

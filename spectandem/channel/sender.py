@@ -1,0 +1,187 @@
+"""The verifier's end of the feature channel (spectandem/channel/__init__.py)."""
+
+from __future__ import annotations
+
+import logging
+import queue
+import threading
+import time
+from dataclasses import dataclass
+
+import torch
+
+from spectandem.channel.wire import (_CLOSE, _DTYPES, HEADER_LEN, MAX_ITEMS, ChannelRef, FeatureChannelError, _device, _Group,
+                                     _header, parse_address)
+
+log = logging.getLogger("spectandem.channel")
+
+# ----------------------------------------------------------------------------------------------
+# Sender (the verifier)
+
+
+@dataclass
+class _Outgoing:
+    header: list[int]                  # [seq, num_items, ndim, dtype code, shapes...]
+    payload: torch.Tensor              # [nbytes] uint8, a snapshot of the items
+    ready: "torch.cuda.Event | None"   # recorded on the verifier's stream after the snapshot
+
+
+class FeatureSender:
+    """The verifier's end. `send` is called from the serving thread and never blocks."""
+
+    def __init__(self, address: str, device: str | torch.device, *, connect_timeout_s: float = 600.0,
+                 send_timeout_s: float = 5.0, max_queued: int = 256):
+        parse_address(address)
+        if send_timeout_s <= 0 or max_queued < 1:
+            raise ValueError(f"send_timeout_s must be > 0 and max_queued >= 1, got {send_timeout_s}, {max_queued}")
+        self.address, self.device = address, _device(device)
+        self.connect_timeout_s, self.send_timeout_s, self.max_queued = connect_timeout_s, send_timeout_s, max_queued
+        self.state = "connecting"        # -> "up" -> "broken" | "closed"
+        self.messages_sent = 0
+        self._seq = 0
+        self._lock = threading.Lock()
+        self._queue: queue.Queue = queue.Queue()
+        self._group: _Group | None = None
+        self._in_flight: list[tuple[float, object, torch.Tensor]] = []  # NCCL: (posted at, work, payload)
+        self._blocked_since: float | None = None   # the thread is in a gloo wait since then
+        self._thread = threading.Thread(target=self._run, name="feature-sender", daemon=True)
+        self._thread.start()
+
+    @property
+    def ready(self) -> bool:
+        self._check_stuck()
+        return self.state == "up"
+
+    def send(self, features: list[torch.Tensor | None]) -> list[ChannelRef | None] | None:
+        """Queues the non-None tensors (all of one dtype and rank) and returns their refs (None
+        stays None); None when the channel is not up: the caller returns the tensors inline."""
+        present = [i for i, f in enumerate(features) if f is not None]
+        if not self.ready:
+            return None
+        if not present:
+            return [None] * len(features)
+        items = [features[i] for i in present]
+        if len({(t.dtype, t.dim()) for t in items}) != 1:
+            raise ValueError(f"channel items must share dtype and rank, got {[(t.dtype, t.dim()) for t in items]}")
+        if items[0].dtype not in _DTYPES:
+            raise ValueError(f"dtype {items[0].dtype} cannot cross the feature channel; supported: {_DTYPES}")
+        if self._queue.qsize() >= self.max_queued:
+            return None           # back-pressure: these go inline
+        per_message = min(MAX_ITEMS, (HEADER_LEN - 4) // max(items[0].dim(), 1))
+        if per_message < 1:
+            raise ValueError(f"{items[0].dim()}-D items do not fit the channel's header of {HEADER_LEN}")
+        refs: list[ChannelRef | None] = [None] * len(features)
+        for start in range(0, len(items), per_message):
+            chunk = items[start:start + per_message]
+            with self._lock:
+                self._seq += 1
+                seq = self._seq
+            # A snapshot, taken in the serving thread's stream order: the items may be views of
+            # buffers the next forward overwrites (CUDA graph outputs).
+            payload = torch.cat([t.detach().reshape(-1) for t in chunk]).to(self.device).view(torch.uint8)
+            ready = None
+            if self.device.type == "cuda":
+                ready = torch.cuda.Event()
+                ready.record(torch.cuda.current_stream(self.device))
+            self._queue.put(_Outgoing(_header(seq, chunk), payload, ready))
+            for j in range(len(chunk)):
+                refs[present[start + j]] = ChannelRef(seq, j)
+        return refs
+
+    def close(self) -> None:
+        """Tells the receiver the channel ends (when up), stops the thread and ends the groups
+        (without waiting on the peer)."""
+        self._queue.put(None)
+        self._thread.join(self.send_timeout_s + 1)
+        if self.state != "broken":
+            self.state = "closed"
+        if self._group is not None and not self._thread.is_alive():
+            self._group.abort()
+
+    def _check_stuck(self) -> None:
+        """From the caller's thread: a send the peer has not taken for send_timeout_s breaks the
+        channel (a drafter alive but no longer receiving)."""
+        since = self._blocked_since
+        if since is not None and self.state == "up" and time.monotonic() - since > self.send_timeout_s:
+            self._break(f"a send was not taken within {self.send_timeout_s} s")
+
+    def _run(self) -> None:
+        try:
+            self._group = _Group(self.address, 0, self.device, self.connect_timeout_s)
+            self._post(_Outgoing(_header(0, [torch.zeros(1, dtype=torch.int64)]), torch.zeros(8, dtype=torch.uint8),
+                                 None))
+            self._drain(wait=True, timeout_s=self.connect_timeout_s)
+        except Exception as exc:
+            self._break(f"could not connect to the drafter at {self.address}: {exc}")
+            return
+        self.state = "up"
+        log.info("feature channel to the drafter up at %s (%s)", self.address,
+                 "NCCL" if self._group.nccl is not None else "gloo")
+        while True:
+            try:
+                msg = self._queue.get(timeout=0.05)
+            except queue.Empty:
+                msg = False       # a tick: check what is in flight
+            if msg is None:
+                break
+            if self.state != "up":
+                self._in_flight.clear()
+                continue          # broken: drop
+            try:
+                if msg:
+                    self._post(msg)
+                self._drain(wait=False, timeout_s=self.send_timeout_s)
+            except Exception as exc:
+                self._break(f"sending failed: {type(exc).__name__}: {exc}")
+        if self.state == "up":
+            try:
+                self._blocked_since = time.monotonic()
+                self._group.send_header([0, _CLOSE])
+                self._drain(wait=True, timeout_s=self.send_timeout_s)
+            except Exception as exc:
+                log.debug("feature channel: close: %s", exc)
+
+    def _post(self, msg: _Outgoing) -> None:
+        group = self._group
+        self._blocked_since = time.monotonic()
+        if group.stream is None:
+            if msg.ready is not None:   # a CUDA payload staged through host memory
+                msg.ready.synchronize()
+            group.send_header(msg.header)
+            if msg.payload.numel():
+                group.send_payload(msg.payload)
+        else:
+            with torch.cuda.device(self.device), torch.cuda.stream(group.stream):
+                if msg.ready is not None:
+                    group.stream.wait_event(msg.ready)
+                payload = msg.payload.to(self.device)
+                # The header first: the receiver posts the payload's recv only once told, and the
+                # first NCCL send blocks in the communicator's set-up until the receiver's recv joins.
+                group.send_header(msg.header)
+                if payload.numel():
+                    work = group.send_payload(payload)   # the first one sets up the communicator
+                    self._in_flight.append((time.monotonic(), work, payload))
+        self._blocked_since = None
+        self.messages_sent += msg.header[0] > 0
+
+    def _drain(self, wait: bool, timeout_s: float) -> None:
+        """Forgets completed NCCL sends; raises when the oldest is late (the peer is gone)."""
+        while self._in_flight:
+            posted, work, _ = self._in_flight[0]
+            if work.is_completed():
+                self._in_flight.pop(0)
+                continue
+            if time.monotonic() - posted > timeout_s:
+                raise FeatureChannelError(f"a send did not complete within {timeout_s} s")
+            if not wait:
+                return
+            time.sleep(0.001)
+
+    def _break(self, why: str) -> None:
+        with self._lock:
+            if self.state in ("broken", "closed"):
+                return
+            self.state = "broken"
+        log.warning("feature channel to the drafter broken (%s): features go through the router from now on", why)
+        if self._group is not None:
+            self._group.abort()

@@ -1,0 +1,150 @@
+"""The channel's shared parts: the message header, references, addresses and the two-rank group."""
+
+from __future__ import annotations
+
+import logging
+import os
+from dataclasses import dataclass
+from datetime import timedelta
+from urllib.parse import urlparse
+
+import torch
+import torch.distributed as dist
+
+log = logging.getLogger("spectandem.channel")
+
+HEADER_LEN = 256
+MAX_ITEMS = 64           # per message, and as many shapes as the header holds: 3-D items fit 64
+_DTYPES = (torch.float32, torch.float16, torch.bfloat16, torch.float64, torch.int64, torch.int32, torch.uint8,
+           torch.bool)
+# Idle receivers wait on their posted header recv: a group timeout would fire on an idle
+# channel, so the groups get none in practice; liveness comes from send_timeout_s.
+_GROUP_TIMEOUT = timedelta(days=30)
+_CLOSE = -1
+
+
+class FeatureChannelError(RuntimeError):
+    """Features that did not come (late, dropped, a broken channel, a bad reference)."""
+
+
+@dataclass(frozen=True)
+class ChannelRef:
+    """Item `index` of channel message `seq`: a request's features, sent drafter-ward directly."""
+
+    seq: int
+    index: int
+
+
+def parse_address(address: str) -> tuple[str, int]:
+    """"tcp://HOST:PORT" -> (HOST, PORT); the verifier listens there for the rendezvous."""
+    url = urlparse(address)
+    if url.scheme != "tcp" or not url.hostname or url.port is None:
+        raise ValueError(f"feature channel address must be tcp://HOST:PORT, got {address!r}")
+    return url.hostname, url.port
+
+
+def _device(device: str | torch.device) -> torch.device:
+    dev = torch.device(device)
+    if dev.type == "cuda" and dev.index is None:
+        dev = torch.device("cuda", torch.cuda.current_device())
+    if dev.type not in ("cpu", "cuda"):
+        raise ValueError(f"the feature channel runs between CPU or CUDA engines, not {dev.type!r}")
+    return dev
+
+
+class _Group:
+    """The two ranks' groups: gloo for headers (and payloads between CPU engines, or through
+    host memory when both engines share one GPU), NCCL for payloads between two GPUs. Built
+    outside torch.distributed's global state, so nothing else in the process (a default group,
+    another channel) is touched."""
+
+    def __init__(self, address: str, rank: int, device: torch.device, timeout_s: float):
+        host, port = parse_address(address)
+        self.rank, self.peer, self.device = rank, 1 - rank, device
+        self.store = dist.TCPStore(host, port, 2, rank == 0, timedelta(seconds=timeout_s), wait_for_workers=False)
+        # Both sides must move payloads the same way: a CUDA verifier with a CPU drafter would hang.
+        self.store.set(f"device-{rank}", device.type)
+        peer_type = self.store.get(f"device-{self.peer}").decode()
+        if peer_type != device.type:
+            raise FeatureChannelError(f"this {'verifier' if rank == 0 else 'drafter'} is on {device.type}, its peer "
+                                      f"on {peer_type}: the channel needs both on CUDA or both on CPU")
+        opts = dist.ProcessGroupGloo._Options()
+        opts._devices = [dist.ProcessGroupGloo.create_device(hostname=host)]
+        opts._timeout = _GROUP_TIMEOUT
+        self.gloo = dist.ProcessGroupGloo(dist.PrefixStore("gloo", self.store), rank, 2, opts)
+        self.nccl = self._nccl() if device.type == "cuda" and not self._same_gpu() else None
+        self.stream = torch.cuda.Stream(device) if self.nccl is not None else None
+
+    def _same_gpu(self) -> bool:
+        """Both ends on one GPU (NCCL refuses two ranks there): payloads then go through host
+        memory over gloo."""
+        uuid = str(getattr(torch.cuda.get_device_properties(self.device), "uuid", "")) or f"pid-{os.getpid()}"
+        self.store.set(f"gpu-{self.rank}", uuid)
+        same = self.store.get(f"gpu-{self.peer}").decode() == uuid
+        if same:
+            log.warning("feature channel: both engines are on GPU %s; features go through host memory", uuid)
+        return same
+
+    def _nccl(self):
+        opts = dist.ProcessGroupNCCL.Options()
+        opts._timeout = _GROUP_TIMEOUT
+        # Hazard: by default NCCL's watchdog takes the whole process down when an operation of
+        # the group fails (a dead peer). CleanUpOnly (2) aborts the group and leaves the process
+        # up; ProcessGroupNCCL reads the setting once, here, so it is set for this group only.
+        previous = os.environ.get("TORCH_NCCL_ASYNC_ERROR_HANDLING")
+        os.environ["TORCH_NCCL_ASYNC_ERROR_HANDLING"] = "2"
+        try:
+            return dist.ProcessGroupNCCL(dist.PrefixStore("nccl", self.store), self.rank, 2, opts)
+        finally:
+            if previous is None:
+                del os.environ["TORCH_NCCL_ASYNC_ERROR_HANDLING"]
+            else:
+                os.environ["TORCH_NCCL_ASYNC_ERROR_HANDLING"] = previous
+
+    # gloo waits are untimed: a timed wait returned milliseconds late. The sender watches for a
+    # wait that lasts too long instead (FeatureSender._check_stuck).
+
+    def send_header(self, values: list[int]) -> None:
+        header = torch.zeros(HEADER_LEN, dtype=torch.int64)
+        header[:len(values)] = torch.tensor(values, dtype=torch.int64)
+        self.gloo.send([header], self.peer, 0).wait()
+
+    def recv_header(self) -> list[int]:
+        header = torch.empty(HEADER_LEN, dtype=torch.int64)
+        self.gloo.recv([header], self.peer, 0).wait()
+        return header.tolist()
+
+    def send_payload(self, payload: torch.Tensor):
+        """-> the NCCL work still in flight (None over gloo: done when this returns)."""
+        if self.nccl is None:
+            self.gloo.send([payload.cpu()], self.peer, 0).wait()
+            return None
+        return self.nccl.send([payload], self.peer, 0)
+
+    def recv_payload(self, payload: torch.Tensor) -> None:
+        """Returns once `payload` holds the bytes (on the GPU: without spinning a CPU core)."""
+        if self.nccl is None:
+            host = payload if payload.device.type == "cpu" else torch.empty(payload.shape, dtype=payload.dtype)
+            self.gloo.recv([host], self.peer, 0).wait()
+            if host is not payload:
+                payload.copy_(host)
+            return
+        self.nccl.recv([payload], self.peer, 0).wait()     # this thread's stream waits for it
+        done = torch.cuda.Event(blocking=True)
+        done.record()
+        done.synchronize()
+
+    def abort(self) -> None:
+        """Ends the groups' pending operations (a dead peer's send kernel, a posted recv)."""
+        for pg in (self.nccl, self.gloo):
+            stop = getattr(pg, "abort", None) if pg is not None else None
+            if stop is not None:
+                try:
+                    stop()
+                except Exception as exc:  # already torn down: nothing left to end
+                    log.debug("feature channel: abort: %s", exc)
+
+
+def _header(seq: int, items: list[torch.Tensor]) -> list[int]:
+    ndim = items[0].dim() if items else 0
+    return [seq, len(items), ndim, _DTYPES.index(items[0].dtype) if items else 0] + [d for t in items for d in t.shape]
