@@ -294,15 +294,24 @@ async def serve_async(args, ready_message=True, stop_event: asyncio.Event | None
                 pass
         await stop.wait()
     finally:
+        # Every step is bounded: one that hangs must not keep the process (or a test) from ending.
         if fronts is not None:
-            await fronts.close()
+            await _bounded("the HTTP fronts", fronts.close())
         if server is not None:
-            await server.stop(grace=2)
+            await _bounded("the gRPC server", server.stop(grace=2))
         if router is not None:
-            await router.stop()
-        await cleanup()
+            await _bounded("the router", router.stop())
+        await _bounded("the engines", cleanup(), 120.0)
         if ready_message:
             print("spectandem stopped", flush=True)
+
+
+async def _bounded(what: str, step, seconds: float = 30.0) -> None:
+    """Awaits a shutdown step for at most `seconds`; a step that does not finish is logged and left."""
+    try:
+        await asyncio.wait_for(step, seconds)
+    except asyncio.TimeoutError:
+        log.warning("shutdown: %s did not stop within %.0f s; going on", what, seconds)
 
 
 async def _first_request(address: str, prompt: str, api_key: str | None = None, tls: bool = False) -> None:
