@@ -41,13 +41,13 @@ ENGINE_DEVICE, VERIFIER_DEVICE, DRAFTER_DEVICE = "cuda", "cuda:0", "cuda:1"
 BENCH_SHAPE, BENCH_ROUNDS, BENCH_WARMUP = (5, 12288), 300, 30
 
 
-@pytest.fixture(scope="module", autouse=True)
-
 def _pythonpath() -> str:
     """The repo first, then whatever the caller had (the GPU image gets pytest and the gRPC health
     package from a carried directory on PYTHONPATH: the engine processes need it too)."""
     return os.pathsep.join(p for p in (str(ROOT), os.environ.get("PYTHONPATH", "")) if p)
 
+
+@pytest.fixture(scope="module", autouse=True)
 def _two_gpus():
     if torch.cuda.device_count() < 2:
         pytest.fail(f"the feature channel test needs 2 CUDA devices, found {torch.cuda.device_count()}")
