@@ -13,8 +13,8 @@
 drafts), and in "auto" so does "ahead" (a sampled request's tree decides its seeded tokens; the
 choice must not depend on load). The others keep full drafts.
 
-In "auto" the candidates depend on the batch: below 2 * pingpong_min_batch requests, sequential
-and ahead; from there, sequential, ping-pong, each short draft length and plain. It measures
+In "auto" the candidates depend on the batch: below 2 * pingpong_min_batch requests, sequential,
+ahead and plain; from there, sequential, ping-pong, each short draft length and plain. It measures
 each (committed tokens per second over a window of rounds) and keeps the fastest for a while,
 then measures again; a change of candidates starts over. Ping-pong wins when drafter and
 verifier have devices of their own and loses when they share cores (benchmarks/serving.py);
@@ -43,7 +43,7 @@ class ModeChooser:
 
     def candidates(self, num_running: int) -> tuple[str, ...]:
         if num_running < 2 * self.cfg.pingpong_min_batch:
-            return ("sequential", "ahead")
+            return ("sequential", "ahead", "plain")
         return ("sequential", "pingpong", *(f"short:{n}" for n in self.cfg.short_draft_steps), "plain")
 
     def choose(self, num_running: int, drafter_up: bool) -> str:

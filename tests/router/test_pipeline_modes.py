@@ -1,6 +1,7 @@
 """The pipeline-mode chooser (pure router logic): measures each candidate over a window and keeps
-the fastest; the candidates depend on the batch (ahead below two micro-batches; ping-pong, short
-drafts and plain from there); fixed modes are honoured; no drafter means sequential."""
+the fastest; the candidates depend on the batch (sequential, ahead and plain below two
+micro-batches; sequential, ping-pong, short drafts and plain from there); fixed modes are honoured;
+no drafter means sequential."""
 
 from router.pipeline import ModeChooser, SpeculationSwitch
 from router.requests import RouterConfig
@@ -28,18 +29,19 @@ def test_auto_measures_every_mode_then_keeps_the_fastest():
         assert set(chosen[15:]) == {fastest}
 
 
-def test_auto_small_batches_choose_between_sequential_and_ahead():
-    for fastest in ("sequential", "ahead"):
-        rates = {"sequential": 100.0, "ahead": 100.0, fastest: 150.0}
-        chosen = _run(ModeChooser(_cfg(pipeline="auto")), rates, 6 + 24, num_running=3)
-        assert chosen[:6] == ["sequential"] * 3 + ["ahead"] * 3
-        assert set(chosen[6:]) == {fastest}
+def test_auto_small_batches_choose_between_sequential_ahead_and_plain():
+    order = ["sequential", "ahead", "plain"]
+    for fastest in order:
+        rates = {m: 100.0 for m in order} | {fastest: 150.0}
+        chosen = _run(ModeChooser(_cfg(pipeline="auto")), rates, 9 + 24, num_running=3)
+        assert chosen[:9] == [m for m in order for _ in range(3)]
+        assert set(chosen[9:]) == {fastest}
 
 
 def test_a_new_batch_class_starts_measuring_again():
     chooser = ModeChooser(_cfg(pipeline="auto"))
-    rates = {"sequential": 100.0, "ahead": 150.0}
-    _run(chooser, rates, 12, num_running=1)
+    rates = {"sequential": 100.0, "ahead": 150.0, "plain": 90.0}
+    _run(chooser, rates, 15, num_running=1)
     assert chooser.choose(8, True) == "sequential" and chooser.phase == "measure"
 
 
