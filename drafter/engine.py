@@ -125,7 +125,7 @@ class DrafterEngine:
             if req.committed_len + len(out.token_ids) != out.committed_len:
                 raise StaleMessage(f"{out.request_id!r}: verdict for committed length {out.committed_len} "
                                    f"does not follow the drafter's {req.committed_len}")
-        self._flush([out.request_id for out in outputs])
+        self.flush_deferred([out.request_id for out in outputs])
         now = []
         for out, req in zip(outputs, reqs):
             rid = out.request_id
@@ -148,8 +148,18 @@ class DrafterEngine:
         if now:
             self.proposer.catch_up([r for r, _, _ in now], [n for _, n, _ in now], [f for _, _, f in now])
 
-    def _flush(self, request_ids: list[str]) -> None:
-        """Runs the deferred catch-ups of these requests."""
+    def extend_caught_up(self, outputs: list[VerifyOutput]) -> None:
+        """`extend` for verdicts whose catch-up already ran on the proposer's state: the fused graph
+        round (spectandem/fused.py) absorbs the round's pairs on the device and records them with
+        `EagleProposer.record_catch_up`. Appends each request's committed tokens and spends its q
+        rows; no catch-up runs here."""
+        for out in outputs:
+            self.requests[out.request_id].token_ids.extend(out.token_ids)
+            self.store.drop(out.request_id)
+
+    def flush_deferred(self, request_ids: list[str]) -> None:
+        """Runs the deferred catch-ups of these requests (draft ahead: a hit's catch-up waits
+        for the next call that reads the proposer's state)."""
         todo = [(self.requests[i], *self.deferred.pop(i)) for i in request_ids if i in self.deferred]
         if todo:
             self.proposer.catch_up([r for r, _, _ in todo], [n for _, n, _ in todo], [f for _, _, f in todo])
@@ -165,7 +175,7 @@ class DrafterEngine:
             ready = self.ready.pop(r.request_id, None)
             if ready is not None and ready[0] == r.committed_len:
                 drafts[i] = ready[1:]
-        self._flush([r.request_id for i, r in enumerate(reqs) if i not in drafts])
+        self.flush_deferred([r.request_id for i, r in enumerate(reqs) if i not in drafts])
         parts: dict[tuple, list[int]] = {}
         for i, r in enumerate(reqs):
             if i not in drafts:
@@ -218,7 +228,7 @@ class DrafterEngine:
         flags = [self.last_hit.pop(i, None) for i in request_ids]
         if not self._drafts_ahead:
             return flags
-        self._flush(request_ids)
+        self.flush_deferred(request_ids)
         todo = [i for i in request_ids if self.in_flight.get(i, (-1,))[0] == self.requests[i].committed_len]
         forks: list[str] = []
         try:

@@ -206,36 +206,27 @@ class FusedGraphStep:
 
         ids = tree.request_ids
         for rid, tag in zip(ids, tree.committed_lens):
-            if self.verifier.requests[rid].committed_len != tag:
+            if self.verifier.committed_len(rid) != tag:
                 raise StaleMessage(f"draft for {rid!r} was made at committed length {tag}")
-        self.drafter._flush(ids)   # a deferred catch-up (draft ahead) must land before the head reads its cache
+        self.drafter.flush_deferred(ids)   # a deferred catch-up (draft ahead) must land before the head reads its cache
         b = len(ids)
         out = self._run(tree)
         argmax, accepted = out.argmax[:b].cpu(), out.accepted[:b].cpu()
         next_draft = out.next_draft[:b].cpu()
-        vreqs = [self.verifier.requests[r] for r in ids]
-        cache_lens = [r.committed_len - 1 for r in vreqs]
-        nodes = torch.tensor([[0, 1] if bool(a) else [0, -1] for a in accepted])
-        self.runner.commit([r.slot for r in vreqs], cache_lens, nodes)
-        outs = []
-        p = self.proposer
-        for i, (rid, vreq) in enumerate(zip(ids, vreqs)):
-            toks = argmax[i].tolist() if bool(accepted[i]) else [int(argmax[i, 0])]
-            vreq.token_ids.extend(toks)
-            dreq = self.drafter.requests[rid]
-            dreq.token_ids.extend(toks)
-            self.drafter.store.drop(rid)
-            p.cache_len[rid] += len(toks)
-            p.last_hidden[rid] = out.last_hidden[i].clone()
-            p.last_logits[rid] = out.last_logits[i].clone()
-            outs.append(VerifyOutput(request_id=rid, committed_len=vreq.committed_len, token_ids=toks,
-                                     num_accepted=len(toks) - 1, num_draft_tokens=1, features=None))
-        roots = [self.verifier.requests[r].token_ids[-1] for r in ids]
+        tokens = [argmax[i].tolist() if bool(accepted[i]) else [int(argmax[i, 0])] for i in range(b)]
+        self.verifier.commit(ids, torch.tensor([[0, 1] if bool(a) else [0, -1] for a in accepted]), tokens)
+        outs = [VerifyOutput(request_id=rid, committed_len=self.verifier.committed_len(rid), token_ids=toks,
+                             num_accepted=len(toks) - 1, num_draft_tokens=1, features=None)
+                for rid, toks in zip(ids, tokens)]
+        self.drafter.extend_caught_up(outs)
+        for i, (rid, toks) in enumerate(zip(ids, tokens)):
+            # Copies: with a graph, the outputs are static buffers the next replay overwrites.
+            self.proposer.record_catch_up(rid, len(toks), out.last_hidden[i].clone(), out.last_logits[i].clone())
         next_tree = DraftTree(
-            request_ids=list(ids), committed_lens=[self.verifier.requests[r].committed_len for r in ids],
-            token_ids=torch.stack([torch.tensor(roots), next_draft], 1), parents=torch.tensor([[-1, 0]] * b),
-            node_valid=torch.ones(b, 2, dtype=torch.bool), scores=torch.zeros(b, 2), draft_probs=None,
-            sampled=[False] * b)
+            request_ids=list(ids), committed_lens=[o.committed_len for o in outs],
+            token_ids=torch.stack([torch.tensor([toks[-1] for toks in tokens]), next_draft], 1),
+            parents=torch.tensor([[-1, 0]] * b), node_valid=torch.ones(b, 2, dtype=torch.bool),
+            scores=torch.zeros(b, 2), draft_probs=None, sampled=[False] * b)
         return outs, next_tree
 
 

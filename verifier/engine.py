@@ -105,17 +105,27 @@ class VerifierEngine:
         cache_lens = [r.committed_len - 1 for r in reqs]
         logits, feats = self.runner.verify(slots, cache_lens, tree.token_ids, tree.parents, tree.node_valid)
         result = self._accept(tree, reqs, logits)
-        self.runner.commit(slots, cache_lens, result.accepted_nodes)
+        tokens = [result.tokens(b) for b in range(len(reqs))]
+        self.commit(tree.request_ids, result.accepted_nodes, tokens)
         outs = []
         for b, (rid, req) in enumerate(zip(tree.request_ids, reqs)):
-            toks = result.tokens(b)
-            req.token_ids.extend(toks)
+            toks = tokens[b]
             path = result.accepted_nodes[b, : len(toks)]
             outs.append(VerifyOutput(
                 request_id=rid, committed_len=req.committed_len, token_ids=toks,
                 num_accepted=int(result.num_accepted[b]), num_draft_tokens=tree.num_draft_tokens(b),
                 features=None if feats is None else feats[b, path.to(feats.device)]))
         return outs
+
+    def commit(self, request_ids: list[str], accepted_nodes: torch.Tensor, token_ids: list[list[int]]) -> None:
+        """Commits a verified round. accepted_nodes [B, N]: request b's accepted path as tree node
+        indices in order, -1 after it; the runner keeps those nodes' KV. token_ids[b]: the tokens
+        the round commits for request b (accepted drafts, then the bonus). `verify` ends here, and
+        so does the fused graph round (spectandem/fused.py), which reaches its verdict on the device."""
+        reqs = [self.requests[rid] for rid in request_ids]
+        self.runner.commit([r.slot for r in reqs], [r.committed_len - 1 for r in reqs], accepted_nodes)
+        for req, toks in zip(reqs, token_ids):
+            req.token_ids.extend(toks)
 
     def _accept(self, tree: DraftTree, reqs: list[_Request], logits: torch.Tensor) -> VerifyResult:
         """Runs each request's acceptance rule on its rows and merges the results."""

@@ -1,0 +1,199 @@
+"""How one round runs over the router's running requests, in the mode router/pipeline.py
+chooses: sequential (draft, verify, extend), ahead (the drafter fills its outcome cache while the
+verifier verifies), ping-pong (two halves, the drafter on one while the verifier verifies the
+other), short drafts or plain.
+
+A round first releases finished requests, preempts until the next round fits (Router._plan) and
+re-prefills the drafter with the requests it does not hold (`_resync`). Then, per group of
+requests: `_draft` (a tree for the requests the drafter holds; the others decode plainly),
+`_verify` (one batched verify of drafted and plain rows), `_apply` (commit and stream each
+verdict, drop stale ones) and `_extend` (the drafter's catch-up). A drafter that fails or is too
+slow only takes the drafts out of the round; a verifier that fails ends the round.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+
+from router.links import DrafterLink, EngineUnavailable, ExtendItem, PlainItem, Tag, VerifierLink
+from router.pipeline import ModeChooser, SpeculationSwitch
+from router.requests import RouterConfig, RouterCounters, ServedRequest
+from spectandem.messages import StaleMessage
+
+
+class RoundsMixin:
+    """The rounds of `Router` (router/scheduler.py), which holds the state they work on (below)
+    and the helpers they call: `_release`, `_plan` (preemption), `_commit` (stream a verdict's
+    tokens), `_drafter_prefill`, `_drafter_failed` and `_verifier_failed`."""
+
+    verifier: VerifierLink
+    drafter: DrafterLink | None
+    cfg: RouterConfig
+    running: list[ServedRequest]
+    drafter_up: bool
+    counters: RouterCounters
+    _modes: ModeChooser
+    _mode: str
+    _switch: SpeculationSwitch
+    _tokens_committed: int
+
+    async def _round(self) -> None:
+        finished = [r for r in self.running if r.done]
+        self.running = [r for r in self.running if not r.done]
+        await self._release(finished)
+        await self._plan()
+        if not self.running:
+            return
+        await self._resync()
+        mode = self._mode = self._modes.choose(len(self.running), self.drafter_up)
+        t0, before = time.perf_counter(), self._tokens_committed
+        if mode == "pingpong":
+            await self._pingpong_round()
+        else:
+            await self._sequential_round(ahead=mode == "ahead")
+        self._modes.record(mode, self._tokens_committed - before, time.perf_counter() - t0)
+
+    async def _sequential_round(self, ahead: bool = False) -> None:
+        """Draft, verify, extend. `ahead`: while the verifier verifies, the drafter prepares the
+        next trees for the likeliest outcomes; on a hit the next draft call returns at once and
+        the catch-up with the real features runs while the verifier is busy again."""
+        draft, drafted = await self._draft(self.running)
+        verify = asyncio.ensure_future(self._verify(draft, drafted, self.running))
+        cached = [r for r in drafted if ahead and (self.cfg.pipeline == "ahead" or self._invisible_when_plain(r))]
+        try:
+            if cached:
+                await self._draft_ahead(cached)
+        finally:
+            results = await verify
+        if results is not None:
+            extend = self._apply(results, drafted, self.running)
+            if extend:
+                await self._extend(extend)
+
+    async def _draft_ahead(self, reqs: list[ServedRequest]) -> None:
+        try:
+            flags = await asyncio.wait_for(self.drafter.draft_ahead([r.tag() for r in reqs]), self.cfg.drafter_timeout)
+        except (EngineUnavailable, asyncio.TimeoutError, StaleMessage) as exc:
+            self._drafter_failed(exc)
+            return
+        self.counters.draft_ahead_hits += sum(f is True for f in flags)
+        self.counters.draft_ahead_misses += sum(f is False for f in flags)
+
+    def _invisible_when_plain(self, r: ServedRequest) -> bool:
+        """Deterministic drafts: a plain round draws exactly the tokens a speculative one would."""
+        return r.params.greedy or r.params.temperature < self.cfg.draft_sampling_min_temperature
+
+    async def _pingpong_round(self) -> None:
+        """Ping-pong: the drafter drafts half B while the verifier verifies half A, then catches
+        up half A while the verifier verifies half B. Each request still sees draft -> verify ->
+        extend in order, so its tokens are those of the sequential loop."""
+        a, b = self.running[0::2], self.running[1::2]
+        draft_a, drafted_a = await self._draft(a)
+        verify_a = asyncio.ensure_future(self._verify(draft_a, drafted_a, a))
+        draft_b, drafted_b = await self._draft(b)
+        results_a = await verify_a
+        if results_a is None:
+            return
+        extend_a = self._apply(results_a, drafted_a, a)
+        verify_b = asyncio.ensure_future(self._verify(draft_b, drafted_b, b))
+        if extend_a:
+            await self._extend(extend_a)
+        results_b = await verify_b
+        if results_b is None:
+            return
+        extend_b = self._apply(results_b, drafted_b, b)
+        if extend_b:
+            await self._extend(extend_b)
+
+    async def _draft(self, group: list[ServedRequest]):
+        """-> (draft handle or None, the requests it covers). Requests not covered decode plainly."""
+        fits = lambda r: r.committed_len - 1 + self.cfg.lookahead <= self.cfg.max_len
+        spec_off = self._switch.off(self.counters.rounds) or self._mode == "plain"
+        drafted = [r for r in group if self.drafter_up and r.on_drafter and fits(r)
+                   and not (spec_off and self._invisible_when_plain(r))]
+        if not drafted:
+            return None, []
+        steps = None
+        if self._mode.startswith("short:"):   # shorter trees where the tree does not decide the tokens
+            cap = int(self._mode.split(":")[1])
+            steps = [cap if self._invisible_when_plain(r) else None for r in drafted]
+        try:
+            draft = await asyncio.wait_for(self.drafter.draft([r.tag() for r in drafted], steps),
+                                           self.cfg.drafter_timeout)
+        except (EngineUnavailable, asyncio.TimeoutError, StaleMessage) as exc:
+            self._drafter_failed(exc)
+            return None, []
+        if list(draft.tags) != [r.tag() for r in drafted]:
+            self.counters.stale_dropped += 1   # a draft of another epoch or length: never verified
+            return None, []
+        return draft, drafted
+
+    async def _verify(self, draft, drafted: list[ServedRequest], group: list[ServedRequest]):
+        """One batched verify of the group (drafted rows, then plain rows); None if the verifier failed."""
+        plain = [PlainItem(r.tag(), r.tokens[-1]) for r in group if r not in drafted]
+        try:
+            return await self.verifier.verify(draft, plain, self.cfg.want_features)
+        except EngineUnavailable as exc:
+            self._verifier_failed(list(self.running), exc)
+            self.running = []
+            return None
+
+    def _apply(self, results, drafted: list[ServedRequest], group: list[ServedRequest]) -> list[ExtendItem]:
+        """Commits a verify's results (dropping stale ones); returns the drafter catch-up items."""
+        extend = []
+        c = self.counters
+        c.rounds += 1
+        expected = {r.request_id: r for r in group}
+        for res in results:
+            r = expected.pop(res.tag.request_id, None)
+            if r is None or res.tag.epoch != r.epoch or res.tag.committed_len != r.committed_len + len(res.token_ids):
+                c.stale_dropped += 1   # a reply of an old epoch (or unknown): dropped, never applied
+                if r is not None:
+                    expected[r.request_id] = r
+                continue
+            r.num_rounds += 1
+            r.draft_tokens += res.num_draft_tokens
+            r.accepted_tokens += res.num_accepted
+            if res.num_draft_tokens:
+                c.num_drafts += 1
+                c.draft_tokens += res.num_draft_tokens
+                c.accepted_tokens += res.num_accepted
+                c.add_accepted(res.num_accepted)
+                self._switch.observe(res.num_accepted, c.rounds)
+            if r not in drafted and self.drafter is not None:
+                r.fallback_rounds += 1
+                c.fallback_rounds += 1
+            going_on = self._commit(r, res.token_ids) if not r.done else False
+            if going_on and r.on_drafter and self.drafter_up:
+                extend.append(ExtendItem(Tag(r.request_id, r.epoch, r.committed_len), res.token_ids, res.features))
+            elif going_on:
+                r.on_drafter = False
+        return extend
+
+    async def _extend(self, items: list[ExtendItem]) -> None:
+        try:
+            unknown = await asyncio.wait_for(self.drafter.extend(items), self.cfg.drafter_timeout)
+        except (EngineUnavailable, asyncio.TimeoutError, StaleMessage) as exc:
+            self._drafter_failed(exc)
+            return
+        for r in self.running:
+            if r.request_id in unknown:
+                r.on_drafter = False   # the drafter restarted: re-prefill it
+
+    async def _resync(self) -> None:
+        """Re-prefills, on a drafter that is (back) up, the requests it does not hold."""
+        if not self.drafter_up:
+            return
+        stale = [r for r in self.running if not r.on_drafter and not r.done]
+        if not stale:
+            return
+        feats = []
+        try:
+            for r in stale:
+                feats.append(await self.verifier.features(r.tag()) if self.cfg.want_features else None)
+        except EngineUnavailable as exc:
+            self._verifier_failed(list(self.running), exc)
+            self.running = []
+            return
+        await self._drafter_prefill(stale, feats)
