@@ -14,11 +14,12 @@ import torch
 
 from graphs_timing import median_ms  # benchmarks/: this script's own folder
 from spectandem.bench_llama8b import llama8b_spec, random_target
+from spectandem.config import GpuPaths
 from verifier.runner import NativeRunner
 
 
-def _runner(model, context: int, **paths) -> tuple[NativeRunner, tuple]:
-    runner = NativeRunner(model, None, max_slots=1, max_len=context + 64, **paths)
+def _runner(model, context: int, paths: GpuPaths) -> tuple[NativeRunner, tuple]:
+    runner = NativeRunner(model, None, max_slots=1, max_len=context + 64, **paths.runner_kwargs())
     g = torch.Generator().manual_seed(0)
     runner.prefill([0], [torch.randint(1, model.spec.vocab_size, (context,), generator=g).tolist()])
     args = ([0], [context], torch.randint(1, model.spec.vocab_size, (1, 1), generator=g), torch.tensor([[-1]]),
@@ -32,10 +33,10 @@ def main() -> None:
     ap.add_argument("--top", type=int, default=12)
     args = ap.parse_args()
     model = random_target(llama8b_spec("full"), "cuda", torch.bfloat16, 0)
-    for name, paths in (("eager", {}), ("cuda-graphs", {"cuda_graphs": True}),
-                        ("cuda-graphs+triton-attention", {"cuda_graphs": True, "triton_attention": True}),
-                        ("batch-invariant", {"batch_invariant": True})):
-        runner, step_args = _runner(model, args.context, **paths)
+    for name, paths in (("eager", GpuPaths()), ("cuda-graphs", GpuPaths(cuda_graphs=True)),
+                        ("cuda-graphs+triton-attention", GpuPaths(cuda_graphs=True, triton_attention=True)),
+                        ("batch-invariant", GpuPaths(batch_invariant=True))):
+        runner, step_args = _runner(model, args.context, paths)
         ms = median_ms(lambda: runner.verify(*step_args), 30)
         with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
             for _ in range(5):

@@ -25,6 +25,7 @@ import torch
 
 from drafter.engine import DrafterEngine
 from spectandem.bench_controlled import ControlledProposer, plan_drafts
+from spectandem.config import GpuPaths
 from spectandem.bench_llama8b import SHAPES, ControlledRuns, llama8b_spec, random_eagle3_head, random_target
 from spectandem.reference import generate
 from verifier.engine import VerifierEngine
@@ -79,7 +80,8 @@ def main() -> None:
     device, dtype = ("cuda", torch.bfloat16) if args.scale == "full" else ("cpu", torch.float32)
     model = random_target(llama8b_spec(args.scale), device, dtype, 0)
     head = random_eagle3_head(model, SHAPES[args.scale]["draft_vocab_size"], device, dtype, 0)
-    runs = ControlledRuns(model, head, device, 1, 1, args.prompt_len, args.max_tokens, args.steps, 0, device == "cuda")
+    fast = GpuPaths(cuda_graphs=True, triton_attention=True) if device == "cuda" else GpuPaths()
+    runs = ControlledRuns(model, head, device, 1, 1, args.prompt_len, args.max_tokens, args.steps, 0, fast)
     plan = plan_drafts(runs.truths[0], args.prompt_len, args.rate, runs.vocab_size, "0:0")
 
     def once(tag: str):

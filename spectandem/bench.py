@@ -13,6 +13,10 @@ Sections (`--sections`, all by default):
 - controlled: on that target, an EAGLE-3 head of matching shape whose drafts the target accepts
   at a controlled rate (spectandem/bench_controlled.py), batch 1 and over batch sizes; one
   verify forward of a 16-node tree against a one-token decode step; measured against ideal;
+- hf8b: transformers' own greedy `generate` on that target, batch 1 (spectandem/bench_hf8b.py);
+- router8b: the router's pipeline modes ("plain", then --router8b-modes) over that target at the
+  controlled acceptance rates and --router8b-batch-sizes: "auto" must never lose to plain
+  (spectandem/bench_router8b.py);
 - pipeline: the router over in-process links per pipeline mode, and with the drafter on its own
   GPU where there are two (spectandem/bench_pipeline.py).
 The llama8b sections need CUDA at full size; `--llama8b-scale tiny` runs a small copy anywhere.
@@ -32,8 +36,9 @@ from pathlib import Path
 
 from spectandem.bench_demo import DEMO_MODES, TEMPERATURES
 from spectandem.bench_records import sync
+from spectandem.config import GpuPaths
 
-SECTIONS = ("demo", "hf", "assisted", "llama8b", "controlled", "temperature", "pipeline")
+SECTIONS = ("demo", "hf", "assisted", "llama8b", "hf8b", "controlled", "router8b", "temperature", "pipeline")
 
 
 def copy_bandwidth(device: str) -> float:
@@ -76,7 +81,7 @@ class BenchPlan:
     acceptance_rates: tuple[float, ...]
     pipeline_modes: tuple[str, ...]
     pipeline_batch_sizes: tuple[int, ...]
-    cuda_graphs: bool = False
+    gpu: GpuPaths = GpuPaths()       # the engines' paths in every section (the 8B plain row also runs eager)
 
     @staticmethod
     def from_args(args, device: str) -> "BenchPlan":
@@ -92,14 +97,18 @@ class BenchPlan:
                      "llama8b_prompt_len"):
             if getattr(args, flag) < 1:
                 raise ValueError(f"--{flag.replace('_', '-')} must be >= 1, got {getattr(args, flag)}")
-        needs_8b = sorted({"llama8b", "controlled"} & set(sections))
+        needs_8b = sorted({"llama8b", "hf8b", "controlled", "router8b"} & set(sections))
         if needs_8b and args.llama8b_scale == "full" and not device.startswith("cuda"):
             raise ValueError(f"sections {', '.join(needs_8b)} at full size need a CUDA device (--device cuda); "
                              "--llama8b-scale tiny runs a small copy of them on any device")
         if args.cuda_graphs == "on" and not device.startswith("cuda"):
             raise ValueError("--cuda-graphs on needs a CUDA device")
+        from spectandem.kernels import HAVE_TRITON
+
+        # The fast path: CUDA graphs, plus the Triton paged tree attention where Triton is installed.
         graphs = device.startswith("cuda") and args.cuda_graphs != "off"
-        return BenchPlan(sections=sections, device=device, modes=modes, cuda_graphs=graphs,
+        gpu = GpuPaths(cuda_graphs=graphs, triton_attention=graphs and HAVE_TRITON)
+        return BenchPlan(sections=sections, device=device, modes=modes, gpu=gpu,
                          batch_sizes=_numbers(args.batch_sizes, int, "--batch-sizes", 1),
                          temperatures=_numbers(args.temperatures, float, "--temperatures", 0.0),
                          acceptance_rates=_numbers(args.acceptance_rates, float, "--acceptance-rates", 0.0, 1.0),
@@ -128,6 +137,8 @@ def add_bench(sub) -> None:
     p.add_argument("--pipeline-modes", default="plain,sequential,pingpong,ahead,auto",
                    help="router pipeline modes (those RouterConfig rejects are skipped)")
     p.add_argument("--pipeline-batch-sizes", default="4,16,64")
+    p.add_argument("--router8b-modes", default="sequential,auto", help="router8b: modes besides plain")
+    p.add_argument("--router8b-batch-sizes", default="16,64", help="router8b: batch sizes")
     p.add_argument("--cuda-graphs", choices=["auto", "on", "off"], default="auto",
                    help="the fast path: CUDA graphs and the Triton paged attention (auto: on CUDA); the 8B plain row is measured both ways")
     p.add_argument("--out", default="benchmarks/results/bench.json",
@@ -151,16 +162,28 @@ def _llama8b(plan: BenchPlan, args, bandwidth: float) -> tuple[list[dict], dict 
     records, verify = [], None
     if "llama8b" in plan.sections:
         records.append(bench_plain_roofline(model, device, args.llama8b_steps, args.llama8b_context, bandwidth))
-        if plan.cuda_graphs:
+        if plan.gpu.cuda_graphs:
             records.append(bench_plain_roofline(model, device, args.llama8b_steps, args.llama8b_context, bandwidth,
-                                                cuda_graphs=True))
-    if "controlled" in plan.sections:
+                                                gpu=plan.gpu))
+    if "hf8b" in plan.sections:
+        from spectandem.bench_hf8b import bench_hf8b
+
+        records.append(bench_hf8b(model, device, args.llama8b_prompt_len, args.max_tokens, args.seed))
+    if {"controlled", "router8b"} & set(plan.sections):
         head = random_eagle3_head(model, SHAPES[args.llama8b_scale]["draft_vocab_size"], device, dtype, args.seed)
         verify = verify_forward_times(model, head.spec.aux_layers, device, args.llama8b_context,
-                                      args.controlled_steps + 1, cuda_graphs=plan.cuda_graphs)
-        runs = ControlledRuns(model, head, device, max(plan.batch_sizes), args.prompts, args.llama8b_prompt_len,
-                              args.max_tokens, args.controlled_steps, args.seed, plan.cuda_graphs)
-        records += bench_controlled(runs, list(plan.acceptance_rates), list(plan.batch_sizes), verify)
+                                      args.controlled_steps + 1, gpu=plan.gpu)
+        router_sizes = _numbers(args.router8b_batch_sizes, int, "--router8b-batch-sizes", 1)
+        slots = max(plan.batch_sizes + (router_sizes if "router8b" in plan.sections else ()))
+        runs = ControlledRuns(model, head, device, slots, args.prompts, args.llama8b_prompt_len,
+                              args.max_tokens, args.controlled_steps, args.seed, plan.gpu)
+        if "controlled" in plan.sections:
+            records += bench_controlled(runs, list(plan.acceptance_rates), list(plan.batch_sizes), verify)
+        if "router8b" in plan.sections:
+            from spectandem.bench_router8b import bench_router8b
+
+            records += bench_router8b(runs, list(plan.acceptance_rates), args.router8b_modes.split(","),
+                                      list(router_sizes), device)
     for r in records:
         r["scale"] = args.llama8b_scale
     return records, verify
@@ -174,14 +197,14 @@ def _measure(plan: BenchPlan, args, dtype, bandwidth: float) -> tuple[list[dict]
     info = {"verify_forward": None, "skipped_pipeline_modes": []}
     if "demo" in sections:
         records += bench_demo.bench_demo(list(plan.modes), list(plan.batch_sizes), args.prompts, args.max_tokens,
-                                         device, dtype, plan.cuda_graphs)
+                                         device, dtype, plan.gpu)
     for name, assisted in (("hf", False), ("assisted", True)):
         if name in sections:
             records.append(bench_demo.bench_hf(args.prompts, args.max_tokens, device, dtype, assisted))
     if "temperature" in sections:
         records += bench_demo.bench_temperature(list(plan.temperatures), args.prompts, args.max_tokens, device,
-                                                dtype, args.seed, plan.cuda_graphs)
-    if {"llama8b", "controlled"} & set(sections):
+                                                dtype, args.seed, plan.gpu)
+    if {"llama8b", "hf8b", "controlled", "router8b"} & set(sections):
         more, info["verify_forward"] = _llama8b(plan, args, bandwidth)
         records += more
     if "pipeline" in sections:
@@ -193,7 +216,7 @@ def _measure(plan: BenchPlan, args, dtype, bandwidth: float) -> tuple[list[dict]
             print(f"pipeline modes RouterConfig rejects, skipped: {', '.join(rejected)}")
         if modes:
             records += bench_pipeline(modes, list(plan.pipeline_batch_sizes), args.max_tokens, device, dtype,
-                                      plan.cuda_graphs)
+                                      plan.gpu)
     return records, info
 
 
@@ -206,13 +229,14 @@ def _note(r: dict) -> str:
     if r.get("temperature") is not None:
         notes.append(f"T={r['temperature']} {r['drafts']} drafts")
     if r.get("speedup") is not None:
-        notes.append(f"speedup {r['speedup']:.2f}x (expect accept {r['expected_accept_length']})")
+        expect = f" (expect accept {r['expected_accept_length']})" if r.get("expected_accept_length") else ""
+        notes.append(f"speedup {r['speedup']:.2f}x{expect}")
     if r.get("measured_over_ideal") is not None:
         notes.append(f"{r['measured_over_ideal']:.2f} of ideal {r['ideal_tokens_per_s']}/s")
     if r.get("matches_plain") is False:
         notes.append("OUTPUT DIFFERS FROM PLAIN")
     if r.get("rounds_per_s") is not None:
-        notes.append(f"rounds/s {r['rounds_per_s']} {r['placement']}")
+        notes.append(f"rounds/s {r['rounds_per_s']} {r.get('placement', '')}".rstrip())
     if r.get("target_forwards") is not None and r["method"] == "hf-assisted":
         notes.append(f"{r['target_forwards']} target forwards")
     return ", ".join(notes)
@@ -261,7 +285,8 @@ def _bench(args) -> int:
     records, info = _measure(plan, args, getattr(torch, args.dtype), bandwidth)
     gpu = torch.cuda.get_device_name(device) if device.startswith("cuda") else "cpu"
     results = {"gpu": gpu, "copy_bandwidth": bandwidth, "device": gpu, "copy_bandwidth_bytes_per_s": bandwidth,
-               "cuda_graphs": plan.cuda_graphs, "dtype": args.dtype, "torch": torch.__version__, "transformers": transformers.__version__,
+               "cuda_graphs": plan.gpu.cuda_graphs, "dtype": args.dtype, "torch": torch.__version__,
+               "transformers": transformers.__version__,
                "seconds": round(time.perf_counter() - t0, 1),
                "settings": {k: v for k, v in vars(args).items() if k not in ("func", "plot_from")},
                **info, "records": records}

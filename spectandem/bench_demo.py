@@ -3,7 +3,8 @@
 
 from __future__ import annotations
 
-from spectandem.bench_records import PROMPTS, accept_length, fast_paths, record, timed
+from spectandem.bench_records import PROMPTS, accept_length, record, timed
+from spectandem.config import GpuPaths
 
 DEMO_MODES = {
     "none": ("none", {}),
@@ -21,7 +22,7 @@ TEMPERATURES = (0.0, 0.3, 0.5, 0.7, 1.0, 1.3, 1.5, 2.0)
 DRAFT_KINDS = {"sampled": 0.0, "greedy": float("inf")}
 
 
-def _speculator(mode: str, max_slots: int, device: str, dtype, cuda_graphs: bool = False, **cfg_overrides):
+def _speculator(mode: str, max_slots: int, device: str, dtype, gpu: GpuPaths = GpuPaths(), **cfg_overrides):
     from spectandem.config import SpecConfig
     from spectandem.demo import demo_paths
     from spectandem.local import LocalSpeculator
@@ -29,7 +30,7 @@ def _speculator(mode: str, max_slots: int, device: str, dtype, cuda_graphs: bool
     method, tree = DEMO_MODES[mode]
     target, draft = demo_paths(method)
     return LocalSpeculator(target, draft, SpecConfig(method=method, **tree, **cfg_overrides), max_slots=max_slots,
-                           max_len=512, dtype=dtype, device=device, **fast_paths(cuda_graphs))
+                           max_len=512, dtype=dtype, device=device, **gpu.runner_kwargs())
 
 
 def _one_by_one(spec, prompts: list[list[int]], params: list, device: str):
@@ -43,14 +44,14 @@ def _one_by_one(spec, prompts: list[list[int]], params: list, device: str):
 
 
 def bench_demo(modes: list[str], batch_sizes: list[int], num_prompts: int, max_tokens: int, device: str,
-               dtype, cuda_graphs: bool = False) -> list[dict]:
+               dtype, gpu: GpuPaths = GpuPaths()) -> list[dict]:
     """Per mode: batch 1 over `num_prompts` prompts in turn, then each larger batch size at once
     (prompts cycled)."""
     from spectandem.config import SamplingParams
 
     records = []
     for name in modes:
-        spec = _speculator(name, max(batch_sizes), device, dtype, cuda_graphs)
+        spec = _speculator(name, max(batch_sizes), device, dtype, gpu)
         method = DEMO_MODES[name][0]
         prompts = [spec.tokenizer.encode(p).ids for p in PROMPTS]
         params = SamplingParams(max_tokens=max_tokens, ignore_eos=True)
@@ -114,14 +115,14 @@ def bench_hf(num_prompts: int, max_tokens: int, device: str, dtype, assisted: bo
 
 
 def bench_temperature(temperatures: list[float], num_prompts: int, max_tokens: int, device: str, dtype,
-                      seed: int, cuda_graphs: bool = False) -> list[dict]:
+                      seed: int, gpu: GpuPaths = GpuPaths()) -> list[dict]:
     """EAGLE-3 chain at batch 1 per temperature, with sampled drafts (verified with their q by
     rejection sampling) and with greedy drafts (verified target-only); request i has seed + i."""
     from spectandem.config import SamplingParams
 
     records = []
     for kind, min_temperature in DRAFT_KINDS.items():
-        spec = _speculator("eagle3-chain", 1, device, dtype, cuda_graphs,
+        spec = _speculator("eagle3-chain", 1, device, dtype, gpu,
                            draft_sampling_min_temperature=min_temperature)
         prompts = [spec.tokenizer.encode(p).ids for p in PROMPTS[:num_prompts]]
         spec.generate(prompts[:1], [SamplingParams(max_tokens=max_tokens, ignore_eos=True)])  # warm-up

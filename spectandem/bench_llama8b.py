@@ -17,7 +17,8 @@ Run time does not depend on weight values: the shapes and the kernels are those 
 from __future__ import annotations
 
 from spectandem.bench_controlled import ControlledProposer, expected_accept_length, plan_drafts
-from spectandem.bench_records import accept_length, fast_paths, record, sync, timed
+from spectandem.bench_records import accept_length, record, sync, timed
+from spectandem.config import GpuPaths
 
 SHAPES = {  # vocab, hidden, MLP, layers, heads, kv heads, head dim, draft vocab
     "full": dict(vocab_size=128256, hidden_size=4096, intermediate_size=14336, num_layers=32, num_heads=32,
@@ -101,12 +102,12 @@ def random_eagle3_head(target, draft_vocab_size: int, device: str, dtype, seed: 
 
 
 def bench_plain_roofline(model, device: str, steps: int, context: int, bandwidth: float,
-                         cuda_graphs: bool = False) -> dict:
+                         gpu: GpuPaths = GpuPaths()) -> dict:
     """Plain decoding at batch 1, `steps` tokens after a `context`-token prefix; the median step
     against (weights + KV bytes) / copy bandwidth. Eager: the model's own forward over a KV cache.
-    With `cuda_graphs`: the verifier runner's one-node verify and commit (what the engine runs),
-    on the fast path (CUDA graphs and the Triton paged attention: bench_records.fast_paths),
-    replayed as a CUDA graph."""
+    With `gpu.cuda_graphs`: the verifier runner's one-node verify and commit (what the engine
+    runs) on the paths of `gpu` (the bench's fast path adds the Triton paged attention), replayed
+    as a CUDA graph."""
     import torch
 
     from spectandem.kv_cache import PagedKVCache
@@ -120,8 +121,8 @@ def bench_plain_roofline(model, device: str, steps: int, context: int, bandwidth
     slot = torch.zeros(1, dtype=torch.long, device=device)
     cache.reserve(0, context + steps)
     times = []
-    if cuda_graphs:
-        times = _graphed_plain_steps(model, device, steps, context)
+    if gpu.cuda_graphs:
+        times = _graphed_plain_steps(model, device, steps, context, gpu)
     else:
         with torch.no_grad():
             ids = torch.randint(0, spec.vocab_size, (1, context), generator=torch.Generator().manual_seed(0)).to(device)
@@ -143,20 +144,20 @@ def bench_plain_roofline(model, device: str, steps: int, context: int, bandwidth
     kv_bytes = 2 * spec.num_layers * spec.num_kv_heads * spec.head_dim * elem * (context + steps // 2)
     floor = (weight_bytes + kv_bytes) / bandwidth if bandwidth else 0.0
     return record(section="llama8b", workload="llama8b", method="none",
-                  mode="plain-fast" if cuda_graphs else "plain", batch_size=1, tokens=1,
+                  mode="plain-fast" if gpu.cuda_graphs else "plain", batch_size=1, tokens=1,
                   seconds=step, accept_length=1.0, roofline_fraction=round(floor / step, 3) if floor else None,
                   roofline_ms=round(1000 * floor, 3), weight_bytes=weight_bytes, context=context,
-                  cuda_graphs=cuda_graphs)
+                  cuda_graphs=gpu.cuda_graphs)
 
 
-def _graphed_plain_steps(model, device: str, steps: int, context: int) -> list[float]:
-    """Per-step seconds of plain decoding through NativeRunner with CUDA graphs: each step is a
-    one-node verify (the graph, argmax inside) and its commit."""
+def _graphed_plain_steps(model, device: str, steps: int, context: int, gpu: GpuPaths) -> list[float]:
+    """Per-step seconds of plain decoding through NativeRunner on `gpu`'s paths (CUDA graphs on):
+    each step is a one-node verify (the graph, argmax inside) and its commit."""
     import torch
 
     from verifier.runner import NativeRunner
 
-    runner = NativeRunner(model, None, 1, context + steps + 1, **fast_paths(True))
+    runner = NativeRunner(model, None, 1, context + steps + 1, **gpu.runner_kwargs())
     v = model.spec.vocab_size
     logits, _ = runner.prefill([0], [torch.randint(0, v, (context,), generator=torch.Generator().manual_seed(0)).tolist()])
     tok = int(logits[0].argmax())
@@ -176,7 +177,7 @@ def _graphed_plain_steps(model, device: str, steps: int, context: int) -> list[f
 
 
 def verify_forward_times(model, feature_layers, device: str, context: int, chain_nodes: int,
-                         repeats: int = 20, cuda_graphs: bool = False) -> dict:
+                         repeats: int = 20, gpu: GpuPaths = GpuPaths()) -> dict:
     """Median time of one verify forward (runner.verify: the target over N nodes with tree
     attention, logits of every node) at batch 1 after `context` tokens, for a one-token decode
     step, a chain of `chain_nodes` nodes and a 16-node tree."""
@@ -186,7 +187,7 @@ def verify_forward_times(model, feature_layers, device: str, context: int, chain
 
     g = torch.Generator().manual_seed(0)
     v = model.spec.vocab_size
-    runner = NativeRunner(model, feature_layers, 1, context + 32, **fast_paths(cuda_graphs))
+    runner = NativeRunner(model, feature_layers, 1, context + 32, **gpu.runner_kwargs())
     runner.prefill([0], [torch.randint(0, v, (context,), generator=g).tolist()])
     shapes = {"decode": (-1,), "chain": tuple(range(-1, chain_nodes - 1)), "tree16": TREE16_PARENTS}
     out = {}
@@ -203,7 +204,7 @@ def verify_forward_times(model, feature_layers, device: str, context: int, chain
     return {"context": context, "chain_nodes": chain_nodes, "tree_nodes": len(TREE16_PARENTS), **out,
             "tree16_over_decode": round(out["tree16_ms"] / out["decode_ms"], 3),
             "chain_over_decode": round(out["chain_ms"] / out["decode_ms"], 3), "target_tree16_over_decode": 1.2,
-            "cuda_graphs": cuda_graphs}
+            "cuda_graphs": gpu.cuda_graphs}
 
 
 
@@ -215,7 +216,7 @@ class ControlledRuns:
     Batch 1 runs the prompts in turn; a larger batch runs them at once, cycled."""
 
     def __init__(self, model, head, device: str, max_slots: int, num_prompts: int, prompt_len: int,
-                 max_tokens: int, num_steps: int, seed: int, cuda_graphs: bool = False):
+                 max_tokens: int, num_steps: int, seed: int, gpu: GpuPaths = GpuPaths()):
         import torch
 
         from drafter.proposers import EagleProposer
@@ -232,11 +233,11 @@ class ControlledRuns:
         self.lookahead = self.cfg.max_draft_nodes + 1       # a chain round writes its root and drafts
         truth_len = max_tokens + num_steps + 1          # drafts may reach num_steps past the last token
         max_len = prompt_len + truth_len + self.lookahead
-        self.inner = EagleProposer(head, self.cfg, max_slots, max_len, cuda_graphs=cuda_graphs)
-        self.plain = VerifierEngine(NativeRunner(model, None, max_slots, max_len, **fast_paths(cuda_graphs)),
+        self.inner = EagleProposer(head, self.cfg, max_slots, max_len, **gpu.proposer_kwargs())
+        self.plain = VerifierEngine(NativeRunner(model, None, max_slots, max_len, **gpu.runner_kwargs()),
                                     max_slots, v)
         self.verifier = VerifierEngine(NativeRunner(model, self.inner.feature_layers, max_slots, max_len,
-                                                    **fast_paths(cuda_graphs)), max_slots, v)
+                                                    **gpu.runner_kwargs()), max_slots, v)
         g = torch.Generator().manual_seed(seed)
         self.prompts = [torch.randint(0, v, (prompt_len,), generator=g).tolist() for _ in range(num_prompts)]
         truth_params = SamplingParams(max_tokens=truth_len, ignore_eos=True)

@@ -13,7 +13,8 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 
-from spectandem.bench_records import PROMPTS, fast_paths, record, sync
+from spectandem.bench_records import PROMPTS, record, sync
+from spectandem.config import GpuPaths
 
 
 def split_modes(modes: list[str]) -> tuple[list[str], list[str]]:
@@ -31,7 +32,7 @@ def split_modes(modes: list[str]) -> tuple[list[str], list[str]]:
     return [m for m in modes if accepted(m)], [m for m in modes if not accepted(m)]
 
 
-def demo_engines(max_slots: int, dtype, verifier_device: str, drafter_device: str, cuda_graphs: bool = False):
+def demo_engines(max_slots: int, dtype, verifier_device: str, drafter_device: str, gpu: GpuPaths = GpuPaths()):
     """(verifier engine, drafter engine, lookahead, eos ids, tokenizer) of the demo EAGLE-3 chain
     with each engine on its own device. LocalSpeculator does this with one device for both; a
     `drafter_device` argument there would make this the same call."""
@@ -44,9 +45,9 @@ def demo_engines(max_slots: int, dtype, verifier_device: str, drafter_device: st
 
     cfg = SpecConfig(method="eagle3", num_steps=4, topk=1, num_draft_tokens=5)
     target, draft = demo_paths("eagle3")
-    runner, model = load_runner(target, None, max_slots, 512, dtype, verifier_device, **fast_paths(cuda_graphs))
+    runner, model = load_runner(target, None, max_slots, 512, dtype, verifier_device, **gpu.runner_kwargs())
     proposer = build_proposer(cfg, model, draft, max_slots, runner.max_len, dtype, drafter_device,
-                              cuda_graphs=cuda_graphs)
+                              **gpu.proposer_kwargs())
     runner.feature_layers = proposer.feature_layers
     tcfg = read_config(target)
     eos = tcfg.get("eos_token_id")
@@ -132,7 +133,7 @@ async def _rows(engines, modes: list[str], batch_sizes: list[int], max_tokens: i
 
 
 def bench_pipeline(modes: list[str], batch_sizes: list[int], max_tokens: int, device: str, dtype,
-                   cuda_graphs: bool = False) -> list[dict]:
+                   gpu: GpuPaths = GpuPaths()) -> list[dict]:
     """Rows per placement (one device; drafter on cuda:1 where two GPUs exist), mode, batch size."""
     import torch
 
@@ -141,6 +142,6 @@ def bench_pipeline(modes: list[str], batch_sizes: list[int], max_tokens: int, de
         placements.append(dict(placement="drafter-own-gpu", verifier_device="cuda:0", drafter_device="cuda:1"))
     records = []
     for p in placements:
-        engines = demo_engines(max(batch_sizes), dtype, p["verifier_device"], p["drafter_device"], cuda_graphs)
+        engines = demo_engines(max(batch_sizes), dtype, p["verifier_device"], p["drafter_device"], gpu)
         records += asyncio.run(_rows(engines, modes, batch_sizes, max_tokens, p))
     return records

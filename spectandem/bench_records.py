@@ -54,11 +54,3 @@ def accept_length(completions) -> float:
     rounds = sum(c.stats.num_rounds for c in completions)
     accepted = sum(c.stats.accepted_tokens for c in completions)
     return (accepted + rounds) / rounds if rounds else 1.0
-
-
-def fast_paths(on: bool) -> dict:
-    """Target-runner options of the bench's fast path: CUDA graphs, plus the Triton paged tree
-    attention where Triton is installed (both off: eager PyTorch)."""
-    from spectandem.kernels import HAVE_TRITON
-
-    return {"cuda_graphs": on, "triton_attention": on and HAVE_TRITON}
