@@ -4,14 +4,18 @@ of spectandem/modeling/layers.py computes on the same GPU. `LlamaModel.use_fused
 them on.
 
 Measured on the H200 (torch 2.11, tests/gpu/test_fused_kernels.py): rotary and silu_mul are bit
-for bit in fp32 and bf16, and rmsnorm in bf16. In fp32, rmsnorm is within ~1e-6 of ATen's: its
+for bit in fp32 and bf16, and rmsnorm in bf16 (add_rmsnorm and silu_mul_packed:
+tests/gpu/test_packed_model.py). In fp32, rmsnorm is within ~1e-6 of ATen's: its
 mean there sums in an order the kernel below does not replay. Exactness does not rest on it: on
 the fast path these kernels are the only implementation, for plain decoding and speculation alike.
 
-    rmsnorm   RMSNorm.forward: 8 torch kernels in bf16 (cast, square, mean, + eps, rsqrt, scale,
-              cast, times the weight), 6 in fp32
-    rotary    apply_rotary on q and k: 5 torch kernels per tensor (two products, neg, cat, sum)
-    silu_mul  GatedMLP's F.silu(gate) * up: 2 torch kernels
+    rmsnorm          RMSNorm.forward: 8 torch kernels in bf16 (cast, square, mean, + eps, rsqrt,
+                     scale, cast, times the weight), 6 in fp32; x's rows may be strided (q and k
+                     viewed from the packed q/k/v projection, for qk-norm)
+    add_rmsnorm      RMSNorm.add_and_norm: the residual add before a norm, and the norm: 9 in bf16
+    rotary           apply_rotary on q and k: 5 torch kernels per tensor (two products, neg, cat, sum)
+    silu_mul         GatedMLP's F.silu(gate) * up: 2 torch kernels
+    silu_mul_packed  the same on the packed gate/up projection [..., 2I], read in place
 
 Bit for bit, step by step. Each kernel computes in fp32 and rounds to the tensor's dtype exactly
 where torch's kernels do (after every op in bf16: `x * cos` is rounded before the sum). Launches
@@ -37,6 +41,10 @@ with `lanes` from setReduceConfig (`reduction_layout`). Example: H = 4096: M = 1
 (so its compiled variant depends on M, as ATen's order does). Layouts it does not replay (H > 128
 not a multiple of 4; rows long enough that ATen splits them across warps, values per thread >=
 min(16 * rows per block, 256): H > 7680) run the torch code, for every M alike.
+
+add_rmsnorm's sum is torch's add (fp32, rounded to the dtype); its norm is rmsnorm's kernel on
+that sum, which the program computes twice (for the mean, then for the output and the stored sum)
+rather than reading back what other threads stored.
 
 Every public function has the three forms of spectandem.kernels: `<name>_triton` (the kernel
 behind a validating wrapper), `<name>_ref` (the torch code of layers.py, any device) and `<name>`
@@ -71,22 +79,37 @@ if HAVE_TRITON:
     from triton.language.extra.cuda import libdevice
 
     @triton.jit
-    def _square(row_ptr, cols, H: tl.constexpr):
-        x = tl.load(row_ptr + cols, mask=cols < H, other=0.0).to(tl.float32)
-        return x * x  # masked columns add +0.0: a no-op on a sum of squares
+    def _load_row(x_row, delta_row, cols, H: tl.constexpr, ADD: tl.constexpr):
+        """Columns `cols` of one row in fp32: x's, or x + delta rounded to x's dtype (torch's add)."""
+        ok = cols < H
+        x = tl.load(x_row + cols, mask=ok, other=0.0)
+        if ADD:
+            delta = tl.load(delta_row + cols, mask=ok, other=0.0)
+            x = (x.to(tl.float32) + delta.to(tl.float32)).to(x_row.dtype.element_ty)
+        return x.to(tl.float32)  # masked columns are +0.0: a no-op on a sum of squares
+
+    @triton.jit
+    def _square(x_row, delta_row, cols, H: tl.constexpr, ADD: tl.constexpr):
+        x = _load_row(x_row, delta_row, cols, H, ADD)
+        return x * x
 
     @triton.jit
     def _rmsnorm_kernel(
-        x_ptr,  # [M, H] contiguous
+        x_ptr,  # rows of H, H contiguous: row r at (r // inner) * stride_outer + (r % inner) * stride_inner
+        delta_ptr,  # ADD: [M, H] contiguous, added to x (then contiguous too); otherwise unused
+        sum_ptr,  # ADD: [M, H] contiguous, receives x + delta; otherwise unused
         w_ptr,  # [H]
-        out_ptr,  # [M, H]
+        out_ptr,  # [M, H] contiguous
         eps,  # fp32, as torch rounds the Python float
         mean_factor,  # fp32: ATen's float(M) / float(M * H)
+        inner, stride_outer, stride_inner,
         H: tl.constexpr, LANES: tl.constexpr, LANE_STRIDE: tl.constexpr, ACC_STRIDE: tl.constexpr,
-        HALVINGS: tl.constexpr, PAIRINGS: tl.constexpr, BLOCK_H: tl.constexpr, INTERPRETED: tl.constexpr,
+        HALVINGS: tl.constexpr, PAIRINGS: tl.constexpr, BLOCK_H: tl.constexpr, ADD: tl.constexpr,
+        INTERPRETED: tl.constexpr,
     ):
         row = tl.program_id(0).to(tl.int64)
-        x_row = x_ptr + row * H
+        x_row = x_ptr + (row // inner) * stride_outer + (row % inner) * stride_inner
+        delta_row = delta_ptr + row * H
         # Lane w's accumulator j at step s reads element s * 4 * LANES + w * LANE_STRIDE + j * ACC_STRIDE:
         # vectorized (4, 1): vector s * LANES + w, position j; otherwise (1, LANES): step 4 s + j.
         first = tl.arange(0, LANES) * LANE_STRIDE
@@ -96,10 +119,10 @@ if HAVE_TRITON:
         a3 = tl.zeros([LANES], tl.float32)
         for start in range(0, H, 4 * LANES):  # in ATen's step order: each accumulator sums sequentially
             cols = start + first
-            a0 = a0 + _square(x_row, cols, H)
-            a1 = a1 + _square(x_row, cols + ACC_STRIDE, H)
-            a2 = a2 + _square(x_row, cols + 2 * ACC_STRIDE, H)
-            a3 = a3 + _square(x_row, cols + 3 * ACC_STRIDE, H)
+            a0 = a0 + _square(x_row, delta_row, cols, H, ADD)
+            a1 = a1 + _square(x_row, delta_row, cols + ACC_STRIDE, H, ADD)
+            a2 = a2 + _square(x_row, delta_row, cols + 2 * ACC_STRIDE, H, ADD)
+            a3 = a3 + _square(x_row, delta_row, cols + 3 * ACC_STRIDE, H, ADD)
         total = ((a0 + a1) + a2) + a3
         # A sum over an axis of 2 is one addition, so these replay block_x_reduce's tree exactly.
         for i in tl.static_range(HALVINGS):  # shared memory: lane w += lane w + half
@@ -114,7 +137,10 @@ if HAVE_TRITON:
         for start in range(0, H, BLOCK_H):
             cols = start + tl.arange(0, BLOCK_H)
             ok = cols < H
-            x = tl.load(x_row + cols, mask=ok, other=0.0).to(tl.float32)
+            # The sum is recomputed (the same bits) rather than read back: other threads stored it.
+            x = _load_row(x_row, delta_row, cols, H, ADD)
+            if ADD:
+                tl.store(sum_ptr + row * H + cols, x.to(sum_ptr.dtype.element_ty), mask=ok)
             # RMSNorm rounds the normalised row to x's dtype before the weight's product.
             y = (x * inv).to(x_ptr.dtype.element_ty).to(tl.float32)
             w = tl.load(w_ptr + cols, mask=ok, other=0.0).to(tl.float32)
@@ -167,6 +193,17 @@ if HAVE_TRITON:
         _rotate_heads(k_ptr + b * sk_b + t * sk_t, k_out_ptr + b * sok_b + t * sok_t, sk_h, sok_h,
                       cos1, cos2, sin1, sin2, NUM_K, BLOCK_K, HALF, BLOCK_HALF)
 
+    @triton.jit
+    def _silu_times(gate, up, dtype: tl.constexpr, INTERPRETED: tl.constexpr):
+        """F.silu(gate) * up from fp32 loads of dtype values, rounded to dtype."""
+        if INTERPRETED:  # the interpreter has no libdevice
+            e = tl.exp(gate * -1.0)
+        else:
+            e = libdevice.exp(gate * -1.0)
+        # ATen's silu: x / (1 + exp(-x)) in fp32, rounded to the dtype; then the product, rounded.
+        act = tl.div_rn(gate, 1.0 + e).to(dtype).to(tl.float32)
+        return (act * up).to(dtype)
+
     @triton.jit(do_not_specialize=["numel"])
     def _silu_mul_kernel(
         gate_ptr, up_ptr, out_ptr,  # [numel] contiguous, one dtype
@@ -177,13 +214,22 @@ if HAVE_TRITON:
         ok = offs < numel
         g = tl.load(gate_ptr + offs, mask=ok, other=0.0).to(tl.float32)
         u = tl.load(up_ptr + offs, mask=ok, other=0.0).to(tl.float32)
-        if INTERPRETED:  # the interpreter has no libdevice
-            e = tl.exp(g * -1.0)
-        else:
-            e = libdevice.exp(g * -1.0)
-        # ATen's silu: x / (1 + exp(-x)) in fp32, rounded to the dtype; then the product, rounded.
-        act = tl.div_rn(g, 1.0 + e).to(out_ptr.dtype.element_ty).to(tl.float32)
-        tl.store(out_ptr + offs, (act * u).to(out_ptr.dtype.element_ty), mask=ok)
+        tl.store(out_ptr + offs, _silu_times(g, u, out_ptr.dtype.element_ty, INTERPRETED), mask=ok)
+
+    @triton.jit
+    def _silu_mul_packed_kernel(
+        gate_up_ptr,  # [M, 2 * I] contiguous: gate then up
+        out_ptr,  # [M, I] contiguous
+        inter,  # I
+        BLOCK: tl.constexpr, INTERPRETED: tl.constexpr,
+    ):
+        row = tl.program_id(0).to(tl.int64)
+        cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
+        ok = cols < inter
+        gate_row = gate_up_ptr + row * 2 * inter
+        g = tl.load(gate_row + cols, mask=ok, other=0.0).to(tl.float32)
+        u = tl.load(gate_row + inter + cols, mask=ok, other=0.0).to(tl.float32)
+        tl.store(out_ptr + row * inter + cols, _silu_times(g, u, out_ptr.dtype.element_ty, INTERPRETED), mask=ok)
 
     # Under TRITON_INTERPRET=1 `triton.jit` makes InterpretedFunctions, which run numpy.
     _INTERPRETED = not isinstance(_silu_mul_kernel, triton.runtime.JITFunction)
@@ -214,7 +260,8 @@ def reduction_layout(rows: int, hidden: int) -> tuple[int, bool] | None:
 
 def rmsnorm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     """x [..., H], weight [H] -> [..., H] in promote(x, weight): RMSNorm.forward, one launch where
-    the kernel reproduces it (CUDA, Triton, contiguous x, a replayed layout), the torch code otherwise."""
+    the kernel reproduces it (CUDA, Triton, x's rows addressable (`_row_layout`), a replayed
+    layout), the torch code otherwise."""
     if HAVE_TRITON and x.is_cuda and _rmsnorm_replays(x, weight):
         return rmsnorm_triton(x, weight, eps)
     return rmsnorm_ref(x, weight, eps)
@@ -224,24 +271,8 @@ def rmsnorm_triton(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.T
     if not HAVE_TRITON:
         raise RuntimeError("rmsnorm_triton needs the triton package")
     _check_rmsnorm(x, weight)
-    h = x.shape[-1]
-    rows = x.numel() // h if h else 0
-    layout = reduction_layout(rows, h)
-    if layout is None or not x.is_contiguous():
-        raise ValueError(f"rmsnorm_triton replays torch's mean over contiguous rows whose layout it models; got "
-                         f"{rows} rows of {h} (H > 128 must be a multiple of 4 and at most 16 * rows per block "
-                         f"values per thread, see reduction_layout), contiguous={x.is_contiguous()}")
     out = torch.empty(x.shape, dtype=torch.promote_types(weight.dtype, x.dtype), device=x.device)
-    if rows == 0:
-        return out
-    lanes, vectorized = layout
-    halvings = max(lanes // _WARP, 1).bit_length() - 1
-    _rmsnorm_kernel[(rows,)](
-        x, weight.contiguous(), out, float(eps), _mean_factor(rows, h),
-        H=h, LANES=lanes, LANE_STRIDE=_VEC if vectorized else 1, ACC_STRIDE=1 if vectorized else lanes,
-        HALVINGS=halvings, PAIRINGS=(lanes >> halvings).bit_length() - 1,
-        BLOCK_H=min(4096, triton.next_power_of_2(h)), INTERPRETED=_INTERPRETED, num_warps=_NUM_WARPS, **_EXACT,
-    )
+    _launch_rmsnorm(x, None, None, weight, eps, out, "rmsnorm_triton")
     return out
 
 
@@ -253,14 +284,100 @@ def rmsnorm_ref(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tens
     return weight * x32.to(dtype)
 
 
+def add_rmsnorm(x: torch.Tensor, delta: torch.Tensor, weight: torch.Tensor,
+                eps: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """x, delta [..., H] (the residual stream, a layer's output), weight [H] -> (x + delta,
+    rmsnorm(x + delta)): one launch where the kernel reproduces both (CUDA, Triton, x and delta
+    contiguous of one dtype, a layout rmsnorm replays), the torch code otherwise."""
+    if HAVE_TRITON and x.is_cuda and _add_rmsnorm_replays(x, delta, weight):
+        return add_rmsnorm_triton(x, delta, weight, eps)
+    return add_rmsnorm_ref(x, delta, weight, eps)
+
+
+def add_rmsnorm_triton(x: torch.Tensor, delta: torch.Tensor, weight: torch.Tensor,
+                       eps: float) -> tuple[torch.Tensor, torch.Tensor]:
+    if not HAVE_TRITON:
+        raise RuntimeError("add_rmsnorm_triton needs the triton package")
+    _check_rmsnorm(x, weight)
+    if not isinstance(delta, torch.Tensor) or delta.shape != x.shape or delta.dtype != x.dtype \
+            or delta.device != x.device:
+        raise ValueError(f"delta must be a tensor like x ({_describe(x)}), got {_describe(delta)}")
+    if not (x.is_contiguous() and delta.is_contiguous()):
+        raise ValueError(f"x and delta must be contiguous, got strides {x.stride()} and {delta.stride()}")
+    total = torch.empty_like(x)
+    out = torch.empty(x.shape, dtype=torch.promote_types(weight.dtype, x.dtype), device=x.device)
+    _launch_rmsnorm(x, delta, total, weight, eps, out, "add_rmsnorm_triton")
+    return total, out
+
+
+def add_rmsnorm_ref(x: torch.Tensor, delta: torch.Tensor, weight: torch.Tensor,
+                    eps: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """RMSNorm.add_and_norm's torch code: the add, then RMSNorm.forward's."""
+    total = x + delta
+    return total, rmsnorm_ref(total, weight, eps)
+
+
+def _launch_rmsnorm(x, delta, total, weight, eps, out, name: str) -> None:
+    """One program per row of x (plus delta into `total`, where given) normalised into `out`."""
+    h = x.shape[-1]
+    rows = x.numel() // h if h else 0
+    layout, addressing = reduction_layout(rows, h), _row_layout(x)
+    if layout is None or addressing is None:
+        raise ValueError(f"{name} replays torch's mean over rows whose layout it models; got {rows} rows of {h} "
+                         f"(H > 128 must be a multiple of 4 and at most 16 * rows per block values per thread, "
+                         f"see reduction_layout) at strides {x.stride()} (rows of H contiguous, see _row_layout)")
+    if rows == 0:
+        return
+    lanes, vectorized = layout
+    halvings = max(lanes // _WARP, 1).bit_length() - 1
+    add = delta is not None
+    _rmsnorm_kernel[(rows,)](
+        x, delta if add else x, total if add else out, weight.contiguous(), out, float(eps), _mean_factor(rows, h),
+        *addressing,
+        H=h, LANES=lanes, LANE_STRIDE=_VEC if vectorized else 1, ACC_STRIDE=1 if vectorized else lanes,
+        HALVINGS=halvings, PAIRINGS=(lanes >> halvings).bit_length() - 1,
+        BLOCK_H=min(4096, triton.next_power_of_2(h)), ADD=add, INTERPRETED=_INTERPRETED,
+        num_warps=_NUM_WARPS, **_EXACT,
+    )
+
+
+def _row_layout(x: torch.Tensor) -> tuple[int, int, int] | None:
+    """(inner, stride_outer, stride_inner): row r of x's rows of H (x [..., H] read as [M, H])
+    starts at element (r // inner) * stride_outer + (r % inner) * stride_inner; None where x's
+    rows do not lie so (H not contiguous, or leading dimensions that do not merge). Example: q
+    [B, T, nh, hd] viewed from a packed projection [B, T, N] -> (nh, N, hd); contiguous x ->
+    (1, H, 0)."""
+    h = x.shape[-1]
+    if x.is_contiguous():
+        return 1, h, 0
+    if x.dim() < 2 or (h > 1 and x.stride(-1) != 1):
+        return None
+    stride_outer, merged = 0, None  # the leading dimensions (all but the last two) as one
+    for size, stride in zip(reversed(x.shape[:-2]), reversed(x.stride()[:-2])):
+        if size == 1:
+            continue
+        if merged is None:
+            stride_outer = stride
+        elif stride != merged:
+            return None
+        merged = stride * size
+    return x.shape[-2], stride_outer, x.stride(-2)
+
+
 def _rmsnorm_replays(x: torch.Tensor, weight: torch.Tensor) -> bool:
-    if x.dim() < 1 or x.dtype not in _FLOAT_DTYPES or weight.dtype not in _FLOAT_DTYPES or not x.is_contiguous():
+    if x.dim() < 1 or x.dtype not in _FLOAT_DTYPES or weight.dtype not in _FLOAT_DTYPES or _row_layout(x) is None:
         return False
     h = x.shape[-1]
     # One row is the most restrictive count (H <= 7680 replays at every count, H > 8160 at none), so
     # requiring it decides by H alone: a token's norm takes one implementation, decoded or verified.
     return (tuple(weight.shape) == (h,) and weight.device == x.device and h > 0
             and reduction_layout(1, h) is not None and reduction_layout(x.numel() // h, h) is not None)
+
+
+def _add_rmsnorm_replays(x: torch.Tensor, delta: torch.Tensor, weight: torch.Tensor) -> bool:
+    return (isinstance(delta, torch.Tensor) and delta.shape == x.shape and delta.dtype == x.dtype
+            and delta.device == x.device and x.is_contiguous() and delta.is_contiguous()
+            and _rmsnorm_replays(x, weight))
 
 
 @functools.lru_cache(maxsize=256)
@@ -384,9 +501,45 @@ def silu_mul_ref(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
     return F.silu(gate) * up
 
 
+def silu_mul_packed(gate_up: torch.Tensor) -> torch.Tensor:
+    """gate_up [..., 2I] (GatedMLP's packed projection: gate, then up) -> F.silu(gate) * up
+    [..., I], contiguous: one launch reading both halves in place on CUDA with Triton for a
+    contiguous gate_up, the torch code otherwise."""
+    if HAVE_TRITON and gate_up.is_cuda and _silu_mul_packed_replays(gate_up):
+        return silu_mul_packed_triton(gate_up)
+    return silu_mul_packed_ref(gate_up)
+
+
+def silu_mul_packed_triton(gate_up: torch.Tensor) -> torch.Tensor:
+    if not HAVE_TRITON:
+        raise RuntimeError("silu_mul_packed_triton needs the triton package")
+    if not _silu_mul_packed_replays(gate_up):
+        raise ValueError(f"gate_up must be a contiguous float16/bfloat16/float32 tensor [..., 2I], got "
+                         f"{_describe(gate_up)}" + (f" strides {gate_up.stride()}"
+                                                    if isinstance(gate_up, torch.Tensor) else ""))
+    inter = gate_up.shape[-1] // 2
+    out = torch.empty(*gate_up.shape[:-1], inter, dtype=gate_up.dtype, device=gate_up.device)
+    rows = gate_up.numel() // gate_up.shape[-1] if inter else 0
+    if rows:
+        _silu_mul_packed_kernel[(rows, triton.cdiv(inter, _SILU_BLOCK))](
+            gate_up, out, inter, BLOCK=_SILU_BLOCK, INTERPRETED=_INTERPRETED, num_warps=_NUM_WARPS, **_EXACT)
+    return out
+
+
+def silu_mul_packed_ref(gate_up: torch.Tensor) -> torch.Tensor:
+    """GatedMLP's torch code on the two halves (views; the product is contiguous)."""
+    gate, up = gate_up.chunk(2, dim=-1)
+    return F.silu(gate) * up
+
+
 def _silu_mul_replays(gate, up) -> bool:
     return (gate.shape == up.shape and gate.dtype == up.dtype and gate.dtype in _FLOAT_DTYPES
             and gate.is_contiguous() and up.is_contiguous())
+
+
+def _silu_mul_packed_replays(gate_up) -> bool:
+    return (isinstance(gate_up, torch.Tensor) and gate_up.dim() >= 1 and gate_up.shape[-1] % 2 == 0
+            and gate_up.dtype in _FLOAT_DTYPES and gate_up.is_contiguous())
 
 
 def _check_silu_mul(gate, up) -> None:

@@ -1,5 +1,6 @@
 """Building blocks shared by the target model and the draft heads: RMSNorm, rotary
-embeddings, gated MLP and masked attention over an explicit KV cache.
+embeddings, gated MLP and masked attention over an explicit KV cache; PackedProjections, the
+target's q/k/v and gate/up projections as one weight each on the fused path.
 
 Numerics follow HuggingFace's Llama implementation (fp32 RMSNorm statistics, fp32 rotary
 tables, softmax in fp32), so that greedy tokens match transformers' own `generate`.
@@ -31,9 +32,101 @@ class RMSNorm(nn.Module):
         x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
         return self.weight * x32.to(dtype)
 
+    def add_and_norm(self, x: torch.Tensor, delta: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """x, delta [..., H] -> (x + delta, self(x + delta)): a residual add and the next norm, in
+        one launch where fused (the same bits as the two steps)."""
+        if self.fused:
+            return _fused_kernels().add_rmsnorm(x, delta, self.weight, self.eps)
+        total = x + delta
+        return total, self(total)
 
-class GatedMLP(nn.Module):
+
+class PackedProjections(nn.Module):
+    """Base of a module whose input projections, the nn.Linear children named in `packed_names`
+    (one input width, concatenated in that order), can share one weight: one GEMM instead of one
+    per child on the fused path.
+
+    `pack()` concatenates the children's weights (and biases) into `packed_weight [sum(out), in]`
+    (`packed_bias [sum(out)]`) and makes each child's parameters views of its rows, so
+    `state_dict()` keeps the children's names and shapes, `load_state_dict` copies into the shared
+    storage and the weights take no extra memory. Example (q, k, v of 4, 2, 2 rows):
+    packed_weight rows 0-3 are q_proj.weight, rows 4-5 k_proj.weight, rows 6-7 v_proj.weight.
+    A conversion (`.to`, `.cuda`, `.half`), `load_state_dict(assign=True)` and a copy
+    (`copy.deepcopy`, pickling) give each child its own storage again; all re-pack after
+    (`_apply`, the load hook, `__setstate__`). Assigning a new Parameter to a child directly, or
+    writing into one that is no longer a view, does not: call `pack()` after. Inference only: the
+    packed tensors are not parameters, so gradients do not reach the children through the packed
+    GEMM."""
+
+    packed_names: tuple[str, ...] = ()
+
+    def __init__(self):
+        super().__init__()
+        self.packed_weight: torch.Tensor | None = None  # [sum(out), in], None until pack()
+        self.packed_bias: torch.Tensor | None = None    # [sum(out)] where the children have biases
+        self.packed_sizes: tuple[int, ...] = ()          # each child's out_features, in order
+        self.register_load_state_dict_post_hook(_repack_after_load)
+
+    def pack(self) -> None:
+        """Idempotent: a no-op while every child is still a view of its rows."""
+        if self._packed_intact():
+            return
+        linears = [getattr(self, name) for name in self.packed_names]
+        has_bias = {linear.bias is not None for linear in linears}
+        assert len(has_bias) == 1, f"{type(self).__name__}: {self.packed_names} mix biases and none"
+        weight = torch.cat([linear.weight.detach() for linear in linears])
+        bias = torch.cat([linear.bias.detach() for linear in linears]) if has_bias == {True} else None
+        row = 0
+        for linear in linears:
+            n = linear.out_features
+            # `.data =` keeps each Parameter object (and whoever holds it) and frees its old storage.
+            linear.weight.data = weight[row: row + n]
+            if bias is not None:
+                linear.bias.data = bias[row: row + n]
+            row += n
+        self.packed_weight, self.packed_bias = weight, bias
+        self.packed_sizes = tuple(linear.out_features for linear in linears)
+
+    def _packed_intact(self) -> bool:
+        if self.packed_weight is None:
+            return False
+        row = 0
+        for name in self.packed_names:
+            linear = getattr(self, name)
+            n = linear.out_features
+            if not _is_view(linear.weight, self.packed_weight[row: row + n]):
+                return False
+            if self.packed_bias is not None and not _is_view(linear.bias, self.packed_bias[row: row + n]):
+                return False
+            row += n
+        return True
+
+    def _apply(self, fn, recurse=True):
+        super()._apply(fn, recurse)
+        if self.packed_weight is not None:
+            self.pack()
+        return self
+
+    def __setstate__(self, state):
+        super().__setstate__(state)
+        if self.packed_weight is not None:
+            self.pack()
+
+
+def _is_view(param: torch.Tensor | None, rows: torch.Tensor) -> bool:
+    return (param is not None and param.device == rows.device and param.dtype == rows.dtype
+            and param.shape == rows.shape and param.data_ptr() == rows.data_ptr())
+
+
+def _repack_after_load(module: PackedProjections, incompatible_keys) -> None:
+    """load_state_dict's hook: copying into views keeps them packed; assign=True replaces them."""
+    if module.packed_weight is not None:
+        module.pack()
+
+
+class GatedMLP(PackedProjections):
     fused = False  # LlamaModel.use_fused_kernels: silu(gate) * up in one Triton launch on CUDA
+    packed_names = ("gate_proj", "up_proj")  # packed: gate then up, [.., 2 * intermediate]
 
     def __init__(self, hidden: int, intermediate: int, bias: bool = False):
         super().__init__()
@@ -42,9 +135,14 @@ class GatedMLP(nn.Module):
         self.down_proj = nn.Linear(intermediate, hidden, bias=bias)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.fused and self.packed_weight is not None:
+            # One GEMM for gate and up; the product reads both halves of its output in place.
+            gate_up = F.linear(x, self.packed_weight, self.packed_bias)  # [..., 2 * intermediate]
+            return self.down_proj(_fused_kernels().silu_mul_packed(gate_up))
+        gate, up = self.gate_proj(x), self.up_proj(x)
         if self.fused:
-            return self.down_proj(_fused_kernels().silu_mul(self.gate_proj(x), self.up_proj(x)))
-        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+            return self.down_proj(_fused_kernels().silu_mul(gate, up))
+        return self.down_proj(F.silu(gate) * up)
 
 
 def _fused_kernels():

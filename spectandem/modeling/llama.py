@@ -5,7 +5,7 @@ forward over a different number of positions with a mask built by the caller. Pa
 names equal HuggingFace's, so checkpoints load with `load_state_dict`. `forward_invariant` is
 the same forward through the batch-invariant kernels (NativeRunner's `batch_invariant`);
 `use_fused_kernels` runs `forward`'s elementwise steps through fused Triton kernels of the same
-bits (NativeRunner's `triton_attention`).
+bits and its q/k/v and gate/up projections as one GEMM each (NativeRunner's `triton_attention`).
 """
 
 from __future__ import annotations
@@ -18,7 +18,7 @@ from torch import nn
 
 from spectandem.kernels.fused import rotary
 from spectandem.kv_cache import CacheBatch, PagedKVCache
-from spectandem.modeling.layers import GatedMLP, RMSNorm, RopeSpec, Rotary, apply_rotary
+from spectandem.modeling.layers import GatedMLP, PackedProjections, RMSNorm, RopeSpec, Rotary, apply_rotary
 
 NATIVE_ARCHITECTURES = ("LlamaForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM", "MistralForCausalLM")
 
@@ -91,8 +91,9 @@ class LlamaSpec:
             raise ValueError(f"{source}: missing field {exc.args[0]!r}") from None
 
 
-class Attention(nn.Module):
+class Attention(PackedProjections):
     fused = False  # LlamaModel.use_fused_kernels: rotary on q and k in one Triton launch on CUDA
+    packed_names = ("q_proj", "k_proj", "v_proj")  # packed: [.., (nh + 2 nkv) * hd]
 
     def __init__(self, spec: LlamaSpec):
         super().__init__()
@@ -110,9 +111,14 @@ class Attention(nn.Module):
 
     def forward(self, x, cos, sin, cache: CacheBatch, layer: int, mask):
         b, t, _ = x.shape
-        q = self.q_proj(x).view(b, t, self.num_heads, self.head_dim)
-        k = self.k_proj(x).view(b, t, self.num_kv_heads, self.head_dim)
-        v = self.v_proj(x).view(b, t, self.num_kv_heads, self.head_dim)
+        if self.fused and self.packed_weight is not None:
+            # One GEMM; q, k and v are views of its columns: rows of (nh + 2 nkv) * hd, not contiguous.
+            q, k, v = F.linear(x, self.packed_weight, self.packed_bias).split(self.packed_sizes, dim=-1)
+        else:
+            q, k, v = self.q_proj(x), self.k_proj(x), self.v_proj(x)
+        q = q.view(b, t, self.num_heads, self.head_dim)
+        k = k.view(b, t, self.num_kv_heads, self.head_dim)
+        v = v.view(b, t, self.num_kv_heads, self.head_dim)
         if self.q_norm is not None:
             q, k = self.q_norm(q), self.k_norm(k)
         if self.fused:
@@ -132,9 +138,14 @@ class DecoderLayer(nn.Module):
         self.input_layernorm = RMSNorm(spec.hidden_size, spec.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(spec.hidden_size, spec.rms_norm_eps)
 
-    def forward(self, x, cos, sin, cache, layer, mask):
-        x = x + self.self_attn(self.input_layernorm(x), cos, sin, cache, layer, mask)
-        return x + self.mlp(self.post_attention_layernorm(x))
+    def forward(self, x, h, cos, sin, cache, layer, mask):
+        """x [B, T, H]: the residual stream entering the layer; h: input_layernorm(x), which the
+        caller computes together with the previous layer's last residual add.
+
+        Returns (x + attention, the MLP's output): the caller adds the latter to the former in
+        the next norm (`RMSNorm.add_and_norm`, one launch on the fused path)."""
+        x, h = self.post_attention_layernorm.add_and_norm(x, self.self_attn(h, cos, sin, cache, layer, mask))
+        return x, self.mlp(h)
 
 
 class LlamaBody(nn.Module):
@@ -168,28 +179,53 @@ class LlamaModel(nn.Module):
         """
         x = self.model.embed_tokens(input_ids)
         cos, sin = self.model.rotary_emb.cos_sin(positions, x.dtype)
-        captured: dict[int, torch.Tensor] = {}
-        if 0 in capture:
-            captured[0] = x
-        for i, layer in enumerate(self.model.layers):
-            x = layer(x, cos, sin, cache, i, mask)
+        captured: dict[int, torch.Tensor] = {0: x} if 0 in capture else {}
+        layers = self.model.layers
+        # Layer i's MLP output is added to the stream by the norm after it (layer i + 1's input
+        # norm, the final norm after the last layer), which also yields hidden state i + 1.
+        next_norms = [layer.input_layernorm for layer in layers[1:]] + [self.model.norm]
+        h = (layers[0].input_layernorm if len(layers) else self.model.norm)(x)
+        for i, (layer, next_norm) in enumerate(zip(layers, next_norms)):
+            x, mlp_out = layer(x, h, cos, sin, cache, i, mask)
+            x, h = next_norm.add_and_norm(x, mlp_out)
             if i + 1 in capture:
                 captured[i + 1] = x
         aux = torch.cat([captured[k] for k in capture], dim=-1) if capture else None
-        return self.model.norm(x), aux
+        return h, aux
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """hidden [..., H] -> logits [..., V] (float32)."""
         return self.lm_head(hidden).float()
 
     def use_fused_kernels(self, enabled: bool = True) -> None:
-        """`forward` runs RMSNorm, the rotary embedding and the SiLU product through the fused
-        kernels of spectandem/kernels/fused.py (one launch each on CUDA with Triton, the same bits
-        as the torch code; the torch code elsewhere). A property of the model: every runner over it
-        takes the path. `forward_invariant` is unaffected."""
+        """`forward` runs RMSNorm (with the residual add before it), the rotary embedding and the
+        SiLU product through the fused kernels of spectandem/kernels/fused.py (one launch each on
+        CUDA with Triton, the same bits as the torch code; the torch code elsewhere), and each
+        layer's q/k/v and gate/up projections as one GEMM each (`pack_projections`: the last bits
+        may differ from separate GEMMs). A property of the model: every runner over it takes the
+        path. `forward_invariant` is unaffected. Turning it off keeps the weights packed (the
+        projections' parameters stay views of the packed storage); `forward` then runs the torch
+        code over those views, as before packing."""
+        if enabled:
+            self.pack_projections()
         for module in self.modules():
             if isinstance(module, (RMSNorm, GatedMLP, Attention)):
                 module.fused = enabled
+        # Qwen3's qk-norm stays the torch code: over rows of head_dim its ATen reduction order
+        # varies with the row count in a way the kernel did not replay on the H200 (bf16 q, B 4,
+        # T 5: 2 of 81920 elements a bit apart), and one implementation serves every step alike.
+        for layer in self.model.layers:
+            for norm in (layer.self_attn.q_norm, layer.self_attn.k_norm):
+                if norm is not None:
+                    norm.fused = False
+
+    def pack_projections(self) -> None:
+        """Each layer's q/k/v projections share one weight [(nh + 2 nkv) * hd, H] and its gate/up
+        projections one [2 * I, H] (PackedProjections); parameter names, shapes and memory as
+        before. Idempotent."""
+        for layer in self.model.layers:
+            layer.self_attn.pack()
+            layer.mlp.pack()
 
     def forward_invariant(self, input_ids: torch.Tensor, positions: torch.Tensor, batch: "InvariantBatch",
                           capture: tuple[int, ...] = ()) -> tuple[torch.Tensor, torch.Tensor | None]:
