@@ -23,7 +23,7 @@ from dataclasses import dataclass
 
 import torch
 
-from spectandem.kernels.attention import paged_tree_attention
+from spectandem.kernels.attention import launch_split_len, paged_tree_attention, split_len_for
 from spectandem.modeling.layers import masked_attention
 
 
@@ -113,6 +113,10 @@ class PagedKVCache:
         # [num_slots, max_blocks] physical block ids, -1 where none (kept in step with `blocks`).
         self._tables = torch.full((num_slots, blocks_for(max_len + 1, block_size)), -1, dtype=torch.long,
                                   device=device)
+        # The tree attention's segment length (kernels/attention.py, split-KV): from the capacity per
+        # request, a constant of the cache, so every split launch segments a row's entries alike
+        # (PagedTreeBatch splits only where the one-pass grid would leave the GPU idle).
+        self.attention_split_len = split_len_for(self._tables.shape[1] * block_size, head_dim)
 
     def reserve(self, slot: int, num_entries: int) -> None:
         if num_entries > self.max_len:
@@ -240,5 +244,6 @@ class PagedTreeBatch:
         k, v = self.cache.k[layer], self.cache.v[layer]
         k[self.write_rows] = k_new.transpose(1, 2).to(k.dtype)
         v[self.write_rows] = v_new.transpose(1, 2).to(v.dtype)
+        split_len = launch_split_len(q, k.shape[1], self.cache.attention_split_len)
         return paged_tree_attention(q, k, v, self.block_tables, self.prefix_lens, self.tree_mask, scale,
-                                    self.cache.block_size)
+                                    self.cache.block_size, split_len=split_len)

@@ -28,6 +28,42 @@ The torch reference has no such guarantee (its matmul tiling follows the shapes)
 in the last bits: plain decoding and verification must both go through the kernel. tree_mask=None
 is turned into a causal mask tensor so that both run the one compiled kernel.
 
+Split-KV (`split_len`, "flash-decoding"). One program per (request, kv head, block of BLOCK_M rows)
+walks the whole span: at batch 1 and T = 1 that is nkv programs per layer, a few percent of the GPU.
+With split_len set, the logical entries are cut into segments [s * split_len, (s + 1) * split_len)
+from entry 0 and a first kernel runs one program per (request, kv head, row block, segment),
+grid (B * nkv, cdiv(T * GROUP, BLOCK_M), num_splits): the same chunk loop over that segment alone,
+leaving per (row, segment) the running max m, sum l and un-normalised accumulator acc in fp32. A
+second kernel, grid (B * nkv, row blocks), combines a row's segments s = 0, 1, ... in that order:
+M = max_s m_s, then l = sum_s exp2(m_s - M) * l_s and acc likewise, out = acc / l. Example
+(split_len 64, prefix_len 100, T = 3): span 103, segments 0 (entries 0..63) and 1 (64..102) are
+computed and combined; segments 2.. start past the span, their programs exit at once and the combine
+does not read them. num_splits = cdiv(max_blocks * block_size, split_len) comes from the table's
+width on the host (the grid never depends on prefix_lens); `split_len_for` picks split_len from the
+cache's capacity so that num_splits <= 32. The partials are allocated per call:
+B * nh * T * num_splits * (hd + 2) * 4 bytes, e.g. 0.16 MiB at B = 1, T = 1, 32 heads of 128 and 10
+segments; 520 MiB at B = 64, T = 16 and 32 segments (the caching allocator and a CUDA graph pool
+reuse it layer after layer).
+
+Batch invariance holds for a fixed split_len by the same argument: split_len is a multiple of
+BLOCK_N, so a segment's chunks are the one-pass kernel's chunks and start where they do; a segment
+is a function of the logical entry index alone; within a segment the chunk loop is the one above
+(same tile shapes, invisible chunks change nothing); and the combine visits segments in a fixed
+order, where a segment a row cannot see (m = -inf, l = 0, acc = 0: past its last visible entry but
+inside the span of a longer T) adds exact zeros and leaves the max alone. So the token verified
+alone and node t of a chain, or a row in batches of 1 and 64, still agree bit for bit, given the same
+split_len. Split and one-pass results differ in the last bits (another summation order).
+
+When the cache splits (`launch_split_len`). Splitting pays where the one-pass grid leaves the GPU
+idle and costs where it does not: on the H200 (8B shapes, context 512, benchmarks/attention_timing.py)
+split took 12.7 vs 28.0 µs at B = 1, T = 1, but 79 vs 62 µs at B = 16, T = 16 and 292 vs 241 µs at
+B = 64, T = 16 (the partials' traffic). So a PagedTreeBatch splits (with the cache's fixed
+split_len) when the one-pass grid has fewer programs than the device has multiprocessors, and runs
+one pass otherwise. Within one launch shape the result is batch-invariant as argued above; across
+the threshold (say plain decoding at batch 1 and a 16-node tree at batch 16) the same row can
+differ in the last bits. Greedy output equal to plain decoding bit for bit on the GPU is what
+`--batch-invariant` (spectandem/kernels/batch_invariant.py) guarantees, not this fast path.
+
 Lengths are read on the device (prefix_lens is loaded by the kernel, never `.item()`ed), so the
 launch needs no host sync and can be captured in a CUDA graph with fixed B and T.
 """
@@ -44,10 +80,57 @@ from spectandem.modeling.layers import masked_attention
 _FLOAT_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 _BLOCK_M = 16   # query rows per program; fixed so a row's arithmetic never depends on T
 _NUM_WARPS = 4
+_MAX_SPLITS = 32  # split_len_for: segments per row at most (bounds the partials and the combine's loop)
 
 if HAVE_TRITON:
     import triton
     import triton.language as tl
+
+    @triton.jit
+    def _attend_entries(
+        q,  # [BLOCK_M, BLOCK_D] the program's query rows
+        lo, hi,  # logical entries [lo, hi) in chunks of BLOCK_N from lo
+        b, kv_head, prefix, span, tok, row_ok, d, d_ok,
+        k_ptr, v_ptr, tables_ptr, mask_ptr, qk_scale, max_blocks,
+        stride_kr, stride_kh, stride_tb, stride_mb, stride_mt,
+        PAGE: tl.constexpr,
+        BLOCK_M: tl.constexpr,
+        BLOCK_N: tl.constexpr,
+        BLOCK_D: tl.constexpr,
+    ):
+        """Online softmax of the query rows over entries [lo, hi): (running max m in base 2, sum l
+        of exp2(s - m), un-normalised accumulator acc), all fp32; m = -inf, l = 0, acc = 0 where a
+        row saw nothing. Both kernels run their chunks through here."""
+        m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)  # running max (base-2 logits)
+        l_i = tl.zeros([BLOCK_M], tl.float32)  # running sum of exp2(s - m_i)
+        acc = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
+        for start in range(lo, hi, BLOCK_N):
+            n = start + tl.arange(0, BLOCK_N)  # logical entries
+            page = n // PAGE
+            block = tl.load(tables_ptr + b * stride_tb + page, mask=(n < span) & (page < max_blocks), other=-1)
+            phys = block.to(tl.int64) * PAGE + n % PAGE
+            kv_mask = (block >= 0)[:, None] & d_ok[None, :]
+            kv_offs = phys[:, None] * stride_kr + kv_head * stride_kh + d[None, :]
+            k = tl.load(k_ptr + kv_offs, mask=kv_mask, other=0.0)
+            v = tl.load(v_ptr + kv_offs, mask=kv_mask, other=0.0)
+            s = tl.dot(q, tl.trans(k), input_precision="ieee") * qk_scale  # [BLOCK_M, BLOCK_N]
+
+            j = n - prefix  # round entry index
+            in_round = (j >= 0) & (n < span)
+            allowed = tl.load(mask_ptr + b * stride_mb + tok[:, None] * stride_mt + j[None, :],
+                              mask=row_ok[:, None] & in_round[None, :], other=0) != 0
+            visible = (n < prefix)[None, :] | (in_round[None, :] & allowed)
+            s = tl.where(visible, s, float("-inf"))
+
+            m_new = tl.maximum(m_i, tl.max(s, 1))
+            # A row that has seen nothing yet keeps m = -inf; subtract 0 instead so no NaN appears.
+            m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
+            alpha = tl.exp2(m_i - m_safe)
+            p = tl.exp2(s - m_safe[:, None])
+            l_i = l_i * alpha + tl.sum(p, 1)
+            acc = tl.dot(p.to(v.dtype), v, acc * alpha[:, None], input_precision="ieee")
+            m_i = m_new
+        return m_i, l_i, acc
 
     @triton.jit(do_not_specialize=["num_rows", "num_tokens", "max_blocks"])
     def _paged_tree_attention_kernel(
@@ -89,39 +172,126 @@ if HAVE_TRITON:
         prefix = tl.load(prefix_ptr + b).to(tl.int32)
         span = prefix + num_tokens
 
-        m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)  # running max (base-2 logits)
-        l_i = tl.zeros([BLOCK_M], tl.float32)  # running sum of exp2(s - m_i)
-        acc = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
         # Chunks start at entry 0 for every row: the fixed reduction order of the docstring.
-        for start in range(0, span, BLOCK_N):
-            n = start + tl.arange(0, BLOCK_N)  # logical entries
-            page = n // PAGE
-            block = tl.load(tables_ptr + b * stride_tb + page, mask=(n < span) & (page < max_blocks), other=-1)
-            phys = block.to(tl.int64) * PAGE + n % PAGE
-            kv_mask = (block >= 0)[:, None] & d_ok[None, :]
-            kv_offs = phys[:, None] * stride_kr + kv_head * stride_kh + d[None, :]
-            k = tl.load(k_ptr + kv_offs, mask=kv_mask, other=0.0)
-            v = tl.load(v_ptr + kv_offs, mask=kv_mask, other=0.0)
-            s = tl.dot(q, tl.trans(k), input_precision="ieee") * qk_scale  # [BLOCK_M, BLOCK_N]
-
-            j = n - prefix  # round entry index
-            in_round = (j >= 0) & (n < span)
-            allowed = tl.load(mask_ptr + b * stride_mb + tok[:, None] * stride_mt + j[None, :],
-                              mask=row_ok[:, None] & in_round[None, :], other=0) != 0
-            visible = (n < prefix)[None, :] | (in_round[None, :] & allowed)
-            s = tl.where(visible, s, float("-inf"))
-
-            m_new = tl.maximum(m_i, tl.max(s, 1))
-            # A row that has seen nothing yet keeps m = -inf; subtract 0 instead so no NaN appears.
-            m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
-            alpha = tl.exp2(m_i - m_safe)
-            p = tl.exp2(s - m_safe[:, None])
-            l_i = l_i * alpha + tl.sum(p, 1)
-            acc = tl.dot(p.to(v.dtype), v, acc * alpha[:, None], input_precision="ieee")
-            m_i = m_new
+        m_i, l_i, acc = _attend_entries(q, 0, span, b, kv_head, prefix, span, tok, row_ok, d, d_ok,
+                                        k_ptr, v_ptr, tables_ptr, mask_ptr, qk_scale, max_blocks,
+                                        stride_kr, stride_kh, stride_tb, stride_mb, stride_mt,
+                                        PAGE, BLOCK_M, BLOCK_N, BLOCK_D)
 
         # Rows that see nothing (padding) get zeros; real rows always see themselves.
         out = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]
+        tl.store(out_ptr + b * stride_ob + tok[:, None] * stride_ot + head[:, None] * HEAD_DIM + d[None, :],
+                 out.to(out_ptr.dtype.element_ty), mask=row_ok[:, None] & d_ok[None, :])
+
+    # The stats' strides (multiples of T * GROUP) stay unspecialised, like the lengths.
+    @triton.jit(do_not_specialize=["num_rows", "num_tokens", "max_blocks", "num_splits", "stride_sp", "stride_ss"])
+    def _paged_tree_attention_split_kernel(
+        q_ptr, k_ptr, v_ptr,  # q [B, nh, T, hd]; k, v [rows, nkv, hd]
+        tables_ptr,  # [B, max_blocks] physical block ids, -1 where none
+        prefix_ptr,  # [B] entries visible to every row
+        mask_ptr,  # [B, T, T] uint8: the bool tree mask
+        stats_ptr,  # [B * nkv, num_splits, 2, T * GROUP] fp32: m (base 2), then l, per (segment, row)
+        acc_ptr,  # [B * nkv, num_splits, T * GROUP, hd] fp32: un-normalised accumulator per (segment, row)
+        qk_scale,
+        num_rows,  # T * GROUP
+        num_tokens,  # T
+        max_blocks,
+        num_splits,
+        stride_qb, stride_qh, stride_qt,
+        stride_kr, stride_kh,
+        stride_tb,
+        stride_mb, stride_mt,
+        stride_sp, stride_ss,  # stats: per (request, kv head), per segment (its l follows at + num_rows)
+        stride_ap, stride_as, stride_ar,  # acc: per (request, kv head), per segment, per row
+        NUM_KV_HEADS: tl.constexpr,
+        GROUP: tl.constexpr,
+        HEAD_DIM: tl.constexpr,
+        BLOCK_D: tl.constexpr,
+        PAGE: tl.constexpr,
+        BLOCK_M: tl.constexpr,
+        BLOCK_N: tl.constexpr,
+        SPLIT: tl.constexpr,  # split_len: segment `split` holds logical entries [split * SPLIT, (split + 1) * SPLIT)
+    ):
+        pid = tl.program_id(0)
+        split = tl.program_id(2)
+        b = pid // NUM_KV_HEADS
+        prefix = tl.load(prefix_ptr + b).to(tl.int32)
+        span = prefix + num_tokens
+        lo = split * SPLIT
+        # A segment at or past the span holds nothing: the program writes nothing and the combine,
+        # which reads segments [0, cdiv(span, SPLIT)) only, never looks at its slot.
+        if lo < span:
+            kv_head = pid % NUM_KV_HEADS
+            r = tl.program_id(1) * BLOCK_M + tl.arange(0, BLOCK_M)  # rows packed as in the one-pass kernel
+            tok = r // GROUP
+            head = kv_head * GROUP + r % GROUP
+            row_ok = r < num_rows
+            d = tl.arange(0, BLOCK_D)
+            d_ok = d < HEAD_DIM
+            q = tl.load(q_ptr + b * stride_qb + head[:, None] * stride_qh + tok[:, None] * stride_qt + d[None, :],
+                        mask=row_ok[:, None] & d_ok[None, :], other=0.0)
+            m_i, l_i, acc = _attend_entries(q, lo, tl.minimum(lo + SPLIT, span), b, kv_head, prefix, span, tok,
+                                            row_ok, d, d_ok, k_ptr, v_ptr, tables_ptr, mask_ptr, qk_scale,
+                                            max_blocks, stride_kr, stride_kh, stride_tb, stride_mb, stride_mt,
+                                            PAGE, BLOCK_M, BLOCK_N, BLOCK_D)
+            stats = stats_ptr + pid.to(tl.int64) * stride_sp + split * stride_ss + r
+            tl.store(stats, m_i, mask=row_ok)
+            tl.store(stats + num_rows, l_i, mask=row_ok)
+            tl.store(acc_ptr + pid.to(tl.int64) * stride_ap + split * stride_as + r[:, None] * stride_ar + d[None, :],
+                     acc, mask=row_ok[:, None] & d_ok[None, :])
+
+    @triton.jit(do_not_specialize=["num_rows", "num_tokens", "num_splits", "stride_sp", "stride_ss"])
+    def _combine_splits_kernel(
+        prefix_ptr,  # [B]
+        stats_ptr,  # [B * nkv, num_splits, 2, T * GROUP] fp32 (m, l)
+        acc_ptr,  # [B * nkv, num_splits, T * GROUP, hd] fp32
+        out_ptr,  # [B, T, nh * hd]
+        num_rows,
+        num_tokens,
+        num_splits,
+        stride_sp, stride_ss,
+        stride_ap, stride_as, stride_ar,
+        stride_ob, stride_ot,
+        NUM_KV_HEADS: tl.constexpr,
+        GROUP: tl.constexpr,
+        HEAD_DIM: tl.constexpr,
+        BLOCK_D: tl.constexpr,
+        BLOCK_M: tl.constexpr,
+        SPLIT: tl.constexpr,
+    ):
+        pid = tl.program_id(0)
+        b = pid // NUM_KV_HEADS
+        kv_head = pid % NUM_KV_HEADS
+        r = tl.program_id(1) * BLOCK_M + tl.arange(0, BLOCK_M)
+        tok = r // GROUP
+        head = kv_head * GROUP + r % GROUP
+        row_ok = r < num_rows
+        d = tl.arange(0, BLOCK_D)
+        d_ok = d < HEAD_DIM
+        span = tl.load(prefix_ptr + b).to(tl.int32) + num_tokens
+        # The segments the split kernel wrote (span <= num_splits * SPLIT for well-formed tables; the
+        # minimum only keeps an ill-formed one inside the buffer).
+        num_live = tl.minimum(tl.cdiv(span, SPLIT), num_splits)
+        stats = stats_ptr + pid.to(tl.int64) * stride_sp + r
+        accs = acc_ptr + pid.to(tl.int64) * stride_ap + r[:, None] * stride_ar + d[None, :]
+
+        # Segments in the fixed order 0, 1, ...: the global max first, then the rescaled sums. A
+        # segment a row cannot see (m = -inf, l = 0, acc = 0) adds exact zeros.
+        m_max = tl.full([BLOCK_M], float("-inf"), tl.float32)
+        for split in range(0, num_live):
+            m_max = tl.maximum(m_max, tl.load(stats + split * stride_ss, mask=row_ok, other=float("-inf")))
+        m_safe = tl.where(m_max == float("-inf"), 0.0, m_max)
+        l_sum = tl.zeros([BLOCK_M], tl.float32)
+        acc = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
+        for split in range(0, num_live):
+            m_s = tl.load(stats + split * stride_ss, mask=row_ok, other=float("-inf"))
+            l_s = tl.load(stats + split * stride_ss + num_rows, mask=row_ok, other=0.0)
+            acc_s = tl.load(accs + split * stride_as, mask=row_ok[:, None] & d_ok[None, :], other=0.0)
+            w = tl.exp2(m_s - m_safe)
+            l_sum += w * l_s
+            acc += w[:, None] * acc_s
+
+        out = acc / tl.where(l_sum > 0, l_sum, 1.0)[:, None]
         tl.store(out_ptr + b * stride_ob + tok[:, None] * stride_ot + head[:, None] * HEAD_DIM + d[None, :],
                  out.to(out_ptr.dtype.element_ty), mask=row_ok[:, None] & d_ok[None, :])
 
@@ -135,12 +305,15 @@ def paged_tree_attention(
     tree_mask: torch.Tensor | None,  # [B, T, T] bool, or None for causal
     scale: float,
     block_size: int,
+    *,
+    split_len: int | None = None,
 ) -> torch.Tensor:  # [B, T, nh * hd]
     """The kernel for CUDA tensors when Triton is installed, the torch reference otherwise."""
     if q.is_cuda and HAVE_TRITON:
         return paged_tree_attention_triton(q, k_pool, v_pool, block_tables, prefix_lens, tree_mask, scale,
-                                           block_size)
-    return paged_tree_attention_ref(q, k_pool, v_pool, block_tables, prefix_lens, tree_mask, scale, block_size)
+                                           block_size, split_len=split_len)
+    return paged_tree_attention_ref(q, k_pool, v_pool, block_tables, prefix_lens, tree_mask, scale, block_size,
+                                    split_len=split_len)
 
 
 def paged_tree_attention_triton(
@@ -152,15 +325,18 @@ def paged_tree_attention_triton(
     tree_mask: torch.Tensor | None,  # [B, T, T] bool, or None for causal
     scale: float,
     block_size: int,
+    *,
+    split_len: int | None = None,
 ) -> torch.Tensor:  # [B, T, nh * hd]
-    """Validates the inputs and launches the kernel (see the module docstring for the semantics).
+    """Validates the inputs and launches the kernel (see the module docstring for the semantics):
+    one pass per row when split_len is None, else the split-KV pair (`split_len_for`).
 
     Entries a row may see must be mapped in block_tables (PagedKVCache.reserve does that); unmapped
     entries read as zeros here and as the trash row in the reference, and no well-formed mask sees them.
     """
     if not HAVE_TRITON:
         raise RuntimeError("paged_tree_attention_triton needs the triton package")
-    _check_inputs(q, k_pool, v_pool, block_tables, prefix_lens, tree_mask, block_size)
+    _check_inputs(q, k_pool, v_pool, block_tables, prefix_lens, tree_mask, block_size, split_len)
     last_dim_contiguous = {"q": q, "k_pool": k_pool, "v_pool": v_pool, "block_tables": block_tables,
                            "tree_mask": tree_mask}
     for name, value in last_dim_contiguous.items():
@@ -182,6 +358,9 @@ def paged_tree_attention_triton(
             batch_size, num_tokens, num_tokens)
     mask = tree_mask.view(torch.uint8)  # same storage, no copy; both Triton backends load bytes
     grid = (batch_size * num_kv_heads, triton.cdiv(num_tokens * group, _BLOCK_M))
+    if split_len is not None:
+        _launch_split(q, k_pool, v_pool, block_tables, prefix_lens, mask, out, scale, block_size, split_len, grid)
+        return out
     _paged_tree_attention_kernel[grid](
         q, k_pool, v_pool, block_tables, prefix_lens, mask, out,
         scale * math.log2(math.e), num_tokens * group, num_tokens, block_tables.shape[1],
@@ -198,6 +377,80 @@ def paged_tree_attention_triton(
     return out
 
 
+def _launch_split(q, k_pool, v_pool, block_tables, prefix_lens, mask, out, scale, block_size, split_len,
+                  grid) -> None:
+    """The split-KV pair on validated inputs: partials per (row, segment), then the combine into
+    `out [B, T, nh * hd]`. `grid` is the one-pass kernel's (B * nkv, row blocks)."""
+    batch_size, num_heads, num_tokens, head_dim = q.shape
+    num_kv_heads = k_pool.shape[1]
+    group = num_heads // num_kv_heads
+    num_rows = num_tokens * group
+    # From the table's width, never from prefix_lens: the launch stays capturable (module docstring).
+    num_splits = triton.cdiv(block_tables.shape[1] * block_size, split_len)
+    # fp32 partials, B * nh * T * num_splits * (hd + 2) * 4 bytes in all (module docstring). Slots
+    # of segments past a row's span stay unwritten and unread.
+    stats = torch.empty(batch_size * num_kv_heads, num_splits, 2, num_rows, dtype=torch.float32,
+                        device=q.device)  # [B * nkv, num_splits, (m, l), T * GROUP]
+    acc = torch.empty(batch_size * num_kv_heads, num_splits, num_rows, head_dim, dtype=torch.float32,
+                      device=q.device)  # [B * nkv, num_splits, T * GROUP, hd]
+    shapes = dict(NUM_KV_HEADS=num_kv_heads, GROUP=group, HEAD_DIM=head_dim,
+                  BLOCK_D=max(16, triton.next_power_of_2(head_dim)), BLOCK_M=_BLOCK_M, SPLIT=split_len)
+    _paged_tree_attention_split_kernel[(*grid, num_splits)](
+        q, k_pool, v_pool, block_tables, prefix_lens, mask, stats, acc,
+        scale * math.log2(math.e), num_rows, num_tokens, block_tables.shape[1], num_splits,
+        q.stride(0), q.stride(1), q.stride(2),
+        k_pool.stride(0), k_pool.stride(1),
+        block_tables.stride(0),
+        mask.stride(0), mask.stride(1),
+        stats.stride(0), stats.stride(1),
+        acc.stride(0), acc.stride(1), acc.stride(2),
+        PAGE=block_size, BLOCK_N=_block_n(head_dim), **shapes,
+        num_warps=_NUM_WARPS,
+    )
+    _combine_splits_kernel[grid](
+        prefix_lens, stats, acc, out,
+        num_rows, num_tokens, num_splits,
+        stats.stride(0), stats.stride(1),
+        acc.stride(0), acc.stride(1), acc.stride(2),
+        out.stride(0), out.stride(1),
+        **shapes,
+        num_warps=_NUM_WARPS,
+    )
+
+
+def launch_split_len(q: torch.Tensor, num_kv_heads: int, split_len: int) -> int | None:
+    """`split_len` when the one-pass grid for `q [B, nh, T, hd]` has fewer programs than the
+    device has multiprocessors (the split pays there), else None (one pass). A function of the
+    launch's shapes alone, so it is fixed within a captured CUDA graph. Off CUDA: split_len."""
+    if not q.is_cuda:
+        return split_len
+    batch_size, num_heads, num_tokens, _ = q.shape
+    programs = batch_size * num_kv_heads * -(-num_tokens * (num_heads // num_kv_heads) // _BLOCK_M)
+    return split_len if programs < _multiprocessors(q.device) else None
+
+
+def _multiprocessors(device: torch.device) -> int:
+    index = device.index if device.index is not None else torch.cuda.current_device()
+    if index not in _SM_COUNT:
+        _SM_COUNT[index] = torch.cuda.get_device_properties(index).multi_processor_count
+    return _SM_COUNT[index]
+
+
+_SM_COUNT: dict[int, int] = {}
+
+
+def split_len_for(capacity: int, head_dim: int) -> int:
+    """The split_len for a cache of `capacity` entries per request (its block-table width times
+    block_size, a constant of the cache, so every call segments alike): the smallest power of two
+    >= BLOCK_N that cuts `capacity` into at most _MAX_SPLITS segments. Examples (head_dim 128,
+    BLOCK_N 64): capacity 592 (37 blocks of 16) -> ceil(592 / 32) = 19 -> 64, 10 segments;
+    capacity 4112 (257 blocks) -> 129 -> 256, 17 segments."""
+    if not isinstance(capacity, int) or capacity < 1:
+        raise ValueError(f"capacity must be a positive int, got {capacity!r}")
+    per_split = -(-capacity // _MAX_SPLITS)
+    return max(_block_n(head_dim), 1 << (per_split - 1).bit_length())
+
+
 def paged_tree_attention_ref(
     q: torch.Tensor,  # [B, nh, T, hd]
     k_pool: torch.Tensor,  # [rows, nkv, hd]
@@ -207,11 +460,14 @@ def paged_tree_attention_ref(
     tree_mask: torch.Tensor | None,  # [B, T, T] bool, or None for causal
     scale: float,
     block_size: int,
+    *,
+    split_len: int | None = None,
 ) -> torch.Tensor:  # [B, T, nh * hd]
     """The same in torch, as the model computes it today: gather the rows of entries
     [0, max(prefix_lens) + T) (PagedKVCache.rows), build the dense [B, T, span] mask
-    (NativeRunner.verify) and call masked_attention."""
-    _check_inputs(q, k_pool, v_pool, block_tables, prefix_lens, tree_mask, block_size)
+    (NativeRunner.verify) and call masked_attention. split_len is checked and otherwise ignored: it
+    changes the kernel's summation order, not what is computed."""
+    _check_inputs(q, k_pool, v_pool, block_tables, prefix_lens, tree_mask, block_size, split_len)
     batch_size, _, num_tokens, _ = q.shape
     device = q.device
     prefix = prefix_lens.to(device=device, dtype=torch.int64)
@@ -240,7 +496,7 @@ def _block_n(head_dim: int) -> int:
     return 64 if head_dim <= 128 else 32
 
 
-def _check_inputs(q, k_pool, v_pool, block_tables, prefix_lens, tree_mask, block_size) -> None:
+def _check_inputs(q, k_pool, v_pool, block_tables, prefix_lens, tree_mask, block_size, split_len) -> None:
     if not isinstance(q, torch.Tensor) or q.dim() != 4 or q.dtype not in _FLOAT_DTYPES:
         raise ValueError(f"q must be a float16/bfloat16/float32 tensor [B, nh, T, hd], got {_describe(q)}")
     batch_size, num_heads, num_tokens, head_dim = q.shape
@@ -269,6 +525,11 @@ def _check_inputs(q, k_pool, v_pool, block_tables, prefix_lens, tree_mask, block
             raise ValueError(f"{name} is on {value.device}, q on {q.device}")
     if not isinstance(block_size, int) or block_size < 1:
         raise ValueError(f"block_size must be a positive int, got {block_size!r}")
+    block_n = _block_n(head_dim)
+    if split_len is not None and (not isinstance(split_len, int) or isinstance(split_len, bool) or split_len < 1
+                                  or split_len % block_n):
+        raise ValueError(f"split_len must be None or a positive multiple of the kernel's key chunk BLOCK_N = "
+                         f"{block_n} (head_dim {head_dim}), got {split_len!r}")
 
 
 def _is_integer(value: object) -> bool:
