@@ -145,6 +145,17 @@ def report(once, device: str, rate, steps: int, top: int) -> None:
     out = once("plain-wall")
     _sync()
     print(f"unsynchronized: {1000 * (time.perf_counter() - t0) / out.stats.num_rounds:.3f} ms/round")
+    import cProfile
+    import pstats
+
+    prof_py = cProfile.Profile()
+    prof_py.enable()
+    out = once("cprofile")
+    _sync()
+    prof_py.disable()
+    print(f"\nPython functions over {out.stats.num_rounds} rounds (cProfile, by own time)")
+    pstats.Stats(prof_py).sort_stats("tottime").print_stats(top)
+    pstats.Stats(prof_py).sort_stats("cumulative").print_stats(top + 10)
     with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA if device == "cuda" else torch.profiler.ProfilerActivity.CPU]) as prof:
         out = once("profiled")
         _sync()

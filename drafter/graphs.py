@@ -19,6 +19,7 @@ from dataclasses import dataclass, fields
 import torch
 
 from drafter.tree import TreeDraft
+from spectandem.devices import to_device
 from spectandem.kv_cache import PagedCacheBatch, PagedKVCache
 from verifier.graphs import BATCH_BUCKETS, batch_bucket, capture_graph, span_bucket
 
@@ -47,7 +48,7 @@ def chain_inputs(cache: PagedKVCache, slots: torch.Tensor, base: list[int], firs
     dev = cache.k[0].device
     pad = rows - b
     real = torch.arange(rows, device=dev) < b
-    base_t = torch.tensor(list(base) + [0] * pad, device=dev)                              # [Bc]
+    base_t = to_device(list(base) + [0] * pad, dev)                                        # [Bc]
     slot_t = torch.cat([slots.to(dev), slots[:1].to(dev).expand(pad)])
     steps = torch.arange(num_steps - 1, device=dev)
     write = torch.where(real[:, None], base_t[:, None] + steps, cache.trash_index)         # [Bc, S_steps - 1]

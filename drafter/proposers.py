@@ -17,6 +17,7 @@ from drafter.graphs import ChainGraphs
 from drafter.heads import DraftHead
 from drafter.tree import TreeDraft, expand_topk, sample_chains
 from spectandem.config import SamplingParams, SpecConfig
+from spectandem.devices import to_device
 from spectandem.kv_cache import PagedKVCache
 from spectandem.modeling.llama import LlamaModel
 
@@ -166,7 +167,7 @@ class EagleProposer:
         MLP and norms only for each request's last new pair (the only row whose logits are
         sampled). Exact because the head has one layer: K/V depend only on each row's input."""
         head = self.head
-        slots = torch.tensor([self.slots.get(r.request_id) for r in reqs], device=self.device)
+        slots = to_device([self.slots.get(r.request_id) for r in reqs], self.device)
         base = [self.cache_len.get(r.request_id, 0) for r in reqs]
         for r, n, b0 in zip(reqs, num_new, base):
             assert n >= 1 and b0 + n == r.committed_len - 1, (r.request_id, b0, n, r.committed_len)
@@ -174,16 +175,17 @@ class EagleProposer:
             slot = self.slots.of[r.request_id]
             self.cache.trim(slot, b0)      # last round's draft scratch
             self.cache.reserve(slot, b0 + n)
-        toks = _pad([torch.tensor(r.token_ids[r.committed_len - n:], device=self.device)
-                     for r, n in zip(reqs, num_new)], 0)                                   # [B, T]
+        width = max(num_new)
+        toks = to_device([list(r.token_ids[r.committed_len - n:]) + [0] * (width - n)
+                          for r, n in zip(reqs, num_new)], self.device)                     # [B, T]
         feats = _pad([f.to(self.device, self.dtype) for f in features], 0.0)               # [B, T, F]
         t = toks.shape[1]
         ar = torch.arange(t, device=self.device)
-        base_t = torch.tensor(base, device=self.device)
-        n_t = torch.tensor(num_new, device=self.device)
+        base_t = to_device(base, self.device)
+        n_t = to_device(num_new, self.device)
         positions = base_t[:, None] + ar                                                   # [B, T]
         write = torch.where(ar < n_t[:, None], positions, self.cache.trash_index)
-        span = int((base_t + n_t).max())
+        span = max(b0 + n for b0, n in zip(base, num_new))
         last = (n_t - 1)[:, None]                                                          # [B, 1]
         mask = (torch.arange(span, device=self.device)[None, None, :] < (base_t + n_t)[:, None, None])
         out = head.run(toks, head.project(feats), positions, self.cache.batch(slots, write, span), mask, last)
@@ -243,12 +245,13 @@ class EagleProposer:
     @torch.no_grad()
     def propose(self, reqs, num_steps=None):
         ids = [r.request_id for r in reqs]
-        slots = torch.tensor([self.slots.of[i] for i in ids], device=self.device)
-        base = torch.tensor([self.cache_len[i] for i in ids], device=self.device)
+        slots = to_device([self.slots.of[i] for i in ids], self.device)
+        base_list = [self.cache_len[i] for i in ids]
+        base = to_device(base_list, self.device)
         first = torch.stack([self.last_logits[i] for i in ids])                           # [B, Vd]
         hidden0 = torch.stack([self.last_hidden[i] for i in ids])[:, None]                # [B, 1, H]
         k = self.cfg.topk
-        for i, b0 in zip(ids, base.tolist()):
+        for i, b0 in zip(ids, base_list):
             self.cache.reserve(self.slots.of[i], b0 + max(0, self.cfg.num_steps - 1) * k)
         steps = min(num_steps or self.cfg.num_steps, self.cfg.num_steps)
         if self.chain is not None and self.chain.supports(len(ids), k, reqs[0].sample_drafts, steps):
@@ -314,7 +317,7 @@ class DraftModelProposer:
 
     @torch.no_grad()
     def catch_up(self, reqs, num_new, features):
-        slots = torch.tensor([self.slots.get(r.request_id) for r in reqs], device=self.device)
+        slots = to_device([self.slots.get(r.request_id) for r in reqs], self.device)
         base = [self.cache_len.get(r.request_id, 0) for r in reqs]
         # The LM reads tokens, not pairs: it absorbs everything committed after its cache.
         new = [r.committed_len - b0 for r, b0 in zip(reqs, base)]

@@ -23,6 +23,7 @@ from dataclasses import dataclass
 
 import torch
 
+from spectandem.devices import to_device
 from spectandem.kernels.attention import launch_split_len, paged_tree_attention, split_len_for
 from spectandem.modeling.layers import masked_attention
 
@@ -122,7 +123,7 @@ class PagedKVCache:
         if num_entries > self.max_len:
             raise ValueError(f"sequence needs {num_entries} cache entries, more than max_len {self.max_len}")
         table = self.blocks.allocate(slot, num_entries)
-        self._tables[slot, : len(table)] = torch.tensor(table, dtype=torch.long)
+        self._tables[slot, : len(table)] = to_device(table, self._tables.device, torch.long)
 
     def free(self, slot: int) -> None:
         self.blocks.deallocate(slot)

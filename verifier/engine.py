@@ -18,6 +18,7 @@ import torch
 
 from spectandem import rng
 from spectandem.config import SamplingParams
+from spectandem.devices import to_device
 from spectandem.messages import DraftTree, PrefillOutput, StaleMessage, VerifyOutput
 from spectandem.sampling import greedy, logits_to_probs, sample_from_probs
 from spectandem.kernels.accept import greedy_accept
@@ -147,7 +148,7 @@ class VerifierEngine:
             args = (tree.token_ids[sel], tree.parents[sel], tree.node_valid[sel])
             if rule == "greedy" and on_gpu:
                 dev = logits.device
-                res = greedy_accept(logits[sel.to(dev)].argmax(-1), *(a.to(dev) for a in args))
+                res = greedy_accept(logits[to_device(sel, dev)].argmax(-1), *(to_device(a, dev) for a in args))
                 res = VerifyResult(*(t.cpu() for t in res))
             elif rule == "greedy":
                 res = verify_greedy(*args, lg[sel])

@@ -44,6 +44,7 @@ from typing import Callable
 
 import torch
 
+from spectandem.devices import to_device
 from spectandem.kv_cache import PagedCacheBatch, PagedKVCache, PagedTreeBatch
 from spectandem.tree import ancestor_mask, node_depths
 
@@ -144,24 +145,24 @@ def verify_inputs(cache: PagedKVCache, slots: list[int], cache_lens: list[int], 
     dev = cache.k[0].device
     pad = rows - b
     real = torch.arange(rows, device=dev) < b                                         # [Bc]
-    base = torch.tensor(list(cache_lens) + [0] * pad, device=dev)                     # [Bc]
+    base = to_device(list(cache_lens) + [0] * pad, dev)                               # [Bc]
     node = torch.arange(n, device=dev)
     cols = torch.arange(span, device=dev)
     # Node j of request b is written at logical cache_len + j; padding rows read and write the
     # logical trash index, which `cache.rows` maps to the trash row.
     write = torch.where(real[:, None], base[:, None] + node, cache.trash_index)        # [Bc, N]
     read = torch.where(real[:, None], cols, cache.trash_index)                          # [Bc, S]
-    slot_t = torch.tensor(list(slots) + [slots[0]] * pad, device=dev)
+    slot_t = to_device(list(slots) + [slots[0]] * pad, dev)
     positions = torch.zeros(rows, n, dtype=torch.long, device=dev)
-    positions[:b] = base[:b, None] + node_depths(parents, node_valid).to(dev)
+    positions[:b] = base[:b, None] + to_device(node_depths(parents, node_valid), dev)
     # Column j < cache_len: committed, visible to every node; column cache_len + j: node j,
     # visible to its descendants and itself.
     mask = (cols[None, None, :] < base[:, None, None]).expand(rows, n, span).clone()   # [Bc, N, S]
-    tree = ancestor_mask(parents, node_valid).to(dev)                                  # [B, N, N]
+    tree = to_device(ancestor_mask(parents, node_valid), dev)                          # [B, N, N]
     mask[torch.arange(b, device=dev)[:, None, None], node[None, :, None], write[:b, None, :]] = tree
     mask[b:, :, 0] = True
     toks = torch.zeros(rows, n, dtype=torch.long, device=dev)
-    toks[:b] = token_ids.clamp(min=0).to(dev)
+    toks[:b] = to_device(token_ids.clamp(min=0), dev)
     return VerifyInputs(toks, positions, cache.rows(slot_t, write), cache.rows(slot_t, read), mask)
 
 
@@ -186,14 +187,14 @@ def tree_verify_inputs(cache: PagedKVCache, slots: list[int], cache_lens: list[i
     assert rows >= b and max(cache_lens) + n <= cache.max_len, (rows, b, cache_lens, n)
     dev = cache.k[0].device
     inp = padding_tree_inputs(cache, rows, n)
-    base = torch.tensor(cache_lens, device=dev)                                         # [B]
-    slot_t = torch.tensor(slots, device=dev)
-    inp.token_ids[:b] = token_ids.clamp(min=0).to(dev)
-    inp.positions[:b] = base[:, None] + node_depths(parents, node_valid).to(dev)
+    base = to_device(cache_lens, dev)                                                   # [B]
+    slot_t = to_device(slots, dev)
+    inp.token_ids[:b] = to_device(token_ids.clamp(min=0), dev)
+    inp.positions[:b] = base[:, None] + to_device(node_depths(parents, node_valid), dev)
     inp.write_rows[:b] = cache.rows(slot_t, base[:, None] + torch.arange(n, device=dev))
     inp.block_tables[:b] = cache.block_tables(slot_t)
     inp.prefix_lens[:b] = base
-    inp.tree_mask[:b] = ancestor_mask(parents, node_valid).to(dev)
+    inp.tree_mask[:b] = to_device(ancestor_mask(parents, node_valid), dev)
     return inp
 
 

@@ -16,6 +16,7 @@ from pathlib import Path
 
 import torch
 
+from spectandem.devices import to_device
 from spectandem.kv_cache import KVCache, PagedKVCache
 from spectandem.modeling.llama import NATIVE_ARCHITECTURES, InvariantBatch, LlamaModel, load_llama
 from spectandem.tree import ancestor_mask, node_depths
@@ -156,15 +157,16 @@ class NativeRunner:
     def commit(self, slots: list[int], cache_lens: list[int], accepted_nodes: torch.Tensor) -> None:
         """Keeps the accepted path: accepted_nodes [B, A] node indices (root first, -1 padded),
         node j was written at cache_len + j and moves to cache_len + its rank on the path."""
-        base = torch.tensor(cache_lens, device=self.device)[:, None]
-        nodes = accepted_nodes.to(self.device)
+        base = to_device(cache_lens, self.device)[:, None]
+        kept = (accepted_nodes >= 0).sum(1).tolist()       # on the host: accepted_nodes is a host result
+        nodes = to_device(accepted_nodes, self.device)
         rank = torch.arange(nodes.shape[1], device=self.device)[None]
         ok = nodes >= 0
         src = torch.where(ok, base + nodes, self.cache.trash_index)
         dst = torch.where(ok, base + rank, self.cache.trash_index)
-        self.cache.compact(torch.tensor(slots, device=self.device), src, dst)
+        self.cache.compact(to_device(slots, self.device), src, dst)
         # The tree's scratch past the committed entries goes back to the pool.
-        for slot, c, k in zip(slots, cache_lens, ok.sum(1).tolist()):
+        for slot, c, k in zip(slots, cache_lens, kept):
             self.cache.trim(slot, c + k)
 
     def release(self, slot: int) -> None:

@@ -1,0 +1,26 @@
+"""Host-to-device copies that do not stall the host.
+
+`torch.tensor(data, device="cuda")` and `cpu_tensor.to("cuda")` copy from pageable memory and
+then synchronize the stream: the host waits for every kernel queued before it, and the GPU then
+idles while the host prepares the next launch. A speculation round makes a few dozen such small
+copies (slots, lengths, tree shapes, block tables), each one such stall; on the H200 the 8B round
+waited ~80 µs per copy (benchmarks/profile_round.py). `to_device` stages the data in pinned
+memory and copies it asynchronously, in stream order, so the host runs ahead. The values are
+the same; PyTorch's pinned-memory allocator keeps the staging buffer until the copy is done.
+"""
+
+from __future__ import annotations
+
+import torch
+
+
+def to_device(data, device, dtype: torch.dtype | None = None) -> torch.Tensor:
+    """`torch.tensor(data, dtype=dtype, device=device)` (or a CPU tensor moved there), without a
+    stream synchronization on CUDA."""
+    device = torch.device(device)
+    t = data if isinstance(data, torch.Tensor) else torch.tensor(data, dtype=dtype)
+    if dtype is not None and t.dtype != dtype:
+        t = t.to(dtype)
+    if device.type != "cuda" or t.device.type != "cpu":
+        return t.to(device)
+    return t.pin_memory().to(device, non_blocking=True)
