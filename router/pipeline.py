@@ -15,7 +15,7 @@ choice must not depend on load). The others keep full drafts.
 
 In "auto" the candidates depend on the batch: below 2 * pingpong_min_batch requests, sequential,
 ahead and plain; from there, sequential, ping-pong, each short draft length and plain. It measures
-each (committed tokens per second over a window of rounds) and keeps the fastest for a while,
+each (committed tokens per second over a window of rounds, its first round left out) and keeps the fastest for a while,
 then measures again; a change of candidates starts over. Ping-pong wins when drafter and
 verifier have devices of their own and loses when they share cores (benchmarks/serving.py);
 short drafts and plain win at large batches where verifying trees costs more than it saves.
@@ -71,8 +71,11 @@ class ModeChooser:
     def record(self, mode: str, tokens: int, seconds: float) -> None:
         if self.mode != mode or self.left <= 0:
             return
+        first = self.left == self.cfg.mode_window
         self.left -= 1
-        if self.phase == "measure":
+        # A window's first round is not counted when the window has others: it pays for the
+        # previous mode's leftovers (a pending catch-up, a second micro-batch), not its own.
+        if self.phase == "measure" and not (first and self.cfg.mode_window > 1):
             t, sec = self._acc.get(mode, (0, 0.0))
             self._acc[mode] = (t + tokens, sec + seconds)
             if self.left == 0:

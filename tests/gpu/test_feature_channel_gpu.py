@@ -139,7 +139,7 @@ def _bench_receiver(address: str, out: str) -> None:
 def _channel_handoff(x: torch.Tensor, tmp_path: Path) -> tuple[list[float], list[float]]:
     """-> (send to usable on the drafter's GPU, the verifier thread's cost of send()), seconds per round."""
     address, out = _address(), tmp_path / "arrived.json"
-    child = subprocess.Popen([sys.executable, "-c", "import sys; from tests.gpu.test_feature_channel import "
+    child = subprocess.Popen([sys.executable, "-c", "import sys; from tests.gpu.test_feature_channel_gpu import "
                               "_bench_receiver as r; r(sys.argv[1], sys.argv[2])", address, str(out)],
                              cwd=ROOT, env=dict(os.environ, PYTHONPATH=_pythonpath()))
     sender = FeatureSender(address, VERIFIER_DEVICE)

@@ -62,3 +62,15 @@ def test_speculation_switch_turns_off_on_low_acceptance_only():
     for _ in range(4):
         switch.observe(0, round_number=20)
     assert switch.off(21) and switch.off(29) and not switch.off(30)
+
+
+def test_a_windows_first_round_is_not_counted():
+    """The first round after a switch pays the previous mode's leftovers: a slow first round of
+    "sequential" must not make "plain" look better."""
+    chooser = ModeChooser(_cfg(pipeline="auto"))
+    for i in range(9):
+        mode = chooser.choose(num_running=1, drafter_up=True)
+        slow_start = i % 3 == 0 and mode == "sequential"
+        tokens = {"sequential": 30, "ahead": 10, "plain": 20}[mode]
+        chooser.record(mode, tokens=tokens, seconds=50.0 if slow_start else 1.0)
+    assert chooser.choose(num_running=1, drafter_up=True) == "sequential"
