@@ -16,7 +16,7 @@ at small sizes. fp32: add_rmsnorm's sum and norm and rmsnorm over strided rows b
 `rmsnorm_cuda_order` (the torch replay of ATen's CUDA order), rotary over packed views bit for bit,
 silu_mul_packed within a few ulps (numpy's exp); bf16 within a few ulps (the interpreter truncates).
 
-    TRITON_INTERPRET=1 python -m pytest -q tests/spectandem/test_packed_model.py -p no:cacheprovider
+    TRITON_INTERPRET=1 python -m pytest -q tests/spectandem/test_packed_model_cpu.py -p no:cacheprovider
 """
 
 from __future__ import annotations
