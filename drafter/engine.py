@@ -118,7 +118,10 @@ class DrafterEngine:
                                f"length {req.committed_len}; the message is for {epoch}, {committed_len}")
 
     def extend(self, outputs: list[VerifyOutput]) -> None:
-        """Catch-up after verification: absorb each request's accepted tokens and bonus token."""
+        """Catch-up after verification: absorb each request's accepted tokens and bonus token. A
+        request may appear several times (rounds it was decoded plainly, in order): its rounds are
+        absorbed in one catch-up."""
+        outputs = _merge_rounds(outputs)
         reqs = [self.requests[out.request_id] for out in outputs]
         # Check every verdict before changing anything: a stale one leaves the whole batch as it was.
         for out, req in zip(outputs, reqs):
@@ -344,3 +347,21 @@ def build_proposer(cfg: SpecConfig, target, draft_dir: str | Path | None, max_sl
 
     head = load_head(draft_dir, target, kind=cfg.method, dtype=dtype, device=device)
     return EagleProposer(head, cfg, max_slots, max_len, kv_blocks, block_size, cuda_graphs)
+
+
+def _merge_rounds(outputs: list[VerifyOutput]) -> list[VerifyOutput]:
+    """One output per request, in order of first appearance: a request's consecutive rounds
+    joined (tokens and feature rows concatenated, the last committed length)."""
+    merged: dict[str, VerifyOutput] = {}
+    for out in outputs:
+        prev = merged.get(out.request_id)
+        if prev is None:
+            merged[out.request_id] = out
+            continue
+        feats = None if prev.features is None else torch.cat([prev.features, out.features.to(prev.features)])
+        merged[out.request_id] = VerifyOutput(request_id=out.request_id, committed_len=out.committed_len,
+                                              token_ids=list(prev.token_ids) + list(out.token_ids),
+                                              num_accepted=prev.num_accepted + out.num_accepted,
+                                              num_draft_tokens=prev.num_draft_tokens + out.num_draft_tokens,
+                                              features=feats)
+    return list(merged.values())

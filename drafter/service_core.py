@@ -14,7 +14,7 @@ from dataclasses import replace
 
 from router.links import DrafterPrefillItem, EngineInfo, ExtendItem, Tag
 from spectandem.channel import ChannelRef, FeatureChannelError, FeatureReceiver
-from spectandem.messages import DraftTree, VerifyOutput
+from spectandem.messages import DraftTree, StaleMessage, VerifyOutput
 
 log = logging.getLogger("spectandem.drafter")
 
@@ -80,8 +80,15 @@ def drafter_extend(engine, items: list[ExtendItem], receiver: FeatureReceiver | 
     features did not come over the channel: re-prefill them)."""
     unknown = [i.tag.request_id for i in items if i.tag.request_id not in engine.requests]
     known = [i for i in items if i.tag.request_id in engine.requests]
+    follows: dict[str, int] = {}   # a request may come with several rounds, in order (router backlog)
     for i in known:
-        engine.check_tag(i.tag.request_id, i.tag.epoch, i.tag.committed_len - len(i.token_ids))
+        rid, start = i.tag.request_id, i.tag.committed_len - len(i.token_ids)
+        if rid in follows and start != follows[rid]:
+            raise StaleMessage(f"{rid!r}: extend items out of order (one starts at {start}, the previous "
+                               f"ended at {follows[rid]})")
+        if rid not in follows:
+            engine.check_tag(rid, i.tag.epoch, start)
+        follows[rid] = i.tag.committed_len
     known, missing = _take_features(receiver, known)
     for rid in missing:  # forgotten, so that "unknown" is true and the re-prefill starts clean
         engine.remove(rid)

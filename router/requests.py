@@ -48,6 +48,9 @@ class ServedRequest:
     admit_seq: int = -1              # order of first admission (preemption takes the latest)
     preempted: bool = False          # waiting to resume
     drafter_kept: bool = False       # preempted; the drafter keeps its next tree until released
+    # Catch-ups held back while this request decodes plainly (router/rounds.py): the drafter gets
+    # them, in order and in one call, before it next drafts for the request.
+    backlog: list = field(default_factory=list)
 
     @property
     def committed_len(self) -> int:

@@ -114,6 +114,14 @@ class RoundsMixin:
                    and not (spec_off and self._invisible_when_plain(r))]
         if not drafted:
             return None, []
+        backlog = [item for r in drafted for item in r.backlog]
+        if backlog:   # catch-ups held back by plain rounds: the drafter must be in step first
+            for r in drafted:
+                r.backlog.clear()
+            await self._extend(backlog)
+            drafted = [r for r in drafted if r.on_drafter and self.drafter_up]
+            if not drafted:
+                return None, []
         steps = None
         if self._mode.startswith("short:"):   # shorter trees where the tree does not decide the tokens
             cap = int(self._mode.split(":")[1])
@@ -166,9 +174,14 @@ class RoundsMixin:
                 c.fallback_rounds += 1
             going_on = self._commit(r, res.token_ids) if not r.done else False
             if going_on and r.on_drafter and self.drafter_up:
-                extend.append(ExtendItem(Tag(r.request_id, r.epoch, r.committed_len), res.token_ids, res.features))
+                item = ExtendItem(Tag(r.request_id, r.epoch, r.committed_len), res.token_ids, res.features)
+                # Decoded plainly: the catch-up waits until the request is drafted again, when the
+                # drafter absorbs every held-back round in one forward (the drafter's engine merges
+                # them), so rounds of "plain" cost the drafter nothing.
+                (r.backlog if r not in drafted else extend).append(item)
             elif going_on:
                 r.on_drafter = False
+                r.backlog.clear()
         return extend
 
     async def _extend(self, items: list[ExtendItem]) -> None:
@@ -180,6 +193,7 @@ class RoundsMixin:
         for r in self.running:
             if r.request_id in unknown:
                 r.on_drafter = False   # the drafter restarted: re-prefill it
+                r.backlog.clear()
 
     async def _resync(self) -> None:
         """Re-prefills, on a drafter that is (back) up, the requests it does not hold."""

@@ -317,6 +317,7 @@ class Router(RoundsMixin):
             if r.on_drafter:
                 self._drafter_orphans.add(r.request_id)
             r.on_drafter = False
+            r.backlog.clear()
 
     async def _forget_kept(self, reqs: list[ServedRequest]) -> None:
         """Releases the drafter's kept trees of preempted requests that will not resume."""
@@ -340,6 +341,7 @@ class Router(RoundsMixin):
         for r in reqs:
             r.drafter_kept = keep_draft and r.on_drafter and self.drafter_up
             r.on_verifier = r.on_drafter = False
+            r.backlog.clear()
         if ids_v and self.serving:
             try:
                 await self.verifier.release(ids_v)

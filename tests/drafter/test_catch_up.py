@@ -428,3 +428,31 @@ def test_ngram_lookup() -> None:
     assert tree.parents.tolist() == [[0, 1, 2]] * 3
     assert tree.scores[1].eq(float("-inf")).all()
     assert tree.scores[0].eq(0).all()
+
+
+def test_engine_extend_absorbs_held_back_rounds_in_one_catch_up(head) -> None:
+    """Rounds a request was decoded plainly come in one call, in order (the router's backlog):
+    the engine joins them into one catch-up, which leaves the head where two calls leave it
+    (catch-up over several pairs equals pair by pair, up to summation order)."""
+    prompt = _tokens(10, seed=70)
+    feats = [_features(head, 10, seed=71), _features(head, 1, seed=72), _features(head, 2, seed=73)]
+    engines = [_engine(head), _engine(head)]
+    for e in engines:
+        e.add("a", prompt, 77, SamplingParams(), seed=1, features=feats[0])
+        e.add("b", prompt[:6], 78, SamplingParams(), seed=2, features=_features(head, 6, seed=74))
+    rounds = [_verify_output("a", 12, [5], feats[1]), _verify_output("a", 14, [6, 7], feats[2])]
+    for out in rounds:
+        engines[0].extend([out])
+    calls = []
+    inner = engines[1].proposer.catch_up
+    engines[1].proposer.catch_up = lambda reqs, n, f: (calls.append(list(n)), inner(reqs, n, f))
+    engines[1].extend([*rounds, _verify_output("b", 8, [9], _features(head, 1, seed=75))])
+    assert calls == [[3, 1]], "both held-back rounds of 'a' in one catch-up, beside 'b'"
+    one, two = (e.proposer for e in engines)
+    assert engines[1].requests["a"].token_ids == engines[0].requests["a"].token_ids
+    assert one.cache_len["a"] == two.cache_len["a"] == 13
+    torch.testing.assert_close(two.last_logits["a"], one.last_logits["a"], **LOOSE)
+    with pytest.raises(StaleMessage):        # a gap between the rounds is refused, nothing applied
+        engines[1].extend([_verify_output("b", 10, [1], _features(head, 1, seed=76)),
+                           _verify_output("b", 13, [2], _features(head, 1, seed=77))])
+    assert engines[1].requests["b"].committed_len == 8
