@@ -324,8 +324,9 @@ def build_proposer(cfg: SpecConfig, target, draft_dir: str | Path | None, max_sl
                    dtype: torch.dtype = torch.float32, device: str = "cpu", kv_blocks: int | None = None,
                    block_size: int = 16, cuda_graphs: bool = False) -> Proposer | None:
     """The one place a method name becomes a proposer. `target` is the target model, native or
-    transformers (EAGLE heads take embeddings and lm_head from it). `cuda_graphs`: EAGLE argmax
-    chains run as CUDA graphs (drafter/graphs.py); other methods and trees run eagerly."""
+    transformers (EAGLE heads take embeddings and lm_head from it). `cuda_graphs`: EAGLE catch-ups
+    of up to 16 pairs and argmax chains run as CUDA graphs (drafter/graphs.py); other methods, trees
+    and long catch-ups (prefills) run eagerly."""
     if cfg.method == "none":
         return None
     if cfg.method == "ngram":

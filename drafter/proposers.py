@@ -13,7 +13,7 @@ from typing import Protocol
 
 import torch
 
-from drafter.graphs import ChainGraphs
+from drafter.graphs import CatchUpGraphs, ChainGraphs
 from drafter.heads import DraftHead
 from drafter.tree import TreeDraft, expand_topk, sample_chains
 from spectandem.config import SamplingParams, SpecConfig
@@ -143,8 +143,8 @@ class _ScratchTree:
 class EagleProposer:
     """EAGLE-1/2 and EAGLE-3 heads. Per request: a head KV slot holding one entry per pair
     (feature p, token p + 1) absorbed so far, i.e. committed_len - 1 entries, and the last
-    catch-up row's output hidden and logits. With `cuda_graphs`, argmax chains (topk 1) are
-    drafted by one CUDA graph per shape (drafter/graphs.py)."""
+    catch-up row's output hidden and logits. With `cuda_graphs`, short catch-ups and argmax
+    chains (topk 1) replay one CUDA graph per shape (drafter/graphs.py)."""
 
     def __init__(self, head: DraftHead, cfg: SpecConfig, max_slots: int, max_len: int,
                  kv_blocks: int | None = None, block_size: int = 16, cuda_graphs: bool = False):
@@ -160,25 +160,41 @@ class EagleProposer:
         self.last_hidden: dict[str, torch.Tensor] = {}   # [H]
         self.last_logits: dict[str, torch.Tensor] = {}   # [Vd]
         self.chain = ChainGraphs(head, self.cache) if cuda_graphs else None
+        self.catch_up_graphs = CatchUpGraphs(head, self.cache) if cuda_graphs else None
 
     @torch.no_grad()
     def catch_up(self, reqs, num_new, features):
         """Writes K/V for every new pair but computes the layer's attention output, o-proj,
         MLP and norms only for each request's last new pair (the only row whose logits are
-        sampled). Exact because the head has one layer: K/V depend only on each row's input."""
-        head = self.head
-        slots = to_device([self.slots.get(r.request_id) for r in reqs], self.device)
+        sampled). Exact because the head has one layer: K/V depend only on each row's input.
+        With `cuda_graphs`, catch-ups of at most max(PAIR_BUCKETS) pairs per request replay a
+        CUDA graph (drafter/graphs.py); longer ones (prefills) run eagerly."""
+        slots = [self.slots.get(r.request_id) for r in reqs]
         base = [self.cache_len.get(r.request_id, 0) for r in reqs]
-        for r, n, b0 in zip(reqs, num_new, base):
+        for r, n, b0, f, slot in zip(reqs, num_new, base, features, slots):
             assert n >= 1 and b0 + n == r.committed_len - 1, (r.request_id, b0, n, r.committed_len)
-            assert features[reqs.index(r)].shape[0] == n, "one feature row per new pair"
-            slot = self.slots.of[r.request_id]
+            assert f.shape[0] == n, "one feature row per new pair"
             self.cache.trim(slot, b0)      # last round's draft scratch
             self.cache.reserve(slot, b0 + n)
+        token_ids = [r.token_ids[r.committed_len - n:] for r, n in zip(reqs, num_new)]
+        feats = [to_device(f, self.device, self.dtype) for f in features]                  # [n, F] each
+        graphs = self.catch_up_graphs
+        if graphs is not None and graphs.supports(len(reqs), max(num_new)):
+            out, logits = graphs.run(slots, base, token_ids, feats)
+        else:
+            out, logits = self._catch_up_eager(slots, base, token_ids, feats)
+        for i, r in enumerate(reqs):
+            self.cache_len[r.request_id] = base[i] + num_new[i]
+            self.last_hidden[r.request_id] = out[i, 0]
+            self.last_logits[r.request_id] = logits[i, 0]
+
+    def _catch_up_eager(self, slots: list[int], base: list[int], token_ids: list[list[int]],
+                        feats: list[torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
+        """-> (hidden [B, 1, H] of each request's last new pair, its draft logits [B, 1, Vd])."""
+        head = self.head
+        num_new = [len(t) for t in token_ids]
         width = max(num_new)
-        toks = to_device([list(r.token_ids[r.committed_len - n:]) + [0] * (width - n)
-                          for r, n in zip(reqs, num_new)], self.device)                     # [B, T]
-        feats = _pad([f.to(self.device, self.dtype) for f in features], 0.0)               # [B, T, F]
+        toks = to_device([list(t) + [0] * (width - len(t)) for t in token_ids], self.device)  # [B, T]
         t = toks.shape[1]
         ar = torch.arange(t, device=self.device)
         base_t = to_device(base, self.device)
@@ -188,12 +204,9 @@ class EagleProposer:
         span = max(b0 + n for b0, n in zip(base, num_new))
         last = (n_t - 1)[:, None]                                                          # [B, 1]
         mask = (torch.arange(span, device=self.device)[None, None, :] < (base_t + n_t)[:, None, None])
-        out = head.run(toks, head.project(feats), positions, self.cache.batch(slots, write, span), mask, last)
-        logits = head.logits(out)                                                          # [B, 1, Vd]
-        for i, r in enumerate(reqs):
-            self.cache_len[r.request_id] = base[i] + num_new[i]
-            self.last_hidden[r.request_id] = out[i, 0]
-            self.last_logits[r.request_id] = logits[i, 0]
+        cache = self.cache.batch(to_device(slots, self.device), write, span)
+        out = head.run(toks, head.project(_pad(feats, 0.0)), positions, cache, mask, last)
+        return out, head.logits(out)
 
     def record_catch_up(self, request_id: str, num_new: int, last_hidden: torch.Tensor,
                         last_logits: torch.Tensor) -> None:

@@ -101,7 +101,7 @@ class SamplingParams:
 class GpuPaths:
     """The engines' GPU fast paths (CUDA only; the engines refuse them on the CPU).
 
-    cuda_graphs: the target's verify steps and EAGLE argmax chains replay CUDA graphs
+    cuda_graphs: the target's verify steps, EAGLE catch-ups and argmax chains replay CUDA graphs
     (verifier/graphs.py, drafter/graphs.py).
     batch_invariant: the target runs kernels whose per-row results do not depend on the batch
     or the tree (spectandem/kernels/batch_invariant.py), so bf16 speculation gives exactly the

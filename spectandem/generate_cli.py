@@ -23,7 +23,7 @@ def add_model_flags(p: argparse.ArgumentParser) -> None:
                    help="draft ahead: outcomes of a round prepared while it is verified (0: never)")
     p.add_argument("--device", default="cpu")
     p.add_argument("--cuda-graphs", action="store_true",
-                   help="replay CUDA graphs for verify steps and EAGLE argmax chains (CUDA only)")
+                   help="replay CUDA graphs for verify steps, EAGLE catch-ups and argmax chains (CUDA only)")
     p.add_argument("--triton-attention", action="store_true",
                    help="the target's verify attends through the Triton paged tree attention, eager or with "
                         "--cuda-graphs (CUDA + Triton; not with --batch-invariant)")

@@ -20,7 +20,7 @@ class LocalSpeculator:
                  device: str = "cpu", force_hf_target: bool = False, kv_blocks: int | None = None,
                  draft_kv_blocks: int | None = None, block_size: int = 16, cuda_graphs: bool = False,
                  batch_invariant: bool = False, triton_attention: bool = False):
-        """cuda_graphs: the target's verify steps and EAGLE argmax chains run as CUDA graphs.
+        """cuda_graphs: the target's verify steps, EAGLE catch-ups and argmax chains run as CUDA graphs.
         batch_invariant: the target's prefill and verify run the batch-invariant kernels (greedy
         speculation equals plain decoding bit for bit in bf16; CUDA and Triton only).
         triton_attention: the target's verify attends through the Triton paged tree attention
