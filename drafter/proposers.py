@@ -13,7 +13,7 @@ from typing import Protocol
 
 import torch
 
-from drafter.graphs import CatchUpGraphs, ChainGraphs
+from drafter.graphs import CatchUpGraphs, ChainGraphs, catch_up_forward, catch_up_inputs
 from drafter.heads import DraftHead
 from drafter.tree import TreeDraft, expand_topk, sample_chains
 from spectandem.config import SamplingParams, SpecConfig
@@ -181,32 +181,13 @@ class EagleProposer:
         graphs = self.catch_up_graphs
         if graphs is not None and graphs.supports(len(reqs), max(num_new)):
             out, logits = graphs.run(slots, base, token_ids, feats)
-        else:
-            out, logits = self._catch_up_eager(slots, base, token_ids, feats)
+        else:   # the same computation unpadded, eagerly
+            inp = catch_up_inputs(self.cache, slots, base, token_ids, feats, len(reqs), max(num_new))
+            out, logits = catch_up_forward(self.head, self.cache, inp, max(b + n for b, n in zip(base, num_new)))
         for i, r in enumerate(reqs):
             self.cache_len[r.request_id] = base[i] + num_new[i]
             self.last_hidden[r.request_id] = out[i, 0]
             self.last_logits[r.request_id] = logits[i, 0]
-
-    def _catch_up_eager(self, slots: list[int], base: list[int], token_ids: list[list[int]],
-                        feats: list[torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
-        """-> (hidden [B, 1, H] of each request's last new pair, its draft logits [B, 1, Vd])."""
-        head = self.head
-        num_new = [len(t) for t in token_ids]
-        width = max(num_new)
-        toks = to_device([list(t) + [0] * (width - len(t)) for t in token_ids], self.device)  # [B, T]
-        t = toks.shape[1]
-        ar = torch.arange(t, device=self.device)
-        base_t = to_device(base, self.device)
-        n_t = to_device(num_new, self.device)
-        positions = base_t[:, None] + ar                                                   # [B, T]
-        write = torch.where(ar < n_t[:, None], positions, self.cache.trash_index)
-        span = max(b0 + n for b0, n in zip(base, num_new))
-        last = (n_t - 1)[:, None]                                                          # [B, 1]
-        mask = (torch.arange(span, device=self.device)[None, None, :] < (base_t + n_t)[:, None, None])
-        cache = self.cache.batch(to_device(slots, self.device), write, span)
-        out = head.run(toks, head.project(_pad(feats, 0.0)), positions, cache, mask, last)
-        return out, head.logits(out)
 
     def record_catch_up(self, request_id: str, num_new: int, last_hidden: torch.Tensor,
                         last_logits: torch.Tensor) -> None:

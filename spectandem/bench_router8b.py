@@ -20,7 +20,7 @@ import dataclasses
 import time
 
 from spectandem.bench_controlled import ControlledProposer, plan_drafts
-from spectandem.bench_pipeline import _complete, _settle
+from spectandem.bench_pipeline import _settle
 from spectandem.bench_records import record, sync
 
 
