@@ -4,7 +4,7 @@ import random
 
 import torch
 
-from spectandem.tree import ancestor_mask, node_depths
+from spectandem.tree import ancestor_mask, ancestor_mask_loop, node_depths, node_depths_loop, tree_shape
 
 
 def _walk_reference(parents: list[int], valid: list[bool]) -> tuple[list[list[bool]], list[int]]:
@@ -95,3 +95,23 @@ def test_batch_equals_rows_and_reference() -> None:
         assert torch.equal(node_depths(parents[b: b + 1], valid[b: b + 1])[0], depth[b])
         # depth = number of ancestors = row sum - 1 (the mask's self entry), for valid nodes
         assert torch.equal((mask[b].sum(-1) - 1)[valid[b]], depth[b][valid[b]])
+
+
+def test_host_pass_equals_the_device_loop() -> None:
+    """tree_shape (numpy, what host tensors take) against the torch loop (what device tensors
+    take), run here on CPU tensors: random trees with padding anywhere, full chains (its shortcut),
+    chains ending in padding, one node."""
+    g = torch.Generator().manual_seed(0)
+    for trial in range(300):
+        b, n = int(torch.randint(1, 6, (1,), generator=g)), int(torch.randint(1, 20, (1,), generator=g))
+        parents = torch.full((b, n), -1, dtype=torch.long)
+        for j in range(1, n):
+            parents[:, j] = torch.randint(-1, j, (b,), generator=g)
+        if trial % 3 == 0:
+            parents = torch.arange(-1, n - 1).expand(b, n).clone()
+        valid = torch.rand(b, n, generator=g) > (0.25 if trial % 2 else 0.0)
+        if trial % 6 == 3:
+            valid = torch.arange(n).expand(b, n) < torch.randint(1, n + 1, (b, 1), generator=g)
+        depth, mask = tree_shape(parents, valid)
+        assert torch.equal(depth, node_depths_loop(parents, valid)), (parents, valid)
+        assert torch.equal(mask, ancestor_mask_loop(parents, valid)), (parents, valid)
