@@ -111,9 +111,13 @@ class PagedKVCache:
         self.trash_index = max_len
         self._trash_row = rows - 1
         self.device = device
-        # [num_slots, max_blocks] physical block ids, -1 where none (kept in step with `blocks`).
+        # [num_slots, max_blocks] physical block ids, -1 where none (kept in step with `blocks`),
+        # on the device and on the host: a verify step's inputs are built on the host and cross in
+        # one copy (verifier/graphs.py). The device table changes only where `blocks` does.
         self._tables = torch.full((num_slots, blocks_for(max_len + 1, block_size)), -1, dtype=torch.long,
                                   device=device)
+        self.host_tables = torch.full(tuple(self._tables.shape), -1, dtype=torch.long)
+        self._mapped = [0] * num_slots    # blocks of each slot's table already in _tables/host_tables
         # The tree attention's segment length (kernels/attention.py, split-KV): from the capacity per
         # request, a constant of the cache, so every split launch segments a row's entries alike
         # (PagedTreeBatch splits only where the one-pass grid would leave the GPU idle).
@@ -123,11 +127,23 @@ class PagedKVCache:
         if num_entries > self.max_len:
             raise ValueError(f"sequence needs {num_entries} cache entries, more than max_len {self.max_len}")
         table = self.blocks.allocate(slot, num_entries)
-        self._tables[slot, : len(table)] = to_device(table, self._tables.device, torch.long)
+        start = self._mapped[slot]
+        if len(table) > start:
+            new = torch.tensor(table[start:], dtype=torch.long)
+            self.host_tables[slot, start: len(table)] = new
+            self._tables[slot, start: len(table)] = to_device(new, self._tables.device)
+            self._mapped[slot] = len(table)
 
     def free(self, slot: int) -> None:
         self.blocks.deallocate(slot)
-        self._tables[slot] = -1
+        self._unmap(slot, 0)
+
+    def _unmap(self, slot: int, keep: int) -> None:
+        """Marks the slot's table past `keep` blocks as unmapped (-1)."""
+        if self._mapped[slot] > keep:
+            self._tables[slot, keep:] = -1
+            self.host_tables[slot, keep:] = -1
+        self._mapped[slot] = min(self._mapped[slot], keep)
 
     def trim(self, slot: int, num_entries: int) -> None:
         """Returns the slot's blocks past `num_entries` entries (a round's scratch) to the pool."""
@@ -138,7 +154,7 @@ class PagedKVCache:
         if table and len(table) > keep:
             self.blocks.free.extend(reversed(table[keep:]))
             del table[keep:]
-            self._tables[slot, keep:] = -1
+            self._unmap(slot, keep)
 
     def fork(self, src: int, dst: int, num_entries: int) -> None:
         """Gives slot `dst` (empty) the first `num_entries` entries of slot `src`: the full blocks
@@ -153,6 +169,8 @@ class PagedKVCache:
         full = num_entries // bs
         self.blocks.share(dst, table[:full])
         self._tables[dst, :full] = self._tables[src, :full]
+        self.host_tables[dst, :full] = self.host_tables[src, :full]
+        self._mapped[dst] = full
         if num_entries % bs:
             try:
                 self.reserve(dst, num_entries)
@@ -173,6 +191,14 @@ class PagedKVCache:
         bs = self.block_size
         block = self._tables[slots[:, None], (index // bs).clamp(max=self._tables.shape[1] - 1)]  # [B, T]
         ok = (block >= 0) & (index < self.max_len)
+        return torch.where(ok, block * bs + index % bs, self._trash_row)
+
+    def host_rows(self, slots: list[int], index: torch.Tensor) -> torch.Tensor:
+        """`rows` on the host: physical rows of logical `index [B, T]` (a CPU tensor) in `slots`."""
+        bs = self.block_size
+        tables = self.host_tables[slots]                                              # [B, max_blocks]
+        block = tables.gather(1, (index // bs).clamp(0, tables.shape[1] - 1))
+        ok = (block >= 0) & (index >= 0) & (index < self.max_len)
         return torch.where(ok, block * bs + index % bs, self._trash_row)
 
     def block_tables(self, slots: torch.Tensor) -> torch.Tensor:

@@ -37,6 +37,7 @@ shapes: a step whose B fills its bucket is the eager step bit for bit.
 
 from __future__ import annotations
 
+import math
 import threading
 
 from dataclasses import dataclass, fields
@@ -46,7 +47,7 @@ import torch
 
 from spectandem.devices import to_device
 from spectandem.kv_cache import PagedCacheBatch, PagedKVCache, PagedTreeBatch
-from spectandem.tree import ancestor_mask, node_depths
+from spectandem.tree import ancestor_mask, node_depths, tree_shape
 
 BATCH_BUCKETS = (1, 2, 4, 8, 16, 32, 64)
 MIN_SPAN = 32
@@ -178,37 +179,77 @@ def padding_inputs(cache: PagedKVCache, rows: int, n: int, span: int) -> VerifyI
                         mask)
 
 
+def tree_inputs_nbytes(rows: int, n: int, max_blocks: int) -> int:
+    """Bytes of one packed TreeVerifyInputs (`tree_inputs_on`)."""
+    return 8 * rows * (3 * n + max_blocks + 1) + rows * n * n
+
+
+def tree_inputs_on(flat: torch.Tensor, rows: int, n: int, max_blocks: int) -> TreeVerifyInputs:
+    """TreeVerifyInputs whose fields are views of one buffer `flat [tree_inputs_nbytes] uint8`, so
+    a step's inputs cross to the device in one copy. Layout: the int64 fields in their order
+    (token_ids, positions, write_rows [Bc, N], block_tables [Bc, max_blocks], prefix_lens [Bc]),
+    then tree_mask [Bc, N, N] bool; every int64 field starts at a multiple of 8 bytes."""
+    assert flat.dtype == torch.uint8 and flat.numel() == tree_inputs_nbytes(rows, n, max_blocks), flat.shape
+    views, offset = [], 0
+    for shape in ((rows, n), (rows, n), (rows, n), (rows, max_blocks), (rows,)):
+        count = 8 * math.prod(shape)
+        views.append(flat[offset: offset + count].view(torch.int64).view(shape))
+        offset += count
+    views.append(flat[offset:].view(torch.bool).view(rows, n, n))
+    return TreeVerifyInputs(*views)
+
+
+def host_tree_inputs(cache: PagedKVCache, slots: list[int], cache_lens: list[int], token_ids: torch.Tensor,
+                     parents: torch.Tensor, node_valid: torch.Tensor, rows: int) -> torch.Tensor:
+    """The packed inputs (`tree_inputs_on`) of a verify through the tree attention, built on the
+    host from the cache's host block tables: token_ids, parents, node_valid [B, N] host tensors,
+    padded to `rows` >= B rows -> flat [nbytes] uint8 (in pinned memory when the cache is on CUDA,
+    so the copy to the device does not stall the host). Node j of request b is written at logical
+    cache_len + j, where the kernel looks for round entry j (prefix = cache_len). The slots must
+    already hold cache_len + N entries (`cache.reserve`). Padding rows: token 0 at position 0
+    written to the trash row, prefix 0, no blocks, each node seeing only itself (the kernel loads
+    nothing for such a row)."""
+    b, n = token_ids.shape
+    assert rows >= b and (not cache_lens or max(cache_lens) + n <= cache.max_len), (rows, b, cache_lens, n)
+    max_blocks = cache.host_tables.shape[1]
+    pinned = cache.k[0].device.type == "cuda"
+    flat = torch.empty(tree_inputs_nbytes(rows, n, max_blocks), dtype=torch.uint8, pin_memory=pinned)
+    inp = tree_inputs_on(flat, rows, n, max_blocks)
+    inp.token_ids[b:] = 0
+    inp.positions[b:] = 0
+    inp.write_rows[b:] = cache.host_rows([0], torch.tensor([[cache.trash_index]]))
+    inp.block_tables[b:] = -1
+    inp.prefix_lens[b:] = 0
+    inp.tree_mask[b:] = torch.eye(n, dtype=torch.bool)
+    if b:
+        token_ids, parents, node_valid = token_ids.cpu(), parents.cpu(), node_valid.cpu()   # no-ops on host tensors
+        depth, tree = tree_shape(parents, node_valid)
+        base = torch.tensor(cache_lens, dtype=torch.long)                              # [B]
+        inp.token_ids[:b] = token_ids.clamp(min=0)
+        torch.add(base[:, None], depth, out=inp.positions[:b])
+        inp.write_rows[:b] = cache.host_rows(slots, base[:, None] + torch.arange(n))
+        inp.block_tables[:b] = cache.host_tables[slots]
+        inp.prefix_lens[:b] = base
+        inp.tree_mask[:b] = tree
+    return flat
+
+
 def tree_verify_inputs(cache: PagedKVCache, slots: list[int], cache_lens: list[int], token_ids: torch.Tensor,
                        parents: torch.Tensor, node_valid: torch.Tensor, rows: int) -> TreeVerifyInputs:
-    """`verify_inputs` for the tree attention, padded to `rows` >= B rows. Node j of request b is
-    written at logical cache_len + j, where the kernel looks for round entry j (prefix = cache_len).
-    The slots must already hold cache_len + N entries (`cache.reserve`)."""
+    """`host_tree_inputs` on the cache's device (one copy): `verify_inputs` for the tree attention."""
     b, n = token_ids.shape
-    assert rows >= b and max(cache_lens) + n <= cache.max_len, (rows, b, cache_lens, n)
-    dev = cache.k[0].device
-    inp = padding_tree_inputs(cache, rows, n)
-    base = to_device(cache_lens, dev)                                                   # [B]
-    slot_t = to_device(slots, dev)
-    inp.token_ids[:b] = to_device(token_ids.clamp(min=0), dev)
-    inp.positions[:b] = base[:, None] + to_device(node_depths(parents, node_valid), dev)
-    inp.write_rows[:b] = cache.rows(slot_t, base[:, None] + torch.arange(n, device=dev))
-    inp.block_tables[:b] = cache.block_tables(slot_t)
-    inp.prefix_lens[:b] = base
-    inp.tree_mask[:b] = to_device(ancestor_mask(parents, node_valid), dev)
-    return inp
+    flat = host_tree_inputs(cache, slots, cache_lens, token_ids, parents, node_valid, rows)
+    return tree_inputs_on(flat.to(cache.k[0].device, non_blocking=True), rows, n, cache.host_tables.shape[1])
+
+
+def padding_tree_flat(cache: PagedKVCache, rows: int, n: int) -> torch.Tensor:
+    """Packed tree inputs with every row padding (what warm-up and capture run on), on the device."""
+    empty = torch.zeros(0, n, dtype=torch.long)
+    return host_tree_inputs(cache, [], [], empty, empty, empty.bool(), rows).to(cache.k[0].device)
 
 
 def padding_tree_inputs(cache: PagedKVCache, rows: int, n: int) -> TreeVerifyInputs:
-    """Tree inputs with every row padding: token 0 at position 0 written to the trash row, prefix 0,
-    no blocks, each node seeing only itself (the kernel loads nothing for such a row)."""
-    dev = cache.k[0].device
-    zeros = torch.zeros(rows, n, dtype=torch.long, device=dev)
-    trash = torch.full((rows, n), cache.trash_index, dtype=torch.long, device=dev)
-    slot0 = torch.zeros(rows, dtype=torch.long, device=dev)
-    tables = cache.block_tables(slot0).fill_(-1)                                        # [Bc, max_blocks]
-    eye = torch.eye(n, dtype=torch.bool, device=dev).expand(rows, n, n).contiguous()
-    return TreeVerifyInputs(zeros, zeros.clone(), cache.rows(slot0, trash), tables,
-                            torch.zeros(rows, dtype=torch.long, device=dev), eye)
+    return tree_inputs_on(padding_tree_flat(cache, rows, n), rows, n, cache.host_tables.shape[1])
 
 
 @dataclass
@@ -238,6 +279,7 @@ def verify_forward(model, cache: PagedKVCache, feature_layers: FeatureSpec,
 class _Captured:
     inputs: VerifyInputs | TreeVerifyInputs  # the buffers the graph reads
     graph: "torch.cuda.CUDAGraph | None"
+    flat: torch.Tensor | None = None         # TreeVerifyInputs: the one buffer its fields view
 
 
 class VerifyGraphs:
@@ -269,23 +311,31 @@ class VerifyGraphs:
         assert rows is not None, f"batch {b} is past the largest bucket {self.batch_buckets[-1]}"
         if self.tree_attention:  # the kernel reads each row's length on the device: no span bucket
             span = None
-            inp = tree_verify_inputs(self.cache, slots, cache_lens, token_ids, parents, node_valid, rows)
+            flat = host_tree_inputs(self.cache, slots, cache_lens, token_ids, parents, node_valid, rows)
+            inp = None
         else:
             span = span_bucket(max(cache_lens) + n, self.cache.max_len)
             inp = verify_inputs(self.cache, slots, cache_lens, token_ids, parents, node_valid, rows, span)
         if not self.graph:
+            if inp is None:
+                inp = tree_inputs_on(flat.to(self.device, non_blocking=True), rows, n, self.cache.host_tables.shape[1])
             logits, feats = verify_forward(self.model, self.cache, feature_layers, inp)
             return VerifyStep(logits, feats, logits.argmax(-1)).rows(b)
         step = self._captured.get((rows, n, span, feature_layers))
         if step is None:
             step = self._capture(rows, n, span, feature_layers)
-        step.inputs.copy_(inp)
+        if inp is None:
+            step.flat.copy_(flat, non_blocking=True)   # the step's inputs, in one copy
+        else:
+            step.inputs.copy_(inp)
         step.graph.replay()
         return self._outputs[(rows, n, feature_layers)].rows(b)
 
     def _capture(self, rows: int, n: int, span: int | None, feature_layers: FeatureSpec) -> _Captured:
+        flat = None
         if span is None:
-            inputs = padding_tree_inputs(self.cache, rows, n)
+            flat = padding_tree_flat(self.cache, rows, n)
+            inputs = tree_inputs_on(flat, rows, n, self.cache.host_tables.shape[1])
         else:
             inputs = padding_inputs(self.cache, rows, n, span)
         out = self._outputs.get((rows, n, feature_layers))
@@ -309,6 +359,6 @@ class VerifyGraphs:
 
         if self.pool is None:
             self.pool = torch.cuda.graph_pool_handle()
-        step = _Captured(inputs, capture_graph(body, self.pool, self.device))
+        step = _Captured(inputs, capture_graph(body, self.pool, self.device), flat)
         self._captured[(rows, n, span, feature_layers)] = step
         return step
