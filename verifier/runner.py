@@ -17,6 +17,7 @@ from pathlib import Path
 import torch
 
 from spectandem.devices import to_device
+from spectandem.kernels.compact import compact_rows
 from spectandem.kv_cache import KVCache, PagedKVCache
 from spectandem.modeling.llama import NATIVE_ARCHITECTURES, InvariantBatch, LlamaModel, load_llama
 from spectandem.tree import ancestor_mask, node_depths
@@ -156,15 +157,21 @@ class NativeRunner:
 
     def commit(self, slots: list[int], cache_lens: list[int], accepted_nodes: torch.Tensor) -> None:
         """Keeps the accepted path: accepted_nodes [B, A] node indices (root first, -1 padded),
-        node j was written at cache_len + j and moves to cache_len + its rank on the path."""
-        base = to_device(cache_lens, self.device)[:, None]
-        kept = (accepted_nodes >= 0).sum(1).tolist()       # on the host: accepted_nodes is a host result
-        nodes = to_device(accepted_nodes, self.device)
-        rank = torch.arange(nodes.shape[1], device=self.device)[None]
+        node j was written at cache_len + j and moves to cache_len + its rank on the path.
+        Example: cache_len 10, path [0, 2, 5] -> entries 10, 12, 15 move to 10, 11, 12. A path
+        whose node j has rank j (every chain, a decode step) is already in place: nothing moves.
+        The rows are worked out on the host (the cache's host tables) and cross in one copy."""
+        nodes = accepted_nodes.cpu()                                                   # [B, A]
         ok = nodes >= 0
-        src = torch.where(ok, base + nodes, self.cache.trash_index)
-        dst = torch.where(ok, base + rank, self.cache.trash_index)
-        self.cache.compact(to_device(slots, self.device), src, dst)
+        kept = ok.sum(1).tolist()
+        rank = torch.arange(nodes.shape[1])[None]
+        if bool((ok & (nodes != rank)).any()):
+            base = torch.tensor(cache_lens, dtype=torch.long)[:, None]                   # [B, 1]
+            trash = self.cache.trash_index
+            src = self.cache.host_rows(slots, torch.where(ok, base + nodes, trash))
+            dst = self.cache.host_rows(slots, torch.where(ok, base + rank, trash))
+            rows = to_device(torch.stack([src, dst]), self.device)                       # [2, B, A]
+            compact_rows(self.cache.k + self.cache.v, rows[0], rows[1])
         # The tree's scratch past the committed entries goes back to the pool.
         for slot, c, k in zip(slots, cache_lens, kept):
             self.cache.trim(slot, c + k)
