@@ -147,9 +147,7 @@ class VerifierEngine:
             sel = torch.tensor(idx)
             args = (tree.token_ids[sel], tree.parents[sel], tree.node_valid[sel])
             if rule == "greedy" and on_gpu:
-                dev = logits.device
-                res = greedy_accept(logits[to_device(sel, dev)].argmax(-1), *(to_device(a, dev) for a in args))
-                res = VerifyResult(*(t.cpu() for t in res))
+                res = self._greedy_on_device(logits, idx, args)
             elif rule == "greedy":
                 res = verify_greedy(*args, lg[sel])
             else:
@@ -170,6 +168,20 @@ class VerifierEngine:
             bonus[sel] = res.bonus_token_ids
         return VerifyResult(accepted_nodes=accepted, num_accepted=num_acc, output_token_ids=outputs,
                             bonus_token_ids=bonus)
+
+    @staticmethod
+    def _greedy_on_device(logits: torch.Tensor, idx: list[int], args: tuple) -> VerifyResult:
+        """The greedy walk of rows `idx` of logits [B, N, V] on their device; the tree (token_ids,
+        parents, node_valid [len(idx), N]) crosses in one copy and the results come back in one."""
+        dev = logits.device
+        rows = logits if idx == list(range(logits.shape[0])) else logits[to_device(idx, dev)]
+        tree = to_device(torch.stack([args[0], args[1], args[2].long()]), dev)          # [3, b, N]
+        res = greedy_accept(rows.argmax(-1), tree[0], tree[1], tree[2].bool())
+        n = tree.shape[2]
+        packed = torch.cat([res.accepted_nodes, res.output_token_ids, res.num_accepted[:, None],
+                            res.bonus_token_ids[:, None]], dim=1).cpu()              # [b, 2N + 2]
+        return VerifyResult(accepted_nodes=packed[:, :n], num_accepted=packed[:, 2 * n],
+                            output_token_ids=packed[:, n: 2 * n], bonus_token_ids=packed[:, 2 * n + 1])
 
     @staticmethod
     def _uniforms(reqs, idx, width, stream, index=0) -> torch.Tensor:

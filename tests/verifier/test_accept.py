@@ -274,3 +274,24 @@ def test_padding_may_hold_anything() -> None:
     tokens, parents, valid = _tree([[-1, 0, 99]], [[0, 1, -1]], [[True, True, False]])
     result = verify_greedy(tokens, parents, valid, _peaked_logits(1, 3, {(0, 0): 1, (0, 1): 4}))
     _assert_result(result, [[0, 1]], [1], [[1, 4]])
+
+
+@pytest.mark.parametrize("idx", [[0, 1, 2], [2, 0]])
+def test_engine_greedy_walk_on_the_device_path_equals_verify_greedy(idx) -> None:
+    """VerifierEngine._greedy_on_device (what greedy rows on a GPU take: one copy of the tree in,
+    one of the packed results out; run here on CPU tensors) against verify_greedy, over all rows
+    and over a reordered subset."""
+    from verifier.engine import VerifierEngine
+
+    tokens, parents, valid = _tree([[-1, 0, 1, 2], [-1, 0, 0, 1], [-1, 0, 1, -1]],
+                                   [[0, 1, 2, 3], [0, 5, 4, 7], [0, 3, 4, -1]],
+                                   [[True] * 4, [True] * 4, [True, True, False, False]])
+    argmax = {(0, 0): 1, (0, 1): 2, (0, 2): 9, (1, 0): 4, (1, 2): 7, (1, 3): 11, (2, 0): 3, (2, 1): 4}
+    logits = _peaked_logits(3, 4, argmax)
+    sel = torch.tensor(idx)
+    got = VerifierEngine._greedy_on_device(logits, idx, (tokens[sel], parents[sel], valid[sel]))
+    want = verify_greedy(tokens[sel], parents[sel], valid[sel], logits[sel])
+    w = want.accepted_nodes.shape[1]
+    assert torch.equal(got.accepted_nodes[:, :w], want.accepted_nodes) and bool((got.accepted_nodes[:, w:] == P).all())
+    assert torch.equal(got.output_token_ids[:, :w], want.output_token_ids)
+    assert torch.equal(got.num_accepted, want.num_accepted) and torch.equal(got.bonus_token_ids, want.bonus_token_ids)
