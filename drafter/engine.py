@@ -29,6 +29,7 @@ import torch
 from drafter.proposers import DraftModelProposer, DraftRequest, EagleProposer, NgramProposer, Proposer
 from drafter.tree import TreeDraft
 from spectandem.config import SamplingParams, SpecConfig
+from spectandem.devices import to_host
 from spectandem.block_manager import KVCacheFull
 from spectandem.messages import DraftTree, StaleMessage, VerifyOutput
 
@@ -196,16 +197,21 @@ class DrafterEngine:
         valid = torch.zeros(b, n, dtype=torch.bool)
         any_sampled = any(r.sample_drafts for r in reqs)
         probs_rows: list[torch.Tensor | None] = []
+        host: dict[int, list] = {}   # each tree's tensors, copied to the host once (one wait per tree)
+        for d, _ in drafts.values():
+            if id(d) not in host:
+                host[id(d)] = to_host(d.token_ids, d.parents, d.scores, d.node_probs)
         for i, r in enumerate(reqs):
             d, row = drafts[i]
-            mi = d.token_ids.shape[1]
+            d_tokens, d_parents, d_scores, d_probs = host[id(d)]
+            mi = d_tokens.shape[1]
             token_ids[i, 0], parents[i, 0], scores[i, 0], valid[i, 0] = r.token_ids[-1], -1, 0.0, True
-            token_ids[i, 1: 1 + mi] = d.token_ids[row].cpu()
-            parents[i, 1: 1 + mi] = d.parents[row].cpu()
-            scores[i, 1: 1 + mi] = d.scores[row].float().cpu()
-            valid[i, 1: 1 + mi] = d.token_ids[row].cpu() >= 0
+            token_ids[i, 1: 1 + mi] = d_tokens[row]
+            parents[i, 1: 1 + mi] = d_parents[row]
+            scores[i, 1: 1 + mi] = d_scores[row].float()
+            valid[i, 1: 1 + mi] = d_tokens[row] >= 0
             if r.sample_drafts:
-                rows = d.node_probs[row].cpu()                                   # [mi + 1, V]
+                rows = d_probs[row]                                              # [mi + 1, V]
                 self.store.put(r.request_id, r.committed_len, rows)
                 probs_rows.append(rows)
             else:

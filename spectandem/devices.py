@@ -24,3 +24,21 @@ def to_device(data, device, dtype: torch.dtype | None = None) -> torch.Tensor:
     if device.type != "cuda" or t.device.type != "cpu":
         return t.to(device)
     return t.pin_memory().to(device, non_blocking=True)
+
+
+def to_host(*tensors: torch.Tensor | None) -> list[torch.Tensor | None]:
+    """CPU copies of `tensors` (None stays None) with one wait: CUDA tensors are copied into
+    pinned memory without blocking, then each device's stream is synchronized once, where one
+    `.cpu()` per tensor would stall the host once each."""
+    out, devices = [], set()
+    for t in tensors:
+        if t is None or t.device.type != "cuda":
+            out.append(t)
+            continue
+        host = torch.empty(t.shape, dtype=t.dtype, pin_memory=True)
+        host.copy_(t, non_blocking=True)
+        out.append(host)
+        devices.add(t.device)
+    for device in devices:
+        torch.cuda.current_stream(device).synchronize()
+    return out
