@@ -15,6 +15,7 @@ A `StaleMessage` from an engine means a tag (epoch, committed length) did not ma
 from __future__ import annotations
 
 import asyncio
+import time
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
@@ -153,7 +154,13 @@ class _LocalLink:
 
     On a GPU each engine works on a CUDA stream of its own, and a call returns only once its
     stream is done (what it hands on is complete). The two engines' calls run concurrently; on
-    the legacy default stream, one engine's work would break the other's CUDA graph capture."""
+    the legacy default stream, one engine's work would break the other's CUDA graph capture.
+
+    `busy_s[kind]`: seconds spent inside calls of that kind ("verify", "prefill", "draft", ...)
+    since construction, each timed in the worker thread from the call's start until its stream
+    is done: for a verify, the host's preparation, the forward, acceptance and the results on
+    the host; not the wait for the lock or the thread. Calls of one link run one after another,
+    so the calls that start and end within an interval are busy for at most its length."""
 
     role = "engine"
 
@@ -161,26 +168,31 @@ class _LocalLink:
         self.engine, self.model_name = engine, model_name
         self._lock = asyncio.Lock()
         self._stream = None
+        self.busy_s: dict[str, float] = {}
         device = _engine_device(engine)
         if device is not None and device.type == "cuda":
             import torch
 
             self._stream = torch.cuda.Stream(device=device)
 
-    def _call(self, fn, *args):
-        if self._stream is None:
-            return fn(*args)
-        import torch
+    def _call(self, kind: str, fn, *args):
+        t0 = time.perf_counter()
+        try:
+            if self._stream is None:
+                return fn(*args)
+            import torch
 
-        with torch.cuda.stream(self._stream):
-            out = fn(*args)
-        self._stream.synchronize()
-        return out
+            with torch.cuda.stream(self._stream):
+                out = fn(*args)
+            self._stream.synchronize()
+            return out
+        finally:
+            self.busy_s[kind] = self.busy_s.get(kind, 0.0) + time.perf_counter() - t0
 
-    async def _run(self, fn, *args):
+    async def _run(self, kind: str, fn, *args):
         async with self._lock:
             try:
-                return await asyncio.to_thread(self._call, fn, *args)
+                return await asyncio.to_thread(self._call, kind, fn, *args)
             except (ValueError, KeyError):  # bad input or a stale tag: the caller's to handle
                 raise
             except Exception as exc:  # the engine itself failed: the router treats it as gone
@@ -196,21 +208,21 @@ class LocalVerifierLink(_LocalLink):
     async def prefill(self, items, want_features):
         from verifier.service_core import verifier_prefill
 
-        return await self._run(verifier_prefill, self.engine, items, want_features)
+        return await self._run("prefill", verifier_prefill, self.engine, items, want_features)
 
     async def verify(self, draft, plain, want_features):
         from verifier.service_core import verifier_verify
 
-        return await self._run(verifier_verify, self.engine, draft.payload if draft else None,
+        return await self._run("verify", verifier_verify, self.engine, draft.payload if draft else None,
                                [d for d in (draft.tags if draft else [])], plain, want_features)
 
     async def features(self, tag):
         from verifier.service_core import verifier_features
 
-        return await self._run(verifier_features, self.engine, tag)
+        return await self._run("features", verifier_features, self.engine, tag)
 
     async def release(self, request_ids):
-        await self._run(lambda: [self.engine.release(r) for r in request_ids])
+        await self._run("release", lambda: [self.engine.release(r) for r in request_ids])
 
     async def info(self):
         from verifier.service_core import verifier_info
@@ -230,27 +242,27 @@ class LocalDrafterLink(_LocalLink):
     async def prefill(self, items):
         from drafter.service_core import drafter_prefill
 
-        return await self._run(drafter_prefill, self.engine, items)
+        return await self._run("prefill", drafter_prefill, self.engine, items)
 
     async def draft(self, tags, num_steps=None):
         from drafter.service_core import drafter_draft
 
-        return DraftHandle(tags, await self._run(drafter_draft, self.engine, tags, num_steps))
+        return DraftHandle(tags, await self._run("draft", drafter_draft, self.engine, tags, num_steps))
 
     async def draft_ahead(self, tags):
         from drafter.service_core import drafter_draft_ahead
 
-        return await self._run(drafter_draft_ahead, self.engine, tags)
+        return await self._run("draft_ahead", drafter_draft_ahead, self.engine, tags)
 
     async def extend(self, items):
         from drafter.service_core import drafter_extend
 
-        return await self._run(drafter_extend, self.engine, items)
+        return await self._run("extend", drafter_extend, self.engine, items)
 
     async def release(self, request_ids, keep_draft=False):
         from drafter.service_core import drafter_release
 
-        await self._run(drafter_release, self.engine, request_ids, keep_draft)
+        await self._run("release", drafter_release, self.engine, request_ids, keep_draft)
 
     async def info(self):
         from drafter.service_core import drafter_info

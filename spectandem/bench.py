@@ -15,8 +15,9 @@ Sections (`--sections`, all by default):
   verify forward of a 16-node tree against a one-token decode step; measured against ideal;
 - hf8b: transformers' own greedy `generate` on that target, batch 1 (spectandem/bench_hf8b.py);
 - router8b: the router's pipeline modes ("plain", then --router8b-modes) over that target at the
-  controlled acceptance rates and --router8b-batch-sizes: "auto" must never lose to plain
-  (spectandem/bench_router8b.py);
+  controlled acceptance rates and --router8b-batch-sizes: "auto" must never lose to plain; with
+  the head on one device and, where two GPUs exist (--router8b-drafter-device), on its own; per
+  row, round_over_verify: wall time over the verifier's busy time (spectandem/bench_router8b.py);
 - pipeline: the router over in-process links per pipeline mode, and with the drafter on its own
   GPU where there are two (spectandem/bench_pipeline.py).
 The llama8b sections need CUDA at full size; `--llama8b-scale tiny` runs a small copy anywhere.
@@ -81,6 +82,9 @@ class BenchPlan:
     acceptance_rates: tuple[float, ...]
     pipeline_modes: tuple[str, ...]
     pipeline_batch_sizes: tuple[int, ...]
+    router8b_modes: tuple[str, ...]
+    router8b_batch_sizes: tuple[int, ...]
+    router8b_drafter_device: str | None      # the drafter-own-gpu rows' head device; None: no such rows
     gpu: GpuPaths = GpuPaths()       # the engines' paths in every section (the 8B plain row also runs eager)
 
     @staticmethod
@@ -113,7 +117,32 @@ class BenchPlan:
                          temperatures=_numbers(args.temperatures, float, "--temperatures", 0.0),
                          acceptance_rates=_numbers(args.acceptance_rates, float, "--acceptance-rates", 0.0, 1.0),
                          pipeline_modes=tuple(m for m in args.pipeline_modes.split(",") if m),
-                         pipeline_batch_sizes=_numbers(args.pipeline_batch_sizes, int, "--pipeline-batch-sizes", 1))
+                         pipeline_batch_sizes=_numbers(args.pipeline_batch_sizes, int, "--pipeline-batch-sizes", 1),
+                         **_router8b_plan(args, device))
+
+
+def _router8b_plan(args, device: str) -> dict:
+    """The router8b fields of BenchPlan. --router8b-drafter-device: "none"; "auto" (the first
+    CUDA device that is not the verifier's, where --device is CUDA and there are two, as the
+    pipeline section places its drafter; else none); or a CUDA device other than the verifier's."""
+    import torch
+
+    from spectandem.bench_router8b import check_modes
+
+    modes = tuple(m for m in args.router8b_modes.split(",") if m)
+    check_modes(list(modes), "--router8b-modes")
+    text, cuda = args.router8b_drafter_device, device.startswith("cuda")
+    count = torch.cuda.device_count() if cuda else 0
+    verifier = torch.device(device).index if cuda else None
+    if cuda and verifier is None and count:
+        verifier = torch.cuda.current_device()
+    others = [f"cuda:{i}" for i in range(count) if i != verifier]
+    if text not in ("auto", "none", *others):
+        raise ValueError(f"--router8b-drafter-device: {text!r} is not a CUDA device other than the verifier's "
+                         f"({device}); here: {', '.join(others) or 'none'} (or auto, none)")
+    drafter = {"auto": others[0] if others else None, "none": None}.get(text, text)
+    return dict(router8b_modes=modes, router8b_drafter_device=drafter,
+                router8b_batch_sizes=_numbers(args.router8b_batch_sizes, int, "--router8b-batch-sizes", 1))
 
 
 def add_bench(sub) -> None:
@@ -137,8 +166,13 @@ def add_bench(sub) -> None:
     p.add_argument("--pipeline-modes", default="plain,sequential,pingpong,ahead,auto",
                    help="router pipeline modes (those RouterConfig rejects are skipped)")
     p.add_argument("--pipeline-batch-sizes", default="4,16,64")
-    p.add_argument("--router8b-modes", default="sequential,auto", help="router8b: modes besides plain")
+    p.add_argument("--router8b-modes", default="sequential,auto",
+                   help="router8b: modes besides plain, from sequential, pingpong, auto")
     p.add_argument("--router8b-batch-sizes", default="16,64", help="router8b: batch sizes")
+    p.add_argument("--router8b-drafter-device", default="auto", metavar="{auto,none,cuda:N}",
+                   help="router8b: also run the rows with the EAGLE-3 head on this GPU (placement drafter-own-gpu; "
+                        "the one-device rows always run); auto: another GPU where --device is CUDA and there are two "
+                        "or more (cuda:1 beside cuda:0), as the pipeline section does; none: one device only")
     p.add_argument("--cuda-graphs", choices=["auto", "on", "off"], default="auto",
                    help="the fast path: CUDA graphs and the Triton paged attention (auto: on CUDA); the 8B plain row is measured both ways")
     p.add_argument("--out", default="benchmarks/results/bench.json",
@@ -173,8 +207,7 @@ def _llama8b(plan: BenchPlan, args, bandwidth: float) -> tuple[list[dict], dict 
         head = random_eagle3_head(model, SHAPES[args.llama8b_scale]["draft_vocab_size"], device, dtype, args.seed)
         verify = verify_forward_times(model, head.spec.aux_layers, device, args.llama8b_context,
                                       args.controlled_steps + 1, gpu=plan.gpu)
-        router_sizes = _numbers(args.router8b_batch_sizes, int, "--router8b-batch-sizes", 1)
-        slots = max(plan.batch_sizes + (router_sizes if "router8b" in plan.sections else ()))
+        slots = max(plan.batch_sizes + (plan.router8b_batch_sizes if "router8b" in plan.sections else ()))
         runs = ControlledRuns(model, head, device, slots, args.prompts, args.llama8b_prompt_len,
                               args.max_tokens, args.controlled_steps, args.seed, plan.gpu)
         if "controlled" in plan.sections:
@@ -182,8 +215,8 @@ def _llama8b(plan: BenchPlan, args, bandwidth: float) -> tuple[list[dict], dict 
         if "router8b" in plan.sections:
             from spectandem.bench_router8b import bench_router8b
 
-            records += bench_router8b(runs, list(plan.acceptance_rates), args.router8b_modes.split(","),
-                                      list(router_sizes), device)
+            records += bench_router8b(runs, list(plan.acceptance_rates), list(plan.router8b_modes),
+                                      list(plan.router8b_batch_sizes), plan.router8b_drafter_device)
     for r in records:
         r["scale"] = args.llama8b_scale
     return records, verify
@@ -237,6 +270,9 @@ def _note(r: dict) -> str:
         notes.append("OUTPUT DIFFERS FROM PLAIN")
     if r.get("rounds_per_s") is not None:
         notes.append(f"rounds/s {r['rounds_per_s']} {r.get('placement', '')}".rstrip())
+    if r.get("round_over_verify") is not None:
+        alone = r.get("over_verify_alone")
+        notes.append(f"round/verify {r['round_over_verify']:.2f}" + (f" (alone {alone:.2f})" if alone else ""))
     if r.get("target_forwards") is not None and r["method"] == "hf-assisted":
         notes.append(f"{r['target_forwards']} target forwards")
     return ", ".join(notes)

@@ -212,38 +212,71 @@ class ControlledRuns:
     """Greedy generation of `num_prompts` random prompts on the engine path: plain (the verifier
     alone) or with an EAGLE-3 chain of `num_steps` drafts at a controlled acceptance rate.
 
+    The target engines live on `device`; the EAGLE-3 head, its proposer (`inner`) and the
+    proposer's caches on `drafter_device` (default: `device`), the head copied there when it is
+    elsewhere. Target features reach the head's device in `EagleProposer.catch_up`.
+
     The truth (each prompt's greedy continuation) comes from one plain pass at construction.
     Batch 1 runs the prompts in turn; a larger batch runs them at once, cycled."""
 
     def __init__(self, model, head, device: str, max_slots: int, num_prompts: int, prompt_len: int,
-                 max_tokens: int, num_steps: int, seed: int, gpu: GpuPaths = GpuPaths()):
+                 max_tokens: int, num_steps: int, seed: int, gpu: GpuPaths = GpuPaths(),
+                 drafter_device: str | None = None):
         import torch
 
-        from drafter.proposers import EagleProposer
         from spectandem.config import SamplingParams, SpecConfig
         from spectandem.reference import generate
         from verifier.engine import VerifierEngine
         from verifier.runner import NativeRunner
 
         v = model.spec.vocab_size
-        max_slots = max(max_slots, num_prompts)      # the truth pass runs every prompt at once
-        self.device, self.seed, self.vocab_size = device, seed, v
+        self.max_slots = max(max_slots, num_prompts)      # the truth pass runs every prompt at once
+        self.device, self.drafter_device, self.gpu = device, drafter_device or device, gpu
+        self.seed, self.vocab_size = seed, v
         self.num_prompts, self.prompt_len, self.max_tokens = num_prompts, prompt_len, max_tokens
         self.cfg = SpecConfig(method="eagle3", num_steps=num_steps, topk=1, num_draft_tokens=num_steps + 1)
         self.lookahead = self.cfg.max_draft_nodes + 1       # a chain round writes its root and drafts
         truth_len = max_tokens + num_steps + 1          # drafts may reach num_steps past the last token
-        max_len = prompt_len + truth_len + self.lookahead
-        self.inner = EagleProposer(head, self.cfg, max_slots, max_len, **gpu.proposer_kwargs())
-        self.plain = VerifierEngine(NativeRunner(model, None, max_slots, max_len, **gpu.runner_kwargs()),
-                                    max_slots, v)
-        self.verifier = VerifierEngine(NativeRunner(model, self.inner.feature_layers, max_slots, max_len,
-                                                    **gpu.runner_kwargs()), max_slots, v)
+        self.max_len = prompt_len + truth_len + self.lookahead
+        self.inner = self._proposer(head)
+        self.plain = VerifierEngine(NativeRunner(model, None, self.max_slots, self.max_len, **gpu.runner_kwargs()),
+                                    self.max_slots, v)
+        self.verifier = VerifierEngine(NativeRunner(model, self.inner.feature_layers, self.max_slots, self.max_len,
+                                                    **gpu.runner_kwargs()), self.max_slots, v)
         g = torch.Generator().manual_seed(seed)
         self.prompts = [torch.randint(0, v, (prompt_len,), generator=g).tolist() for _ in range(num_prompts)]
         truth_params = SamplingParams(max_tokens=truth_len, ignore_eos=True)
         truth = generate(self.plain, None, self.prompts, [truth_params] * num_prompts)
         self.truths = [p + c.token_ids for p, c in zip(self.prompts, truth)]
         self.params = SamplingParams(max_tokens=max_tokens, ignore_eos=True)
+
+    def with_drafter_device(self, drafter_device: str) -> "ControlledRuns":
+        """These runs (the same target engines, prompts and truths) with a proposer of their own
+        on `drafter_device`, over a copy of this one's head there: the drafter on its own GPU."""
+        import copy
+
+        other = copy.copy(self)
+        other.drafter_device = drafter_device
+        other.inner = other._proposer(self.inner.head)
+        return other
+
+    def placement(self) -> dict:
+        """The record fields of where the engines run: placement ("one-device" or
+        "drafter-own-gpu"), verifier_device, drafter_device."""
+        own = _resolved(self.drafter_device) != _resolved(self.device)
+        return dict(placement="drafter-own-gpu" if own else "one-device", verifier_device=self.device,
+                    drafter_device=self.drafter_device)
+
+    def _proposer(self, head):
+        """An EagleProposer on self.drafter_device over `head`, or over a copy of it there (the
+        head of `random_eagle3_head` holds its own embeddings: the copy shares nothing)."""
+        import copy
+
+        from drafter.proposers import EagleProposer
+
+        if next(head.parameters()).device != _resolved(self.drafter_device):
+            head = copy.deepcopy(head).to(self.drafter_device)
+        return EagleProposer(head, self.cfg, self.max_slots, self.max_len, **self.gpu.proposer_kwargs())
 
     def run(self, batch_size: int, acceptance_rate: float | None, tag: str) -> dict:
         """-> {completions, seconds, matches_truth, diverged}; acceptance_rate None: plain."""
@@ -263,7 +296,7 @@ class ControlledRuns:
                 proposers.append(ControlledProposer(self.inner, plans))
                 verifier, drafter, lookahead = self.verifier, DrafterEngine(proposers[-1], self.cfg), self.lookahead
             got, dt = timed(lambda: generate(verifier, drafter, prompts, [self.params] * len(idx), (), lookahead, ids),
-                            (self.device,))
+                            (self.device, self.drafter_device))
             outs += got
             seconds += dt
         order = [i for grp in groups for i in grp]
@@ -271,6 +304,14 @@ class ControlledRuns:
         ok = all(c.token_ids == self.truths[i % self.num_prompts][self.prompt_len: end] for c, i in zip(outs, order))
         return {"completions": outs, "seconds": seconds, "matches_truth": ok,
                 "diverged": sum(len(p.diverged) for p in proposers)}
+
+
+def _resolved(device: str):
+    """torch.device(device), "cuda" with the current device's index (as parameters report it)."""
+    import torch
+
+    d = torch.device(device)
+    return torch.device("cuda", torch.cuda.current_device()) if d.type == "cuda" and d.index is None else d
 
 
 def bench_controlled(runs: ControlledRuns, rates: list[float], batch_sizes: list[int],

@@ -21,10 +21,11 @@ PROMPTS = ["def fibonacci(n):\n", "import os\nimport sys\n\n", "class Queue:\n  
 
 
 def sync(device: str) -> None:
+    """Waits for `device`'s work ("cuda" alone: the current device's)."""
     import torch
 
     if str(device).startswith("cuda"):
-        torch.cuda.synchronize()
+        torch.cuda.synchronize(device)
 
 
 def timed(fn, devices: tuple[str, ...]):

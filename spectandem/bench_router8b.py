@@ -3,12 +3,36 @@ at controlled acceptance (spectandem/bench_controlled.py), so that "auto" is mea
 speculation can lose: at large batches, a verify of B trees costs more than B plain tokens, and
 at a low acceptance rate the drafts do not pay for it.
 
-For each acceptance rate and batch size: "plain" (the router without a drafter, the baseline),
-then each speculating mode (default "sequential" and "auto"), all requests submitted at once
-(greedy, ignore_eos) and timed until the last token. "auto" first runs the same batch once
-untimed, so its online measurement is done and the timed run shows the mode it keeps
-(`auto_mode`). Every row checks that its tokens are the target's own greedy continuation
-(`matches_plain`).
+For each placement, acceptance rate and batch size: "plain" (the router without a drafter, the
+baseline; run once, with the first placement), then each speculating mode (`ROUTER8B_MODES`;
+default "sequential" and "auto"), all requests submitted at once (greedy, ignore_eos) and timed
+until the last token. "auto" first runs the same batch once untimed, so its online measurement
+is done and the timed run shows the mode it keeps (`auto_mode`). Every row checks that its
+tokens are the target's own greedy continuation (`matches_plain`). "ahead" is not offered: the
+controlled proposer has no plan for draft-ahead forks (`ControlledProposer.supports_ahead`).
+
+Placements (`placement`, with `verifier_device` and `drafter_device`): "one-device", the target
+and the EAGLE-3 head on one device; "drafter-own-gpu" (given a drafter device), the head copied
+to it with its proposer and caches, the target engines shared (`ControlledRuns.with_drafter_device`).
+
+Is drafting hidden behind verification? Each row takes the engines' busy time over its timed
+batch from the links (`busy_s` of router/links.py: per call, from its start in the worker thread
+until its CUDA stream is done; for a verify, the host's preparation, the forward, acceptance and
+the results on the host):
+- `wall_s`: the batch's wall seconds, from submission until the last token;
+- `verify_busy_s`, `prefill_busy_s`: the verifier inside verify and prefill calls;
+- `round_over_verify` = (wall_s - prefill_busy_s) / verify_busy_s = 1 + the time the verifier
+  sat idle (waiting for the drafter, the router or the host) per second it verified. 1.0: it
+  never waited. The verifier's calls run one after another and all start and end inside the
+  timed batch, so its busy time never exceeds the wall time and the ratio is at least 1;
+- `drafter_busy_s`: the drafter inside all its calls (prefill, draft, extend, release); None for plain;
+- `rounds`: verify calls of the batch (ping-pong verifies each half on its own), so
+  verify_busy_s / rounds is the mean verify call;
+- `over_verify_alone` = (wall_s - prefill_busy_s) / verify_busy_s of the "sequential" row of the
+  same placement, rate and batch size (None without one): the batch against the same tokens'
+  verification with nothing beside it (sequential verify calls never overlap drafting, and
+  verify the whole batch at once where ping-pong verifies halves). For the drafter on its own
+  GPU, "a round takes at most 1.1x the verify forward alone" reads: pingpong's <= 1.1.
 
 The random-weight target has no tokenizer: the router's detokenizer gets token ids as text.
 """
@@ -17,11 +41,22 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import itertools
 import time
 
 from spectandem.bench_controlled import ControlledProposer, plan_drafts
 from spectandem.bench_pipeline import _settle
 from spectandem.bench_records import record, sync
+
+ROUTER8B_MODES = ("sequential", "pingpong", "auto")   # besides plain, which always runs
+
+
+def check_modes(modes: list[str], what: str = "router8b modes") -> None:
+    bad = [m for m in modes if m not in ROUTER8B_MODES]
+    if bad or not modes:
+        raise ValueError(f"{what}: unknown {bad or modes}; choose from {', '.join(ROUTER8B_MODES)} "
+                         "(plain always runs; \"ahead\" needs a proposer that drafts ahead, and the controlled "
+                         "proposer does not)")
 
 
 class IdsAsText:
@@ -52,69 +87,119 @@ async def _batch(router, runs, ids: list[str], indices: list[int]) -> int:
     return sum(await asyncio.gather(*(one(rid, i) for rid, i in zip(ids, indices))))
 
 
-async def _rows(runs, rates: list[float], modes: list[str], batch_sizes: list[int], device: str) -> list[dict]:
+@dataclasses.dataclass
+class _Setup:
+    """One router over fresh links for plain (acceptance_rate None) or one speculating mode."""
+
+    router: object
+    links: tuple                 # (verifier link,) or (verifier link, drafter link)
+    plans: dict                  # request id -> DraftPlan, read by the ControlledProposer
+    acceptance_rate: float | None
+
+
+def _setup(runs, acceptance_rate: float | None, mode: str, max_running: int) -> _Setup:
     from drafter.engine import DrafterEngine
     from router.links import LocalDrafterLink, LocalVerifierLink
     from router.scheduler import Router, RouterConfig
 
-    records, plain_tps = [], {}
-    counter = [0]
+    plain = acceptance_rate is None
+    plans: dict = {}
+    verifier = runs.plain if plain else runs.verifier
+    vlink = LocalVerifierLink(verifier)
+    dlink = None if plain else LocalDrafterLink(DrafterEngine(ControlledProposer(runs.inner, plans), runs.cfg))
+    router = Router(vlink, dlink, IdsAsText(), RouterConfig(
+        max_len=verifier.max_len, eos_token_ids=(), lookahead=1 if plain else runs.lookahead,
+        want_features=not plain, max_running=max_running, pipeline="sequential" if plain else mode))
+    return _Setup(router, (vlink,) if plain else (vlink, dlink), plans, acceptance_rate)
+
+
+async def _timed(s: _Setup, runs, ids: list[str], indices: list[int]) -> dict:
+    """One batch, timed: {tokens, seconds, counters (deltas), mode (the router's last), busy
+    (per link, seconds per kind of call over the batch)}."""
+    router = s.router
+    if s.acceptance_rate is not None:
+        s.plans.update({rid: plan_drafts(runs.truths[i], runs.prompt_len, s.acceptance_rate, runs.vocab_size,
+                                         f"{runs.seed}:{i}") for rid, i in zip(ids, indices)})
+    devices = (runs.device,) if s.acceptance_rate is None else (runs.device, runs.drafter_device)
+    before = dataclasses.asdict(router.counters)
+    for d in devices:
+        sync(d)
+    busy0 = [dict(link.busy_s) for link in s.links]   # the engines hold no request now (_settle)
+    t0 = time.perf_counter()
+    tokens = await _batch(router, runs, ids, indices)
+    for d in devices:
+        sync(d)
+    busy = [{k: v - b0.get(k, 0.0) for k, v in link.busy_s.items()} for link, b0 in zip(s.links, busy0)]
+    dt = time.perf_counter() - t0                     # after the busy snapshot: busy <= dt
+    await _settle(s.links)
+    c = {k: v - before[k] for k, v in dataclasses.asdict(router.counters).items() if isinstance(v, int)}
+    return {"tokens": tokens, "seconds": dt, "counters": c, "mode": router._modes.mode, "busy": busy}
+
+
+def _record(mode: str, batch_size: int, acceptance_rate: float | None, m: dict, placement: dict) -> dict:
+    c, dt = m["counters"], m["seconds"]
+    drafts = c["num_drafts"]
+    verify_s, prefill_s = m["busy"][0].get("verify", 0.0), m["busy"][0].get("prefill", 0.0)
+    plain = acceptance_rate is None
+    return record(section="router8b", workload="llama8b", method="none" if plain else "eagle3-controlled",
+                  mode=mode, batch_size=batch_size, acceptance_rate=acceptance_rate, tokens=m["tokens"], seconds=dt,
+                  wall_s=round(dt, 4),
+                  accept_length=(c["accepted_tokens"] + drafts) / drafts if drafts else 1.0,
+                  rounds=c["rounds"], rounds_per_s=round(c["rounds"] / dt, 1), matches_plain=True,
+                  auto_mode=m["mode"] if mode == "auto" else None,
+                  verify_busy_s=round(verify_s, 4), prefill_busy_s=round(prefill_s, 4),
+                  round_over_verify=round((dt - prefill_s) / verify_s, 3) if verify_s > 0 else None,
+                  drafter_busy_s=None if plain else round(sum(m["busy"][1].values()), 4), **placement)
+
+
+async def _rows(runs, rates: list[float], modes: list[str], batch_sizes: list[int], placement: dict,
+                plain_tps: dict[int, float]) -> list[dict]:
+    """Rows of one placement; the plain rows only while `plain_tps` (tokens/s per batch size,
+    for the speedups) is empty, which they fill."""
+    records, n = [], itertools.count()
 
     def ids_for(b: int) -> tuple[list[str], list[int]]:
-        counter[0] += 1
-        return [f"r{counter[0]}-{i}" for i in range(b)], [i % runs.num_prompts for i in range(b)]
+        k = next(n)
+        return [f"r{k}-{i}" for i in range(b)], [i % runs.num_prompts for i in range(b)]
 
-    for a in [None, *rates]:
-        for mode in (["plain"] if a is None else modes):
-            plans: dict = {}
-            verifier = runs.plain if a is None else runs.verifier
-            vlink = LocalVerifierLink(verifier)
-            dlink = None if a is None else LocalDrafterLink(DrafterEngine(ControlledProposer(runs.inner, plans),
-                                                                          runs.cfg))
-            router = Router(vlink, dlink, IdsAsText(), RouterConfig(
-                max_len=verifier.max_len, eos_token_ids=(), lookahead=1 if a is None else runs.lookahead,
-                want_features=a is not None, max_running=max(batch_sizes),
-                pipeline="sequential" if a is None else mode))
-            links = (vlink,) if dlink is None else (vlink, dlink)
-
-            async def run_batch(b: int) -> tuple[int, float, dict, str | None]:
-                ids, indices = ids_for(b)
-                if a is not None:
-                    plans.update({rid: plan_drafts(runs.truths[i], runs.prompt_len, a, runs.vocab_size,
-                                                   f"{runs.seed}:{i}") for rid, i in zip(ids, indices)})
-                before = dataclasses.asdict(router.counters)
-                sync(device)
-                t0 = time.perf_counter()
-                tokens = await _batch(router, runs, ids, indices)
-                sync(device)
-                dt = time.perf_counter() - t0
-                await _settle(links)
-                c = {k: v - before[k] for k, v in dataclasses.asdict(router.counters).items() if isinstance(v, int)}
-                return tokens, dt, c, router._modes.mode
-
-            router.start()
-            try:
-                await run_batch(2)                                   # warm-up (graphs, allocator)
-                for b in batch_sizes:
-                    if mode == "auto":
-                        await run_batch(b)                           # the online measurement
-                    tokens, dt, c, kept = await run_batch(b)
-                    drafts = c["num_drafts"]
-                    r = record(section="router8b", workload="llama8b", method="none" if a is None else
-                               "eagle3-controlled", mode=mode, batch_size=b, acceptance_rate=a, tokens=tokens,
-                               seconds=dt, accept_length=(c["accepted_tokens"] + drafts) / drafts if drafts else 1.0,
-                               rounds_per_s=round(c["rounds"] / dt, 1), matches_plain=True,
-                               auto_mode=kept if mode == "auto" else None)
-                    if a is None:
-                        plain_tps[b] = r["tokens_per_s"]
-                    else:
-                        r["speedup"] = round(r["tokens_per_s"] / plain_tps[b], 3)
-                    records.append(r)
-            finally:
-                await router.stop()
+    groups = ([] if plain_tps else [(None, "plain")]) + [(a, mode) for a in rates for mode in modes]
+    for a, mode in groups:
+        s = _setup(runs, a, mode, max(batch_sizes))
+        s.router.start()
+        try:
+            await _timed(s, runs, *ids_for(2))                           # warm-up (graphs, allocator)
+            for b in batch_sizes:
+                if mode == "auto":
+                    await _timed(s, runs, *ids_for(b))                   # the online measurement
+                r = _record(mode, b, a, await _timed(s, runs, *ids_for(b)), placement)
+                if a is None:
+                    plain_tps[b] = r["tokens_per_s"]
+                else:
+                    r["speedup"] = round(r["tokens_per_s"] / plain_tps[b], 3)
+                records.append(r)
+        finally:
+            await s.router.stop()
     return records
 
 
-def bench_router8b(runs, rates: list[float], modes: list[str], batch_sizes: list[int], device: str) -> list[dict]:
-    """Rows per acceptance rate, mode and batch size (plain first, once per batch size)."""
-    return asyncio.run(_rows(runs, rates, modes, batch_sizes, device))
+def bench_router8b(runs, rates: list[float], modes: list[str], batch_sizes: list[int],
+                   drafter_device: str | None = None) -> list[dict]:
+    """Rows per placement (`runs`'s own; then, given `drafter_device`, the head there:
+    `runs.with_drafter_device`), acceptance rate, mode and batch size (plain first, once per
+    batch size)."""
+    check_modes(modes)
+    placements = [runs] + ([runs.with_drafter_device(drafter_device)] if drafter_device is not None else [])
+    records, plain_tps = [], {}
+    for r in placements:
+        records += asyncio.run(_rows(r, rates, modes, batch_sizes, r.placement(), plain_tps))
+    _fill_over_verify_alone(records)
+    return records
+
+
+def _fill_over_verify_alone(records: list[dict]) -> None:
+    """Sets each row's `over_verify_alone` from the sequential row of its placement, rate and batch size."""
+    key = lambda r: (r["placement"], r["acceptance_rate"], r["batch_size"])
+    alone = {key(r): r["verify_busy_s"] for r in records if r["mode"] == "sequential"}
+    for r in records:
+        v = alone.get(key(r)) if r["acceptance_rate"] is not None else None
+        r["over_verify_alone"] = round((r["wall_s"] - r["prefill_busy_s"]) / v, 3) if v else None

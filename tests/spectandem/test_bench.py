@@ -28,11 +28,12 @@ def _bench(*flags: str) -> subprocess.CompletedProcess:
 @pytest.fixture(scope="module")
 def cpu_run(tmp_path_factory):
     out = tmp_path_factory.mktemp("bench")
-    run = _bench("--sections", "demo,hf,assisted,temperature,llama8b,controlled,pipeline",
+    run = _bench("--sections", "demo,hf,assisted,temperature,llama8b,controlled,router8b,pipeline",
                  "--modes", "none,eagle3-chain", "--batch-sizes", "1,2", "--max-tokens", str(MAX_TOKENS),
                  "--prompts", "2", "--temperatures", "0,1.0", "--llama8b-scale", "tiny", "--llama8b-steps", "4",
                  "--llama8b-context", "32", "--acceptance-rates", "0,0.8,1", "--controlled-steps", str(STEPS),
                  "--pipeline-modes", "sequential,pingpong,ahead,no-such-mode", "--pipeline-batch-sizes", "2",
+                 "--router8b-modes", "pingpong", "--router8b-batch-sizes", "2",
                  "--out", str(out))
     assert run.returncode == 0, run.stderr
     data = json.loads((out / "bench.json").read_text())
@@ -47,7 +48,7 @@ def test_every_record_has_the_common_fields_and_the_table_is_printed(cpu_run):
     run, data, out = cpu_run
     assert data["gpu"] == "cpu" and data["copy_bandwidth"] == 0.0
     assert {r["section"] for r in data["records"]} == {"demo", "hf", "assisted", "temperature", "llama8b",
-                                                       "controlled", "pipeline"}
+                                                       "controlled", "router8b", "pipeline"}
     for r in data["records"]:
         assert COMMON <= r.keys(), r
         assert r["tokens_per_s"] > 0 and r["ms_per_token"] > 0 and r["accept_length"] >= 1.0, r
@@ -81,7 +82,7 @@ def test_controlled_acceptance_is_the_planned_one_and_output_stays_exact(cpu_run
     _, data, _ = cpu_run
     plain = _rows(data, section="controlled", mode="engine-plain")
     assert [r["batch_size"] for r in plain] == [1, 2] and all(r["matches_plain"] for r in plain)
-    spec = {(r["acceptance_rate"], r["batch_size"]): r for r in _rows(data, method="eagle3-controlled")}
+    spec = {(r["acceptance_rate"], r["batch_size"]): r for r in _rows(data, section="controlled", method="eagle3-controlled")}
     assert set(spec) == {(a, b) for a in (0.0, 0.8, 1.0) for b in (1, 2)}
     for (a, b), r in spec.items():
         assert r["matches_plain"] and r["diverged_requests"] == 0, r
@@ -108,6 +109,16 @@ def test_pipeline_rows_and_rejected_modes(cpu_run):
         assert r["batch_size"] == 2 and r["rounds_per_s"] > 0 and r["accept_length"] > 1.0
         assert r["placement"] == "one-device" and r["fallback_rounds"] == 0
     assert rows["ahead"]["draft_ahead_hits"] + rows["ahead"]["draft_ahead_misses"] > 0
+
+
+def test_router8b_rows(cpu_run):
+    _, data, _ = cpu_run
+    rows = {(r["mode"], r["acceptance_rate"]): r for r in _rows(data, section="router8b")}
+    assert set(rows) == {("plain", None), *(("pingpong", a) for a in (0.0, 0.8, 1.0))}
+    for r in rows.values():   # one device here: --router8b-drafter-device auto finds no second GPU
+        assert r["batch_size"] == 2 and r["matches_plain"] and r["placement"] == "one-device", r
+        assert r["verify_busy_s"] > 0 and r["round_over_verify"] >= 0.99, r
+    assert rows[("pingpong", 1.0)]["accept_length"] == STEPS + 1
 
 
 def test_plot_is_drawn_or_its_skip_explained(cpu_run, tmp_path):

@@ -1,0 +1,81 @@
+"""`spectandem bench --sections router8b` at the tiny llama8b scale on the CPU (fp32): the router's
+modes at controlled acceptance, ping-pong included, with the verifier's busy time per row
+(spectandem/bench_router8b.py), and the flags that choose modes and the drafter's device."""
+
+import pytest
+import torch
+
+from spectandem.bench_llama8b import SHAPES, ControlledRuns, llama8b_spec, random_eagle3_head, random_target
+from spectandem.bench_router8b import bench_router8b
+
+STEPS = 4            # drafts per chain
+MAX_TOKENS = 16      # 1 token from the prefill + 3 rounds of STEPS + 1 at full acceptance
+BATCH = 4
+
+
+@pytest.fixture(scope="module")
+def runs():
+    model = random_target(llama8b_spec("tiny"), "cpu", torch.float32, 0)
+    head = random_eagle3_head(model, SHAPES["tiny"]["draft_vocab_size"], "cpu", torch.float32, 0)
+    return ControlledRuns(model, head, "cpu", BATCH, 2, 16, MAX_TOKENS, STEPS, 0)
+
+
+@pytest.fixture(scope="module")
+def rows(runs):
+    return {r["mode"]: r for r in bench_router8b(runs, [1.0], ["sequential", "pingpong"], [BATCH])}
+
+
+def test_plain_sequential_and_pingpong_rows_match_the_targets_tokens(rows):
+    assert set(rows) == {"plain", "sequential", "pingpong"}
+    for r in rows.values():
+        # bench_router8b raises if any request's tokens differ from the target's greedy continuation.
+        assert r["matches_plain"] and r["batch_size"] == BATCH and r["tokens_per_s"] > 0, r
+        assert r["placement"] == "one-device" and r["verifier_device"] == r["drafter_device"] == "cpu", r
+    assert rows["plain"]["accept_length"] == 1.0 and rows["plain"]["acceptance_rate"] is None
+    for mode in ("sequential", "pingpong"):
+        # a = 1: every round accepts the whole chain, so drafts really were verified in both modes.
+        assert rows[mode]["accept_length"] == STEPS + 1 and rows[mode]["speedup"] > 0
+    # Each request needs 3 rounds; ping-pong verifies the batch as two halves, one verify each.
+    assert rows["sequential"]["rounds"] == 3 and rows["pingpong"]["rounds"] == 6
+    assert rows["plain"]["rounds"] == MAX_TOKENS - 1
+
+
+def test_every_row_has_the_verifiers_busy_time(rows):
+    for r in rows.values():
+        assert r["verify_busy_s"] > 0 and r["prefill_busy_s"] > 0, r
+        # Busy time is measured inside the timed batch and the link runs one call at a time.
+        assert r["round_over_verify"] >= 0.99, r
+    assert rows["plain"]["drafter_busy_s"] is None
+    assert rows["sequential"]["drafter_busy_s"] > 0 and rows["pingpong"]["drafter_busy_s"] > 0
+    # Against the sequential row's verify calls: the sequential row itself gives its own ratio.
+    seq, pp = rows["sequential"], rows["pingpong"]
+    assert seq["over_verify_alone"] == pytest.approx(seq["round_over_verify"], abs=0.01)
+    assert pp["over_verify_alone"] == pytest.approx((pp["wall_s"] - pp["prefill_busy_s"]) / seq["verify_busy_s"],
+                                                    rel=0.01)
+    assert rows["plain"]["over_verify_alone"] is None
+
+
+def test_a_second_placement_gets_its_own_proposer_and_shares_the_target_engines(runs):
+    other = runs.with_drafter_device("cpu")
+    assert other.inner is not runs.inner and other.inner.head is runs.inner.head   # same device: no copy
+    assert other.verifier is runs.verifier and other.truths is runs.truths
+    assert other.placement() == dict(placement="one-device", verifier_device="cpu", drafter_device="cpu")
+
+
+def _plan(*flags):
+    from spectandem.bench import BenchPlan
+    from spectandem.cli import build_parser
+
+    args = build_parser().parse_args(["bench", "--sections", "router8b", "--llama8b-scale", "tiny", *flags])
+    return BenchPlan.from_args(args, "cpu")
+
+
+def test_router8b_flags():
+    plan = _plan("--router8b-modes", "sequential,pingpong,auto", "--router8b-batch-sizes", "4,8")
+    assert plan.router8b_modes == ("sequential", "pingpong", "auto") and plan.router8b_batch_sizes == (4, 8)
+    assert plan.router8b_drafter_device is None            # auto: no second GPU here
+    assert _plan("--router8b-drafter-device", "none").router8b_drafter_device is None
+    with pytest.raises(ValueError, match="ahead"):
+        _plan("--router8b-modes", "sequential,ahead")
+    with pytest.raises(ValueError, match="--router8b-drafter-device"):
+        _plan("--router8b-drafter-device", "cuda:1")
