@@ -31,8 +31,8 @@ from spectandem.channel import ChannelRef, FeatureReceiver, FeatureSender
 from spectandem.config import SamplingParams, SpecConfig
 from spectandem.demo import demo_paths
 from spectandem.local import LocalSpeculator
+from tests.router.link_harness import MAX_LEN, PROMPT_TEXTS, TREE, _assert_same, speculate
 from tests.router.test_feature_channel import RecordingVerifier, _address, _wait_state
-from tests.router.test_links_grpc import MAX_LEN, PROMPT_TEXTS, TREE, _assert_same, speculate
 
 pytestmark = pytest.mark.gpu
 

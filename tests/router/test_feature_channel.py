@@ -26,8 +26,8 @@ from spectandem.checkpoint import load_tokenizer
 from spectandem.config import SamplingParams, SpecConfig
 from spectandem.demo import demo_paths
 from tests.router.conftest import Served, collect, request
-from tests.router.test_links_grpc import (MAX_LEN, PROMPT_TEXTS, TREE, _assert_same, _greedy, _local, _seeded, _spawn,
-                                          _stop, speculate)
+from tests.router.link_harness import (MAX_LEN, PROMPT_TEXTS, TREE, _assert_same, _greedy, _local, _seeded, _spawn,
+                                       _stop, speculate)
 
 
 @pytest.fixture(scope="module")

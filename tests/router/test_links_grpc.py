@@ -1,245 +1,40 @@
 """The engines as gRPC services, driven through GrpcVerifierLink + GrpcDrafterLink.
 
-- codec: every wire dtype (bfloat16 included), empty and non-contiguous tensors, draft trees
-  with and without draft probabilities, sampling parameters, link messages;
 - real servers on free localhost ports with the demo pair, run (a) in this process on a
   background event loop and (b) as `python -m verifier` / `python -m drafter` subprocesses;
-  the round protocol over the links (prefill -> draft -> verify -> extend) gives exactly the
-  greedy tokens and acceptance counts of the in-process LocalSpeculator;
+  the round protocol over the links (prefill -> draft -> verify -> extend,
+  tests/router/link_harness.py) gives exactly the greedy tokens and acceptance counts of the
+  in-process LocalSpeculator;
 - errors: a stale tag is StaleMessage, bad input ValueError, a killed drafter EngineUnavailable
   within the per-call timeout; grpc.health.v1 reports SERVING.
+
+The wire codec has its own tests: tests/spectandem/test_codec.py.
 """
 
 from __future__ import annotations
 
 import asyncio
-import os
-import select
-import signal
-import subprocess
-import sys
 import threading
 import time
-from pathlib import Path
 
 import grpc
 import pytest
-import torch
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from router.links import (DrafterPrefillItem, EngineUnavailable, ExtendItem, PlainItem, RoundResult, Tag,
-                          VerifierPrefillItem)
+from router.links import DrafterPrefillItem, EngineUnavailable, ExtendItem, PlainItem, Tag, VerifierPrefillItem
 from router.links_grpc import GrpcDrafterLink, GrpcVerifierLink
-from spectandem import codec
 from spectandem.checkpoint import load_tokenizer
 from spectandem.config import SamplingParams, SpecConfig
 from spectandem.demo import demo_paths
-from spectandem.local import LocalSpeculator
-from spectandem.messages import DraftTree, StaleMessage
-from spectandem.reference import Completion, _append
-from spectandem.v1 import common_pb2, engines_pb2
-
-ROOT = Path(__file__).resolve().parents[2]
-PROMPT_TEXTS = ["def fibonacci(n):\n", "class Queue:\n    def __init__(self", "import os\nimport sys\n\n",
-                "    for i in range(len("]
-MAX_TOKENS = 24
-MAX_LEN = 256
-TREE = dict(num_steps=4, topk=2, num_draft_tokens=8)
+from spectandem.messages import StaleMessage
+from tests.router.link_harness import (MAX_LEN, PROMPT_TEXTS, TREE, _assert_same, _greedy, _local, _seeded, _spawn,
+                                       _stop, speculate)
 
 
 @pytest.fixture(scope="module")
 def prompts():
     tok = load_tokenizer(demo_paths("none")[0])
     return [tok.encode(t).ids for t in PROMPT_TEXTS]
-
-
-def _greedy(n: int) -> list[SamplingParams]:
-    return [SamplingParams(max_tokens=MAX_TOKENS) for _ in range(n)]
-
-
-def _local(method: str, prompts, *param_lists, ahead: bool = False) -> tuple[list[list[Completion]], tuple[int, ...], int]:
-    """The in-process reference: completions for each list of params, eos ids, lookahead."""
-    target, draft = demo_paths(method)
-    spec = LocalSpeculator(target, draft, SpecConfig(method=method, **TREE), max_slots=4, max_len=MAX_LEN)
-    return [spec.generate(prompts, ps, ahead=ahead) for ps in param_lists], spec.eos_token_ids, spec.lookahead
-
-
-# ----------------------------------------------------------------------------------------------
-# Codec
-
-DTYPES = [torch.float32, torch.float16, torch.bfloat16, torch.float64, torch.int64, torch.bool]
-
-
-def _sample(dtype: torch.dtype, shape) -> torch.Tensor:
-    g = torch.Generator().manual_seed(0)
-    if dtype == torch.bool:
-        return torch.rand(shape, generator=g) < 0.5
-    if dtype == torch.int64:
-        return torch.randint(-2 ** 62, 2 ** 62, shape, generator=g)
-    return (torch.randn(shape, generator=g) * 100).to(dtype)
-
-
-@pytest.mark.parametrize("dtype", DTYPES, ids=str)
-@pytest.mark.parametrize("shape", [(3, 5), (0,), (2, 0, 4), ()], ids=str)
-def test_tensor_round_trip(dtype, shape):
-    x = _sample(dtype, shape)
-    msg = common_pb2.Tensor.FromString(codec.tensor_to_msg(x).SerializeToString())
-    y = codec.tensor_from_msg(msg)
-    assert y.dtype == dtype and y.shape == x.shape and torch.equal(x, y)
-    assert len(msg.data) == x.numel() * x.element_size()
-
-
-@pytest.mark.parametrize("dtype", DTYPES, ids=str)
-def test_tensor_non_contiguous_and_writable(dtype):
-    x = _sample(dtype, (4, 6)).t()[1:]                                              # a strided view
-    y = codec.tensor_from_msg(codec.tensor_to_msg(x))
-    assert torch.equal(x, y)
-    y.zero_()  # the decoded tensor owns its memory
-
-
-def test_tensor_bytes_are_little_endian_row_major():
-    msg = codec.tensor_to_msg(torch.tensor([[1, 2]], dtype=torch.int64))
-    assert msg.dtype == "int64" and list(msg.shape) == [1, 2]
-    assert msg.data == (1).to_bytes(8, "little") + (2).to_bytes(8, "little")
-    bf = codec.tensor_to_msg(torch.tensor([1.0], dtype=torch.bfloat16))
-    assert bf.data == bytes([0x80, 0x3F])  # 1.0 in bfloat16 is 0x3F80
-
-
-def test_tensor_rejects_bad_messages():
-    with pytest.raises(ValueError, match="unknown tensor dtype"):
-        codec.tensor_from_msg(common_pb2.Tensor(dtype="int32", shape=[1], data=b"\0" * 4))
-    with pytest.raises(ValueError, match="needs 24 bytes, got 20"):
-        codec.tensor_from_msg(common_pb2.Tensor(dtype="float32", shape=[2, 3], data=b"\0" * 20))
-    with pytest.raises(ValueError, match="cannot cross the wire"):
-        codec.tensor_to_msg(torch.zeros(2, dtype=torch.int32))
-
-
-def _tree(with_probs: bool) -> DraftTree:
-    # Request a: r -> {x, y}, x -> z; request b: a chain of one draft, padded.
-    probs = torch.rand(2, 4, 7, dtype=torch.float64) if with_probs else None
-    return DraftTree(request_ids=["a", "b"], committed_lens=[9, 4],
-                     token_ids=torch.tensor([[5, 6, 7, 8], [3, 2, -1, -1]]),
-                     parents=torch.tensor([[-1, 0, 0, 1], [-1, 0, -1, -1]]),
-                     node_valid=torch.tensor([[True] * 4, [True, True, False, False]]),
-                     scores=torch.tensor([[0.0, -0.5, -1.5, -0.7], [0.0, -0.1, float("-inf"), float("-inf")]]),
-                     draft_probs=probs, sampled=[with_probs, False])
-
-
-@pytest.mark.parametrize("with_probs", [False, True])
-def test_draft_tree_round_trip(with_probs):
-    tree = _tree(with_probs)
-    msg = engines_pb2.DraftTreeMsg.FromString(codec.draft_tree_to_msg(tree, [3, 0]).SerializeToString())
-    back, tags = codec.draft_tree_from_msg(msg)
-    assert tags == [Tag("a", 3, 9), Tag("b", 0, 4)]
-    assert back.request_ids == tree.request_ids and back.committed_lens == tree.committed_lens
-    for name in ("token_ids", "parents", "node_valid", "scores"):
-        assert torch.equal(getattr(back, name), getattr(tree, name)), name
-    assert back.sampled == tree.sampled
-    if with_probs:
-        assert torch.equal(back.draft_probs, tree.draft_probs)
-    else:
-        assert back.draft_probs is None and not msg.HasField("draft_probs")
-
-
-def test_draft_tree_rejects_mismatched_shapes():
-    msg = codec.draft_tree_to_msg(_tree(False), [0, 0])
-    msg.parents.CopyFrom(codec.tensor_to_msg(torch.zeros(2, 3, dtype=torch.int64)))
-    with pytest.raises(ValueError, match="parents"):
-        codec.draft_tree_from_msg(msg)
-    msg = codec.draft_tree_to_msg(_tree(False), [0, 0])
-    msg.draft_probs.CopyFrom(codec.tensor_to_msg(torch.zeros(0, dtype=torch.float64)))  # empty = none
-    assert codec.draft_tree_from_msg(msg)[0].draft_probs is None
-
-
-def test_params_and_link_messages_round_trip():
-    for p in [SamplingParams(), SamplingParams(max_tokens=3, temperature=0.5, top_p=0.25, top_k=40, seed=2 ** 62,
-                                               stop_token_ids=(1, 2), stop=("\n\n",), ignore_eos=True)]:
-        back = codec.params_from_msg(common_pb2.SamplingParams.FromString(codec.params_to_msg(p).SerializeToString()))
-        assert back == p  # 0.5 and 0.25 are exact in float32
-    assert not codec.params_to_msg(SamplingParams()).HasField("top_p")
-    with pytest.raises(ValueError, match="max_tokens"):
-        codec.params_from_msg(common_pb2.SamplingParams())
-    item = VerifierPrefillItem(Tag("r", 1, 3), [4, 5, 6], SamplingParams(max_tokens=8), seed=77)
-    back = codec.verifier_prefill_item_from_msg(codec.verifier_prefill_item_to_msg(item))
-    assert back.tag == item.tag and back.prompt_ids == item.prompt_ids and back.seed == 77
-    assert back.params == SamplingParams(max_tokens=8, seed=77)
-    feats = torch.randn(3, 8)
-    d = DrafterPrefillItem(Tag("r", 1, 4), [4, 5, 6], 9, SamplingParams(), 5, codec.tensor_to_msg(feats))
-    back = codec.drafter_prefill_item_from_msg(codec.drafter_prefill_item_to_msg(d))
-    assert torch.equal(back.features, feats) and back.first_token_id == 9 and back.seed == 5
-    r = RoundResult(Tag("r", 0, 12), [7, 8], 1, 4, None)
-    assert codec.round_result_from_msg(codec.round_result_to_msg(r)) == r
-    for s, layers in [("none", None), ("final", "final"), ("2,4,5", (2, 4, 5))]:
-        assert codec.feature_layers_from_str(s) == layers and codec.feature_layers_to_str(layers) == s
-    with pytest.raises(ValueError, match="feature layers"):
-        codec.feature_layers_from_str("2,x")
-
-
-# ----------------------------------------------------------------------------------------------
-# The round protocol over links (what the router does, without its scheduling)
-
-
-async def speculate(vlink, dlink, prompts, params, eos: tuple[int, ...], lookahead: int,
-                    plain_rounds=lambda rid, n: False, ahead: list | None = None) -> list[Completion]:
-    """prefill -> (draft -> verify -> extend)* for a batch, as spectandem.reference.generate does.
-    `plain_rounds(request_id, round)` True sends that request as a plain row (no draft).
-    `ahead` (a list): DraftAhead on each round's trees, overlapped with their verify; the hit
-    flags are appended to it."""
-    max_len = (await vlink.info()).max_len
-    ids = [f"req-{i}" for i in range(len(prompts))]
-    seeds = [p.resolved_seed() for p in params]
-    comps = {rid: Completion(rid, list(p)) for rid, p in zip(ids, prompts)}
-    sp = dict(zip(ids, params))
-    results = await vlink.prefill([VerifierPrefillItem(Tag(rid, 0, len(p)), p, s, seed)
-                                   for rid, p, s, seed in zip(ids, prompts, params, seeds)], want_features=True)
-    absorb = []
-    for r, p, seed in zip(results, prompts, seeds):
-        rid = r.tag.request_id
-        _append(comps[rid], [r.first_token_id], sp[rid], eos, r.tag.committed_len, max_len)
-        if comps[rid].finish_reason is None:
-            absorb.append(DrafterPrefillItem(r.tag, p, r.first_token_id, sp[rid], seed, r.features))
-    assert await dlink.prefill(absorb) == []
-    active = [i.tag for i in absorb]
-    n = 0
-    while active:
-        room = all(t.committed_len - 1 + lookahead <= max_len for t in active)
-        drafted = [t for t in active if room and not plain_rounds(t.request_id, n)]
-        plain = [PlainItem(t, comps[t.request_id].token_ids[-1]) for t in active if t not in drafted]
-        draft = await dlink.draft(drafted) if drafted else None
-        if ahead is not None and draft is not None:
-            outs, flags = await asyncio.gather(vlink.verify(draft, plain, want_features=True),
-                                               dlink.draft_ahead(drafted))
-            ahead += flags
-        else:
-            outs = await vlink.verify(draft, plain, want_features=True)
-        assert [o.tag.request_id for o in outs] == [t.request_id for t in drafted] + [p.tag.request_id for p in plain]
-        still = []
-        for o in outs:
-            c = comps[o.tag.request_id]
-            c.stats.num_rounds += 1
-            c.stats.draft_tokens += o.num_draft_tokens
-            c.stats.accepted_tokens += o.num_accepted
-            _append(c, o.token_ids, sp[c.request_id], eos, o.tag.committed_len, max_len)
-            if c.finish_reason is None:
-                still.append(o)
-            else:
-                await vlink.release([c.request_id])
-                await dlink.release([c.request_id])
-        if still:
-            assert await dlink.extend([ExtendItem(o.tag, o.token_ids, o.features) for o in still]) == []
-        active = [o.tag for o in still]
-        n += 1
-    await vlink.release(ids)
-    return [comps[rid] for rid in ids]
-
-
-def _assert_same(got: list[Completion], expected: list[Completion], same_stats: bool = True):
-    for i, (g, e) in enumerate(zip(got, expected)):
-        assert g.token_ids == e.token_ids, f"prompt {i}"
-        assert g.finish_reason == e.finish_reason
-        if same_stats:
-            assert g.stats == e.stats, f"prompt {i}: {g.stats} != {e.stats}"
-    assert sum(g.stats.accepted_tokens for g in got) > 0  # speculation really happened
 
 
 # ----------------------------------------------------------------------------------------------
@@ -346,36 +141,6 @@ def test_stale_tags_and_bad_input(ngram_servers, prompts):
 # Real entry points in subprocesses
 
 
-def _spawn(args: list[str], log: Path) -> tuple[subprocess.Popen, str]:
-    """Starts a server on a free port; returns it and its address once it prints it."""
-    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=str(ROOT))
-    with log.open("w") as err:
-        proc = subprocess.Popen([sys.executable, *args, "--host", "127.0.0.1", "--port", "0"], cwd=ROOT, env=env,
-                                stdout=subprocess.PIPE, stderr=err, text=True)
-    deadline = time.monotonic() + 60
-    while time.monotonic() < deadline:
-        ready, _, _ = select.select([proc.stdout], [], [], 0.5)
-        if ready:
-            line = proc.stdout.readline()
-            if "listening on " in line:
-                return proc, line.rsplit("listening on ", 1)[1].strip()
-        if proc.poll() is not None:
-            break
-    _stop(proc)
-    raise AssertionError(f"{args} did not start:\n{log.read_text()[-3000:]}")
-
-
-def _stop(proc: subprocess.Popen) -> None:
-    if proc.poll() is None:
-        proc.send_signal(signal.SIGTERM)
-        try:
-            proc.wait(10)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait()
-    proc.stdout.close()
-
-
 @pytest.fixture(scope="module")
 def eagle3_processes(tmp_path_factory):
     """`python -m verifier` and `python -m drafter` without model flags: the demo EAGLE-3 pair
@@ -392,12 +157,6 @@ def eagle3_processes(tmp_path_factory):
     finally:
         for p, _ in procs:
             _stop(p)
-
-
-def _seeded(n: int) -> list[SamplingParams]:
-    """Sampled drafts: their q crosses the wire and the verifier runs rejection sampling.
-    (Temperature 1.0 is exact in the wire's float32.)"""
-    return [SamplingParams(max_tokens=MAX_TOKENS, temperature=1.0, seed=100 + i) for i in range(n)]
 
 
 def test_eagle3_subprocesses_match_local(eagle3_processes, prompts):

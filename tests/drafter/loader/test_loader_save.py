@@ -1,0 +1,41 @@
+"""drafter.loader.save_head writes the public format (bf16); what it writes loads back to the
+same head."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from drafter.loader import load_head, save_head
+from spectandem.checkpoint import load_weights
+from tests.drafter.loader.eagle_checkpoints import eagle1_checkpoint, eagle3_checkpoint, pairs, run_pairs, write
+
+
+def _bf16_exact(t: dict) -> dict:
+    return {k: v.bfloat16().float() if v.is_floating_point() else v for k, v in t.items()}
+
+
+@pytest.mark.parametrize("kind", ["eagle", "eagle3"])
+def test_save_head_round_trip(kind, tmp_path, target):
+    if kind == "eagle":
+        cfg, t = eagle1_checkpoint(23, fc_bias=True, qkv_bias=True)
+    else:
+        cfg, t = eagle3_checkpoint(23, head_dim=16)
+        cfg["eagle_config"] = {"eagle_aux_hidden_state_layer_ids": [0, 2, 5]}
+    head = load_head(write(tmp_path / "src", cfg, _bf16_exact(t)), target)
+    save_head(head, tmp_path / "saved")
+    again = load_head(tmp_path / "saved", target)
+
+    assert again.spec == head.spec
+    saved = load_weights(tmp_path / "saved")
+    assert "embed_tokens.weight" not in saved
+    if kind == "eagle3":
+        assert saved["d2t"].dtype == torch.int64 and saved["t2d"].dtype == torch.bool
+        assert torch.equal(saved["t2d"], t["t2d"]) and torch.equal(saved["d2t"], t["d2t"])
+        assert all(k.startswith(("midlayer.", "fc.", "norm.", "lm_head.", "d2t", "t2d")) for k in saved)
+    else:
+        assert "lm_head.weight" not in saved and all(k.startswith(("layers.0.", "fc.")) for k in saved)
+    tokens, feats = pairs(24, head.spec.feature_size)
+    out, logits = run_pairs(head, tokens, feats, chunks=(3, 4))
+    out2, logits2 = run_pairs(again, tokens, feats, chunks=(3, 4))
+    assert torch.equal(out, out2) and torch.equal(logits, logits2)

@@ -1,0 +1,146 @@
+"""The round protocol over the engine links, for the link tests: the demo prompts and tree, the
+in-process reference (LocalSpeculator), prefill -> (draft -> verify -> extend)* over a verifier
+and a drafter link, the comparison of completions, and engine entry points started as
+subprocesses."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import select
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+from router.links import DrafterPrefillItem, ExtendItem, PlainItem, Tag, VerifierPrefillItem
+from spectandem.config import SamplingParams, SpecConfig
+from spectandem.demo import demo_paths
+from spectandem.local import LocalSpeculator
+from spectandem.reference import Completion, _append
+
+ROOT = Path(__file__).resolve().parents[2]
+PROMPT_TEXTS = ["def fibonacci(n):\n", "class Queue:\n    def __init__(self", "import os\nimport sys\n\n",
+                "    for i in range(len("]
+MAX_TOKENS = 24
+MAX_LEN = 256
+TREE = dict(num_steps=4, topk=2, num_draft_tokens=8)
+
+
+def _greedy(n: int) -> list[SamplingParams]:
+    return [SamplingParams(max_tokens=MAX_TOKENS) for _ in range(n)]
+
+
+def _local(method: str, prompts, *param_lists, ahead: bool = False) -> tuple[list[list[Completion]], tuple[int, ...], int]:
+    """The in-process reference: completions for each list of params, eos ids, lookahead."""
+    target, draft = demo_paths(method)
+    spec = LocalSpeculator(target, draft, SpecConfig(method=method, **TREE), max_slots=4, max_len=MAX_LEN)
+    return [spec.generate(prompts, ps, ahead=ahead) for ps in param_lists], spec.eos_token_ids, spec.lookahead
+
+
+def _seeded(n: int) -> list[SamplingParams]:
+    """Sampled drafts: their q crosses the wire and the verifier runs rejection sampling.
+    (Temperature 1.0 is exact in the wire's float32.)"""
+    return [SamplingParams(max_tokens=MAX_TOKENS, temperature=1.0, seed=100 + i) for i in range(n)]
+
+
+# ----------------------------------------------------------------------------------------------
+# The round protocol over links (what the router does, without its scheduling)
+
+
+async def speculate(vlink, dlink, prompts, params, eos: tuple[int, ...], lookahead: int,
+                    plain_rounds=lambda rid, n: False, ahead: list | None = None) -> list[Completion]:
+    """prefill -> (draft -> verify -> extend)* for a batch, as spectandem.reference.generate does.
+    `plain_rounds(request_id, round)` True sends that request as a plain row (no draft).
+    `ahead` (a list): DraftAhead on each round's trees, overlapped with their verify; the hit
+    flags are appended to it."""
+    max_len = (await vlink.info()).max_len
+    ids = [f"req-{i}" for i in range(len(prompts))]
+    seeds = [p.resolved_seed() for p in params]
+    comps = {rid: Completion(rid, list(p)) for rid, p in zip(ids, prompts)}
+    sp = dict(zip(ids, params))
+    results = await vlink.prefill([VerifierPrefillItem(Tag(rid, 0, len(p)), p, s, seed)
+                                   for rid, p, s, seed in zip(ids, prompts, params, seeds)], want_features=True)
+    absorb = []
+    for r, p, seed in zip(results, prompts, seeds):
+        rid = r.tag.request_id
+        _append(comps[rid], [r.first_token_id], sp[rid], eos, r.tag.committed_len, max_len)
+        if comps[rid].finish_reason is None:
+            absorb.append(DrafterPrefillItem(r.tag, p, r.first_token_id, sp[rid], seed, r.features))
+    assert await dlink.prefill(absorb) == []
+    active = [i.tag for i in absorb]
+    n = 0
+    while active:
+        room = all(t.committed_len - 1 + lookahead <= max_len for t in active)
+        drafted = [t for t in active if room and not plain_rounds(t.request_id, n)]
+        plain = [PlainItem(t, comps[t.request_id].token_ids[-1]) for t in active if t not in drafted]
+        draft = await dlink.draft(drafted) if drafted else None
+        if ahead is not None and draft is not None:
+            outs, flags = await asyncio.gather(vlink.verify(draft, plain, want_features=True),
+                                               dlink.draft_ahead(drafted))
+            ahead += flags
+        else:
+            outs = await vlink.verify(draft, plain, want_features=True)
+        assert [o.tag.request_id for o in outs] == [t.request_id for t in drafted] + [p.tag.request_id for p in plain]
+        still = []
+        for o in outs:
+            c = comps[o.tag.request_id]
+            c.stats.num_rounds += 1
+            c.stats.draft_tokens += o.num_draft_tokens
+            c.stats.accepted_tokens += o.num_accepted
+            _append(c, o.token_ids, sp[c.request_id], eos, o.tag.committed_len, max_len)
+            if c.finish_reason is None:
+                still.append(o)
+            else:
+                await vlink.release([c.request_id])
+                await dlink.release([c.request_id])
+        if still:
+            assert await dlink.extend([ExtendItem(o.tag, o.token_ids, o.features) for o in still]) == []
+        active = [o.tag for o in still]
+        n += 1
+    await vlink.release(ids)
+    return [comps[rid] for rid in ids]
+
+
+def _assert_same(got: list[Completion], expected: list[Completion], same_stats: bool = True):
+    for i, (g, e) in enumerate(zip(got, expected)):
+        assert g.token_ids == e.token_ids, f"prompt {i}"
+        assert g.finish_reason == e.finish_reason
+        if same_stats:
+            assert g.stats == e.stats, f"prompt {i}: {g.stats} != {e.stats}"
+    assert sum(g.stats.accepted_tokens for g in got) > 0  # speculation really happened
+
+
+# ----------------------------------------------------------------------------------------------
+# Engine entry points in subprocesses
+
+
+def _spawn(args: list[str], log: Path) -> tuple[subprocess.Popen, str]:
+    """Starts a server on a free port; returns it and its address once it prints it."""
+    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=str(ROOT))
+    with log.open("w") as err:
+        proc = subprocess.Popen([sys.executable, *args, "--host", "127.0.0.1", "--port", "0"], cwd=ROOT, env=env,
+                                stdout=subprocess.PIPE, stderr=err, text=True)
+    deadline = time.monotonic() + 60
+    while time.monotonic() < deadline:
+        ready, _, _ = select.select([proc.stdout], [], [], 0.5)
+        if ready:
+            line = proc.stdout.readline()
+            if "listening on " in line:
+                return proc, line.rsplit("listening on ", 1)[1].strip()
+        if proc.poll() is not None:
+            break
+    _stop(proc)
+    raise AssertionError(f"{args} did not start:\n{log.read_text()[-3000:]}")
+
+
+def _stop(proc: subprocess.Popen) -> None:
+    if proc.poll() is None:
+        proc.send_signal(signal.SIGTERM)
+        try:
+            proc.wait(10)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
+    proc.stdout.close()
