@@ -3,7 +3,8 @@
 # machine (2 GPUs, so the drafter-on-its-own-GPU rows run too). The image has torch, triton and
 # transformers but no pytest: wheels carried in .whl/ are installed to a scratch directory.
 #
-#   bash benchmarks/h200_run.sh OUT_DIR [tests|bench|channel|all]     (channel: that test, then the bench)
+#   bash benchmarks/h200_run.sh OUT_DIR [tests|bench|channel|profile|all]
+#     channel: that test, then the bench; profile: profile_verify.py and profile_round.py (8B shape)
 set -uo pipefail
 out=${1:?output directory}
 what=${2:-all}
@@ -29,4 +30,8 @@ fi
 if [ "$what" = bench ] || [ "$what" = all ] || [ "$what" = channel ]; then
   python3 -m spectandem.cli bench --device cuda --batch-sizes 1,4,16,64 --max-tokens 128 \
     --out "$out/bench-h200.json" 2>&1 | tail -80
+fi
+if [ "$what" = profile ] || [ "$what" = all ]; then
+  (cd benchmarks && python3 profile_verify.py --context 512 --top 12 2>&1 | grep -v Warn) | tee "$out/profile-verify-h200.txt" | head -8
+  (cd benchmarks && python3 profile_round.py --workload llama8b 2>&1 | grep -v Warn) | tee "$out/profile-round-h200.txt" | head -10
 fi
