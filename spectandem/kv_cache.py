@@ -21,6 +21,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 
 from spectandem.devices import to_device
@@ -193,13 +194,23 @@ class PagedKVCache:
         ok = (block >= 0) & (index < self.max_len)
         return torch.where(ok, block * bs + index % bs, self._trash_row)
 
+    @property
+    def trash_row(self) -> int:
+        """The physical row logical indices past a reservation (and `trash_index`) map to."""
+        return self._trash_row
+
     def host_rows(self, slots: list[int], index: torch.Tensor) -> torch.Tensor:
         """`rows` on the host: physical rows of logical `index [B, T]` (a CPU tensor) in `slots`."""
+        return torch.from_numpy(self.host_rows_np(slots, index.numpy()))
+
+    def host_rows_np(self, slots: list[int], index: np.ndarray) -> np.ndarray:
+        """`host_rows` in numpy (index [B, T] int64): a verify step's inputs are built on the host
+        every round, where numpy's per-call cost is a fraction of torch's."""
         bs = self.block_size
-        tables = self.host_tables[slots]                                              # [B, max_blocks]
-        block = tables.gather(1, (index // bs).clamp(0, tables.shape[1] - 1))
+        tables = self.host_tables.numpy()[slots]                                      # [B, max_blocks]
+        block = np.take_along_axis(tables, np.clip(index // bs, 0, tables.shape[1] - 1), axis=1)
         ok = (block >= 0) & (index >= 0) & (index < self.max_len)
-        return torch.where(ok, block * bs + index % bs, self._trash_row)
+        return np.where(ok, block * bs + index % bs, self._trash_row)
 
     def block_tables(self, slots: torch.Tensor) -> torch.Tensor:
         """[B, max_blocks] physical block ids of `slots [B]`, -1 where none (a copy)."""

@@ -43,11 +43,12 @@ import threading
 from dataclasses import dataclass, fields
 from typing import Callable
 
+import numpy as np
 import torch
 
 from spectandem.devices import to_device
 from spectandem.kv_cache import PagedCacheBatch, PagedKVCache, PagedTreeBatch
-from spectandem.tree import ancestor_mask, node_depths, tree_shape
+from spectandem.tree import ancestor_mask, node_depths, tree_shape_np
 
 BATCH_BUCKETS = (1, 2, 4, 8, 16, 32, 64)
 MIN_SPAN = 32
@@ -191,7 +192,7 @@ def tree_inputs_on(flat: torch.Tensor, rows: int, n: int, max_blocks: int) -> Tr
     then tree_mask [Bc, N, N] bool; every int64 field starts at a multiple of 8 bytes."""
     assert flat.dtype == torch.uint8 and flat.numel() == tree_inputs_nbytes(rows, n, max_blocks), flat.shape
     views, offset = [], 0
-    for shape in ((rows, n), (rows, n), (rows, n), (rows, max_blocks), (rows,)):
+    for shape in _tree_int_shapes(rows, n, max_blocks):
         count = 8 * math.prod(shape)
         views.append(flat[offset: offset + count].view(torch.int64).view(shape))
         offset += count
@@ -199,39 +200,50 @@ def tree_inputs_on(flat: torch.Tensor, rows: int, n: int, max_blocks: int) -> Tr
     return TreeVerifyInputs(*views)
 
 
+def _tree_int_shapes(rows: int, n: int, max_blocks: int) -> tuple[tuple[int, ...], ...]:
+    return (rows, n), (rows, n), (rows, n), (rows, max_blocks), (rows,)
+
+
 def host_tree_inputs(cache: PagedKVCache, slots: list[int], cache_lens: list[int], token_ids: torch.Tensor,
                      parents: torch.Tensor, node_valid: torch.Tensor, rows: int) -> torch.Tensor:
     """The packed inputs (`tree_inputs_on`) of a verify through the tree attention, built on the
-    host from the cache's host block tables: token_ids, parents, node_valid [B, N] host tensors,
+    host from the cache's host block tables: token_ids, parents, node_valid [B, N] tensors,
     padded to `rows` >= B rows -> flat [nbytes] uint8 (in pinned memory when the cache is on CUDA,
     so the copy to the device does not stall the host). Node j of request b is written at logical
     cache_len + j, where the kernel looks for round entry j (prefix = cache_len). The slots must
     already hold cache_len + N entries (`cache.reserve`). Padding rows: token 0 at position 0
     written to the trash row, prefix 0, no blocks, each node seeing only itself (the kernel loads
-    nothing for such a row)."""
+    nothing for such a row). Built in numpy: this runs every round while the GPU waits."""
     b, n = token_ids.shape
     assert rows >= b and (not cache_lens or max(cache_lens) + n <= cache.max_len), (rows, b, cache_lens, n)
     max_blocks = cache.host_tables.shape[1]
     pinned = cache.k[0].device.type == "cuda"
     flat = torch.empty(tree_inputs_nbytes(rows, n, max_blocks), dtype=torch.uint8, pin_memory=pinned)
-    inp = tree_inputs_on(flat, rows, n, max_blocks)
-    inp.token_ids[b:] = 0
-    inp.positions[b:] = 0
-    inp.write_rows[b:] = cache.host_rows([0], torch.tensor([[cache.trash_index]]))
-    inp.block_tables[b:] = -1
-    inp.prefix_lens[b:] = 0
-    inp.tree_mask[b:] = torch.eye(n, dtype=torch.bool)
+    buf = flat.numpy()
+    tok, pos, write, tables, prefix = _np_views(buf, _tree_int_shapes(rows, n, max_blocks))
+    mask = buf[8 * rows * (3 * n + max_blocks + 1):].view(np.bool_).reshape(rows, n, n)
+    tok[b:], pos[b:], write[b:], tables[b:], prefix[b:] = 0, 0, cache.trash_row, -1, 0
+    mask[b:] = np.eye(n, dtype=bool)
     if b:
-        token_ids, parents, node_valid = token_ids.cpu(), parents.cpu(), node_valid.cpu()   # no-ops on host tensors
-        depth, tree = tree_shape(parents, node_valid)
-        base = torch.tensor(cache_lens, dtype=torch.long)                              # [B]
-        inp.token_ids[:b] = token_ids.clamp(min=0)
-        torch.add(base[:, None], depth, out=inp.positions[:b])
-        inp.write_rows[:b] = cache.host_rows(slots, base[:, None] + torch.arange(n))
-        inp.block_tables[:b] = cache.host_tables[slots]
-        inp.prefix_lens[:b] = base
-        inp.tree_mask[:b] = tree
+        depth, tree = tree_shape_np(parents.cpu().numpy(), node_valid.cpu().numpy())
+        base = np.asarray(cache_lens, dtype=np.int64)                                  # [B]
+        np.maximum(token_ids.cpu().numpy(), 0, out=tok[:b])
+        np.add(base[:, None], depth, out=pos[:b])
+        write[:b] = cache.host_rows_np(slots, base[:, None] + np.arange(n))
+        tables[:b] = cache.host_tables.numpy()[slots]
+        prefix[:b] = base
+        mask[:b] = tree
     return flat
+
+
+def _np_views(buf: np.ndarray, shapes) -> list[np.ndarray]:
+    """int64 views of consecutive regions of the byte buffer `buf`, one per shape."""
+    views, offset = [], 0
+    for shape in shapes:
+        count = 8 * math.prod(shape)
+        views.append(buf[offset: offset + count].view(np.int64).reshape(shape))
+        offset += count
+    return views
 
 
 def tree_verify_inputs(cache: PagedKVCache, slots: list[int], cache_lens: list[int], token_ids: torch.Tensor,
