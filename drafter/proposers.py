@@ -17,7 +17,7 @@ from drafter.graphs import CatchUpGraphs, ChainGraphs, catch_up_forward, catch_u
 from drafter.heads import DraftHead
 from drafter.tree import TreeDraft, expand_topk, sample_chains
 from spectandem.config import SamplingParams, SpecConfig
-from spectandem.devices import to_device
+from spectandem.devices import to_device, to_device_all
 from spectandem.kv_cache import PagedKVCache
 from spectandem.modeling.llama import LlamaModel
 
@@ -177,7 +177,7 @@ class EagleProposer:
             self.cache.trim(slot, b0)      # last round's draft scratch
             self.cache.reserve(slot, b0 + n)
         token_ids = [r.token_ids[r.committed_len - n:] for r, n in zip(reqs, num_new)]
-        feats = [to_device(f, self.device, self.dtype) for f in features]                  # [n, F] each
+        feats = to_device_all(features, self.device, self.dtype)                           # [n, F] each
         graphs = self.catch_up_graphs
         if graphs is not None and graphs.supports(len(reqs), max(num_new)):
             out, logits = graphs.run(slots, base, token_ids, feats)

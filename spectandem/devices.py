@@ -42,3 +42,14 @@ def to_host(*tensors: torch.Tensor | None) -> list[torch.Tensor | None]:
     for device in devices:
         torch.cuda.current_stream(device).synchronize()
     return out
+
+
+def to_device_all(tensors: list[torch.Tensor], device, dtype: torch.dtype | None = None) -> list[torch.Tensor]:
+    """`to_device` of each tensor [n_i, ...]; host tensors of one trailing shape cross in one copy
+    (concatenated on the host, split on the device into views)."""
+    device = torch.device(device)
+    same = len({t.shape[1:] for t in tensors}) == 1
+    if device.type != "cuda" or len(tensors) < 2 or not same or any(t.device.type != "cpu" for t in tensors):
+        return [to_device(t, device, dtype) for t in tensors]
+    joined = to_device(torch.cat([t if dtype is None else t.to(dtype) for t in tensors]), device, dtype)
+    return list(joined.split([t.shape[0] for t in tensors]))
