@@ -10,32 +10,12 @@ import pytest
 import torch
 
 from drafter.graphs import CatchUpGraphs
-from drafter.loader import load_head
 from drafter.proposers import DraftRequest, EagleProposer
 from spectandem.config import SamplingParams, SpecConfig
-from spectandem.modeling.llama import load_llama
 
-MODELS = "models/demo"
 MAX_LEN = 128
 ATOL = 1e-5
-
-
-@pytest.fixture(scope="module", autouse=True)
-def _one_thread():
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
-
-
-@pytest.fixture(scope="module")
-def target():
-    return load_llama(f"{MODELS}/target", torch.float32)
-
-
-@pytest.fixture(scope="module", params=["eagle3", "eagle"])
-def head(request, target):
-    return load_head(f"{MODELS}/{request.param}", target, kind=request.param, dtype=torch.float32)
+# `target` and `head` (the demo target, each demo head; fp32): tests/drafter/conftest.py.
 
 
 def _pair(head, cfg, monkeypatch, **buckets) -> tuple[EagleProposer, EagleProposer, list[int]]:

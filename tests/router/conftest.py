@@ -1,4 +1,5 @@
-"""A served router in a background thread, for end-to-end tests over real gRPC."""
+"""A served router in a background thread, for end-to-end tests over real gRPC; the link tests'
+prompts (token ids)."""
 
 from __future__ import annotations
 
@@ -9,7 +10,10 @@ import time
 import grpc
 import pytest
 
+from spectandem.checkpoint import load_tokenizer
+from spectandem.demo import demo_paths
 from spectandem.v1 import common_pb2, generation_pb2, generation_pb2_grpc
+from tests.router.link_harness import PROMPT_TEXTS
 
 
 class Served:
@@ -92,3 +96,15 @@ def local_server():
     s = Served(["--backend", "local", "--max-len", "512", "--max-running", "64"]).wait_ready()
     yield s
     s.close()
+
+
+@pytest.fixture(scope="module")
+def prompt_texts() -> list[str]:
+    """The texts `prompts` encodes; a module that needs another list (or order) overrides this."""
+    return PROMPT_TEXTS
+
+
+@pytest.fixture(scope="module")
+def prompts(prompt_texts) -> list[list[int]]:
+    tok = load_tokenizer(demo_paths("none")[0])
+    return [tok.encode(t).ids for t in prompt_texts]

@@ -1,17 +1,19 @@
 """The round protocol over the engine links, for the link tests: the demo prompts and tree, the
 in-process reference (LocalSpeculator), prefill -> (draft -> verify -> extend)* over a verifier
 and a drafter link, the comparison of completions, and engine entry points started as
-subprocesses."""
+subprocesses (one server, or the verifier and drafter pair)."""
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import os
 import select
 import signal
 import subprocess
 import sys
 import time
+from collections.abc import Iterator, Sequence
 from pathlib import Path
 
 from router.links import DrafterPrefillItem, ExtendItem, PlainItem, Tag, VerifierPrefillItem
@@ -144,3 +146,23 @@ def _stop(proc: subprocess.Popen) -> None:
             proc.kill()
             proc.wait()
     proc.stdout.close()
+
+
+@contextlib.contextmanager
+def spawn_pair(logs: Path, flags: Sequence[str] = ()) -> Iterator[tuple[str, str]]:
+    """`python -m verifier` and `python -m drafter` without model flags (the demo EAGLE-3 pair; the
+    verifier derives its feature layers from the head's config), 4 slots of MAX_LEN, the drafter
+    drafting TREE, `flags` passed to both; logs in logs/v.log and logs/d.log. Yields (verifier
+    address, drafter address); both are stopped on exit."""
+    tree = ["--num-steps", str(TREE["num_steps"]), "--topk", str(TREE["topk"]),
+            "--num-draft-tokens", str(TREE["num_draft_tokens"])]
+    procs = []
+    try:
+        procs.append(_spawn(["-m", "verifier", "--max-slots", "4", "--max-len", str(MAX_LEN), *flags],
+                            logs / "v.log"))
+        procs.append(_spawn(["-m", "drafter", "--max-slots", "4", "--max-len", str(MAX_LEN), *tree, *flags],
+                            logs / "d.log"))
+        yield tuple(a for _, a in procs)
+    finally:
+        for p, _ in procs:
+            _stop(p)

@@ -22,18 +22,10 @@ import pytest
 
 from router.links_grpc import GrpcDrafterLink, GrpcVerifierLink
 from spectandem.channel import ChannelRef
-from spectandem.checkpoint import load_tokenizer
 from spectandem.config import SamplingParams, SpecConfig
 from spectandem.demo import demo_paths
 from tests.router.conftest import Served, collect, request
-from tests.router.link_harness import (MAX_LEN, PROMPT_TEXTS, TREE, _assert_same, _greedy, _local, _seeded, _spawn,
-                                       _stop, speculate)
-
-
-@pytest.fixture(scope="module")
-def prompts():
-    tok = load_tokenizer(demo_paths("none")[0])
-    return [tok.encode(t).ids for t in PROMPT_TEXTS]
+from tests.router.link_harness import MAX_LEN, TREE, _assert_same, _greedy, _local, _seeded, spawn_pair, speculate
 
 
 def _address() -> str:
@@ -89,20 +81,8 @@ async def _wait_state(link, state: str, timeout: float = 30.0) -> None:
 
 @pytest.fixture(scope="module")
 def channel_processes(tmp_path_factory):
-    logs = tmp_path_factory.mktemp("logs")
-    channel = ["--feature-channel", _address()]
-    tree = ["--num-steps", str(TREE["num_steps"]), "--topk", str(TREE["topk"]),
-            "--num-draft-tokens", str(TREE["num_draft_tokens"])]
-    procs = []
-    try:
-        procs.append(_spawn(["-m", "verifier", "--max-slots", "4", "--max-len", str(MAX_LEN), *channel],
-                            logs / "v.log"))
-        procs.append(_spawn(["-m", "drafter", "--max-slots", "4", "--max-len", str(MAX_LEN), *tree, *channel],
-                            logs / "d.log"))
-        yield tuple(a for _, a in procs)
-    finally:
-        for p, _ in procs:
-            _stop(p)
+    with spawn_pair(tmp_path_factory.mktemp("logs"), ["--feature-channel", _address()]) as addresses:
+        yield addresses
 
 
 def test_features_cross_the_channel_and_tokens_match_local(channel_processes, prompts):

@@ -23,18 +23,11 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from router.links import DrafterPrefillItem, EngineUnavailable, ExtendItem, PlainItem, Tag, VerifierPrefillItem
 from router.links_grpc import GrpcDrafterLink, GrpcVerifierLink
-from spectandem.checkpoint import load_tokenizer
 from spectandem.config import SamplingParams, SpecConfig
 from spectandem.demo import demo_paths
 from spectandem.messages import StaleMessage
-from tests.router.link_harness import (MAX_LEN, PROMPT_TEXTS, TREE, _assert_same, _greedy, _local, _seeded, _spawn,
-                                       _stop, speculate)
-
-
-@pytest.fixture(scope="module")
-def prompts():
-    tok = load_tokenizer(demo_paths("none")[0])
-    return [tok.encode(t).ids for t in PROMPT_TEXTS]
+from tests.router.link_harness import (MAX_LEN, TREE, _assert_same, _greedy, _local, _seeded, _spawn, _stop,
+                                       spawn_pair, speculate)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -145,18 +138,8 @@ def test_stale_tags_and_bad_input(ngram_servers, prompts):
 def eagle3_processes(tmp_path_factory):
     """`python -m verifier` and `python -m drafter` without model flags: the demo EAGLE-3 pair
     (the verifier derives its feature layers from the head's config)."""
-    logs = tmp_path_factory.mktemp("logs")
-    tree = ["--num-steps", str(TREE["num_steps"]), "--topk", str(TREE["topk"]),
-            "--num-draft-tokens", str(TREE["num_draft_tokens"])]
-    procs = []
-    try:
-        procs.append(_spawn(["-m", "verifier", "--max-slots", "4", "--max-len", str(MAX_LEN)], logs / "v.log"))
-        procs.append(_spawn(["-m", "drafter", "--max-slots", "4", "--max-len", str(MAX_LEN), *tree],
-                            logs / "d.log"))
-        yield tuple(a for _, a in procs)
-    finally:
-        for p, _ in procs:
-            _stop(p)
+    with spawn_pair(tmp_path_factory.mktemp("logs")) as addresses:
+        yield addresses
 
 
 def test_eagle3_subprocesses_match_local(eagle3_processes, prompts):
