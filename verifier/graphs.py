@@ -192,16 +192,12 @@ def tree_inputs_on(flat: torch.Tensor, rows: int, n: int, max_blocks: int) -> Tr
     then tree_mask [Bc, N, N] bool; every int64 field starts at a multiple of 8 bytes."""
     assert flat.dtype == torch.uint8 and flat.numel() == tree_inputs_nbytes(rows, n, max_blocks), flat.shape
     views, offset = [], 0
-    for shape in _tree_int_shapes(rows, n, max_blocks):
+    for shape in ((rows, n), (rows, n), (rows, n), (rows, max_blocks), (rows,)):
         count = 8 * math.prod(shape)
         views.append(flat[offset: offset + count].view(torch.int64).view(shape))
         offset += count
     views.append(flat[offset:].view(torch.bool).view(rows, n, n))
     return TreeVerifyInputs(*views)
-
-
-def _tree_int_shapes(rows: int, n: int, max_blocks: int) -> tuple[tuple[int, ...], ...]:
-    return (rows, n), (rows, n), (rows, n), (rows, max_blocks), (rows,)
 
 
 def host_tree_inputs(cache: PagedKVCache, slots: list[int], cache_lens: list[int], token_ids: torch.Tensor,
@@ -219,9 +215,8 @@ def host_tree_inputs(cache: PagedKVCache, slots: list[int], cache_lens: list[int
     max_blocks = cache.host_tables.shape[1]
     pinned = cache.k[0].device.type == "cuda"
     flat = torch.empty(tree_inputs_nbytes(rows, n, max_blocks), dtype=torch.uint8, pin_memory=pinned)
-    buf = flat.numpy()
-    tok, pos, write, tables, prefix = _np_views(buf, _tree_int_shapes(rows, n, max_blocks))
-    mask = buf[8 * rows * (3 * n + max_blocks + 1):].view(np.bool_).reshape(rows, n, n)
+    inp = tree_inputs_on(flat, rows, n, max_blocks)
+    tok, pos, write, tables, prefix, mask = (getattr(inp, f.name).numpy() for f in fields(inp))   # the same memory
     tok[b:], pos[b:], write[b:], tables[b:], prefix[b:] = 0, 0, cache.trash_row, -1, 0
     mask[b:] = np.eye(n, dtype=bool)
     if b:
@@ -234,16 +229,6 @@ def host_tree_inputs(cache: PagedKVCache, slots: list[int], cache_lens: list[int
         prefix[:b] = base
         mask[:b] = tree
     return flat
-
-
-def _np_views(buf: np.ndarray, shapes) -> list[np.ndarray]:
-    """int64 views of consecutive regions of the byte buffer `buf`, one per shape."""
-    views, offset = [], 0
-    for shape in shapes:
-        count = 8 * math.prod(shape)
-        views.append(buf[offset: offset + count].view(np.int64).reshape(shape))
-        offset += count
-    return views
 
 
 def tree_verify_inputs(cache: PagedKVCache, slots: list[int], cache_lens: list[int], token_ids: torch.Tensor,
