@@ -26,7 +26,8 @@ from pathlib import Path
 
 import torch
 
-from drafter.proposers import DraftModelProposer, DraftRequest, EagleProposer, NgramProposer, Proposer
+from drafter.lm_proposers import DraftModelProposer, NgramProposer
+from drafter.proposers import DraftRequest, EagleProposer, Proposer
 from drafter.tree import TreeDraft
 from spectandem.config import SamplingParams, SpecConfig
 from spectandem.devices import to_host

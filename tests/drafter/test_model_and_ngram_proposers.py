@@ -5,7 +5,7 @@ lookup."""
 import pytest
 import torch
 
-from drafter.proposers import DraftModelProposer, NgramProposer
+from drafter.lm_proposers import DraftModelProposer, NgramProposer
 from spectandem.config import SpecConfig
 from spectandem.kv_cache import KVCache
 from spectandem.modeling.llama import load_llama
