@@ -222,12 +222,17 @@ class PagedKVCache:
         read = torch.arange(span, device=slots.device).expand(slots.shape[0], span)
         return PagedCacheBatch(self, self.rows(slots, write_index), self.rows(slots, read))
 
-    def compact(self, slots: torch.Tensor, src_index: torch.Tensor, dst_index: torch.Tensor) -> None:
-        """One Triton launch for every layer's K and V on the GPU (spectandem/kernels/compact.py),
-        the same copies in torch otherwise."""
+    def compact(self, slots: list[int] | torch.Tensor, src_index: torch.Tensor, dst_index: torch.Tensor) -> None:
+        """Copies logical entries `src_index [B, A]` to `dst_index [B, A]` within each slot. The
+        physical rows are worked out on the host (the host tables) and cross in one copy; one
+        Triton launch for every layer's K and V on the GPU (spectandem/kernels/compact.py), the
+        same copies in torch otherwise."""
         from spectandem.kernels.compact import compact_rows
 
-        compact_rows(self.k + self.v, self.rows(slots, src_index), self.rows(slots, dst_index))
+        slots = slots.tolist() if isinstance(slots, torch.Tensor) else list(slots)
+        src, dst = self.host_rows(slots, src_index.cpu()), self.host_rows(slots, dst_index.cpu())
+        rows = to_device(torch.stack([src, dst]), self.k[0].device)                      # [2, B, A]
+        compact_rows(self.k + self.v, rows[0], rows[1])
 
     def clear_slot(self, slot: int) -> None:
         self.free(slot)

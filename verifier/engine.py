@@ -108,17 +108,17 @@ class VerifierEngine:
         result = self._accept(tree, reqs, logits)
         tokens = [result.tokens(b) for b in range(len(reqs))]
         self.commit(tree.request_ids, result.accepted_nodes, tokens)
-        if feats is not None:   # every request's accepted path in one gather: [B, W, F]
-            path = to_device(result.accepted_nodes.clamp(min=0), feats.device)
-            feats = feats[torch.arange(len(reqs), device=feats.device)[:, None], path]
+        # Every request's accepted path crosses to the features' device in one copy: [B, W].
+        path = None if feats is None else to_device(result.accepted_nodes.clamp(min=0), feats.device)
         outs = []
         for b, (rid, req) in enumerate(zip(tree.request_ids, reqs)):
             toks = tokens[b]
             outs.append(VerifyOutput(
                 request_id=rid, committed_len=req.committed_len, token_ids=toks,
                 num_accepted=int(result.num_accepted[b]), num_draft_tokens=tree.num_draft_tokens(b),
-                # A copy of its own: a view would carry the whole batch's storage when pickled.
-                features=None if feats is None else feats[b, : len(toks)].clone()))
+                # A tensor of its own (index_select copies): a view would carry the whole batch's
+                # storage when pickled.
+                features=None if feats is None else feats[b].index_select(0, path[b, : len(toks)])))
         return outs
 
     def commit(self, request_ids: list[str], accepted_nodes: torch.Tensor, token_ids: list[list[int]]) -> None:

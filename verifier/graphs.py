@@ -48,7 +48,7 @@ import torch
 
 from spectandem.devices import to_device
 from spectandem.kv_cache import PagedCacheBatch, PagedKVCache, PagedTreeBatch
-from spectandem.tree import ancestor_mask, node_depths, tree_shape_np
+from spectandem.tree import tree_shape, tree_shape_np
 
 BATCH_BUCKETS = (1, 2, 4, 8, 16, 32, 64)
 MIN_SPAN = 32
@@ -155,12 +155,13 @@ def verify_inputs(cache: PagedKVCache, slots: list[int], cache_lens: list[int], 
     write = torch.where(real[:, None], base[:, None] + node, cache.trash_index)        # [Bc, N]
     read = torch.where(real[:, None], cols, cache.trash_index)                          # [Bc, S]
     slot_t = to_device(list(slots) + [slots[0]] * pad, dev)
+    depth, tree = tree_shape(parents.cpu(), node_valid.cpu())                          # [B, N], [B, N, N]
     positions = torch.zeros(rows, n, dtype=torch.long, device=dev)
-    positions[:b] = base[:b, None] + to_device(node_depths(parents, node_valid), dev)
+    positions[:b] = base[:b, None] + to_device(depth, dev)
     # Column j < cache_len: committed, visible to every node; column cache_len + j: node j,
     # visible to its descendants and itself.
     mask = (cols[None, None, :] < base[:, None, None]).expand(rows, n, span).clone()   # [Bc, N, S]
-    tree = to_device(ancestor_mask(parents, node_valid), dev)                          # [B, N, N]
+    tree = to_device(tree, dev)
     mask[torch.arange(b, device=dev)[:, None, None], node[None, :, None], write[:b, None, :]] = tree
     mask[b:, :, 0] = True
     toks = torch.zeros(rows, n, dtype=torch.long, device=dev)

@@ -16,11 +16,9 @@ from pathlib import Path
 
 import torch
 
-from spectandem.devices import to_device
-from spectandem.kernels.compact import compact_rows
 from spectandem.kv_cache import KVCache, PagedKVCache
 from spectandem.modeling.llama import NATIVE_ARCHITECTURES, InvariantBatch, LlamaModel, load_llama
-from spectandem.tree import ancestor_mask, node_depths
+from spectandem.tree import tree_shape
 from verifier.graphs import VerifyGraphs, tree_verify_inputs, verify_forward, verify_inputs
 
 FeatureSpec = None | str | tuple[int, ...]
@@ -160,7 +158,7 @@ class NativeRunner:
         node j was written at cache_len + j and moves to cache_len + its rank on the path.
         Example: cache_len 10, path [0, 2, 5] -> entries 10, 12, 15 move to 10, 11, 12. A path
         whose node j has rank j (every chain, a decode step) is already in place: nothing moves.
-        The rows are worked out on the host (the cache's host tables) and cross in one copy."""
+        accepted_nodes is a host result: nothing here waits for the device."""
         nodes = accepted_nodes.cpu()                                                   # [B, A]
         ok = nodes >= 0
         kept = ok.sum(1).tolist()
@@ -168,10 +166,7 @@ class NativeRunner:
         if bool((ok & (nodes != rank)).any()):
             base = torch.tensor(cache_lens, dtype=torch.long)[:, None]                   # [B, 1]
             trash = self.cache.trash_index
-            src = self.cache.host_rows(slots, torch.where(ok, base + nodes, trash))
-            dst = self.cache.host_rows(slots, torch.where(ok, base + rank, trash))
-            rows = to_device(torch.stack([src, dst]), self.device)                       # [2, B, A]
-            compact_rows(self.cache.k + self.cache.v, rows[0], rows[1])
+            self.cache.compact(slots, torch.where(ok, base + nodes, trash), torch.where(ok, base + rank, trash))
         # The tree's scratch past the committed entries goes back to the pool.
         for slot, c, k in zip(slots, cache_lens, kept):
             self.cache.trim(slot, c + k)
@@ -239,8 +234,7 @@ class HFRunner:
 
     @torch.no_grad()
     def verify(self, slots, cache_lens, token_ids, parents, node_valid):
-        depth = node_depths(parents, node_valid)
-        tree = ancestor_mask(parents, node_valid)
+        depth, tree = tree_shape(parents.cpu(), node_valid.cpu())
         logits, feats = [], []
         for i, (slot, base) in enumerate(zip(slots, cache_lens)):
             n = token_ids.shape[1]
