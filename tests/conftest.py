@@ -11,4 +11,4 @@ torch.set_num_threads(1)
 
 # Helper modules whose assertions are tests' checks: rewritten like test modules, so a failure
 # shows the values compared. Registered here, before any test module imports them.
-pytest.register_assert_rewrite("tests.drafter.tree_oracle", "tests.router.link_harness")
+pytest.register_assert_rewrite("tests.drafter.tree_oracle", "tests.router.link_harness", "tests.verifier.accept_law")
