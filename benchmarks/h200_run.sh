@@ -3,8 +3,10 @@
 # machine (2 GPUs, so the drafter-on-its-own-GPU rows run too). The image has torch, triton and
 # transformers but no pytest: wheels carried in .whl/ are installed to a scratch directory.
 #
-#   bash benchmarks/h200_run.sh OUT_DIR [tests|bench|channel|profile|all]
+#   bash benchmarks/h200_run.sh OUT_DIR [tests|check|bench|channel|profile|all]
+#     tests: every GPU test file; check: those of the verify/draft/router fast paths, then profile
 #     channel: that test, then the bench; profile: profile_verify.py and profile_round.py (8B shape)
+# Test logs go to one file, OUT_DIR/gpu-tests.txt (the device tool returns at most 8 files).
 set -uo pipefail
 out=${1:?output directory}
 what=${2:-all}
@@ -16,12 +18,21 @@ else
   export PYTHONPATH=$PWD
 fi
 nvidia-smi --query-gpu=name,memory.total --format=csv,noheader | tee "$out/gpus.txt"
-if [ "$what" = tests ] || [ "$what" = all ]; then
-  for f in tests/gpu/test_*.py; do
-    name=$(basename "$f" .py)
-    timeout 400 python3 -m pytest -m gpu "$f" -q -p no:cacheprovider -rf --durations=5 >"$out/$name.txt" 2>&1 || true
-    echo "== $f"; grep -E "passed|failed|error|FAILED" "$out/$name.txt" | tail -12
+run_tests() {   # FILE... : each in its own pytest process, logs appended to gpu-tests.txt
+  for f in "$@"; do
+    timeout 200 python3 -m pytest -m gpu "$f" -q -p no:cacheprovider -rf --durations=3 >/tmp/one.txt 2>&1 || true
+    { echo "==== $f"; cat /tmp/one.txt; } >>"$out/gpu-tests.txt"
+    echo "== $f"; grep -E "passed|failed|error|FAILED" /tmp/one.txt | tail -12
   done
+}
+if [ "$what" = tests ] || [ "$what" = all ]; then
+  run_tests tests/gpu/test_*.py
+fi
+if [ "$what" = check ]; then
+  run_tests tests/gpu/test_rotary_write.py tests/gpu/test_fused_kernels.py tests/gpu/test_gpu_exact.py \
+    tests/gpu/test_graphs.py tests/gpu/test_packed_model.py tests/gpu/test_devices_gpu.py \
+    tests/gpu/test_router8b_two_gpus.py tests/gpu/test_catchup_graphs.py tests/gpu/test_fused_graph.py \
+    tests/gpu/test_triton_attention.py tests/gpu/test_batch_invariant.py
 fi
 if [ "$what" = channel ]; then
   (timeout 300 python3 -m pytest -q -m gpu -s -p no:cacheprovider tests/gpu/test_feature_channel_gpu.py 2>&1 || true) | tail -30 \
@@ -31,7 +42,7 @@ if [ "$what" = bench ] || [ "$what" = all ] || [ "$what" = channel ]; then
   python3 -m spectandem.cli bench --device cuda --batch-sizes 1,4,16,64 --max-tokens 128 \
     --out "$out/bench-h200.json" 2>&1 | tail -80
 fi
-if [ "$what" = profile ] || [ "$what" = all ]; then
+if [ "$what" = profile ] || [ "$what" = all ] || [ "$what" = check ]; then
   (cd benchmarks && python3 profile_verify.py --context 512 --top 12 2>&1 | grep -v Warn) | tee "$out/profile-verify-h200.txt" | head -8
   (cd benchmarks && python3 profile_round.py --workload llama8b 2>&1 | grep -v Warn) | tee "$out/profile-round-h200.txt" | head -10
 fi

@@ -287,6 +287,20 @@ class PagedTreeBatch:
         k, v = self.cache.k[layer], self.cache.v[layer]
         k[self.write_rows] = k_new.transpose(1, 2).to(k.dtype)
         v[self.write_rows] = v_new.transpose(1, 2).to(v.dtype)
+        return self._attend_pool(layer, q, scale)
+
+    def attend_rotary(self, layer: int, q: torch.Tensor, k_new: torch.Tensor, v_new: torch.Tensor,
+                      cos: torch.Tensor, sin: torch.Tensor, mask: None, scale: float) -> torch.Tensor:
+        """`attend` of the rotated q and k_new (cos, sin [B, T, hd]): the rotation and the K/V
+        write in one launch on CUDA (spectandem/kernels/rotary_write.py), the same values."""
+        from spectandem.kernels.rotary_write import rotary_write
+
+        assert mask is None, "a PagedTreeBatch masks through prefix_lens and tree_mask; the forward's mask must be None"
+        q = rotary_write(q, k_new, v_new, cos, sin, self.cache.k[layer], self.cache.v[layer], self.write_rows)
+        return self._attend_pool(layer, q, scale)
+
+    def _attend_pool(self, layer: int, q: torch.Tensor, scale: float) -> torch.Tensor:
+        k, v = self.cache.k[layer], self.cache.v[layer]
         split_len = launch_split_len(q, k.shape[1], self.cache.attention_split_len)
         return paged_tree_attention(q, k, v, self.block_tables, self.prefix_lens, self.tree_mask, scale,
                                     self.cache.block_size, split_len=split_len)

@@ -272,8 +272,9 @@ def rotary_triton(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor,
         q, k, cos.contiguous(), sin.contiguous(), q_out, k_out, t,
         q.stride(0), q.stride(1), q.stride(2), k.stride(0), k.stride(1), k.stride(2),
         q_out.stride(0), q_out.stride(1), q_out.stride(2), k_out.stride(0), k_out.stride(1), k_out.stride(2),
+        q, q, q, 0, 0, 0,   # no pool write (spectandem/kernels/rotary_write.py)
         NUM_Q=nh, NUM_K=nkv, BLOCK_Q=triton.next_power_of_2(nh), BLOCK_K=triton.next_power_of_2(nkv),
-        HALF=half, BLOCK_HALF=triton.next_power_of_2(half), num_warps=_NUM_WARPS, **_EXACT,
+        HALF=half, BLOCK_HALF=triton.next_power_of_2(half), WRITE=False, num_warps=_NUM_WARPS, **_EXACT,
     )
     return q_out, k_out
 

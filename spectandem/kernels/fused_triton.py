@@ -27,6 +27,16 @@ if HAVE_TRITON:
         return x * x
 
     @triton.jit
+    def _accumulate(x_row, delta_row, cols, a0, a1, a2, a3, H: tl.constexpr, ACC_STRIDE: tl.constexpr,
+                    ADD: tl.constexpr):
+        """One step of the four accumulators: each adds the square of its own column."""
+        a0 = a0 + _square(x_row, delta_row, cols, H, ADD)
+        a1 = a1 + _square(x_row, delta_row, cols + ACC_STRIDE, H, ADD)
+        a2 = a2 + _square(x_row, delta_row, cols + 2 * ACC_STRIDE, H, ADD)
+        a3 = a3 + _square(x_row, delta_row, cols + 3 * ACC_STRIDE, H, ADD)
+        return a0, a1, a2, a3
+
+    @triton.jit
     def _rmsnorm_kernel(
         x_ptr,  # rows of H, H contiguous: row r at (r // inner) * stride_outer + (r % inner) * stride_inner
         delta_ptr,  # ADD: [M, H] contiguous, added to x (then contiguous too); otherwise unused
@@ -50,12 +60,11 @@ if HAVE_TRITON:
         a1 = tl.zeros([LANES], tl.float32)
         a2 = tl.zeros([LANES], tl.float32)
         a3 = tl.zeros([LANES], tl.float32)
-        for start in range(0, H, 4 * LANES):  # in ATen's step order: each accumulator sums sequentially
-            cols = start + first
-            a0 = a0 + _square(x_row, delta_row, cols, H, ADD)
-            a1 = a1 + _square(x_row, delta_row, cols + ACC_STRIDE, H, ADD)
-            a2 = a2 + _square(x_row, delta_row, cols + 2 * ACC_STRIDE, H, ADD)
-            a3 = a3 + _square(x_row, delta_row, cols + 3 * ACC_STRIDE, H, ADD)
+        # In ATen's step order: each accumulator sums sequentially. Unrolled (at most 63 steps:
+        # reduction_layout), so that every load is issued before the sums wait on the first: with
+        # 32 lanes a row (16 rows or more) a 4096 row is 32 steps, latency-bound as a loop.
+        for start in tl.static_range(0, H, 4 * LANES):
+            a0, a1, a2, a3 = _accumulate(x_row, delta_row, start + first, a0, a1, a2, a3, H, ACC_STRIDE, ADD)
         total = ((a0 + a1) + a2) + a3
         # A sum over an axis of 2 is one addition, so these replay block_x_reduce's tree exactly.
         for i in tl.static_range(HALVINGS):  # shared memory: lane w += lane w + half
@@ -105,11 +114,16 @@ if HAVE_TRITON:
         q_ptr,  # [B, nh, T, hd], hd contiguous
         k_ptr,  # [B, nkv, T, hd], hd contiguous
         cos_ptr, sin_ptr,  # [B, T, hd] contiguous
-        q_out_ptr, k_out_ptr,  # as q and k
+        q_out_ptr,  # as q
+        k_out_ptr,  # as k; WRITE: the K pool [rows, nkv, hd] contiguous
         num_tokens,  # T
         sq_b, sq_h, sq_t, sk_b, sk_h, sk_t, soq_b, soq_h, soq_t, sok_b, sok_h, sok_t,
+        rows_ptr,  # WRITE: [B * T] int64, the pool row of token b * T + t; otherwise unused
+        v_ptr,  # WRITE: [B, nkv, T, hd], hd contiguous, copied to the V pool's row; otherwise unused
+        v_pool_ptr,  # WRITE: the V pool [rows, nkv, hd] contiguous; otherwise unused
+        sv_b, sv_h, sv_t,
         NUM_Q: tl.constexpr, NUM_K: tl.constexpr, BLOCK_Q: tl.constexpr, BLOCK_K: tl.constexpr,
-        HALF: tl.constexpr, BLOCK_HALF: tl.constexpr,
+        HALF: tl.constexpr, BLOCK_HALF: tl.constexpr, WRITE: tl.constexpr,
     ):
         r = tl.program_id(0).to(tl.int64)  # token b * T + t: every head of q and k, one table row
         b = r // num_tokens
@@ -123,8 +137,18 @@ if HAVE_TRITON:
         sin2 = tl.load(sin_ptr + table + HALF + d, mask=d_ok, other=0.0).to(tl.float32)
         _rotate_heads(q_ptr + b * sq_b + t * sq_t, q_out_ptr + b * soq_b + t * soq_t, sq_h, soq_h,
                       cos1, cos2, sin1, sin2, NUM_Q, BLOCK_Q, HALF, BLOCK_HALF)
-        _rotate_heads(k_ptr + b * sk_b + t * sk_t, k_out_ptr + b * sok_b + t * sok_t, sk_h, sok_h,
-                      cos1, cos2, sin1, sin2, NUM_K, BLOCK_K, HALF, BLOCK_HALF)
+        if WRITE:  # k rotated into the pool's row, v copied into the other pool's: no index_put
+            pool_row = tl.load(rows_ptr + r) * (NUM_K * 2 * HALF)
+            _rotate_heads(k_ptr + b * sk_b + t * sk_t, k_out_ptr + pool_row, sk_h, 2 * HALF,
+                          cos1, cos2, sin1, sin2, NUM_K, BLOCK_K, HALF, BLOCK_HALF)
+            h = tl.arange(0, BLOCK_K)[:, None]
+            dd = tl.arange(0, 2 * BLOCK_HALF)[None, :]
+            ok = (h < NUM_K) & (dd < 2 * HALF)
+            v = tl.load(v_ptr + b * sv_b + t * sv_t + h * sv_h + dd, mask=ok, other=0.0)
+            tl.store(v_pool_ptr + pool_row + h * (2 * HALF) + dd, v, mask=ok)
+        else:
+            _rotate_heads(k_ptr + b * sk_b + t * sk_t, k_out_ptr + b * sok_b + t * sok_t, sk_h, sok_h,
+                          cos1, cos2, sin1, sin2, NUM_K, BLOCK_K, HALF, BLOCK_HALF)
 
     @triton.jit
     def _silu_times(gate, up, dtype: tl.constexpr, INTERPRETED: tl.constexpr):

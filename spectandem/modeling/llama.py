@@ -121,6 +121,11 @@ class Attention(PackedProjections):
         v = v.view(b, t, self.num_kv_heads, self.head_dim)
         if self.q_norm is not None:
             q, k = self.q_norm(q), self.k_norm(k)
+        attend_rotary = getattr(cache, "attend_rotary", None) if self.fused else None
+        if attend_rotary is not None:   # the paged-tree path: rotary and the K/V write in one launch
+            out = attend_rotary(layer, q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), cos, sin, mask,
+                                self.head_dim ** -0.5)
+            return self.o_proj(out)
         if self.fused:
             q, k = rotary(q.transpose(1, 2), k.transpose(1, 2), cos, sin)
         else:
