@@ -43,6 +43,9 @@ if [ "$what" = bench ] || [ "$what" = all ] || [ "$what" = channel ]; then
     --out "$out/bench-h200.json" 2>&1 | tail -80
 fi
 if [ "$what" = profile ] || [ "$what" = all ] || [ "$what" = check ]; then
-  (cd benchmarks && python3 profile_verify.py --context 512 --top 12 2>&1 | grep -v Warn) | tee "$out/profile-verify-h200.txt" | head -8
-  (cd benchmarks && python3 profile_round.py --workload llama8b 2>&1 | grep -v Warn) | tee "$out/profile-round-h200.txt" | head -10
+  # (tee into a file, then head: `tee | head` would stop the file where head stops reading)
+  (cd benchmarks && python3 profile_verify.py --context 512 --top 12 2>&1 | grep -v Warn) >"$out/profile-verify-h200.txt"
+  head -8 "$out/profile-verify-h200.txt"
+  (cd benchmarks && python3 profile_round.py --workload llama8b 2>&1 | grep -v Warn) >"$out/profile-round-h200.txt"
+  head -10 "$out/profile-round-h200.txt"
 fi

@@ -13,7 +13,8 @@ import torch
 
 from spectandem.kernels.rotary_write import rotary_write, rotary_write_ref, rotary_write_triton
 from spectandem.modeling.layers import RopeSpec, Rotary
-from tests.gpu.test_fused_kernels import DTYPE_IDS, DTYPES, _cuda_and_triton, _randn, assert_same
+from tests.gpu.test_fused_kernels import (  # noqa: F401  (_cuda_and_triton: an autouse fixture, here too)
+    DTYPE_IDS, DTYPES, _cuda_and_triton, _randn, assert_same)
 
 pytestmark = pytest.mark.gpu
 
@@ -59,20 +60,17 @@ SHAPES = [(1, 1), (1, 16), (4, 5), (64, 1), (3, 7)]
 @pytest.mark.parametrize("dtype", DTYPES, ids=DTYPE_IDS)
 @pytest.mark.parametrize("b,t", SHAPES, ids=lambda x: str(x))
 def test_rotary_write_8b_shapes(dtype, b, t):
-    _cuda_and_triton()
     check_rotary_write("cuda", dtype, b, t, 32, 8, 128, seed=b * 100 + t)
 
 
 @pytest.mark.parametrize("dtype", DTYPES, ids=DTYPE_IDS)
 def test_rotary_write_demo_shape_with_trash_row(dtype):
-    _cuda_and_triton()
     check_rotary_write("cuda", dtype, 3, 6, 4, 2, 64, seed=7, trash_tokens=3)
 
 
 def test_rotary_write_falls_back_where_it_cannot_write_in_place():
     """A pool of another dtype than k: `rotary_write` runs the torch code (which casts), the
     Triton form refuses with the layouts it needs."""
-    _cuda_and_triton()
     gen = torch.Generator().manual_seed(0)
     q = _randn(gen, 1, 4, 3, 64, dtype=torch.bfloat16, device="cuda")
     k = _randn(gen, 1, 2, 3, 64, dtype=torch.bfloat16, device="cuda")
@@ -93,7 +91,6 @@ def test_fast_path_verify_same_with_and_without_the_fused_write():
     """The fast-path runner (graphs off) on a tiny 8B-shaped bf16 target, a 16-node tree after a
     40-token prefix: logits and every layer's pools equal whether Attention takes
     PagedTreeBatch.attend_rotary (the fused write) or rotary then attend."""
-    _cuda_and_triton()
     from spectandem.bench_llama8b import TREE16_PARENTS, llama8b_spec, random_target
     from spectandem.kv_cache import PagedTreeBatch
     from verifier.runner import NativeRunner
