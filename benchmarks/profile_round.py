@@ -1,4 +1,4 @@
-"""Where a speculation round of the 8B-shaped bf16 target goes at batch 1: the controlled
+"""Where a speculation round of the 8B-shaped bf16 target goes (batch 1, or `--batch` prompts at once): the controlled
 acceptance run of `spectandem bench` (EAGLE-3 chain, the real head drafting, a = 0.8), on the
 fast path, with each engine call timed between device synchronizations:
 
@@ -73,20 +73,24 @@ def main() -> None:
     ap.add_argument("--top", type=int, default=15)
     ap.add_argument("--scale", choices=("full", "tiny"), default="full", help="tiny: a smoke test on the CPU")
     ap.add_argument("--workload", choices=("llama8b", "demo"), default="llama8b")
-    ap.add_argument("--batch", type=int, default=4, help="demo prompts at once")
+    ap.add_argument("--batch", type=int, default=None, help="prompts at once (default: 1 for llama8b, 4 for demo)")
     args = ap.parse_args()
+    if args.batch is None:
+        args.batch = 4 if args.workload == "demo" else 1
     if args.workload == "demo":
         return demo(args)
     device, dtype = ("cuda", torch.bfloat16) if args.scale == "full" else ("cpu", torch.float32)
     model = random_target(llama8b_spec(args.scale), device, dtype, 0)
     head = random_eagle3_head(model, SHAPES[args.scale]["draft_vocab_size"], device, dtype, 0)
     fast = GpuPaths(cuda_graphs=True, triton_attention=True) if device == "cuda" else GpuPaths()
-    runs = ControlledRuns(model, head, device, 1, 1, args.prompt_len, args.max_tokens, args.steps, 0, fast)
-    plan = plan_drafts(runs.truths[0], args.prompt_len, args.rate, runs.vocab_size, "0:0")
+    b = args.batch
+    runs = ControlledRuns(model, head, device, b, b, args.prompt_len, args.max_tokens, args.steps, 0, fast)
+    plans = [plan_drafts(runs.truths[i], args.prompt_len, args.rate, runs.vocab_size, f"0:{i}") for i in range(b)]
 
     def once(tag: str):
-        drafter = DrafterEngine(ControlledProposer(runs.inner, {tag: plan}), runs.cfg)
-        return generate(runs.verifier, drafter, [runs.prompts[0]], [runs.params], (), runs.lookahead, [tag])[0]
+        ids = [f"{tag}-{i}" for i in range(b)]
+        drafter = DrafterEngine(ControlledProposer(runs.inner, dict(zip(ids, plans))), runs.cfg)
+        return generate(runs.verifier, drafter, runs.prompts, [runs.params] * b, (), runs.lookahead, ids)[0]
 
     report(once, device, args.rate, args.steps, args.top)
 

@@ -319,8 +319,9 @@ def bench_controlled(runs: ControlledRuns, rates: list[float], batch_sizes: list
     """Engine-path plain decoding per batch size, then each controlled acceptance rate per batch
     size, with its speedup over plain at the same batch size and, at batch 1, its fraction of
     the ideal accept_length / (one chain verify forward)."""
-    runs.run(1, None, "warm-plain")
-    runs.run(1, rates[0], "warm-spec")
+    for b in batch_sizes:   # each batch size's graphs captured (and allocator grown) before any timing
+        runs.run(b, None, f"warm-plain-b{b}")
+        runs.run(b, rates[0], f"warm-spec-b{b}")
     base = dict(section="controlled", workload="llama8b")
     records, plain_tps = [], {}
     for b in batch_sizes:
