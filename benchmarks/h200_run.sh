@@ -3,9 +3,11 @@
 # machine (2 GPUs, so the drafter-on-its-own-GPU rows run too). The image has torch, triton and
 # transformers but no pytest: wheels carried in .whl/ are installed to a scratch directory.
 #
-#   bash benchmarks/h200_run.sh OUT_DIR [tests|check|bench|channel|profile|all]
+#   bash benchmarks/h200_run.sh OUT_DIR [tests|check|bench|channel|profile|full8b|all]
 #     tests: every GPU test file; check: those of the verify/draft/router fast paths, then profile
 #     channel: that test, then the bench; profile: profile_verify.py and profile_round.py (8B shape)
+#     full8b: the 8B-shaped sections of the bench (roofline, transformers, controlled, router8b with
+#     the drafter on the second GPU), then profile_round at batch 16
 # Test logs go to one file, OUT_DIR/gpu-tests.txt (the device tool returns at most 8 files).
 set -uo pipefail
 out=${1:?output directory}
@@ -41,6 +43,15 @@ fi
 if [ "$what" = bench ] || [ "$what" = all ] || [ "$what" = channel ]; then
   python3 -m spectandem.cli bench --device cuda --batch-sizes 1,4,16,64 --max-tokens 128 \
     --out "$out/bench-h200.json" 2>&1 | tail -80
+fi
+if [ "$what" = full8b ]; then
+  timeout 420 python3 -m spectandem.cli bench --device cuda --sections llama8b,hf8b,controlled,router8b \
+    --batch-sizes 1,4,16,64 --acceptance-rates 0.6,0.8,0.9 --router8b-modes sequential,pingpong,auto \
+    --router8b-batch-sizes 16,64 --router8b-drafter-device cuda:1 --max-tokens 128 \
+    --out "$out/bench-h200x2-8b.json" 2>&1 | grep -v Warn | tail -60
+  (cd benchmarks && timeout 150 python3 profile_round.py --workload llama8b --batch 16 --top 25 2>&1 | grep -v Warn) \
+    >"$out/profile-round-b16.txt"
+  head -9 "$out/profile-round-b16.txt"
 fi
 if [ "$what" = profile ] || [ "$what" = all ] || [ "$what" = check ]; then
   # (tee into a file, then head: `tee | head` would stop the file where head stops reading)
