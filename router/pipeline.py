@@ -16,7 +16,8 @@ choice must not depend on load). The others keep full drafts.
 In "auto" the candidates depend on the batch: below 2 * pingpong_min_batch requests, sequential,
 ahead and plain; from there, sequential, ping-pong, each short draft length and plain. It measures
 each (committed tokens per second over a window of rounds, its first round left out) and keeps the fastest for a while,
-then measures again; a change of candidates starts over. Ping-pong wins when drafter and
+then measures again. Measurements belong to a batch class (the candidates and the power of two of
+the running requests) and survive while the batch is in another class. Ping-pong wins when drafter and
 verifier have devices of their own and loses when they share cores (benchmarks/serving.py);
 short drafts and plain win at large batches where verifying trees costs more than it saves.
 
@@ -32,6 +33,14 @@ log = logging.getLogger("spectandem.router")
 
 
 class ModeChooser:
+    """The "auto" pipeline mode (module docstring), measured per batch class: the candidates and
+    the power of two of the running requests (64 running is another class than 16). A class
+    keeps its measurements while the batch is in another one, so a batch that shrinks at its
+    tail and grows again (the next requests arriving) resumes where its class was, instead of
+    measuring every candidate again, and never keeps a mode it did not measure."""
+
+    _STATE = ("mode", "phase", "left", "rates", "_acc")
+
     def __init__(self, cfg):
         self.cfg = cfg
         self.mode: str | None = None
@@ -40,31 +49,50 @@ class ModeChooser:
         self.left = 0                    # rounds left in the current phase
         self.rates: dict[str, float] = {}
         self._acc: dict[str, tuple[int, float]] = {}
+        self._key: tuple | None = None
+        self._saved: dict[tuple, dict] = {}   # batch class -> its state while another class runs
 
     def candidates(self, num_running: int) -> tuple[str, ...]:
         if num_running < 2 * self.cfg.pingpong_min_batch:
             return ("sequential", "ahead", "plain")
         return ("sequential", "pingpong", *(f"short:{n}" for n in self.cfg.short_draft_steps), "plain")
 
+    def _enter(self, num_running: int) -> None:
+        """Switches to the batch class of `num_running` requests, saving the current one's state."""
+        cands = self.candidates(num_running)
+        key = (cands, num_running.bit_length())
+        if key == self._key:
+            return
+        if self._key is not None:
+            self._saved[self._key] = {name: getattr(self, name) for name in self._STATE}
+        state = self._saved.pop(key, None)
+        self.cands, self._key = cands, key
+        if state is None:
+            self.mode, self.phase, self.left, self.rates, self._acc = None, None, 0, {}, {}
+            return
+        for name, value in state.items():
+            setattr(self, name, value)
+        if self.phase == "measure" and self.left > 0:   # an interrupted window counts again from its start
+            self._acc.pop(self.mode, None)
+            self.left = self.cfg.mode_window
+
     def choose(self, num_running: int, drafter_up: bool) -> str:
         if not drafter_up:
             return "sequential"
         if self.cfg.pipeline != "auto":
             return "sequential" if self.cfg.pipeline == "pingpong" and num_running < 2 else self.cfg.pipeline
-        cands = self.candidates(num_running)
-        if cands != self.cands:                                   # another batch class: start over
-            self.cands, self.mode, self.phase, self.left, self.rates, self._acc = cands, None, None, 0, {}, {}
+        self._enter(num_running)
         if self.left > 0:
             return self.mode
-        todo = [c for c in cands if c not in self.rates]
+        todo = [c for c in self.cands if c not in self.rates]
         if self.phase != "measure":                               # start measuring, first candidate first
-            self.mode, self.phase, self.left, self.rates = cands[0], "measure", self.cfg.mode_window, {}
+            self.mode, self.phase, self.left, self.rates = self.cands[0], "measure", self.cfg.mode_window, {}
         elif todo:
             self.mode, self.left = todo[0], self.cfg.mode_window
         else:                                                     # all measured: keep the fastest
             self.mode = max(self.rates, key=self.rates.get)
             self.phase, self.left = "keep", self.cfg.mode_window * 8
-            log.info("pipeline mode %s (committed tokens/s: %s)", self.mode,
+            log.info("pipeline mode %s at %d running (committed tokens/s: %s)", self.mode, num_running,
                      {k: round(v, 1) for k, v in self.rates.items()})
         return self.mode
 

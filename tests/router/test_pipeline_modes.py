@@ -45,6 +45,38 @@ def test_a_new_batch_class_starts_measuring_again():
     assert chooser.choose(8, True) == "sequential" and chooser.phase == "measure"
 
 
+def test_batch_classes_are_powers_of_two_of_the_running_requests():
+    """16 and 64 running requests have the same candidates but are measured apart: speculation
+    that wins at 16 may lose at 64."""
+    chooser = ModeChooser(_cfg(pipeline="auto"))
+    order = ["sequential", "pingpong", "short:1", "short:2", "plain"]
+    at16 = {m: 100.0 for m in order} | {"sequential": 150.0}
+    at64 = {m: 100.0 for m in order} | {"plain": 150.0}
+    assert set(_run(chooser, at16, 15 + 5, num_running=16)[15:]) == {"sequential"}   # keeping, mid-way
+    chosen = _run(chooser, at64, 15 + 24, num_running=64)
+    assert chosen[:15] == [m for m in order for _ in range(3)]
+    assert set(chosen[15:]) == {"plain"}
+
+
+def test_a_class_keeps_its_measurements_while_the_batch_is_in_another():
+    """A batch's tail (fewer requests running) and the next batch: back at 64 running, the chooser
+    keeps the mode it measured there instead of measuring every candidate again, and a window
+    cut short by the excursion counts again from its start."""
+    chooser = ModeChooser(_cfg(pipeline="auto"))
+    order = ["sequential", "pingpong", "short:1", "short:2", "plain"]
+    at64 = {m: 100.0 for m in order} | {"plain": 150.0}
+    _run(chooser, at64, 15 + 2, num_running=64)
+    tail = {"sequential": 100.0, "ahead": 200.0, "plain": 90.0}
+    assert _run(chooser, tail, 9 + 3, num_running=3)[9:] == ["ahead"] * 3
+    assert set(_run(chooser, at64, 22, num_running=64)) == {"plain"}, "the 64-class resumes keeping plain"
+    # An interrupted measurement: 64's window of sequential cut after one round, then resumed.
+    chooser = ModeChooser(_cfg(pipeline="auto"))
+    _run(chooser, at64, 1, num_running=64)
+    _run(chooser, tail, 2, num_running=3)
+    assert _run(chooser, at64, 15, num_running=64) == [m for m in order for _ in range(3)]
+    assert chooser.rates == at64
+
+
 def test_fixed_modes():
     assert ModeChooser(_cfg(pipeline="sequential")).choose(8, True) == "sequential"
     assert ModeChooser(_cfg(pipeline="pingpong")).choose(8, True) == "pingpong"
