@@ -7,7 +7,8 @@ For each placement, acceptance rate and batch size: "plain" (the router without 
 baseline; run once, with the first placement), then each speculating mode (`ROUTER8B_MODES`;
 default "sequential" and "auto"), all requests submitted at once (greedy, ignore_eos) and timed
 until the last token. "auto" first runs the same batch once untimed, so its online measurement
-is done and the timed run shows the mode it keeps (`auto_mode`). Every row checks that its
+is done and the timed run shows the mode it keeps (`auto_mode`). Before any timing, each mode runs
+every batch size once untimed (CUDA graphs of each size captured). Every row checks that its
 tokens are the target's own greedy continuation (`matches_plain`). "ahead" is not offered: the
 controlled proposer has no plan for draft-ahead forks (`ControlledProposer.supports_ahead`).
 
@@ -167,7 +168,8 @@ async def _rows(runs, rates: list[float], modes: list[str], batch_sizes: list[in
         s = _setup(runs, a, mode, max(batch_sizes))
         s.router.start()
         try:
-            await _timed(s, runs, *ids_for(2))                           # warm-up (graphs, allocator)
+            for b in batch_sizes:       # warm-up: every batch size's graphs captured, the allocator grown
+                await _timed(s, runs, *ids_for(b))
             for b in batch_sizes:
                 if mode == "auto":
                     await _timed(s, runs, *ids_for(b))                   # the online measurement
