@@ -76,6 +76,11 @@ class ModeChooser:
             self._acc.pop(self.mode, None)
             self.left = self.cfg.mode_window
 
+    def rates_for(self, num_running: int) -> dict[str, float]:
+        """Committed tokens/s measured so far per candidate in the batch class of `num_running`."""
+        key = (self.candidates(num_running), num_running.bit_length())
+        return dict(self.rates if key == self._key else self._saved.get(key, {}).get("rates", {}))
+
     def choose(self, num_running: int, drafter_up: bool) -> str:
         if not drafter_up:
             return "sequential"

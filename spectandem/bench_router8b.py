@@ -7,7 +7,8 @@ For each placement, acceptance rate and batch size: "plain" (the router without 
 baseline; run once, with the first placement), then each speculating mode (`ROUTER8B_MODES`;
 default "sequential" and "auto"), all requests submitted at once (greedy, ignore_eos) and timed
 until the last token. "auto" first runs the same batch once untimed, so its online measurement
-is done and the timed run shows the mode it keeps (`auto_mode`). Before any timing, each mode runs
+is done and the timed run shows the mode it keeps (`auto_mode`) and the committed tokens/s it
+measured per candidate at the batch's size (`auto_rates`). Before any timing, each mode runs
 every batch size once untimed (CUDA graphs of each size captured). Every row checks that its
 tokens are the target's own greedy continuation (`matches_plain`). "ahead" is not offered: the
 controlled proposer has no plan for draft-ahead forks (`ControlledProposer.supports_ahead`).
@@ -134,7 +135,8 @@ async def _timed(s: _Setup, runs, ids: list[str], indices: list[int]) -> dict:
     dt = time.perf_counter() - t0                     # after the busy snapshot: busy <= dt
     await _settle(s.links)
     c = {k: v - before[k] for k, v in dataclasses.asdict(router.counters).items() if isinstance(v, int)}
-    return {"tokens": tokens, "seconds": dt, "counters": c, "mode": router._modes.mode, "busy": busy}
+    return {"tokens": tokens, "seconds": dt, "counters": c, "mode": router._modes.mode, "busy": busy,
+            "rates": {k: round(v, 1) for k, v in router._modes.rates_for(len(ids)).items()}}
 
 
 def _record(mode: str, batch_size: int, acceptance_rate: float | None, m: dict, placement: dict) -> dict:
@@ -148,6 +150,7 @@ def _record(mode: str, batch_size: int, acceptance_rate: float | None, m: dict, 
                   accept_length=(c["accepted_tokens"] + drafts) / drafts if drafts else 1.0,
                   rounds=c["rounds"], rounds_per_s=round(c["rounds"] / dt, 1), matches_plain=True,
                   auto_mode=m["mode"] if mode == "auto" else None,
+                  auto_rates=m["rates"] if mode == "auto" else None,
                   verify_busy_s=round(verify_s, 4), prefill_busy_s=round(prefill_s, 4),
                   round_over_verify=round((dt - prefill_s) / verify_s, 3) if verify_s > 0 else None,
                   drafter_busy_s=None if plain else round(sum(m["busy"][1].values()), 4), **placement)

@@ -68,7 +68,9 @@ def test_a_class_keeps_its_measurements_while_the_batch_is_in_another():
     _run(chooser, at64, 15 + 2, num_running=64)
     tail = {"sequential": 100.0, "ahead": 200.0, "plain": 90.0}
     assert _run(chooser, tail, 9 + 3, num_running=3)[9:] == ["ahead"] * 3
+    assert chooser.rates_for(64) == at64 and chooser.rates_for(3) == tail
     assert set(_run(chooser, at64, 22, num_running=64)) == {"plain"}, "the 64-class resumes keeping plain"
+    assert chooser.rates_for(16) == {}
     # An interrupted measurement: 64's window of sequential cut after one round, then resumed.
     chooser = ModeChooser(_cfg(pipeline="auto"))
     _run(chooser, at64, 1, num_running=64)
