@@ -58,6 +58,7 @@ class Router(RoundsMixin):
         self.serving = True                      # the verifier answers
         self.drafter_up = drafter is not None
         self._wake = asyncio.Event()
+        self._stopping = False   # stop(): the loop ends at its next turn even if the cancel is lost
         self._task: asyncio.Task | None = None
         self._last_probe = 0.0
         self._admitted = 0
@@ -84,6 +85,11 @@ class Router(RoundsMixin):
 
     async def stop(self) -> None:
         if self._task:
+            # Cancelling alone is not enough: on Python 3.11 an `asyncio.wait_for` whose inner call
+            # finishes as the cancel arrives returns the result and drops the cancel, and the loop
+            # then waits on `_wake` for ever. The flag ends it at its next turn either way.
+            self._stopping = True
+            self._wake.set()
             self._task.cancel()
             try:
                 await self._task
@@ -131,10 +137,12 @@ class Router(RoundsMixin):
     # ---------------------------------------------------------------- the loop
 
     async def _loop(self) -> None:
-        while True:
+        while not self._stopping:
             if not self.waiting and not self.running:
                 self._wake.clear()
                 await self._wake.wait()
+                if self._stopping:
+                    return
             try:
                 await self._probe()
                 await self._admit()
