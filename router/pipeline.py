@@ -15,9 +15,11 @@ choice must not depend on load). The others keep full drafts.
 
 In "auto" the candidates depend on the batch: below 2 * pingpong_min_batch requests, sequential,
 ahead and plain; from there, sequential, ping-pong, each short draft length and plain. It measures
-each (committed tokens per second over a window of rounds, its first round left out) and keeps the fastest for a while,
-then measures again. Measurements belong to a batch class (the candidates and the power of two of
-the running requests) and survive while the batch is in another class. Ping-pong wins when drafter and
+each (committed tokens per second over a window of rounds, its first round left out) and keeps the
+fastest for eight windows, measuring it again as it runs; between keeps it measures one other
+candidate (in turn) for a window, so a change of the fastest is found at the cost of one window.
+Measurements belong to a batch class (the candidates and the power of two of the running
+requests) and survive while the batch is in another class. Ping-pong wins when drafter and
 verifier have devices of their own and loses when they share cores (benchmarks/serving.py);
 short drafts and plain win at large batches where verifying trees costs more than it saves.
 
@@ -39,16 +41,19 @@ class ModeChooser:
     tail and grows again (the next requests arriving) resumes where its class was, instead of
     measuring every candidate again, and never keeps a mode it did not measure."""
 
-    _STATE = ("mode", "phase", "left", "rates", "_acc")
+    _STATE = ("mode", "phase", "left", "length", "rates", "_acc", "_fresh", "_explored")
 
     def __init__(self, cfg):
         self.cfg = cfg
         self.mode: str | None = None
         self.cands: tuple[str, ...] = ()
-        self.phase: str | None = None    # "measure" or "keep"
+        self.phase: str | None = None    # "measure" (every candidate), "keep" (the fastest), "explore" (one other)
         self.left = 0                    # rounds left in the current phase
+        self.length = 0                  # rounds of the current phase
         self.rates: dict[str, float] = {}
         self._acc: dict[str, tuple[int, float]] = {}
+        self._fresh = False              # the phase's next round is its first
+        self._explored = 0               # explore windows so far: the next one takes the next other candidate
         self._key: tuple | None = None
         self._saved: dict[tuple, dict] = {}   # batch class -> its state while another class runs
 
@@ -56,6 +61,11 @@ class ModeChooser:
         if num_running < 2 * self.cfg.pingpong_min_batch:
             return ("sequential", "ahead", "plain")
         return ("sequential", "pingpong", *(f"short:{n}" for n in self.cfg.short_draft_steps), "plain")
+
+    def rates_for(self, num_running: int) -> dict[str, float]:
+        """Committed tokens/s measured so far per candidate in the batch class of `num_running`."""
+        key = (self.candidates(num_running), num_running.bit_length())
+        return dict(self.rates if key == self._key else self._saved.get(key, {}).get("rates", {}))
 
     def _enter(self, num_running: int) -> None:
         """Switches to the batch class of `num_running` requests, saving the current one's state."""
@@ -68,18 +78,19 @@ class ModeChooser:
         state = self._saved.pop(key, None)
         self.cands, self._key = cands, key
         if state is None:
-            self.mode, self.phase, self.left, self.rates, self._acc = None, None, 0, {}, {}
+            self.mode, self.phase, self.left, self.length, self.rates = None, None, 0, 0, {}
+            self._acc, self._fresh, self._explored = {}, False, 0
             return
         for name, value in state.items():
             setattr(self, name, value)
-        if self.phase == "measure" and self.left > 0:   # an interrupted window counts again from its start
+        if self.left > 0:   # an interrupted phase counts again from its start (keep: from here on)
             self._acc.pop(self.mode, None)
-            self.left = self.cfg.mode_window
+            self._fresh = True
+            if self.phase != "keep":
+                self.left = self.length
 
-    def rates_for(self, num_running: int) -> dict[str, float]:
-        """Committed tokens/s measured so far per candidate in the batch class of `num_running`."""
-        key = (self.candidates(num_running), num_running.bit_length())
-        return dict(self.rates if key == self._key else self._saved.get(key, {}).get("rates", {}))
+    def _start(self, phase: str, mode: str, rounds: int) -> None:
+        self.phase, self.mode, self.left, self.length, self._fresh = phase, mode, rounds, rounds, True
 
     def choose(self, num_running: int, drafter_up: bool) -> str:
         if not drafter_up:
@@ -89,31 +100,35 @@ class ModeChooser:
         self._enter(num_running)
         if self.left > 0:
             return self.mode
+        window = self.cfg.mode_window
         todo = [c for c in self.cands if c not in self.rates]
-        if self.phase != "measure":                               # start measuring, first candidate first
-            self.mode, self.phase, self.left, self.rates = self.cands[0], "measure", self.cfg.mode_window, {}
-        elif todo:
-            self.mode, self.left = todo[0], self.cfg.mode_window
-        else:                                                     # all measured: keep the fastest
-            self.mode = max(self.rates, key=self.rates.get)
-            self.phase, self.left = "keep", self.cfg.mode_window * 8
+        if todo:                                                  # measure every candidate once, in order
+            self._start("measure", todo[0], window)
+        elif self.phase == "keep":                                # then, between keeps, one other again
+            others = [c for c in self.cands if c != self.mode]
+            self._start("explore", others[self._explored % len(others)], window)
+            self._explored += 1
+        else:                                                     # keep the fastest so far
+            self._start("keep", max(self.rates, key=self.rates.get), window * 8)
             log.info("pipeline mode %s at %d running (committed tokens/s: %s)", self.mode, num_running,
                      {k: round(v, 1) for k, v in self.rates.items()})
         return self.mode
 
     def record(self, mode: str, tokens: int, seconds: float) -> None:
+        """One round of `mode`: every phase measures its mode (a keep re-measures the fastest), its
+        first round left out when the phase has others: it pays for the previous mode's leftovers
+        (a pending catch-up, a second micro-batch), not its own."""
         if self.mode != mode or self.left <= 0:
             return
-        first = self.left == self.cfg.mode_window
+        first, self._fresh = self._fresh, False
         self.left -= 1
-        # A window's first round is not counted when the window has others: it pays for the
-        # previous mode's leftovers (a pending catch-up, a second micro-batch), not its own.
-        if self.phase == "measure" and not (first and self.cfg.mode_window > 1):
+        if not (first and self.length > 1):
             t, sec = self._acc.get(mode, (0, 0.0))
             self._acc[mode] = (t + tokens, sec + seconds)
-            if self.left == 0:
-                t, sec = self._acc.pop(mode)
-                self.rates[mode] = t / sec if sec > 0 else 0.0
+        if self.left == 0:
+            t, sec = self._acc.pop(mode, (0, 0.0))
+            if sec > 0:
+                self.rates[mode] = t / sec
 
 
 class SpeculationSwitch:

@@ -108,3 +108,31 @@ def test_a_windows_first_round_is_not_counted():
         tokens = {"sequential": 30, "ahead": 10, "plain": 20}[mode]
         chooser.record(mode, tokens=tokens, seconds=50.0 if slow_start else 1.0)
     assert chooser.choose(num_running=1, drafter_up=True) == "sequential"
+
+
+def test_between_keeps_one_other_candidate_is_measured_and_a_faster_one_is_kept():
+    """After the first sweep, a keep of 8 windows, then one window of the next other candidate,
+    then a keep again; when plain becomes the fastest, the next window that measures it keeps it."""
+    chooser = ModeChooser(_cfg(pipeline="auto"))
+    order = ["sequential", "pingpong", "short:1", "short:2", "plain"]
+    rates = {m: 100.0 for m in order} | {"sequential": 150.0}
+    chosen = _run(chooser, rates, 15 + 24 + 3 + 24 + 3, num_running=64)
+    assert chosen[15:39] == ["sequential"] * 24
+    assert chosen[39:42] == ["pingpong"] * 3 and chosen[42:66] == ["sequential"] * 24
+    assert chosen[66:69] == ["short:1"] * 3
+    rates["plain"] = 300.0            # plain decoding got faster (say, the batch grew)
+    chosen = _run(chooser, rates, 24 + 3 + 24, num_running=64)
+    assert chosen[:24] == ["sequential"] * 24 and chosen[24:27] == ["short:2"] * 3
+    chosen = _run(chooser, rates, 24 + 3 + 24, num_running=64)
+    assert chosen[:3] == ["plain"] * 3 or chosen[24:27] == ["plain"] * 3
+    assert chosen[-1] == "plain" and chooser.rates["plain"] == 300.0
+
+
+def test_a_keep_measures_its_mode_again():
+    chooser = ModeChooser(_cfg(pipeline="auto"))
+    order = ["sequential", "pingpong", "short:1", "short:2", "plain"]
+    rates = {m: 100.0 for m in order} | {"sequential": 150.0}
+    _run(chooser, rates, 15, num_running=64)
+    rates["sequential"] = 120.0       # slower now, still the fastest
+    _run(chooser, rates, 24, num_running=64)
+    assert chooser.rates["sequential"] == 120.0
