@@ -292,8 +292,8 @@ class PagedTreeBatch:
     def attend_rotary(self, layer: int, q: torch.Tensor, k_new: torch.Tensor, v_new: torch.Tensor,
                       cos: torch.Tensor, sin: torch.Tensor, mask: None, scale: float) -> torch.Tensor:
         """`attend` of the rotated q and k_new (cos, sin [B, T, hd]): the rotation and the K/V
-        write in one launch on CUDA (spectandem/kernels/rotary_write.py), the same values."""
-        from spectandem.kernels.rotary_write import rotary_write
+        write in one launch on CUDA (spectandem/kernels/rotary.py), the same values."""
+        from spectandem.kernels.rotary import rotary_write
 
         assert mask is None, "a PagedTreeBatch masks through prefix_lens and tree_mask; the forward's mask must be None"
         q = rotary_write(q, k_new, v_new, cos, sin, self.cache.k[layer], self.cache.v[layer], self.write_rows)

@@ -13,7 +13,8 @@ the fast path these kernels are the only implementation, for plain decoding and 
                      scale, cast, times the weight), 6 in fp32; x's rows may be strided (q and k
                      viewed from the packed q/k/v projection, for qk-norm)
     add_rmsnorm      RMSNorm.add_and_norm: the residual add before a norm, and the norm: 9 in bf16
-    rotary           apply_rotary on q and k: 5 torch kernels per tensor (two products, neg, cat, sum)
+    rotary           apply_rotary on q and k: 5 torch kernels per tensor (two products, neg, cat, sum);
+                     spectandem/kernels/rotary.py, under this module's rules, with the paged K/V write
     silu_mul         GatedMLP's F.silu(gate) * up: 2 torch kernels
     silu_mul_packed  the same on the packed gate/up projection [..., 2I], read in place
 
@@ -61,7 +62,6 @@ import torch
 import torch.nn.functional as F
 
 from spectandem.kernels import HAVE_TRITON
-from spectandem.modeling.layers import apply_rotary
 
 _FLOAT_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 # ATen's reduce launch (cuda/Reduce.cuh) for a float32 mean.
@@ -76,8 +76,7 @@ _NUM_WARPS = 4
 if HAVE_TRITON:
     import triton
 
-    from spectandem.kernels.fused_triton import (_INTERPRETED, _rmsnorm_kernel, _rotary_kernel, _silu_mul_kernel,
-                                                 _silu_mul_packed_kernel)
+    from spectandem.kernels.fused_triton import _INTERPRETED, _rmsnorm_kernel, _silu_mul_kernel, _silu_mul_packed_kernel
 
 
 # ----------------------------------------------------------------------------------------------
@@ -253,80 +252,6 @@ def _check_rmsnorm(x, weight) -> None:
     if not isinstance(weight, torch.Tensor) or tuple(weight.shape) != (x.shape[-1],) \
             or weight.dtype not in _FLOAT_DTYPES or weight.device != x.device:
         raise ValueError(f"weight must be a float tensor [{x.shape[-1]}] on {x.device}, got {_describe(weight)}")
-
-
-# ----------------------------------------------------------------------------------------------
-# Rotary embedding
-
-
-def rotary(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """q [B, nh, T, hd], k [B, nkv, T, hd], cos/sin [B, T, hd] -> (apply_rotary(q), apply_rotary(k)),
-    values and strides: one launch on CUDA with Triton where all four share a dtype, the torch code
-    otherwise."""
-    if HAVE_TRITON and q.is_cuda and _rotary_replays(q, k, cos, sin):
-        return rotary_triton(q, k, cos, sin)
-    return rotary_ref(q, k, cos, sin)
-
-
-def rotary_triton(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor,
-                  sin: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    if not HAVE_TRITON:
-        raise RuntimeError("rotary_triton needs the triton package")
-    _check_rotary(q, k, cos, sin)
-    b, nh, t, hd = q.shape
-    nkv = k.shape[1]
-    q_out, k_out = _like_apply_rotary(q), _like_apply_rotary(k)
-    if b * t == 0:
-        return q_out, k_out
-    half = hd // 2
-    _rotary_kernel[(b * t,)](
-        q, k, cos.contiguous(), sin.contiguous(), q_out, k_out, t,
-        q.stride(0), q.stride(1), q.stride(2), k.stride(0), k.stride(1), k.stride(2),
-        q_out.stride(0), q_out.stride(1), q_out.stride(2), k_out.stride(0), k_out.stride(1), k_out.stride(2),
-        q, q, q, 0, 0, 0,   # no pool write (spectandem/kernels/rotary_write.py)
-        NUM_Q=nh, NUM_K=nkv, BLOCK_Q=triton.next_power_of_2(nh), BLOCK_K=triton.next_power_of_2(nkv),
-        HALF=half, BLOCK_HALF=triton.next_power_of_2(half), WRITE=False, num_warps=_NUM_WARPS, **_EXACT,
-    )
-    return q_out, k_out
-
-
-def rotary_ref(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor,
-               sin: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """apply_rotary (layers.py) on q and k."""
-    return apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
-
-
-def _like_apply_rotary(x: torch.Tensor) -> torch.Tensor:
-    """Uninitialised, with the strides torch gives apply_rotary(x): contiguous when x is (size-1
-    dims aside; e.g. T = 1), x's own otherwise (TensorIterator keeps the dense layout of `x * cos`).
-    Downstream matmuls pick kernels by strides, so the values alone are not enough."""
-    return torch.empty(x.shape, dtype=x.dtype, device=x.device) if x.is_contiguous() else torch.empty_like(x)
-
-
-def _rotary_replays(q, k, cos, sin) -> bool:
-    if q.dim() != 4 or k.dim() != 4 or q.dtype not in _FLOAT_DTYPES or q.shape[3] % 2:
-        return False
-    b, _, t, hd = q.shape
-    return ((k.shape[0], k.shape[2], k.shape[3]) == (b, t, hd) and cos.shape == sin.shape == (b, t, hd)
-            and all(x.dtype == q.dtype and x.device == q.device for x in (k, cos, sin))
-            and q.stride(3) == 1 and k.stride(3) == 1)
-
-
-def _check_rotary(q, k, cos, sin) -> None:
-    if not isinstance(q, torch.Tensor) or q.dim() != 4 or q.dtype not in _FLOAT_DTYPES or q.shape[3] % 2:
-        raise ValueError(f"q must be a float16/bfloat16/float32 tensor [B, nh, T, hd] with hd even, got {_describe(q)}")
-    b, _, t, hd = q.shape
-    if not isinstance(k, torch.Tensor) or k.dim() != 4 or (k.shape[0], k.shape[2], k.shape[3]) != (b, t, hd):
-        raise ValueError(f"k must be a tensor [{b}, nkv, {t}, {hd}], got {_describe(k)}")
-    for name, table in (("cos", cos), ("sin", sin)):
-        if not isinstance(table, torch.Tensor) or tuple(table.shape) != (b, t, hd):
-            raise ValueError(f"{name} must be a tensor [{b}, {t}, {hd}], got {_describe(table)}")
-    for name, x in (("k", k), ("cos", cos), ("sin", sin)):
-        if x.dtype != q.dtype or x.device != q.device:
-            raise ValueError(f"{name} must have q's dtype {q.dtype} and device {q.device} (apply_rotary "
-                             f"would promote), got {_describe(x)}")
-    if q.stride(3) != 1 or k.stride(3) != 1:
-        raise ValueError(f"q and k must be contiguous in hd, got strides {q.stride()} and {k.stride()}")
 
 
 # ----------------------------------------------------------------------------------------------

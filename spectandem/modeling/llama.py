@@ -16,7 +16,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from spectandem.kernels.fused import rotary
+from spectandem.kernels.rotary import rotary
 from spectandem.kv_cache import CacheBatch, PagedKVCache
 from spectandem.modeling.layers import GatedMLP, PackedProjections, RMSNorm, RopeSpec, Rotary, apply_rotary
 

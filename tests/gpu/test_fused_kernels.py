@@ -34,9 +34,9 @@ from spectandem.kernels.fused import (
     reduction_layout,
     rmsnorm,
     rmsnorm_triton,
-    rotary_triton,
     silu_mul_triton,
 )
+from spectandem.kernels.rotary import rotary_triton
 from spectandem.local import LocalSpeculator
 from spectandem.modeling.layers import RMSNorm, RopeSpec, Rotary, apply_rotary
 from spectandem.modeling.llama import load_llama

@@ -32,9 +32,9 @@ from spectandem.kernels.fused import (
     add_rmsnorm_triton,
     reduction_layout,
     rmsnorm_triton,
-    rotary_triton,
     silu_mul_packed_triton,
 )
+from spectandem.kernels.rotary import rotary_triton
 from spectandem.local import LocalSpeculator
 from spectandem.modeling.layers import RMSNorm, RopeSpec, Rotary, apply_rotary
 from spectandem.modeling.llama import LlamaModel, LlamaSpec

@@ -1,5 +1,5 @@
 """`python -m pytest -m gpu tests/gpu/test_rotary_write.py`: rotary_write_triton (the rotary
-embedding and the paged K/V write in one launch, spectandem/kernels/rotary_write.py) against the
+embedding and the paged K/V write in one launch, spectandem/kernels/rotary.py) against the
 unfused code (rotary, then two index_puts), bit for bit: q's output and both whole pools, at the
 8B shapes (32 q heads, 8 KV heads, head_dim 128) and the demo's, q/k/v as Attention makes them
 (columns of one packed projection, transposed), with padding tokens of a graph bucket that all
@@ -11,7 +11,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from spectandem.kernels.rotary_write import rotary_write, rotary_write_ref, rotary_write_triton
+from spectandem.kernels.rotary import rotary_write, rotary_write_ref, rotary_write_triton
 from spectandem.modeling.layers import RopeSpec, Rotary
 from tests.gpu.test_fused_kernels import (  # noqa: F401  (_cuda_and_triton: an autouse fixture, here too)
     DTYPE_IDS, DTYPES, _cuda_and_triton, _randn, assert_same)

@@ -34,11 +34,10 @@ from spectandem.kernels.fused import (
     reduction_layout,
     rmsnorm_ref,
     rmsnorm_triton,
-    rotary_ref,
-    rotary_triton,
     silu_mul_ref,
     silu_mul_triton,
 )
+from spectandem.kernels.rotary import rotary_ref, rotary_triton
 from spectandem.modeling.layers import GatedMLP, RMSNorm, apply_rotary
 from spectandem.modeling.llama import Attention, load_llama
 from tests.gpu.test_fused_kernels import check_rmsnorm, check_rotary, check_silu_mul

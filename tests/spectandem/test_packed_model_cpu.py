@@ -328,11 +328,12 @@ def test_interpreted_packed_model_runs_the_kernels(monkeypatch):
     """The kernels' wrappers accept what the packed model hands them (views of the packed outputs,
     qk-norm's strided rows): the fused hooks forced to their `_triton` forms, against the torch code."""
     import spectandem.kernels.fused as fused_kernels
+    import spectandem.kernels.rotary as rotary_kernels
     import spectandem.modeling.llama as llama
 
     for name in ("rmsnorm", "add_rmsnorm", "silu_mul_packed"):
         monkeypatch.setattr(fused_kernels, name, getattr(fused_kernels, f"{name}_triton"))
-    monkeypatch.setattr(llama, "rotary", fused_kernels.rotary_triton)
+    monkeypatch.setattr(llama, "rotary", rotary_kernels.rotary_triton)
     fused_model, torch_model = packed_pair("Qwen3ForCausalLM", torch.float32, "cpu")
     runners = [NativeRunner(m, AUX, max_slots=4, max_len=512) for m in (fused_model, torch_model)]
     _rounds(runners, 2, 3, _check_close, num_rounds=1)

@@ -1,4 +1,4 @@
-"""The fused rotary + paged K/V write (spectandem/kernels/rotary_write.py) on the CPU.
+"""The fused rotary + paged K/V write (spectandem/kernels/rotary.py) on the CPU.
 
 Always run: off CUDA `rotary_write` is the torch code, and the demo target with its fused kernels
 on verifies through the paged-tree path (PagedTreeBatch.attend_rotary) bit for bit as the model
