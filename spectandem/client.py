@@ -21,11 +21,9 @@ status code (`error_from_rpc` is the one place that maps them).
 from __future__ import annotations
 
 import asyncio
-import operator
 import random
 import time
 from collections.abc import AsyncIterator, Iterator, Sequence
-from dataclasses import dataclass
 from typing import Any
 
 import grpc
@@ -35,7 +33,9 @@ from spectandem.config import SamplingParams
 from spectandem.errors import (  # noqa: F401 (re-exported: the SDK's public exceptions)
     Cancelled, DeadlineExceeded, InternalError, InvalidArgument, ResourceExhausted, SpectandemError, Unauthenticated,
     Unavailable, error_from_rpc)
-from spectandem.v1 import common_pb2, generation_pb2, generation_pb2_grpc
+from spectandem.client_wire import (  # noqa: F401 (Chunk, Completion, Prompt: the SDK's public types)
+    Chunk, Completion, Prompt, _ChunkReader, _model_info_dict, build_request)
+from spectandem.v1 import generation_pb2, generation_pb2_grpc
 
 __all__ = [
     "AsyncClient", "Cancelled", "Chunk", "Client", "Completion", "DeadlineExceeded", "InternalError",
@@ -48,98 +48,6 @@ INITIAL_BACKOFF_S = 0.1
 MAX_BACKOFF_S = 2.0
 HEALTH_POLL_S = 0.1          # wait_for_ready: pause between health checks
 HEALTH_CHECK_TIMEOUT_S = 1.0  # wait_for_ready: deadline of one health check
-
-Prompt = str | Sequence[int]
-
-
-# ---------------------------------------------------------------------------------- results
-
-@dataclass(frozen=True)
-class Chunk:
-    """Tokens committed since the previous chunk. `finish_reason` ("stop", "length", "abort") and
-    `stats` (as in `Completion.stats`) are set on the last chunk only."""
-
-    token_ids: list[int]
-    text: str
-    finish_reason: str | None = None
-    stats: dict | None = None
-    request_id: str = ""
-
-
-@dataclass(frozen=True)
-class Completion:
-    """A whole completion. `stats`: num_rounds, draft_tokens, accepted_tokens, accept_length
-    (committed tokens per round, bonus included), fallback_rounds (rounds decoded without a
-    draft) and prompt_tokens."""
-
-    request_id: str
-    text: str
-    token_ids: list[int]
-    finish_reason: str
-    stats: dict
-
-    @classmethod
-    def from_chunks(cls, chunks: Sequence[Chunk]) -> Completion:
-        """Join a whole stream's chunks (the last one carrying the finish reason)."""
-        if not chunks or chunks[-1].finish_reason is None:
-            raise InternalError(grpc.StatusCode.INTERNAL, "the stream ended without a finish_reason")
-        last = chunks[-1]
-        return cls(request_id=last.request_id, text="".join(c.text for c in chunks),
-                   token_ids=[t for c in chunks for t in c.token_ids], finish_reason=last.finish_reason,
-                   stats=last.stats or {})
-
-
-def _stats_dict(s: common_pb2.SpecStats, prompt_tokens: int) -> dict:
-    # accept_length from the integer counts (the wire float32 would print as 2.3333332538604736),
-    # rounded as the in-process `Stats.as_dict` does.
-    accept_length = (s.accepted_tokens + s.num_rounds) / s.num_rounds if s.num_rounds else 0.0
-    return {"num_rounds": s.num_rounds, "draft_tokens": s.draft_tokens, "accepted_tokens": s.accepted_tokens,
-            "accept_length": round(accept_length, 4), "fallback_rounds": s.fallback_rounds,
-            "prompt_tokens": prompt_tokens}
-
-
-class _ChunkReader:
-    """Turns one stream's responses into Chunks; remembers the prompt length (first response) for
-    the last chunk's stats, and whether anything has arrived (after which no retry is allowed)."""
-
-    def __init__(self):
-        self.started = False
-        self.prompt_tokens = 0
-
-    def chunk(self, r: generation_pb2.GenerateResponse) -> Chunk:
-        if not self.started:
-            self.started = True
-            self.prompt_tokens = r.prompt_tokens
-        stats = _stats_dict(r.stats, self.prompt_tokens) if r.HasField("stats") else None
-        return Chunk(token_ids=list(r.token_ids), text=r.text, finish_reason=r.finish_reason or None,
-                     stats=stats, request_id=r.request_id)
-
-
-# ---------------------------------------------------------------------------------- requests
-
-def params_to_proto(p: SamplingParams) -> common_pb2.SamplingParams:
-    msg = common_pb2.SamplingParams(max_tokens=p.max_tokens, temperature=p.temperature, top_p=p.top_p,
-                                    top_k=p.top_k, stop_token_ids=p.stop_token_ids, stop=p.stop,
-                                    ignore_eos=p.ignore_eos)
-    if p.seed is not None:  # unset = the server draws one
-        msg.seed = p.seed
-    return msg
-
-
-def build_request(prompt: Prompt, params: SamplingParams | None, request_id: str | None
-                  ) -> generation_pb2.GenerateRequest:
-    req = generation_pb2.GenerateRequest(request_id=request_id or "",
-                                         params=params_to_proto(params or SamplingParams()))
-    if isinstance(prompt, str):
-        req.text = prompt
-        return req
-    try:
-        if isinstance(prompt, (bytes, bytearray)):
-            raise TypeError
-        req.token_ids.ids.extend(operator.index(t) for t in prompt)  # numpy ints welcome
-    except TypeError:
-        raise TypeError(f"prompt must be a str or a sequence of token ids, got {type(prompt).__name__}") from None
-    return req
 
 
 # ---------------------------------------------------------------------------------- retries
@@ -167,10 +75,6 @@ def _channel_credentials(tls: bool | grpc.ChannelCredentials | None) -> grpc.Cha
     if tls is None or tls is False:
         return None
     return grpc.ssl_channel_credentials() if tls is True else tls
-
-
-def _model_info_dict(info: generation_pb2.ModelInfo) -> dict:
-    return {f.name: getattr(info, f.name) for f in info.DESCRIPTOR.fields}
 
 
 class _Base:
