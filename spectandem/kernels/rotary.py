@@ -48,20 +48,10 @@ def rotary_triton(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor,
     if not HAVE_TRITON:
         raise RuntimeError("rotary_triton needs the triton package")
     _check_rotary(q, k, cos, sin)
-    b, nh, t, hd = q.shape
-    nkv = k.shape[1]
     q_out, k_out = _like_apply_rotary(q), _like_apply_rotary(k)
-    if b * t == 0:
+    if q.shape[0] * q.shape[2] == 0:
         return q_out, k_out
-    half = hd // 2
-    _rotary_kernel[(b * t,)](
-        q, k, cos.contiguous(), sin.contiguous(), q_out, k_out, t,
-        q.stride(0), q.stride(1), q.stride(2), k.stride(0), k.stride(1), k.stride(2),
-        q_out.stride(0), q_out.stride(1), q_out.stride(2), k_out.stride(0), k_out.stride(1), k_out.stride(2),
-        q, q, q, 0, 0, 0,   # no pool write (rotary_write)
-        NUM_Q=nh, NUM_K=nkv, BLOCK_Q=triton.next_power_of_2(nh), BLOCK_K=triton.next_power_of_2(nkv),
-        HALF=half, BLOCK_HALF=triton.next_power_of_2(half), WRITE=False, num_warps=_NUM_WARPS, **_EXACT,
-    )
+    _launch(q, k, cos, sin, q_out, k_out, k_out.stride()[:3])
     return q_out, k_out
 
 
@@ -128,23 +118,28 @@ def rotary_write_triton(q, k, v, cos, sin, k_pool, v_pool, rows) -> torch.Tensor
         raise ValueError(
             "rotary_write_triton needs q [B, nh, T, hd], k and v [B, nkv, T, hd] (hd even and contiguous), cos "
             "and sin [B, T, hd], contiguous pools [R, nkv, hd] and rows [B, T] int64, all of one dtype and "
-            f"device; got q {_shape(q)}, k {_shape(k)}, v {_shape(v)}, cos {_shape(cos)}, k_pool {_shape(k_pool)}, "
-            f"v_pool {_shape(v_pool)}, rows {_shape(rows)}")
-    b, nh, t, hd = q.shape
-    nkv = k.shape[1]
+            f"device; got q {_describe(q)}, k {_describe(k)}, v {_describe(v)}, cos {_describe(cos)}, k_pool {_describe(k_pool)}, "
+            f"v_pool {_describe(v_pool)}, rows {_describe(rows)}")
     q_out = _like_apply_rotary(q)
-    if b * t == 0:
+    if q.shape[0] * q.shape[2] == 0:
         return q_out
-    half = hd // 2
-    _rotary_kernel[(b * t,)](
-        q, k, cos.contiguous(), sin.contiguous(), q_out, k_pool, t,
-        q.stride(0), q.stride(1), q.stride(2), k.stride(0), k.stride(1), k.stride(2),
-        q_out.stride(0), q_out.stride(1), q_out.stride(2), 0, 0, 0,
-        rows.contiguous(), v, v_pool, v.stride(0), v.stride(1), v.stride(2),
-        NUM_Q=nh, NUM_K=nkv, BLOCK_Q=triton.next_power_of_2(nh), BLOCK_K=triton.next_power_of_2(nkv),
-        HALF=half, BLOCK_HALF=triton.next_power_of_2(half), WRITE=True, num_warps=_NUM_WARPS, **_EXACT,
-    )
+    _launch(q, k, cos, sin, q_out, k_pool, (0, 0, 0), rows.contiguous(), v, v_pool)
     return q_out
+
+
+def _launch(q, k, cos, sin, q_out, k_out, k_out_strides, rows=None, v=None, v_pool=None) -> None:
+    """One program per token: q rotated into q_out; k rotated into k_out (strides b, h, t), or,
+    given `rows`, into k_out as the K pool at each token's row, v copied to v_pool's."""
+    b, nh, t, hd = q.shape
+    write = rows is not None
+    _rotary_kernel[(b * t,)](
+        q, k, cos.contiguous(), sin.contiguous(), q_out, k_out, t,
+        q.stride(0), q.stride(1), q.stride(2), k.stride(0), k.stride(1), k.stride(2),
+        q_out.stride(0), q_out.stride(1), q_out.stride(2), *k_out_strides,
+        *((rows, v, v_pool, v.stride(0), v.stride(1), v.stride(2)) if write else (q, q, q, 0, 0, 0)),
+        NUM_Q=nh, NUM_K=k.shape[1], BLOCK_Q=triton.next_power_of_2(nh), BLOCK_K=triton.next_power_of_2(k.shape[1]),
+        HALF=hd // 2, BLOCK_HALF=triton.next_power_of_2(hd // 2), WRITE=write, num_warps=_NUM_WARPS, **_EXACT,
+    )
 
 
 def _writes_in_place(q, k, v, cos, sin, k_pool, v_pool, rows) -> bool:
@@ -159,7 +154,3 @@ def _writes_in_place(q, k, v, cos, sin, k_pool, v_pool, rows) -> bool:
             and k_pool.dtype == v_pool.dtype == q.dtype and k_pool.is_contiguous() and v_pool.is_contiguous()
             and k_pool.device == v_pool.device == q.device
             and tuple(rows.shape) == (b, t) and rows.dtype == torch.int64 and rows.device == q.device)
-
-
-def _shape(x) -> str:
-    return f"{tuple(x.shape)} {x.dtype}" if isinstance(x, torch.Tensor) else type(x).__name__
