@@ -30,8 +30,26 @@ then decodes plainly for a number of rounds and tries again.
 from __future__ import annotations
 
 import logging
+from dataclasses import dataclass, field
 
 log = logging.getLogger("spectandem.router")
+
+
+@dataclass
+class _ClassState:
+    """What "auto" knows and is doing in one batch class."""
+
+    mode: str | None = None
+    phase: str | None = None    # "measure" (every candidate), "keep" (the fastest), "explore" (one other)
+    left: int = 0               # rounds left in the phase
+    length: int = 0             # rounds of the phase
+    fresh: bool = False         # the phase's next round is its first
+    explored: int = 0           # explore windows so far: the next one takes the next other candidate
+    rates: dict[str, float] = field(default_factory=dict)
+    acc: dict[str, tuple[int, float]] = field(default_factory=dict)   # mode -> (tokens, seconds) so far
+
+    def start(self, phase: str, mode: str, rounds: int) -> None:
+        self.phase, self.mode, self.left, self.length, self.fresh = phase, mode, rounds, rounds, True
 
 
 class ModeChooser:
@@ -41,56 +59,50 @@ class ModeChooser:
     tail and grows again (the next requests arriving) resumes where its class was, instead of
     measuring every candidate again, and never keeps a mode it did not measure."""
 
-    _STATE = ("mode", "phase", "left", "length", "rates", "_acc", "_fresh", "_explored")
-
     def __init__(self, cfg):
         self.cfg = cfg
-        self.mode: str | None = None
         self.cands: tuple[str, ...] = ()
-        self.phase: str | None = None    # "measure" (every candidate), "keep" (the fastest), "explore" (one other)
-        self.left = 0                    # rounds left in the current phase
-        self.length = 0                  # rounds of the current phase
-        self.rates: dict[str, float] = {}
-        self._acc: dict[str, tuple[int, float]] = {}
-        self._fresh = False              # the phase's next round is its first
-        self._explored = 0               # explore windows so far: the next one takes the next other candidate
         self._key: tuple | None = None
-        self._saved: dict[tuple, dict] = {}   # batch class -> its state while another class runs
+        self._states: dict[tuple, _ClassState] = {}   # batch class -> its state
+        self._state = _ClassState()
+
+    @property
+    def mode(self) -> str | None:
+        return self._state.mode
+
+    @property
+    def phase(self) -> str | None:
+        return self._state.phase
+
+    @property
+    def rates(self) -> dict[str, float]:
+        return self._state.rates
 
     def candidates(self, num_running: int) -> tuple[str, ...]:
         if num_running < 2 * self.cfg.pingpong_min_batch:
             return ("sequential", "ahead", "plain")
         return ("sequential", "pingpong", *(f"short:{n}" for n in self.cfg.short_draft_steps), "plain")
 
+    def _class(self, num_running: int) -> tuple:
+        return self.candidates(num_running), num_running.bit_length()
+
     def rates_for(self, num_running: int) -> dict[str, float]:
         """Committed tokens/s measured so far per candidate in the batch class of `num_running`."""
-        key = (self.candidates(num_running), num_running.bit_length())
-        return dict(self.rates if key == self._key else self._saved.get(key, {}).get("rates", {}))
+        state = self._states.get(self._class(num_running))
+        return dict(state.rates) if state else {}
 
     def _enter(self, num_running: int) -> None:
-        """Switches to the batch class of `num_running` requests, saving the current one's state."""
-        cands = self.candidates(num_running)
-        key = (cands, num_running.bit_length())
+        """Switches to the batch class of `num_running` requests."""
+        key = self._class(num_running)
         if key == self._key:
             return
-        if self._key is not None:
-            self._saved[self._key] = {name: getattr(self, name) for name in self._STATE}
-        state = self._saved.pop(key, None)
-        self.cands, self._key = cands, key
-        if state is None:
-            self.mode, self.phase, self.left, self.length, self.rates = None, None, 0, 0, {}
-            self._acc, self._fresh, self._explored = {}, False, 0
-            return
-        for name, value in state.items():
-            setattr(self, name, value)
-        if self.left > 0:   # an interrupted phase counts again from its start (keep: from here on)
-            self._acc.pop(self.mode, None)
-            self._fresh = True
-            if self.phase != "keep":
-                self.left = self.length
-
-    def _start(self, phase: str, mode: str, rounds: int) -> None:
-        self.phase, self.mode, self.left, self.length, self._fresh = phase, mode, rounds, rounds, True
+        self.cands, self._key = key[0], key
+        state = self._state = self._states.setdefault(key, _ClassState())
+        if state.left > 0:   # an interrupted phase counts again from its start (keep: from here on)
+            state.acc.pop(state.mode, None)
+            state.fresh = True
+            if state.phase != "keep":
+                state.left = state.length
 
     def choose(self, num_running: int, drafter_up: bool) -> str:
         if not drafter_up:
@@ -98,37 +110,39 @@ class ModeChooser:
         if self.cfg.pipeline != "auto":
             return "sequential" if self.cfg.pipeline == "pingpong" and num_running < 2 else self.cfg.pipeline
         self._enter(num_running)
-        if self.left > 0:
-            return self.mode
+        s = self._state
+        if s.left > 0:
+            return s.mode
         window = self.cfg.mode_window
-        todo = [c for c in self.cands if c not in self.rates]
+        todo = [c for c in self.cands if c not in s.rates]
         if todo:                                                  # measure every candidate once, in order
-            self._start("measure", todo[0], window)
-        elif self.phase == "keep":                                # then, between keeps, one other again
-            others = [c for c in self.cands if c != self.mode]
-            self._start("explore", others[self._explored % len(others)], window)
-            self._explored += 1
+            s.start("measure", todo[0], window)
+        elif s.phase == "keep":                                   # then, between keeps, one other again
+            others = [c for c in self.cands if c != s.mode]
+            s.start("explore", others[s.explored % len(others)], window)
+            s.explored += 1
         else:                                                     # keep the fastest so far
-            self._start("keep", max(self.rates, key=self.rates.get), window * 8)
-            log.info("pipeline mode %s at %d running (committed tokens/s: %s)", self.mode, num_running,
-                     {k: round(v, 1) for k, v in self.rates.items()})
-        return self.mode
+            s.start("keep", max(s.rates, key=s.rates.get), window * 8)
+            log.info("pipeline mode %s at %d running (committed tokens/s: %s)", s.mode, num_running,
+                     {k: round(v, 1) for k, v in s.rates.items()})
+        return s.mode
 
     def record(self, mode: str, tokens: int, seconds: float) -> None:
         """One round of `mode`: every phase measures its mode (a keep re-measures the fastest), its
         first round left out when the phase has others: it pays for the previous mode's leftovers
         (a pending catch-up, a second micro-batch), not its own."""
-        if self.mode != mode or self.left <= 0:
+        s = self._state
+        if s.mode != mode or s.left <= 0:
             return
-        first, self._fresh = self._fresh, False
-        self.left -= 1
-        if not (first and self.length > 1):
-            t, sec = self._acc.get(mode, (0, 0.0))
-            self._acc[mode] = (t + tokens, sec + seconds)
-        if self.left == 0:
-            t, sec = self._acc.pop(mode, (0, 0.0))
+        first, s.fresh = s.fresh, False
+        s.left -= 1
+        if not (first and s.length > 1):
+            t, sec = s.acc.get(mode, (0, 0.0))
+            s.acc[mode] = (t + tokens, sec + seconds)
+        if s.left == 0:
+            t, sec = s.acc.pop(mode, (0, 0.0))
             if sec > 0:
-                self.rates[mode] = t / sec
+                s.rates[mode] = t / sec
 
 
 class SpeculationSwitch:
