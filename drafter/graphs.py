@@ -250,6 +250,7 @@ class CatchUpGraphs:
             self._capture(key, inp)
         static, graph = self._captured[key]
         static.copy_(inp)
+        self.cache.sync_device_tables()   # the graph maps its rows through the device block tables
         graph.replay()
         hidden, logits = self._outputs[rows]
         # One copy each: every graph of this Bc replays into these buffers.

@@ -113,16 +113,34 @@ class PagedKVCache:
         self._trash_row = rows - 1
         self.device = device
         # [num_slots, max_blocks] physical block ids, -1 where none (kept in step with `blocks`),
-        # on the device and on the host: a verify step's inputs are built on the host and cross in
-        # one copy (verifier/graphs.py). The device table changes only where `blocks` does.
-        self._tables = torch.full((num_slots, blocks_for(max_len + 1, block_size)), -1, dtype=torch.long,
-                                  device=device)
-        self.host_tables = torch.full(tuple(self._tables.shape), -1, dtype=torch.long)
-        self._mapped = [0] * num_slots    # blocks of each slot's table already in _tables/host_tables
+        # on the host, and a copy on the device (`_tables`). A verify step's inputs are built from
+        # the host table and cross in one copy (verifier/graphs.py), so reserve/trim/free change
+        # the host table only and mark the slot; the device copy takes every marked slot's row in
+        # one copy when next read. A round thus costs no device call per request.
+        self.host_tables = torch.full((num_slots, blocks_for(max_len + 1, block_size)), -1, dtype=torch.long)
+        self._device_tables = torch.full(tuple(self.host_tables.shape), -1, dtype=torch.long, device=device)
+        self._stale: set[int] = set()     # slots whose device row lags the host row
+        self._mapped = [0] * num_slots    # blocks of each slot's table already in host_tables
         # The tree attention's segment length (kernels/attention.py, split-KV): from the capacity per
         # request, a constant of the cache, so every split launch segments a row's entries alike
         # (PagedTreeBatch splits only where the one-pass grid would leave the GPU idle).
-        self.attention_split_len = split_len_for(self._tables.shape[1] * block_size, head_dim)
+        self.attention_split_len = split_len_for(self.host_tables.shape[1] * block_size, head_dim)
+
+    @property
+    def _tables(self) -> torch.Tensor:
+        """The block tables on the device, up to date (`sync_device_tables`). Always the same
+        tensor: a CUDA graph that reads it must be replayed after a sync (drafter/graphs.py)."""
+        self.sync_device_tables()
+        return self._device_tables
+
+    def sync_device_tables(self) -> None:
+        """Brings the device tables up to date with the host's: one copy for every slot changed
+        since the last sync (nothing when none)."""
+        if self._stale:
+            idx = torch.tensor(sorted(self._stale), dtype=torch.long)
+            self._stale.clear()
+            dev = self._device_tables.device
+            self._device_tables[to_device(idx, dev)] = to_device(self.host_tables[idx], dev)
 
     def reserve(self, slot: int, num_entries: int) -> None:
         if num_entries > self.max_len:
@@ -130,9 +148,8 @@ class PagedKVCache:
         table = self.blocks.allocate(slot, num_entries)
         start = self._mapped[slot]
         if len(table) > start:
-            new = torch.tensor(table[start:], dtype=torch.long)
-            self.host_tables[slot, start: len(table)] = new
-            self._tables[slot, start: len(table)] = to_device(new, self._tables.device)
+            self.host_tables.numpy()[slot, start: len(table)] = table[start:]
+            self._stale.add(slot)
             self._mapped[slot] = len(table)
 
     def free(self, slot: int) -> None:
@@ -142,8 +159,8 @@ class PagedKVCache:
     def _unmap(self, slot: int, keep: int) -> None:
         """Marks the slot's table past `keep` blocks as unmapped (-1)."""
         if self._mapped[slot] > keep:
-            self._tables[slot, keep:] = -1
-            self.host_tables[slot, keep:] = -1
+            self.host_tables.numpy()[slot, keep:] = -1
+            self._stale.add(slot)
         self._mapped[slot] = min(self._mapped[slot], keep)
 
     def trim(self, slot: int, num_entries: int) -> None:
@@ -169,8 +186,8 @@ class PagedKVCache:
             raise ValueError(f"slot {src} holds fewer than {num_entries} entries")
         full = num_entries // bs
         self.blocks.share(dst, table[:full])
-        self._tables[dst, :full] = self._tables[src, :full]
         self.host_tables[dst, :full] = self.host_tables[src, :full]
+        self._stale.add(dst)
         self._mapped[dst] = full
         if num_entries % bs:
             try:

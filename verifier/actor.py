@@ -27,8 +27,14 @@ from verifier.service_core import verifier_features, verifier_info, verifier_pre
 
 
 def _put(features):
-    """A tensor -> its ObjectRef; None and ChannelRefs (sent over the channel) stay."""
-    return ray.put(features) if isinstance(features, torch.Tensor) else features
+    """A tensor -> its ObjectRef; None and ChannelRefs (sent over the channel) stay. A view of a
+    larger tensor (a verify's features: VerifierEngine.verify) is copied out first: pickling a
+    view would carry its whole storage."""
+    if not isinstance(features, torch.Tensor):
+        return features
+    if features.untyped_storage().nbytes() != features.nbytes:
+        features = features.clone()
+    return ray.put(features)
 
 
 @ray.remote

@@ -106,20 +106,22 @@ class VerifierEngine:
         cache_lens = [r.committed_len - 1 for r in reqs]
         logits, feats = self.runner.verify(slots, cache_lens, tree.token_ids, tree.parents, tree.node_valid)
         result = self._accept(tree, reqs, logits)
-        tokens = [result.tokens(b) for b in range(len(reqs))]
+        # Per request from whole-batch host lists (one conversion each, not one per request).
+        num_acc = result.num_accepted.tolist()
+        tokens = [row[: k + 1] for row, k in zip(result.output_token_ids.tolist(), num_acc)]
+        num_drafts = (tree.node_valid[:, 1:].sum(1).tolist() if tree.num_nodes > 1 else [0] * len(reqs))
         self.commit(tree.request_ids, result.accepted_nodes, tokens)
-        # Every request's accepted path crosses to the features' device in one copy: [B, W].
-        path = None if feats is None else to_device(result.accepted_nodes.clamp(min=0), feats.device)
-        outs = []
-        for b, (rid, req) in enumerate(zip(tree.request_ids, reqs)):
-            toks = tokens[b]
-            outs.append(VerifyOutput(
-                request_id=rid, committed_len=req.committed_len, token_ids=toks,
-                num_accepted=int(result.num_accepted[b]), num_draft_tokens=tree.num_draft_tokens(b),
-                # A tensor of its own (index_select copies): a view would carry the whole batch's
-                # storage when pickled.
-                features=None if feats is None else feats[b].index_select(0, path[b, : len(toks)])))
-        return outs
+        picked = None
+        if feats is not None:
+            # Every request's accepted path crosses to the features' device in one copy and is
+            # gathered in one launch: [B, W, F]. Request b's features are a view of its rows (a
+            # Ray actor compacts views before shipping them: verifier/actor.py).
+            w = max(len(t) for t in tokens)
+            path = to_device(result.accepted_nodes[:, :w].clamp(min=0), feats.device)
+            picked = feats.gather(1, path[..., None].expand(-1, -1, feats.shape[-1]))
+        return [VerifyOutput(request_id=rid, committed_len=req.committed_len, token_ids=toks, num_accepted=k,
+                             num_draft_tokens=d, features=None if picked is None else picked[b, : len(toks)])
+                for b, (rid, req, toks, k, d) in enumerate(zip(tree.request_ids, reqs, tokens, num_acc, num_drafts))]
 
     def commit(self, request_ids: list[str], accepted_nodes: torch.Tensor, token_ids: list[list[int]]) -> None:
         """Commits a verified round. accepted_nodes [B, N]: request b's accepted path as tree node

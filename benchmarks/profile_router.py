@@ -1,0 +1,197 @@
+"""Where the router's rounds go at a large batch: the 8B-shaped bf16 target (or `--scale tiny` on
+the CPU, a smoke test) behind the router over in-process links, `--batch` greedy requests at once,
+in three setups:
+
+    plain        the router without a drafter (the baseline of `spectandem bench --sections router8b`)
+    spec-plain   the speculating router (drafter up, features requested) held in its "plain" mode
+    sequential   the speculating router held in "sequential" at controlled acceptance `--rate`
+
+Per setup: ms per round, and the engines' busy ms per round by kind of call (busy_s of
+router/links.py); wall ms per round inside chosen router, engine and runner functions (`TIMED`,
+no synchronization added: a call that waits for the GPU includes the wait); then the host
+functions that take the most time, from cProfile. On Python 3.12+ one profiler sees every
+thread (the event loop and the links' worker threads together); on 3.11 the event loop's thread
+and the engine calls are profiled apart.
+
+    python benchmarks/profile_router.py [--batch 64] [--rate 0.8] [--setups plain,spec-plain,sequential]
+    python benchmarks/profile_router.py --scale tiny --batch 8 --max-tokens 24
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import cProfile
+import functools
+import importlib
+import inspect
+import io
+import pstats
+import sys
+import threading
+import time
+from collections import defaultdict
+
+import torch
+
+from router import links as router_links
+from router.pipeline import ModeChooser
+from spectandem import bench_router8b as br
+from spectandem.bench_llama8b import SHAPES, ControlledRuns, llama8b_spec, random_eagle3_head, random_target
+from spectandem.config import GpuPaths
+
+SETUPS = ("plain", "spec-plain", "sequential")
+TIMED = ("router.scheduler:Router._plan", "router.scheduler:Router._release", "router.scheduler:Router._commit",
+         "router.rounds:RoundsMixin._draft", "router.rounds:RoundsMixin._verify", "router.rounds:RoundsMixin._apply",
+         "router.rounds:RoundsMixin._extend", "router.rounds:RoundsMixin._resync",
+         "verifier.service_core:verifier_verify", "verifier.engine:VerifierEngine.verify",
+         "verifier.engine:VerifierEngine._accept", "verifier.engine:VerifierEngine.commit",
+         "verifier.runner:NativeRunner.verify", "verifier.runner:NativeRunner.commit",
+         "verifier.graphs:VerifyGraphs.run", "spectandem.kv_cache:PagedKVCache.reserve",
+         "drafter.service_core:drafter_draft", "drafter.service_core:drafter_extend",
+         "drafter.engine:DrafterEngine.draft", "drafter.engine:DrafterEngine.extend")
+
+
+class Timers:
+    """Wall time inside each of TIMED (sync and async functions), summed per function."""
+
+    def __init__(self):
+        self.ms: dict[str, float] = defaultdict(float)
+        self.calls: dict[str, int] = defaultdict(int)
+        self.on = False
+        self._lock = threading.Lock()
+        self._patched = []
+        for name in TIMED:
+            module, qual = name.split(":")
+            cls_name, _, fn_name = qual.rpartition(".")
+            owner = getattr(importlib.import_module(module), cls_name) if cls_name else importlib.import_module(module)
+            self._patch(owner, fn_name, qual)
+
+    def _add(self, label: str, t0: float) -> None:
+        if self.on:
+            with self._lock:
+                self.ms[label] += 1000 * (time.perf_counter() - t0)
+                self.calls[label] += 1
+
+    def _patch(self, owner, fn_name: str, label: str) -> None:
+        inner = getattr(owner, fn_name)
+        if inspect.iscoroutinefunction(inner):
+            @functools.wraps(inner)
+            async def timed(*args, **kwargs):
+                t0 = time.perf_counter()
+                try:
+                    return await inner(*args, **kwargs)
+                finally:
+                    self._add(label, t0)
+        else:
+            @functools.wraps(inner)
+            def timed(*args, **kwargs):
+                t0 = time.perf_counter()
+                try:
+                    return inner(*args, **kwargs)
+                finally:
+                    self._add(label, t0)
+        setattr(owner, fn_name, timed)
+        self._patched.append((owner, fn_name, inner))
+
+    def table(self, rounds: int) -> str:
+        rows = [f"   {'function':46s} {'calls':>6s} {'ms/round':>9s}"]
+        rows += [f"   {k:46s} {self.calls[k]:6d} {v / rounds:9.3f}" for k, v in
+                 sorted(self.ms.items(), key=lambda kv: -kv[1])]
+        return "\n".join(rows)
+
+    def restore(self) -> None:
+        for owner, fn_name, inner in reversed(self._patched):
+            setattr(owner, fn_name, inner)
+
+
+def _top(prof: cProfile.Profile, n: int) -> str:
+    buf = io.StringIO()
+    pstats.Stats(prof, stream=buf).sort_stats("tottime").print_stats(n)
+    lines = buf.getvalue().splitlines()
+    start = next((i for i, line in enumerate(lines) if "ncalls" in line), 0)
+    return "\n".join(lines[start:])
+
+
+async def _profile(runs, setup: str, rate: float, batch: int, top: int) -> str:
+    forced = {"spec-plain": "plain", "sequential": "sequential"}.get(setup)
+    s = br._setup(runs, None if setup == "plain" else rate, "sequential", batch)
+    if forced is not None:   # hold the mode: this router's chooser answers `forced` from now on
+        s.router._modes.choose = lambda num_running, drafter_up: forced
+    shared = sys.version_info >= (3, 12)      # one profiler sees every thread
+    engine_prof = None if shared else cProfile.Profile()
+    calls = {"on": False}
+    inner_call = router_links._LocalLink._call
+
+    def profiled(self, kind, fn, *args):
+        if not calls["on"] or engine_prof is None:
+            return inner_call(self, kind, fn, *args)
+        engine_prof.enable()
+        try:
+            return inner_call(self, kind, fn, *args)
+        finally:
+            engine_prof.disable()
+
+    router_links._LocalLink._call = profiled
+    timers = Timers()
+    counter = iter(range(10**6))
+    ids = lambda: ([f"p{next(counter)}-{i}" for i in range(batch)], [i % runs.num_prompts for i in range(batch)])
+    s.router.start()
+    try:
+        # (a time limit: a failing round leaves its requests waiting, and the run must end)
+        await asyncio.wait_for(br._timed(s, runs, *ids()), 300)     # warm: graphs captured, allocator grown
+        loop_prof = cProfile.Profile()
+        calls["on"] = timers.on = True
+        loop_prof.enable()
+        try:
+            m = await asyncio.wait_for(br._timed(s, runs, *ids()), 300)
+        finally:
+            loop_prof.disable()
+            calls["on"] = timers.on = False
+    finally:
+        router_links._LocalLink._call = inner_call
+        timers.restore()
+        await s.router.stop()
+    rounds = m["counters"]["rounds"]
+    busy = "  ".join(f"{link}.{k} {1000 * v / rounds:.2f}" for link, d in zip(("verifier", "drafter"), m["busy"])
+                     for k, v in sorted(d.items()) if v)
+    head = (f"== {setup}: {m['tokens']} tokens in {m['seconds']:.3f} s, {m['tokens'] / m['seconds']:.0f} tokens/s, "
+            f"{rounds} rounds, {1000 * m['seconds'] / rounds:.2f} ms/round\n   busy ms/round: {busy}")
+    text = f"{head}\n-- wall ms per round inside\n{timers.table(rounds)}\n"
+    if shared:
+        return text + f"-- every thread (top {top} by own time)\n{_top(loop_prof, top)}\n", head
+    return (text + f"-- event loop thread (top {top} by own time)\n{_top(loop_prof, top)}\n"
+            f"-- engine calls (top {top} by own time)\n{_top(engine_prof, top)}\n"), head
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--batch", type=int, default=64)
+    ap.add_argument("--rate", type=float, default=0.8)
+    ap.add_argument("--steps", type=int, default=4)
+    ap.add_argument("--max-tokens", type=int, default=96)
+    ap.add_argument("--prompt-len", type=int, default=256)
+    ap.add_argument("--top", type=int, default=18)
+    ap.add_argument("--setups", default=",".join(SETUPS))
+    ap.add_argument("--scale", choices=("full", "tiny"), default="full", help="tiny: a smoke test on the CPU")
+    args = ap.parse_args()
+    setups = [x for x in args.setups.split(",") if x]
+    if bad := [x for x in setups if x not in SETUPS]:
+        raise SystemExit(f"--setups: unknown {bad}; choose from {', '.join(SETUPS)}")
+    device, dtype = ("cuda", torch.bfloat16) if args.scale == "full" else ("cpu", torch.float32)
+    model = random_target(llama8b_spec(args.scale), device, dtype, 0)
+    head = random_eagle3_head(model, SHAPES[args.scale]["draft_vocab_size"], device, dtype, 0)
+    fast = GpuPaths(cuda_graphs=True, triton_attention=True) if device == "cuda" else GpuPaths()
+    runs = ControlledRuns(model, head, device, args.batch, min(args.batch, 16), args.prompt_len, args.max_tokens,
+                          args.steps, 0, fast)
+    heads = []
+    for setup in setups:
+        text, head_line = asyncio.run(_profile(runs, setup, args.rate, args.batch, args.top))
+        heads.append(head_line)
+        print(text, flush=True)
+    print("\n".join(heads))
+
+
+if __name__ == "__main__":
+    assert ModeChooser  # the chooser a held mode replaces (per router instance)
+    main()
