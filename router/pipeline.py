@@ -18,8 +18,11 @@ ahead and plain; from there, sequential, ping-pong, each short draft length and 
 each (committed tokens per second over a window of rounds, its first round left out) and keeps the
 fastest for eight windows, measuring it again as it runs; between keeps it measures one other
 candidate (in turn) for a window, so a change of the fastest is found at the cost of one window.
-Measurements belong to a batch class (the candidates and the power of two of the running
-requests) and survive while the batch is in another class. Ping-pong wins when drafter and
+While the same mode stays the fastest, each keep is twice as long as the one before (up to 32
+windows): a settled choice spends about 3% of its rounds measuring the others. Measurements
+belong to a batch class (the candidates and the nearest power of two of the running requests:
+46 to 90 running are the class of 64, so a batch of 64 stays in it while its last requests
+finish) and survive while the batch is in another class. Ping-pong wins when drafter and
 verifier have devices of their own and loses when they share cores (benchmarks/serving.py);
 short drafts and plain win at large batches where verifying trees costs more than it saves.
 
@@ -30,9 +33,12 @@ then decodes plainly for a number of rounds and tries again.
 from __future__ import annotations
 
 import logging
+import math
 from dataclasses import dataclass, field
 
 log = logging.getLogger("spectandem.router")
+KEEP_WINDOWS = 8          # windows of a keep after the fastest mode changed
+MAX_KEEP_WINDOWS = 32     # ... and at most, while it stays the fastest
 
 
 @dataclass
@@ -45,6 +51,8 @@ class _ClassState:
     length: int = 0             # rounds of the phase
     fresh: bool = False         # the phase's next round is its first
     explored: int = 0           # explore windows so far: the next one takes the next other candidate
+    kept: str | None = None     # the mode of the last keep
+    keep_windows: int = 0       # windows of the last keep (doubles while the same mode stays the fastest)
     rates: dict[str, float] = field(default_factory=dict)
     acc: dict[str, tuple[int, float]] = field(default_factory=dict)   # mode -> (tokens, seconds) so far
 
@@ -54,7 +62,7 @@ class _ClassState:
 
 class ModeChooser:
     """The "auto" pipeline mode (module docstring), measured per batch class: the candidates and
-    the power of two of the running requests (64 running is another class than 16). A class
+    the nearest power of two of the running requests (64 running is another class than 16). A class
     keeps its measurements while the batch is in another one, so a batch that shrinks at its
     tail and grows again (the next requests arriving) resumes where its class was, instead of
     measuring every candidate again, and never keeps a mode it did not measure."""
@@ -84,7 +92,7 @@ class ModeChooser:
         return ("sequential", "pingpong", *(f"short:{n}" for n in self.cfg.short_draft_steps), "plain")
 
     def _class(self, num_running: int) -> tuple:
-        return self.candidates(num_running), num_running.bit_length()
+        return self.candidates(num_running), round(math.log2(max(num_running, 1)))
 
     def rates_for(self, num_running: int) -> dict[str, float]:
         """Committed tokens/s measured so far per candidate in the batch class of `num_running`."""
@@ -122,7 +130,10 @@ class ModeChooser:
             s.start("explore", others[s.explored % len(others)], window)
             s.explored += 1
         else:                                                     # keep the fastest so far
-            s.start("keep", max(s.rates, key=s.rates.get), window * 8)
+            best = max(s.rates, key=s.rates.get)
+            s.keep_windows = min(2 * s.keep_windows, MAX_KEEP_WINDOWS) if best == s.kept else KEEP_WINDOWS
+            s.kept = best
+            s.start("keep", best, window * s.keep_windows)
             log.info("pipeline mode %s at %d running (committed tokens/s: %s)", s.mode, num_running,
                      {k: round(v, 1) for k, v in s.rates.items()})
         return s.mode

@@ -112,20 +112,34 @@ def test_a_windows_first_round_is_not_counted():
 
 def test_between_keeps_one_other_candidate_is_measured_and_a_faster_one_is_kept():
     """After the first sweep, a keep of 8 windows, then one window of the next other candidate,
-    then a keep again; when plain becomes the fastest, the next window that measures it keeps it."""
+    then a keep again, twice as long while the same mode stays the fastest (at most 32 windows);
+    when plain becomes the fastest, the next window that measures it keeps it, for 8 windows."""
     chooser = ModeChooser(_cfg(pipeline="auto"))
     order = ["sequential", "pingpong", "short:1", "short:2", "plain"]
     rates = {m: 100.0 for m in order} | {"sequential": 150.0}
-    chosen = _run(chooser, rates, 15 + 24 + 3 + 24 + 3, num_running=64)
-    assert chosen[15:39] == ["sequential"] * 24
-    assert chosen[39:42] == ["pingpong"] * 3 and chosen[42:66] == ["sequential"] * 24
-    assert chosen[66:69] == ["short:1"] * 3
+    chosen = _run(chooser, rates, 15 + 24 + 3 + 48 + 3 + 96 + 3 + 96 + 3, num_running=64)
+    at = 15
+    for keep, other in ((24, "pingpong"), (48, "short:1"), (96, "short:2"), (96, "plain")):
+        assert chosen[at: at + keep] == ["sequential"] * keep
+        assert chosen[at + keep: at + keep + 3] == [other] * 3
+        at += keep + 3
     rates["plain"] = 300.0            # plain decoding got faster (say, the batch grew)
-    chosen = _run(chooser, rates, 24 + 3 + 24, num_running=64)
-    assert chosen[:24] == ["sequential"] * 24 and chosen[24:27] == ["short:2"] * 3
-    chosen = _run(chooser, rates, 24 + 3 + 24, num_running=64)
-    assert chosen[:3] == ["plain"] * 3 or chosen[24:27] == ["plain"] * 3
-    assert chosen[-1] == "plain" and chooser.rates["plain"] == 300.0
+    chosen = _run(chooser, rates, 4 * (96 + 3) + 24 + 3, num_running=64)   # plain is explored 4th
+    first = chosen.index("plain")
+    assert chosen[first: first + 3 + 24] == ["plain"] * 27     # measured, then kept for 8 windows
+    assert chosen[first + 27: first + 30] != ["plain"] * 3       # then another one is measured
+    assert chooser.rates["plain"] == 300.0
+
+
+def test_batch_classes_are_nearest_powers_of_two():
+    """A batch of 64 whose last requests finish (63, 50 running) stays in the class of 64."""
+    chooser = ModeChooser(_cfg(pipeline="auto"))
+    order = ["sequential", "pingpong", "short:1", "short:2", "plain"]
+    at64 = {m: 100.0 for m in order} | {"plain": 150.0}
+    _run(chooser, at64, 15, num_running=64)
+    assert chooser.rates_for(50) == chooser.rates_for(90) == at64
+    assert chooser.rates_for(45) == {} and chooser.rates_for(91) == {}
+    assert set(_run(chooser, at64, 10, num_running=50)) == {"plain"}
 
 
 def test_a_keep_measures_its_mode_again():
