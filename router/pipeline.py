@@ -19,7 +19,9 @@ each (committed tokens per second over a window of rounds, its first round left 
 fastest for eight windows, measuring it again as it runs; between keeps it measures one other
 candidate (in turn) for a window, so a change of the fastest is found at the cost of one window.
 While the same mode stays the fastest, each keep is twice as long as the one before (up to 32
-windows): a settled choice spends about 3% of its rounds measuring the others. Measurements
+windows): a settled choice spends about 3% of its rounds measuring the others. Candidates that
+measured under 60% of the fastest are measured again only every fourth time (a window of
+short:1 at batch 64 costs as much as several of plain). Measurements
 belong to a batch class (the candidates and the nearest power of two of the running requests:
 46 to 90 running are the class of 64, so a batch of 64 stays in it while its last requests
 finish) and survive while the batch is in another class. Ping-pong wins when drafter and
@@ -39,6 +41,8 @@ from dataclasses import dataclass, field
 log = logging.getLogger("spectandem.router")
 KEEP_WINDOWS = 8          # windows of a keep after the fastest mode changed
 MAX_KEEP_WINDOWS = 32     # ... and at most, while it stays the fastest
+EXPLORE_NEAR = 0.6        # candidates measured at this fraction of the fastest or more are "near"
+FAR_EVERY = 4             # every this many ends of a keep, any candidate may be measured again
 
 
 @dataclass
@@ -50,7 +54,9 @@ class _ClassState:
     left: int = 0               # rounds left in the phase
     length: int = 0             # rounds of the phase
     fresh: bool = False         # the phase's next round is its first
-    explored: int = 0           # explore windows so far: the next one takes the next other candidate
+    explored: int = 0           # ends of keeps so far: every FAR_EVERY-th explores any other candidate
+    near_turn: int = 0          # the next near candidate (within EXPLORE_NEAR of the fastest) in turn
+    any_turn: int = 0           # the next other candidate in turn, near or not
     kept: str | None = None     # the mode of the last keep
     keep_windows: int = 0       # windows of the last keep (doubles while the same mode stays the fastest)
     rates: dict[str, float] = field(default_factory=dict)
@@ -125,10 +131,8 @@ class ModeChooser:
         todo = [c for c in self.cands if c not in s.rates]
         if todo:                                                  # measure every candidate once, in order
             s.start("measure", todo[0], window)
-        elif s.phase == "keep":                                   # then, between keeps, one other again
-            others = [c for c in self.cands if c != s.mode]
-            s.start("explore", others[s.explored % len(others)], window)
-            s.explored += 1
+        elif s.phase == "keep" and (pick := self._explore_pick(s)) is not None:
+            s.start("explore", pick, window)                      # then, between keeps, one other again
         else:                                                     # keep the fastest so far
             best = max(s.rates, key=s.rates.get)
             s.keep_windows = min(2 * s.keep_windows, MAX_KEEP_WINDOWS) if best == s.kept else KEEP_WINDOWS
@@ -137,6 +141,21 @@ class ModeChooser:
             log.info("pipeline mode %s at %d running (committed tokens/s: %s)", s.mode, num_running,
                      {k: round(v, 1) for k, v in s.rates.items()})
         return s.mode
+
+    def _explore_pick(self, s: _ClassState) -> str | None:
+        """The candidate to measure after a keep: near ones in turn, any one in turn every
+        FAR_EVERY-th time; None (keep on) when it is not that time and none is near."""
+        others = [c for c in self.cands if c != s.mode]
+        s.explored += 1
+        if s.explored % FAR_EVERY == 0:
+            s.any_turn += 1
+            return others[(s.any_turn - 1) % len(others)]
+        best = s.rates.get(s.mode, 0.0)
+        near = [c for c in others if s.rates.get(c, 0.0) >= EXPLORE_NEAR * best]
+        if not near:
+            return None
+        s.near_turn += 1
+        return near[(s.near_turn - 1) % len(near)]
 
     def record(self, mode: str, tokens: int, seconds: float) -> None:
         """One round of `mode`: every phase measures its mode (a keep re-measures the fastest), its

@@ -110,25 +110,38 @@ def test_a_windows_first_round_is_not_counted():
     assert chooser.choose(num_running=1, drafter_up=True) == "sequential"
 
 
+def _windows(chosen):
+    """[(mode, rounds)] of consecutive runs of one mode."""
+    import itertools
+
+    return [(m, len(list(g))) for m, g in itertools.groupby(chosen)]
+
+
 def test_between_keeps_one_other_candidate_is_measured_and_a_faster_one_is_kept():
-    """After the first sweep, a keep of 8 windows, then one window of the next other candidate,
-    then a keep again, twice as long while the same mode stays the fastest (at most 32 windows);
-    when plain becomes the fastest, the next window that measures it keeps it, for 8 windows."""
+    """After the first sweep, a keep of 8 windows, then one window of another candidate (the
+    near ones in turn; every fourth time any one in turn), then a keep again, twice as long while
+    the same mode stays the fastest (at most 32 windows); when plain becomes the fastest, the next
+    window that measures it keeps it, for 8 windows."""
     chooser = ModeChooser(_cfg(pipeline="auto"))
     order = ["sequential", "pingpong", "short:1", "short:2", "plain"]
-    rates = {m: 100.0 for m in order} | {"sequential": 150.0}
+    rates = {m: 100.0 for m in order} | {"sequential": 150.0}     # every other one near (>= 60%)
     chosen = _run(chooser, rates, 15 + 24 + 3 + 48 + 3 + 96 + 3 + 96 + 3, num_running=64)
-    at = 15
-    for keep, other in ((24, "pingpong"), (48, "short:1"), (96, "short:2"), (96, "plain")):
-        assert chosen[at: at + keep] == ["sequential"] * keep
-        assert chosen[at + keep: at + keep + 3] == [other] * 3
-        at += keep + 3
+    assert _windows(chosen[15:]) == [("sequential", 24), ("pingpong", 3), ("sequential", 48), ("short:1", 3),
+                                     ("sequential", 96), ("short:2", 3), ("sequential", 96), ("pingpong", 3)]
     rates["plain"] = 300.0            # plain decoding got faster (say, the batch grew)
-    chosen = _run(chooser, rates, 4 * (96 + 3) + 24 + 3, num_running=64)   # plain is explored 4th
-    first = chosen.index("plain")
-    assert chosen[first: first + 3 + 24] == ["plain"] * 27     # measured, then kept for 8 windows
-    assert chosen[first + 27: first + 30] != ["plain"] * 3       # then another one is measured
+    chosen = _run(chooser, rates, 96 + 3 + 24 + 3, num_running=64)
+    # measured, then kept: 8 windows, and on (every other one is now under 60% of plain)
+    assert _windows(chosen) == [("sequential", 96), ("plain", 3 + 24 + 3)]
     assert chooser.rates["plain"] == 300.0
+
+
+def test_candidates_far_below_the_fastest_are_measured_only_every_fourth_time():
+    chooser = ModeChooser(_cfg(pipeline="auto"))
+    order = ["sequential", "pingpong", "short:1", "short:2", "plain"]
+    rates = {m: 50.0 for m in order} | {"sequential": 150.0, "pingpong": 100.0}
+    chosen = _run(chooser, rates, 15 + 24 + 48 + 96 * 6 + 8 * 3, num_running=64)
+    explored = [m for m, _ in _windows(chosen[15:]) if m != "sequential"]
+    assert explored == ["pingpong"] * 7 + ["short:1"]
 
 
 def test_batch_classes_are_nearest_powers_of_two():
