@@ -14,7 +14,8 @@ drafts), and in "auto" so does "ahead" (a sampled request's tree decides its see
 choice must not depend on load). The others keep full drafts.
 
 In "auto" the candidates depend on the batch: below 2 * pingpong_min_batch requests, sequential,
-ahead and plain; from there, sequential, ping-pong, each short draft length and plain. It measures
+ahead and plain (ahead only while the drafter drafts ahead: one that never does is found out from
+its replies, router/rounds.py); from there, sequential, ping-pong, each short draft length and plain. It measures
 each (committed tokens per second over a window of rounds, its first round left out) and keeps the
 fastest for eight windows, measuring it again as it runs; between keeps it measures one other
 candidate (in turn) for a window, so a change of the fastest is found at the cost of one window.
@@ -79,6 +80,9 @@ class ModeChooser:
         self._key: tuple | None = None
         self._states: dict[tuple, _ClassState] = {}   # batch class -> its state
         self._state = _ClassState()
+        # Modes the engines cannot do (`ahead` with a drafter that does not draft ahead: the
+        # router finds out from its replies, router/rounds.py): never candidates.
+        self.unavailable: set[str] = set()
 
     @property
     def mode(self) -> str | None:
@@ -94,8 +98,10 @@ class ModeChooser:
 
     def candidates(self, num_running: int) -> tuple[str, ...]:
         if num_running < 2 * self.cfg.pingpong_min_batch:
-            return ("sequential", "ahead", "plain")
-        return ("sequential", "pingpong", *(f"short:{n}" for n in self.cfg.short_draft_steps), "plain")
+            cands = ("sequential", "ahead", "plain")
+        else:
+            cands = ("sequential", "pingpong", *(f"short:{n}" for n in self.cfg.short_draft_steps), "plain")
+        return tuple(c for c in cands if c not in self.unavailable)
 
     def _class(self, num_running: int) -> tuple:
         return self.candidates(num_running), round(math.log2(max(num_running, 1)))

@@ -14,12 +14,17 @@ slow only takes the drafts out of the round; a verifier that fails ends the roun
 from __future__ import annotations
 
 import asyncio
+import logging
 import time
 
 from router.links import DrafterLink, EngineUnavailable, ExtendItem, PlainItem, Tag, VerifierLink
 from router.pipeline import ModeChooser, SpeculationSwitch
 from router.requests import RouterConfig, RouterCounters, ServedRequest
 from spectandem.messages import StaleMessage
+
+
+log = logging.getLogger("spectandem.router")
+AHEAD_UNANSWERED_ROUNDS = 3   # "ahead" rounds in a row without a hit or miss: the drafter does not draft ahead
 
 
 class RoundsMixin:
@@ -37,6 +42,7 @@ class RoundsMixin:
     _mode: str
     _switch: SpeculationSwitch
     _tokens_committed: int
+    _ahead_unanswered: int = 0
 
     async def _round(self) -> None:
         finished = [r for r in self.running if r.done]
@@ -79,6 +85,14 @@ class RoundsMixin:
             return
         self.counters.draft_ahead_hits += sum(f is True for f in flags)
         self.counters.draft_ahead_misses += sum(f is False for f in flags)
+        # A drafter that drafts ahead answers hit or miss from its second such round on; one
+        # that never does (None for every request, round after round) makes "ahead" a plain
+        # sequential round plus a call: "auto" stops offering it.
+        self._ahead_unanswered = 0 if any(f is not None for f in flags) else self._ahead_unanswered + 1
+        if (self._ahead_unanswered >= AHEAD_UNANSWERED_ROUNDS and self.cfg.pipeline == "auto"
+                and "ahead" not in self._modes.unavailable):
+            self._modes.unavailable.add("ahead")
+            log.info("the drafter does not draft ahead: pipeline mode \"ahead\" is no longer a candidate")
 
     def _invisible_when_plain(self, r: ServedRequest) -> bool:
         """Deterministic drafts: a plain round draws exactly the tokens a speculative one would."""
