@@ -59,9 +59,9 @@ class DraftTree:
                          draft_probs=None if self.draft_probs is None else self.draft_probs[idx],
                          sampled=[self.sampled[i] for i in rows])
 
-    def num_draft_tokens(self, b: int) -> int:
-        """Valid draft nodes of request b (root excluded)."""
-        return int(self.node_valid[b, 1:].sum())
+    def num_draft_tokens(self) -> list[int]:
+        """Valid draft nodes of each request (root excluded)."""
+        return self.node_valid[:, 1:].sum(1).tolist()
 
 
 @dataclass

@@ -75,6 +75,10 @@ class VerifyResult:
         """Request b's output tokens: num_accepted[b] accepted draft tokens, then one target token."""
         return self.output_token_ids[b, : int(self.num_accepted[b]) + 1].tolist()
 
+    def token_lists(self) -> list[list[int]]:
+        """`tokens(b)` of every request, from one host conversion of each tensor."""
+        return [row[: k + 1] for row, k in zip(self.output_token_ids.tolist(), self.num_accepted.tolist())]
+
 
 @dataclass(frozen=True)
 class _Tree:

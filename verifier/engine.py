@@ -107,9 +107,7 @@ class VerifierEngine:
         logits, feats = self.runner.verify(slots, cache_lens, tree.token_ids, tree.parents, tree.node_valid)
         result = self._accept(tree, reqs, logits)
         # Per request from whole-batch host lists (one conversion each, not one per request).
-        num_acc = result.num_accepted.tolist()
-        tokens = [row[: k + 1] for row, k in zip(result.output_token_ids.tolist(), num_acc)]
-        num_drafts = (tree.node_valid[:, 1:].sum(1).tolist() if tree.num_nodes > 1 else [0] * len(reqs))
+        tokens, num_acc, num_drafts = result.token_lists(), result.num_accepted.tolist(), tree.num_draft_tokens()
         self.commit(tree.request_ids, result.accepted_nodes, tokens)
         picked = None
         if feats is not None:
