@@ -16,7 +16,7 @@ class KvBudget:
     def need(self, committed_len: int) -> tuple[int, int]:
         """KV blocks (verifier, drafter) a request at this committed length may hold next round."""
         c = self.cfg
-        n = committed_len - 1 + c.lookahead
+        n = committed_len - 1 + max(c.lookahead, c.plain_steps)
         v = blocks_for(n, c.kv_block_size) if c.kv_blocks else 0
         d = blocks_for(n, c.draft_kv_block_size) if c.draft_kv_blocks and self.has_drafter else 0
         return v, d

@@ -55,6 +55,9 @@ class PlainItem:
 
     tag: Tag
     last_token_id: int
+    # Tokens to decode (greedy only; every item of a round without drafts alike): > 1 runs
+    # `steps` plain steps in one call (VerifierEngine.decode).
+    steps: int = 1
 
 
 @dataclass

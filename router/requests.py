@@ -122,12 +122,19 @@ class RouterConfig:
     adaptive_window: int = 64                 # drafted request-rounds per acceptance check (0: off)
     adaptive_min_accept_length: float = 1.1   # below this, drafting costs more than it gains
     adaptive_off_rounds: int = 32             # plain rounds before speculation is tried again
+    # Tokens a plain round decodes per request when every request of the round is greedy and
+    # undrafted (VerifierEngine.decode: the steps chained on the device, one call and one wait
+    # for all). 1: a plain round is one step. Bounded by each request's remaining max_tokens and
+    # context; tokens stream in chunks of this many, and new requests join between rounds.
+    plain_steps: int = 1
 
     def __post_init__(self):
         if self.pipeline not in PIPELINES:
             raise ValueError(f"pipeline must be one of {', '.join(PIPELINES)}; got {self.pipeline!r}")
         if any(n < 1 for n in self.short_draft_steps):
             raise ValueError(f"short_draft_steps must be >= 1, got {self.short_draft_steps}")
+        if isinstance(self.plain_steps, bool) or not isinstance(self.plain_steps, int) or self.plain_steps < 1:
+            raise ValueError(f"plain_steps must be an integer >= 1, got {self.plain_steps!r}")
 
 
 PIPELINES = ("auto", "sequential", "pingpong", "ahead")

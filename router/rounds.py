@@ -43,6 +43,7 @@ class RoundsMixin:
     _switch: SpeculationSwitch
     _tokens_committed: int
     _ahead_unanswered: int = 0
+    _capped_plain: bool = False    # this round's plain steps were cut by the requests' ends
 
     async def _round(self) -> None:
         finished = [r for r in self.running if r.done]
@@ -54,11 +55,15 @@ class RoundsMixin:
         await self._resync()
         mode = self._mode = self._modes.choose(len(self.running), self.drafter_up)
         t0, before = time.perf_counter(), self._tokens_committed
+        self._capped_plain = False
         if mode == "pingpong":
             await self._pingpong_round()
         else:
             await self._sequential_round(ahead=mode == "ahead")
-        self._modes.record(mode, self._tokens_committed - before, time.perf_counter() - t0)
+        # A plain round whose steps were cut by the requests' ends decodes fewer tokens than the
+        # mode does: the batch's tail, not plain decoding's rate. It does not count as a measurement.
+        if not self._capped_plain:
+            self._modes.record(mode, self._tokens_committed - before, time.perf_counter() - t0)
 
     async def _sequential_round(self, ahead: bool = False) -> None:
         """Draft, verify, extend. `ahead`: while the verifier verifies, the drafter prepares the
@@ -153,13 +158,26 @@ class RoundsMixin:
 
     async def _verify(self, draft, drafted: list[ServedRequest], group: list[ServedRequest]):
         """One batched verify of the group (drafted rows, then plain rows); None if the verifier failed."""
-        plain = [PlainItem(r.tag(), r.tokens[-1]) for r in group if r not in drafted]
+        steps = self._plain_steps(group) if not drafted else 1
+        plain = [PlainItem(r.tag(), r.tokens[-1], steps) for r in group if r not in drafted]
         try:
             return await self.verifier.verify(draft, plain, self.cfg.want_features)
         except EngineUnavailable as exc:
             self._verifier_failed(list(self.running), exc)
             self.running = []
             return None
+
+    def _plain_steps(self, group: list[ServedRequest]) -> int:
+        """Tokens per request of a round without drafts: cfg.plain_steps when every request is
+        greedy, at most what each may still generate (max_tokens, the context). Sets
+        `_capped_plain` when the requests' ends cut it."""
+        k = self.cfg.plain_steps
+        if k <= 1 or not all(r.params.greedy for r in group):
+            return 1
+        for r in group:
+            k = min(k, r.params.max_tokens - len(r.tokens), self.cfg.max_len - r.committed_len + 1)
+        self._capped_plain = self._capped_plain or k < self.cfg.plain_steps
+        return max(k, 1)
 
     def _apply(self, results, drafted: list[ServedRequest], group: list[ServedRequest]) -> list[ExtendItem]:
         """Commits a verify's results (dropping stale ones); returns the drafter catch-up items."""

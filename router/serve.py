@@ -3,6 +3,7 @@ router, and the public gRPC server on --host:--port, until Ctrl-C or SIGTERM."""
 
 from __future__ import annotations
 
+import argparse
 import asyncio
 import logging
 import os
@@ -18,6 +19,16 @@ from spectandem.generate_cli import add_model_flags
 
 log = logging.getLogger("spectandem.serve")
 
+
+
+def _at_least_one(text: str) -> int:
+    try:
+        n = int(text)
+    except ValueError:
+        n = 0
+    if n < 1:
+        raise argparse.ArgumentTypeError(f"must be an integer >= 1, got {text!r}")
+    return n
 
 def add_serve(sub) -> None:
     p = sub.add_parser("serve", help="serve the public gRPC API (the demo pair with no model flags)")
@@ -44,6 +55,10 @@ def add_serve(sub) -> None:
                    help="ahead: the drafter prepares the next trees for likely outcomes during the verify "
                         "(latency); pingpong: two micro-batches overlap drafting with verification "
                         "(throughput); auto: measured per batch size, with shorter drafts and plain rounds")
+    p.add_argument("--plain-steps", type=_at_least_one, default=4,
+                   help="tokens per request a plain round (no drafts: --method none, or speculation switched off) "
+                        "decodes in one verifier call when every request in it is greedy; the steps are chained "
+                        "on the GPU without the host waiting between them. 1: one token per round")
     p.add_argument("--drafter-timeout", type=float, default=10.0,
                    help="seconds a drafter call may take before rounds go on without it")
     p.add_argument("--feature-channel", nargs="?", const="auto", default=None, metavar="tcp://HOST:PORT",
@@ -247,7 +262,7 @@ async def serve_async(args, ready_message=True, stop_event: asyncio.Event | None
                                                                 lookahead=lookahead, want_features=want,
                                                                 max_running=args.max_running,
                                                                 drafter_timeout=args.drafter_timeout,
-                                                      pipeline=args.pipeline,
+                                                      pipeline=args.pipeline, plain_steps=args.plain_steps,
                                                       draft_sampling_min_temperature=cfg.draft_sampling_min_temperature,
                                                       kv_blocks=vinfo.kv.get("num_blocks", 0),
                                                       kv_block_size=vinfo.kv.get("block_size", 16) or 16,

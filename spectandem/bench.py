@@ -98,7 +98,7 @@ class BenchPlan:
         if bad:
             raise ValueError(f"--modes: unknown {bad}; choose from {', '.join(DEMO_MODES)}")
         for flag in ("max_tokens", "prompts", "controlled_steps", "llama8b_steps", "llama8b_context",
-                     "llama8b_prompt_len"):
+                     "llama8b_prompt_len", "plain_steps"):
             if getattr(args, flag) < 1:
                 raise ValueError(f"--{flag.replace('_', '-')} must be >= 1, got {getattr(args, flag)}")
         needs_8b = sorted({"llama8b", "hf8b", "controlled", "router8b"} & set(sections))
@@ -169,6 +169,8 @@ def add_bench(sub) -> None:
     p.add_argument("--router8b-modes", default="sequential,auto",
                    help="router8b: modes besides plain, from sequential, pingpong, auto")
     p.add_argument("--router8b-batch-sizes", default="16,64", help="router8b: batch sizes")
+    p.add_argument("--plain-steps", type=int, default=4,
+                   help="the routers' multi-step plain rounds (pipeline, router8b sections), as serve's --plain-steps")
     p.add_argument("--router8b-drafter-device", default="auto", metavar="{auto,none,cuda:N}",
                    help="router8b: also run the rows with the EAGLE-3 head on this GPU (placement drafter-own-gpu; "
                         "the one-device rows always run); auto: another GPU where --device is CUDA and there are two "
@@ -187,7 +189,7 @@ def _llama8b(plan: BenchPlan, args, bandwidth: float) -> tuple[list[dict], dict 
     """The llama8b and controlled sections on one target (built once)."""
     import torch
 
-    from spectandem.bench_llama8b import (SHAPES, ControlledRuns, bench_controlled, bench_plain_roofline,
+    from spectandem.bench_llama8b import (ROOFLINE_CHAINS, SHAPES, ControlledRuns, bench_controlled, bench_plain_roofline,
                                           llama8b_spec, random_eagle3_head, random_target, verify_forward_times)
 
     device = plan.device
@@ -197,8 +199,9 @@ def _llama8b(plan: BenchPlan, args, bandwidth: float) -> tuple[list[dict], dict 
     if "llama8b" in plan.sections:
         records.append(bench_plain_roofline(model, device, args.llama8b_steps, args.llama8b_context, bandwidth))
         if plan.gpu.cuda_graphs:
-            records.append(bench_plain_roofline(model, device, args.llama8b_steps, args.llama8b_context, bandwidth,
-                                                gpu=plan.gpu))
+            for chain in (0,) + ROOFLINE_CHAINS:
+                records.append(bench_plain_roofline(model, device, args.llama8b_steps, args.llama8b_context,
+                                                    bandwidth, gpu=plan.gpu, chain=chain))
     if "hf8b" in plan.sections:
         from spectandem.bench_hf8b import bench_hf8b
 
@@ -216,7 +219,7 @@ def _llama8b(plan: BenchPlan, args, bandwidth: float) -> tuple[list[dict], dict 
             from spectandem.bench_router8b import bench_router8b
 
             records += bench_router8b(runs, list(plan.acceptance_rates), list(plan.router8b_modes),
-                                      list(plan.router8b_batch_sizes), plan.router8b_drafter_device)
+                                      list(plan.router8b_batch_sizes), plan.router8b_drafter_device, args.plain_steps)
     for r in records:
         r["scale"] = args.llama8b_scale
     return records, verify
@@ -249,7 +252,7 @@ def _measure(plan: BenchPlan, args, dtype, bandwidth: float) -> tuple[list[dict]
             print(f"pipeline modes RouterConfig rejects, skipped: {', '.join(rejected)}")
         if modes:
             records += bench_pipeline(modes, list(plan.pipeline_batch_sizes), args.max_tokens, device, dtype,
-                                      plan.gpu)
+                                      plan.gpu, args.plain_steps)
     return records, info
 
 

@@ -101,13 +101,20 @@ def random_eagle3_head(target, draft_vocab_size: int, device: str, dtype, seed: 
     return head.eval()
 
 
+ROOFLINE_CHAINS = (4, 16)   # steps per call of the chained plain-decoding rows
+
+
 def bench_plain_roofline(model, device: str, steps: int, context: int, bandwidth: float,
-                         gpu: GpuPaths = GpuPaths()) -> dict:
+                         gpu: GpuPaths = GpuPaths(), chain: int = 0) -> dict:
     """Plain decoding at batch 1, `steps` tokens after a `context`-token prefix; the median step
     against (weights + KV bytes) / copy bandwidth. Eager: the model's own forward over a KV cache.
     With `gpu.cuda_graphs`: the verifier runner's one-node verify and commit (what the engine
     runs) on the paths of `gpu` (the bench's fast path adds the Triton paged attention), replayed
-    as a CUDA graph."""
+    as a CUDA graph, each step's token read on the host before the next starts ("plain-fast").
+    With `chain` > 0 as well: `NativeRunner.decode_greedy`, `chain` steps per call fed on the
+    device, the host preparing each step while the previous runs (what `VerifierEngine.decode`
+    and the router's multi-step plain rounds run); the step is the median call over `chain`
+    ("plain-chained")."""
     import torch
 
     from spectandem.kv_cache import PagedKVCache
@@ -121,7 +128,9 @@ def bench_plain_roofline(model, device: str, steps: int, context: int, bandwidth
     slot = torch.zeros(1, dtype=torch.long, device=device)
     cache.reserve(0, context + steps)
     times = []
-    if gpu.cuda_graphs:
+    if gpu.cuda_graphs and chain:
+        times = _chained_plain_steps(model, device, steps, context, gpu, chain)
+    elif gpu.cuda_graphs:
         times = _graphed_plain_steps(model, device, steps, context, gpu)
     else:
         with torch.no_grad():
@@ -143,11 +152,12 @@ def bench_plain_roofline(model, device: str, steps: int, context: int, bandwidth
     step = sorted(times)[len(times) // 2]
     kv_bytes = 2 * spec.num_layers * spec.num_kv_heads * spec.head_dim * elem * (context + steps // 2)
     floor = (weight_bytes + kv_bytes) / bandwidth if bandwidth else 0.0
+    mode = f"plain-chained{chain}" if gpu.cuda_graphs and chain else ("plain-fast" if gpu.cuda_graphs else "plain")
     return record(section="llama8b", workload="llama8b", method="none",
-                  mode="plain-fast" if gpu.cuda_graphs else "plain", batch_size=1, tokens=1,
+                  mode=mode, batch_size=1, tokens=1,
                   seconds=step, accept_length=1.0, roofline_fraction=round(floor / step, 3) if floor else None,
                   roofline_ms=round(1000 * floor, 3), weight_bytes=weight_bytes, context=context,
-                  cuda_graphs=gpu.cuda_graphs)
+                  cuda_graphs=gpu.cuda_graphs, chain=chain if gpu.cuda_graphs and chain else None)
 
 
 def _graphed_plain_steps(model, device: str, steps: int, context: int, gpu: GpuPaths) -> list[float]:
@@ -172,6 +182,30 @@ def _graphed_plain_steps(model, device: str, steps: int, context: int, gpu: GpuP
             return int(out[0, 0].argmax())
         tok, dt = timed(step, (device,))
         times.append(dt)
+    runner.release(0)
+    return times
+
+
+def _chained_plain_steps(model, device: str, steps: int, context: int, gpu: GpuPaths, chain: int) -> list[float]:
+    """Per-step seconds of plain decoding through `NativeRunner.decode_greedy`, `chain` steps a
+    call (each call timed from its start until its tokens are on the host, over `chain`)."""
+    import torch
+
+    from verifier.runner import NativeRunner
+
+    runner = NativeRunner(model, None, 1, context + steps + 2 * chain + 1, **gpu.runner_kwargs())
+    v = model.spec.vocab_size
+    logits, _ = runner.prefill([0], [torch.randint(0, v, (context,), generator=torch.Generator().manual_seed(0)).tolist()])
+    tok, n, times = int(logits[0].argmax()), context, []
+    warm, _ = runner.decode_greedy([0], [n], [tok], chain)      # the graph captured, untimed
+    tok, n = int(warm[0, -1]), n + chain
+    while n < context + chain + steps:
+        def call():
+            out, _ = runner.decode_greedy([0], [n], [tok], chain)
+            return out[0].tolist()
+        toks, dt = timed(call, (device,))
+        tok, n = toks[-1], n + chain
+        times.append(dt / chain)
     runner.release(0)
     return times
 

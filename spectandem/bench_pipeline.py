@@ -85,7 +85,8 @@ async def _settle(links, timeout: float = 60.0) -> None:
         await asyncio.sleep(0.005)
 
 
-async def _rows(engines, modes: list[str], batch_sizes: list[int], max_tokens: int, placement: dict) -> list[dict]:
+async def _rows(engines, modes: list[str], batch_sizes: list[int], max_tokens: int, placement: dict,
+                plain_steps: int = 1) -> list[dict]:
     import time
 
     from router.links import LocalDrafterLink, LocalVerifierLink
@@ -103,7 +104,7 @@ async def _rows(engines, modes: list[str], batch_sizes: list[int], max_tokens: i
         router = Router(vlink, None if plain else dlink, tokenizer, RouterConfig(
             max_len=verifier.max_len, eos_token_ids=eos, lookahead=1 if plain else lookahead, want_features=not plain,
             max_running=max(batch_sizes), pipeline="sequential" if plain else mode,
-            draft_sampling_min_temperature=drafter.cfg.draft_sampling_min_temperature))
+            draft_sampling_min_temperature=drafter.cfg.draft_sampling_min_temperature, plain_steps=plain_steps))
         router.start()
         try:
             await _complete(router, prompts[:2], SamplingParams(max_tokens=8, ignore_eos=True))  # warm-up
@@ -133,8 +134,9 @@ async def _rows(engines, modes: list[str], batch_sizes: list[int], max_tokens: i
 
 
 def bench_pipeline(modes: list[str], batch_sizes: list[int], max_tokens: int, device: str, dtype,
-                   gpu: GpuPaths = GpuPaths()) -> list[dict]:
-    """Rows per placement (one device; drafter on cuda:1 where two GPUs exist), mode, batch size."""
+                   gpu: GpuPaths = GpuPaths(), plain_steps: int = 1) -> list[dict]:
+    """Rows per placement (one device; drafter on cuda:1 where two GPUs exist), mode, batch size.
+    `plain_steps`: RouterConfig.plain_steps of every router (multi-step plain rounds)."""
     import torch
 
     placements = [dict(placement="one-device", verifier_device=device, drafter_device=device)]
@@ -143,5 +145,5 @@ def bench_pipeline(modes: list[str], batch_sizes: list[int], max_tokens: int, de
     records = []
     for p in placements:
         engines = demo_engines(max(batch_sizes), dtype, p["verifier_device"], p["drafter_device"], gpu)
-        records += asyncio.run(_rows(engines, modes, batch_sizes, max_tokens, p))
+        records += asyncio.run(_rows(engines, modes, batch_sizes, max_tokens, p, plain_steps))
     return records

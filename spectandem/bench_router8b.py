@@ -4,7 +4,8 @@ speculation can lose: at large batches, a verify of B trees costs more than B pl
 at a low acceptance rate the drafts do not pay for it.
 
 For each placement, acceptance rate and batch size: "plain" (the router without a drafter, the
-baseline; run once, with the first placement), then each speculating mode (`ROUTER8B_MODES`;
+baseline; run once, with the first placement; its rounds decode `plain_steps` tokens a call, as
+serve's --plain-steps, and so do the plain rounds "auto" picks), then each speculating mode (`ROUTER8B_MODES`;
 default "sequential" and "auto"), all requests submitted at once (greedy, ignore_eos) and timed
 until the last token. "auto" first runs the same batch once untimed, so its online measurement
 is done and the timed run shows the mode it keeps (`auto_mode`) and the committed tokens/s it
@@ -99,7 +100,7 @@ class _Setup:
     acceptance_rate: float | None
 
 
-def _setup(runs, acceptance_rate: float | None, mode: str, max_running: int) -> _Setup:
+def _setup(runs, acceptance_rate: float | None, mode: str, max_running: int, plain_steps: int = 1) -> _Setup:
     from drafter.engine import DrafterEngine
     from router.links import LocalDrafterLink, LocalVerifierLink
     from router.scheduler import Router, RouterConfig
@@ -111,7 +112,8 @@ def _setup(runs, acceptance_rate: float | None, mode: str, max_running: int) -> 
     dlink = None if plain else LocalDrafterLink(DrafterEngine(ControlledProposer(runs.inner, plans), runs.cfg))
     router = Router(vlink, dlink, IdsAsText(), RouterConfig(
         max_len=verifier.max_len, eos_token_ids=(), lookahead=1 if plain else runs.lookahead,
-        want_features=not plain, max_running=max_running, pipeline="sequential" if plain else mode))
+        want_features=not plain, max_running=max_running, pipeline="sequential" if plain else mode,
+        plain_steps=plain_steps))
     return _Setup(router, (vlink,) if plain else (vlink, dlink), plans, acceptance_rate)
 
 
@@ -157,7 +159,7 @@ def _record(mode: str, batch_size: int, acceptance_rate: float | None, m: dict, 
 
 
 async def _rows(runs, rates: list[float], modes: list[str], batch_sizes: list[int], placement: dict,
-                plain_tps: dict[int, float]) -> list[dict]:
+                plain_tps: dict[int, float], plain_steps: int = 1) -> list[dict]:
     """Rows of one placement; the plain rows only while `plain_tps` (tokens/s per batch size,
     for the speedups) is empty, which they fill."""
     records, n = [], itertools.count()
@@ -168,7 +170,7 @@ async def _rows(runs, rates: list[float], modes: list[str], batch_sizes: list[in
 
     groups = ([] if plain_tps else [(None, "plain")]) + [(a, mode) for a in rates for mode in modes]
     for a, mode in groups:
-        s = _setup(runs, a, mode, max(batch_sizes))
+        s = _setup(runs, a, mode, max(batch_sizes), plain_steps)
         s.router.start()
         try:
             for b in batch_sizes:       # warm-up: every batch size's graphs captured, the allocator grown
@@ -188,7 +190,7 @@ async def _rows(runs, rates: list[float], modes: list[str], batch_sizes: list[in
 
 
 def bench_router8b(runs, rates: list[float], modes: list[str], batch_sizes: list[int],
-                   drafter_device: str | None = None) -> list[dict]:
+                   drafter_device: str | None = None, plain_steps: int = 1) -> list[dict]:
     """Rows per placement (`runs`'s own; then, given `drafter_device`, the head there:
     `runs.with_drafter_device`), acceptance rate, mode and batch size (plain first, once per
     batch size)."""
@@ -196,7 +198,7 @@ def bench_router8b(runs, rates: list[float], modes: list[str], batch_sizes: list
     placements = [runs] + ([runs.with_drafter_device(drafter_device)] if drafter_device is not None else [])
     records, plain_tps = [], {}
     for r in placements:
-        records += asyncio.run(_rows(r, rates, modes, batch_sizes, r.placement(), plain_tps))
+        records += asyncio.run(_rows(r, rates, modes, batch_sizes, r.placement(), plain_tps, plain_steps))
     _fill_over_verify_alone(records)
     return records
 

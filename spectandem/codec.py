@@ -232,11 +232,11 @@ def verifier_prefill_result_from_msg(msg: engines_pb2.VerifierPrefillResult) -> 
 
 
 def plain_item_to_msg(p: PlainItem) -> engines_pb2.PlainItem:
-    return engines_pb2.PlainItem(tag=tag_to_msg(p.tag), last_token_id=p.last_token_id)
+    return engines_pb2.PlainItem(tag=tag_to_msg(p.tag), last_token_id=p.last_token_id, steps=p.steps)
 
 
 def plain_item_from_msg(msg: engines_pb2.PlainItem) -> PlainItem:
-    return PlainItem(tag_from_msg(msg.tag), msg.last_token_id)
+    return PlainItem(tag_from_msg(msg.tag), msg.last_token_id, max(1, msg.steps))
 
 
 def round_result_to_msg(r: RoundResult) -> engines_pb2.VerifyResultMsg:

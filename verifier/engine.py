@@ -19,7 +19,7 @@ import torch
 from spectandem import rng
 from spectandem.config import SamplingParams
 from spectandem.devices import to_device
-from spectandem.messages import DraftTree, PrefillOutput, StaleMessage, VerifyOutput
+from spectandem.messages import DraftTree, PrefillOutput, StaleMessage, VerifyOutput, root_only_tree
 from spectandem.sampling import greedy, logits_to_probs, sample_from_probs
 from spectandem.kernels.accept import greedy_accept
 from verifier.accept import VerifyResult, verify_greedy, verify_rejection, verify_tree_sampling
@@ -120,6 +120,52 @@ class VerifierEngine:
         return [VerifyOutput(request_id=rid, committed_len=req.committed_len, token_ids=toks, num_accepted=k,
                              num_draft_tokens=d, features=None if picked is None else picked[b, : len(toks)])
                 for b, (rid, req, toks, k, d) in enumerate(zip(tree.request_ids, reqs, tokens, num_acc, num_drafts))]
+
+    def decode(self, request_ids: list[str], committed_lens: list[int], steps: int) -> list[VerifyOutput]:
+        """Plain greedy decoding of `steps` tokens for each request (temperature 0 only), in one
+        call: the tokens `steps` plain rounds would commit, with the host never waiting between
+        steps where the runner can chain them on the device (`NativeRunner.decode_greedy`).
+        committed_lens: the caller's view of each request (as a tree's tags). Features per
+        request: [steps, F], those of each step's input (a plain round's, concatenated)."""
+        if steps < 1:
+            raise ValueError(f"steps must be >= 1, got {steps}")
+        reqs = [self.requests[rid] for rid in request_ids]
+        for rid, req, tag in zip(request_ids, reqs, committed_lens):
+            if tag != req.committed_len:
+                raise StaleMessage(f"decode for {rid!r} was asked at committed length {tag}; the verifier "
+                                   f"is at {req.committed_len}")
+            if not req.params.greedy:
+                raise ValueError(f"request {rid!r}: multi-step decoding is greedy only; its temperature is "
+                                 f"{req.params.temperature}")
+            if req.committed_len - 1 + steps > self.max_len:
+                raise ValueError(f"request {rid!r}: {steps} steps at committed length {req.committed_len} "
+                                 f"exceed the context of {self.max_len}")
+        chain = getattr(self.runner, "decode_greedy", None)
+        if chain is None:   # a runner without the device chain: one plain verify per step
+            return self._decode_by_rounds(request_ids, steps)
+        tokens, feats = chain([r.slot for r in reqs], [r.committed_len - 1 for r in reqs],
+                              [r.token_ids[-1] for r in reqs], steps)
+        rows = tokens.cpu().tolist()           # the only wait for the device
+        for req, toks in zip(reqs, rows):
+            req.token_ids.extend(toks)
+        return [VerifyOutput(request_id=rid, committed_len=req.committed_len, token_ids=toks, num_accepted=0,
+                             num_draft_tokens=0, features=None if feats is None else feats[b])
+                for b, (rid, req, toks) in enumerate(zip(request_ids, reqs, rows))]
+
+    def _decode_by_rounds(self, request_ids: list[str], steps: int) -> list[VerifyOutput]:
+        rounds = []
+        for _ in range(steps):
+            reqs = [self.requests[rid] for rid in request_ids]
+            rounds.append(self.verify(root_only_tree(request_ids, [r.committed_len for r in reqs],
+                                                     [r.token_ids[-1] for r in reqs])))
+        outs = []
+        for b, rid in enumerate(request_ids):
+            per = [r[b] for r in rounds]
+            feats = None if per[0].features is None else torch.cat([o.features for o in per])
+            outs.append(VerifyOutput(request_id=rid, committed_len=per[-1].committed_len,
+                                     token_ids=[t for o in per for t in o.token_ids], num_accepted=0,
+                                     num_draft_tokens=0, features=feats))
+        return outs
 
     def commit(self, request_ids: list[str], accepted_nodes: torch.Tensor, token_ids: list[list[int]]) -> None:
         """Commits a verified round. accepted_nodes [B, N]: request b's accepted path as tree node

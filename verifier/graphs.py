@@ -301,9 +301,12 @@ class VerifyGraphs:
         return batch_bucket(batch, self.batch_buckets) is not None
 
     def run(self, slots: list[int], cache_lens: list[int], token_ids: torch.Tensor, parents: torch.Tensor,
-            node_valid: torch.Tensor, feature_layers: FeatureSpec) -> VerifyStep:
+            node_valid: torch.Tensor, feature_layers: FeatureSpec,
+            device_tokens: torch.Tensor | None = None) -> VerifyStep:
         """The step for B <= max bucket requests (arguments as `NativeRunner.verify`; slots
-        already reserved) -> its first B rows."""
+        already reserved) -> its first B rows. `device_tokens` [B, N] on the device, when given,
+        replaces token_ids in the step's inputs without the host reading it (multi-step decoding
+        feeds each step the previous step's argmax this way)."""
         b, n = token_ids.shape
         rows = batch_bucket(b, self.batch_buckets)
         assert rows is not None, f"batch {b} is past the largest bucket {self.batch_buckets[-1]}"
@@ -317,6 +320,8 @@ class VerifyGraphs:
         if not self.graph:
             if inp is None:
                 inp = tree_inputs_on(flat.to(self.device, non_blocking=True), rows, n, self.cache.host_tables.shape[1])
+            if device_tokens is not None:
+                inp.token_ids[:b].copy_(device_tokens)
             logits, feats = verify_forward(self.model, self.cache, feature_layers, inp)
             return VerifyStep(logits, feats, logits.argmax(-1)).rows(b)
         step = self._captured.get((rows, n, span, feature_layers))
@@ -326,6 +331,8 @@ class VerifyGraphs:
             step.flat.copy_(flat, non_blocking=True)   # the step's inputs, in one copy
         else:
             step.inputs.copy_(inp)
+        if device_tokens is not None:
+            step.inputs.token_ids[:b].copy_(device_tokens)
         step.graph.replay()
         return self._outputs[(rows, n, feature_layers)].rows(b)
 

@@ -102,18 +102,57 @@ class NativeRunner:
         b, n = token_ids.shape
         for slot, c in zip(slots, cache_lens):
             self.cache.reserve(slot, c + n)
+        logits, feats, _ = self._step(slots, cache_lens, token_ids, parents, node_valid)
+        return logits, feats
+
+    def _step(self, slots, cache_lens, token_ids, parents, node_valid, device_tokens=None):
+        """The verify forward on the runner's path (slots reserved) -> (logits, features, argmax
+        [B, N] on the device). `device_tokens` [B, N] (on the device) replaces token_ids."""
+        b, n = token_ids.shape
         if self.batch_invariant:
-            return self._verify_invariant(slots, cache_lens, token_ids, parents, node_valid)
+            toks = token_ids if device_tokens is None else device_tokens
+            logits, feats = self._verify_invariant(slots, cache_lens, toks, parents, node_valid)
+            return logits, feats, logits.argmax(-1)
         if self.graphs is not None and self.graphs.supports(b):
-            step = self.graphs.run(slots, cache_lens, token_ids, parents, node_valid, self.feature_layers)
-            return step.logits, step.features
+            step = self.graphs.run(slots, cache_lens, token_ids, parents, node_valid, self.feature_layers,
+                                   device_tokens)
+            return step.logits, step.features, step.argmax
         # Eagerly: the static-shape step without padding (rows = B; dense: span = max(cache_len) + N).
         if self.triton_attention:
             inp = tree_verify_inputs(self.cache, slots, cache_lens, token_ids, parents, node_valid, b)
         else:
             inp = verify_inputs(self.cache, slots, cache_lens, token_ids, parents, node_valid, b,
                                 max(cache_lens) + n)
-        return verify_forward(self.model, self.cache, self.feature_layers, inp)
+        if device_tokens is not None:
+            inp.token_ids[:b].copy_(device_tokens)
+        logits, feats = verify_forward(self.model, self.cache, self.feature_layers, inp)
+        return logits, feats, logits.argmax(-1)
+
+    @torch.no_grad()
+    def decode_greedy(self, slots: list[int], cache_lens: list[int], last_tokens: list[int], steps: int):
+        """Plain greedy decoding of `steps` tokens per request, each step a one-node verify whose
+        token is the previous step's argmax, fed on the device: the host prepares step s + 1
+        while the device runs step s, and waits only for the caller's read of the result.
+        Request b's KV holds cache_len_b entries and its last committed token is last_tokens[b]
+        (the first step's input). Afterwards each holds cache_len_b + steps entries: every
+        step's input, the last output excluded, as after `steps` verify/commit rounds.
+        -> (tokens [B, steps] int64 on the device, features [B, steps, F] or None: step s's
+        features are those of its input, as a verify's are of its accepted path)."""
+        b = len(slots)
+        for slot, c in zip(slots, cache_lens):
+            self.cache.reserve(slot, c + steps)
+        parents = torch.full((b, 1), -1, dtype=torch.long)
+        valid = torch.ones(b, 1, dtype=torch.bool)
+        placeholder = torch.zeros(b, 1, dtype=torch.long)
+        cur = torch.tensor(last_tokens, dtype=torch.long).view(b, 1).to(self.device, non_blocking=True)
+        tokens, feats = [], []
+        for s in range(steps):
+            _, f, argmax = self._step(slots, [c + s for c in cache_lens], placeholder, parents, valid, cur)
+            cur = argmax                 # graphs: a copy of the step's output; eager: its own
+            tokens.append(cur)
+            feats.append(f)
+        out = torch.cat(tokens, dim=1)
+        return out, (None if feats[0] is None else torch.cat(feats, dim=1))
 
     def _prefill_keys(self, slot_t: torch.Tensor, write: torch.Tensor, real: torch.Tensor) -> InvariantBatch:
         """Prompt token t reads entries 0..t (itself included) through the table: the keys it

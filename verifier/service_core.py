@@ -32,6 +32,12 @@ def verifier_verify(engine, tree: DraftTree | None, tags: list[Tag], plain: list
                     want_features: bool, sender: FeatureSender | None = None) -> list[RoundResult]:
     for t in tags + [p.tag for p in plain]:
         engine.check_tag(t.request_id, t.epoch, t.committed_len)
+    steps = {p.steps for p in plain}
+    if steps - {1}:
+        if tree is not None or len(steps) > 1:
+            raise ValueError(f"plain steps must be 1 in a verify with drafts, and alike for every plain item; "
+                             f"got {sorted(steps)}{' with a tree' if tree is not None else ''}")
+        return _decode(engine, plain, steps.pop(), want_features, sender)
     rows = root_only_tree([p.tag.request_id for p in plain], [p.tag.committed_len for p in plain],
                           [p.last_token_id for p in plain]) if plain else None
     merged = tree if rows is None else (rows if tree is None else concat_trees(tree, rows))
@@ -41,6 +47,15 @@ def verifier_verify(engine, tree: DraftTree | None, tags: list[Tag], plain: list
     return [RoundResult(Tag(o.request_id, epochs[o.request_id], o.committed_len), o.token_ids, o.num_accepted,
                         o.num_draft_tokens, f)
             for o, f in zip(outs, features)]
+
+
+def _decode(engine, plain: list[PlainItem], steps: int, want_features: bool,
+            sender: FeatureSender | None) -> list[RoundResult]:
+    """A round without drafts whose items decode `steps` tokens each (VerifierEngine.decode)."""
+    outs = engine.decode([p.tag.request_id for p in plain], [p.tag.committed_len for p in plain], steps)
+    features = _handles(sender, [o.features if want_features else None for o in outs])
+    return [RoundResult(Tag(p.tag.request_id, p.tag.epoch, o.committed_len), o.token_ids, 0, 0, f)
+            for p, o, f in zip(plain, outs, features)]
 
 
 def verifier_features(engine, tag: Tag):
