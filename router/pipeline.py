@@ -21,13 +21,18 @@ fastest for eight windows, measuring it again as it runs; between keeps it measu
 candidate (in turn) for a window, so a change of the fastest is found at the cost of one window.
 While the same mode stays the fastest, each keep is twice as long as the one before (up to 32
 windows): a settled choice spends about 3% of its rounds measuring the others. Candidates that
-measured under 60% of the fastest are measured again only every fourth time (a window of
-short:1 at batch 64 costs as much as several of plain). Measurements
+measured under 85% of the fastest are measured again only every fourth time (a window of
+short:1 at batch 64 costs as much as several of plain; at batch 64 on the H200, windows of
+sequential at 83% of plain kept between plain's keeps cost 1-3% of plain's throughput). Measurements
 belong to a batch class (the candidates and the nearest power of two of the running requests:
 46 to 90 running are the class of 64, so a batch of 64 stays in it while its last requests
 finish) and survive while the batch is in another class. Ping-pong wins when drafter and
 verifier have devices of their own and loses when they share cores (benchmarks/serving.py);
 short drafts and plain win at large batches where verifying trees costs more than it saves.
+A speculating mode must measure PLAIN_EDGE (5%) faster than plain to be kept over it: near a tie,
+speculation's rounds commit different counts per request, so a closed batch ends in a tail of
+nearly empty rounds that the per-round rate does not see (batch 64 at a = 0.6-0.8 on the H200:
+level rates, plain faster end to end).
 
 `SpeculationSwitch`: when drafts are almost never accepted, drafting only costs time; the router
 then decodes plainly for a number of rounds and tries again.
@@ -42,8 +47,9 @@ from dataclasses import dataclass, field
 log = logging.getLogger("spectandem.router")
 KEEP_WINDOWS = 8          # windows of a keep after the fastest mode changed
 MAX_KEEP_WINDOWS = 32     # ... and at most, while it stays the fastest
-EXPLORE_NEAR = 0.6        # candidates measured at this fraction of the fastest or more are "near"
+EXPLORE_NEAR = 0.85       # candidates measured at this fraction of the fastest or more are "near"
 FAR_EVERY = 4             # every this many ends of a keep, any candidate may be measured again
+PLAIN_EDGE = 1.05         # a speculating mode is kept over plain only when it measured this much faster
 
 
 @dataclass
@@ -140,7 +146,7 @@ class ModeChooser:
         elif s.phase == "keep" and (pick := self._explore_pick(s)) is not None:
             s.start("explore", pick, window)                      # then, between keeps, one other again
         else:                                                     # keep the fastest so far
-            best = max(s.rates, key=s.rates.get)
+            best = max(s.rates, key=lambda m: s.rates[m] * (PLAIN_EDGE if m == "plain" else 1.0))
             s.keep_windows = min(2 * s.keep_windows, MAX_KEEP_WINDOWS) if best == s.kept else KEEP_WINDOWS
             s.kept = best
             s.start("keep", best, window * s.keep_windows)

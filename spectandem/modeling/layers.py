@@ -137,12 +137,21 @@ class GatedMLP(PackedProjections):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.fused and self.packed_weight is not None:
             # One GEMM for gate and up; the product reads both halves of its output in place.
-            gate_up = F.linear(x, self.packed_weight, self.packed_bias)  # [..., 2 * intermediate]
-            return self.down_proj(_fused_kernels().silu_mul_packed(gate_up))
+            gate_up = fast_linear(x, self.packed_weight, self.packed_bias)  # [..., 2 * intermediate]
+            d = self.down_proj
+            return fast_linear(_fused_kernels().silu_mul_packed(gate_up), d.weight, d.bias)
         gate, up = self.gate_proj(x), self.up_proj(x)
         if self.fused:
             return self.down_proj(_fused_kernels().silu_mul(gate, up))
         return self.down_proj(F.silu(gate) * up)
+
+
+def fast_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    """F.linear on the fast path: the skinny GEMM (spectandem/kernels/skinny.py) for CUDA bf16/fp16
+    inputs of at most 16 rows and a weight shape it was measured faster on, cuBLAS otherwise."""
+    from spectandem.kernels.skinny import skinny_linear
+
+    return skinny_linear(x, weight, bias)
 
 
 def _fused_kernels():

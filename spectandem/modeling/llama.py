@@ -18,7 +18,8 @@ from torch import nn
 
 from spectandem.kernels.rotary import rotary
 from spectandem.kv_cache import CacheBatch, PagedKVCache
-from spectandem.modeling.layers import GatedMLP, PackedProjections, RMSNorm, RopeSpec, Rotary, apply_rotary
+from spectandem.modeling.layers import (GatedMLP, PackedProjections, RMSNorm, RopeSpec, Rotary, apply_rotary,
+                                        fast_linear)
 
 NATIVE_ARCHITECTURES = ("LlamaForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM", "MistralForCausalLM")
 
@@ -113,7 +114,7 @@ class Attention(PackedProjections):
         b, t, _ = x.shape
         if self.fused and self.packed_weight is not None:
             # One GEMM; q, k and v are views of its columns: rows of (nh + 2 nkv) * hd, not contiguous.
-            q, k, v = F.linear(x, self.packed_weight, self.packed_bias).split(self.packed_sizes, dim=-1)
+            q, k, v = fast_linear(x, self.packed_weight, self.packed_bias).split(self.packed_sizes, dim=-1)
         else:
             q, k, v = self.q_proj(x), self.k_proj(x), self.v_proj(x)
         q = q.view(b, t, self.num_heads, self.head_dim)
@@ -125,14 +126,14 @@ class Attention(PackedProjections):
         if attend_rotary is not None:   # the paged-tree path: rotary and the K/V write in one launch
             out = attend_rotary(layer, q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), cos, sin, mask,
                                 self.head_dim ** -0.5)
-            return self.o_proj(out)
+            return fast_linear(out, self.o_proj.weight, self.o_proj.bias)
         if self.fused:
             q, k = rotary(q.transpose(1, 2), k.transpose(1, 2), cos, sin)
         else:
             q = apply_rotary(q.transpose(1, 2), cos, sin)
             k = apply_rotary(k.transpose(1, 2), cos, sin)
         out = cache.attend(layer, q, k, v.transpose(1, 2), mask, self.head_dim ** -0.5)
-        return self.o_proj(out)
+        return fast_linear(out, self.o_proj.weight, self.o_proj.bias) if self.fused else self.o_proj(out)
 
 
 class DecoderLayer(nn.Module):
@@ -167,6 +168,8 @@ class LlamaModel(nn.Module):
     stream at the requested HuggingFace hidden-state indices (k = 0: embeddings, k = i + 1:
     after decoder layer i), concatenated in the order given."""
 
+    fast_logits = False  # use_fused_kernels: the LM head through fast_linear
+
     def __init__(self, spec: LlamaSpec):
         super().__init__()
         self.spec = spec
@@ -199,7 +202,10 @@ class LlamaModel(nn.Module):
         return h, aux
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        """hidden [..., H] -> logits [..., V] (float32)."""
+        """hidden [..., H] -> logits [..., V] (float32). On the fast path (use_fused_kernels)
+        through `fast_linear`."""
+        if self.fast_logits:
+            return fast_linear(hidden, self.lm_head.weight, self.lm_head.bias).float()
         return self.lm_head(hidden).float()
 
     def use_fused_kernels(self, enabled: bool = True) -> None:
@@ -213,6 +219,7 @@ class LlamaModel(nn.Module):
         code over those views, as before packing."""
         if enabled:
             self.pack_projections()
+        self.fast_logits = enabled
         for module in self.modules():
             if isinstance(module, (RMSNorm, GatedMLP, Attention)):
                 module.fused = enabled

@@ -124,13 +124,13 @@ def test_between_keeps_one_other_candidate_is_measured_and_a_faster_one_is_kept(
     window that measures it keeps it, for 8 windows."""
     chooser = ModeChooser(_cfg(pipeline="auto"))
     order = ["sequential", "pingpong", "short:1", "short:2", "plain"]
-    rates = {m: 100.0 for m in order} | {"sequential": 150.0}     # every other one near (>= 60%)
+    rates = {m: 130.0 for m in order} | {"sequential": 150.0}     # every other one near (>= 85%)
     chosen = _run(chooser, rates, 15 + 24 + 3 + 48 + 3 + 96 + 3 + 96 + 3, num_running=64)
     assert _windows(chosen[15:]) == [("sequential", 24), ("pingpong", 3), ("sequential", 48), ("short:1", 3),
                                      ("sequential", 96), ("short:2", 3), ("sequential", 96), ("pingpong", 3)]
     rates["plain"] = 300.0            # plain decoding got faster (say, the batch grew)
     chosen = _run(chooser, rates, 96 + 3 + 24 + 3, num_running=64)
-    # measured, then kept: 8 windows, and on (every other one is now under 60% of plain)
+    # measured, then kept: 8 windows, and on (every other one is now under 85% of plain)
     assert _windows(chosen) == [("sequential", 96), ("plain", 3 + 24 + 3)]
     assert chooser.rates["plain"] == 300.0
 
@@ -138,7 +138,8 @@ def test_between_keeps_one_other_candidate_is_measured_and_a_faster_one_is_kept(
 def test_candidates_far_below_the_fastest_are_measured_only_every_fourth_time():
     chooser = ModeChooser(_cfg(pipeline="auto"))
     order = ["sequential", "pingpong", "short:1", "short:2", "plain"]
-    rates = {m: 50.0 for m in order} | {"sequential": 150.0, "pingpong": 100.0}
+    # pingpong near (90%); short drafts and plain far, one of them at 80%: far is under 85%
+    rates = {m: 50.0 for m in order} | {"sequential": 150.0, "pingpong": 135.0, "short:2": 120.0}
     chosen = _run(chooser, rates, 15 + 24 + 48 + 96 * 6 + 8 * 3, num_running=64)
     explored = [m for m, _ in _windows(chosen[15:]) if m != "sequential"]
     assert explored == ["pingpong"] * 7 + ["short:1"]
@@ -163,3 +164,14 @@ def test_a_keep_measures_its_mode_again():
     rates["sequential"] = 120.0       # slower now, still the fastest
     _run(chooser, rates, 24, num_running=64)
     assert chooser.rates["sequential"] == 120.0
+
+
+def test_plain_is_kept_over_a_speculating_mode_it_nearly_ties():
+    """Within PLAIN_EDGE of plain, plain is kept; a clear win keeps the speculating mode."""
+    from router.pipeline import PLAIN_EDGE
+
+    order = ["sequential", "pingpong", "short:1", "short:2", "plain"]
+    near = {m: 50.0 for m in order} | {"plain": 100.0, "sequential": 100.0 * (PLAIN_EDGE - 0.02)}
+    assert set(_run(ModeChooser(_cfg(pipeline="auto")), near, 15 + 24, num_running=64)[15:]) == {"plain"}
+    clear = near | {"sequential": 100.0 * (PLAIN_EDGE + 0.02)}
+    assert set(_run(ModeChooser(_cfg(pipeline="auto")), clear, 15 + 24, num_running=64)[15:]) == {"sequential"}

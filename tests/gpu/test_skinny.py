@@ -1,0 +1,72 @@
+"""The skinny GEMM (spectandem/kernels/skinny.py) on the GPU: within what cuBLAS's own bf16 result
+is of an fp32 reference, on every 8B shape it serves and every row count 1..16; a row's result
+does not depend on the other rows (bit for bit); the bias; the fallback to F.linear (exactly) for
+shapes, dtypes and row counts it does not serve; bad inputs refused."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from spectandem.kernels.skinny import MAX_ROWS, SKINNY_SHAPES, skinny_linear, skinny_linear_triton
+
+pytestmark = pytest.mark.gpu
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _cuda():
+    if not torch.cuda.is_available():
+        pytest.fail("the gpu marker needs a CUDA device")
+
+
+@pytest.mark.parametrize("shape", list(SKINNY_SHAPES))
+def test_close_to_fp32_as_cublas_is(shape):
+    n, k = shape
+    g = torch.Generator(device="cuda").manual_seed(n + k)
+    w = (torch.randn(n, k, device="cuda", generator=g) * 0.02).to(torch.bfloat16)
+    x = torch.randn(MAX_ROWS, k, device="cuda", generator=g).to(torch.bfloat16)
+    ref = x.float() @ w.float().t()
+    full = skinny_linear(x, w, None)
+    for m in (1, 2, 5, 16):
+        got = skinny_linear(x[:m], w, None)
+        assert got.shape == (m, n) and got.dtype == torch.bfloat16
+        err = (got.float() - ref[:m]).abs().max().item()
+        err_cublas = (F.linear(x[:m], w).float() - ref[:m]).abs().max().item()
+        assert err <= 1.5 * err_cublas + 1e-3, (m, err, err_cublas)
+        assert torch.equal(got, full[:m])                     # rows do not interact
+    for i in range(3):
+        assert torch.equal(skinny_linear(x[i: i + 1], w, None), full[i: i + 1])
+
+
+def test_bias_and_leading_dims():
+    n, k = 4096, 4096
+    g = torch.Generator(device="cuda").manual_seed(1)
+    w = (torch.randn(n, k, device="cuda", generator=g) * 0.02).to(torch.bfloat16)
+    b = torch.randn(n, device="cuda", generator=g).to(torch.bfloat16)
+    x = torch.randn(1, 3, k, device="cuda", generator=g).to(torch.bfloat16)
+    got = skinny_linear(x, w, b)
+    assert got.shape == (1, 3, n)
+    ref = x.float() @ w.float().t() + b.float()
+    assert (got.float() - ref).abs().max().item() <= 1.5 * (F.linear(x, w, b).float() - ref).abs().max().item() + 1e-2
+
+
+def test_falls_back_to_cublas_exactly_where_it_does_not_serve():
+    g = torch.Generator(device="cuda").manual_seed(2)
+    w = (torch.randn(4096, 4096, device="cuda", generator=g) * 0.02).to(torch.bfloat16)
+    other = (torch.randn(1000, 4096, device="cuda", generator=g) * 0.02).to(torch.bfloat16)
+    x = torch.randn(MAX_ROWS + 1, 4096, device="cuda", generator=g).to(torch.bfloat16)
+    assert torch.equal(skinny_linear(x, w, None), F.linear(x, w))                  # 17 rows
+    assert torch.equal(skinny_linear(x[:1], other, None), F.linear(x[:1], other))  # a shape not measured
+    assert torch.equal(skinny_linear(x[:1].float(), w.float(), None), F.linear(x[:1].float(), w.float()))  # fp32
+
+
+def test_bad_inputs_are_refused():
+    w = torch.zeros(4096, 4096, device="cuda", dtype=torch.bfloat16)
+    with pytest.raises(ValueError, match="1 to 16 rows, got \\(17, 4096\\)"):
+        skinny_linear_triton(torch.zeros(17, 4096, device="cuda", dtype=torch.bfloat16), w)
+    with pytest.raises(ValueError, match="CUDA bf16 or fp16 of one dtype"):
+        skinny_linear_triton(torch.zeros(1, 4096, device="cuda"), w)
+    with pytest.raises(ValueError, match="weight must be contiguous"):
+        skinny_linear_triton(torch.zeros(1, 4096, device="cuda", dtype=torch.bfloat16), w.t())
+
