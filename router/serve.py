@@ -20,7 +20,6 @@ from spectandem.generate_cli import add_model_flags
 log = logging.getLogger("spectandem.serve")
 
 
-
 def _at_least_one(text: str) -> int:
     try:
         n = int(text)
@@ -29,6 +28,7 @@ def _at_least_one(text: str) -> int:
     if n < 1:
         raise argparse.ArgumentTypeError(f"must be an integer >= 1, got {text!r}")
     return n
+
 
 def add_serve(sub) -> None:
     p = sub.add_parser("serve", help="serve the public gRPC API (the demo pair with no model flags)")

@@ -128,10 +128,8 @@ def bench_plain_roofline(model, device: str, steps: int, context: int, bandwidth
     slot = torch.zeros(1, dtype=torch.long, device=device)
     cache.reserve(0, context + steps)
     times = []
-    if gpu.cuda_graphs and chain:
-        times = _chained_plain_steps(model, device, steps, context, gpu, chain)
-    elif gpu.cuda_graphs:
-        times = _graphed_plain_steps(model, device, steps, context, gpu)
+    if gpu.cuda_graphs:
+        times = _graphed_plain_steps(model, device, steps, context, gpu, chain)
     else:
         with torch.no_grad():
             ids = torch.randint(0, spec.vocab_size, (1, context), generator=torch.Generator().manual_seed(0)).to(device)
@@ -160,35 +158,11 @@ def bench_plain_roofline(model, device: str, steps: int, context: int, bandwidth
                   cuda_graphs=gpu.cuda_graphs, chain=chain if gpu.cuda_graphs and chain else None)
 
 
-def _graphed_plain_steps(model, device: str, steps: int, context: int, gpu: GpuPaths) -> list[float]:
-    """Per-step seconds of plain decoding through NativeRunner on `gpu`'s paths (CUDA graphs on):
-    each step is a one-node verify (the graph, argmax inside) and its commit."""
-    import torch
-
-    from verifier.runner import NativeRunner
-
-    runner = NativeRunner(model, None, 1, context + steps + 1, **gpu.runner_kwargs())
-    v = model.spec.vocab_size
-    logits, _ = runner.prefill([0], [torch.randint(0, v, (context,), generator=torch.Generator().manual_seed(0)).tolist()])
-    tok = int(logits[0].argmax())
-    parents, valid, accepted = torch.tensor([[-1]]), torch.ones(1, 1, dtype=torch.bool), torch.tensor([[0]])
-    times = []
-    for i in range(steps):
-        n = context + i
-
-        def step():
-            out, _ = runner.verify([0], [n], torch.tensor([[tok]]), parents, valid)
-            runner.commit([0], [n], accepted)
-            return int(out[0, 0].argmax())
-        tok, dt = timed(step, (device,))
-        times.append(dt)
-    runner.release(0)
-    return times
-
-
-def _chained_plain_steps(model, device: str, steps: int, context: int, gpu: GpuPaths, chain: int) -> list[float]:
-    """Per-step seconds of plain decoding through `NativeRunner.decode_greedy`, `chain` steps a
-    call (each call timed from its start until its tokens are on the host, over `chain`)."""
+def _graphed_plain_steps(model, device: str, steps: int, context: int, gpu: GpuPaths, chain: int = 0) -> list[float]:
+    """Per-step seconds of plain decoding through NativeRunner on `gpu`'s paths (CUDA graphs on).
+    chain 0: each step a one-node verify (the graph, argmax inside) and its commit, timed alone.
+    chain > 0: `decode_greedy` calls of `chain` steps, each timed from its start until its tokens
+    are on the host, over `chain` (after one untimed call: the graph captured)."""
     import torch
 
     from verifier.runner import NativeRunner
@@ -197,15 +171,22 @@ def _chained_plain_steps(model, device: str, steps: int, context: int, gpu: GpuP
     v = model.spec.vocab_size
     logits, _ = runner.prefill([0], [torch.randint(0, v, (context,), generator=torch.Generator().manual_seed(0)).tolist()])
     tok, n, times = int(logits[0].argmax()), context, []
-    warm, _ = runner.decode_greedy([0], [n], [tok], chain)      # the graph captured, untimed
-    tok, n = int(warm[0, -1]), n + chain
-    while n < context + chain + steps:
-        def call():
+    parents, valid, accepted = torch.tensor([[-1]]), torch.ones(1, 1, dtype=torch.bool), torch.tensor([[0]])
+
+    def step() -> list[int]:
+        if chain:
             out, _ = runner.decode_greedy([0], [n], [tok], chain)
             return out[0].tolist()
-        toks, dt = timed(call, (device,))
-        tok, n = toks[-1], n + chain
-        times.append(dt / chain)
+        out, _ = runner.verify([0], [n], torch.tensor([[tok]]), parents, valid)
+        runner.commit([0], [n], accepted)
+        return [int(out[0, 0].argmax())]
+    if chain:
+        tok, n = step()[-1], n + chain
+    end = n + steps
+    while n < end:
+        toks, dt = timed(step, (device,))
+        tok, n = toks[-1], n + len(toks)
+        times.append(dt / len(toks))
     runner.release(0)
     return times
 

@@ -126,13 +126,13 @@ class Attention(PackedProjections):
         if attend_rotary is not None:   # the paged-tree path: rotary and the K/V write in one launch
             out = attend_rotary(layer, q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), cos, sin, mask,
                                 self.head_dim ** -0.5)
-            return fast_linear(out, self.o_proj.weight, self.o_proj.bias)
-        if self.fused:
-            q, k = rotary(q.transpose(1, 2), k.transpose(1, 2), cos, sin)
         else:
-            q = apply_rotary(q.transpose(1, 2), cos, sin)
-            k = apply_rotary(k.transpose(1, 2), cos, sin)
-        out = cache.attend(layer, q, k, v.transpose(1, 2), mask, self.head_dim ** -0.5)
+            if self.fused:
+                q, k = rotary(q.transpose(1, 2), k.transpose(1, 2), cos, sin)
+            else:
+                q = apply_rotary(q.transpose(1, 2), cos, sin)
+                k = apply_rotary(k.transpose(1, 2), cos, sin)
+            out = cache.attend(layer, q, k, v.transpose(1, 2), mask, self.head_dim ** -0.5)
         return fast_linear(out, self.o_proj.weight, self.o_proj.bias) if self.fused else self.o_proj(out)
 
 
