@@ -167,7 +167,7 @@ def add_bench(sub) -> None:
                    help="router pipeline modes (those RouterConfig rejects are skipped)")
     p.add_argument("--pipeline-batch-sizes", default="4,16,64")
     p.add_argument("--router8b-modes", default="sequential,auto",
-                   help="router8b: modes besides plain, from sequential, pingpong, auto")
+                   help="router8b: modes besides plain, from sequential, ahead, pingpong, auto")
     p.add_argument("--router8b-batch-sizes", default="16,64", help="router8b: batch sizes")
     p.add_argument("--plain-steps", type=int, default=4,
                    help="the routers' multi-step plain rounds (pipeline, router8b sections), as serve's --plain-steps")
@@ -219,7 +219,8 @@ def _llama8b(plan: BenchPlan, args, bandwidth: float) -> tuple[list[dict], dict 
             from spectandem.bench_router8b import bench_router8b
 
             records += bench_router8b(runs, list(plan.acceptance_rates), list(plan.router8b_modes),
-                                      list(plan.router8b_batch_sizes), plan.router8b_drafter_device, args.plain_steps)
+                                      list(plan.router8b_batch_sizes), plan.router8b_drafter_device, args.plain_steps,
+                                      verify)
     for r in records:
         r["scale"] = args.llama8b_scale
     return records, verify
@@ -269,6 +270,11 @@ def _note(r: dict) -> str:
         notes.append(f"speedup {r['speedup']:.2f}x{expect}")
     if r.get("measured_over_ideal") is not None:
         notes.append(f"{r['measured_over_ideal']:.2f} of ideal {r['ideal_tokens_per_s']}/s")
+    if r.get("decode_over_ideal") is not None:
+        notes.append(f"decode {r['decode_over_ideal']:.2f} of ideal")
+    if r.get("ahead_hits") or r.get("ahead_misses"):
+        n = r["ahead_hits"] + r["ahead_misses"]
+        notes.append(f"ahead hits {r['ahead_hits'] / n:.2f} (expect {r['expected_ahead_hit_rate']})")
     if r.get("matches_plain") is False:
         notes.append("OUTPUT DIFFERS FROM PLAIN")
     if r.get("rounds_per_s") is not None:

@@ -15,10 +15,21 @@ Glossary:
 `ControlledProposer` wraps a real EAGLE proposer: catch-up and proposal run the real head (the
 drafting cost is real), then the proposed chain's tokens are replaced by the planned drafts.
 Greedy verification keeps the output exactly the target's greedy output.
+
+Draft ahead (drafter/engine.py: while a round is verified, the drafter drafts the next round for
+its likeliest outcomes) needs the drafter's ranking of the tokens at a position, not only its
+first choice. The controlled drafter's ranking at position p: first its draft, drafts[p], then
+its second guess, seconds[p], which is drawn like the first: where the first guess is wrong, the
+second is the truth with probability a, and another token otherwise (never the first guess). An
+outcome cache that holds one tree per accept length (the correction at a wrong draft being the
+second guess, the bonus after a fully accepted chain the next position's first guess) then hits
+with probability a^(M+1) + (1 - a^M) * a. The forks of draft ahead run the real head (absorbing
+their paths, the log-probabilities, the trees), so the cost of drafting ahead is real too.
 """
 
 from __future__ import annotations
 
+import math
 import random
 from dataclasses import dataclass
 
@@ -31,6 +42,8 @@ class DraftPlan:
 
     truth: tuple[int, ...]     # prompt + the target's greedy continuation
     drafts: tuple[int, ...]    # same length; equal to truth over the prompt
+    seconds: tuple[int, ...] = ()   # the second guess per position (draft ahead), never drafts[p]
+    rate: float = 1.0               # the acceptance rate a the plan was drawn at
 
 
 def plan_drafts(truth: list[int], prompt_len: int, acceptance_rate: float, vocab_size: int, seed: str) -> DraftPlan:
@@ -43,12 +56,34 @@ def plan_drafts(truth: list[int], prompt_len: int, acceptance_rate: float, vocab
     for p in range(prompt_len, len(truth)):
         if rng.random() >= acceptance_rate:
             drafts[p] = (truth[p] + 1 + rng.randrange(vocab_size - 1)) % vocab_size   # never truth[p]
-    return DraftPlan(tuple(truth), tuple(drafts))
+    # Second guesses from a stream of their own: the drafts of a seed stay those of earlier runs.
+    rng2 = random.Random(seed + ":second")
+    seconds = list(drafts)
+    for p in range(prompt_len, len(truth)):
+        right = drafts[p] != truth[p] and rng2.random() < acceptance_rate
+        seconds[p] = truth[p] if right else _other(rng2, vocab_size, {truth[p], drafts[p]})
+    return DraftPlan(tuple(truth), tuple(drafts), tuple(seconds), acceptance_rate)
+
+
+def _other(rng: random.Random, vocab_size: int, avoid: set[int]) -> int:
+    """A token of the vocabulary outside `avoid` (at most 2 tokens; the vocabulary has more)."""
+    while True:
+        t = rng.randrange(vocab_size)
+        if t not in avoid:
+            return t
 
 
 def expected_accept_length(acceptance_rate: float, num_drafts: int) -> float:
     """1 + a + ... + a^M for a chain of M drafts with per-position acceptance rate a."""
     return sum(acceptance_rate ** i for i in range(num_drafts + 1))
+
+
+def expected_ahead_hit_rate(acceptance_rate: float, num_drafts: int) -> float:
+    """The chance that a round's outcome is in an outcome cache holding every accept length's
+    best guess (module docstring): the whole chain and the next first guess right, or a wrong
+    draft whose second guess is right."""
+    a = acceptance_rate
+    return a ** (num_drafts + 1) + (1 - a ** num_drafts) * a
 
 
 class ControlledProposer:
@@ -59,15 +94,20 @@ class ControlledProposer:
     plain pass and verification) are listed in `diverged`: their acceptance is no longer the
     planned one."""
 
-    supports_ahead = False   # draft-ahead forks have no plan
-
-    def __init__(self, inner, plans: dict[str, DraftPlan]):
+    def __init__(self, inner, plans: dict[str, DraftPlan], ahead: bool = True):
+        """`ahead`: draft ahead (when `inner` can) with the plan's guesses (module docstring)."""
         if inner.cfg.topk != 1:
             raise ValueError(f"controlled acceptance drafts chains (topk 1), got topk {inner.cfg.topk}")
         self.inner, self.plans = inner, plans
         self.cfg = inner.cfg
         self.feature_layers = inner.feature_layers
         self.diverged: set[str] = set()
+        self.supports_ahead = ahead and getattr(inner, "supports_ahead", False)
+        self._fork_len: dict[str, int] = {}   # draft-ahead fork -> its committed length
+
+    def _plan(self, request_id: str) -> DraftPlan:
+        """A request's plan; a draft-ahead fork ("<request>\x1f...", drafter/engine.py) has its request's."""
+        return self.plans[request_id.split("\x1f", 1)[0]]
 
     def catch_up(self, reqs, num_new, features):
         self.inner.catch_up(reqs, num_new, features)
@@ -84,7 +124,7 @@ class ControlledProposer:
         rows = []
         for r in reqs:
             # Draft node j (depth j + 1) is the draft for position committed_len + j.
-            drafts = self.plans[r.request_id].drafts
+            drafts = self._plan(r.request_id).drafts
             n = r.committed_len
             assert n + m <= len(drafts), f"{r.request_id}: plan of {len(drafts)} positions, drafting to {n + m}"
             rows.append(drafts[n: n + m])
@@ -92,8 +132,34 @@ class ControlledProposer:
         tree.token_ids = torch.where(tree.token_ids >= 0, planned, tree.token_ids)
         return tree
 
+    # Draft ahead: the forks are the inner proposer's; only the ranking is the plan's.
+    def ahead_fork(self, src_id, dst_id):
+        self.inner.ahead_fork(src_id, dst_id)
+
+    def ahead_absorb(self, reqs, num_new):
+        self.inner.ahead_absorb(reqs, num_new)
+        for r in reqs:
+            self._fork_len[r.request_id] = r.committed_len
+
+    def ahead_logprobs(self, request_ids):
+        """[len(request_ids), V]: each fork's log-probabilities for the position it predicts (its
+        committed length), from the plan: the first guess a, the second (1 - a) a (the chance that
+        it is the target's token), every other token 0. An outcome's score (drafter/engine.py) is
+        then the log of its probability. The real head's log-probabilities are computed and
+        dropped: their cost is drafting ahead's."""
+        real = self.inner.ahead_logprobs(request_ids).float().cpu()   # the real path's copy too
+        out = torch.full_like(real, float("-inf"))
+        log = lambda x: math.log(x) if x > 0 else float("-inf")
+        for i, fid in enumerate(request_ids):
+            plan, p = self._plan(fid), self._fork_len[fid]
+            if p < len(plan.drafts):
+                out[i, plan.seconds[p]] = log((1 - plan.rate) * plan.rate)
+                out[i, plan.drafts[p]] = log(plan.rate)
+        return out
+
     def kv_stats(self) -> dict:
         return self.inner.kv_stats()
 
     def remove(self, request_id):
+        self._fork_len.pop(request_id, None)
         self.inner.remove(request_id)

@@ -249,9 +249,13 @@ class ControlledRuns:
         self.device, self.drafter_device, self.gpu = device, drafter_device or device, gpu
         self.seed, self.vocab_size = seed, v
         self.num_prompts, self.prompt_len, self.max_tokens = num_prompts, prompt_len, max_tokens
-        self.cfg = SpecConfig(method="eagle3", num_steps=num_steps, topk=1, num_draft_tokens=num_steps + 1)
+        # Draft ahead caches one tree per accept length (0..num_steps): the controlled drafter's
+        # best guess for each (spectandem/bench_controlled.py).
+        self.cfg = SpecConfig(method="eagle3", num_steps=num_steps, topk=1, num_draft_tokens=num_steps + 1,
+                              ahead_width=num_steps + 1)
         self.lookahead = self.cfg.max_draft_nodes + 1       # a chain round writes its root and drafts
-        truth_len = max_tokens + num_steps + 1          # drafts may reach num_steps past the last token
+        # Drafts may reach num_steps past the last token, and trees drafted ahead one round further.
+        truth_len = max_tokens + 2 * (num_steps + 1)
         self.max_len = prompt_len + truth_len + self.lookahead
         self.inner = self._proposer(head)
         self.plain = VerifierEngine(NativeRunner(model, None, self.max_slots, self.max_len, **gpu.runner_kwargs()),

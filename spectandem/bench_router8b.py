@@ -11,8 +11,14 @@ until the last token. "auto" first runs the same batch once untimed, so its onli
 is done and the timed run shows the mode it keeps (`auto_mode`) and the committed tokens/s it
 measured per candidate at the batch's size (`auto_rates`). Before any timing, each mode runs
 every batch size once untimed (CUDA graphs of each size captured). Every row checks that its
-tokens are the target's own greedy continuation (`matches_plain`). "ahead" is not offered: the
-controlled proposer has no plan for draft-ahead forks (`ControlledProposer.supports_ahead`).
+tokens are the target's own greedy continuation (`matches_plain`). "ahead" drafts ahead with the
+controlled drafter's guesses (spectandem/bench_controlled.py): its rows give the outcome cache's
+hits and misses (`ahead_hits`, `ahead_misses`; expected hit rate `expected_ahead_hit_rate`).
+
+At batch 1, given the verify forward's time (`verify_forward_times`, a chain of num_steps + 1
+nodes), each speculating row also gives the issue's ideal: `ideal_tokens_per_s` = accept_length /
+that time, `measured_over_ideal` = tokens_per_s over it, and the same for the decode phase alone
+(`decode_over_ideal`: tokens over the wall time less the prefills, the verifier's and the drafter's).
 
 Placements (`placement`, with `verifier_device` and `drafter_device`): "one-device", the target
 and the EAGLE-3 head on one device; "drafter-own-gpu" (given a drafter device), the head copied
@@ -47,19 +53,18 @@ import dataclasses
 import itertools
 import time
 
-from spectandem.bench_controlled import ControlledProposer, plan_drafts
+from spectandem.bench_controlled import ControlledProposer, expected_ahead_hit_rate, plan_drafts
 from spectandem.bench_pipeline import _settle
 from spectandem.bench_records import record, sync
 
-ROUTER8B_MODES = ("sequential", "pingpong", "auto")   # besides plain, which always runs
+ROUTER8B_MODES = ("sequential", "ahead", "pingpong", "auto")   # besides plain, which always runs
 
 
 def check_modes(modes: list[str], what: str = "router8b modes") -> None:
     bad = [m for m in modes if m not in ROUTER8B_MODES]
     if bad or not modes:
         raise ValueError(f"{what}: unknown {bad or modes}; choose from {', '.join(ROUTER8B_MODES)} "
-                         "(plain always runs; \"ahead\" needs a proposer that drafts ahead, and the controlled "
-                         "proposer does not)")
+                         "(plain always runs)")
 
 
 class IdsAsText:
@@ -141,11 +146,26 @@ async def _timed(s: _Setup, runs, ids: list[str], indices: list[int]) -> dict:
             "rates": {k: round(v, 1) for k, v in router._modes.rates_for(len(ids)).items()}}
 
 
-def _record(mode: str, batch_size: int, acceptance_rate: float | None, m: dict, placement: dict) -> dict:
+def _record(mode: str, batch_size: int, acceptance_rate: float | None, m: dict, placement: dict,
+            num_steps: int, verify: dict | None = None) -> dict:
     c, dt = m["counters"], m["seconds"]
     drafts = c["num_drafts"]
     verify_s, prefill_s = m["busy"][0].get("verify", 0.0), m["busy"][0].get("prefill", 0.0)
     plain = acceptance_rate is None
+    r = _base_record(mode, batch_size, acceptance_rate, m, placement, c, dt, drafts, verify_s, prefill_s, plain)
+    if not plain:
+        r.update(ahead_hits=c["draft_ahead_hits"], ahead_misses=c["draft_ahead_misses"],
+                 expected_ahead_hit_rate=round(expected_ahead_hit_rate(acceptance_rate, num_steps), 3))
+    if not plain and batch_size == 1 and verify and drafts:
+        ideal = r["accept_length"] / (verify["chain_ms"] / 1000)
+        decode_s = dt - prefill_s - m["busy"][1].get("prefill", 0.0)
+        r.update(ideal_tokens_per_s=round(ideal, 1), measured_over_ideal=round(r["tokens_per_s"] / ideal, 3),
+                 decode_tokens_per_s=round(m["tokens"] / decode_s, 1),
+                 decode_over_ideal=round(m["tokens"] / decode_s / ideal, 3))
+    return r
+
+
+def _base_record(mode, batch_size, acceptance_rate, m, placement, c, dt, drafts, verify_s, prefill_s, plain) -> dict:
     return record(section="router8b", workload="llama8b", method="none" if plain else "eagle3-controlled",
                   mode=mode, batch_size=batch_size, acceptance_rate=acceptance_rate, tokens=m["tokens"], seconds=dt,
                   wall_s=round(dt, 4),
@@ -159,7 +179,7 @@ def _record(mode: str, batch_size: int, acceptance_rate: float | None, m: dict, 
 
 
 async def _rows(runs, rates: list[float], modes: list[str], batch_sizes: list[int], placement: dict,
-                plain_tps: dict[int, float], plain_steps: int = 1) -> list[dict]:
+                plain_tps: dict[int, float], plain_steps: int = 1, verify: dict | None = None) -> list[dict]:
     """Rows of one placement; the plain rows only while `plain_tps` (tokens/s per batch size,
     for the speedups) is empty, which they fill."""
     records, n = [], itertools.count()
@@ -178,7 +198,7 @@ async def _rows(runs, rates: list[float], modes: list[str], batch_sizes: list[in
             for b in batch_sizes:
                 if mode == "auto":
                     await _timed(s, runs, *ids_for(b))                   # the online measurement
-                r = _record(mode, b, a, await _timed(s, runs, *ids_for(b)), placement)
+                r = _record(mode, b, a, await _timed(s, runs, *ids_for(b)), placement, runs.cfg.num_steps, verify)
                 if a is None:
                     plain_tps[b] = r["tokens_per_s"]
                 else:
@@ -190,15 +210,16 @@ async def _rows(runs, rates: list[float], modes: list[str], batch_sizes: list[in
 
 
 def bench_router8b(runs, rates: list[float], modes: list[str], batch_sizes: list[int],
-                   drafter_device: str | None = None, plain_steps: int = 1) -> list[dict]:
+                   drafter_device: str | None = None, plain_steps: int = 1, verify: dict | None = None) -> list[dict]:
     """Rows per placement (`runs`'s own; then, given `drafter_device`, the head there:
     `runs.with_drafter_device`), acceptance rate, mode and batch size (plain first, once per
-    batch size)."""
+    batch size). `verify`: the verify forward's times (`verify_forward_times`), for the batch-1
+    rows' fraction of the ideal."""
     check_modes(modes)
     placements = [runs] + ([runs.with_drafter_device(drafter_device)] if drafter_device is not None else [])
     records, plain_tps = [], {}
     for r in placements:
-        records += asyncio.run(_rows(r, rates, modes, batch_sizes, r.placement(), plain_tps, plain_steps))
+        records += asyncio.run(_rows(r, rates, modes, batch_sizes, r.placement(), plain_tps, plain_steps, verify))
     _fill_over_verify_alone(records)
     return records
 

@@ -33,7 +33,14 @@ def _serve_one(s, runs) -> None:
 
 
 def test_a_drafter_that_never_drafts_ahead_loses_the_ahead_candidate(runs):
-    s = br._setup(runs, 0.8, "auto", 1)           # the controlled proposer does not draft ahead
+    from drafter.engine import DrafterEngine
+    from router.links import LocalDrafterLink
+    from spectandem.bench_controlled import ControlledProposer
+
+    s = br._setup(runs, 0.8, "auto", 1)
+    # A controlled proposer told not to draft ahead: its draft_ahead replies are all None.
+    s.router.drafter = LocalDrafterLink(DrafterEngine(ControlledProposer(runs.inner, s.plans, ahead=False), runs.cfg))
+    s.links = (s.links[0], s.router.drafter)
     assert "ahead" in s.router._modes.candidates(1)
     _serve_one(s, runs)
     assert s.router.counters.draft_ahead_hits == s.router.counters.draft_ahead_misses == 0

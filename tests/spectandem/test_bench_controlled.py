@@ -1,12 +1,14 @@
 """The benchmark's controlled-acceptance drafts: the plan, and the proposer that swaps them into
 a real proposer's chains (spectandem/bench_controlled.py)."""
 
+import math
+
 import pytest
 import torch
 
 from drafter.proposers import DraftRequest
 from drafter.tree import TreeDraft
-from spectandem.bench_controlled import ControlledProposer, expected_accept_length, plan_drafts
+from spectandem.bench_controlled import ControlledProposer, expected_accept_length, expected_ahead_hit_rate, plan_drafts
 from spectandem.config import SamplingParams, SpecConfig
 
 VOCAB = 50
@@ -90,3 +92,64 @@ def test_proposer_refuses_trees_and_sampled_drafts():
                            {"a": plan_drafts(list(range(20)), 4, 1.0, VOCAB, "a")})
     with pytest.raises(ValueError, match="deterministic drafts"):
         p.propose([_req("a", range(6), temperature=1.0)])
+
+
+def test_second_guesses_are_right_at_the_rate_where_the_first_is_wrong():
+    truth = [i % VOCAB for i in range(20000)]
+    plan = plan_drafts(truth, 10, 0.7, VOCAB, "s")
+    assert plan.rate == 0.7 and len(plan.seconds) == len(truth)
+    assert all(s != d for s, d in zip(plan.seconds[10:], plan.drafts[10:]))
+    wrong = [p for p in range(10, len(truth)) if plan.drafts[p] != truth[p]]
+    right2 = sum(plan.seconds[p] == truth[p] for p in wrong) / len(wrong)
+    assert 0.67 < right2 < 0.73
+    # A right first guess leaves the second wrong (it is never the first).
+    assert all(plan.seconds[p] != truth[p] for p in range(10, len(truth)) if p not in set(wrong))
+    # The drafts are those of the plan before second guesses existed (their own random stream).
+    import random
+    rng, old = random.Random("s"), list(truth)
+    for p in range(10, len(truth)):
+        if rng.random() >= 0.7:
+            old[p] = (truth[p] + 1 + rng.randrange(VOCAB - 1)) % VOCAB
+    assert plan.drafts == tuple(old)
+
+
+def test_expected_ahead_hit_rate():
+    assert expected_ahead_hit_rate(0.8, 4) == pytest.approx(0.8 ** 5 + (1 - 0.8 ** 4) * 0.8)
+    assert expected_ahead_hit_rate(1.0, 4) == 1.0 and expected_ahead_hit_rate(0.0, 4) == 0.0
+
+
+class _AheadScripted(_ScriptedProposer):
+    supports_ahead = True
+
+    def ahead_fork(self, src, dst):
+        self.calls.append(("fork", src, dst))
+
+    def ahead_absorb(self, reqs, num_new):
+        self.calls.append(("absorb", [r.request_id for r in reqs], list(num_new)))
+
+    def ahead_logprobs(self, request_ids):
+        self.calls.append(("logprobs", list(request_ids)))
+        return torch.zeros(len(request_ids), VOCAB)
+
+
+def test_forks_rank_the_plans_first_then_second_guess():
+    cfg = SpecConfig(method="eagle3", num_steps=3, topk=1, num_draft_tokens=4)
+    truth = list(range(10, 40))
+    plan = plan_drafts(truth, 4, 0.6, VOCAB, "a")
+    p = ControlledProposer(_AheadScripted(cfg), {"a": plan})
+    assert p.supports_ahead and not ControlledProposer(_AheadScripted(cfg), {}, ahead=False).supports_ahead
+    assert not ControlledProposer(_ScriptedProposer(cfg), {}).supports_ahead     # inner cannot
+    forks = [_req("a\x1fahead0", truth[:6]), _req("a\x1fahead2", truth[:6] + list(plan.drafts[6:8]))]
+    p.ahead_fork("a", forks[0].request_id)
+    p.ahead_absorb(forks, [0, 2])
+    lp = p.ahead_logprobs([f.request_id for f in forks])
+    for row, pos in zip(lp, (6, 8)):   # a fork predicts the position of its committed length
+        finite = {int(t) for t in torch.nonzero(row > float("-inf")).flatten()}
+        assert finite == {plan.drafts[pos], plan.seconds[pos]}
+        assert row[plan.drafts[pos]] == pytest.approx(math.log(0.6))
+        assert row[plan.seconds[pos]] == pytest.approx(math.log(0.4 * 0.6))
+    assert ("logprobs", [f.request_id for f in forks]) in p.inner.calls    # the real head's cost is paid
+    # A fork drafts its request's plan from its own committed length.
+    assert p.propose([forks[1]]).token_ids[0].tolist() == list(plan.drafts[8:11])
+    p.remove(forks[1].request_id)
+    assert forks[1].request_id not in p._fork_len

@@ -75,7 +75,8 @@ def test_router8b_flags():
     assert plan.router8b_modes == ("sequential", "pingpong", "auto") and plan.router8b_batch_sizes == (4, 8)
     assert plan.router8b_drafter_device is None            # auto: no second GPU here
     assert _plan("--router8b-drafter-device", "none").router8b_drafter_device is None
-    with pytest.raises(ValueError, match="ahead"):
-        _plan("--router8b-modes", "sequential,ahead")
+    assert _plan("--router8b-modes", "sequential,ahead").router8b_modes == ("sequential", "ahead")
+    with pytest.raises(ValueError, match="unknown.*short:1"):
+        _plan("--router8b-modes", "sequential,short:1")
     with pytest.raises(ValueError, match="--router8b-drafter-device"):
         _plan("--router8b-drafter-device", "cuda:1")
