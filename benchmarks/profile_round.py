@@ -13,6 +13,10 @@ of the same prompts for comparison.
 
     python benchmarks/profile_round.py [--rate 0.8] [--steps 4] [--max-tokens 96] [--top 15]
     python benchmarks/profile_round.py --workload demo --batch 4
+    python benchmarks/profile_round.py --ahead     # each round also drafts ahead (drafter/engine.py)
+
+With --ahead, each round also runs DrafterEngine.draft_ahead (what the router overlaps with the
+verify), timed as "ahead", with the proposer calls inside it timed on their own.
 """
 
 from __future__ import annotations
@@ -74,6 +78,7 @@ def main() -> None:
     ap.add_argument("--scale", choices=("full", "tiny"), default="full", help="tiny: a smoke test on the CPU")
     ap.add_argument("--workload", choices=("llama8b", "demo"), default="llama8b")
     ap.add_argument("--batch", type=int, default=None, help="prompts at once (default: 1 for llama8b, 4 for demo)")
+    ap.add_argument("--ahead", action="store_true", help="llama8b: draft ahead every round")
     args = ap.parse_args()
     if args.batch is None:
         args.batch = 4 if args.workload == "demo" else 1
@@ -90,9 +95,10 @@ def main() -> None:
     def once(tag: str):
         ids = [f"{tag}-{i}" for i in range(b)]
         drafter = DrafterEngine(ControlledProposer(runs.inner, dict(zip(ids, plans))), runs.cfg)
-        return generate(runs.verifier, drafter, runs.prompts, [runs.params] * b, (), runs.lookahead, ids)[0]
+        return generate(runs.verifier, drafter, runs.prompts, [runs.params] * b, (), runs.lookahead, ids,
+                        ahead=args.ahead)[0]
 
-    report(once, device, args.rate, args.steps, args.top)
+    report(once, device, args.rate, args.steps, args.top, args.ahead)
 
 
 def demo(args) -> None:
@@ -122,13 +128,20 @@ def demo(args) -> None:
            None, args.steps, args.top)
 
 
-def report(once, device: str, rate, steps: int, top: int) -> None:
+def report(once, device: str, rate, steps: int, top: int, ahead: bool = False) -> None:
     """Times `once(tag)` (a generation whose completion it returns) part by part, then profiles it."""
+    from drafter.proposers import EagleProposer
+
     once("warm")
     timers = Timers()
     timers.wrap(VerifierEngine, "verify", "verify")
     timers.wrap(DrafterEngine, "draft", "draft")
     timers.wrap(DrafterEngine, "extend", "extend")
+    inside = ("ahead_fork", "ahead_absorb", "ahead_logprobs", "propose", "catch_up")
+    if ahead:
+        timers.wrap(DrafterEngine, "draft_ahead", "ahead")
+        for name in inside:
+            timers.wrap(EagleProposer, name, "  " + name)
     _sync()
     t0 = time.perf_counter()
     out = once("timed")
@@ -139,10 +152,16 @@ def report(once, device: str, rate, steps: int, top: int) -> None:
     print(f"a = {rate}, chain of {steps}: {len(out.token_ids)} tokens in {rounds} rounds, "
           f"accept length {len(out.token_ids) / rounds:.2f}, {total / len(out.token_ids):.2f} ms/token")
     print(f"{'part':<8} {'ms/round':>9}")
-    for label in ("verify", "draft", "extend"):
+    parts = ("verify", "draft", "extend") + (("ahead",) if ahead else ())
+    for label in parts:
         print(f"{label:<8} {timers.ms[label] / rounds:9.3f}")
-    print(f"{'other':<8} {(total - sum(timers.ms.values())) / rounds:9.3f}")
+    print(f"{'other':<8} {(total - sum(timers.ms[k] for k in parts)) / rounds:9.3f}")
     print(f"{'round':<8} {total / rounds:9.3f}")
+    if ahead:
+        print("proposer calls (inside draft, extend and ahead), ms/round and calls/round:")
+        for name in inside:
+            k = "  " + name
+            print(f"  {name:<16} {timers.ms[k] / rounds:9.3f} {timers.calls[k] / rounds:6.1f}")
 
     # Unsynchronized wall time (what the bench measures) and the kernels of the whole loop.
     t0 = time.perf_counter()

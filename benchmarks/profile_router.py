@@ -112,9 +112,10 @@ def _top(prof: cProfile.Profile, n: int) -> str:
     return "\n".join(lines[start:])
 
 
-async def _profile(runs, setup: str, rate: float, batch: int, top: int) -> str:
+async def _profile(runs, setup: str, rate: float, batch: int, top: int, plain_steps: int = 1,
+                   clean: int = 0) -> str:
     forced = {"spec-plain": "plain", "sequential": "sequential"}.get(setup)
-    s = br._setup(runs, None if setup == "plain" else rate, "sequential", batch)
+    s = br._setup(runs, None if setup == "plain" else rate, "sequential", batch, plain_steps)
     if forced is not None:   # hold the mode: this router's chooser answers `forced` from now on
         s.router._modes.choose = lambda num_running, drafter_up: forced
     shared = sys.version_info >= (3, 12)      # one profiler sees every thread
@@ -139,6 +140,13 @@ async def _profile(runs, setup: str, rate: float, batch: int, top: int) -> str:
     try:
         # (a time limit: a failing round leaves its requests waiting, and the run must end)
         await asyncio.wait_for(br._timed(s, runs, *ids()), 300)     # warm: graphs captured, allocator grown
+        plain_rows = []
+        for _ in range(clean):   # without any profiler: wall and busy seconds of whole batches
+            c = await asyncio.wait_for(br._timed(s, runs, *ids()), 300)
+            busy = {f"{link}.{k}": round(1000 * v, 1) for link, d in zip(("verifier", "drafter"), c["busy"])
+                    for k, v in sorted(d.items()) if v}
+            plain_rows.append(f"   clean: {c['tokens'] / c['seconds']:.0f} tokens/s, {1000 * c['seconds']:.1f} ms, "
+                              f"{c['counters']['rounds']} rounds, busy ms {busy}")
         loop_prof = cProfile.Profile()
         calls["on"] = timers.on = True
         loop_prof.enable()
@@ -156,7 +164,7 @@ async def _profile(runs, setup: str, rate: float, batch: int, top: int) -> str:
                      for k, v in sorted(d.items()) if v)
     head = (f"== {setup}: {m['tokens']} tokens in {m['seconds']:.3f} s, {m['tokens'] / m['seconds']:.0f} tokens/s, "
             f"{rounds} rounds, {1000 * m['seconds'] / rounds:.2f} ms/round\n   busy ms/round: {busy}")
-    text = f"{head}\n-- wall ms per round inside\n{timers.table(rounds)}\n"
+    text = f"{head}\n" + "".join(r + "\n" for r in plain_rows) + f"-- wall ms per round inside\n{timers.table(rounds)}\n"
     if shared:
         return text + f"-- every thread (top {top} by own time)\n{_top(loop_prof, top)}\n", head
     return (text + f"-- event loop thread (top {top} by own time)\n{_top(loop_prof, top)}\n"
@@ -171,6 +179,8 @@ def main() -> None:
     ap.add_argument("--max-tokens", type=int, default=96)
     ap.add_argument("--prompt-len", type=int, default=256)
     ap.add_argument("--top", type=int, default=18)
+    ap.add_argument("--plain-steps", type=int, default=4, help="plain rounds' tokens per call (serve's --plain-steps)")
+    ap.add_argument("--clean", type=int, default=0, help="timed batches without a profiler first (their wall and busy time)")
     ap.add_argument("--setups", default=",".join(SETUPS))
     ap.add_argument("--scale", choices=("full", "tiny"), default="full", help="tiny: a smoke test on the CPU")
     args = ap.parse_args()
@@ -185,7 +195,8 @@ def main() -> None:
                           args.steps, 0, fast)
     heads = []
     for setup in setups:
-        text, head_line = asyncio.run(_profile(runs, setup, args.rate, args.batch, args.top))
+        text, head_line = asyncio.run(_profile(runs, setup, args.rate, args.batch, args.top, args.plain_steps,
+                                               args.clean))
         heads.append(head_line)
         print(text, flush=True)
     print("\n".join(heads))

@@ -131,6 +131,8 @@ def _router8b_plan(args, device: str) -> dict:
 
     modes = tuple(m for m in args.router8b_modes.split(",") if m)
     check_modes(list(modes), "--router8b-modes")
+    if args.router8b_repeats < 1:
+        raise ValueError(f"--router8b-repeats must be >= 1, got {args.router8b_repeats}")
     text, cuda = args.router8b_drafter_device, device.startswith("cuda")
     count = torch.cuda.device_count() if cuda else 0
     verifier = torch.device(device).index if cuda else None
@@ -169,6 +171,8 @@ def add_bench(sub) -> None:
     p.add_argument("--router8b-modes", default="sequential,auto",
                    help="router8b: modes besides plain, from sequential, ahead, pingpong, auto")
     p.add_argument("--router8b-batch-sizes", default="16,64", help="router8b: batch sizes")
+    p.add_argument("--router8b-repeats", type=int, default=3,
+                   help="router8b: timed batches per row; the row is the median one")
     p.add_argument("--plain-steps", type=int, default=4,
                    help="the routers' multi-step plain rounds (pipeline, router8b sections), as serve's --plain-steps")
     p.add_argument("--router8b-drafter-device", default="auto", metavar="{auto,none,cuda:N}",
@@ -220,7 +224,7 @@ def _llama8b(plan: BenchPlan, args, bandwidth: float) -> tuple[list[dict], dict 
 
             records += bench_router8b(runs, list(plan.acceptance_rates), list(plan.router8b_modes),
                                       list(plan.router8b_batch_sizes), plan.router8b_drafter_device, args.plain_steps,
-                                      verify)
+                                      verify, args.router8b_repeats)
     for r in records:
         r["scale"] = args.llama8b_scale
     return records, verify
@@ -275,6 +279,9 @@ def _note(r: dict) -> str:
     if r.get("ahead_hits") or r.get("ahead_misses"):
         n = r["ahead_hits"] + r["ahead_misses"]
         notes.append(f"ahead hits {r['ahead_hits'] / n:.2f} (expect {r['expected_ahead_hit_rate']})")
+    if len(r.get("tokens_per_s_runs") or ()) > 1:
+        runs = r["tokens_per_s_runs"]
+        notes.append(f"median of {len(runs)} ({min(runs):.0f}-{max(runs):.0f})")
     if r.get("matches_plain") is False:
         notes.append("OUTPUT DIFFERS FROM PLAIN")
     if r.get("rounds_per_s") is not None:

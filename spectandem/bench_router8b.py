@@ -7,7 +7,9 @@ For each placement, acceptance rate and batch size: "plain" (the router without 
 baseline; run once, with the first placement; its rounds decode `plain_steps` tokens a call, as
 serve's --plain-steps, and so do the plain rounds "auto" picks), then each speculating mode (`ROUTER8B_MODES`;
 default "sequential" and "auto"), all requests submitted at once (greedy, ignore_eos) and timed
-until the last token. "auto" first runs the same batch once untimed, so its online measurement
+until the last token. A row is the median of `repeats` such batches (one batch's wall time
+varies by a few percent from run to run: plain decoding at 64 read 8,761-9,037 tok/s over four
+batches on one H200). "auto" first runs the same batch once untimed, so its online measurement
 is done and the timed run shows the mode it keeps (`auto_mode`) and the committed tokens/s it
 measured per candidate at the batch's size (`auto_rates`). Before any timing, each mode runs
 every batch size once untimed (CUDA graphs of each size captured). Every row checks that its
@@ -179,7 +181,8 @@ def _base_record(mode, batch_size, acceptance_rate, m, placement, c, dt, drafts,
 
 
 async def _rows(runs, rates: list[float], modes: list[str], batch_sizes: list[int], placement: dict,
-                plain_tps: dict[int, float], plain_steps: int = 1, verify: dict | None = None) -> list[dict]:
+                plain_tps: dict[int, float], plain_steps: int = 1, verify: dict | None = None,
+                repeats: int = 1) -> list[dict]:
     """Rows of one placement; the plain rows only while `plain_tps` (tokens/s per batch size,
     for the speedups) is empty, which they fill."""
     records, n = [], itertools.count()
@@ -198,7 +201,10 @@ async def _rows(runs, rates: list[float], modes: list[str], batch_sizes: list[in
             for b in batch_sizes:
                 if mode == "auto":
                     await _timed(s, runs, *ids_for(b))                   # the online measurement
-                r = _record(mode, b, a, await _timed(s, runs, *ids_for(b)), placement, runs.cfg.num_steps, verify)
+                timed = [await _timed(s, runs, *ids_for(b)) for _ in range(repeats)]
+                m = sorted(timed, key=lambda t: t["seconds"])[(repeats - 1) // 2]      # the median batch
+                r = _record(mode, b, a, m, placement, runs.cfg.num_steps, verify)
+                r.update(repeats=repeats, tokens_per_s_runs=[round(t["tokens"] / t["seconds"], 1) for t in timed])
                 if a is None:
                     plain_tps[b] = r["tokens_per_s"]
                 else:
@@ -210,16 +216,21 @@ async def _rows(runs, rates: list[float], modes: list[str], batch_sizes: list[in
 
 
 def bench_router8b(runs, rates: list[float], modes: list[str], batch_sizes: list[int],
-                   drafter_device: str | None = None, plain_steps: int = 1, verify: dict | None = None) -> list[dict]:
+                   drafter_device: str | None = None, plain_steps: int = 1, verify: dict | None = None,
+                   repeats: int = 1) -> list[dict]:
     """Rows per placement (`runs`'s own; then, given `drafter_device`, the head there:
     `runs.with_drafter_device`), acceptance rate, mode and batch size (plain first, once per
     batch size). `verify`: the verify forward's times (`verify_forward_times`), for the batch-1
-    rows' fraction of the ideal."""
+    rows' fraction of the ideal. `repeats`: timed batches per row; the row is the median one
+    (by wall time), every batch's tokens/s in `tokens_per_s_runs`."""
+    if repeats < 1:
+        raise ValueError(f"repeats must be >= 1, got {repeats}")
     check_modes(modes)
     placements = [runs] + ([runs.with_drafter_device(drafter_device)] if drafter_device is not None else [])
     records, plain_tps = [], {}
     for r in placements:
-        records += asyncio.run(_rows(r, rates, modes, batch_sizes, r.placement(), plain_tps, plain_steps, verify))
+        records += asyncio.run(_rows(r, rates, modes, batch_sizes, r.placement(), plain_tps, plain_steps, verify,
+                                     repeats))
     _fill_over_verify_alone(records)
     return records
 

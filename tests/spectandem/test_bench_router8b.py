@@ -80,3 +80,15 @@ def test_router8b_flags():
         _plan("--router8b-modes", "sequential,short:1")
     with pytest.raises(ValueError, match="--router8b-drafter-device"):
         _plan("--router8b-drafter-device", "cuda:1")
+
+
+def test_rows_are_the_median_of_repeated_batches(runs):
+    rows = bench_router8b(runs, [1.0], ["sequential"], [BATCH], repeats=3)
+    for r in rows:
+        assert r["repeats"] == 3 and len(r["tokens_per_s_runs"]) == 3, r
+        # The row's rate is the middle one of its three batches.
+        assert r["tokens_per_s"] == sorted(r["tokens_per_s_runs"])[1], r
+    with pytest.raises(ValueError, match="repeats"):
+        bench_router8b(runs, [1.0], ["sequential"], [BATCH], repeats=0)
+    with pytest.raises(ValueError, match="--router8b-repeats"):
+        _plan("--router8b-repeats", "0")
