@@ -154,7 +154,16 @@ def _record(mode: str, batch_size: int, acceptance_rate: float | None, m: dict, 
     drafts = c["num_drafts"]
     verify_s, prefill_s = m["busy"][0].get("verify", 0.0), m["busy"][0].get("prefill", 0.0)
     plain = acceptance_rate is None
-    r = _base_record(mode, batch_size, acceptance_rate, m, placement, c, dt, drafts, verify_s, prefill_s, plain)
+    r = record(section="router8b", workload="llama8b", method="none" if plain else "eagle3-controlled",
+               mode=mode, batch_size=batch_size, acceptance_rate=acceptance_rate, tokens=m["tokens"], seconds=dt,
+               wall_s=round(dt, 4),
+               accept_length=(c["accepted_tokens"] + drafts) / drafts if drafts else 1.0,
+               rounds=c["rounds"], rounds_per_s=round(c["rounds"] / dt, 1), matches_plain=True,
+               auto_mode=m["mode"] if mode == "auto" else None,
+               auto_rates=m["rates"] if mode == "auto" else None,
+               verify_busy_s=round(verify_s, 4), prefill_busy_s=round(prefill_s, 4),
+               round_over_verify=round((dt - prefill_s) / verify_s, 3) if verify_s > 0 else None,
+               drafter_busy_s=None if plain else round(sum(m["busy"][1].values()), 4), **placement)
     if not plain:
         r.update(ahead_hits=c["draft_ahead_hits"], ahead_misses=c["draft_ahead_misses"],
                  expected_ahead_hit_rate=round(expected_ahead_hit_rate(acceptance_rate, num_steps), 3))
@@ -165,19 +174,6 @@ def _record(mode: str, batch_size: int, acceptance_rate: float | None, m: dict, 
                  decode_tokens_per_s=round(m["tokens"] / decode_s, 1),
                  decode_over_ideal=round(m["tokens"] / decode_s / ideal, 3))
     return r
-
-
-def _base_record(mode, batch_size, acceptance_rate, m, placement, c, dt, drafts, verify_s, prefill_s, plain) -> dict:
-    return record(section="router8b", workload="llama8b", method="none" if plain else "eagle3-controlled",
-                  mode=mode, batch_size=batch_size, acceptance_rate=acceptance_rate, tokens=m["tokens"], seconds=dt,
-                  wall_s=round(dt, 4),
-                  accept_length=(c["accepted_tokens"] + drafts) / drafts if drafts else 1.0,
-                  rounds=c["rounds"], rounds_per_s=round(c["rounds"] / dt, 1), matches_plain=True,
-                  auto_mode=m["mode"] if mode == "auto" else None,
-                  auto_rates=m["rates"] if mode == "auto" else None,
-                  verify_busy_s=round(verify_s, 4), prefill_busy_s=round(prefill_s, 4),
-                  round_over_verify=round((dt - prefill_s) / verify_s, 3) if verify_s > 0 else None,
-                  drafter_busy_s=None if plain else round(sum(m["busy"][1].values()), 4), **placement)
 
 
 async def _rows(runs, rates: list[float], modes: list[str], batch_sizes: list[int], placement: dict,
