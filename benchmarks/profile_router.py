@@ -140,12 +140,12 @@ async def _profile(runs, setup: str, rate: float, batch: int, top: int, plain_st
     try:
         # (a time limit: a failing round leaves its requests waiting, and the run must end)
         await asyncio.wait_for(br._timed(s, runs, *ids()), 300)     # warm: graphs captured, allocator grown
-        plain_rows = []
+        clean_rows = []
         for _ in range(clean):   # without any profiler: wall and busy seconds of whole batches
             c = await asyncio.wait_for(br._timed(s, runs, *ids()), 300)
             busy = {f"{link}.{k}": round(1000 * v, 1) for link, d in zip(("verifier", "drafter"), c["busy"])
                     for k, v in sorted(d.items()) if v}
-            plain_rows.append(f"   clean: {c['tokens'] / c['seconds']:.0f} tokens/s, {1000 * c['seconds']:.1f} ms, "
+            clean_rows.append(f"   clean: {c['tokens'] / c['seconds']:.0f} tokens/s, {1000 * c['seconds']:.1f} ms, "
                               f"{c['counters']['rounds']} rounds, busy ms {busy}")
         loop_prof = cProfile.Profile()
         calls["on"] = timers.on = True
@@ -164,7 +164,7 @@ async def _profile(runs, setup: str, rate: float, batch: int, top: int, plain_st
                      for k, v in sorted(d.items()) if v)
     head = (f"== {setup}: {m['tokens']} tokens in {m['seconds']:.3f} s, {m['tokens'] / m['seconds']:.0f} tokens/s, "
             f"{rounds} rounds, {1000 * m['seconds'] / rounds:.2f} ms/round\n   busy ms/round: {busy}")
-    text = f"{head}\n" + "".join(r + "\n" for r in plain_rows) + f"-- wall ms per round inside\n{timers.table(rounds)}\n"
+    text = f"{head}\n" + "".join(r + "\n" for r in clean_rows) + f"-- wall ms per round inside\n{timers.table(rounds)}\n"
     if shared:
         return text + f"-- every thread (top {top} by own time)\n{_top(loop_prof, top)}\n", head
     return (text + f"-- event loop thread (top {top} by own time)\n{_top(loop_prof, top)}\n"

@@ -35,6 +35,12 @@ from spectandem.block_manager import KVCacheFull
 from spectandem.messages import DraftTree, StaleMessage, VerifyOutput
 
 log = logging.getLogger("spectandem.drafter")
+AHEAD_SEP = "\x1f"   # a draft-ahead fork's id: "<request id>\x1fahead<node>", its outcomes "...-<bonus>"
+
+
+def ahead_owner(request_id: str) -> str:
+    """The request a draft-ahead fork was forked from; a request's own id for a request."""
+    return request_id.split(AHEAD_SEP, 1)[0]
 
 
 class DraftProbStore:
@@ -264,7 +270,7 @@ class DrafterEngine:
                 if valid[j]:
                     paths[j] = paths[parents[j]] + [toks[j]]   # a parent always has a lower index
             for j, path in paths.items():
-                fid = f"{rid}\x1fahead{j}"
+                fid = f"{rid}{AHEAD_SEP}ahead{j}"
                 forks.append(fid)   # before the fork: a fork that fails half-way is still freed
                 self.proposer.ahead_fork(rid, fid)
                 nodes.append((rid, j, path))

@@ -35,6 +35,8 @@ from dataclasses import dataclass
 
 import torch
 
+from drafter.engine import ahead_owner
+
 
 @dataclass(frozen=True)
 class DraftPlan:
@@ -106,8 +108,8 @@ class ControlledProposer:
         self._fork_len: dict[str, int] = {}   # draft-ahead fork -> its committed length
 
     def _plan(self, request_id: str) -> DraftPlan:
-        """A request's plan; a draft-ahead fork ("<request>\x1f...", drafter/engine.py) has its request's."""
-        return self.plans[request_id.split("\x1f", 1)[0]]
+        """A request's plan; a draft-ahead fork has its request's (drafter/engine.py)."""
+        return self.plans[ahead_owner(request_id)]
 
     def catch_up(self, reqs, num_new, features):
         self.inner.catch_up(reqs, num_new, features)

@@ -14,6 +14,8 @@ import math
 
 import torch
 
+from spectandem.checks import describe
+
 
 def logits_to_probs(
     logits: torch.Tensor,  # [..., V] any float dtype
@@ -95,9 +97,9 @@ def sample_from_probs(
         [B] int64 token ids in [0, V).
     """
     if not isinstance(probs, torch.Tensor) or probs.dim() != 2 or probs.shape[1] < 1:
-        raise ValueError(f"probs must be a [B, V] tensor with V >= 1, got {_describe(probs)}")
+        raise ValueError(f"probs must be a [B, V] tensor with V >= 1, got {describe(probs)}")
     if not isinstance(u, torch.Tensor) or u.dim() != 1 or u.shape[0] != probs.shape[0]:
-        raise ValueError(f"u must be a [B] tensor with B = {probs.shape[0]}, got {_describe(u)}")
+        raise ValueError(f"u must be a [B] tensor with B = {probs.shape[0]}, got {describe(u)}")
     if u.dtype != torch.float64:
         raise ValueError(f"u must be float64 (float32 uniforms bias rare tokens), got {u.dtype}")
     if not ((u > 0) & (u < 1)).all():
@@ -126,9 +128,3 @@ def sample_from_probs(
 def greedy(logits: torch.Tensor) -> torch.Tensor:  # logits [..., V]
     """Argmax over the last dimension, [...] int64; the lowest id wins a tie."""
     return torch.argmax(logits, dim=-1)
-
-
-def _describe(value: object) -> str:
-    if isinstance(value, torch.Tensor):
-        return f"shape {tuple(value.shape)} dtype {value.dtype}"
-    return type(value).__name__

@@ -54,6 +54,7 @@ from dataclasses import dataclass
 
 import torch
 
+from spectandem.checks import describe, is_integer
 from spectandem.sampling import greedy, sample_from_probs
 
 # Probability rows may come from float32 softmax over a large vocabulary; this only catches rows
@@ -270,10 +271,10 @@ def _build_tree(
 ) -> _Tree:
     """Validate the tree and index it: depths, and each node's children in sibling order."""
     for name, value in (("tree_token_ids", tree_token_ids), ("parents", parents)):
-        if not isinstance(value, torch.Tensor) or value.dim() != 2 or not _is_integer(value):
-            raise ValueError(f"{name} must be a 2-D integer tensor [B, N], got {_describe(value)}")
+        if not isinstance(value, torch.Tensor) or value.dim() != 2 or not is_integer(value):
+            raise ValueError(f"{name} must be a 2-D integer tensor [B, N], got {describe(value)}")
     if not isinstance(node_valid, torch.Tensor) or node_valid.dtype != torch.bool:
-        raise ValueError(f"node_valid must be a bool tensor [B, N], got {_describe(node_valid)}")
+        raise ValueError(f"node_valid must be a bool tensor [B, N], got {describe(node_valid)}")
     shapes = {tuple(t.shape) for t in (tree_token_ids, parents, node_valid)}
     if len(shapes) != 1 or tree_token_ids.shape[1] < 1:
         raise ValueError(
@@ -346,7 +347,7 @@ def _check_scores(name: str, scores: torch.Tensor, tree: _Tree, vocab_size: int 
         or scores.shape[2] < 1
     ):
         raise ValueError(f"{name} must be a float tensor [B, N, V] with [B, N] = {list(expected)}, "
-                         f"got {_describe(scores)}")
+                         f"got {describe(scores)}")
     if vocab_size is not None and scores.shape[2] != vocab_size:
         raise ValueError(f"{name} has V = {scores.shape[2]} but target_probs has V = {vocab_size}")
     return scores.shape[2]
@@ -387,18 +388,8 @@ def _check_uniforms(name: str, value: torch.Tensor, min_shape: tuple[int, ...]) 
         or any(have < need for have, need in zip(value.shape[1:], min_shape[1:]))
     ):
         raise ValueError(f"{name} must be float64 with shape {list(min_shape)} (or more columns), "
-                         f"got {_describe(value)}")
+                         f"got {describe(value)}")
     used = value[tuple(slice(0, n) for n in min_shape)]
     if not ((used > 0) & (used < 1)).all():
         bad = used[~((used > 0) & (used < 1))][0].item()
         raise ValueError(f"{name} must lie in the open interval (0, 1), got {bad!r}")
-
-
-def _is_integer(value: torch.Tensor) -> bool:
-    return not (value.dtype.is_floating_point or value.dtype.is_complex or value.dtype == torch.bool)
-
-
-def _describe(value: object) -> str:
-    if isinstance(value, torch.Tensor):
-        return f"shape {tuple(value.shape)} dtype {value.dtype}"
-    return type(value).__name__

@@ -24,6 +24,7 @@ from typing import NamedTuple
 
 import torch
 
+from spectandem.checks import describe
 from spectandem.kernels import HAVE_TRITON
 
 
@@ -168,17 +169,11 @@ def _check_inputs(target_argmax, tree_token_ids, parents, node_valid) -> None:
                         ("parents", parents)):
         if not isinstance(value, torch.Tensor) or value.dim() != 2 or value.dtype.is_floating_point \
                 or value.dtype.is_complex or value.dtype == torch.bool:
-            raise ValueError(f"{name} must be a 2-D integer tensor [B, N], got {_describe(value)}")
+            raise ValueError(f"{name} must be a 2-D integer tensor [B, N], got {describe(value)}")
     if not isinstance(node_valid, torch.Tensor) or node_valid.dtype != torch.bool:
-        raise ValueError(f"node_valid must be a bool tensor [B, N], got {_describe(node_valid)}")
+        raise ValueError(f"node_valid must be a bool tensor [B, N], got {describe(node_valid)}")
     shapes = {tuple(t.shape) for t in (target_argmax, tree_token_ids, parents, node_valid)}
     if len(shapes) != 1 or tree_token_ids.shape[1] < 1:
         raise ValueError(f"target_argmax {tuple(target_argmax.shape)}, tree_token_ids {tuple(tree_token_ids.shape)}, "
                          f"parents {tuple(parents.shape)} and node_valid {tuple(node_valid.shape)} must share "
                          "one shape [B, N] with N >= 1")
-
-
-def _describe(value: object) -> str:
-    if isinstance(value, torch.Tensor):
-        return f"shape {tuple(value.shape)} dtype {value.dtype}"
-    return type(value).__name__

@@ -74,6 +74,7 @@ import math
 
 import torch
 
+from spectandem.checks import describe_placed, is_integer
 from spectandem.kernels import HAVE_TRITON
 from spectandem.modeling.layers import masked_attention
 
@@ -291,28 +292,28 @@ def _block_n(head_dim: int) -> int:
 
 def _check_inputs(q, k_pool, v_pool, block_tables, prefix_lens, tree_mask, block_size, split_len) -> None:
     if not isinstance(q, torch.Tensor) or q.dim() != 4 or q.dtype not in _FLOAT_DTYPES:
-        raise ValueError(f"q must be a float16/bfloat16/float32 tensor [B, nh, T, hd], got {_describe(q)}")
+        raise ValueError(f"q must be a float16/bfloat16/float32 tensor [B, nh, T, hd], got {describe_placed(q)}")
     batch_size, num_heads, num_tokens, head_dim = q.shape
     for name, pool in (("k_pool", k_pool), ("v_pool", v_pool)):
         if not isinstance(pool, torch.Tensor) or pool.dim() != 3 or pool.shape[2] != head_dim:
-            raise ValueError(f"{name} must be a tensor [rows, nkv, hd] with hd = {head_dim}, got {_describe(pool)}")
+            raise ValueError(f"{name} must be a tensor [rows, nkv, hd] with hd = {head_dim}, got {describe_placed(pool)}")
         if pool.dtype != q.dtype or pool.device != q.device:
-            raise ValueError(f"{name} must have q's dtype {q.dtype} and device {q.device}, got {_describe(pool)}")
+            raise ValueError(f"{name} must have q's dtype {q.dtype} and device {q.device}, got {describe_placed(pool)}")
     if k_pool.shape != v_pool.shape:
         raise ValueError(f"k_pool {tuple(k_pool.shape)} and v_pool {tuple(v_pool.shape)} differ in shape")
     if num_heads % k_pool.shape[1]:
         raise ValueError(f"q's {num_heads} heads are not a multiple of the pool's {k_pool.shape[1]} kv heads")
-    if not _is_integer(block_tables) or block_tables.dim() != 2 or block_tables.shape[0] != batch_size \
+    if not is_integer(block_tables) or block_tables.dim() != 2 or block_tables.shape[0] != batch_size \
             or block_tables.shape[1] < 1:
         raise ValueError(f"block_tables must be an integer tensor [B, max_blocks] with B = {batch_size}, "
-                         f"got {_describe(block_tables)}")
-    if not _is_integer(prefix_lens) or tuple(prefix_lens.shape) != (batch_size,):
+                         f"got {describe_placed(block_tables)}")
+    if not is_integer(prefix_lens) or tuple(prefix_lens.shape) != (batch_size,):
         raise ValueError(f"prefix_lens must be an integer tensor [B] with B = {batch_size}, "
-                         f"got {_describe(prefix_lens)}")
+                         f"got {describe_placed(prefix_lens)}")
     if tree_mask is not None and (not isinstance(tree_mask, torch.Tensor) or tree_mask.dtype != torch.bool
                                   or tuple(tree_mask.shape) != (batch_size, num_tokens, num_tokens)):
         raise ValueError(f"tree_mask must be None or a bool tensor [B, T, T] = "
-                         f"{[batch_size, num_tokens, num_tokens]}, got {_describe(tree_mask)}")
+                         f"{[batch_size, num_tokens, num_tokens]}, got {describe_placed(tree_mask)}")
     for name, value in (("block_tables", block_tables), ("prefix_lens", prefix_lens), ("tree_mask", tree_mask)):
         if value is not None and value.device != q.device:
             raise ValueError(f"{name} is on {value.device}, q on {q.device}")
@@ -323,14 +324,3 @@ def _check_inputs(q, k_pool, v_pool, block_tables, prefix_lens, tree_mask, block
                                   or split_len % block_n):
         raise ValueError(f"split_len must be None or a positive multiple of the kernel's key chunk BLOCK_N = "
                          f"{block_n} (head_dim {head_dim}), got {split_len!r}")
-
-
-def _is_integer(value: object) -> bool:
-    return isinstance(value, torch.Tensor) and not (
-        value.dtype.is_floating_point or value.dtype.is_complex or value.dtype == torch.bool)
-
-
-def _describe(value: object) -> str:
-    if isinstance(value, torch.Tensor):
-        return f"shape {tuple(value.shape)} dtype {value.dtype} device {value.device}"
-    return type(value).__name__

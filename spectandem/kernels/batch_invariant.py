@@ -51,6 +51,7 @@ import math
 
 import torch
 
+from spectandem.checks import describe_placed
 from spectandem.kernels import HAVE_TRITON
 from spectandem.tree import node_depths
 
@@ -211,14 +212,14 @@ def bi_linear_ref(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | No
 
 def _check_linear(x, weight, bias) -> None:
     if not isinstance(x, torch.Tensor) or x.dim() < 1 or x.dtype not in _FLOAT_DTYPES:
-        raise ValueError(f"x must be a float16/bfloat16/float32 tensor [..., K], got {_describe(x)}")
+        raise ValueError(f"x must be a float16/bfloat16/float32 tensor [..., K], got {describe_placed(x)}")
     if not isinstance(weight, torch.Tensor) or weight.dim() != 2 or weight.shape[1] != x.shape[-1]:
-        raise ValueError(f"weight must be a tensor [N, K] with K = {x.shape[-1]}, got {_describe(weight)}")
+        raise ValueError(f"weight must be a tensor [N, K] with K = {x.shape[-1]}, got {describe_placed(weight)}")
     for name, t in (("weight", weight), ("bias", bias)):
         if t is not None and (t.dtype != x.dtype or t.device != x.device):
-            raise ValueError(f"{name} must have x's dtype {x.dtype} and device {x.device}, got {_describe(t)}")
+            raise ValueError(f"{name} must have x's dtype {x.dtype} and device {x.device}, got {describe_placed(t)}")
     if bias is not None and tuple(bias.shape) != (weight.shape[0],):
-        raise ValueError(f"bias must be a tensor [N] with N = {weight.shape[0]}, got {_describe(bias)}")
+        raise ValueError(f"bias must be a tensor [N] with N = {weight.shape[0]}, got {describe_placed(bias)}")
 
 
 # ----------------------------------------------------------------------------------------------
@@ -254,10 +255,10 @@ def bi_rmsnorm_ref(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.T
 
 def _check_rmsnorm(x, weight) -> None:
     if not isinstance(x, torch.Tensor) or x.dim() < 1 or x.dtype not in _FLOAT_DTYPES:
-        raise ValueError(f"x must be a float16/bfloat16/float32 tensor [..., H], got {_describe(x)}")
+        raise ValueError(f"x must be a float16/bfloat16/float32 tensor [..., H], got {describe_placed(x)}")
     if not isinstance(weight, torch.Tensor) or tuple(weight.shape) != (x.shape[-1],) \
             or weight.dtype not in _FLOAT_DTYPES or weight.device != x.device:
-        raise ValueError(f"weight must be a float tensor [{x.shape[-1]}] on {x.device}, got {_describe(weight)}")
+        raise ValueError(f"weight must be a float tensor [{x.shape[-1]}] on {x.device}, got {describe_placed(weight)}")
 
 
 # ----------------------------------------------------------------------------------------------
@@ -369,13 +370,13 @@ def tree_paths(parents: torch.Tensor, node_valid: torch.Tensor,
 
 def _check_attention(q, k_pool, v_pool, block_tables, prefix_lens, path_rows, path_lens, block_size) -> None:
     if not isinstance(q, torch.Tensor) or q.dim() != 4 or q.dtype not in _FLOAT_DTYPES:
-        raise ValueError(f"q must be a float16/bfloat16/float32 tensor [B, nh, T, hd], got {_describe(q)}")
+        raise ValueError(f"q must be a float16/bfloat16/float32 tensor [B, nh, T, hd], got {describe_placed(q)}")
     b, nh, t, hd = q.shape
     for name, pool in (("k_pool", k_pool), ("v_pool", v_pool)):
         if not isinstance(pool, torch.Tensor) or pool.dim() != 3 or pool.shape[2] != hd \
                 or pool.dtype != q.dtype or pool.device != q.device:
             raise ValueError(f"{name} must be a tensor [rows, nkv, {hd}] of q's dtype {q.dtype} on {q.device}, "
-                             f"got {_describe(pool)}")
+                             f"got {describe_placed(pool)}")
     if k_pool.shape != v_pool.shape or nh % k_pool.shape[1]:
         raise ValueError(f"k_pool {tuple(k_pool.shape)} and v_pool {tuple(v_pool.shape)} must agree, with "
                          f"q's {nh} heads a multiple of their kv heads")
@@ -387,12 +388,6 @@ def _check_attention(q, k_pool, v_pool, block_tables, prefix_lens, path_rows, pa
             and value.dim() == len(shape) and all(v >= 1 if s is None else s == v for s, v in zip(shape, value.shape))
         if not ok or value.device != q.device:
             dims = ", ".join("n >= 1" if s is None else str(s) for s in shape)
-            raise ValueError(f"{name} must be an integer tensor [{dims}] on {q.device}, got {_describe(value)}")
+            raise ValueError(f"{name} must be an integer tensor [{dims}] on {q.device}, got {describe_placed(value)}")
     if not isinstance(block_size, int) or block_size < 1:
         raise ValueError(f"block_size must be a positive int, got {block_size!r}")
-
-
-def _describe(value: object) -> str:
-    if isinstance(value, torch.Tensor):
-        return f"shape {tuple(value.shape)} dtype {value.dtype} device {value.device}"
-    return type(value).__name__

@@ -25,6 +25,7 @@ from collections.abc import Sequence
 
 import torch
 
+from spectandem.checks import describe_placed
 from spectandem.kernels import HAVE_TRITON
 
 _MAX_PAIRS = 8192
@@ -131,7 +132,7 @@ def _check_inputs(pools, src_rows, dst_rows) -> None:
     for name, value in (("src_rows", src_rows), ("dst_rows", dst_rows)):
         if not isinstance(value, torch.Tensor) or value.dtype.is_floating_point or value.dtype.is_complex \
                 or value.dtype == torch.bool:
-            raise ValueError(f"{name} must be an integer tensor, got {_describe(value)}")
+            raise ValueError(f"{name} must be an integer tensor, got {describe_placed(value)}")
     if src_rows.shape != dst_rows.shape:
         raise ValueError(f"src_rows {tuple(src_rows.shape)} and dst_rows {tuple(dst_rows.shape)} differ in shape")
     if not pools:
@@ -140,13 +141,7 @@ def _check_inputs(pools, src_rows, dst_rows) -> None:
     for i, pool in enumerate(pools):
         if not isinstance(pool, torch.Tensor) or pool.shape != first.shape or pool.dtype != first.dtype \
                 or pool.device != first.device or pool.dim() < 1:
-            raise ValueError(f"pools[{i}] must match pools[0] ({_describe(first)}), got {_describe(pool)}")
+            raise ValueError(f"pools[{i}] must match pools[0] ({describe_placed(first)}), got {describe_placed(pool)}")
     for name, value in (("src_rows", src_rows), ("dst_rows", dst_rows)):
         if value.device != first.device:
             raise ValueError(f"{name} is on {value.device}, the pools on {first.device}")
-
-
-def _describe(value: object) -> str:
-    if isinstance(value, torch.Tensor):
-        return f"shape {tuple(value.shape)} dtype {value.dtype} device {value.device}"
-    return type(value).__name__

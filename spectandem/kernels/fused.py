@@ -61,6 +61,7 @@ import functools
 import torch
 import torch.nn.functional as F
 
+from spectandem.checks import describe_placed
 from spectandem.kernels import HAVE_TRITON
 
 _FLOAT_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
@@ -145,7 +146,7 @@ def add_rmsnorm_triton(x: torch.Tensor, delta: torch.Tensor, weight: torch.Tenso
     _check_rmsnorm(x, weight)
     if not isinstance(delta, torch.Tensor) or delta.shape != x.shape or delta.dtype != x.dtype \
             or delta.device != x.device:
-        raise ValueError(f"delta must be a tensor like x ({_describe(x)}), got {_describe(delta)}")
+        raise ValueError(f"delta must be a tensor like x ({describe_placed(x)}), got {describe_placed(delta)}")
     if not (x.is_contiguous() and delta.is_contiguous()):
         raise ValueError(f"x and delta must be contiguous, got strides {x.stride()} and {delta.stride()}")
     total = torch.empty_like(x)
@@ -248,10 +249,10 @@ def _last_pow2(n: int) -> int:
 
 def _check_rmsnorm(x, weight) -> None:
     if not isinstance(x, torch.Tensor) or x.dim() < 1 or x.dtype not in _FLOAT_DTYPES:
-        raise ValueError(f"x must be a float16/bfloat16/float32 tensor [..., H], got {_describe(x)}")
+        raise ValueError(f"x must be a float16/bfloat16/float32 tensor [..., H], got {describe_placed(x)}")
     if not isinstance(weight, torch.Tensor) or tuple(weight.shape) != (x.shape[-1],) \
             or weight.dtype not in _FLOAT_DTYPES or weight.device != x.device:
-        raise ValueError(f"weight must be a float tensor [{x.shape[-1]}] on {x.device}, got {_describe(weight)}")
+        raise ValueError(f"weight must be a float tensor [{x.shape[-1]}] on {x.device}, got {describe_placed(weight)}")
 
 
 # ----------------------------------------------------------------------------------------------
@@ -297,7 +298,7 @@ def silu_mul_packed_triton(gate_up: torch.Tensor) -> torch.Tensor:
         raise RuntimeError("silu_mul_packed_triton needs the triton package")
     if not _silu_mul_packed_replays(gate_up):
         raise ValueError(f"gate_up must be a contiguous float16/bfloat16/float32 tensor [..., 2I], got "
-                         f"{_describe(gate_up)}" + (f" strides {gate_up.stride()}"
+                         f"{describe_placed(gate_up)}" + (f" strides {gate_up.stride()}"
                                                     if isinstance(gate_up, torch.Tensor) else ""))
     inter = gate_up.shape[-1] // 2
     out = torch.empty(*gate_up.shape[:-1], inter, dtype=gate_up.dtype, device=gate_up.device)
@@ -326,13 +327,7 @@ def _silu_mul_packed_replays(gate_up) -> bool:
 
 def _check_silu_mul(gate, up) -> None:
     if not isinstance(gate, torch.Tensor) or gate.dtype not in _FLOAT_DTYPES or not gate.is_contiguous():
-        raise ValueError(f"gate must be a contiguous float16/bfloat16/float32 tensor, got {_describe(gate)}")
+        raise ValueError(f"gate must be a contiguous float16/bfloat16/float32 tensor, got {describe_placed(gate)}")
     if not isinstance(up, torch.Tensor) or up.shape != gate.shape or up.dtype != gate.dtype \
             or up.device != gate.device or not up.is_contiguous():
-        raise ValueError(f"up must be a contiguous tensor like gate ({_describe(gate)}), got {_describe(up)}")
-
-
-def _describe(value: object) -> str:
-    if isinstance(value, torch.Tensor):
-        return f"shape {tuple(value.shape)} dtype {value.dtype} device {value.device}"
-    return type(value).__name__
+        raise ValueError(f"up must be a contiguous tensor like gate ({describe_placed(gate)}), got {describe_placed(up)}")

@@ -24,8 +24,9 @@ from __future__ import annotations
 
 import torch
 
+from spectandem.checks import describe_placed
 from spectandem.kernels import HAVE_TRITON
-from spectandem.kernels.fused import _EXACT, _FLOAT_DTYPES, _NUM_WARPS, _describe
+from spectandem.kernels.fused import _EXACT, _FLOAT_DTYPES, _NUM_WARPS
 from spectandem.modeling.layers import apply_rotary
 
 if HAVE_TRITON:
@@ -79,17 +80,17 @@ def _rotary_replays(q, k, cos, sin) -> bool:
 
 def _check_rotary(q, k, cos, sin) -> None:
     if not isinstance(q, torch.Tensor) or q.dim() != 4 or q.dtype not in _FLOAT_DTYPES or q.shape[3] % 2:
-        raise ValueError(f"q must be a float16/bfloat16/float32 tensor [B, nh, T, hd] with hd even, got {_describe(q)}")
+        raise ValueError(f"q must be a float16/bfloat16/float32 tensor [B, nh, T, hd] with hd even, got {describe_placed(q)}")
     b, _, t, hd = q.shape
     if not isinstance(k, torch.Tensor) or k.dim() != 4 or (k.shape[0], k.shape[2], k.shape[3]) != (b, t, hd):
-        raise ValueError(f"k must be a tensor [{b}, nkv, {t}, {hd}], got {_describe(k)}")
+        raise ValueError(f"k must be a tensor [{b}, nkv, {t}, {hd}], got {describe_placed(k)}")
     for name, table in (("cos", cos), ("sin", sin)):
         if not isinstance(table, torch.Tensor) or tuple(table.shape) != (b, t, hd):
-            raise ValueError(f"{name} must be a tensor [{b}, {t}, {hd}], got {_describe(table)}")
+            raise ValueError(f"{name} must be a tensor [{b}, {t}, {hd}], got {describe_placed(table)}")
     for name, x in (("k", k), ("cos", cos), ("sin", sin)):
         if x.dtype != q.dtype or x.device != q.device:
             raise ValueError(f"{name} must have q's dtype {q.dtype} and device {q.device} (apply_rotary "
-                             f"would promote), got {_describe(x)}")
+                             f"would promote), got {describe_placed(x)}")
     if q.stride(3) != 1 or k.stride(3) != 1:
         raise ValueError(f"q and k must be contiguous in hd, got strides {q.stride()} and {k.stride()}")
 
@@ -118,8 +119,8 @@ def rotary_write_triton(q, k, v, cos, sin, k_pool, v_pool, rows) -> torch.Tensor
         raise ValueError(
             "rotary_write_triton needs q [B, nh, T, hd], k and v [B, nkv, T, hd] (hd even and contiguous), cos "
             "and sin [B, T, hd], contiguous pools [R, nkv, hd] and rows [B, T] int64, all of one dtype and "
-            f"device; got q {_describe(q)}, k {_describe(k)}, v {_describe(v)}, cos {_describe(cos)}, k_pool {_describe(k_pool)}, "
-            f"v_pool {_describe(v_pool)}, rows {_describe(rows)}")
+            f"device; got q {describe_placed(q)}, k {describe_placed(k)}, v {describe_placed(v)}, cos {describe_placed(cos)}, k_pool {describe_placed(k_pool)}, "
+            f"v_pool {describe_placed(v_pool)}, rows {describe_placed(rows)}")
     q_out = _like_apply_rotary(q)
     if q.shape[0] * q.shape[2] == 0:
         return q_out
