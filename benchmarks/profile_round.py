@@ -137,7 +137,7 @@ def report(once, device: str, rate, steps: int, top: int, ahead: bool = False) -
     timers.wrap(VerifierEngine, "verify", "verify")
     timers.wrap(DrafterEngine, "draft", "draft")
     timers.wrap(DrafterEngine, "extend", "extend")
-    inside = ("ahead_fork", "ahead_absorb", "ahead_logprobs", "propose", "catch_up")
+    inside = ("ahead_chains", "ahead_fork", "ahead_absorb", "ahead_logprobs", "propose", "catch_up")
     if ahead:
         timers.wrap(DrafterEngine, "draft_ahead", "ahead")
         for name in inside:

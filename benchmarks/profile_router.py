@@ -5,6 +5,8 @@ in three setups:
     plain        the router without a drafter (the baseline of `spectandem bench --sections router8b`)
     spec-plain   the speculating router (drafter up, features requested) held in its "plain" mode
     sequential   the speculating router held in "sequential" at controlled acceptance `--rate`
+    ahead        the same held in "ahead" (the drafter drafts ahead while the verifier verifies;
+                 `--drafter-device cuda:1` puts the drafter on a GPU of its own)
 
 Per setup: ms per round, and the engines' busy ms per round by kind of call (busy_s of
 router/links.py); wall ms per round inside chosen router, engine and runner functions (`TIMED`,
@@ -15,6 +17,7 @@ and the engine calls are profiled apart.
 
     python benchmarks/profile_router.py [--batch 64] [--rate 0.8] [--setups plain,spec-plain,sequential]
     python benchmarks/profile_router.py --scale tiny --batch 8 --max-tokens 24
+    python benchmarks/profile_router.py --batch 1 --setups sequential,ahead --drafter-device cuda:1
 """
 
 from __future__ import annotations
@@ -39,7 +42,7 @@ from spectandem import bench_router8b as br
 from spectandem.bench_llama8b import SHAPES, ControlledRuns, llama8b_spec, random_eagle3_head, random_target
 from spectandem.config import GpuPaths
 
-SETUPS = ("plain", "spec-plain", "sequential")
+SETUPS = ("plain", "spec-plain", "sequential", "ahead")
 TIMED = ("router.scheduler:Router._plan", "router.scheduler:Router._release", "router.scheduler:Router._commit",
          "router.rounds:RoundsMixin._draft", "router.rounds:RoundsMixin._verify", "router.rounds:RoundsMixin._apply",
          "router.rounds:RoundsMixin._extend", "router.rounds:RoundsMixin._resync",
@@ -48,7 +51,11 @@ TIMED = ("router.scheduler:Router._plan", "router.scheduler:Router._release", "r
          "verifier.runner:NativeRunner.verify", "verifier.runner:NativeRunner.commit",
          "verifier.graphs:VerifyGraphs.run", "spectandem.kv_cache:PagedKVCache.reserve",
          "drafter.service_core:drafter_draft", "drafter.service_core:drafter_extend",
-         "drafter.engine:DrafterEngine.draft", "drafter.engine:DrafterEngine.extend")
+         "drafter.engine:DrafterEngine.draft", "drafter.engine:DrafterEngine.extend",
+         "router.rounds:RoundsMixin._draft_ahead", "drafter.service_core:drafter_draft_ahead",
+         "drafter.engine:DrafterEngine.draft_ahead", "drafter.engine:DrafterEngine.flush_deferred",
+         "drafter.proposers:EagleProposer.ahead_chains", "drafter.proposers:EagleProposer.catch_up",
+         "drafter.ahead_chains:ahead_inputs", "drafter.ahead_chains:AheadChainGraphs.run")
 
 
 class Timers:
@@ -114,8 +121,9 @@ def _top(prof: cProfile.Profile, n: int) -> str:
 
 async def _profile(runs, setup: str, rate: float, batch: int, top: int, plain_steps: int = 1,
                    clean: int = 0) -> str:
-    forced = {"spec-plain": "plain", "sequential": "sequential"}.get(setup)
-    s = br._setup(runs, None if setup == "plain" else rate, "sequential", batch, plain_steps)
+    forced = {"spec-plain": "plain", "sequential": "sequential", "ahead": "ahead"}.get(setup)
+    s = br._setup(runs, None if setup == "plain" else rate, "ahead" if setup == "ahead" else "sequential", batch,
+                  plain_steps)
     if forced is not None:   # hold the mode: this router's chooser answers `forced` from now on
         s.router._modes.choose = lambda num_running, drafter_up: forced
     shared = sys.version_info >= (3, 12)      # one profiler sees every thread
@@ -181,7 +189,8 @@ def main() -> None:
     ap.add_argument("--top", type=int, default=18)
     ap.add_argument("--plain-steps", type=int, default=4, help="plain rounds' tokens per call (serve's --plain-steps)")
     ap.add_argument("--clean", type=int, default=0, help="timed batches without a profiler first (their wall and busy time)")
-    ap.add_argument("--setups", default=",".join(SETUPS))
+    ap.add_argument("--setups", default="plain,spec-plain,sequential")
+    ap.add_argument("--drafter-device", default=None, help="the drafter's device (default: the target's)")
     ap.add_argument("--scale", choices=("full", "tiny"), default="full", help="tiny: a smoke test on the CPU")
     args = ap.parse_args()
     setups = [x for x in args.setups.split(",") if x]
@@ -193,6 +202,8 @@ def main() -> None:
     fast = GpuPaths(cuda_graphs=True, triton_attention=True) if device == "cuda" else GpuPaths()
     runs = ControlledRuns(model, head, device, args.batch, min(args.batch, 16), args.prompt_len, args.max_tokens,
                           args.steps, 0, fast)
+    if args.drafter_device:
+        runs = runs.with_drafter_device(args.drafter_device)
     heads = []
     for setup in setups:
         text, head_line = asyncio.run(_profile(runs, setup, args.rate, args.batch, args.top, args.plain_steps,

@@ -246,9 +246,16 @@ class DrafterEngine:
             return flags
         self.flush_deferred(request_ids)
         todo = [i for i in request_ids if self.in_flight.get(i, (-1,))[0] == self.requests[i].committed_len]
+        chains = self._chains(todo)
         forks: list[str] = []
         try:
-            self._fill_outcomes(todo, forks)
+            for m, ids in chains.items():   # chains in one pass per length (drafter/ahead_chains.py)
+                trees = self.proposer.ahead_chains([self.requests[i] for i in ids],
+                                                   [self.in_flight[i][1][1: m + 1] for i in ids], self.cfg.ahead_width)
+                for rid, cache in zip(ids, trees):
+                    self.outcomes[rid] = (self.requests[rid].committed_len, cache)
+            done = {i for ids in chains.values() for i in ids}
+            self._fill_outcomes([i for i in todo if i not in done], forks)
         except KVCacheFull as exc:   # no room for forks now: this round's verdicts draft on demand
             log.info("draft ahead skipped: %s", exc)
             for i in todo:
@@ -258,7 +265,24 @@ class DrafterEngine:
                 self.proposer.remove(f)
         return flags
 
+    def _chains(self, request_ids: list[str]) -> dict[int, list[str]]:
+        """The requests whose tree being verified is a chain with deterministic drafts, by chain
+        length, when the proposer drafts ahead for chains in one pass."""
+        supports = getattr(self.proposer, "supports_ahead_chains", None)
+        if supports is None:
+            return {}
+        out: dict[int, list[str]] = {}
+        for rid in request_ids:
+            _, _, parents, valid = self.in_flight[rid]
+            m = sum(valid) - 1
+            if (not self.requests[rid].sample_drafts and m >= 1 and all(valid[: m + 1])
+                    and all(parents[j] == j - 1 for j in range(1, m + 1))):
+                out.setdefault(m, []).append(rid)
+        return {m: ids for m, ids in out.items() if supports(len(ids))}
+
     def _fill_outcomes(self, request_ids: list[str], forks: list[str]) -> None:
+        if not request_ids:
+            return
         width = self.cfg.ahead_width
         # 1. A fork per tree node that has absorbed the path to it: the draft's q after the node.
         nodes, fork_reqs = [], []

@@ -15,6 +15,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
+from spectandem.kernels.rotary import rotary
 from spectandem.kv_cache import CacheBatch
 from spectandem.modeling.layers import GatedMLP, RMSNorm, RopeSpec, Rotary, apply_rotary, masked_attention
 
@@ -44,6 +45,8 @@ class HeadSpec:
 
 
 class _HeadAttention(nn.Module):
+    fused = False  # DraftHead.use_fused_kernels: rotary on q and k in one Triton launch on CUDA
+
     def __init__(self, spec: HeadSpec, in_dim: int):
         super().__init__()
         hd = spec.head_dim
@@ -60,8 +63,12 @@ class _HeadAttention(nn.Module):
         k = self.k_proj(x).view(b, t, self.num_kv_heads, self.head_dim).transpose(1, 2)
         v = self.v_proj(x).view(b, t, self.num_kv_heads, self.head_dim).transpose(1, 2)
         q = self.q_proj(x_q).view(b, tq, self.num_heads, self.head_dim).transpose(1, 2)
-        k_all, v_all = cache.update(0, apply_rotary(k, cos, sin), v)
-        out = masked_attention(apply_rotary(q, cos_q, sin_q), k_all, v_all, mask, self.head_dim ** -0.5)
+        if self.fused and x_q is x:   # every row a query row (DraftHead.run): one table
+            q, k = rotary(q, k, cos, sin)
+        else:
+            q, k = apply_rotary(q, cos_q, sin_q), apply_rotary(k, cos, sin)
+        k_all, v_all = cache.update(0, k, v)
+        out = masked_attention(q, k_all, v_all, mask, self.head_dim ** -0.5)
         return self.o_proj(out)
 
 
@@ -90,6 +97,19 @@ class DraftHead(nn.Module):
         """Target features [..., feature_size] -> head input hidden [..., H]."""
         raise NotImplementedError
 
+    def use_fused_kernels(self, enabled: bool = True) -> None:
+        """The GPU fast path (EagleProposer with CUDA graphs): the norms, the rotary embedding and
+        the SiLU product through the fused kernels of spectandem/kernels/fused.py and rotary.py
+        (one launch each on CUDA with Triton, the torch code elsewhere), the MLP's gate/up as one
+        GEMM. A draft step is a few dozen small launches besides its GEMMs; these take about a
+        third of them away. The drafts may differ in the last bits (packed GEMM): exactness does
+        not depend on them."""
+        if enabled:
+            self.layer.mlp.pack()
+        for module in self.modules():
+            if isinstance(module, (RMSNorm, GatedMLP, _HeadAttention)):
+                module.fused = enabled
+
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """hidden [..., H] -> draft logits [..., draft_vocab_size] (float32)."""
         raise NotImplementedError
@@ -105,7 +125,8 @@ class DraftHead(nn.Module):
         token_ids [B, T] int64 (target ids of the token after each feature's position);
         hidden [B, T, H] (projected target features, or the head's own previous outputs);
         positions [B, T]; mask [B, Tq, cache.span] bool for the query rows;
-        query_rows [B, Tq] int64, indices into T.
+        query_rows [B, Tq] int64, indices into T; with Tq == T they must be 0..T-1 in order
+        (every row a query row, as in tree and chain steps), and are not read.
         Returns the head's output hidden for the query rows, [B, Tq, H] (pre-norm).
         """
         assert token_ids.shape == positions.shape == hidden.shape[:2], (token_ids.shape, hidden.shape)
@@ -114,9 +135,13 @@ class DraftHead(nn.Module):
         emb = self.embed_tokens(token_ids).to(hidden.dtype)
         x, residual = self._layer_input(emb, hidden)
         cos, sin = self.rotary.cos_sin(positions, x.dtype)
-        x_q = _gather_rows(x, query_rows)
-        cos_q, sin_q = _gather_rows(cos, query_rows), _gather_rows(sin, query_rows)
-        a = _gather_rows(residual, query_rows) + layer.self_attn(x, x_q, cos, sin, cos_q, sin_q, cache, mask)
+        if query_rows.shape[1] == token_ids.shape[1]:   # every row (see above): no gathers
+            x_q, cos_q, sin_q, res_q = x, cos, sin, residual
+        else:
+            x_q = _gather_rows(x, query_rows)
+            cos_q, sin_q = _gather_rows(cos, query_rows), _gather_rows(sin, query_rows)
+            res_q = _gather_rows(residual, query_rows)
+        a = res_q + layer.self_attn(x, x_q, cos, sin, cos_q, sin_q, cache, mask)
         out = a + layer.mlp(layer.post_attention_layernorm(a))
         assert out.shape == (token_ids.shape[0], query_rows.shape[1], self.spec.hidden_size)
         return out

@@ -14,6 +14,7 @@ from typing import Protocol
 
 import torch
 
+from drafter.ahead_chains import AheadChainGraphs, outcome_trees, scratch_entries
 from drafter.graphs import CatchUpGraphs, ChainGraphs, catch_up_forward, catch_up_inputs
 from drafter.heads import DraftHead
 from drafter.tree import TreeDraft, expand_topk, sample_chains
@@ -64,6 +65,12 @@ class Proposer(Protocol):
 
     def remove(self, request_id: str) -> None:
         ...
+
+    # Draft ahead for chains in one pass (optional; `supports_ahead_chains(batch)`).
+    def ahead_chains(self, reqs: list[DraftRequest], chains: list[list[int]], width: int) -> list[dict]:
+        """Per request (deterministic drafts; all chains of one length m), the outcome cache of
+        the chain being verified: {accepted path + (bonus,): (TreeDraft, row)}, at most `width`
+        outcomes (drafter/ahead_chains.py)."""
 
 
 def ahead_slots(cfg: SpecConfig, max_slots: int) -> int:
@@ -159,8 +166,11 @@ class EagleProposer:
         self.cache_len: dict[str, int] = {}
         self.last_hidden: dict[str, torch.Tensor] = {}   # [H]
         self.last_logits: dict[str, torch.Tensor] = {}   # [Vd]
+        if cuda_graphs:   # the GPU fast path: fused kernels in the head's steps too
+            head.use_fused_kernels()
         self.chain = ChainGraphs(head, self.cache) if cuda_graphs else None
         self.catch_up_graphs = CatchUpGraphs(head, self.cache) if cuda_graphs else None
+        self.ahead_graphs = AheadChainGraphs(head, self.cache, graph=cuda_graphs) if cfg.topk == 1 else None
 
     @torch.no_grad()
     def catch_up(self, reqs, num_new, features):
@@ -228,6 +238,32 @@ class EagleProposer:
             for j, i in enumerate(ids):
                 self.cache_len[i] += 1
                 self.last_hidden[i], self.last_logits[i] = out[j, 0], logits[j, 0]
+
+    def supports_ahead_chains(self, batch: int) -> bool:
+        return self.ahead_graphs is not None and self.ahead_graphs.supports(batch)
+
+    @torch.no_grad()
+    def ahead_chains(self, reqs, chains, width):
+        """Requests whose scratch would pass the cache's max_len get no outcomes."""
+        m = len(chains[0])
+        assert all(len(c) == m for c in chains) and not any(r.sample_drafts for r in reqs)
+        steps = min(self.cfg.num_steps, self.cfg.num_draft_tokens - 1)
+        need = scratch_entries(m, steps, width)
+        fit = [i for i, r in enumerate(reqs) if self.cache_len[r.request_id] + need <= self.cache.max_len]
+        out: list[dict] = [{} for _ in reqs]
+        if not fit or width == 0:
+            return out
+        ids = [reqs[i].request_id for i in fit]
+        base = [self.cache_len[i] for i in ids]
+        for i, b0 in zip(ids, base):
+            self.cache.reserve(self.slots.of[i], b0 + need)
+        first = torch.stack([self.last_logits[i] for i in ids])
+        hidden0 = torch.stack([self.last_hidden[i] for i in ids])[:, None]
+        packed = self.ahead_graphs.run([self.slots.of[i] for i in ids], base, first, hidden0,
+                                       [chains[i] for i in fit], steps, width)
+        for i, cache in zip(fit, outcome_trees(packed, [chains[i] for i in fit], self.cfg.num_draft_tokens)):
+            out[i] = cache
+        return out
 
     @torch.no_grad()
     def ahead_logprobs(self, request_ids):

@@ -35,7 +35,9 @@ from dataclasses import dataclass
 
 import torch
 
+from drafter.ahead_chains import rank_chain_outcomes
 from drafter.engine import ahead_owner
+from drafter.graphs import chain_tree
 
 
 @dataclass(frozen=True)
@@ -143,6 +145,35 @@ class ControlledProposer:
         for r in reqs:
             self._fork_len[r.request_id] = r.committed_len
 
+    def supports_ahead_chains(self, batch: int) -> bool:
+        inner = getattr(self.inner, "supports_ahead_chains", None)
+        return self.supports_ahead and inner is not None and inner(batch)
+
+    def ahead_chains(self, reqs, chains, width):
+        """Chains drafted ahead in one pass (drafter/ahead_chains.py): the inner proposer's pass
+        runs (its cost is drafting ahead's) and its outcomes are dropped; the plan ranks the
+        outcomes (`_ranking`, as `ahead_logprobs` does for the forks) and gives their trees."""
+        self.inner.ahead_chains(reqs, chains, width)
+        steps = min(self.cfg.num_steps, self.cfg.num_draft_tokens - 1)
+        out = []
+        for r, chain in zip(reqs, chains):
+            plan, n = self._plan(r.request_id), r.committed_len
+            chosen = rank_chain_outcomes(chain, [self._ranking(plan, n + k) for k in range(len(chain) + 1)], width)
+            rows = [plan.drafts[n + k + 1: n + k + 1 + steps] for k, _ in chosen]
+            assert all(len(row) == steps for row in rows), f"{r.request_id}: plan of {len(plan.drafts)} positions"
+            tree = chain_tree(torch.tensor(rows, dtype=torch.long), self.cfg.num_draft_tokens) if rows else None
+            out.append({tuple(chain[:k]) + (b,): (tree, i) for i, (k, b) in enumerate(chosen)})
+        return out
+
+    @staticmethod
+    def _ranking(plan: DraftPlan, p: int) -> dict[int, float]:
+        """The controlled drafter's log-probabilities for position p: the first guess a, the
+        second (1 - a) a, every other token 0 (left out)."""
+        if p >= len(plan.drafts):
+            return {}
+        log = lambda x: math.log(x) if x > 0 else float("-inf")
+        return {plan.seconds[p]: log((1 - plan.rate) * plan.rate), plan.drafts[p]: log(plan.rate)}
+
     def ahead_logprobs(self, request_ids):
         """[len(request_ids), V]: each fork's log-probabilities for the position it predicts (its
         committed length), from the plan: the first guess a, the second (1 - a) a (the chance that
@@ -151,12 +182,9 @@ class ControlledProposer:
         dropped: their cost is drafting ahead's."""
         real = self.inner.ahead_logprobs(request_ids).float().cpu()   # the real path's copy too
         out = torch.full_like(real, float("-inf"))
-        log = lambda x: math.log(x) if x > 0 else float("-inf")
         for i, fid in enumerate(request_ids):
-            plan, p = self._plan(fid), self._fork_len[fid]
-            if p < len(plan.drafts):
-                out[i, plan.seconds[p]] = log((1 - plan.rate) * plan.rate)
-                out[i, plan.drafts[p]] = log(plan.rate)
+            for tok, lp in self._ranking(self._plan(fid), self._fork_len[fid]).items():
+                out[i, tok] = lp
         return out
 
     def kv_stats(self) -> dict:

@@ -144,3 +144,32 @@ def test_greedy_with_cuda_graphs_equals_plain(plain, method, tree):
     assert spec.verifier.runner.graphs._captured
     if method != "none":
         assert sum(o.stats.accepted_tokens for o in outs) > 0
+
+
+@pytest.mark.parametrize("kind", ["eagle3", "eagle"])
+@pytest.mark.parametrize("b", [1, 3])
+def test_graphed_ahead_chains_equal_eager(kind, b):
+    """Chain draft ahead (drafter/ahead_chains.py): the CUDA graph gives the eager pass's outcome
+    caches (outcomes and next chains), round after round, fp32."""
+    target = load_llama(demo_paths("none")[0], torch.float32, "cuda")
+    head = load_head(demo_paths(kind)[1], target, kind=kind, dtype=torch.float32, device="cuda")
+    cfg = SpecConfig(method=kind, num_steps=4, topk=1, num_draft_tokens=5, ahead_width=5)
+    eager = EagleProposer(head, cfg, max_slots=8, max_len=MAX_LEN)
+    graphed = EagleProposer(head, cfg, max_slots=8, max_len=MAX_LEN, cuda_graphs=True)
+    g = torch.Generator().manual_seed(10 + b)
+    reqs = [DraftRequest(f"r{i}", torch.randint(1, 4096, (4 + 13 * i,), generator=g).tolist(), SamplingParams(), 0,
+                         False) for i in range(b)]
+    new = [r.committed_len - 1 for r in reqs]
+    for _ in range(3):
+        feats = [torch.randn(n, head.spec.feature_size, generator=g).cuda() for n in new]
+        for p in (eager, graphed):
+            p.catch_up(reqs, new, feats)
+        chains = [p.propose(reqs).token_ids.tolist() for p in (eager, graphed)]
+        assert chains[0] == chains[1]
+        caches = [p.ahead_chains(reqs, chains[0], 5) for p in (eager, graphed)]
+        rows = [[{k: t.token_ids[r].tolist() for k, (t, r) in c.items()} for c in cs] for cs in caches]
+        assert rows[0] == rows[1] and all(len(c) == 5 for c in rows[0])
+        new = [1 + i % 3 for i in range(b)]
+        for r, n in zip(reqs, new):
+            r.token_ids.extend(torch.randint(1, 4096, (n,), generator=g).tolist())
+    assert graphed.ahead_graphs._captured and not eager.ahead_graphs._captured
