@@ -13,7 +13,9 @@ each. When the verdict arrives (`extend`), a hit makes the cached tree the reque
 The catch-up with the real target features is then deferred to the next call that needs the
 state: it runs while the verifier is busy with that tree. A miss catches up at once and drafts on
 demand. Any tree is valid for verification, so hits never change greedy output; sampled trees
-carry the q they were drawn from.
+carry the q they were drawn from. Chains with deterministic drafts take a one-pass path when the
+proposer offers it (`ahead_chains`, drafter/ahead_chains.py): the same outcomes and trees from
+one forced chain and one batched chain per outcome, with no forks.
 
 Preemption: `remove(..., keep_draft=True)` keeps a request's next tree (and its q) tagged with
 its committed length; a re-prefill at the same committed length makes it the next draft again.
@@ -153,11 +155,18 @@ class DrafterEngine:
                     self.ready[rid] = (out.committed_len, *hit)
             req.token_ids.extend(out.token_ids)
             if rid in self.ready:
-                self.deferred[rid] = (len(out.token_ids), out.features)
+                self.deferred[rid] = (len(out.token_ids), self._stage(out.features))
             else:
                 now.append((req, len(out.token_ids), out.features))
         if now:
             self.proposer.catch_up([r for r, _, _ in now], [n for _, n, _ in now], [f for _, _, f in now])
+
+    def _stage(self, features: torch.Tensor | None) -> torch.Tensor | None:
+        """A deferred catch-up's features, moved to the proposer's device now. From another GPU
+        the copy runs on that GPU's stream: at the deferred catch-up, the next round's verify is
+        queued there and the copy (with all of draft ahead behind it) would wait for it."""
+        stage = getattr(self.proposer, "stage_features", None)
+        return features if stage is None or features is None else stage(features)
 
     def extend_caught_up(self, outputs: list[VerifyOutput]) -> None:
         """`extend` for verdicts whose catch-up already ran on the proposer's state: the fused graph

@@ -210,6 +210,10 @@ class EagleProposer:
 
     supports_ahead = True
 
+    def stage_features(self, features: torch.Tensor) -> torch.Tensor:
+        """Target features on this proposer's device and dtype (what `catch_up` reads)."""
+        return to_device(features, self.device).to(self.dtype)
+
     def ahead_fork(self, src_id, dst_id):
         self.cache.fork(self.slots.of[src_id], self.slots.get(dst_id), self.cache_len[src_id])
         self.cache_len[dst_id] = self.cache_len[src_id]

@@ -120,6 +120,10 @@ class ControlledProposer:
             if tuple(r.token_ids[-n:]) != truth[r.committed_len - n: r.committed_len]:
                 self.diverged.add(r.request_id)
 
+    def stage_features(self, features):
+        stage = getattr(self.inner, "stage_features", None)
+        return features if stage is None else stage(features)
+
     def propose(self, reqs, num_steps=None):
         if any(r.sample_drafts for r in reqs):
             raise ValueError("controlled acceptance needs deterministic drafts (greedy requests)")

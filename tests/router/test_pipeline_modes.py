@@ -3,6 +3,8 @@ the fastest; the candidates depend on the batch (sequential, ahead and plain bel
 micro-batches; sequential, ping-pong, short drafts and plain from there); fixed modes are honoured;
 no drafter means sequential."""
 
+import pytest
+
 from router.pipeline import ModeChooser, SpeculationSwitch
 from router.requests import RouterConfig
 
@@ -166,12 +168,19 @@ def test_a_keep_measures_its_mode_again():
     assert chooser.rates["sequential"] == 120.0
 
 
-def test_plain_is_kept_over_a_speculating_mode_it_nearly_ties():
-    """Within PLAIN_EDGE of plain, plain is kept; a clear win keeps the speculating mode."""
-    from router.pipeline import PLAIN_EDGE
+@pytest.mark.parametrize("num_running", [16, 64])
+def test_plain_is_kept_over_a_speculating_mode_it_nearly_ties(num_running):
+    """Within the edge of plain (PLAIN_EDGE, PLAIN_EDGE_LARGE from LARGE_BATCH running), plain is
+    kept; a clear win keeps the speculating mode."""
+    from router.pipeline import LARGE_BATCH, PLAIN_EDGE, PLAIN_EDGE_LARGE
 
-    order = ["sequential", "pingpong", "short:1", "short:2", "plain"]
-    near = {m: 50.0 for m in order} | {"plain": 100.0, "sequential": 100.0 * (PLAIN_EDGE - 0.02)}
-    assert set(_run(ModeChooser(_cfg(pipeline="auto")), near, 15 + 24, num_running=64)[15:]) == {"plain"}
-    clear = near | {"sequential": 100.0 * (PLAIN_EDGE + 0.02)}
-    assert set(_run(ModeChooser(_cfg(pipeline="auto")), clear, 15 + 24, num_running=64)[15:]) == {"sequential"}
+    edge = PLAIN_EDGE_LARGE if num_running >= LARGE_BATCH else PLAIN_EDGE
+    assert PLAIN_EDGE < PLAIN_EDGE_LARGE and 16 < LARGE_BATCH <= 64
+    chooser = ModeChooser(_cfg(pipeline="auto"))
+    order = list(chooser.candidates(num_running))
+    near = {m: 50.0 for m in order} | {"plain": 100.0, "sequential": 100.0 * (edge - 0.02)}
+    warm = len(order) * 3
+    assert set(_run(ModeChooser(_cfg(pipeline="auto")), near, warm + 24, num_running=num_running)[warm:]) == {"plain"}
+    clear = near | {"sequential": 100.0 * (edge + 0.02)}
+    assert set(_run(ModeChooser(_cfg(pipeline="auto")), clear, warm + 24,
+                    num_running=num_running)[warm:]) == {"sequential"}
