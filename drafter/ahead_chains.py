@@ -31,7 +31,7 @@ from dataclasses import dataclass, fields
 import numpy as np
 import torch
 
-from drafter.graphs import chain_tree
+from drafter.graphs import HeadGraphs, chain_tree
 from drafter.tree import TreeDraft
 from spectandem.devices import to_device
 from spectandem.kv_cache import PagedCacheBatch, PagedKVCache
@@ -138,23 +138,18 @@ def ahead_forward(head, cache: PagedKVCache, inp: AheadInputs, target_to_draft: 
     return torch.stack([depth, bonus, (score > neg).long()] + chain_out, -1)
 
 
-class AheadChainGraphs:
+class AheadChainGraphs(HeadGraphs):
     """Chain draft ahead at bucketed static shapes, one CUDA graph per (Bc, span, m, S, W),
     captured lazily. With `graph=False` the same padded computation runs eagerly (the CPU path)."""
 
     def __init__(self, head, cache: PagedKVCache, graph: bool = True,
                  batch_buckets: tuple[int, ...] = BATCH_BUCKETS):
-        self.head, self.cache, self.graph = head, cache, graph
-        self.device = cache.k[0].device
-        if graph and self.device.type != "cuda":
-            raise ValueError(f"CUDA graphs need a CUDA device, the draft cache is on {self.device}")
-        self.batch_buckets = tuple(sorted(batch_buckets))
+        super().__init__(head, cache, graph, batch_buckets)
         spec = head.spec
         t2d = torch.full((spec.vocab_size,), -1, dtype=torch.long, device=self.device)
         draft_ids = torch.arange(spec.draft_vocab_size, device=self.device)
         t2d[head.draft_to_target(draft_ids)] = draft_ids
         self.target_to_draft = t2d
-        self.pool = None
         self._captured: dict[tuple, tuple[AheadInputs, "torch.cuda.CUDAGraph", torch.Tensor]] = {}
 
     def supports(self, batch: int) -> bool:

@@ -101,9 +101,9 @@ def chain_tree(token_ids: torch.Tensor, num_draft_tokens: int) -> TreeDraft:
                      scores=torch.zeros(b, m, device=dev))
 
 
-class ChainGraphs:
-    """Draft chains at bucketed static shapes, one CUDA graph per (Bc, S, num_steps), captured
-    lazily. With `graph=False` the same padded computation runs eagerly (testable on CPU)."""
+class HeadGraphs:
+    """What the head's graph families share: the head and its cache, graphs or the same padded
+    computation eagerly (`graph=False`, the CPU path), batch buckets and one memory pool."""
 
     def __init__(self, head, cache: PagedKVCache, graph: bool = True,
                  batch_buckets: tuple[int, ...] = BATCH_BUCKETS):
@@ -113,6 +113,15 @@ class ChainGraphs:
             raise ValueError(f"CUDA graphs need a CUDA device, the draft cache is on {self.device}")
         self.batch_buckets = tuple(sorted(batch_buckets))
         self.pool = None
+
+
+class ChainGraphs(HeadGraphs):
+    """Draft chains at bucketed static shapes, one CUDA graph per (Bc, S, num_steps), captured
+    lazily. With `graph=False` the same padded computation runs eagerly (testable on CPU)."""
+
+    def __init__(self, head, cache: PagedKVCache, graph: bool = True,
+                 batch_buckets: tuple[int, ...] = BATCH_BUCKETS):
+        super().__init__(head, cache, graph, batch_buckets)
         self._captured: dict[tuple, tuple[ChainInputs, "torch.cuda.CUDAGraph"]] = {}
         self._outputs: dict[tuple, torch.Tensor] = {}     # (Bc, num_steps) -> [Bc, num_steps] tokens
 
@@ -213,18 +222,14 @@ def catch_up_forward(head, cache: PagedKVCache, inp: CatchUpInputs, span: int) -
     return out, head.logits(out)
 
 
-class CatchUpGraphs:
+class CatchUpGraphs(HeadGraphs):
     """Catch-ups at bucketed static shapes, one CUDA graph per (Bc, Tc, S), captured lazily. With
     `graph=False` the same padded computation runs eagerly (testable on CPU)."""
 
     def __init__(self, head, cache: PagedKVCache, graph: bool = True,
                  batch_buckets: tuple[int, ...] = BATCH_BUCKETS, pair_buckets: tuple[int, ...] = PAIR_BUCKETS):
-        self.head, self.cache, self.graph = head, cache, graph
-        self.device = cache.k[0].device
-        if graph and self.device.type != "cuda":
-            raise ValueError(f"CUDA graphs need a CUDA device, the draft cache is on {self.device}")
-        self.batch_buckets, self.pair_buckets = tuple(sorted(batch_buckets)), tuple(sorted(pair_buckets))
-        self.pool = None
+        super().__init__(head, cache, graph, batch_buckets)
+        self.pair_buckets = tuple(sorted(pair_buckets))
         self._captured: dict[tuple, tuple[CatchUpInputs, "torch.cuda.CUDAGraph"]] = {}
         self._outputs: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}   # Bc -> ([Bc, 1, H], [Bc, 1, Vd])
 
