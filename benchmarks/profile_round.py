@@ -13,7 +13,7 @@ of the same prompts for comparison.
 
     python benchmarks/profile_round.py [--rate 0.8] [--steps 4] [--max-tokens 96] [--top 15]
     python benchmarks/profile_round.py --workload demo --batch 4
-    python benchmarks/profile_round.py --ahead     # each round also drafts ahead (drafter/engine.py)
+    python benchmarks/profile_round.py --ahead     # each round also drafts ahead (drafter/ahead.py)
 
 With --ahead, each round also runs DrafterEngine.draft_ahead (what the router overlaps with the
 verify), timed as "ahead", with the proposer calls inside it timed on their own.

@@ -1,6 +1,6 @@
 """Draft ahead for argmax chains (topk 1, deterministic drafts) in one pass on the device.
 
-The general draft ahead (drafter/engine.py) forks the request's state once per tree node,
+The general draft ahead (drafter/ahead.py) forks the request's state once per tree node,
 absorbs each node's path one eager head step at a time, ranks outcomes on the host and drafts a
 tree per outcome: about 31 ms a round on the 8B-shaped head, five times a verify. For a chain
 the same answer costs two short chains of head steps, here in one computation (one CUDA graph

@@ -3,19 +3,7 @@
 Per request it keeps the committed tokens and the draft probabilities of the round in flight,
 tagged with the committed length they were drafted at (`DraftProbStore`).
 
-Draft ahead (SSD's outcome cache, ../shared/reference/disagg.md): while the verifier checks a
-round's tree, `draft_ahead` prepares the next tree for the round's likeliest outcomes. An
-outcome is what the round commits: the accepted path plus the bonus token. The drafter forks the
-request's state once per tree node and absorbs that node's path with its own predicted features.
-This gives the draft distribution after every node. Outcomes (node u, bonus b), with b not a
-child of u, are scored by log q(path to u) + log q_u(b), and the `ahead_width` best get a tree
-each. When the verdict arrives (`extend`), a hit makes the cached tree the request's next draft.
-The catch-up with the real target features is then deferred to the next call that needs the
-state: it runs while the verifier is busy with that tree. A miss catches up at once and drafts on
-demand. Any tree is valid for verification, so hits never change greedy output; sampled trees
-carry the q they were drawn from. Chains with deterministic drafts take a one-pass path when the
-proposer offers it (`ahead_chains`, drafter/ahead_chains.py): the same outcomes and trees from
-one forced chain and one batched chain per outcome, with no forks.
+Draft ahead (the outcome cache filled while the verifier verifies): drafter/ahead.py.
 
 Preemption: `remove(..., keep_draft=True)` keeps a request's next tree (and its q) tagged with
 its committed length; a re-prefill at the same committed length makes it the next draft again.
@@ -23,26 +11,17 @@ its committed length; a re-prefill at the same committed length makes it the nex
 
 from __future__ import annotations
 
-import logging
 from pathlib import Path
 
 import torch
 
+from drafter.ahead import DraftAheadMixin
 from drafter.lm_proposers import DraftModelProposer, NgramProposer
 from drafter.proposers import DraftRequest, EagleProposer, Proposer
 from drafter.tree import TreeDraft
 from spectandem.config import SamplingParams, SpecConfig
 from spectandem.devices import to_host
-from spectandem.block_manager import KVCacheFull
 from spectandem.messages import DraftTree, StaleMessage, VerifyOutput
-
-log = logging.getLogger("spectandem.drafter")
-AHEAD_SEP = "\x1f"   # a draft-ahead fork's id: "<request id>\x1fahead<node>", its outcomes "...-<bonus>"
-
-
-def ahead_owner(request_id: str) -> str:
-    """The request a draft-ahead fork was forked from; a request's own id for a request."""
-    return request_id.split(AHEAD_SEP, 1)[0]
 
 
 class DraftProbStore:
@@ -75,7 +54,7 @@ class DraftProbStore:
         return len(self._rows)
 
 
-class DrafterEngine:
+class DrafterEngine(DraftAheadMixin):
     def __init__(self, proposer: Proposer, cfg: SpecConfig):
         self.proposer, self.cfg = proposer, cfg
         self.requests: dict[str, DraftRequest] = {}
@@ -246,109 +225,6 @@ class DrafterEngine:
         return DraftTree(request_ids=list(request_ids), committed_lens=[r.committed_len for r in reqs],
                          token_ids=token_ids, parents=parents, node_valid=valid, scores=scores,
                          draft_probs=draft_probs, sampled=[r.sample_drafts for r in reqs])
-
-    def draft_ahead(self, request_ids: list[str]) -> list[bool | None]:
-        """Fills the outcome cache for the trees of these requests now being verified. Returns,
-        per request, whether its tree being verified came from the cache (None: no cache then)."""
-        flags = [self.last_hit.pop(i, None) for i in request_ids]
-        if not self._drafts_ahead:
-            return flags
-        self.flush_deferred(request_ids)
-        todo = [i for i in request_ids if self.in_flight.get(i, (-1,))[0] == self.requests[i].committed_len]
-        chains = self._chains(todo)
-        forks: list[str] = []
-        try:
-            for m, ids in chains.items():   # chains in one pass per length (drafter/ahead_chains.py)
-                trees = self.proposer.ahead_chains([self.requests[i] for i in ids],
-                                                   [self.in_flight[i][1][1: m + 1] for i in ids], self.cfg.ahead_width)
-                for rid, cache in zip(ids, trees):
-                    self.outcomes[rid] = (self.requests[rid].committed_len, cache)
-            done = {i for ids in chains.values() for i in ids}
-            self._fill_outcomes([i for i in todo if i not in done], forks)
-        except KVCacheFull as exc:   # no room for forks now: this round's verdicts draft on demand
-            log.info("draft ahead skipped: %s", exc)
-            for i in todo:
-                self.outcomes.pop(i, None)
-        finally:
-            for f in reversed(forks):   # borrowers before lenders
-                self.proposer.remove(f)
-        return flags
-
-    def _chains(self, request_ids: list[str]) -> dict[int, list[str]]:
-        """The requests whose tree being verified is a chain with deterministic drafts, by chain
-        length, when the proposer drafts ahead for chains in one pass."""
-        supports = getattr(self.proposer, "supports_ahead_chains", None)
-        if supports is None:
-            return {}
-        out: dict[int, list[str]] = {}
-        for rid in request_ids:
-            _, _, parents, valid = self.in_flight[rid]
-            m = sum(valid) - 1
-            if (not self.requests[rid].sample_drafts and m >= 1 and all(valid[: m + 1])
-                    and all(parents[j] == j - 1 for j in range(1, m + 1))):
-                out.setdefault(m, []).append(rid)
-        return {m: ids for m, ids in out.items() if supports(len(ids))}
-
-    def _fill_outcomes(self, request_ids: list[str], forks: list[str]) -> None:
-        if not request_ids:
-            return
-        width = self.cfg.ahead_width
-        # 1. A fork per tree node that has absorbed the path to it: the draft's q after the node.
-        nodes, fork_reqs = [], []
-        for rid in request_ids:
-            req = self.requests[rid]
-            _, toks, parents, valid = self.in_flight[rid]
-            paths = {0: []}
-            for j in range(1, len(toks)):
-                if valid[j]:
-                    paths[j] = paths[parents[j]] + [toks[j]]   # a parent always has a lower index
-            for j, path in paths.items():
-                fid = f"{rid}{AHEAD_SEP}ahead{j}"
-                forks.append(fid)   # before the fork: a fork that fails half-way is still freed
-                self.proposer.ahead_fork(rid, fid)
-                nodes.append((rid, j, path))
-                fork_reqs.append(DraftRequest(fid, req.token_ids + path, req.params, req.seed, req.sample_drafts))
-        self.proposer.ahead_absorb(fork_reqs, [len(p) for _, _, p in nodes])
-        logq = self.proposer.ahead_logprobs([f.request_id for f in fork_reqs]).float().cpu()
-        row = {(rid, j): i for i, (rid, j, _) in enumerate(nodes)}
-        # 2. The likeliest outcomes per request.
-        chosen = []
-        for rid in request_ids:
-            _, toks, parents, valid = self.in_flight[rid]
-            children: dict[int, set[int]] = {}
-            for j in range(1, len(toks)):
-                if valid[j]:
-                    children.setdefault(parents[j], set()).add(toks[j])
-            reach, cands = {}, []
-            for (r, j, path) in nodes:
-                if r != rid:
-                    continue
-                reach[j] = 0.0 if j == 0 else reach[parents[j]] + float(logq[row[(rid, parents[j])], toks[j]])
-                lp, tok = logq[row[(rid, j)]].topk(min(width + len(children.get(j, ())), logq.shape[-1]))
-                for v, b in zip(lp.tolist(), tok.tolist()):
-                    if b not in children.get(j, ()) and v > float("-inf"):
-                        cands.append((-(reach[j] + v), j, b, path))
-            cands.sort(key=lambda c: c[:3])
-            chosen += [(rid, j, b, path) for _, j, b, path in cands[:width]]
-        # 3. A fork per outcome absorbs its bonus token and drafts the next tree.
-        out_reqs = []
-        for rid, j, b, path in chosen:
-            src = fork_reqs[row[(rid, j)]]
-            fid = f"{src.request_id}-{b}"
-            forks.append(fid)
-            self.proposer.ahead_fork(src.request_id, fid)
-            out_reqs.append(DraftRequest(fid, src.token_ids + [b], src.params, src.seed, src.sample_drafts))
-        self.proposer.ahead_absorb(out_reqs, [1] * len(out_reqs))
-        for rid in request_ids:
-            self.outcomes[rid] = (self.requests[rid].committed_len, {})
-        parts: dict[bool, list[int]] = {}
-        for i, r in enumerate(out_reqs):
-            parts.setdefault(r.sample_drafts, []).append(i)
-        for idx in parts.values():
-            tree = self.proposer.propose([out_reqs[i] for i in idx])
-            for k, i in enumerate(idx):
-                rid, _, b, path = chosen[i]
-                self.outcomes[rid][1][tuple(path) + (b,)] = (tree, k)
 
     def remove(self, request_id: str, keep_draft: bool = False) -> None:
         """Forgets a request; with keep_draft, its ready next tree stays for a re-prefill at the

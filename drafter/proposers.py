@@ -251,7 +251,7 @@ class EagleProposer:
         """Requests whose scratch would pass the cache's max_len get no outcomes."""
         m = len(chains[0])
         assert all(len(c) == m for c in chains) and not any(r.sample_drafts for r in reqs)
-        steps = min(self.cfg.num_steps, self.cfg.num_draft_tokens - 1)
+        steps = self.cfg.max_draft_nodes   # a chain's length
         need = scratch_entries(m, steps, width)
         fit = [i for i, r in enumerate(reqs) if self.cache_len[r.request_id] + need <= self.cache.max_len]
         out: list[dict] = [{} for _ in reqs]

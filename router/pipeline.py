@@ -3,7 +3,7 @@
 `ModeChooser` picks how the next round runs:
 - "sequential": draft, verify, extend;
 - "ahead": the same, while the verifier verifies the drafter fills its outcome cache for the
-  round's trees (drafter/engine.py), so a hit's next tree is ready when the verdict arrives
+  round's trees (drafter/ahead.py), so a hit's next tree is ready when the verdict arrives
   (latency at small batch);
 - "pingpong": two micro-batches, the drafter working on one while the verifier verifies the
   other (throughput);

@@ -16,7 +16,7 @@ Glossary:
 drafting cost is real), then the proposed chain's tokens are replaced by the planned drafts.
 Greedy verification keeps the output exactly the target's greedy output.
 
-Draft ahead (drafter/engine.py: while a round is verified, the drafter drafts the next round for
+Draft ahead (drafter/ahead.py: while a round is verified, the drafter drafts the next round for
 its likeliest outcomes) needs the drafter's ranking of the tokens at a position, not only its
 first choice. The controlled drafter's ranking at position p: first its draft, drafts[p], then
 its second guess, seconds[p], which is drawn like the first: where the first guess is wrong, the
@@ -36,7 +36,7 @@ from dataclasses import dataclass
 import torch
 
 from drafter.ahead_chains import rank_chain_outcomes
-from drafter.engine import ahead_owner
+from drafter.ahead import ahead_owner
 from drafter.graphs import chain_tree
 
 
@@ -110,7 +110,7 @@ class ControlledProposer:
         self._fork_len: dict[str, int] = {}   # draft-ahead fork -> its committed length
 
     def _plan(self, request_id: str) -> DraftPlan:
-        """A request's plan; a draft-ahead fork has its request's (drafter/engine.py)."""
+        """A request's plan; a draft-ahead fork has its request's (drafter/ahead.py)."""
         return self.plans[ahead_owner(request_id)]
 
     def catch_up(self, reqs, num_new, features):
@@ -158,7 +158,7 @@ class ControlledProposer:
         runs (its cost is drafting ahead's) and its outcomes are dropped; the plan ranks the
         outcomes (`_ranking`, as `ahead_logprobs` does for the forks) and gives their trees."""
         self.inner.ahead_chains(reqs, chains, width)
-        steps = min(self.cfg.num_steps, self.cfg.num_draft_tokens - 1)
+        steps = self.cfg.max_draft_nodes   # a chain's length
         out = []
         for r, chain in zip(reqs, chains):
             plan, n = self._plan(r.request_id), r.committed_len
@@ -181,7 +181,7 @@ class ControlledProposer:
     def ahead_logprobs(self, request_ids):
         """[len(request_ids), V]: each fork's log-probabilities for the position it predicts (its
         committed length), from the plan: the first guess a, the second (1 - a) a (the chance that
-        it is the target's token), every other token 0. An outcome's score (drafter/engine.py) is
+        it is the target's token), every other token 0. An outcome's score (drafter/ahead.py) is
         then the log of its probability. The real head's log-probabilities are computed and
         dropped: their cost is drafting ahead's."""
         real = self.inner.ahead_logprobs(request_ids).float().cpu()   # the real path's copy too

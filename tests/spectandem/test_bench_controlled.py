@@ -139,7 +139,7 @@ def test_forks_rank_the_plans_first_then_second_guess():
     p = ControlledProposer(_AheadScripted(cfg), {"a": plan})
     assert p.supports_ahead and not ControlledProposer(_AheadScripted(cfg), {}, ahead=False).supports_ahead
     assert not ControlledProposer(_ScriptedProposer(cfg), {}).supports_ahead     # inner cannot
-    from drafter.engine import AHEAD_SEP
+    from drafter.ahead import AHEAD_SEP
 
     forks = [_req(f"a{AHEAD_SEP}ahead0", truth[:6]), _req(f"a{AHEAD_SEP}ahead2", truth[:6] + list(plan.drafts[6:8]))]
     p.ahead_fork("a", forks[0].request_id)
