@@ -1,7 +1,7 @@
 """Chain draft ahead in one pass (drafter/ahead_chains.py), fp32 on the CPU, on the demo heads:
 
 - the one-pass outcome cache equals the general one (a fork per node absorbing its path, host
-  ranking, a tree per outcome: drafter/engine.py) round after round: the same outcomes and the
+  ranking, a tree per outcome: drafter/ahead.py) round after round: the same outcomes and the
   same next chains, token for token; a shifted position (a wrong layout) must be caught;
 - the engine takes the one-pass path for chains, and only for them;
 - the host ranking (`rank_chain_outcomes`) follows the score order, skips each depth's child and

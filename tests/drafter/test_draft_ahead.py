@@ -1,4 +1,4 @@
-"""Draft ahead (the outcome cache of drafter/engine.py), in process, fp32 on the CPU:
+"""Draft ahead (the outcome cache of drafter/ahead.py), in process, fp32 on the CPU:
 
 - greedy output with the cache equals plain decoding token for token (any tree is valid), for
   every method that drafts ahead, and hits and misses both happen;
