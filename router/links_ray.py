@@ -19,6 +19,7 @@ says so through `extend`.
 from __future__ import annotations
 
 import asyncio
+import os
 from pathlib import Path
 from typing import Callable
 
@@ -42,6 +43,9 @@ def ray_init(address: str | None, num_cpus: int | None = None) -> None:
     if address:
         ray.init(address=address)
     else:
+        # A loaded machine can take longer than Ray's default 30 s to bring its GCS up; a local
+        # cluster waits up to 120 s (the operator's own setting wins).
+        os.environ.setdefault("RAY_gcs_server_port_wait_time_s", "120")
         # "local" explicitly: never join whatever RAY_ADDRESS the environment happens to name.
         ray.init(address="local", num_cpus=num_cpus, include_dashboard=False, log_to_driver=False)
 
