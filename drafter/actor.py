@@ -27,7 +27,7 @@ import torch
 from drafter.engine import DrafterEngine, build_proposer
 from drafter.service_core import (drafter_draft, drafter_draft_ahead, drafter_extend, drafter_info, drafter_prefill,
                                   drafter_release)
-from router.links import DrafterPrefillItem, EngineInfo, ExtendItem, Tag
+from router.links import AheadReply, DrafterPrefillItem, EngineInfo, ExtendItem, Tag
 from spectandem.channel import FeatureReceiver
 from spectandem.config import GpuPaths, SpecConfig
 from spectandem.messages import DraftTree
@@ -75,7 +75,7 @@ class DrafterActor:
         call failed, and forwards the tree's ref without fetching it."""
         return drafter_draft(self.engine, tags, num_steps), None
 
-    def draft_ahead(self, tags: list[Tag]) -> list[bool | None]:
+    def draft_ahead(self, tags: list[Tag]) -> AheadReply:
         return drafter_draft_ahead(self.engine, tags)
 
     def extend(self, items: list[ExtendItem]) -> list[str]:

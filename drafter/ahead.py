@@ -20,7 +20,10 @@ from __future__ import annotations
 import logging
 
 from drafter.proposers import DraftRequest
+from drafter.tree import ready_rows
 from spectandem.block_manager import KVCacheFull
+from spectandem.devices import to_host
+from spectandem.messages import ReadyTree
 
 log = logging.getLogger("spectandem.drafter")
 AHEAD_SEP = "\x1f"   # a draft-ahead fork's id: "<request id>\x1fahead<node>", its outcomes "...-<bonus>"
@@ -60,7 +63,30 @@ class DraftAheadMixin:
         finally:
             for f in reversed(forks):   # borrowers before lenders
                 self.proposer.remove(f)
+        self._outcome_rows(todo)
         return flags
+
+    def outcome_trees(self, request_ids: list[str]) -> list[dict[tuple[int, ...], ReadyTree] | None]:
+        """Per request, its outcome cache's trees as the verifier's rows (outcome: the round's
+        committed tokens -> the next tree), for the router to verify a hit's tree without a
+        draft call; None where there is no cache or its drafts are sampled (their q stays here)."""
+        return [self.outcome_rows.get(i) for i in request_ids]
+
+    def _outcome_rows(self, request_ids: list[str]) -> None:
+        """Fills `outcome_rows` from the outcome cache of these requests (deterministic drafts
+        only), each distinct tree copied to the host once."""
+        host: dict[int, list] = {}
+        for rid in request_ids:
+            self.outcome_rows.pop(rid, None)
+            req, cache = self.requests[rid], self.outcomes.get(rid)
+            if req.sample_drafts or cache is None or cache[0] != req.committed_len:
+                continue
+            rows = {}
+            for key, (tree, row) in cache[1].items():
+                if id(tree) not in host:
+                    host[id(tree)] = to_host(tree.token_ids, tree.parents, tree.scores)
+                rows[key] = ready_rows(key[-1], host[id(tree)], row)
+            self.outcome_rows[rid] = rows
 
     def _chains(self, request_ids: list[str]) -> dict[int, list[str]]:
         """The requests whose tree being verified is a chain with deterministic drafts, by chain

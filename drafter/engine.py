@@ -18,10 +18,10 @@ import torch
 from drafter.ahead import DraftAheadMixin
 from drafter.lm_proposers import DraftModelProposer, NgramProposer
 from drafter.proposers import DraftRequest, EagleProposer, Proposer
-from drafter.tree import TreeDraft
+from drafter.tree import TreeDraft, ready_rows
 from spectandem.config import SamplingParams, SpecConfig
 from spectandem.devices import to_host
-from spectandem.messages import DraftTree, StaleMessage, VerifyOutput
+from spectandem.messages import DraftTree, ReadyTree, StaleMessage, VerifyOutput, trees_from_ready
 
 
 class DraftProbStore:
@@ -66,6 +66,9 @@ class DrafterEngine(DraftAheadMixin):
         self.ready: dict[str, tuple[int, TreeDraft, int]] = {}   # next tree (committed_len, tree, row)
         self.deferred: dict[str, tuple[int, torch.Tensor | None]] = {}  # catch-up not run yet
         self.last_hit: dict[str, bool] = {}     # did the last verdict hit the outcome cache
+        # The outcome cache's deterministic trees as the verifier's rows (outcome -> ReadyTree):
+        # what draft_ahead returns to the router, which verifies a hit's tree without a draft call.
+        self.outcome_rows: dict[str, dict[tuple[int, ...], ReadyTree]] = {}
         self.kept: dict[str, tuple[int, TreeDraft, int]] = {}    # next trees kept through preemption
         self.ahead_hits = self.ahead_misses = 0
         self._drafts_ahead = bool(cfg.ahead_width and getattr(proposer, "supports_ahead", False))
@@ -132,6 +135,12 @@ class DrafterEngine(DraftAheadMixin):
                 self.ahead_misses += hit is None
                 if hit is not None:
                     self.ready[rid] = (out.committed_len, *hit)
+                    # The router may verify this tree without a draft call (it holds the
+                    # outcome's rows: `outcome_trees`); draft ahead then forks from it.
+                    rows = self.outcome_rows.get(rid, {}).get(tuple(out.token_ids))
+                    if rows is not None:
+                        self.in_flight[rid] = _in_flight(out.committed_len, rows)
+            self.outcome_rows.pop(rid, None)
             req.token_ids.extend(out.token_ids)
             if rid in self.ready:
                 self.deferred[rid] = (len(out.token_ids), self._stage(out.features))
@@ -183,48 +192,33 @@ class DrafterEngine(DraftAheadMixin):
             tree = self.proposer.propose([reqs[i] for i in idx], depth)
             for row, i in enumerate(idx):
                 drafts[i] = (tree, row)
-        m = max(d.token_ids.shape[1] for d, _ in drafts.values())
-        b = len(reqs)
-        n = m + 1
-        token_ids = torch.full((b, n), -1, dtype=torch.long)
-        parents = torch.full((b, n), -1, dtype=torch.long)
-        scores = torch.full((b, n), float("-inf"))
-        valid = torch.zeros(b, n, dtype=torch.bool)
-        any_sampled = any(r.sample_drafts for r in reqs)
-        probs_rows: list[torch.Tensor | None] = []
         host: dict[int, list] = {}   # each tree's tensors, copied to the host once (one wait per tree)
         for d, _ in drafts.values():
             if id(d) not in host:
                 host[id(d)] = to_host(d.token_ids, d.parents, d.scores, d.node_probs)
+        rows, probs_rows = [], []
         for i, r in enumerate(reqs):
             d, row = drafts[i]
-            d_tokens, d_parents, d_scores, d_probs = host[id(d)]
-            mi = d_tokens.shape[1]
-            token_ids[i, 0], parents[i, 0], scores[i, 0], valid[i, 0] = r.token_ids[-1], -1, 0.0, True
-            token_ids[i, 1: 1 + mi] = d_tokens[row]
-            parents[i, 1: 1 + mi] = d_parents[row]
-            scores[i, 1: 1 + mi] = d_scores[row].float()
-            valid[i, 1: 1 + mi] = d_tokens[row] >= 0
+            rows.append(ready_rows(r.token_ids[-1], host[id(d)], row))
             if r.sample_drafts:
-                rows = d_probs[row]                                              # [mi + 1, V]
-                self.store.put(r.request_id, r.committed_len, rows)
-                probs_rows.append(rows)
+                q = host[id(d)][3][row]                                          # [mi + 1, V]
+                self.store.put(r.request_id, r.committed_len, q)
+                probs_rows.append(q)
             else:
                 probs_rows.append(None)
+        tree = trees_from_ready(list(request_ids), [r.committed_len for r in reqs], rows)
         if self._drafts_ahead:   # what draft_ahead forks from; nothing else reads it
-            for i, r in enumerate(reqs):
-                self.in_flight[r.request_id] = (r.committed_len, token_ids[i].tolist(), parents[i].tolist(),
-                                                valid[i].tolist())
-        draft_probs = None
-        if any_sampled:
-            vocab = next(p.shape[-1] for p in probs_rows if p is not None)
-            draft_probs = torch.zeros(b, n, vocab, dtype=torch.float64)
-            for i, rows in enumerate(probs_rows):
-                if rows is not None:
-                    draft_probs[i, : rows.shape[0]] = rows
-        return DraftTree(request_ids=list(request_ids), committed_lens=[r.committed_len for r in reqs],
-                         token_ids=token_ids, parents=parents, node_valid=valid, scores=scores,
-                         draft_probs=draft_probs, sampled=[r.sample_drafts for r in reqs])
+            for r, rt in zip(reqs, rows):
+                self.in_flight[r.request_id] = _in_flight(r.committed_len, rt)
+        if any(q is not None for q in probs_rows):
+            b, n = tree.token_ids.shape
+            vocab = next(q.shape[-1] for q in probs_rows if q is not None)
+            tree.draft_probs = torch.zeros(b, n, vocab, dtype=torch.float64)
+            for i, q in enumerate(probs_rows):
+                if q is not None:
+                    tree.draft_probs[i, : q.shape[0]] = q
+        tree.sampled = [r.sample_drafts for r in reqs]
+        return tree
 
     def remove(self, request_id: str, keep_draft: bool = False) -> None:
         """Forgets a request; with keep_draft, its ready next tree stays for a re-prefill at the
@@ -234,7 +228,7 @@ class DrafterEngine(DraftAheadMixin):
             self.kept[request_id] = ready
         elif not keep_draft:
             self.kept.pop(request_id, None)
-        for d in (self.in_flight, self.outcomes, self.deferred, self.last_hit):
+        for d in (self.in_flight, self.outcomes, self.outcome_rows, self.deferred, self.last_hit):
             d.pop(request_id, None)
         self.requests.pop(request_id, None)
         self.epochs.pop(request_id, None)
@@ -270,6 +264,11 @@ def build_proposer(cfg: SpecConfig, target, draft_dir: str | Path | None, max_sl
 
     head = load_head(draft_dir, target, kind=cfg.method, dtype=dtype, device=device)
     return EagleProposer(head, cfg, max_slots, max_len, kv_blocks, block_size, cuda_graphs)
+
+
+def _in_flight(committed_len: int, rt: ReadyTree) -> tuple[int, list[int], list[int], list[bool]]:
+    """The draft-ahead record of a tree being verified: (committed_len, tokens, parents, valid)."""
+    return committed_len, list(rt.token_ids), list(rt.parents), [t >= 0 for t in rt.token_ids]
 
 
 def _merge_rounds(outputs: list[VerifyOutput]) -> list[VerifyOutput]:

@@ -12,7 +12,7 @@ import logging
 import time
 from dataclasses import replace
 
-from router.links import DrafterPrefillItem, EngineInfo, ExtendItem, Tag
+from router.links import AheadReply, DrafterPrefillItem, EngineInfo, ExtendItem, Tag
 from spectandem.channel import ChannelRef, FeatureChannelError, FeatureReceiver
 from spectandem.messages import DraftTree, StaleMessage, VerifyOutput
 
@@ -61,10 +61,13 @@ def drafter_draft(engine, tags: list[Tag], num_steps: list[int | None] | None = 
     return engine.draft([t.request_id for t in tags], [n or None for n in num_steps] if num_steps else None)
 
 
-def drafter_draft_ahead(engine, tags: list[Tag]) -> list[bool | None]:
+def drafter_draft_ahead(engine, tags: list[Tag]) -> AheadReply:
     for t in tags:
         engine.check_tag(t.request_id, t.epoch, t.committed_len)
-    return engine.draft_ahead([t.request_id for t in tags])
+    ids = [t.request_id for t in tags]
+    hits = engine.draft_ahead(ids)
+    trees = getattr(engine, "outcome_trees", None)
+    return AheadReply(hits, trees(ids) if trees is not None else [None] * len(ids))
 
 
 def drafter_release(engine, request_ids: list[str], keep_draft: bool = False) -> int:

@@ -28,6 +28,7 @@ from typing import Callable, Protocol
 import torch
 
 from spectandem import rng
+from spectandem.messages import ReadyTree
 from spectandem.sampling import logits_to_probs, sample_from_probs
 
 
@@ -171,3 +172,10 @@ def sample_chains(first_logits: torch.Tensor, step: StepFn, to_target, num_steps
         probs[:, 1 + (d - 1) * k: 1 + d * k] = q
     return TreeDraft(token_ids=to_target(torch.cat(toks, 1)[:, :m]), parents=parents.clone(),
                      scores=torch.cat(scores, 1)[:, :m].float(), node_probs=probs)
+
+
+def ready_rows(root: int, host_tree: list, row: int) -> ReadyTree:
+    """Request `row` of a drafted tree (TreeDraft's token_ids, parents, scores on the host) as the
+    verifier's rows under `root`, the request's last committed token."""
+    d_tokens, d_parents, d_scores = host_tree[0][row], host_tree[1][row], host_tree[2][row]
+    return ReadyTree((root, *d_tokens.tolist()), (-1, *d_parents.tolist()), (0.0, *d_scores.float().tolist()))

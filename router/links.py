@@ -15,11 +15,14 @@ A `StaleMessage` from an engine means a tag (epoch, committed length) did not ma
 from __future__ import annotations
 
 import asyncio
+import os
+import sys
 import time
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
 from spectandem.config import SamplingParams
+from spectandem.messages import DraftTree, ReadyTree
 
 
 class EngineUnavailable(Exception):
@@ -95,6 +98,18 @@ class DraftHandle:
 
 
 @dataclass
+class AheadReply:
+    """The drafter's answer to draft_ahead, per tag: whether the tree now being verified came
+    from the outcome cache (`hits`; None: there was no cache), and the cache it filled for that
+    tree's verdict (`trees`: the round's committed tokens -> the next tree; None where it holds
+    none the router may use, e.g. sampled drafts). With it the router verifies a hit's next tree
+    without asking the drafter (router/rounds.py)."""
+
+    hits: list[bool | None]
+    trees: list[dict[tuple[int, ...], ReadyTree] | None]
+
+
+@dataclass
 class EngineInfo:
     role: str
     model: str
@@ -132,9 +147,11 @@ class DrafterLink(Protocol):
     async def draft(self, tags: list[Tag], num_steps: list[int | None] | None = None) -> DraftHandle:
         """The round's trees; per tag, a new one at most `num_steps[i]` deep (None: as configured)."""
 
-    async def draft_ahead(self, tags: list[Tag]) -> list[bool | None]:
-        """Called while the trees of `tags` are verified: fill the outcome cache for them.
-        Returns per tag whether that tree came from the cache (None: there was none)."""
+    async def draft_ahead(self, tags: list[Tag]) -> AheadReply:
+        """Called while the trees of `tags` are verified: fill the outcome cache for them."""
+
+    def ready_handle(self, tree: DraftTree, tags: list[Tag]) -> DraftHandle:
+        """A handle the verifier link takes for a tree the router built (`trees_from_ready`)."""
 
     async def extend(self, items: list[ExtendItem]) -> list[str]:
         """Returns the request ids the drafter does not know (it restarted): re-prefill them."""
@@ -150,6 +167,19 @@ class DrafterLink(Protocol):
 # ----------------------------------------------------------------------------------------------
 # In-process links: the engines of this process, each call run in a worker thread so the event
 # loop keeps streaming while a forward runs.
+
+
+# In one process the router's event loop and the two engines' worker threads take turns at the
+# Python lock. A thread waiting for it (the verifier's, back from its forward, with the next
+# round's host work) gets it when the holder blocks or, at the latest, after the interpreter's
+# switch interval: 5 ms by default, as long as a whole verify forward of the 8B target. In-process
+# links shorten it (SPECTANDEM_SWITCH_INTERVAL_S; 0 keeps the interpreter's).
+SWITCH_INTERVAL_S = float(os.environ.get("SPECTANDEM_SWITCH_INTERVAL_S", "0.0005"))
+
+
+def _shorten_switch_interval() -> None:
+    if 0 < SWITCH_INTERVAL_S < sys.getswitchinterval():
+        sys.setswitchinterval(SWITCH_INTERVAL_S)
 
 
 class _LocalLink:
@@ -169,6 +199,7 @@ class _LocalLink:
 
     def __init__(self, engine, model_name: str):
         self.engine, self.model_name = engine, model_name
+        _shorten_switch_interval()
         self._lock = asyncio.Lock()
         self._stream = None
         self.busy_s: dict[str, float] = {}
@@ -256,6 +287,9 @@ class LocalDrafterLink(_LocalLink):
         from drafter.service_core import drafter_draft_ahead
 
         return await self._run("draft_ahead", drafter_draft_ahead, self.engine, tags)
+
+    def ready_handle(self, tree, tags):
+        return DraftHandle(list(tags), tree)
 
     async def extend(self, items):
         from drafter.service_core import drafter_extend

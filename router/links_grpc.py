@@ -19,11 +19,11 @@ import asyncio
 
 import grpc
 
-from router.links import (DraftHandle, DrafterPrefillItem, EngineInfo, EngineUnavailable, ExtendItem, PlainItem,
-                          RoundResult, Tag, VerifierPrefillItem, VerifierPrefillResult)
+from router.links import (AheadReply, DraftHandle, DrafterPrefillItem, EngineInfo, EngineUnavailable,
+                          ExtendItem, PlainItem, RoundResult, Tag, VerifierPrefillItem, VerifierPrefillResult)
 from spectandem import codec
 from spectandem.grpc_server import CHANNEL_OPTIONS
-from spectandem.messages import StaleMessage
+from spectandem.messages import DraftTree, StaleMessage
 from spectandem.v1 import engines_pb2, engines_pb2_grpc
 
 
@@ -111,10 +111,16 @@ class GrpcDrafterLink(_GrpcLink):
         reply = await self._call(self.stub.Draft, request)
         return DraftHandle([codec.tag_from_msg(t) for t in reply.tree.tags], reply.tree)
 
-    async def draft_ahead(self, tags: list[Tag]) -> list[bool | None]:
+    async def draft_ahead(self, tags: list[Tag]) -> AheadReply:
         reply = await self._call(self.stub.DraftAhead,
                                  engines_pb2.DraftAheadRequest(tags=[codec.tag_to_msg(t) for t in tags]))
-        return [None if h < 0 else bool(h) for h in reply.cache_hits]
+        try:
+            return codec.ahead_reply_from_msg(reply)
+        except ValueError as exc:   # a drafter that sends malformed trees is broken, not the router's caller
+            raise EngineUnavailable(f"drafter sent a malformed DraftAheadReply: {exc}") from exc
+
+    def ready_handle(self, tree: DraftTree, tags: list[Tag]) -> DraftHandle:
+        return DraftHandle(list(tags), codec.draft_tree_to_msg(tree, [t.epoch for t in tags]))
 
     async def extend(self, items: list[ExtendItem]) -> list[str]:
         request = engines_pb2.ExtendRequest(items=[codec.extend_item_to_msg(i) for i in items])

@@ -29,9 +29,10 @@ from ray.util.placement_group import placement_group, remove_placement_group
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
 from drafter.actor import DrafterActor
-from router.links import (DraftHandle, DrafterPrefillItem, EngineInfo, EngineUnavailable, ExtendItem, PlainItem,
-                          RoundResult, Tag, VerifierPrefillItem, VerifierPrefillResult)
+from router.links import (AheadReply, DraftHandle, DrafterPrefillItem, EngineInfo, EngineUnavailable,
+                          ExtendItem, PlainItem, RoundResult, Tag, VerifierPrefillItem, VerifierPrefillResult)
 from spectandem.config import GpuPaths, SpecConfig
+from spectandem.messages import DraftTree
 from verifier.actor import VerifierActor
 
 
@@ -114,8 +115,11 @@ class RayDrafterLink:
         await self._call(done)  # raises as the draft failed; the tree itself stays in Ray
         return DraftHandle(list(tags), tree_ref)
 
-    async def draft_ahead(self, tags: list[Tag]) -> list[bool | None]:
+    async def draft_ahead(self, tags: list[Tag]) -> AheadReply:
         return await self._call(self.actor.draft_ahead.remote(list(tags)))
+
+    def ready_handle(self, tree: DraftTree, tags: list[Tag]) -> DraftHandle:
+        return DraftHandle(list(tags), tree)   # the verifier actor takes the tree itself as well as a ref
 
     async def extend(self, items: list[ExtendItem]) -> list[str]:
         return await self._call(self.actor.extend.remote(items))

@@ -51,6 +51,11 @@ class ServedRequest:
     # Catch-ups held back while this request decodes plainly (router/rounds.py): the drafter gets
     # them, in order and in one call, before it next drafts for the request.
     backlog: list = field(default_factory=list)
+    # Draft ahead (router/rounds.py): the outcome trees the drafter filled for the round in flight
+    # (committed_len it was verified at, outcome -> ReadyTree), and the next tree they gave for
+    # the verdict (committed_len, ReadyTree): verified without a draft call.
+    ahead_trees: tuple | None = None
+    next_tree: tuple | None = None
 
     @property
     def committed_len(self) -> int:
@@ -81,6 +86,7 @@ class RouterCounters:
     stale_dropped: int = 0           # replies of an old epoch or committed length, dropped unapplied
     draft_ahead_hits: int = 0
     draft_ahead_misses: int = 0
+    ready_trees: int = 0             # request-rounds verified with a tree the router held (no draft call)
     requests_admitted: int = 0
     requests_finished: int = 0
     requests_failed: int = 0

@@ -20,7 +20,7 @@ import time
 from router.links import DrafterLink, EngineUnavailable, ExtendItem, PlainItem, Tag, VerifierLink
 from router.pipeline import ModeChooser, SpeculationSwitch
 from router.requests import RouterConfig, RouterCounters, ServedRequest
-from spectandem.messages import StaleMessage
+from spectandem.messages import StaleMessage, trees_from_ready
 
 
 log = logging.getLogger("spectandem.router")
@@ -43,6 +43,7 @@ class RoundsMixin:
     _switch: SpeculationSwitch
     _tokens_committed: int
     _ahead_unanswered: int = 0
+    _deferred_extend: list          # an ahead round's catch-up, sent beside the next verify (`_flush_extend`)
     _capped_plain: bool = False    # this round's plain steps were cut by the requests' ends
 
     async def _round(self) -> None:
@@ -71,23 +72,34 @@ class RoundsMixin:
         the catch-up with the real features runs while the verifier is busy again."""
         draft, drafted = await self._draft(self.running)
         verify = asyncio.ensure_future(self._verify(draft, drafted, self.running))
-        cached = [r for r in drafted if ahead and (self.cfg.pipeline == "ahead" or self._invisible_when_plain(r))]
         try:
+            if self._deferred_extend:   # the last verdict's catch-up, while the verifier verifies
+                await self._flush_extend()
+            cached = [r for r in drafted if ahead and r.on_drafter and self.drafter_up
+                      and (self.cfg.pipeline == "ahead" or self._invisible_when_plain(r))]
             if cached:
                 await self._draft_ahead(cached)
         finally:
             results = await verify
         if results is not None:
             extend = self._apply(results, drafted, self.running)
-            if extend:
+            ready = {r.request_id for r in drafted if r.next_tree is not None}
+            if extend and ahead and all(i.tag.request_id in ready for i in extend):
+                # Every drafted request hit and the router holds its next tree: the next round's
+                # verify goes out first, and this catch-up runs beside it.
+                self._deferred_extend = extend
+            elif extend:
                 await self._extend(extend)
 
     async def _draft_ahead(self, reqs: list[ServedRequest]) -> None:
         try:
-            flags = await asyncio.wait_for(self.drafter.draft_ahead([r.tag() for r in reqs]), self.cfg.drafter_timeout)
+            reply = await asyncio.wait_for(self.drafter.draft_ahead([r.tag() for r in reqs]), self.cfg.drafter_timeout)
         except (EngineUnavailable, asyncio.TimeoutError, StaleMessage) as exc:
             self._drafter_failed(exc)
             return
+        flags = reply.hits
+        for r, trees in zip(reqs, reply.trees):
+            r.ahead_trees = (r.committed_len, trees) if trees else None
         self.counters.draft_ahead_hits += sum(f is True for f in flags)
         self.counters.draft_ahead_misses += sum(f is False for f in flags)
         # A drafter that drafts ahead answers hit or miss from its second such round on; one
@@ -131,6 +143,19 @@ class RoundsMixin:
         spec_off = self._switch.off(self.counters.rounds) or self._mode == "plain"
         drafted = [r for r in group if self.drafter_up and r.on_drafter and fits(r)
                    and not (spec_off and self._invisible_when_plain(r))]
+        ready = [r.next_tree for r in drafted]
+        for r in group:
+            r.next_tree = None       # a ready tree serves this round or none
+        if drafted and all(t is not None and t[0] == r.committed_len for t, r in zip(ready, drafted)):
+            # Draft ahead hit for every drafted request: the trees the router holds are those the
+            # drafter would return (drafter/engine.py makes both from the same rows).
+            tree = trees_from_ready([r.request_id for r in drafted], [r.committed_len for r in drafted],
+                                    [t[1] for t in ready])
+            self.counters.ready_trees += len(drafted)
+            return self.drafter.ready_handle(tree, [r.tag() for r in drafted]), drafted
+        if self._deferred_extend:    # the drafter must be in step before it drafts, or takes a backlog
+            await self._flush_extend()
+            drafted = [r for r in drafted if r.on_drafter and self.drafter_up]
         if not drafted:
             return None, []
         backlog = [item for r in drafted for item in r.backlog]
@@ -204,6 +229,10 @@ class RoundsMixin:
             if r not in drafted and self.drafter is not None:
                 r.fallback_rounds += 1
                 c.fallback_rounds += 1
+            ahead, r.ahead_trees = r.ahead_trees, None
+            if ahead is not None and ahead[0] == r.committed_len:
+                hit = ahead[1].get(tuple(res.token_ids))
+                r.next_tree = None if hit is None else (r.committed_len + len(res.token_ids), hit)
             going_on = self._commit(r, res.token_ids) if not r.done else False
             if going_on and r.on_drafter and self.drafter_up:
                 item = ExtendItem(Tag(r.request_id, r.epoch, r.committed_len), res.token_ids, res.features)
@@ -226,6 +255,13 @@ class RoundsMixin:
             if r.request_id in unknown:
                 r.on_drafter = False   # the drafter restarted: re-prefill it
                 r.backlog.clear()
+                r.ahead_trees = r.next_tree = None
+
+    async def _flush_extend(self) -> None:
+        """Sends the catch-up an ahead round held back (`_deferred_extend`)."""
+        items, self._deferred_extend = self._deferred_extend, []
+        if items and self.drafter_up:
+            await self._extend(items)
 
     async def _resync(self) -> None:
         """Re-prefills, on a drafter that is (back) up, the requests it does not hold."""

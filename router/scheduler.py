@@ -71,6 +71,7 @@ class Router(RoundsMixin):
         # Requests the drafter held when the router stopped talking to it (slow or failed): if it
         # was only slow it still holds them, so they are released once it answers again.
         self._drafter_orphans: set[str] = set()
+        self._deferred_extend: list = []
         self.counters = RouterCounters()
         self.kv = KvBudget(cfg, drafter is not None)
         # Listeners get (event, request, data): "admitted", "tokens" (data: number of new tokens,
@@ -321,11 +322,13 @@ class Router(RoundsMixin):
             log.warning("drafter unavailable (%s): decoding without drafts", exc)
         self.drafter_up = False
         self._last_probe = time.monotonic()
+        self._deferred_extend = []
         for r in self.running:
             if r.on_drafter:
                 self._drafter_orphans.add(r.request_id)
             r.on_drafter = False
             r.backlog.clear()
+            r.ahead_trees = r.next_tree = None
 
     async def _forget_kept(self, reqs: list[ServedRequest]) -> None:
         """Releases the drafter's kept trees of preempted requests that will not resume."""
@@ -344,12 +347,16 @@ class Router(RoundsMixin):
     async def _release(self, reqs: list[ServedRequest], keep_draft: bool = False) -> None:
         """Frees the requests on both sides; keep_draft (preemption): the drafter keeps each
         one's ready next tree for its resume."""
+        leaving = {r.request_id for r in reqs}
+        if any(i.tag.request_id in leaving for i in self._deferred_extend):
+            await self._flush_extend()   # in step first: a preempted request's drafter keeps its next tree
         ids_v = [r.request_id for r in reqs if r.on_verifier]
         ids_d = [r.request_id for r in reqs if r.on_drafter]
         for r in reqs:
             r.drafter_kept = keep_draft and r.on_drafter and self.drafter_up
             r.on_verifier = r.on_drafter = False
             r.backlog.clear()
+            r.ahead_trees = r.next_tree = None
         if ids_v and self.serving:
             try:
                 await self.verifier.release(ids_v)

@@ -272,6 +272,8 @@ def _note(r: dict) -> str:
     if r.get("speedup") is not None:
         expect = f" (expect accept {r['expected_accept_length']})" if r.get("expected_accept_length") else ""
         notes.append(f"speedup {r['speedup']:.2f}x{expect}")
+    if r.get("speedup_paired") is not None:
+        notes.append(f"paired {r['speedup_paired']:.2f}x")
     if r.get("measured_over_ideal") is not None:
         notes.append(f"{r['measured_over_ideal']:.2f} of ideal {r['ideal_tokens_per_s']}/s")
     if r.get("decode_over_ideal") is not None:

@@ -15,7 +15,17 @@ measured per candidate at the batch's size (`auto_rates`). Before any timing, ea
 every batch size once untimed (CUDA graphs of each size captured). Every row checks that its
 tokens are the target's own greedy continuation (`matches_plain`). "ahead" drafts ahead with the
 controlled drafter's guesses (spectandem/bench_controlled.py): its rows give the outcome cache's
-hits and misses (`ahead_hits`, `ahead_misses`; expected hit rate `expected_ahead_hit_rate`).
+hits and misses (`ahead_hits`, `ahead_misses`; expected hit rate `expected_ahead_hit_rate`) and
+the request-rounds verified with a tree the router held from draft ahead, no draft call
+(`ready_trees`).
+
+Plain timed minutes earlier is no baseline: the GPU's speed drifts by several percent over a
+section (on one H200, plain at batch 64 read 9,337 tok/s at the start of a run; interleaved batch
+by batch, plain and the router held in plain mode both read 5,823-5,923). So each speculating
+row's `repeats` batches alternate with as many plain batches of its size, plain first, on a plain
+router kept running beside it: `paired_plain_runs` (their tokens/s), `paired_plain_tokens_per_s`
+(the median one, picked as the row's own) and `speedup_paired` = tokens_per_s over it. `speedup`
+still divides by the section's first plain rows.
 
 At batch 1, given the verify forward's time (`verify_forward_times`, a chain of num_steps + 1
 nodes), each speculating row also gives the issue's ideal: `ideal_tokens_per_s` = accept_length /
@@ -165,7 +175,7 @@ def _record(mode: str, batch_size: int, acceptance_rate: float | None, m: dict, 
                round_over_verify=round((dt - prefill_s) / verify_s, 3) if verify_s > 0 else None,
                drafter_busy_s=None if plain else round(sum(m["busy"][1].values()), 4), **placement)
     if not plain:
-        r.update(ahead_hits=c["draft_ahead_hits"], ahead_misses=c["draft_ahead_misses"],
+        r.update(ahead_hits=c["draft_ahead_hits"], ahead_misses=c["draft_ahead_misses"], ready_trees=c["ready_trees"],
                  expected_ahead_hit_rate=round(expected_ahead_hit_rate(acceptance_rate, num_steps), 3))
     if not plain and batch_size == 1 and verify and drafts:
         ideal = r["accept_length"] / (verify["chain_ms"] / 1000)
@@ -176,38 +186,79 @@ def _record(mode: str, batch_size: int, acceptance_rate: float | None, m: dict, 
     return r
 
 
+def _median(timed: list[dict]) -> dict:
+    """The median batch by wall time (of an even count, the faster of the middle two)."""
+    return sorted(timed, key=lambda t: t["seconds"])[(len(timed) - 1) // 2]
+
+
+def _tps(t: dict) -> float:
+    return round(t["tokens"] / t["seconds"], 1)
+
+
+async def _started(runs, acceptance_rate: float | None, mode: str, batch_sizes: list[int], plain_steps: int,
+                   ids_for) -> _Setup:
+    """A started setup, warmed up: every batch size's graphs captured, the allocator grown."""
+    s = _setup(runs, acceptance_rate, mode, max(batch_sizes), plain_steps)
+    s.router.start()
+    try:
+        for b in batch_sizes:
+            await _timed(s, runs, *ids_for(b))
+    except BaseException:
+        await s.router.stop()
+        raise
+    return s
+
+
+async def _paired(s: _Setup, mode: str, plain: _Setup, runs, b: int, repeats: int, ids_for) -> tuple[list, list]:
+    """`repeats` batches of size `b` on `s`, each right after one on `plain` (plain, mode, plain,
+    mode, ...): -> (the mode's batches, the plain ones), timed at the same GPU speed."""
+    if mode == "auto":
+        await _timed(s, runs, *ids_for(b))                   # the online measurement, untimed
+    timed, plains = [], []
+    for _ in range(repeats):
+        plains.append(await _timed(plain, runs, *ids_for(b)))
+        timed.append(await _timed(s, runs, *ids_for(b)))
+    return timed, plains
+
+
 async def _rows(runs, rates: list[float], modes: list[str], batch_sizes: list[int], placement: dict,
                 plain_tps: dict[int, float], plain_steps: int = 1, verify: dict | None = None,
                 repeats: int = 1) -> list[dict]:
     """Rows of one placement; the plain rows only while `plain_tps` (tokens/s per batch size,
-    for the speedups) is empty, which they fill."""
+    for the speedups) is empty, which they fill. A plain setup lives through every row, for
+    the plain batches timed between each speculating row's own."""
     records, n = [], itertools.count()
 
     def ids_for(b: int) -> tuple[list[str], list[int]]:
         k = next(n)
         return [f"r{k}-{i}" for i in range(b)], [i % runs.num_prompts for i in range(b)]
 
-    groups = ([] if plain_tps else [(None, "plain")]) + [(a, mode) for a in rates for mode in modes]
-    for a, mode in groups:
-        s = _setup(runs, a, mode, max(batch_sizes), plain_steps)
-        s.router.start()
-        try:
-            for b in batch_sizes:       # warm-up: every batch size's graphs captured, the allocator grown
-                await _timed(s, runs, *ids_for(b))
+    def row(mode: str, b: int, a: float | None, timed: list[dict]) -> dict:
+        r = _record(mode, b, a, _median(timed), placement, runs.cfg.num_steps, verify)
+        r.update(repeats=repeats, tokens_per_s_runs=[_tps(t) for t in timed])
+        records.append(r)
+        return r
+
+    plain = await _started(runs, None, "plain", batch_sizes, plain_steps, ids_for)
+    try:
+        if not plain_tps:
             for b in batch_sizes:
-                if mode == "auto":
-                    await _timed(s, runs, *ids_for(b))                   # the online measurement
-                timed = [await _timed(s, runs, *ids_for(b)) for _ in range(repeats)]
-                m = sorted(timed, key=lambda t: t["seconds"])[(repeats - 1) // 2]      # the median batch
-                r = _record(mode, b, a, m, placement, runs.cfg.num_steps, verify)
-                r.update(repeats=repeats, tokens_per_s_runs=[round(t["tokens"] / t["seconds"], 1) for t in timed])
-                if a is None:
-                    plain_tps[b] = r["tokens_per_s"]
-                else:
-                    r["speedup"] = round(r["tokens_per_s"] / plain_tps[b], 3)
-                records.append(r)
-        finally:
-            await s.router.stop()
+                plain_tps[b] = row("plain", b, None, [await _timed(plain, runs, *ids_for(b))
+                                                      for _ in range(repeats)])["tokens_per_s"]
+        for a, mode in itertools.product(rates, modes):
+            s = await _started(runs, a, mode, batch_sizes, plain_steps, ids_for)
+            try:
+                for b in batch_sizes:
+                    timed, plains = await _paired(s, mode, plain, runs, b, repeats, ids_for)
+                    r = row(mode, b, a, timed)
+                    paired = _tps(_median(plains))
+                    r.update(speedup=round(r["tokens_per_s"] / plain_tps[b], 3), paired_plain_tokens_per_s=paired,
+                             paired_plain_runs=[_tps(t) for t in plains],
+                             speedup_paired=round(r["tokens_per_s"] / paired, 3))
+            finally:
+                await s.router.stop()
+    finally:
+        await plain.router.stop()
     return records
 
 
@@ -216,9 +267,10 @@ def bench_router8b(runs, rates: list[float], modes: list[str], batch_sizes: list
                    repeats: int = 1) -> list[dict]:
     """Rows per placement (`runs`'s own; then, given `drafter_device`, the head there:
     `runs.with_drafter_device`), acceptance rate, mode and batch size (plain first, once per
-    batch size). `verify`: the verify forward's times (`verify_forward_times`), for the batch-1
-    rows' fraction of the ideal. `repeats`: timed batches per row; the row is the median one
-    (by wall time), every batch's tokens/s in `tokens_per_s_runs`."""
+    batch size; then, per speculating row, plain batches timed between its own). `verify`: the
+    verify forward's times (`verify_forward_times`), for the batch-1 rows' fraction of the ideal.
+    `repeats`: timed batches per row; the row is the median one (by wall time), every batch's
+    tokens/s in `tokens_per_s_runs`."""
     if repeats < 1:
         raise ValueError(f"repeats must be >= 1, got {repeats}")
     check_modes(modes)

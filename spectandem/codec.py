@@ -16,11 +16,11 @@ import sys
 import numpy as np
 import torch
 
-from router.links import (DrafterPrefillItem, EngineInfo, ExtendItem, PlainItem, RoundResult, Tag,
+from router.links import (AheadReply, DrafterPrefillItem, EngineInfo, ExtendItem, PlainItem, RoundResult, Tag,
                           VerifierPrefillItem, VerifierPrefillResult)
 from spectandem.channel import ChannelRef
 from spectandem.config import SamplingParams
-from spectandem.messages import DraftTree
+from spectandem.messages import DraftTree, ReadyTree
 from spectandem.v1 import common_pb2, engines_pb2
 
 # dtype name -> (torch dtype, the torch dtype its bytes are moved as, little-endian numpy dtype)
@@ -192,6 +192,41 @@ def draft_tree_from_msg(msg: engines_pb2.DraftTreeMsg) -> tuple[DraftTree, list[
                      token_ids=token_ids, parents=parents, node_valid=node_valid, scores=scores,
                      draft_probs=probs, sampled=list(msg.sampled))
     return tree, tags
+
+
+def ahead_reply_to_msg(reply: AheadReply) -> engines_pb2.DraftAheadReply:
+    return engines_pb2.DraftAheadReply(
+        cache_hits=[-1 if h is None else int(h) for h in reply.hits],
+        outcome_trees=[engines_pb2.OutcomeTrees(trees=[
+            engines_pb2.OutcomeTree(outcome=list(key), token_ids=list(t.token_ids), parents=list(t.parents),
+                                    scores=list(t.scores)) for key, t in (trees or {}).items()])
+            for trees in reply.trees])
+
+
+def ahead_reply_from_msg(msg: engines_pb2.DraftAheadReply) -> AheadReply:
+    """Checks each tree's shape (a tree the router sends on must be one the verifier takes):
+    ValueError naming what is wrong. No trees at all (an older drafter): None per tag."""
+    hits = [None if h < 0 else bool(h) for h in msg.cache_hits]
+    if not msg.outcome_trees:
+        return AheadReply(hits, [None] * len(hits))
+    if len(msg.outcome_trees) != len(hits):
+        raise ValueError(f"DraftAheadReply: {len(msg.outcome_trees)} outcome_trees for {len(hits)} tags")
+    trees = []
+    for per in msg.outcome_trees:
+        table = {}
+        for t in per.trees:
+            n = len(t.token_ids)
+            parents = list(t.parents)
+            if not t.outcome or n == 0 or len(parents) != n or len(t.scores) != n:
+                raise ValueError(f"OutcomeTree: outcome of {len(t.outcome)} tokens, token_ids {n}, parents "
+                                 f"{len(parents)}, scores {len(t.scores)}: need an outcome and equal, non-empty rows")
+            if t.token_ids[0] != t.outcome[-1] or parents[0] != -1 or any(
+                    t.token_ids[j] >= 0 and not 0 <= parents[j] < j for j in range(1, n)):
+                raise ValueError("OutcomeTree: node 0 must be the outcome's last token with parent -1, and each "
+                                 "other node's parent an earlier node")
+            table[tuple(t.outcome)] = ReadyTree(tuple(t.token_ids), tuple(parents), tuple(t.scores))
+        trees.append(table or None)
+    return AheadReply(hits, trees)
 
 
 # ----------------------------------------------------------------------------------------------

@@ -85,6 +85,35 @@ class PrefillOutput:
     features: torch.Tensor | None    # [prompt_len, F]
 
 
+@dataclass(frozen=True)
+class ReadyTree:
+    """One request's next tree, drafted ahead for one outcome of the round in flight (drafter/
+    ahead.py), as host lists: node 0 is the outcome's bonus token (the root), then the drafts.
+    The router holds these so that, on a hit, it sends the next verify without asking the
+    drafter (router/rounds.py); `trees_from_ready` makes them the rows `DrafterEngine.draft`
+    would have made."""
+
+    token_ids: tuple[int, ...]       # root first; -1 on padding
+    parents: tuple[int, ...]         # -1 for the root and padding
+    scores: tuple[float, ...]        # summed draft log-probs (float32 values), root 0
+
+
+def trees_from_ready(request_ids: list[str], committed_lens: list[int], ready: list[ReadyTree]) -> DraftTree:
+    """The round's DraftTree from each request's ready tree (deterministic drafts: no q), padded
+    to the widest; a node is valid where its token is not -1."""
+    b, n = len(ready), max(len(t.token_ids) for t in ready)
+    token_ids = torch.full((b, n), -1, dtype=torch.long)
+    parents = torch.full((b, n), -1, dtype=torch.long)
+    scores = torch.full((b, n), float("-inf"))
+    for i, t in enumerate(ready):
+        m = len(t.token_ids)
+        token_ids[i, :m] = torch.tensor(t.token_ids, dtype=torch.long)
+        parents[i, :m] = torch.tensor(t.parents, dtype=torch.long)
+        scores[i, :m] = torch.tensor(t.scores, dtype=torch.float32)
+    return DraftTree(request_ids=list(request_ids), committed_lens=list(committed_lens), token_ids=token_ids,
+                     parents=parents, node_valid=token_ids >= 0, scores=scores)
+
+
 def root_only_tree(request_ids: list[str], committed_lens: list[int], last_tokens: list[int]) -> DraftTree:
     """A round without drafts (plain decoding): each tree is just its root."""
     b = len(request_ids)

@@ -176,10 +176,30 @@ class DraftAheadRequest(_message.Message):
     def __init__(self, tags: _Optional[_Iterable[_Union[_common_pb2.RequestTag, _Mapping]]] = ...) -> None: ...
 
 class DraftAheadReply(_message.Message):
-    __slots__ = ("cache_hits",)
+    __slots__ = ("cache_hits", "outcome_trees")
     CACHE_HITS_FIELD_NUMBER: _ClassVar[int]
+    OUTCOME_TREES_FIELD_NUMBER: _ClassVar[int]
     cache_hits: _containers.RepeatedScalarFieldContainer[int]
-    def __init__(self, cache_hits: _Optional[_Iterable[int]] = ...) -> None: ...
+    outcome_trees: _containers.RepeatedCompositeFieldContainer[OutcomeTrees]
+    def __init__(self, cache_hits: _Optional[_Iterable[int]] = ..., outcome_trees: _Optional[_Iterable[_Union[OutcomeTrees, _Mapping]]] = ...) -> None: ...
+
+class OutcomeTrees(_message.Message):
+    __slots__ = ("trees",)
+    TREES_FIELD_NUMBER: _ClassVar[int]
+    trees: _containers.RepeatedCompositeFieldContainer[OutcomeTree]
+    def __init__(self, trees: _Optional[_Iterable[_Union[OutcomeTree, _Mapping]]] = ...) -> None: ...
+
+class OutcomeTree(_message.Message):
+    __slots__ = ("outcome", "token_ids", "parents", "scores")
+    OUTCOME_FIELD_NUMBER: _ClassVar[int]
+    TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
+    PARENTS_FIELD_NUMBER: _ClassVar[int]
+    SCORES_FIELD_NUMBER: _ClassVar[int]
+    outcome: _containers.RepeatedScalarFieldContainer[int]
+    token_ids: _containers.RepeatedScalarFieldContainer[int]
+    parents: _containers.RepeatedScalarFieldContainer[int]
+    scores: _containers.RepeatedScalarFieldContainer[float]
+    def __init__(self, outcome: _Optional[_Iterable[int]] = ..., token_ids: _Optional[_Iterable[int]] = ..., parents: _Optional[_Iterable[int]] = ..., scores: _Optional[_Iterable[float]] = ...) -> None: ...
 
 class DraftReply(_message.Message):
     __slots__ = ("tree",)

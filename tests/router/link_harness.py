@@ -19,6 +19,7 @@ from pathlib import Path
 from router.links import DrafterPrefillItem, ExtendItem, PlainItem, Tag, VerifierPrefillItem
 from spectandem.config import SamplingParams, SpecConfig
 from spectandem.demo import demo_paths
+from spectandem.messages import trees_from_ready
 from spectandem.local import LocalSpeculator
 from spectandem.reference import Completion, _append
 
@@ -52,11 +53,14 @@ def _seeded(n: int) -> list[SamplingParams]:
 
 
 async def speculate(vlink, dlink, prompts, params, eos: tuple[int, ...], lookahead: int,
-                    plain_rounds=lambda rid, n: False, ahead: list | None = None) -> list[Completion]:
+                    plain_rounds=lambda rid, n: False, ahead: list | None = None,
+                    ready: list | None = None) -> list[Completion]:
     """prefill -> (draft -> verify -> extend)* for a batch, as spectandem.reference.generate does.
     `plain_rounds(request_id, round)` True sends that request as a plain row (no draft).
     `ahead` (a list): DraftAhead on each round's trees, overlapped with their verify; the hit
-    flags are appended to it."""
+    flags are appended to it. With it, a round whose every drafted request hit verifies the
+    outcome trees DraftAhead returned (`ready_handle`, no Draft call), as the router does; the
+    number of such rounds is appended to `ready` (a list) if given."""
     max_len = (await vlink.info()).max_len
     ids = [f"req-{i}" for i in range(len(prompts))]
     seeds = [p.resolved_seed() for p in params]
@@ -72,18 +76,34 @@ async def speculate(vlink, dlink, prompts, params, eos: tuple[int, ...], lookahe
             absorb.append(DrafterPrefillItem(r.tag, p, r.first_token_id, sp[rid], seed, r.features))
     assert await dlink.prefill(absorb) == []
     active = [i.tag for i in absorb]
+    next_trees: dict = {}     # request -> (committed_len, ReadyTree) from the last DraftAhead
     n = 0
     while active:
         room = all(t.committed_len - 1 + lookahead <= max_len for t in active)
         drafted = [t for t in active if room and not plain_rounds(t.request_id, n)]
         plain = [PlainItem(t, comps[t.request_id].token_ids[-1]) for t in active if t not in drafted]
-        draft = await dlink.draft(drafted) if drafted else None
+        held = [next_trees.get(t.request_id) for t in drafted]
+        if drafted and all(t is not None and t[0] == tag.committed_len for t, tag in zip(held, drafted)):
+            draft = dlink.ready_handle(trees_from_ready([t.request_id for t in drafted],
+                                                        [t.committed_len for t in drafted], [t[1] for t in held]),
+                                       drafted)
+            if ready is not None:
+                ready.append(len(drafted))
+        else:
+            draft = await dlink.draft(drafted) if drafted else None
+        next_trees = {}
+        tables = {}
         if ahead is not None and draft is not None:
-            outs, flags = await asyncio.gather(vlink.verify(draft, plain, want_features=True),
+            outs, reply = await asyncio.gather(vlink.verify(draft, plain, want_features=True),
                                                dlink.draft_ahead(drafted))
-            ahead += flags
+            ahead += reply.hits
+            tables = {t.request_id: trees for t, trees in zip(drafted, reply.trees) if trees}
         else:
             outs = await vlink.verify(draft, plain, want_features=True)
+        for o in outs:
+            hit = tables.get(o.tag.request_id, {}).get(tuple(o.token_ids))
+            if hit is not None:
+                next_trees[o.tag.request_id] = (o.tag.committed_len, hit)
         assert [o.tag.request_id for o in outs] == [t.request_id for t in drafted] + [p.tag.request_id for p in plain]
         still = []
         for o in outs:

@@ -167,25 +167,28 @@ def test_eagle3_subprocesses_match_local(eagle3_processes, prompts):
 
 def test_draft_ahead_over_grpc_matches_local(eagle3_processes, prompts):
     """DraftAhead over gRPC, overlapped with Verify: greedy and seeded sampled tokens, and the
-    trees (stats), equal the in-process loop with the outcome cache; hits and misses happen."""
+    trees (stats), equal the in-process loop with the outcome cache; hits and misses happen, and
+    greedy rounds where every request hit verify the outcome trees DraftAhead sent (no Draft)."""
     (expected, expected_seeded), eos, lookahead = _local("eagle3", prompts, _greedy(len(prompts)),
                                                          _seeded(len(prompts)), ahead=True)
 
     async def main():
         v, d = _links(eagle3_processes)
         flags: list = []
+        ready: list = []
         try:
-            return (await speculate(v, d, prompts, _greedy(len(prompts)), eos, lookahead, ahead=flags),
+            return (await speculate(v, d, prompts, _greedy(len(prompts)), eos, lookahead, ahead=flags, ready=ready),
                     await speculate(v, d, prompts, _seeded(len(prompts)), eos, lookahead, ahead=flags),
-                    flags, await d.info())
+                    flags, ready, await d.info())
         finally:
             await v.close()
             await d.close()
 
-    got, got_seeded, flags, info = asyncio.run(main())
+    got, got_seeded, flags, ready, info = asyncio.run(main())
     _assert_same(got, expected)
     _assert_same(got_seeded, expected_seeded)
     assert flags.count(True) > 0 and flags.count(False) > 0
+    assert sum(ready) > 0
     assert info.kv["used_blocks"] == 0
 
 

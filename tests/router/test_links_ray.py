@@ -18,7 +18,7 @@ from router.links_ray import RayVerifierLink, ray_init, start_engines
 from spectandem.config import SamplingParams, SpecConfig
 from spectandem.demo import demo_paths
 from spectandem.local import LocalSpeculator
-from spectandem.messages import StaleMessage
+from spectandem.messages import StaleMessage, trees_from_ready
 from spectandem.reference import Completion, _append
 
 pytestmark = pytest.mark.slow
@@ -61,6 +61,7 @@ class Seen:
         self.results: list = []
         self.resynced: list[str] = []
         self.ahead: list = []
+        self.ready = 0           # request-rounds verified with DraftAhead's outcome trees (no Draft call)
 
 
 async def speculate(verifier, drafter, prompts, params, eos, lookahead, seen: Seen, before_extend=None,
@@ -88,22 +89,36 @@ async def speculate(verifier, drafter, prompts, params, eos, lookahead, seen: Se
             items.append(DrafterPrefillItem(r.tag, c.prompt_ids, r.first_token_id, sp, seeds[rid], r.features))
     assert await drafter.prefill(items) == []
     active = [i.tag.request_id for i in items]
+    next_trees: dict = {}     # request -> (committed_len, ReadyTree) from the last DraftAhead
     round_no = 0
     while active:
-        if all(tags[r].committed_len - 1 + lookahead <= max_len for r in active):
+        held = [next_trees.get(r) for r in active]
+        if not all(tags[r].committed_len - 1 + lookahead <= max_len for r in active):
+            draft, plain = None, [PlainItem(tags[r], by_id[r][0].token_ids[-1]) for r in active]
+        elif all(t is not None and t[0] == tags[r].committed_len for t, r in zip(held, active)):
+            # Every request hit: verify the outcome trees DraftAhead returned, as the router does.
+            draft = drafter.ready_handle(trees_from_ready(active, [tags[r].committed_len for r in active],
+                                                          [t[1] for t in held]), [tags[r] for r in active])
+            plain = []
+            seen.ready += len(active)
+        else:
             draft, plain = await drafter.draft([tags[r] for r in active]), []
             seen.handles.append(draft.payload)
-        else:
-            draft, plain = None, [PlainItem(tags[r], by_id[r][0].token_ids[-1]) for r in active]
+        next_trees, tables = {}, {}
         if ahead and draft is not None:
-            results, flags = await asyncio.gather(verifier.verify(draft, plain, want_features=True),
+            results, reply = await asyncio.gather(verifier.verify(draft, plain, want_features=True),
                                                   drafter.draft_ahead(list(draft.tags)))
+            flags = reply.hits
+            tables = {t.request_id: trees for t, trees in zip(draft.tags, reply.trees) if trees}
             seen.ahead += flags
         else:
             results = await verifier.verify(draft, plain, want_features=True)
         still, done = [], []
         for res in results:
             rid = res.tag.request_id
+            hit = tables.get(rid, {}).get(tuple(res.token_ids))
+            if hit is not None:
+                next_trees[rid] = (res.tag.committed_len, hit)
             c, sp = by_id[rid]
             seen.handles.append(res.features)
             seen.results.append(res)
@@ -162,7 +177,8 @@ def test_greedy_through_ray_equals_local(engines, local, prompts):
 
 def test_draft_ahead_through_ray_equals_local(engines, local, prompts):
     """DraftAhead on the actor, overlapped with the verify: the in-process loop's tokens and
-    outcome-cache hits, and the drafter's KV back to empty."""
+    outcome-cache hits (all-hit rounds verify the outcome trees the actor returned, no draft
+    call), and the drafter's KV back to empty."""
     verifier, drafter = engines
     expected = local.generate(prompts, _greedy(len(prompts)), ahead=True)
     seen = Seen()
@@ -171,6 +187,7 @@ def test_draft_ahead_through_ray_equals_local(engines, local, prompts):
     assert [g.token_ids for g in got] == [e.token_ids for e in expected]
     assert [g.stats.as_dict() for g in got] == [e.stats.as_dict() for e in expected]  # the same trees
     assert seen.ahead.count(True) > 0 and seen.ahead.count(False) > 0
+    assert seen.ready > 0   # rounds whose every request hit went out with the trees DraftAhead returned
     infos = asyncio.run(_infos(verifier, drafter))
     assert infos[1].used_slots == 0 and infos[1].kv["used_blocks"] == 0
 

@@ -269,7 +269,8 @@ def test_ahead_pipeline_under_preemption_keeps_tokens(reference):
 
 def test_ahead_hit_share_at_batch_one(reference):
     """The issue's number: on the demo pair at batch 1, the share of verdicts served from the
-    outcome cache (printed; run with -s to see it)."""
+    outcome cache (printed; run with -s to see it); each hit's next tree verified as the router
+    held it."""
     server = Served(["--backend", "local", "--max-len", "256", "--pipeline", "ahead"]).wait_ready()
     try:
         prompts = _prompts(reference, 6)
@@ -281,5 +282,7 @@ def test_ahead_hit_share_at_batch_one(reference):
         print(f"draft-ahead hit share at batch 1: {share:.2f} ({s.draft_ahead_hits} of "
               f"{s.draft_ahead_hits + s.draft_ahead_misses} verdicts)")
         assert share > 0.3
+        # At batch 1 every hit's next round goes out with the tree the router holds: no draft call.
+        assert s.ready_trees == s.draft_ahead_hits
     finally:
         server.close()

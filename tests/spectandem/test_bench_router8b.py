@@ -2,6 +2,8 @@
 modes at controlled acceptance, ping-pong included, with the verifier's busy time per row
 (spectandem/bench_router8b.py), and the flags that choose modes and the drafter's device."""
 
+import statistics
+
 import pytest
 import torch
 
@@ -23,6 +25,11 @@ def runs():
 @pytest.fixture(scope="module")
 def rows(runs):
     return {r["mode"]: r for r in bench_router8b(runs, [1.0], ["sequential", "pingpong"], [BATCH])}
+
+
+@pytest.fixture(scope="module")
+def repeated(runs):
+    return bench_router8b(runs, [1.0], ["sequential"], [BATCH], repeats=3)
 
 
 def test_plain_sequential_and_pingpong_rows_match_the_targets_tokens(rows):
@@ -82,9 +89,8 @@ def test_router8b_flags():
         _plan("--router8b-drafter-device", "cuda:1")
 
 
-def test_rows_are_the_median_of_repeated_batches(runs):
-    rows = bench_router8b(runs, [1.0], ["sequential"], [BATCH], repeats=3)
-    for r in rows:
+def test_rows_are_the_median_of_repeated_batches(runs, repeated):
+    for r in repeated:
         assert r["repeats"] == 3 and len(r["tokens_per_s_runs"]) == 3, r
         # The row's rate is the middle one of its three batches.
         assert r["tokens_per_s"] == sorted(r["tokens_per_s_runs"])[1], r
@@ -92,3 +98,19 @@ def test_rows_are_the_median_of_repeated_batches(runs):
         bench_router8b(runs, [1.0], ["sequential"], [BATCH], repeats=0)
     with pytest.raises(ValueError, match="--router8b-repeats"):
         _plan("--router8b-repeats", "0")
+
+
+def test_speculating_rows_have_plain_batches_timed_between_their_own(rows, repeated):
+    from spectandem.bench import _note
+
+    speculating = [(r, n) for section, n in ((rows.values(), 1), (repeated, 3))
+                   for r in section if r["mode"] != "plain"]
+    assert len(speculating) == 3
+    for r, repeats in speculating:
+        got = r["paired_plain_runs"]
+        assert r["repeats"] == repeats and len(got) == repeats and min(got) > 0, r
+        assert r["paired_plain_tokens_per_s"] == statistics.median(got), r
+        assert r["speedup_paired"] == pytest.approx(r["tokens_per_s"] / r["paired_plain_tokens_per_s"], abs=1e-3), r
+        assert f"paired {r['speedup_paired']:.2f}x" in _note(r)
+    # The plain rows are the baseline, paired with nothing.
+    assert "paired_plain_runs" not in rows["plain"] and "paired_plain_runs" not in repeated[0]

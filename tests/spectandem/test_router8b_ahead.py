@@ -48,6 +48,8 @@ def test_ahead_hits_where_the_plan_says(runs, rate):
     assert ahead["accept_length"] == seq["accept_length"] and ahead["rounds"] == seq["rounds"]
     hits, misses = _expected(runs, rate)
     assert (ahead["ahead_hits"], ahead["ahead_misses"]) == (hits, misses)
+    # One request: every hit's next round went out with the tree the router held, no draft call.
+    assert ahead["ready_trees"] == hits and seq["ready_trees"] == 0
     assert hits > 0 and (misses > 0 or rate > 0.6)   # this seed's a = 0.8 request never misses
     # Negative control: with first guesses only (no second guess ever right) the count differs,
     # so the equality above sees the second guesses.
