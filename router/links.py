@@ -19,7 +19,7 @@ import os
 import sys
 import time
 from dataclasses import dataclass, field
-from typing import Any, Protocol
+from typing import Any, Callable, Protocol
 
 from spectandem.config import SamplingParams
 from spectandem.messages import DraftTree, ReadyTree
@@ -126,9 +126,13 @@ class EngineInfo:
 class VerifierLink(Protocol):
     async def prefill(self, items: list[VerifierPrefillItem], want_features: bool) -> list[VerifierPrefillResult]: ...
 
-    async def verify(self, draft: DraftHandle | None, plain: list[PlainItem], want_features: bool) -> list[RoundResult]:
+    async def verify(self, draft: DraftHandle | None, plain: list[PlainItem], want_features: bool,
+                     on_launch: Callable[[], None] | None = None) -> list[RoundResult]:
         """Verifies the drafted trees and the plain rows in one batch; results in the order
-        draft.tags then plain."""
+        draft.tags then plain. `on_launch()` (from any thread) once the verifier's host work
+        before the forward is done: the router starts the drafter's work of an "ahead" round
+        then, which in-process engines (one Python lock) would otherwise make the verifier wait
+        for. Links to other processes call it at once."""
 
     async def features(self, tag: Tag) -> Any:
         """Features of every committed position but the last (to rebuild a drafter's state)."""
@@ -244,11 +248,12 @@ class LocalVerifierLink(_LocalLink):
 
         return await self._run("prefill", verifier_prefill, self.engine, items, want_features)
 
-    async def verify(self, draft, plain, want_features):
+    async def verify(self, draft, plain, want_features, on_launch=None):
+        """`on_launch()`: from the worker thread, once the forward is queued (VerifierEngine.verify)."""
         from verifier.service_core import verifier_verify
 
         return await self._run("verify", verifier_verify, self.engine, draft.payload if draft else None,
-                               [d for d in (draft.tags if draft else [])], plain, want_features)
+                               [d for d in (draft.tags if draft else [])], plain, want_features, None, on_launch)
 
     async def features(self, tag):
         from verifier.service_core import verifier_features

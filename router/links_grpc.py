@@ -75,7 +75,10 @@ class GrpcVerifierLink(_GrpcLink):
         reply = await self._call(self.stub.Prefill, request)
         return [codec.verifier_prefill_result_from_msg(r) for r in reply.results]
 
-    async def verify(self, draft: DraftHandle | None, plain: list[PlainItem], want_features: bool) -> list[RoundResult]:
+    async def verify(self, draft: DraftHandle | None, plain: list[PlainItem], want_features: bool,
+                     on_launch=None) -> list[RoundResult]:
+        if on_launch is not None:
+            on_launch()   # the verifier is another process: nothing here to wait for
         request = engines_pb2.VerifyRequest(tree=draft.payload if draft is not None else None,
                                             plain=[codec.plain_item_to_msg(p) for p in plain],
                                             want_features=want_features)

@@ -80,7 +80,10 @@ class RayVerifierLink:
     async def prefill(self, items: list[VerifierPrefillItem], want_features: bool) -> list[VerifierPrefillResult]:
         return await self._call(self.actor.prefill.remote(items, want_features))
 
-    async def verify(self, draft: DraftHandle | None, plain: list[PlainItem], want_features: bool) -> list[RoundResult]:
+    async def verify(self, draft: DraftHandle | None, plain: list[PlainItem], want_features: bool,
+                     on_launch=None) -> list[RoundResult]:
+        if on_launch is not None:
+            on_launch()   # the verifier is another process: nothing here to wait for
         tree_ref, tags = (draft.payload, list(draft.tags)) if draft is not None else (None, [])
         return await self._call(self.actor.verify.remote(tree_ref, tags, plain, want_features))
 

@@ -71,8 +71,11 @@ class RoundsMixin:
         next trees for the likeliest outcomes; on a hit the next draft call returns at once and
         the catch-up with the real features runs while the verifier is busy again."""
         draft, drafted = await self._draft(self.running)
-        verify = asyncio.ensure_future(self._verify(draft, drafted, self.running))
+        launched = asyncio.get_running_loop().create_future() if ahead and drafted else None
+        verify = asyncio.ensure_future(self._verify(draft, drafted, self.running, launched))
         try:
+            if launched is not None:   # the drafter's turn once the verify forward is queued
+                await asyncio.wait([launched, verify], return_when=asyncio.FIRST_COMPLETED)
             if self._deferred_extend:   # the last verdict's catch-up, while the verifier verifies
                 await self._flush_extend()
             cached = [r for r in drafted if ahead and r.on_drafter and self.drafter_up
@@ -181,11 +184,17 @@ class RoundsMixin:
             return None, []
         return draft, drafted
 
-    async def _verify(self, draft, drafted: list[ServedRequest], group: list[ServedRequest]):
-        """One batched verify of the group (drafted rows, then plain rows); None if the verifier failed."""
+    async def _verify(self, draft, drafted: list[ServedRequest], group: list[ServedRequest], launched=None):
+        """One batched verify of the group (drafted rows, then plain rows); None if the verifier
+        failed. `launched` (a future): resolved once the verifier's forward is queued (VerifierLink.verify's
+        on_launch)."""
         steps = self._plain_steps(group) if not drafted else 1
         plain = [PlainItem(r.tag(), r.tokens[-1], steps) for r in group if r not in drafted]
         try:
+            if launched is not None:
+                loop = asyncio.get_running_loop()
+                done = lambda: loop.call_soon_threadsafe(lambda: launched.done() or launched.set_result(None))
+                return await self.verifier.verify(draft, plain, self.cfg.want_features, on_launch=done)
             return await self.verifier.verify(draft, plain, self.cfg.want_features)
         except EngineUnavailable as exc:
             self._verifier_failed(list(self.running), exc)

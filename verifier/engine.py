@@ -93,7 +93,9 @@ class VerifierEngine:
             outs.append(PrefillOutput(rid, first, None if feats is None else feats[i]))
         return outs
 
-    def verify(self, tree: DraftTree) -> list[VerifyOutput]:
+    def verify(self, tree: DraftTree, on_launch=None) -> list[VerifyOutput]:
+        """`on_launch()`, if given, is called once the forward is queued on the device, before
+        the host waits for it (the router starts the drafter's work then: router/rounds.py)."""
         reqs = [self.requests[rid] for rid in tree.request_ids]
         for rid, req, tag in zip(tree.request_ids, reqs, tree.committed_lens):
             if tag != req.committed_len:
@@ -105,6 +107,8 @@ class VerifierEngine:
         slots = [r.slot for r in reqs]
         cache_lens = [r.committed_len - 1 for r in reqs]
         logits, feats = self.runner.verify(slots, cache_lens, tree.token_ids, tree.parents, tree.node_valid)
+        if on_launch is not None:
+            on_launch()
         result = self._accept(tree, reqs, logits)
         # Per request from whole-batch host lists (one conversion each, not one per request).
         tokens, num_acc, num_drafts = result.token_lists(), result.num_accepted.tolist(), tree.num_draft_tokens()

@@ -29,7 +29,8 @@ def verifier_prefill(engine, items: list[VerifierPrefillItem], want_features: bo
 
 
 def verifier_verify(engine, tree: DraftTree | None, tags: list[Tag], plain: list[PlainItem],
-                    want_features: bool, sender: FeatureSender | None = None) -> list[RoundResult]:
+                    want_features: bool, sender: FeatureSender | None = None, on_launch=None) -> list[RoundResult]:
+    """`on_launch`: VerifierEngine.verify's (in-process links)."""
     for t in tags + [p.tag for p in plain]:
         engine.check_tag(t.request_id, t.epoch, t.committed_len)
     steps = {p.steps for p in plain}
@@ -42,7 +43,7 @@ def verifier_verify(engine, tree: DraftTree | None, tags: list[Tag], plain: list
                           [p.last_token_id for p in plain]) if plain else None
     merged = tree if rows is None else (rows if tree is None else concat_trees(tree, rows))
     epochs = {t.request_id: t.epoch for t in tags + [p.tag for p in plain]}
-    outs = engine.verify(merged)
+    outs = engine.verify(merged) if on_launch is None else engine.verify(merged, on_launch)
     features = _handles(sender, [o.features if want_features else None for o in outs])
     return [RoundResult(Tag(o.request_id, epochs[o.request_id], o.committed_len), o.token_ids, o.num_accepted,
                         o.num_draft_tokens, f)

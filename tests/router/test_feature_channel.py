@@ -46,8 +46,8 @@ class RecordingVerifier(GrpcVerifierLink):
         self.handles += [r.features for r in results]
         return results
 
-    async def verify(self, draft, plain, want_features):
-        results = await super().verify(draft, plain, want_features)
+    async def verify(self, draft, plain, want_features, on_launch=None):
+        results = await super().verify(draft, plain, want_features, on_launch)
         self.handles += [r.features for r in results]
         return results
 

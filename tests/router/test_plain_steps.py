@@ -27,9 +27,9 @@ class CountingVerifier(LocalVerifierLink):
         super().__init__(engine)
         self.steps: list[tuple[int, ...]] = []     # per verify call: each plain item's steps
 
-    async def verify(self, draft, plain, want_features):
+    async def verify(self, draft, plain, want_features, on_launch=None):
         self.steps.append(tuple(p.steps for p in plain))
-        return await super().verify(draft, plain, want_features)
+        return await super().verify(draft, plain, want_features, on_launch)
 
 
 @pytest.fixture(scope="module")

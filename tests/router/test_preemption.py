@@ -168,8 +168,8 @@ class _LateDelivery:
     def __getattr__(self, name):
         return getattr(self.link, name)
 
-    async def verify(self, draft, plain, want_features):
-        results = await self.link.verify(draft, plain, want_features)
+    async def verify(self, draft, plain, want_features, on_launch=None):
+        results = await self.link.verify(draft, plain, want_features, on_launch)
         router = self.router_ref()
         for res in results:
             self.old.setdefault(res.tag.request_id, res)

@@ -22,13 +22,13 @@ class SwallowingVerifier(LocalVerifierLink):
         self.in_verify = asyncio.Event()
         self.swallowed = 0
 
-    async def verify(self, draft, plain, want_features):
+    async def verify(self, draft, plain, want_features, on_launch=None):
         self.in_verify.set()
         try:
             await asyncio.sleep(0.05)
         except asyncio.CancelledError:
             self.swallowed += 1
-        return await super().verify(draft, plain, want_features)
+        return await super().verify(draft, plain, want_features, on_launch)
 
 
 def test_stop_ends_the_loop_when_a_call_swallows_the_cancel():
