@@ -152,9 +152,10 @@ class VerifierEngine:
         rows = tokens.cpu().tolist()           # the only wait for the device
         for req, toks in zip(reqs, rows):
             req.token_ids.extend(toks)
+        per = [None] * len(reqs) if feats is None else feats.unbind(0)   # one call, not one index per request
         return [VerifyOutput(request_id=rid, committed_len=req.committed_len, token_ids=toks, num_accepted=0,
-                             num_draft_tokens=0, features=None if feats is None else feats[b])
-                for b, (rid, req, toks) in enumerate(zip(request_ids, reqs, rows))]
+                             num_draft_tokens=0, features=f)
+                for rid, req, toks, f in zip(request_ids, reqs, rows, per)]
 
     def _decode_by_rounds(self, request_ids: list[str], steps: int) -> list[VerifyOutput]:
         rounds = []

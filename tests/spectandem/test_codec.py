@@ -120,3 +120,40 @@ def test_params_and_link_messages_round_trip():
         assert codec.feature_layers_from_str(s) == layers and codec.feature_layers_to_str(layers) == s
     with pytest.raises(ValueError, match="feature layers"):
         codec.feature_layers_from_str("2,x")
+
+
+def test_ahead_reply_round_trip_and_the_trees_it_makes():
+    """DraftAhead's reply: hit flags (None kept) and per tag its outcome trees, float32 scores
+    exact; the router's tree from them is the one trees_from_ready builds locally."""
+    from router.links import AheadReply
+    from spectandem.messages import ReadyTree, trees_from_ready
+
+    chain = ReadyTree((7, 11, 12, 13), (-1, 0, 1, 2), (0.0, -0.25, -1.5, float(torch.tensor(-2.1))))
+    short = ReadyTree((9, 4, -1), (-1, 0, -1), (0.0, -0.5, float("-inf")))
+    reply = AheadReply([True, None, False], [{(3, 7): chain, (9,): short}, None, {}])
+    back = codec.ahead_reply_from_msg(engines_pb2.DraftAheadReply.FromString(
+        codec.ahead_reply_to_msg(reply).SerializeToString()))
+    assert back.hits == [True, None, False]
+    assert back.trees == [{(3, 7): chain, (9,): short}, None, None]   # an empty table is no table
+    tree = trees_from_ready(["a", "b"], [20, 31], [chain, short])
+    assert tree.token_ids.tolist() == [[7, 11, 12, 13], [9, 4, -1, -1]]
+    assert tree.parents.tolist() == [[-1, 0, 1, 2], [-1, 0, -1, -1]]
+    assert tree.node_valid.tolist() == [[True] * 4, [True, True, False, False]]
+    assert tree.scores[0].tolist() == list(chain.scores) and tree.draft_probs is None
+
+
+@pytest.mark.parametrize("bad, match", [
+    (dict(outcome=[], token_ids=[5], parents=[-1], scores=[0.0]), "need an outcome"),
+    (dict(outcome=[5], token_ids=[5, 6], parents=[-1], scores=[0.0, 0.0]), "equal, non-empty rows"),
+    (dict(outcome=[4], token_ids=[5, 6], parents=[-1, 0], scores=[0.0, 0.0]), "outcome's last token"),
+    (dict(outcome=[5], token_ids=[5, 6], parents=[0, 0], scores=[0.0, 0.0]), "parent -1"),
+    (dict(outcome=[5], token_ids=[5, 6, 7], parents=[-1, 2, 0], scores=[0.0] * 3), "earlier node"),
+])
+def test_ahead_reply_rejects_trees_the_verifier_could_not_take(bad, match):
+    msg = engines_pb2.DraftAheadReply(cache_hits=[1], outcome_trees=[
+        engines_pb2.OutcomeTrees(trees=[engines_pb2.OutcomeTree(**bad)])])
+    with pytest.raises(ValueError, match=match):
+        codec.ahead_reply_from_msg(msg)
+    with pytest.raises(ValueError, match="2 outcome_trees for 1 tags"):
+        codec.ahead_reply_from_msg(engines_pb2.DraftAheadReply(cache_hits=[1], outcome_trees=[
+            engines_pb2.OutcomeTrees(), engines_pb2.OutcomeTrees()]))
