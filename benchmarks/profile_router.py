@@ -7,6 +7,8 @@ in three setups:
     sequential   the speculating router held in "sequential" at controlled acceptance `--rate`
     ahead        the same held in "ahead" (the drafter drafts ahead while the verifier verifies;
                  `--drafter-device cuda:1` puts the drafter on a GPU of its own)
+    auto         the speculating router in "auto", choosing for itself (its first batch, untimed,
+                 does the online measurement)
 
 Per setup: ms per round, and the engines' busy ms per round by kind of call (busy_s of
 router/links.py); wall ms per round inside chosen router, engine and runner functions (`TIMED`,
@@ -26,6 +28,7 @@ import argparse
 import asyncio
 import cProfile
 import functools
+import gc
 import importlib
 import inspect
 import io
@@ -42,7 +45,7 @@ from spectandem import bench_router8b as br
 from spectandem.bench_llama8b import SHAPES, ControlledRuns, llama8b_spec, random_eagle3_head, random_target
 from spectandem.config import GpuPaths
 
-SETUPS = ("plain", "spec-plain", "sequential", "ahead")
+SETUPS = ("plain", "spec-plain", "sequential", "ahead", "auto")
 TIMED = ("router.scheduler:Router._plan", "router.scheduler:Router._release", "router.scheduler:Router._commit",
          "router.rounds:RoundsMixin._draft", "router.rounds:RoundsMixin._verify", "router.rounds:RoundsMixin._apply",
          "router.rounds:RoundsMixin._extend", "router.rounds:RoundsMixin._resync",
@@ -120,10 +123,10 @@ def _top(prof: cProfile.Profile, n: int) -> str:
 
 
 async def _profile(runs, setup: str, rate: float, batch: int, top: int, plain_steps: int = 1,
-                   clean: int = 0) -> str:
+                   clean: int = 0, gc_freeze: bool = False) -> str:
     forced = {"spec-plain": "plain", "sequential": "sequential", "ahead": "ahead"}.get(setup)
-    s = br._setup(runs, None if setup == "plain" else rate, "ahead" if setup == "ahead" else "sequential", batch,
-                  plain_steps)
+    s = br._setup(runs, None if setup == "plain" else rate, setup if setup in ("ahead", "auto") else "sequential",
+                  batch, plain_steps)
     if forced is not None:   # hold the mode: this router's chooser answers `forced` from now on
         s.router._modes.choose = lambda num_running, drafter_up: forced
     shared = sys.version_info >= (3, 12)      # one profiler sees every thread
@@ -142,19 +145,36 @@ async def _profile(runs, setup: str, rate: float, batch: int, top: int, plain_st
 
     router_links._LocalLink._call = profiled
     timers = Timers()
+    gc_s: dict[int, list] = {}            # generation -> [collections, seconds] in the batch
+    gc_t0 = [0.0]
+
+    def on_gc(phase, info):
+        if phase == "start":
+            gc_t0[0] = time.perf_counter()
+        else:
+            n_t = gc_s.setdefault(info["generation"], [0, 0.0])
+            n_t[0] += 1
+            n_t[1] += time.perf_counter() - gc_t0[0]
+    gc.callbacks.append(on_gc)
     counter = iter(range(10**6))
     ids = lambda: ([f"p{next(counter)}-{i}" for i in range(batch)], [i % runs.num_prompts for i in range(batch)])
     s.router.start()
     try:
         # (a time limit: a failing round leaves its requests waiting, and the run must end)
         await asyncio.wait_for(br._timed(s, runs, *ids()), 300)     # warm: graphs captured, allocator grown
+        if gc_freeze:
+            gc.collect()
+            gc.freeze()      # what survived the warm-up is left out of every later collection
         clean_rows = []
         for _ in range(clean):   # without any profiler: wall and busy seconds of whole batches
+            gc_s.clear()
             c = await asyncio.wait_for(br._timed(s, runs, *ids()), 300)
             busy = {f"{link}.{k}": round(1000 * v, 1) for link, d in zip(("verifier", "drafter"), c["busy"])
                     for k, v in sorted(d.items()) if v}
+            gcs = {g: f"{n} x, {1000 * t:.1f} ms" for g, (n, t) in sorted(gc_s.items())}
             clean_rows.append(f"   clean: {c['tokens'] / c['seconds']:.0f} tokens/s, {1000 * c['seconds']:.1f} ms, "
-                              f"{c['counters']['rounds']} rounds, busy ms {busy}")
+                              f"{c['counters']['rounds']} rounds, busy ms {busy}, gc by generation {gcs}, "
+                              f"mode {c['mode']}")
         loop_prof = cProfile.Profile()
         calls["on"] = timers.on = True
         loop_prof.enable()
@@ -164,6 +184,7 @@ async def _profile(runs, setup: str, rate: float, batch: int, top: int, plain_st
             loop_prof.disable()
             calls["on"] = timers.on = False
     finally:
+        gc.callbacks.remove(on_gc)
         router_links._LocalLink._call = inner_call
         timers.restore()
         await s.router.stop()
@@ -190,6 +211,7 @@ def main() -> None:
     ap.add_argument("--plain-steps", type=int, default=4, help="plain rounds' tokens per call (serve's --plain-steps)")
     ap.add_argument("--clean", type=int, default=0, help="timed batches without a profiler first (their wall and busy time)")
     ap.add_argument("--setups", default="plain,spec-plain,sequential")
+    ap.add_argument("--gc-freeze", action="store_true", help="gc.freeze() after each setup's warm-up batch")
     ap.add_argument("--drafter-device", default=None, help="the drafter's device (default: the target's)")
     ap.add_argument("--scale", choices=("full", "tiny"), default="full", help="tiny: a smoke test on the CPU")
     args = ap.parse_args()
@@ -207,7 +229,7 @@ def main() -> None:
     heads = []
     for setup in setups:
         text, head_line = asyncio.run(_profile(runs, setup, args.rate, args.batch, args.top, args.plain_steps,
-                                               args.clean))
+                                               args.clean, args.gc_freeze))
         heads.append(head_line)
         print(text, flush=True)
     print("\n".join(heads))

@@ -8,6 +8,7 @@ Two sources, one registry (a private `CollectorRegistry`, so nothing process-glo
                _num_accepted_tokens_per_pos{position} (position 0 = the first draft token),
                spectandem:num_rounds, num_preemptions, num_resumes, num_fallback_rounds,
                num_stale_replies_dropped, num_draft_ahead_{hits,misses}, num_ready_trees,
+               num_detached_admissions,
                num_requests_{admitted,finished,failed,cancelled}
                (exposed with the `_total` suffix)
     gauges     spectandem:num_requests_running, num_requests_waiting,
@@ -62,6 +63,8 @@ ROUTER_COUNTERS = (
     ("num_draft_ahead_hits", "draft_ahead_hits", "Trees drafted ahead (pipelined) that were used"),
     ("num_draft_ahead_misses", "draft_ahead_misses", "Trees drafted ahead (pipelined) that were discarded"),
     ("num_ready_trees", "ready_trees", "Trees drafted ahead that the router verified without a draft call"),
+    ("num_detached_admissions", "detached_admissions",
+     "Requests admitted without the drafter while auto had settled on plain decoding"),
     ("num_requests_admitted", "requests_admitted", "Requests admitted to the running batch"),
     ("num_requests_finished", "requests_finished", "Requests finished (stop or length)"),
     ("num_requests_failed", "requests_failed", "Requests ended by an error"),

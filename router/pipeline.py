@@ -29,6 +29,12 @@ belong to a batch class (the candidates and the nearest power of two of the runn
 finish) and survive while the batch is in another class. Ping-pong wins when drafter and
 verifier have devices of their own and loses when they share cores (benchmarks/serving.py);
 short drafts and plain win at large batches where verifying trees costs more than it saves.
+Once plain is kept twice in a row from LARGE_BATCH running requests (`settled_plain`), new
+requests are admitted without the drafter (no target features, no drafter prefill: "detached"):
+keeping them ready to speculate cost plain rounds 2-3% at batch 64 on the H200. They decode
+plainly; a speculating round with no request on the drafter is not a measurement, so measuring a
+speculating mode again waits for requests admitted with the drafter. Detached requests rejoin
+the drafter (a resync) once fewer than LARGE_BATCH run.
 A speculating mode must measure PLAIN_EDGE (5%) faster than plain to be kept over it, and
 PLAIN_EDGE_LARGE (15%) from LARGE_BATCH (32) running requests: near a tie, speculation's rounds
 commit different counts per request, so a closed batch ends in a tail of nearly empty rounds that
@@ -163,6 +169,19 @@ class ModeChooser:
             log.info("pipeline mode %s at %d running (committed tokens/s: %s)", s.mode, num_running,
                      {k: round(v, 1) for k, v in s.rates.items()})
         return s.mode
+
+    def settled(self, num_running: int) -> str | None:
+        """The mode "auto" keeps in the batch class of `num_running` for at least the second keep
+        in a row, or None (still measuring, or the fastest changed lately)."""
+        s = self._states.get(self._class(num_running))
+        ok = s is not None and s.phase == "keep" and s.left > 0 and s.keep_windows >= 2 * KEEP_WINDOWS
+        return s.mode if ok else None
+
+    def settled_plain(self, num_running: int) -> bool:
+        """"auto" has settled on plain at LARGE_BATCH or more running: the router then stops
+        keeping new requests ready to speculate (router/scheduler.py: no target features, no
+        drafter prefill)."""
+        return self.cfg.pipeline == "auto" and num_running >= LARGE_BATCH and self.settled(num_running) == "plain"
 
     def _explore_pick(self, s: _ClassState) -> str | None:
         """The candidate to measure after a keep: near ones in turn, any one in turn every

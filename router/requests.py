@@ -40,6 +40,7 @@ class ServedRequest:
     cancelled: bool = False
     on_verifier: bool = False
     on_drafter: bool = False         # the drafter holds this request's state, in sync
+    detached: bool = False           # admitted while "auto" had settled on plain: no drafter (router/pipeline.py)
     num_rounds: int = 0
     draft_tokens: int = 0
     accepted_tokens: int = 0
@@ -87,6 +88,7 @@ class RouterCounters:
     draft_ahead_hits: int = 0
     draft_ahead_misses: int = 0
     ready_trees: int = 0             # request-rounds verified with a tree the router held (no draft call)
+    detached_admissions: int = 0     # requests admitted without the drafter ("auto" settled on plain)
     requests_admitted: int = 0
     requests_finished: int = 0
     requests_failed: int = 0

@@ -18,7 +18,7 @@ import logging
 import time
 
 from router.links import DrafterLink, EngineUnavailable, ExtendItem, PlainItem, Tag, VerifierLink
-from router.pipeline import ModeChooser, SpeculationSwitch
+from router.pipeline import LARGE_BATCH, ModeChooser, SpeculationSwitch
 from router.requests import RouterConfig, RouterCounters, ServedRequest
 from spectandem.messages import StaleMessage, trees_from_ready
 
@@ -45,6 +45,7 @@ class RoundsMixin:
     _ahead_unanswered: int = 0
     _deferred_extend: list          # an ahead round's catch-up, sent beside the next verify (`_flush_extend`)
     _capped_plain: bool = False    # this round's plain steps were cut by the requests' ends
+    _drafted_any: bool = False     # this round drafted for some request
 
     async def _round(self) -> None:
         finished = [r for r in self.running if r.done]
@@ -56,14 +57,16 @@ class RoundsMixin:
         await self._resync()
         mode = self._mode = self._modes.choose(len(self.running), self.drafter_up)
         t0, before = time.perf_counter(), self._tokens_committed
-        self._capped_plain = False
+        self._capped_plain = self._drafted_any = False
         if mode == "pingpong":
             await self._pingpong_round()
         else:
             await self._sequential_round(ahead=mode == "ahead")
         # A plain round whose steps were cut by the requests' ends decodes fewer tokens than the
-        # mode does: the batch's tail, not plain decoding's rate. It does not count as a measurement.
-        if not self._capped_plain:
+        # mode does: the batch's tail, not plain decoding's rate. It does not count as a measurement,
+        # nor does a speculating round that drafted for no request (all detached: router/pipeline.py).
+        detached_only = not self._drafted_any and any(r.detached for r in self.running)
+        if not self._capped_plain and (mode == "plain" or not detached_only):
             self._modes.record(mode, self._tokens_committed - before, time.perf_counter() - t0)
 
     async def _sequential_round(self, ahead: bool = False) -> None:
@@ -155,12 +158,14 @@ class RoundsMixin:
             tree = trees_from_ready([r.request_id for r in drafted], [r.committed_len for r in drafted],
                                     [t[1] for t in ready])
             self.counters.ready_trees += len(drafted)
+            self._drafted_any = True
             return self.drafter.ready_handle(tree, [r.tag() for r in drafted]), drafted
         if self._deferred_extend:    # the drafter must be in step before it drafts, or takes a backlog
             await self._flush_extend()
             drafted = [r for r in drafted if r.on_drafter and self.drafter_up]
         if not drafted:
             return None, []
+        self._drafted_any = True
         backlog = [item for r in drafted for item in r.backlog]
         if backlog:   # catch-ups held back by plain rounds: the drafter must be in step first
             for r in drafted:
@@ -190,12 +195,14 @@ class RoundsMixin:
         on_launch)."""
         steps = self._plain_steps(group) if not drafted else 1
         plain = [PlainItem(r.tag(), r.tokens[-1], steps) for r in group if r not in drafted]
+        # No features for a round of detached requests only: no drafter will catch up on them.
+        want = self.cfg.want_features and (any(r.on_drafter for r in group) or not any(r.detached for r in group))
         try:
             if launched is not None:
                 loop = asyncio.get_running_loop()
                 done = lambda: loop.call_soon_threadsafe(lambda: launched.done() or launched.set_result(None))
-                return await self.verifier.verify(draft, plain, self.cfg.want_features, on_launch=done)
-            return await self.verifier.verify(draft, plain, self.cfg.want_features)
+                return await self.verifier.verify(draft, plain, want, on_launch=done)
+            return await self.verifier.verify(draft, plain, want)
         except EngineUnavailable as exc:
             self._verifier_failed(list(self.running), exc)
             self.running = []
@@ -276,7 +283,10 @@ class RoundsMixin:
         """Re-prefills, on a drafter that is (back) up, the requests it does not hold."""
         if not self.drafter_up:
             return
-        stale = [r for r in self.running if not r.on_drafter and not r.done]
+        large = len(self.running) >= LARGE_BATCH   # detached requests rejoin below it
+        stale = [r for r in self.running if not r.on_drafter and not r.done and not (r.detached and large)]
+        for r in stale:
+            r.detached = False
         if not stale:
             return
         feats = []

@@ -238,11 +238,17 @@ class Router(RoundsMixin):
                                      r.prompt_ids + r.tokens if r.preempted else r.prompt_ids, r.params, r.seed,
                                      resume=r.preempted)
                  for r in batch]
+        # "auto" settled on plain at this batch size: admit without the drafter (router/pipeline.py).
+        detach = self.drafter is not None and self._modes.settled_plain(len(self.running) + len(batch))
         try:
-            results = await self.verifier.prefill(items, self.cfg.want_features)
+            results = await self.verifier.prefill(items, self.cfg.want_features and not detach)
         except EngineUnavailable as exc:
             self._verifier_failed(batch, exc)
             return
+        for r in batch:
+            r.detached = detach
+        if detach:
+            self.counters.detached_admissions += len(batch)
         for r in batch:
             r.on_verifier = True
             if r.admit_seq < 0:
@@ -260,7 +266,7 @@ class Router(RoundsMixin):
             elif self._commit(r, [res.first_token_id]):
                 features[r.request_id] = res.features
         live = [r for r in batch if not r.done]
-        if self.drafter_up and live:
+        if self.drafter_up and live and not detach:
             await self._drafter_prefill(live, [features[r.request_id] for r in live])
         await self._release([r for r in batch if r.done])
 

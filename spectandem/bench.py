@@ -264,7 +264,8 @@ def _measure(plan: BenchPlan, args, dtype, bandwidth: float) -> tuple[list[dict]
 def _note(r: dict) -> str:
     notes = []
     if r.get("auto_mode"):
-        notes.append(f"auto kept {r['auto_mode']}")
+        notes.append(f"auto kept {r['auto_mode']}" + (f" ({r['detached_admissions']} admitted without the drafter)"
+                                                       if r.get("detached_admissions") else ""))
     if r.get("roofline_fraction") is not None:
         notes.append(f"roofline {r['roofline_fraction']:.2f} of {r['roofline_ms']} ms")
     if r.get("temperature") is not None:

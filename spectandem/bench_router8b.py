@@ -9,9 +9,11 @@ serve's --plain-steps, and so do the plain rounds "auto" picks), then each specu
 default "sequential" and "auto"), all requests submitted at once (greedy, ignore_eos) and timed
 until the last token. A row is the median of `repeats` such batches (one batch's wall time
 varies by a few percent from run to run: plain decoding at 64 read 8,761-9,037 tok/s over four
-batches on one H200). "auto" first runs the same batch once untimed, so its online measurement
-is done and the timed run shows the mode it keeps (`auto_mode`) and the committed tokens/s it
-measured per candidate at the batch's size (`auto_rates`). Before any timing, each mode runs
+batches on one H200). "auto" first runs the same batch untimed until its choice has settled (kept
+twice in a row; at most AUTO_WARM_BATCHES batches), so its online measurement is done and the
+timed run shows the steady state: the mode it keeps (`auto_mode`), the committed tokens/s it
+measured per candidate at the batch's size (`auto_rates`) and, where it settled on plain at a
+large batch, requests admitted without the drafter (`detached_admissions`). Before any timing, each mode runs
 every batch size once untimed (CUDA graphs of each size captured). Every row checks that its
 tokens are the target's own greedy continuation (`matches_plain`). "ahead" drafts ahead with the
 controlled drafter's guesses (spectandem/bench_controlled.py): its rows give the outcome cache's
@@ -70,6 +72,7 @@ from spectandem.bench_pipeline import _settle
 from spectandem.bench_records import record, sync
 
 ROUTER8B_MODES = ("sequential", "ahead", "pingpong", "auto")   # besides plain, which always runs
+AUTO_WARM_BATCHES = 4    # untimed batches before an "auto" row, until its choice has settled
 
 
 def check_modes(modes: list[str], what: str = "router8b modes") -> None:
@@ -171,6 +174,7 @@ def _record(mode: str, batch_size: int, acceptance_rate: float | None, m: dict, 
                rounds=c["rounds"], rounds_per_s=round(c["rounds"] / dt, 1), matches_plain=True,
                auto_mode=m["mode"] if mode == "auto" else None,
                auto_rates=m["rates"] if mode == "auto" else None,
+               detached_admissions=c["detached_admissions"] if mode == "auto" else None,
                verify_busy_s=round(verify_s, 4), prefill_busy_s=round(prefill_s, 4),
                round_over_verify=round((dt - prefill_s) / verify_s, 3) if verify_s > 0 else None,
                drafter_busy_s=None if plain else round(sum(m["busy"][1].values()), 4), **placement)
@@ -212,8 +216,11 @@ async def _started(runs, acceptance_rate: float | None, mode: str, batch_sizes: 
 async def _paired(s: _Setup, mode: str, plain: _Setup, runs, b: int, repeats: int, ids_for) -> tuple[list, list]:
     """`repeats` batches of size `b` on `s`, each right after one on `plain` (plain, mode, plain,
     mode, ...): -> (the mode's batches, the plain ones), timed at the same GPU speed."""
-    if mode == "auto":
-        await _timed(s, runs, *ids_for(b))                   # the online measurement, untimed
+    if mode == "auto":   # the online measurement, untimed, until its choice settles (at most 4 batches)
+        for _ in range(AUTO_WARM_BATCHES):
+            await _timed(s, runs, *ids_for(b))
+            if s.router._modes.settled(b) is not None:
+                break
     timed, plains = [], []
     for _ in range(repeats):
         plains.append(await _timed(plain, runs, *ids_for(b)))

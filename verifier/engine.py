@@ -125,12 +125,14 @@ class VerifierEngine:
                              num_draft_tokens=d, features=None if picked is None else picked[b, : len(toks)])
                 for b, (rid, req, toks, k, d) in enumerate(zip(tree.request_ids, reqs, tokens, num_acc, num_drafts))]
 
-    def decode(self, request_ids: list[str], committed_lens: list[int], steps: int) -> list[VerifyOutput]:
+    def decode(self, request_ids: list[str], committed_lens: list[int], steps: int,
+               features: bool = True) -> list[VerifyOutput]:
         """Plain greedy decoding of `steps` tokens for each request (temperature 0 only), in one
         call: the tokens `steps` plain rounds would commit, with the host never waiting between
         steps where the runner can chain them on the device (`NativeRunner.decode_greedy`).
         committed_lens: the caller's view of each request (as a tree's tags). Features per
-        request: [steps, F], those of each step's input (a plain round's, concatenated)."""
+        request: [steps, F], those of each step's input (a plain round's, concatenated); with
+        `features` False none are captured (a round no drafter catches up on)."""
         if steps < 1:
             raise ValueError(f"steps must be >= 1, got {steps}")
         reqs = [self.requests[rid] for rid in request_ids]
@@ -148,7 +150,7 @@ class VerifierEngine:
         if chain is None:   # a runner without the device chain: one plain verify per step
             return self._decode_by_rounds(request_ids, steps)
         tokens, feats = chain([r.slot for r in reqs], [r.committed_len - 1 for r in reqs],
-                              [r.token_ids[-1] for r in reqs], steps)
+                              [r.token_ids[-1] for r in reqs], steps, features)
         rows = tokens.cpu().tolist()           # the only wait for the device
         for req, toks in zip(reqs, rows):
             req.token_ids.extend(toks)

@@ -105,17 +105,18 @@ class NativeRunner:
         logits, feats, _ = self._step(slots, cache_lens, token_ids, parents, node_valid)
         return logits, feats
 
-    def _step(self, slots, cache_lens, token_ids, parents, node_valid, device_tokens=None):
+    def _step(self, slots, cache_lens, token_ids, parents, node_valid, device_tokens=None, features: bool = True):
         """The verify forward on the runner's path (slots reserved) -> (logits, features, argmax
-        [B, N] on the device). `device_tokens` [B, N] (on the device) replaces token_ids."""
+        [B, N] on the device). `device_tokens` [B, N] (on the device) replaces token_ids.
+        `features` False: none captured (the same logits; graphs of their own)."""
         b, n = token_ids.shape
+        layers = self.feature_layers if features else None
         if self.batch_invariant:
             toks = token_ids if device_tokens is None else device_tokens
             logits, feats = self._verify_invariant(slots, cache_lens, toks, parents, node_valid)
-            return logits, feats, logits.argmax(-1)
+            return logits, feats if features else None, logits.argmax(-1)
         if self.graphs is not None and self.graphs.supports(b):
-            step = self.graphs.run(slots, cache_lens, token_ids, parents, node_valid, self.feature_layers,
-                                   device_tokens)
+            step = self.graphs.run(slots, cache_lens, token_ids, parents, node_valid, layers, device_tokens)
             return step.logits, step.features, step.argmax
         # Eagerly: the static-shape step without padding (rows = B; dense: span = max(cache_len) + N).
         if self.triton_attention:
@@ -125,11 +126,12 @@ class NativeRunner:
                                 max(cache_lens) + n)
         if device_tokens is not None:
             inp.token_ids[:b].copy_(device_tokens)
-        logits, feats = verify_forward(self.model, self.cache, self.feature_layers, inp)
+        logits, feats = verify_forward(self.model, self.cache, layers, inp)
         return logits, feats, logits.argmax(-1)
 
     @torch.no_grad()
-    def decode_greedy(self, slots: list[int], cache_lens: list[int], last_tokens: list[int], steps: int):
+    def decode_greedy(self, slots: list[int], cache_lens: list[int], last_tokens: list[int], steps: int,
+                      features: bool = True):
         """Plain greedy decoding of `steps` tokens per request, each step a one-node verify whose
         token is the previous step's argmax, fed on the device: the host prepares step s + 1
         while the device runs step s, and waits only for the caller's read of the result.
@@ -137,7 +139,8 @@ class NativeRunner:
         (the first step's input). Afterwards each holds cache_len_b + steps entries: every
         step's input, the last output excluded, as after `steps` verify/commit rounds.
         -> (tokens [B, steps] int64 on the device, features [B, steps, F] or None: step s's
-        features are those of its input, as a verify's are of its accepted path)."""
+        features are those of its input, as a verify's are of its accepted path; None as well
+        with `features` False, when no caller wants them)."""
         b = len(slots)
         for slot, c in zip(slots, cache_lens):
             self.cache.reserve(slot, c + steps)
@@ -147,7 +150,7 @@ class NativeRunner:
         cur = torch.tensor(last_tokens, dtype=torch.long).view(b, 1).to(self.device, non_blocking=True)
         tokens, feats = [], []
         for s in range(steps):
-            _, f, argmax = self._step(slots, [c + s for c in cache_lens], placeholder, parents, valid, cur)
+            _, f, argmax = self._step(slots, [c + s for c in cache_lens], placeholder, parents, valid, cur, features)
             cur = argmax                 # graphs: a copy of the step's output; eager: its own
             tokens.append(cur)
             feats.append(f)

@@ -53,7 +53,8 @@ def verifier_verify(engine, tree: DraftTree | None, tags: list[Tag], plain: list
 def _decode(engine, plain: list[PlainItem], steps: int, want_features: bool,
             sender: FeatureSender | None) -> list[RoundResult]:
     """A round without drafts whose items decode `steps` tokens each (VerifierEngine.decode)."""
-    outs = engine.decode([p.tag.request_id for p in plain], [p.tag.committed_len for p in plain], steps)
+    outs = engine.decode([p.tag.request_id for p in plain], [p.tag.committed_len for p in plain], steps,
+                         features=want_features)
     features = _handles(sender, [o.features if want_features else None for o in outs])
     return [RoundResult(Tag(p.tag.request_id, p.tag.epoch, o.committed_len), o.token_ids, 0, 0, f)
             for p, o, f in zip(plain, outs, features)]

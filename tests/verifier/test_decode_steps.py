@@ -102,6 +102,20 @@ def test_decode_equals_plain_rounds(model, path):
     assert sum(o.num_accepted for o in a) > 0      # the tree's drafts were checked against that KV
 
 
+@pytest.mark.parametrize("path", ["eager", "static"])
+def test_decode_without_features_gives_the_same_tokens_and_none(model, path):
+    """features=False (a plain round no drafter catches up on: router/pipeline.py's detached
+    requests): the same tokens and KV, no features."""
+    ref, eng = _engine(_native(model, path)), _engine(_native(model, path))
+    ids = list(ref.requests)
+    want_t, want_f = _decode(ref, ids, 6)
+    outs = eng.decode(ids, [eng.requests[i].committed_len for i in ids], 6, features=False)
+    assert [o.token_ids for o in outs] == want_t and all(f is not None for f in want_f)
+    assert all(o.features is None for o in outs)
+    tree = _tree(eng, ids)
+    assert [o.token_ids for o in ref.verify(tree)] == [o.token_ids for o in eng.verify(tree)]
+
+
 def _tree(eng: VerifierEngine, ids: list[str]) -> DraftTree:
     """A chain of the next greedy tokens (from a plain run ahead on a copy): drafts that are
     accepted only if the KV before them is right."""
@@ -152,7 +166,8 @@ def test_negative_control_unfed_chain_is_caught(model):
     ref, eng = _engine(_native(model, "eager")), _engine(_native(model, "eager"))
     ids = list(ref.requests)
     step = eng.runner._step
-    eng.runner._step = lambda slots, lens, toks, parents, valid, device_tokens=None: step(slots, lens, toks, parents, valid)
+    eng.runner._step = lambda slots, lens, toks, parents, valid, device_tokens=None, features=True: step(
+        slots, lens, toks, parents, valid)
     want, _ = _plain_rounds(ref, ids, 4)
     got, _ = _decode(eng, ids, 4)
     assert got != want

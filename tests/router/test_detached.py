@@ -1,0 +1,117 @@
+"""Router logic: once "auto" has settled on plain decoding at a large batch, new requests are
+admitted without the drafter (no target features, no drafter prefill: "detached") and decode
+plainly; they rejoin the drafter (a resync) once fewer than LARGE_BATCH run, and speculate from
+there. Real engines (demo EAGLE-3 pair, CPU, fp32) behind in-process links that record what they
+are asked; LARGE_BATCH lowered to 4 and the chooser's verdict forced, so a small batch shows it.
+Greedy tokens must equal plain decoding's throughout."""
+
+from __future__ import annotations
+
+import asyncio
+
+import router.rounds
+from router.links import LocalDrafterLink, LocalVerifierLink
+from router.pipeline import KEEP_WINDOWS, ModeChooser, _ClassState
+from router.requests import RouterConfig
+from router.scheduler import Router
+from spectandem.config import SamplingParams, SpecConfig
+from spectandem.demo import demo_paths
+from spectandem.local import LocalSpeculator
+from tests.e2e.conftest import PROMPT_TEXTS
+
+
+class Recording(LocalVerifierLink):
+    def __init__(self, engine):
+        super().__init__(engine)
+        self.prefill_features: list[bool] = []
+        self.verify_features: list[bool] = []
+
+    async def prefill(self, items, want_features):
+        self.prefill_features.append(want_features)
+        return await super().prefill(items, want_features)
+
+    async def verify(self, draft, plain, want_features, on_launch=None):
+        self.verify_features.append(want_features)
+        return await super().verify(draft, plain, want_features, on_launch)
+
+
+class CountingDrafter(LocalDrafterLink):
+    def __init__(self, engine):
+        super().__init__(engine)
+        self.prefilled: list[str] = []
+
+    async def prefill(self, items):
+        self.prefilled += [i.tag.request_id for i in items]
+        return await super().prefill(items)
+
+
+def test_detached_requests_decode_plainly_then_rejoin(monkeypatch):
+    monkeypatch.setattr(router.rounds, "LARGE_BATCH", 4)
+    t, d = demo_paths("eagle3")
+    spec = LocalSpeculator(t, d, SpecConfig(method="eagle3"), max_slots=8, max_len=256)
+    plain = LocalSpeculator(*demo_paths("none"), SpecConfig(method="none"), max_slots=8, max_len=256)
+    prompts = [spec.tokenizer.encode(x).ids for x in PROMPT_TEXTS[:6]]
+    # Five short requests and one long one: the long one ends alone, below LARGE_BATCH.
+    params = [SamplingParams(max_tokens=12, ignore_eos=True)] * 5 + [SamplingParams(max_tokens=64, ignore_eos=True)]
+    expected = [c.token_ids for c in plain.generate(prompts, params)]
+
+    async def main():
+        vlink, dlink = Recording(spec.verifier), CountingDrafter(spec.drafter)
+        r = Router(vlink, dlink, spec.tokenizer, RouterConfig(
+            max_len=256, eos_token_ids=spec.eos_token_ids, lookahead=spec.lookahead, want_features=True,
+            pipeline="auto"))
+        r._modes.settled_plain = lambda num_running: num_running >= 4   # "auto" settled on plain
+        r.start()
+
+        async def run(prompt, sp):
+            req = r.submit(prompt, sp)
+            toks = []
+            while True:
+                ev = await req.events.get()
+                toks += ev.token_ids
+                if ev.finish_reason:
+                    return toks, req
+        try:
+            done = await asyncio.gather(*(run(p, sp) for p, sp in zip(prompts, params)))
+            for _ in range(50):
+                if not spec.drafter.requests and not spec.verifier.requests:
+                    break
+                await asyncio.sleep(0.02)
+            return done, vlink, dlink, r.counters
+        finally:
+            await r.stop()
+
+    done, vlink, dlink, c = asyncio.run(main())
+    assert [toks for toks, _ in done] == expected
+    assert c.detached_admissions == 6 and vlink.prefill_features == [False]
+    long_req = done[-1][1]
+    # The long request rejoined the drafter once it ran alone (a resync: its first drafter prefill)
+    # and speculated from there; the short ones never reached the drafter.
+    assert dlink.prefilled == [long_req.request_id]
+    assert long_req.draft_tokens > 0 and all(req.draft_tokens == 0 for _, req in done[:5])
+    # While every running request was detached, no round asked for features.
+    first_drafted = vlink.verify_features.index(True)
+    assert first_drafted > 0 and not any(vlink.verify_features[:first_drafted])
+    assert not spec.drafter.requests and spec.drafter.proposer.kv_stats()["used_blocks"] == 0
+    assert not spec.verifier.requests
+
+
+def test_settled_plain_needs_a_second_keep_of_plain_at_a_large_batch():
+    cfg = RouterConfig(max_len=256, eos_token_ids=(0,), lookahead=5, want_features=True, pipeline="auto")
+    chooser = ModeChooser(cfg)
+    key = chooser._class(64)
+    chooser._states[key] = s = _ClassState(mode="plain", phase="keep", left=10, keep_windows=KEEP_WINDOWS)
+    assert not chooser.settled_plain(64)            # the first keep of plain: not yet
+    s.keep_windows = 2 * KEEP_WINDOWS
+    assert chooser.settled_plain(64)
+    assert not chooser.settled_plain(8)             # another (small) batch class
+    s.mode = "sequential"
+    assert not chooser.settled_plain(64)
+    s.mode, s.phase = "plain", "explore"
+    assert not chooser.settled_plain(64)
+    s.phase, s.left = "keep", 0
+    assert not chooser.settled_plain(64)
+    other = ModeChooser(RouterConfig(max_len=256, eos_token_ids=(0,), lookahead=5, want_features=True,
+                                     pipeline="sequential"))
+    other._states[key] = _ClassState(mode="plain", phase="keep", left=10, keep_windows=2 * KEEP_WINDOWS)
+    assert not other.settled_plain(64)              # only "auto" detaches
