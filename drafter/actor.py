@@ -75,8 +75,8 @@ class DrafterActor:
         call failed, and forwards the tree's ref without fetching it."""
         return drafter_draft(self.engine, tags, num_steps), None
 
-    def draft_ahead(self, tags: list[Tag]) -> AheadReply:
-        return drafter_draft_ahead(self.engine, tags)
+    def draft_ahead(self, tags: list[Tag], extend: list[ExtendItem] = ()) -> AheadReply:
+        return drafter_draft_ahead(self.engine, tags, _resolve_features(list(extend)), self.receiver)
 
     def extend(self, items: list[ExtendItem]) -> list[str]:
         """Catch-up; returns the ids this drafter does not hold (it restarted)."""

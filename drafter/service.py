@@ -71,7 +71,9 @@ class DrafterServicer(engines_pb2_grpc.DrafterServicer):
         return engines_pb2.DraftReply(tree=codec.draft_tree_to_msg(tree, [t.epoch for t in tags]))
 
     def _draft_ahead(self, request: engines_pb2.DraftAheadRequest) -> engines_pb2.DraftAheadReply:
-        return codec.ahead_reply_to_msg(drafter_draft_ahead(self.engine, [codec.tag_from_msg(t) for t in request.tags]))
+        return codec.ahead_reply_to_msg(drafter_draft_ahead(
+            self.engine, [codec.tag_from_msg(t) for t in request.tags],
+            [codec.extend_item_from_msg(m) for m in request.extend], self.receiver))
 
     def _extend(self, request: engines_pb2.ExtendRequest) -> engines_pb2.DrafterReply:
         items = [codec.extend_item_from_msg(m) for m in request.items]

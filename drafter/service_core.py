@@ -61,13 +61,20 @@ def drafter_draft(engine, tags: list[Tag], num_steps: list[int | None] | None = 
     return engine.draft([t.request_id for t in tags], [n or None for n in num_steps] if num_steps else None)
 
 
-def drafter_draft_ahead(engine, tags: list[Tag]) -> AheadReply:
-    for t in tags:
+def drafter_draft_ahead(engine, tags: list[Tag], extend: list[ExtendItem] = (),
+                        receiver: FeatureReceiver | None = None) -> AheadReply:
+    """`extend` first (drafter_extend); tags of requests it reports unknown get None (no cache)."""
+    unknown = drafter_extend(engine, list(extend), receiver) if extend else []
+    known = [t for t in tags if t.request_id not in unknown]
+    for t in known:
         engine.check_tag(t.request_id, t.epoch, t.committed_len)
-    ids = [t.request_id for t in tags]
+    ids = [t.request_id for t in known]
     hits = engine.draft_ahead(ids)
     trees = getattr(engine, "outcome_trees", None)
-    return AheadReply(hits, trees(ids) if trees is not None else [None] * len(ids))
+    trees = trees(ids) if trees is not None else [None] * len(ids)
+    got = {rid: (h, tr) for rid, h, tr in zip(ids, hits, trees)}
+    per = [got.get(t.request_id, (None, None)) for t in tags]
+    return AheadReply([h for h, _ in per], [tr for _, tr in per], unknown)
 
 
 def drafter_release(engine, request_ids: list[str], keep_draft: bool = False) -> int:

@@ -107,6 +107,7 @@ class AheadReply:
 
     hits: list[bool | None]
     trees: list[dict[tuple[int, ...], ReadyTree] | None]
+    unknown: list[str] = field(default_factory=list)   # ids of `extend` the drafter does not hold
 
 
 @dataclass
@@ -151,8 +152,10 @@ class DrafterLink(Protocol):
     async def draft(self, tags: list[Tag], num_steps: list[int | None] | None = None) -> DraftHandle:
         """The round's trees; per tag, a new one at most `num_steps[i]` deep (None: as configured)."""
 
-    async def draft_ahead(self, tags: list[Tag]) -> AheadReply:
-        """Called while the trees of `tags` are verified: fill the outcome cache for them."""
+    async def draft_ahead(self, tags: list[Tag], extend: list[ExtendItem] = ()) -> AheadReply:
+        """Called while the trees of `tags` are verified: fill the outcome cache for them, after
+        absorbing `extend` (as `extend` would; its unknown ids come back in the reply, and their
+        tags get no cache)."""
 
     def ready_handle(self, tree: DraftTree, tags: list[Tag]) -> DraftHandle:
         """A handle the verifier link takes for a tree the router built (`trees_from_ready`)."""
@@ -288,10 +291,10 @@ class LocalDrafterLink(_LocalLink):
 
         return DraftHandle(tags, await self._run("draft", drafter_draft, self.engine, tags, num_steps))
 
-    async def draft_ahead(self, tags):
+    async def draft_ahead(self, tags, extend=()):
         from drafter.service_core import drafter_draft_ahead
 
-        return await self._run("draft_ahead", drafter_draft_ahead, self.engine, tags)
+        return await self._run("draft_ahead", drafter_draft_ahead, self.engine, tags, list(extend))
 
     def ready_handle(self, tree, tags):
         return DraftHandle(list(tags), tree)

@@ -114,9 +114,9 @@ class GrpcDrafterLink(_GrpcLink):
         reply = await self._call(self.stub.Draft, request)
         return DraftHandle([codec.tag_from_msg(t) for t in reply.tree.tags], reply.tree)
 
-    async def draft_ahead(self, tags: list[Tag]) -> AheadReply:
-        reply = await self._call(self.stub.DraftAhead,
-                                 engines_pb2.DraftAheadRequest(tags=[codec.tag_to_msg(t) for t in tags]))
+    async def draft_ahead(self, tags: list[Tag], extend: list[ExtendItem] = ()) -> AheadReply:
+        reply = await self._call(self.stub.DraftAhead, engines_pb2.DraftAheadRequest(
+            tags=[codec.tag_to_msg(t) for t in tags], extend=[codec.extend_item_to_msg(i) for i in extend]))
         try:
             return codec.ahead_reply_from_msg(reply)
         except ValueError as exc:   # a drafter that sends malformed trees is broken, not the router's caller

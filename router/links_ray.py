@@ -118,8 +118,8 @@ class RayDrafterLink:
         await self._call(done)  # raises as the draft failed; the tree itself stays in Ray
         return DraftHandle(list(tags), tree_ref)
 
-    async def draft_ahead(self, tags: list[Tag]) -> AheadReply:
-        return await self._call(self.actor.draft_ahead.remote(list(tags)))
+    async def draft_ahead(self, tags: list[Tag], extend: list[ExtendItem] = ()) -> AheadReply:
+        return await self._call(self.actor.draft_ahead.remote(list(tags), list(extend)))
 
     def ready_handle(self, tree: DraftTree, tags: list[Tag]) -> DraftHandle:
         return DraftHandle(list(tags), tree)   # the verifier actor takes the tree itself as well as a ref

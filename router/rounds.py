@@ -79,12 +79,13 @@ class RoundsMixin:
         try:
             if launched is not None:   # the drafter's turn once the verify forward is queued
                 await asyncio.wait([launched, verify], return_when=asyncio.FIRST_COMPLETED)
-            if self._deferred_extend:   # the last verdict's catch-up, while the verifier verifies
-                await self._flush_extend()
             cached = [r for r in drafted if ahead and r.on_drafter and self.drafter_up
                       and (self.cfg.pipeline == "ahead" or self._invisible_when_plain(r))]
-            if cached:
-                await self._draft_ahead(cached)
+            if cached:   # with the last verdict's held-back catch-up, in one call
+                items, self._deferred_extend = self._deferred_extend, []
+                await self._draft_ahead(cached, items)
+            elif self._deferred_extend:
+                await self._flush_extend()
         finally:
             results = await verify
         if results is not None:
@@ -97,12 +98,15 @@ class RoundsMixin:
             elif extend:
                 await self._extend(extend)
 
-    async def _draft_ahead(self, reqs: list[ServedRequest]) -> None:
+    async def _draft_ahead(self, reqs: list[ServedRequest], extend: list[ExtendItem] = ()) -> None:
+        """Draft ahead for `reqs`, after the catch-up `extend` (held back by the last round)."""
         try:
-            reply = await asyncio.wait_for(self.drafter.draft_ahead([r.tag() for r in reqs]), self.cfg.drafter_timeout)
+            reply = await asyncio.wait_for(self.drafter.draft_ahead([r.tag() for r in reqs], extend),
+                                           self.cfg.drafter_timeout)
         except (EngineUnavailable, asyncio.TimeoutError, StaleMessage) as exc:
             self._drafter_failed(exc)
             return
+        self._off_drafter(reply.unknown)
         flags = reply.hits
         for r, trees in zip(reqs, reply.trees):
             r.ahead_trees = (r.committed_len, trees) if trees else None
@@ -267,9 +271,13 @@ class RoundsMixin:
         except (EngineUnavailable, asyncio.TimeoutError, StaleMessage) as exc:
             self._drafter_failed(exc)
             return
+        self._off_drafter(unknown)
+
+    def _off_drafter(self, unknown: list[str]) -> None:
+        """Requests the drafter reports it does not hold (it restarted): re-prefill them."""
         for r in self.running:
             if r.request_id in unknown:
-                r.on_drafter = False   # the drafter restarted: re-prefill it
+                r.on_drafter = False
                 r.backlog.clear()
                 r.ahead_trees = r.next_tree = None
 

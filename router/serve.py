@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import gc
 import logging
 import os
 import signal
@@ -286,6 +287,11 @@ async def serve_async(args, ready_message=True, stop_event: asyncio.Event | None
                                     links={"verifier": [v for v, _ in pairs], "drafter": [d for _, d in pairs if d]},
                                     positions=min(cfg.num_steps, cfg.max_draft_nodes),
                                     default_slots=args.max_running, chat_template=ChatTemplate.from_model_dir(target))
+        # Everything loaded so far (models, engines, captured graphs) lives as long as the server:
+        # out of every later collection, so a full collection never walks it mid-round (at batch
+        # 64 on the H200 one such collection took 178 ms: benchmarks/results/README.md).
+        gc.collect()
+        gc.freeze()
         if state is not None:
             state.update(router=router, verifier=v, drafter=d, port=port, procs=procs, pairs=pairs,
                          http_port=fronts.http_port, metrics_port=fronts.metrics_port)
@@ -317,6 +323,7 @@ async def serve_async(args, ready_message=True, stop_event: asyncio.Event | None
         if router is not None:
             await _bounded("the router", router.stop())
         await _bounded("the engines", cleanup(), 120.0)
+        gc.unfreeze()   # what the server held may be collected again (in-process callers: tests)
         if ready_message:
             print("spectandem stopped", flush=True)
 

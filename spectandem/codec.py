@@ -200,15 +200,17 @@ def ahead_reply_to_msg(reply: AheadReply) -> engines_pb2.DraftAheadReply:
         outcome_trees=[engines_pb2.OutcomeTrees(trees=[
             engines_pb2.OutcomeTree(outcome=list(key), token_ids=list(t.token_ids), parents=list(t.parents),
                                     scores=list(t.scores)) for key, t in (trees or {}).items()])
-            for trees in reply.trees])
+            for trees in reply.trees],
+        unknown_request_ids=list(reply.unknown))
 
 
 def ahead_reply_from_msg(msg: engines_pb2.DraftAheadReply) -> AheadReply:
     """Checks each tree's shape (a tree the router sends on must be one the verifier takes):
     ValueError naming what is wrong. No trees at all (an older drafter): None per tag."""
     hits = [None if h < 0 else bool(h) for h in msg.cache_hits]
+    unknown = list(msg.unknown_request_ids)
     if not msg.outcome_trees:
-        return AheadReply(hits, [None] * len(hits))
+        return AheadReply(hits, [None] * len(hits), unknown)
     if len(msg.outcome_trees) != len(hits):
         raise ValueError(f"DraftAheadReply: {len(msg.outcome_trees)} outcome_trees for {len(hits)} tags")
     trees = []
@@ -226,7 +228,7 @@ def ahead_reply_from_msg(msg: engines_pb2.DraftAheadReply) -> AheadReply:
                                  "other node's parent an earlier node")
             table[tuple(t.outcome)] = ReadyTree(tuple(t.token_ids), tuple(parents), tuple(t.scores))
         trees.append(table or None)
-    return AheadReply(hits, trees)
+    return AheadReply(hits, trees, unknown)
 
 
 # ----------------------------------------------------------------------------------------------

@@ -170,18 +170,22 @@ class DraftRequest(_message.Message):
     def __init__(self, tags: _Optional[_Iterable[_Union[_common_pb2.RequestTag, _Mapping]]] = ..., num_steps: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class DraftAheadRequest(_message.Message):
-    __slots__ = ("tags",)
+    __slots__ = ("tags", "extend")
     TAGS_FIELD_NUMBER: _ClassVar[int]
+    EXTEND_FIELD_NUMBER: _ClassVar[int]
     tags: _containers.RepeatedCompositeFieldContainer[_common_pb2.RequestTag]
-    def __init__(self, tags: _Optional[_Iterable[_Union[_common_pb2.RequestTag, _Mapping]]] = ...) -> None: ...
+    extend: _containers.RepeatedCompositeFieldContainer[ExtendItem]
+    def __init__(self, tags: _Optional[_Iterable[_Union[_common_pb2.RequestTag, _Mapping]]] = ..., extend: _Optional[_Iterable[_Union[ExtendItem, _Mapping]]] = ...) -> None: ...
 
 class DraftAheadReply(_message.Message):
-    __slots__ = ("cache_hits", "outcome_trees")
+    __slots__ = ("cache_hits", "outcome_trees", "unknown_request_ids")
     CACHE_HITS_FIELD_NUMBER: _ClassVar[int]
     OUTCOME_TREES_FIELD_NUMBER: _ClassVar[int]
+    UNKNOWN_REQUEST_IDS_FIELD_NUMBER: _ClassVar[int]
     cache_hits: _containers.RepeatedScalarFieldContainer[int]
     outcome_trees: _containers.RepeatedCompositeFieldContainer[OutcomeTrees]
-    def __init__(self, cache_hits: _Optional[_Iterable[int]] = ..., outcome_trees: _Optional[_Iterable[_Union[OutcomeTrees, _Mapping]]] = ...) -> None: ...
+    unknown_request_ids: _containers.RepeatedScalarFieldContainer[str]
+    def __init__(self, cache_hits: _Optional[_Iterable[int]] = ..., outcome_trees: _Optional[_Iterable[_Union[OutcomeTrees, _Mapping]]] = ..., unknown_request_ids: _Optional[_Iterable[str]] = ...) -> None: ...
 
 class OutcomeTrees(_message.Message):
     __slots__ = ("trees",)

@@ -77,6 +77,7 @@ async def speculate(vlink, dlink, prompts, params, eos: tuple[int, ...], lookahe
     assert await dlink.prefill(absorb) == []
     active = [i.tag for i in absorb]
     next_trees: dict = {}     # request -> (committed_len, ReadyTree) from the last DraftAhead
+    catch_up: list = []       # an all-hit verdict's catch-up, held back for the next DraftAhead
     n = 0
     while active:
         room = all(t.committed_len - 1 + lookahead <= max_len for t in active)
@@ -90,12 +91,18 @@ async def speculate(vlink, dlink, prompts, params, eos: tuple[int, ...], lookahe
             if ready is not None:
                 ready.append(len(drafted))
         else:
+            if catch_up:   # the drafter must be in step before it drafts
+                assert await dlink.extend(catch_up) == []
+                catch_up = []
             draft = await dlink.draft(drafted) if drafted else None
         next_trees = {}
         tables = {}
         if ahead is not None and draft is not None:
+            # The last verdict's catch-up, if held back, rides with DraftAhead (as the router sends it).
             outs, reply = await asyncio.gather(vlink.verify(draft, plain, want_features=True),
-                                               dlink.draft_ahead(drafted))
+                                               dlink.draft_ahead(drafted, catch_up))
+            assert reply.unknown == []
+            catch_up = []
             ahead += reply.hits
             tables = {t.request_id: trees for t, trees in zip(drafted, reply.trees) if trees}
         else:
@@ -117,8 +124,11 @@ async def speculate(vlink, dlink, prompts, params, eos: tuple[int, ...], lookahe
             else:
                 await vlink.release([c.request_id])
                 await dlink.release([c.request_id])
-        if still:
-            assert await dlink.extend([ExtendItem(o.tag, o.token_ids, o.features) for o in still]) == []
+        items = [ExtendItem(o.tag, o.token_ids, o.features) for o in still]
+        if items and ahead is not None and all(o.tag.request_id in next_trees for o in still):
+            catch_up = items           # every request hit: its catch-up goes with the next DraftAhead
+        elif items:
+            assert await dlink.extend(items) == []
         active = [o.tag for o in still]
         n += 1
     await vlink.release(ids)

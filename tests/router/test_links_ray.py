@@ -62,6 +62,7 @@ class Seen:
         self.resynced: list[str] = []
         self.ahead: list = []
         self.ready = 0           # request-rounds verified with DraftAhead's outcome trees (no Draft call)
+        self.merged = 0          # DraftAhead calls that carried the last verdict's catch-up
 
 
 async def speculate(verifier, drafter, prompts, params, eos, lookahead, seen: Seen, before_extend=None,
@@ -90,7 +91,18 @@ async def speculate(verifier, drafter, prompts, params, eos, lookahead, seen: Se
     assert await drafter.prefill(items) == []
     active = [i.tag.request_id for i in items]
     next_trees: dict = {}     # request -> (committed_len, ReadyTree) from the last DraftAhead
+    catch_up: list = []       # an all-hit verdict's catch-up, held back for the next DraftAhead
     round_no = 0
+
+    async def resync(unknown):
+        for rid in unknown:  # the drafter restarted: rebuild it from the verifier's features
+            c, sp = by_id[rid]
+            committed = c.prompt_ids + c.token_ids
+            feats = await verifier.features(tags[rid])
+            seen.handles.append(feats)
+            assert await drafter.prefill([DrafterPrefillItem(tags[rid], committed[:-1], committed[-1], sp,
+                                                             seeds[rid], feats)]) == []
+            seen.resynced.append(rid)
     while active:
         held = [next_trees.get(r) for r in active]
         if not all(tags[r].committed_len - 1 + lookahead <= max_len for r in active):
@@ -102,12 +114,23 @@ async def speculate(verifier, drafter, prompts, params, eos, lookahead, seen: Se
             plain = []
             seen.ready += len(active)
         else:
+            if catch_up:   # the drafter must be in step before it drafts
+                await resync(await drafter.extend(catch_up))
+                catch_up = []
             draft, plain = await drafter.draft([tags[r] for r in active]), []
             seen.handles.append(draft.payload)
+        if draft is None and catch_up:
+            await resync(await drafter.extend(catch_up))
+            catch_up = []
         next_trees, tables = {}, {}
         if ahead and draft is not None:
+            # An all-hit verdict's catch-up rides with DraftAhead, as the router sends it.
             results, reply = await asyncio.gather(verifier.verify(draft, plain, want_features=True),
-                                                  drafter.draft_ahead(list(draft.tags)))
+                                                  drafter.draft_ahead(list(draft.tags), catch_up))
+            if catch_up:
+                seen.merged += 1
+            catch_up = []
+            await resync(reply.unknown)
             flags = reply.hits
             tables = {t.request_id: trees for t, trees in zip(draft.tags, reply.trees) if trees}
             seen.ahead += flags
@@ -134,15 +157,11 @@ async def speculate(verifier, drafter, prompts, params, eos, lookahead, seen: Se
             await drafter.release(ids_done)
         if before_extend is not None:
             await before_extend(round_no)
-        unknown = await drafter.extend([ExtendItem(r.tag, r.token_ids, r.features) for r in still])
-        for rid in unknown:  # the drafter restarted: rebuild it from the verifier's features
-            c, sp = by_id[rid]
-            committed = c.prompt_ids + c.token_ids
-            feats = await verifier.features(tags[rid])
-            seen.handles.append(feats)
-            assert await drafter.prefill([DrafterPrefillItem(tags[rid], committed[:-1], committed[-1], sp,
-                                                             seeds[rid], feats)]) == []
-            seen.resynced.append(rid)
+        items = [ExtendItem(r.tag, r.token_ids, r.features) for r in still]
+        if items and ahead and before_extend is None and all(r.tag.request_id in next_trees for r in still):
+            catch_up = items
+        else:
+            await resync(await drafter.extend(items))
         active = [r.tag.request_id for r in still]
         round_no += 1
     return [by_id[rid][0] for rid in ids]
@@ -188,6 +207,7 @@ def test_draft_ahead_through_ray_equals_local(engines, local, prompts):
     assert [g.stats.as_dict() for g in got] == [e.stats.as_dict() for e in expected]  # the same trees
     assert seen.ahead.count(True) > 0 and seen.ahead.count(False) > 0
     assert seen.ready > 0   # rounds whose every request hit went out with the trees DraftAhead returned
+    assert seen.merged > 0  # ... and their catch-up went with that round's DraftAhead
     infos = asyncio.run(_infos(verifier, drafter))
     assert infos[1].used_slots == 0 and infos[1].kv["used_blocks"] == 0
 
