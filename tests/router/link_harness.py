@@ -49,6 +49,29 @@ def _seeded(n: int) -> list[SamplingParams]:
 
 
 # ----------------------------------------------------------------------------------------------
+# A started Router in-process
+
+
+async def collect(router, prompt: list[int], params: SamplingParams):
+    """Submits one request to a started Router -> (its tokens, the ServedRequest), once finished."""
+    req = router.submit(prompt, params)
+    toks = []
+    while True:
+        ev = await req.events.get()
+        toks += ev.token_ids
+        if ev.finish_reason:
+            return toks, req
+
+
+async def drained(spec, tries: int = 50) -> None:
+    """Waits (at most tries x 20 ms) until neither of the speculator's engines holds a request."""
+    for _ in range(tries):
+        if not spec.drafter.requests and not spec.verifier.requests:
+            return
+        await asyncio.sleep(0.02)
+
+
+# ----------------------------------------------------------------------------------------------
 # The round protocol over links (what the router does, without its scheduling)
 
 

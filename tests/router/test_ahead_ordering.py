@@ -16,6 +16,7 @@ from spectandem.config import SamplingParams, SpecConfig
 from spectandem.demo import demo_paths
 from spectandem.local import LocalSpeculator
 from tests.e2e.conftest import PROMPT_TEXTS
+from tests.router.link_harness import collect, drained
 
 
 class Log:
@@ -77,17 +78,8 @@ def test_ahead_rounds_order_and_ready_trees():
                                      want_features=True, pipeline="ahead"))
         router.start()
         try:
-            req = router.submit(prompt, params)
-            toks = []
-            while True:
-                ev = await req.events.get()
-                toks += ev.token_ids
-                if ev.finish_reason:
-                    break
-            for _ in range(50):
-                if not spec.drafter.requests and not spec.verifier.requests:
-                    break
-                await asyncio.sleep(0.02)
+            toks, _ = await collect(router, prompt, params)
+            await drained(spec)
             return toks, router.counters
         finally:
             await router.stop()

@@ -18,6 +18,7 @@ from spectandem.config import SamplingParams, SpecConfig
 from spectandem.demo import demo_paths
 from spectandem.local import LocalSpeculator
 from tests.e2e.conftest import PROMPT_TEXTS
+from tests.router.link_harness import collect, drained
 
 
 class Recording(LocalVerifierLink):
@@ -63,20 +64,9 @@ def test_detached_requests_decode_plainly_then_rejoin(monkeypatch):
         r._modes.settled_plain = lambda num_running: num_running >= 4   # "auto" settled on plain
         r.start()
 
-        async def run(prompt, sp):
-            req = r.submit(prompt, sp)
-            toks = []
-            while True:
-                ev = await req.events.get()
-                toks += ev.token_ids
-                if ev.finish_reason:
-                    return toks, req
         try:
-            done = await asyncio.gather(*(run(p, sp) for p, sp in zip(prompts, params)))
-            for _ in range(50):
-                if not spec.drafter.requests and not spec.verifier.requests:
-                    break
-                await asyncio.sleep(0.02)
+            done = await asyncio.gather(*(collect(r, p, sp) for p, sp in zip(prompts, params)))
+            await drained(spec)
             return done, vlink, dlink, r.counters
         finally:
             await r.stop()

@@ -15,6 +15,7 @@ from spectandem.config import SamplingParams, SpecConfig
 from spectandem.demo import demo_paths
 from spectandem.local import LocalSpeculator
 from tests.e2e.conftest import PROMPT_TEXTS
+from tests.router.link_harness import collect, drained
 
 
 class CountingDrafter(LocalDrafterLink):
@@ -44,20 +45,9 @@ def test_plain_rounds_hold_back_catch_ups_and_tokens_stay_exact():
             pipeline="sequential", adaptive_window=4, adaptive_min_accept_length=99.0, adaptive_off_rounds=3))
         router.start()
 
-        async def run(prompt):
-            req = router.submit(prompt, params)
-            toks = []
-            while True:
-                ev = await req.events.get()
-                toks += ev.token_ids
-                if ev.finish_reason:
-                    return toks
         try:
-            got = await asyncio.gather(*(run(p) for p in prompts))
-            for _ in range(50):
-                if not spec.drafter.requests and not spec.verifier.requests:
-                    break
-                await asyncio.sleep(0.02)
+            got = [toks for toks, _ in await asyncio.gather(*(collect(router, p, params) for p in prompts))]
+            await drained(spec)
             return got, dlink.extends, router.counters
         finally:
             await router.stop()
