@@ -51,6 +51,20 @@ def ray_init(address: str | None, num_cpus: int | None = None) -> None:
         ray.init(address="local", num_cpus=num_cpus, include_dashboard=False, log_to_driver=False)
 
 
+def gcs_reachable(timeout_s: float = 1.0) -> bool:
+    """Whether the cluster's GCS accepts a connection. Any Ray call to a GCS that is gone waits
+    for it for a minute and then ends the process: a SIGTERM to the process group (`timeout`,
+    systemd) ends a local cluster's processes as well as this one, so shutdown checks first."""
+    import socket
+
+    try:
+        host, port = ray.get_runtime_context().gcs_address.rsplit(":", 1)
+        with socket.create_connection((host, int(port)), timeout=timeout_s):
+            return True
+    except Exception:
+        return False
+
+
 async def _call(ref, role: str, timeout_s: float | None):
     """Awaits one actor call, mapping Ray's failures to the link errors."""
     try:
@@ -192,6 +206,8 @@ def start_engines(target_dir: str | Path, draft_dir: str | Path | None, cfg: Spe
     actors = []
 
     def cleanup() -> None:
+        if not gcs_reachable():   # the cluster is gone (a signal to the process group ends a local one too)
+            return
         for a in actors:
             ray.kill(a, no_restart=True)
         remove_placement_group(pg)
