@@ -206,8 +206,6 @@ def start_engines(target_dir: str | Path, draft_dir: str | Path | None, cfg: Spe
     actors = []
 
     def cleanup() -> None:
-        if not gcs_reachable():   # the cluster is gone (a signal to the process group ends a local one too)
-            return
         for a in actors:
             ray.kill(a, no_restart=True)
         remove_placement_group(pg)

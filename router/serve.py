@@ -11,6 +11,7 @@ import os
 import signal
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 
@@ -146,7 +147,7 @@ async def _build_links(args, cfg, target, draft, index: int = 0):
     if args.backend == "ray":
         import ray
 
-        from router.links_ray import ray_init, start_engines
+        from router.links_ray import gcs_reachable, ray_init, start_engines
 
         started_here = not ray.is_initialized() and args.ray_address is None
         # A local cluster gets a logical CPU per engine actor of every replica (bundles hold one).
@@ -157,9 +158,15 @@ async def _build_links(args, cfg, target, draft, index: int = 0):
                                    gpu=GpuPaths.from_args(args), feature_channel=args.feature_channel)
 
         async def cleanup():
-            stop()
-            if started_here:  # a local cluster this command started: take it down too
-                ray.shutdown()
+            # A signal to the whole process group (`timeout`, systemd) ends a local cluster with
+            # this process: every Ray call, ray.shutdown() included, then waits a minute for its
+            # GCS and ends the process. So each step gets RAY_STOP_S, in a thread of its own; one
+            # that does not finish means the cluster is gone, and `_serve` exits without Ray.
+            steps = [stop] + ([ray.shutdown] if started_here else [])   # a local cluster started here goes too
+            for step in steps:
+                if not gcs_reachable() or not _finished_in(step, RAY_STOP_S):
+                    _RAY_GONE.set()
+                    return
         return v, d, cleanup, {}
     from router.links_grpc import GrpcDrafterLink, GrpcVerifierLink
 
@@ -328,6 +335,18 @@ async def serve_async(args, ready_message=True, stop_event: asyncio.Event | None
             print("spectandem stopped", flush=True)
 
 
+_RAY_GONE = threading.Event()   # the local Ray cluster was gone at shutdown (router/links_ray.py: gcs_reachable)
+RAY_STOP_S = 10.0               # what one Ray shutdown step may take
+
+
+def _finished_in(fn, seconds: float) -> bool:
+    """Runs fn in a daemon thread; whether it returned within `seconds` (one that hangs is left)."""
+    t = threading.Thread(target=fn, daemon=True)
+    t.start()
+    t.join(seconds)
+    return not t.is_alive()
+
+
 async def _bounded(what: str, step, seconds: float = 30.0) -> None:
     """Awaits a shutdown step for at most `seconds`; a step that does not finish is logged and left."""
     try:
@@ -353,6 +372,9 @@ async def _first_request(address: str, prompt: str, api_key: str | None = None, 
 
 
 def _serve(args) -> int:
+    import faulthandler
+
+    faulthandler.register(signal.SIGUSR2, all_threads=True)   # `kill -USR2 PID`: every thread's stack, to stderr
     level = os.environ.get("SPECTANDEM_LOG_LEVEL", "WARNING")
     if args.log_format == "json":
         from router.request_log import configure_json_logging
@@ -363,4 +385,8 @@ def _serve(args) -> int:
     if args.api_key is None:  # the environment is read here, in the entry point, only
         args.api_key = os.environ.get("SPECTANDEM_API_KEY") or None
     asyncio.run(serve_async(args))
+    if _RAY_GONE.is_set():   # skip Ray's exit hook, which would wait for the GCS that is gone
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(0)
     return 0
