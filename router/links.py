@@ -135,6 +135,15 @@ class VerifierLink(Protocol):
         then, which in-process engines (one Python lock) would otherwise make the verifier wait
         for. Links to other processes call it at once."""
 
+    def arm_next(self, tags: list[Tag]) -> bool:
+        """Chained verifies (draft ahead): called just before a verify of exactly `tags`; True if
+        the verifier will then, after the verdict, take the next trees (`stage_next`) and start
+        the verdict's one before the router asks. Links that cannot return False."""
+
+    def stage_next(self, trees: list[dict | None] | None) -> None:
+        """After a True `arm_next`, exactly once, while that verify runs: per tag, the drafter's
+        trees for its outcomes (AheadReply.trees), or None: nothing comes."""
+
     async def features(self, tag: Tag) -> Any:
         """Features of every committed position but the last (to rebuild a drafter's state)."""
 
@@ -182,6 +191,9 @@ class DrafterLink(Protocol):
 # switch interval: 5 ms by default, as long as a whole verify forward of the 8B target. In-process
 # links shorten it (SPECTANDEM_SWITCH_INTERVAL_S; 0 keeps the interpreter's).
 SWITCH_INTERVAL_S = float(os.environ.get("SPECTANDEM_SWITCH_INTERVAL_S", "0.0005"))
+# How long a chained verify's verdict waits for the drafter's next trees (stage_next) before the
+# verifier gives up and the router sends the next verify itself.
+CHAIN_WAIT_S = 0.05
 
 
 def _shorten_switch_interval() -> None:
@@ -199,8 +211,10 @@ class _LocalLink:
     `busy_s[kind]`: seconds spent inside calls of that kind ("verify", "prefill", "draft", ...)
     since construction, each timed in the worker thread from the call's start until its stream
     is done: for a verify, the host's preparation, the forward, acceptance and the results on
-    the host; not the wait for the lock or the thread. Calls of one link run one after another,
-    so the calls that start and end within an interval are busy for at most its length."""
+    the host; not the wait for the lock or the thread. A verify whose forward a chained launch
+    queued (LocalVerifierLink) counts from the end of the call that queued it: the verifier was
+    busy with it from then. Calls of one link run one after another, so the calls that start
+    and end within an interval are busy for at most its length."""
 
     role = "engine"
 
@@ -216,24 +230,41 @@ class _LocalLink:
 
             self._stream = torch.cuda.Stream(device=device)
 
-    def _call(self, kind: str, fn, *args):
-        t0 = time.perf_counter()
+    def _call(self, kind: str, fn, *args, then=None):
+        """`then()` (-> seconds it sat idle), if given: after the call's stream is done, in the same
+        turn; what it queues is not waited for (a chained verify: VerifierEngine.launch_next)."""
+        t0, idle = time.perf_counter(), 0.0
         try:
             if self._stream is None:
-                return fn(*args)
+                out = fn(*args)
+                if then is not None:
+                    idle = then()
+                return out
             import torch
 
             with torch.cuda.stream(self._stream):
                 out = fn(*args)
             self._stream.synchronize()
+            if then is not None:
+                with torch.cuda.stream(self._stream):
+                    idle = then()
             return out
         finally:
-            self.busy_s[kind] = self.busy_s.get(kind, 0.0) + time.perf_counter() - t0
+            end = time.perf_counter()
+            self.busy_s[kind] = self.busy_s.get(kind, 0.0) + end - self._busy_from(kind, t0) - idle
+            self._ended(kind, end)
 
-    async def _run(self, kind: str, fn, *args):
+    def _busy_from(self, kind: str, start: float) -> float:
+        """When the call just ended began its work (its start, for most)."""
+        return start
+
+    def _ended(self, kind: str, end: float) -> None:
+        return None
+
+    async def _run(self, kind: str, fn, *args, then=None):
         async with self._lock:
             try:
-                return await asyncio.to_thread(self._call, kind, fn, *args)
+                return await asyncio.to_thread(self._call, kind, fn, *args, then=then)
             except (ValueError, KeyError):  # bad input or a stale tag: the caller's to handle
                 raise
             except Exception as exc:  # the engine itself failed: the router treats it as gone
@@ -241,10 +272,46 @@ class _LocalLink:
 
 
 class LocalVerifierLink(_LocalLink):
+    """`chain`: chained verifies (VerifierEngine.arm_next; router/rounds.py), by default where the
+    engine computes on a GPU: the chained verify's forward runs while the router takes in the
+    last verdict. On a CPU the forward would run in the launch itself, before the verdict gets
+    out (tests turn it on there to check the tokens)."""
+
     role = "verifier"
 
-    def __init__(self, engine, model_name: str = "target"):
+    def __init__(self, engine, model_name: str = "target", chain: bool | None = None):
         super().__init__(engine, model_name)
+        self.chains = (self._stream is not None) if chain is None else chain
+        self._chain_end: float | None = None   # when the call that queued a chained verify ended
+        self._queued = False                   # the call now running queued one
+        self.chained_launches = 0
+
+    def _busy_from(self, kind: str, start: float) -> float:
+        # A verify served by a chained launch was busy from the end of the call that queued it.
+        if kind == "verify" and self._chain_end is not None and self.engine.last_chained:
+            return self._chain_end
+        return start
+
+    def _ended(self, kind: str, end: float) -> None:
+        self._chain_end, self._queued = (end if self._queued else None), False
+
+    def arm_next(self, tags: list[Tag]) -> bool:
+        """Before a verify of exactly `tags`: after its verdict, the verifier waits (CHAIN_WAIT_S at
+        most) for `stage_next` and verifies the verdict's next tree at once. False: not chaining."""
+        if not self.chains:
+            return False
+        self.engine.arm_next([t.request_id for t in tags], [t.committed_len for t in tags])
+        return True
+
+    def stage_next(self, trees: list[dict | None] | None) -> None:
+        """From the event loop, while the armed verify runs: the draft-ahead trees per request
+        (AheadReply.trees, in the armed tags' order), or None (none come)."""
+        self.engine.stage_next(trees)
+
+    def _launch_next(self) -> float:
+        self._queued, waited = self.engine.launch_next(CHAIN_WAIT_S)
+        self.chained_launches += self._queued
+        return waited
 
     async def prefill(self, items, want_features):
         from verifier.service_core import verifier_prefill
@@ -255,8 +322,10 @@ class LocalVerifierLink(_LocalLink):
         """`on_launch()`: from the worker thread, once the forward is queued (VerifierEngine.verify)."""
         from verifier.service_core import verifier_verify
 
-        return await self._run("verify", verifier_verify, self.engine, draft.payload if draft else None,
-                               [d for d in (draft.tags if draft else [])], plain, want_features, None, on_launch)
+        out = await self._run("verify", verifier_verify, self.engine, draft.payload if draft else None,
+                              [d for d in (draft.tags if draft else [])], plain, want_features, None, on_launch,
+                              then=self._launch_next if self.chains else None)
+        return out
 
     async def features(self, tag):
         from verifier.service_core import verifier_features

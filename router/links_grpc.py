@@ -85,6 +85,12 @@ class GrpcVerifierLink(_GrpcLink):
         reply = await self._call(self.stub.Verify, request)
         return [codec.round_result_from_msg(r) for r in reply.results]
 
+    def arm_next(self, tags: list[Tag]) -> bool:
+        return False   # no chained verifies across processes (yet): the router sends each verify
+
+    def stage_next(self, trees) -> None:
+        return None
+
     async def features(self, tag: Tag):
         reply = await self._call(self.stub.Features, engines_pb2.FeaturesRequest(tag=codec.tag_to_msg(tag)))
         return reply.features if reply.HasField("features") else None

@@ -101,6 +101,12 @@ class RayVerifierLink:
         tree_ref, tags = (draft.payload, list(draft.tags)) if draft is not None else (None, [])
         return await self._call(self.actor.verify.remote(tree_ref, tags, plain, want_features))
 
+    def arm_next(self, tags: list[Tag]) -> bool:
+        return False   # no chained verifies across processes (yet): the router sends each verify
+
+    def stage_next(self, trees) -> None:
+        return None
+
     async def features(self, tag: Tag):
         return await self._call(self.actor.features.remote(tag))
 

@@ -36,6 +36,7 @@ class RoundsMixin:
     drafter: DrafterLink | None
     cfg: RouterConfig
     running: list[ServedRequest]
+    waiting: list[ServedRequest]
     drafter_up: bool
     counters: RouterCounters
     _modes: ModeChooser
@@ -75,18 +76,21 @@ class RoundsMixin:
         the catch-up with the real features runs while the verifier is busy again."""
         draft, drafted = await self._draft(self.running)
         launched = asyncio.get_running_loop().create_future() if ahead and drafted else None
+        chain = ahead and self._chains(drafted) and self.verifier.arm_next([r.tag() for r in drafted])
         verify = asyncio.ensure_future(self._verify(draft, drafted, self.running, launched))
         try:
             if launched is not None:   # the drafter's turn once the verify forward is queued
                 await asyncio.wait([launched, verify], return_when=asyncio.FIRST_COMPLETED)
-            cached = [r for r in drafted if ahead and r.on_drafter and self.drafter_up
-                      and (self.cfg.pipeline == "ahead" or self._invisible_when_plain(r))]
+            cached = [r for r in drafted if self._cached(r, ahead)]
             if cached:   # with the last verdict's held-back catch-up, in one call
                 items, self._deferred_extend = self._deferred_extend, []
                 await self._draft_ahead(cached, items)
             elif self._deferred_extend:
                 await self._flush_extend()
         finally:
+            if chain:   # the verifier starts the verdict's next tree itself, if it has one
+                self.verifier.stage_next([r.ahead_trees[1] if r.ahead_trees is not None else None
+                                          for r in drafted])
             results = await verify
         if results is not None:
             extend = self._apply(results, drafted, self.running)
@@ -97,6 +101,22 @@ class RoundsMixin:
                 self._deferred_extend = extend
             elif extend:
                 await self._extend(extend)
+
+    def _cached(self, r: ServedRequest, ahead: bool) -> bool:
+        """Whether this ahead round drafts ahead for `r` (its next tree may be held for the router)."""
+        return (ahead and r.on_drafter and self.drafter_up
+                and (self.cfg.pipeline == "ahead" or self._invisible_when_plain(r)))
+
+    def _chains(self, drafted: list[ServedRequest]) -> bool:
+        """Whether this ahead round's verify may chain (VerifierLink.arm_next): every running
+        request is drafted and drafted ahead, none waits to be admitted, and none can end by its
+        length or the context within the next round, so the next round verifies the same requests
+        with the trees draft ahead returns for this verdict. Else a chained verify would be
+        dropped, its forward wasted."""
+        room = 2 * self.cfg.lookahead
+        return (bool(drafted) and len(drafted) == len(self.running) and not self.waiting
+                and all(self._cached(r, True) and r.params.max_tokens - len(r.tokens) > room
+                        and r.committed_len + room <= self.cfg.max_len for r in drafted))
 
     async def _draft_ahead(self, reqs: list[ServedRequest], extend: list[ExtendItem] = ()) -> None:
         """Draft ahead for `reqs`, after the catch-up `extend` (held back by the last round)."""

@@ -292,6 +292,10 @@ def _note(r: dict) -> str:
     if r.get("round_over_verify") is not None:
         alone = r.get("over_verify_alone")
         notes.append(f"round/verify {r['round_over_verify']:.2f}" + (f" (alone {alone:.2f})" if alone else ""))
+    if r.get("round_over_forward") is not None:
+        notes.append(f"round {r['round_ms']} ms = {r['round_over_forward']:.2f}x forward")
+    if r.get("chained_verifies"):
+        notes.append(f"chained {r['chained_verifies']}/{r['rounds']}")
     if r.get("target_forwards") is not None and r["method"] == "hf-assisted":
         notes.append(f"{r['target_forwards']} target forwards")
     return ", ".join(notes)

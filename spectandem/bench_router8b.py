@@ -19,7 +19,8 @@ tokens are the target's own greedy continuation (`matches_plain`). "ahead" draft
 controlled drafter's guesses (spectandem/bench_controlled.py): its rows give the outcome cache's
 hits and misses (`ahead_hits`, `ahead_misses`; expected hit rate `expected_ahead_hit_rate`) and
 the request-rounds verified with a tree the router held from draft ahead, no draft call
-(`ready_trees`).
+(`ready_trees`), and the verifies the verifier had started itself, before the router asked
+(`chained_verifies`: VerifierEngine.launch_next; in-process links chain on a GPU).
 
 Plain timed minutes earlier is no baseline: the GPU's speed drifts by several percent over a
 section (on one H200, plain at batch 64 read 9,337 tok/s at the start of a run; interleaved batch
@@ -51,6 +52,10 @@ the results on the host):
 - `drafter_busy_s`: the drafter inside all its calls (prefill, draft, extend, release); None for plain;
 - `rounds`: verify calls of the batch (ping-pong verifies each half on its own), so
   verify_busy_s / rounds is the mean verify call;
+- `round_ms` = (wall_s - prefill_busy_s) / rounds (speculating rows) and, at batch 1,
+  `round_over_forward` = round_ms / the verify forward's time (the chain above): the issue's
+  "a round takes at most 1.1x the verify forward alone" read against the forward itself, with
+  the verify call's host work and acceptance on the round's side;
 - `over_verify_alone` = (wall_s - prefill_busy_s) / verify_busy_s of the "sequential" row of the
   same placement, rate and batch size (None without one): the batch against the same tokens'
   verification with nothing beside it (sequential verify calls never overlap drafting, and
@@ -149,6 +154,7 @@ async def _timed(s: _Setup, runs, ids: list[str], indices: list[int]) -> dict:
     for d in devices:
         sync(d)
     busy0 = [dict(link.busy_s) for link in s.links]   # the engines hold no request now (_settle)
+    chained0 = s.links[0].engine.chained
     t0 = time.perf_counter()
     tokens = await _batch(router, runs, ids, indices)
     for d in devices:
@@ -158,6 +164,7 @@ async def _timed(s: _Setup, runs, ids: list[str], indices: list[int]) -> dict:
     await _settle(s.links)
     c = {k: v - before[k] for k, v in dataclasses.asdict(router.counters).items() if isinstance(v, int)}
     return {"tokens": tokens, "seconds": dt, "counters": c, "mode": router._modes.mode, "busy": busy,
+            "chained": s.links[0].engine.chained - chained0,
             "rates": {k: round(v, 1) for k, v in router._modes.rates_for(len(ids)).items()}}
 
 
@@ -180,13 +187,15 @@ def _record(mode: str, batch_size: int, acceptance_rate: float | None, m: dict, 
                drafter_busy_s=None if plain else round(sum(m["busy"][1].values()), 4), **placement)
     if not plain:
         r.update(ahead_hits=c["draft_ahead_hits"], ahead_misses=c["draft_ahead_misses"], ready_trees=c["ready_trees"],
+                 chained_verifies=m["chained"], round_ms=round((dt - prefill_s) / c["rounds"] * 1000, 3),
                  expected_ahead_hit_rate=round(expected_ahead_hit_rate(acceptance_rate, num_steps), 3))
     if not plain and batch_size == 1 and verify and drafts:
         ideal = r["accept_length"] / (verify["chain_ms"] / 1000)
         decode_s = dt - prefill_s - m["busy"][1].get("prefill", 0.0)
         r.update(ideal_tokens_per_s=round(ideal, 1), measured_over_ideal=round(r["tokens_per_s"] / ideal, 3),
                  decode_tokens_per_s=round(m["tokens"] / decode_s, 1),
-                 decode_over_ideal=round(m["tokens"] / decode_s / ideal, 3))
+                 decode_over_ideal=round(m["tokens"] / decode_s / ideal, 3),
+                 round_over_forward=round(r["round_ms"] / verify["chain_ms"], 3))
     return r
 
 

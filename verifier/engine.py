@@ -8,10 +8,21 @@ request in a verify batch it picks the acceptance rule:
 - sampled drafts with their probabilities: recursive rejection sampling (`verify_rejection`).
 Uniforms come from `spectandem.rng`, keyed by (seed, position, stream, index): a result never
 depends on what else is in the batch, and the global RNG is never touched.
+
+Chained verifies (draft ahead, router/rounds.py): the router arms a verify (`arm_next`) and,
+while it runs, hands over the next tree for each of its outcomes (`stage_next`, from any
+thread). Once the verdict is in, `launch_next` queues the verify of the verdict's next tree at
+once, before the router has seen the verdict, and the router's verify of that same tree then
+only waits for it. The tree is the one the router builds itself (`trees_from_ready` over the
+same ready trees), so the tokens are those of the unchained rounds; a verify of any other tree,
+a decode, or the release of one of its requests drops it (its KV rows lie past the committed
+length, where the next verify writes anyway).
 """
 
 from __future__ import annotations
 
+import threading
+import time
 from dataclasses import dataclass
 
 import torch
@@ -19,7 +30,8 @@ import torch
 from spectandem import rng
 from spectandem.config import SamplingParams
 from spectandem.devices import to_device
-from spectandem.messages import DraftTree, PrefillOutput, StaleMessage, VerifyOutput, root_only_tree
+from spectandem.messages import (DraftTree, PrefillOutput, StaleMessage, VerifyOutput, root_only_tree,
+                                 trees_from_ready)
 from spectandem.sampling import greedy, logits_to_probs, sample_from_probs
 from spectandem.kernels.accept import greedy_accept
 from verifier.accept import VerifyResult, verify_greedy, verify_rejection, verify_tree_sampling
@@ -44,6 +56,15 @@ class VerifierEngine:
         self.vocab_size = vocab_size
         self.requests: dict[str, _Request] = {}
         self.free_slots = list(range(max_slots - 1, -1, -1))
+        # Chained verifies (module docstring): the armed tags, the staged trees, the verdict
+        # launch_next reads, and the launched verify (tree, logits, features).
+        self._armed: tuple | None = None
+        self._staged: list | None = None
+        self._stage_ready = threading.Event()
+        self._verdict: tuple | None = None
+        self._launched: tuple | None = None
+        self.chained = 0              # verifies served by a chained launch
+        self.last_chained = False     # the last verify was
 
     @property
     def max_len(self) -> int:
@@ -96,23 +117,23 @@ class VerifierEngine:
     def verify(self, tree: DraftTree, on_launch=None) -> list[VerifyOutput]:
         """`on_launch()`, if given, is called once the forward is queued on the device, before
         the host waits for it (the router starts the drafter's work then: router/rounds.py)."""
-        reqs = [self.requests[rid] for rid in tree.request_ids]
-        for rid, req, tag in zip(tree.request_ids, reqs, tree.committed_lens):
-            if tag != req.committed_len:
-                raise StaleMessage(f"draft for {rid!r} was made at committed length {tag}; the verifier "
-                                   f"is at {req.committed_len}")
-            if req.committed_len - 1 + tree.num_nodes > self.max_len:
-                raise ValueError(f"request {rid!r}: a tree of {tree.num_nodes} nodes at committed length "
-                                 f"{req.committed_len} exceeds the context of {self.max_len}")
-        slots = [r.slot for r in reqs]
-        cache_lens = [r.committed_len - 1 for r in reqs]
-        logits, feats = self.runner.verify(slots, cache_lens, tree.token_ids, tree.parents, tree.node_valid)
+        launched, self._launched = self._launched, None
+        armed, self._armed = self._armed, None
+        self.last_chained = launched is not None and _same_tree(launched[0], tree)
+        if self.last_chained:      # queued by launch_next, for this very tree
+            reqs = [self.requests[rid] for rid in tree.request_ids]
+            logits, feats = launched[1], launched[2]
+            self.chained += 1
+        else:
+            reqs, logits, feats = self._launch(tree)
         if on_launch is not None:
             on_launch()
         result = self._accept(tree, reqs, logits)
         # Per request from whole-batch host lists (one conversion each, not one per request).
         tokens, num_acc, num_drafts = result.token_lists(), result.num_accepted.tolist(), tree.num_draft_tokens()
         self.commit(tree.request_ids, result.accepted_nodes, tokens)
+        if armed == (tuple(tree.request_ids), tuple(tree.committed_lens)):
+            self._verdict = (list(tree.request_ids), [r.committed_len for r in reqs], tokens)
         picked = None
         if feats is not None:
             # Every request's accepted path crosses to the features' device in one copy and is
@@ -125,6 +146,61 @@ class VerifierEngine:
                              num_draft_tokens=d, features=None if picked is None else picked[b, : len(toks)])
                 for b, (rid, req, toks, k, d) in enumerate(zip(tree.request_ids, reqs, tokens, num_acc, num_drafts))]
 
+    def _launch(self, tree: DraftTree):
+        """Checks the tree's tags and queues its forward -> (requests, logits, features)."""
+        reqs = [self.requests[rid] for rid in tree.request_ids]
+        for rid, req, tag in zip(tree.request_ids, reqs, tree.committed_lens):
+            if tag != req.committed_len:
+                raise StaleMessage(f"draft for {rid!r} was made at committed length {tag}; the verifier "
+                                   f"is at {req.committed_len}")
+            if req.committed_len - 1 + tree.num_nodes > self.max_len:
+                raise ValueError(f"request {rid!r}: a tree of {tree.num_nodes} nodes at committed length "
+                                 f"{req.committed_len} exceeds the context of {self.max_len}")
+        slots = [r.slot for r in reqs]
+        cache_lens = [r.committed_len - 1 for r in reqs]
+        logits, feats = self.runner.verify(slots, cache_lens, tree.token_ids, tree.parents, tree.node_valid)
+        return reqs, logits, feats
+
+    def arm_next(self, request_ids: list[str], committed_lens: list[int]) -> None:
+        """The next verify, of exactly these tags, chains: its outcomes' trees will be staged
+        (`stage_next`) and `launch_next` verifies its verdict's one. Called before that verify."""
+        self._staged = None
+        self._stage_ready.clear()
+        self._armed = (tuple(request_ids), tuple(committed_lens))
+
+    def stage_next(self, trees: list[dict | None] | None) -> None:
+        """From any thread: per request of the armed verify (in its order), the next tree for each
+        of its outcomes (committed tokens -> ReadyTree), or None where there is none; None as a
+        whole: nothing comes (the drafter failed)."""
+        self._staged = trees
+        self._stage_ready.set()
+
+    def launch_next(self, timeout: float) -> tuple[bool, float]:
+        """After an armed verify: waits up to `timeout` s for the staged trees, then queues the
+        verify of the verdict's next tree when every request has one -> (launched, seconds waited).
+        The caller synchronizes the last verify's work first: the launch reuses its buffers."""
+        verdict, self._verdict = self._verdict, None
+        if verdict is None:
+            return False, 0.0
+        t0 = time.perf_counter()
+        self._stage_ready.wait(timeout)
+        waited = time.perf_counter() - t0
+        trees, self._staged = self._staged, None
+        self._stage_ready.clear()
+        request_ids, committed_lens, tokens = verdict
+        if trees is None or len(trees) != len(request_ids) or any(rid not in self.requests for rid in request_ids):
+            return False, waited
+        ready = [None if t is None else t.get(tuple(toks)) for t, toks in zip(trees, tokens)]
+        if any(r is None for r in ready):
+            return False, waited
+        tree = trees_from_ready(request_ids, committed_lens, ready)
+        try:
+            reqs, logits, feats = self._launch(tree)
+        except ValueError:     # no room for the tree: the router's own verify will say so
+            return False, waited
+        self._launched = (tree, logits, feats)
+        return True, waited
+
     def decode(self, request_ids: list[str], committed_lens: list[int], steps: int,
                features: bool = True) -> list[VerifyOutput]:
         """Plain greedy decoding of `steps` tokens for each request (temperature 0 only), in one
@@ -135,6 +211,7 @@ class VerifierEngine:
         `features` False none are captured (a round no drafter catches up on)."""
         if steps < 1:
             raise ValueError(f"steps must be >= 1, got {steps}")
+        self._launched = self._armed = None    # its graphs may share a launched verify's buffers
         reqs = [self.requests[rid] for rid in request_ids]
         for rid, req, tag in zip(request_ids, reqs, committed_lens):
             if tag != req.committed_len:
@@ -246,6 +323,8 @@ class VerifierEngine:
                               for d in range(width)] for b in idx], dtype=torch.float64)
 
     def release(self, request_id: str) -> None:
+        if self._launched is not None and request_id in self._launched[0].request_ids:
+            self._launched = None
         req = self.requests.pop(request_id, None)
         if req is not None:
             self.runner.release(req.slot)
@@ -271,3 +350,10 @@ class VerifierEngine:
         recomputed without touching the request's KV (to rebuild a drafter's state)."""
         req = self.requests[request_id]
         return self.runner.features(req.token_ids[:-1])
+
+
+def _same_tree(a: DraftTree, b: DraftTree) -> bool:
+    return (a.request_ids == b.request_ids and a.committed_lens == b.committed_lens
+            and a.token_ids.shape == b.token_ids.shape and torch.equal(a.token_ids, b.token_ids)
+            and torch.equal(a.parents, b.parents) and torch.equal(a.node_valid, b.node_valid)
+            and b.draft_probs is None and not any(b.sampled))

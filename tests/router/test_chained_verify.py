@@ -1,0 +1,199 @@
+"""Chained verifies (VerifierEngine.arm_next / stage_next / launch_next; router/rounds.py): in
+an "ahead" round the verifier, once it has the verdict, starts the verify of the verdict's next
+tree (drafted ahead, staged by the router) before the router asks for it. Real demo engines on
+the CPU (fp32): the tokens equal plain decoding's, greedy and sampled; every chained launch is
+used at batch 1; a launched verify that the router does not send (another tree, a release, a
+decode) is dropped and the verdict is still exact."""
+
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+
+import router.links
+from router.links import LocalDrafterLink, LocalVerifierLink
+from router.requests import RouterConfig
+from router.scheduler import Router
+from spectandem.config import SamplingParams, SpecConfig
+from spectandem.demo import demo_paths
+from spectandem.local import LocalSpeculator
+from spectandem.messages import ReadyTree, trees_from_ready
+from tests.e2e.conftest import PROMPT_TEXTS
+from tests.router.link_harness import collect, drained
+
+MAX_LEN = 256
+
+
+@pytest.fixture(autouse=True)
+def patient_chain(monkeypatch):
+    """The verifier waits for the staged trees as long as the CPU drafter takes (not 50 ms): each
+    armed round with a hit then launches, on a loaded machine too."""
+    monkeypatch.setattr(router.links, "CHAIN_WAIT_S", 30.0)
+CFG = SpecConfig(method="eagle3", num_steps=3, topk=1, num_draft_tokens=4, ahead_width=4)
+
+
+def _pair():
+    spec = LocalSpeculator(*demo_paths("eagle3"), CFG, max_slots=4, max_len=MAX_LEN)
+    plain = LocalSpeculator(*demo_paths("none"), SpecConfig(method="none"), max_slots=4, max_len=MAX_LEN)
+    return spec, plain
+
+
+def _serve(spec, prompts, params, chain: bool):
+    """The prompts through a Router in "ahead" over the speculator's engines -> (tokens per
+    prompt, router counters, verifier link)."""
+    vlink = LocalVerifierLink(spec.verifier, chain=chain)
+
+    async def main():
+        router = Router(vlink, LocalDrafterLink(spec.drafter), spec.tokenizer,
+                        RouterConfig(max_len=MAX_LEN, eos_token_ids=spec.eos_token_ids, lookahead=spec.lookahead,
+                                     want_features=True, pipeline="ahead"))
+        router.start()
+        try:
+            got = await asyncio.gather(*(collect(router, p, sp) for p, sp in zip(prompts, params)))
+            await drained(spec)
+            return [toks for toks, _ in got], router.counters
+        finally:
+            await router.stop()
+
+    toks, counters = asyncio.run(main())
+    return toks, counters, vlink
+
+
+def test_chained_greedy_batch1_equals_plain_and_every_launch_is_used():
+    spec, plain = _pair()
+    prompt = spec.tokenizer.encode(PROMPT_TEXTS[0]).ids
+    params = SamplingParams(max_tokens=64, ignore_eos=True)
+    expected = plain.generate([prompt], [params])[0].token_ids
+    before = spec.verifier.chained
+    (got,), c, vlink = _serve(spec, [prompt], [params], chain=True)
+    assert got == expected
+    used = spec.verifier.chained - before
+    # Every hit's next round is a router-held tree; the verifier started most of them itself
+    # (all but those too near the end, where the router does not arm), and used each one.
+    assert c.ready_trees == c.draft_ahead_hits > 0
+    assert vlink.chained_launches == used > 0
+    # Only rounds within 2 x lookahead tokens of the end are not armed (router/rounds.py: _chains).
+    assert used >= c.ready_trees - (2 * spec.lookahead + 1)
+    assert not spec.verifier.requests and not spec.drafter.requests
+
+
+def test_chained_batch_sampled_and_greedy_equal_unchained():
+    """Three requests at once (one sampled at temperature 0.3, under
+    the drafts-sampling threshold: deterministic drafts, draws keyed by its seed): the same
+    tokens with and without chaining, and the greedy ones equal plain decoding's."""
+    spec, plain = _pair()
+    prompts = [spec.tokenizer.encode(t).ids for t in PROMPT_TEXTS[:3]]
+    params = [SamplingParams(max_tokens=40, ignore_eos=True),
+              SamplingParams(max_tokens=40, ignore_eos=True, temperature=0.3, seed=11),
+              SamplingParams(max_tokens=40, ignore_eos=True)]
+    unchained, _, off = _serve(spec, prompts, params, chain=False)
+    chained, _, on = _serve(spec, prompts, params, chain=True)
+    assert off.chained_launches == 0 and on.chained_launches > 0
+    assert chained == unchained
+    for i in (0, 2):
+        assert chained[i] == plain.generate([prompts[i]], [params[i]])[0].token_ids
+
+
+def _chain_once(spec, rid: str, tree_for):
+    """Prefill `rid`, verify a root-only tree armed for chaining, stage `tree_for(verdict)` for the
+    verdict's outcome and launch -> (committed tokens so far, whether it launched)."""
+    eng = spec.verifier
+    prompt = spec.tokenizer.encode(PROMPT_TEXTS[1]).ids
+    first = eng.prefill([rid], [prompt], [SamplingParams(max_tokens=32)], [0])[0].first_token_id
+    n = eng.committed_len(rid)
+    root = trees_from_ready([rid], [n], [ReadyTree((first,), (-1,), (0.0,))])
+    eng.arm_next([rid], [n])
+    out = eng.verify(root)[0]
+    eng.stage_next([{tuple(out.token_ids): tree_for(out.token_ids)}])
+    launched, _ = eng.launch_next(1.0)
+    return list(eng.requests[rid].token_ids), launched
+
+
+def _reference(plain, tokens: list[int], ready: ReadyTree) -> list:
+    """The verdict of `tree` on another engine of the same target (never chained), for a request
+    with the same committed tokens."""
+    eng = plain.verifier
+    eng.prefill(["ref"], [tokens], [SamplingParams(max_tokens=32)], [0], resume=[True])
+    out = eng.verify(trees_from_ready(["ref"], [len(tokens)], [ready]))[0]
+    eng.release("ref")
+    return [out.token_ids, out.num_accepted]
+
+
+def _greedy_next(plain, tokens: list[int], k: int) -> list[int]:
+    eng = plain.verifier
+    eng.prefill(["next"], [tokens], [SamplingParams(max_tokens=32)], [0], resume=[True])
+    out = eng.decode(["next"], [len(tokens)], k)[0].token_ids
+    eng.release("next")
+    return out
+
+
+def test_launched_verify_is_used_only_for_its_own_tree():
+    spec, plain = _pair()
+    eng = spec.verifier
+    prompt = spec.tokenizer.encode(PROMPT_TEXTS[1]).ids
+    # The staged tree drafts the target's own two next tokens after the verdict (both accepted).
+    first = eng.prefill(["probe"], [prompt], [SamplingParams(max_tokens=32)], [0])[0].first_token_id
+    eng.release("probe")
+    t1 = _greedy_next(plain, prompt + [first], 1)[0]
+    ahead = _greedy_next(plain, prompt + [first, t1], 2)
+    chain = lambda toks: ReadyTree((toks[-1], *ahead), (-1, 0, 1), (0.0, -1.0, -2.0))
+    tokens, launched = _chain_once(spec, "a", chain)
+    assert launched and tokens == prompt + [first, t1]
+    n = len(tokens)
+    other_ready = ReadyTree((tokens[-1], 9, 4), (-1, 0, 1), (0.0, -1.0, -2.0))
+    other = trees_from_ready(["a"], [n], [other_ready])
+    expected_other = _reference(plain, tokens, other_ready)
+    expected_same = _reference(plain, tokens, chain(tokens))
+    # The two trees' verdicts differ (2 accepted against 0): using the wrong launch would show.
+    assert expected_same[1] == 2 and expected_same[0][:2] == ahead and expected_other[1] == 0
+
+    # Another tree at the same length: the launch is dropped, the verdict is the fresh one's.
+    before = eng.chained
+    out = eng.verify(other)[0]
+    assert [out.token_ids, out.num_accepted] == expected_other and eng.chained == before and not eng.last_chained
+    eng.release("a")
+
+    # Its own tree: served by the launch (and the same verdict as a fresh verify).
+    tokens2, launched = _chain_once(spec, "b", chain)
+    assert launched and tokens2 == tokens
+    out = eng.verify(trees_from_ready(["b"], [n], [chain(tokens)]))[0]
+    assert [out.token_ids, out.num_accepted] == expected_same and eng.chained == before + 1 and eng.last_chained
+    eng.release("b")
+
+
+def test_launched_verify_dropped_by_release_decode_and_missing_trees():
+    spec, _ = _pair()
+    eng = spec.verifier
+    chain = lambda toks: ReadyTree((toks[-1], 5), (-1, 0), (0.0, -1.0))
+    _, launched = _chain_once(spec, "a", chain)
+    assert launched and eng._launched is not None
+    eng.release("a")
+    assert eng._launched is None and not eng.requests
+
+    tokens, launched = _chain_once(spec, "b", chain)
+    assert launched
+    out = eng.decode(["b"], [len(tokens)], 2)[0]     # a decode: the launch is dropped, decode is exact
+    assert eng._launched is None and len(out.token_ids) == 2
+    eng.release("b")
+
+    # No tree for the verdict's outcome, or nothing staged: nothing is launched.
+    _, launched = _chain_once(spec, "c", lambda toks: None)
+    assert not launched and eng._launched is None
+    eng.release("c")
+    eng.arm_next(["d"], [1])
+    eng.stage_next(None)
+    assert eng.launch_next(1.0) == (False, 0.0)    # armed for a verify that never came: no verdict
+
+
+def test_unarmed_verify_never_launches():
+    spec, _ = _pair()
+    eng = spec.verifier
+    prompt = spec.tokenizer.encode(PROMPT_TEXTS[2]).ids
+    first = eng.prefill(["x"], [prompt], [SamplingParams(max_tokens=32)], [0])[0].first_token_id
+    n = eng.committed_len("x")
+    out = eng.verify(trees_from_ready(["x"], [n], [ReadyTree((first,), (-1,), (0.0,))]))[0]
+    eng.stage_next([{tuple(out.token_ids): ReadyTree((out.token_ids[-1],), (-1,), (0.0,))}])
+    assert eng.launch_next(0.0) == (False, 0.0) and eng._launched is None
+    eng.release("x")
+    assert not eng.requests
