@@ -20,6 +20,10 @@ and the engine calls are profiled apart.
     python benchmarks/profile_router.py [--batch 64] [--rate 0.8] [--setups plain,spec-plain,sequential]
     python benchmarks/profile_router.py --scale tiny --batch 8 --max-tokens 24
     python benchmarks/profile_router.py --batch 1 --setups sequential,ahead --drafter-device cuda:1
+    python benchmarks/profile_router.py --batch 1 --setups ahead --drafter-device cuda:1 --trace 4
+
+`--trace N` adds a batch with the timers on and no profiler, and prints N of its rounds as a
+timeline: every timed call's start and end, by thread.
 """
 
 from __future__ import annotations
@@ -56,6 +60,9 @@ TIMED = ("router.scheduler:Router._plan", "router.scheduler:Router._release", "r
          "drafter.service_core:drafter_draft", "drafter.service_core:drafter_extend",
          "drafter.engine:DrafterEngine.draft", "drafter.engine:DrafterEngine.extend",
          "router.rounds:RoundsMixin._draft_ahead", "drafter.service_core:drafter_draft_ahead",
+         "router.rounds:RoundsMixin._round", "verifier.engine:VerifierEngine.launch_next",
+         "verifier.engine:VerifierEngine._launch", "verifier.engine:VerifierEngine.stage_next",
+         "router.links:LocalVerifierLink.stage_next",
          "drafter.engine:DrafterEngine.draft_ahead", "drafter.engine:DrafterEngine.flush_deferred",
          "drafter.proposers:EagleProposer.ahead_chains", "drafter.proposers:EagleProposer.catch_up",
          "drafter.ahead_chains:ahead_inputs", "drafter.ahead_chains:AheadChainGraphs.run")
@@ -68,6 +75,7 @@ class Timers:
         self.ms: dict[str, float] = defaultdict(float)
         self.calls: dict[str, int] = defaultdict(int)
         self.on = False
+        self.trace: list | None = None    # (label, start, end, thread) of every timed call, when a list
         self._lock = threading.Lock()
         self._patched = []
         for name in TIMED:
@@ -78,9 +86,27 @@ class Timers:
 
     def _add(self, label: str, t0: float) -> None:
         if self.on:
+            t1 = time.perf_counter()
             with self._lock:
-                self.ms[label] += 1000 * (time.perf_counter() - t0)
+                self.ms[label] += 1000 * (t1 - t0)
                 self.calls[label] += 1
+                if self.trace is not None:
+                    self.trace.append((label, t0, t1, threading.current_thread().name))
+
+    def timeline(self, first: int, rounds: int) -> str:
+        """The traced calls from round `first` (by RoundsMixin._round's starts) for `rounds` rounds,
+        in ms from that round's start, by start time: where a round's time goes, thread by thread."""
+        starts = sorted(t0 for label, t0, _, _ in self.trace if label == "RoundsMixin._round")
+        if len(starts) <= first:
+            return "   (too few rounds traced)"
+        a = starts[first]
+        b = starts[first + rounds] if len(starts) > first + rounds else float("inf")
+        rows = [f"   {'start':>8s} {'end':>8s} {'ms':>6s}  {'thread':<18s} function"]
+        for label, t0, t1, th in sorted(self.trace, key=lambda e: e[1]):
+            if a <= t0 < b:
+                rows.append(f"   {1000 * (t0 - a):8.3f} {1000 * (t1 - a):8.3f} {1000 * (t1 - t0):6.3f}  "
+                            f"{th[:18]:<18s} {label}")
+        return "\n".join(rows)
 
     def _patch(self, owner, fn_name: str, label: str) -> None:
         inner = getattr(owner, fn_name)
@@ -123,7 +149,7 @@ def _top(prof: cProfile.Profile, n: int) -> str:
 
 
 async def _profile(runs, setup: str, rate: float, batch: int, top: int, plain_steps: int = 1,
-                   clean: int = 0, gc_freeze: bool = False) -> str:
+                   clean: int = 0, gc_freeze: bool = False, trace: int = 0) -> str:
     forced = {"spec-plain": "plain", "sequential": "sequential", "ahead": "ahead"}.get(setup)
     s = br._setup(runs, None if setup == "plain" else rate, setup if setup in ("ahead", "auto") else "sequential",
                   batch, plain_steps)
@@ -134,12 +160,12 @@ async def _profile(runs, setup: str, rate: float, batch: int, top: int, plain_st
     calls = {"on": False}
     inner_call = router_links._LocalLink._call
 
-    def profiled(self, kind, fn, *args):
+    def profiled(self, kind, fn, *args, **kw):
         if not calls["on"] or engine_prof is None:
-            return inner_call(self, kind, fn, *args)
+            return inner_call(self, kind, fn, *args, **kw)
         engine_prof.enable()
         try:
-            return inner_call(self, kind, fn, *args)
+            return inner_call(self, kind, fn, *args, **kw)
         finally:
             engine_prof.disable()
 
@@ -175,6 +201,17 @@ async def _profile(runs, setup: str, rate: float, batch: int, top: int, plain_st
             clean_rows.append(f"   clean: {c['tokens'] / c['seconds']:.0f} tokens/s, {1000 * c['seconds']:.1f} ms, "
                               f"{c['counters']['rounds']} rounds, busy ms {busy}, gc by generation {gcs}, "
                               f"mode {c['mode']}")
+        timeline = ""
+        if trace:   # one batch with the timers on and no profiler: its rounds' timeline
+            timers.on, timers.trace = True, []
+            try:
+                await asyncio.wait_for(br._timed(s, runs, *ids()), 300)
+            finally:
+                timers.on = False
+            timeline = f"-- timeline of rounds 4-{3 + trace} of a traced batch\n{timers.timeline(4, trace)}\n"
+            timers.trace = None
+            timers.ms.clear()
+            timers.calls.clear()
         loop_prof = cProfile.Profile()
         calls["on"] = timers.on = True
         loop_prof.enable()
@@ -193,7 +230,8 @@ async def _profile(runs, setup: str, rate: float, batch: int, top: int, plain_st
                      for k, v in sorted(d.items()) if v)
     head = (f"== {setup}: {m['tokens']} tokens in {m['seconds']:.3f} s, {m['tokens'] / m['seconds']:.0f} tokens/s, "
             f"{rounds} rounds, {1000 * m['seconds'] / rounds:.2f} ms/round\n   busy ms/round: {busy}")
-    text = f"{head}\n" + "".join(r + "\n" for r in clean_rows) + f"-- wall ms per round inside\n{timers.table(rounds)}\n"
+    text = (f"{head}\n" + "".join(r + "\n" for r in clean_rows) + timeline
+            + f"-- wall ms per round inside\n{timers.table(rounds)}\n")
     if shared:
         return text + f"-- every thread (top {top} by own time)\n{_top(loop_prof, top)}\n", head
     return (text + f"-- event loop thread (top {top} by own time)\n{_top(loop_prof, top)}\n"
@@ -211,6 +249,7 @@ def main() -> None:
     ap.add_argument("--plain-steps", type=int, default=4, help="plain rounds' tokens per call (serve's --plain-steps)")
     ap.add_argument("--clean", type=int, default=0, help="timed batches without a profiler first (their wall and busy time)")
     ap.add_argument("--setups", default="plain,spec-plain,sequential")
+    ap.add_argument("--trace", type=int, default=0, help="print the timeline of this many rounds of a traced batch")
     ap.add_argument("--gc-freeze", action="store_true", help="gc.freeze() after each setup's warm-up batch")
     ap.add_argument("--drafter-device", default=None, help="the drafter's device (default: the target's)")
     ap.add_argument("--scale", choices=("full", "tiny"), default="full", help="tiny: a smoke test on the CPU")
@@ -229,7 +268,7 @@ def main() -> None:
     heads = []
     for setup in setups:
         text, head_line = asyncio.run(_profile(runs, setup, args.rate, args.batch, args.top, args.plain_steps,
-                                               args.clean, args.gc_freeze))
+                                               args.clean, args.gc_freeze, args.trace))
         heads.append(head_line)
         print(text, flush=True)
     print("\n".join(heads))

@@ -15,14 +15,18 @@ A `StaleMessage` from an engine means a tag (epoch, committed length) did not ma
 from __future__ import annotations
 
 import asyncio
+import logging
 import os
 import sys
+import threading
 import time
 from dataclasses import dataclass, field
 from typing import Any, Callable, Protocol
 
 from spectandem.config import SamplingParams
 from spectandem.messages import DraftTree, ReadyTree
+
+log = logging.getLogger("spectandem.router")
 
 
 class EngineUnavailable(Exception):
@@ -141,8 +145,9 @@ class VerifierLink(Protocol):
         the verdict's one before the router asks. Links that cannot return False."""
 
     def stage_next(self, trees: list[dict | None] | None) -> None:
-        """After a True `arm_next`, exactly once, while that verify runs: per tag, the drafter's
-        trees for its outcomes (AheadReply.trees), or None: nothing comes."""
+        """After a True `arm_next`, at most once, while or after that verify runs: per tag, the
+        drafter's trees for its outcomes (AheadReply.trees). The verifier then starts the verdict's
+        next tree, if it has one, before the router's next verify."""
 
     async def features(self, tag: Tag) -> Any:
         """Features of every committed position but the last (to rebuild a drafter's state)."""
@@ -191,9 +196,6 @@ class DrafterLink(Protocol):
 # switch interval: 5 ms by default, as long as a whole verify forward of the 8B target. In-process
 # links shorten it (SPECTANDEM_SWITCH_INTERVAL_S; 0 keeps the interpreter's).
 SWITCH_INTERVAL_S = float(os.environ.get("SPECTANDEM_SWITCH_INTERVAL_S", "0.0005"))
-# How long a chained verify's verdict waits for the drafter's next trees (stage_next) before the
-# verifier gives up and the router sends the next verify itself.
-CHAIN_WAIT_S = 0.05
 
 
 def _shorten_switch_interval() -> None:
@@ -230,28 +232,23 @@ class _LocalLink:
 
             self._stream = torch.cuda.Stream(device=device)
 
-    def _call(self, kind: str, fn, *args, then=None):
-        """`then()` (-> seconds it sat idle), if given: after the call's stream is done, in the same
-        turn; what it queues is not waited for (a chained verify: VerifierEngine.launch_next)."""
-        t0, idle = time.perf_counter(), 0.0
+    def _call(self, kind: str, fn, *args, sync: bool = True):
+        """`sync` False: returns without waiting for the stream (a chained verify's launch:
+        LocalVerifierLink.stage_next); the call that takes over its work waits for it."""
+        t0 = time.perf_counter()
         try:
             if self._stream is None:
-                out = fn(*args)
-                if then is not None:
-                    idle = then()
-                return out
+                return fn(*args)
             import torch
 
             with torch.cuda.stream(self._stream):
                 out = fn(*args)
-            self._stream.synchronize()
-            if then is not None:
-                with torch.cuda.stream(self._stream):
-                    idle = then()
+            if sync:
+                self._stream.synchronize()
             return out
         finally:
             end = time.perf_counter()
-            self.busy_s[kind] = self.busy_s.get(kind, 0.0) + end - self._busy_from(kind, t0) - idle
+            self.busy_s[kind] = self.busy_s.get(kind, 0.0) + end - self._busy_from(kind, t0)
             self._ended(kind, end)
 
     def _busy_from(self, kind: str, start: float) -> float:
@@ -261,10 +258,10 @@ class _LocalLink:
     def _ended(self, kind: str, end: float) -> None:
         return None
 
-    async def _run(self, kind: str, fn, *args, then=None):
+    async def _run(self, kind: str, fn, *args, sync: bool = True):
         async with self._lock:
             try:
-                return await asyncio.to_thread(self._call, kind, fn, *args, then=then)
+                return await asyncio.to_thread(self._call, kind, fn, *args, sync=sync)
             except (ValueError, KeyError):  # bad input or a stale tag: the caller's to handle
                 raise
             except Exception as exc:  # the engine itself failed: the router treats it as gone
@@ -273,18 +270,25 @@ class _LocalLink:
 
 class LocalVerifierLink(_LocalLink):
     """`chain`: chained verifies (VerifierEngine.arm_next; router/rounds.py), by default where the
-    engine computes on a GPU: the chained verify's forward runs while the router takes in the
-    last verdict. On a CPU the forward would run in the launch itself, before the verdict gets
-    out (tests turn it on there to check the tokens)."""
+    engine computes on a GPU (unless SPECTANDEM_CHAINED_VERIFY=0): the chained verify's forward runs while the router takes in the
+    last verdict. On a CPU the forward runs in the launch itself (tests turn it on there to
+    check the tokens)."""
 
     role = "verifier"
 
     def __init__(self, engine, model_name: str = "target", chain: bool | None = None):
         super().__init__(engine, model_name)
-        self.chains = (self._stream is not None) if chain is None else chain
+        if chain is None:   # SPECTANDEM_CHAINED_VERIFY=0 turns the default off (to compare)
+            chain = self._stream is not None and os.environ.get("SPECTANDEM_CHAINED_VERIFY", "1") != "0"
+        self.chains = chain
         self._chain_end: float | None = None   # when the call that queued a chained verify ended
         self._queued = False                   # the call now running queued one
         self.chained_launches = 0
+        self._launches: set = set()            # launch calls in flight (strong references)
+        # Between the event loop (stage_next) and the verify's worker thread: the staged trees,
+        # whether the verdict is in and waits for them, and whether the next verify call is armed.
+        self._handoff = threading.Lock()
+        self._trees, self._awaiting, self._armed_call = None, False, False
 
     def _busy_from(self, kind: str, start: float) -> float:
         # A verify served by a chained launch was busy from the end of the call that queued it.
@@ -293,25 +297,62 @@ class LocalVerifierLink(_LocalLink):
         return start
 
     def _ended(self, kind: str, end: float) -> None:
-        self._chain_end, self._queued = (end if self._queued else None), False
+        if kind == "verify":
+            self._chain_end, self._queued = (end if self._queued else None), False
 
     def arm_next(self, tags: list[Tag]) -> bool:
-        """Before a verify of exactly `tags`: after its verdict, the verifier waits (CHAIN_WAIT_S at
-        most) for `stage_next` and verifies the verdict's next tree at once. False: not chaining."""
+        """Before a verify of exactly `tags`: once its verdict is in and `stage_next` has given
+        the next trees, the verifier starts the verdict's one. False: not chaining."""
         if not self.chains:
             return False
         self.engine.arm_next([t.request_id for t in tags], [t.committed_len for t in tags])
+        with self._handoff:
+            self._trees, self._awaiting, self._armed_call = None, False, True
         return True
 
     def stage_next(self, trees: list[dict | None] | None) -> None:
-        """From the event loop, while the armed verify runs: the draft-ahead trees per request
-        (AheadReply.trees, in the armed tags' order), or None (none come)."""
-        self.engine.stage_next(trees)
+        """From the event loop, while or after the armed verify runs: the draft-ahead trees per
+        request (AheadReply.trees, in the armed tags' order), or None (none come). Staged before
+        the verdict, the verify's own call starts the next tree right after it; after, a call of
+        its own does, queued before the router's next verify."""
+        if trees is None or all(t is None for t in trees):
+            return
+        with self._handoff:
+            late, self._awaiting = self._awaiting, False
+            if not late:
+                self._trees = trees
+        if late:
+            task = asyncio.ensure_future(self._run("verify", self._launch_next, trees, sync=False))
+            self._launches.add(task)
+            task.add_done_callback(self._launched)
 
-    def _launch_next(self) -> float:
-        self._queued, waited = self.engine.launch_next(CHAIN_WAIT_S)
+    def _verify_then_launch(self, armed: bool, *args):
+        """verifier_verify, then (armed) the next tree's launch if its trees are staged already,
+        else a note that the launch is the staging's to do. Synchronizes the verify's work first."""
+        from verifier.service_core import verifier_verify
+
+        out = verifier_verify(*args)
+        if self._stream is not None:
+            self._stream.synchronize()
+        if armed:
+            with self._handoff:
+                trees, self._trees = self._trees, None
+                self._awaiting = trees is None
+            if trees is not None:
+                self._launch_next(trees)
+        return out
+
+    def _launch_next(self, trees) -> bool:
+        self.engine.stage_next(trees)
+        self._queued = self.engine.launch_next()
         self.chained_launches += self._queued
-        return waited
+        return self._queued
+
+    def _launched(self, task) -> None:
+        self._launches.discard(task)
+        if not task.cancelled() and task.exception() is not None:
+            # The engine failed in the launch: the next verify (queued behind it) reports it.
+            log.warning("chained verify launch failed: %s", task.exception())
 
     async def prefill(self, items, want_features):
         from verifier.service_core import verifier_prefill
@@ -320,12 +361,10 @@ class LocalVerifierLink(_LocalLink):
 
     async def verify(self, draft, plain, want_features, on_launch=None):
         """`on_launch()`: from the worker thread, once the forward is queued (VerifierEngine.verify)."""
-        from verifier.service_core import verifier_verify
-
-        out = await self._run("verify", verifier_verify, self.engine, draft.payload if draft else None,
-                              [d for d in (draft.tags if draft else [])], plain, want_features, None, on_launch,
-                              then=self._launch_next if self.chains else None)
-        return out
+        armed, self._armed_call = self._armed_call, False
+        return await self._run("verify", self._verify_then_launch, armed, self.engine,
+                               draft.payload if draft else None, [d for d in (draft.tags if draft else [])], plain,
+                               want_features, None, on_launch, sync=False)
 
     async def features(self, tag):
         from verifier.service_core import verifier_features

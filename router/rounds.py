@@ -45,6 +45,8 @@ class RoundsMixin:
     _tokens_committed: int
     _ahead_unanswered: int = 0
     _deferred_extend: list          # an ahead round's catch-up, sent beside the next verify (`_flush_extend`)
+    _staged: bool = False          # the last round staged every request's next trees on the verifier
+    _from_ready: bool = False      # this round's tree is the router's own (every request hit)
     _capped_plain: bool = False    # this round's plain steps were cut by the requests' ends
     _drafted_any: bool = False     # this round drafted for some request
 
@@ -75,7 +77,12 @@ class RoundsMixin:
         next trees for the likeliest outcomes; on a hit the next draft call returns at once and
         the catch-up with the real features runs while the verifier is busy again."""
         draft, drafted = await self._draft(self.running)
-        launched = asyncio.get_running_loop().create_future() if ahead and drafted else None
+        # The verifier started this round's tree itself (the last round staged its trees, and
+        # the router holds every request's tree for the verdict): its host work is done, the
+        # drafter goes at once. Otherwise the drafter's turn comes once the forward is queued.
+        started, self._staged = self._staged and self._from_ready, False
+        gate = ahead and drafted and not started
+        launched = asyncio.get_running_loop().create_future() if gate else None
         chain = ahead and self._chains(drafted) and self.verifier.arm_next([r.tag() for r in drafted])
         verify = asyncio.ensure_future(self._verify(draft, drafted, self.running, launched))
         try:
@@ -89,8 +96,9 @@ class RoundsMixin:
                 await self._flush_extend()
         finally:
             if chain:   # the verifier starts the verdict's next tree itself, if it has one
-                self.verifier.stage_next([r.ahead_trees[1] if r.ahead_trees is not None else None
-                                          for r in drafted])
+                trees = [r.ahead_trees[1] if r.ahead_trees is not None else None for r in drafted]
+                self._staged = all(t is not None for t in trees)
+                self.verifier.stage_next(trees)
             results = await verify
         if results is not None:
             extend = self._apply(results, drafted, self.running)
@@ -174,6 +182,7 @@ class RoundsMixin:
         drafted = [r for r in group if self.drafter_up and r.on_drafter and fits(r)
                    and not (spec_off and self._invisible_when_plain(r))]
         ready = [r.next_tree for r in drafted]
+        self._from_ready = False
         for r in group:
             r.next_tree = None       # a ready tree serves this round or none
         if drafted and all(t is not None and t[0] == r.committed_len for t, r in zip(ready, drafted)):
@@ -182,7 +191,7 @@ class RoundsMixin:
             tree = trees_from_ready([r.request_id for r in drafted], [r.committed_len for r in drafted],
                                     [t[1] for t in ready])
             self.counters.ready_trees += len(drafted)
-            self._drafted_any = True
+            self._drafted_any = self._from_ready = True
             return self.drafter.ready_handle(tree, [r.tag() for r in drafted]), drafted
         if self._deferred_extend:    # the drafter must be in step before it drafts, or takes a backlog
             await self._flush_extend()

@@ -10,10 +10,10 @@ Uniforms come from `spectandem.rng`, keyed by (seed, position, stream, index): a
 depends on what else is in the batch, and the global RNG is never touched.
 
 Chained verifies (draft ahead, router/rounds.py): the router arms a verify (`arm_next`) and,
-while it runs, hands over the next tree for each of its outcomes (`stage_next`, from any
-thread). Once the verdict is in, `launch_next` queues the verify of the verdict's next tree at
-once, before the router has seen the verdict, and the router's verify of that same tree then
-only waits for it. The tree is the one the router builds itself (`trees_from_ready` over the
+while it runs, hands over the next tree for each of its outcomes (`stage_next`). Once the
+verdict is in and the trees are staged, `launch_next` queues the verify of the verdict's next
+tree at once, while the router takes in the verdict, and the router's verify of that same tree
+then only waits for it. The tree is the one the router builds itself (`trees_from_ready` over the
 same ready trees), so the tokens are those of the unchained rounds; a verify of any other tree,
 a decode, or the release of one of its requests drops it (its KV rows lie past the committed
 length, where the next verify writes anyway).
@@ -21,8 +21,6 @@ length, where the next verify writes anyway).
 
 from __future__ import annotations
 
-import threading
-import time
 from dataclasses import dataclass
 
 import torch
@@ -60,7 +58,6 @@ class VerifierEngine:
         # launch_next reads, and the launched verify (tree, logits, features).
         self._armed: tuple | None = None
         self._staged: list | None = None
-        self._stage_ready = threading.Event()
         self._verdict: tuple | None = None
         self._launched: tuple | None = None
         self.chained = 0              # verifies served by a chained launch
@@ -162,44 +159,37 @@ class VerifierEngine:
         return reqs, logits, feats
 
     def arm_next(self, request_ids: list[str], committed_lens: list[int]) -> None:
-        """The next verify, of exactly these tags, chains: its outcomes' trees will be staged
-        (`stage_next`) and `launch_next` verifies its verdict's one. Called before that verify."""
-        self._staged = None
-        self._stage_ready.clear()
+        """The next verify, of exactly these tags, chains: its verdict is kept for `launch_next`.
+        Called before that verify."""
+        self._staged = self._verdict = None
         self._armed = (tuple(request_ids), tuple(committed_lens))
 
-    def stage_next(self, trees: list[dict | None] | None) -> None:
-        """From any thread: per request of the armed verify (in its order), the next tree for each
-        of its outcomes (committed tokens -> ReadyTree), or None where there is none; None as a
-        whole: nothing comes (the drafter failed)."""
+    def stage_next(self, trees: list[dict | None]) -> None:
+        """Per request of the armed verify (in its order), the next tree for each of its outcomes
+        (committed tokens -> ReadyTree), or None where there is none."""
         self._staged = trees
-        self._stage_ready.set()
 
-    def launch_next(self, timeout: float) -> tuple[bool, float]:
-        """After an armed verify: waits up to `timeout` s for the staged trees, then queues the
-        verify of the verdict's next tree when every request has one -> (launched, seconds waited).
-        The caller synchronizes the last verify's work first: the launch reuses its buffers."""
+    def launch_next(self) -> bool:
+        """After an armed verify and its staged trees: queues the verify of the verdict's next tree
+        when every request has one -> whether it did. The caller has synchronized the last
+        verify's work (the launch reuses its buffers)."""
         verdict, self._verdict = self._verdict, None
-        if verdict is None:
-            return False, 0.0
-        t0 = time.perf_counter()
-        self._stage_ready.wait(timeout)
-        waited = time.perf_counter() - t0
         trees, self._staged = self._staged, None
-        self._stage_ready.clear()
+        if verdict is None or trees is None:
+            return False
         request_ids, committed_lens, tokens = verdict
-        if trees is None or len(trees) != len(request_ids) or any(rid not in self.requests for rid in request_ids):
-            return False, waited
+        if len(trees) != len(request_ids) or any(rid not in self.requests for rid in request_ids):
+            return False
         ready = [None if t is None else t.get(tuple(toks)) for t, toks in zip(trees, tokens)]
         if any(r is None for r in ready):
-            return False, waited
+            return False
         tree = trees_from_ready(request_ids, committed_lens, ready)
         try:
             reqs, logits, feats = self._launch(tree)
         except ValueError:     # no room for the tree: the router's own verify will say so
-            return False, waited
+            return False
         self._launched = (tree, logits, feats)
-        return True, waited
+        return True
 
     def decode(self, request_ids: list[str], committed_lens: list[int], steps: int,
                features: bool = True) -> list[VerifyOutput]:

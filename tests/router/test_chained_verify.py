@@ -9,9 +9,6 @@ from __future__ import annotations
 
 import asyncio
 
-import pytest
-
-import router.links
 from router.links import LocalDrafterLink, LocalVerifierLink
 from router.requests import RouterConfig
 from router.scheduler import Router
@@ -23,15 +20,7 @@ from tests.e2e.conftest import PROMPT_TEXTS
 from tests.router.link_harness import collect, drained
 
 MAX_LEN = 256
-
-
-@pytest.fixture(autouse=True)
-def patient_chain(monkeypatch):
-    """The verifier waits for the staged trees as long as the CPU drafter takes (not 50 ms): each
-    armed round with a hit then launches, on a loaded machine too."""
-    monkeypatch.setattr(router.links, "CHAIN_WAIT_S", 30.0)
 CFG = SpecConfig(method="eagle3", num_steps=3, topk=1, num_draft_tokens=4, ahead_width=4)
-
 
 def _pair():
     spec = LocalSpeculator(*demo_paths("eagle3"), CFG, max_slots=4, max_len=MAX_LEN)
@@ -106,7 +95,7 @@ def _chain_once(spec, rid: str, tree_for):
     eng.arm_next([rid], [n])
     out = eng.verify(root)[0]
     eng.stage_next([{tuple(out.token_ids): tree_for(out.token_ids)}])
-    launched, _ = eng.launch_next(1.0)
+    launched = eng.launch_next()
     return list(eng.requests[rid].token_ids), launched
 
 
@@ -182,8 +171,8 @@ def test_launched_verify_dropped_by_release_decode_and_missing_trees():
     assert not launched and eng._launched is None
     eng.release("c")
     eng.arm_next(["d"], [1])
-    eng.stage_next(None)
-    assert eng.launch_next(1.0) == (False, 0.0)    # armed for a verify that never came: no verdict
+    eng.stage_next([None])
+    assert eng.launch_next() is False    # armed for a verify that never came: no verdict
 
 
 def test_unarmed_verify_never_launches():
@@ -194,6 +183,6 @@ def test_unarmed_verify_never_launches():
     n = eng.committed_len("x")
     out = eng.verify(trees_from_ready(["x"], [n], [ReadyTree((first,), (-1,), (0.0,))]))[0]
     eng.stage_next([{tuple(out.token_ids): ReadyTree((out.token_ids[-1],), (-1,), (0.0,))}])
-    assert eng.launch_next(0.0) == (False, 0.0) and eng._launched is None
+    assert eng.launch_next() is False and eng._launched is None
     eng.release("x")
     assert not eng.requests
