@@ -117,14 +117,15 @@ class RoundsMixin:
 
     def _chains(self, drafted: list[ServedRequest]) -> bool:
         """Whether this ahead round's verify may chain (VerifierLink.arm_next): every running
-        request is drafted and drafted ahead, none waits to be admitted, and none can end by its
-        length or the context within the next round, so the next round verifies the same requests
-        with the trees draft ahead returns for this verdict. Else a chained verify would be
-        dropped, its forward wasted."""
-        room = 2 * self.cfg.lookahead
+        request is drafted and drafted ahead, none waits to be admitted, none can reach its
+        max_tokens in this round (it commits fewer than lookahead tokens) and the next tree fits
+        the context, so the next round verifies the same requests with the trees draft ahead
+        returns for this verdict. Else a chained verify would be dropped, its forward wasted
+        (a request that stops on EOS or a stop string still wastes one)."""
+        k = self.cfg.lookahead
         return (bool(drafted) and len(drafted) == len(self.running) and not self.waiting
-                and all(self._cached(r, True) and r.params.max_tokens - len(r.tokens) > room
-                        and r.committed_len + room <= self.cfg.max_len for r in drafted))
+                and all(self._cached(r, True) and r.params.max_tokens - len(r.tokens) > k
+                        and r.committed_len + 2 * k <= self.cfg.max_len for r in drafted))
 
     async def _draft_ahead(self, reqs: list[ServedRequest], extend: list[ExtendItem] = ()) -> None:
         """Draft ahead for `reqs`, after the catch-up `extend` (held back by the last round)."""
