@@ -285,10 +285,11 @@ class LocalVerifierLink(_LocalLink):
         self._queued = False                   # the call now running queued one
         self.chained_launches = 0
         self._launches: set = set()            # launch calls in flight (strong references)
-        # Between the event loop (stage_next) and the verify's worker thread: the staged trees,
-        # whether the verdict is in and waits for them, and whether the next verify call is armed.
+        # Between the event loop (stage_next) and the verify's worker thread: the trees staged
+        # before the verdict, the verdict in before the trees, and whether the next verify call
+        # is armed.
         self._handoff = threading.Lock()
-        self._trees, self._awaiting, self._armed_call = None, False, False
+        self._trees, self._verdict, self._armed_call = None, None, False
 
     def _busy_from(self, kind: str, start: float) -> float:
         # A verify served by a chained launch was busy from the end of the call that queued it.
@@ -307,7 +308,7 @@ class LocalVerifierLink(_LocalLink):
             return False
         self.engine.arm_next([t.request_id for t in tags], [t.committed_len for t in tags])
         with self._handoff:
-            self._trees, self._awaiting, self._armed_call = None, False, True
+            self._trees, self._verdict, self._armed_call = None, None, True
         return True
 
     def stage_next(self, trees: list[dict | None] | None) -> None:
@@ -318,33 +319,34 @@ class LocalVerifierLink(_LocalLink):
         if trees is None or all(t is None for t in trees):
             return
         with self._handoff:
-            late, self._awaiting = self._awaiting, False
-            if not late:
+            verdict, self._verdict = self._verdict, None
+            if verdict is None:
                 self._trees = trees
-        if late:
-            task = asyncio.ensure_future(self._run("verify", self._launch_next, trees, sync=False))
+        if verdict is not None:
+            task = asyncio.ensure_future(self._run("verify", self._launch_next, verdict, trees, sync=False))
             self._launches.add(task)
             task.add_done_callback(self._launched)
 
     def _verify_then_launch(self, armed: bool, *args):
         """verifier_verify, then (armed) the next tree's launch if its trees are staged already,
-        else a note that the launch is the staging's to do. Synchronizes the verify's work first."""
+        else the verdict is left for `stage_next`. Synchronizes the verify's work first."""
         from verifier.service_core import verifier_verify
 
         out = verifier_verify(*args)
         if self._stream is not None:
             self._stream.synchronize()
         if armed:
+            verdict = self.engine.take_verdict()
             with self._handoff:
                 trees, self._trees = self._trees, None
-                self._awaiting = trees is None
+                if trees is None:
+                    self._verdict = verdict
             if trees is not None:
-                self._launch_next(trees)
+                self._launch_next(verdict, trees)
         return out
 
-    def _launch_next(self, trees) -> bool:
-        self.engine.stage_next(trees)
-        self._queued = self.engine.launch_next()
+    def _launch_next(self, verdict, trees) -> bool:
+        self._queued = self.engine.launch_next(verdict, trees)
         self.chained_launches += self._queued
         return self._queued
 

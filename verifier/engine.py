@@ -10,10 +10,10 @@ Uniforms come from `spectandem.rng`, keyed by (seed, position, stream, index): a
 depends on what else is in the batch, and the global RNG is never touched.
 
 Chained verifies (draft ahead, router/rounds.py): the router arms a verify (`arm_next`) and,
-while it runs, hands over the next tree for each of its outcomes (`stage_next`). Once the
-verdict is in and the trees are staged, `launch_next` queues the verify of the verdict's next
-tree at once, while the router takes in the verdict, and the router's verify of that same tree
-then only waits for it. The tree is the one the router builds itself (`trees_from_ready` over the
+while it runs, the drafter's next tree for each of its outcomes comes (router/links.py). Given
+the verdict (`take_verdict`) and those trees, `launch_next` queues the verify of the verdict's
+next tree at once, while the router takes in the verdict, and the router's verify of that same
+tree then only waits for it. The tree is the one the router builds itself (`trees_from_ready` over the
 same ready trees), so the tokens are those of the unchained rounds; a verify of any other tree,
 a decode, or the release of one of its requests drops it (its KV rows lie past the committed
 length, where the next verify writes anyway).
@@ -54,10 +54,9 @@ class VerifierEngine:
         self.vocab_size = vocab_size
         self.requests: dict[str, _Request] = {}
         self.free_slots = list(range(max_slots - 1, -1, -1))
-        # Chained verifies (module docstring): the armed tags, the staged trees, the verdict
-        # launch_next reads, and the launched verify (tree, logits, features).
+        # Chained verifies (module docstring): the armed tags, the armed verify's verdict, and
+        # the launched verify (tree, logits, features).
         self._armed: tuple | None = None
-        self._staged: list | None = None
         self._verdict: tuple | None = None
         self._launched: tuple | None = None
         self.chained = 0              # verifies served by a chained launch
@@ -159,27 +158,27 @@ class VerifierEngine:
         return reqs, logits, feats
 
     def arm_next(self, request_ids: list[str], committed_lens: list[int]) -> None:
-        """The next verify, of exactly these tags, chains: its verdict is kept for `launch_next`.
+        """The next verify, of exactly these tags, chains: its verdict is kept (`take_verdict`).
         Called before that verify."""
-        self._staged = self._verdict = None
         self._armed = (tuple(request_ids), tuple(committed_lens))
 
-    def stage_next(self, trees: list[dict | None]) -> None:
-        """Per request of the armed verify (in its order), the next tree for each of its outcomes
-        (committed tokens -> ReadyTree), or None where there is none."""
-        self._staged = trees
-
-    def launch_next(self) -> bool:
-        """After an armed verify and its staged trees: queues the verify of the verdict's next tree
-        when every request has one -> whether it did. The caller has synchronized the last
-        verify's work (the launch reuses its buffers)."""
+    def take_verdict(self) -> tuple | None:
+        """The armed verify's verdict, for `launch_next` (None: the last verify was not armed)."""
         verdict, self._verdict = self._verdict, None
-        trees, self._staged = self._staged, None
-        if verdict is None or trees is None:
+        return verdict
+
+    def launch_next(self, verdict: tuple | None, trees: list[dict | None]) -> bool:
+        """Queues the verify of the verdict's next tree when every request has one -> whether it
+        did. trees: per request of the armed verify (in its order), the next tree for each of its
+        outcomes (committed tokens -> ReadyTree), or None. The caller has synchronized the last
+        verify's work (the launch reuses its buffers)."""
+        if verdict is None:
             return False
         request_ids, committed_lens, tokens = verdict
         if len(trees) != len(request_ids) or any(rid not in self.requests for rid in request_ids):
             return False
+        if [self.requests[rid].committed_len for rid in request_ids] != committed_lens:
+            return False      # the requests moved on (not by the router's rounds: never in serving)
         ready = [None if t is None else t.get(tuple(toks)) for t, toks in zip(trees, tokens)]
         if any(r is None for r in ready):
             return False

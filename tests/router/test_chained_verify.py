@@ -1,5 +1,6 @@
-"""Chained verifies (VerifierEngine.arm_next / stage_next / launch_next; router/rounds.py): in
-an "ahead" round the verifier, once it has the verdict, starts the verify of the verdict's next
+"""Chained verifies (VerifierEngine.arm_next / take_verdict / launch_next and
+LocalVerifierLink.stage_next; router/rounds.py): in an "ahead" round the verifier, once it has
+the verdict, starts the verify of the verdict's next
 tree (drafted ahead, staged by the router) before the router asks for it. Real demo engines on
 the CPU (fp32): the tokens equal plain decoding's, greedy and sampled; every chained launch is
 used at batch 1; a launched verify that the router does not send (another tree, a release, a
@@ -94,8 +95,7 @@ def _chain_once(spec, rid: str, tree_for):
     root = trees_from_ready([rid], [n], [ReadyTree((first,), (-1,), (0.0,))])
     eng.arm_next([rid], [n])
     out = eng.verify(root)[0]
-    eng.stage_next([{tuple(out.token_ids): tree_for(out.token_ids)}])
-    launched = eng.launch_next()
+    launched = eng.launch_next(eng.take_verdict(), [{tuple(out.token_ids): tree_for(out.token_ids)}])
     return list(eng.requests[rid].token_ids), launched
 
 
@@ -171,8 +171,7 @@ def test_launched_verify_dropped_by_release_decode_and_missing_trees():
     assert not launched and eng._launched is None
     eng.release("c")
     eng.arm_next(["d"], [1])
-    eng.stage_next([None])
-    assert eng.launch_next() is False    # armed for a verify that never came: no verdict
+    assert eng.launch_next(eng.take_verdict(), [None]) is False    # armed for a verify that never came
 
 
 def test_unarmed_verify_never_launches():
@@ -182,7 +181,7 @@ def test_unarmed_verify_never_launches():
     first = eng.prefill(["x"], [prompt], [SamplingParams(max_tokens=32)], [0])[0].first_token_id
     n = eng.committed_len("x")
     out = eng.verify(trees_from_ready(["x"], [n], [ReadyTree((first,), (-1,), (0.0,))]))[0]
-    eng.stage_next([{tuple(out.token_ids): ReadyTree((out.token_ids[-1],), (-1,), (0.0,))}])
-    assert eng.launch_next() is False and eng._launched is None
+    trees = [{tuple(out.token_ids): ReadyTree((out.token_ids[-1],), (-1,), (0.0,))}]
+    assert eng.take_verdict() is None and eng.launch_next(None, trees) is False and eng._launched is None
     eng.release("x")
     assert not eng.requests
