@@ -42,7 +42,8 @@ to it with its proposer and caches, the target engines shared (`ControlledRuns.w
 Is drafting hidden behind verification? Each row takes the engines' busy time over its timed
 batch from the links (`busy_s` of router/links.py: per call, from its start in the worker thread
 until its CUDA stream is done; for a verify, the host's preparation, the forward, acceptance and
-the results on the host):
+the results on the host; a verify the verifier started itself (chained) counts from the end of
+the call that started it):
 - `wall_s`: the batch's wall seconds, from submission until the last token;
 - `verify_busy_s`, `prefill_busy_s`: the verifier inside verify and prefill calls;
 - `round_over_verify` = (wall_s - prefill_busy_s) / verify_busy_s = 1 + the time the verifier
