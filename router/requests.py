@@ -49,8 +49,10 @@ class ServedRequest:
     admit_seq: int = -1              # order of first admission (preemption takes the latest)
     preempted: bool = False          # waiting to resume
     drafter_kept: bool = False       # preempted; the drafter keeps its next tree until released
-    # Catch-ups held back while this request decodes plainly (router/rounds.py): the drafter gets
-    # them, in order and in one call, before it next drafts for the request.
+    # Catch-ups held back (router/rounds.py): those of rounds this request decoded plainly, and
+    # an all-hit verdict's (the next verify goes out first). The drafter gets them in order, in
+    # one call: with the next draft-ahead call, before the next draft, before the next round's
+    # own catch-up, or before a preempting release.
     backlog: list = field(default_factory=list)
     # Draft ahead (router/rounds.py): the outcome trees the drafter filled for the round in flight
     # (committed_len it was verified at, outcome -> ReadyTree), and the next tree they gave for

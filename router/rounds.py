@@ -44,7 +44,6 @@ class RoundsMixin:
     _switch: SpeculationSwitch
     _tokens_committed: int
     _ahead_unanswered: int = 0
-    _deferred_extend: list          # an ahead round's catch-up, sent beside the next verify (`_flush_extend`)
     _staged: bool = False          # the last round staged every request's next trees on the verifier
     _from_ready: bool = False      # this round's tree is the router's own (every request hit)
     _capped_plain: bool = False    # this round's plain steps were cut by the requests' ends
@@ -89,11 +88,8 @@ class RoundsMixin:
             if launched is not None:   # the drafter's turn once the verify forward is queued
                 await asyncio.wait([launched, verify], return_when=asyncio.FIRST_COMPLETED)
             cached = [r for r in drafted if self._cached(r, ahead)]
-            if cached:   # with the last verdict's held-back catch-up, in one call
-                items, self._deferred_extend = self._deferred_extend, []
-                await self._draft_ahead(cached, items)
-            elif self._deferred_extend:
-                await self._flush_extend()
+            if cached:   # with their held-back catch-ups (the last verdict's, if it hit), in one call
+                await self._draft_ahead(cached, self._take_backlog(cached))
         finally:
             if chain:   # the verifier starts the verdict's next tree itself, if it has one
                 trees = [r.ahead_trees[1] if r.ahead_trees is not None else None for r in drafted]
@@ -105,10 +101,12 @@ class RoundsMixin:
             ready = {r.request_id for r in drafted if r.next_tree is not None}
             if extend and ahead and all(i.tag.request_id in ready for i in extend):
                 # Every drafted request hit and the router holds its next tree: the next round's
-                # verify goes out first, and this catch-up runs beside it.
-                self._deferred_extend = extend
-            elif extend:
-                await self._extend(extend)
+                # verify goes out first, and this catch-up rides with its draft-ahead call.
+                by_id = {r.request_id: r for r in drafted}
+                for item in extend:
+                    by_id[item.tag.request_id].backlog.append(item)
+            elif extend:   # after what the requests still hold back, in order
+                await self._extend(self._take_backlog(drafted) + extend)
 
     def _cached(self, r: ServedRequest, ahead: bool) -> bool:
         """Whether this ahead round drafts ahead for `r` (its next tree may be held for the router)."""
@@ -194,16 +192,11 @@ class RoundsMixin:
             self.counters.ready_trees += len(drafted)
             self._drafted_any = self._from_ready = True
             return self.drafter.ready_handle(tree, [r.tag() for r in drafted]), drafted
-        if self._deferred_extend:    # the drafter must be in step before it drafts, or takes a backlog
-            await self._flush_extend()
-            drafted = [r for r in drafted if r.on_drafter and self.drafter_up]
         if not drafted:
             return None, []
         self._drafted_any = True
-        backlog = [item for r in drafted for item in r.backlog]
-        if backlog:   # catch-ups held back by plain rounds: the drafter must be in step first
-            for r in drafted:
-                r.backlog.clear()
+        backlog = self._take_backlog(drafted)
+        if backlog:   # held-back catch-ups (plain rounds, a hit's): the drafter must be in step first
             await self._extend(backlog)
             drafted = [r for r in drafted if r.on_drafter and self.drafter_up]
             if not drafted:
@@ -311,9 +304,17 @@ class RoundsMixin:
                 r.backlog.clear()
                 r.ahead_trees = r.next_tree = None
 
-    async def _flush_extend(self) -> None:
-        """Sends the catch-up an ahead round held back (`_deferred_extend`)."""
-        items, self._deferred_extend = self._deferred_extend, []
+    @staticmethod
+    def _take_backlog(reqs: list[ServedRequest]) -> list[ExtendItem]:
+        """The requests' held-back catch-ups (ServedRequest.backlog), in order; their backlogs emptied."""
+        items = [item for r in reqs for item in r.backlog]
+        for r in reqs:
+            r.backlog.clear()
+        return items
+
+    async def _flush_backlog(self, reqs: list[ServedRequest]) -> None:
+        """Sends the requests' held-back catch-ups now (before a preempting release)."""
+        items = self._take_backlog(reqs)
         if items and self.drafter_up:
             await self._extend(items)
 

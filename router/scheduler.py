@@ -71,7 +71,6 @@ class Router(RoundsMixin):
         # Requests the drafter held when the router stopped talking to it (slow or failed): if it
         # was only slow it still holds them, so they are released once it answers again.
         self._drafter_orphans: set[str] = set()
-        self._deferred_extend: list = []
         self.counters = RouterCounters()
         self.kv = KvBudget(cfg, drafter is not None)
         # Listeners get (event, request, data): "admitted", "tokens" (data: number of new tokens,
@@ -328,7 +327,6 @@ class Router(RoundsMixin):
             log.warning("drafter unavailable (%s): decoding without drafts", exc)
         self.drafter_up = False
         self._last_probe = time.monotonic()
-        self._deferred_extend = []
         for r in self.running:
             if r.on_drafter:
                 self._drafter_orphans.add(r.request_id)
@@ -353,9 +351,8 @@ class Router(RoundsMixin):
     async def _release(self, reqs: list[ServedRequest], keep_draft: bool = False) -> None:
         """Frees the requests on both sides; keep_draft (preemption): the drafter keeps each
         one's ready next tree for its resume."""
-        leaving = {r.request_id for r in reqs}
-        if any(i.tag.request_id in leaving for i in self._deferred_extend):
-            await self._flush_extend()   # in step first: a preempted request's drafter keeps its next tree
+        if keep_draft:   # in step first: a preempted request's drafter keeps its next tree
+            await self._flush_backlog([r for r in reqs if r.on_drafter])
         ids_v = [r.request_id for r in reqs if r.on_verifier]
         ids_d = [r.request_id for r in reqs if r.on_drafter]
         for r in reqs:
