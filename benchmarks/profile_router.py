@@ -11,7 +11,7 @@ in three setups:
                  does the online measurement)
 
 Per setup: ms per round, and the engines' busy ms per round by kind of call (busy_s of
-router/links.py); wall ms per round inside chosen router, engine and runner functions (`TIMED`,
+router/links_local.py); wall ms per round inside chosen router, engine and runner functions (`TIMED`,
 no synchronization added: a call that waits for the GPU includes the wait); then the host
 functions that take the most time, from cProfile. On Python 3.12+ one profiler sees every
 thread (the event loop and the links' worker threads together); on 3.11 the event loop's thread
@@ -44,7 +44,7 @@ from collections import defaultdict
 
 import torch
 
-from router import links as router_links
+from router import links_local as router_links
 from spectandem import bench_router8b as br
 from spectandem.bench_llama8b import SHAPES, ControlledRuns, llama8b_spec, random_eagle3_head, random_target
 from spectandem.config import GpuPaths
@@ -61,8 +61,8 @@ TIMED = ("router.scheduler:Router._plan", "router.scheduler:Router._release", "r
          "drafter.engine:DrafterEngine.draft", "drafter.engine:DrafterEngine.extend",
          "router.rounds:RoundsMixin._draft_ahead", "drafter.service_core:drafter_draft_ahead",
          "router.rounds:RoundsMixin._round", "verifier.engine:VerifierEngine.launch_next",
-         "verifier.engine:VerifierEngine._launch", "verifier.engine:VerifierEngine.stage_next",
-         "router.links:LocalVerifierLink.stage_next",
+         "verifier.engine:VerifierEngine._launch",
+         "router.links_local:LocalVerifierLink.stage_next",
          "drafter.engine:DrafterEngine.draft_ahead", "drafter.engine:DrafterEngine.flush_deferred",
          "drafter.proposers:EagleProposer.ahead_chains", "drafter.proposers:EagleProposer.catch_up",
          "drafter.ahead_chains:ahead_inputs", "drafter.ahead_chains:AheadChainGraphs.run")

@@ -131,7 +131,7 @@ async def _build_links(args, cfg, target, draft, index: int = 0):
         raise ValueError(f"--feature-channel {args.feature_channel} is one pair's address; with "
                          f"{_num_replicas(args)} replicas give --feature-channel without a value")
     if args.backend == "local":
-        from router.links import LocalDrafterLink, LocalVerifierLink
+        from router.links_local import LocalDrafterLink, LocalVerifierLink
         from spectandem.local import LocalSpeculator
 
         spec = LocalSpeculator(target, draft, cfg, max_slots=max_slots, max_len=args.max_len,

@@ -40,7 +40,7 @@ and the EAGLE-3 head on one device; "drafter-own-gpu" (given a drafter device), 
 to it with its proposer and caches, the target engines shared (`ControlledRuns.with_drafter_device`).
 
 Is drafting hidden behind verification? Each row takes the engines' busy time over its timed
-batch from the links (`busy_s` of router/links.py: per call, from its start in the worker thread
+batch from the links (`busy_s` of router/links_local.py: per call, from its start in the worker thread
 until its CUDA stream is done; for a verify, the host's preparation, the forward, acceptance and
 the results on the host; a verify the verifier started itself (chained) counts from the end of
 the call that started it):
@@ -128,7 +128,7 @@ class _Setup:
 
 def _setup(runs, acceptance_rate: float | None, mode: str, max_running: int, plain_steps: int = 1) -> _Setup:
     from drafter.engine import DrafterEngine
-    from router.links import LocalDrafterLink, LocalVerifierLink
+    from router.links_local import LocalDrafterLink, LocalVerifierLink
     from router.scheduler import Router, RouterConfig
 
     plain = acceptance_rate is None

@@ -10,7 +10,7 @@ Uniforms come from `spectandem.rng`, keyed by (seed, position, stream, index): a
 depends on what else is in the batch, and the global RNG is never touched.
 
 Chained verifies (draft ahead, router/rounds.py): the router arms a verify (`arm_next`) and,
-while it runs, the drafter's next tree for each of its outcomes comes (router/links.py). Given
+while it runs, the drafter's next tree for each of its outcomes comes (router/links_local.py). Given
 the verdict (`take_verdict`) and those trees, `launch_next` queues the verify of the verdict's
 next tree at once, while the router takes in the verdict, and the router's verify of that same
 tree then only waits for it. The tree is the one the router builds itself (`trees_from_ready` over the

@@ -13,7 +13,7 @@ import asyncio
 import pytest
 import torch
 
-from router.links import LocalVerifierLink
+from router.links_local import LocalVerifierLink
 from router.requests import RouterConfig
 from router.scheduler import Router
 from spectandem.checkpoint import load_tokenizer

@@ -34,7 +34,7 @@ def _serve_one(s, runs) -> None:
 
 def test_a_drafter_that_never_drafts_ahead_loses_the_ahead_candidate(runs):
     from drafter.engine import DrafterEngine
-    from router.links import LocalDrafterLink
+    from router.links_local import LocalDrafterLink
     from spectandem.bench_controlled import ControlledProposer
 
     s = br._setup(runs, 0.8, "auto", 1)
@@ -49,7 +49,7 @@ def test_a_drafter_that_never_drafts_ahead_loses_the_ahead_candidate(runs):
 
 def test_a_drafter_that_drafts_ahead_keeps_it(runs):
     from drafter.engine import DrafterEngine
-    from router.links import LocalDrafterLink
+    from router.links_local import LocalDrafterLink
 
     s = br._setup(runs, 0.8, "auto", 1)
     # The same router over the real EAGLE-3 proposer (drafts ahead); its drafts are its own.

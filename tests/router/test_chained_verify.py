@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import asyncio
 
-from router.links import LocalDrafterLink, LocalVerifierLink
+from router.links_local import LocalDrafterLink, LocalVerifierLink
 from router.requests import RouterConfig
 from router.scheduler import Router
 from spectandem.config import SamplingParams, SpecConfig

@@ -10,7 +10,7 @@ from __future__ import annotations
 import asyncio
 
 import router.rounds
-from router.links import LocalDrafterLink, LocalVerifierLink
+from router.links_local import LocalDrafterLink, LocalVerifierLink
 from router.pipeline import KEEP_WINDOWS, ModeChooser, _ClassState
 from router.requests import RouterConfig
 from router.scheduler import Router

@@ -8,7 +8,7 @@ from __future__ import annotations
 import asyncio
 import time
 
-from router.links import LocalDrafterLink, LocalVerifierLink
+from router.links_local import LocalDrafterLink, LocalVerifierLink
 from router.scheduler import Router
 from router.requests import RouterConfig
 from spectandem.config import SamplingParams, SpecConfig

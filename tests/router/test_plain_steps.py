@@ -13,7 +13,8 @@ import asyncio
 
 import pytest
 
-from router.links import LocalDrafterLink, LocalVerifierLink, PlainItem, Tag
+from router.links import PlainItem, Tag
+from router.links_local import LocalDrafterLink, LocalVerifierLink
 from router.requests import RouterConfig
 from router.scheduler import Router
 from spectandem.config import SamplingParams, SpecConfig

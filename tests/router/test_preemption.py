@@ -184,7 +184,7 @@ class _LateDelivery:
 
 
 def test_old_epoch_replies_are_dropped_and_counted(reference):
-    from router.links import LocalDrafterLink, LocalVerifierLink
+    from router.links_local import LocalDrafterLink, LocalVerifierLink
     from router.scheduler import Chunk, Router, RouterConfig
 
     t, d = demo_paths("eagle3")

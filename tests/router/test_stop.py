@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import asyncio
 
-from router.links import LocalVerifierLink
+from router.links_local import LocalVerifierLink
 from router.requests import RouterConfig
 from router.scheduler import Router
 from spectandem.config import SamplingParams, SpecConfig
