@@ -95,9 +95,9 @@ class _LocalLink:
 
 class LocalVerifierLink(_LocalLink):
     """`chain`: chained verifies (VerifierEngine.arm_next; router/rounds.py), by default where the
-    engine computes on a GPU (unless SPECTANDEM_CHAINED_VERIFY=0): the chained verify's forward runs while the router takes in the
-    last verdict. On a CPU the forward runs in the launch itself (tests turn it on there to
-    check the tokens)."""
+    engine computes on a GPU (unless SPECTANDEM_CHAINED_VERIFY=0): the chained verify's forward
+    runs while the router takes in the last verdict. On a CPU the forward runs in the launch
+    itself (tests turn it on there to check the tokens)."""
 
     role = "verifier"
 
@@ -111,10 +111,9 @@ class LocalVerifierLink(_LocalLink):
         self.chained_launches = 0
         self._launches: set = set()            # launch calls in flight (strong references)
         # Between the event loop (stage_next) and the verify's worker thread: the trees staged
-        # before the verdict, the verdict in before the trees, and whether the next verify call
-        # is armed.
+        # before the verdict, and the verdict in before the trees.
         self._handoff = threading.Lock()
-        self._trees, self._verdict, self._armed_call = None, None, False
+        self._trees, self._verdict = None, None
 
     def _busy_from(self, kind: str, start: float) -> float:
         # A verify served by a chained launch was busy from the end of the call that queued it.
@@ -133,7 +132,7 @@ class LocalVerifierLink(_LocalLink):
             return False
         self.engine.arm_next([t.request_id for t in tags], [t.committed_len for t in tags])
         with self._handoff:
-            self._trees, self._verdict, self._armed_call = None, None, True
+            self._trees, self._verdict = None, None
         return True
 
     def stage_next(self, trees: list[dict | None] | None) -> None:
@@ -152,16 +151,17 @@ class LocalVerifierLink(_LocalLink):
             self._launches.add(task)
             task.add_done_callback(self._launched)
 
-    def _verify_then_launch(self, armed: bool, *args):
-        """verifier_verify, then (armed) the next tree's launch if its trees are staged already,
-        else the verdict is left for `stage_next`. Synchronizes the verify's work first."""
+    def _verify_then_launch(self, *args):
+        """verifier_verify, then, after an armed verify (the engine kept its verdict), the next
+        tree's launch if its trees are staged already, else the verdict is left for `stage_next`.
+        Synchronizes the verify's work first."""
         from verifier.service_core import verifier_verify
 
         out = verifier_verify(*args)
         if self._stream is not None:
             self._stream.synchronize()
-        if armed:
-            verdict = self.engine.take_verdict()
+        verdict = self.engine.take_verdict() if self.chains else None
+        if verdict is not None:
             with self._handoff:
                 trees, self._trees = self._trees, None
                 if trees is None:
@@ -188,8 +188,7 @@ class LocalVerifierLink(_LocalLink):
 
     async def verify(self, draft, plain, want_features, on_launch=None):
         """`on_launch()`: from the worker thread, once the forward is queued (VerifierEngine.verify)."""
-        armed, self._armed_call = self._armed_call, False
-        return await self._run("verify", self._verify_then_launch, armed, self.engine,
+        return await self._run("verify", self._verify_then_launch, self.engine,
                                draft.payload if draft else None, [d for d in (draft.tags if draft else [])], plain,
                                want_features, None, on_launch, sync=False)
 
