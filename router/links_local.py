@@ -21,6 +21,10 @@ log = logging.getLogger("spectandem.router")
 # switch interval: 5 ms by default, as long as a whole verify forward of the 8B target. In-process
 # links shorten it (SPECTANDEM_SWITCH_INTERVAL_S; 0 keeps the interpreter's).
 SWITCH_INTERVAL_S = float(os.environ.get("SPECTANDEM_SWITCH_INTERVAL_S", "0.0005"))
+# How long an armed verify's call waits for stage_next. The router always stages (None when
+# the drafter has nothing) once its draft-ahead call returns or times out: this only bounds a
+# caller that arms and never stages. Past it the call ends without a launch.
+STAGE_WAIT_S = 30.0
 
 
 def _shorten_switch_interval() -> None:
@@ -58,8 +62,7 @@ class _LocalLink:
             self._stream = torch.cuda.Stream(device=device)
 
     def _call(self, kind: str, fn, *args, sync: bool = True):
-        """`sync` False: returns without waiting for the stream (a chained verify's launch:
-        LocalVerifierLink.stage_next); the call that takes over its work waits for it."""
+        """`sync` False: `fn` synchronizes what it hands on itself (LocalVerifierLink._verify)."""
         t0 = time.perf_counter()
         try:
             if self._stream is None:
@@ -95,9 +98,11 @@ class _LocalLink:
 
 class LocalVerifierLink(_LocalLink):
     """`chain`: chained verifies (VerifierEngine.arm_next; router/rounds.py), by default where the
-    engine computes on a GPU (unless SPECTANDEM_CHAINED_VERIFY=0): the chained verify's forward
-    runs while the router takes in the last verdict. On a CPU the forward runs in the launch
-    itself (tests turn it on there to check the tokens)."""
+    engine computes on a GPU (unless SPECTANDEM_CHAINED_VERIFY=0). The armed verify's call, once
+    it has the verdict, waits for `stage_next`'s trees (the router waits for the same draft-ahead
+    call before it takes in the verdict) and queues the verdict's next tree's forward, which runs
+    while the router takes in the verdict. That wait does not count as busy. On a CPU the
+    forward runs in the launch itself (tests turn chaining on there to check the tokens)."""
 
     role = "verifier"
 
@@ -108,78 +113,61 @@ class LocalVerifierLink(_LocalLink):
         self.chains = chain
         self._chain_end: float | None = None   # when the call that queued a chained verify ended
         self._queued = False                   # the call now running queued one
+        self._waited = 0.0                     # seconds the call now running waited for trees
         self.chained_launches = 0
-        self._launches: set = set()            # launch calls in flight (strong references)
-        # Between the event loop (stage_next) and the verify's worker thread: the trees staged
-        # before the verdict, and the verdict in before the trees.
-        self._handoff = threading.Lock()
-        self._trees, self._verdict = None, None
+        self._armed: _Staged | None = None     # the last arm_next's, for its verify
+        self._staging: _Staged | None = None   # the same, for stage_next
 
     def _busy_from(self, kind: str, start: float) -> float:
-        # A verify served by a chained launch was busy from the end of the call that queued it.
-        if kind == "verify" and self._chain_end is not None and self.engine.last_chained:
-            return self._chain_end
-        return start
+        # A verify served by a chained launch was busy from the end of the call that queued it;
+        # an armed verify was idle while it waited for the staged trees.
+        if kind != "verify":
+            return start
+        if self._chain_end is not None and self.engine.last_chained:
+            start = self._chain_end
+        return start + self._waited
 
     def _ended(self, kind: str, end: float) -> None:
         if kind == "verify":
-            self._chain_end, self._queued = (end if self._queued else None), False
+            self._chain_end, self._queued, self._waited = (end if self._queued else None), False, 0.0
 
     def arm_next(self, tags: list[Tag]) -> bool:
         """Before a verify of exactly `tags`: once its verdict is in and `stage_next` has given
         the next trees, the verifier starts the verdict's one. False: not chaining."""
         if not self.chains:
             return False
-        self.engine.arm_next([t.request_id for t in tags], [t.committed_len for t in tags])
-        with self._handoff:
-            self._trees, self._verdict = None, None
+        self._armed = self._staging = _Staged([t.request_id for t in tags], [t.committed_len for t in tags])
         return True
 
     def stage_next(self, trees: list[dict | None] | None) -> None:
-        """From the event loop, while or after the armed verify runs: the draft-ahead trees per
-        request (AheadReply.trees, in the armed tags' order), or None (none come). Staged before
-        the verdict, the verify's own call starts the next tree right after it; after, a call of
-        its own does, queued before the router's next verify."""
-        if trees is None or all(t is None for t in trees):
-            return
-        with self._handoff:
-            verdict, self._verdict = self._verdict, None
-            if verdict is None:
-                self._trees = trees
-        if verdict is not None:
-            task = asyncio.ensure_future(self._run("verify", self._launch_next, verdict, trees, sync=False))
-            self._launches.add(task)
-            task.add_done_callback(self._launched)
+        """From the event loop, once per arm_next, while or after that verify runs: the
+        draft-ahead trees per request (AheadReply.trees, in the armed tags' order), or None
+        (none come)."""
+        staging, self._staging = self._staging, None
+        if staging is not None:
+            staging.put(None if trees is None or all(t is None for t in trees) else trees)
 
-    def _verify_then_launch(self, *args):
-        """verifier_verify, then, after an armed verify (the engine kept its verdict), the next
-        tree's launch if its trees are staged already, else the verdict is left for `stage_next`.
-        Synchronizes the verify's work first."""
+    def _verify(self, armed, *args):
+        """verifier_verify, its work synchronized. `armed` (a _Staged): the engine keeps the
+        verdict, and this call then waits for the staged trees and queues the verdict's next
+        tree (VerifierEngine.launch_next) before it returns. The router takes in the verdict
+        only after the launch: its host work (and the drafter's next call, which it starts)
+        would otherwise hold the Python lock the launch needs."""
         from verifier.service_core import verifier_verify
 
+        if armed is not None:   # in this thread: the engine's last chained launch is done
+            self.engine.arm_next(armed.request_ids, armed.committed_lens)
         out = verifier_verify(*args)
         if self._stream is not None:
             self._stream.synchronize()
-        verdict = self.engine.take_verdict() if self.chains else None
+        verdict = self.engine.take_verdict() if armed is not None else None
         if verdict is not None:
-            with self._handoff:
-                trees, self._trees = self._trees, None
-                if trees is None:
-                    self._verdict = verdict
-            if trees is not None:
-                self._launch_next(verdict, trees)
+            t0 = time.perf_counter()
+            trees = armed.wait(STAGE_WAIT_S)
+            self._waited = time.perf_counter() - t0
+            self._queued = trees is not None and self.engine.launch_next(verdict, trees)
+            self.chained_launches += self._queued
         return out
-
-    def _launch_next(self, verdict, trees) -> bool:
-        self._queued = self.engine.launch_next(verdict, trees)
-        self.chained_launches += self._queued
-        return self._queued
-
-    def _launched(self, task) -> None:
-        self._launches.discard(task)
-        if not task.cancelled() and task.exception() is not None:
-            # The engine failed in the launch: the next verify (queued behind it) reports it.
-            log.warning("chained verify launch failed: %s", task.exception())
 
     async def prefill(self, items, want_features):
         from verifier.service_core import verifier_prefill
@@ -188,9 +176,10 @@ class LocalVerifierLink(_LocalLink):
 
     async def verify(self, draft, plain, want_features, on_launch=None):
         """`on_launch()`: from the worker thread, once the forward is queued (VerifierEngine.verify)."""
-        return await self._run("verify", self._verify_then_launch, self.engine,
-                               draft.payload if draft else None, [d for d in (draft.tags if draft else [])], plain,
-                               want_features, None, on_launch, sync=False)
+        armed, self._armed = self._armed, None
+        return await self._run("verify", self._verify, armed, self.engine, draft.payload if draft else None,
+                               [d for d in (draft.tags if draft else [])], plain, want_features, None, on_launch,
+                               sync=False)
 
     async def features(self, tag):
         from verifier.service_core import verifier_features
@@ -250,6 +239,24 @@ class LocalDrafterLink(_LocalLink):
 
     async def close(self):
         return None
+
+
+class _Staged:
+    """One armed verify's handoff: its tags, and the trees stage_next gives (any thread)."""
+
+    def __init__(self, request_ids: list[str], committed_lens: list[int]):
+        self.request_ids, self.committed_lens = request_ids, committed_lens
+        self._given = threading.Event()
+        self._trees = None
+
+    def put(self, trees) -> None:
+        if not self._given.is_set():
+            self._trees = trees
+            self._given.set()
+
+    def wait(self, timeout: float):
+        """The trees (None: none came, or not within `timeout` seconds)."""
+        return self._trees if self._given.wait(timeout) else None
 
 
 def _engine_device(engine):

@@ -118,6 +118,7 @@ class PagedKVCache:
         # the host table only and mark the slot; the device copy takes every marked slot's row in
         # one copy when next read. A round thus costs no device call per request.
         self.host_tables = torch.full((num_slots, blocks_for(max_len + 1, block_size)), -1, dtype=torch.long)
+        self.host_tables_np = self.host_tables.numpy()     # the same memory, without a call per read
         self._device_tables = torch.full(tuple(self.host_tables.shape), -1, dtype=torch.long, device=device)
         self._stale: set[int] = set()     # slots whose device row lags the host row
         self._mapped = [0] * num_slots    # blocks of each slot's table already in host_tables
@@ -148,7 +149,7 @@ class PagedKVCache:
         table = self.blocks.allocate(slot, num_entries)
         start = self._mapped[slot]
         if len(table) > start:
-            self.host_tables.numpy()[slot, start: len(table)] = table[start:]
+            self.host_tables_np[slot, start: len(table)] = table[start:]
             self._stale.add(slot)
             self._mapped[slot] = len(table)
 
@@ -159,7 +160,7 @@ class PagedKVCache:
     def _unmap(self, slot: int, keep: int) -> None:
         """Marks the slot's table past `keep` blocks as unmapped (-1)."""
         if self._mapped[slot] > keep:
-            self.host_tables.numpy()[slot, keep:] = -1
+            self.host_tables_np[slot, keep:] = -1
             self._stale.add(slot)
         self._mapped[slot] = min(self._mapped[slot], keep)
 
@@ -224,7 +225,7 @@ class PagedKVCache:
         """`host_rows` in numpy (index [B, T] int64): a verify step's inputs are built on the host
         every round, where numpy's per-call cost is a fraction of torch's."""
         bs = self.block_size
-        tables = self.host_tables.numpy()[slots]                                      # [B, max_blocks]
+        tables = self.host_tables_np[slots]                                           # [B, max_blocks]
         block = np.take_along_axis(tables, np.clip(index // bs, 0, tables.shape[1] - 1), axis=1)
         ok = (block >= 0) & (index >= 0) & (index < self.max_len)
         return np.where(ok, block * bs + index % bs, self._trash_row)

@@ -66,7 +66,7 @@ def tree_shape_np(par: np.ndarray, node_valid: np.ndarray) -> tuple[np.ndarray, 
     b, n = par.shape
     ok = node_valid.astype(bool) & (par >= 0)
     if ok[:, 1:].all() and (par == np.arange(-1, n - 1)).all():   # every row a full chain: node i sees 0..i
-        return np.broadcast_to(np.arange(n), (b, n)).copy(), np.broadcast_to(_tril(n), (b, n, n)).copy()
+        return np.broadcast_to(np.arange(n), (b, n)).copy(), np.broadcast_to(tril_mask(n), (b, n, n)).copy()
     mask = np.broadcast_to(np.eye(n, dtype=bool), (b, n, n)).copy()
     depth = np.zeros((b, n), dtype=np.int64)
     rows = np.arange(b)
@@ -82,7 +82,7 @@ def tree_shape_np(par: np.ndarray, node_valid: np.ndarray) -> tuple[np.ndarray, 
 
 
 @functools.lru_cache(maxsize=64)
-def _tril(n: int) -> np.ndarray:
+def tril_mask(n: int) -> np.ndarray:
     t = np.tril(np.ones((n, n), dtype=bool))
     t.flags.writeable = False
     return t

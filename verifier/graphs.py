@@ -48,7 +48,7 @@ import torch
 
 from spectandem.devices import to_device
 from spectandem.kv_cache import PagedCacheBatch, PagedKVCache, PagedTreeBatch
-from spectandem.tree import tree_shape, tree_shape_np
+from spectandem.tree import tril_mask, tree_shape, tree_shape_np
 
 BATCH_BUCKETS = (1, 2, 4, 8, 16, 32, 64)
 MIN_SPAN = 32
@@ -210,26 +210,48 @@ def host_tree_inputs(cache: PagedKVCache, slots: list[int], cache_lens: list[int
     cache_len + j, where the kernel looks for round entry j (prefix = cache_len). The slots must
     already hold cache_len + N entries (`cache.reserve`). Padding rows: token 0 at position 0
     written to the trash row, prefix 0, no blocks, each node seeing only itself (the kernel loads
-    nothing for such a row). Built in numpy: this runs every round while the GPU waits."""
+    nothing for such a row). Built in numpy on views of the one buffer: this runs every round
+    while the GPU waits (a chained verify's launch, too), and torch's per-call cost is several
+    times numpy's."""
     b, n = token_ids.shape
     assert rows >= b and (not cache_lens or max(cache_lens) + n <= cache.max_len), (rows, b, cache_lens, n)
     max_blocks = cache.host_tables.shape[1]
     pinned = cache.k[0].device.type == "cuda"
     flat = torch.empty(tree_inputs_nbytes(rows, n, max_blocks), dtype=torch.uint8, pin_memory=pinned)
-    inp = tree_inputs_on(flat, rows, n, max_blocks)
-    tok, pos, write, tables, prefix, mask = (getattr(inp, f.name).numpy() for f in fields(inp))   # the same memory
-    tok[b:], pos[b:], write[b:], tables[b:], prefix[b:] = 0, 0, cache.trash_row, -1, 0
-    mask[b:] = np.eye(n, dtype=bool)
+    buf = flat.numpy()
+    ints = buf[: 8 * rows * (3 * n + max_blocks + 1)].view(np.int64)
+    tok = ints[: rows * n].reshape(rows, n)
+    pos = ints[rows * n: 2 * rows * n].reshape(rows, n)
+    write = ints[2 * rows * n: 3 * rows * n].reshape(rows, n)
+    tables = ints[3 * rows * n: 3 * rows * n + rows * max_blocks].reshape(rows, max_blocks)
+    prefix = ints[3 * rows * n + rows * max_blocks:]
+    mask = buf[8 * rows * (3 * n + max_blocks + 1):].view(np.bool_).reshape(rows, n, n)
+    if b < rows:
+        tok[b:], pos[b:], write[b:], tables[b:], prefix[b:] = 0, 0, cache.trash_row, -1, 0
+        mask[b:] = np.eye(n, dtype=bool)
     if b:
-        depth, tree = tree_shape_np(parents.cpu().numpy(), node_valid.cpu().numpy())
+        par, valid = parents.cpu().numpy(), node_valid.cpu().numpy()
         base = np.asarray(cache_lens, dtype=np.int64)                                  # [B]
         np.maximum(token_ids.cpu().numpy(), 0, out=tok[:b])
-        np.add(base[:, None], depth, out=pos[:b])
-        write[:b] = cache.host_rows_np(slots, base[:, None] + np.arange(n))
-        tables[:b] = cache.host_tables.numpy()[slots]
+        if valid[:, 1:].all() and (par == np.arange(-1, n - 1)).all():   # chains: node i sees 0..i
+            np.add(base[:, None], np.arange(n), out=pos[:b])
+            mask[:b] = tril_mask(n)
+        else:
+            depth, tree = tree_shape_np(par, valid)
+            np.add(base[:, None], depth, out=pos[:b])
+            mask[:b] = tree
+        tables[:b] = cache.host_tables_np[slots]
+        write[:b] = _host_rows(cache, tables[:b], base[:, None] + np.arange(n))
         prefix[:b] = base
-        mask[:b] = tree
     return flat
+
+
+def _host_rows(cache: PagedKVCache, tables: np.ndarray, index: np.ndarray) -> np.ndarray:
+    """`cache.host_rows_np` of logical entries index [B, T] (< max_len) given the slots' block
+    tables [B, max_blocks]: the physical row, the trash row where no block is held."""
+    bs = cache.block_size
+    block = tables[np.arange(tables.shape[0])[:, None], index // bs]
+    return np.where(block >= 0, block * bs + index % bs, cache.trash_row)
 
 
 def tree_verify_inputs(cache: PagedKVCache, slots: list[int], cache_lens: list[int], token_ids: torch.Tensor,
