@@ -19,9 +19,17 @@ import torch
 from spectandem.kv_cache import KVCache, PagedKVCache
 from spectandem.modeling.llama import NATIVE_ARCHITECTURES, InvariantBatch, LlamaModel, load_llama
 from spectandem.tree import tree_shape
-from verifier.graphs import VerifyGraphs, tree_verify_inputs, verify_forward, verify_inputs
+from verifier.graphs import VerifyGraphs, batch_bucket, tree_verify_inputs, verify_forward, verify_inputs
 
 FeatureSpec = None | str | tuple[int, ...]
+
+
+# With CUDA graphs, prompts of at most GRAPHED_PREFILL_MAX tokens prefill through the graphed
+# verify step (a chain of at most 64 nodes) where the batch bucket times the chain length is at
+# most GRAPHED_PREFILL_ROWS (the graph's logits: 256 rows of a 128k vocabulary, 128 MiB);
+# longer prompts (and resumes past it) and larger batches prefill eagerly.
+GRAPHED_PREFILL_MAX = 64
+GRAPHED_PREFILL_ROWS = 256
 
 
 class NativeRunner:
@@ -68,7 +76,11 @@ class NativeRunner:
 
     @torch.no_grad()
     def prefill(self, slots: list[int], prompts: list[list[int]]):
-        """-> (logits after each prompt [B, V], features per request [[P_b, F]] or None)."""
+        """-> (logits after each prompt [B, V], features per request [[P_b, F]] or None).
+        With CUDA graphs, short prompts in small batches prefill as one chain each through the
+        graphed verify step (`_prefill_graphed`); the others run eagerly."""
+        if self.graphs is not None and not self.batch_invariant and self._graphed_prefill_nodes(prompts):
+            return self._prefill_graphed(slots, prompts)
         for slot, p in zip(slots, prompts):
             self.cache.reserve(slot, len(p))
         lens = torch.tensor([len(p) for p in prompts], device=self.device)
@@ -93,6 +105,37 @@ class NativeRunner:
         per_req = None if feats is None else [feats[i, : len(p)] for i, p in enumerate(prompts)]
         logits = self.model.logits_invariant(last) if self.batch_invariant else self.model.logits(last)
         return logits[:, 0], per_req
+
+    def _graphed_prefill_nodes(self, prompts: list[list[int]]) -> int:
+        """The chain length a graphed prefill of these prompts pads to (a power of two, at least
+        8), or 0 where they prefill eagerly: a prompt past GRAPHED_PREFILL_MAX tokens, or a graph
+        whose logits would hold more than GRAPHED_PREFILL_ROWS rows (its static buffers stay)."""
+        longest = max(len(p) for p in prompts)
+        rows = batch_bucket(len(prompts), self.graphs.batch_buckets)
+        n = max(8, 1 << (longest - 1).bit_length())
+        return n if longest <= GRAPHED_PREFILL_MAX and rows is not None and rows * n <= GRAPHED_PREFILL_ROWS else 0
+
+    def _prefill_graphed(self, slots: list[int], prompts: list[list[int]]):
+        """`prefill` as a verify of one chain per prompt at cache length 0, padded to a power of
+        two nodes (the padding nodes invalid): node j is the prompt's token j at position j,
+        seeing tokens 0..j, its K/V written at entry j, as the eager prefill does; the padding's
+        entries lie past the prompt, where the next verify writes. One captured graph per
+        (batch bucket, node bucket) instead of an eager forward, which the host's kernel
+        launches make several times slower for short prompts."""
+        b, lens = len(prompts), [len(p) for p in prompts]
+        n = self._graphed_prefill_nodes(prompts)
+        for slot in slots:
+            self.cache.reserve(slot, n)
+        tokens = torch.zeros(b, n, dtype=torch.long)
+        for i, p in enumerate(prompts):
+            tokens[i, : len(p)] = torch.tensor(p, dtype=torch.long)
+        parents = torch.arange(-1, n - 1).expand(b, n)
+        valid = torch.arange(n)[None, :] < torch.tensor(lens)[:, None]
+        logits, feats, _ = self._step(slots, [0] * b, tokens, parents, valid)
+        # Copies: the graph's output buffers are the next verify's too.
+        last = logits[torch.arange(b, device=logits.device), torch.tensor(lens, device=logits.device) - 1]
+        per_req = None if feats is None else [feats[i, :m].clone() for i, m in enumerate(lens)]
+        return last, per_req
 
     @torch.no_grad()
     def verify(self, slots: list[int], cache_lens: list[int], token_ids: torch.Tensor, parents: torch.Tensor,

@@ -89,6 +89,34 @@ def test_graphed_verify_equals_eager(dtype, b, n):
     assert graphed.graphs._captured, "nothing was captured"
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+@pytest.mark.parametrize("lens", [(1,), (8, 9), (64, 3, 30), (65, 2)], ids=["1", "8-9", "64-3-30", "65-2"])
+def test_graphed_prefill_equals_eager(dtype, lens):
+    """With CUDA graphs, prompts of at most GRAPHED_PREFILL_MAX tokens prefill as a chain through
+    the graphed verify step (a longer one in the batch: eagerly): the last logits and every
+    position's features as the eager prefill's, and a verify after it (reading the prefill's
+    K/V) as well."""
+    model = load_llama(demo_paths("none")[0], dtype, "cuda")
+    eager = NativeRunner(model, AUX, max_slots=8, max_len=MAX_LEN)
+    graphed = NativeRunner(model, AUX, max_slots=8, max_len=MAX_LEN, cuda_graphs=True, triton_attention=True)
+    g = torch.Generator().manual_seed(sum(lens))
+    prompts = [torch.randint(1, 4096, (m,), generator=g).tolist() for m in lens]
+    slots = list(range(len(prompts)))
+    (le, fe), (lg, fg) = eager.prefill(slots, prompts), graphed.prefill(slots, prompts)
+    assert bool(graphed.graphs._captured) == (max(lens) <= 64)
+    assert lg.shape == le.shape and [f.shape for f in fg] == [f.shape for f in fe]
+    torch.testing.assert_close(lg, le, **TOLERANCE[dtype])
+    for a, b in zip(fg, fe):
+        torch.testing.assert_close(a, b, **TOLERANCE[dtype])
+    if dtype == torch.float32:
+        assert torch.equal(lg.argmax(-1), le.argmax(-1))
+    tokens, parents, valid = _tree(g, len(prompts), 5)
+    (la, fa), (lv, fv) = [r.verify(slots, list(lens), tokens, parents, valid) for r in (eager, graphed)]
+    torch.testing.assert_close(lv[valid], la[valid], **TOLERANCE[dtype])
+    if dtype == torch.float32:
+        assert torch.equal(lv[valid].argmax(-1), la[valid].argmax(-1))
+
+
 @pytest.mark.parametrize("kind", ["eagle3", "eagle"])
 @pytest.mark.parametrize("b", [1, 3])
 def test_graphed_chain_equals_eager(kind, b):

@@ -153,3 +153,23 @@ def test_cuda_graphs_need_cuda_and_the_native_runner(model):
         NativeRunner(model, None, max_slots=1, max_len=32, cuda_graphs=True)
     with pytest.raises(ValueError, match="need the native runner"):
         load_runner(DEMO, None, max_slots=1, max_len=32, force_hf=True, cuda_graphs=True)
+
+
+@pytest.mark.parametrize("lens", [(1,), (8, 9), (64, 3, 30), (65, 2)], ids=["1", "8-9", "64-3-30", "65-2"])
+def test_prefill_through_the_verify_step_equals_eager(model, lens):
+    """With graphs, short prompts prefill as one chain each through the verify step (here its
+    static shape run eagerly): the last logits and every position's features as the eager
+    prefill's; a prompt past GRAPHED_PREFILL_MAX sends the batch eagerly (no step shape used)."""
+    g = torch.Generator().manual_seed(sum(lens))
+    eager, static = _runners(model, AUX)
+    prompts = [torch.randint(1, 4096, (m,), generator=g).tolist() for m in lens]
+    slots = list(range(len(prompts)))
+    (le, fe), (ls, fs) = eager.prefill(slots, prompts), static.prefill(slots, prompts)
+    assert static._graphed_prefill_nodes(prompts) == (0 if max(lens) > 64 else max(8, 1 << (max(lens) - 1).bit_length()))
+    assert ls.shape == le.shape and [f.shape for f in fs] == [f.shape for f in fe]
+    torch.testing.assert_close(ls, le, **ULPS)
+    assert torch.equal(ls.argmax(-1), le.argmax(-1))
+    for a, b in zip(fs, fe):
+        torch.testing.assert_close(a, b, **ULPS)
+    tokens, parents, valid = _tree(g, len(prompts), 5)   # reads the prefill's K/V
+    _compare(*[r.verify(slots, list(lens), tokens, parents, valid) for r in (eager, static)], valid)
