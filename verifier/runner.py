@@ -108,12 +108,14 @@ class NativeRunner:
 
     def _graphed_prefill_nodes(self, prompts: list[list[int]]) -> int:
         """The chain length a graphed prefill of these prompts pads to (a power of two, at least
-        8), or 0 where they prefill eagerly: a prompt past GRAPHED_PREFILL_MAX tokens, or a graph
-        whose logits would hold more than GRAPHED_PREFILL_ROWS rows (its static buffers stay)."""
+        8), or 0 where they prefill eagerly: a prompt past GRAPHED_PREFILL_MAX tokens, a chain
+        past the cache's length, or a graph whose logits would hold more than
+        GRAPHED_PREFILL_ROWS rows (its static buffers stay)."""
         longest = max(len(p) for p in prompts)
         rows = batch_bucket(len(prompts), self.graphs.batch_buckets)
         n = max(8, 1 << (longest - 1).bit_length())
-        return n if longest <= GRAPHED_PREFILL_MAX and rows is not None and rows * n <= GRAPHED_PREFILL_ROWS else 0
+        fits = longest <= GRAPHED_PREFILL_MAX and n <= self.cache.max_len
+        return n if fits and rows is not None and rows * n <= GRAPHED_PREFILL_ROWS else 0
 
     def _prefill_graphed(self, slots: list[int], prompts: list[list[int]]):
         """`prefill` as a verify of one chain per prompt at cache length 0, padded to a power of

@@ -173,3 +173,14 @@ def test_prefill_through_the_verify_step_equals_eager(model, lens):
         torch.testing.assert_close(a, b, **ULPS)
     tokens, parents, valid = _tree(g, len(prompts), 5)   # reads the prefill's K/V
     _compare(*[r.verify(slots, list(lens), tokens, parents, valid) for r in (eager, static)], valid)
+
+
+def test_prefill_chain_longer_than_the_cache_runs_eagerly(model):
+    """A 20-token prompt pads to a 32-node chain: with a 24-entry cache it prefills eagerly."""
+    eager = NativeRunner(model, AUX, max_slots=2, max_len=24)
+    static = NativeRunner(model, AUX, max_slots=2, max_len=24)
+    static.graphs = VerifyGraphs(model, static.cache, graph=False)
+    prompt = torch.randint(1, 4096, (20,), generator=torch.Generator().manual_seed(3)).tolist()
+    assert static._graphed_prefill_nodes([prompt]) == 0
+    (le, _), (ls, _) = eager.prefill([0], [prompt]), static.prefill([0], [prompt])
+    assert torch.equal(ls, le)
