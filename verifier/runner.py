@@ -1,5 +1,6 @@
 """Target model runners: the native Llama-family runner over an explicit KV cache with tree
-attention, and a transformers fallback for every other architecture (slower, same tokens).
+attention, and a transformers fallback for every other architecture (slower, same tokens:
+verifier/hf_runner.py); `load_runner` picks one.
 
 Cache convention (per request): the runner holds K/V for `cache_len = committed_len - 1`
 positions; the root of a round (the last committed token) is not in the cache yet. `verify`
@@ -18,10 +19,10 @@ import torch
 
 from spectandem.kv_cache import KVCache, PagedKVCache
 from spectandem.modeling.llama import NATIVE_ARCHITECTURES, InvariantBatch, LlamaModel, load_llama
-from spectandem.tree import tree_shape
 from verifier.graphs import VerifyGraphs, batch_bucket, tree_verify_inputs, verify_forward, verify_inputs
+from verifier.hf_runner import FeatureSpec, HFRunner
 
-FeatureSpec = None | str | tuple[int, ...]
+__all__ = ["FeatureSpec", "HFRunner", "NativeRunner", "load_runner"]
 
 
 # With CUDA graphs, prompts of at most GRAPHED_PREFILL_MAX tokens prefill through the graphed
@@ -281,91 +282,6 @@ def _check_triton_attention(device: torch.device, batch_invariant: bool) -> None
     if batch_invariant:
         raise ValueError("triton_attention and batch_invariant are two verify paths; choose one "
                          "(batch_invariant already attends through its own Triton kernel)")
-
-
-class HFRunner:
-    """Any transformers causal LM: one DynamicCache per request, a 4-D mask for the tree.
-    `commit` crops the cache to the committed prefix and re-runs the accepted path (one extra
-    forward per round: slower, same tokens)."""
-
-    def __init__(self, model, feature_layers: FeatureSpec, max_len: int):
-        self.model, self.feature_layers, self.max_len = model, feature_layers, max_len
-        self.device = next(model.parameters()).device
-        self.caches: dict[int, object] = {}
-        self.last_tree: dict[int, torch.Tensor] = {}   # slot -> [N] tokens of its last verified tree
-        self.num_layers = model.config.num_hidden_layers
-
-    def _features(self, out):
-        if self.feature_layers is None:
-            return None
-        hs = out.hidden_states
-        if self.feature_layers == "final":
-            return hs[-1]
-        return torch.cat([hs[k] for k in self.feature_layers], dim=-1)
-
-    @torch.no_grad()
-    def prefill(self, slots, prompts):
-        from transformers import DynamicCache
-
-        logits, feats = [], []
-        for slot, p in zip(slots, prompts):
-            cache = DynamicCache()
-            ids = torch.tensor([p], device=self.device)
-            out = self.model(input_ids=ids, past_key_values=cache, use_cache=True,
-                             output_hidden_states=self.feature_layers is not None)
-            self.caches[slot] = out.past_key_values
-            logits.append(out.logits[0, -1].float())
-            f = self._features(out)
-            feats.append(None if f is None else f[0])
-        return torch.stack(logits), (None if self.feature_layers is None else feats)
-
-    @torch.no_grad()
-    def verify(self, slots, cache_lens, token_ids, parents, node_valid):
-        depth, tree = tree_shape(parents.cpu(), node_valid.cpu())
-        logits, feats = [], []
-        for i, (slot, base) in enumerate(zip(slots, cache_lens)):
-            n = token_ids.shape[1]
-            mask = torch.zeros(1, 1, n, base + n, dtype=torch.bool, device=self.device)
-            mask[0, 0, :, :base] = True
-            mask[0, 0, :, base:] = tree[i]
-            additive = torch.zeros(mask.shape, dtype=self.model.dtype, device=self.device)
-            additive.masked_fill_(~mask, torch.finfo(self.model.dtype).min)
-            out = self.model(input_ids=token_ids[i: i + 1].clamp(min=0).to(self.device),
-                             position_ids=(base + depth[i: i + 1]).to(self.device),
-                             attention_mask=additive, past_key_values=self.caches[slot], use_cache=True,
-                             output_hidden_states=self.feature_layers is not None)
-            # Drop the tree's entries. crop(-n) removes n entries in every transformers version;
-            # a positive argument meant "keep that many" before 5.x and is refused since.
-            extra = self.caches[slot].get_seq_length() - base
-            if extra > 0:
-                self.caches[slot].crop(-extra)
-            self.last_tree[slot] = token_ids[i].clone()
-            logits.append(out.logits[0].float())
-            f = self._features(out)
-            feats.append(None if f is None else f[0])
-        return torch.stack(logits), (None if self.feature_layers is None else torch.stack(feats))
-
-    @torch.no_grad()
-    def features(self, tokens: list[int]) -> torch.Tensor | None:
-        if self.feature_layers is None:
-            return None
-        out = self.model(input_ids=torch.tensor([tokens], device=self.device), output_hidden_states=True)
-        return self._features(out)[0]
-
-    @torch.no_grad()
-    def commit(self, slots, cache_lens, accepted_nodes):
-        for i, (slot, base) in enumerate(zip(slots, cache_lens)):
-            nodes = [int(x) for x in accepted_nodes[i] if x >= 0]
-            path = self.last_tree.pop(slot)[nodes][None].to(self.device)
-            pos = torch.arange(base, base + len(nodes), device=self.device)[None]
-            self.model(input_ids=path, position_ids=pos, past_key_values=self.caches[slot], use_cache=True)
-
-    def kv_stats(self) -> dict:
-        return {}  # transformers' own caches: not paged, no pool to report
-
-    def release(self, slot: int) -> None:
-        self.caches.pop(slot, None)
-        self.last_tree.pop(slot, None)
 
 
 def load_runner(target_dir: str | Path, feature_layers: FeatureSpec, max_slots: int, max_len: int | None,
