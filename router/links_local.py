@@ -5,7 +5,6 @@ chains verifies (VerifierEngine.arm_next) on a GPU."""
 from __future__ import annotations
 
 import asyncio
-import logging
 import os
 import sys
 import threading
@@ -13,7 +12,6 @@ import time
 
 from router.links import DraftHandle, EngineUnavailable, Tag
 
-log = logging.getLogger("spectandem.router")
 
 # In one process the router's event loop and the two engines' worker threads take turns at the
 # Python lock. A thread waiting for it (the verifier's, back from its forward, with the next

@@ -224,9 +224,14 @@ class PagedKVCache:
     def host_rows_np(self, slots: list[int], index: np.ndarray) -> np.ndarray:
         """`host_rows` in numpy (index [B, T] int64): a verify step's inputs are built on the host
         every round, where numpy's per-call cost is a fraction of torch's."""
+        return self.rows_in_tables_np(self.host_tables_np[slots], index)
+
+    def rows_in_tables_np(self, tables: np.ndarray, index: np.ndarray) -> np.ndarray:
+        """`host_rows_np` given the slots' block tables [B, max_blocks] (a copy the caller
+        already holds): the physical row of each logical entry, the trash row where no block
+        is held or the index is out of range."""
         bs = self.block_size
-        tables = self.host_tables_np[slots]                                           # [B, max_blocks]
-        block = np.take_along_axis(tables, np.clip(index // bs, 0, tables.shape[1] - 1), axis=1)
+        block = tables[np.arange(tables.shape[0])[:, None], np.clip(index // bs, 0, tables.shape[1] - 1)]
         ok = (block >= 0) & (index >= 0) & (index < self.max_len)
         return np.where(ok, block * bs + index % bs, self._trash_row)
 

@@ -10,13 +10,13 @@ Uniforms come from `spectandem.rng`, keyed by (seed, position, stream, index): a
 depends on what else is in the batch, and the global RNG is never touched.
 
 Chained verifies (draft ahead, router/rounds.py): the router arms a verify (`arm_next`) and,
-while it runs, the drafter's next tree for each of its outcomes comes (router/links_local.py). Given
-the verdict (`take_verdict`) and those trees, `launch_next` queues the verify of the verdict's
-next tree at once; its forward runs while the router takes in the verdict, and the router's
-verify of that same tree then only waits for it. The tree is the one the router builds itself (`trees_from_ready` over the
-same ready trees), so the tokens are those of the unchained rounds; a verify of any other tree,
-a decode, or the release of one of its requests drops it (its KV rows lie past the committed
-length, where the next verify writes anyway).
+while it runs, the drafter's next tree for each of its outcomes comes (router/links_local.py).
+Given the verdict (`take_verdict`) and those trees, `launch_next` queues the verify of the
+verdict's next tree at once; its forward runs while the router takes in the verdict, and the
+router's verify of that same tree then only waits for it. The tree is the one the router builds
+itself (`trees_from_ready` over the same ready trees), so the tokens are those of the unchained
+rounds; a verify of any other tree, a decode, or the release of one of its requests drops it
+(its KV rows lie past the committed length, where the next verify writes anyway).
 """
 
 from __future__ import annotations

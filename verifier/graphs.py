@@ -241,17 +241,9 @@ def host_tree_inputs(cache: PagedKVCache, slots: list[int], cache_lens: list[int
             np.add(base[:, None], depth, out=pos[:b])
             mask[:b] = tree
         tables[:b] = cache.host_tables_np[slots]
-        write[:b] = _host_rows(cache, tables[:b], base[:, None] + np.arange(n))
+        write[:b] = cache.rows_in_tables_np(tables[:b], base[:, None] + np.arange(n))
         prefix[:b] = base
     return flat
-
-
-def _host_rows(cache: PagedKVCache, tables: np.ndarray, index: np.ndarray) -> np.ndarray:
-    """`cache.host_rows_np` of logical entries index [B, T] (< max_len) given the slots' block
-    tables [B, max_blocks]: the physical row, the trash row where no block is held."""
-    bs = cache.block_size
-    block = tables[np.arange(tables.shape[0])[:, None], index // bs]
-    return np.where(block >= 0, block * bs + index % bs, cache.trash_row)
 
 
 def tree_verify_inputs(cache: PagedKVCache, slots: list[int], cache_lens: list[int], token_ids: torch.Tensor,
