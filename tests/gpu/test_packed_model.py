@@ -293,6 +293,8 @@ def test_greedy_eagle3_chain_equals_plain_on_packed_path():
     mismatched = [i for i, (o, e) in enumerate(zip(outs, expected)) if o.token_ids != e]
     assert not mismatched, f"prompts {mismatched} differ from plain decoding"
     assert sum(o.stats.accepted_tokens for o in outs) > 0
+    # With CUDA graphs the draft head takes the fast path too (EagleProposer: packed gate/up, fused
+    # norms); its drafts may differ in the last bits, which the equality above shows does not matter.
     head_mlp = spec.drafter.proposer.head.layer.mlp
-    assert head_mlp.packed_weight is None and not head_mlp.fused, "the draft head stays as it was"
+    assert head_mlp.packed_weight is not None and head_mlp.fused, "the draft head's fast path is on"
 
