@@ -62,7 +62,7 @@ TIMED = ("router.scheduler:Router._plan", "router.scheduler:Router._release", "r
          "router.rounds:RoundsMixin._draft_ahead", "drafter.service_core:drafter_draft_ahead",
          "router.rounds:RoundsMixin._round", "verifier.engine:VerifierEngine.launch_next",
          "verifier.engine:VerifierEngine._launch",
-         "router.links_local:LocalVerifierLink.stage_next",
+         "router.links_local:LocalVerifierLink.stage_next", "router.links_local:LocalDrafterLink._pre_run",
          "drafter.engine:DrafterEngine.draft_ahead", "drafter.engine:DrafterEngine.flush_deferred",
          "drafter.proposers:EagleProposer.ahead_chains", "drafter.proposers:EagleProposer.catch_up",
          "drafter.ahead_chains:ahead_inputs", "drafter.ahead_chains:AheadChainGraphs.run")

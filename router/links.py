@@ -131,15 +131,24 @@ class VerifierLink(Protocol):
         then, which in-process engines (one Python lock) would otherwise make the verifier wait
         for. Links to other processes call it at once."""
 
-    def arm_next(self, tags: list[Tag]) -> bool:
+    def arm_next(self, tags: list[Tag], then: Callable[[list], None] | None = None) -> bool:
         """Chained verifies (draft ahead): called just before a verify of exactly `tags`; True if
         the verifier will then, after the verdict, take the next trees (`stage_next`) and start
-        the verdict's one before the router asks. Links that cannot return False."""
+        the verdict's one before the router asks, and then call `then(results)` (that verify's
+        RoundResults, from any thread). Links that cannot return False."""
 
     def stage_next(self, trees: list[dict | None] | None) -> None:
         """After a True `arm_next`, at most once, while or after that verify runs: per tag, the
         drafter's trees for its outcomes (AheadReply.trees). The verifier then starts the verdict's
         next tree, if it has one, before the router's next verify."""
+
+    def direct_stage(self) -> Callable[[list], None] | None:
+        """After a True `arm_next`: a callable that stages that verify's next trees (as
+        `stage_next`) from any thread, for a drafter link of the same process to call from its
+        worker the moment draft ahead is done, so the trees reach the verifier without waiting
+        for the router's turn. Bound to that one verify: a late call stages nothing for a later
+        one. None: the link has none (other processes); the router's `stage_next` stays the
+        rule, and the first of the two wins (they carry the same trees)."""
 
     async def features(self, tag: Tag) -> Any:
         """Features of every committed position but the last (to rebuild a drafter's state)."""
@@ -158,10 +167,20 @@ class DrafterLink(Protocol):
     async def draft(self, tags: list[Tag], num_steps: list[int | None] | None = None) -> DraftHandle:
         """The round's trees; per tag, a new one at most `num_steps[i]` deep (None: as configured)."""
 
-    async def draft_ahead(self, tags: list[Tag], extend: list[ExtendItem] = ()) -> AheadReply:
+    async def draft_ahead(self, tags: list[Tag], extend: list[ExtendItem] = (),
+                          on_trees: Callable[[list], None] | None = None) -> AheadReply:
         """Called while the trees of `tags` are verified: fill the outcome cache for them, after
         absorbing `extend` (as `extend` would; its unknown ids come back in the reply, and their
-        tags get no cache)."""
+        tags get no cache). `on_trees(reply.trees)`: given by the router only with a verifier
+        link's `direct_stage` of this process; an in-process link calls it from its worker as
+        soon as the trees are on the host, others never."""
+
+    def pre_ahead(self, tags: list[Tag], extend: list[ExtendItem]) -> bool:
+        """From any thread: start draft_ahead(tags, extend) now (the router calls it when a
+        chained verify was launched, with that verdict's arguments); the router's own
+        draft_ahead with arguments it covers then returns its reply, and other calls see its
+        effects (items it absorbed are not absorbed twice). False: the link cannot (other
+        processes); nothing happens."""
 
     def ready_handle(self, tree: DraftTree, tags: list[Tag]) -> DraftHandle:
         """A handle the verifier link takes for a tree the router built (`trees_from_ready`)."""

@@ -85,10 +85,13 @@ class GrpcVerifierLink(_GrpcLink):
         reply = await self._call(self.stub.Verify, request)
         return [codec.round_result_from_msg(r) for r in reply.results]
 
-    def arm_next(self, tags: list[Tag]) -> bool:
+    def arm_next(self, tags: list[Tag], then=None) -> bool:
         return False   # no chained verifies across processes (yet): the router sends each verify
 
     def stage_next(self, trees) -> None:
+        return None
+
+    def direct_stage(self):
         return None
 
     async def features(self, tag: Tag):
@@ -120,13 +123,16 @@ class GrpcDrafterLink(_GrpcLink):
         reply = await self._call(self.stub.Draft, request)
         return DraftHandle([codec.tag_from_msg(t) for t in reply.tree.tags], reply.tree)
 
-    async def draft_ahead(self, tags: list[Tag], extend: list[ExtendItem] = ()) -> AheadReply:
+    async def draft_ahead(self, tags: list[Tag], extend: list[ExtendItem] = (), on_trees=None) -> AheadReply:
         reply = await self._call(self.stub.DraftAhead, engines_pb2.DraftAheadRequest(
             tags=[codec.tag_to_msg(t) for t in tags], extend=[codec.extend_item_to_msg(i) for i in extend]))
         try:
             return codec.ahead_reply_from_msg(reply)
         except ValueError as exc:   # a drafter that sends malformed trees is broken, not the router's caller
             raise EngineUnavailable(f"drafter sent a malformed DraftAheadReply: {exc}") from exc
+
+    def pre_ahead(self, tags, extend) -> bool:
+        return False   # the router's own draft_ahead call does the work
 
     def ready_handle(self, tree: DraftTree, tags: list[Tag]) -> DraftHandle:
         return DraftHandle(list(tags), codec.draft_tree_to_msg(tree, [t.epoch for t in tags]))

@@ -6,10 +6,12 @@ from __future__ import annotations
 
 import asyncio
 import os
+import queue
 import sys
 import threading
 import time
 
+from router.link_handoffs import PreAhead, StagedTrees
 from router.links import DraftHandle, EngineUnavailable, Tag
 
 
@@ -51,6 +53,7 @@ class _LocalLink:
         self.engine, self.model_name = engine, model_name
         _shorten_switch_interval()
         self._lock = asyncio.Lock()
+        self._engine_lock = threading.Lock()
         self._stream = None
         self.busy_s: dict[str, float] = {}
         device = _engine_device(engine)
@@ -60,7 +63,13 @@ class _LocalLink:
             self._stream = torch.cuda.Stream(device=device)
 
     def _call(self, kind: str, fn, *args, sync: bool = True):
-        """`sync` False: `fn` synchronizes what it hands on itself (LocalVerifierLink._verify)."""
+        """`sync` False: `fn` synchronizes what it hands on itself (LocalVerifierLink._verify).
+        One call at a time on the engine: a drafter's pre-ahead (LocalDrafterLink.pre_ahead)
+        runs outside the event loop's turns; a call waiting for it does not count as busy."""
+        with self._engine_lock:
+            return self._timed_call(kind, fn, *args, sync=sync)
+
+    def _timed_call(self, kind: str, fn, *args, sync: bool = True):
         t0 = time.perf_counter()
         try:
             if self._stream is None:
@@ -97,10 +106,11 @@ class _LocalLink:
 class LocalVerifierLink(_LocalLink):
     """`chain`: chained verifies (VerifierEngine.arm_next; router/rounds.py), by default where the
     engine computes on a GPU (unless SPECTANDEM_CHAINED_VERIFY=0). The armed verify's call, once
-    it has the verdict, waits for `stage_next`'s trees (the router waits for the same draft-ahead
-    call before it takes in the verdict) and queues the verdict's next tree's forward, which runs
-    while the router takes in the verdict. That wait does not count as busy. On a CPU the
-    forward runs in the launch itself (tests turn chaining on there to check the tokens)."""
+    it has the verdict, waits for the staged trees (from the drafter's worker, `direct_stage`,
+    or the router's `stage_next`, whichever first) and queues the verdict's next tree's forward,
+    which runs while the router takes in the verdict; then it starts the drafter's next call
+    (LocalDrafterLink.pre_ahead). That wait does not count as busy. On a CPU the forward runs in
+    the launch itself (tests turn chaining on there to check the tokens)."""
 
     role = "verifier"
 
@@ -113,8 +123,9 @@ class LocalVerifierLink(_LocalLink):
         self._queued = False                   # the call now running queued one
         self._waited = 0.0                     # seconds the call now running waited for trees
         self.chained_launches = 0
-        self._armed: _Staged | None = None     # the last arm_next's, for its verify
-        self._staging: _Staged | None = None   # the same, for stage_next
+        self.direct_staged = 0                 # trees staged by the drafter's worker (direct_stage)
+        self._armed: StagedTrees | None = None     # the last arm_next's, for its verify
+        self._staging: StagedTrees | None = None   # the same, for stage_next
 
     def _busy_from(self, kind: str, start: float) -> float:
         # A verify served by a chained launch was busy from the end of the call that queued it;
@@ -129,12 +140,13 @@ class LocalVerifierLink(_LocalLink):
         if kind == "verify":
             self._chain_end, self._queued, self._waited = (end if self._queued else None), False, 0.0
 
-    def arm_next(self, tags: list[Tag]) -> bool:
+    def arm_next(self, tags: list[Tag], then=None) -> bool:
         """Before a verify of exactly `tags`: once its verdict is in and `stage_next` has given
-        the next trees, the verifier starts the verdict's one. False: not chaining."""
+        the next trees, the verifier starts the verdict's one, and then calls `then(results)`
+        (the verify's RoundResults) from its worker. False: not chaining."""
         if not self.chains:
             return False
-        self._armed = self._staging = _Staged([t.request_id for t in tags], [t.committed_len for t in tags])
+        self._armed = self._staging = StagedTrees([t.request_id for t in tags], [t.committed_len for t in tags], then)
         return True
 
     def stage_next(self, trees: list[dict | None] | None) -> None:
@@ -143,12 +155,25 @@ class LocalVerifierLink(_LocalLink):
         (none come)."""
         staging, self._staging = self._staging, None
         if staging is not None:
-            staging.put(None if trees is None or all(t is None for t in trees) else trees)
+            staging.put_trees(trees)
+
+    def direct_stage(self):
+        """Stages the armed verify's trees from any thread (the first of it and stage_next
+        wins), or None unarmed. `direct_staged` counts the stagings it won."""
+        staging = self._staging
+        if staging is None:
+            return None
+
+        def stage(trees) -> None:
+            if staging.put_trees(trees):
+                self.direct_staged += 1    # one drafter worker at a time calls it
+        return stage
 
     def _verify(self, armed, *args):
-        """verifier_verify, its work synchronized. `armed` (a _Staged): the engine keeps the
+        """verifier_verify, its work synchronized. `armed` (a StagedTrees): the engine keeps the
         verdict, and this call then waits for the staged trees and queues the verdict's next
-        tree (VerifierEngine.launch_next) before it returns. The router takes in the verdict
+        tree (VerifierEngine.launch_next) and, launched, starts the drafter's next call (the
+        armed `then`: the router's pre-ahead) before it returns. The router takes in the verdict
         only after the launch: its host work (and the drafter's next call, which it starts)
         would otherwise hold the Python lock the launch needs."""
         from verifier.service_core import verifier_verify
@@ -165,6 +190,8 @@ class LocalVerifierLink(_LocalLink):
             self._waited = time.perf_counter() - t0
             self._queued = trees is not None and self.engine.launch_next(verdict, trees)
             self.chained_launches += self._queued
+            if self._queued and armed.then is not None:
+                armed.then(out)
         return out
 
     async def prefill(self, items, want_features):
@@ -197,10 +224,63 @@ class LocalVerifierLink(_LocalLink):
 
 
 class LocalDrafterLink(_LocalLink):
+    """`pre_ahead`: the verifier link, having launched a chained verify, starts the drafter's next
+    draft-ahead call itself (its arguments are the verdict's), so the drafter does not wait for
+    the router's turn; the router's own call of the same arguments takes its reply."""
+
     role = "drafter"
 
     def __init__(self, engine, model_name: str = "draft"):
         super().__init__(engine, model_name)
+        self._pre: PreAhead | None = None           # the last pre-ahead, until a call claims it
+        self._pre_jobs: queue.SimpleQueue | None = None
+        self._absorbed: set[tuple[str, int]] = set()  # extend items a pre-ahead absorbed (id, length)
+        self._pre_failed: Exception | None = None
+        self.pre_ahead_used = 0                       # draft_ahead calls answered by a pre-ahead
+
+    def pre_ahead(self, tags: list[Tag], extend: list) -> bool:
+        """From any thread: starts draft_ahead(tags, extend) now, in this link's pre-ahead thread
+        (one engine call at a time, as every call). The next draft_ahead whose tags and catch-up
+        items it covers returns its reply; any other call first waits for it and skips the items
+        it absorbed (extend, draft_ahead)."""
+        job = PreAhead(list(tags), list(extend))
+        if self._pre_jobs is None:
+            self._pre_jobs = queue.SimpleQueue()
+            threading.Thread(target=self._pre_worker, name="drafter-pre-ahead", daemon=True).start()
+        self._pre = job
+        self._pre_jobs.put(job)
+        return True
+
+    def _pre_worker(self) -> None:
+        while True:
+            job = self._pre_jobs.get()
+            try:
+                reply = self._call("draft_ahead", self._pre_run, job)
+            except Exception as exc:    # the engine failed: the next call says so
+                self._pre_failed = exc
+                job.finish(None)
+            else:
+                job.finish(reply)
+
+    def _pre_run(self, job: PreAhead):
+        from drafter.service_core import drafter_draft_ahead
+
+        reply = drafter_draft_ahead(self.engine, job.tags, job.extend)
+        self._absorbed.update((i.tag.request_id, i.tag.committed_len) for i in job.extend
+                              if i.tag.request_id not in reply.unknown)
+        return reply
+
+    def _unabsorbed(self, items: list) -> list:
+        """In the worker, after any pre-ahead: the items no pre-ahead absorbed yet."""
+        if self._pre_failed is not None:
+            exc, self._pre_failed = self._pre_failed, None
+            self._absorbed.clear()
+            raise RuntimeError(f"pre-ahead failed: {exc}") from exc
+        if not self._absorbed:
+            return items
+        keep = [i for i in items if (i.tag.request_id, i.tag.committed_len) not in self._absorbed]
+        self._absorbed.difference_update((i.tag.request_id, i.tag.committed_len) for i in items)
+        return keep
 
     async def prefill(self, items):
         from drafter.service_core import drafter_prefill
@@ -212,10 +292,29 @@ class LocalDrafterLink(_LocalLink):
 
         return DraftHandle(tags, await self._run("draft", drafter_draft, self.engine, tags, num_steps))
 
-    async def draft_ahead(self, tags, extend=()):
+    async def draft_ahead(self, tags, extend=(), on_trees=None):
+        """`on_trees(reply.trees)` from the worker, once the trees are on the host (the
+        verifier link's direct_stage: the verifier gets them before the router's turn)."""
+        job, self._pre = self._pre, None
+        if job is not None and job.covers(tags, extend):
+            async with self._lock:
+                reply = await job.result(on_trees)
+            if reply is None:    # it failed: say so as the call itself would have
+                return await self._run("draft_ahead", self._draft_ahead, on_trees, tags, list(extend))
+            self.pre_ahead_used += 1
+            self._absorbed.difference_update((i.tag.request_id, i.tag.committed_len) for i in extend)
+            return job.restricted(reply, tags)
+        return await self._run("draft_ahead", self._draft_ahead, on_trees, tags, list(extend))
+
+    def _draft_ahead(self, on_trees, tags, extend):
         from drafter.service_core import drafter_draft_ahead
 
-        return await self._run("draft_ahead", drafter_draft_ahead, self.engine, tags, list(extend))
+        reply = drafter_draft_ahead(self.engine, tags, self._unabsorbed(extend))
+        if on_trees is not None:
+            if self._stream is not None:
+                self._stream.synchronize()
+            on_trees(reply.trees)
+        return reply
 
     def ready_handle(self, tree, tags):
         return DraftHandle(list(tags), tree)
@@ -223,12 +322,15 @@ class LocalDrafterLink(_LocalLink):
     async def extend(self, items):
         from drafter.service_core import drafter_extend
 
-        return await self._run("extend", drafter_extend, self.engine, items)
+        return await self._run("extend", lambda: drafter_extend(self.engine, self._unabsorbed(list(items))))
 
     async def release(self, request_ids, keep_draft=False):
         from drafter.service_core import drafter_release
 
-        await self._run("release", drafter_release, self.engine, request_ids, keep_draft)
+        def release():
+            self._absorbed = {a for a in self._absorbed if a[0] not in request_ids}
+            return drafter_release(self.engine, request_ids, keep_draft)
+        await self._run("release", release)
 
     async def info(self):
         from drafter.service_core import drafter_info
@@ -237,24 +339,6 @@ class LocalDrafterLink(_LocalLink):
 
     async def close(self):
         return None
-
-
-class _Staged:
-    """One armed verify's handoff: its tags, and the trees stage_next gives (any thread)."""
-
-    def __init__(self, request_ids: list[str], committed_lens: list[int]):
-        self.request_ids, self.committed_lens = request_ids, committed_lens
-        self._given = threading.Event()
-        self._trees = None
-
-    def put(self, trees) -> None:
-        if not self._given.is_set():
-            self._trees = trees
-            self._given.set()
-
-    def wait(self, timeout: float):
-        """The trees (None: none came, or not within `timeout` seconds)."""
-        return self._trees if self._given.wait(timeout) else None
 
 
 def _engine_device(engine):

@@ -101,10 +101,13 @@ class RayVerifierLink:
         tree_ref, tags = (draft.payload, list(draft.tags)) if draft is not None else (None, [])
         return await self._call(self.actor.verify.remote(tree_ref, tags, plain, want_features))
 
-    def arm_next(self, tags: list[Tag]) -> bool:
+    def arm_next(self, tags: list[Tag], then=None) -> bool:
         return False   # no chained verifies across processes (yet): the router sends each verify
 
     def stage_next(self, trees) -> None:
+        return None
+
+    def direct_stage(self):
         return None
 
     async def features(self, tag: Tag):
@@ -138,8 +141,11 @@ class RayDrafterLink:
         await self._call(done)  # raises as the draft failed; the tree itself stays in Ray
         return DraftHandle(list(tags), tree_ref)
 
-    async def draft_ahead(self, tags: list[Tag], extend: list[ExtendItem] = ()) -> AheadReply:
+    async def draft_ahead(self, tags: list[Tag], extend: list[ExtendItem] = (), on_trees=None) -> AheadReply:
         return await self._call(self.actor.draft_ahead.remote(list(tags), list(extend)))
+
+    def pre_ahead(self, tags, extend) -> bool:
+        return False   # the router's own draft_ahead call does the work
 
     def ready_handle(self, tree: DraftTree, tags: list[Tag]) -> DraftHandle:
         return DraftHandle(list(tags), tree)   # the verifier actor takes the tree itself as well as a ref

@@ -82,14 +82,18 @@ class RoundsMixin:
         started, self._staged = self._staged and self._from_ready, False
         gate = ahead and drafted and not started
         launched = asyncio.get_running_loop().create_future() if gate else None
-        chain = ahead and self._chains(drafted) and self.verifier.arm_next([r.tag() for r in drafted])
+        chain = ahead and self._chains(drafted) and self.verifier.arm_next([r.tag() for r in drafted],
+                                                                            then=self._pre_ahead)
         verify = asyncio.ensure_future(self._verify(draft, drafted, self.running, launched))
         try:
             if launched is not None:   # the drafter's turn once the verify forward is queued
                 await asyncio.wait([launched, verify], return_when=asyncio.FIRST_COMPLETED)
             cached = [r for r in drafted if self._cached(r, ahead)]
             if cached:   # with their held-back catch-ups (the last verdict's, if it hit), in one call
-                await self._draft_ahead(cached, self._take_backlog(cached))
+                # Chaining, the trees go straight to the verifier where the link can (the same
+                # order: every drafted request is cached); the router stages them too, below.
+                direct = self.verifier.direct_stage() if chain and cached == drafted else None
+                await self._draft_ahead(cached, self._take_backlog(cached), direct)
         finally:
             if chain:   # the verifier starts the verdict's next tree itself, if it has one
                 trees = [r.ahead_trees[1] if r.ahead_trees is not None else None for r in drafted]
@@ -108,6 +112,14 @@ class RoundsMixin:
             elif extend:   # after what the requests still hold back, in order
                 await self._extend(self._take_backlog(drafted) + extend)
 
+    def _pre_ahead(self, results) -> None:
+        """From the verifier link's worker, once it has launched a chained verify (every request
+        hit): the drafter's next draft-ahead call starts now with the arguments the router's
+        next round gives it (this verdict's catch-ups), where the drafter link can
+        (DrafterLink.pre_ahead). Its reply answers that call."""
+        self.drafter.pre_ahead([res.tag for res in results],
+                               [ExtendItem(res.tag, res.token_ids, res.features) for res in results])
+
     def _cached(self, r: ServedRequest, ahead: bool) -> bool:
         """Whether this ahead round drafts ahead for `r` (its next tree may be held for the router)."""
         return (ahead and r.on_drafter and self.drafter_up
@@ -125,10 +137,13 @@ class RoundsMixin:
                 and all(self._cached(r, True) and r.params.max_tokens - len(r.tokens) > k
                         and r.committed_len + 2 * k <= self.cfg.max_len for r in drafted))
 
-    async def _draft_ahead(self, reqs: list[ServedRequest], extend: list[ExtendItem] = ()) -> None:
-        """Draft ahead for `reqs`, after the catch-up `extend` (held back by the last round)."""
+    async def _draft_ahead(self, reqs: list[ServedRequest], extend: list[ExtendItem] = (),
+                           on_trees=None) -> None:
+        """Draft ahead for `reqs`, after the catch-up `extend` (held back by the last round).
+        `on_trees`: the verifier link's direct_stage, for the drafter link (only when given)."""
+        kw = {} if on_trees is None else {"on_trees": on_trees}
         try:
-            reply = await asyncio.wait_for(self.drafter.draft_ahead([r.tag() for r in reqs], extend),
+            reply = await asyncio.wait_for(self.drafter.draft_ahead([r.tag() for r in reqs], extend, **kw),
                                            self.cfg.drafter_timeout)
         except (EngineUnavailable, asyncio.TimeoutError, StaleMessage) as exc:
             self._drafter_failed(exc)

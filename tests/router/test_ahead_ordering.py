@@ -53,9 +53,9 @@ class LoggingDrafter(LocalDrafterLink):
         self.log.add("draft")
         return await super().draft(tags, num_steps)
 
-    async def draft_ahead(self, tags, extend=()):
+    async def draft_ahead(self, tags, extend=(), on_trees=None):
         self.log.add("ahead+extend" if extend else "ahead")
-        return await super().draft_ahead(tags, extend)
+        return await super().draft_ahead(tags, extend, on_trees)
 
     async def extend(self, items):
         self.log.add("extend")

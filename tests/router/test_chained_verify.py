@@ -29,13 +29,14 @@ def _pair():
     return spec, plain
 
 
-def _serve(spec, prompts, params, chain: bool):
+def _serve(spec, prompts, params, chain: bool, dlink=None):
     """The prompts through a Router in "ahead" over the speculator's engines -> (tokens per
     prompt, router counters, verifier link)."""
     vlink = LocalVerifierLink(spec.verifier, chain=chain)
+    dlink = dlink or LocalDrafterLink(spec.drafter)
 
     async def main():
-        router = Router(vlink, LocalDrafterLink(spec.drafter), spec.tokenizer,
+        router = Router(vlink, dlink, spec.tokenizer,
                         RouterConfig(max_len=MAX_LEN, eos_token_ids=spec.eos_token_ids, lookahead=spec.lookahead,
                                      want_features=True, pipeline="ahead"))
         router.start()
@@ -56,13 +57,20 @@ def test_chained_greedy_batch1_equals_plain_and_every_launch_is_used():
     params = SamplingParams(max_tokens=64, ignore_eos=True)
     expected = plain.generate([prompt], [params])[0].token_ids
     before = spec.verifier.chained
-    (got,), c, vlink = _serve(spec, [prompt], [params], chain=True)
+    dlink = LocalDrafterLink(spec.drafter)
+    (got,), c, vlink = _serve(spec, [prompt], [params], chain=True, dlink=dlink)
     assert got == expected
     used = spec.verifier.chained - before
     # Every hit's next round is a router-held tree; the verifier started most of them itself
     # (all but those too near the end, where the router does not arm), and used each one.
     assert c.ready_trees == c.draft_ahead_hits > 0
     assert vlink.chained_launches == used > 0
+    # The trees went from the drafter's worker straight to the verifier (direct_stage), before
+    # the router's own stage_next, in every armed round (each launch had them).
+    assert vlink.direct_staged >= vlink.chained_launches
+    # After each launch the drafter's next call started from the verifier's worker (pre_ahead),
+    # and the router's own call of the same arguments took its reply every time.
+    assert dlink.pre_ahead_used == vlink.chained_launches
     # Only rounds within lookahead tokens of the end are not armed (router/rounds.py: _chains).
     assert used >= c.ready_trees - spec.lookahead
     assert not spec.verifier.requests and not spec.drafter.requests
@@ -185,3 +193,37 @@ def test_unarmed_verify_never_launches():
     assert eng.take_verdict() is None and eng.launch_next(None, trees) is False and eng._launched is None
     eng.release("x")
     assert not eng.requests
+
+
+def test_pre_ahead_not_claimed_when_a_request_joins():
+    """A request that arrives while another's verifies chain: the round after a chained launch
+    drafts both afresh, so the drafter's pre-ahead (started by the verifier link) answers no
+    call. The catch-up it absorbed is not absorbed again (that would be a stale tag and take
+    the drafter down), and both requests still get plain decoding's tokens."""
+    spec, plain = _pair()
+    a, b = (spec.tokenizer.encode(t).ids for t in PROMPT_TEXTS[:2])
+    pa, pb = SamplingParams(max_tokens=64, ignore_eos=True), SamplingParams(max_tokens=24, ignore_eos=True)
+    expected = [plain.generate([a], [pa])[0].token_ids, plain.generate([b], [pb])[0].token_ids]
+    vlink, dlink = LocalVerifierLink(spec.verifier, chain=True), LocalDrafterLink(spec.drafter)
+
+    async def main():
+        router = Router(vlink, dlink, spec.tokenizer,
+                        RouterConfig(max_len=MAX_LEN, eos_token_ids=spec.eos_token_ids, lookahead=spec.lookahead,
+                                     want_features=True, pipeline="ahead"))
+        router.start()
+        try:
+            first = asyncio.ensure_future(collect(router, a, pa))
+            while vlink.chained_launches < 3:
+                await asyncio.sleep(0.002)
+            second = await collect(router, b, pb)
+            got = [(await first)[0], second[0]]
+            await drained(spec)
+            return got, router.drafter_up
+        finally:
+            await router.stop()
+
+    got, drafter_up = asyncio.run(main())
+    assert got == expected
+    assert drafter_up, "the drafter was never taken down (no catch-up absorbed twice)"
+    assert 0 < dlink.pre_ahead_used < vlink.chained_launches
+    assert not dlink._absorbed and not spec.verifier.requests and not spec.drafter.requests

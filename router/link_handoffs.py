@@ -1,0 +1,99 @@
+"""What the in-process links of router/links_local.py hand each other between threads, off the
+router's turns:
+
+- `StagedTrees`: one armed verify's next trees (LocalVerifierLink.arm_next): put by the router's
+  stage_next or straight from the drafter's worker (direct_stage), the first put wins; taken by
+  the verifier's worker, which then launches the verdict's tree.
+- `PreAhead`: one draft-ahead call the verifier's worker started on the drafter link after such
+  a launch (LocalDrafterLink.pre_ahead), with the arguments the router's next call will give;
+  that call takes its reply.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+
+from router.links import AheadReply, Tag
+
+
+class StagedTrees:
+    """One armed verify's handoff: its tags, and the trees stage_next gives (any thread)."""
+
+    def __init__(self, request_ids: list[str], committed_lens: list[int], then=None):
+        self.request_ids, self.committed_lens, self.then = request_ids, committed_lens, then
+        self._given = threading.Event()
+        self._put = threading.Lock()
+        self._trees = None
+
+    def put_trees(self, trees: list[dict | None] | None) -> bool:
+        """Per request its outcome trees (AheadReply.trees: None or empty where it has none), or
+        None. Only the first call counts -> whether this one did."""
+        with self._put:
+            if self._given.is_set():
+                return False
+            self._trees = None if trees is None or not any(trees) else [t or None for t in trees]
+            self._given.set()
+            return True
+
+    def wait(self, timeout: float):
+        """The trees (None: none came, or not within `timeout` seconds)."""
+        return self._trees if self._given.wait(timeout) else None
+
+
+class PreAhead:
+    """One pre-ahead call (LocalDrafterLink.pre_ahead): its arguments, and its reply once done."""
+
+    def __init__(self, tags: list[Tag], extend: list):
+        self.tags, self.extend = tags, extend
+        self._lock = threading.Lock()
+        self._done = False
+        self._reply = None
+        self._waiters: list = []      # callables run once it is done (from its thread)
+
+    def covers(self, tags: list[Tag], extend) -> bool:
+        """Whether draft_ahead(tags, extend) asks what it computed: each tag one of its own, and
+        the catch-up items exactly its items for those requests (the same features)."""
+        own = {t.request_id: t for t in self.tags}
+        if not tags or any(own.get(t.request_id) != t for t in tags):
+            return False
+        ids = {t.request_id for t in tags}
+        mine = [i for i in self.extend if i.tag.request_id in ids]
+        return len(mine) == len(extend) and all(
+            a.tag == b.tag and list(a.token_ids) == list(b.token_ids) and a.features is b.features
+            for a, b in zip(mine, extend))
+
+    def restricted(self, reply, tags: list[Tag]):
+        """Its reply for `tags` (a subset of its own, in their order)."""
+        if [t.request_id for t in tags] == [t.request_id for t in self.tags]:
+            return reply
+        at = {t.request_id: i for i, t in enumerate(self.tags)}
+        ids = set(at) & {t.request_id for t in tags}
+        return AheadReply([reply.hits[at[t.request_id]] for t in tags], [reply.trees[at[t.request_id]] for t in tags],
+                          [u for u in reply.unknown if u in ids])
+
+    def finish(self, reply) -> None:
+        with self._lock:
+            self._done, self._reply = True, reply
+            waiters, self._waiters = self._waiters, []
+        for fn in waiters:
+            fn()
+
+    async def result(self, on_trees=None):
+        """Its reply (None: it failed), once done. `on_trees(reply.trees)` from its thread the
+        moment it is done (at once if it already is)."""
+        loop = asyncio.get_running_loop()
+        fut = loop.create_future()
+
+        def done():
+            if on_trees is not None and self._reply is not None:
+                on_trees(self._reply.trees)
+            loop.call_soon_threadsafe(lambda: fut.done() or fut.set_result(None))
+        with self._lock:
+            waiting = not self._done
+            if waiting:
+                self._waiters.append(done)
+        if not waiting:
+            done()
+        await fut
+        return self._reply
