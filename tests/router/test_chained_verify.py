@@ -29,6 +29,15 @@ def _pair():
     return spec, plain
 
 
+def _router(spec, vlink, dlink) -> Router:
+    """A started Router in "ahead" over these links."""
+    router = Router(vlink, dlink, spec.tokenizer,
+                    RouterConfig(max_len=MAX_LEN, eos_token_ids=spec.eos_token_ids, lookahead=spec.lookahead,
+                                 want_features=True, pipeline="ahead"))
+    router.start()
+    return router
+
+
 def _serve(spec, prompts, params, chain: bool, dlink=None):
     """The prompts through a Router in "ahead" over the speculator's engines -> (tokens per
     prompt, router counters, verifier link)."""
@@ -36,10 +45,7 @@ def _serve(spec, prompts, params, chain: bool, dlink=None):
     dlink = dlink or LocalDrafterLink(spec.drafter)
 
     async def main():
-        router = Router(vlink, dlink, spec.tokenizer,
-                        RouterConfig(max_len=MAX_LEN, eos_token_ids=spec.eos_token_ids, lookahead=spec.lookahead,
-                                     want_features=True, pipeline="ahead"))
-        router.start()
+        router = _router(spec, vlink, dlink)
         try:
             got = await asyncio.gather(*(collect(router, p, sp) for p, sp in zip(prompts, params)))
             await drained(spec)
@@ -207,10 +213,7 @@ def test_pre_ahead_not_claimed_when_a_request_joins():
     vlink, dlink = LocalVerifierLink(spec.verifier, chain=True), LocalDrafterLink(spec.drafter)
 
     async def main():
-        router = Router(vlink, dlink, spec.tokenizer,
-                        RouterConfig(max_len=MAX_LEN, eos_token_ids=spec.eos_token_ids, lookahead=spec.lookahead,
-                                     want_features=True, pipeline="ahead"))
-        router.start()
+        router = _router(spec, vlink, dlink)
         try:
             first = asyncio.ensure_future(collect(router, a, pa))
             while vlink.chained_launches < 3:
