@@ -24,7 +24,7 @@ from drafter.service_core import (drafter_draft, drafter_draft_ahead, drafter_ex
 from spectandem import codec
 from spectandem.channel import FeatureReceiver
 from spectandem.config import GpuPaths, SpecConfig
-from spectandem.service_args import add_drafter_args  # noqa: F401 (re-exported)
+from spectandem.service_args import add_drafter_args, model_dtype  # noqa: F401 (add_drafter_args: re-exported)
 from spectandem.grpc_server import EngineCalls, EngineServer
 from spectandem.tls import ServerTls, server_tls_from_args
 from spectandem.v1 import engines_pb2, engines_pb2_grpc
@@ -185,6 +185,6 @@ def run_drafter(args: argparse.Namespace) -> int:
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
     # --draft-kv-blocks sizes this drafter's pool (--kv-blocks is the verifier's).
     serve_drafter(cfg, target, draft, args.host, args.port, args.max_slots, args.max_len, args.device,
-                  getattr(torch, args.dtype), args.draft_kv_blocks, args.block_size, tls=tls,
+                  model_dtype(args), args.draft_kv_blocks, args.block_size, tls=tls,
                   gpu=GpuPaths.from_args(args), feature_channel=args.feature_channel)
     return 0

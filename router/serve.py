@@ -18,6 +18,7 @@ from pathlib import Path
 from spectandem.config import GpuPaths
 from router.ops import OpsConfig, add_ops_flags
 from spectandem.generate_cli import add_model_flags
+from spectandem.service_args import model_dtype
 
 log = logging.getLogger("spectandem.serve")
 
@@ -121,8 +122,6 @@ async def _build_replicas(args, cfg, target, draft):
 async def _build_links(args, cfg, target, draft, index: int = 0):
     """One replica's links: -> (verifier link, drafter link or None, cleanup coroutine function,
     {role: Popen} of the engine processes started here)."""
-    import torch
-
     max_slots = args.max_running
     if args.feature_channel and (args.backend == "local" or args.verifier_address or args.drafter_address):
         raise ValueError("--feature-channel connects engines this command starts (--backend grpc or ray); give "
@@ -135,7 +134,7 @@ async def _build_links(args, cfg, target, draft, index: int = 0):
         from spectandem.local import LocalSpeculator
 
         spec = LocalSpeculator(target, draft, cfg, max_slots=max_slots, max_len=args.max_len,
-                               dtype=getattr(torch, args.dtype), device=args.device, kv_blocks=args.kv_blocks,
+                               dtype=model_dtype(args), device=args.device, kv_blocks=args.kv_blocks,
                                draft_kv_blocks=args.draft_kv_blocks, block_size=args.block_size,
                                **GpuPaths.from_args(args).runner_kwargs())
         v = LocalVerifierLink(spec.verifier, Path(target).name)
@@ -153,7 +152,7 @@ async def _build_links(args, cfg, target, draft, index: int = 0):
         # A local cluster gets a logical CPU per engine actor of every replica (bundles hold one).
         ray_init(args.ray_address, None if args.ray_address else max(os.cpu_count() or 1, 2 * _num_replicas(args)))
         v, d, stop = start_engines(target, draft, cfg, max_slots=max_slots, max_len=args.max_len,
-                                   device=args.device, dtype=getattr(torch, args.dtype), kv_blocks=args.kv_blocks,
+                                   device=args.device, dtype=model_dtype(args), kv_blocks=args.kv_blocks,
                                    draft_kv_blocks=args.draft_kv_blocks, block_size=args.block_size,
                                    gpu=GpuPaths.from_args(args), feature_channel=args.feature_channel)
 

@@ -6,6 +6,7 @@ from __future__ import annotations
 import argparse
 import json
 import sys
+from spectandem.service_args import model_dtype
 
 
 def add_model_flags(p: argparse.ArgumentParser) -> None:
@@ -30,7 +31,8 @@ def add_model_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("--batch-invariant", action="store_true",
                    help="batch-invariant target kernels: bf16 speculation gives plain decoding's exact tokens "
                         "(CUDA + Triton; the target then runs without CUDA graphs)")
-    p.add_argument("--dtype", choices=["float32", "bfloat16", "float16"], default="float32")
+    p.add_argument("--dtype", choices=["float32", "bfloat16", "float16", "float64"], default="float32",
+                   help="float64: CPU reference runs (their rounding almost never flips seeded draws)")
     p.add_argument("--max-len", type=int, default=None, help="context length (default: the target's)")
     p.add_argument("--kv-blocks", type=int, default=None,
                    help="verifier KV pool in blocks (default: every slot at full context)")
@@ -80,14 +82,12 @@ def spec_from_flags(args):
 
 
 def build_local(args):
-    import torch
-
     from spectandem.config import GpuPaths
     from spectandem.local import LocalSpeculator
 
     cfg, target, draft = spec_from_flags(args)
     return LocalSpeculator(target, draft, cfg, max_slots=4, max_len=args.max_len,
-                           dtype=getattr(torch, args.dtype), device=args.device,
+                           dtype=model_dtype(args), device=args.device,
                            **GpuPaths.from_args(args).runner_kwargs())
 
 

@@ -9,6 +9,17 @@ import argparse
 from spectandem.tls import add_server_tls_flags
 
 
+def model_dtype(args: argparse.Namespace):
+    """`--dtype` as a torch dtype, checked against `--device`: float64 is for CPU reference runs
+    (the GPU's kernels take float32, bfloat16 and float16)."""
+    import torch
+
+    if args.dtype == "float64" and args.device != "cpu":
+        raise ValueError(f"--dtype float64 runs on --device cpu only (got --device {args.device}); "
+                         "on a GPU use float32, bfloat16 or float16")
+    return getattr(torch, args.dtype)
+
+
 def add_verifier_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--target", default=None, help="target checkpoint directory (default: the demo target)")
     p.add_argument("--draft", default=None,
@@ -19,7 +30,8 @@ def add_verifier_args(p: argparse.ArgumentParser) -> None:
                    help='features the drafter reads: "none", "final" or comma-separated HF hidden-state indices '
                         "(default: from --method and --draft)")
     p.add_argument("--device", default="cpu")
-    p.add_argument("--dtype", choices=["float32", "bfloat16", "float16"], default="float32")
+    p.add_argument("--dtype", choices=["float32", "bfloat16", "float16", "float64"], default="float32",
+                   help="float64: CPU reference runs (their rounding almost never flips seeded draws)")
     p.add_argument("--max-len", type=int, default=None, help="context length (default: the target's)")
     p.add_argument("--max-slots", type=int, default=8, help="requests held at once")
     p.add_argument("--kv-blocks", type=int, default=None, help="KV pool in blocks (default: every slot at full context)")

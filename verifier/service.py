@@ -22,7 +22,7 @@ import torch
 from spectandem import codec
 from spectandem.channel import FeatureSender
 from spectandem.config import GpuPaths
-from spectandem.service_args import add_verifier_args  # noqa: F401 (re-exported)
+from spectandem.service_args import add_verifier_args, model_dtype  # noqa: F401 (add_verifier_args: re-exported)
 from spectandem.grpc_server import EngineCalls, EngineServer
 from spectandem.tls import ServerTls, server_tls_from_args
 from spectandem.v1 import engines_pb2, engines_pb2_grpc
@@ -172,6 +172,6 @@ def run_verifier(args: argparse.Namespace) -> int:
     tls = server_tls_from_args(args)  # flag and file errors before the model loads
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
     serve_verifier(target, args.method, draft, args.host, args.port, args.max_slots, args.max_len, args.device,
-                   getattr(torch, args.dtype), args.feature_layers, args.kv_blocks, args.block_size, tls=tls,
+                   model_dtype(args), args.feature_layers, args.kv_blocks, args.block_size, tls=tls,
                    gpu=GpuPaths.from_args(args), feature_channel=args.feature_channel)
     return 0

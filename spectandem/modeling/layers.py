@@ -3,7 +3,9 @@ embeddings, gated MLP and masked attention over an explicit KV cache; PackedProj
 target's q/k/v and gate/up projections as one weight each on the fused path.
 
 Numerics follow HuggingFace's Llama implementation (fp32 RMSNorm statistics, fp32 rotary
-tables, softmax in fp32), so that greedy tokens match transformers' own `generate`.
+tables, softmax in fp32), so that greedy tokens match transformers' own `generate`. A float64
+model keeps those steps in float64 (`compute_dtype`): dropping to fp32 there would bring back
+the fp32 rounding noise that float64 runs exist to remove (tests/router/test_preemption.py).
 """
 
 from __future__ import annotations
@@ -14,6 +16,12 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 from torch import nn
+
+
+def compute_dtype(dtype: torch.dtype) -> torch.dtype:
+    """The dtype of the fp32 steps (norm statistics, rotary tables, attention softmax) for a
+    model in `dtype`: float32 for float32, bfloat16 and float16 models, float64 for float64."""
+    return torch.promote_types(dtype, torch.float32)
 
 
 class RMSNorm(nn.Module):
@@ -28,7 +36,7 @@ class RMSNorm(nn.Module):
         if self.fused:
             return _fused_kernels().rmsnorm(x, self.weight, self.eps)
         dtype = x.dtype
-        x32 = x.float()
+        x32 = x.to(compute_dtype(dtype))
         x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
         return self.weight * x32.to(dtype)
 
@@ -221,7 +229,8 @@ class Rotary(nn.Module):
 
     def cos_sin(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
         """positions [B, T] int64 -> cos, sin [B, T, head_dim]."""
-        freqs = positions[..., None].float() * self.inv_freq.float()  # [B, T, hd/2]
+        ct = compute_dtype(dtype)
+        freqs = positions[..., None].to(ct) * self.inv_freq.to(ct)  # [B, T, hd/2]
         emb = torch.cat((freqs, freqs), dim=-1)
         return emb.cos().to(dtype), emb.sin().to(dtype)
 
@@ -250,6 +259,6 @@ def masked_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: to
         v = v.repeat_interleave(nh // nkv, dim=1)
     scores = torch.matmul(q, k.transpose(2, 3)) * scale  # [B, nh, T, S]
     scores = scores.masked_fill(~mask[:, None], torch.finfo(scores.dtype).min)
-    probs = torch.softmax(scores, dim=-1, dtype=torch.float32).to(q.dtype)
+    probs = torch.softmax(scores, dim=-1, dtype=compute_dtype(q.dtype)).to(q.dtype)
     out = torch.matmul(probs, v)  # [B, nh, T, hd]
     return out.transpose(1, 2).reshape(q.shape[0], q.shape[2], -1)

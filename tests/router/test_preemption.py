@@ -12,6 +12,7 @@ import threading
 import time
 
 import pytest
+import torch
 
 from spectandem.config import SamplingParams, SpecConfig
 from spectandem.demo import demo_paths
@@ -27,6 +28,14 @@ MAX_TOKENS = 96
 def reference():
     t, d = demo_paths("eagle3")
     return LocalSpeculator(t, d, SpecConfig(method="eagle3"), max_slots=32, max_len=256)
+
+
+@pytest.fixture(scope="module")
+def reference64():
+    """The reference loop in float64, for seeded sampled tokens (test_seeded_sampling_with_preemption_equals_alone
+    says why)."""
+    t, d = demo_paths("eagle3")
+    return LocalSpeculator(t, d, SpecConfig(method="eagle3"), max_slots=32, max_len=256, dtype=torch.float64)
 
 
 def _prompts(reference, n):
@@ -62,11 +71,14 @@ def _wait_baseline(server, timeout=30.0) -> generation_pb2.ServerStats:
         time.sleep(0.1)
 
 
+# 20 blocks of 16 entries: about two full-length requests at a time for 32 concurrent ones.
+SMALL_POOL = ["--backend", "local", "--max-len", "256", "--max-running", "32", "--kv-blocks", "20",
+              "--block-size", "16"]
+
+
 @pytest.fixture(scope="module")
 def small_verifier_pool():
-    # 20 blocks of 16 entries: about two full-length requests at a time for 32 concurrent ones.
-    s = Served(["--backend", "local", "--max-len", "256", "--max-running", "32", "--kv-blocks", "20",
-                "--block-size", "16"]).wait_ready()
+    s = Served(SMALL_POOL).wait_ready()
     yield s
     s.close()
 
@@ -89,16 +101,28 @@ def test_greedy_preemption_keeps_tokens(small_verifier_pool, reference):
     assert after.verifier_kv.num_blocks == 20
 
 
-def test_seeded_sampling_with_preemption_equals_alone(small_verifier_pool, reference):
+def test_seeded_sampling_with_preemption_equals_alone(reference64):
+    """Seeded sampled tokens, batched and preempted, are those of each request run alone: exactly,
+    in float64. Neither engine is batch-invariant on the CPU (torch picks GEMM kernels by the
+    number of rows, so a row's logits depend on its batch and on whether its KV came from rounds
+    or from a resume's prefill): in float32 they differ from the request's alone in the last bits
+    (~5e-6), and a keyed uniform within that of a CDF or acceptance boundary takes the
+    neighbouring token, in about one run in five with other seeds. In float64 (its fp32 steps
+    too: spectandem/modeling/layers.py) the difference stays below the last bit of the fp32
+    logits. A wrong position, seed or token after a resume still changes the tokens."""
+    reference = reference64
     prompts = _prompts(reference, 16)
     params = [SamplingParams(max_tokens=MAX_TOKENS, temperature=0.8, seed=100 + i, ignore_eos=True) for i in range(16)]
     alone = [reference.generate([p], [sp])[0].token_ids for p, sp in zip(prompts, params)]
-    before = _stats(small_verifier_pool).preemptions
-    got = _run_concurrently(small_verifier_pool.stub, [
-        request(ids=p, max_tokens=MAX_TOKENS, temperature=0.8, seed=100 + i, ignore_eos=True)
-        for i, p in enumerate(prompts)])
-    assert [got[i][0] for i in range(16)] == alone
-    assert _wait_baseline(small_verifier_pool).preemptions > before
+    server = Served([*SMALL_POOL, "--dtype", "float64"]).wait_ready()
+    try:
+        got = _run_concurrently(server.stub, [
+            request(ids=p, max_tokens=MAX_TOKENS, temperature=0.8, seed=100 + i, ignore_eos=True)
+            for i, p in enumerate(prompts)])
+        assert [got[i][0] for i in range(16)] == alone
+        assert _wait_baseline(server).preemptions > 0
+    finally:
+        server.close()
 
 
 def test_request_that_can_never_fit_fails_alone():
@@ -220,11 +244,13 @@ def test_old_epoch_replies_are_dropped_and_counted(reference):
     assert outs == [e.token_ids for e in expected]
 
 
-def test_pingpong_pipeline_under_preemption_keeps_tokens(reference):
+def test_pingpong_pipeline_under_preemption_keeps_tokens(reference64):
     """Two micro-batches overlapping drafter and verifier, with a small pool forcing preemptions:
-    greedy and seeded tokens are those of the reference loop."""
+    greedy and seeded tokens are those of the reference loop (in float64, as
+    test_seeded_sampling_with_preemption_equals_alone, for the seeded ones)."""
+    reference = reference64
     server = Served(["--backend", "local", "--max-len", "256", "--max-running", "16", "--kv-blocks", "24",
-                     "--block-size", "16", "--pipeline", "pingpong"]).wait_ready()
+                     "--block-size", "16", "--pipeline", "pingpong", "--dtype", "float64"]).wait_ready()
     try:
         prompts = _prompts(reference, 12)
         greedy = reference.generate(prompts, [SamplingParams(max_tokens=MAX_TOKENS, ignore_eos=True)] * 12)
@@ -241,14 +267,16 @@ def test_pingpong_pipeline_under_preemption_keeps_tokens(reference):
         server.close()
 
 
-def test_ahead_pipeline_under_preemption_keeps_tokens(reference):
+def test_ahead_pipeline_under_preemption_keeps_tokens(reference64):
     """--pipeline ahead: the drafter fills its outcome cache while each round is verified, and a
     preempted request's next tree is kept and reused on resume. Greedy tokens are the reference
     loop's; seeded sampled tokens are those of each request run alone with the outcome cache
     (its trees decide sampled tokens, and they depend only on the request). Hits happen, and
-    afterwards nothing is left on either side, kept trees included."""
+    afterwards nothing is left on either side, kept trees included. In float64, as
+    test_seeded_sampling_with_preemption_equals_alone."""
+    reference = reference64
     server = Served(["--backend", "local", "--max-len", "256", "--max-running", "16", "--kv-blocks", "24",
-                     "--block-size", "16", "--pipeline", "ahead"]).wait_ready()
+                     "--block-size", "16", "--pipeline", "ahead", "--dtype", "float64"]).wait_ready()
     try:
         prompts = _prompts(reference, 12)
         greedy = reference.generate(prompts, [SamplingParams(max_tokens=MAX_TOKENS, ignore_eos=True)] * 12)
