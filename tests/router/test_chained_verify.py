@@ -201,32 +201,51 @@ def test_unarmed_verify_never_launches():
     assert not eng.requests
 
 
+class _JoinAfterLaunch(LocalVerifierLink):
+    """Calls `join()` from its worker right after its `join_at`-th chained launch (and the
+    pre-ahead that launch starts), before the router has that verdict."""
+
+    def __init__(self, engine, join_at: int, join):
+        super().__init__(engine, chain=True)
+        self.join_at, self.join = join_at, join
+
+    def arm_next(self, tags, then=None):
+        def then_and_join(results):
+            out = then(results) if then is not None else None
+            if self.chained_launches == self.join_at:
+                self.join()
+            return out
+        return super().arm_next(tags, then_and_join)
+
+
 def test_pre_ahead_not_claimed_when_a_request_joins():
-    """A request that arrives while another's verifies chain: the round after a chained launch
-    drafts both afresh, so the drafter's pre-ahead (started by the verifier link) answers no
-    call. The catch-up it absorbed is not absorbed again (that would be a stale tag and take
-    the drafter down), and both requests still get plain decoding's tokens."""
+    """A request that arrives right after a chained launch: the next round drafts both afresh,
+    so the drafter's pre-ahead that launch started answers no call. The catch-up it absorbed is
+    not absorbed again (that would be a stale tag and take the drafter down), and both
+    requests still get plain decoding's tokens."""
     spec, plain = _pair()
     a, b = (spec.tokenizer.encode(t).ids for t in PROMPT_TEXTS[:2])
     pa, pb = SamplingParams(max_tokens=64, ignore_eos=True), SamplingParams(max_tokens=24, ignore_eos=True)
     expected = [plain.generate([a], [pa])[0].token_ids, plain.generate([b], [pb])[0].token_ids]
-    vlink, dlink = LocalVerifierLink(spec.verifier, chain=True), LocalDrafterLink(spec.drafter)
+    dlink = LocalDrafterLink(spec.drafter)
+    joined: list = []
 
     async def main():
+        loop = asyncio.get_running_loop()
+        # Submitted on the event loop before the router sees the third launch's verdict.
+        join = lambda: loop.call_soon_threadsafe(lambda: joined.append(asyncio.ensure_future(collect(router, b, pb))))
+        vlink = _JoinAfterLaunch(spec.verifier, 3, join)
         router = _router(spec, vlink, dlink)
         try:
-            first = asyncio.ensure_future(collect(router, a, pa))
-            while vlink.chained_launches < 3:
-                await asyncio.sleep(0.002)
-            second = await collect(router, b, pb)
-            got = [(await first)[0], second[0]]
+            first = await collect(router, a, pa)
+            got = [first[0], (await joined[0])[0]]
             await drained(spec)
-            return got, router.drafter_up
+            return got, router.drafter_up, vlink
         finally:
             await router.stop()
 
-    got, drafter_up = asyncio.run(main())
+    got, drafter_up, vlink = asyncio.run(main())
     assert got == expected
     assert drafter_up, "the drafter was never taken down (no catch-up absorbed twice)"
-    assert 0 < dlink.pre_ahead_used < vlink.chained_launches
+    assert vlink.chained_launches >= 3 and 0 < dlink.pre_ahead_used < vlink.chained_launches
     assert not dlink._absorbed and not spec.verifier.requests and not spec.drafter.requests
