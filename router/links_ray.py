@@ -19,6 +19,7 @@ says so through `extend`.
 from __future__ import annotations
 
 import asyncio
+import logging
 import os
 from pathlib import Path
 from typing import Callable
@@ -35,6 +36,8 @@ from spectandem.config import GpuPaths, SpecConfig
 from spectandem.messages import DraftTree
 from verifier.actor import VerifierActor
 
+log = logging.getLogger("spectandem.router")
+
 
 def ray_init(address: str | None, num_cpus: int | None = None) -> None:
     """Joins the cluster at `address` ("auto": the one this node belongs to), or starts a local
@@ -48,7 +51,17 @@ def ray_init(address: str | None, num_cpus: int | None = None) -> None:
         # cluster waits up to 120 s (the operator's own setting wins).
         os.environ.setdefault("RAY_gcs_server_port_wait_time_s", "120")
         # "local" explicitly: never join whatever RAY_ADDRESS the environment happens to name.
-        ray.init(address="local", num_cpus=num_cpus, include_dashboard=False, log_to_driver=False)
+        # A GCS that never writes its port file fails ray.init (seen now and then in the test suite
+        # on a 2-core machine; the cause is not known): the start is tried once more.
+        for attempt in (1, 2):
+            try:
+                ray.init(address="local", num_cpus=num_cpus, include_dashboard=False, log_to_driver=False)
+                return
+            except RuntimeError as exc:
+                if attempt == 2 or "Timed out waiting for file" not in str(exc):
+                    raise
+                log.warning("the local Ray cluster did not come up (%s); starting it again", exc)
+                ray.shutdown()
 
 
 def gcs_reachable(timeout_s: float = 1.0) -> bool:
