@@ -266,20 +266,24 @@ class LocalDrafterLink(_LocalLink):
         from drafter.service_core import drafter_draft_ahead
 
         reply = drafter_draft_ahead(self.engine, job.tags, job.extend)
-        self._absorbed.update((i.tag.request_id, i.tag.committed_len) for i in job.extend
-                              if i.tag.request_id not in reply.unknown)
+        self._absorbed.update(_item_key(i) for i in job.extend if i.tag.request_id not in reply.unknown)
         return reply
 
-    def _unabsorbed(self, items: list) -> list:
-        """In the worker, after any pre-ahead: the items no pre-ahead absorbed yet."""
+    def _raise_pre_failure(self) -> None:
+        """A failed pre-ahead left the engine in an unknown state: the next call fails as the
+        engine's own failure (EngineUnavailable: the router takes the drafter down), once."""
         if self._pre_failed is not None:
             exc, self._pre_failed = self._pre_failed, None
             self._absorbed.clear()
-            raise RuntimeError(f"pre-ahead failed: {exc}") from exc
+            raise EngineUnavailable(f"pre-ahead failed: {exc}") from exc
+
+    def _unabsorbed(self, items: list) -> list:
+        """In the worker, after any pre-ahead: the items no pre-ahead absorbed yet."""
+        self._raise_pre_failure()
         if not self._absorbed:
             return items
-        keep = [i for i in items if (i.tag.request_id, i.tag.committed_len) not in self._absorbed]
-        self._absorbed.difference_update((i.tag.request_id, i.tag.committed_len) for i in items)
+        keep = [i for i in items if _item_key(i) not in self._absorbed]
+        self._absorbed.difference_update(_item_key(i) for i in items)
         return keep
 
     async def prefill(self, items):
@@ -299,10 +303,10 @@ class LocalDrafterLink(_LocalLink):
         if job is not None and job.covers(tags, extend):
             async with self._lock:
                 reply = await job.result(on_trees)
-            if reply is None:    # it failed: say so as the call itself would have
-                return await self._run("draft_ahead", self._draft_ahead, on_trees, tags, list(extend))
+            if reply is None:
+                self._raise_pre_failure()
             self.pre_ahead_used += 1
-            self._absorbed.difference_update((i.tag.request_id, i.tag.committed_len) for i in extend)
+            self._absorbed.difference_update(_item_key(i) for i in extend)
             return job.restricted(reply, tags)
         return await self._run("draft_ahead", self._draft_ahead, on_trees, tags, list(extend))
 
@@ -339,6 +343,11 @@ class LocalDrafterLink(_LocalLink):
 
     async def close(self):
         return None
+
+
+def _item_key(item) -> tuple[str, int]:
+    """An extend item's identity for `_absorbed`: (request id, committed length after it)."""
+    return item.tag.request_id, item.tag.committed_len
 
 
 def _engine_device(engine):

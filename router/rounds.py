@@ -140,10 +140,9 @@ class RoundsMixin:
     async def _draft_ahead(self, reqs: list[ServedRequest], extend: list[ExtendItem] = (),
                            on_trees=None) -> None:
         """Draft ahead for `reqs`, after the catch-up `extend` (held back by the last round).
-        `on_trees`: the verifier link's direct_stage, for the drafter link (only when given)."""
-        kw = {} if on_trees is None else {"on_trees": on_trees}
+        `on_trees`: the verifier link's direct_stage, for the drafter link."""
         try:
-            reply = await asyncio.wait_for(self.drafter.draft_ahead([r.tag() for r in reqs], extend, **kw),
+            reply = await asyncio.wait_for(self.drafter.draft_ahead([r.tag() for r in reqs], extend, on_trees),
                                            self.cfg.drafter_timeout)
         except (EngineUnavailable, asyncio.TimeoutError, StaleMessage) as exc:
             self._drafter_failed(exc)

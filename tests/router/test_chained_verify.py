@@ -10,6 +10,9 @@ from __future__ import annotations
 
 import asyncio
 
+import pytest
+
+from router.links import EngineUnavailable, Tag
 from router.links_local import LocalDrafterLink, LocalVerifierLink
 from router.requests import RouterConfig
 from router.scheduler import Router
@@ -249,3 +252,26 @@ def test_pre_ahead_not_claimed_when_a_request_joins():
     assert drafter_up, "the drafter was never taken down (no catch-up absorbed twice)"
     assert vlink.chained_launches >= 3 and 0 < dlink.pre_ahead_used < vlink.chained_launches
     assert not dlink._absorbed and not spec.verifier.requests and not spec.drafter.requests
+
+
+def test_failed_pre_ahead_fails_the_next_call_once(monkeypatch):
+    """A pre-ahead whose engine call fails: the router's call it covers raises EngineUnavailable
+    (the router then takes the drafter down), and only that one call."""
+    import drafter.service_core
+
+    spec, _ = _pair()
+    dlink = LocalDrafterLink(spec.drafter)
+
+    def boom(*args, **kwargs):
+        raise RuntimeError("boom")
+
+    monkeypatch.setattr(drafter.service_core, "drafter_draft_ahead", boom)
+    tags = [Tag("gone", 0, 5)]
+    assert dlink.pre_ahead(tags, [])
+
+    async def main():
+        with pytest.raises(EngineUnavailable, match="pre-ahead failed: boom"):
+            await dlink.draft_ahead(tags, [])
+        return await dlink.extend([])
+
+    assert asyncio.run(main()) == [] and dlink.pre_ahead_used == 0
