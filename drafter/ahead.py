@@ -8,7 +8,7 @@ This gives the draft distribution after every node. Outcomes (node u, bonus b), 
 child of u, are scored by log q(path to u) + log q_u(b), and the `ahead_width` best get a tree
 each. When the verdict arrives (`extend`), a hit makes the cached tree the request's next draft.
 The catch-up with the real target features is then deferred to the next call that needs the
-state: it runs while the verifier is busy with that tree. A miss catches up at once and drafts on
+state: it runs while the verifier is busy with that tree (for a chain, inside the one-pass draft ahead). A miss catches up at once and drafts on
 demand. Any tree is valid for verification, so hits never change greedy output; sampled trees
 carry the q they were drawn from. Chains with deterministic drafts take a one-pass path when the
 proposer offers it (`ahead_chains`, drafter/ahead_chains.py): the same outcomes and trees from
@@ -44,20 +44,30 @@ class DraftAheadMixin:
         flags = [self.last_hit.pop(i, None) for i in request_ids]
         if not self._drafts_ahead:
             return flags
-        self.flush_deferred(request_ids)
         todo = [i for i in request_ids if self.in_flight.get(i, (-1,))[0] == self.requests[i].committed_len]
         chains = self._chains(todo)
+        # A chain group whose every request has a deferred catch-up (a hit's) runs it inside the
+        # chain pass (one graph: drafter/ahead_chains.py); every other deferred catch-up runs first.
+        fused = getattr(self.proposer, "catch_up_ahead_chains", None)
+        inside = {m for m, ids in chains.items()
+                  if fused is not None and all(self.deferred.get(i, (0, None))[1] is not None for i in ids)}
+        self.flush_deferred([i for i in request_ids if not any(i in chains[m] for m in inside)])
         forks: list[str] = []
         try:
             for m, ids in chains.items():   # chains in one pass per length (drafter/ahead_chains.py)
-                trees = self.proposer.ahead_chains([self.requests[i] for i in ids],
-                                                   [self.in_flight[i][1][1: m + 1] for i in ids], self.cfg.ahead_width)
+                reqs, ahead = [self.requests[i] for i in ids], [self.in_flight[i][1][1: m + 1] for i in ids]
+                if m in inside:
+                    pending = [self.deferred.pop(i) for i in ids]
+                    trees = fused(reqs, [n for n, _ in pending], [f for _, f in pending], ahead, self.cfg.ahead_width)
+                else:
+                    trees = self.proposer.ahead_chains(reqs, ahead, self.cfg.ahead_width)
                 for rid, cache in zip(ids, trees):
                     self.outcomes[rid] = (self.requests[rid].committed_len, cache)
             done = {i for ids in chains.values() for i in ids}
             self._fill_outcomes([i for i in todo if i not in done], forks)
         except KVCacheFull as exc:   # no room for forks now: this round's verdicts draft on demand
             log.info("draft ahead skipped: %s", exc)
+            self.flush_deferred(request_ids)   # the groups not reached yet
             for i in todo:
                 self.outcomes.pop(i, None)
         finally:

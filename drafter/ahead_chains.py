@@ -22,6 +22,16 @@ Outcome o at step i sees the committed entries, the forced chain's first k_o ent
 own entries of steps 0..i, so it computes what a fork that absorbed its path would (the general
 path's numbers, up to summation order). Everything past base is scratch: the request's next
 catch-up trims it (EagleProposer.catch_up).
+
+The forced chain's steps feed given tokens, so their logits are not needed inside the loop: the
+lm_head runs once over the m + 1 hiddens after it (one read of its weights, not m).
+
+With a catch-up (`run_caught_up`: a hit's deferred catch-up, drafter/ahead.py) the pass first
+absorbs the verdict's pairs (feature, token) as `EagleProposer.catch_up` does: K/V for every pair,
+the rest of the layer for the last one. Its output hidden starts the forced chain and its logits
+are row 0 of that one lm_head. One graph, one host preparation and one copy in, where a catch-up
+graph then an ahead graph took two of each (the drafter's host time is what a round waits for
+when the drafter is on its own GPU: benchmarks/results/README.md, session 13).
 """
 
 from __future__ import annotations
@@ -31,7 +41,7 @@ from dataclasses import dataclass, fields
 import numpy as np
 import torch
 
-from drafter.graphs import HeadGraphs, chain_tree
+from drafter.graphs import PAIR_BUCKETS, HeadGraphs, chain_tree
 from drafter.tree import TreeDraft
 from spectandem.devices import to_device
 from spectandem.kv_cache import PagedCacheBatch, PagedKVCache
@@ -45,70 +55,127 @@ def scratch_entries(chain_len: int, num_steps: int, width: int) -> int:
 
 @dataclass
 class AheadInputs:
-    """One draft ahead at static shape: Bc rows (the last Bc - B padding)."""
+    """One draft ahead at static shape: Bc rows (the last Bc - B padding). The chain starts from
+    either a catch-up already run (hidden, first_logits) or one run inside the pass (the cu_*
+    fields, Tc pairs per row); the other group is None."""
 
-    first_logits: torch.Tensor   # [Bc, Vd] float32 catch-up logits (padding: 0)
-    hidden: torch.Tensor         # [Bc, 1, H] catch-up output hidden (padding: 0)
-    base: torch.Tensor           # [Bc] int64 head-cache entries per request (padding: 0)
+    base: torch.Tensor           # [Bc] int64 head-cache entries per request after the catch-up (padding: 0)
     chain: torch.Tensor          # [Bc, m] int64 target ids of the chain being verified (padding: 0)
     forced_write: torch.Tensor   # [m, Bc, 1] int64 physical rows forced step i writes
     outcome_write: torch.Tensor  # [S, Bc, W] int64 physical rows outcome step i writes
     read_rows: torch.Tensor      # [Bc, span] int64 physical rows of logical entries 0..span-1
+    first_logits: torch.Tensor | None = None   # [Bc, Vd] float32 catch-up logits (padding: 0)
+    hidden: torch.Tensor | None = None         # [Bc, 1, H] catch-up output hidden (padding: 0)
+    cu_new: torch.Tensor | None = None         # [Bc] int64 the catch-up's pairs per row (padding: 0)
+    cu_tokens: torch.Tensor | None = None      # [Bc, Tc] int64 target ids of the pairs' tokens (padding: 0)
+    cu_features: torch.Tensor | None = None    # [Bc, Tc, F] target features of the pairs (padding: 0)
+    cu_write: torch.Tensor | None = None       # [Bc, Tc] int64 physical rows the pairs write
 
     def copy_(self, other: "AheadInputs") -> None:
         for f in fields(self):
-            getattr(self, f.name).copy_(getattr(other, f.name))
+            mine = getattr(self, f.name)
+            if mine is not None:
+                mine.copy_(getattr(other, f.name))
+
+    def like_padding(self, trash: int) -> "AheadInputs":
+        """Same shapes, every row padding: warm-up and capture write only the trash row."""
+        rows = {"forced_write", "outcome_write", "read_rows", "cu_write"}
+        return AheadInputs(**{f.name: None if (t := getattr(self, f.name)) is None
+                              else torch.full_like(t, trash) if f.name in rows else torch.zeros_like(t)
+                              for f in fields(self)})
 
 
-def ahead_inputs(cache: PagedKVCache, slots: list[int], base: list[int], first_logits: torch.Tensor,
-                 hidden: torch.Tensor, chains: list[list[int]], num_steps: int, width: int, rows: int,
-                 span: int) -> AheadInputs:
-    """Per request: slot, base (head-cache entries), first_logits [B, Vd], hidden [B, 1, H] and
-    its chain (target ids, m each). The slots must already hold base + scratch_entries(m, S, W).
+def ahead_inputs(cache: PagedKVCache, slots: list[int], base: list[int], chains: list[list[int]], num_steps: int,
+                 width: int, rows: int, span: int, start: tuple | None = None,
+                 catch_up: tuple | None = None) -> AheadInputs:
+    """Per request: slot, base (head-cache entries once caught up) and its chain (target ids, m
+    each). The slots must already hold base + scratch_entries(m, S, W). Then either
+    start = (first_logits [B, Vd], hidden [B, 1, H]) of a catch-up already run, or
+    catch_up = (token_ids: per request its n_b >= 1 pairs' tokens, features: per request [n_b, F]
+    on the cache's device in the head's dtype, pairs: Tc >= max n_b), the pairs ending at base.
     The index inputs are worked out on the host (the cache's host tables) and cross in one copy."""
     b, m = len(chains), len(chains[0])
+    assert (start is None) != (catch_up is None)
     assert rows >= b and max(base) + scratch_entries(m, num_steps, width) <= span <= cache.max_len
     pad = rows - b
     real = (np.arange(rows) < b)[:, None]
     base_np = np.array(list(base) + [0] * pad, dtype=np.int64)
     trash = cache.trash_index
-    logical = np.concatenate([
+    logical = [
         np.where(real, base_np[:, None] + np.arange(m), trash),                        # forced steps
         np.where(real, base_np[:, None] + m + np.arange(num_steps * width), trash),    # outcome steps
-        np.where(real, np.arange(span)[None, :], trash)], 1)                            # read
-    phys = cache.host_rows_np(list(slots) + [slots[0]] * pad, logical)
+        np.where(real, np.arange(span)[None, :], trash)]                                # read
     chain_np = np.zeros((rows, m), dtype=np.int64)
     chain_np[:b] = chains
-    packed = to_device(torch.from_numpy(np.concatenate([base_np[:, None], chain_np, phys], 1)), cache.k[0].device)
-    forced, outcome, read = packed[:, 1 + m:].split([m, num_steps * width, span], 1)
-    if pad:
-        first_logits = torch.cat([first_logits, first_logits.new_zeros(pad, first_logits.shape[-1])])
-        hidden = torch.cat([hidden, hidden.new_zeros(pad, *hidden.shape[1:])])
-    return AheadInputs(first_logits, hidden, packed[:, 0], packed[:, 1: 1 + m], forced.t()[..., None],
-                       outcome.reshape(rows, num_steps, width).permute(1, 0, 2), read)
+    head = [base_np[:, None], chain_np]
+    if catch_up is not None:
+        token_ids, features, pairs = catch_up
+        new_np = np.array([len(t) for t in token_ids] + [0] * pad, dtype=np.int64)
+        assert new_np[:b].min() >= 1 and new_np.max() <= pairs, (new_np, pairs)
+        tok_np = np.zeros((rows, pairs), dtype=np.int64)
+        for i, t in enumerate(token_ids):
+            tok_np[i, : len(t)] = t
+        j = np.arange(pairs)[None, :]
+        logical.append(np.where(j < new_np[:, None], (base_np - new_np)[:, None] + j, trash))   # catch-up pairs
+        head += [new_np[:, None], tok_np]
+    phys = cache.host_rows_np(list(slots) + [slots[0]] * pad, np.concatenate(logical, 1))
+    packed = to_device(torch.from_numpy(np.concatenate(head + [phys], 1)), cache.k[0].device)
+    widths = [1, m] + ([1, pairs] if catch_up is not None else []) + [m, num_steps * width, span]
+    widths += [pairs] if catch_up is not None else []
+    parts = packed.split(widths, 1)
+    forced, outcome, read = parts[-4:-1] if catch_up is not None else parts[-3:]
+    inp = AheadInputs(parts[0][:, 0], parts[1], forced.t()[..., None],
+                      outcome.reshape(rows, num_steps, width).permute(1, 0, 2), read)
+    if catch_up is not None:
+        inp.cu_new, inp.cu_tokens, inp.cu_write = parts[2][:, 0], parts[3], parts[-1]
+        feats = features[0].new_zeros(rows, pairs, features[0].shape[-1])
+        for i, f in enumerate(features):
+            feats[i, : f.shape[0]] = f
+        inp.cu_features = feats
+    else:
+        first_logits, hidden = start
+        if pad:
+            first_logits = torch.cat([first_logits, first_logits.new_zeros(pad, first_logits.shape[-1])])
+            hidden = torch.cat([hidden, hidden.new_zeros(pad, *hidden.shape[1:])])
+        inp.first_logits, inp.hidden = first_logits, hidden
+    return inp
 
 
-def ahead_forward(head, cache: PagedKVCache, inp: AheadInputs, target_to_draft: torch.Tensor) -> torch.Tensor:
-    """The module docstring's three steps -> [Bc, W, 3 + S] int64: per outcome its depth k, its
-    bonus b (target id), 1 if it is an outcome (a finite score) else 0, then its chain's S target
-    ids. `target_to_draft` [V] int64: each target id's draft index, -1 where the draft has none."""
+def ahead_forward(head, cache: PagedKVCache, inp: AheadInputs,
+                  target_to_draft: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The module docstring's three steps -> (packed [Bc, W, 3 + S] int64: per outcome its depth
+    k, its bonus b (target id), 1 if it is an outcome (a finite score) else 0, then its chain's S
+    target ids; the catch-up's hidden [Bc, 1, H] and logits [Bc, Vd] float32). `target_to_draft`
+    [V] int64: each target id's draft index, -1 where the draft has none."""
     rows, span = inp.read_rows.shape
     m = inp.chain.shape[1]
     num_steps, _, width = inp.outcome_write.shape
     dev = inp.base.device
     cols = torch.arange(span, device=dev)
     query = torch.zeros(rows, 1, dtype=torch.long, device=dev)
-    # 1. The forced chain.
-    hiddens, logits = [inp.hidden], [inp.first_logits[:, None]]
-    h = inp.hidden
+    # 0. The catch-up, when it runs here: the pairs end at base (EagleProposer.catch_up's layout).
+    if inp.cu_tokens is not None:
+        pairs = inp.cu_tokens.shape[1]
+        positions = (inp.base - inp.cu_new)[:, None] + torch.arange(pairs, device=dev)       # [Bc, Tc]
+        mask = cols[None, None, :] < inp.base.clamp(min=1)[:, None, None]                   # [Bc, 1, span]
+        last = (inp.cu_new - 1).clamp(min=0)[:, None]                                        # [Bc, 1]
+        batch = PagedCacheBatch(cache, inp.cu_write, inp.read_rows)
+        h = head.run(inp.cu_tokens, head.project(inp.cu_features), positions, batch, mask, last)
+    else:
+        h = inp.hidden
+    # 1. The forced chain: its steps feed given tokens, so the logits wait for one lm_head after it.
+    hiddens = [h]
     for i in range(1, m + 1):
         mask = cols[None, None, :] < (inp.base + i)[:, None, None]                        # [Bc, 1, span]
         batch = PagedCacheBatch(cache, inp.forced_write[i - 1], inp.read_rows)
         h = head.run(inp.chain[:, i - 1: i], h, (inp.base + i - 1)[:, None], batch, mask, query)
         hiddens.append(h)
-        logits.append(head.logits(h))
     hid = torch.cat(hiddens, 1)                                                            # [Bc, m + 1, H]
-    logq = torch.log_softmax(torch.cat(logits, 1).float(), -1)                             # [Bc, m + 1, Vd]
+    if inp.cu_tokens is not None:
+        logits = head.logits(hid)                                                          # [Bc, m + 1, Vd]
+    else:
+        logits = torch.cat([inp.first_logits[:, None], head.logits(hid[:, 1:])], 1)
+    logq = torch.log_softmax(logits.float(), -1)                                           # [Bc, m + 1, Vd]
     # 2. Ranking.
     neg = float("-inf")   # a Python scalar: no host -> device copy inside a capture
     d = target_to_draft[inp.chain]                                                         # [Bc, m]
@@ -135,59 +202,82 @@ def ahead_forward(head, cache: PagedKVCache, inp: AheadInputs, target_to_draft: 
         h = head.run(tok, h, inp.base[:, None] + depth + i, batch, mask, qrows)
         tok = head.draft_to_target(head.logits(h).argmax(-1))                              # [Bc, W]
         chain_out.append(tok)
-    return torch.stack([depth, bonus, (score > neg).long()] + chain_out, -1)
+    packed = torch.stack([depth, bonus, (score > neg).long()] + chain_out, -1)
+    return packed, hid[:, :1], logits[:, 0].float()
 
 
 class AheadChainGraphs(HeadGraphs):
-    """Chain draft ahead at bucketed static shapes, one CUDA graph per (Bc, span, m, S, W),
-    captured lazily. With `graph=False` the same padded computation runs eagerly (the CPU path)."""
+    """Chain draft ahead at bucketed static shapes, one CUDA graph per (Bc, span, m, S, W, Tc)
+    (Tc = 0: no catch-up inside; else the catch-up's pairs padded up to `PAIR_BUCKETS`), captured
+    lazily. With `graph=False` the same padded computation runs eagerly (the CPU path)."""
 
     def __init__(self, head, cache: PagedKVCache, graph: bool = True,
-                 batch_buckets: tuple[int, ...] = BATCH_BUCKETS):
+                 batch_buckets: tuple[int, ...] = BATCH_BUCKETS, pair_buckets: tuple[int, ...] = PAIR_BUCKETS):
         super().__init__(head, cache, graph, batch_buckets)
         spec = head.spec
         t2d = torch.full((spec.vocab_size,), -1, dtype=torch.long, device=self.device)
         draft_ids = torch.arange(spec.draft_vocab_size, device=self.device)
         t2d[head.draft_to_target(draft_ids)] = draft_ids
         self.target_to_draft = t2d
-        self._captured: dict[tuple, tuple[AheadInputs, "torch.cuda.CUDAGraph", torch.Tensor]] = {}
+        self.pair_buckets = tuple(sorted(pair_buckets))
+        self._captured: dict[tuple, tuple[AheadInputs, "torch.cuda.CUDAGraph", tuple]] = {}
 
-    def supports(self, batch: int) -> bool:
-        return batch_bucket(batch, self.batch_buckets) is not None
+    def supports(self, batch: int, max_new: int = 0) -> bool:
+        """Batches up to the largest batch bucket; with a catch-up inside (max_new pairs at most
+        per request), at most the largest pair bucket."""
+        return (batch_bucket(batch, self.batch_buckets) is not None
+                and (max_new == 0 or batch_bucket(max_new, self.pair_buckets) is not None))
 
     def run(self, slots: list[int], base: list[int], first_logits: torch.Tensor, hidden: torch.Tensor,
             chains: list[list[int]], num_steps: int, width: int) -> torch.Tensor:
-        """Arguments as `ahead_inputs` -> `ahead_forward`'s [B, W, 3 + S] on the host."""
+        """From a catch-up already run (`ahead_inputs`'s start) -> `ahead_forward`'s packed
+        [B, W, 3 + S] on the host."""
+        return self._run(slots, base, chains, num_steps, width, 0, start=(first_logits, hidden))[0]
+
+    def run_caught_up(self, slots: list[int], base: list[int], token_ids: list[list[int]],
+                      features: list[torch.Tensor], chains: list[list[int]], num_steps: int,
+                      width: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """The catch-up of each request's pairs (token_ids, features: `ahead_inputs`'s catch_up),
+        then the draft ahead; base counts the entries once caught up -> (packed [B, W, 3 + S] on
+        the host, the catch-up's hidden [B, 1, H] and logits [B, Vd] on the device, not aliased
+        by any static buffer)."""
+        pairs = batch_bucket(max(len(t) for t in token_ids), self.pair_buckets)
+        packed, hidden, logits = self._run(slots, base, chains, num_steps, width, pairs,
+                                           catch_up=(token_ids, features, pairs))
+        return packed, hidden.clone(), logits.clone()
+
+    def _run(self, slots, base, chains, num_steps, width, pairs, **start):
         b, m = len(chains), len(chains[0])
         rows = batch_bucket(b, self.batch_buckets)
         span = span_bucket(max(base) + scratch_entries(m, num_steps, width), self.cache.max_len)
-        inp = ahead_inputs(self.cache, slots, base, first_logits, hidden, chains, num_steps, width, rows, span)
+        inp = ahead_inputs(self.cache, slots, base, chains, num_steps, width, rows, span, **start)
         if not self.graph:
-            return ahead_forward(self.head, self.cache, inp, self.target_to_draft)[:b].cpu()
-        key = (rows, span, m, num_steps, width)
-        if key not in self._captured:
-            self._capture(key, inp)
-        static, graph, out = self._captured[key]
-        static.copy_(inp)
-        graph.replay()
-        return out[:b].cpu()
+            packed, hidden, logits = ahead_forward(self.head, self.cache, inp, self.target_to_draft)
+        else:
+            key = (rows, span, m, num_steps, width, pairs)
+            if key not in self._captured:
+                self._capture(key, inp)
+            static, graph, (packed, hidden, logits) = self._captured[key]
+            static.copy_(inp)
+            graph.replay()
+        return packed[:b].cpu(), hidden[:b], logits[:b]
 
     def _capture(self, key: tuple, like: AheadInputs) -> None:
-        rows, span, m, num_steps, width = key
-        trash = self.cache.trash_row
-        # Every row padding: warm-up and capture write only the trash row.
-        static = AheadInputs(torch.zeros_like(like.first_logits), torch.zeros_like(like.hidden),
-                             torch.zeros_like(like.base), torch.zeros_like(like.chain),
-                             torch.full_like(like.forced_write, trash), torch.full_like(like.outcome_write, trash),
-                             torch.full_like(like.read_rows, trash))
-        out = torch.empty(rows, width, 3 + num_steps, dtype=torch.long, device=self.device)
+        rows, _, m, num_steps, width, _ = key
+        static = like.like_padding(self.cache.trash_row)
+        s, dev = self.head.spec, self.device
+        # Outputs outside the graphs' pool: a later capture may reuse the pool's memory.
+        outs = [torch.empty(rows, width, 3 + num_steps, dtype=torch.long, device=dev),
+                torch.empty(rows, 1, s.hidden_size, dtype=next(self.head.parameters()).dtype, device=dev),
+                torch.empty(rows, s.draft_vocab_size, device=dev)]
 
         def body():
-            out.copy_(ahead_forward(self.head, self.cache, static, self.target_to_draft))
+            for buf, t in zip(outs, ahead_forward(self.head, self.cache, static, self.target_to_draft)):
+                buf.copy_(t)
 
         if self.pool is None:
             self.pool = torch.cuda.graph_pool_handle()
-        self._captured[key] = (static, capture_graph(body, self.pool, self.device), out)
+        self._captured[key] = (static, capture_graph(body, self.pool, self.device), tuple(outs))
 
 
 def outcome_trees(packed: torch.Tensor, chains: list[list[int]], num_draft_tokens: int) -> list[dict]:

@@ -20,6 +20,7 @@ from drafter.heads import DraftHead
 from drafter.tree import TreeDraft, expand_topk, sample_chains
 from spectandem.config import SamplingParams, SpecConfig
 from spectandem.devices import to_device, to_device_all
+from spectandem.block_manager import KVCacheFull
 from spectandem.kv_cache import PagedKVCache
 
 
@@ -268,6 +269,42 @@ class EagleProposer:
         for i, cache in zip(fit, outcome_trees(packed, [chains[i] for i in fit], self.cfg.num_draft_tokens)):
             out[i] = cache
         return out
+
+    @torch.no_grad()
+    def catch_up_ahead_chains(self, reqs, num_new, features, chains, width):
+        """`catch_up(reqs, num_new, features)` then `ahead_chains(reqs, chains, width)`, in one
+        pass on the device (`AheadChainGraphs.run_caught_up`) when it fits: a catch-up within the
+        pair buckets and room for every request's scratch. Otherwise the two calls, in turn; if
+        the cache has no room for the scratch, the catch-up still runs before KVCacheFull."""
+        m, steps = len(chains[0]), self.cfg.max_draft_nodes
+        need = scratch_entries(m, steps, width)
+        slots = [self.slots.get(r.request_id) for r in reqs]
+        base = [self.cache_len.get(r.request_id, 0) for r in reqs]
+        graphs = self.ahead_graphs
+        if (graphs is None or width == 0 or not graphs.supports(len(reqs), max(num_new))
+                or any(b0 + n + need > self.cache.max_len for b0, n in zip(base, num_new))):
+            self.catch_up(reqs, num_new, features)
+            return self.ahead_chains(reqs, chains, width)
+        assert all(len(c) == m for c in chains) and not any(r.sample_drafts for r in reqs)
+        for r, n, b0, f, slot in zip(reqs, num_new, base, features, slots):
+            assert n >= 1 and b0 + n == r.committed_len - 1, (r.request_id, b0, n, r.committed_len)
+            assert f.shape[0] == n, "one feature row per new pair"
+            self.cache.trim(slot, b0)      # last round's draft scratch
+        try:
+            for slot, b0, n in zip(slots, base, num_new):
+                self.cache.reserve(slot, b0 + n + need)
+        except KVCacheFull:
+            self.catch_up(reqs, num_new, features)
+            raise
+        token_ids = [r.token_ids[r.committed_len - n:] for r, n in zip(reqs, num_new)]
+        feats = to_device_all(features, self.device, self.dtype)
+        caught = [b0 + n for b0, n in zip(base, num_new)]
+        packed, hidden, logits = graphs.run_caught_up(slots, caught, token_ids, feats, chains, steps, width)
+        for i, r in enumerate(reqs):
+            self.cache_len[r.request_id] = caught[i]
+            self.last_hidden[r.request_id] = hidden[i, 0]
+            self.last_logits[r.request_id] = logits[i]
+        return outcome_trees(packed, chains, self.cfg.num_draft_tokens)
 
     @torch.no_grad()
     def ahead_logprobs(self, request_ids):

@@ -102,9 +102,9 @@ def test_a_shifted_position_is_caught(monkeypatch):
 
 def test_engine_takes_the_one_pass_path_for_chains_only(monkeypatch):
     calls = []
-    real = ahead_chains.AheadChainGraphs.run
-    monkeypatch.setattr(ahead_chains.AheadChainGraphs, "run",
-                        lambda self, *a, **k: calls.append((len(a[4]), len(a[4][0]))) or real(self, *a, **k))
+    real = ahead_chains.AheadChainGraphs._run   # both entries: with and without the catch-up inside
+    monkeypatch.setattr(ahead_chains.AheadChainGraphs, "_run",
+                        lambda self, *a, **k: calls.append((len(a[2]), len(a[2][0]))) or real(self, *a, **k))
     for tree, expect in ((dict(num_steps=3, topk=1, num_draft_tokens=4), True),
                          (dict(num_steps=3, topk=2, num_draft_tokens=6), False)):
         calls.clear()

@@ -1,0 +1,101 @@
+"""A hit's deferred catch-up inside the chain draft ahead (`EagleProposer.catch_up_ahead_chains`,
+drafter/ahead_chains.py), fp32 on the CPU, on the demo heads.
+
+Two engines in lockstep over the same rounds (draft, draft ahead, verify, extend), one taking the
+one-pass path (catch-up inside the chain pass) and one running the catch-up and then the chain
+pass. After every draft ahead both hold the same outcome caches (outcomes and next chains, token
+for token), the same head-cache length and, up to summation order, the same last hidden and
+logits. Controls: the one-pass path runs in most rounds, and features shifted by one pair (a
+catch-up that absorbs the wrong rows) make the caches differ.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from drafter import ahead_chains
+from spectandem.config import SamplingParams, SpecConfig
+from spectandem.demo import demo_paths
+from spectandem.local import LocalSpeculator
+from tests.e2e.conftest import PROMPT_TEXTS
+
+
+def _spec(method, width, **tree):
+    t, d = demo_paths(method)
+    return LocalSpeculator(t, d, SpecConfig(method=method, ahead_width=width, **tree), max_slots=4, max_len=256)
+
+
+def _caches(d, rids):
+    out = []
+    for rid in rids:
+        entry = d.outcomes.get(rid)
+        out.append(None if entry is None else
+                   (entry[0], {key: tree.token_ids[row].tolist() for key, (tree, row) in entry[1].items()}))
+    return out
+
+
+def _lockstep(method, width, tree, rounds, prompts, patch=None):
+    """-> (rounds compared, rounds that took the one-pass catch-up, rounds whose caches differed)."""
+    fused, split = _spec(method, width, **tree), _spec(method, width, **tree)
+    split.drafter.proposer.catch_up_ahead_chains = None     # the engine then runs the two passes
+    rids = [f"r{i}" for i in range(len(prompts))]
+    sp = SamplingParams(max_tokens=400)
+    for spec in (fused, split):
+        ids = [spec.tokenizer.encode(t).ids for t in prompts]
+        firsts = spec.verifier.prefill(rids, ids, [sp] * len(ids), [1] * len(ids))
+        for rid, p, f in zip(rids, ids, firsts):
+            spec.drafter.add(rid, p, f.first_token_id, sp, 1, f.features)
+    used, differ = 0, 0
+    real = ahead_chains.AheadChainGraphs.run_caught_up
+    calls = []
+
+    def counted(self, *a, **k):
+        calls.append(1)
+        return real(self, *a, **k) if patch is None else patch(real, self, *a, **k)
+
+    for _ in range(rounds):
+        trees = [spec.drafter.draft(rids) for spec in (fused, split)]
+        assert trees[0].token_ids.tolist() == trees[1].token_ids.tolist()
+        before = len(calls)
+        with pytest.MonkeyPatch.context() as mp:
+            mp.setattr(ahead_chains.AheadChainGraphs, "run_caught_up", counted)
+            fused.drafter.draft_ahead(rids)
+        split.drafter.draft_ahead(rids)
+        used += len(calls) > before
+        if _caches(fused.drafter, rids) != _caches(split.drafter, rids):
+            differ += 1
+            if patch is not None:   # the control: the engines' next trees differ from here on
+                break
+        if patch is None:
+            pf, ps = fused.drafter.proposer, split.drafter.proposer
+            for rid in rids:
+                assert pf.cache_len[rid] == ps.cache_len[rid]
+                torch.testing.assert_close(pf.last_hidden[rid], ps.last_hidden[rid], atol=1e-4, rtol=1e-4)
+                torch.testing.assert_close(pf.last_logits[rid], ps.last_logits[rid], atol=1e-4, rtol=1e-4)
+        verdicts = fused.verifier.verify(trees[0]), split.verifier.verify(trees[1])
+        assert [o.token_ids for o in verdicts[0]] == [o.token_ids for o in verdicts[1]]
+        fused.drafter.extend(verdicts[0])
+        split.drafter.extend(verdicts[1])
+    return rounds, used, differ
+
+
+@pytest.mark.parametrize("method,width,tree,n", [
+    ("eagle3", 5, dict(num_steps=4, topk=1, num_draft_tokens=5), 1),
+    ("eagle3", 5, dict(num_steps=4, topk=1, num_draft_tokens=5), 2),
+    ("eagle", 3, dict(num_steps=3, topk=1, num_draft_tokens=4), 1),
+])
+def test_catch_up_inside_the_chain_pass_equals_the_two_passes(method, width, tree, n):
+    rounds, used, differ = _lockstep(method, width, tree, 14, PROMPT_TEXTS[1: 1 + n])
+    assert differ == 0
+    assert used >= rounds // 3, (used, rounds)   # the demo heads hit often: most rounds defer
+
+
+def test_shifted_features_are_caught():
+    """Control: each request's catch-up features rolled by one pair (the right rows, wrong order)."""
+    def shifted(real, self, slots, base, token_ids, features, *rest):
+        return real(self, slots, base, token_ids, [f.roll(1, 0) if f.shape[0] > 1 else -f for f in features], *rest)
+
+    _, used, differ = _lockstep("eagle3", 5, dict(num_steps=4, topk=1, num_draft_tokens=5), 8,
+                                PROMPT_TEXTS[1:2], patch=shifted)
+    assert used >= 1 and differ >= 1, (used, differ)
