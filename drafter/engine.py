@@ -142,12 +142,19 @@ class DrafterEngine(DraftAheadMixin):
                         self.in_flight[rid] = _in_flight(out.committed_len, rows)
             self.outcome_rows.pop(rid, None)
             req.token_ids.extend(out.token_ids)
-            if rid in self.ready:
+            if rid in self.ready or (out.features is not None and self._drafts_caught_up(req)):
                 self.deferred[rid] = (len(out.token_ids), self._stage(out.features))
             else:
                 now.append((req, len(out.token_ids), out.features))
         if now:
             self.proposer.catch_up([r for r, _, _ in now], [n for _, n, _ in now], [f for _, _, f in now])
+
+    def _drafts_caught_up(self, req: DraftRequest) -> bool:
+        """Whether a verdict without a ready tree (a miss, or no draft ahead) defers its catch-up
+        to the request's next draft, which then runs both in one pass (`catch_up_propose`: an
+        argmax chain's catch-up and drafting in one graph on the GPU)."""
+        return (self.cfg.topk == 1 and not req.sample_drafts
+                and getattr(self.proposer, "catch_up_propose", None) is not None)
 
     def _stage(self, features: torch.Tensor | None) -> torch.Tensor | None:
         """A deferred catch-up's features, moved to the proposer's device now. From another GPU
@@ -183,13 +190,23 @@ class DrafterEngine(DraftAheadMixin):
             ready = self.ready.pop(r.request_id, None)
             if ready is not None and ready[0] == r.committed_len:
                 drafts[i] = ready[1:]
-        self.flush_deferred([r.request_id for i, r in enumerate(reqs) if i not in drafts])
         parts: dict[tuple, list[int]] = {}
         for i, r in enumerate(reqs):
             if i not in drafts:
                 parts.setdefault((r.sample_drafts, steps[i] or self.cfg.num_steps), []).append(i)
-        for (_, depth), idx in parts.items():
-            tree = self.proposer.propose([reqs[i] for i in idx], depth)
+        # A group of deterministic drafts whose every request has a deferred catch-up runs it in
+        # the same pass (`catch_up_propose`); every other deferred catch-up runs first.
+        fused = getattr(self.proposer, "catch_up_propose", None)
+        inside = {key for key, idx in parts.items() if fused is not None and not key[0]
+                  and all(self.deferred.get(reqs[i].request_id, (0, None))[1] is not None for i in idx)}
+        self.flush_deferred([reqs[i].request_id for key, idx in parts.items() if key not in inside for i in idx])
+        for key, idx in parts.items():
+            group = [reqs[i] for i in idx]
+            if key in inside:
+                pending = [self.deferred.pop(r.request_id) for r in group]
+                tree = fused(group, [n for n, _ in pending], [f for _, f in pending], key[1])
+            else:
+                tree = self.proposer.propose(group, key[1])
             for row, i in enumerate(idx):
                 drafts[i] = (tree, row)
         host: dict[int, list] = {}   # each tree's tensors, copied to the host once (one wait per tree)

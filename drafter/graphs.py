@@ -38,24 +38,36 @@ PAIR_BUCKETS = (1, 2, 4, 8, 16)
 
 @dataclass
 class ChainInputs:
-    """One chain at static shape: Bc rows (the last Bc - B padding), S columns."""
+    """One chain at static shape: Bc rows (the last Bc - B padding), S columns. The chain starts
+    from either a catch-up already run (first_logits, hidden) or one run inside the pass (the
+    cu_* fields, Tc pairs per row, ending at base); the other group is None."""
 
-    first_logits: torch.Tensor   # [Bc, Vd] float32 catch-up logits (padding: 0)
-    hidden: torch.Tensor         # [Bc, 1, H] catch-up output hidden (padding: 0)
     base: torch.Tensor           # [Bc] int64 head-cache entries per request (padding: 0)
     write_rows: torch.Tensor     # [S_steps - 1, Bc, 1] int64 physical rows step i writes
     read_rows: torch.Tensor      # [Bc, S] int64 physical rows of logical entries 0..S-1
+    first_logits: torch.Tensor | None = None   # [Bc, Vd] float32 catch-up logits (padding: 0)
+    hidden: torch.Tensor | None = None         # [Bc, 1, H] catch-up output hidden (padding: 0)
+    cu_new: torch.Tensor | None = None         # [Bc] int64 the catch-up's pairs per row (padding: 0)
+    cu_tokens: torch.Tensor | None = None      # [Bc, Tc] int64 target ids of the pairs' tokens (padding: 0)
+    cu_features: torch.Tensor | None = None    # [Bc, Tc, F] target features of the pairs (padding: 0)
+    cu_write: torch.Tensor | None = None       # [Bc, Tc] int64 physical rows the pairs write
 
     def copy_(self, other: "ChainInputs") -> None:
         for f in fields(self):
-            getattr(self, f.name).copy_(getattr(other, f.name))
+            mine = getattr(self, f.name)
+            if mine is not None:
+                mine.copy_(getattr(other, f.name))
 
 
-def chain_inputs(cache: PagedKVCache, slots: torch.Tensor, base: list[int], first_logits: torch.Tensor,
-                 hidden: torch.Tensor, num_steps: int, rows: int, span: int) -> ChainInputs:
-    """slots [B]; base: head-cache entries per request; first_logits [B, Vd]; hidden [B, 1, H].
+def chain_inputs(cache: PagedKVCache, slots: torch.Tensor, base: list[int], num_steps: int, rows: int, span: int,
+                 start: tuple | None = None, catch_up: tuple | None = None) -> ChainInputs:
+    """slots [B]; base: head-cache entries per request (once caught up). Then either
+    start = (first_logits [B, Vd], hidden [B, 1, H]) of a catch-up already run, or
+    catch_up = (token_ids: per request its n_b >= 1 pairs' tokens, features: per request [n_b, F]
+    on the cache's device in the head's dtype, pairs: Tc >= max n_b), the pairs ending at base.
     The slots must already hold base + num_steps - 1 entries."""
     b = len(base)
+    assert (start is None) != (catch_up is None)
     assert rows >= b and max(base) + num_steps - 1 <= span <= cache.max_len, (rows, b, base, num_steps, span)
     dev = cache.k[0].device
     pad = rows - b
@@ -65,22 +77,48 @@ def chain_inputs(cache: PagedKVCache, slots: torch.Tensor, base: list[int], firs
     steps = torch.arange(num_steps - 1, device=dev)
     write = torch.where(real[:, None], base_t[:, None] + steps, cache.trash_index)         # [Bc, S_steps - 1]
     read = torch.where(real[:, None], torch.arange(span, device=dev), cache.trash_index)   # [Bc, S]
-    first = first_logits.new_zeros(rows, first_logits.shape[-1])
-    first[:b] = first_logits
-    h = hidden.new_zeros(rows, 1, hidden.shape[-1])
-    h[:b] = hidden
-    return ChainInputs(first, h, base_t, cache.rows(slot_t, write).t().contiguous()[..., None],
-                       cache.rows(slot_t, read))
+    inp = ChainInputs(base_t, cache.rows(slot_t, write).t().contiguous()[..., None], cache.rows(slot_t, read))
+    if start is not None:
+        first_logits, hidden = start
+        inp.first_logits = first_logits.new_zeros(rows, first_logits.shape[-1])
+        inp.first_logits[:b] = first_logits
+        inp.hidden = hidden.new_zeros(rows, 1, hidden.shape[-1])
+        inp.hidden[:b] = hidden
+        return inp
+    token_ids, features, pairs = catch_up
+    new = [len(t) for t in token_ids]
+    assert min(new) >= 1 and max(new) <= pairs, (new, pairs)
+    inp.cu_tokens = to_device([list(t) + [0] * (pairs - len(t)) for t in token_ids] + [[0] * pairs] * pad, dev)
+    inp.cu_new = to_device(new + [0] * pad, dev)
+    j = torch.arange(pairs, device=dev)
+    inp.cu_write = cache.rows(slot_t, torch.where(j < inp.cu_new[:, None], (base_t - inp.cu_new)[:, None] + j,
+                                                  cache.trash_index))
+    inp.cu_features = features[0].new_zeros(rows, pairs, features[0].shape[-1])
+    for i, f in enumerate(features):
+        inp.cu_features[i, : f.shape[0]] = f
+    return inp
 
 
-def chain_forward(head, cache: PagedKVCache, inp: ChainInputs) -> torch.Tensor:
-    """-> [Bc, num_steps] target token ids of the chain (num_steps = len(write_rows) + 1)."""
+def chain_forward(head, cache: PagedKVCache, inp: ChainInputs) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """-> ([Bc, num_steps] target token ids of the chain (num_steps = len(write_rows) + 1), the
+    catch-up's hidden [Bc, 1, H] and logits [Bc, Vd] float32)."""
     rows, span = inp.read_rows.shape
     dev = inp.base.device
     cols = torch.arange(span, device=dev)
     query = torch.zeros(rows, 1, dtype=torch.long, device=dev)
-    tok = inp.first_logits.argmax(-1, keepdim=True)                                     # [Bc, 1] draft ids
-    toks, hidden = [tok], inp.hidden
+    if inp.cu_tokens is not None:   # the catch-up first (EagleProposer.catch_up's computation)
+        pairs = inp.cu_tokens.shape[1]
+        positions = (inp.base - inp.cu_new)[:, None] + torch.arange(pairs, device=dev)       # [Bc, Tc]
+        mask = cols[None, None, :] < inp.base.clamp(min=1)[:, None, None]                   # [Bc, 1, S]
+        last = (inp.cu_new - 1).clamp(min=0)[:, None]                                        # [Bc, 1]
+        cache_batch = PagedCacheBatch(cache, inp.cu_write, inp.read_rows)
+        hidden = head.run(inp.cu_tokens, head.project(inp.cu_features), positions, cache_batch, mask, last)
+        first = head.logits(hidden)[:, 0]                                                    # [Bc, Vd]
+    else:
+        hidden, first = inp.hidden, inp.first_logits
+    h0 = hidden
+    tok = first.argmax(-1, keepdim=True)                                                 # [Bc, 1] draft ids
+    toks = [tok]
     for i in range(1, inp.write_rows.shape[0] + 1):
         positions = (inp.base + i - 1)[:, None]                                          # [Bc, 1]
         mask = cols[None, None, :] < (inp.base + i)[:, None, None]                       # [Bc, 1, S]
@@ -88,7 +126,7 @@ def chain_forward(head, cache: PagedKVCache, inp: ChainInputs) -> torch.Tensor:
         hidden = head.run(head.draft_to_target(tok), hidden, positions, cache_batch, mask, query)
         tok = head.logits(hidden).argmax(-1)                                             # [Bc, 1]
         toks.append(tok)
-    return head.draft_to_target(torch.cat(toks, 1))
+    return head.draft_to_target(torch.cat(toks, 1)), h0, first.float()
 
 
 def chain_tree(token_ids: torch.Tensor, num_draft_tokens: int) -> TreeDraft:
@@ -116,56 +154,76 @@ class HeadGraphs:
 
 
 class ChainGraphs(HeadGraphs):
-    """Draft chains at bucketed static shapes, one CUDA graph per (Bc, S, num_steps), captured
-    lazily. With `graph=False` the same padded computation runs eagerly (testable on CPU)."""
+    """Draft chains at bucketed static shapes, one CUDA graph per (Bc, S, num_steps, Tc), captured
+    lazily (Tc = 0: no catch-up inside; else the catch-up's pairs padded up to `PAIR_BUCKETS`). With
+    `graph=False` the same padded computation runs eagerly (testable on CPU)."""
 
     def __init__(self, head, cache: PagedKVCache, graph: bool = True,
-                 batch_buckets: tuple[int, ...] = BATCH_BUCKETS):
+                 batch_buckets: tuple[int, ...] = BATCH_BUCKETS, pair_buckets: tuple[int, ...] = PAIR_BUCKETS):
         super().__init__(head, cache, graph, batch_buckets)
-        self._captured: dict[tuple, tuple[ChainInputs, "torch.cuda.CUDAGraph"]] = {}
-        self._outputs: dict[tuple, torch.Tensor] = {}     # (Bc, num_steps) -> [Bc, num_steps] tokens
+        self.pair_buckets = tuple(sorted(pair_buckets))
+        self._captured: dict[tuple, tuple[ChainInputs, "torch.cuda.CUDAGraph", tuple]] = {}
 
-    def supports(self, batch: int, topk: int, sampled: bool, num_steps: int) -> bool:
-        """Argmax chains of at least one head step, batch up to the largest bucket."""
-        return topk == 1 and not sampled and num_steps >= 2 and batch_bucket(batch, self.batch_buckets) is not None
+    def supports(self, batch: int, topk: int, sampled: bool, num_steps: int, max_new: int = 0) -> bool:
+        """Argmax chains of at least one head step, batch up to the largest bucket; with a
+        catch-up inside (max_new pairs at most per request), at most the largest pair bucket."""
+        return (topk == 1 and not sampled and num_steps >= 2 and batch_bucket(batch, self.batch_buckets) is not None
+                and (max_new == 0 or batch_bucket(max_new, self.pair_buckets) is not None))
 
     def propose(self, slots: torch.Tensor, base: list[int], first_logits: torch.Tensor, hidden: torch.Tensor,
                 num_steps: int, num_draft_tokens: int) -> TreeDraft:
-        """Arguments as `chain_inputs` -> the chain's TreeDraft (what `expand_topk` returns)."""
+        """From a catch-up already run (`chain_inputs`'s start) -> the chain's TreeDraft (what
+        `expand_topk` returns)."""
+        toks, _, _ = self._run(slots, base, num_steps, 0, start=(first_logits, hidden))
+        return chain_tree(toks, num_draft_tokens)
+
+    def propose_caught_up(self, slots: torch.Tensor, base: list[int], token_ids: list[list[int]],
+                          features: list[torch.Tensor], num_steps: int,
+                          num_draft_tokens: int) -> tuple[TreeDraft, torch.Tensor, torch.Tensor]:
+        """The catch-up of each request's pairs (`chain_inputs`'s catch_up; base counts the entries
+        once caught up), then the chain -> (TreeDraft, the catch-up's hidden [B, 1, H] and logits
+        [B, Vd]), none aliased by a static buffer."""
+        pairs = batch_bucket(max(len(t) for t in token_ids), self.pair_buckets)
+        toks, hidden, logits = self._run(slots, base, num_steps, pairs, catch_up=(token_ids, features, pairs))
+        return chain_tree(toks, num_draft_tokens), hidden.clone(), logits.clone()
+
+    def _run(self, slots, base, num_steps, pairs, **start):
         b = len(base)
         rows = batch_bucket(b, self.batch_buckets)
         span = span_bucket(max(base) + num_steps - 1, self.cache.max_len)
-        inp = chain_inputs(self.cache, slots, base, first_logits, hidden, num_steps, rows, span)
+        inp = chain_inputs(self.cache, slots, base, num_steps, rows, span, **start)
         if not self.graph:
-            return chain_tree(chain_forward(self.head, self.cache, inp)[:b], num_draft_tokens)
-        key = (rows, span, num_steps)
-        if key not in self._captured:
-            self._capture(key, inp)
-        static, graph = self._captured[key]
-        static.copy_(inp)
-        graph.replay()
-        return chain_tree(self._outputs[(rows, num_steps)][:b].clone(), num_draft_tokens)
+            toks, hidden, logits = chain_forward(self.head, self.cache, inp)
+        else:
+            key = (rows, span, num_steps, pairs)
+            if key not in self._captured:
+                self._capture(key, inp)
+            static, graph, (toks, hidden, logits) = self._captured[key]
+            static.copy_(inp)
+            graph.replay()
+            toks = toks.clone()
+        return toks[:b], hidden[:b], logits[:b]
 
     def _capture(self, key: tuple, like: ChainInputs) -> None:
-        rows, span, num_steps = key
-        # Every row padding: warm-up and capture write only the trash row.
-        static = ChainInputs(torch.zeros_like(like.first_logits), torch.zeros_like(like.hidden),
-                             torch.zeros_like(like.base),
-                             self._trash_rows(num_steps - 1, rows)[..., None], self._trash_rows(rows, span))
-        out = self._outputs.setdefault((rows, num_steps),
-                                       torch.empty(rows, num_steps, dtype=torch.long, device=self.device))
+        rows, span, num_steps, pairs = key
+        trash = self.cache.trash_row
+        # Every row padding: warm-up and capture write and read only the trash row.
+        rows_fields = {"write_rows", "read_rows", "cu_write"}
+        static = ChainInputs(**{f.name: None if (t := getattr(like, f.name)) is None
+                                else torch.full_like(t, trash) if f.name in rows_fields else torch.zeros_like(t)
+                                for f in fields(like)})
+        s = self.head.spec
+        outs = (torch.empty(rows, num_steps, dtype=torch.long, device=self.device),
+                torch.empty(rows, 1, s.hidden_size, dtype=next(self.head.parameters()).dtype, device=self.device),
+                torch.empty(rows, s.draft_vocab_size, device=self.device))
 
         def body():
-            out.copy_(chain_forward(self.head, self.cache, static))
+            for buf, t in zip(outs, chain_forward(self.head, self.cache, static)):
+                buf.copy_(t)
 
         if self.pool is None:
             self.pool = torch.cuda.graph_pool_handle()
-        self._captured[key] = (static, capture_graph(body, self.pool, self.device))
-
-    def _trash_rows(self, a: int, b: int) -> torch.Tensor:
-        """[a, b] int64, every entry the cache's physical trash row."""
-        index = torch.full((a, b), self.cache.trash_index, dtype=torch.long, device=self.device)
-        return self.cache.rows(torch.zeros(a, dtype=torch.long, device=self.device), index)
+        self._captured[key] = (static, capture_graph(body, self.pool, self.device), outs)
 
 
 @dataclass

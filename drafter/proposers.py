@@ -314,6 +314,35 @@ class EagleProposer:
         return full
 
     @torch.no_grad()
+    def catch_up_propose(self, reqs, num_new, features, num_steps=None):
+        """`catch_up(reqs, num_new, features)` then `propose(reqs, num_steps)`, in one pass on the
+        device (`ChainGraphs.propose_caught_up`) for argmax chains within the graphs' buckets;
+        otherwise the two calls, in turn."""
+        steps = min(num_steps or self.cfg.num_steps, self.cfg.num_steps)
+        chain = self.chain
+        if chain is None or not chain.supports(len(reqs), self.cfg.topk, reqs[0].sample_drafts, steps, max(num_new)):
+            self.catch_up(reqs, num_new, features)
+            return self.propose(reqs, num_steps)
+        ids = [r.request_id for r in reqs]
+        slots = [self.slots.get(i) for i in ids]
+        base = [self.cache_len.get(i, 0) for i in ids]
+        for r, n, b0, f, slot in zip(reqs, num_new, base, features, slots):
+            assert n >= 1 and b0 + n == r.committed_len - 1, (r.request_id, b0, n, r.committed_len)
+            assert f.shape[0] == n, "one feature row per new pair"
+            self.cache.trim(slot, b0)      # last round's draft scratch
+            self.cache.reserve(slot, b0 + n + max(0, self.cfg.num_steps - 1))   # as propose
+        caught = [b0 + n for b0, n in zip(base, num_new)]
+        token_ids = [r.token_ids[r.committed_len - n:] for r, n in zip(reqs, num_new)]
+        feats = to_device_all(features, self.device, self.dtype)
+        tree, hidden, logits = chain.propose_caught_up(to_device(slots, self.device), caught, token_ids, feats, steps,
+                                                       self.cfg.num_draft_tokens)
+        for i, rid in enumerate(ids):
+            self.cache_len[rid] = caught[i]
+            self.last_hidden[rid] = hidden[i, 0]
+            self.last_logits[rid] = logits[i]
+        return tree
+
+    @torch.no_grad()
     def propose(self, reqs, num_steps=None):
         ids = [r.request_id for r in reqs]
         slots = to_device([self.slots.of[i] for i in ids], self.device)

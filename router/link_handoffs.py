@@ -7,6 +7,8 @@ router's turns:
 - `PreAhead`: one draft-ahead call the verifier's worker started on the drafter link after such
   a launch (LocalDrafterLink.pre_ahead), with the arguments the router's next call will give;
   that call takes its reply.
+- `PreDraft`: the same for a verdict that did not chain (a miss): the catch-up and the next
+  round's draft (LocalDrafterLink.pre_draft); the router's next draft call takes its tree.
 """
 
 from __future__ import annotations
@@ -20,8 +22,9 @@ from router.links import AheadReply, Tag
 class StagedTrees:
     """One armed verify's handoff: its tags, and the trees stage_next gives (any thread)."""
 
-    def __init__(self, request_ids: list[str], committed_lens: list[int], then=None):
-        self.request_ids, self.committed_lens, self.then = request_ids, committed_lens, then
+    def __init__(self, request_ids: list[str], committed_lens: list[int], then=None, missed=None):
+        self.request_ids, self.committed_lens = request_ids, committed_lens
+        self.then, self.missed = then, missed
         self._given = threading.Event()
         self._put = threading.Lock()
         self._trees = None
@@ -41,8 +44,11 @@ class StagedTrees:
         return self._trees if self._given.wait(timeout) else None
 
 
-class PreAhead:
-    """One pre-ahead call (LocalDrafterLink.pre_ahead): its arguments, and its reply once done."""
+class _PreCall:
+    """A drafter call a link's worker thread runs ahead of the router's: its arguments (the
+    tags, and catch-up items absorbed first), and its reply once done."""
+
+    kind = ""
 
     def __init__(self, tags: list[Tag], extend: list):
         self.tags, self.extend = tags, extend
@@ -50,6 +56,50 @@ class PreAhead:
         self._done = False
         self._reply = None
         self._waiters: list = []      # callables run once it is done (from its thread)
+
+    def finish(self, reply) -> None:
+        with self._lock:
+            self._done, self._reply = True, reply
+            waiters, self._waiters = self._waiters, []
+        for fn in waiters:
+            fn()
+
+    async def result(self, on_trees=None):
+        """Its reply (None: it failed or had none), once done. `on_trees(reply.trees)` from its
+        thread the moment it is done (at once if it already is)."""
+        loop = asyncio.get_running_loop()
+        fut = loop.create_future()
+
+        def done():
+            if on_trees is not None and self._reply is not None:
+                on_trees(self._reply.trees)
+            loop.call_soon_threadsafe(lambda: fut.done() or fut.set_result(None))
+        with self._lock:
+            waiting = not self._done
+            if waiting:
+                self._waiters.append(done)
+        if not waiting:
+            done()
+        await fut
+        return self._reply
+
+
+class PreDraft(_PreCall):
+    """One pre-draft (LocalDrafterLink.pre_draft): extend(items), then draft(tags); its reply is
+    the DraftTree."""
+
+    kind = "draft"
+
+    def covers(self, tags: list[Tag], num_steps) -> bool:
+        """Whether draft(tags, num_steps) asks what it computed: the same tags in the same order,
+        trees of the configured depth."""
+        return bool(tags) and list(tags) == list(self.tags) and not any(num_steps or ())
+
+
+class PreAhead(_PreCall):
+    """One pre-ahead call (LocalDrafterLink.pre_ahead): its arguments, and its reply once done."""
+
+    kind = "draft_ahead"
 
     def covers(self, tags: list[Tag], extend) -> bool:
         """Whether draft_ahead(tags, extend) asks what it computed: each tag one of its own, and
@@ -71,29 +121,3 @@ class PreAhead:
         ids = set(at) & {t.request_id for t in tags}
         return AheadReply([reply.hits[at[t.request_id]] for t in tags], [reply.trees[at[t.request_id]] for t in tags],
                           [u for u in reply.unknown if u in ids])
-
-    def finish(self, reply) -> None:
-        with self._lock:
-            self._done, self._reply = True, reply
-            waiters, self._waiters = self._waiters, []
-        for fn in waiters:
-            fn()
-
-    async def result(self, on_trees=None):
-        """Its reply (None: it failed), once done. `on_trees(reply.trees)` from its thread the
-        moment it is done (at once if it already is)."""
-        loop = asyncio.get_running_loop()
-        fut = loop.create_future()
-
-        def done():
-            if on_trees is not None and self._reply is not None:
-                on_trees(self._reply.trees)
-            loop.call_soon_threadsafe(lambda: fut.done() or fut.set_result(None))
-        with self._lock:
-            waiting = not self._done
-            if waiting:
-                self._waiters.append(done)
-        if not waiting:
-            done()
-        await fut
-        return self._reply

@@ -131,11 +131,13 @@ class VerifierLink(Protocol):
         then, which in-process engines (one Python lock) would otherwise make the verifier wait
         for. Links to other processes call it at once."""
 
-    def arm_next(self, tags: list[Tag], then: Callable[[list], None] | None = None) -> bool:
+    def arm_next(self, tags: list[Tag], then: Callable[[list], None] | None = None,
+                 missed: Callable[[list], None] | None = None) -> bool:
         """Chained verifies (draft ahead): called just before a verify of exactly `tags`; True if
         the verifier will then, after the verdict, take the next trees (`stage_next`) and start
         the verdict's one before the router asks, and then call `then(results)` (that verify's
-        RoundResults, from any thread). Links that cannot return False."""
+        RoundResults, from any thread); given trees without one for the verdict, it calls
+        `missed(results)` instead. Links that cannot return False."""
 
     def stage_next(self, trees: list[dict | None] | None) -> None:
         """After a True `arm_next`, at most once, while or after that verify runs: per tag, the
@@ -181,6 +183,12 @@ class DrafterLink(Protocol):
         draft_ahead with arguments it covers then returns its reply, and other calls see its
         effects (items it absorbed are not absorbed twice). False: the link cannot (other
         processes); nothing happens."""
+
+    def pre_draft(self, tags: list[Tag], extend: list[ExtendItem]) -> bool:
+        """From any thread: start extend(extend) then draft(tags) now (the router calls it when an
+        armed verify's verdict did not chain: a miss); the router's own draft of exactly these
+        tags then returns its tree, and other calls see its effects (its items are not absorbed
+        twice). False: the link cannot (other processes); nothing happens."""
 
     def ready_handle(self, tree: DraftTree, tags: list[Tag]) -> DraftHandle:
         """A handle the verifier link takes for a tree the router built (`trees_from_ready`)."""

@@ -85,7 +85,7 @@ class GrpcVerifierLink(_GrpcLink):
         reply = await self._call(self.stub.Verify, request)
         return [codec.round_result_from_msg(r) for r in reply.results]
 
-    def arm_next(self, tags: list[Tag], then=None) -> bool:
+    def arm_next(self, tags: list[Tag], then=None, missed=None) -> bool:
         return False   # no chained verifies across processes (yet): the router sends each verify
 
     def stage_next(self, trees) -> None:
@@ -133,6 +133,9 @@ class GrpcDrafterLink(_GrpcLink):
 
     def pre_ahead(self, tags, extend) -> bool:
         return False   # the router's own draft_ahead call does the work
+
+    def pre_draft(self, tags, extend) -> bool:
+        return False   # the router's own extend and draft calls do the work
 
     def ready_handle(self, tree: DraftTree, tags: list[Tag]) -> DraftHandle:
         return DraftHandle(list(tags), codec.draft_tree_to_msg(tree, [t.epoch for t in tags]))

@@ -11,7 +11,7 @@ import sys
 import threading
 import time
 
-from router.link_handoffs import PreAhead, StagedTrees
+from router.link_handoffs import PreAhead, PreDraft, StagedTrees
 from router.links import DraftHandle, EngineUnavailable, Tag
 
 
@@ -140,13 +140,15 @@ class LocalVerifierLink(_LocalLink):
         if kind == "verify":
             self._chain_end, self._queued, self._waited = (end if self._queued else None), False, 0.0
 
-    def arm_next(self, tags: list[Tag], then=None) -> bool:
+    def arm_next(self, tags: list[Tag], then=None, missed=None) -> bool:
         """Before a verify of exactly `tags`: once its verdict is in and `stage_next` has given
         the next trees, the verifier starts the verdict's one, and then calls `then(results)`
-        (the verify's RoundResults) from its worker. False: not chaining."""
+        (the verify's RoundResults) from its worker; given trees but none for the verdict (a
+        miss, or no room), it calls `missed(results)` instead. False: not chaining."""
         if not self.chains:
             return False
-        self._armed = self._staging = StagedTrees([t.request_id for t in tags], [t.committed_len for t in tags], then)
+        self._armed = self._staging = StagedTrees([t.request_id for t in tags], [t.committed_len for t in tags],
+                                                  then, missed)
         return True
 
     def stage_next(self, trees: list[dict | None] | None) -> None:
@@ -192,6 +194,8 @@ class LocalVerifierLink(_LocalLink):
             self.chained_launches += self._queued
             if self._queued and armed.then is not None:
                 armed.then(out)
+            elif not self._queued and trees is not None and armed.missed is not None:
+                armed.missed(out)
         return out
 
     async def prefill(self, items, want_features):
@@ -226,48 +230,81 @@ class LocalVerifierLink(_LocalLink):
 class LocalDrafterLink(_LocalLink):
     """`pre_ahead`: the verifier link, having launched a chained verify, starts the drafter's next
     draft-ahead call itself (its arguments are the verdict's), so the drafter does not wait for
-    the router's turn; the router's own call of the same arguments takes its reply."""
+    the router's turn; the router's own call of the same arguments takes its reply. `pre_draft`:
+    the same for a verdict that did not chain (a miss): the catch-up and the next draft."""
 
     role = "drafter"
 
     def __init__(self, engine, model_name: str = "draft"):
         super().__init__(engine, model_name)
         self._pre: PreAhead | None = None           # the last pre-ahead, until a call claims it
+        self._pre_draft: PreDraft | None = None     # the last pre-draft, until a draft claims it
+        self._last_pre = None                         # the last pre-call started: calls go after it
         self._pre_jobs: queue.SimpleQueue | None = None
         self._absorbed: set[tuple[str, int]] = set()  # extend items a pre-ahead absorbed (id, length)
         self._pre_failed: Exception | None = None
         self.pre_ahead_used = 0                       # draft_ahead calls answered by a pre-ahead
+        self.pre_draft_used = 0                       # draft calls answered by a pre-draft
 
     def pre_ahead(self, tags: list[Tag], extend: list) -> bool:
         """From any thread: starts draft_ahead(tags, extend) now, in this link's pre-ahead thread
         (one engine call at a time, as every call). The next draft_ahead whose tags and catch-up
         items it covers returns its reply; any other call first waits for it and skips the items
         it absorbed (extend, draft_ahead)."""
-        job = PreAhead(list(tags), list(extend))
+        self._pre = PreAhead(list(tags), list(extend))
+        self._start(self._pre)
+        return True
+
+    def pre_draft(self, tags: list[Tag], extend: list) -> bool:
+        """From any thread: starts extend(extend) then draft(tags) now, in the same thread as
+        pre_ahead. The next draft of exactly these tags (configured depth) returns its tree;
+        any other call first waits for it and skips the items it absorbed."""
+        self._pre_draft = PreDraft(list(tags), list(extend))
+        self._start(self._pre_draft)
+        return True
+
+    def _start(self, job) -> None:
+        self._last_pre = job
         if self._pre_jobs is None:
             self._pre_jobs = queue.SimpleQueue()
             threading.Thread(target=self._pre_worker, name="drafter-pre-ahead", daemon=True).start()
-        self._pre = job
         self._pre_jobs.put(job)
-        return True
 
     def _pre_worker(self) -> None:
         while True:
             job = self._pre_jobs.get()
             try:
-                reply = self._call("draft_ahead", self._pre_run, job)
+                reply = self._call(job.kind, self._pre_run, job)
             except Exception as exc:    # the engine failed: the next call says so
                 self._pre_failed = exc
                 job.finish(None)
             else:
                 job.finish(reply)
 
-    def _pre_run(self, job: PreAhead):
-        from drafter.service_core import drafter_draft_ahead
+    def _pre_run(self, job):
+        from drafter.service_core import drafter_draft, drafter_draft_ahead, drafter_extend
 
-        reply = drafter_draft_ahead(self.engine, job.tags, job.extend)
-        self._absorbed.update(_item_key(i) for i in job.extend if i.tag.request_id not in reply.unknown)
-        return reply
+        if job.kind == "draft_ahead":
+            reply = drafter_draft_ahead(self.engine, job.tags, job.extend)
+            self._absorbed.update(_item_key(i) for i in job.extend if i.tag.request_id not in reply.unknown)
+            return reply
+        try:
+            unknown = drafter_extend(self.engine, job.extend)
+        except (ValueError, KeyError):   # stale items (nothing absorbed): the router's own calls say so
+            return None
+        self._absorbed.update(_item_key(i) for i in job.extend if i.tag.request_id not in unknown)
+        try:
+            return None if unknown else drafter_draft(self.engine, job.tags, None)
+        except (ValueError, KeyError):   # a stale tag: the router's own draft call says so
+            return None
+
+    async def _run(self, kind: str, fn, *args, sync: bool = True):
+        # A pre-call the verifier's worker started (before the router had that verdict) goes
+        # first: the router's calls that follow the verdict see its effects.
+        job = self._last_pre
+        if job is not None:
+            await job.result()
+        return await super()._run(kind, fn, *args, sync=sync)
 
     def _raise_pre_failure(self) -> None:
         """A failed pre-ahead left the engine in an unknown state: the next call fails as the
@@ -292,9 +329,20 @@ class LocalDrafterLink(_LocalLink):
         return await self._run("prefill", drafter_prefill, self.engine, items)
 
     async def draft(self, tags, num_steps=None):
+        job, self._pre_draft = self._pre_draft, None
+        if job is not None and job.covers(tags, num_steps):
+            async with self._lock:
+                tree = await job.result()
+            if tree is not None:
+                self.pre_draft_used += 1
+                return DraftHandle(tags, tree)
+        return DraftHandle(tags, await self._run("draft", self._draft, tags, num_steps))
+
+    def _draft(self, tags, num_steps):
         from drafter.service_core import drafter_draft
 
-        return DraftHandle(tags, await self._run("draft", drafter_draft, self.engine, tags, num_steps))
+        self._raise_pre_failure()   # any pre-call is done: this call has the engine
+        return drafter_draft(self.engine, tags, num_steps)
 
     async def draft_ahead(self, tags, extend=(), on_trees=None):
         """`on_trees(reply.trees)` from the worker, once the trees are on the host (the

@@ -114,7 +114,7 @@ class RayVerifierLink:
         tree_ref, tags = (draft.payload, list(draft.tags)) if draft is not None else (None, [])
         return await self._call(self.actor.verify.remote(tree_ref, tags, plain, want_features))
 
-    def arm_next(self, tags: list[Tag], then=None) -> bool:
+    def arm_next(self, tags: list[Tag], then=None, missed=None) -> bool:
         return False   # no chained verifies across processes (yet): the router sends each verify
 
     def stage_next(self, trees) -> None:
@@ -159,6 +159,9 @@ class RayDrafterLink:
 
     def pre_ahead(self, tags, extend) -> bool:
         return False   # the router's own draft_ahead call does the work
+
+    def pre_draft(self, tags, extend) -> bool:
+        return False   # the router's own extend and draft calls do the work
 
     def ready_handle(self, tree: DraftTree, tags: list[Tag]) -> DraftHandle:
         return DraftHandle(list(tags), tree)   # the verifier actor takes the tree itself as well as a ref

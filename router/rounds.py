@@ -83,7 +83,8 @@ class RoundsMixin:
         gate = ahead and drafted and not started
         launched = asyncio.get_running_loop().create_future() if gate else None
         chain = ahead and self._chains(drafted) and self.verifier.arm_next([r.tag() for r in drafted],
-                                                                            then=self._pre_ahead)
+                                                                            then=self._pre_ahead,
+                                                                            missed=self._pre_draft)
         verify = asyncio.ensure_future(self._verify(draft, drafted, self.running, launched))
         try:
             if launched is not None:   # the drafter's turn once the verify forward is queued
@@ -118,6 +119,13 @@ class RoundsMixin:
         next round gives it (this verdict's catch-ups), where the drafter link can
         (DrafterLink.pre_ahead). Its reply answers that call."""
         self.drafter.pre_ahead([res.tag for res in results],
+                               [ExtendItem(res.tag, res.token_ids, res.features) for res in results])
+
+    def _pre_draft(self, results) -> None:
+        """From the verifier link's worker, when an armed verify's verdict did not chain (a miss):
+        the drafter's catch-up and the next round's draft start now, with the arguments the
+        router's next calls give (DrafterLink.pre_draft). Its tree answers that draft call."""
+        self.drafter.pre_draft([res.tag for res in results],
                                [ExtendItem(res.tag, res.token_ids, res.features) for res in results])
 
     def _cached(self, r: ServedRequest, ahead: bool) -> bool:

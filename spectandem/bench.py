@@ -298,6 +298,8 @@ def _note(r: dict) -> str:
         notes.append(f"chained {r['chained_verifies']}/{r['rounds']}")
     if r.get("pre_ahead_used"):
         notes.append(f"pre-ahead {r['pre_ahead_used']}")
+    if r.get("pre_draft_used"):
+        notes.append(f"pre-draft {r['pre_draft_used']}")
     if r.get("target_forwards") is not None and r["method"] == "hf-assisted":
         notes.append(f"{r['target_forwards']} target forwards")
     return ", ".join(notes)

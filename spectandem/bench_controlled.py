@@ -115,6 +115,9 @@ class ControlledProposer:
 
     def catch_up(self, reqs, num_new, features):
         self.inner.catch_up(reqs, num_new, features)
+        self._check_truth(reqs, num_new)
+
+    def _check_truth(self, reqs, num_new):
         for r, n in zip(reqs, num_new):
             truth = self.plans[r.request_id].truth
             if tuple(r.token_ids[-n:]) != truth[r.committed_len - n: r.committed_len]:
@@ -127,7 +130,25 @@ class ControlledProposer:
     def propose(self, reqs, num_steps=None):
         if any(r.sample_drafts for r in reqs):
             raise ValueError("controlled acceptance needs deterministic drafts (greedy requests)")
-        tree = self.inner.propose(reqs, num_steps)
+        return self._planned(reqs, self.inner.propose(reqs, num_steps))
+
+    def catch_up_propose(self, reqs, num_new, features, num_steps=None):
+        """`catch_up` then `propose`, in the inner proposer's one pass when it has one
+        (`EagleProposer.catch_up_propose`): the plan's drafts, the real cost."""
+        if any(r.sample_drafts for r in reqs):
+            raise ValueError("controlled acceptance needs deterministic drafts (greedy requests)")
+        inner = getattr(self.inner, "catch_up_propose", None)
+        if inner is None:
+            self.catch_up(reqs, num_new, features)
+            return self.propose(reqs, num_steps)
+        try:
+            tree = inner(reqs, num_new, features, num_steps)
+        finally:   # the catch-up has run unless the inner proposer failed before it
+            self._check_truth(reqs, num_new)
+        return self._planned(reqs, tree)
+
+    def _planned(self, reqs, tree):
+        """The inner proposer's chains with the plan's drafts in their place."""
         m = tree.token_ids.shape[1]
         rows = []
         for r in reqs:
@@ -158,6 +179,22 @@ class ControlledProposer:
         runs (its cost is drafting ahead's) and its outcomes are dropped; the plan ranks the
         outcomes (`_ranking`, as `ahead_logprobs` does for the forks) and gives their trees."""
         self.inner.ahead_chains(reqs, chains, width)
+        return self._planned_outcomes(reqs, chains, width)
+
+    def catch_up_ahead_chains(self, reqs, num_new, features, chains, width):
+        """`catch_up` then `ahead_chains`, in the inner proposer's one pass when it has one
+        (`EagleProposer.catch_up_ahead_chains`): the plan's outcomes, the real cost."""
+        inner = getattr(self.inner, "catch_up_ahead_chains", None)
+        if inner is None:
+            self.catch_up(reqs, num_new, features)
+            return self.ahead_chains(reqs, chains, width)
+        try:
+            inner(reqs, num_new, features, chains, width)
+        finally:   # the catch-up has run unless the inner proposer failed before it
+            self._check_truth(reqs, num_new)
+        return self._planned_outcomes(reqs, chains, width)
+
+    def _planned_outcomes(self, reqs, chains, width):
         steps = self.cfg.max_draft_nodes   # a chain's length
         out = []
         for r, chain in zip(reqs, chains):

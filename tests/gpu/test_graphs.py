@@ -240,3 +240,43 @@ def test_graphed_catch_up_inside_ahead_equals_eager(kind, b):
                 torch.testing.assert_close(p.last_hidden[rid], eager.last_hidden[rid], **tol)
                 torch.testing.assert_close(p.last_logits[rid], eager.last_logits[rid], **tol)
     assert any(key[-1] > 0 for key in graphed.ahead_graphs._captured)
+
+
+@pytest.mark.parametrize("kind", ["eagle3", "eagle"])
+@pytest.mark.parametrize("b", [1, 3])
+def test_graphed_catch_up_inside_chain_equals_eager(kind, b):
+    """A verdict's catch-up inside the next draft (`EagleProposer.catch_up_propose`): the CUDA
+    graph gives the same pass run eagerly, and the catch-up then the chain (the chains, token for
+    token; the catch-up's hidden and logits up to summation order), round after round, fp32,
+    with 1 to 4 new pairs per request."""
+    target = load_llama(demo_paths("none")[0], torch.float32, "cuda")
+    head = load_head(demo_paths(kind)[1], target, kind=kind, dtype=torch.float32, device="cuda")
+    cfg = SpecConfig(method=kind, num_steps=4, topk=1, num_draft_tokens=5, ahead_width=5)
+    eager, split = (EagleProposer(head, cfg, max_slots=8, max_len=MAX_LEN) for _ in range(2))
+    for p in (eager, split):
+        p.chain = ChainGraphs(head, p.cache, graph=False)
+    graphed = EagleProposer(head, cfg, max_slots=8, max_len=MAX_LEN, cuda_graphs=True)
+    g = torch.Generator().manual_seed(30 + b)
+    reqs = [DraftRequest(f"r{i}", torch.randint(1, 4096, (4 + 13 * i,), generator=g).tolist(), SamplingParams(), 0,
+                         False) for i in range(b)]
+    new = [r.committed_len - 1 for r in reqs]
+    feats = [torch.randn(n, head.spec.feature_size, generator=g).cuda() for n in new]
+    for p in (eager, split, graphed):
+        p.catch_up(reqs, new, feats)
+    for k in range(4):
+        new = [1 + (i + k) % 4 for i in range(b)]
+        for r, n in zip(reqs, new):
+            r.token_ids.extend(torch.randint(1, 4096, (n,), generator=g).tolist())
+        feats = [torch.randn(n, head.spec.feature_size, generator=g).cuda() for n in new]
+        trees = [p.catch_up_propose(reqs, new, feats) for p in (eager, graphed)]
+        split.catch_up(reqs, new, feats)
+        trees.append(split.propose(reqs))
+        chains = [t.token_ids.tolist() for t in trees]
+        assert chains[0] == chains[1] == chains[2]
+        for r in reqs:
+            rid = r.request_id
+            assert eager.cache_len[rid] == graphed.cache_len[rid] == split.cache_len[rid]
+            for p, tol in ((graphed, dict(atol=1e-5, rtol=1e-5)), (split, TOLERANCE[torch.float32])):
+                torch.testing.assert_close(p.last_hidden[rid], eager.last_hidden[rid], **tol)
+                torch.testing.assert_close(p.last_logits[rid], eager.last_logits[rid], **tol)
+    assert any(key[-1] > 0 for key in graphed.chain._captured)

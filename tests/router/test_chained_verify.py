@@ -85,6 +85,28 @@ def test_chained_greedy_batch1_equals_plain_and_every_launch_is_used():
     assert not spec.verifier.requests and not spec.drafter.requests
 
 
+@pytest.mark.parametrize("guard", [True, False], ids=["pre-draft", "control-double-absorb"])
+def test_pre_draft_answers_the_draft_after_a_miss(guard):
+    """An armed verdict without a tree (a miss): the verifier's worker starts the drafter's
+    catch-up and the next round's draft at once (LocalDrafterLink.pre_draft), and the router's
+    draft call takes that tree; its extend call absorbs nothing twice. Tokens equal plain
+    decoding's. Control: with the double-absorb guard off, the router's extend absorbs the
+    verdict again and the drafter goes down (the test's checks must see it)."""
+    spec, plain = _pair()
+    prompt = spec.tokenizer.encode(PROMPT_TEXTS[0]).ids   # the demo head misses often on it
+    params = SamplingParams(max_tokens=64, ignore_eos=True)
+    expected = plain.generate([prompt], [params])[0].token_ids
+    dlink = LocalDrafterLink(spec.drafter)
+    if not guard:
+        dlink._unabsorbed = lambda items: items
+    (got,), c, vlink = _serve(spec, [prompt], [params], chain=True, dlink=dlink)
+    assert got == expected
+    ok = c.fallback_rounds == 0 and c.draft_ahead_misses > 0 and dlink.pre_draft_used >= c.draft_ahead_misses // 2
+    assert ok == guard, (c, dlink.pre_draft_used)
+    if guard:   # every chained launch still had its pre-ahead
+        assert dlink.pre_ahead_used == vlink.chained_launches > 0
+
+
 def test_chained_batch_sampled_and_greedy_equal_unchained():
     """Three requests at once (one sampled at temperature 0.3, under
     the drafts-sampling threshold: deterministic drafts, draws keyed by its seed): the same
@@ -212,13 +234,13 @@ class _JoinAfterLaunch(LocalVerifierLink):
         super().__init__(engine, chain=True)
         self.join_at, self.join = join_at, join
 
-    def arm_next(self, tags, then=None):
+    def arm_next(self, tags, then=None, missed=None):
         def then_and_join(results):
             out = then(results) if then is not None else None
             if self.chained_launches == self.join_at:
                 self.join()
             return out
-        return super().arm_next(tags, then_and_join)
+        return super().arm_next(tags, then_and_join, missed)
 
 
 def test_pre_ahead_not_claimed_when_a_request_joins():

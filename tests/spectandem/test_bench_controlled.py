@@ -155,3 +155,77 @@ def test_forks_rank_the_plans_first_then_second_guess():
     assert p.propose([forks[1]]).token_ids[0].tolist() == list(plan.drafts[8:11])
     p.remove(forks[1].request_id)
     assert forks[1].request_id not in p._fork_len
+
+
+class _TwoPassScripted(_AheadScripted):
+    """An inner proposer with chain draft ahead (the catch-up a call of its own)."""
+
+    def supports_ahead_chains(self, batch):
+        return True
+
+    def ahead_chains(self, reqs, chains, width):
+        self.calls.append(("ahead_chains", [r.request_id for r in reqs]))
+        return [{} for _ in reqs]
+
+
+class _OnePassScripted(_TwoPassScripted):
+    """... and the catch-up inside the chain pass."""
+
+    def catch_up_ahead_chains(self, reqs, num_new, features, chains, width):
+        self.calls.append(("catch_up_ahead_chains", [r.request_id for r in reqs], list(num_new)))
+        return [{} for _ in reqs]
+
+
+def _rows(caches):
+    return [{key: tree.token_ids[row].tolist() for key, (tree, row) in c.items()} for c in caches]
+
+
+def test_catch_up_inside_the_chain_pass_keeps_the_plan():
+    """`catch_up_ahead_chains` runs the inner proposer's one pass (its cost is real), gives the
+    plan's outcomes as `ahead_chains` does, and still sees a committed token off the truth; with
+    an inner proposer without the one pass it runs the catch-up, then the chain pass."""
+    cfg = SpecConfig(method="eagle3", num_steps=3, topk=1, num_draft_tokens=4)
+    truth = list(range(10, 40))
+    plan = plan_drafts(truth, 4, 0.6, VOCAB, "a")
+    chain = list(plan.drafts[8:11])
+    for inner, calls in ((_OnePassScripted(cfg), ["catch_up_ahead_chains"]),
+                         (_TwoPassScripted(cfg), ["catch_up", "ahead_chains"])):
+        p = ControlledProposer(inner, {"a": plan})
+        req = _req("a", truth[:8])
+        got = p.catch_up_ahead_chains([req], [2], [None], [chain], 3)
+        assert [c[0] for c in inner.calls] == calls
+        assert _rows(got) == _rows(p.ahead_chains([req], [chain], 3)) and len(got[0]) == 3
+        assert not p.diverged
+        req.token_ids.append(99)   # off the truth
+        p.catch_up_ahead_chains([req], [1], [None], [chain], 3)
+        assert p.diverged == {"a"}
+
+
+class _CaughtUpScripted(_ScriptedProposer):
+    """An inner proposer that drafts with the catch-up inside (token 0 at every node)."""
+
+    def catch_up_propose(self, reqs, num_new, features, num_steps=None):
+        self.calls.append(("catch_up_propose", [r.request_id for r in reqs], list(num_new)))
+        m = num_steps or self.cfg.num_steps
+        return TreeDraft(token_ids=torch.zeros(len(reqs), m, dtype=torch.long),
+                         parents=torch.arange(m).expand(len(reqs), m).clone(), scores=torch.zeros(len(reqs), m))
+
+
+def test_catch_up_inside_the_draft_keeps_the_plan():
+    """`catch_up_propose` runs the inner proposer's one pass and drafts the plan, as catch_up then
+    propose do; a committed token off the truth is still seen; without the inner one pass it
+    runs the two calls."""
+    cfg = SpecConfig(method="eagle3", num_steps=3, topk=1, num_draft_tokens=4)
+    truth = list(range(10, 30))
+    plan = plan_drafts(truth, 4, 0.5, VOCAB, "a")
+    for inner, calls in ((_CaughtUpScripted(cfg), ["catch_up_propose"]), (_ScriptedProposer(cfg), ["catch_up", "propose"])):
+        p = ControlledProposer(inner, {"a": plan})
+        req = _req("a", truth[:6])
+        tree = p.catch_up_propose([req], [2], [None])
+        assert [c[0] for c in inner.calls] == calls
+        assert tree.token_ids[0].tolist() == list(plan.drafts[6:9]) and not p.diverged
+        req.token_ids.append(99)
+        p.catch_up_propose([req], [1], [None])
+        assert p.diverged == {"a"}
+    with pytest.raises(ValueError, match="deterministic drafts"):
+        p.catch_up_propose([_req("a", truth[:6], temperature=1.0)], [1], [None])

@@ -1,0 +1,89 @@
+"""A verdict's catch-up inside the next draft (`EagleProposer.catch_up_propose`, drafter/graphs.py:
+ChainGraphs.propose_caught_up), fp32 on the CPU, on the demo heads, with the chain graphs' padded
+computation run eagerly (graph=False; the GPU test runs the graphs).
+
+Two engines in lockstep over the same rounds (draft, verify, extend), one deferring each
+verdict's catch-up to the next draft and running both in one pass, one running the catch-up in
+extend and drafting after it: the same trees, token for token, the same head-cache length and, up
+to summation order, the same last hidden and logits. Controls: the one pass runs in every round
+after the first, and features shifted by one pair make the trees differ.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from drafter.graphs import ChainGraphs
+from spectandem.config import SamplingParams, SpecConfig
+from spectandem.demo import demo_paths
+from spectandem.local import LocalSpeculator
+from tests.e2e.conftest import PROMPT_TEXTS
+
+
+def _spec(method, **tree):
+    t, d = demo_paths(method)
+    spec = LocalSpeculator(t, d, SpecConfig(method=method, ahead_width=0, **tree), max_slots=4, max_len=256)
+    p = spec.drafter.proposer
+    p.chain = ChainGraphs(p.head, p.cache, graph=False)   # the GPU's chain path, eagerly
+    return spec
+
+
+def _lockstep(method, tree, rounds, prompts, patch=None):
+    """-> (rounds, rounds that ran the one pass, rounds whose trees differed)."""
+    fused, split = _spec(method, **tree), _spec(method, **tree)
+    split.drafter.proposer.catch_up_propose = None     # the engine catches up in extend, as before
+    rids = [f"r{i}" for i in range(len(prompts))]
+    sp = SamplingParams(max_tokens=400)
+    for spec in (fused, split):
+        ids = [spec.tokenizer.encode(t).ids for t in prompts]
+        firsts = spec.verifier.prefill(rids, ids, [sp] * len(ids), [1] * len(ids))
+        for rid, p, f in zip(rids, ids, firsts):
+            spec.drafter.add(rid, p, f.first_token_id, sp, 1, f.features)
+    chain = fused.drafter.proposer.chain
+    real, calls = chain.propose_caught_up, []
+
+    def counted(slots, base, token_ids, features, *rest):
+        calls.append(1)
+        if patch is not None:
+            features = patch(features)
+        return real(slots, base, token_ids, features, *rest)
+
+    chain.propose_caught_up = counted
+    used = differ = 0
+    for _ in range(rounds):
+        before = len(calls)
+        trees = [spec.drafter.draft(rids) for spec in (fused, split)]
+        used += len(calls) > before
+        if trees[0].token_ids.tolist() != trees[1].token_ids.tolist():
+            differ += 1
+            assert patch is not None, (trees[0].token_ids, trees[1].token_ids)
+            break
+        pf, ps = fused.drafter.proposer, split.drafter.proposer
+        for rid in rids:
+            assert pf.cache_len[rid] == ps.cache_len[rid]
+            torch.testing.assert_close(pf.last_hidden[rid], ps.last_hidden[rid], atol=1e-4, rtol=1e-4)
+            torch.testing.assert_close(pf.last_logits[rid], ps.last_logits[rid], atol=1e-4, rtol=1e-4)
+        verdicts = fused.verifier.verify(trees[0]), split.verifier.verify(trees[1])
+        assert [o.token_ids for o in verdicts[0]] == [o.token_ids for o in verdicts[1]]
+        fused.drafter.extend(verdicts[0])
+        split.drafter.extend(verdicts[1])
+        assert set(fused.drafter.deferred) == set(rids) and not split.drafter.deferred
+    return rounds, used, differ
+
+
+@pytest.mark.parametrize("method,tree,n", [
+    ("eagle3", dict(num_steps=4, topk=1, num_draft_tokens=5), 1),
+    ("eagle3", dict(num_steps=4, topk=1, num_draft_tokens=5), 3),
+    ("eagle", dict(num_steps=3, topk=1, num_draft_tokens=4), 2),
+])
+def test_catch_up_inside_the_draft_equals_catch_up_then_draft(method, tree, n):
+    rounds, used, differ = _lockstep(method, tree, 10, PROMPT_TEXTS[:n])
+    assert differ == 0 and used == rounds - 1    # every round but the first (after the prefill)
+
+
+def test_shifted_features_are_caught():
+    """Control: each request's catch-up features rolled by one pair (or negated when it has one)."""
+    shift = lambda feats: [f.roll(1, 0) if f.shape[0] > 1 else -f for f in feats]
+    _, used, differ = _lockstep("eagle3", dict(num_steps=4, topk=1, num_draft_tokens=5), 6, PROMPT_TEXTS[:1], shift)
+    assert used >= 1 and differ == 1, (used, differ)
