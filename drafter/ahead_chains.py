@@ -36,12 +36,12 @@ when the drafter is on its own GPU: benchmarks/results/README.md, session 13).
 
 from __future__ import annotations
 
-from dataclasses import dataclass, fields
+from dataclasses import dataclass
 
 import numpy as np
 import torch
 
-from drafter.graphs import PAIR_BUCKETS, HeadGraphs, chain_tree
+from drafter.graphs import PAIR_BUCKETS, HeadGraphs, PassStart, catch_up_in_pass, chain_tree, padded_features
 from drafter.tree import TreeDraft
 from spectandem.devices import to_device
 from spectandem.kv_cache import PagedCacheBatch, PagedKVCache
@@ -54,35 +54,17 @@ def scratch_entries(chain_len: int, num_steps: int, width: int) -> int:
 
 
 @dataclass
-class AheadInputs:
-    """One draft ahead at static shape: Bc rows (the last Bc - B padding). The chain starts from
-    either a catch-up already run (hidden, first_logits) or one run inside the pass (the cu_*
-    fields, Tc pairs per row); the other group is None."""
+class AheadInputs(PassStart):
+    """One draft ahead at static shape: Bc rows (the last Bc - B padding); its start (PassStart)
+    is the forced chain's."""
 
     base: torch.Tensor           # [Bc] int64 head-cache entries per request after the catch-up (padding: 0)
     chain: torch.Tensor          # [Bc, m] int64 target ids of the chain being verified (padding: 0)
     forced_write: torch.Tensor   # [m, Bc, 1] int64 physical rows forced step i writes
     outcome_write: torch.Tensor  # [S, Bc, W] int64 physical rows outcome step i writes
     read_rows: torch.Tensor      # [Bc, span] int64 physical rows of logical entries 0..span-1
-    first_logits: torch.Tensor | None = None   # [Bc, Vd] float32 catch-up logits (padding: 0)
-    hidden: torch.Tensor | None = None         # [Bc, 1, H] catch-up output hidden (padding: 0)
-    cu_new: torch.Tensor | None = None         # [Bc] int64 the catch-up's pairs per row (padding: 0)
-    cu_tokens: torch.Tensor | None = None      # [Bc, Tc] int64 target ids of the pairs' tokens (padding: 0)
-    cu_features: torch.Tensor | None = None    # [Bc, Tc, F] target features of the pairs (padding: 0)
-    cu_write: torch.Tensor | None = None       # [Bc, Tc] int64 physical rows the pairs write
 
-    def copy_(self, other: "AheadInputs") -> None:
-        for f in fields(self):
-            mine = getattr(self, f.name)
-            if mine is not None:
-                mine.copy_(getattr(other, f.name))
-
-    def like_padding(self, trash: int) -> "AheadInputs":
-        """Same shapes, every row padding: warm-up and capture write only the trash row."""
-        rows = {"forced_write", "outcome_write", "read_rows", "cu_write"}
-        return AheadInputs(**{f.name: None if (t := getattr(self, f.name)) is None
-                              else torch.full_like(t, trash) if f.name in rows else torch.zeros_like(t)
-                              for f in fields(self)})
+    ROW_FIELDS = frozenset({"forced_write", "outcome_write", "read_rows", "cu_write"})
 
 
 def ahead_inputs(cache: PagedKVCache, slots: list[int], base: list[int], chains: list[list[int]], num_steps: int,
@@ -128,10 +110,7 @@ def ahead_inputs(cache: PagedKVCache, slots: list[int], base: list[int], chains:
                       outcome.reshape(rows, num_steps, width).permute(1, 0, 2), read)
     if catch_up is not None:
         inp.cu_new, inp.cu_tokens, inp.cu_write = parts[2][:, 0], parts[3], parts[-1]
-        feats = features[0].new_zeros(rows, pairs, features[0].shape[-1])
-        for i, f in enumerate(features):
-            feats[i, : f.shape[0]] = f
-        inp.cu_features = feats
+        inp.cu_features = padded_features(features, rows, pairs)
     else:
         first_logits, hidden = start
         if pad:
@@ -154,15 +133,7 @@ def ahead_forward(head, cache: PagedKVCache, inp: AheadInputs,
     cols = torch.arange(span, device=dev)
     query = torch.zeros(rows, 1, dtype=torch.long, device=dev)
     # 0. The catch-up, when it runs here: the pairs end at base (EagleProposer.catch_up's layout).
-    if inp.cu_tokens is not None:
-        pairs = inp.cu_tokens.shape[1]
-        positions = (inp.base - inp.cu_new)[:, None] + torch.arange(pairs, device=dev)       # [Bc, Tc]
-        mask = cols[None, None, :] < inp.base.clamp(min=1)[:, None, None]                   # [Bc, 1, span]
-        last = (inp.cu_new - 1).clamp(min=0)[:, None]                                        # [Bc, 1]
-        batch = PagedCacheBatch(cache, inp.cu_write, inp.read_rows)
-        h = head.run(inp.cu_tokens, head.project(inp.cu_features), positions, batch, mask, last)
-    else:
-        h = inp.hidden
+    h = catch_up_in_pass(head, cache, inp) if inp.cu_tokens is not None else inp.hidden
     # 1. The forced chain: its steps feed given tokens, so the logits wait for one lm_head after it.
     hiddens = [h]
     for i in range(1, m + 1):

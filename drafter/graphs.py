@@ -36,15 +36,31 @@ from verifier.graphs import BATCH_BUCKETS, batch_bucket, capture_graph, span_buc
 PAIR_BUCKETS = (1, 2, 4, 8, 16)
 
 
-@dataclass
-class ChainInputs:
-    """One chain at static shape: Bc rows (the last Bc - B padding), S columns. The chain starts
-    from either a catch-up already run (first_logits, hidden) or one run inside the pass (the
-    cu_* fields, Tc pairs per row, ending at base); the other group is None."""
+class StaticInputs:
+    """What the graph families' input dataclasses share: optional fields (None: not in this
+    shape's graph), copied into a captured graph's buffers, and an all-padding copy for capture."""
 
-    base: torch.Tensor           # [Bc] int64 head-cache entries per request (padding: 0)
-    write_rows: torch.Tensor     # [S_steps - 1, Bc, 1] int64 physical rows step i writes
-    read_rows: torch.Tensor      # [Bc, S] int64 physical rows of logical entries 0..S-1
+    ROW_FIELDS: frozenset = frozenset()   # fields of physical cache rows (padding: the trash row)
+
+    def copy_(self, other) -> None:
+        for f in fields(self):
+            mine = getattr(self, f.name)
+            if mine is not None:
+                mine.copy_(getattr(other, f.name))
+
+    def like_padding(self, trash: int):
+        """Same shapes, every row padding: warm-up and capture write and read only the trash row."""
+        return type(self)(**{f.name: None if (t := getattr(self, f.name)) is None
+                             else torch.full_like(t, trash) if f.name in self.ROW_FIELDS else torch.zeros_like(t)
+                             for f in fields(self)})
+
+
+@dataclass(kw_only=True)
+class PassStart(StaticInputs):
+    """Where a graph's pass (a chain, a chain draft ahead) starts: from a catch-up already run
+    (first_logits, hidden) or from one run at its head (the cu_* fields: Tc pairs per row, ending
+    at the pass's base); the other group is None."""
+
     first_logits: torch.Tensor | None = None   # [Bc, Vd] float32 catch-up logits (padding: 0)
     hidden: torch.Tensor | None = None         # [Bc, 1, H] catch-up output hidden (padding: 0)
     cu_new: torch.Tensor | None = None         # [Bc] int64 the catch-up's pairs per row (padding: 0)
@@ -52,11 +68,38 @@ class ChainInputs:
     cu_features: torch.Tensor | None = None    # [Bc, Tc, F] target features of the pairs (padding: 0)
     cu_write: torch.Tensor | None = None       # [Bc, Tc] int64 physical rows the pairs write
 
-    def copy_(self, other: "ChainInputs") -> None:
-        for f in fields(self):
-            mine = getattr(self, f.name)
-            if mine is not None:
-                mine.copy_(getattr(other, f.name))
+
+def catch_up_in_pass(head, cache: PagedKVCache, inp) -> torch.Tensor:
+    """A catch-up at the head of a graph's pass (`inp`: a PassStart with base and read_rows): each row's cu_new pairs end at base, K/V
+    for every pair, the rest of the layer for the last one (EagleProposer.catch_up's
+    computation) -> the last pair's hidden [Bc, 1, H]."""
+    span = inp.read_rows.shape[1]
+    pairs = inp.cu_tokens.shape[1]
+    dev = inp.base.device
+    positions = (inp.base - inp.cu_new)[:, None] + torch.arange(pairs, device=dev)           # [Bc, Tc]
+    mask = torch.arange(span, device=dev)[None, None, :] < inp.base.clamp(min=1)[:, None, None]
+    last = (inp.cu_new - 1).clamp(min=0)[:, None]                                            # [Bc, 1]
+    cache_batch = PagedCacheBatch(cache, inp.cu_write, inp.read_rows)
+    return head.run(inp.cu_tokens, head.project(inp.cu_features), positions, cache_batch, mask, last)
+
+
+def padded_features(features: list[torch.Tensor], rows: int, pairs: int) -> torch.Tensor:
+    """Per request its pairs' features [n_b, F] -> [rows, pairs, F], zeros elsewhere."""
+    out = features[0].new_zeros(rows, pairs, features[0].shape[-1])
+    for i, f in enumerate(features):
+        out[i, : f.shape[0]] = f
+    return out
+
+
+@dataclass
+class ChainInputs(PassStart):
+    """One chain at static shape: Bc rows (the last Bc - B padding), S columns."""
+
+    base: torch.Tensor           # [Bc] int64 head-cache entries per request (padding: 0)
+    write_rows: torch.Tensor     # [S_steps - 1, Bc, 1] int64 physical rows step i writes
+    read_rows: torch.Tensor      # [Bc, S] int64 physical rows of logical entries 0..S-1
+
+    ROW_FIELDS = frozenset({"write_rows", "read_rows", "cu_write"})
 
 
 def chain_inputs(cache: PagedKVCache, slots: torch.Tensor, base: list[int], num_steps: int, rows: int, span: int,
@@ -93,9 +136,7 @@ def chain_inputs(cache: PagedKVCache, slots: torch.Tensor, base: list[int], num_
     j = torch.arange(pairs, device=dev)
     inp.cu_write = cache.rows(slot_t, torch.where(j < inp.cu_new[:, None], (base_t - inp.cu_new)[:, None] + j,
                                                   cache.trash_index))
-    inp.cu_features = features[0].new_zeros(rows, pairs, features[0].shape[-1])
-    for i, f in enumerate(features):
-        inp.cu_features[i, : f.shape[0]] = f
+    inp.cu_features = padded_features(features, rows, pairs)
     return inp
 
 
@@ -106,13 +147,8 @@ def chain_forward(head, cache: PagedKVCache, inp: ChainInputs) -> tuple[torch.Te
     dev = inp.base.device
     cols = torch.arange(span, device=dev)
     query = torch.zeros(rows, 1, dtype=torch.long, device=dev)
-    if inp.cu_tokens is not None:   # the catch-up first (EagleProposer.catch_up's computation)
-        pairs = inp.cu_tokens.shape[1]
-        positions = (inp.base - inp.cu_new)[:, None] + torch.arange(pairs, device=dev)       # [Bc, Tc]
-        mask = cols[None, None, :] < inp.base.clamp(min=1)[:, None, None]                   # [Bc, 1, S]
-        last = (inp.cu_new - 1).clamp(min=0)[:, None]                                        # [Bc, 1]
-        cache_batch = PagedCacheBatch(cache, inp.cu_write, inp.read_rows)
-        hidden = head.run(inp.cu_tokens, head.project(inp.cu_features), positions, cache_batch, mask, last)
+    if inp.cu_tokens is not None:   # the catch-up first
+        hidden = catch_up_in_pass(head, cache, inp)
         first = head.logits(hidden)[:, 0]                                                    # [Bc, Vd]
     else:
         hidden, first = inp.hidden, inp.first_logits
@@ -206,12 +242,7 @@ class ChainGraphs(HeadGraphs):
 
     def _capture(self, key: tuple, like: ChainInputs) -> None:
         rows, span, num_steps, pairs = key
-        trash = self.cache.trash_row
-        # Every row padding: warm-up and capture write and read only the trash row.
-        rows_fields = {"write_rows", "read_rows", "cu_write"}
-        static = ChainInputs(**{f.name: None if (t := getattr(like, f.name)) is None
-                                else torch.full_like(t, trash) if f.name in rows_fields else torch.zeros_like(t)
-                                for f in fields(like)})
+        static = like.like_padding(self.cache.trash_row)
         s = self.head.spec
         outs = (torch.empty(rows, num_steps, dtype=torch.long, device=self.device),
                 torch.empty(rows, 1, s.hidden_size, dtype=next(self.head.parameters()).dtype, device=self.device),
@@ -227,7 +258,7 @@ class ChainGraphs(HeadGraphs):
 
 
 @dataclass
-class CatchUpInputs:
+class CatchUpInputs(StaticInputs):
     """One catch-up at static shape: Bc rows (the last Bc - B padding), Tc pairs per row."""
 
     token_ids: torch.Tensor  # [Bc, Tc] int64 target ids of each pair's token (padding: 0)
@@ -235,10 +266,6 @@ class CatchUpInputs:
     base: torch.Tensor       # [Bc] int64 head-cache entries before the catch-up (padding rows: 0)
     num_new: torch.Tensor    # [Bc] int64 real pairs of the row (padding rows: 0)
     slots: torch.Tensor      # [Bc] int64 head-cache slots (padding rows: 0, never touched)
-
-    def copy_(self, other: "CatchUpInputs") -> None:
-        for f in fields(self):
-            getattr(self, f.name).copy_(getattr(other, f.name))
 
 
 def catch_up_inputs(cache: PagedKVCache, slots: list[int], base: list[int], token_ids: list[list[int]],

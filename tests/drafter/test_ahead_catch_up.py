@@ -12,12 +12,12 @@ catch-up that absorbs the wrong rows) make the caches differ.
 from __future__ import annotations
 
 import pytest
-import torch
 
 from drafter import ahead_chains
-from spectandem.config import SamplingParams, SpecConfig
+from spectandem.config import SpecConfig
 from spectandem.demo import demo_paths
 from spectandem.local import LocalSpeculator
+from tests.drafter.lockstep import assert_same_head_state, prefilled, verify_and_extend
 from tests.e2e.conftest import PROMPT_TEXTS
 
 
@@ -39,13 +39,7 @@ def _lockstep(method, width, tree, rounds, prompts, patch=None):
     """-> (rounds compared, rounds that took the one-pass catch-up, rounds whose caches differed)."""
     fused, split = _spec(method, width, **tree), _spec(method, width, **tree)
     split.drafter.proposer.catch_up_ahead_chains = None     # the engine then runs the two passes
-    rids = [f"r{i}" for i in range(len(prompts))]
-    sp = SamplingParams(max_tokens=400)
-    for spec in (fused, split):
-        ids = [spec.tokenizer.encode(t).ids for t in prompts]
-        firsts = spec.verifier.prefill(rids, ids, [sp] * len(ids), [1] * len(ids))
-        for rid, p, f in zip(rids, ids, firsts):
-            spec.drafter.add(rid, p, f.first_token_id, sp, 1, f.features)
+    rids = prefilled((fused, split), prompts)
     used, differ = 0, 0
     real = ahead_chains.AheadChainGraphs.run_caught_up
     calls = []
@@ -68,15 +62,8 @@ def _lockstep(method, width, tree, rounds, prompts, patch=None):
             if patch is not None:   # the control: the engines' next trees differ from here on
                 break
         if patch is None:
-            pf, ps = fused.drafter.proposer, split.drafter.proposer
-            for rid in rids:
-                assert pf.cache_len[rid] == ps.cache_len[rid]
-                torch.testing.assert_close(pf.last_hidden[rid], ps.last_hidden[rid], atol=1e-4, rtol=1e-4)
-                torch.testing.assert_close(pf.last_logits[rid], ps.last_logits[rid], atol=1e-4, rtol=1e-4)
-        verdicts = fused.verifier.verify(trees[0]), split.verifier.verify(trees[1])
-        assert [o.token_ids for o in verdicts[0]] == [o.token_ids for o in verdicts[1]]
-        fused.drafter.extend(verdicts[0])
-        split.drafter.extend(verdicts[1])
+            assert_same_head_state(fused, split, rids)
+        verify_and_extend(fused, split, trees)
     return rounds, used, differ
 
 

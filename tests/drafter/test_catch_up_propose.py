@@ -12,12 +12,12 @@ after the first, and features shifted by one pair make the trees differ.
 from __future__ import annotations
 
 import pytest
-import torch
 
 from drafter.graphs import ChainGraphs
-from spectandem.config import SamplingParams, SpecConfig
+from spectandem.config import SpecConfig
 from spectandem.demo import demo_paths
 from spectandem.local import LocalSpeculator
+from tests.drafter.lockstep import assert_same_head_state, prefilled, verify_and_extend
 from tests.e2e.conftest import PROMPT_TEXTS
 
 
@@ -33,13 +33,7 @@ def _lockstep(method, tree, rounds, prompts, patch=None):
     """-> (rounds, rounds that ran the one pass, rounds whose trees differed)."""
     fused, split = _spec(method, **tree), _spec(method, **tree)
     split.drafter.proposer.catch_up_propose = None     # the engine catches up in extend, as before
-    rids = [f"r{i}" for i in range(len(prompts))]
-    sp = SamplingParams(max_tokens=400)
-    for spec in (fused, split):
-        ids = [spec.tokenizer.encode(t).ids for t in prompts]
-        firsts = spec.verifier.prefill(rids, ids, [sp] * len(ids), [1] * len(ids))
-        for rid, p, f in zip(rids, ids, firsts):
-            spec.drafter.add(rid, p, f.first_token_id, sp, 1, f.features)
+    rids = prefilled((fused, split), prompts)
     chain = fused.drafter.proposer.chain
     real, calls = chain.propose_caught_up, []
 
@@ -59,15 +53,8 @@ def _lockstep(method, tree, rounds, prompts, patch=None):
             differ += 1
             assert patch is not None, (trees[0].token_ids, trees[1].token_ids)
             break
-        pf, ps = fused.drafter.proposer, split.drafter.proposer
-        for rid in rids:
-            assert pf.cache_len[rid] == ps.cache_len[rid]
-            torch.testing.assert_close(pf.last_hidden[rid], ps.last_hidden[rid], atol=1e-4, rtol=1e-4)
-            torch.testing.assert_close(pf.last_logits[rid], ps.last_logits[rid], atol=1e-4, rtol=1e-4)
-        verdicts = fused.verifier.verify(trees[0]), split.verifier.verify(trees[1])
-        assert [o.token_ids for o in verdicts[0]] == [o.token_ids for o in verdicts[1]]
-        fused.drafter.extend(verdicts[0])
-        split.drafter.extend(verdicts[1])
+        assert_same_head_state(fused, split, rids)
+        verify_and_extend(fused, split, trees)
         assert set(fused.drafter.deferred) == set(rids) and not split.drafter.deferred
     return rounds, used, differ
 

@@ -203,6 +203,39 @@ def test_graphed_ahead_chains_equal_eager(kind, b):
     assert graphed.ahead_graphs._captured and not eager.ahead_graphs._captured
 
 
+def _three_proposers(kind, b, seed, eager_chains):
+    """The demo head (fp32) behind three proposers, eager, graphed and eager for the two passes
+    (with `eager_chains` the eager ones draft chains through ChainGraphs run eagerly), with b
+    requests caught up on random features -> (eager, graphed, split, requests, head, generator)."""
+    target = load_llama(demo_paths("none")[0], torch.float32, "cuda")
+    head = load_head(demo_paths(kind)[1], target, kind=kind, dtype=torch.float32, device="cuda")
+    cfg = SpecConfig(method=kind, num_steps=4, topk=1, num_draft_tokens=5, ahead_width=5)
+    eager, split = (EagleProposer(head, cfg, max_slots=8, max_len=MAX_LEN) for _ in range(2))
+    if eager_chains:
+        for p in (eager, split):
+            p.chain = ChainGraphs(head, p.cache, graph=False)
+    graphed = EagleProposer(head, cfg, max_slots=8, max_len=MAX_LEN, cuda_graphs=True)
+    g = torch.Generator().manual_seed(seed)
+    reqs = [DraftRequest(f"r{i}", torch.randint(1, 4096, (4 + 13 * i,), generator=g).tolist(), SamplingParams(), 0,
+                         False) for i in range(b)]
+    new = [r.committed_len - 1 for r in reqs]
+    feats = [torch.randn(n, head.spec.feature_size, generator=g).cuda() for n in new]
+    for p in (eager, split, graphed):
+        p.catch_up(reqs, new, feats)
+    return eager, graphed, split, reqs, head, g
+
+
+def _assert_head_states(eager, graphed, split, reqs):
+    """The same head-cache lengths; the last hidden and logits as the eager pass's: the graph's
+    to a few ulps (the same kernels), the two passes' up to summation order."""
+    for r in reqs:
+        rid = r.request_id
+        assert eager.cache_len[rid] == graphed.cache_len[rid] == split.cache_len[rid]
+        for p, tol in ((graphed, dict(atol=1e-5, rtol=1e-5)), (split, TOLERANCE[torch.float32])):
+            torch.testing.assert_close(p.last_hidden[rid], eager.last_hidden[rid], **tol)
+            torch.testing.assert_close(p.last_logits[rid], eager.last_logits[rid], **tol)
+
+
 @pytest.mark.parametrize("kind", ["eagle3", "eagle"])
 @pytest.mark.parametrize("b", [1, 3])
 def test_graphed_catch_up_inside_ahead_equals_eager(kind, b):
@@ -210,18 +243,7 @@ def test_graphed_catch_up_inside_ahead_equals_eager(kind, b):
     the CUDA graph gives the same pass run eagerly, and the catch-up then the chain pass (the
     outcome caches; the catch-up's hidden and logits up to summation order), round after round,
     fp32, with 1 to 4 new pairs per request."""
-    target = load_llama(demo_paths("none")[0], torch.float32, "cuda")
-    head = load_head(demo_paths(kind)[1], target, kind=kind, dtype=torch.float32, device="cuda")
-    cfg = SpecConfig(method=kind, num_steps=4, topk=1, num_draft_tokens=5, ahead_width=5)
-    eager, split = (EagleProposer(head, cfg, max_slots=8, max_len=MAX_LEN) for _ in range(2))
-    graphed = EagleProposer(head, cfg, max_slots=8, max_len=MAX_LEN, cuda_graphs=True)
-    g = torch.Generator().manual_seed(20 + b)
-    reqs = [DraftRequest(f"r{i}", torch.randint(1, 4096, (4 + 13 * i,), generator=g).tolist(), SamplingParams(), 0,
-                         False) for i in range(b)]
-    new = [r.committed_len - 1 for r in reqs]
-    feats = [torch.randn(n, head.spec.feature_size, generator=g).cuda() for n in new]
-    for p in (eager, split, graphed):
-        p.catch_up(reqs, new, feats)
+    eager, graphed, split, reqs, head, g = _three_proposers(kind, b, seed=20 + b, eager_chains=False)
     for k in range(4):
         chains = torch.randint(1, 4096, (b, 4), generator=g).tolist()
         new = [1 + (i + k) % 4 for i in range(b)]
@@ -233,12 +255,7 @@ def test_graphed_catch_up_inside_ahead_equals_eager(kind, b):
         caches.append(split.ahead_chains(reqs, chains, 5))
         rows = [[{key: t.token_ids[r].tolist() for key, (t, r) in c.items()} for c in cs] for cs in caches]
         assert rows[0] == rows[1] == rows[2] and all(len(c) == 5 for c in rows[0])
-        for r in reqs:
-            rid = r.request_id
-            assert eager.cache_len[rid] == graphed.cache_len[rid] == split.cache_len[rid]
-            for p, tol in ((graphed, dict(atol=1e-5, rtol=1e-5)), (split, TOLERANCE[torch.float32])):
-                torch.testing.assert_close(p.last_hidden[rid], eager.last_hidden[rid], **tol)
-                torch.testing.assert_close(p.last_logits[rid], eager.last_logits[rid], **tol)
+        _assert_head_states(eager, graphed, split, reqs)
     assert any(key[-1] > 0 for key in graphed.ahead_graphs._captured)
 
 
@@ -249,20 +266,7 @@ def test_graphed_catch_up_inside_chain_equals_eager(kind, b):
     graph gives the same pass run eagerly, and the catch-up then the chain (the chains, token for
     token; the catch-up's hidden and logits up to summation order), round after round, fp32,
     with 1 to 4 new pairs per request."""
-    target = load_llama(demo_paths("none")[0], torch.float32, "cuda")
-    head = load_head(demo_paths(kind)[1], target, kind=kind, dtype=torch.float32, device="cuda")
-    cfg = SpecConfig(method=kind, num_steps=4, topk=1, num_draft_tokens=5, ahead_width=5)
-    eager, split = (EagleProposer(head, cfg, max_slots=8, max_len=MAX_LEN) for _ in range(2))
-    for p in (eager, split):
-        p.chain = ChainGraphs(head, p.cache, graph=False)
-    graphed = EagleProposer(head, cfg, max_slots=8, max_len=MAX_LEN, cuda_graphs=True)
-    g = torch.Generator().manual_seed(30 + b)
-    reqs = [DraftRequest(f"r{i}", torch.randint(1, 4096, (4 + 13 * i,), generator=g).tolist(), SamplingParams(), 0,
-                         False) for i in range(b)]
-    new = [r.committed_len - 1 for r in reqs]
-    feats = [torch.randn(n, head.spec.feature_size, generator=g).cuda() for n in new]
-    for p in (eager, split, graphed):
-        p.catch_up(reqs, new, feats)
+    eager, graphed, split, reqs, head, g = _three_proposers(kind, b, seed=30 + b, eager_chains=True)
     for k in range(4):
         new = [1 + (i + k) % 4 for i in range(b)]
         for r, n in zip(reqs, new):
@@ -273,10 +277,5 @@ def test_graphed_catch_up_inside_chain_equals_eager(kind, b):
         trees.append(split.propose(reqs))
         chains = [t.token_ids.tolist() for t in trees]
         assert chains[0] == chains[1] == chains[2]
-        for r in reqs:
-            rid = r.request_id
-            assert eager.cache_len[rid] == graphed.cache_len[rid] == split.cache_len[rid]
-            for p, tol in ((graphed, dict(atol=1e-5, rtol=1e-5)), (split, TOLERANCE[torch.float32])):
-                torch.testing.assert_close(p.last_hidden[rid], eager.last_hidden[rid], **tol)
-                torch.testing.assert_close(p.last_logits[rid], eager.last_logits[rid], **tol)
+        _assert_head_states(eager, graphed, split, reqs)
     assert any(key[-1] > 0 for key in graphed.chain._captured)
