@@ -48,7 +48,7 @@ class _PreCall:
     """A drafter call a link's worker thread runs ahead of the router's: its arguments (the
     tags, and catch-up items absorbed first), and its reply once done."""
 
-    kind = ""
+    kind = name = ""   # the engine call's kind (busy_s), the call's name in errors
 
     def __init__(self, tags: list[Tag], extend: list):
         self.tags, self.extend = tags, extend
@@ -88,7 +88,7 @@ class PreDraft(_PreCall):
     """One pre-draft (LocalDrafterLink.pre_draft): extend(items), then draft(tags); its reply is
     the DraftTree."""
 
-    kind = "draft"
+    kind, name = "draft", "pre-draft"
 
     def covers(self, tags: list[Tag], num_steps) -> bool:
         """Whether draft(tags, num_steps) asks what it computed: the same tags in the same order,
@@ -99,7 +99,7 @@ class PreDraft(_PreCall):
 class PreAhead(_PreCall):
     """One pre-ahead call (LocalDrafterLink.pre_ahead): its arguments, and its reply once done."""
 
-    kind = "draft_ahead"
+    kind, name = "draft_ahead", "pre-ahead"
 
     def covers(self, tags: list[Tag], extend) -> bool:
         """Whether draft_ahead(tags, extend) asks what it computed: each tag one of its own, and

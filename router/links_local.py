@@ -242,9 +242,10 @@ class LocalDrafterLink(_LocalLink):
         self._last_pre = None                         # the last pre-call started: calls go after it
         self._pre_jobs: queue.SimpleQueue | None = None
         self._absorbed: set[tuple[str, int]] = set()  # extend items a pre-ahead absorbed (id, length)
-        self._pre_failed: Exception | None = None
+        self._pre_failed: tuple[str, Exception] | None = None   # (the pre-call's name, its error)
         self.pre_ahead_used = 0                       # draft_ahead calls answered by a pre-ahead
         self.pre_draft_used = 0                       # draft calls answered by a pre-draft
+        self.pre_drafts = 0                           # pre-drafts started
 
     def pre_ahead(self, tags: list[Tag], extend: list) -> bool:
         """From any thread: starts draft_ahead(tags, extend) now, in this link's pre-ahead thread
@@ -260,6 +261,7 @@ class LocalDrafterLink(_LocalLink):
         pre_ahead. The next draft of exactly these tags (configured depth) returns its tree;
         any other call first waits for it and skips the items it absorbed."""
         self._pre_draft = PreDraft(list(tags), list(extend))
+        self.pre_drafts += 1
         self._start(self._pre_draft)
         return True
 
@@ -276,7 +278,7 @@ class LocalDrafterLink(_LocalLink):
             try:
                 reply = self._call(job.kind, self._pre_run, job)
             except Exception as exc:    # the engine failed: the next call says so
-                self._pre_failed = exc
+                self._pre_failed = (job.name, exc)
                 job.finish(None)
             else:
                 job.finish(reply)
@@ -307,12 +309,12 @@ class LocalDrafterLink(_LocalLink):
         return await super()._run(kind, fn, *args, sync=sync)
 
     def _raise_pre_failure(self) -> None:
-        """A failed pre-ahead left the engine in an unknown state: the next call fails as the
+        """A failed pre-call (pre-ahead, pre-draft) left the engine in an unknown state: the next call fails as the
         engine's own failure (EngineUnavailable: the router takes the drafter down), once."""
         if self._pre_failed is not None:
-            exc, self._pre_failed = self._pre_failed, None
+            (name, exc), self._pre_failed = self._pre_failed, None
             self._absorbed.clear()
-            raise EngineUnavailable(f"pre-ahead failed: {exc}") from exc
+            raise EngineUnavailable(f"{name} failed: {exc}") from exc
 
     def _unabsorbed(self, items: list) -> list:
         """In the worker, after any pre-ahead: the items no pre-ahead absorbed yet."""
