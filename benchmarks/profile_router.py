@@ -65,7 +65,10 @@ TIMED = ("router.scheduler:Router._plan", "router.scheduler:Router._release", "r
          "router.links_local:LocalVerifierLink.stage_next", "router.links_local:LocalDrafterLink._pre_run",
          "drafter.engine:DrafterEngine.draft_ahead", "drafter.engine:DrafterEngine.flush_deferred",
          "drafter.proposers:EagleProposer.ahead_chains", "drafter.proposers:EagleProposer.catch_up",
-         "drafter.ahead_chains:ahead_inputs", "drafter.ahead_chains:AheadChainGraphs.run")
+         "drafter.ahead_chains:ahead_inputs", "drafter.ahead_chains:AheadChainGraphs.run",
+         "drafter.proposers:EagleProposer.catch_up_propose", "drafter.proposers:EagleProposer.catch_up_ahead_chains",
+         "drafter.graphs:chain_inputs", "drafter.graphs:ChainGraphs.propose_caught_up",
+         "drafter.ahead_chains:AheadChainGraphs.run_caught_up")
 
 
 class Timers:

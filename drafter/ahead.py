@@ -8,8 +8,9 @@ This gives the draft distribution after every node. Outcomes (node u, bonus b), 
 child of u, are scored by log q(path to u) + log q_u(b), and the `ahead_width` best get a tree
 each. When the verdict arrives (`extend`), a hit makes the cached tree the request's next draft.
 The catch-up with the real target features is then deferred to the next call that needs the
-state: it runs while the verifier is busy with that tree (for a chain, inside the one-pass draft ahead). A miss catches up at once and drafts on
-demand. Any tree is valid for verification, so hits never change greedy output; sampled trees
+state: it runs while the verifier is busy with that tree (for a chain, inside the one-pass draft
+ahead). A miss drafts on demand; for an argmax chain its catch-up waits for that draft and runs
+in the same pass (drafter/engine.py), otherwise at once. Any tree is valid for verification, so hits never change greedy output; sampled trees
 carry the q they were drawn from. Chains with deterministic drafts take a one-pass path when the
 proposer offers it (`ahead_chains`, drafter/ahead_chains.py): the same outcomes and trees from
 one forced chain and one batched chain per outcome, with no forks.
@@ -49,8 +50,7 @@ class DraftAheadMixin:
         # A chain group whose every request has a deferred catch-up (a hit's) runs it inside the
         # chain pass (one graph: drafter/ahead_chains.py); every other deferred catch-up runs first.
         fused = getattr(self.proposer, "catch_up_ahead_chains", None)
-        inside = {m for m, ids in chains.items()
-                  if fused is not None and all(self.deferred.get(i, (0, None))[1] is not None for i in ids)}
+        inside = {m for m, ids in chains.items() if fused is not None and self._all_deferred(ids)}
         self.flush_deferred([i for i in request_ids if not any(i in chains[m] for m in inside)])
         forks: list[str] = []
         try:

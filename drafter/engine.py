@@ -172,6 +172,11 @@ class DrafterEngine(DraftAheadMixin):
             self.requests[out.request_id].token_ids.extend(out.token_ids)
             self.store.drop(out.request_id)
 
+    def _all_deferred(self, request_ids: list[str]) -> bool:
+        """Whether every one of these requests has a deferred catch-up with its features (what a
+        one-pass catch-up inside a draft or a draft ahead runs)."""
+        return all(self.deferred.get(i, (0, None))[1] is not None for i in request_ids)
+
     def flush_deferred(self, request_ids: list[str]) -> None:
         """Runs the deferred catch-ups of these requests (draft ahead: a hit's catch-up waits
         for the next call that reads the proposer's state)."""
@@ -197,8 +202,8 @@ class DrafterEngine(DraftAheadMixin):
         # A group of deterministic drafts whose every request has a deferred catch-up runs it in
         # the same pass (`catch_up_propose`); every other deferred catch-up runs first.
         fused = getattr(self.proposer, "catch_up_propose", None)
-        inside = {key for key, idx in parts.items() if fused is not None and not key[0]
-                  and all(self.deferred.get(reqs[i].request_id, (0, None))[1] is not None for i in idx)}
+        inside = {key for key, idx in parts.items()
+                  if fused is not None and not key[0] and self._all_deferred([reqs[i].request_id for i in idx])}
         self.flush_deferred([reqs[i].request_id for key, idx in parts.items() if key not in inside for i in idx])
         for key, idx in parts.items():
             group = [reqs[i] for i in idx]

@@ -180,25 +180,37 @@ class EagleProposer:
         sampled). Exact because the head has one layer: K/V depend only on each row's input.
         With `cuda_graphs`, catch-ups of at most max(PAIR_BUCKETS) pairs per request replay a
         CUDA graph (drafter/graphs.py); longer ones (prefills) run eagerly."""
-        slots = [self.slots.get(r.request_id) for r in reqs]
-        base = [self.cache_len.get(r.request_id, 0) for r in reqs]
-        for r, n, b0, f, slot in zip(reqs, num_new, base, features, slots):
-            assert n >= 1 and b0 + n == r.committed_len - 1, (r.request_id, b0, n, r.committed_len)
-            assert f.shape[0] == n, "one feature row per new pair"
-            self.cache.trim(slot, b0)      # last round's draft scratch
-            self.cache.reserve(slot, b0 + n)
-        token_ids = [r.token_ids[r.committed_len - n:] for r, n in zip(reqs, num_new)]
-        feats = to_device_all(features, self.device, self.dtype)                           # [n, F] each
+        slots, base, token_ids, feats = self._prepare_catch_up(reqs, num_new, features)
         graphs = self.catch_up_graphs
         if graphs is not None and graphs.supports(len(reqs), max(num_new)):
             out, logits = graphs.run(slots, base, token_ids, feats)
         else:   # the same computation unpadded, eagerly
             inp = catch_up_inputs(self.cache, slots, base, token_ids, feats, len(reqs), max(num_new))
             out, logits = catch_up_forward(self.head, self.cache, inp, max(b + n for b, n in zip(base, num_new)))
+        self._record(reqs, [b0 + n for b0, n in zip(base, num_new)], out[:, 0], logits[:, 0])
+
+    def _prepare_catch_up(self, reqs, num_new, features, room: int = 0):
+        """Checks a catch-up's arguments and makes the room: each slot trimmed to its absorbed
+        entries (last round's draft scratch goes) and reserved for n more, plus `room` (scratch a
+        pass after it writes) -> (slots, base, each request's new tokens, features on the
+        proposer's device in its dtype)."""
+        slots = [self.slots.get(r.request_id) for r in reqs]
+        base = [self.cache_len.get(r.request_id, 0) for r in reqs]
+        for r, n, b0, f, slot in zip(reqs, num_new, base, features, slots):
+            assert n >= 1 and b0 + n == r.committed_len - 1, (r.request_id, b0, n, r.committed_len)
+            assert f.shape[0] == n, "one feature row per new pair"
+            self.cache.trim(slot, b0)
+            self.cache.reserve(slot, b0 + n + room)
+        token_ids = [r.token_ids[r.committed_len - n:] for r, n in zip(reqs, num_new)]
+        return slots, base, token_ids, to_device_all(features, self.device, self.dtype)
+
+    def _record(self, reqs, cache_lens: list[int], hidden: torch.Tensor, logits: torch.Tensor) -> None:
+        """A catch-up is in: each request's head-cache length, and the head's hidden [B, H] and
+        logits [B, Vd] for its last pair."""
         for i, r in enumerate(reqs):
-            self.cache_len[r.request_id] = base[i] + num_new[i]
-            self.last_hidden[r.request_id] = out[i, 0]
-            self.last_logits[r.request_id] = logits[i, 0]
+            self.cache_len[r.request_id] = cache_lens[i]
+            self.last_hidden[r.request_id] = hidden[i]
+            self.last_logits[r.request_id] = logits[i]
 
     def record_catch_up(self, request_id: str, num_new: int, last_hidden: torch.Tensor,
                         last_logits: torch.Tensor) -> None:
@@ -278,7 +290,6 @@ class EagleProposer:
         the cache has no room for the scratch, the catch-up still runs before KVCacheFull."""
         m, steps = len(chains[0]), self.cfg.max_draft_nodes
         need = scratch_entries(m, steps, width)
-        slots = [self.slots.get(r.request_id) for r in reqs]
         base = [self.cache_len.get(r.request_id, 0) for r in reqs]
         graphs = self.ahead_graphs
         if (graphs is None or width == 0 or not graphs.supports(len(reqs), max(num_new))
@@ -286,24 +297,14 @@ class EagleProposer:
             self.catch_up(reqs, num_new, features)
             return self.ahead_chains(reqs, chains, width)
         assert all(len(c) == m for c in chains) and not any(r.sample_drafts for r in reqs)
-        for r, n, b0, f, slot in zip(reqs, num_new, base, features, slots):
-            assert n >= 1 and b0 + n == r.committed_len - 1, (r.request_id, b0, n, r.committed_len)
-            assert f.shape[0] == n, "one feature row per new pair"
-            self.cache.trim(slot, b0)      # last round's draft scratch
         try:
-            for slot, b0, n in zip(slots, base, num_new):
-                self.cache.reserve(slot, b0 + n + need)
+            slots, base, token_ids, feats = self._prepare_catch_up(reqs, num_new, features, room=need)
         except KVCacheFull:
             self.catch_up(reqs, num_new, features)
             raise
-        token_ids = [r.token_ids[r.committed_len - n:] for r, n in zip(reqs, num_new)]
-        feats = to_device_all(features, self.device, self.dtype)
         caught = [b0 + n for b0, n in zip(base, num_new)]
         packed, hidden, logits = graphs.run_caught_up(slots, caught, token_ids, feats, chains, steps, width)
-        for i, r in enumerate(reqs):
-            self.cache_len[r.request_id] = caught[i]
-            self.last_hidden[r.request_id] = hidden[i, 0]
-            self.last_logits[r.request_id] = logits[i]
+        self._record(reqs, caught, hidden[:, 0], logits)
         return outcome_trees(packed, chains, self.cfg.num_draft_tokens)
 
     @torch.no_grad()
@@ -323,23 +324,13 @@ class EagleProposer:
         if chain is None or not chain.supports(len(reqs), self.cfg.topk, reqs[0].sample_drafts, steps, max(num_new)):
             self.catch_up(reqs, num_new, features)
             return self.propose(reqs, num_steps)
-        ids = [r.request_id for r in reqs]
-        slots = [self.slots.get(i) for i in ids]
-        base = [self.cache_len.get(i, 0) for i in ids]
-        for r, n, b0, f, slot in zip(reqs, num_new, base, features, slots):
-            assert n >= 1 and b0 + n == r.committed_len - 1, (r.request_id, b0, n, r.committed_len)
-            assert f.shape[0] == n, "one feature row per new pair"
-            self.cache.trim(slot, b0)      # last round's draft scratch
-            self.cache.reserve(slot, b0 + n + max(0, self.cfg.num_steps - 1))   # as propose
+        # The room propose reserves for a chain's scratch.
+        slots, base, token_ids, feats = self._prepare_catch_up(reqs, num_new, features,
+                                                               room=max(0, self.cfg.num_steps - 1))
         caught = [b0 + n for b0, n in zip(base, num_new)]
-        token_ids = [r.token_ids[r.committed_len - n:] for r, n in zip(reqs, num_new)]
-        feats = to_device_all(features, self.device, self.dtype)
         tree, hidden, logits = chain.propose_caught_up(to_device(slots, self.device), caught, token_ids, feats, steps,
                                                        self.cfg.num_draft_tokens)
-        for i, rid in enumerate(ids):
-            self.cache_len[rid] = caught[i]
-            self.last_hidden[rid] = hidden[i, 0]
-            self.last_logits[rid] = logits[i]
+        self._record(reqs, caught, hidden[:, 0], logits)
         return tree
 
     @torch.no_grad()

@@ -57,6 +57,15 @@ class _PreCall:
         self._reply = None
         self._waiters: list = []      # callables run once it is done (from its thread)
 
+    @property
+    def done(self) -> bool:
+        return self._done
+
+    def run(self, engine) -> tuple:
+        """The engine calls, in the link's worker -> (reply, `item_key`s of the extend items it
+        absorbed)."""
+        raise NotImplementedError
+
     def finish(self, reply) -> None:
         with self._lock:
             self._done, self._reply = True, reply
@@ -95,6 +104,20 @@ class PreDraft(_PreCall):
         trees of the configured depth."""
         return bool(tags) and list(tags) == list(self.tags) and not any(num_steps or ())
 
+    def run(self, engine) -> tuple:
+        """A stale item or tag makes no tree (None): the router's own calls then say so."""
+        from drafter.service_core import drafter_draft, drafter_extend
+
+        try:
+            unknown = drafter_extend(engine, self.extend)
+        except (ValueError, KeyError):   # checked before anything is absorbed
+            return None, []
+        absorbed = [item_key(i) for i in self.extend if i.tag.request_id not in unknown]
+        try:
+            return (None if unknown else drafter_draft(engine, self.tags, None)), absorbed
+        except (ValueError, KeyError):
+            return None, absorbed
+
 
 class PreAhead(_PreCall):
     """One pre-ahead call (LocalDrafterLink.pre_ahead): its arguments, and its reply once done."""
@@ -113,6 +136,12 @@ class PreAhead(_PreCall):
             a.tag == b.tag and list(a.token_ids) == list(b.token_ids) and a.features is b.features
             for a, b in zip(mine, extend))
 
+    def run(self, engine) -> tuple:
+        from drafter.service_core import drafter_draft_ahead
+
+        reply = drafter_draft_ahead(engine, self.tags, self.extend)
+        return reply, [item_key(i) for i in self.extend if i.tag.request_id not in reply.unknown]
+
     def restricted(self, reply, tags: list[Tag]):
         """Its reply for `tags` (a subset of its own, in their order)."""
         if [t.request_id for t in tags] == [t.request_id for t in self.tags]:
@@ -121,3 +150,9 @@ class PreAhead(_PreCall):
         ids = set(at) & {t.request_id for t in tags}
         return AheadReply([reply.hits[at[t.request_id]] for t in tags], [reply.trees[at[t.request_id]] for t in tags],
                           [u for u in reply.unknown if u in ids])
+
+
+def item_key(item) -> tuple[str, int]:
+    """An extend item's identity for what a pre-call absorbed: (request id, committed length
+    after it)."""
+    return item.tag.request_id, item.tag.committed_len

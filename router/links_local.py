@@ -11,8 +11,9 @@ import sys
 import threading
 import time
 
-from router.link_handoffs import PreAhead, PreDraft, StagedTrees
+from router.link_handoffs import PreAhead, PreDraft, StagedTrees, item_key
 from router.links import DraftHandle, EngineUnavailable, Tag
+from spectandem.devices import engine_device
 
 
 # In one process the router's event loop and the two engines' worker threads take turns at the
@@ -56,7 +57,7 @@ class _LocalLink:
         self._engine_lock = threading.Lock()
         self._stream = None
         self.busy_s: dict[str, float] = {}
-        device = _engine_device(engine)
+        device = engine_device(engine)
         if device is not None and device.type == "cuda":
             import torch
 
@@ -237,39 +238,36 @@ class LocalDrafterLink(_LocalLink):
 
     def __init__(self, engine, model_name: str = "draft"):
         super().__init__(engine, model_name)
-        self._pre: PreAhead | None = None           # the last pre-ahead, until a call claims it
-        self._pre_draft: PreDraft | None = None     # the last pre-draft, until a draft claims it
+        self._pending: PreAhead | PreDraft | None = None   # the last pre-call, until a call claims it
         self._last_pre = None                         # the last pre-call started: calls go after it
         self._pre_jobs: queue.SimpleQueue | None = None
-        self._absorbed: set[tuple[str, int]] = set()  # extend items a pre-ahead absorbed (id, length)
+        self._absorbed: set[tuple[str, int]] = set()  # extend items a pre-call absorbed (id, length)
         self._pre_failed: tuple[str, Exception] | None = None   # (the pre-call's name, its error)
         self.pre_ahead_used = 0                       # draft_ahead calls answered by a pre-ahead
         self.pre_draft_used = 0                       # draft calls answered by a pre-draft
         self.pre_drafts = 0                           # pre-drafts started
 
     def pre_ahead(self, tags: list[Tag], extend: list) -> bool:
-        """From any thread: starts draft_ahead(tags, extend) now, in this link's pre-ahead thread
+        """From any thread: starts draft_ahead(tags, extend) now, in this link's pre-call thread
         (one engine call at a time, as every call). The next draft_ahead whose tags and catch-up
         items it covers returns its reply; any other call first waits for it and skips the items
         it absorbed (extend, draft_ahead)."""
-        self._pre = PreAhead(list(tags), list(extend))
-        self._start(self._pre)
+        self._start(PreAhead(list(tags), list(extend)))
         return True
 
     def pre_draft(self, tags: list[Tag], extend: list) -> bool:
         """From any thread: starts extend(extend) then draft(tags) now, in the same thread as
         pre_ahead. The next draft of exactly these tags (configured depth) returns its tree;
         any other call first waits for it and skips the items it absorbed."""
-        self._pre_draft = PreDraft(list(tags), list(extend))
         self.pre_drafts += 1
-        self._start(self._pre_draft)
+        self._start(PreDraft(list(tags), list(extend)))
         return True
 
     def _start(self, job) -> None:
-        self._last_pre = job
+        self._pending = self._last_pre = job
         if self._pre_jobs is None:
             self._pre_jobs = queue.SimpleQueue()
-            threading.Thread(target=self._pre_worker, name="drafter-pre-ahead", daemon=True).start()
+            threading.Thread(target=self._pre_worker, name="drafter-pre-call", daemon=True).start()
         self._pre_jobs.put(job)
 
     def _pre_worker(self) -> None:
@@ -284,45 +282,43 @@ class LocalDrafterLink(_LocalLink):
                 job.finish(reply)
 
     def _pre_run(self, job):
-        from drafter.service_core import drafter_draft, drafter_draft_ahead, drafter_extend
+        reply, absorbed = job.run(self.engine)
+        self._absorbed.update(absorbed)
+        return reply
 
-        if job.kind == "draft_ahead":
-            reply = drafter_draft_ahead(self.engine, job.tags, job.extend)
-            self._absorbed.update(_item_key(i) for i in job.extend if i.tag.request_id not in reply.unknown)
-            return reply
-        try:
-            unknown = drafter_extend(self.engine, job.extend)
-        except (ValueError, KeyError):   # stale items (nothing absorbed): the router's own calls say so
+    def _claim(self, cls, *args):
+        """The pending pre-call if it is a `cls` (which then stops pending) and covers a call of
+        these arguments; None otherwise."""
+        job = self._pending
+        if not isinstance(job, cls):
             return None
-        self._absorbed.update(_item_key(i) for i in job.extend if i.tag.request_id not in unknown)
-        try:
-            return None if unknown else drafter_draft(self.engine, job.tags, None)
-        except (ValueError, KeyError):   # a stale tag: the router's own draft call says so
-            return None
+        self._pending = None
+        return job if job.covers(*args) else None
 
     async def _run(self, kind: str, fn, *args, sync: bool = True):
         # A pre-call the verifier's worker started (before the router had that verdict) goes
         # first: the router's calls that follow the verdict see its effects.
         job = self._last_pre
-        if job is not None:
+        if job is not None and not job.done:
             await job.result()
         return await super()._run(kind, fn, *args, sync=sync)
 
     def _raise_pre_failure(self) -> None:
-        """A failed pre-call (pre-ahead, pre-draft) left the engine in an unknown state: the next call fails as the
-        engine's own failure (EngineUnavailable: the router takes the drafter down), once."""
+        """A failed pre-call (pre-ahead, pre-draft) left the engine in an unknown state: the next
+        call fails as the engine's own failure (EngineUnavailable: the router takes the drafter
+        down), once."""
         if self._pre_failed is not None:
             (name, exc), self._pre_failed = self._pre_failed, None
             self._absorbed.clear()
             raise EngineUnavailable(f"{name} failed: {exc}") from exc
 
     def _unabsorbed(self, items: list) -> list:
-        """In the worker, after any pre-ahead: the items no pre-ahead absorbed yet."""
+        """In the worker, after any pre-call: the items no pre-call absorbed yet."""
         self._raise_pre_failure()
         if not self._absorbed:
             return items
-        keep = [i for i in items if _item_key(i) not in self._absorbed]
-        self._absorbed.difference_update(_item_key(i) for i in items)
+        keep = [i for i in items if item_key(i) not in self._absorbed]
+        self._absorbed.difference_update(item_key(i) for i in items)
         return keep
 
     async def prefill(self, items):
@@ -331,8 +327,8 @@ class LocalDrafterLink(_LocalLink):
         return await self._run("prefill", drafter_prefill, self.engine, items)
 
     async def draft(self, tags, num_steps=None):
-        job, self._pre_draft = self._pre_draft, None
-        if job is not None and job.covers(tags, num_steps):
+        job = self._claim(PreDraft, tags, num_steps)
+        if job is not None:
             async with self._lock:
                 tree = await job.result()
             if tree is not None:
@@ -349,14 +345,14 @@ class LocalDrafterLink(_LocalLink):
     async def draft_ahead(self, tags, extend=(), on_trees=None):
         """`on_trees(reply.trees)` from the worker, once the trees are on the host (the
         verifier link's direct_stage: the verifier gets them before the router's turn)."""
-        job, self._pre = self._pre, None
-        if job is not None and job.covers(tags, extend):
+        job = self._claim(PreAhead, tags, extend)
+        if job is not None:
             async with self._lock:
                 reply = await job.result(on_trees)
             if reply is None:
                 self._raise_pre_failure()
             self.pre_ahead_used += 1
-            self._absorbed.difference_update(_item_key(i) for i in extend)
+            self._absorbed.difference_update(item_key(i) for i in extend)
             return job.restricted(reply, tags)
         return await self._run("draft_ahead", self._draft_ahead, on_trees, tags, list(extend))
 
@@ -393,20 +389,3 @@ class LocalDrafterLink(_LocalLink):
 
     async def close(self):
         return None
-
-
-def _item_key(item) -> tuple[str, int]:
-    """An extend item's identity for `_absorbed`: (request id, committed length after it)."""
-    return item.tag.request_id, item.tag.committed_len
-
-
-def _engine_device(engine):
-    """The torch device an in-process engine computes on (None: none, e.g. n-gram drafting)."""
-    runner = getattr(engine, "runner", None)
-    proposer = getattr(engine, "proposer", None)
-    device = getattr(runner, "device", None) or getattr(proposer, "device", None)
-    if device is None:
-        return None
-    import torch
-
-    return torch.device(device)

@@ -118,15 +118,13 @@ class RoundsMixin:
         hit): the drafter's next draft-ahead call starts now with the arguments the router's
         next round gives it (this verdict's catch-ups), where the drafter link can
         (DrafterLink.pre_ahead). Its reply answers that call."""
-        self.drafter.pre_ahead([res.tag for res in results],
-                               [ExtendItem(res.tag, res.token_ids, res.features) for res in results])
+        self.drafter.pre_ahead(*_next_call_args(results))
 
     def _pre_draft(self, results) -> None:
         """From the verifier link's worker, when an armed verify's verdict did not chain (a miss):
         the drafter's catch-up and the next round's draft start now, with the arguments the
         router's next calls give (DrafterLink.pre_draft). Its tree answers that draft call."""
-        self.drafter.pre_draft([res.tag for res in results],
-                               [ExtendItem(res.tag, res.token_ids, res.features) for res in results])
+        self.drafter.pre_draft(*_next_call_args(results))
 
     def _cached(self, r: ServedRequest, ahead: bool) -> bool:
         """Whether this ahead round drafts ahead for `r` (its next tree may be held for the router)."""
@@ -359,3 +357,8 @@ class RoundsMixin:
             self.running = []
             return
         await self._drafter_prefill(stale, feats)
+
+
+def _next_call_args(results) -> tuple[list, list[ExtendItem]]:
+    """A verdict's RoundResults -> the tags and catch-up items of the drafter's next call."""
+    return [res.tag for res in results], [ExtendItem(res.tag, res.token_ids, res.features) for res in results]

@@ -137,15 +137,20 @@ class ControlledProposer:
         (`EagleProposer.catch_up_propose`): the plan's drafts, the real cost."""
         if any(r.sample_drafts for r in reqs):
             raise ValueError("controlled acceptance needs deterministic drafts (greedy requests)")
-        inner = getattr(self.inner, "catch_up_propose", None)
+        tree = self._caught_up("catch_up_propose", reqs, num_new, features, num_steps)
+        return self.propose(reqs, num_steps) if tree is None else self._planned(reqs, tree)
+
+    def _caught_up(self, name, reqs, num_new, features, *args):
+        """The inner proposer's one-pass call `name` (a catch-up, then a pass), checking the
+        committed tokens against the truth; None (only the catch-up run) when it has none."""
+        inner = getattr(self.inner, name, None)
         if inner is None:
             self.catch_up(reqs, num_new, features)
-            return self.propose(reqs, num_steps)
+            return None
         try:
-            tree = inner(reqs, num_new, features, num_steps)
+            return inner(reqs, num_new, features, *args)
         finally:   # the catch-up has run unless the inner proposer failed before it
             self._check_truth(reqs, num_new)
-        return self._planned(reqs, tree)
 
     def _planned(self, reqs, tree):
         """The inner proposer's chains with the plan's drafts in their place."""
@@ -184,14 +189,8 @@ class ControlledProposer:
     def catch_up_ahead_chains(self, reqs, num_new, features, chains, width):
         """`catch_up` then `ahead_chains`, in the inner proposer's one pass when it has one
         (`EagleProposer.catch_up_ahead_chains`): the plan's outcomes, the real cost."""
-        inner = getattr(self.inner, "catch_up_ahead_chains", None)
-        if inner is None:
-            self.catch_up(reqs, num_new, features)
+        if self._caught_up("catch_up_ahead_chains", reqs, num_new, features, chains, width) is None:
             return self.ahead_chains(reqs, chains, width)
-        try:
-            inner(reqs, num_new, features, chains, width)
-        finally:   # the catch-up has run unless the inner proposer failed before it
-            self._check_truth(reqs, num_new)
         return self._planned_outcomes(reqs, chains, width)
 
     def _planned_outcomes(self, reqs, chains, width):

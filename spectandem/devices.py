@@ -53,3 +53,11 @@ def to_device_all(tensors: list[torch.Tensor], device, dtype: torch.dtype | None
         return [to_device(t, device, dtype) for t in tensors]
     joined = to_device(torch.cat([t if dtype is None else t.to(dtype) for t in tensors]), device, dtype)
     return list(joined.split([t.shape[0] for t in tensors]))
+
+
+def engine_device(engine) -> torch.device | None:
+    """The torch device an in-process engine computes on (None: none, e.g. n-gram drafting)."""
+    runner = getattr(engine, "runner", None)
+    proposer = getattr(engine, "proposer", None)
+    device = getattr(runner, "device", None) or getattr(proposer, "device", None)
+    return None if device is None else torch.device(device)
