@@ -23,7 +23,9 @@ and the engine calls are profiled apart.
     python benchmarks/profile_router.py --batch 1 --setups ahead --drafter-device cuda:1 --trace 4
 
 `--trace N` adds a batch with the timers on and no profiler, and prints N of its rounds as a
-timeline: every timed call's start and end, by thread.
+timeline: every timed call's start and end, by thread. `--kineto PATH` adds a batch under
+torch.profiler (no timers), writes its Chrome trace to PATH and prints where each GPU idled
+(benchmarks/gpu_gaps.py): the device's own timeline, not the host's view of it.
 """
 
 from __future__ import annotations
@@ -71,21 +73,52 @@ TIMED = ("router.scheduler:Router._plan", "router.scheduler:Router._release", "r
          "drafter.ahead_chains:AheadChainGraphs.run_caught_up")
 
 
+# The few calls `--marks` times: light enough that a round keeps its shape.
+MARKS = ("verifier.graphs:VerifyGraphs.run", "verifier.engine:VerifierEngine._accept",
+         "router.links_local:LocalVerifierLink._launch_next", "verifier.engine:VerifierEngine.verify",
+         "router.links_local:LocalDrafterLink._pre_run", "drafter.ahead_chains:ahead_inputs",
+         "drafter.ahead_chains:AheadChainGraphs._run", "router.link_handoffs:StagedTrees.put_trees",
+         "drafter.engine:DrafterEngine.draft", "drafter.engine:DrafterEngine.extend")
+
+
+def round_marks(trace: list, anchor: str = "VerifyGraphs.run") -> str:
+    """Per verify launch (the end of `anchor`: the forward is queued) until the next one: the
+    offset of the first start and the first end of every other timed call in that interval, as
+    the median (p25-p75) over the intervals, in ms; the interval's own length last."""
+    launches = sorted(t1 for label, _, t1, _ in trace if label == anchor)
+    offsets: dict[str, list] = defaultdict(list)
+    for a, b in zip(launches, launches[1:]):
+        seen = set()
+        for label, t0, t1, _ in sorted(trace, key=lambda e: e[1]):
+            for what, t in (("start", t0), ("end", t1)):
+                key = f"{label} {what}"
+                if a <= t < b and key not in seen and label != anchor:
+                    seen.add(key)
+                    offsets[key].append(1000 * (t - a))
+        offsets["next launch"].append(1000 * (b - a))
+    q = lambda xs, f: sorted(xs)[int(f * (len(xs) - 1))]
+    rows = [f"   {'call':52s} {'rounds':>6s} {'median':>7s} {'p25':>7s} {'p75':>7s}"]
+    for key, xs in sorted(offsets.items(), key=lambda kv: q(kv[1], 0.5)):
+        rows.append(f"   {key:52s} {len(xs):6d} {q(xs, 0.5):7.3f} {q(xs, 0.25):7.3f} {q(xs, 0.75):7.3f}")
+    return "\n".join(rows)
+
+
 class Timers:
     """Wall time inside each of TIMED (sync and async functions), summed per function."""
 
-    def __init__(self):
+    def __init__(self, names: tuple[str, ...] = TIMED):
         self.ms: dict[str, float] = defaultdict(float)
         self.calls: dict[str, int] = defaultdict(int)
         self.on = False
         self.trace: list | None = None    # (label, start, end, thread) of every timed call, when a list
         self._lock = threading.Lock()
         self._patched = []
-        for name in TIMED:
+        for name in names:
             module, qual = name.split(":")
             cls_name, _, fn_name = qual.rpartition(".")
             owner = getattr(importlib.import_module(module), cls_name) if cls_name else importlib.import_module(module)
-            self._patch(owner, fn_name, qual)
+            if hasattr(owner, fn_name):   # (older code, compared in turn, may lack a function)
+                self._patch(owner, fn_name, qual)
 
     def _add(self, label: str, t0: float) -> None:
         if self.on:
@@ -143,6 +176,49 @@ class Timers:
             setattr(owner, fn_name, inner)
 
 
+def _launch_costs(repeats: int = 20) -> str:
+    """For every captured CUDA graph alive in this process (found through the garbage collector),
+    on its own device: the host time of `replay()`, the time from an idle device's `replay()`
+    call to the graph's end, and the graph's device time alone (replays queued behind a sleep
+    that outlasts their launches). Launch latency = the second less the third. Replaying writes
+    the graphs' static outputs and the cache rows of their last inputs: run it when no request
+    is live."""
+    graphs = [o for o in gc.get_objects() if isinstance(o, torch.cuda.CUDAGraph)]
+    rows = [f"   {'graph':>16s} {'device':>6s} {'host replay us':>15s} {'idle start->end us':>19s} "
+            f"{'device us':>10s} {'latency us':>11s}"]
+    results = []
+    for g in graphs:
+        dev = getattr(g, "device", None)
+        for d in ([] if dev is None else [dev.index or 0]):
+            with torch.cuda.device(d):
+                host, idle = [], []
+                for _ in range(repeats):
+                    torch.cuda.synchronize()
+                    e0, e1 = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+                    e0.record()
+                    t0 = time.perf_counter()
+                    g.replay()
+                    host.append(time.perf_counter() - t0)
+                    e1.record()
+                    torch.cuda.synchronize()
+                    idle.append(e0.elapsed_time(e1) / 1000)
+                torch.cuda.synchronize()
+                e0, e1 = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+                torch.cuda._sleep(int(2e9 * 0.02 * repeats))     # outlasts the launches below
+                e0.record()
+                for _ in range(repeats):
+                    g.replay()
+                e1.record()
+                torch.cuda.synchronize()
+                alone = e0.elapsed_time(e1) / 1000 / repeats
+            med = lambda xs: sorted(xs)[len(xs) // 2]
+            results.append((alone, f"   {id(g) % 10**8:16d} {d:6d} {1e6 * med(host):15.1f} {1e6 * med(idle):19.1f} "
+                                   f"{1e6 * alone:10.1f} {1e6 * (med(idle) - alone):11.1f}"))
+            break
+    rows += [r for _, r in sorted(results, key=lambda x: -x[0])]
+    return "\n".join(rows)
+
+
 def _top(prof: cProfile.Profile, n: int) -> str:
     buf = io.StringIO()
     pstats.Stats(prof, stream=buf).sort_stats("tottime").print_stats(n)
@@ -152,7 +228,8 @@ def _top(prof: cProfile.Profile, n: int) -> str:
 
 
 async def _profile(runs, setup: str, rate: float, batch: int, top: int, plain_steps: int = 1,
-                   clean: int = 0, gc_freeze: bool = False, trace: int = 0) -> str:
+                   clean: int = 0, gc_freeze: bool = False, trace: int = 0, kineto: str | None = None,
+                   launch_cost: bool = False, marks: bool = False) -> str:
     forced = {"spec-plain": "plain", "sequential": "sequential", "ahead": "ahead"}.get(setup)
     s = br._setup(runs, None if setup == "plain" else rate, setup if setup in ("ahead", "auto") else "sequential",
                   batch, plain_steps)
@@ -215,6 +292,26 @@ async def _profile(runs, setup: str, rate: float, batch: int, top: int, plain_st
             timers.trace = None
             timers.ms.clear()
             timers.calls.clear()
+        if marks:   # one batch with a few calls timed: where a round's time goes, as offsets
+            light = Timers(MARKS)
+            light.on, light.trace = True, []
+            try:
+                await asyncio.wait_for(br._timed(s, runs, *ids()), 300)
+            finally:
+                light.on = False
+                light.restore()
+            timeline += f"-- offsets from each verify launch (ms; {len(MARKS)} calls timed)\n{round_marks(light.trace)}\n"
+        if kineto:   # one batch under torch.profiler: the GPUs' own timelines
+            from torch.profiler import ProfilerActivity, profile
+
+            with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as kprof:
+                await asyncio.wait_for(br._timed(s, runs, *ids()), 300)
+            path = kineto.replace("{setup}", setup)
+            kprof.export_chrome_trace(path)
+            sys.path.insert(0, str(__import__("pathlib").Path(__file__).parent))
+            from gpu_gaps import summarize
+
+            timeline += f"-- GPU timelines of a profiled batch ({path})\n{summarize(path)}\n"
         loop_prof = cProfile.Profile()
         calls["on"] = timers.on = True
         loop_prof.enable()
@@ -223,6 +320,8 @@ async def _profile(runs, setup: str, rate: float, batch: int, top: int, plain_st
         finally:
             loop_prof.disable()
             calls["on"] = timers.on = False
+        if launch_cost:
+            timeline += f"-- CUDA graph launches (every captured graph, replayed alone)\n{_launch_costs()}\n"
     finally:
         gc.callbacks.remove(on_gc)
         router_links._LocalLink._call = inner_call
@@ -253,6 +352,12 @@ def main() -> None:
     ap.add_argument("--clean", type=int, default=0, help="timed batches without a profiler first (their wall and busy time)")
     ap.add_argument("--setups", default="plain,spec-plain,sequential")
     ap.add_argument("--trace", type=int, default=0, help="print the timeline of this many rounds of a traced batch")
+    ap.add_argument("--kineto", default=None,
+                    help="Chrome trace path of one torch.profiler batch ({setup} is replaced); prints GPU idle gaps")
+    ap.add_argument("--marks", action="store_true",
+                    help="a batch with a few calls timed: their offsets from each verify launch")
+    ap.add_argument("--launch-cost", action="store_true",
+                    help="after the batches, time every captured CUDA graph's launch (host and latency)")
     ap.add_argument("--gc-freeze", action="store_true", help="gc.freeze() after each setup's warm-up batch")
     ap.add_argument("--drafter-device", default=None, help="the drafter's device (default: the target's)")
     ap.add_argument("--scale", choices=("full", "tiny"), default="full", help="tiny: a smoke test on the CPU")
@@ -271,7 +376,8 @@ def main() -> None:
     heads = []
     for setup in setups:
         text, head_line = asyncio.run(_profile(runs, setup, args.rate, args.batch, args.top, args.plain_steps,
-                                               args.clean, args.gc_freeze, args.trace))
+                                               args.clean, args.gc_freeze, args.trace, args.kineto,
+                                               args.launch_cost, args.marks))
         heads.append(head_line)
         print(text, flush=True)
     print("\n".join(heads))

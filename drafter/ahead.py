@@ -21,7 +21,7 @@ from __future__ import annotations
 import logging
 
 from drafter.proposers import DraftRequest
-from drafter.tree import ready_rows
+from drafter.tree import host_lists, ready_rows
 from spectandem.block_manager import KVCacheFull
 from spectandem.devices import to_host
 from spectandem.messages import ReadyTree
@@ -94,7 +94,7 @@ class DraftAheadMixin:
             rows = {}
             for key, (tree, row) in cache[1].items():
                 if id(tree) not in host:
-                    host[id(tree)] = to_host(tree.token_ids, tree.parents, tree.scores)
+                    host[id(tree)] = host_lists(*to_host(tree.token_ids, tree.parents, tree.scores))
                 rows[key] = ready_rows(key[-1], host[id(tree)], row)
             self.outcome_rows[rid] = rows
 

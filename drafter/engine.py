@@ -18,7 +18,7 @@ import torch
 from drafter.ahead import DraftAheadMixin
 from drafter.lm_proposers import DraftModelProposer, NgramProposer
 from drafter.proposers import DraftRequest, EagleProposer, Proposer
-from drafter.tree import TreeDraft, ready_rows
+from drafter.tree import TreeDraft, host_lists, ready_rows
 from spectandem.config import SamplingParams, SpecConfig
 from spectandem.devices import to_host
 from spectandem.messages import DraftTree, ReadyTree, StaleMessage, VerifyOutput, trees_from_ready
@@ -218,10 +218,11 @@ class DrafterEngine(DraftAheadMixin):
         for d, _ in drafts.values():
             if id(d) not in host:
                 host[id(d)] = to_host(d.token_ids, d.parents, d.scores, d.node_probs)
+        lists = {k: host_lists(*h[:3]) for k, h in host.items()}
         rows, probs_rows = [], []
         for i, r in enumerate(reqs):
             d, row = drafts[i]
-            rows.append(ready_rows(r.token_ids[-1], host[id(d)], row))
+            rows.append(ready_rows(r.token_ids[-1], lists[id(d)], row))
             if r.sample_drafts:
                 q = host[id(d)][3][row]                                          # [mi + 1, V]
                 self.store.put(r.request_id, r.committed_len, q)

@@ -62,8 +62,10 @@ def drafter_draft(engine, tags: list[Tag], num_steps: list[int | None] | None = 
 
 
 def drafter_draft_ahead(engine, tags: list[Tag], extend: list[ExtendItem] = (),
-                        receiver: FeatureReceiver | None = None) -> AheadReply:
-    """`extend` first (drafter_extend); tags of requests it reports unknown get None (no cache)."""
+                        receiver: FeatureReceiver | None = None, on_trees=None) -> AheadReply:
+    """`extend` first (drafter_extend); tags of requests it reports unknown get None (no cache).
+    `on_trees(trees)`, if given, gets the reply's trees the moment they are on the host, before
+    the call's own bookkeeping (in-process links stage them for the verifier from there)."""
     unknown = drafter_extend(engine, list(extend), receiver) if extend else []
     known = [t for t in tags if t.request_id not in unknown]
     for t in known:
@@ -74,6 +76,8 @@ def drafter_draft_ahead(engine, tags: list[Tag], extend: list[ExtendItem] = (),
     trees = trees(ids) if trees is not None else [None] * len(ids)
     got = {rid: (h, tr) for rid, h, tr in zip(ids, hits, trees)}
     per = [got.get(t.request_id, (None, None)) for t in tags]
+    if on_trees is not None:
+        on_trees([tr for _, tr in per])
     return AheadReply([h for h, _ in per], [tr for _, tr in per], unknown)
 
 

@@ -174,8 +174,13 @@ def sample_chains(first_logits: torch.Tensor, step: StepFn, to_target, num_steps
                      scores=torch.cat(scores, 1)[:, :m].float(), node_probs=probs)
 
 
-def ready_rows(root: int, host_tree: list, row: int) -> ReadyTree:
-    """Request `row` of a drafted tree (TreeDraft's token_ids, parents, scores on the host) as the
-    verifier's rows under `root`, the request's last committed token."""
-    d_tokens, d_parents, d_scores = host_tree[0][row], host_tree[1][row], host_tree[2][row]
-    return ReadyTree((root, *d_tokens.tolist()), (-1, *d_parents.tolist()), (0.0, *d_scores.float().tolist()))
+def host_lists(token_ids: torch.Tensor, parents: torch.Tensor, scores: torch.Tensor) -> tuple[list, list, list]:
+    """A drafted tree's token_ids, parents, scores (TreeDraft's, on the host) as nested lists,
+    each converted once: `ready_rows` then picks rows without a tensor op per row."""
+    return token_ids.tolist(), parents.tolist(), scores.float().tolist()
+
+
+def ready_rows(root: int, lists: tuple[list, list, list], row: int) -> ReadyTree:
+    """Request `row` of a drafted tree (`host_lists`) as the verifier's rows under `root`, the
+    request's last committed token."""
+    return ReadyTree((root, *lists[0][row]), (-1, *lists[1][row]), (0.0, *lists[2][row]))

@@ -56,6 +56,8 @@ class _PreCall:
         self._done = False
         self._reply = None
         self._waiters: list = []      # callables run once it is done (from its thread)
+        self._trees = None            # a pre-ahead's trees, once on the host (before it is done)
+        self._on_trees = None         # who gets them (result's on_trees), once, from either side
 
     @property
     def done(self) -> bool:
@@ -73,20 +75,33 @@ class _PreCall:
         for fn in waiters:
             fn()
 
+    def trees_ready(self, trees) -> None:
+        """From the call's thread, as soon as its trees are on the host (drafter_draft_ahead's
+        on_trees): they go to `result`'s on_trees now if it is registered, else when it is."""
+        with self._lock:
+            self._trees = trees
+            give, self._on_trees = self._on_trees, None
+        if give is not None:
+            give(trees)
+
     async def result(self, on_trees=None):
-        """Its reply (None: it failed or had none), once done. `on_trees(reply.trees)` from its
-        thread the moment it is done (at once if it already is)."""
+        """Its reply (None: it failed or had none), once done. `on_trees(trees)` once, from
+        whichever thread has them first: the call's, as soon as its trees are on the host
+        (`trees_ready`), or this one's at once if they already are."""
         loop = asyncio.get_running_loop()
         fut = loop.create_future()
 
         def done():
-            if on_trees is not None and self._reply is not None:
-                on_trees(self._reply.trees)
             loop.call_soon_threadsafe(lambda: fut.done() or fut.set_result(None))
         with self._lock:
+            trees = self._trees
+            if on_trees is not None and trees is None and not self._done:
+                self._on_trees = on_trees          # trees_ready gives them
             waiting = not self._done
             if waiting:
                 self._waiters.append(done)
+        if on_trees is not None and trees is not None:
+            on_trees(trees)
         if not waiting:
             done()
         await fut
@@ -139,7 +154,7 @@ class PreAhead(_PreCall):
     def run(self, engine) -> tuple:
         from drafter.service_core import drafter_draft_ahead
 
-        reply = drafter_draft_ahead(engine, self.tags, self.extend)
+        reply = drafter_draft_ahead(engine, self.tags, self.extend, on_trees=self.trees_ready)
         return reply, [item_key(i) for i in self.extend if i.tag.request_id not in reply.unknown]
 
     def restricted(self, reply, tags: list[Tag]):

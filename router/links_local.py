@@ -125,6 +125,7 @@ class LocalVerifierLink(_LocalLink):
         self._waited = 0.0                     # seconds the call now running waited for trees
         self.chained_launches = 0
         self.direct_staged = 0                 # trees staged by the drafter's worker (direct_stage)
+        self._round_done = None                    # a CUDA event: an armed verify's own work is done
         self._armed: StagedTrees | None = None     # the last arm_next's, for its verify
         self._staging: StagedTrees | None = None   # the same, for stage_next
 
@@ -174,30 +175,44 @@ class LocalVerifierLink(_LocalLink):
 
     def _verify(self, armed, *args):
         """verifier_verify, its work synchronized. `armed` (a StagedTrees): the engine keeps the
-        verdict, and this call then waits for the staged trees and queues the verdict's next
-        tree (VerifierEngine.launch_next) and, launched, starts the drafter's next call (the
-        armed `then`: the router's pre-ahead) before it returns. The router takes in the verdict
-        only after the launch: its host work (and the drafter's next call, which it starts)
-        would otherwise hold the Python lock the launch needs."""
+        verdict and, from inside the verify, once the round's work is queued and before its
+        outputs are built, calls `_launch_next`: it waits for the staged trees and queues the
+        verdict's next tree. Launched, this call then starts the drafter's next call (the armed
+        `then`: the router's pre-ahead) before it returns. The router takes in the verdict only
+        after the launch: its host work (and the drafter's next call, which it starts) would
+        otherwise hold the Python lock the launch needs."""
         from verifier.service_core import verifier_verify
 
+        staged = []      # the trees the launch had (or None), once the engine's verdict hook ran
         if armed is not None:   # in this thread: the engine's last chained launch is done
-            self.engine.arm_next(armed.request_ids, armed.committed_lens)
+            self.engine.arm_next(armed.request_ids, armed.committed_lens,
+                                 lambda: staged.append(self._launch_next(armed)))
         out = verifier_verify(*args)
-        if self._stream is not None:
-            self._stream.synchronize()
-        verdict = self.engine.take_verdict() if armed is not None else None
-        if verdict is not None:
-            t0 = time.perf_counter()
-            trees = armed.wait(STAGE_WAIT_S)
-            self._waited = time.perf_counter() - t0
-            self._queued = trees is not None and self.engine.launch_next(verdict, trees)
-            self.chained_launches += self._queued
-            if self._queued and armed.then is not None:
-                armed.then(out)
-            elif not self._queued and trees is not None and armed.missed is not None:
-                armed.missed(out)
+        if self._stream is not None:   # this round's work (not the chained forward behind it)
+            (self._round_done if staged else self._stream).synchronize()
+        if staged and self._queued and armed.then is not None:
+            armed.then(out)
+        elif staged and not self._queued and staged[0] is not None and armed.missed is not None:
+            armed.missed(out)
         return out
+
+    def _launch_next(self, armed):
+        """The engine's verdict hook of an armed verify (VerifierEngine.arm_next): marks the end
+        of this round's queued work, waits for the staged trees and queues the verdict's next
+        tree (VerifierEngine.launch_next) -> the trees (None: none came)."""
+        if self._stream is not None:
+            if self._round_done is None:
+                import torch
+
+                self._round_done = torch.cuda.Event()
+            self._round_done.record(self._stream)
+        verdict = self.engine.take_verdict()
+        t0 = time.perf_counter()
+        trees = armed.wait(STAGE_WAIT_S)
+        self._waited = time.perf_counter() - t0
+        self._queued = trees is not None and self.engine.launch_next(verdict, trees)
+        self.chained_launches += self._queued
+        return trees
 
     async def prefill(self, items, want_features):
         from verifier.service_core import verifier_prefill
@@ -359,12 +374,7 @@ class LocalDrafterLink(_LocalLink):
     def _draft_ahead(self, on_trees, tags, extend):
         from drafter.service_core import drafter_draft_ahead
 
-        reply = drafter_draft_ahead(self.engine, tags, self._unabsorbed(extend))
-        if on_trees is not None:
-            if self._stream is not None:
-                self._stream.synchronize()
-            on_trees(reply.trees)
-        return reply
+        return drafter_draft_ahead(self.engine, tags, self._unabsorbed(extend), on_trees=on_trees)
 
     def ready_handle(self, tree, tags):
         return DraftHandle(list(tags), tree)

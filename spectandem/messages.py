@@ -8,6 +8,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+import numpy as np
 import torch
 
 
@@ -102,16 +103,16 @@ def trees_from_ready(request_ids: list[str], committed_lens: list[int], ready: l
     """The round's DraftTree from each request's ready tree (deterministic drafts: no q), padded
     to the widest; a node is valid where its token is not -1."""
     b, n = len(ready), max(len(t.token_ids) for t in ready)
-    token_ids = torch.full((b, n), -1, dtype=torch.long)
-    parents = torch.full((b, n), -1, dtype=torch.long)
-    scores = torch.full((b, n), float("-inf"))
+    # In numpy: this runs on the host between a verdict and the next launch (twice a round).
+    token_ids = np.full((b, n), -1, dtype=np.int64)
+    parents = np.full((b, n), -1, dtype=np.int64)
+    scores = np.full((b, n), float("-inf"), dtype=np.float32)
     for i, t in enumerate(ready):
         m = len(t.token_ids)
-        token_ids[i, :m] = torch.tensor(t.token_ids, dtype=torch.long)
-        parents[i, :m] = torch.tensor(t.parents, dtype=torch.long)
-        scores[i, :m] = torch.tensor(t.scores, dtype=torch.float32)
-    return DraftTree(request_ids=list(request_ids), committed_lens=list(committed_lens), token_ids=token_ids,
-                     parents=parents, node_valid=token_ids >= 0, scores=scores)
+        token_ids[i, :m], parents[i, :m], scores[i, :m] = t.token_ids, t.parents, t.scores
+    return DraftTree(request_ids=list(request_ids), committed_lens=list(committed_lens),
+                     token_ids=torch.from_numpy(token_ids), parents=torch.from_numpy(parents),
+                     node_valid=torch.from_numpy(token_ids >= 0), scores=torch.from_numpy(scores))
 
 
 def root_only_tree(request_ids: list[str], committed_lens: list[int], last_tokens: list[int]) -> DraftTree:

@@ -128,8 +128,10 @@ class VerifierEngine:
         # Per request from whole-batch host lists (one conversion each, not one per request).
         tokens, num_acc, num_drafts = result.token_lists(), result.num_accepted.tolist(), tree.num_draft_tokens()
         self.commit(tree.request_ids, result.accepted_nodes, tokens)
-        if armed == (tuple(tree.request_ids), tuple(tree.committed_lens)):
+        on_verdict = None
+        if armed is not None and armed[:2] == (tuple(tree.request_ids), tuple(tree.committed_lens)):
             self._verdict = (list(tree.request_ids), [r.committed_len for r in reqs], tokens)
+            on_verdict = armed[2]
         picked = None
         if feats is not None:
             # Every request's accepted path crosses to the features' device in one copy and is
@@ -138,6 +140,11 @@ class VerifierEngine:
             w = max(len(t) for t in tokens)
             path = to_device(result.accepted_nodes[:, :w].clamp(min=0), feats.device)
             picked = feats.gather(1, path[..., None].expand(-1, -1, feats.shape[-1]))
+        if on_verdict is not None:
+            # The armed caller's chained launch (router/links_local.py), queued behind this
+            # round's work on the device (it reads the features' buffer the next forward writes)
+            # and before the host builds this round's outputs.
+            on_verdict()
         return [VerifyOutput(request_id=rid, committed_len=req.committed_len, token_ids=toks, num_accepted=k,
                              num_draft_tokens=d, features=None if picked is None else picked[b, : len(toks)])
                 for b, (rid, req, toks, k, d) in enumerate(zip(tree.request_ids, reqs, tokens, num_acc, num_drafts))]
@@ -157,10 +164,13 @@ class VerifierEngine:
         logits, feats = self.runner.verify(slots, cache_lens, tree.token_ids, tree.parents, tree.node_valid)
         return reqs, logits, feats
 
-    def arm_next(self, request_ids: list[str], committed_lens: list[int]) -> None:
+    def arm_next(self, request_ids: list[str], committed_lens: list[int], on_verdict=None) -> None:
         """The next verify, of exactly these tags, chains: its verdict is kept (`take_verdict`).
-        Called before that verify."""
-        self._armed = (tuple(request_ids), tuple(committed_lens))
+        Called before that verify. `on_verdict()`, if given, is called from inside that verify
+        once its verdict is kept and its work is queued, before it builds its outputs: the
+        caller launches the next tree there (`take_verdict`, `launch_next`), as early as the
+        host can."""
+        self._armed = (tuple(request_ids), tuple(committed_lens), on_verdict)
 
     def take_verdict(self) -> tuple | None:
         """The armed verify's verdict, for `launch_next` (None: the last verify was not armed)."""
@@ -256,6 +266,10 @@ class VerifierEngine:
         for b, req in enumerate(reqs):
             rule = "greedy" if req.params.greedy else ("rejection" if tree.sampled[b] else "tree")
             groups.setdefault(rule, []).append(b)
+        on_gpu = logits.is_cuda
+        if on_gpu and set(groups) == {"greedy"}:   # every row in one walk: nothing to merge
+            return self._greedy_on_device(logits, list(range(len(reqs))),
+                                          (tree.token_ids, tree.parents, tree.node_valid))
         b_all, width = len(reqs), tree.num_nodes
         accepted = torch.full((b_all, width), -1, dtype=torch.long)
         outputs = torch.full((b_all, width), -1, dtype=torch.long)
@@ -263,7 +277,6 @@ class VerifierEngine:
         bonus = torch.zeros(b_all, dtype=torch.long)
         # Greedy rows on the GPU are walked there (spectandem/kernels/accept.py): only the argmax
         # and the results cross to the host, not the logits.
-        on_gpu = logits.is_cuda
         lg = logits.float().cpu() if not on_gpu or set(groups) != {"greedy"} else None
         for rule, idx in groups.items():
             sel = torch.tensor(idx)

@@ -92,6 +92,7 @@ def capture_graph(fn: Callable[[], None], pool, device: torch.device, warmup: in
         # while this one captures (the router runs drafter and verifier calls concurrently).
         with torch.cuda.graph(graph, pool=pool, stream=side, capture_error_mode="thread_local"):
             fn()
+    graph.device = torch.device(device)   # which device replays it (benchmarks/profile_router.py)
     return graph
 
 

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
+import numpy as np
 import torch
 
 from spectandem.kv_cache import KVCache, PagedKVCache
@@ -247,14 +248,15 @@ class NativeRunner:
         Example: cache_len 10, path [0, 2, 5] -> entries 10, 12, 15 move to 10, 11, 12. A path
         whose node j has rank j (every chain, a decode step) is already in place: nothing moves.
         accepted_nodes is a host result: nothing here waits for the device."""
-        nodes = accepted_nodes.cpu()                                                   # [B, A]
+        nodes = accepted_nodes.cpu().numpy()                  # [B, A] (numpy: this runs every round)
         ok = nodes >= 0
         kept = ok.sum(1).tolist()
-        rank = torch.arange(nodes.shape[1])[None]
-        if bool((ok & (nodes != rank)).any()):
-            base = torch.tensor(cache_lens, dtype=torch.long)[:, None]                   # [B, 1]
+        rank = np.arange(nodes.shape[1])[None]
+        if (ok & (nodes != rank)).any():
+            base = np.asarray(cache_lens, dtype=np.int64)[:, None]                       # [B, 1]
             trash = self.cache.trash_index
-            self.cache.compact(slots, torch.where(ok, base + nodes, trash), torch.where(ok, base + rank, trash))
+            self.cache.compact(slots, torch.from_numpy(np.where(ok, base + nodes, trash)),
+                               torch.from_numpy(np.where(ok, base + rank, trash)))
         # The tree's scratch past the committed entries goes back to the pool.
         for slot, c, k in zip(slots, cache_lens, kept):
             self.cache.trim(slot, c + k)
