@@ -125,7 +125,8 @@ class LocalVerifierLink(_LocalLink):
         self._waited = 0.0                     # seconds the call now running waited for trees
         self.chained_launches = 0
         self.direct_staged = 0                 # trees staged by the drafter's worker (direct_stage)
-        self._round_done = None                    # a CUDA event: an armed verify's own work is done
+        # A CUDA event: an armed verify's own work is done (not the chained forward behind it).
+        self._round_done = None if self._stream is None else __import__("torch").cuda.Event()
         self._armed: StagedTrees | None = None     # the last arm_next's, for its verify
         self._staging: StagedTrees | None = None   # the same, for stage_next
 
@@ -201,10 +202,6 @@ class LocalVerifierLink(_LocalLink):
         of this round's queued work, waits for the staged trees and queues the verdict's next
         tree (VerifierEngine.launch_next) -> the trees (None: none came)."""
         if self._stream is not None:
-            if self._round_done is None:
-                import torch
-
-                self._round_done = torch.cuda.Event()
             self._round_done.record(self._stream)
         verdict = self.engine.take_verdict()
         t0 = time.perf_counter()
