@@ -78,7 +78,8 @@ MARKS = ("verifier.graphs:VerifyGraphs.run", "verifier.engine:VerifierEngine._ac
          "router.links_local:LocalVerifierLink._launch_next", "verifier.engine:VerifierEngine.verify",
          "router.links_local:LocalDrafterLink._pre_run", "drafter.ahead_chains:ahead_inputs",
          "drafter.ahead_chains:AheadChainGraphs._run", "router.link_handoffs:StagedTrees.put_trees",
-         "drafter.engine:DrafterEngine.draft", "drafter.engine:DrafterEngine.extend")
+         "drafter.engine:DrafterEngine.draft", "drafter.engine:DrafterEngine.extend",
+         "router.rounds:RoundsMixin._apply")
 
 
 def round_marks(trace: list, anchor: str = "VerifyGraphs.run") -> str:

@@ -43,7 +43,7 @@ import torch
 
 from drafter.graphs import PAIR_BUCKETS, HeadGraphs, PassStart, catch_up_in_pass, chain_tree, padded_features
 from drafter.tree import TreeDraft
-from spectandem.devices import to_device
+from spectandem.devices import device_work_queued, to_device
 from spectandem.kv_cache import PagedCacheBatch, PagedKVCache
 from verifier.graphs import BATCH_BUCKETS, batch_bucket, capture_graph, span_bucket
 
@@ -231,6 +231,7 @@ class AheadChainGraphs(HeadGraphs):
             static, graph, (packed, hidden, logits) = self._captured[key]
             static.copy_(inp)
             graph.replay()
+        device_work_queued()
         return packed[:b].cpu(), hidden[:b], logits[:b]
 
     def _capture(self, key: tuple, like: AheadInputs) -> None:

@@ -27,7 +27,7 @@ from dataclasses import dataclass, fields
 import torch
 
 from drafter.tree import TreeDraft
-from spectandem.devices import to_device
+from spectandem.devices import device_work_queued, to_device
 from spectandem.kv_cache import PagedCacheBatch, PagedKVCache
 from verifier.graphs import BATCH_BUCKETS, batch_bucket, capture_graph, span_bucket
 
@@ -238,6 +238,7 @@ class ChainGraphs(HeadGraphs):
             static.copy_(inp)
             graph.replay()
             toks = toks.clone()
+        device_work_queued()
         return toks[:b], hidden[:b], logits[:b]
 
     def _capture(self, key: tuple, like: ChainInputs) -> None:

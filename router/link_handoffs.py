@@ -58,6 +58,7 @@ class _PreCall:
         self._waiters: list = []      # callables run once it is done (from its thread)
         self._trees = None            # a pre-ahead's trees, once on the host (before it is done)
         self._on_trees = None         # who gets them (result's on_trees), once, from either side
+        self._queued = threading.Event()   # its device work is queued (or it is done)
 
     @property
     def done(self) -> bool:
@@ -72,8 +73,18 @@ class _PreCall:
         with self._lock:
             self._done, self._reply = True, reply
             waiters, self._waiters = self._waiters, []
+        self._queued.set()
         for fn in waiters:
             fn()
+
+    def mark_queued(self) -> None:
+        """From the call's thread (spectandem.devices.on_queued): its drafting is on the device."""
+        self._queued.set()
+
+    def wait_queued(self, timeout: float) -> bool:
+        """Waits until the call's drafting is queued on the device or the call is done, at most
+        `timeout` seconds -> whether it is."""
+        return self._queued.wait(timeout)
 
     def trees_ready(self, trees) -> None:
         """From the call's thread, as soon as its trees are on the host (drafter_draft_ahead's

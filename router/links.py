@@ -177,18 +177,20 @@ class DrafterLink(Protocol):
         link's `direct_stage` of this process; an in-process link calls it from its worker as
         soon as the trees are on the host, others never."""
 
-    def pre_ahead(self, tags: list[Tag], extend: list[ExtendItem]) -> bool:
+    def pre_ahead(self, tags: list[Tag], extend: list[ExtendItem]):
         """From any thread: start draft_ahead(tags, extend) now (the router calls it when a
         chained verify was launched, with that verdict's arguments); the router's own
         draft_ahead with arguments it covers then returns its reply, and other calls see its
         effects (items it absorbed are not absorbed twice). False: the link cannot (other
-        processes); nothing happens."""
+        processes); nothing happens. Else the started call, whose `wait_queued(timeout)` waits
+        until its drafting is on the device (router/link_handoffs.py)."""
 
-    def pre_draft(self, tags: list[Tag], extend: list[ExtendItem]) -> bool:
+    def pre_draft(self, tags: list[Tag], extend: list[ExtendItem]):
         """From any thread: start extend(extend) then draft(tags) now (the router calls it when an
         armed verify's verdict did not chain: a miss); the router's own draft of exactly these
         tags then returns its tree, and other calls see its effects (its items are not absorbed
-        twice). False: the link cannot (other processes); nothing happens."""
+        twice). False: the link cannot (other processes); nothing happens. Else the started
+        call, as pre_ahead's."""
 
     def ready_handle(self, tree: DraftTree, tags: list[Tag]) -> DraftHandle:
         """A handle the verifier link takes for a tree the router built (`trees_from_ready`)."""

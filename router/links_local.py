@@ -13,7 +13,7 @@ import time
 
 from router.link_handoffs import PreAhead, PreDraft, StagedTrees, item_key
 from router.links import DraftHandle, EngineUnavailable, Tag
-from spectandem.devices import engine_device
+from spectandem.devices import engine_device, on_queued
 
 
 # In one process the router's event loop and the two engines' worker threads take turns at the
@@ -26,6 +26,12 @@ SWITCH_INTERVAL_S = float(os.environ.get("SPECTANDEM_SWITCH_INTERVAL_S", "0.0005
 # the drafter has nothing) once its draft-ahead call returns or times out: this only bounds a
 # caller that arms and never stages. Past it the call ends without a launch.
 STAGE_WAIT_S = 30.0
+# After a chained launch (or a miss) the verifier's worker starts the drafter's next call, then
+# holds the verdict back from the router until that call's drafting is queued on the device, at
+# most this long. The drafter's host work before its graph (catch-up bookkeeping, the graph's
+# inputs) is on the round's critical path; the router's turn is not, and at the Python lock it
+# would stretch the drafter's by its own length. SPECTANDEM_DRAFTER_FIRST_S=0 turns it off.
+DRAFTER_FIRST_S = float(os.environ.get("SPECTANDEM_DRAFTER_FIRST_S", "0.004"))
 
 
 def _shorten_switch_interval() -> None:
@@ -147,7 +153,9 @@ class LocalVerifierLink(_LocalLink):
         """Before a verify of exactly `tags`: once its verdict is in and `stage_next` has given
         the next trees, the verifier starts the verdict's one, and then calls `then(results)`
         (the verify's RoundResults) from its worker; given trees but none for the verdict (a
-        miss, or no room), it calls `missed(results)` instead. False: not chaining."""
+        miss, or no room), it calls `missed(results)` instead. Where either returns a started
+        drafter call (`wait_queued`), the verify's call returns once that call's drafting is
+        queued (DRAFTER_FIRST_S at most). False: not chaining."""
         if not self.chains:
             return False
         self._armed = self._staging = StagedTrees([t.request_id for t in tags], [t.committed_len for t in tags],
@@ -191,10 +199,15 @@ class LocalVerifierLink(_LocalLink):
         out = verifier_verify(*args)
         if self._stream is not None:   # this round's work (not the chained forward behind it)
             (self._round_done if staged else self._stream).synchronize()
+        started = None
         if staged and self._queued and armed.then is not None:
-            armed.then(out)
+            started = armed.then(out)
         elif staged and not self._queued and staged[0] is not None and armed.missed is not None:
-            armed.missed(out)
+            started = armed.missed(out)
+        if self._stream is not None and DRAFTER_FIRST_S > 0 and hasattr(started, "wait_queued"):
+            t0 = time.perf_counter()   # the drafter's host work first (DRAFTER_FIRST_S)
+            started.wait_queued(DRAFTER_FIRST_S)
+            self._waited += time.perf_counter() - t0
         return out
 
     def _launch_next(self, armed):
@@ -259,28 +272,27 @@ class LocalDrafterLink(_LocalLink):
         self.pre_draft_used = 0                       # draft calls answered by a pre-draft
         self.pre_drafts = 0                           # pre-drafts started
 
-    def pre_ahead(self, tags: list[Tag], extend: list) -> bool:
+    def pre_ahead(self, tags: list[Tag], extend: list) -> PreAhead:
         """From any thread: starts draft_ahead(tags, extend) now, in this link's pre-call thread
         (one engine call at a time, as every call). The next draft_ahead whose tags and catch-up
         items it covers returns its reply; any other call first waits for it and skips the items
-        it absorbed (extend, draft_ahead)."""
-        self._start(PreAhead(list(tags), list(extend)))
-        return True
+        it absorbed (extend, draft_ahead). -> the started call (`wait_queued`)."""
+        return self._start(PreAhead(list(tags), list(extend)))
 
-    def pre_draft(self, tags: list[Tag], extend: list) -> bool:
+    def pre_draft(self, tags: list[Tag], extend: list) -> PreDraft:
         """From any thread: starts extend(extend) then draft(tags) now, in the same thread as
         pre_ahead. The next draft of exactly these tags (configured depth) returns its tree;
         any other call first waits for it and skips the items it absorbed."""
         self.pre_drafts += 1
-        self._start(PreDraft(list(tags), list(extend)))
-        return True
+        return self._start(PreDraft(list(tags), list(extend)))
 
-    def _start(self, job) -> None:
+    def _start(self, job):
         self._pending = self._last_pre = job
         if self._pre_jobs is None:
             self._pre_jobs = queue.SimpleQueue()
             threading.Thread(target=self._pre_worker, name="drafter-pre-call", daemon=True).start()
         self._pre_jobs.put(job)
+        return job
 
     def _pre_worker(self) -> None:
         while True:
@@ -294,7 +306,8 @@ class LocalDrafterLink(_LocalLink):
                 job.finish(reply)
 
     def _pre_run(self, job):
-        reply, absorbed = job.run(self.engine)
+        with on_queued(job.mark_queued):
+            reply, absorbed = job.run(self.engine)
         self._absorbed.update(absorbed)
         return reply
 

@@ -113,18 +113,19 @@ class RoundsMixin:
             elif extend:   # after what the requests still hold back, in order
                 await self._extend(self._take_backlog(drafted) + extend)
 
-    def _pre_ahead(self, results) -> None:
+    def _pre_ahead(self, results):
         """From the verifier link's worker, once it has launched a chained verify (every request
         hit): the drafter's next draft-ahead call starts now with the arguments the router's
         next round gives it (this verdict's catch-ups), where the drafter link can
-        (DrafterLink.pre_ahead). Its reply answers that call."""
-        self.drafter.pre_ahead(*_next_call_args(results))
+        (DrafterLink.pre_ahead). Its reply answers that call. -> what pre_ahead returns."""
+        return self.drafter.pre_ahead(*_next_call_args(results))
 
-    def _pre_draft(self, results) -> None:
+    def _pre_draft(self, results):
         """From the verifier link's worker, when an armed verify's verdict did not chain (a miss):
         the drafter's catch-up and the next round's draft start now, with the arguments the
-        router's next calls give (DrafterLink.pre_draft). Its tree answers that draft call."""
-        self.drafter.pre_draft(*_next_call_args(results))
+        router's next calls give (DrafterLink.pre_draft). Its tree answers that draft call.
+        -> what pre_draft returns."""
+        return self.drafter.pre_draft(*_next_call_args(results))
 
     def _cached(self, r: ServedRequest, ahead: bool) -> bool:
         """Whether this ahead round drafts ahead for `r` (its next tree may be held for the router)."""

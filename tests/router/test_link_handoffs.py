@@ -54,3 +54,67 @@ def test_a_failed_call_stages_nothing():
         return await task
 
     assert asyncio.run(main()) is None and got == []
+
+
+# A pre-call says when its drafting is on the device (`wait_queued`): the verifier's worker
+# holds the verdict back from the router until then (router/links_local.py DRAFTER_FIRST_S).
+
+def test_wait_queued_waits_for_the_mark_or_the_finish():
+    job = _job()
+    assert job.wait_queued(0.01) is False          # neither yet: it times out
+    job.mark_queued()
+    assert job.wait_queued(0.0) is True and not job.done
+    other = _job()
+    other.finish(None)                              # a call that ends (or fails) unmarked counts too
+    assert other.wait_queued(0.0) is True
+
+
+class _Drafter:
+    """A drafter engine stand-in for the link's pre-call thread: its draft ahead queues its
+    device work (`device_work_queued`, as the draft graphs do), then blocks until released."""
+
+    def __init__(self):
+        self.requests, self.release = {"a": object()}, threading.Event()
+
+    def check_tag(self, request_id, epoch, committed_len):
+        return None
+
+    def draft_ahead(self, ids):
+        from spectandem.devices import device_work_queued
+
+        device_work_queued()
+        assert self.release.wait(5)
+        return [True]
+
+
+def test_a_pre_ahead_is_queued_before_it_is_done():
+    from router.links_local import LocalDrafterLink
+
+    engine = _Drafter()
+    link = LocalDrafterLink(engine)
+    job = link.pre_ahead([Tag("a", 0, 5)], [])
+    assert job.wait_queued(5) and not job.done      # marked from inside the engine call
+    engine.release.set()
+    assert asyncio.run(job.result()).hits == [True]
+
+
+def test_the_chain_draft_ahead_marks_its_work_queued():
+    """The real demo drafter (eagle3, fp32 on the CPU): a chain draft ahead runs its pass and
+    marks it queued once, on the thread that set the hook."""
+    from spectandem.config import SpecConfig
+    from spectandem.demo import demo_paths
+    from spectandem.devices import on_queued
+    from spectandem.local import LocalSpeculator
+    from tests.drafter.lockstep import prefilled
+    from tests.e2e.conftest import PROMPT_TEXTS
+
+    spec = LocalSpeculator(*demo_paths("eagle3"), SpecConfig(method="eagle3", num_steps=3, topk=1,
+                                                              num_draft_tokens=4, ahead_width=4),
+                           max_slots=2, max_len=256)
+    rids = prefilled((spec,), PROMPT_TEXTS[:1])
+    marks = []
+    spec.drafter.draft(rids)
+    with on_queued(lambda: marks.append(threading.current_thread().name)):
+        spec.drafter.draft_ahead(rids)
+    assert marks == [threading.current_thread().name]
+    assert spec.drafter.outcomes.get(rids[0]) is not None     # it did draft ahead
