@@ -79,7 +79,9 @@ MARKS = ("verifier.graphs:VerifyGraphs.run", "verifier.engine:VerifierEngine._ac
          "router.links_local:LocalDrafterLink._pre_run", "drafter.ahead_chains:ahead_inputs",
          "drafter.ahead_chains:AheadChainGraphs._run", "router.link_handoffs:StagedTrees.put_trees",
          "drafter.engine:DrafterEngine.draft", "drafter.engine:DrafterEngine.extend",
-         "router.rounds:RoundsMixin._apply")
+         "router.rounds:RoundsMixin._apply", "router.rounds:RoundsMixin._draft_ahead",
+         "verifier.engine:VerifierEngine.commit", "verifier.engine:VerifierEngine.launch_next",
+         "verifier.runner:NativeRunner.verify")
 
 
 def round_marks(trace: list, anchor: str = "VerifyGraphs.run") -> str:

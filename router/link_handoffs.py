@@ -26,6 +26,7 @@ class StagedTrees:
         self.request_ids, self.committed_lens = request_ids, committed_lens
         self.then, self.missed = then, missed
         self._given = threading.Event()
+        self._taken = threading.Event()   # the verifier has launched from them (or decided not to)
         self._put = threading.Lock()
         self._trees = None
 
@@ -43,6 +44,13 @@ class StagedTrees:
         """The trees (None: none came, or not within `timeout` seconds)."""
         return self._trees if self._given.wait(timeout) else None
 
+    def taken(self) -> None:
+        """From the verifier's worker: the verdict's next verify is launched, or will not be."""
+        self._taken.set()
+
+    def wait_taken(self, timeout: float) -> bool:
+        return self._taken.wait(timeout)
+
 
 class _PreCall:
     """A drafter call a link's worker thread runs ahead of the router's: its arguments (the
@@ -59,6 +67,7 @@ class _PreCall:
         self._trees = None            # a pre-ahead's trees, once on the host (before it is done)
         self._on_trees = None         # who gets them (result's on_trees), once, from either side
         self._queued = threading.Event()   # its device work is queued (or it is done)
+        self.staged_into = None            # the StagedTrees its trees went to, if on_trees said so
 
     @property
     def done(self) -> bool:
@@ -93,7 +102,7 @@ class _PreCall:
             self._trees = trees
             give, self._on_trees = self._on_trees, None
         if give is not None:
-            give(trees)
+            self.staged_into = give(trees)
 
     async def result(self, on_trees=None):
         """Its reply (None: it failed or had none), once done. `on_trees(trees)` once, from

@@ -32,6 +32,11 @@ STAGE_WAIT_S = 30.0
 # inputs) is on the round's critical path; the router's turn is not, and at the Python lock it
 # would stretch the drafter's by its own length. SPECTANDEM_DRAFTER_FIRST_S=0 turns it off.
 DRAFTER_FIRST_S = float(os.environ.get("SPECTANDEM_DRAFTER_FIRST_S", "0.004"))
+# And the other way at the verdict: a pre-ahead whose trees went straight to an armed verify
+# tells the router it is done only once that verify has launched from them (at most this long),
+# so that the router's turn on its reply does not hold the Python lock between the verdict and
+# the launch. SPECTANDEM_LAUNCH_FIRST_S=0 turns it off.
+LAUNCH_FIRST_S = float(os.environ.get("SPECTANDEM_LAUNCH_FIRST_S", "0.01"))
 
 
 def _shorten_switch_interval() -> None:
@@ -134,6 +139,9 @@ class LocalVerifierLink(_LocalLink):
         # A CUDA event: an armed verify's own work is done (not the chained forward behind it).
         self._round_done = None if self._stream is None else __import__("torch").cuda.Event()
         self._armed: StagedTrees | None = None     # the last arm_next's, for its verify
+        # On a GPU the verdict waits for the drafter's next call to queue its drafting
+        # (DRAFTER_FIRST_S); on the CPU that call computes, so it does not (tests turn it on).
+        self.drafter_first_s = DRAFTER_FIRST_S if self._stream is not None else 0.0
         self._staging: StagedTrees | None = None   # the same, for stage_next
 
     def _busy_from(self, kind: str, start: float) -> float:
@@ -177,9 +185,12 @@ class LocalVerifierLink(_LocalLink):
         if staging is None:
             return None
 
-        def stage(trees) -> None:
+        def stage(trees) -> StagedTrees | None:
+            """-> the staging, when these trees are the ones it holds."""
             if staging.put_trees(trees):
                 self.direct_staged += 1    # one drafter worker at a time calls it
+                return staging
+            return None
         return stage
 
     def _verify(self, armed, *args):
@@ -204,9 +215,9 @@ class LocalVerifierLink(_LocalLink):
             started = armed.then(out)
         elif staged and not self._queued and staged[0] is not None and armed.missed is not None:
             started = armed.missed(out)
-        if self._stream is not None and DRAFTER_FIRST_S > 0 and hasattr(started, "wait_queued"):
+        if self.drafter_first_s > 0 and hasattr(started, "wait_queued"):
             t0 = time.perf_counter()   # the drafter's host work first (DRAFTER_FIRST_S)
-            started.wait_queued(DRAFTER_FIRST_S)
+            started.wait_queued(self.drafter_first_s)
             self._waited += time.perf_counter() - t0
         return out
 
@@ -220,7 +231,10 @@ class LocalVerifierLink(_LocalLink):
         t0 = time.perf_counter()
         trees = armed.wait(STAGE_WAIT_S)
         self._waited = time.perf_counter() - t0
-        self._queued = trees is not None and self.engine.launch_next(verdict, trees)
+        try:
+            self._queued = trees is not None and self.engine.launch_next(verdict, trees)
+        finally:
+            armed.taken()
         self.chained_launches += self._queued
         return trees
 
@@ -271,6 +285,9 @@ class LocalDrafterLink(_LocalLink):
         self.pre_ahead_used = 0                       # draft_ahead calls answered by a pre-ahead
         self.pre_draft_used = 0                       # draft calls answered by a pre-draft
         self.pre_drafts = 0                           # pre-drafts started
+        # On a GPU a pre-ahead's reply waits for the verifier's launch (LAUNCH_FIRST_S); on the
+        # CPU that launch runs the forward, so it does not (tests turn it on).
+        self.launch_first_s = LAUNCH_FIRST_S if self._stream is not None else 0.0
 
     def pre_ahead(self, tags: list[Tag], extend: list) -> PreAhead:
         """From any thread: starts draft_ahead(tags, extend) now, in this link's pre-call thread
@@ -303,6 +320,8 @@ class LocalDrafterLink(_LocalLink):
                 self._pre_failed = (job.name, exc)
                 job.finish(None)
             else:
+                if job.staged_into is not None and self.launch_first_s > 0:
+                    job.staged_into.wait_taken(self.launch_first_s)   # the verifier's launch first
                 job.finish(reply)
 
     def _pre_run(self, job):

@@ -124,27 +124,21 @@ class VerifierEngine:
             reqs, logits, feats = self._launch(tree)
         if on_launch is not None:
             on_launch()
-        result = self._accept(tree, reqs, logits)
+        result, picked = self._accept(tree, reqs, logits, feats)
         # Per request from whole-batch host lists (one conversion each, not one per request).
-        tokens, num_acc, num_drafts = result.token_lists(), result.num_accepted.tolist(), tree.num_draft_tokens()
+        tokens = result.token_lists()
         self.commit(tree.request_ids, result.accepted_nodes, tokens)
         on_verdict = None
         if armed is not None and armed[:2] == (tuple(tree.request_ids), tuple(tree.committed_lens)):
             self._verdict = (list(tree.request_ids), [r.committed_len for r in reqs], tokens)
             on_verdict = armed[2]
-        picked = None
-        if feats is not None:
-            # Every request's accepted path crosses to the features' device in one copy and is
-            # gathered in one launch: [B, W, F]. Request b's features are a view of its rows (a
-            # Ray actor compacts views before shipping them: verifier/actor.py).
-            w = max(len(t) for t in tokens)
-            path = to_device(result.accepted_nodes[:, :w].clamp(min=0), feats.device)
-            picked = feats.gather(1, path[..., None].expand(-1, -1, feats.shape[-1]))
+        if feats is not None and picked is None:
+            picked = _gather_path(feats, result.accepted_nodes[:, :max(len(t) for t in tokens)])
         if on_verdict is not None:
             # The armed caller's chained launch (router/links_local.py), queued behind this
-            # round's work on the device (it reads the features' buffer the next forward writes)
-            # and before the host builds this round's outputs.
+            # round's work on the device and before the host builds this round's outputs.
             on_verdict()
+        num_acc, num_drafts = result.num_accepted.tolist(), tree.num_draft_tokens()
         return [VerifyOutput(request_id=rid, committed_len=req.committed_len, token_ids=toks, num_accepted=k,
                              num_draft_tokens=d, features=None if picked is None else picked[b, : len(toks)])
                 for b, (rid, req, toks, k, d) in enumerate(zip(tree.request_ids, reqs, tokens, num_acc, num_drafts))]
@@ -260,8 +254,11 @@ class VerifierEngine:
         for req, toks in zip(reqs, token_ids):
             req.token_ids.extend(toks)
 
-    def _accept(self, tree: DraftTree, reqs: list[_Request], logits: torch.Tensor) -> VerifyResult:
-        """Runs each request's acceptance rule on its rows and merges the results."""
+    def _accept(self, tree: DraftTree, reqs: list[_Request], logits: torch.Tensor,
+                feats: torch.Tensor | None = None) -> tuple[VerifyResult, torch.Tensor | None]:
+        """Runs each request's acceptance rule on its rows and merges the results -> (the
+        result, the accepted paths' features [B, W, F] where they were gathered on the device
+        before the host waited for the verdict, else None)."""
         groups: dict[str, list[int]] = {}
         for b, req in enumerate(reqs):
             rule = "greedy" if req.params.greedy else ("rejection" if tree.sampled[b] else "tree")
@@ -269,7 +266,7 @@ class VerifierEngine:
         on_gpu = logits.is_cuda
         if on_gpu and set(groups) == {"greedy"}:   # every row in one walk: nothing to merge
             return self._greedy_on_device(logits, list(range(len(reqs))),
-                                          (tree.token_ids, tree.parents, tree.node_valid))
+                                          (tree.token_ids, tree.parents, tree.node_valid), feats)
         b_all, width = len(reqs), tree.num_nodes
         accepted = torch.full((b_all, width), -1, dtype=torch.long)
         outputs = torch.full((b_all, width), -1, dtype=torch.long)
@@ -282,7 +279,7 @@ class VerifierEngine:
             sel = torch.tensor(idx)
             args = (tree.token_ids[sel], tree.parents[sel], tree.node_valid[sel])
             if rule == "greedy" and on_gpu:
-                res = self._greedy_on_device(logits, idx, args)
+                res, _ = self._greedy_on_device(logits, idx, args)
             elif rule == "greedy":
                 res = verify_greedy(*args, lg[sel])
             else:
@@ -302,21 +299,26 @@ class VerifierEngine:
             num_acc[sel] = res.num_accepted
             bonus[sel] = res.bonus_token_ids
         return VerifyResult(accepted_nodes=accepted, num_accepted=num_acc, output_token_ids=outputs,
-                            bonus_token_ids=bonus)
+                            bonus_token_ids=bonus), None
 
     @staticmethod
-    def _greedy_on_device(logits: torch.Tensor, idx: list[int], args: tuple) -> VerifyResult:
+    def _greedy_on_device(logits: torch.Tensor, idx: list[int], args: tuple,
+                          feats: torch.Tensor | None = None) -> tuple[VerifyResult, torch.Tensor | None]:
         """The greedy walk of rows `idx` of logits [B, N, V] on their device; the tree (token_ids,
-        parents, node_valid [len(idx), N]) crosses in one copy and the results come back in one."""
+        parents, node_valid [len(idx), N]) crosses in one copy and the results come back in one.
+        With feats [B, N, F] (every row: idx is all of them) the accepted paths' features are
+        gathered on the device too, before the host waits: [B, N, F], row b's first
+        num_accepted + 1 entries its path's (what `_gather_path` gives after the wait)."""
         dev = logits.device
         rows = logits if idx == list(range(logits.shape[0])) else logits[to_device(idx, dev)]
         tree = to_device(torch.stack([args[0], args[1], args[2].long()]), dev)          # [3, b, N]
         res = greedy_accept(rows.argmax(-1), tree[0], tree[1], tree[2].bool())
+        picked = None if feats is None else _gather_path(feats, res.accepted_nodes)
         n = tree.shape[2]
         packed = torch.cat([res.accepted_nodes, res.output_token_ids, res.num_accepted[:, None],
                             res.bonus_token_ids[:, None]], dim=1).cpu()              # [b, 2N + 2]
         return VerifyResult(accepted_nodes=packed[:, :n], num_accepted=packed[:, 2 * n],
-                            output_token_ids=packed[:, n: 2 * n], bonus_token_ids=packed[:, 2 * n + 1])
+                            output_token_ids=packed[:, n: 2 * n], bonus_token_ids=packed[:, 2 * n + 1]), picked
 
     @staticmethod
     def _uniforms(reqs, idx, width, stream, index=0) -> torch.Tensor:
@@ -352,6 +354,16 @@ class VerifierEngine:
         recomputed without touching the request's KV (to rebuild a drafter's state)."""
         req = self.requests[request_id]
         return self.runner.features(req.token_ids[:-1])
+
+
+def _gather_path(feats: torch.Tensor, accepted_nodes: torch.Tensor) -> torch.Tensor:
+    """feats [B, N, F], accepted_nodes [B, W] (node indices, -1 after the path; on any device)
+    -> [B, W, F]: row b's entry j is its path's node j's features (node 0's past the path).
+    Every request's path crosses to the features' device in one copy and is gathered in one
+    launch; request b's features are then a view of its rows (a Ray actor compacts views before
+    shipping them: verifier/actor.py)."""
+    path = to_device(accepted_nodes.clamp(min=0), feats.device)
+    return feats.gather(1, path[..., None].expand(-1, -1, feats.shape[-1]))
 
 
 def _same_tree(a: DraftTree, b: DraftTree) -> bool:

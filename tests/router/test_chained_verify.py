@@ -356,3 +356,45 @@ def test_failed_pre_ahead_fails_the_next_call_once(monkeypatch):
         return await dlink.extend([])
 
     assert asyncio.run(main()) == [] and dlink.pre_ahead_used == 0
+
+
+def test_holds_keep_the_tokens_and_order_the_handoffs(monkeypatch):
+    """The two holds of the GPU path, turned on here on the CPU: the verifier's worker returns a
+    verdict only once the drafter's next call has queued its drafting (drafter_first_s), and a
+    pre-ahead whose trees went straight to the armed verify reports done only once that verify
+    launched from them (launch_first_s). Tokens equal plain decoding's, every launch is still
+    used, and every such pre-ahead finished after its staging was taken."""
+    from router import link_handoffs
+
+    spec, plain = _pair()
+    prompt = spec.tokenizer.encode(PROMPT_TEXTS[0]).ids
+    params = SamplingParams(max_tokens=64, ignore_eos=True)
+    expected = plain.generate([prompt], [params])[0].token_ids
+    events, order = [], []
+    taken, finish = link_handoffs.StagedTrees.taken, link_handoffs._PreCall.finish
+    monkeypatch.setattr(link_handoffs.StagedTrees, "taken", lambda self: (events.append(("taken", id(self))),
+                                                                         taken(self)))
+
+    def finished(self, reply):
+        if self.staged_into is not None:
+            order.append(("taken", id(self.staged_into)) in events)
+        finish(self, reply)
+    monkeypatch.setattr(link_handoffs._PreCall, "finish", finished)
+    dlink = LocalDrafterLink(spec.drafter)
+    dlink.launch_first_s = 5.0
+    vlink = LocalVerifierLink(spec.verifier, chain=True)
+    vlink.drafter_first_s = 5.0
+
+    async def main():
+        router = _router(spec, vlink, dlink)
+        try:
+            toks, _ = await collect(router, prompt, params)
+            await drained(spec)
+            return toks, router.counters
+        finally:
+            await router.stop()
+
+    got, c = asyncio.run(main())
+    assert got == expected
+    assert dlink.pre_ahead_used == vlink.chained_launches > 0
+    assert order and all(order), order
