@@ -9,14 +9,22 @@ router's turns:
   that call takes its reply.
 - `PreDraft`: the same for a verdict that did not chain (a miss): the catch-up and the next
   round's draft (LocalDrafterLink.pre_draft); the router's next draft call takes its tree.
+- `PreCalls`: the drafter link's thread that runs them.
+
+Two holds order the threads at the Python lock on a GPU (router/links_local.py): the verdict
+goes to the router only once the drafter's next call has queued its drafting (`wait_queued`),
+and a pre-ahead whose trees went to an armed verify is done only once that verify launched
+(`StagedTrees.wait_taken`).
 """
 
 from __future__ import annotations
 
 import asyncio
+import queue
 import threading
 
-from router.links import AheadReply, Tag
+from router.links import AheadReply, EngineUnavailable, Tag
+from spectandem.devices import on_queued
 
 
 class StagedTrees:
@@ -185,6 +193,76 @@ class PreAhead(_PreCall):
         ids = set(at) & {t.request_id for t in tags}
         return AheadReply([reply.hits[at[t.request_id]] for t in tags], [reply.trees[at[t.request_id]] for t in tags],
                           [u for u in reply.unknown if u in ids])
+
+
+class PreCalls:
+    """The drafter link's pre-call thread (router/links_local.py LocalDrafterLink): pre-calls run
+    there one after another, each an engine call (`_call`); the link's own calls claim them
+    (`_claim`) and skip what they absorbed (`_unabsorbed`). `launch_first_s`: how long a
+    pre-ahead whose trees went to an armed verify waits for that launch before it is done."""
+
+    launch_first_s = 0.0
+
+    def _init_pre_calls(self) -> None:
+        self._pending: PreAhead | PreDraft | None = None   # the last pre-call, until a call claims it
+        self._last_pre = None                         # the last pre-call started: calls go after it
+        self._pre_jobs: queue.SimpleQueue | None = None
+        self._absorbed: set[tuple[str, int]] = set()  # extend items a pre-call absorbed (id, length)
+        self._pre_failed: tuple[str, Exception] | None = None   # (the pre-call's name, its error)
+
+    def _start(self, job):
+        self._pending = self._last_pre = job
+        if self._pre_jobs is None:
+            self._pre_jobs = queue.SimpleQueue()
+            threading.Thread(target=self._pre_worker, name="drafter-pre-call", daemon=True).start()
+        self._pre_jobs.put(job)
+        return job
+
+    def _pre_worker(self) -> None:
+        while True:
+            job = self._pre_jobs.get()
+            try:
+                reply = self._call(job.kind, self._pre_run, job)
+            except Exception as exc:    # the engine failed: the next call says so
+                self._pre_failed = (job.name, exc)
+                job.finish(None)
+            else:
+                if job.staged_into is not None and self.launch_first_s > 0:
+                    job.staged_into.wait_taken(self.launch_first_s)   # the verifier's launch first
+                job.finish(reply)
+
+    def _pre_run(self, job):
+        with on_queued(job.mark_queued):
+            reply, absorbed = job.run(self.engine)
+        self._absorbed.update(absorbed)
+        return reply
+
+    def _claim(self, cls, *args):
+        """The pending pre-call if it is a `cls` (which then stops pending) and covers a call of
+        these arguments; None otherwise."""
+        job = self._pending
+        if not isinstance(job, cls):
+            return None
+        self._pending = None
+        return job if job.covers(*args) else None
+
+    def _raise_pre_failure(self) -> None:
+        """A failed pre-call (pre-ahead, pre-draft) left the engine in an unknown state: the next
+        call fails as the engine's own failure (EngineUnavailable: the router takes the drafter
+        down), once."""
+        if self._pre_failed is not None:
+            (name, exc), self._pre_failed = self._pre_failed, None
+            self._absorbed.clear()
+            raise EngineUnavailable(f"{name} failed: {exc}") from exc
+
+    def _unabsorbed(self, items: list) -> list:
+        """In the worker, after any pre-call: the items no pre-call absorbed yet."""
+        self._raise_pre_failure()
+        if not self._absorbed:
+            return items
+        keep = [i for i in items if item_key(i) not in self._absorbed]
+        self._absorbed.difference_update(item_key(i) for i in items)
+        return keep
 
 
 def item_key(item) -> tuple[str, int]:

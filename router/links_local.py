@@ -6,14 +6,13 @@ from __future__ import annotations
 
 import asyncio
 import os
-import queue
 import sys
 import threading
 import time
 
-from router.link_handoffs import PreAhead, PreDraft, StagedTrees, item_key
+from router.link_handoffs import PreAhead, PreCalls, PreDraft, StagedTrees, item_key
 from router.links import DraftHandle, EngineUnavailable, Tag
-from spectandem.devices import engine_device, on_queued
+from spectandem.devices import engine_device
 
 
 # In one process the router's event loop and the two engines' worker threads take turns at the
@@ -267,7 +266,7 @@ class LocalVerifierLink(_LocalLink):
         return None
 
 
-class LocalDrafterLink(_LocalLink):
+class LocalDrafterLink(PreCalls, _LocalLink):
     """`pre_ahead`: the verifier link, having launched a chained verify, starts the drafter's next
     draft-ahead call itself (its arguments are the verdict's), so the drafter does not wait for
     the router's turn; the router's own call of the same arguments takes its reply. `pre_draft`:
@@ -277,11 +276,7 @@ class LocalDrafterLink(_LocalLink):
 
     def __init__(self, engine, model_name: str = "draft"):
         super().__init__(engine, model_name)
-        self._pending: PreAhead | PreDraft | None = None   # the last pre-call, until a call claims it
-        self._last_pre = None                         # the last pre-call started: calls go after it
-        self._pre_jobs: queue.SimpleQueue | None = None
-        self._absorbed: set[tuple[str, int]] = set()  # extend items a pre-call absorbed (id, length)
-        self._pre_failed: tuple[str, Exception] | None = None   # (the pre-call's name, its error)
+        self._init_pre_calls()
         self.pre_ahead_used = 0                       # draft_ahead calls answered by a pre-ahead
         self.pre_draft_used = 0                       # draft calls answered by a pre-draft
         self.pre_drafts = 0                           # pre-drafts started
@@ -303,42 +298,6 @@ class LocalDrafterLink(_LocalLink):
         self.pre_drafts += 1
         return self._start(PreDraft(list(tags), list(extend)))
 
-    def _start(self, job):
-        self._pending = self._last_pre = job
-        if self._pre_jobs is None:
-            self._pre_jobs = queue.SimpleQueue()
-            threading.Thread(target=self._pre_worker, name="drafter-pre-call", daemon=True).start()
-        self._pre_jobs.put(job)
-        return job
-
-    def _pre_worker(self) -> None:
-        while True:
-            job = self._pre_jobs.get()
-            try:
-                reply = self._call(job.kind, self._pre_run, job)
-            except Exception as exc:    # the engine failed: the next call says so
-                self._pre_failed = (job.name, exc)
-                job.finish(None)
-            else:
-                if job.staged_into is not None and self.launch_first_s > 0:
-                    job.staged_into.wait_taken(self.launch_first_s)   # the verifier's launch first
-                job.finish(reply)
-
-    def _pre_run(self, job):
-        with on_queued(job.mark_queued):
-            reply, absorbed = job.run(self.engine)
-        self._absorbed.update(absorbed)
-        return reply
-
-    def _claim(self, cls, *args):
-        """The pending pre-call if it is a `cls` (which then stops pending) and covers a call of
-        these arguments; None otherwise."""
-        job = self._pending
-        if not isinstance(job, cls):
-            return None
-        self._pending = None
-        return job if job.covers(*args) else None
-
     async def _run(self, kind: str, fn, *args, sync: bool = True):
         # A pre-call the verifier's worker started (before the router had that verdict) goes
         # first: the router's calls that follow the verdict see its effects.
@@ -346,24 +305,6 @@ class LocalDrafterLink(_LocalLink):
         if job is not None and not job.done:
             await job.result()
         return await super()._run(kind, fn, *args, sync=sync)
-
-    def _raise_pre_failure(self) -> None:
-        """A failed pre-call (pre-ahead, pre-draft) left the engine in an unknown state: the next
-        call fails as the engine's own failure (EngineUnavailable: the router takes the drafter
-        down), once."""
-        if self._pre_failed is not None:
-            (name, exc), self._pre_failed = self._pre_failed, None
-            self._absorbed.clear()
-            raise EngineUnavailable(f"{name} failed: {exc}") from exc
-
-    def _unabsorbed(self, items: list) -> list:
-        """In the worker, after any pre-call: the items no pre-call absorbed yet."""
-        self._raise_pre_failure()
-        if not self._absorbed:
-            return items
-        keep = [i for i in items if item_key(i) not in self._absorbed]
-        self._absorbed.difference_update(item_key(i) for i in items)
-        return keep
 
     async def prefill(self, items):
         from drafter.service_core import drafter_prefill
