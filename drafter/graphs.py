@@ -24,6 +24,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, fields
 
+import numpy as np
 import torch
 
 from drafter.tree import TreeDraft
@@ -102,41 +103,51 @@ class ChainInputs(PassStart):
     ROW_FIELDS = frozenset({"write_rows", "read_rows", "cu_write"})
 
 
-def chain_inputs(cache: PagedKVCache, slots: torch.Tensor, base: list[int], num_steps: int, rows: int, span: int,
+def chain_inputs(cache: PagedKVCache, slots: list[int], base: list[int], num_steps: int, rows: int, span: int,
                  start: tuple | None = None, catch_up: tuple | None = None) -> ChainInputs:
-    """slots [B]; base: head-cache entries per request (once caught up). Then either
-    start = (first_logits [B, Vd], hidden [B, 1, H]) of a catch-up already run, or
-    catch_up = (token_ids: per request its n_b >= 1 pairs' tokens, features: per request [n_b, F]
-    on the cache's device in the head's dtype, pairs: Tc >= max n_b), the pairs ending at base.
-    The slots must already hold base + num_steps - 1 entries."""
+    """slots: per request its head-cache slot; base: head-cache entries per request (once caught
+    up). Then either start = (first_logits [B, Vd], hidden [B, 1, H]) of a catch-up already run,
+    or catch_up = (token_ids: per request its n_b >= 1 pairs' tokens, features: per request
+    [n_b, F] on the cache's device in the head's dtype, pairs: Tc >= max n_b), the pairs ending at
+    base. The slots must already hold base + num_steps - 1 entries. The index inputs are worked
+    out on the host (numpy over the cache's host tables) and cross in one copy: a miss's draft
+    waits for this (drafter/ahead_chains.py `ahead_inputs` does the same)."""
     b = len(base)
     assert (start is None) != (catch_up is None)
     assert rows >= b and max(base) + num_steps - 1 <= span <= cache.max_len, (rows, b, base, num_steps, span)
-    dev = cache.k[0].device
     pad = rows - b
-    real = torch.arange(rows, device=dev) < b
-    base_t = to_device(list(base) + [0] * pad, dev)                                        # [Bc]
-    slot_t = torch.cat([slots.to(dev), slots[:1].to(dev).expand(pad)])
-    steps = torch.arange(num_steps - 1, device=dev)
-    write = torch.where(real[:, None], base_t[:, None] + steps, cache.trash_index)         # [Bc, S_steps - 1]
-    read = torch.where(real[:, None], torch.arange(span, device=dev), cache.trash_index)   # [Bc, S]
-    inp = ChainInputs(base_t, cache.rows(slot_t, write).t().contiguous()[..., None], cache.rows(slot_t, read))
-    if start is not None:
-        first_logits, hidden = start
-        inp.first_logits = first_logits.new_zeros(rows, first_logits.shape[-1])
-        inp.first_logits[:b] = first_logits
-        inp.hidden = hidden.new_zeros(rows, 1, hidden.shape[-1])
-        inp.hidden[:b] = hidden
+    real = (np.arange(rows) < b)[:, None]
+    base_np = np.array(list(base) + [0] * pad, dtype=np.int64)
+    trash = cache.trash_index
+    logical = [np.where(real, base_np[:, None] + np.arange(num_steps - 1), trash),   # step i + 1 writes column i
+               np.where(real, np.arange(span)[None, :], trash)]                      # read
+    head = [base_np[:, None]]
+    if catch_up is not None:
+        token_ids, features, pairs = catch_up
+        new_np = np.array([len(t) for t in token_ids] + [0] * pad, dtype=np.int64)
+        assert new_np[:b].min() >= 1 and new_np.max() <= pairs, (new_np, pairs)
+        tok_np = np.zeros((rows, pairs), dtype=np.int64)
+        for i, t in enumerate(token_ids):
+            tok_np[i, : len(t)] = t
+        j = np.arange(pairs)[None, :]
+        logical.append(np.where(j < new_np[:, None], (base_np - new_np)[:, None] + j, trash))   # catch-up pairs
+        head += [new_np[:, None], tok_np]
+    phys = cache.host_rows_np(list(slots) + [slots[0]] * pad, np.concatenate(logical, 1))
+    packed = to_device(torch.from_numpy(np.concatenate(head + [phys], 1)), cache.k[0].device)
+    widths = [1] + ([1, pairs] if catch_up is not None else []) + [num_steps - 1, span]
+    widths += [pairs] if catch_up is not None else []
+    parts = packed.split(widths, 1)
+    write, read = parts[-3:-1] if catch_up is not None else parts[-2:]
+    inp = ChainInputs(parts[0][:, 0], write.t().contiguous()[..., None], read)
+    if catch_up is not None:
+        inp.cu_new, inp.cu_tokens, inp.cu_write = parts[1][:, 0], parts[2], parts[-1]
+        inp.cu_features = padded_features(features, rows, pairs)
         return inp
-    token_ids, features, pairs = catch_up
-    new = [len(t) for t in token_ids]
-    assert min(new) >= 1 and max(new) <= pairs, (new, pairs)
-    inp.cu_tokens = to_device([list(t) + [0] * (pairs - len(t)) for t in token_ids] + [[0] * pairs] * pad, dev)
-    inp.cu_new = to_device(new + [0] * pad, dev)
-    j = torch.arange(pairs, device=dev)
-    inp.cu_write = cache.rows(slot_t, torch.where(j < inp.cu_new[:, None], (base_t - inp.cu_new)[:, None] + j,
-                                                  cache.trash_index))
-    inp.cu_features = padded_features(features, rows, pairs)
+    first_logits, hidden = start
+    inp.first_logits = first_logits.new_zeros(rows, first_logits.shape[-1])
+    inp.first_logits[:b] = first_logits
+    inp.hidden = hidden.new_zeros(rows, 1, hidden.shape[-1])
+    inp.hidden[:b] = hidden
     return inp
 
 
@@ -206,14 +217,14 @@ class ChainGraphs(HeadGraphs):
         return (topk == 1 and not sampled and num_steps >= 2 and batch_bucket(batch, self.batch_buckets) is not None
                 and (max_new == 0 or batch_bucket(max_new, self.pair_buckets) is not None))
 
-    def propose(self, slots: torch.Tensor, base: list[int], first_logits: torch.Tensor, hidden: torch.Tensor,
+    def propose(self, slots: list[int], base: list[int], first_logits: torch.Tensor, hidden: torch.Tensor,
                 num_steps: int, num_draft_tokens: int) -> TreeDraft:
         """From a catch-up already run (`chain_inputs`'s start) -> the chain's TreeDraft (what
         `expand_topk` returns)."""
         toks, _, _ = self._run(slots, base, num_steps, 0, start=(first_logits, hidden))
         return chain_tree(toks, num_draft_tokens)
 
-    def propose_caught_up(self, slots: torch.Tensor, base: list[int], token_ids: list[list[int]],
+    def propose_caught_up(self, slots: list[int], base: list[int], token_ids: list[list[int]],
                           features: list[torch.Tensor], num_steps: int,
                           num_draft_tokens: int) -> tuple[TreeDraft, torch.Tensor, torch.Tensor]:
         """The catch-up of each request's pairs (`chain_inputs`'s catch_up; base counts the entries

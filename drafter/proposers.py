@@ -328,7 +328,7 @@ class EagleProposer:
         slots, base, token_ids, feats = self._prepare_catch_up(reqs, num_new, features,
                                                                room=max(0, self.cfg.num_steps - 1))
         caught = [b0 + n for b0, n in zip(base, num_new)]
-        tree, hidden, logits = chain.propose_caught_up(to_device(slots, self.device), caught, token_ids, feats, steps,
+        tree, hidden, logits = chain.propose_caught_up(slots, caught, token_ids, feats, steps,
                                                        self.cfg.num_draft_tokens)
         self._record(reqs, caught, hidden[:, 0], logits)
         return tree
@@ -346,7 +346,8 @@ class EagleProposer:
             self.cache.reserve(self.slots.of[i], b0 + max(0, self.cfg.num_steps - 1) * k)
         steps = min(num_steps or self.cfg.num_steps, self.cfg.num_steps)
         if self.chain is not None and self.chain.supports(len(ids), k, reqs[0].sample_drafts, steps):
-            return self.chain.propose(slots, [self.cache_len[i] for i in ids], first, hidden0, steps,
+            return self.chain.propose([self.slots.of[i] for i in ids], [self.cache_len[i] for i in ids], first,
+                                      hidden0, steps,
                                       self.cfg.num_draft_tokens)
         scratch = ScratchTree(self.cache, slots, base, k, pos_offset=0)
         prev = {"out": hidden0}
