@@ -41,9 +41,10 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from drafter.graphs import PAIR_BUCKETS, HeadGraphs, PassStart, catch_up_in_pass, chain_tree, padded_features
+from drafter.graphs import (PAIR_BUCKETS, HeadGraphs, PassStart, catch_up_columns, catch_up_in_pass, chain_tree,
+                            packed_inputs, padded_features)
 from drafter.tree import TreeDraft
-from spectandem.devices import device_work_queued, to_device
+from spectandem.devices import device_work_queued
 from spectandem.kv_cache import PagedCacheBatch, PagedKVCache
 from verifier.graphs import BATCH_BUCKETS, batch_bucket, capture_graph, span_bucket
 
@@ -92,24 +93,14 @@ def ahead_inputs(cache: PagedKVCache, slots: list[int], base: list[int], chains:
     head = [base_np[:, None], chain_np]
     if catch_up is not None:
         token_ids, features, pairs = catch_up
-        new_np = np.array([len(t) for t in token_ids] + [0] * pad, dtype=np.int64)
-        assert new_np[:b].min() >= 1 and new_np.max() <= pairs, (new_np, pairs)
-        tok_np = np.zeros((rows, pairs), dtype=np.int64)
-        for i, t in enumerate(token_ids):
-            tok_np[i, : len(t)] = t
-        j = np.arange(pairs)[None, :]
-        logical.append(np.where(j < new_np[:, None], (base_np - new_np)[:, None] + j, trash))   # catch-up pairs
+        new_np, tok_np, pair_entries = catch_up_columns(token_ids, rows, pairs, base_np, trash)
+        logical.append(pair_entries)
         head += [new_np[:, None], tok_np]
-    phys = cache.host_rows_np(list(slots) + [slots[0]] * pad, np.concatenate(logical, 1))
-    packed = to_device(torch.from_numpy(np.concatenate(head + [phys], 1)), cache.k[0].device)
-    widths = [1, m] + ([1, pairs] if catch_up is not None else []) + [m, num_steps * width, span]
-    widths += [pairs] if catch_up is not None else []
-    parts = packed.split(widths, 1)
-    forced, outcome, read = parts[-4:-1] if catch_up is not None else parts[-3:]
-    inp = AheadInputs(parts[0][:, 0], parts[1], forced.t()[..., None],
+    heads, (forced, outcome, read, *pair_rows) = packed_inputs(cache, slots, head, logical)
+    inp = AheadInputs(heads[0][:, 0], heads[1], forced.t()[..., None],
                       outcome.reshape(rows, num_steps, width).permute(1, 0, 2), read)
     if catch_up is not None:
-        inp.cu_new, inp.cu_tokens, inp.cu_write = parts[2][:, 0], parts[3], parts[-1]
+        inp.cu_new, inp.cu_tokens, inp.cu_write = heads[2][:, 0], heads[3], pair_rows[0]
         inp.cu_features = padded_features(features, rows, pairs)
     else:
         first_logits, hidden = start

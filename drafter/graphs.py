@@ -84,6 +84,36 @@ def catch_up_in_pass(head, cache: PagedKVCache, inp) -> torch.Tensor:
     return head.run(inp.cu_tokens, head.project(inp.cu_features), positions, cache_batch, mask, last)
 
 
+def catch_up_columns(token_ids: list[list[int]], rows: int, pairs: int, base: np.ndarray,
+                     trash: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """A catch-up's columns of a pass's packed host inputs (`chain_inputs`, `ahead_inputs`): per
+    request its n_b pairs' tokens, ending at base [Bc] (the entries once caught up); rows >= B
+    (padding rows: no pairs) -> (pair counts [Bc], tokens [Bc, Tc] zero-padded, the logical
+    entries the pairs write [Bc, Tc], `trash` past each row's pairs). Example: base [7], tokens
+    [[a, b]], Tc 4 -> counts [2], tokens [[a, b, 0, 0]], entries [[5, 6, trash, trash]]."""
+    b = len(token_ids)
+    new = np.array([len(t) for t in token_ids] + [0] * (rows - b), dtype=np.int64)
+    assert new[:b].min() >= 1 and new.max() <= pairs, (new, pairs)
+    tokens = np.zeros((rows, pairs), dtype=np.int64)
+    for i, t in enumerate(token_ids):
+        tokens[i, : len(t)] = t
+    j = np.arange(pairs)[None, :]
+    return new, tokens, np.where(j < new[:, None], (base - new)[:, None] + j, trash)
+
+
+def packed_inputs(cache: PagedKVCache, slots: list[int], head: list[np.ndarray],
+                  logical: list[np.ndarray]) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+    """A pass's index inputs in one copy to the cache's device: `head` columns as given and
+    `logical` entries mapped to physical rows through the slots' host tables (rows past the B
+    slots, padding, through slots[0]; their entries are `trash_index`), each [Bc, *] int64 ->
+    (the head parts, the physical-row parts) on the device, views of one buffer."""
+    pad = head[0].shape[0] - len(slots)
+    phys = cache.host_rows_np(list(slots) + [slots[0]] * pad, np.concatenate(logical, 1))
+    packed = to_device(torch.from_numpy(np.concatenate(head + [phys], 1)), cache.k[0].device)
+    parts = packed.split([x.shape[1] for x in head + logical], 1)
+    return list(parts[: len(head)]), list(parts[len(head):])
+
+
 def padded_features(features: list[torch.Tensor], rows: int, pairs: int) -> torch.Tensor:
     """Per request its pairs' features [n_b, F] -> [rows, pairs, F], zeros elsewhere."""
     out = features[0].new_zeros(rows, pairs, features[0].shape[-1])
@@ -124,23 +154,13 @@ def chain_inputs(cache: PagedKVCache, slots: list[int], base: list[int], num_ste
     head = [base_np[:, None]]
     if catch_up is not None:
         token_ids, features, pairs = catch_up
-        new_np = np.array([len(t) for t in token_ids] + [0] * pad, dtype=np.int64)
-        assert new_np[:b].min() >= 1 and new_np.max() <= pairs, (new_np, pairs)
-        tok_np = np.zeros((rows, pairs), dtype=np.int64)
-        for i, t in enumerate(token_ids):
-            tok_np[i, : len(t)] = t
-        j = np.arange(pairs)[None, :]
-        logical.append(np.where(j < new_np[:, None], (base_np - new_np)[:, None] + j, trash))   # catch-up pairs
+        new_np, tok_np, pair_entries = catch_up_columns(token_ids, rows, pairs, base_np, trash)
+        logical.append(pair_entries)
         head += [new_np[:, None], tok_np]
-    phys = cache.host_rows_np(list(slots) + [slots[0]] * pad, np.concatenate(logical, 1))
-    packed = to_device(torch.from_numpy(np.concatenate(head + [phys], 1)), cache.k[0].device)
-    widths = [1] + ([1, pairs] if catch_up is not None else []) + [num_steps - 1, span]
-    widths += [pairs] if catch_up is not None else []
-    parts = packed.split(widths, 1)
-    write, read = parts[-3:-1] if catch_up is not None else parts[-2:]
-    inp = ChainInputs(parts[0][:, 0], write.t().contiguous()[..., None], read)
+    heads, (write, read, *pair_rows) = packed_inputs(cache, slots, head, logical)
+    inp = ChainInputs(heads[0][:, 0], write.t().contiguous()[..., None], read)
     if catch_up is not None:
-        inp.cu_new, inp.cu_tokens, inp.cu_write = parts[1][:, 0], parts[2], parts[-1]
+        inp.cu_new, inp.cu_tokens, inp.cu_write = heads[1][:, 0], heads[2], pair_rows[0]
         inp.cu_features = padded_features(features, rows, pairs)
         return inp
     first_logits, hidden = start

@@ -41,10 +41,10 @@ def _router(spec, vlink, dlink) -> Router:
     return router
 
 
-def _serve(spec, prompts, params, chain: bool, dlink=None):
+def _serve(spec, prompts, params, chain: bool, dlink=None, vlink=None):
     """The prompts through a Router in "ahead" over the speculator's engines -> (tokens per
     prompt, router counters, verifier link)."""
-    vlink = LocalVerifierLink(spec.verifier, chain=chain)
+    vlink = vlink or LocalVerifierLink(spec.verifier, chain=chain)
     dlink = dlink or LocalDrafterLink(spec.drafter)
 
     async def main():
@@ -384,17 +384,7 @@ def test_holds_keep_the_tokens_and_order_the_handoffs(monkeypatch):
     dlink.launch_first_s = 5.0
     vlink = LocalVerifierLink(spec.verifier, chain=True)
     vlink.drafter_first_s = 5.0
-
-    async def main():
-        router = _router(spec, vlink, dlink)
-        try:
-            toks, _ = await collect(router, prompt, params)
-            await drained(spec)
-            return toks, router.counters
-        finally:
-            await router.stop()
-
-    got, c = asyncio.run(main())
+    (got,), _, _ = _serve(spec, [prompt], [params], chain=True, dlink=dlink, vlink=vlink)
     assert got == expected
     assert dlink.pre_ahead_used == vlink.chained_launches > 0
     assert order and all(order), order
