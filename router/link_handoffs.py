@@ -157,9 +157,26 @@ class PreDraft(_PreCall):
             return None, []
         absorbed = [item_key(i) for i in self.extend if i.tag.request_id not in unknown]
         try:
-            return (None if unknown else drafter_draft(engine, self.tags, None)), absorbed
+            tree = None if unknown else drafter_draft(engine, self.tags, None)
         except (ValueError, KeyError):
             return None, absorbed
+        if tree is not None:
+            # Its drafting is done (a verifier's worker waiting on that lets go first: the taker
+            # below needs the verifier), then the tree to `on_ready`'s taker (the verifier
+            # link launches it).
+            self.mark_queued()
+            self.trees_ready(tree)
+        return tree, absorbed
+
+    def on_ready(self, fn) -> None:
+        """`fn(tree)` once, from the call's thread as soon as its tree is drafted (before the
+        call is done), or at once if it already is; never if it makes none."""
+        with self._lock:
+            tree = self._trees
+            if tree is None and not self._done:
+                self._on_trees = fn
+        if tree is not None:
+            fn(tree)
 
 
 class PreAhead(_PreCall):

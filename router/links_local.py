@@ -36,6 +36,10 @@ DRAFTER_FIRST_S = float(os.environ.get("SPECTANDEM_DRAFTER_FIRST_S", "0.004"))
 # so that the router's turn on its reply does not hold the Python lock between the verdict and
 # the launch. SPECTANDEM_LAUNCH_FIRST_S=0 turns it off.
 LAUNCH_FIRST_S = float(os.environ.get("SPECTANDEM_LAUNCH_FIRST_S", "0.01"))
+# After a miss, the drafter's pre-draft gives its tree straight to the verifier, which launches
+# it then and there (LocalVerifierLink._launch_missed); SPECTANDEM_LAUNCH_MISSED=0 leaves the
+# launch to the router's verify call.
+LAUNCH_MISSED = os.environ.get("SPECTANDEM_LAUNCH_MISSED", "1") != "0"
 
 
 def _shorten_switch_interval() -> None:
@@ -135,6 +139,9 @@ class LocalVerifierLink(_LocalLink):
         self._waited = 0.0                     # seconds the call now running waited for trees
         self.chained_launches = 0
         self.direct_staged = 0                 # trees staged by the drafter's worker (direct_stage)
+        # A miss's tree launched as soon as the drafter's pre-draft has it (`_launch_missed`).
+        self.launch_missed = chain and LAUNCH_MISSED
+        self.missed_launches = 0
         # A CUDA event: an armed verify's own work is done (not the chained forward behind it).
         self._round_done = None if self._stream is None else __import__("torch").cuda.Event()
         self._armed: StagedTrees | None = None     # the last arm_next's, for its verify
@@ -214,11 +221,29 @@ class LocalVerifierLink(_LocalLink):
             started = armed.then(out)
         elif staged and not self._queued and staged[0] is not None and armed.missed is not None:
             started = armed.missed(out)
+            if self.launch_missed and hasattr(started, "on_ready"):
+                started.on_ready(self._launch_missed)
         if self.drafter_first_s > 0 and hasattr(started, "wait_queued"):
             t0 = time.perf_counter()   # the drafter's host work first (DRAFTER_FIRST_S)
             started.wait_queued(self.drafter_first_s)
             self._waited += time.perf_counter() - t0
         return out
+
+    def _launch_missed(self, tree) -> None:
+        """From the drafter's worker, once a miss's pre-draft has its tree: its forward is queued
+        now (VerifierEngine.launch), not after the router's turn; the router's verify of that
+        tree, which follows, takes it. The verifier is idle: its last call ended with the miss."""
+        with self._engine_lock:
+            if self._stream is None:
+                launched = self.engine.launch(tree)
+            else:
+                import torch
+
+                with torch.cuda.stream(self._stream):
+                    launched = self.engine.launch(tree)
+            if launched:   # busy from here (_busy_from), as after a chained launch
+                self._chain_end = time.perf_counter()
+                self.missed_launches += 1
 
     def _launch_next(self, armed):
         """The engine's verdict hook of an armed verify (VerifierEngine.arm_next): marks the end

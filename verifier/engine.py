@@ -186,10 +186,15 @@ class VerifierEngine:
         ready = [None if t is None else t.get(tuple(toks)) for t, toks in zip(trees, tokens)]
         if any(r is None for r in ready):
             return False
-        tree = trees_from_ready(request_ids, committed_lens, ready)
+        return self.launch(trees_from_ready(request_ids, committed_lens, ready))
+
+    def launch(self, tree: DraftTree) -> bool:
+        """Queues the forward of `tree` now; the verify of that very tree that follows takes it
+        (the others drop it) -> whether it did. The caller has synchronized the last verify's
+        work (the launch reuses its buffers)."""
         try:
             reqs, logits, feats = self._launch(tree)
-        except ValueError:     # no room for the tree: the router's own verify will say so
+        except (ValueError, KeyError):   # stale, gone, or no room: the router's own verify will say so
             return False
         self._launched = (tree, logits, feats)
         return True
