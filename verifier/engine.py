@@ -59,7 +59,8 @@ class VerifierEngine:
         self._armed: tuple | None = None
         self._verdict: tuple | None = None
         self._launched: tuple | None = None
-        self.chained = 0              # verifies served by a chained launch
+        self.chained = 0              # verifies served by a chained launch (launch_next)
+        self.launched_early = 0       # verifies served by another `launch` (a miss's tree)
         self.last_chained = False     # the last verify was
 
     @property
@@ -116,10 +117,11 @@ class VerifierEngine:
         launched, self._launched = self._launched, None
         armed, self._armed = self._armed, None
         self.last_chained = launched is not None and _same_tree(launched[0], tree)
-        if self.last_chained:      # queued by launch_next, for this very tree
+        if self.last_chained:      # queued by launch_next or launch, for this very tree
             reqs = [self.requests[rid] for rid in tree.request_ids]
             logits, feats = launched[1], launched[2]
-            self.chained += 1
+            self.chained += launched[3]
+            self.launched_early += not launched[3]
         else:
             reqs, logits, feats = self._launch(tree)
         if on_launch is not None:
@@ -186,17 +188,18 @@ class VerifierEngine:
         ready = [None if t is None else t.get(tuple(toks)) for t, toks in zip(trees, tokens)]
         if any(r is None for r in ready):
             return False
-        return self.launch(trees_from_ready(request_ids, committed_lens, ready))
+        return self.launch(trees_from_ready(request_ids, committed_lens, ready), chained=True)
 
-    def launch(self, tree: DraftTree) -> bool:
+    def launch(self, tree: DraftTree, chained: bool = False) -> bool:
         """Queues the forward of `tree` now; the verify of that very tree that follows takes it
         (the others drop it) -> whether it did. The caller has synchronized the last verify's
-        work (the launch reuses its buffers)."""
+        work (the launch reuses its buffers). `chained`: launch_next's (counted in `chained`;
+        others in `launched_early`)."""
         try:
             reqs, logits, feats = self._launch(tree)
         except (ValueError, KeyError):   # stale, gone, or no room: the router's own verify will say so
             return False
-        self._launched = (tree, logits, feats)
+        self._launched = (tree, logits, feats, chained)
         return True
 
     def decode(self, request_ids: list[str], committed_lens: list[int], steps: int,
