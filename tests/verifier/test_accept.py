@@ -289,9 +289,17 @@ def test_engine_greedy_walk_on_the_device_path_equals_verify_greedy(idx) -> None
     argmax = {(0, 0): 1, (0, 1): 2, (0, 2): 9, (1, 0): 4, (1, 2): 7, (1, 3): 11, (2, 0): 3, (2, 1): 4}
     logits = _peaked_logits(3, 4, argmax)
     sel = torch.tensor(idx)
-    got = VerifierEngine._greedy_on_device(logits, idx, (tokens[sel], parents[sel], valid[sel]))
+    every = idx == list(range(3))
+    feats = torch.randn(3, 4, 6) if every else None      # gathered on the device only for every row
+    got, picked = VerifierEngine._greedy_on_device(logits, idx, (tokens[sel], parents[sel], valid[sel]), feats)
     want = verify_greedy(tokens[sel], parents[sel], valid[sel], logits[sel])
     w = want.accepted_nodes.shape[1]
+    if every:   # row b's first num_accepted + 1 entries: its accepted path's features, in order
+        for b in range(3):
+            path = want.accepted_nodes[b, : int(want.num_accepted[b]) + 1]
+            assert torch.equal(picked[b, : len(path)], feats[b, path])
+    else:
+        assert picked is None
     assert torch.equal(got.accepted_nodes[:, :w], want.accepted_nodes) and bool((got.accepted_nodes[:, w:] == P).all())
     assert torch.equal(got.output_token_ids[:, :w], want.output_token_ids)
     assert torch.equal(got.num_accepted, want.num_accepted) and torch.equal(got.bonus_token_ids, want.bonus_token_ids)
