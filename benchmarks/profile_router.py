@@ -43,6 +43,7 @@ import sys
 import threading
 import time
 from collections import defaultdict
+from pathlib import Path
 
 import torch
 
@@ -50,6 +51,9 @@ from router import links_local as router_links
 from spectandem import bench_router8b as br
 from spectandem.bench_llama8b import SHAPES, ControlledRuns, llama8b_spec, random_eagle3_head, random_target
 from spectandem.config import GpuPaths
+
+sys.path.insert(0, str(Path(__file__).parent))   # the sibling modules below
+from profile_marks import MARKS, round_marks  # noqa: E402  (a sibling module of this script)
 
 SETUPS = ("plain", "spec-plain", "sequential", "ahead", "auto")
 TIMED = ("router.scheduler:Router._plan", "router.scheduler:Router._release", "router.scheduler:Router._commit",
@@ -71,55 +75,6 @@ TIMED = ("router.scheduler:Router._plan", "router.scheduler:Router._release", "r
          "drafter.proposers:EagleProposer.catch_up_propose", "drafter.proposers:EagleProposer.catch_up_ahead_chains",
          "drafter.graphs:chain_inputs", "drafter.graphs:ChainGraphs.propose_caught_up",
          "drafter.ahead_chains:AheadChainGraphs.run_caught_up")
-
-
-# The few calls `--marks` times: light enough that a round keeps its shape.
-MARKS = ("verifier.graphs:VerifyGraphs.run", "verifier.engine:VerifierEngine._accept",
-         "router.links_local:LocalVerifierLink._launch_next", "verifier.engine:VerifierEngine.verify",
-         "router.links_local:LocalDrafterLink._pre_run", "drafter.ahead_chains:ahead_inputs",
-         "drafter.ahead_chains:AheadChainGraphs._run", "router.link_handoffs:StagedTrees.put_trees",
-         "drafter.engine:DrafterEngine.draft", "drafter.engine:DrafterEngine.extend",
-         "router.rounds:RoundsMixin._apply", "router.rounds:RoundsMixin._draft_ahead",
-         "verifier.engine:VerifierEngine.commit", "verifier.engine:VerifierEngine.launch_next",
-         "verifier.runner:NativeRunner.verify", "drafter.proposers:EagleProposer.catch_up_propose",
-         "drafter.graphs:chain_inputs", "drafter.graphs:ChainGraphs._run", "router.rounds:RoundsMixin._draft",
-         "router.links_local:LocalVerifierLink._verify", "router.rounds:RoundsMixin._round")
-
-
-def round_marks(trace: list, anchor: str = "VerifyGraphs.run", slowest: int = 0) -> str:
-    """Per verify launch (the end of `anchor`: the forward is queued) until the next one: the
-    offset of the first start and the first end of every other timed call in that interval, as
-    the median (p25-p75) over the intervals, in ms; the interval's own length last. Then the
-    `slowest` longest intervals call by call (`_slowest`)."""
-    launches = sorted(t1 for label, _, t1, _ in trace if label == anchor)
-    offsets: dict[str, list] = defaultdict(list)
-    for a, b in zip(launches, launches[1:]):
-        seen = set()
-        for label, t0, t1, _ in sorted(trace, key=lambda e: e[1]):
-            for what, t in (("start", t0), ("end", t1)):
-                key = f"{label} {what}"
-                if a <= t < b and key not in seen and label != anchor:
-                    seen.add(key)
-                    offsets[key].append(1000 * (t - a))
-        offsets["next launch"].append(1000 * (b - a))
-    q = lambda xs, f: sorted(xs)[int(f * (len(xs) - 1))]
-    rows = [f"   {'call':52s} {'rounds':>6s} {'median':>7s} {'p25':>7s} {'p75':>7s}"]
-    for key, xs in sorted(offsets.items(), key=lambda kv: q(kv[1], 0.5)):
-        rows.append(f"   {key:52s} {len(xs):6d} {q(xs, 0.5):7.3f} {q(xs, 0.25):7.3f} {q(xs, 0.75):7.3f}")
-    return "\n".join(rows) + _slowest(trace, launches, anchor, slowest)
-
-
-def _slowest(trace: list, launches: list, anchor: str, count: int) -> str:
-    """The `count` longest intervals between verify launches, each call's start and end in ms
-    from the interval's launch, by start (thread's initial): where a slow round's time goes."""
-    spans = sorted(zip(launches, launches[1:]), key=lambda ab: ab[0] - ab[1])[:count]
-    out = []
-    for a, b in sorted(spans):
-        out.append(f"\n   -- interval of {1000 * (b - a):.3f} ms")
-        for label, t0, t1, thread in sorted(trace, key=lambda e: e[1]):
-            if a <= t0 < b and label != anchor:
-                out.append(f"      {1000 * (t0 - a):8.3f} {1000 * (t1 - a):8.3f}  {thread[:14]:14s} {label}")
-    return "\n".join(out)
 
 
 class Timers:
@@ -327,7 +282,6 @@ async def _profile(runs, setup: str, rate: float, batch: int, top: int, plain_st
                 await asyncio.wait_for(br._timed(s, runs, *ids()), 300)
             path = kineto.replace("{setup}", setup)
             kprof.export_chrome_trace(path)
-            sys.path.insert(0, str(__import__("pathlib").Path(__file__).parent))
             from gpu_gaps import summarize
 
             timeline += f"-- GPU timelines of a profiled batch ({path})\n{summarize(path)}\n"

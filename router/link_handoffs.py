@@ -104,32 +104,38 @@ class _PreCall:
         return self._queued.wait(timeout)
 
     def trees_ready(self, trees) -> None:
-        """From the call's thread, as soon as its trees are on the host (drafter_draft_ahead's
-        on_trees): they go to `result`'s on_trees now if it is registered, else when it is."""
+        """From the call's thread, as soon as its trees (a pre-ahead's) or tree (a pre-draft's)
+        are on the host: they go to `on_ready`'s taker now if one is registered, else when it is."""
         with self._lock:
             self._trees = trees
             give, self._on_trees = self._on_trees, None
         if give is not None:
             self.staged_into = give(trees)
 
+    def on_ready(self, fn) -> None:
+        """`fn(trees)` once, from whichever thread has them first: the call's, as soon as they
+        are on the host (`trees_ready`, before the call is done), or this one's at once if they
+        already are; never if the call makes none."""
+        with self._lock:
+            trees = self._trees
+            if trees is None and not self._done:
+                self._on_trees = fn
+        if trees is not None:
+            fn(trees)
+
     async def result(self, on_trees=None):
-        """Its reply (None: it failed or had none), once done. `on_trees(trees)` once, from
-        whichever thread has them first: the call's, as soon as its trees are on the host
-        (`trees_ready`), or this one's at once if they already are."""
+        """Its reply (None: it failed or had none), once done; `on_ready(on_trees)` first."""
         loop = asyncio.get_running_loop()
         fut = loop.create_future()
 
         def done():
             loop.call_soon_threadsafe(lambda: fut.done() or fut.set_result(None))
+        if on_trees is not None:
+            self.on_ready(on_trees)
         with self._lock:
-            trees = self._trees
-            if on_trees is not None and trees is None and not self._done:
-                self._on_trees = on_trees          # trees_ready gives them
             waiting = not self._done
             if waiting:
                 self._waiters.append(done)
-        if on_trees is not None and trees is not None:
-            on_trees(trees)
         if not waiting:
             done()
         await fut
@@ -167,16 +173,6 @@ class PreDraft(_PreCall):
             self.mark_queued()
             self.trees_ready(tree)
         return tree, absorbed
-
-    def on_ready(self, fn) -> None:
-        """`fn(tree)` once, from the call's thread as soon as its tree is drafted (before the
-        call is done), or at once if it already is; never if it makes none."""
-        with self._lock:
-            tree = self._trees
-            if tree is None and not self._done:
-                self._on_trees = fn
-        if tree is not None:
-            fn(tree)
 
 
 class PreAhead(_PreCall):

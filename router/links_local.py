@@ -87,19 +87,23 @@ class _LocalLink:
     def _timed_call(self, kind: str, fn, *args, sync: bool = True):
         t0 = time.perf_counter()
         try:
-            if self._stream is None:
-                return fn(*args)
-            import torch
-
-            with torch.cuda.stream(self._stream):
-                out = fn(*args)
-            if sync:
+            out = self._on_stream(fn, *args)
+            if sync and self._stream is not None:
                 self._stream.synchronize()
             return out
         finally:
             end = time.perf_counter()
             self.busy_s[kind] = self.busy_s.get(kind, 0.0) + end - self._busy_from(kind, t0)
             self._ended(kind, end)
+
+    def _on_stream(self, fn, *args):
+        """fn(*args) with this engine's CUDA stream current (as it is, without one)."""
+        if self._stream is None:
+            return fn(*args)
+        import torch
+
+        with torch.cuda.stream(self._stream):
+            return fn(*args)
 
     def _busy_from(self, kind: str, start: float) -> float:
         """When the call just ended began its work (its start, for most)."""
@@ -234,14 +238,7 @@ class LocalVerifierLink(_LocalLink):
         now (VerifierEngine.launch), not after the router's turn; the router's verify of that
         tree, which follows, takes it. The verifier is idle: its last call ended with the miss."""
         with self._engine_lock:
-            if self._stream is None:
-                launched = self.engine.launch(tree)
-            else:
-                import torch
-
-                with torch.cuda.stream(self._stream):
-                    launched = self.engine.launch(tree)
-            if launched:   # busy from here (_busy_from), as after a chained launch
+            if self._on_stream(self.engine.launch, tree):   # busy from here (_busy_from), as after a chained launch
                 self._chain_end = time.perf_counter()
                 self.missed_launches += 1
 

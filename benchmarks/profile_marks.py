@@ -1,0 +1,54 @@
+"""`benchmarks/profile_router.py --marks`: the few calls it times and how it reads their trace
+(offsets from each verify launch, and the slowest intervals call by call)."""
+
+from __future__ import annotations
+
+from collections import defaultdict
+
+# The few calls `--marks` times: light enough that a round keeps its shape.
+MARKS = ("verifier.graphs:VerifyGraphs.run", "verifier.engine:VerifierEngine._accept",
+         "router.links_local:LocalVerifierLink._launch_next", "verifier.engine:VerifierEngine.verify",
+         "router.links_local:LocalDrafterLink._pre_run", "drafter.ahead_chains:ahead_inputs",
+         "drafter.ahead_chains:AheadChainGraphs._run", "router.link_handoffs:StagedTrees.put_trees",
+         "drafter.engine:DrafterEngine.draft", "drafter.engine:DrafterEngine.extend",
+         "router.rounds:RoundsMixin._apply", "router.rounds:RoundsMixin._draft_ahead",
+         "verifier.engine:VerifierEngine.commit", "verifier.engine:VerifierEngine.launch_next",
+         "verifier.runner:NativeRunner.verify", "drafter.proposers:EagleProposer.catch_up_propose",
+         "drafter.graphs:chain_inputs", "drafter.graphs:ChainGraphs._run", "router.rounds:RoundsMixin._draft",
+         "router.links_local:LocalVerifierLink._verify", "router.rounds:RoundsMixin._round")
+
+
+def round_marks(trace: list, anchor: str = "VerifyGraphs.run", slowest: int = 0) -> str:
+    """Per verify launch (the end of `anchor`: the forward is queued) until the next one: the
+    offset of the first start and the first end of every other timed call in that interval, as
+    the median (p25-p75) over the intervals, in ms; the interval's own length last. Then the
+    `slowest` longest intervals call by call (`_slowest`)."""
+    launches = sorted(t1 for label, _, t1, _ in trace if label == anchor)
+    offsets: dict[str, list] = defaultdict(list)
+    for a, b in zip(launches, launches[1:]):
+        seen = set()
+        for label, t0, t1, _ in sorted(trace, key=lambda e: e[1]):
+            for what, t in (("start", t0), ("end", t1)):
+                key = f"{label} {what}"
+                if a <= t < b and key not in seen and label != anchor:
+                    seen.add(key)
+                    offsets[key].append(1000 * (t - a))
+        offsets["next launch"].append(1000 * (b - a))
+    q = lambda xs, f: sorted(xs)[int(f * (len(xs) - 1))]
+    rows = [f"   {'call':52s} {'rounds':>6s} {'median':>7s} {'p25':>7s} {'p75':>7s}"]
+    for key, xs in sorted(offsets.items(), key=lambda kv: q(kv[1], 0.5)):
+        rows.append(f"   {key:52s} {len(xs):6d} {q(xs, 0.5):7.3f} {q(xs, 0.25):7.3f} {q(xs, 0.75):7.3f}")
+    return "\n".join(rows) + _slowest(trace, launches, anchor, slowest)
+
+
+def _slowest(trace: list, launches: list, anchor: str, count: int) -> str:
+    """The `count` longest intervals between verify launches, each call's start and end in ms
+    from the interval's launch, by start (thread's initial): where a slow round's time goes."""
+    spans = sorted(zip(launches, launches[1:]), key=lambda ab: ab[0] - ab[1])[:count]
+    out = []
+    for a, b in sorted(spans):
+        out.append(f"\n   -- interval of {1000 * (b - a):.3f} ms")
+        for label, t0, t1, thread in sorted(trace, key=lambda e: e[1]):
+            if a <= t0 < b and label != anchor:
+                out.append(f"      {1000 * (t0 - a):8.3f} {1000 * (t1 - a):8.3f}  {thread[:14]:14s} {label}")
+    return "\n".join(out)
