@@ -15,7 +15,15 @@ MARKS = ("verifier.graphs:VerifyGraphs.run", "verifier.engine:VerifierEngine._ac
          "verifier.engine:VerifierEngine.commit", "verifier.engine:VerifierEngine.launch_next",
          "verifier.runner:NativeRunner.verify", "drafter.proposers:EagleProposer.catch_up_propose",
          "drafter.graphs:chain_inputs", "drafter.graphs:ChainGraphs._run", "router.rounds:RoundsMixin._draft",
-         "router.links_local:LocalVerifierLink._verify", "router.rounds:RoundsMixin._round")
+         "router.links_local:LocalVerifierLink._verify", "router.rounds:RoundsMixin._round",
+         # a request's start and end (`edges`), and the verdict-to-launch host work
+         "router.scheduler:Router._admit", "router.scheduler:Router._drafter_prefill",
+         "verifier.engine:VerifierEngine.prefill", "drafter.engine:DrafterEngine.add_many",
+         "verifier.chained:trees_from_ready", "verifier.graphs:host_tree_inputs",
+         "spectandem.kv_cache:PagedKVCache.reserve", "router.scheduler:Router._release",
+         "drafter.proposers:EagleProposer.catch_up", "drafter.proposers:catch_up_inputs",
+         "drafter.proposers:catch_up_forward", "drafter.proposers:to_device_all",
+         "verifier.chained:ChainedLaunchMixin.prepare_next")
 
 
 def round_marks(trace: list, anchor: str = "VerifyGraphs.run", slowest: int = 0) -> str:
@@ -39,6 +47,27 @@ def round_marks(trace: list, anchor: str = "VerifyGraphs.run", slowest: int = 0)
     for key, xs in sorted(offsets.items(), key=lambda kv: q(kv[1], 0.5)):
         rows.append(f"   {key:52s} {len(xs):6d} {q(xs, 0.5):7.3f} {q(xs, 0.25):7.3f} {q(xs, 0.75):7.3f}")
     return "\n".join(rows) + _slowest(trace, launches, anchor, slowest)
+
+
+def edges(trace: list, anchor: str = "VerifyGraphs.run") -> str:
+    """A batch's start and end call by call: every timed call that starts before the second
+    verify launch, then every one that ends after the last launch, in ms from the batch's first
+    timed call (thread's initial): the time before the rounds chain, and after."""
+    if not trace:
+        return "   (nothing timed)"
+    launches = sorted(t1 for label, _, t1, _ in trace if label == anchor)
+    t0 = min(e[1] for e in trace)
+    head = launches[1] if len(launches) > 1 else float("inf")
+    tail = launches[-1] if launches else float("-inf")
+    out = [f"   launches at (ms): {', '.join(f'{1000 * (t - t0):.2f}' for t in launches[:3])} ... "
+           f"{', '.join(f'{1000 * (t - t0):.2f}' for t in launches[-2:])}; the batch's last call ends at "
+           f"{1000 * (max(e[2] for e in trace) - t0):.2f}"]
+    for title, keep in (("start", lambda e: e[1] <= head), ("end", lambda e: e[2] >= tail)):
+        out.append(f"   -- {title}")
+        for label, a, b, thread in sorted(trace, key=lambda e: e[1]):
+            if keep((label, a, b, thread)):
+                out.append(f"      {1000 * (a - t0):8.3f} {1000 * (b - t0):8.3f}  {thread[:14]:14s} {label}")
+    return "\n".join(out)
 
 
 def _slowest(trace: list, launches: list, anchor: str, count: int) -> str:

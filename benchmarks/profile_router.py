@@ -53,7 +53,7 @@ from spectandem.bench_llama8b import SHAPES, ControlledRuns, llama8b_spec, rando
 from spectandem.config import GpuPaths
 
 sys.path.insert(0, str(Path(__file__).parent))   # the sibling modules below
-from profile_marks import MARKS, round_marks  # noqa: E402  (a sibling module of this script)
+from profile_marks import MARKS, edges, round_marks  # noqa: E402  (a sibling module of this script)
 
 SETUPS = ("plain", "spec-plain", "sequential", "ahead", "auto")
 TIMED = ("router.scheduler:Router._plan", "router.scheduler:Router._release", "router.scheduler:Router._commit",
@@ -275,6 +275,7 @@ async def _profile(runs, setup: str, rate: float, batch: int, top: int, plain_st
                 light.on = False
                 light.restore()
             timeline += f"-- offsets from each verify launch (ms; {len(MARKS)} calls timed)\n{round_marks(light.trace, slowest=6)}\n"
+            timeline += f"-- the batch's start and end\n{edges(light.trace)}\n"
         if kineto:   # one batch under torch.profiler: the GPUs' own timelines
             from torch.profiler import ProfilerActivity, profile
 

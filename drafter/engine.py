@@ -97,8 +97,17 @@ class DrafterEngine(DraftAheadMixin):
             if kept is not None and kept[0] == req.committed_len:
                 self.ready[request_id] = kept   # the draft pending at preemption, still current
             reqs.append(req)
-        if reqs:
-            self.proposer.catch_up(reqs, [r.committed_len - 1 for r in reqs], [it[5] for it in items])
+        # A prompt's catch-up waits for the request's first draft where that draft runs it in
+        # the same pass (as a miss's does: `_drafts_caught_up`), or for the ready tree's next
+        # call: the prefill returns at once, and the first tree costs one graph on the GPU.
+        now = []
+        for req, it in zip(reqs, items):
+            if it[5] is not None and (req.request_id in self.ready or self._drafts_caught_up(req)):
+                self.deferred[req.request_id] = (req.committed_len - 1, self._stage(it[5]))
+            else:
+                now.append((req, it[5]))
+        if now:
+            self.proposer.catch_up([r for r, _ in now], [r.committed_len - 1 for r, _ in now], [f for _, f in now])
 
     def check_tag(self, request_id: str, epoch: int, committed_len: int) -> None:
         """Raises StaleMessage unless the request is at this epoch and committed length."""

@@ -20,19 +20,25 @@ and a pre-ahead whose trees went to an armed verify is done only once that verif
 from __future__ import annotations
 
 import asyncio
+import logging
 import queue
 import threading
 
 from router.links import AheadReply, EngineUnavailable, Tag
 from spectandem.devices import on_queued
 
+log = logging.getLogger("spectandem.router")
+
 
 class StagedTrees:
-    """One armed verify's handoff: its tags, and the trees stage_next gives (any thread)."""
+    """One armed verify's handoff: its tags, and the trees stage_next gives (any thread).
+    `prepare(trees)`, if given, runs in the putting thread as the trees are staged, before the
+    verifier's worker can take them: the verifier packs the next verify's inputs then
+    (VerifierEngine.prepare_next), before its verdict if the trees come first."""
 
-    def __init__(self, request_ids: list[str], committed_lens: list[int], then=None, missed=None):
+    def __init__(self, request_ids: list[str], committed_lens: list[int], then=None, missed=None, prepare=None):
         self.request_ids, self.committed_lens = request_ids, committed_lens
-        self.then, self.missed = then, missed
+        self.then, self.missed, self.prepare = then, missed, prepare
         self._given = threading.Event()
         self._taken = threading.Event()   # the verifier has launched from them (or decided not to)
         self._put = threading.Lock()
@@ -45,6 +51,11 @@ class StagedTrees:
             if self._given.is_set():
                 return False
             self._trees = None if trees is None or not any(trees) else [t or None for t in trees]
+            if self.prepare is not None and self._trees is not None:
+                try:   # before the verifier's worker can take them (it may be waiting)
+                    self.prepare(self._trees)
+                except Exception:   # packing ahead is only a shortcut: the verdict's launch packs its own
+                    log.exception("preparing the next verify's inputs failed")
             self._given.set()
             return True
 

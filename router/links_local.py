@@ -40,6 +40,10 @@ LAUNCH_FIRST_S = float(os.environ.get("SPECTANDEM_LAUNCH_FIRST_S", "0.01"))
 # it then and there (LocalVerifierLink._launch_missed); SPECTANDEM_LAUNCH_MISSED=0 leaves the
 # launch to the router's verify call.
 LAUNCH_MISSED = os.environ.get("SPECTANDEM_LAUNCH_MISSED", "1") != "0"
+# The staged trees come before the verdict: the verifier packs the next verify's inputs for each
+# outcome then (VerifierEngine.prepare_next, one request), and the verdict's launch only picks
+# one. SPECTANDEM_PREPARE_LAUNCH=0 packs them at the verdict.
+PREPARE_LAUNCH = os.environ.get("SPECTANDEM_PREPARE_LAUNCH", "1") != "0"
 
 
 def _shorten_switch_interval() -> None:
@@ -176,8 +180,10 @@ class LocalVerifierLink(_LocalLink):
         queued (DRAFTER_FIRST_S at most). False: not chaining."""
         if not self.chains:
             return False
-        self._armed = self._staging = StagedTrees([t.request_id for t in tags], [t.committed_len for t in tags],
-                                                  then, missed)
+        ids, lens = [t.request_id for t in tags], [t.committed_len for t in tags]
+        prepare = getattr(self.engine, "prepare_next", None) if PREPARE_LAUNCH else None
+        self._armed = self._staging = StagedTrees(
+            ids, lens, then, missed, None if prepare is None else lambda trees: prepare(ids, lens, trees))
         return True
 
     def stage_next(self, trees: list[dict | None] | None) -> None:

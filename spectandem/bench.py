@@ -296,6 +296,7 @@ def _note(r: dict) -> str:
         notes.append(f"round {r['round_ms']} ms = {r['round_over_forward']:.2f}x forward")
     if r.get("chained_verifies"):
         notes.append(f"chained {r['chained_verifies']}/{r['rounds']}"
+                     + (f" ({r['prepared_verifies']} prepared)" if r.get("prepared_verifies") else "")
                      + (f", early {r['early_verifies']}" if r.get("early_verifies") else ""))
     if r.get("pre_ahead_used"):
         notes.append(f"pre-ahead {r['pre_ahead_used']}")

@@ -20,7 +20,8 @@ controlled drafter's guesses (spectandem/bench_controlled.py): its rows give the
 hits and misses (`ahead_hits`, `ahead_misses`; expected hit rate `expected_ahead_hit_rate`) and
 the request-rounds verified with a tree the router held from draft ahead, no draft call
 (`ready_trees`), and the verifies the verifier had started itself, before the router asked
-(`chained_verifies`: VerifierEngine.launch_next; in-process links chain on a GPU) and the
+(`chained_verifies`: VerifierEngine.launch_next; in-process links chain on a GPU; of them
+`prepared_verifies` from inputs packed before the verdict, verifier/chained.py) and the
 draft-ahead calls answered by the drafter's pre-ahead, which the verifier link started after
 such a launch (`pre_ahead_used`: LocalDrafterLink.pre_ahead), and the draft calls answered by
 the drafter's pre-draft, which it started after an armed verdict with no tree (a miss:
@@ -160,7 +161,8 @@ async def _timed(s: _Setup, runs, ids: list[str], indices: list[int]) -> dict:
     for d in devices:
         sync(d)
     busy0 = [dict(link.busy_s) for link in s.links]   # the engines hold no request now (_settle)
-    chained0, early0 = s.links[0].engine.chained, s.links[0].engine.launched_early
+    eng = s.links[0].engine
+    chained0, early0, prepared0 = eng.chained, eng.launched_early, getattr(eng, "launched_prepared", 0)
     # The drafter's link, when there is one: its draft-ahead and draft calls a pre-call answered.
     pre_used = lambda: (getattr(s.links[-1], "pre_ahead_used", 0), getattr(s.links[-1], "pre_draft_used", 0))
     pre0 = pre_used()
@@ -173,7 +175,8 @@ async def _timed(s: _Setup, runs, ids: list[str], indices: list[int]) -> dict:
     await _settle(s.links)
     c = {k: v - before[k] for k, v in dataclasses.asdict(router.counters).items() if isinstance(v, int)}
     return {"tokens": tokens, "seconds": dt, "counters": c, "mode": router._modes.mode, "busy": busy,
-            "chained": s.links[0].engine.chained - chained0, "early": s.links[0].engine.launched_early - early0,
+            "chained": eng.chained - chained0, "early": eng.launched_early - early0,
+            "prepared": getattr(eng, "launched_prepared", 0) - prepared0,
             "pre_ahead": pre_used()[0] - pre0[0], "pre_draft": pre_used()[1] - pre0[1],
             "rates": {k: round(v, 1) for k, v in router._modes.rates_for(len(ids)).items()}}
 
@@ -197,7 +200,7 @@ def _record(mode: str, batch_size: int, acceptance_rate: float | None, m: dict, 
                drafter_busy_s=None if plain else round(sum(m["busy"][1].values()), 4), **placement)
     if not plain:
         r.update(ahead_hits=c["draft_ahead_hits"], ahead_misses=c["draft_ahead_misses"], ready_trees=c["ready_trees"],
-                 chained_verifies=m["chained"], early_verifies=m["early"], pre_ahead_used=m["pre_ahead"],
+                 chained_verifies=m["chained"], prepared_verifies=m["prepared"], early_verifies=m["early"], pre_ahead_used=m["pre_ahead"],
                  pre_draft_used=m["pre_draft"], round_ms=round((dt - prefill_s) / c["rounds"] * 1000, 3),
                  expected_ahead_hit_rate=round(expected_ahead_hit_rate(acceptance_rate, num_steps), 3))
     if not plain and batch_size == 1 and verify and drafts:

@@ -9,18 +9,13 @@ request in a verify batch it picks the acceptance rule:
 Uniforms come from `spectandem.rng`, keyed by (seed, position, stream, index): a result never
 depends on what else is in the batch, and the global RNG is never touched.
 
-Chained verifies (draft ahead, router/rounds.py): the router arms a verify (`arm_next`) and,
-while it runs, the drafter's next tree for each of its outcomes comes (router/links_local.py).
-Given the verdict (`take_verdict`) and those trees, `launch_next` queues the verify of the
-verdict's next tree at once; its forward runs while the router takes in the verdict, and the
-router's verify of that same tree then only waits for it. The tree is the one the router builds
-itself (`trees_from_ready` over the same ready trees), so the tokens are those of the unchained
-rounds; a verify of any other tree, a decode, or the release of one of its requests drops it
-(its KV rows lie past the committed length, where the next verify writes anyway).
+Chained verifies (draft ahead, router/rounds.py): the router arms a verify and the engine
+queues the verdict's next tree itself, from inside that verify (verifier/chained.py).
 """
 
 from __future__ import annotations
 
+import threading
 from dataclasses import dataclass
 
 import torch
@@ -28,11 +23,11 @@ import torch
 from spectandem import rng
 from spectandem.config import SamplingParams
 from spectandem.devices import to_device
-from spectandem.messages import (DraftTree, PrefillOutput, StaleMessage, VerifyOutput, root_only_tree,
-                                 trees_from_ready)
+from spectandem.messages import DraftTree, PrefillOutput, StaleMessage, VerifyOutput, root_only_tree
 from spectandem.sampling import greedy, logits_to_probs, sample_from_probs
 from spectandem.kernels.accept import greedy_accept
 from verifier.accept import VerifyResult, verify_greedy, verify_rejection, verify_tree_sampling
+from verifier.chained import ChainedLaunchMixin, same_tree
 
 
 @dataclass
@@ -48,7 +43,7 @@ class _Request:
         return len(self.token_ids)
 
 
-class VerifierEngine:
+class VerifierEngine(ChainedLaunchMixin):
     def __init__(self, runner, max_slots: int, vocab_size: int = 0):
         self.runner = runner
         self.vocab_size = vocab_size
@@ -59,7 +54,11 @@ class VerifierEngine:
         self._armed: tuple | None = None
         self._verdict: tuple | None = None
         self._launched: tuple | None = None
+        self._prepared: tuple | None = None   # a verify's inputs packed per outcome (prepare_next)
+        # Where the engine changes a request's KV slot; prepare_next comes from another thread.
+        self._state = threading.RLock()
         self.chained = 0              # verifies served by a chained launch (launch_next)
+        self.launched_prepared = 0    # of those, launched from inputs prepared before the verdict
         self.launched_early = 0       # verifies served by another `launch` (a miss's tree)
         self.last_chained = False     # the last verify was
 
@@ -91,14 +90,15 @@ class VerifierEngine:
                 raise ValueError(f"request {rid!r}: prompt has {len(p)} tokens; the context holds {self.max_len}")
         if len(request_ids) > len(self.free_slots):
             raise RuntimeError(f"verifier has {len(self.free_slots)} free slots, {len(request_ids)} requested")
-        slots = [self.free_slots.pop() for _ in request_ids]
-        try:
-            logits, feats = self.runner.prefill(slots, [p[:-1] if r else p for p, r in zip(prompts, resume)])
-        except Exception:
-            for slot in slots:
-                self.runner.release(slot)
-                self.free_slots.append(slot)
-            raise
+        with self._state:
+            slots = [self.free_slots.pop() for _ in request_ids]
+            try:
+                logits, feats = self.runner.prefill(slots, [p[:-1] if r else p for p, r in zip(prompts, resume)])
+            except Exception:
+                for slot in slots:
+                    self.runner.release(slot)
+                    self.free_slots.append(slot)
+                raise
         outs = []
         for i, rid in enumerate(request_ids):
             req = _Request(slots[i], list(prompts[i]), params[i], seeds[i], epochs[i] if epochs else 0)
@@ -116,7 +116,7 @@ class VerifierEngine:
         the host waits for it (the router starts the drafter's work then: router/rounds.py)."""
         launched, self._launched = self._launched, None
         armed, self._armed = self._armed, None
-        self.last_chained = launched is not None and _same_tree(launched[0], tree)
+        self.last_chained = launched is not None and same_tree(launched[0], tree)
         if self.last_chained:      # queued by launch_next or launch, for this very tree
             reqs = [self.requests[rid] for rid in tree.request_ids]
             logits, feats = launched[1], launched[2]
@@ -145,8 +145,9 @@ class VerifierEngine:
                              num_draft_tokens=d, features=None if picked is None else picked[b, : len(toks)])
                 for b, (rid, req, toks, k, d) in enumerate(zip(tree.request_ids, reqs, tokens, num_acc, num_drafts))]
 
-    def _launch(self, tree: DraftTree):
-        """Checks the tree's tags and queues its forward -> (requests, logits, features)."""
+    def _launch(self, tree: DraftTree, flat: torch.Tensor | None = None):
+        """Checks the tree's tags and queues its forward -> (requests, logits, features).
+        `flat`: its inputs, prepared before the verdict (verifier/chained.py)."""
         reqs = [self.requests[rid] for rid in tree.request_ids]
         for rid, req, tag in zip(tree.request_ids, reqs, tree.committed_lens):
             if tag != req.committed_len:
@@ -157,50 +158,13 @@ class VerifierEngine:
                                  f"{req.committed_len} exceeds the context of {self.max_len}")
         slots = [r.slot for r in reqs]
         cache_lens = [r.committed_len - 1 for r in reqs]
-        logits, feats = self.runner.verify(slots, cache_lens, tree.token_ids, tree.parents, tree.node_valid)
+        with self._state:
+            if flat is None:
+                logits, feats = self.runner.verify(slots, cache_lens, tree.token_ids, tree.parents, tree.node_valid)
+            else:
+                logits, feats = self.runner.verify(slots, cache_lens, tree.token_ids, tree.parents, tree.node_valid,
+                                                   flat=flat)
         return reqs, logits, feats
-
-    def arm_next(self, request_ids: list[str], committed_lens: list[int], on_verdict=None) -> None:
-        """The next verify, of exactly these tags, chains: its verdict is kept (`take_verdict`).
-        Called before that verify. `on_verdict()`, if given, is called from inside that verify
-        once its verdict is kept and its work is queued, before it builds its outputs: the
-        caller launches the next tree there (`take_verdict`, `launch_next`), as early as the
-        host can."""
-        self._armed = (tuple(request_ids), tuple(committed_lens), on_verdict)
-
-    def take_verdict(self) -> tuple | None:
-        """The armed verify's verdict, for `launch_next` (None: the last verify was not armed)."""
-        verdict, self._verdict = self._verdict, None
-        return verdict
-
-    def launch_next(self, verdict: tuple | None, trees: list[dict | None]) -> bool:
-        """Queues the verify of the verdict's next tree when every request has one -> whether it
-        did. trees: per request of the armed verify (in its order), the next tree for each of its
-        outcomes (committed tokens -> ReadyTree), or None. The caller has synchronized the last
-        verify's work (the launch reuses its buffers)."""
-        if verdict is None:
-            return False
-        request_ids, committed_lens, tokens = verdict
-        if len(trees) != len(request_ids) or any(rid not in self.requests for rid in request_ids):
-            return False
-        if [self.requests[rid].committed_len for rid in request_ids] != committed_lens:
-            return False      # the requests moved on (not by the router's rounds: never in serving)
-        ready = [None if t is None else t.get(tuple(toks)) for t, toks in zip(trees, tokens)]
-        if any(r is None for r in ready):
-            return False
-        return self.launch(trees_from_ready(request_ids, committed_lens, ready), chained=True)
-
-    def launch(self, tree: DraftTree, chained: bool = False) -> bool:
-        """Queues the forward of `tree` now; the verify of that very tree that follows takes it
-        (the others drop it) -> whether it did. The caller has synchronized the last verify's
-        work (the launch reuses its buffers). `chained`: launch_next's (counted in `chained`;
-        others in `launched_early`)."""
-        try:
-            reqs, logits, feats = self._launch(tree)
-        except (ValueError, KeyError):   # stale, gone, or no room: the router's own verify will say so
-            return False
-        self._launched = (tree, logits, feats, chained)
-        return True
 
     def decode(self, request_ids: list[str], committed_lens: list[int], steps: int,
                features: bool = True) -> list[VerifyOutput]:
@@ -227,11 +191,13 @@ class VerifierEngine:
         chain = getattr(self.runner, "decode_greedy", None)
         if chain is None:   # a runner without the device chain: one plain verify per step
             return self._decode_by_rounds(request_ids, steps)
-        tokens, feats = chain([r.slot for r in reqs], [r.committed_len - 1 for r in reqs],
-                              [r.token_ids[-1] for r in reqs], steps, features)
+        with self._state:
+            tokens, feats = chain([r.slot for r in reqs], [r.committed_len - 1 for r in reqs],
+                                  [r.token_ids[-1] for r in reqs], steps, features)
         rows = tokens.cpu().tolist()           # the only wait for the device
-        for req, toks in zip(reqs, rows):
-            req.token_ids.extend(toks)
+        with self._state:
+            for req, toks in zip(reqs, rows):
+                req.token_ids.extend(toks)
         per = [None] * len(reqs) if feats is None else feats.unbind(0)   # one call, not one index per request
         return [VerifyOutput(request_id=rid, committed_len=req.committed_len, token_ids=toks, num_accepted=0,
                              num_draft_tokens=0, features=f)
@@ -258,9 +224,14 @@ class VerifierEngine:
         the round commits for request b (accepted drafts, then the bonus). `verify` ends here, and
         so does the fused graph round (spectandem/fused.py), which reaches its verdict on the device."""
         reqs = [self.requests[rid] for rid in request_ids]
-        self.runner.commit([r.slot for r in reqs], [r.committed_len - 1 for r in reqs], accepted_nodes)
-        for req, toks in zip(reqs, token_ids):
-            req.token_ids.extend(toks)
+        with self._state:
+            keep = self._kept_entries(request_ids)
+            if keep is None:
+                self.runner.commit([r.slot for r in reqs], [r.committed_len - 1 for r in reqs], accepted_nodes)
+            else:
+                self.runner.commit([r.slot for r in reqs], [r.committed_len - 1 for r in reqs], accepted_nodes, keep)
+            for req, toks in zip(reqs, token_ids):
+                req.token_ids.extend(toks)
 
     def _accept(self, tree: DraftTree, reqs: list[_Request], logits: torch.Tensor,
                 feats: torch.Tensor | None = None) -> tuple[VerifyResult, torch.Tensor | None]:
@@ -337,10 +308,13 @@ class VerifierEngine:
     def release(self, request_id: str) -> None:
         if self._launched is not None and request_id in self._launched[0].request_ids:
             self._launched = None
-        req = self.requests.pop(request_id, None)
-        if req is not None:
-            self.runner.release(req.slot)
-            self.free_slots.append(req.slot)
+        with self._state:
+            if self._prepared is not None and self._prepared[0] == request_id:
+                self._prepared = None
+            req = self.requests.pop(request_id, None)
+            if req is not None:
+                self.runner.release(req.slot)
+                self.free_slots.append(req.slot)
 
     def committed_len(self, request_id: str) -> int:
         return self.requests[request_id].committed_len
@@ -372,10 +346,3 @@ def _gather_path(feats: torch.Tensor, accepted_nodes: torch.Tensor) -> torch.Ten
     shipping them: verifier/actor.py)."""
     path = to_device(accepted_nodes.clamp(min=0), feats.device)
     return feats.gather(1, path[..., None].expand(-1, -1, feats.shape[-1]))
-
-
-def _same_tree(a: DraftTree, b: DraftTree) -> bool:
-    return (a.request_ids == b.request_ids and a.committed_lens == b.committed_lens
-            and a.token_ids.shape == b.token_ids.shape and torch.equal(a.token_ids, b.token_ids)
-            and torch.equal(a.parents, b.parents) and torch.equal(a.node_valid, b.node_valid)
-            and b.draft_probs is None and not any(b.sampled))

@@ -202,6 +202,30 @@ def tree_inputs_on(flat: torch.Tensor, rows: int, n: int, max_blocks: int) -> Tr
     return TreeVerifyInputs(*views)
 
 
+def _tree_fields_np(flat: torch.Tensor, rows: int, n: int, max_blocks: int) -> tuple[np.ndarray, ...]:
+    """`tree_inputs_on`'s fields as numpy views of a host `flat`: (token_ids, positions,
+    write_rows, block_tables, prefix_lens, tree_mask)."""
+    buf = flat.numpy()
+    ints = buf[: 8 * rows * (3 * n + max_blocks + 1)].view(np.int64)
+    return (ints[: rows * n].reshape(rows, n), ints[rows * n: 2 * rows * n].reshape(rows, n),
+            ints[2 * rows * n: 3 * rows * n].reshape(rows, n),
+            ints[3 * rows * n: 3 * rows * n + rows * max_blocks].reshape(rows, max_blocks),
+            ints[3 * rows * n + rows * max_blocks:], buf[8 * rows * (3 * n + max_blocks + 1):].view(np.bool_).reshape(rows, n, n))
+
+
+def tree_input_rows(flat: torch.Tensor, rows: int, n: int, max_blocks: int) -> list[torch.Tensor]:
+    """A host `flat` of `rows` rows (`host_tree_inputs`) -> one flat of one row per row (in the
+    same kind of memory): the inputs of a one-request verify of that row's tree."""
+    fields = _tree_fields_np(flat, rows, n, max_blocks)
+    out = []
+    for r in range(rows):
+        one = torch.empty(tree_inputs_nbytes(1, n, max_blocks), dtype=torch.uint8, pin_memory=flat.is_pinned())
+        for dst, src in zip(_tree_fields_np(one, 1, n, max_blocks), fields):
+            dst[0] = src[r]
+        out.append(one)
+    return out
+
+
 def host_tree_inputs(cache: PagedKVCache, slots: list[int], cache_lens: list[int], token_ids: torch.Tensor,
                      parents: torch.Tensor, node_valid: torch.Tensor, rows: int) -> torch.Tensor:
     """The packed inputs (`tree_inputs_on`) of a verify through the tree attention, built on the
@@ -219,14 +243,7 @@ def host_tree_inputs(cache: PagedKVCache, slots: list[int], cache_lens: list[int
     max_blocks = cache.host_tables.shape[1]
     pinned = cache.k[0].device.type == "cuda"
     flat = torch.empty(tree_inputs_nbytes(rows, n, max_blocks), dtype=torch.uint8, pin_memory=pinned)
-    buf = flat.numpy()
-    ints = buf[: 8 * rows * (3 * n + max_blocks + 1)].view(np.int64)
-    tok = ints[: rows * n].reshape(rows, n)
-    pos = ints[rows * n: 2 * rows * n].reshape(rows, n)
-    write = ints[2 * rows * n: 3 * rows * n].reshape(rows, n)
-    tables = ints[3 * rows * n: 3 * rows * n + rows * max_blocks].reshape(rows, max_blocks)
-    prefix = ints[3 * rows * n + rows * max_blocks:]
-    mask = buf[8 * rows * (3 * n + max_blocks + 1):].view(np.bool_).reshape(rows, n, n)
+    tok, pos, write, tables, prefix, mask = _tree_fields_np(flat, rows, n, max_blocks)
     if b < rows:
         tok[b:], pos[b:], write[b:], tables[b:], prefix[b:] = 0, 0, cache.trash_row, -1, 0
         mask[b:] = np.eye(n, dtype=bool)
@@ -317,17 +334,19 @@ class VerifyGraphs:
 
     def run(self, slots: list[int], cache_lens: list[int], token_ids: torch.Tensor, parents: torch.Tensor,
             node_valid: torch.Tensor, feature_layers: FeatureSpec,
-            device_tokens: torch.Tensor | None = None) -> VerifyStep:
+            device_tokens: torch.Tensor | None = None, flat: torch.Tensor | None = None) -> VerifyStep:
         """The step for B <= max bucket requests (arguments as `NativeRunner.verify`; slots
         already reserved) -> its first B rows. `device_tokens` [B, N] on the device, when given,
         replaces token_ids in the step's inputs without the host reading it (multi-step decoding
-        feeds each step the previous step's argmax this way)."""
+        feeds each step the previous step's argmax this way). `flat`: these very inputs packed
+        beforehand (`host_tree_inputs` at B's bucket; the tree attention's only)."""
         b, n = token_ids.shape
         rows = batch_bucket(b, self.batch_buckets)
         assert rows is not None, f"batch {b} is past the largest bucket {self.batch_buckets[-1]}"
         if self.tree_attention:  # the kernel reads each row's length on the device: no span bucket
             span = None
-            flat = host_tree_inputs(self.cache, slots, cache_lens, token_ids, parents, node_valid, rows)
+            if flat is None:
+                flat = host_tree_inputs(self.cache, slots, cache_lens, token_ids, parents, node_valid, rows)
             inp = None
         else:
             span = span_bucket(max(cache_lens) + n, self.cache.max_len)

@@ -20,7 +20,9 @@ import torch
 
 from spectandem.kv_cache import KVCache, PagedKVCache
 from spectandem.modeling.llama import NATIVE_ARCHITECTURES, InvariantBatch, LlamaModel, load_llama
-from verifier.graphs import VerifyGraphs, batch_bucket, tree_verify_inputs, verify_forward, verify_inputs
+from spectandem.block_manager import KVCacheFull
+from verifier.graphs import (VerifyGraphs, batch_bucket, host_tree_inputs, tree_input_rows, tree_verify_inputs,
+                             verify_forward, verify_inputs)
 from verifier.hf_runner import FeatureSpec, HFRunner
 
 __all__ = ["FeatureSpec", "HFRunner", "NativeRunner", "load_runner"]
@@ -143,19 +145,46 @@ class NativeRunner:
 
     @torch.no_grad()
     def verify(self, slots: list[int], cache_lens: list[int], token_ids: torch.Tensor, parents: torch.Tensor,
-               node_valid: torch.Tensor):
+               node_valid: torch.Tensor, flat: torch.Tensor | None = None):
         """One forward over every tree node. token_ids, parents [B, N]; node_valid [B, N].
-        -> (logits [B, N, V] float32, features [B, N, F] or None)."""
+        `flat`: a one-request verify's packed inputs from `prepare_rows` (the slot's entries
+        reserved then), or None. -> (logits [B, N, V] float32, features [B, N, F] or None)."""
         b, n = token_ids.shape
         for slot, c in zip(slots, cache_lens):
             self.cache.reserve(slot, c + n)
-        logits, feats, _ = self._step(slots, cache_lens, token_ids, parents, node_valid)
+        logits, feats, _ = self._step(slots, cache_lens, token_ids, parents, node_valid, flat=flat)
         return logits, feats
 
-    def _step(self, slots, cache_lens, token_ids, parents, node_valid, device_tokens=None, features: bool = True):
+    @property
+    def packs_tree_inputs(self) -> bool:
+        """Whether a one-request verify reads its inputs as `host_tree_inputs` packs them for a
+        batch bucket of 1: through the CUDA graphs of the tree attention."""
+        g = self.graphs
+        return g is not None and g.tree_attention and not self.batch_invariant and batch_bucket(1, g.batch_buckets) == 1
+
+    def prepare_rows(self, slot: int, cache_lens: list[int], token_ids: torch.Tensor, parents: torch.Tensor,
+                     node_valid: torch.Tensor) -> list[torch.Tensor] | None:
+        """The packed inputs of several candidate one-request verifies of one slot, built before
+        any of them is chosen: row i verifies the tree (token_ids, parents, node_valid)[i] at
+        cache_lens[i]. Reserves the slot for the longest of them (the caller keeps those entries
+        until the choice: `commit`'s `keep`) -> each row's flat for `verify(..., flat=)`; None
+        where the verify would not read one (`packs_tree_inputs`), or no room."""
+        if not self.packs_tree_inputs:
+            return None
+        rows, n = token_ids.shape
+        try:
+            self.cache.reserve(slot, max(cache_lens) + n)
+        except (KVCacheFull, ValueError):   # no room, or past max_len: the verdict's launch builds its own
+            return None
+        flat = host_tree_inputs(self.cache, [slot] * rows, cache_lens, token_ids, parents, node_valid, rows)
+        return tree_input_rows(flat, rows, n, self.cache.host_tables.shape[1])
+
+    def _step(self, slots, cache_lens, token_ids, parents, node_valid, device_tokens=None, features: bool = True,
+              flat=None):
         """The verify forward on the runner's path (slots reserved) -> (logits, features, argmax
         [B, N] on the device). `device_tokens` [B, N] (on the device) replaces token_ids.
-        `features` False: none captured (the same logits; graphs of their own)."""
+        `features` False: none captured (the same logits; graphs of their own). `flat`: the
+        inputs packed beforehand (`prepare_rows`), read on the graphs' path."""
         b, n = token_ids.shape
         layers = self.feature_layers if features else None
         if self.batch_invariant:
@@ -163,7 +192,7 @@ class NativeRunner:
             logits, feats = self._verify_invariant(slots, cache_lens, toks, parents, node_valid)
             return logits, feats if features else None, logits.argmax(-1)
         if self.graphs is not None and self.graphs.supports(b):
-            step = self.graphs.run(slots, cache_lens, token_ids, parents, node_valid, layers, device_tokens)
+            step = self.graphs.run(slots, cache_lens, token_ids, parents, node_valid, layers, device_tokens, flat)
             return step.logits, step.features, step.argmax
         # Eagerly: the static-shape step without padding (rows = B; dense: span = max(cache_len) + N).
         if self.triton_attention:
@@ -242,12 +271,14 @@ class NativeRunner:
                                  mask, self._capture())
         return self._features(hidden, aux)[0]
 
-    def commit(self, slots: list[int], cache_lens: list[int], accepted_nodes: torch.Tensor) -> None:
+    def commit(self, slots: list[int], cache_lens: list[int], accepted_nodes: torch.Tensor,
+               keep: list[int] | None = None) -> None:
         """Keeps the accepted path: accepted_nodes [B, A] node indices (root first, -1 padded),
         node j was written at cache_len + j and moves to cache_len + its rank on the path.
         Example: cache_len 10, path [0, 2, 5] -> entries 10, 12, 15 move to 10, 11, 12. A path
         whose node j has rank j (every chain, a decode step) is already in place: nothing moves.
-        accepted_nodes is a host result: nothing here waits for the device."""
+        accepted_nodes is a host result: nothing here waits for the device. keep[b]: entries of
+        request b to keep reserved past its committed ones (inputs packed for them: `prepare_rows`)."""
         nodes = accepted_nodes.cpu().numpy()                  # [B, A] (numpy: this runs every round)
         ok = nodes >= 0
         kept = ok.sum(1).tolist()
@@ -258,8 +289,8 @@ class NativeRunner:
             self.cache.compact(slots, torch.from_numpy(np.where(ok, base + nodes, trash)),
                                torch.from_numpy(np.where(ok, base + rank, trash)))
         # The tree's scratch past the committed entries goes back to the pool.
-        for slot, c, k in zip(slots, cache_lens, kept):
-            self.cache.trim(slot, c + k)
+        for i, (slot, c, k) in enumerate(zip(slots, cache_lens, kept)):
+            self.cache.trim(slot, max(c + k, keep[i] if keep else 0))
 
     def release(self, slot: int) -> None:
         self.cache.free(slot)

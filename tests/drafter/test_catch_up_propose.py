@@ -6,7 +6,8 @@ Two engines in lockstep over the same rounds (draft, verify, extend), one deferr
 verdict's catch-up to the next draft and running both in one pass, one running the catch-up in
 extend and drafting after it: the same trees, token for token, the same head-cache length and, up
 to summation order, the same last hidden and logits. Controls: the one pass runs in every round
-after the first, and features shifted by one pair make the trees differ.
+(the first with the prompt's catch-up, deferred from the prefill), and features shifted by one
+pair make the trees differ.
 """
 
 from __future__ import annotations
@@ -66,7 +67,7 @@ def _lockstep(method, tree, rounds, prompts, patch=None):
 ])
 def test_catch_up_inside_the_draft_equals_catch_up_then_draft(method, tree, n):
     rounds, used, differ = _lockstep(method, tree, 10, PROMPT_TEXTS[:n])
-    assert differ == 0 and used == rounds - 1    # every round but the first (after the prefill)
+    assert differ == 0 and used == rounds    # every round, the first too (the prompt's catch-up inside it)
 
 
 def test_shifted_features_are_caught():

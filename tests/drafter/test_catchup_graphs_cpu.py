@@ -1,8 +1,9 @@
 """On the CPU: the padded static-shape catch-up (what CatchUpGraphs replays), run eagerly, leaves an
 EagleProposer in the state the eager `catch_up` leaves it in: the same cache lengths, and last
 hidden, logits and committed K/V entries to a few ulps, with exactly the new pairs' rows (and the
-trash row) written. Both demo heads, ragged pair counts (1..5), padding rows, prefills past the
-largest pair bucket (run eagerly), and the next drafts equal."""
+trash row) written. Both demo heads, ragged pair counts (1..5), padding rows, prefills in the
+prefill pair buckets, catch-ups past the largest pair bucket (run eagerly), and the next drafts
+equal."""
 
 from __future__ import annotations
 
@@ -87,7 +88,7 @@ def _same_drafts(eager, static, reqs) -> None:
 @pytest.mark.parametrize("topk", [1, 2])
 @pytest.mark.parametrize("b", [1, 3, 5])
 def test_static_catch_up_equals_eager(head, b, topk, monkeypatch):
-    """A prefill (b = 5: 22 pairs, past the largest bucket, eager), then rounds of 1..5 new pairs per
+    """A prefill (b = 5: 22 pairs, in a prefill's pair bucket of 32), then rounds of 1..5 new pairs per
     request; B = 3 and 5 run with padding rows (buckets 4 and 8)."""
     g = torch.Generator().manual_seed(10 * b + topk)
     cfg = SpecConfig(method=head.spec.kind, num_steps=4, topk=topk, num_draft_tokens=5)
@@ -95,7 +96,7 @@ def test_static_catch_up_equals_eager(head, b, topk, monkeypatch):
     reqs = _requests(b, g, step=5)
     prefill = [r.committed_len - 1 for r in reqs]
     _catch_up_both(eager, static, reqs, prefill, g)
-    assert calls == ([] if max(prefill) > 16 else [max(prefill)])
+    assert calls == [max(prefill)]       # prefills too: up to 512 pairs (PREFILL_PAIR_BUCKETS)
     calls.clear()
     for k in range(4):
         _same_drafts(eager, static, reqs)
@@ -128,6 +129,8 @@ def test_catch_up_graphs_supports(head):
     graphs = CatchUpGraphs(head, cache, graph=False)
     assert graphs.supports(1, 1) and graphs.supports(64, 16)
     assert not graphs.supports(65, 1)
-    assert not graphs.supports(1, 17)
+    # Prefills: up to 512 pairs per request, at most 2048 padded pairs per graph.
+    assert graphs.supports(1, 17) and graphs.supports(1, 512) and graphs.supports(8, 256) and graphs.supports(64, 32)
+    assert not graphs.supports(1, 513) and not graphs.supports(9, 256) and not graphs.supports(64, 33)
     with pytest.raises(ValueError, match="CUDA graphs need a CUDA device"):
         CatchUpGraphs(head, cache)

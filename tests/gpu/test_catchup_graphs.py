@@ -3,10 +3,11 @@ tests/gpu/test_catchup_graphs.py`):
 
 - the graphed catch-up equals the same padded catch-up run eagerly (CatchUpGraphs(graph=False))
   bit for bit: the same kernels at the same shapes; and the unpadded eager catch-up to a few ulps
-  (fp32), over a prefill (past the largest pair bucket: eager) and rounds of 1..5 new pairs, with
-  equal next drafts;
+  (fp32), over a prefill (graphed in a prefill's pair bucket, or eager past them) and rounds of
+  1..5 new pairs, with equal next drafts;
 - end to end in fp32 with cuda_graphs and triton_attention: greedy EAGLE-3 chain and tree
-  speculation equal plain decoding with the same flags on 8 prompts, with catch-ups replayed."""
+  speculation equal plain decoding with the same flags on 8 prompts, with catch-ups replayed
+  (the chain's inside its draft graphs, the prompt's in the first)."""
 
 from __future__ import annotations
 
@@ -56,7 +57,9 @@ def test_graphed_catch_up_equals_eager(kind, b):
     g = torch.Generator().manual_seed(b)
     reqs = [DraftRequest(f"r{i}", torch.randint(1, 4096, (4 + 13 * i,), generator=g).tolist(), SamplingParams(), 0,
                          False) for i in range(b)]
-    new = [r.committed_len - 1 for r in reqs]          # b = 1: 3 pairs (graphed); else up to 250 (eager)
+    # Prefills: b = 1: 3 pairs, b = 3: up to 29 (a prefill's pair bucket): graphed; b = 20: up to
+    # 250 pairs at 32 rows, past PREFILL_PAIR_ROWS: eager.
+    new = [r.committed_len - 1 for r in reqs]
     for k in range(4):
         feats = [torch.randn(n, head.spec.feature_size, generator=g).cuda() for n in new]
         for p in proposers:
@@ -105,5 +108,9 @@ def test_greedy_with_catch_up_graphs_equals_plain(plain, method, tree):
     outs = spec.generate(prompts, [SamplingParams(max_tokens=48)] * len(prompts))
     mismatched = [i for i, (o, e) in enumerate(zip(outs, expected)) if o.token_ids != e]
     assert not mismatched, f"prompts {mismatched} differ from plain decoding"
-    assert spec.drafter.proposer.catch_up_graphs._captured, "no catch-up replayed a graph"
+    proposer = spec.drafter.proposer
+    if tree["topk"] == 1:   # every catch-up, the prompt's too, runs inside the next chain's graph
+        assert any(key[3] > 0 for key in proposer.chain._captured), "no catch-up replayed inside a chain graph"
+    else:
+        assert proposer.catch_up_graphs._captured, "no catch-up replayed a graph"
     assert sum(o.stats.accepted_tokens for o in outs) > 0

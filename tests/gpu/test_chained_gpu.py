@@ -19,12 +19,16 @@ STEPS = 4
 MAX_TOKENS = 64
 
 
-def test_chained_verifies_keep_the_tokens():
+@pytest.mark.parametrize("triton", [False, True], ids=["graphs", "graphs+tree-attention"])
+def test_chained_verifies_keep_the_tokens(triton):
+    """With the tree attention the verify reads packed inputs, and the chained launches take
+    the inputs packed before the verdict (verifier/chained.py: prepared launches)."""
     if not torch.cuda.is_available():
         pytest.skip("needs a CUDA device")
     model = random_target(llama8b_spec("tiny"), "cuda:0", torch.float32, 0)
     head = random_eagle3_head(model, SHAPES["tiny"]["draft_vocab_size"], "cuda:0", torch.float32, 0)
-    runs = ControlledRuns(model, head, "cuda:0", 4, 2, 16, MAX_TOKENS, STEPS, 0, GpuPaths(cuda_graphs=True))
+    runs = ControlledRuns(model, head, "cuda:0", 4, 2, 16, MAX_TOKENS, STEPS, 0,
+                          GpuPaths(cuda_graphs=True, triton_attention=triton))
     second = "cuda:1" if torch.cuda.device_count() > 1 else None
     rows = bench_router8b(runs, [0.9, 1.0], ["ahead"], [1], drafter_device=second)
     ahead = [r for r in rows if r["mode"] == "ahead"]
@@ -34,3 +38,4 @@ def test_chained_verifies_keep_the_tokens():
         # Every hit's next round is a router-held tree; most of those the verifier started itself.
         assert r["ready_trees"] == r["ahead_hits"] and r["chained_verifies"] > 0, r
         assert r["chained_verifies"] <= r["ready_trees"], r
+        assert (r["prepared_verifies"] > 0) == triton and r["prepared_verifies"] <= r["chained_verifies"], r

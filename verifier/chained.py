@@ -1,0 +1,130 @@
+"""Chained verifies, VerifierEngine's calls for them (verifier/engine.py holds the state they
+read: requests, the runner, `_armed`, `_verdict`, `_launched`, `_prepared`, `_state`).
+
+The router arms a verify (`arm_next`) and, while it runs, the drafter's next tree for each of its
+outcomes comes (router/links_local.py). Given the verdict (`take_verdict`) and those trees,
+`launch_next` queues the verify of the verdict's next tree at once; its forward runs while the
+router takes in the verdict, and the router's verify of that same tree then only waits for it.
+The tree is the one the router builds itself (`trees_from_ready` over the same ready trees), so
+the tokens are those of the unchained rounds; a verify of any other tree, a decode, or the
+release of one of its requests drops it (its KV rows lie past the committed length, where the
+next verify writes anyway).
+
+Prepared launches (one request: the latency path). The trees come before the verdict (the
+drafter drafts ahead while the target verifies), so `prepare_next`, from the thread that stages
+them, packs the next verify's inputs for every outcome then (`NativeRunner.prepare_rows`). At
+the verdict `launch_next` only picks the outcome's row: the host work between a verdict and the
+next forward is one copy and a graph replay. The request's KV slot stays reserved for the
+longest of those verifies until the commit (`commit`'s keep): the rows they write are the rows
+packed. `_state` (a lock) orders the preparing thread against the engine's own thread wherever
+either changes the request's slot; a preparation that comes after the verdict does nothing.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from spectandem.messages import DraftTree, trees_from_ready
+
+
+class ChainedLaunchMixin:
+    def arm_next(self, request_ids: list[str], committed_lens: list[int], on_verdict=None) -> None:
+        """The next verify, of exactly these tags, chains: its verdict is kept (`take_verdict`).
+        Called before that verify. `on_verdict()`, if given, is called from inside that verify
+        once its verdict is kept and its work is queued, before it builds its outputs: the
+        caller launches the next tree there (`take_verdict`, `launch_next`), as early as the
+        host can."""
+        self._armed = (tuple(request_ids), tuple(committed_lens), on_verdict)
+
+    def take_verdict(self) -> tuple | None:
+        """The armed verify's verdict, for `launch_next` (None: the last verify was not armed)."""
+        verdict, self._verdict = self._verdict, None
+        return verdict
+
+    def prepare_next(self, request_ids: list[str], committed_lens: list[int], trees: list[dict | None]) -> bool:
+        """From any thread, while the armed verify of these tags runs: packs the inputs of the
+        next verify for each outcome with a tree (trees: as `launch_next`'s), for one request.
+        -> whether it did (not after the verdict, nor for a batch, nor where the runner's verify
+        reads no packed inputs: `packs_tree_inputs`)."""
+        if not getattr(self.runner, "packs_tree_inputs", False) or len(request_ids) != 1 or len(trees) != 1 or not trees[0]:
+            return False
+        rid, tag, outcomes = request_ids[0], committed_lens[0], trees[0]
+        with self._state:
+            req = self.requests.get(rid)
+            if req is None or req.committed_len != tag:
+                return False         # the verdict is in, or the request is gone
+            keys = list(outcomes)
+            # Outcome o commits len(o) tokens: its verify is at committed length tag + len(o).
+            tree = trees_from_ready([rid] * len(keys), [tag + len(k) for k in keys], [outcomes[k] for k in keys])
+            lens = [c - 1 for c in tree.committed_lens]
+            flats = self.runner.prepare_rows(req.slot, lens, tree.token_ids, tree.parents, tree.node_valid)
+            if flats is None:
+                return False
+            self._prepared = (rid, tag, req.slot, max(lens) + tree.num_nodes, outcomes,
+                              {k: i for i, k in enumerate(keys)}, tree, flats)
+        return True
+
+    def _kept_entries(self, request_ids: list[str]) -> list[int] | None:
+        """Per request, entries its slot keeps reserved past the commit (a prepared launch's); None: none."""
+        prep = self._prepared
+        if prep is None or prep[0] not in request_ids:
+            return None
+        return [prep[3] if rid == prep[0] else 0 for rid in request_ids]
+
+    def _take_prepared(self, request_ids: list[str], trees: list[dict | None],
+                       tokens: list[list[int]]) -> tuple[DraftTree, torch.Tensor] | None:
+        """The verdict's prepared launch -> (its one-request tree, its packed inputs), or None."""
+        prep, self._prepared = self._prepared, None
+        if prep is None or request_ids != [prep[0]] or trees[0] is not prep[4]:
+            return None
+        rid, _, slot, _, _, rows, tree, flats = prep
+        req, i = self.requests[rid], rows.get(tuple(tokens[0]))
+        if i is None or req.slot != slot or tree.committed_lens[i] != req.committed_len:
+            return None
+        n = len(trees[0][tuple(tokens[0])].token_ids)
+        if n != tree.num_nodes:   # padded to a longer outcome's: not the tree the router verifies
+            return None
+        row = DraftTree(request_ids=[rid], committed_lens=[req.committed_len], token_ids=tree.token_ids[i: i + 1],
+                        parents=tree.parents[i: i + 1], node_valid=tree.node_valid[i: i + 1],
+                        scores=tree.scores[i: i + 1])
+        return row, flats[i]
+
+    def launch_next(self, verdict: tuple | None, trees: list[dict | None]) -> bool:
+        """Queues the verify of the verdict's next tree when every request has one -> whether it
+        did. trees: per request of the armed verify (in its order), the next tree for each of its
+        outcomes (committed tokens -> ReadyTree), or None. The caller has synchronized the last
+        verify's work (the launch reuses its buffers)."""
+        if verdict is None:
+            return False
+        request_ids, committed_lens, tokens = verdict
+        if len(trees) != len(request_ids) or any(rid not in self.requests for rid in request_ids):
+            return False
+        if [self.requests[rid].committed_len for rid in request_ids] != committed_lens:
+            return False      # the requests moved on (not by the router's rounds: never in serving)
+        ready = [None if t is None else t.get(tuple(toks)) for t, toks in zip(trees, tokens)]
+        if any(r is None for r in ready):
+            return False
+        prepared = self._take_prepared(request_ids, trees, tokens)
+        if prepared is not None:
+            self.launched_prepared += 1
+            return self.launch(prepared[0], chained=True, flat=prepared[1])
+        return self.launch(trees_from_ready(request_ids, committed_lens, ready), chained=True)
+
+    def launch(self, tree: DraftTree, chained: bool = False, flat: torch.Tensor | None = None) -> bool:
+        """Queues the forward of `tree` now; the verify of that very tree that follows takes it
+        (the others drop it) -> whether it did. The caller has synchronized the last verify's
+        work (the launch reuses its buffers). `chained`: launch_next's (counted in `chained`;
+        others in `launched_early`). `flat`: its inputs, prepared (`prepare_next`)."""
+        try:
+            reqs, logits, feats = self._launch(tree, flat)
+        except (ValueError, KeyError):   # stale, gone, or no room: the router's own verify will say so
+            return False
+        self._launched = (tree, logits, feats, chained)
+        return True
+
+
+def same_tree(a: DraftTree, b: DraftTree) -> bool:
+    return (a.request_ids == b.request_ids and a.committed_lens == b.committed_lens
+            and a.token_ids.shape == b.token_ids.shape and torch.equal(a.token_ids, b.token_ids)
+            and torch.equal(a.parents, b.parents) and torch.equal(a.node_valid, b.node_valid)
+            and b.draft_probs is None and not any(b.sampled))
