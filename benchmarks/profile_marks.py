@@ -71,9 +71,12 @@ def edges(trace: list, anchor: str = "VerifyGraphs.run") -> str:
 
 
 def _slowest(trace: list, launches: list, anchor: str, count: int) -> str:
-    """The `count` longest intervals between verify launches, each call's start and end in ms
-    from the interval's launch, by start (thread's initial): where a slow round's time goes."""
-    spans = sorted(zip(launches, launches[1:]), key=lambda ab: ab[0] - ab[1])[:count]
+    """The `count` longest intervals between verify launches, then the two nearest the median,
+    each call's start and end in ms from the interval's launch, by start (thread's initial):
+    where a slow round's time goes, and a typical one's."""
+    ranked = sorted(zip(launches, launches[1:]), key=lambda ab: ab[0] - ab[1])
+    mid = len(ranked) // 2
+    spans = ranked[:count] + [s for s in ranked[max(count, mid - 1): mid + 1]]
     out = []
     for a, b in sorted(spans):
         out.append(f"\n   -- interval of {1000 * (b - a):.3f} ms")

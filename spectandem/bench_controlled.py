@@ -109,6 +109,12 @@ class ControlledProposer:
         self.supports_ahead = ahead and getattr(inner, "supports_ahead", False)
         self._fork_len: dict[str, int] = {}   # draft-ahead fork -> its committed length
 
+    @property
+    def device(self):
+        """The inner proposer's device: the drafter's link computes on a CUDA stream of its own
+        there (router/links_local.py: engine_device), as it does for the inner proposer alone."""
+        return getattr(self.inner, "device", None)
+
     def _plan(self, request_id: str) -> DraftPlan:
         """A request's plan; a draft-ahead fork has its request's (drafter/ahead.py)."""
         return self.plans[ahead_owner(request_id)]

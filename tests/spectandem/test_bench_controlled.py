@@ -229,3 +229,17 @@ def test_catch_up_inside_the_draft_keeps_the_plan():
         assert p.diverged == {"a"}
     with pytest.raises(ValueError, match="deterministic drafts"):
         p.catch_up_propose([_req("a", truth[:6], temperature=1.0)], [1], [None])
+
+
+def test_the_drafter_engine_computes_where_the_inner_proposer_does():
+    """The link of a drafter engine over the controlled proposer finds the inner proposer's
+    device (spectandem.devices.engine_device): on a GPU it gets its own CUDA stream and the
+    holds, as the inner proposer alone would (the bench measures what serving runs)."""
+    from drafter.engine import DrafterEngine
+    from spectandem.devices import engine_device
+
+    cfg = SpecConfig(method="eagle3", num_steps=3, topk=1, num_draft_tokens=4)
+    inner = _ScriptedProposer(cfg)
+    assert engine_device(DrafterEngine(ControlledProposer(inner, {}), cfg)) is None    # no device: none
+    inner.device = torch.device("cpu")
+    assert engine_device(DrafterEngine(ControlledProposer(inner, {}), cfg)) == torch.device("cpu")
