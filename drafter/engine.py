@@ -98,11 +98,13 @@ class DrafterEngine(DraftAheadMixin):
                 self.ready[request_id] = kept   # the draft pending at preemption, still current
             reqs.append(req)
         # A prompt's catch-up waits for the request's first draft where that draft runs it in
-        # the same pass (as a miss's does: `_drafts_caught_up`), or for the ready tree's next
-        # call: the prefill returns at once, and the first tree costs one graph on the GPU.
+        # the same graph (as a miss's does: `_drafts_caught_up`; the proposer's `fuses_catch_up`):
+        # the prefill returns at once, and the first tree costs one graph on the GPU.
+        fuses = getattr(self.proposer, "fuses_catch_up", None)
         now = []
         for req, it in zip(reqs, items):
-            if it[5] is not None and (req.request_id in self.ready or self._drafts_caught_up(req)):
+            if (it[5] is not None and fuses is not None and req.request_id not in self.ready
+                    and self._drafts_caught_up(req) and fuses(req.committed_len - 1)):
                 self.deferred[req.request_id] = (req.committed_len - 1, self._stage(it[5]))
             else:
                 now.append((req, it[5]))

@@ -315,6 +315,11 @@ class EagleProposer:
         return full
 
     @torch.no_grad()
+    def fuses_catch_up(self, num_new: int) -> bool:
+        """Whether one request's catch-up of `num_new` pairs runs inside its next chain's graph
+        (`catch_up_propose`)."""
+        return self.chain is not None and self.chain.supports(1, self.cfg.topk, False, self.cfg.num_steps, num_new)
+
     def catch_up_propose(self, reqs, num_new, features, num_steps=None):
         """`catch_up(reqs, num_new, features)` then `propose(reqs, num_steps)`, in one pass on the
         device (`ChainGraphs.propose_caught_up`) for argmax chains within the graphs' buckets;

@@ -138,6 +138,10 @@ class ControlledProposer:
             raise ValueError("controlled acceptance needs deterministic drafts (greedy requests)")
         return self._planned(reqs, self.inner.propose(reqs, num_steps))
 
+    def fuses_catch_up(self, num_new):
+        fuses = getattr(self.inner, "fuses_catch_up", None)
+        return fuses is not None and fuses(num_new)
+
     def catch_up_propose(self, reqs, num_new, features, num_steps=None):
         """`catch_up` then `propose`, in the inner proposer's one pass when it has one
         (`EagleProposer.catch_up_propose`): the plan's drafts, the real cost."""
