@@ -16,7 +16,7 @@ import torch
 
 from spectandem.bench_llama8b import TREE16_PARENTS
 from spectandem.kv_cache import PagedKVCache
-from verifier.graphs import tree_verify_inputs
+from verifier.tree_inputs import tree_verify_inputs
 
 
 def median_us(fn, iters: int) -> float:

@@ -15,7 +15,8 @@ from typing import Protocol
 import torch
 
 from drafter.ahead_chains import AheadChainGraphs, outcome_trees, scratch_entries
-from drafter.graphs import CatchUpGraphs, ChainGraphs, catch_up_forward, catch_up_inputs
+from drafter.catchup_graphs import CatchUpGraphs, catch_up_forward, catch_up_inputs
+from drafter.graphs import ChainGraphs
 from drafter.heads import DraftHead
 from drafter.tree import TreeDraft, expand_topk, sample_chains
 from spectandem.config import SamplingParams, SpecConfig

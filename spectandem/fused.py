@@ -101,7 +101,8 @@ class FusedGraphStep:
     # ------------------------------------------------------------------ the static computation
 
     def _inputs(self, tree: DraftTree, rows: int) -> tuple[_Inputs, tuple]:
-        from verifier.graphs import span_bucket, tree_verify_inputs, verify_inputs
+        from verifier.graphs import span_bucket, verify_inputs
+        from verifier.tree_inputs import tree_verify_inputs
 
         b = len(tree.request_ids)
         vreqs = [self.verifier.requests[r] for r in tree.request_ids]
@@ -231,6 +232,7 @@ class FusedGraphStep:
 
 
 def _padding_verify(cache, rows: int, span):
-    from verifier.graphs import padding_inputs, padding_tree_inputs
+    from verifier.graphs import padding_inputs
+    from verifier.tree_inputs import padding_tree_inputs
 
     return padding_tree_inputs(cache, rows, 2) if span is None else padding_inputs(cache, rows, 2, span)

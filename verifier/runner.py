@@ -21,8 +21,8 @@ import torch
 from spectandem.kv_cache import KVCache, PagedKVCache
 from spectandem.modeling.llama import NATIVE_ARCHITECTURES, InvariantBatch, LlamaModel, load_llama
 from spectandem.block_manager import KVCacheFull
-from verifier.graphs import (VerifyGraphs, batch_bucket, host_tree_inputs, tree_input_rows, tree_verify_inputs,
-                             verify_forward, verify_inputs)
+from verifier.graphs import VerifyGraphs, batch_bucket, verify_forward, verify_inputs
+from verifier.tree_inputs import host_tree_inputs, tree_input_rows, tree_verify_inputs
 from verifier.hf_runner import FeatureSpec, HFRunner
 
 __all__ = ["FeatureSpec", "HFRunner", "NativeRunner", "load_runner"]

@@ -14,7 +14,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from drafter.graphs import CatchUpGraphs
+from drafter.catchup_graphs import CatchUpGraphs
 from drafter.loader import load_head
 from drafter.proposers import DraftRequest, EagleProposer
 from spectandem.config import SamplingParams, SpecConfig

@@ -21,7 +21,7 @@ from spectandem.config import SamplingParams
 from spectandem.kv_cache import PagedKVCache
 from tests.e2e.conftest import PROMPT_TEXTS
 from tests.router.test_chained_verify import _pair, _serve
-from verifier.graphs import host_tree_inputs, tree_input_rows
+from verifier.tree_inputs import host_tree_inputs, tree_input_rows
 from verifier.runner import NativeRunner
 
 

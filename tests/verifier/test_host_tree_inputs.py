@@ -10,7 +10,7 @@ import random
 import torch
 
 from spectandem.kv_cache import PagedKVCache
-from verifier.graphs import host_tree_inputs, tree_inputs_on
+from verifier.tree_inputs import host_tree_inputs, tree_inputs_on
 
 
 def _cache() -> PagedKVCache:
