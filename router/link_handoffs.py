@@ -14,7 +14,8 @@ router's turns:
 Two holds order the threads at the Python lock on a GPU (router/links_local.py): the verdict
 goes to the router only once the drafter's next call has queued its drafting (`wait_queued`),
 and a pre-ahead whose trees went to an armed verify is done only once that verify launched
-(`StagedTrees.wait_taken`).
+(`StagedTrees.wait_taken`) and the drafter's call its verdict started (`StagedTrees.follower`,
+next in the same thread) has queued its drafting.
 """
 
 from __future__ import annotations
@@ -43,6 +44,7 @@ class StagedTrees:
         self._taken = threading.Event()   # the verifier has launched from them (or decided not to)
         self._put = threading.Lock()
         self._trees = None
+        self.follower = None   # the drafter's call the verdict started (set before `taken`), if any
 
     def put_trees(self, trees: list[dict | None] | None) -> bool:
         """Per request its outcome trees (AheadReply.trees: None or empty where it has none), or
@@ -86,6 +88,7 @@ class _PreCall:
         self._trees = None            # a pre-ahead's trees, once on the host (before it is done)
         self._on_trees = None         # who gets them (result's on_trees), once, from either side
         self._queued = threading.Event()   # its device work is queued (or it is done)
+        self._on_queued: list = []          # callables run once it is (`when_queued`)
         self.staged_into = None            # the StagedTrees its trees went to, if on_trees said so
 
     @property
@@ -101,13 +104,26 @@ class _PreCall:
         with self._lock:
             self._done, self._reply = True, reply
             waiters, self._waiters = self._waiters, []
-        self._queued.set()
+        self.mark_queued()
         for fn in waiters:
             fn()
 
     def mark_queued(self) -> None:
         """From the call's thread (spectandem.devices.on_queued): its drafting is on the device."""
-        self._queued.set()
+        with self._lock:
+            self._queued.set()
+            fns, self._on_queued = self._on_queued, []
+        for fn in fns:
+            fn()
+
+    def when_queued(self, fn) -> None:
+        """`fn()` once the call's drafting is queued on the device or the call is done: from the
+        call's thread then, or from this one at once if it already is."""
+        with self._lock:
+            if not self._queued.is_set():
+                self._on_queued.append(fn)
+                return
+        fn()
 
     def wait_queued(self, timeout: float) -> bool:
         """Waits until the call's drafting is queued on the device or the call is done, at most
@@ -251,9 +267,17 @@ class PreCalls:
                 self._pre_failed = (job.name, exc)
                 job.finish(None)
             else:
+                follower = None
                 if job.staged_into is not None and self.launch_first_s > 0:
-                    job.staged_into.wait_taken(self.launch_first_s)   # the verifier's launch first
-                job.finish(reply)
+                    if job.staged_into.wait_taken(self.launch_first_s):   # the verifier's launch first
+                        follower = job.staged_into.follower
+                if hasattr(follower, "when_queued"):
+                    # Then the call the verdict started (queued behind this one, next in this
+                    # thread) queues its drafting before the router's turn on this reply: at the
+                    # Python lock that turn would stretch the call's host work.
+                    follower.when_queued(lambda job=job, reply=reply: job.finish(reply))
+                else:
+                    job.finish(reply)
 
     def _pre_run(self, job):
         with on_queued(job.mark_queued):

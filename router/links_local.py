@@ -150,8 +150,6 @@ class LocalVerifierLink(_LocalLink):
         # A miss's tree launched as soon as the drafter's pre-draft has it (`_launch_missed`).
         self.launch_missed = chain and LAUNCH_MISSED
         self.missed_launches = 0
-        # A CUDA event: an armed verify's own work is done (not the chained forward behind it).
-        self._round_done = None if self._stream is None else __import__("torch").cuda.Event()
         self._armed: StagedTrees | None = None     # the last arm_next's, for its verify
         # On a GPU the verdict waits for the drafter's next call to queue its drafting
         # (DRAFTER_FIRST_S); on the CPU that call computes, so it does not (tests turn it on).
@@ -210,29 +208,26 @@ class LocalVerifierLink(_LocalLink):
         return stage
 
     def _verify(self, armed, *args):
-        """verifier_verify, its work synchronized. `armed` (a StagedTrees): the engine keeps the
-        verdict and, from inside the verify, once the round's work is queued and before its
-        outputs are built, calls `_launch_next`: it waits for the staged trees and queues the
-        verdict's next tree. Launched, this call then starts the drafter's next call (the armed
-        `then`: the router's pre-ahead) before it returns. The router takes in the verdict only
-        after the launch: its host work (and the drafter's next call, which it starts) would
-        otherwise hold the Python lock the launch needs."""
+        """verifier_verify(*args), its work synchronized. `armed` (a StagedTrees): the engine
+        keeps the verdict and, from inside the verify, once the round's work is queued and before
+        its outputs are built, calls `_launch_next`: it waits for the staged trees, queues the
+        verdict's next tree and starts the drafter's next call (the armed `then`, the router's
+        pre-ahead; after a miss, `missed`, its pre-draft). The router takes in the verdict only
+        after that: its host work would otherwise hold the Python lock the launch and the
+        drafter's call need."""
         from verifier.service_core import verifier_verify
 
         staged = []      # the trees the launch had (or None), once the engine's verdict hook ran
+        self._started = None
         if armed is not None:   # in this thread: the engine's last chained launch is done
+            _, tree, tags, _, want_features, *_ = args
+            epochs = {t.request_id: t.epoch for t in tags}
             self.engine.arm_next(armed.request_ids, armed.committed_lens,
-                                 lambda: staged.append(self._launch_next(armed)))
+                                 lambda: staged.append(self._launch_next(armed, epochs, want_features)))
         out = verifier_verify(*args)
-        if self._stream is not None:   # this round's work (not the chained forward behind it)
-            (self._round_done if staged else self._stream).synchronize()
-        started = None
-        if staged and self._queued and armed.then is not None:
-            started = armed.then(out)
-        elif staged and not self._queued and staged[0] is not None and armed.missed is not None:
-            started = armed.missed(out)
-            if self.launch_missed and hasattr(started, "on_ready"):
-                started.on_ready(self._launch_missed)
+        if self._stream is not None and not staged:   # (the verdict hook synchronized its round's work)
+            self._stream.synchronize()
+        started, self._started = self._started, None
         if self.drafter_first_s > 0 and hasattr(started, "wait_queued"):
             t0 = time.perf_counter()   # the drafter's host work first (DRAFTER_FIRST_S)
             started.wait_queued(self.drafter_first_s)
@@ -248,22 +243,43 @@ class LocalVerifierLink(_LocalLink):
                 self._chain_end = time.perf_counter()
                 self.missed_launches += 1
 
-    def _launch_next(self, armed):
-        """The engine's verdict hook of an armed verify (VerifierEngine.arm_next): marks the end
-        of this round's queued work, waits for the staged trees and queues the verdict's next
-        tree (VerifierEngine.launch_next) -> the trees (None: none came)."""
-        if self._stream is not None:
-            self._round_done.record(self._stream)
+    def _launch_next(self, armed, epochs: dict[str, int], want_features: bool):
+        """The engine's verdict hook of an armed verify (VerifierEngine.arm_next): waits for the
+        staged trees and queues the verdict's next tree (VerifierEngine.launch_next; made already
+        where its inputs were prepared); then, once that round's own work is done (the engine's
+        `round_done`), starts the drafter's next call (`_follow`) -> the trees (None: none came)."""
         verdict = self.engine.take_verdict()
         t0 = time.perf_counter()
         trees = armed.wait(STAGE_WAIT_S)
         self._waited = time.perf_counter() - t0
         try:
             self._queued = trees is not None and self.engine.launch_next(verdict, trees)
+            self.chained_launches += self._queued
+            if self._stream is not None:   # what the results hand on (the features) is complete
+                (self.engine.round_done or self._stream).synchronize()
+            self._started = self._follow(armed, trees, epochs, want_features)
         finally:
             armed.taken()
-        self.chained_launches += self._queued
         return trees
+
+    def _follow(self, armed, trees, epochs: dict[str, int], want_features: bool):
+        """From the verdict hook: the drafter's next call, with this verdict's results (the
+        verify's own, built early: VerifierEngine.verdict_outputs). After a chained launch the
+        armed `then` (a pre-ahead); after a verdict whose trees came but held none for it (a
+        miss) `missed` (a pre-draft), whose tree the verifier launches as soon as it has it
+        (`_launch_missed`). -> what it returned (None: neither). Given to the armed handoff
+        (`StagedTrees.follower`): the pre-ahead that staged the trees holds its reply back from
+        the router until this call's drafting is queued (router/link_handoffs.py)."""
+        from verifier.service_core import round_results
+
+        fn = armed.then if self._queued else (armed.missed if trees is not None else None)
+        if fn is None:
+            return None
+        started = fn(round_results(self.engine.verdict_outputs(), epochs, want_features))
+        if not self._queued and self.launch_missed and hasattr(started, "on_ready"):
+            started.on_ready(self._launch_missed)
+        armed.follower = started
+        return started
 
     async def prefill(self, items, want_features):
         from verifier.service_core import verifier_prefill

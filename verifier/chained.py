@@ -13,15 +13,17 @@ next verify writes anyway).
 Prepared launches (one request: the latency path). The trees come before the verdict (the
 drafter drafts ahead while the target verifies), so `prepare_next`, from the thread that stages
 them, packs the next verify's inputs for every outcome then (`NativeRunner.prepare_rows`). At
-the verdict `launch_next` only picks the outcome's row: the host work between a verdict and the
-next forward is one copy and a graph replay. The request's KV slot stays reserved for the
-longest of those verifies until the commit (`commit`'s keep): the rows they write are the rows
-packed. `_state` (a lock) orders the preparing thread against the engine's own thread wherever
+the verdict the verify itself launches the outcome's row, before its commit where the commit
+moves no KV entry (every chain's: `_launch_prepared`), and `launch_next` finds it made: the host
+work between a verdict and the next forward is one copy and a graph replay. The request's KV slot
+stays reserved for the longest of those verifies through the commit (`commit`'s keep): the rows
+they write are the rows packed. `_state` (a lock) orders the preparing thread against the engine's own thread wherever
 either changes the request's slot; a preparation that comes after the verdict does nothing.
 """
 
 from __future__ import annotations
 
+import numpy as np
 import torch
 
 from spectandem.messages import DraftTree, trees_from_ready
@@ -34,12 +36,23 @@ class ChainedLaunchMixin:
         once its verdict is kept and its work is queued, before it builds its outputs: the
         caller launches the next tree there (`take_verdict`, `launch_next`), as early as the
         host can."""
-        self._armed = (tuple(request_ids), tuple(committed_lens), on_verdict)
+        # The stream its work is queued on (`round_done` is recorded there at its verdict): taken
+        # now, before that verify, as asking for the current stream costs tens of microseconds.
+        device = getattr(self.runner, "device", None)
+        stream = torch.cuda.current_stream(device) if torch.device(device or "cpu").type == "cuda" else None
+        self._armed = (tuple(request_ids), tuple(committed_lens), on_verdict, stream)
 
     def take_verdict(self) -> tuple | None:
         """The armed verify's verdict, for `launch_next` (None: the last verify was not armed)."""
         verdict, self._verdict = self._verdict, None
         return verdict
+
+    def verdict_outputs(self) -> list:
+        """From inside an armed verify's `on_verdict`: that verify's outputs (VerifyOutput, as it
+        will return them; built once), so that the caller can hand them on before the verify
+        returns (router/links_local.py starts the drafter's next call from there)."""
+        assert self._verdict_outputs is not None, "only from inside an armed verify's on_verdict"
+        return self._verdict_outputs()
 
     def prepare_next(self, request_ids: list[str], committed_lens: list[int], trees: list[dict | None]) -> bool:
         """From any thread, while the armed verify of these tags runs: packs the inputs of the
@@ -60,16 +73,50 @@ class ChainedLaunchMixin:
             flats = self.runner.prepare_rows(req.slot, lens, tree.token_ids, tree.parents, tree.node_valid)
             if flats is None:
                 return False
+            # Each outcome's one-row tree too, so that its launch builds nothing.
             self._prepared = (rid, tag, req.slot, max(lens) + tree.num_nodes, outcomes,
-                              {k: i for i, k in enumerate(keys)}, tree, flats)
+                              {k: i for i, k in enumerate(keys)}, [_row(tree, i, rid) for i in range(len(keys))],
+                              flats)
         return True
 
     def _kept_entries(self, request_ids: list[str]) -> list[int] | None:
-        """Per request, entries its slot keeps reserved past the commit (a prepared launch's); None: none."""
-        prep = self._prepared
+        """Per request, entries its slot keeps reserved past the commit (a prepared launch's,
+        made or to come); None: none."""
+        prep = self._prepared or self._early
         if prep is None or prep[0] not in request_ids:
             return None
         return [prep[3] if rid == prep[0] else 0 for rid in request_ids]
+
+    def _launch_prepared(self, tree: DraftTree, reqs: list, tokens: list[list[int]],
+                         accepted_nodes: torch.Tensor) -> bool:
+        """From an armed verify, at its verdict and before its commit: where the verdict's next
+        verify was prepared (`prepare_next`) and the commit moves no KV entry (the accepted path
+        lies where it was written: every chain's), that verify is launched now; the commit then
+        keeps its entries and `launch_next` finds it made. -> whether it launched."""
+        with self._state:
+            prep = self._prepared
+            if prep is None or tree.request_ids != [prep[0]] or reqs[0].committed_len != prep[1]:
+                return False
+            rid, tag, slot, _, outcomes, rows, row_trees, flats = prep
+            toks = tokens[0]
+            i = rows.get(tuple(toks))
+            if i is None or reqs[0].slot != slot:
+                return False
+            path = accepted_nodes.numpy()[0, : len(toks)]
+            if (path != np.arange(len(toks))).any():   # the commit moves entries: the launch must follow it
+                return False
+            row = row_trees[i]
+            if len(outcomes[tuple(toks)].token_ids) != row.num_nodes:   # padded to a longer outcome's
+                return False
+            self._prepared, self._early = None, prep
+            try:
+                logits, feats = self.runner.verify([slot], [row.committed_lens[0] - 1], row.token_ids, row.parents,
+                                                   row.node_valid, flat=flats[i])
+            except (ValueError, KeyError):   # no room: the verdict's own launch will say so
+                return False
+            self._launched = (row, logits, feats, True)
+        self.launched_prepared += 1
+        return True
 
     def _take_prepared(self, request_ids: list[str], trees: list[dict | None],
                        tokens: list[list[int]]) -> tuple[DraftTree, torch.Tensor] | None:
@@ -77,25 +124,25 @@ class ChainedLaunchMixin:
         prep, self._prepared = self._prepared, None
         if prep is None or request_ids != [prep[0]] or trees[0] is not prep[4]:
             return None
-        rid, _, slot, _, _, rows, tree, flats = prep
+        rid, _, slot, _, _, rows, row_trees, flats = prep
         req, i = self.requests[rid], rows.get(tuple(tokens[0]))
-        if i is None or req.slot != slot or tree.committed_lens[i] != req.committed_len:
+        if i is None or req.slot != slot or row_trees[i].committed_lens[0] != req.committed_len:
             return None
-        n = len(trees[0][tuple(tokens[0])].token_ids)
-        if n != tree.num_nodes:   # padded to a longer outcome's: not the tree the router verifies
+        if len(trees[0][tuple(tokens[0])].token_ids) != row_trees[i].num_nodes:   # padded to a longer outcome's
             return None
-        row = DraftTree(request_ids=[rid], committed_lens=[req.committed_len], token_ids=tree.token_ids[i: i + 1],
-                        parents=tree.parents[i: i + 1], node_valid=tree.node_valid[i: i + 1],
-                        scores=tree.scores[i: i + 1])
-        return row, flats[i]
+        return row_trees[i], flats[i]
 
     def launch_next(self, verdict: tuple | None, trees: list[dict | None]) -> bool:
         """Queues the verify of the verdict's next tree when every request has one -> whether it
         did. trees: per request of the armed verify (in its order), the next tree for each of its
         outcomes (committed tokens -> ReadyTree), or None. The caller has synchronized the last
         verify's work (the launch reuses its buffers)."""
+        early, self._early = self._early, None
         if verdict is None:
             return False
+        if early is not None:   # launched at the verdict (`_launch_prepared`): from these very trees?
+            return (self._launched is not None and len(trees) == 1 and trees[0] is early[4]
+                    and self._launched[0].request_ids == verdict[0])
         request_ids, committed_lens, tokens = verdict
         if len(trees) != len(request_ids) or any(rid not in self.requests for rid in request_ids):
             return False
@@ -121,6 +168,13 @@ class ChainedLaunchMixin:
             return False
         self._launched = (tree, logits, feats, chained)
         return True
+
+
+def _row(tree: DraftTree, i: int, request_id: str) -> DraftTree:
+    """Row i of a prepared batch of one request's candidate trees, as its own one-row tree."""
+    return DraftTree(request_ids=[request_id], committed_lens=[tree.committed_lens[i]],
+                     token_ids=tree.token_ids[i: i + 1], parents=tree.parents[i: i + 1],
+                     node_valid=tree.node_valid[i: i + 1], scores=tree.scores[i: i + 1])
 
 
 def same_tree(a: DraftTree, b: DraftTree) -> bool:

@@ -53,8 +53,12 @@ class VerifierEngine(ChainedLaunchMixin):
         # the launched verify (tree, logits, features).
         self._armed: tuple | None = None
         self._verdict: tuple | None = None
+        self._verdict_outputs = None   # inside an armed verify's on_verdict: its outputs, built once
         self._launched: tuple | None = None
         self._prepared: tuple | None = None   # a verify's inputs packed per outcome (prepare_next)
+        self._early: tuple | None = None      # a prepared launch made before its verdict's commit
+        # On a GPU: recorded at an armed verify's verdict, after its own work, before any launch.
+        self.round_done = None
         # Where the engine changes a request's KV slot; prepare_next comes from another thread.
         self._state = threading.RLock()
         self.chained = 0              # verifies served by a chained launch (launch_next)
@@ -116,6 +120,7 @@ class VerifierEngine(ChainedLaunchMixin):
         the host waits for it (the router starts the drafter's work then: router/rounds.py)."""
         launched, self._launched = self._launched, None
         armed, self._armed = self._armed, None
+        self._early = None
         self.last_chained = launched is not None and same_tree(launched[0], tree)
         if self.last_chained:      # queued by launch_next or launch, for this very tree
             reqs = [self.requests[rid] for rid in tree.request_ids]
@@ -129,21 +134,41 @@ class VerifierEngine(ChainedLaunchMixin):
         result, picked = self._accept(tree, reqs, logits, feats)
         # Per request from whole-batch host lists (one conversion each, not one per request).
         tokens = result.token_lists()
-        self.commit(tree.request_ids, result.accepted_nodes, tokens)
-        on_verdict = None
-        if armed is not None and armed[:2] == (tuple(tree.request_ids), tuple(tree.committed_lens)):
-            self._verdict = (list(tree.request_ids), [r.committed_len for r in reqs], tokens)
-            on_verdict = armed[2]
-        if feats is not None and picked is None:
+        if feats is not None and picked is None:   # (before any launch: it reuses the features' buffer)
             picked = _gather_path(feats, result.accepted_nodes[:, :max(len(t) for t in tokens)])
+        on_verdict = None
+        kept = armed is not None and armed[:2] == (tuple(tree.request_ids), tuple(tree.committed_lens))
+        if kept:
+            on_verdict = armed[2]
+            if armed[3] is not None:   # this round's work, not the next forward's (`round_done`)
+                self.round_done = self.round_done or torch.cuda.Event()
+                self.round_done.record(armed[3])   # (with the stream given: without, tens of microseconds)
+            # Inputs prepared before the verdict: the next forward goes out now, before the commit.
+            self._launch_prepared(tree, reqs, tokens, result.accepted_nodes)
+        self.commit(tree.request_ids, result.accepted_nodes, tokens)
+        if kept:
+            self._verdict = (list(tree.request_ids), [r.committed_len for r in reqs], tokens)
+        built: list[list[VerifyOutput]] = []
+
+        def outputs() -> list[VerifyOutput]:
+            if not built:
+                num_acc, num_drafts = result.num_accepted.tolist(), tree.num_draft_tokens()
+                built.append([VerifyOutput(request_id=rid, committed_len=req.committed_len, token_ids=toks,
+                                           num_accepted=k, num_draft_tokens=d,
+                                           features=None if picked is None else picked[b, : len(toks)])
+                              for b, (rid, req, toks, k, d)
+                              in enumerate(zip(tree.request_ids, reqs, tokens, num_acc, num_drafts))])
+            return built[0]
         if on_verdict is not None:
             # The armed caller's chained launch (router/links_local.py), queued behind this
-            # round's work on the device and before the host builds this round's outputs.
-            on_verdict()
-        num_acc, num_drafts = result.num_accepted.tolist(), tree.num_draft_tokens()
-        return [VerifyOutput(request_id=rid, committed_len=req.committed_len, token_ids=toks, num_accepted=k,
-                             num_draft_tokens=d, features=None if picked is None else picked[b, : len(toks)])
-                for b, (rid, req, toks, k, d) in enumerate(zip(tree.request_ids, reqs, tokens, num_acc, num_drafts))]
+            # round's work on the device and before the host builds this round's outputs; the
+            # caller may take those outputs there, once launched (`verdict_outputs`).
+            self._verdict_outputs = outputs
+            try:
+                on_verdict()
+            finally:
+                self._verdict_outputs = None
+        return outputs()
 
     def _launch(self, tree: DraftTree, flat: torch.Tensor | None = None):
         """Checks the tree's tags and queues its forward -> (requests, logits, features).
@@ -176,7 +201,7 @@ class VerifierEngine(ChainedLaunchMixin):
         `features` False none are captured (a round no drafter catches up on)."""
         if steps < 1:
             raise ValueError(f"steps must be >= 1, got {steps}")
-        self._launched = self._armed = None    # its graphs may share a launched verify's buffers
+        self._launched = self._armed = self._early = None    # its graphs may share a launched verify's buffers
         reqs = [self.requests[rid] for rid in request_ids]
         for rid, req, tag in zip(request_ids, reqs, committed_lens):
             if tag != req.committed_len:

@@ -44,6 +44,12 @@ def verifier_verify(engine, tree: DraftTree | None, tags: list[Tag], plain: list
     merged = tree if rows is None else (rows if tree is None else concat_trees(tree, rows))
     epochs = {t.request_id: t.epoch for t in tags + [p.tag for p in plain]}
     outs = engine.verify(merged) if on_launch is None else engine.verify(merged, on_launch)
+    return round_results(outs, epochs, want_features, sender)
+
+
+def round_results(outs: list, epochs: dict[str, int], want_features: bool,
+                  sender: FeatureSender | None = None) -> list[RoundResult]:
+    """A verify's outputs (VerifyOutput) -> its RoundResults; epochs: per request id its tag's."""
     features = _handles(sender, [o.features if want_features else None for o in outs])
     return [RoundResult(Tag(o.request_id, epochs[o.request_id], o.committed_len), o.token_ids, o.num_accepted,
                         o.num_draft_tokens, f)

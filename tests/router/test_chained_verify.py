@@ -366,14 +366,15 @@ def test_holds_keep_the_tokens_and_order_the_handoffs(monkeypatch):
     verdict only once the drafter's next call has queued its drafting (drafter_first_s), and a
     pre-ahead whose trees went straight to the armed verify reports done only once that verify
     launched from them (launch_first_s). Tokens equal plain decoding's, every launch is still
-    used, and every such pre-ahead finished after its staging was taken."""
+    used, and every such pre-ahead finished after its staging was taken and after the drafter's
+    call its verdict started (the follower, next in the same thread) queued its drafting."""
     from router import link_handoffs
 
     spec, plain = _pair()
     prompt = spec.tokenizer.encode(PROMPT_TEXTS[0]).ids
     params = SamplingParams(max_tokens=64, ignore_eos=True)
     expected = plain.generate([prompt], [params])[0].token_ids
-    events, order = [], []
+    events, order, followed = [], [], []
     taken, finish = link_handoffs.StagedTrees.taken, link_handoffs._PreCall.finish
     monkeypatch.setattr(link_handoffs.StagedTrees, "taken", lambda self: (events.append(("taken", id(self))),
                                                                          taken(self)))
@@ -381,6 +382,9 @@ def test_holds_keep_the_tokens_and_order_the_handoffs(monkeypatch):
     def finished(self, reply):
         if self.staged_into is not None:
             order.append(("taken", id(self.staged_into)) in events)
+            follower = self.staged_into.follower
+            if follower is not None:
+                followed.append(follower is not self and follower.wait_queued(0.0))
         finish(self, reply)
     monkeypatch.setattr(link_handoffs._PreCall, "finish", finished)
     dlink = LocalDrafterLink(spec.drafter)
@@ -391,3 +395,4 @@ def test_holds_keep_the_tokens_and_order_the_handoffs(monkeypatch):
     assert got == expected
     assert dlink.pre_ahead_used == vlink.chained_launches > 0
     assert order and all(order), order
+    assert followed and all(followed), followed

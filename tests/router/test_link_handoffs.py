@@ -69,6 +69,21 @@ def test_wait_queued_waits_for_the_mark_or_the_finish():
     assert other.wait_queued(0.0) is True
 
 
+def test_when_queued_runs_once_at_the_mark_or_the_finish():
+    job, calls = _job(), []
+    job.when_queued(lambda: calls.append("a"))
+    assert calls == []
+    job.mark_queued()
+    job.mark_queued()                               # a second mark runs nothing again
+    assert calls == ["a"]
+    job.when_queued(lambda: calls.append("b"))      # already queued: at once
+    assert calls == ["a", "b"]
+    other = _job()
+    other.when_queued(lambda: calls.append("c"))
+    other.finish(None)                              # ended unmarked (or failed): it runs then
+    assert calls == ["a", "b", "c"]
+
+
 class _Drafter:
     """A drafter engine stand-in for the link's pre-call thread: its draft ahead queues its
     device work (`device_work_queued`, as the draft graphs do), then blocks until released."""

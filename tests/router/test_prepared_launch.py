@@ -1,11 +1,12 @@
 """Prepared launches (verifier/chained.py): at batch 1 the drafted-ahead trees come before the
 verdict, and the verifier packs the next verify's inputs for every outcome then
-(VerifierEngine.prepare_next, NativeRunner.prepare_rows); the verdict's launch picks its row.
+(VerifierEngine.prepare_next, NativeRunner.prepare_rows); at the verdict, before its commit, the
+verify launches the outcome's row (VerifierEngine._launch_prepared).
 
 On the CPU no verify reads packed inputs (that is the GPU's tree attention in CUDA graphs), so the
 round test runs the demo target through a runner that says it does and, at each launch from
-prepared inputs, compares them byte for byte with the inputs packed afresh at that moment (after
-the commit, from the slot's block table then), before verifying eagerly. Tokens equal plain
+prepared inputs, compares them byte for byte with the inputs packed afresh at that moment (from
+the slot's block table then), before verifying eagerly. Tokens equal plain
 decoding's. Control: inputs prepared one entry off are caught. Units: splitting a packed batch
 into one-row inputs, and a commit's trim keeping the entries a preparation reserved."""
 
@@ -106,11 +107,19 @@ def test_prepared_launches_equal_the_inputs_packed_at_the_verdict(offset, monkey
         finally:
             del self.engine._accept
     monkeypatch.setattr(LocalVerifierLink, "_verify", trees_before_the_verdict)
+    at_verdict = []
+    launch_prepared = type(spec.verifier)._launch_prepared
+
+    def counted(self, *args):
+        at_verdict.append(launch_prepared(self, *args))
+        return at_verdict[-1]
+    monkeypatch.setattr(type(spec.verifier), "_launch_prepared", counted)
     dlink = LocalDrafterLink(spec.drafter)
     vlink = LocalVerifierLink(spec.verifier, chain=True)
     (got,), _, _ = _serve(spec, [prompt], [params], chain=True, dlink=dlink, vlink=vlink)
     assert got == expected
     prepared = spec.verifier.launched_prepared
     assert 0 < prepared == _CheckedRunner.checked <= vlink.chained_launches
+    assert sum(at_verdict) == prepared     # every chain's launched at its verdict, before the commit
     assert _CheckedRunner.mismatched == (0 if offset == 0 else prepared)
     assert not spec.verifier.requests and spec.verifier._prepared is None
