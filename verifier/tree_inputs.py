@@ -74,15 +74,12 @@ def _tree_fields_np(flat: torch.Tensor, rows: int, n: int, max_blocks: int) -> t
 
 def tree_input_rows(flat: torch.Tensor, rows: int, n: int, max_blocks: int) -> list[torch.Tensor]:
     """A host `flat` of `rows` rows (`host_tree_inputs`) -> one flat of one row per row (views of
-    one buffer in pageable memory): the inputs of a one-request verify of that row's tree. Each
-    field crosses in one numpy copy for all rows. Pageable: the launch's copy of so few bytes
-    returns once the driver has staged them, where a copy from pinned memory also records an
-    event for PyTorch's pinned allocator (a launch's host time had a tail of 60 us there, on the
-    H200 machine: benchmarks/results/README.md, session 18)."""
+    one buffer in the same kind of memory): the inputs of a one-request verify of that row's
+    tree. Each field crosses in one numpy copy for all rows."""
     fields = _tree_fields_np(flat, rows, n, max_blocks)
     one = tree_inputs_nbytes(1, n, max_blocks)
     stride = -(-one // 64) * 64              # rows 64-byte aligned: the int64 views below stay aligned
-    big = torch.empty(rows * stride, dtype=torch.uint8)
+    big = torch.empty(rows * stride, dtype=torch.uint8, pin_memory=flat.is_pinned())
     per = big.numpy().reshape(rows, stride)
     ints = per[:, : 8 * (3 * n + max_blocks + 1)].view(np.int64)      # [rows, 3N + max_blocks + 1]
     ints[:, :n], ints[:, n: 2 * n], ints[:, 2 * n: 3 * n] = fields[0], fields[1], fields[2]
