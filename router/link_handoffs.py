@@ -8,7 +8,9 @@ router's turns:
   a launch (LocalDrafterLink.pre_ahead), with the arguments the router's next call will give;
   that call takes its reply.
 - `PreDraft`: the same for a verdict that did not chain (a miss): the catch-up and the next
-  round's draft (LocalDrafterLink.pre_draft); the router's next draft call takes its tree.
+  round's draft (LocalDrafterLink.pre_draft); the router's next draft call takes its tree. Where
+  the verifier launched that tree at once, a `PreAhead` queued behind it drafts ahead for it
+  (`after`), as a pre-ahead does after a chained launch; the router's draft-ahead call takes it.
 - `PreCalls`: the drafter link's thread that runs them.
 
 Two holds order the threads at the Python lock on a GPU (router/links_local.py): the verdict
@@ -78,6 +80,7 @@ class _PreCall:
     tags, and catch-up items absorbed first), and its reply once done."""
 
     kind = name = ""   # the engine call's kind (busy_s), the call's name in errors
+    cancelled = False  # pending still when the router went another way (PreCalls._claim)
 
     def __init__(self, tags: list[Tag], extend: list):
         self.tags, self.extend = tags, extend
@@ -137,7 +140,12 @@ class _PreCall:
             self._trees = trees
             give, self._on_trees = self._on_trees, None
         if give is not None:
-            self.staged_into = give(trees)
+            self._given(give(trees))
+
+    def _given(self, taken) -> None:
+        """What the taker of its trees returned, when `trees_ready` gave them (a pre-ahead's:
+        the StagedTrees they went to, or None)."""
+        self.staged_into = taken
 
     def on_ready(self, fn) -> None:
         """`fn(trees)` once, from whichever thread has them first: the call's, as soon as they
@@ -174,6 +182,10 @@ class PreDraft(_PreCall):
     the DraftTree."""
 
     kind, name = "draft", "pre-draft"
+    launched = False   # its taker (LocalVerifierLink._launch_missed) launched the tree from this thread
+
+    def _given(self, taken) -> None:
+        self.launched = taken is True
 
     def covers(self, tags: list[Tag], num_steps) -> bool:
         """Whether draft(tags, num_steps) asks what it computed: the same tags in the same order,
@@ -207,6 +219,16 @@ class PreAhead(_PreCall):
 
     kind, name = "draft_ahead", "pre-ahead"
 
+    def __init__(self, tags: list[Tag], extend: list, after: PreDraft | None = None):
+        super().__init__(tags, extend)
+        # `after`: the miss's pre-draft this one follows: it drafts ahead only for a tree the
+        # verifier is already verifying (`PreDraft.launched`), and not once cancelled (the
+        # router's draft did not take that tree). Skipped, its reply is None.
+        self.after = after
+
+    def skipped(self) -> bool:
+        return self.cancelled or (self.after is not None and not self.after.launched)
+
     def covers(self, tags: list[Tag], extend) -> bool:
         """Whether draft_ahead(tags, extend) asks what it computed: each tag one of its own, and
         the catch-up items exactly its items for those requests (the same features)."""
@@ -222,6 +244,8 @@ class PreAhead(_PreCall):
     def run(self, engine) -> tuple:
         from drafter.service_core import drafter_draft_ahead
 
+        if self.skipped():
+            return None, []
         reply = drafter_draft_ahead(engine, self.tags, self.extend, on_trees=self.trees_ready)
         return reply, [item_key(i) for i in self.extend if i.tag.request_id not in reply.unknown]
 
@@ -244,19 +268,22 @@ class PreCalls:
     launch_first_s = 0.0
 
     def _init_pre_calls(self) -> None:
-        self._pending: PreAhead | PreDraft | None = None   # the last pre-call, until a call claims it
-        self._last_pre = None                         # the last pre-call started: calls go after it
+        self._pending: list = []   # the last pre-calls started (a pre-draft may have its pre-ahead), until claimed
+        self._last_pre = None      # the last pre-call started: calls go after it
         self._pre_jobs: queue.SimpleQueue | None = None
         self._absorbed: set[tuple[str, int]] = set()  # extend items a pre-call absorbed (id, length)
         self._pre_failed: tuple[str, Exception] | None = None   # (the pre-call's name, its error)
 
-    def _start(self, job):
-        self._pending = self._last_pre = job
+    def _start(self, *jobs):
+        """Queues these pre-calls, in order; earlier unclaimed ones stop pending -> the first."""
+        self._pending = list(jobs)
+        self._last_pre = jobs[-1]
         if self._pre_jobs is None:
             self._pre_jobs = queue.SimpleQueue()
             threading.Thread(target=self._pre_worker, name="drafter-pre-call", daemon=True).start()
-        self._pre_jobs.put(job)
-        return job
+        for job in jobs:
+            self._pre_jobs.put(job)
+        return jobs[0]
 
     def _pre_worker(self) -> None:
         while True:
@@ -286,13 +313,29 @@ class PreCalls:
         return reply
 
     def _claim(self, cls, *args):
-        """The pending pre-call if it is a `cls` (which then stops pending) and covers a call of
-        these arguments; None otherwise."""
-        job = self._pending
+        """The first pending pre-call if it is a `cls` (which then stops pending) and covers a
+        call of these arguments; None otherwise. One that does not cover ends the pending ones:
+        the router went another way (those queued behind it, not started yet, are skipped)."""
+        job = self._pending[0] if self._pending else None
         if not isinstance(job, cls):
             return None
-        self._pending = None
-        return job if job.covers(*args) else None
+        if job.covers(*args):
+            self._pending.pop(0)
+            return job
+        for other in self._pending[1:]:
+            other.cancelled = True
+        self._pending = []
+        return None
+
+    def _absorbing(self, items: list):
+        """A pending pre-call whose catch-up items include every one of `items` (the same tags
+        and features: a miss's pre-draft, for the router's extend of that verdict), or None."""
+        keys = {item_key(i): i for i in items}
+        for job in self._pending:
+            mine = {item_key(i): i for i in job.extend}
+            if keys and all(k in mine and mine[k].features is i.features for k, i in keys.items()):
+                return job
+        return None
 
     def _raise_pre_failure(self) -> None:
         """A failed pre-call (pre-ahead, pre-draft) left the engine in an unknown state: the next

@@ -1,26 +1,18 @@
 """The in-process links of router/links.py: the engines of this process, each call run in a
 worker thread so the event loop keeps streaming while a forward runs. The verifier's link also
-chains verifies (VerifierEngine.arm_next) on a GPU."""
+chains verifies (VerifierEngine.arm_next) on a GPU. What both share (a worker thread, a CUDA
+stream, busy time) is router/local_base.py."""
 
 from __future__ import annotations
 
-import asyncio
 import os
-import sys
-import threading
 import time
 
 from router.link_handoffs import PreAhead, PreCalls, PreDraft, StagedTrees, item_key
-from router.links import DraftHandle, EngineUnavailable, Tag
-from spectandem.devices import engine_device
+from router.links import DraftHandle, Tag
+from router.local_base import _LocalLink
 
 
-# In one process the router's event loop and the two engines' worker threads take turns at the
-# Python lock. A thread waiting for it (the verifier's, back from its forward, with the next
-# round's host work) gets it when the holder blocks or, at the latest, after the interpreter's
-# switch interval: 5 ms by default, as long as a whole verify forward of the 8B target. In-process
-# links shorten it (SPECTANDEM_SWITCH_INTERVAL_S; 0 keeps the interpreter's).
-SWITCH_INTERVAL_S = float(os.environ.get("SPECTANDEM_SWITCH_INTERVAL_S", "0.0005"))
 # How long an armed verify's call waits for stage_next. The router always stages (None when
 # the drafter has nothing) once its draft-ahead call returns or times out: this only bounds a
 # caller that arms and never stages. Past it the call ends without a launch.
@@ -40,90 +32,15 @@ LAUNCH_FIRST_S = float(os.environ.get("SPECTANDEM_LAUNCH_FIRST_S", "0.01"))
 # it then and there (LocalVerifierLink._launch_missed); SPECTANDEM_LAUNCH_MISSED=0 leaves the
 # launch to the router's verify call.
 LAUNCH_MISSED = os.environ.get("SPECTANDEM_LAUNCH_MISSED", "1") != "0"
+# After a miss whose tree the verifier launched at once, the drafter's worker drafts ahead for
+# that tree right away (a pre-ahead queued behind the pre-draft), not at the router's turn: the
+# router's draft-ahead call of that round takes its reply. SPECTANDEM_AHEAD_AFTER_MISS=0 leaves
+# it to the router's call.
+AHEAD_AFTER_MISS = os.environ.get("SPECTANDEM_AHEAD_AFTER_MISS", "1") != "0"
 # The staged trees come before the verdict: the verifier packs the next verify's inputs for each
 # outcome then (VerifierEngine.prepare_next, one request), and the verdict's launch only picks
 # one. SPECTANDEM_PREPARE_LAUNCH=0 packs them at the verdict.
 PREPARE_LAUNCH = os.environ.get("SPECTANDEM_PREPARE_LAUNCH", "1") != "0"
-
-
-def _shorten_switch_interval() -> None:
-    if 0 < SWITCH_INTERVAL_S < sys.getswitchinterval():
-        sys.setswitchinterval(SWITCH_INTERVAL_S)
-
-
-class _LocalLink:
-    """One engine of this process: calls run one at a time in a worker thread.
-
-    On a GPU each engine works on a CUDA stream of its own, and a call returns only once its
-    stream is done (what it hands on is complete). The two engines' calls run concurrently; on
-    the legacy default stream, one engine's work would break the other's CUDA graph capture.
-
-    `busy_s[kind]`: seconds spent inside calls of that kind ("verify", "prefill", "draft", ...)
-    since construction, each timed in the worker thread from the call's start until its stream
-    is done: for a verify, the host's preparation, the forward, acceptance and the results on
-    the host; not the wait for the lock or the thread. A verify whose forward a chained launch
-    queued (LocalVerifierLink) counts from the end of the call that queued it: the verifier was
-    busy with it from then. Calls of one link run one after another, so the calls that start
-    and end within an interval are busy for at most its length."""
-
-    role = "engine"
-
-    def __init__(self, engine, model_name: str):
-        self.engine, self.model_name = engine, model_name
-        _shorten_switch_interval()
-        self._lock = asyncio.Lock()
-        self._engine_lock = threading.Lock()
-        self._stream = None
-        self.busy_s: dict[str, float] = {}
-        device = engine_device(engine)
-        if device is not None and device.type == "cuda":
-            import torch
-
-            self._stream = torch.cuda.Stream(device=device)
-
-    def _call(self, kind: str, fn, *args, sync: bool = True):
-        """`sync` False: `fn` synchronizes what it hands on itself (LocalVerifierLink._verify).
-        One call at a time on the engine: a drafter's pre-ahead (LocalDrafterLink.pre_ahead)
-        runs outside the event loop's turns; a call waiting for it does not count as busy."""
-        with self._engine_lock:
-            return self._timed_call(kind, fn, *args, sync=sync)
-
-    def _timed_call(self, kind: str, fn, *args, sync: bool = True):
-        t0 = time.perf_counter()
-        try:
-            out = self._on_stream(fn, *args)
-            if sync and self._stream is not None:
-                self._stream.synchronize()
-            return out
-        finally:
-            end = time.perf_counter()
-            self.busy_s[kind] = self.busy_s.get(kind, 0.0) + end - self._busy_from(kind, t0)
-            self._ended(kind, end)
-
-    def _on_stream(self, fn, *args):
-        """fn(*args) with this engine's CUDA stream current (as it is, without one)."""
-        if self._stream is None:
-            return fn(*args)
-        import torch
-
-        with torch.cuda.stream(self._stream):
-            return fn(*args)
-
-    def _busy_from(self, kind: str, start: float) -> float:
-        """When the call just ended began its work (its start, for most)."""
-        return start
-
-    def _ended(self, kind: str, end: float) -> None:
-        return None
-
-    async def _run(self, kind: str, fn, *args, sync: bool = True):
-        async with self._lock:
-            try:
-                return await asyncio.to_thread(self._call, kind, fn, *args, sync=sync)
-            except (ValueError, KeyError):  # bad input or a stale tag: the caller's to handle
-                raise
-            except Exception as exc:  # the engine itself failed: the router treats it as gone
-                raise EngineUnavailable(f"{self.role} failed: {exc}") from exc
 
 
 class LocalVerifierLink(_LocalLink):
@@ -237,11 +154,14 @@ class LocalVerifierLink(_LocalLink):
     def _launch_missed(self, tree) -> None:
         """From the drafter's worker, once a miss's pre-draft has its tree: its forward is queued
         now (VerifierEngine.launch), not after the router's turn; the router's verify of that
-        tree, which follows, takes it. The verifier is idle: its last call ended with the miss."""
+        tree, which follows, takes it. The verifier is idle: its last call ended with the miss.
+        -> whether it launched."""
         with self._engine_lock:
             if self._on_stream(self.engine.launch, tree):   # busy from here (_busy_from), as after a chained launch
                 self._chain_end = time.perf_counter()
                 self.missed_launches += 1
+                return True
+        return False
 
     def _launch_next(self, armed, epochs: dict[str, int], want_features: bool):
         """The engine's verdict hook of an armed verify (VerifierEngine.arm_next): waits for the
@@ -324,6 +244,10 @@ class LocalDrafterLink(PreCalls, _LocalLink):
         self.pre_ahead_used = 0                       # draft_ahead calls answered by a pre-ahead
         self.pre_draft_used = 0                       # draft calls answered by a pre-draft
         self.pre_drafts = 0                           # pre-drafts started
+        self.ahead_after_miss_used = 0                # draft_ahead calls answered by a pre-draft's pre-ahead
+        # A pre-draft's tree launched at once gets its draft-ahead next, from this link's worker
+        # (AHEAD_AFTER_MISS); on the CPU that launch runs the forward, so it does not (tests turn it on).
+        self.ahead_after_miss = AHEAD_AFTER_MISS and self._stream is not None
         # On a GPU a pre-ahead's reply waits for the verifier's launch (LAUNCH_FIRST_S); on the
         # CPU that launch runs the forward, so it does not (tests turn it on).
         self.launch_first_s = LAUNCH_FIRST_S if self._stream is not None else 0.0
@@ -338,9 +262,15 @@ class LocalDrafterLink(PreCalls, _LocalLink):
     def pre_draft(self, tags: list[Tag], extend: list) -> PreDraft:
         """From any thread: starts extend(extend) then draft(tags) now, in the same thread as
         pre_ahead. The next draft of exactly these tags (configured depth) returns its tree;
-        any other call first waits for it and skips the items it absorbed."""
+        any other call first waits for it and skips the items it absorbed. With
+        `ahead_after_miss`, a pre-ahead of the same tags follows it in that thread, for the tree
+        the verifier launches from it at once (PreAhead.after); the next draft_ahead of these
+        tags returns its reply."""
         self.pre_drafts += 1
-        return self._start(PreDraft(list(tags), list(extend)))
+        job = PreDraft(list(tags), list(extend))
+        if not self.ahead_after_miss:
+            return self._start(job)
+        return self._start(job, PreAhead(list(tags), [], after=job))
 
     async def _run(self, kind: str, fn, *args, sync: bool = True):
         # A pre-call the verifier's worker started (before the router had that verdict) goes
@@ -380,9 +310,11 @@ class LocalDrafterLink(PreCalls, _LocalLink):
                 reply = await job.result(on_trees)
             if reply is None:
                 self._raise_pre_failure()
-            self.pre_ahead_used += 1
-            self._absorbed.difference_update(item_key(i) for i in extend)
-            return job.restricted(reply, tags)
+            if reply is not None:   # (None: it skipped its work, PreAhead.skipped; the call below)
+                self.pre_ahead_used += job.after is None
+                self.ahead_after_miss_used += job.after is not None
+                self._absorbed.difference_update(item_key(i) for i in extend)
+                return job.restricted(reply, tags)
         return await self._run("draft_ahead", self._draft_ahead, on_trees, tags, list(extend))
 
     def _draft_ahead(self, on_trees, tags, extend):
@@ -396,7 +328,15 @@ class LocalDrafterLink(PreCalls, _LocalLink):
     async def extend(self, items):
         from drafter.service_core import drafter_extend
 
-        return await self._run("extend", lambda: drafter_extend(self.engine, self._unabsorbed(list(items))))
+        items = list(items)
+        job = self._absorbing(items)
+        if job is not None:   # a miss's pre-draft absorbs them: its end, not the pre-ahead queued behind it
+            async with self._lock:
+                await job.result()
+            items = self._unabsorbed(items)
+            if not items:
+                return []
+        return await self._run("extend", lambda: drafter_extend(self.engine, self._unabsorbed(items)))
 
     async def release(self, request_ids, keep_draft=False):
         from drafter.service_core import drafter_release

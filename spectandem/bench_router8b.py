@@ -26,7 +26,10 @@ draft-ahead calls answered by the drafter's pre-ahead, which the verifier link s
 such a launch (`pre_ahead_used`: LocalDrafterLink.pre_ahead), and the draft calls answered by
 the drafter's pre-draft, which it started after an armed verdict with no tree (a miss:
 `pre_draft_used`, LocalDrafterLink.pre_draft), whose tree the verifier launched as soon as it was
-drafted (`early_verifies`: LocalVerifierLink._launch_missed).
+drafted (`early_verifies`: LocalVerifierLink._launch_missed; of them `early_prepared_verifies`
+from the inputs prepared for an outcome of the same shape, VerifierEngine._prepared_like), and
+the draft-ahead calls for such a tree answered by the pre-ahead the drafter's worker queued
+behind the pre-draft (`ahead_after_miss_used`).
 
 Plain timed minutes earlier is no baseline: the GPU's speed drifts by several percent over a
 section (on one H200, plain at batch 64 read 9,337 tok/s at the start of a run; interleaved batch
@@ -163,8 +166,10 @@ async def _timed(s: _Setup, runs, ids: list[str], indices: list[int]) -> dict:
     busy0 = [dict(link.busy_s) for link in s.links]   # the engines hold no request now (_settle)
     eng = s.links[0].engine
     chained0, early0, prepared0 = eng.chained, eng.launched_early, getattr(eng, "launched_prepared", 0)
+    like0 = getattr(eng, "launched_like_prepared", 0)
     # The drafter's link, when there is one: its draft-ahead and draft calls a pre-call answered.
-    pre_used = lambda: (getattr(s.links[-1], "pre_ahead_used", 0), getattr(s.links[-1], "pre_draft_used", 0))
+    pre_used = lambda: tuple(getattr(s.links[-1], k, 0) for k in ("pre_ahead_used", "pre_draft_used",
+                                                                   "ahead_after_miss_used"))
     pre0 = pre_used()
     t0 = time.perf_counter()
     tokens = await _batch(router, runs, ids, indices)
@@ -177,7 +182,9 @@ async def _timed(s: _Setup, runs, ids: list[str], indices: list[int]) -> dict:
     return {"tokens": tokens, "seconds": dt, "counters": c, "mode": router._modes.mode, "busy": busy,
             "chained": eng.chained - chained0, "early": eng.launched_early - early0,
             "prepared": getattr(eng, "launched_prepared", 0) - prepared0,
+            "early_prepared": getattr(eng, "launched_like_prepared", 0) - like0,
             "pre_ahead": pre_used()[0] - pre0[0], "pre_draft": pre_used()[1] - pre0[1],
+            "ahead_after_miss": pre_used()[2] - pre0[2],
             "rates": {k: round(v, 1) for k, v in router._modes.rates_for(len(ids)).items()}}
 
 
@@ -200,8 +207,9 @@ def _record(mode: str, batch_size: int, acceptance_rate: float | None, m: dict, 
                drafter_busy_s=None if plain else round(sum(m["busy"][1].values()), 4), **placement)
     if not plain:
         r.update(ahead_hits=c["draft_ahead_hits"], ahead_misses=c["draft_ahead_misses"], ready_trees=c["ready_trees"],
-                 chained_verifies=m["chained"], prepared_verifies=m["prepared"], early_verifies=m["early"], pre_ahead_used=m["pre_ahead"],
-                 pre_draft_used=m["pre_draft"], round_ms=round((dt - prefill_s) / c["rounds"] * 1000, 3),
+                 chained_verifies=m["chained"], prepared_verifies=m["prepared"], early_verifies=m["early"],
+                 early_prepared_verifies=m["early_prepared"], pre_ahead_used=m["pre_ahead"],
+                 pre_draft_used=m["pre_draft"], ahead_after_miss_used=m["ahead_after_miss"], round_ms=round((dt - prefill_s) / c["rounds"] * 1000, 3),
                  expected_ahead_hit_rate=round(expected_ahead_hit_rate(acceptance_rate, num_steps), 3))
     if not plain and batch_size == 1 and verify and drafts:
         ideal = r["accept_length"] / (verify["chain_ms"] / 1000)

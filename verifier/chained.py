@@ -17,7 +17,9 @@ the verdict the verify itself launches the outcome's row, before its commit wher
 moves no KV entry (every chain's: `_launch_prepared`), and `launch_next` finds it made: the host
 work between a verdict and the next forward is one copy and a graph replay. The request's KV slot
 stays reserved for the longest of those verifies through the commit (`commit`'s keep): the rows
-they write are the rows packed. `_state` (a lock) orders the preparing thread against the engine's own thread wherever
+they write are the rows packed. A miss's tree, launched once drafted after the verdict, takes the
+inputs prepared for an outcome of its shape at its committed length, with its tokens written in
+(`_prepared_like`). `_state` (a lock) orders the preparing thread against the engine's own thread wherever
 either changes the request's slot; a preparation that comes after the verdict does nothing.
 """
 
@@ -162,12 +164,39 @@ class ChainedLaunchMixin:
         (the others drop it) -> whether it did. The caller has synchronized the last verify's
         work (the launch reuses its buffers). `chained`: launch_next's (counted in `chained`;
         others in `launched_early`). `flat`: its inputs, prepared (`prepare_next`)."""
+        like = flat is None and not chained
+        if like:
+            flat = self._prepared_like(tree)
         try:
             reqs, logits, feats = self._launch(tree, flat)
         except (ValueError, KeyError):   # stale, gone, or no room: the router's own verify will say so
             return False
         self._launched = (tree, logits, feats, chained)
+        self.launched_like_prepared += like and flat is not None
         return True
+
+    def _prepared_like(self, tree: DraftTree) -> torch.Tensor | None:
+        """A miss's tree (launched after its verdict: router/links_local.py `_launch_missed`) ->
+        the packed inputs prepared for an outcome of its request with the same shape at the same
+        committed length (a chain whose bonus token the drafter guessed wrong), its token ids
+        written in; None where there is none. Every other field depends only on the slot, the
+        committed length and the shape; the preparation reserved those entries and the commit
+        kept them (`_kept_entries`). The preparation is spent."""
+        with self._state:
+            prep = self._prepared
+            if prep is None or tree.request_ids != [prep[0]] or self.requests.get(prep[0]) is None:
+                return None
+            slot, row_trees, flats = prep[2], prep[6], prep[7]
+            if self.requests[prep[0]].slot != slot:
+                return None
+            for row, flat in zip(row_trees, flats):
+                if (row.committed_lens == tree.committed_lens and row.token_ids.shape == tree.token_ids.shape
+                        and torch.equal(row.parents, tree.parents) and torch.equal(row.node_valid, tree.node_valid)):
+                    self._prepared = None
+                    n = tree.token_ids.shape[1]
+                    flat[: 8 * n].view(torch.int64).copy_(tree.token_ids[0].clamp(min=0))   # host_tree_inputs' tokens
+                    return flat
+        return None
 
 
 def _row(tree: DraftTree, i: int, request_id: str) -> DraftTree:

@@ -64,6 +64,7 @@ class VerifierEngine(ChainedLaunchMixin):
         self.chained = 0              # verifies served by a chained launch (launch_next)
         self.launched_prepared = 0    # of those, launched from inputs prepared before the verdict
         self.launched_early = 0       # verifies served by another `launch` (a miss's tree)
+        self.launched_like_prepared = 0   # of those launches, from an outcome's prepared inputs
         self.last_chained = False     # the last verify was
 
     @property

@@ -85,18 +85,23 @@ def test_chained_greedy_batch1_equals_plain_and_every_launch_is_used():
     assert not spec.verifier.requests and not spec.drafter.requests
 
 
-@pytest.mark.parametrize("guard", [True, False], ids=["pre-draft", "control-double-absorb"])
-def test_pre_draft_answers_the_draft_after_a_miss(guard):
+@pytest.mark.parametrize("guard,ahead_after_miss", [(True, False), (True, True), (False, False)],
+                         ids=["pre-draft", "ahead-after-miss", "control-double-absorb"])
+def test_pre_draft_answers_the_draft_after_a_miss(guard, ahead_after_miss):
     """An armed verdict without a tree (a miss): the verifier's worker starts the drafter's
     catch-up and the next round's draft at once (LocalDrafterLink.pre_draft), and the router's
     draft call takes that tree; its extend call absorbs nothing twice. Tokens equal plain
-    decoding's. Control: with the double-absorb guard off, the router's extend absorbs the
-    verdict again and the drafter goes down (the test's checks must see it)."""
+    decoding's. With `ahead_after_miss` (the GPU's default), the draft-ahead for that tree
+    follows in the drafter's worker and answers the router's draft-ahead call, while the
+    router's extend of the miss waits only for the pre-draft. Control: with the double-absorb
+    guard off, the router's extend absorbs the verdict again and the drafter goes down (the
+    test's checks must see it)."""
     spec, plain = _pair()
     prompt = spec.tokenizer.encode(PROMPT_TEXTS[0]).ids   # the demo head misses often on it
     params = SamplingParams(max_tokens=64, ignore_eos=True)
     expected = plain.generate([prompt], [params])[0].token_ids
     dlink = LocalDrafterLink(spec.drafter)
+    dlink.ahead_after_miss = ahead_after_miss
     if not guard:
         dlink._unabsorbed = lambda items: items
     (got,), c, vlink = _serve(spec, [prompt], [params], chain=True, dlink=dlink)
@@ -108,6 +113,9 @@ def test_pre_draft_answers_the_draft_after_a_miss(guard):
         # Each pre-draft's tree was launched from the drafter's worker (`_launch_missed`) and the
         # router's verify of it took that forward (the engine counts both kinds of launch).
         assert vlink.missed_launches == dlink.pre_draft_used == spec.verifier.launched_early > 0
+        # With it on, each of those trees had its draft-ahead from the drafter's worker, and
+        # the router's draft-ahead call of that round took it (off: none).
+        assert dlink.ahead_after_miss_used == (dlink.pre_draft_used if ahead_after_miss else 0)
 
 
 def test_chained_batch_sampled_and_greedy_equal_unchained():
@@ -229,7 +237,7 @@ def test_unarmed_verify_never_launches():
     assert not eng.requests
 
 
-def _join_mid_stream(make_vlink):
+def _join_mid_stream(make_vlink, ahead_after_miss: bool = False):
     """Request a (64 tokens) through the router in "ahead", and request b (24) submitted from the
     verifier link's worker (`make_vlink(engine, join)` decides when it calls join()), on the
     event loop before the router has that verdict. Both get plain decoding's tokens, the drafter
@@ -240,6 +248,7 @@ def _join_mid_stream(make_vlink):
     pa, pb = SamplingParams(max_tokens=64, ignore_eos=True), SamplingParams(max_tokens=24, ignore_eos=True)
     expected = [plain.generate([a], [pa])[0].token_ids, plain.generate([b], [pb])[0].token_ids]
     dlink = LocalDrafterLink(spec.drafter)
+    dlink.ahead_after_miss = ahead_after_miss
     joined: list = []
 
     async def main():
@@ -306,12 +315,15 @@ class _JoinAfterMiss(LocalVerifierLink):
         return super().arm_next(tags, then, missed_and_join)
 
 
-def test_pre_draft_not_claimed_when_a_request_joins():
+@pytest.mark.parametrize("ahead_after_miss", [False, True], ids=["pre-draft", "ahead-after-miss"])
+def test_pre_draft_not_claimed_when_a_request_joins(ahead_after_miss):
     """A request that arrives right after a miss: the next round drafts both, so the pre-draft the
     miss started answers no call. Its catch-up is not absorbed again (a stale tag would take the
-    drafter down), the draft runs afresh, and both requests get plain decoding's tokens."""
-    spec, dlink, vlink = _join_mid_stream(_JoinAfterMiss)
+    drafter down), the draft runs afresh, and both requests get plain decoding's tokens. The
+    pre-ahead queued behind that pre-draft (ahead_after_miss) answers no call either."""
+    spec, dlink, vlink = _join_mid_stream(_JoinAfterMiss, ahead_after_miss)
     assert vlink.missed >= 1 and dlink.pre_draft_used < dlink.pre_drafts
+    assert dlink.ahead_after_miss_used < dlink.pre_drafts
 
 
 def test_failed_pre_draft_fails_the_next_call_once(monkeypatch):

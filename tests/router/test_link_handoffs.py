@@ -133,3 +133,76 @@ def test_the_chain_draft_ahead_marks_its_work_queued():
         spec.drafter.draft_ahead(rids)
     assert marks == [threading.current_thread().name]
     assert spec.drafter.outcomes.get(rids[0]) is not None     # it did draft ahead
+
+
+class _MissDrafter(_Drafter):
+    """The stand-in with a catch-up and a draft (a miss's pre-draft), each call logged; its
+    draft waits for `drafting` (the test registers the verifier's taker first)."""
+
+    def __init__(self):
+        super().__init__()
+        self.calls, self.drafting = [], threading.Event()
+
+    def extend(self, outputs):
+        self.calls.append(("extend", [o.request_id for o in outputs]))
+
+    def draft(self, ids, num_steps=None):
+        assert self.drafting.wait(5)
+        self.calls.append(("draft", ids))
+        return "tree"
+
+    def draft_ahead(self, ids):
+        self.calls.append(("ahead", ids))
+        return super().draft_ahead(ids)
+
+
+def _missed(launched: bool):
+    """A miss's pre-draft on the link (ahead_after_miss on) whose tree the verifier's taker
+    launches or not -> (engine, link, its tags, its catch-up item)."""
+    from router.links import ExtendItem
+    from router.links_local import LocalDrafterLink
+
+    engine = _MissDrafter()
+    link = LocalDrafterLink(engine)
+    link.ahead_after_miss = True
+    tags, item = [Tag("a", 0, 5)], ExtendItem(Tag("a", 0, 5), [7, 8], None)
+    job = link.pre_draft(tags, [item])
+    job.on_ready(lambda tree: launched)         # LocalVerifierLink._launch_missed's answer
+    engine.drafting.set()
+    return engine, link, tags, item
+
+
+def test_a_launched_miss_tree_gets_its_draft_ahead_from_the_worker():
+    """The router's extend of the miss returns once the pre-draft absorbed it, while the
+    pre-ahead queued behind it still runs; the router's draft and draft-ahead calls take the
+    pre-calls' replies, and the engine ran each step once, in order."""
+    engine, link, tags, item = _missed(launched=True)
+
+    async def main():
+        unknown = await asyncio.wait_for(link.extend([item]), 5)   # the pre-ahead is still blocked
+        assert not link._last_pre.done and not engine.release.is_set()
+        tree = (await link.draft(tags)).payload
+        engine.release.set()
+        reply = await link.draft_ahead(tags, [])
+        return unknown, tree, reply
+
+    unknown, tree, reply = asyncio.run(main())
+    assert unknown == [] and tree == "tree" and reply.hits == [True]
+    assert engine.calls == [("extend", ["a"]), ("draft", ["a"]), ("ahead", ["a"])]
+    assert link.pre_draft_used == link.ahead_after_miss_used == 1 and link.pre_ahead_used == 0
+
+
+def test_a_miss_tree_not_launched_gets_no_draft_ahead_from_the_worker():
+    """Not launched at once (the router's verify launches it): the pre-ahead skips its work and
+    the router's own draft-ahead call drafts ahead, once."""
+    engine, link, tags, item = _missed(launched=False)
+    engine.release.set()
+
+    async def main():
+        assert await link.extend([item]) == []
+        await link.draft(tags)
+        return await link.draft_ahead(tags, [])
+
+    assert asyncio.run(main()).hits == [True]
+    assert engine.calls == [("extend", ["a"]), ("draft", ["a"]), ("ahead", ["a"])]
+    assert link.ahead_after_miss_used == 0 and link.pre_draft_used == 1

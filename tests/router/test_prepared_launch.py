@@ -1,7 +1,8 @@
 """Prepared launches (verifier/chained.py): at batch 1 the drafted-ahead trees come before the
 verdict, and the verifier packs the next verify's inputs for every outcome then
 (VerifierEngine.prepare_next, NativeRunner.prepare_rows); at the verdict, before its commit, the
-verify launches the outcome's row (VerifierEngine._launch_prepared).
+verify launches the outcome's row (VerifierEngine._launch_prepared). A miss's tree, drafted
+after the verdict, launches from an outcome's inputs of its shape with its tokens written in.
 
 On the CPU no verify reads packed inputs (that is the GPU's tree attention in CUDA graphs), so the
 round test runs the demo target through a runner that says it does and, at each launch from
@@ -118,8 +119,56 @@ def test_prepared_launches_equal_the_inputs_packed_at_the_verdict(offset, monkey
     vlink = LocalVerifierLink(spec.verifier, chain=True)
     (got,), _, _ = _serve(spec, [prompt], [params], chain=True, dlink=dlink, vlink=vlink)
     assert got == expected
-    prepared = spec.verifier.launched_prepared
-    assert 0 < prepared == _CheckedRunner.checked <= vlink.chained_launches
+    prepared, like = spec.verifier.launched_prepared, spec.verifier.launched_like_prepared
+    # A miss's tree launched once drafted takes the inputs of an outcome of its shape at its
+    # committed length where one was prepared (VerifierEngine._prepared_like; the demo drafter's
+    # outcomes are rarely of its length: the test below makes one): checked the same way.
+    assert 0 < prepared <= vlink.chained_launches and like <= vlink.missed_launches
+    assert _CheckedRunner.checked == prepared + like
     assert sum(at_verdict) == prepared     # every chain's launched at its verdict, before the commit
-    assert _CheckedRunner.mismatched == (0 if offset == 0 else prepared)
+    assert _CheckedRunner.mismatched == (0 if offset == 0 else prepared + like)
     assert not spec.verifier.requests and spec.verifier._prepared is None
+
+
+@pytest.mark.parametrize("offset", [0, 1], ids=["prepared", "control-one-entry-off"])
+def test_a_missed_tree_launches_from_the_inputs_prepared_for_its_shape(offset, monkeypatch):
+    """Engine level: an armed verify of a root alone commits one token; the outcome trees
+    prepared before its verdict (chains of three nodes) guessed another one, so the verdict
+    misses. The miss's tree, drafted after the verdict (a chain of that shape at the verdict's
+    committed length), launches from the inputs prepared for the outcome of its length with its
+    tokens written in (VerifierEngine._prepared_like): byte for byte the inputs packed afresh,
+    and its verdict is an unchained engine's. A tree of another shape packs its own. Control:
+    inputs prepared one entry off are caught."""
+    from tests.router.test_chained_verify import _greedy_next, _reference
+    from spectandem.messages import ReadyTree, trees_from_ready
+
+    spec, plain = _pair()
+    monkeypatch.setattr(spec.verifier.runner, "__class__", _CheckedRunner)
+    monkeypatch.setattr(_CheckedRunner, "offset", offset)
+    monkeypatch.setattr(_CheckedRunner, "checked", 0)
+    monkeypatch.setattr(_CheckedRunner, "mismatched", 0)
+    eng = spec.verifier
+    prompt = spec.tokenizer.encode(PROMPT_TEXTS[1]).ids
+    first = eng.prefill(["a"], [prompt], [SamplingParams(max_tokens=32)], [0])[0].first_token_id
+    n = eng.committed_len("a")
+    t = _greedy_next(plain, prompt + [first], 1)[0]        # the verdict's one token
+    wrong = (t + 1) % 500
+    chain = lambda root, *drafts: ReadyTree((root, *drafts), (-1, 0, 1), (0.0, -1.0, -2.0))
+    outcomes = {(wrong,): chain(wrong, 11, 12), (first, wrong): chain(wrong, 13, 14)}
+    eng.arm_next(["a"], [n])
+    assert eng.prepare_next(["a"], [n], [outcomes])
+    out = eng.verify(trees_from_ready(["a"], [n], [ReadyTree((first,), (-1,), (0.0,))]))[0]
+    assert out.token_ids == [t] and not eng.launch_next(eng.take_verdict(), [outcomes])   # a miss
+    ready = chain(t, 21, 22)
+    tree = trees_from_ready(["a"], [n + 1], [ready])
+    assert eng.launch(tree)
+    assert eng.launched_like_prepared == _CheckedRunner.checked == 1
+    assert _CheckedRunner.mismatched == offset
+    got = eng.verify(tree)[0]
+    assert eng.launched_early == 1 and eng._prepared is None
+    assert [got.token_ids, got.num_accepted] == _reference(plain, prompt + [first, t], ready)
+    # Another shape at the next committed length, with nothing prepared: packed afresh.
+    other = trees_from_ready(["a"], [got.committed_len], [ReadyTree((got.token_ids[-1], 5), (-1, 0), (0.0, -1.0))])
+    assert eng.launch(other) and eng.launched_like_prepared == 1 == _CheckedRunner.checked
+    eng.verify(other)
+    eng.release("a")
