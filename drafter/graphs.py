@@ -143,6 +143,53 @@ class ChainInputs(PassStart):
     ROW_FIELDS = frozenset({"write_rows", "read_rows", "cu_write"})
 
 
+def chain_index_fields(rows: int, span: int, num_steps: int, pairs: int) -> list[tuple[str, tuple[int, ...]]]:
+    """A chain's int64 input fields in their order in one packed buffer (`chain_index_np`),
+    with their shapes; the catch-up's three last where it runs one (pairs > 0)."""
+    out = [("base", (rows,)), ("write_rows", (num_steps - 1, rows, 1)), ("read_rows", (rows, span))]
+    if pairs:
+        out += [("cu_new", (rows,)), ("cu_tokens", (rows, pairs)), ("cu_write", (rows, pairs))]
+    return out
+
+
+def index_views(flat: torch.Tensor, layout: list[tuple[str, tuple[int, ...]]]) -> dict[str, torch.Tensor]:
+    """The fields of a packed buffer (`chain_index_fields`'s layout), as contiguous views."""
+    out, offset = {}, 0
+    for name, shape in layout:
+        count = int(np.prod(shape))
+        out[name] = flat[offset: offset + count].view(shape)
+        offset += count
+    return out
+
+
+def chain_index_np(cache: PagedKVCache, slots: list[int], base: list[int], num_steps: int, rows: int, span: int,
+                   token_ids: list[list[int]] | None = None, pairs: int = 0, out: np.ndarray | None = None) -> np.ndarray:
+    """A chain's index inputs (`chain_inputs`) packed on the host, worked out in numpy over the
+    cache's host tables: int64 [n] in `chain_index_fields` order, written into `out` if given.
+    token_ids: per request its catch-up pairs' tokens (pairs > 0), ending at base."""
+    b = len(base)
+    assert rows >= b and max(base) + num_steps - 1 <= span <= cache.max_len, (rows, b, base, num_steps, span)
+    real = (np.arange(rows) < b)[:, None]
+    base_np = np.array(list(base) + [0] * (rows - b), dtype=np.int64)
+    trash = cache.trash_index
+    logical = [np.where(real, base_np[:, None] + np.arange(num_steps - 1), trash),   # step i + 1 writes column i
+               np.where(real, np.arange(span)[None, :], trash)]                      # read
+    if pairs:
+        new_np, tok_np, pair_entries = catch_up_columns(token_ids, rows, pairs, base_np, trash)
+        logical.append(pair_entries)
+    phys = cache.host_rows_np(list(slots) + [slots[0]] * (rows - b), np.concatenate(logical, 1))
+    write, read = phys[:, : num_steps - 1], phys[:, num_steps - 1: num_steps - 1 + span]
+    parts = [base_np, write.T, read] + ([new_np, tok_np, phys[:, num_steps - 1 + span:]] if pairs else [])
+    if out is None:
+        out = np.empty(sum(p.size for p in parts), dtype=np.int64)
+    offset = 0
+    for part in parts:
+        out[offset: offset + part.size] = part.reshape(-1)
+        offset += part.size
+    assert offset == out.size, (offset, out.size)
+    return out
+
+
 def chain_inputs(cache: PagedKVCache, slots: list[int], base: list[int], num_steps: int, rows: int, span: int,
                  start: tuple | None = None, catch_up: tuple | None = None) -> ChainInputs:
     """slots: per request its head-cache slot; base: head-cache entries per request (once caught
@@ -150,29 +197,19 @@ def chain_inputs(cache: PagedKVCache, slots: list[int], base: list[int], num_ste
     or catch_up = (token_ids: per request its n_b >= 1 pairs' tokens, features: per request
     [n_b, F] on the cache's device in the head's dtype, pairs: Tc >= max n_b), the pairs ending at
     base. The slots must already hold base + num_steps - 1 entries. The index inputs are worked
-    out on the host (numpy over the cache's host tables) and cross in one copy: a miss's draft
-    waits for this (drafter/ahead_chains.py `ahead_inputs` does the same)."""
-    b = len(base)
+    out on the host (`chain_index_np`) and cross in one copy: a miss's draft waits for this
+    (drafter/ahead_chains.py `ahead_inputs` does the same). The graphs copy the same packed
+    buffer into their own (ChainGraphs._run)."""
     assert (start is None) != (catch_up is None)
-    assert rows >= b and max(base) + num_steps - 1 <= span <= cache.max_len, (rows, b, base, num_steps, span)
-    pad = rows - b
-    real = (np.arange(rows) < b)[:, None]
-    base_np = np.array(list(base) + [0] * pad, dtype=np.int64)
-    trash = cache.trash_index
-    logical = [np.where(real, base_np[:, None] + np.arange(num_steps - 1), trash),   # step i + 1 writes column i
-               np.where(real, np.arange(span)[None, :], trash)]                      # read
-    head = [base_np[:, None]]
+    token_ids, pairs = (None, 0) if catch_up is None else (catch_up[0], catch_up[2])
+    packed = chain_index_np(cache, slots, base, num_steps, rows, span, token_ids, pairs)
+    views = index_views(to_device(torch.from_numpy(packed), cache.k[0].device),
+                        chain_index_fields(rows, span, num_steps, pairs))
+    inp = ChainInputs(**views)
     if catch_up is not None:
-        token_ids, features, pairs = catch_up
-        new_np, tok_np, pair_entries = catch_up_columns(token_ids, rows, pairs, base_np, trash)
-        logical.append(pair_entries)
-        head += [new_np[:, None], tok_np]
-    heads, (write, read, *pair_rows) = packed_inputs(cache, slots, head, logical)
-    inp = ChainInputs(heads[0][:, 0], write.t().contiguous()[..., None], read)
-    if catch_up is not None:
-        inp.cu_new, inp.cu_tokens, inp.cu_write = heads[1][:, 0], heads[2], pair_rows[0]
-        inp.cu_features = padded_features(features, rows, pairs)
+        inp.cu_features = padded_features(catch_up[1], rows, pairs)
         return inp
+    b = len(base)
     first_logits, hidden = start
     inp.first_logits = first_logits.new_zeros(rows, first_logits.shape[-1])
     inp.first_logits[:b] = first_logits
@@ -267,19 +304,32 @@ class ChainGraphs(HeadGraphs):
         toks, hidden, logits = self._run(slots, base, num_steps, pairs, catch_up=(token_ids, features, pairs))
         return chain_tree(toks, num_draft_tokens), hidden.clone(), logits.clone()
 
-    def _run(self, slots, base, num_steps, pairs, **start):
+    def _run(self, slots, base, num_steps, pairs, start=None, catch_up=None):
         b = len(base)
         rows = batch_bucket(b, self.batch_buckets)
         span = span_bucket(max(base) + num_steps - 1, self.cache.max_len)
-        inp = chain_inputs(self.cache, slots, base, num_steps, rows, span, **start)
+        key = (rows, span, num_steps, pairs)
+        if not self.graph or key not in self._captured:
+            inp = chain_inputs(self.cache, slots, base, num_steps, rows, span, start, catch_up)
         if not self.graph:
             toks, hidden, logits = chain_forward(self.head, self.cache, inp)
         else:
-            key = (rows, span, num_steps, pairs)
             if key not in self._captured:
                 self._capture(key, inp)
-            static, graph, (toks, hidden, logits) = self._captured[key]
-            static.copy_(inp)
+            static, flat, graph, (toks, hidden, logits) = self._captured[key]
+            # The index inputs packed on the host straight into pinned memory, in one copy into
+            # the graph's buffer (its fields are views of it); then the features or the start.
+            host = torch.empty(flat.numel(), dtype=torch.int64, pin_memory=True)
+            chain_index_np(self.cache, slots, base, num_steps, rows, span,
+                           None if catch_up is None else catch_up[0], pairs, out=host.numpy())
+            flat.copy_(host, non_blocking=True)
+            if catch_up is not None:
+                _rows_into(static.cu_features, catch_up[1])
+            else:
+                static.first_logits.zero_()
+                static.first_logits[:b].copy_(start[0])
+                static.hidden.zero_()
+                static.hidden[:b].copy_(start[1])
             graph.replay()
             toks = toks.clone()
         device_work_queued()
@@ -288,6 +338,12 @@ class ChainGraphs(HeadGraphs):
     def _capture(self, key: tuple, like: ChainInputs) -> None:
         rows, span, num_steps, pairs = key
         static = like.like_padding(self.cache.trash_row)
+        # The index fields as views of one buffer, padding as like_padding has it.
+        layout = chain_index_fields(rows, span, num_steps, pairs)
+        flat = torch.empty(sum(int(np.prod(shape)) for _, shape in layout), dtype=torch.int64, device=self.device)
+        for name, view in index_views(flat, layout).items():
+            view.copy_(getattr(static, name))
+            setattr(static, name, view)
         s = self.head.spec
         outs = (torch.empty(rows, num_steps, dtype=torch.long, device=self.device),
                 torch.empty(rows, 1, s.hidden_size, dtype=next(self.head.parameters()).dtype, device=self.device),
@@ -299,4 +355,12 @@ class ChainGraphs(HeadGraphs):
 
         if self.pool is None:
             self.pool = torch.cuda.graph_pool_handle()
-        self._captured[key] = (static, capture_graph(body, self.pool, self.device), outs)
+        self._captured[key] = (static, flat, capture_graph(body, self.pool, self.device), outs)
+
+
+def _rows_into(static: torch.Tensor, parts: list[torch.Tensor]) -> None:
+    """A graph's static input as `chain_inputs` pads it: zeros, then part i at the head of row i
+    (a request's [n_i, ...] rows; one [1, ...] row each for the start)."""
+    static.zero_()
+    for i, part in enumerate(parts):
+        static[i, : part.shape[0]].copy_(part)
