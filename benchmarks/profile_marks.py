@@ -23,7 +23,10 @@ MARKS = ("verifier.graphs:VerifyGraphs.run", "verifier.engine:VerifierEngine._ac
          "spectandem.kv_cache:PagedKVCache.reserve", "router.scheduler:Router._release",
          "drafter.proposers:EagleProposer.catch_up", "drafter.proposers:catch_up_inputs",
          "drafter.proposers:catch_up_forward", "drafter.proposers:to_device_all",
-         "verifier.chained:ChainedLaunchMixin.prepare_next")
+         "verifier.chained:ChainedLaunchMixin.prepare_next",
+         # a miss's launch from the drafter's tokens on the device
+         "drafter.engine:DrafterEngine._device_chain", "router.links_local:LocalVerifierLink._launch_missed_early",
+         "verifier.chained:ChainedLaunchMixin._prepared_like", "verifier.engine:VerifierEngine._launch")
 
 
 def round_marks(trace: list, anchor: str = "VerifyGraphs.run", slowest: int = 0) -> str:

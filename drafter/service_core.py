@@ -52,13 +52,17 @@ def drafter_prefill(engine, items: list[DrafterPrefillItem], receiver: FeatureRe
     return missing
 
 
-def drafter_draft(engine, tags: list[Tag], num_steps: list[int | None] | None = None) -> DraftTree:
-    """num_steps: per tag, a depth cap for new trees (None or 0: as configured)."""
+def drafter_draft(engine, tags: list[Tag], num_steps: list[int | None] | None = None, on_device=None) -> DraftTree:
+    """num_steps: per tag, a depth cap for new trees (None or 0: as configured). `on_device`:
+    DrafterEngine.draft's (in-process links only)."""
     for t in tags:
         engine.check_tag(t.request_id, t.epoch, t.committed_len)
     if num_steps is not None and len(num_steps) != len(tags):
         raise ValueError(f"num_steps has {len(num_steps)} entries for {len(tags)} requests")
-    return engine.draft([t.request_id for t in tags], [n or None for n in num_steps] if num_steps else None)
+    steps = [n or None for n in num_steps] if num_steps else None
+    if on_device is None or not getattr(engine, "drafts_on_device", False):
+        return engine.draft([t.request_id for t in tags], steps)
+    return engine.draft([t.request_id for t in tags], steps, on_device=on_device)
 
 
 def drafter_draft_ahead(engine, tags: list[Tag], extend: list[ExtendItem] = (),

@@ -183,9 +183,33 @@ class PreDraft(_PreCall):
 
     kind, name = "draft", "pre-draft"
     launched = False   # its taker (LocalVerifierLink._launch_missed) launched the tree from this thread
+    launched_early = False   # its early taker launched it from the device tokens (`on_device`)
+
+    def __init__(self, tags: list[Tag], extend: list):
+        super().__init__(tags, extend)
+        self._device_taker = None
+        self._device_seen = False
 
     def _given(self, taken) -> None:
         self.launched = taken is True
+
+    def on_device(self, fn) -> bool:
+        """`fn(tree, tokens, ready)` from the call's thread once its drafting is queued and before
+        the host has the tree (DrafterEngine.draft's on_device: argmax chains), if that has not
+        happened yet -> whether it was registered in time."""
+        with self._lock:
+            if self._device_seen:
+                return False
+            self._device_taker = fn
+        return True
+
+    def _device_ready(self, tree, tokens, ready) -> None:
+        with self._lock:
+            self._device_seen = True
+            taker = self._device_taker
+        if taker is not None:
+            self.mark_queued()   # a verifier's worker waiting on that lets go first: the taker needs the verifier
+            self.launched_early = taker(tree, tokens, ready) is True
 
     def covers(self, tags: list[Tag], num_steps) -> bool:
         """Whether draft(tags, num_steps) asks what it computed: the same tags in the same order,
@@ -202,7 +226,7 @@ class PreDraft(_PreCall):
             return None, []
         absorbed = [item_key(i) for i in self.extend if i.tag.request_id not in unknown]
         try:
-            tree = None if unknown else drafter_draft(engine, self.tags, None)
+            tree = None if unknown else drafter_draft(engine, self.tags, None, on_device=self._device_ready)
         except (ValueError, KeyError):
             return None, absorbed
         if tree is not None:

@@ -32,6 +32,10 @@ LAUNCH_FIRST_S = float(os.environ.get("SPECTANDEM_LAUNCH_FIRST_S", "0.01"))
 # it then and there (LocalVerifierLink._launch_missed); SPECTANDEM_LAUNCH_MISSED=0 leaves the
 # launch to the router's verify call.
 LAUNCH_MISSED = os.environ.get("SPECTANDEM_LAUNCH_MISSED", "1") != "0"
+# And that launch goes out as soon as the pre-draft's argmax chain is queued on the drafter's
+# device, its token ids copied from there on the device (LocalVerifierLink._launch_missed_early),
+# not once the host has them. SPECTANDEM_LAUNCH_MISSED_EARLY=0 waits for the host's tree.
+LAUNCH_MISSED_EARLY = os.environ.get("SPECTANDEM_LAUNCH_MISSED_EARLY", "1") != "0"
 # After a miss whose tree the verifier launched at once, the drafter's worker drafts ahead for
 # that tree right away (a pre-ahead queued behind the pre-draft), not at the router's turn: the
 # router's draft-ahead call of that round takes its reply. SPECTANDEM_AHEAD_AFTER_MISS=0 leaves
@@ -67,6 +71,8 @@ class LocalVerifierLink(_LocalLink):
         # A miss's tree launched as soon as the drafter's pre-draft has it (`_launch_missed`).
         self.launch_missed = chain and LAUNCH_MISSED
         self.missed_launches = 0
+        self.launch_missed_early = LAUNCH_MISSED_EARLY and getattr(getattr(engine, "runner", None), "takes_device_tokens", False)
+        self.missed_early_launches = 0   # of missed_launches, from the drafter's device tokens
         self._armed: StagedTrees | None = None     # the last arm_next's, for its verify
         # On a GPU the verdict waits for the drafter's next call to queue its drafting
         # (DRAFTER_FIRST_S); on the CPU that call computes, so it does not (tests turn it on).
@@ -155,11 +161,28 @@ class LocalVerifierLink(_LocalLink):
         """From the drafter's worker, once a miss's pre-draft has its tree: its forward is queued
         now (VerifierEngine.launch), not after the router's turn; the router's verify of that
         tree, which follows, takes it. The verifier is idle: its last call ended with the miss.
+        Where `_launch_missed_early` launched it already, that launch is confirmed instead.
         -> whether it launched."""
         with self._engine_lock:
+            if self.engine.confirm_launch(tree):
+                return True
             if self._on_stream(self.engine.launch, tree):   # busy from here (_busy_from), as after a chained launch
                 self._chain_end = time.perf_counter()
                 self.missed_launches += 1
+                return True
+        return False
+
+    def _launch_missed_early(self, tree, tokens, ready) -> bool:
+        """From the drafter's worker, as soon as a miss's pre-draft has queued its argmax chain
+        on the drafter's device (PreDraft.on_device): the tree's forward is queued now, its
+        token ids copied from the drafter's device behind that drafting (VerifierEngine.launch's
+        device_tokens), so the host's wait for the chain and its bookkeeping overlap the
+        drafting; `_launch_missed` confirms it once the host has the tree. -> whether it launched."""
+        with self._engine_lock:
+            if self._on_stream(self.engine.launch, tree, False, None, (tokens, ready)):
+                self._chain_end = time.perf_counter()
+                self.missed_launches += 1
+                self.missed_early_launches += 1
                 return True
         return False
 
@@ -197,6 +220,8 @@ class LocalVerifierLink(_LocalLink):
             return None
         started = fn(round_results(self.engine.verdict_outputs(), epochs, want_features))
         if not self._queued and self.launch_missed and hasattr(started, "on_ready"):
+            if self.launch_missed_early and hasattr(started, "on_device"):
+                started.on_device(self._launch_missed_early)
             started.on_ready(self._launch_missed)
         armed.follower = started
         return started

@@ -172,7 +172,10 @@ class ControlledProposer:
             n = r.committed_len
             assert n + m <= len(drafts), f"{r.request_id}: plan of {len(drafts)} positions, drafting to {n + m}"
             rows.append(drafts[n: n + m])
-        planned = torch.tensor(rows, dtype=torch.long, device=tree.token_ids.device)       # [B, M]
+        dev = tree.token_ids.device
+        planned = torch.tensor(rows, dtype=torch.long)                                     # [B, M]
+        if dev.type == "cuda":   # from pinned memory: from pageable memory the copy would wait for the drafting
+            planned = planned.pin_memory().to(dev, non_blocking=True)
         tree.token_ids = torch.where(tree.token_ids >= 0, planned, tree.token_ids)
         return tree
 

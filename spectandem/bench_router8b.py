@@ -27,7 +27,9 @@ such a launch (`pre_ahead_used`: LocalDrafterLink.pre_ahead), and the draft call
 the drafter's pre-draft, which it started after an armed verdict with no tree (a miss:
 `pre_draft_used`, LocalDrafterLink.pre_draft), whose tree the verifier launched as soon as it was
 drafted (`early_verifies`: LocalVerifierLink._launch_missed; of them `early_prepared_verifies`
-from the inputs prepared for an outcome of the same shape, VerifierEngine._prepared_like), and
+from the inputs prepared for an outcome of the same shape, VerifierEngine._prepared_like; of them
+`early_device_verifies` launched before the host had the tree, the forward reading the drafter's
+token ids on its device: LocalVerifierLink._launch_missed_early), and
 the draft-ahead calls for such a tree answered by the pre-ahead the drafter's worker queued
 behind the pre-draft (`ahead_after_miss_used`).
 
@@ -166,7 +168,7 @@ async def _timed(s: _Setup, runs, ids: list[str], indices: list[int]) -> dict:
     busy0 = [dict(link.busy_s) for link in s.links]   # the engines hold no request now (_settle)
     eng = s.links[0].engine
     chained0, early0, prepared0 = eng.chained, eng.launched_early, getattr(eng, "launched_prepared", 0)
-    like0 = getattr(eng, "launched_like_prepared", 0)
+    like0, device0 = getattr(eng, "launched_like_prepared", 0), getattr(eng, "launched_from_device", 0)
     # The drafter's link, when there is one: its draft-ahead and draft calls a pre-call answered.
     pre_used = lambda: tuple(getattr(s.links[-1], k, 0) for k in ("pre_ahead_used", "pre_draft_used",
                                                                    "ahead_after_miss_used"))
@@ -183,6 +185,7 @@ async def _timed(s: _Setup, runs, ids: list[str], indices: list[int]) -> dict:
             "chained": eng.chained - chained0, "early": eng.launched_early - early0,
             "prepared": getattr(eng, "launched_prepared", 0) - prepared0,
             "early_prepared": getattr(eng, "launched_like_prepared", 0) - like0,
+            "early_device": getattr(eng, "launched_from_device", 0) - device0,
             "pre_ahead": pre_used()[0] - pre0[0], "pre_draft": pre_used()[1] - pre0[1],
             "ahead_after_miss": pre_used()[2] - pre0[2],
             "rates": {k: round(v, 1) for k, v in router._modes.rates_for(len(ids)).items()}}
@@ -208,7 +211,8 @@ def _record(mode: str, batch_size: int, acceptance_rate: float | None, m: dict, 
     if not plain:
         r.update(ahead_hits=c["draft_ahead_hits"], ahead_misses=c["draft_ahead_misses"], ready_trees=c["ready_trees"],
                  chained_verifies=m["chained"], prepared_verifies=m["prepared"], early_verifies=m["early"],
-                 early_prepared_verifies=m["early_prepared"], pre_ahead_used=m["pre_ahead"],
+                 early_prepared_verifies=m["early_prepared"], early_device_verifies=m["early_device"],
+                 pre_ahead_used=m["pre_ahead"],
                  pre_draft_used=m["pre_draft"], ahead_after_miss_used=m["ahead_after_miss"], round_ms=round((dt - prefill_s) / c["rounds"] * 1000, 3),
                  expected_ahead_hit_rate=round(expected_ahead_hit_rate(acceptance_rate, num_steps), 3))
     if not plain and batch_size == 1 and verify and drafts:

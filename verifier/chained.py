@@ -159,20 +159,48 @@ class ChainedLaunchMixin:
             return self.launch(prepared[0], chained=True, flat=prepared[1])
         return self.launch(trees_from_ready(request_ids, committed_lens, ready), chained=True)
 
-    def launch(self, tree: DraftTree, chained: bool = False, flat: torch.Tensor | None = None) -> bool:
+    def launch(self, tree: DraftTree, chained: bool = False, flat: torch.Tensor | None = None,
+               device_tokens: tuple | None = None) -> bool:
         """Queues the forward of `tree` now; the verify of that very tree that follows takes it
         (the others drop it) -> whether it did. The caller has synchronized the last verify's
         work (the launch reuses its buffers). `chained`: launch_next's (counted in `chained`;
-        others in `launched_early`). `flat`: its inputs, prepared (`prepare_next`)."""
+        others in `launched_early`). `flat`: its inputs, prepared (`prepare_next`).
+        `device_tokens`: (token ids [B, N - 1] on a device, a CUDA event after them or None), a
+        miss's tree whose drafting is still running on the drafter's GPU: the forward reads its
+        drafts there, the tree's own token ids past its roots are unknown (-1); it waits for
+        `confirm_launch` with the tree the host gets."""
+        self._unconfirmed = None
         like = flat is None and not chained
         if like:
             flat = self._prepared_like(tree)
+        if device_tokens is not None and not getattr(self.runner, "takes_device_tokens", False):
+            return False
         try:
-            reqs, logits, feats = self._launch(tree, flat)
+            reqs, logits, feats = self._launch(tree, flat, device_tokens)
         except (ValueError, KeyError):   # stale, gone, or no room: the router's own verify will say so
             return False
-        self._launched = (tree, logits, feats, chained)
+        if device_tokens is None:
+            self._launched = (tree, logits, feats, chained)
+        else:
+            self._launched, self._unconfirmed = None, (tree, logits, feats)
         self.launched_like_prepared += like and flat is not None
+        return True
+
+    def confirm_launch(self, tree: DraftTree) -> bool:
+        """The tree a launch from device tokens (`launch`) verifies, now on the host: that launch
+        becomes the one the router's verify of this tree takes -> whether there was one for this
+        tree (the same tags, roots and shape)."""
+        pending, self._unconfirmed = self._unconfirmed, None
+        if pending is None:
+            return False
+        early = pending[0]
+        if not (early.request_ids == tree.request_ids and early.committed_lens == tree.committed_lens
+                and early.token_ids.shape == tree.token_ids.shape and torch.equal(early.parents, tree.parents)
+                and torch.equal(early.node_valid, tree.node_valid)
+                and torch.equal(early.token_ids[:, 0], tree.token_ids[:, 0])):
+            return False
+        self._launched = (tree, pending[1], pending[2], False)
+        self.launched_from_device += 1
         return True
 
     def _prepared_like(self, tree: DraftTree) -> torch.Tensor | None:

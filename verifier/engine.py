@@ -55,6 +55,7 @@ class VerifierEngine(ChainedLaunchMixin):
         self._verdict: tuple | None = None
         self._verdict_outputs = None   # inside an armed verify's on_verdict: its outputs, built once
         self._launched: tuple | None = None
+        self._unconfirmed: tuple | None = None   # a launch from device tokens (tree, logits, features)
         self._prepared: tuple | None = None   # a verify's inputs packed per outcome (prepare_next)
         self._early: tuple | None = None      # a prepared launch made before its verdict's commit
         # On a GPU: recorded at an armed verify's verdict, after its own work, before any launch.
@@ -65,6 +66,7 @@ class VerifierEngine(ChainedLaunchMixin):
         self.launched_prepared = 0    # of those, launched from inputs prepared before the verdict
         self.launched_early = 0       # verifies served by another `launch` (a miss's tree)
         self.launched_like_prepared = 0   # of those launches, from an outcome's prepared inputs
+        self.launched_from_device = 0     # of those launches, from the drafter's tokens on the device
         self.last_chained = False     # the last verify was
 
     @property
@@ -121,7 +123,7 @@ class VerifierEngine(ChainedLaunchMixin):
         the host waits for it (the router starts the drafter's work then: router/rounds.py)."""
         launched, self._launched = self._launched, None
         armed, self._armed = self._armed, None
-        self._early = None
+        self._early = self._unconfirmed = None
         self.last_chained = launched is not None and same_tree(launched[0], tree)
         if self.last_chained:      # queued by launch_next or launch, for this very tree
             reqs = [self.requests[rid] for rid in tree.request_ids]
@@ -171,9 +173,11 @@ class VerifierEngine(ChainedLaunchMixin):
                 self._verdict_outputs = None
         return outputs()
 
-    def _launch(self, tree: DraftTree, flat: torch.Tensor | None = None):
+    def _launch(self, tree: DraftTree, flat: torch.Tensor | None = None, device_tokens: tuple | None = None):
         """Checks the tree's tags and queues its forward -> (requests, logits, features).
-        `flat`: its inputs, prepared before the verdict (verifier/chained.py)."""
+        `flat`: its inputs, prepared before the verdict (verifier/chained.py). `device_tokens`:
+        (token ids [B, K] on a device, a CUDA event after them or None), read in place of the
+        tree's last columns (`launch`)."""
         reqs = [self.requests[rid] for rid in tree.request_ids]
         for rid, req, tag in zip(tree.request_ids, reqs, tree.committed_lens):
             if tag != req.committed_len:
@@ -184,12 +188,12 @@ class VerifierEngine(ChainedLaunchMixin):
                                  f"{req.committed_len} exceeds the context of {self.max_len}")
         slots = [r.slot for r in reqs]
         cache_lens = [r.committed_len - 1 for r in reqs]
+        extra = {} if flat is None else {"flat": flat}
+        if device_tokens is not None:
+            extra["device_tokens"], extra["ready"] = device_tokens
         with self._state:
-            if flat is None:
-                logits, feats = self.runner.verify(slots, cache_lens, tree.token_ids, tree.parents, tree.node_valid)
-            else:
-                logits, feats = self.runner.verify(slots, cache_lens, tree.token_ids, tree.parents, tree.node_valid,
-                                                   flat=flat)
+            logits, feats = self.runner.verify(slots, cache_lens, tree.token_ids, tree.parents, tree.node_valid,
+                                               **extra)
         return reqs, logits, feats
 
     def decode(self, request_ids: list[str], committed_lens: list[int], steps: int,
@@ -202,7 +206,7 @@ class VerifierEngine(ChainedLaunchMixin):
         `features` False none are captured (a round no drafter catches up on)."""
         if steps < 1:
             raise ValueError(f"steps must be >= 1, got {steps}")
-        self._launched = self._armed = self._early = None    # its graphs may share a launched verify's buffers
+        self._launched = self._armed = self._early = self._unconfirmed = None   # its graphs may share a launched verify's buffers
         reqs = [self.requests[rid] for rid in request_ids]
         for rid, req, tag in zip(request_ids, reqs, committed_lens):
             if tag != req.committed_len:
@@ -334,6 +338,8 @@ class VerifierEngine(ChainedLaunchMixin):
     def release(self, request_id: str) -> None:
         if self._launched is not None and request_id in self._launched[0].request_ids:
             self._launched = None
+        if self._unconfirmed is not None and request_id in self._unconfirmed[0].request_ids:
+            self._unconfirmed = None
         with self._state:
             if self._prepared is not None and self._prepared[0] == request_id:
                 self._prepared = None

@@ -214,7 +214,9 @@ class VerifyGraphs:
         already reserved) -> its first B rows. `device_tokens` [B, N] on the device, when given,
         replaces token_ids in the step's inputs without the host reading it (multi-step decoding
         feeds each step the previous step's argmax this way). `flat`: these very inputs packed
-        beforehand (`host_tree_inputs` at B's bucket; the tree attention's only)."""
+        beforehand (`host_tree_inputs` at B's bucket; the tree attention's only). `device_tokens`
+        may be [B, K], K < N: it replaces the last K columns (a chain's drafts under a root the
+        host knows: VerifierEngine.launch)."""
         b, n = token_ids.shape
         rows = batch_bucket(b, self.batch_buckets)
         assert rows is not None, f"batch {b} is past the largest bucket {self.batch_buckets[-1]}"
@@ -230,7 +232,7 @@ class VerifyGraphs:
             if inp is None:
                 inp = tree_inputs_on(flat.to(self.device, non_blocking=True), rows, n, self.cache.host_tables.shape[1])
             if device_tokens is not None:
-                inp.token_ids[:b].copy_(device_tokens)
+                _last_columns(inp.token_ids[:b], device_tokens)
             logits, feats = verify_forward(self.model, self.cache, feature_layers, inp)
             return VerifyStep(logits, feats, logits.argmax(-1)).rows(b)
         step = self._captured.get((rows, n, span, feature_layers))
@@ -241,7 +243,7 @@ class VerifyGraphs:
         else:
             step.inputs.copy_(inp)
         if device_tokens is not None:
-            step.inputs.token_ids[:b].copy_(device_tokens)
+            _last_columns(step.inputs.token_ids[:b], device_tokens)
         step.graph.replay()
         return self._outputs[(rows, n, feature_layers)].rows(b)
 
@@ -276,3 +278,8 @@ class VerifyGraphs:
         step = _Captured(inputs, capture_graph(body, self.pool, self.device), flat)
         self._captured[(rows, n, span, feature_layers)] = step
         return step
+
+
+def _last_columns(token_ids: torch.Tensor, device_tokens: torch.Tensor) -> None:
+    """token_ids [B, N]'s last K columns <- device_tokens [B, K] (any device)."""
+    token_ids[:, token_ids.shape[1] - device_tokens.shape[1]:].copy_(device_tokens)

@@ -143,16 +143,25 @@ class NativeRunner:
         per_req = None if feats is None else [feats[i, :m].clone() for i, m in enumerate(lens)]
         return last, per_req
 
+    takes_device_tokens = True   # verify's device_tokens (VerifierEngine.launch)
+
     @torch.no_grad()
     def verify(self, slots: list[int], cache_lens: list[int], token_ids: torch.Tensor, parents: torch.Tensor,
-               node_valid: torch.Tensor, flat: torch.Tensor | None = None):
+               node_valid: torch.Tensor, flat: torch.Tensor | None = None,
+               device_tokens: torch.Tensor | None = None, ready=None):
         """One forward over every tree node. token_ids, parents [B, N]; node_valid [B, N].
         `flat`: a one-request verify's packed inputs from `prepare_rows` (the slot's entries
-        reserved then), or None. -> (logits [B, N, V] float32, features [B, N, F] or None)."""
+        reserved then), or None. `device_tokens` [B, K] int64 (K <= N) on any device (another
+        GPU: a drafter's), with `ready` (a CUDA event after them, or None): the last K token
+        ids of each row, which the host does not know yet (a chain's drafts under a known
+        root), read in place of token_ids' there; copied on the device.
+        -> (logits [B, N, V] float32, features [B, N, F] or None)."""
         b, n = token_ids.shape
         for slot, c in zip(slots, cache_lens):
             self.cache.reserve(slot, c + n)
-        logits, feats, _ = self._step(slots, cache_lens, token_ids, parents, node_valid, flat=flat)
+        if ready is not None:   # the copy runs on the tokens' device, in its current stream
+            torch.cuda.current_stream(device_tokens.device).wait_event(ready)
+        logits, feats, _ = self._step(slots, cache_lens, token_ids, parents, node_valid, device_tokens, flat=flat)
         return logits, feats
 
     @property
@@ -182,13 +191,14 @@ class NativeRunner:
     def _step(self, slots, cache_lens, token_ids, parents, node_valid, device_tokens=None, features: bool = True,
               flat=None):
         """The verify forward on the runner's path (slots reserved) -> (logits, features, argmax
-        [B, N] on the device). `device_tokens` [B, N] (on the device) replaces token_ids.
+        [B, N] on the device). `device_tokens` [B, K] (on a device) replaces token_ids' last K
+        columns (`_with_device_tokens`).
         `features` False: none captured (the same logits; graphs of their own). `flat`: the
         inputs packed beforehand (`prepare_rows`), read on the graphs' path."""
         b, n = token_ids.shape
         layers = self.feature_layers if features else None
         if self.batch_invariant:
-            toks = token_ids if device_tokens is None else device_tokens
+            toks = token_ids if device_tokens is None else _with_device_tokens(token_ids.to(self.device), device_tokens)
             logits, feats = self._verify_invariant(slots, cache_lens, toks, parents, node_valid)
             return logits, feats if features else None, logits.argmax(-1)
         if self.graphs is not None and self.graphs.supports(b):
@@ -201,7 +211,7 @@ class NativeRunner:
             inp = verify_inputs(self.cache, slots, cache_lens, token_ids, parents, node_valid, b,
                                 max(cache_lens) + n)
         if device_tokens is not None:
-            inp.token_ids[:b].copy_(device_tokens)
+            _with_device_tokens(inp.token_ids[:b], device_tokens)
         logits, feats = verify_forward(self.model, self.cache, layers, inp)
         return logits, feats, logits.argmax(-1)
 
@@ -358,3 +368,11 @@ def load_runner(target_dir: str | Path, feature_layers: FeatureSpec, max_slots: 
         raise ValueError(f"{target_dir}: cannot load architecture {arch!r} ({exc})") from None
     model = model.to(device).eval()
     return HFRunner(model, feature_layers, max_len), model
+
+
+def _with_device_tokens(token_ids: torch.Tensor, device_tokens: torch.Tensor) -> torch.Tensor:
+    """token_ids [B, N] (an input buffer on the runner's device) with its last K columns
+    overwritten by device_tokens [B, K] (on any device: a cross-device copy, ordered on both
+    devices' current streams) -> token_ids."""
+    token_ids[:, token_ids.shape[1] - device_tokens.shape[1]:].copy_(device_tokens)
+    return token_ids

@@ -85,9 +85,12 @@ def test_chained_greedy_batch1_equals_plain_and_every_launch_is_used():
     assert not spec.verifier.requests and not spec.drafter.requests
 
 
-@pytest.mark.parametrize("guard,ahead_after_miss", [(True, False), (True, True), (False, False)],
-                         ids=["pre-draft", "ahead-after-miss", "control-double-absorb"])
-def test_pre_draft_answers_the_draft_after_a_miss(guard, ahead_after_miss):
+@pytest.mark.parametrize("guard,ahead_after_miss,early", [(True, False, False), (True, True, False),
+                                                          (True, True, True), (False, False, False),
+                                                          (True, True, "corrupt")],
+                         ids=["pre-draft", "ahead-after-miss", "early-launch", "control-double-absorb",
+                              "control-early-tokens"])
+def test_pre_draft_answers_the_draft_after_a_miss(guard, ahead_after_miss, early):
     """An armed verdict without a tree (a miss): the verifier's worker starts the drafter's
     catch-up and the next round's draft at once (LocalDrafterLink.pre_draft), and the router's
     draft call takes that tree; its extend call absorbs nothing twice. Tokens equal plain
@@ -95,16 +98,31 @@ def test_pre_draft_answers_the_draft_after_a_miss(guard, ahead_after_miss):
     follows in the drafter's worker and answers the router's draft-ahead call, while the
     router's extend of the miss waits only for the pre-draft. Control: with the double-absorb
     guard off, the router's extend absorbs the verdict again and the drafter goes down (the
-    test's checks must see it)."""
+    test's checks must see it). With `early` (the GPU's default), each miss's tree is launched
+    as soon as its chain is drafted, its forward reading the drafter's tokens where they were
+    drafted, and the host's tree confirms that launch. Control: with those device tokens
+    changed, the tokens are no longer plain decoding's: the forward reads them."""
     spec, plain = _pair()
     prompt = spec.tokenizer.encode(PROMPT_TEXTS[0]).ids   # the demo head misses often on it
     params = SamplingParams(max_tokens=64, ignore_eos=True)
     expected = plain.generate([prompt], [params])[0].token_ids
     dlink = LocalDrafterLink(spec.drafter)
     dlink.ahead_after_miss = ahead_after_miss
+    vlink = LocalVerifierLink(spec.verifier, chain=True)
+    vlink.launch_missed_early = bool(early)
+    if early == "corrupt":
+        launch = vlink._launch_missed_early
+
+        def corrupted(tree, tokens, ready):
+            tokens = (tokens + 1) % spec.verifier.vocab_size
+            return launch(tree, tokens, ready)
+        vlink._launch_missed_early = corrupted
     if not guard:
         dlink._unabsorbed = lambda items: items
-    (got,), c, vlink = _serve(spec, [prompt], [params], chain=True, dlink=dlink)
+    (got,), c, vlink = _serve(spec, [prompt], [params], chain=True, dlink=dlink, vlink=vlink)
+    if early == "corrupt":
+        assert got != expected and vlink.missed_early_launches > 0
+        return
     assert got == expected
     ok = c.fallback_rounds == 0 and c.draft_ahead_misses > 0 and dlink.pre_draft_used >= c.draft_ahead_misses // 2
     assert ok == guard, (c, dlink.pre_draft_used)
@@ -116,6 +134,10 @@ def test_pre_draft_answers_the_draft_after_a_miss(guard, ahead_after_miss):
         # With it on, each of those trees had its draft-ahead from the drafter's worker, and
         # the router's draft-ahead call of that round took it (off: none).
         assert dlink.ahead_after_miss_used == (dlink.pre_draft_used if ahead_after_miss else 0)
+        # Early: every one of those launches went out from the drafter's tokens and was
+        # confirmed by the host's tree (off: none).
+        assert vlink.missed_early_launches == spec.verifier.launched_from_device == (
+            vlink.missed_launches if early else 0)
 
 
 def test_chained_batch_sampled_and_greedy_equal_unchained():

@@ -74,14 +74,18 @@ class _CheckedRunner(NativeRunner):
     def prepare_rows(self, slot, cache_lens, token_ids, parents, node_valid):
         return super().prepare_rows(slot, [c + self.offset for c in cache_lens], token_ids, parents, node_valid)
 
-    def verify(self, slots, cache_lens, token_ids, parents, node_valid, flat=None):
+    def verify(self, slots, cache_lens, token_ids, parents, node_valid, flat=None, device_tokens=None, ready=None):
         if flat is not None:
             for slot, c in zip(slots, cache_lens):
                 self.cache.reserve(slot, c + token_ids.shape[1])
+            if device_tokens is not None:   # a launch from the drafter's drafts: they replace the flat's
+                token_ids, flat = token_ids.clone(), flat.clone()
+                token_ids[:, 1:] = device_tokens
+                flat[: 8 * token_ids.shape[1]].view(torch.int64).copy_(token_ids[0])
             fresh = host_tree_inputs(self.cache, slots, cache_lens, token_ids, parents, node_valid, 1)
             _CheckedRunner.checked += 1
             _CheckedRunner.mismatched += not torch.equal(flat, fresh)
-        return super().verify(slots, cache_lens, token_ids, parents, node_valid)
+        return super().verify(slots, cache_lens, token_ids, parents, node_valid, device_tokens=device_tokens)
 
 
 @pytest.mark.parametrize("offset", [0, 1], ids=["prepared", "control-one-entry-off"])
