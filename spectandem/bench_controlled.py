@@ -173,9 +173,11 @@ class ControlledProposer:
             assert n + m <= len(drafts), f"{r.request_id}: plan of {len(drafts)} positions, drafting to {n + m}"
             rows.append(drafts[n: n + m])
         dev = tree.token_ids.device
-        planned = torch.tensor(rows, dtype=torch.long)                                     # [B, M]
-        if dev.type == "cuda":   # from pinned memory: from pageable memory the copy would wait for the drafting
-            planned = planned.pin_memory().to(dev, non_blocking=True)
+        # From pinned memory on a GPU: from pageable memory the copy would wait for the drafting.
+        planned = torch.empty(len(rows), m, dtype=torch.long, pin_memory=dev.type == "cuda")   # [B, M]
+        planned.numpy()[:] = rows
+        if dev.type == "cuda":
+            planned = planned.to(dev, non_blocking=True)
         tree.token_ids = torch.where(tree.token_ids >= 0, planned, tree.token_ids)
         return tree
 
