@@ -232,7 +232,7 @@ class VerifyGraphs:
             if inp is None:
                 inp = tree_inputs_on(flat.to(self.device, non_blocking=True), rows, n, self.cache.host_tables.shape[1])
             if device_tokens is not None:
-                _last_columns(inp.token_ids[:b], device_tokens)
+                with_device_tokens(inp.token_ids[:b], device_tokens)
             logits, feats = verify_forward(self.model, self.cache, feature_layers, inp)
             return VerifyStep(logits, feats, logits.argmax(-1)).rows(b)
         step = self._captured.get((rows, n, span, feature_layers))
@@ -243,7 +243,7 @@ class VerifyGraphs:
         else:
             step.inputs.copy_(inp)
         if device_tokens is not None:
-            _last_columns(step.inputs.token_ids[:b], device_tokens)
+            with_device_tokens(step.inputs.token_ids[:b], device_tokens)
         step.graph.replay()
         return self._outputs[(rows, n, feature_layers)].rows(b)
 
@@ -280,6 +280,9 @@ class VerifyGraphs:
         return step
 
 
-def _last_columns(token_ids: torch.Tensor, device_tokens: torch.Tensor) -> None:
-    """token_ids [B, N]'s last K columns <- device_tokens [B, K] (any device)."""
+def with_device_tokens(token_ids: torch.Tensor, device_tokens: torch.Tensor) -> torch.Tensor:
+    """token_ids [B, N] (an input buffer on the runner's device) with its last K columns
+    overwritten by device_tokens [B, K] (on any device: a cross-device copy, ordered on both
+    devices' current streams) -> token_ids."""
     token_ids[:, token_ids.shape[1] - device_tokens.shape[1]:].copy_(device_tokens)
+    return token_ids

@@ -21,7 +21,7 @@ import torch
 from spectandem.kv_cache import KVCache, PagedKVCache
 from spectandem.modeling.llama import NATIVE_ARCHITECTURES, InvariantBatch, LlamaModel, load_llama
 from spectandem.block_manager import KVCacheFull
-from verifier.graphs import VerifyGraphs, batch_bucket, verify_forward, verify_inputs
+from verifier.graphs import VerifyGraphs, batch_bucket, verify_forward, verify_inputs, with_device_tokens
 from verifier.tree_inputs import host_tree_inputs, tree_input_rows, tree_verify_inputs
 from verifier.hf_runner import FeatureSpec, HFRunner
 
@@ -192,13 +192,13 @@ class NativeRunner:
               flat=None):
         """The verify forward on the runner's path (slots reserved) -> (logits, features, argmax
         [B, N] on the device). `device_tokens` [B, K] (on a device) replaces token_ids' last K
-        columns (`_with_device_tokens`).
+        columns (verifier/graphs.py `with_device_tokens`).
         `features` False: none captured (the same logits; graphs of their own). `flat`: the
         inputs packed beforehand (`prepare_rows`), read on the graphs' path."""
         b, n = token_ids.shape
         layers = self.feature_layers if features else None
         if self.batch_invariant:
-            toks = token_ids if device_tokens is None else _with_device_tokens(token_ids.to(self.device), device_tokens)
+            toks = token_ids if device_tokens is None else with_device_tokens(token_ids.to(self.device, copy=True), device_tokens)
             logits, feats = self._verify_invariant(slots, cache_lens, toks, parents, node_valid)
             return logits, feats if features else None, logits.argmax(-1)
         if self.graphs is not None and self.graphs.supports(b):
@@ -211,7 +211,7 @@ class NativeRunner:
             inp = verify_inputs(self.cache, slots, cache_lens, token_ids, parents, node_valid, b,
                                 max(cache_lens) + n)
         if device_tokens is not None:
-            _with_device_tokens(inp.token_ids[:b], device_tokens)
+            with_device_tokens(inp.token_ids[:b], device_tokens)
         logits, feats = verify_forward(self.model, self.cache, layers, inp)
         return logits, feats, logits.argmax(-1)
 
@@ -369,10 +369,3 @@ def load_runner(target_dir: str | Path, feature_layers: FeatureSpec, max_slots: 
     model = model.to(device).eval()
     return HFRunner(model, feature_layers, max_len), model
 
-
-def _with_device_tokens(token_ids: torch.Tensor, device_tokens: torch.Tensor) -> torch.Tensor:
-    """token_ids [B, N] (an input buffer on the runner's device) with its last K columns
-    overwritten by device_tokens [B, K] (on any device: a cross-device copy, ordered on both
-    devices' current streams) -> token_ids."""
-    token_ids[:, token_ids.shape[1] - device_tokens.shape[1]:].copy_(device_tokens)
-    return token_ids
