@@ -6,7 +6,8 @@ from __future__ import annotations
 
 import torch
 
-from drafter.proposers import RequestSlots, ScratchTree, draft_tree, pad_rows, paged_cache
+from drafter.proposers import RequestSlots, ScratchTree, pad_rows, paged_cache
+from drafter.tree import draft_tree
 from drafter.tree import TreeDraft
 from spectandem.config import SpecConfig
 from spectandem.devices import to_device

@@ -18,7 +18,7 @@ from drafter.ahead_chains import AheadChainGraphs, outcome_trees, scratch_entrie
 from drafter.catchup_graphs import CatchUpGraphs, catch_up_forward, catch_up_inputs
 from drafter.graphs import ChainGraphs
 from drafter.heads import DraftHead
-from drafter.tree import TreeDraft, expand_topk, sample_chains
+from drafter.tree import TreeDraft, draft_tree
 from spectandem.config import SamplingParams, SpecConfig
 from spectandem.devices import to_device, to_device_all
 from spectandem.block_manager import KVCacheFull
@@ -378,24 +378,3 @@ class EagleProposer:
         for d in (self.cache_len, self.last_hidden, self.last_logits):
             d.pop(request_id, None)
 
-
-def draft_tree(reqs: list[DraftRequest], first: torch.Tensor, step, to_target, cfg: SpecConfig,
-           vocab_size: int, num_steps: int | None = None) -> TreeDraft:
-    """Deterministic top-k trees (argmax chains when topk == 1), or sampled chains whose
-    draft probabilities are returned over the target vocabulary [B, M + 1, vocab_size]."""
-    sampled = {r.sample_drafts for r in reqs}
-    assert len(sampled) == 1, "the drafter engine drafts sampled and deterministic requests in separate calls"
-    steps = min(num_steps or cfg.num_steps, cfg.num_steps)
-    if not sampled.pop():
-        return expand_topk(first, step, to_target, steps, cfg.topk, cfg.num_draft_tokens, argmax=True)
-    tree = sample_chains(first, step, to_target, steps, cfg.topk, cfg.num_draft_tokens,
-                         [r.params.temperature for r in reqs], [r.params.top_k for r in reqs],
-                         [r.params.top_p for r in reqs], [r.seed for r in reqs],
-                         [r.committed_len for r in reqs])
-    probs = tree.node_probs                                                   # [B, M + 1, Vd]
-    if probs.shape[-1] != vocab_size or not torch.equal(to_target(torch.arange(probs.shape[-1])),
-                                                        torch.arange(probs.shape[-1])):
-        full = probs.new_zeros(*probs.shape[:2], vocab_size)
-        full[..., to_target(torch.arange(probs.shape[-1], device=probs.device))] = probs
-        tree.node_probs = full
-    return tree

@@ -23,13 +23,17 @@ rejection rule needs.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Callable, Protocol
+from typing import TYPE_CHECKING, Callable, Protocol
 
 import torch
 
 from spectandem import rng
 from spectandem.messages import ReadyTree
 from spectandem.sampling import logits_to_probs, sample_from_probs
+
+if TYPE_CHECKING:   # annotations only (drafter/proposers.py imports this module)
+    from drafter.proposers import DraftRequest
+    from spectandem.config import SpecConfig
 
 
 class StepFn(Protocol):
@@ -184,3 +188,25 @@ def ready_rows(root: int, lists: tuple[list, list, list], row: int) -> ReadyTree
     """Request `row` of a drafted tree (`host_lists`) as the verifier's rows under `root`, the
     request's last committed token."""
     return ReadyTree((root, *lists[0][row]), (-1, *lists[1][row]), (0.0, *lists[2][row]))
+
+
+def draft_tree(reqs: list[DraftRequest], first: torch.Tensor, step, to_target, cfg: SpecConfig,
+           vocab_size: int, num_steps: int | None = None) -> TreeDraft:
+    """Deterministic top-k trees (argmax chains when topk == 1), or sampled chains whose
+    draft probabilities are returned over the target vocabulary [B, M + 1, vocab_size]."""
+    sampled = {r.sample_drafts for r in reqs}
+    assert len(sampled) == 1, "the drafter engine drafts sampled and deterministic requests in separate calls"
+    steps = min(num_steps or cfg.num_steps, cfg.num_steps)
+    if not sampled.pop():
+        return expand_topk(first, step, to_target, steps, cfg.topk, cfg.num_draft_tokens, argmax=True)
+    tree = sample_chains(first, step, to_target, steps, cfg.topk, cfg.num_draft_tokens,
+                         [r.params.temperature for r in reqs], [r.params.top_k for r in reqs],
+                         [r.params.top_p for r in reqs], [r.seed for r in reqs],
+                         [r.committed_len for r in reqs])
+    probs = tree.node_probs                                                   # [B, M + 1, Vd]
+    if probs.shape[-1] != vocab_size or not torch.equal(to_target(torch.arange(probs.shape[-1])),
+                                                        torch.arange(probs.shape[-1])):
+        full = probs.new_zeros(*probs.shape[:2], vocab_size)
+        full[..., to_target(torch.arange(probs.shape[-1], device=probs.device))] = probs
+        tree.node_probs = full
+    return tree
