@@ -26,7 +26,12 @@ MARKS = ("verifier.graphs:VerifyGraphs.run", "verifier.engine:VerifierEngine._ac
          "verifier.chained:ChainedLaunchMixin.prepare_next",
          # a miss's launch from the drafter's tokens on the device
          "drafter.engine:DrafterEngine._device_chain", "router.links_local:LocalVerifierLink._launch_missed_early",
-         "verifier.chained:ChainedLaunchMixin._prepared_like", "verifier.engine:VerifierEngine._launch")
+         "verifier.chained:ChainedLaunchMixin._prepared_like", "verifier.engine:VerifierEngine._launch",
+         # a draft ahead's results, to the verifier's prepared inputs
+         "drafter.proposers:outcome_trees", "drafter.engine:DrafterEngine._outcome_rows",
+         "spectandem.bench_controlled:ControlledProposer._planned_outcomes",
+         "verifier.runner:NativeRunner.prepare_rows", "verifier.runner:host_tree_inputs",
+         "verifier.runner:tree_input_rows", "verifier.engine:VerifierEngine._launch_prepared")
 
 
 def round_marks(trace: list, anchor: str = "VerifyGraphs.run", slowest: int = 0) -> str:

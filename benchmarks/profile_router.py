@@ -203,7 +203,7 @@ def _top(prof: cProfile.Profile, n: int) -> str:
 
 async def _profile(runs, setup: str, rate: float, batch: int, top: int, plain_steps: int = 1,
                    clean: int = 0, gc_freeze: bool = False, trace: int = 0, kineto: str | None = None,
-                   launch_cost: bool = False, marks: bool = False) -> str:
+                   launch_cost: bool = False, marks: bool = False, device_gaps: int = 0) -> str:
     forced = {"spec-plain": "plain", "sequential": "sequential", "ahead": "ahead"}.get(setup)
     s = br._setup(runs, None if setup == "plain" else rate, setup if setup in ("ahead", "auto") else "sequential",
                   batch, plain_steps)
@@ -276,6 +276,23 @@ async def _profile(runs, setup: str, rate: float, batch: int, top: int, plain_st
                 light.restore()
             timeline += f"-- offsets from each verify launch (ms; {len(MARKS)} calls timed)\n{round_marks(light.trace, slowest=6)}\n"
             timeline += f"-- the batch's start and end\n{edges(light.trace)}\n"
+        for i in range(device_gaps):   # batches timed on the verifier's GPU clock (device_gaps.py)
+            from device_gaps import DeviceGaps
+
+            dg, inner_batch = DeviceGaps(runs.device), br._batch
+
+            async def batch_then_end(*a, **kw):
+                try:
+                    return await inner_batch(*a, **kw)
+                finally:
+                    dg.finish()
+            br._batch, dg.on = batch_then_end, True
+            try:
+                await asyncio.wait_for(br._timed(s, runs, *ids()), 300)
+            finally:
+                br._batch, dg.on = inner_batch, False
+                dg.restore()
+            timeline += f"-- the verifier's GPU, batch {i + 1} (device_gaps.py)\n{dg.report()}\n"
         if kineto:   # one batch under torch.profiler: the GPUs' own timelines
             from torch.profiler import ProfilerActivity, profile
 
@@ -330,6 +347,8 @@ def main() -> None:
                     help="Chrome trace path of one torch.profiler batch ({setup} is replaced); prints GPU idle gaps")
     ap.add_argument("--marks", action="store_true",
                     help="a batch with a few calls timed: their offsets from each verify launch")
+    ap.add_argument("--device-gaps", type=int, default=0,
+                    help="batches timed by events on the verifier's GPU: its idle gaps by the path of each launch")
     ap.add_argument("--launch-cost", action="store_true",
                     help="after the batches, time every captured CUDA graph's launch (host and latency)")
     ap.add_argument("--gc-freeze", action="store_true", help="gc.freeze() after each setup's warm-up batch")
@@ -351,7 +370,7 @@ def main() -> None:
     for setup in setups:
         text, head_line = asyncio.run(_profile(runs, setup, args.rate, args.batch, args.top, args.plain_steps,
                                                args.clean, args.gc_freeze, args.trace, args.kineto,
-                                               args.launch_cost, args.marks))
+                                               args.launch_cost, args.marks, args.device_gaps))
         heads.append(head_line)
         print(text, flush=True)
     print("\n".join(heads))

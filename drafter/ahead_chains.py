@@ -41,10 +41,10 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from drafter.graphs import (PAIR_BUCKETS, HeadGraphs, PassStart, catch_up_columns, catch_up_in_pass, chain_tree,
-                            packed_inputs, padded_features)
+from drafter.graphs import (PAIR_BUCKETS, HeadGraphs, PassStart, _rows_into, catch_up_columns, catch_up_in_pass,
+                            chain_tree, index_views, padded_features)
 from drafter.tree import TreeDraft
-from spectandem.devices import device_work_queued
+from spectandem.devices import device_work_queued, to_device
 from spectandem.kv_cache import PagedCacheBatch, PagedKVCache
 from verifier.graphs import BATCH_BUCKETS, batch_bucket, capture_graph, span_bucket
 
@@ -68,6 +68,53 @@ class AheadInputs(PassStart):
     ROW_FIELDS = frozenset({"forced_write", "outcome_write", "read_rows", "cu_write"})
 
 
+def ahead_index_fields(rows: int, span: int, m: int, num_steps: int, width: int,
+                       pairs: int) -> list[tuple[str, tuple[int, ...]]]:
+    """A draft ahead's int64 input fields in their order in one packed buffer (`ahead_index_np`),
+    with their shapes; the catch-up's three last where it runs one (pairs > 0)."""
+    out = [("base", (rows,)), ("chain", (rows, m)), ("forced_write", (m, rows, 1)),
+           ("outcome_write", (num_steps, rows, width)), ("read_rows", (rows, span))]
+    if pairs:
+        out += [("cu_new", (rows,)), ("cu_tokens", (rows, pairs)), ("cu_write", (rows, pairs))]
+    return out
+
+
+def ahead_index_np(cache: PagedKVCache, slots: list[int], base: list[int], chains: list[list[int]], num_steps: int,
+                   width: int, rows: int, span: int, token_ids: list[list[int]] | None = None, pairs: int = 0,
+                   out: np.ndarray | None = None) -> np.ndarray:
+    """A draft ahead's index inputs (`ahead_inputs`) packed on the host, worked out in numpy over
+    the cache's host tables: int64 [n] in `ahead_index_fields` order, written into `out` if
+    given. token_ids: per request its catch-up pairs' tokens (pairs > 0), ending at base."""
+    b, m = len(chains), len(chains[0])
+    assert rows >= b and max(base) + scratch_entries(m, num_steps, width) <= span <= cache.max_len
+    real = (np.arange(rows) < b)[:, None]
+    base_np = np.array(list(base) + [0] * (rows - b), dtype=np.int64)
+    trash = cache.trash_index
+    logical = [
+        np.where(real, base_np[:, None] + np.arange(m), trash),                        # forced steps
+        np.where(real, base_np[:, None] + m + np.arange(num_steps * width), trash),    # outcome steps
+        np.where(real, np.arange(span)[None, :], trash)]                                # read
+    chain_np = np.zeros((rows, m), dtype=np.int64)
+    chain_np[:b] = chains
+    if pairs:
+        new_np, tok_np, pair_entries = catch_up_columns(token_ids, rows, pairs, base_np, trash)
+        logical.append(pair_entries)
+    phys = cache.host_rows_np(list(slots) + [slots[0]] * (rows - b), np.concatenate(logical, 1))
+    ends = np.cumsum([m, num_steps * width, span])
+    forced, outcome, read, pair_rows = np.split(phys, ends, axis=1)
+    parts = [base_np, chain_np, forced.T, outcome.reshape(rows, num_steps, width).transpose(1, 0, 2), read]
+    if pairs:
+        parts += [new_np, tok_np, pair_rows]
+    if out is None:
+        out = np.empty(sum(p.size for p in parts), dtype=np.int64)
+    offset = 0
+    for part in parts:
+        out[offset: offset + part.size] = part.reshape(-1)
+        offset += part.size
+    assert offset == out.size, (offset, out.size)
+    return out
+
+
 def ahead_inputs(cache: PagedKVCache, slots: list[int], base: list[int], chains: list[list[int]], num_steps: int,
                  width: int, rows: int, span: int, start: tuple | None = None,
                  catch_up: tuple | None = None) -> AheadInputs:
@@ -76,38 +123,22 @@ def ahead_inputs(cache: PagedKVCache, slots: list[int], base: list[int], chains:
     start = (first_logits [B, Vd], hidden [B, 1, H]) of a catch-up already run, or
     catch_up = (token_ids: per request its n_b >= 1 pairs' tokens, features: per request [n_b, F]
     on the cache's device in the head's dtype, pairs: Tc >= max n_b), the pairs ending at base.
-    The index inputs are worked out on the host (the cache's host tables) and cross in one copy."""
-    b, m = len(chains), len(chains[0])
+    The index inputs are worked out on the host (`ahead_index_np`) and cross in one copy; the
+    graphs copy the same packed buffer into their own (AheadChainGraphs._run)."""
     assert (start is None) != (catch_up is None)
-    assert rows >= b and max(base) + scratch_entries(m, num_steps, width) <= span <= cache.max_len
-    pad = rows - b
-    real = (np.arange(rows) < b)[:, None]
-    base_np = np.array(list(base) + [0] * pad, dtype=np.int64)
-    trash = cache.trash_index
-    logical = [
-        np.where(real, base_np[:, None] + np.arange(m), trash),                        # forced steps
-        np.where(real, base_np[:, None] + m + np.arange(num_steps * width), trash),    # outcome steps
-        np.where(real, np.arange(span)[None, :], trash)]                                # read
-    chain_np = np.zeros((rows, m), dtype=np.int64)
-    chain_np[:b] = chains
-    head = [base_np[:, None], chain_np]
+    token_ids, pairs = (None, 0) if catch_up is None else (catch_up[0], catch_up[2])
+    packed = ahead_index_np(cache, slots, base, chains, num_steps, width, rows, span, token_ids, pairs)
+    views = index_views(to_device(torch.from_numpy(packed), cache.k[0].device),
+                        ahead_index_fields(rows, span, len(chains[0]), num_steps, width, pairs))
+    inp = AheadInputs(**views)
     if catch_up is not None:
-        token_ids, features, pairs = catch_up
-        new_np, tok_np, pair_entries = catch_up_columns(token_ids, rows, pairs, base_np, trash)
-        logical.append(pair_entries)
-        head += [new_np[:, None], tok_np]
-    heads, (forced, outcome, read, *pair_rows) = packed_inputs(cache, slots, head, logical)
-    inp = AheadInputs(heads[0][:, 0], heads[1], forced.t()[..., None],
-                      outcome.reshape(rows, num_steps, width).permute(1, 0, 2), read)
-    if catch_up is not None:
-        inp.cu_new, inp.cu_tokens, inp.cu_write = heads[2][:, 0], heads[3], pair_rows[0]
-        inp.cu_features = padded_features(features, rows, pairs)
-    else:
-        first_logits, hidden = start
-        if pad:
-            first_logits = torch.cat([first_logits, first_logits.new_zeros(pad, first_logits.shape[-1])])
-            hidden = torch.cat([hidden, hidden.new_zeros(pad, *hidden.shape[1:])])
-        inp.first_logits, inp.hidden = first_logits, hidden
+        inp.cu_features = padded_features(catch_up[1], rows, pairs)
+        return inp
+    first_logits, hidden = start
+    inp.first_logits = first_logits.new_zeros(rows, first_logits.shape[-1])
+    inp.hidden = hidden.new_zeros(rows, *hidden.shape[1:])
+    _rows_into(inp.first_logits, list(first_logits))
+    _rows_into(inp.hidden, list(hidden))
     return inp
 
 
@@ -208,26 +239,43 @@ class AheadChainGraphs(HeadGraphs):
                                            catch_up=(token_ids, features, pairs))
         return packed, hidden.clone(), logits.clone()
 
-    def _run(self, slots, base, chains, num_steps, width, pairs, **start):
+    def _run(self, slots, base, chains, num_steps, width, pairs, start=None, catch_up=None):
         b, m = len(chains), len(chains[0])
         rows = batch_bucket(b, self.batch_buckets)
         span = span_bucket(max(base) + scratch_entries(m, num_steps, width), self.cache.max_len)
-        inp = ahead_inputs(self.cache, slots, base, chains, num_steps, width, rows, span, **start)
+        key = (rows, span, m, num_steps, width, pairs)
+        if not self.graph or key not in self._captured:
+            inp = ahead_inputs(self.cache, slots, base, chains, num_steps, width, rows, span, start, catch_up)
         if not self.graph:
             packed, hidden, logits = ahead_forward(self.head, self.cache, inp, self.target_to_draft)
         else:
-            key = (rows, span, m, num_steps, width, pairs)
             if key not in self._captured:
                 self._capture(key, inp)
-            static, graph, (packed, hidden, logits) = self._captured[key]
-            static.copy_(inp)
+            static, flat, graph, (packed, hidden, logits) = self._captured[key]
+            # The index inputs packed on the host straight into pinned memory, in one copy into
+            # the graph's buffer (its fields are views of it); then the features or the start.
+            host = torch.empty(flat.numel(), dtype=torch.int64, pin_memory=True)
+            ahead_index_np(self.cache, slots, base, chains, num_steps, width, rows, span,
+                           None if catch_up is None else catch_up[0], pairs, out=host.numpy())
+            flat.copy_(host, non_blocking=True)
+            if catch_up is not None:
+                _rows_into(static.cu_features, catch_up[1])
+            else:
+                _rows_into(static.first_logits, list(start[0]))
+                _rows_into(static.hidden, list(start[1]))
             graph.replay()
         device_work_queued()
         return packed[:b].cpu(), hidden[:b], logits[:b]
 
     def _capture(self, key: tuple, like: AheadInputs) -> None:
-        rows, _, m, num_steps, width, _ = key
+        rows, span, m, num_steps, width, pairs = key
         static = like.like_padding(self.cache.trash_row)
+        # The index fields as views of one buffer, padding as like_padding has it.
+        layout = ahead_index_fields(rows, span, m, num_steps, width, pairs)
+        flat = torch.empty(sum(int(np.prod(shape)) for _, shape in layout), dtype=torch.int64, device=self.device)
+        for name, view in index_views(flat, layout).items():
+            view.copy_(getattr(static, name))
+            setattr(static, name, view)
         s, dev = self.head.spec, self.device
         # Outputs outside the graphs' pool: a later capture may reuse the pool's memory.
         outs = [torch.empty(rows, width, 3 + num_steps, dtype=torch.long, device=dev),
@@ -240,7 +288,7 @@ class AheadChainGraphs(HeadGraphs):
 
         if self.pool is None:
             self.pool = torch.cuda.graph_pool_handle()
-        self._captured[key] = (static, capture_graph(body, self.pool, self.device), tuple(outs))
+        self._captured[key] = (static, flat, capture_graph(body, self.pool, self.device), tuple(outs))
 
 
 def outcome_trees(packed: torch.Tensor, chains: list[list[int]], num_draft_tokens: int) -> list[dict]:

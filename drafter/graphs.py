@@ -111,19 +111,6 @@ def catch_up_columns(token_ids: list[list[int]], rows: int, pairs: int, base: np
     return new, tokens, np.where(j < new[:, None], (base - new)[:, None] + j, trash)
 
 
-def packed_inputs(cache: PagedKVCache, slots: list[int], head: list[np.ndarray],
-                  logical: list[np.ndarray]) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
-    """A pass's index inputs in one copy to the cache's device: `head` columns as given and
-    `logical` entries mapped to physical rows through the slots' host tables (rows past the B
-    slots, padding, through slots[0]; their entries are `trash_index`), each [Bc, *] int64 ->
-    (the head parts, the physical-row parts) on the device, views of one buffer."""
-    pad = head[0].shape[0] - len(slots)
-    phys = cache.host_rows_np(list(slots) + [slots[0]] * pad, np.concatenate(logical, 1))
-    packed = to_device(torch.from_numpy(np.concatenate(head + [phys], 1)), cache.k[0].device)
-    parts = packed.split([x.shape[1] for x in head + logical], 1)
-    return list(parts[: len(head)]), list(parts[len(head):])
-
-
 def padded_features(features: list[torch.Tensor], rows: int, pairs: int) -> torch.Tensor:
     """Per request its pairs' features [n_b, F] -> [rows, pairs, F], zeros elsewhere."""
     out = features[0].new_zeros(rows, pairs, features[0].shape[-1])
