@@ -20,8 +20,7 @@ stays reserved for the longest of those verifies through the commit (`commit`'s 
 they write are the rows packed. A miss's tree, launched once drafted after the verdict, takes the
 inputs prepared for an outcome of its shape at its committed length, with its tokens written in
 (`_prepared_like`). `_state` (a lock) orders the preparing thread against the engine's own thread wherever
-either changes the request's slot (the preparation's reservation, and the publication of what it
-packed outside the lock); a preparation that comes after the verdict does nothing.
+either changes the request's slot; a preparation that comes after the verdict does nothing.
 """
 
 from __future__ import annotations
@@ -65,27 +64,21 @@ class ChainedLaunchMixin:
         if not getattr(self.runner, "packs_tree_inputs", False) or len(request_ids) != 1 or len(trees) != 1 or not trees[0]:
             return False
         rid, tag, outcomes = request_ids[0], committed_lens[0], trees[0]
-        keys = list(outcomes)
-        # Outcome o commits len(o) tokens: its verify is at committed length tag + len(o).
-        tree = trees_from_ready([rid] * len(keys), [tag + len(k) for k in keys], [outcomes[k] for k in keys])
-        lens = [c - 1 for c in tree.committed_lens]
         with self._state:
             req = self.requests.get(rid)
-            if req is None or req.committed_len != tag or not self.runner.reserve_rows(req.slot, lens, tree.num_nodes):
-                return False         # the verdict is in, or the request is gone, or no room
-            slot = req.slot
-        # Packed outside the lock, so that a verdict that comes meanwhile does not wait for it: that
-        # verdict finds nothing prepared and launches by itself, and its commit, which trims these
-        # entries, moves the committed length, which the publication below checks.
-        flats = self.runner.prepare_rows(slot, lens, tree.token_ids, tree.parents, tree.node_valid, reserved=True)
-        if flats is None:
-            return False
-        row_trees = [_row(tree, i, rid) for i in range(len(keys))]   # so that a launch builds nothing
-        with self._state:
-            if self.requests.get(rid) is not req or req.committed_len != tag or req.slot != slot:
+            if req is None or req.committed_len != tag:
+                return False         # the verdict is in, or the request is gone
+            keys = list(outcomes)
+            # Outcome o commits len(o) tokens: its verify is at committed length tag + len(o).
+            tree = trees_from_ready([rid] * len(keys), [tag + len(k) for k in keys], [outcomes[k] for k in keys])
+            lens = [c - 1 for c in tree.committed_lens]
+            flats = self.runner.prepare_rows(req.slot, lens, tree.token_ids, tree.parents, tree.node_valid)
+            if flats is None:
                 return False
-            self._prepared = (rid, tag, slot, max(lens) + tree.num_nodes, outcomes,
-                              {k: i for i, k in enumerate(keys)}, row_trees, flats)
+            # Each outcome's one-row tree too, so that its launch builds nothing.
+            self._prepared = (rid, tag, req.slot, max(lens) + tree.num_nodes, outcomes,
+                              {k: i for i, k in enumerate(keys)}, [_row(tree, i, rid) for i in range(len(keys))],
+                              flats)
         return True
 
     def _kept_entries(self, request_ids: list[str]) -> list[int] | None:

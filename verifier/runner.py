@@ -171,28 +171,19 @@ class NativeRunner:
         g = self.graphs
         return g is not None and g.tree_attention and not self.batch_invariant and batch_bucket(1, g.batch_buckets) == 1
 
-    def reserve_rows(self, slot: int, cache_lens: list[int], n: int) -> bool:
-        """Reserves the slot for the longest of `prepare_rows`' candidate verifies (n nodes at
-        each of cache_lens) -> whether it did: False where the verify reads no packed inputs
-        (`packs_tree_inputs`), or no room, or past max_len (the verdict's launch builds its own)."""
-        if not self.packs_tree_inputs:
-            return False
-        try:
-            self.cache.reserve(slot, max(cache_lens) + n)
-        except (KVCacheFull, ValueError):
-            return False
-        return True
-
     def prepare_rows(self, slot: int, cache_lens: list[int], token_ids: torch.Tensor, parents: torch.Tensor,
-                     node_valid: torch.Tensor, reserved: bool = False) -> list[torch.Tensor] | None:
+                     node_valid: torch.Tensor) -> list[torch.Tensor] | None:
         """The packed inputs of several candidate one-request verifies of one slot, built before
         any of them is chosen: row i verifies the tree (token_ids, parents, node_valid)[i] at
-        cache_lens[i]. Reserves the slot for the longest of them (`reserve_rows`; `reserved`:
-        the caller did) and the caller keeps those entries until the choice (`commit`'s `keep`)
-        -> each row's flat for `verify(..., flat=)`; None where the verify would not read one
-        (`packs_tree_inputs`), or no room. Reads only the host's block tables."""
+        cache_lens[i]. Reserves the slot for the longest of them (the caller keeps those entries
+        until the choice: `commit`'s `keep`) -> each row's flat for `verify(..., flat=)`; None
+        where the verify would not read one (`packs_tree_inputs`), or no room."""
+        if not self.packs_tree_inputs:
+            return None
         rows, n = token_ids.shape
-        if not self.packs_tree_inputs or not (reserved or self.reserve_rows(slot, cache_lens, n)):
+        try:
+            self.cache.reserve(slot, max(cache_lens) + n)
+        except (KVCacheFull, ValueError):   # no room, or past max_len: the verdict's launch builds its own
             return None
         flat = host_tree_inputs(self.cache, [slot] * rows, cache_lens, token_ids, parents, node_valid, rows)
         return tree_input_rows(flat, rows, n, self.cache.host_tables.shape[1])

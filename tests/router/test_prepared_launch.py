@@ -71,12 +71,8 @@ class _CheckedRunner(NativeRunner):
     offset = 0             # the control: prepare each outcome's inputs this many entries off
     checked = mismatched = 0
 
-    def reserve_rows(self, slot, cache_lens, n):
-        return super().reserve_rows(slot, [c + self.offset for c in cache_lens], n)
-
-    def prepare_rows(self, slot, cache_lens, token_ids, parents, node_valid, reserved=False):
-        return super().prepare_rows(slot, [c + self.offset for c in cache_lens], token_ids, parents, node_valid,
-                                    reserved)
+    def prepare_rows(self, slot, cache_lens, token_ids, parents, node_valid):
+        return super().prepare_rows(slot, [c + self.offset for c in cache_lens], token_ids, parents, node_valid)
 
     def verify(self, slots, cache_lens, token_ids, parents, node_valid, flat=None, device_tokens=None, ready=None):
         if flat is not None:
@@ -180,49 +176,3 @@ def test_a_missed_tree_launches_from_the_inputs_prepared_for_its_shape(offset, m
     assert eng.launch(other) and eng.launched_like_prepared == 1 == _CheckedRunner.checked
     eng.verify(other)
     eng.release("a")
-
-
-def test_a_verdict_during_a_preparation_neither_waits_for_it_nor_takes_it(monkeypatch):
-    """The preparation packs outside the engine's lock: a verdict that comes while it packs (here
-    from another thread, from inside the packing) runs to its end at once, launches nothing
-    prepared, and trims the entries the preparation reserved; the preparation then publishes
-    nothing, and the next round's tree packs its own inputs."""
-    import threading
-
-    from tests.router.test_chained_verify import _greedy_next
-    from spectandem.messages import ReadyTree, trees_from_ready
-
-    spec, plain = _pair()
-    monkeypatch.setattr(spec.verifier.runner, "__class__", _CheckedRunner)
-    monkeypatch.setattr(_CheckedRunner, "offset", 0)
-    monkeypatch.setattr(_CheckedRunner, "checked", 0)
-    monkeypatch.setattr(_CheckedRunner, "mismatched", 0)
-    eng = spec.verifier
-    prompt = spec.tokenizer.encode(PROMPT_TEXTS[1]).ids
-    first = eng.prefill(["a"], [prompt], [SamplingParams(max_tokens=32)], [0])[0].first_token_id
-    n = eng.committed_len("a")
-    t = _greedy_next(plain, prompt + [first], 1)[0]
-    chain = lambda root, *drafts: ReadyTree((root, *drafts), (-1, 0, 1), (0.0, -1.0, -2.0))
-    outcomes = {(t,): chain(t, 11, 12), (first, t): chain(t, 13, 14)}     # the verdict's outcome is (t,)
-    cache = eng.runner.cache
-    verdict: list = []
-    real_prepare = _CheckedRunner.prepare_rows
-
-    def verdict_while_packing(self, slot, cache_lens, *args, **kw):
-        assert len(cache.blocks.tables[slot]) * cache.block_size >= max(cache_lens) + 3   # reserved first
-        worker = threading.Thread(target=lambda: verdict.append(
-            eng.verify(trees_from_ready(["a"], [n], [ReadyTree((first,), (-1,), (0.0,))]))[0]))
-        worker.start()
-        worker.join(10)
-        assert not worker.is_alive(), "the verdict waited for the preparation"
-        return real_prepare(self, slot, cache_lens, *args, **kw)
-
-    monkeypatch.setattr(_CheckedRunner, "prepare_rows", verdict_while_packing)
-    eng.arm_next(["a"], [n])
-    assert not eng.prepare_next(["a"], [n], [outcomes])
-    assert verdict[0].token_ids == [t] and eng.launched_prepared == 0 and eng._prepared is None
-    assert len(cache.blocks.tables[eng.requests["a"].slot]) * cache.block_size < n + 1 + cache.block_size  # trimmed
-    # The round the verdict chose packs its own inputs (nothing prepared to take).
-    tree = trees_from_ready(["a"], [n + 1], [chain(t, 21, 22)])
-    assert eng.launch(tree) and eng.launched_like_prepared == 0 == _CheckedRunner.checked
-    eng.verify(tree)
