@@ -42,7 +42,7 @@ import numpy as np
 import torch
 
 from drafter.graphs import (PAIR_BUCKETS, HeadGraphs, PassStart, _rows_into, catch_up_columns, catch_up_in_pass,
-                            chain_tree, index_views, padded_features)
+                            chain_tree, index_views, pack_parts, padded_features)
 from drafter.tree import TreeDraft
 from spectandem.devices import device_work_queued, to_device
 from spectandem.kv_cache import PagedCacheBatch, PagedKVCache
@@ -105,14 +105,7 @@ def ahead_index_np(cache: PagedKVCache, slots: list[int], base: list[int], chain
     parts = [base_np, chain_np, forced.T, outcome.reshape(rows, num_steps, width).transpose(1, 0, 2), read]
     if pairs:
         parts += [new_np, tok_np, pair_rows]
-    if out is None:
-        out = np.empty(sum(p.size for p in parts), dtype=np.int64)
-    offset = 0
-    for part in parts:
-        out[offset: offset + part.size] = part.reshape(-1)
-        offset += part.size
-    assert offset == out.size, (offset, out.size)
-    return out
+    return pack_parts(parts, out)
 
 
 def ahead_inputs(cache: PagedKVCache, slots: list[int], base: list[int], chains: list[list[int]], num_steps: int,

@@ -167,6 +167,12 @@ def chain_index_np(cache: PagedKVCache, slots: list[int], base: list[int], num_s
     phys = cache.host_rows_np(list(slots) + [slots[0]] * (rows - b), np.concatenate(logical, 1))
     write, read = phys[:, : num_steps - 1], phys[:, num_steps - 1: num_steps - 1 + span]
     parts = [base_np, write.T, read] + ([new_np, tok_np, phys[:, num_steps - 1 + span:]] if pairs else [])
+    return pack_parts(parts, out)
+
+
+def pack_parts(parts: list[np.ndarray], out: np.ndarray | None = None) -> np.ndarray:
+    """int64 arrays flattened one after another (C order) into `out` (made when None), which
+    they fill exactly: a pass's packed index inputs (`chain_index_np`, `ahead_index_np`)."""
     if out is None:
         out = np.empty(sum(p.size for p in parts), dtype=np.int64)
     offset = 0
