@@ -8,7 +8,10 @@ so a miss's wait for the drafter counts as a gap) and around every prefill
 with the path that launched it, read from the host's call stack at the launch:
 - "miss-early": a miss's tree launched from the drafter's device tokens (`_launch_missed_early`);
 - "chained": a hit's next tree launched by the verifier itself at its verdict (`launch_next`);
-- "router": a verify the router called (the first round, and any round nothing launched ahead).
+- "router": every other replay: a verify the router called, a hit's launch from inputs prepared
+  before its verdict (`_launch_prepared`, inside the verify), the first round, and the graphed
+  prefill's own replay (the first "step": the head below then reads negative, and the window
+  over steps counts the prefill once more).
 
 The report: per tag, the idle gap on the device before such a step (the previous step's end to
 this one's start: host work and waits the GPU did not hide) and the step's own time, then the
