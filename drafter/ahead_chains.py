@@ -44,7 +44,7 @@ import torch
 from drafter.graphs import (PAIR_BUCKETS, HeadGraphs, PassStart, _rows_into, catch_up_columns, catch_up_in_pass,
                             chain_tree, index_views, pack_parts, padded_features)
 from drafter.tree import TreeDraft
-from spectandem.devices import device_work_queued, to_device
+from spectandem.devices import device_work_queued, to_device, to_host
 from spectandem.kv_cache import PagedCacheBatch, PagedKVCache
 from verifier.graphs import BATCH_BUCKETS, batch_bucket, capture_graph, span_bucket
 
@@ -258,7 +258,7 @@ class AheadChainGraphs(HeadGraphs):
                 _rows_into(static.hidden, list(start[1]))
             graph.replay()
         device_work_queued()
-        return packed[:b].cpu(), hidden[:b], logits[:b]
+        return to_host(packed[:b])[0], hidden[:b], logits[:b]
 
     def _capture(self, key: tuple, like: AheadInputs) -> None:
         rows, span, m, num_steps, width, pairs = key

@@ -32,7 +32,14 @@ def to_device(data, device, dtype: torch.dtype | None = None) -> torch.Tensor:
 def to_host(*tensors: torch.Tensor | None) -> list[torch.Tensor | None]:
     """CPU copies of `tensors` (None stays None) with one wait: CUDA tensors are copied into
     pinned memory without blocking, then each device's stream is synchronized once, where one
-    `.cpu()` per tensor would stall the host once each."""
+    `.cpu()` per tensor would stall the host once each.
+
+    Hazard this also avoids: `.cpu()` copies into pageable memory, and while that copy waits
+    for the work queued before it, other threads' CUDA calls on the same device stall: on the
+    H200 host a kernel launch or a small copy took about 50 us instead of 5, and creating an
+    event waited for the whole queue (benchmarks/wait_contention.py). A stream synchronize does
+    not hold them up. In-process serving reads each verdict this way while the drafter's thread
+    prepares the next launch on the verifier's device."""
     out, devices = [], set()
     for t in tensors:
         if t is None or t.device.type != "cuda":

@@ -25,6 +25,7 @@ from dataclasses import dataclass
 
 import torch
 
+from spectandem.devices import to_host
 from spectandem.messages import DraftTree, VerifyOutput
 
 
@@ -212,8 +213,7 @@ class FusedGraphStep:
         self.drafter.flush_deferred(ids)   # a deferred catch-up (draft ahead) must land before the head reads its cache
         b = len(ids)
         out = self._run(tree)
-        argmax, accepted = out.argmax[:b].cpu(), out.accepted[:b].cpu()
-        next_draft = out.next_draft[:b].cpu()
+        argmax, accepted, next_draft = to_host(out.argmax[:b], out.accepted[:b], out.next_draft[:b])
         tokens = [argmax[i].tolist() if bool(accepted[i]) else [int(argmax[i, 0])] for i in range(b)]
         self.verifier.commit(ids, torch.tensor([[0, 1] if bool(a) else [0, -1] for a in accepted]), tokens)
         outs = [VerifyOutput(request_id=rid, committed_len=self.verifier.committed_len(rid), token_ids=toks,

@@ -25,10 +25,34 @@ either changes the request's slot; a preparation that comes after the verdict do
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import numpy as np
 import torch
 
 from spectandem.messages import DraftTree, trees_from_ready
+
+
+@dataclass(frozen=True)
+class Prepared:
+    """One request's next verify, packed for each outcome before the verdict (`prepare_next`)."""
+
+    request_id: str
+    tag: int                        # the committed length of the verify whose outcomes these are
+    slot: int                       # the request's KV slot, reserved for `entries` entries
+    entries: int                    # the longest outcome's verify reaches this many entries
+    outcomes: dict                  # the drafter's trees: committed tokens -> ReadyTree (the object staged)
+    rows: dict                      # committed tokens -> row index below
+    row_trees: list[DraftTree]      # per row, its one-request tree
+    flats: list[torch.Tensor]       # per row, its packed inputs (`NativeRunner.prepare_rows`)
+
+    def row(self, tokens: list[int]) -> int | None:
+        """The row of the outcome that commits `tokens`; None where there is none, or where that
+        outcome's tree is shorter than its row (padded to a longer outcome's: its own launch)."""
+        i = self.rows.get(tuple(tokens))
+        if i is None or len(self.outcomes[tuple(tokens)].token_ids) != self.row_trees[i].num_nodes:
+            return None
+        return i
 
 
 class ChainedLaunchMixin:
@@ -76,18 +100,26 @@ class ChainedLaunchMixin:
             if flats is None:
                 return False
             # Each outcome's one-row tree too, so that its launch builds nothing.
-            self._prepared = (rid, tag, req.slot, max(lens) + tree.num_nodes, outcomes,
-                              {k: i for i, k in enumerate(keys)}, [_row(tree, i, rid) for i in range(len(keys))],
-                              flats)
+            self._prepared = Prepared(rid, tag, req.slot, max(lens) + tree.num_nodes, outcomes,
+                                      {k: i for i, k in enumerate(keys)},
+                                      [_row(tree, i, rid) for i in range(len(keys))], flats)
         return True
 
     def _kept_entries(self, request_ids: list[str]) -> list[int] | None:
         """Per request, entries its slot keeps reserved past the commit (a prepared launch's,
         made or to come); None: none."""
         prep = self._prepared or self._early
-        if prep is None or prep[0] not in request_ids:
+        if prep is None or prep.request_id not in request_ids:
             return None
-        return [prep[3] if rid == prep[0] else 0 for rid in request_ids]
+        return [prep.entries if rid == prep.request_id else 0 for rid in request_ids]
+
+    def _usable(self, prep: Prepared | None, request_ids: list[str]) -> Prepared | None:
+        """`prep` where it can serve a verify of these requests: it is for exactly this one
+        request, which is still here in the slot the preparation reserved; else None."""
+        if prep is None or list(request_ids) != [prep.request_id]:
+            return None
+        req = self.requests.get(prep.request_id)
+        return prep if req is not None and req.slot == prep.slot else None
 
     def _launch_prepared(self, tree: DraftTree, reqs: list, tokens: list[list[int]],
                          accepted_nodes: torch.Tensor) -> bool:
@@ -96,24 +128,21 @@ class ChainedLaunchMixin:
         lies where it was written: every chain's), that verify is launched now; the commit then
         keeps its entries and `launch_next` finds it made. -> whether it launched."""
         with self._state:
-            prep = self._prepared
-            if prep is None or tree.request_ids != [prep[0]] or reqs[0].committed_len != prep[1]:
+            prep = self._usable(self._prepared, tree.request_ids)
+            if prep is None or reqs[0].committed_len != prep.tag:
                 return False
-            rid, tag, slot, _, outcomes, rows, row_trees, flats = prep
             toks = tokens[0]
-            i = rows.get(tuple(toks))
-            if i is None or reqs[0].slot != slot:
+            i = prep.row(toks)
+            if i is None:
                 return False
             path = accepted_nodes.numpy()[0, : len(toks)]
             if (path != np.arange(len(toks))).any():   # the commit moves entries: the launch must follow it
                 return False
-            row = row_trees[i]
-            if len(outcomes[tuple(toks)].token_ids) != row.num_nodes:   # padded to a longer outcome's
-                return False
+            row = prep.row_trees[i]
             self._prepared, self._early = None, prep
             try:
-                logits, feats = self.runner.verify([slot], [row.committed_lens[0] - 1], row.token_ids, row.parents,
-                                                   row.node_valid, flat=flats[i])
+                logits, feats = self.runner.verify([prep.slot], [row.committed_lens[0] - 1], row.token_ids,
+                                                   row.parents, row.node_valid, flat=prep.flats[i])
             except (ValueError, KeyError):   # no room: the verdict's own launch will say so
                 return False
             self._launched = (row, logits, feats, True)
@@ -123,16 +152,13 @@ class ChainedLaunchMixin:
     def _take_prepared(self, request_ids: list[str], trees: list[dict | None],
                        tokens: list[list[int]]) -> tuple[DraftTree, torch.Tensor] | None:
         """The verdict's prepared launch -> (its one-request tree, its packed inputs), or None."""
-        prep, self._prepared = self._prepared, None
-        if prep is None or request_ids != [prep[0]] or trees[0] is not prep[4]:
+        prep, self._prepared = self._usable(self._prepared, request_ids), None
+        if prep is None or trees[0] is not prep.outcomes:
             return None
-        rid, _, slot, _, _, rows, row_trees, flats = prep
-        req, i = self.requests[rid], rows.get(tuple(tokens[0]))
-        if i is None or req.slot != slot or row_trees[i].committed_lens[0] != req.committed_len:
+        i = prep.row(tokens[0])
+        if i is None or prep.row_trees[i].committed_lens[0] != self.requests[prep.request_id].committed_len:
             return None
-        if len(trees[0][tuple(tokens[0])].token_ids) != row_trees[i].num_nodes:   # padded to a longer outcome's
-            return None
-        return row_trees[i], flats[i]
+        return prep.row_trees[i], prep.flats[i]
 
     def launch_next(self, verdict: tuple | None, trees: list[dict | None]) -> bool:
         """Queues the verify of the verdict's next tree when every request has one -> whether it
@@ -143,7 +169,7 @@ class ChainedLaunchMixin:
         if verdict is None:
             return False
         if early is not None:   # launched at the verdict (`_launch_prepared`): from these very trees?
-            return (self._launched is not None and len(trees) == 1 and trees[0] is early[4]
+            return (self._launched is not None and len(trees) == 1 and trees[0] is early.outcomes
                     and self._launched[0].request_ids == verdict[0])
         request_ids, committed_lens, tokens = verdict
         if len(trees) != len(request_ids) or any(rid not in self.requests for rid in request_ids):
@@ -211,13 +237,10 @@ class ChainedLaunchMixin:
         committed length and the shape; the preparation reserved those entries and the commit
         kept them (`_kept_entries`). The preparation is spent."""
         with self._state:
-            prep = self._prepared
-            if prep is None or tree.request_ids != [prep[0]] or self.requests.get(prep[0]) is None:
+            prep = self._usable(self._prepared, tree.request_ids)
+            if prep is None:
                 return None
-            slot, row_trees, flats = prep[2], prep[6], prep[7]
-            if self.requests[prep[0]].slot != slot:
-                return None
-            for row, flat in zip(row_trees, flats):
+            for row, flat in zip(prep.row_trees, prep.flats):
                 if (row.committed_lens == tree.committed_lens and row.token_ids.shape == tree.token_ids.shape
                         and torch.equal(row.parents, tree.parents) and torch.equal(row.node_valid, tree.node_valid)):
                     self._prepared = None

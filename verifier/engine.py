@@ -22,12 +22,12 @@ import torch
 
 from spectandem import rng
 from spectandem.config import SamplingParams
-from spectandem.devices import to_device
+from spectandem.devices import to_device, to_host
 from spectandem.messages import DraftTree, PrefillOutput, StaleMessage, VerifyOutput, root_only_tree
 from spectandem.sampling import greedy, logits_to_probs, sample_from_probs
 from spectandem.kernels.accept import greedy_accept
 from verifier.accept import VerifyResult, verify_greedy, verify_rejection, verify_tree_sampling
-from verifier.chained import ChainedLaunchMixin, same_tree
+from verifier.chained import ChainedLaunchMixin, Prepared, same_tree
 
 
 @dataclass
@@ -56,8 +56,8 @@ class VerifierEngine(ChainedLaunchMixin):
         self._verdict_outputs = None   # inside an armed verify's on_verdict: its outputs, built once
         self._launched: tuple | None = None
         self._unconfirmed: tuple | None = None   # a launch from device tokens (tree, logits, features)
-        self._prepared: tuple | None = None   # a verify's inputs packed per outcome (prepare_next)
-        self._early: tuple | None = None      # a prepared launch made before its verdict's commit
+        self._prepared: Prepared | None = None   # a verify's inputs packed per outcome (prepare_next)
+        self._early: Prepared | None = None      # a prepared launch made before its verdict's commit
         # On a GPU: recorded at an armed verify's verdict, after its own work, before any launch.
         self.round_done = None
         # Where the engine changes a request's KV slot; prepare_next comes from another thread.
@@ -224,7 +224,7 @@ class VerifierEngine(ChainedLaunchMixin):
         with self._state:
             tokens, feats = chain([r.slot for r in reqs], [r.committed_len - 1 for r in reqs],
                                   [r.token_ids[-1] for r in reqs], steps, features)
-        rows = tokens.cpu().tolist()           # the only wait for the device
+        rows = to_host(tokens)[0].tolist()     # the only wait for the device
         with self._state:
             for req, toks in zip(reqs, rows):
                 req.token_ids.extend(toks)
@@ -324,8 +324,8 @@ class VerifierEngine(ChainedLaunchMixin):
         res = greedy_accept(rows.argmax(-1), tree[0], tree[1], tree[2].bool())
         picked = None if feats is None else _gather_path(feats, res.accepted_nodes)
         n = tree.shape[2]
-        packed = torch.cat([res.accepted_nodes, res.output_token_ids, res.num_accepted[:, None],
-                            res.bonus_token_ids[:, None]], dim=1).cpu()              # [b, 2N + 2]
+        packed = to_host(torch.cat([res.accepted_nodes, res.output_token_ids, res.num_accepted[:, None],
+                                    res.bonus_token_ids[:, None]], dim=1))[0]        # [b, 2N + 2]
         return VerifyResult(accepted_nodes=packed[:, :n], num_accepted=packed[:, 2 * n],
                             output_token_ids=packed[:, n: 2 * n], bonus_token_ids=packed[:, 2 * n + 1]), picked
 
@@ -341,7 +341,7 @@ class VerifierEngine(ChainedLaunchMixin):
         if self._unconfirmed is not None and request_id in self._unconfirmed[0].request_ids:
             self._unconfirmed = None
         with self._state:
-            if self._prepared is not None and self._prepared[0] == request_id:
+            if self._prepared is not None and self._prepared.request_id == request_id:
                 self._prepared = None
             req = self.requests.pop(request_id, None)
             if req is not None:
