@@ -297,7 +297,6 @@ def _note(r: dict) -> str:
     if r.get("chained_verifies"):
         notes.append(f"chained {r['chained_verifies']}/{r['rounds']}"
                      + (f" ({r['prepared_verifies']} prepared)" if r.get("prepared_verifies") else "")
-                     + (f" ({r['preparations_from_packed']} from packed rows)" if r.get("preparations_from_packed") else "")
                      + (f", early {r['early_verifies']}" if r.get("early_verifies") else ""))
     if r.get("pre_ahead_used"):
         notes.append(f"pre-ahead {r['pre_ahead_used']}")

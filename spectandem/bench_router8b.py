@@ -169,7 +169,6 @@ async def _timed(s: _Setup, runs, ids: list[str], indices: list[int]) -> dict:
     eng = s.links[0].engine
     chained0, early0, prepared0 = eng.chained, eng.launched_early, getattr(eng, "launched_prepared", 0)
     like0, device0 = getattr(eng, "launched_like_prepared", 0), getattr(eng, "launched_from_device", 0)
-    packed0 = getattr(eng, "prepared_from_packed", 0)
     # The drafter's link, when there is one: its draft-ahead and draft calls a pre-call answered.
     pre_used = lambda: tuple(getattr(s.links[-1], k, 0) for k in ("pre_ahead_used", "pre_draft_used",
                                                                    "ahead_after_miss_used"))
@@ -187,7 +186,6 @@ async def _timed(s: _Setup, runs, ids: list[str], indices: list[int]) -> dict:
             "prepared": getattr(eng, "launched_prepared", 0) - prepared0,
             "early_prepared": getattr(eng, "launched_like_prepared", 0) - like0,
             "early_device": getattr(eng, "launched_from_device", 0) - device0,
-            "from_packed": getattr(eng, "prepared_from_packed", 0) - packed0,
             "pre_ahead": pre_used()[0] - pre0[0], "pre_draft": pre_used()[1] - pre0[1],
             "ahead_after_miss": pre_used()[2] - pre0[2],
             "rates": {k: round(v, 1) for k, v in router._modes.rates_for(len(ids)).items()}}
@@ -214,7 +212,6 @@ def _record(mode: str, batch_size: int, acceptance_rate: float | None, m: dict, 
         r.update(ahead_hits=c["draft_ahead_hits"], ahead_misses=c["draft_ahead_misses"], ready_trees=c["ready_trees"],
                  chained_verifies=m["chained"], prepared_verifies=m["prepared"], early_verifies=m["early"],
                  early_prepared_verifies=m["early_prepared"], early_device_verifies=m["early_device"],
-                 preparations_from_packed=m["from_packed"],
                  pre_ahead_used=m["pre_ahead"],
                  pre_draft_used=m["pre_draft"], ahead_after_miss_used=m["ahead_after_miss"], round_ms=round((dt - prefill_s) / c["rounds"] * 1000, 3),
                  expected_ahead_hit_rate=round(expected_ahead_hit_rate(acceptance_rate, num_steps), 3))
