@@ -45,12 +45,6 @@ AHEAD_AFTER_MISS = os.environ.get("SPECTANDEM_AHEAD_AFTER_MISS", "1") != "0"
 # outcome then (VerifierEngine.prepare_next, one request), and the verdict's launch only picks
 # one. SPECTANDEM_PREPARE_LAUNCH=0 packs them at the verdict.
 PREPARE_LAUNCH = os.environ.get("SPECTANDEM_PREPARE_LAUNCH", "1") != "0"
-# Before those trees come: once a chained launch's verdict has started the drafter's next call
-# and its drafting is queued, the verifier's worker packs the next verify's inputs for every
-# accept length but the token ids (VerifierEngine.pre_pack_next), so that the preparation only
-# writes the drafter's tokens in: less of it stands between the drafter's trees and the verdict.
-# SPECTANDEM_PRE_PACK=0 turns it off.
-PRE_PACK = os.environ.get("SPECTANDEM_PRE_PACK", "1") != "0"
 
 
 class LocalVerifierLink(_LocalLink):
@@ -161,8 +155,6 @@ class LocalVerifierLink(_LocalLink):
             t0 = time.perf_counter()   # the drafter's host work first (DRAFTER_FIRST_S)
             started.wait_queued(self.drafter_first_s)
             self._waited += time.perf_counter() - t0
-        if self._queued and PREPARE_LAUNCH and PRE_PACK:   # while the drafter drafts the next trees
-            self.engine.pre_pack_next()
         return out
 
     def _launch_missed(self, tree) -> None:

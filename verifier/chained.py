@@ -96,14 +96,7 @@ class ChainedLaunchMixin:
             # Outcome o commits len(o) tokens: its verify is at committed length tag + len(o).
             tree = trees_from_ready([rid] * len(keys), [tag + len(k) for k in keys], [outcomes[k] for k in keys])
             lens = [c - 1 for c in tree.committed_lens]
-            args = (req.slot, lens, tree.token_ids, tree.parents, tree.node_valid)
-            packed, self._packed = self._packed, None
-            flats = None
-            if packed is not None and packed[:2] == (rid, tag):   # rows packed while the drafter drafted
-                flats = self.runner.rows_from_packed(packed[2], *args)
-                self.prepared_from_packed += flats is not None
-            if flats is None:
-                flats = self.runner.prepare_rows(*args)
+            flats = self.runner.prepare_rows(req.slot, lens, tree.token_ids, tree.parents, tree.node_valid)
             if flats is None:
                 return False
             # Each outcome's one-row tree too, so that its launch builds nothing.
@@ -111,31 +104,6 @@ class ChainedLaunchMixin:
                                       {k: i for i, k in enumerate(keys)},
                                       [_row(tree, i, rid) for i in range(len(keys))], flats)
         return True
-
-    def pre_pack_next(self) -> bool:
-        """After a chained launch of one request's chain, before its outcome trees come (the
-        verifier link calls it once the drafter's call that drafts them is queued): packs the
-        inputs of the next verify for every accept length of that chain, without their token ids
-        (`NativeRunner.pack_chain_rows`). `prepare_next` then writes the drafter's tokens into
-        them, where it would pack each outcome's inputs: the work between the trees and the
-        verdict shrinks to that. -> whether it packed."""
-        launched = self._launched
-        if launched is None or not launched[3] or not hasattr(self.runner, "pack_chain_rows"):
-            return False
-        tree = launched[0]
-        n = tree.num_nodes
-        if len(tree.request_ids) != 1 or not bool(tree.node_valid.all()) or \
-                not torch.equal(tree.parents[0], torch.arange(-1, n - 1)):
-            return False
-        rid, tag = tree.request_ids[0], tree.committed_lens[0]
-        with self._state:
-            req = self.requests.get(rid)
-            if req is None or req.committed_len != tag or (self._prepared is not None and self._prepared.tag == tag):
-                return False     # its verdict is in, or its trees came first
-            # An outcome committing k tokens (k - 1 drafts and a bonus) verifies at tag + k.
-            rows = self.runner.pack_chain_rows(req.slot, [tag + k - 1 for k in range(1, n + 1)], n)
-            self._packed = None if rows is None else (rid, tag, rows)
-        return rows is not None
 
     def _kept_entries(self, request_ids: list[str]) -> list[int] | None:
         """Per request, entries its slot keeps reserved past the commit (a prepared launch's,

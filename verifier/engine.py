@@ -58,7 +58,6 @@ class VerifierEngine(ChainedLaunchMixin):
         self._unconfirmed: tuple | None = None   # a launch from device tokens (tree, logits, features)
         self._prepared: Prepared | None = None   # a verify's inputs packed per outcome (prepare_next)
         self._early: Prepared | None = None      # a prepared launch made before its verdict's commit
-        self._packed: tuple | None = None        # (request id, tag, ChainRows): pre_pack_next's
         # On a GPU: recorded at an armed verify's verdict, after its own work, before any launch.
         self.round_done = None
         # Where the engine changes a request's KV slot; prepare_next comes from another thread.
@@ -67,7 +66,6 @@ class VerifierEngine(ChainedLaunchMixin):
         self.launched_prepared = 0    # of those, launched from inputs prepared before the verdict
         self.launched_early = 0       # verifies served by another `launch` (a miss's tree)
         self.launched_like_prepared = 0   # of those launches, from an outcome's prepared inputs
-        self.prepared_from_packed = 0     # preparations that wrote tokens into rows packed before the trees
         self.launched_from_device = 0     # of those launches, from the drafter's tokens on the device
         self.last_chained = False     # the last verify was
 
@@ -345,8 +343,6 @@ class VerifierEngine(ChainedLaunchMixin):
         with self._state:
             if self._prepared is not None and self._prepared.request_id == request_id:
                 self._prepared = None
-            if self._packed is not None and self._packed[0] == request_id:
-                self._packed = None
             req = self.requests.pop(request_id, None)
             if req is not None:
                 self.runner.release(req.slot)

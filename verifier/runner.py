@@ -22,8 +22,7 @@ from spectandem.kv_cache import KVCache, PagedKVCache
 from spectandem.modeling.llama import NATIVE_ARCHITECTURES, InvariantBatch, LlamaModel, load_llama
 from spectandem.block_manager import KVCacheFull
 from verifier.graphs import VerifyGraphs, batch_bucket, verify_forward, verify_inputs, with_device_tokens
-from verifier.tree_inputs import (ChainRows, host_tree_inputs, rows_with_tokens, tree_input_block, tree_input_rows,
-                                  tree_verify_inputs)
+from verifier.tree_inputs import host_tree_inputs, tree_input_rows, tree_verify_inputs
 from verifier.hf_runner import FeatureSpec, HFRunner
 
 __all__ = ["FeatureSpec", "HFRunner", "NativeRunner", "load_runner"]
@@ -188,39 +187,6 @@ class NativeRunner:
             return None
         flat = host_tree_inputs(self.cache, [slot] * rows, cache_lens, token_ids, parents, node_valid, rows)
         return tree_input_rows(flat, rows, n, self.cache.host_tables.shape[1])
-
-    def pack_chain_rows(self, slot: int, cache_lens: list[int], n: int) -> ChainRows | None:
-        """Before the trees exist: the packed inputs of one-request verifies of chains of n nodes
-        at each of cache_lens, their token ids left out (`rows_from_packed` writes them in).
-        Reserves the slot for the longest -> the rows; None where the verify would not read
-        them (`packs_tree_inputs`), or no room."""
-        if not self.packs_tree_inputs:
-            return None
-        try:
-            self.cache.reserve(slot, max(cache_lens) + n)
-        except (KVCacheFull, ValueError):
-            return None
-        rows = len(cache_lens)
-        chain = torch.arange(-1, n - 1).repeat(rows, 1)                                      # [R, n]
-        flat = host_tree_inputs(self.cache, [slot] * rows, cache_lens, torch.zeros(rows, n, dtype=torch.long),
-                                chain, torch.ones(rows, n, dtype=torch.bool), rows)
-        return ChainRows(slot, tuple(cache_lens), n, tree_input_block(flat, rows, n, self.cache.host_tables.shape[1]))
-
-    def rows_from_packed(self, packed: ChainRows, slot: int, cache_lens: list[int], token_ids: torch.Tensor,
-                         parents: torch.Tensor, node_valid: torch.Tensor) -> list[torch.Tensor] | None:
-        """`prepare_rows` from rows packed before the trees (`pack_chain_rows`): the same bytes,
-        where every tree is a chain of the packed length at a packed cache length of this slot
-        (the slot unchanged since: the caller's to know); else None (`prepare_rows` then)."""
-        b, n = token_ids.shape
-        if packed.slot != slot or packed.n != n or not bool(node_valid.all()):
-            return None
-        if not torch.equal(parents, torch.arange(-1, n - 1).expand(b, n)):
-            return None
-        try:
-            index = [packed.cache_lens.index(c) for c in cache_lens]
-        except ValueError:   # a cache length not packed
-            return None
-        return rows_with_tokens(packed.rows, index, token_ids.numpy(), n, self.cache.host_tables.shape[1])
 
     def _step(self, slots, cache_lens, token_ids, parents, node_valid, device_tokens=None, features: bool = True,
               flat=None):

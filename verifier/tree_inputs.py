@@ -41,16 +41,6 @@ class TreeVerifyInputs:
 
 
 
-@dataclass(frozen=True)
-class ChainRows:
-    """One-request verify inputs of chains packed before their tokens (`NativeRunner.pack_chain_rows`)."""
-
-    slot: int
-    cache_lens: tuple[int, ...]   # row i verifies a chain at cache_lens[i]
-    n: int                        # the chains' nodes
-    rows: torch.Tensor            # the row block (`tree_input_block`), token ids 0
-
-
 def tree_inputs_nbytes(rows: int, n: int, max_blocks: int) -> int:
     """Bytes of one packed TreeVerifyInputs (`tree_inputs_on`)."""
     return 8 * rows * (3 * n + max_blocks + 1) + rows * n * n
@@ -82,56 +72,20 @@ def _tree_fields_np(flat: torch.Tensor, rows: int, n: int, max_blocks: int) -> t
             ints[3 * rows * n + rows * max_blocks:], buf[8 * rows * (3 * n + max_blocks + 1):].view(np.bool_).reshape(rows, n, n))
 
 
-def _row_layout(n: int, max_blocks: int) -> tuple[int, int]:
-    """(bytes of one row's packed inputs, the stride between rows: 64-byte aligned, so the int64
-    views of every row stay aligned)."""
-    one = tree_inputs_nbytes(1, n, max_blocks)
-    return one, -(-one // 64) * 64
-
-
 def tree_input_rows(flat: torch.Tensor, rows: int, n: int, max_blocks: int) -> list[torch.Tensor]:
     """A host `flat` of `rows` rows (`host_tree_inputs`) -> one flat of one row per row (views of
     one buffer in the same kind of memory): the inputs of a one-request verify of that row's
     tree. Each field crosses in one numpy copy for all rows."""
-    return row_views(tree_input_block(flat, rows, n, max_blocks), n, max_blocks)
-
-
-def tree_input_block(flat: torch.Tensor, rows: int, n: int, max_blocks: int) -> torch.Tensor:
-    """`tree_input_rows`' one buffer: [rows * stride] uint8, row i's inputs at i * stride
-    (`_row_layout`), in the same kind of memory as `flat`."""
     fields = _tree_fields_np(flat, rows, n, max_blocks)
-    one, stride = _row_layout(n, max_blocks)
+    one = tree_inputs_nbytes(1, n, max_blocks)
+    stride = -(-one // 64) * 64              # rows 64-byte aligned: the int64 views below stay aligned
     big = torch.empty(rows * stride, dtype=torch.uint8, pin_memory=flat.is_pinned())
     per = big.numpy().reshape(rows, stride)
     ints = per[:, : 8 * (3 * n + max_blocks + 1)].view(np.int64)      # [rows, 3N + max_blocks + 1]
     ints[:, :n], ints[:, n: 2 * n], ints[:, 2 * n: 3 * n] = fields[0], fields[1], fields[2]
     ints[:, 3 * n: 3 * n + max_blocks], ints[:, -1] = fields[3], fields[4]
     per[:, 8 * (3 * n + max_blocks + 1): one] = fields[5].reshape(rows, n * n).view(np.uint8)
-    return big
-
-
-def row_views(block: torch.Tensor, n: int, max_blocks: int) -> list[torch.Tensor]:
-    """A row block (`tree_input_block`) -> each row's one-request flat (views)."""
-    one, stride = _row_layout(n, max_blocks)
-    return [block[i * stride: i * stride + one] for i in range(block.numel() // stride)]
-
-
-def rows_with_tokens(template: torch.Tensor, index: list[int], token_ids: np.ndarray, n: int,
-                     max_blocks: int) -> list[torch.Tensor]:
-    """One-row inputs as `tree_input_rows` gives them, copied from rows of `template` (a row
-    block, `tree_input_block`, packed for trees whose token ids were placeholders) with each
-    row's token ids written in: row i is the template's row index[i] with token_ids[i]
-    ([len(index), n] int64; -1 reads as 0, as `host_tree_inputs` packs them). Every other field
-    depends only on the slot, the cache length and the tree's shape, so a template packed before
-    the tokens are known serves them. Example: template rows packed at cache lengths
-    [40, 41, 42], index [2, 0] -> the inputs of verifies at 42 and 40, with their own tokens."""
-    one, stride = _row_layout(n, max_blocks)
-    src = template.numpy().reshape(-1, stride)
-    big = torch.empty(len(index) * stride, dtype=torch.uint8, pin_memory=template.is_pinned())
-    per = big.numpy().reshape(len(index), stride)
-    per[:] = src[index]
-    np.maximum(token_ids, 0, out=per[:, : 8 * n].view(np.int64))
-    return row_views(big, n, max_blocks)
+    return [big[i * stride: i * stride + one] for i in range(rows)]
 
 
 def host_tree_inputs(cache: PagedKVCache, slots: list[int], cache_lens: list[int], token_ids: torch.Tensor,

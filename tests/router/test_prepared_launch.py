@@ -9,12 +9,10 @@ round test runs the demo target through a runner that says it does and, at each 
 prepared inputs, compares them byte for byte with the inputs packed afresh at that moment (from
 the slot's block table then), before verifying eagerly. Tokens equal plain
 decoding's. Control: inputs prepared one entry off are caught. Units: splitting a packed batch
-into one-row inputs, rows packed before the trees (NativeRunner.pack_chain_rows) taking their
-tokens at preparation, and a commit's trim keeping the entries a preparation reserved."""
+into one-row inputs, and a commit's trim keeping the entries a preparation reserved."""
 
 from __future__ import annotations
 
-import dataclasses
 import random
 
 import pytest
@@ -53,30 +51,6 @@ def test_rows_split_from_a_packed_batch_equal_each_row_packed_alone():
             assert torch.equal(part, alone), (rows, n, i)
 
 
-def test_rows_packed_before_the_tokens_equal_the_rows_prepared_with_them():
-    """NativeRunner.rows_from_packed: chains at packed cache lengths, in any order and with
-    repeats, are the bytes prepare_rows packs; anything else is not served (None)."""
-    runner = _pair()[0].verifier.runner
-    runner.__class__ = type("_Packing", (NativeRunner,), {"packs_tree_inputs": True})
-    rng, n = random.Random(5), 4
-    packed = runner.pack_chain_rows(1, [30, 31, 32, 33], n)
-    assert packed is not None and len(runner.cache.blocks.tables[1]) == 3        # 37 entries reserved
-    chain = torch.arange(-1, n - 1).repeat(3, 1)
-    valid = torch.ones(3, n, dtype=torch.bool)
-    for lens in ([33, 30, 31], [32, 32, 30]):
-        tok = torch.tensor([[rng.randrange(0, 500) for _ in range(n)] for _ in range(3)])
-        got = runner.rows_from_packed(packed, 1, lens, tok, chain, valid)
-        want = runner.prepare_rows(1, lens, tok, chain, valid)
-        assert [bytes(g.numpy()) for g in got] == [bytes(w.numpy()) for w in want], lens
-    tok = torch.ones(3, n, dtype=torch.long)
-    assert runner.rows_from_packed(packed, 1, [29, 30, 31], tok, chain, valid) is None     # 29 not packed
-    assert runner.rows_from_packed(packed, 2, [30, 31, 32], tok, chain, valid) is None     # another slot
-    tree = chain.clone()
-    tree[:, 2] = 0                                                                          # not a chain
-    assert runner.rows_from_packed(packed, 1, [30, 31, 32], tok, tree, valid) is None
-    assert runner.rows_from_packed(packed, 1, [30, 31], tok[:2, :3], chain[:2, :3], valid[:2, :3]) is None
-
-
 def test_commit_keeps_the_entries_a_preparation_reserved():
     runner = _pair()[0].verifier.runner
     cache = runner.cache
@@ -99,10 +73,6 @@ class _CheckedRunner(NativeRunner):
 
     def prepare_rows(self, slot, cache_lens, token_ids, parents, node_valid):
         return super().prepare_rows(slot, [c + self.offset for c in cache_lens], token_ids, parents, node_valid)
-
-    def pack_chain_rows(self, slot, cache_lens, n):   # the control: packed this many entries off
-        rows = super().pack_chain_rows(slot, [c + self.offset for c in cache_lens], n)
-        return None if rows is None else dataclasses.replace(rows, cache_lens=tuple(cache_lens))
 
     def verify(self, slots, cache_lens, token_ids, parents, node_valid, flat=None, device_tokens=None, ready=None):
         if flat is not None:
@@ -206,43 +176,3 @@ def test_a_missed_tree_launches_from_the_inputs_prepared_for_its_shape(offset, m
     assert eng.launch(other) and eng.launched_like_prepared == 1 == _CheckedRunner.checked
     eng.verify(other)
     eng.release("a")
-
-
-@pytest.mark.parametrize("offset", [0, 1], ids=["packed", "control-one-entry-off"])
-def test_rows_packed_before_the_trees_serve_the_verdicts_launch(offset, monkeypatch):
-    """Engine level: after a chained launch of a three-node chain, the verifier packs the next
-    verify's inputs for each accept length before any tree exists (pre_pack_next); the outcome
-    trees, when they come, only have their tokens written in (prepare_next: prepared_from_packed),
-    and the verdict's launch from them is byte for byte the inputs packed afresh then. Its verdict
-    is an unchained engine's. Control: rows packed one entry off are caught."""
-    from tests.router.test_chained_verify import _greedy_next, _reference
-    from spectandem.messages import ReadyTree, trees_from_ready
-
-    spec, plain = _pair()
-    monkeypatch.setattr(spec.verifier.runner, "__class__", _CheckedRunner)
-    monkeypatch.setattr(_CheckedRunner, "offset", offset)
-    monkeypatch.setattr(_CheckedRunner, "checked", 0)
-    monkeypatch.setattr(_CheckedRunner, "mismatched", 0)
-    eng = spec.verifier
-    prompt = spec.tokenizer.encode(PROMPT_TEXTS[2]).ids
-    first = eng.prefill(["a"], [prompt], [SamplingParams(max_tokens=32)], [0])[0].first_token_id
-    n = eng.committed_len("a")
-    g1, g2, _ = _greedy_next(plain, prompt + [first], 3)
-    wrong = (g2 + 1) % 500
-    chain = lambda root, *drafts: ReadyTree((root, *drafts), (-1, 0, 1), (0.0, -1.0, -2.0))
-    tree = trees_from_ready(["a"], [n], [chain(first, g1, wrong)])        # commits [g1, g2]
-    assert eng.launch(tree, chained=True)
-    assert eng.pre_pack_next()
-    # One tree per accept length (tokens committed: 1, 2 and 3), the verdict's among them.
-    outcomes = {(wrong,): chain(wrong, 7, 8), (g1, g2): chain(g2, 9, 10), (g1, wrong, 3): chain(3, 11, 12)}
-    eng.arm_next(["a"], [n])
-    assert eng.prepare_next(["a"], [n], [outcomes]) and eng.prepared_from_packed == 1
-    assert eng.verify(tree)[0].token_ids == [g1, g2]
-    assert eng.launch_next(eng.take_verdict(), [outcomes])               # launched at the verdict
-    assert _CheckedRunner.checked == 1 and _CheckedRunner.mismatched == offset
-    nxt = trees_from_ready(["a"], [n + 2], [outcomes[(g1, g2)]])
-    got = eng.verify(nxt)[0]
-    assert [got.token_ids, got.num_accepted] == _reference(plain, prompt + [first, g1, g2], outcomes[(g1, g2)])
-    assert not eng.pre_pack_next()      # a verify taken in, nothing launched: nothing to pack for
-    eng.release("a")
-    assert eng._packed is None and eng._prepared is None
