@@ -18,14 +18,12 @@ numerics (bit-for-bit claims included) or speed.
 
 from __future__ import annotations
 
-import os
 
 import pytest
 import torch
 
 from spectandem.config import SamplingParams, SpecConfig
 from spectandem.demo import demo_paths
-from spectandem.kernels import HAVE_TRITON
 from spectandem.kernels.batch_invariant import bi_attention_ref, bi_linear_ref, bi_rmsnorm_ref, tree_paths
 from spectandem.local import LocalSpeculator
 from spectandem.modeling.layers import RMSNorm, masked_attention
@@ -40,29 +38,8 @@ from tests.gpu.test_batch_invariant import (
     check_rmsnorm,
     tree_case,
 )
+from tests.interpreter import interpreter
 from verifier.runner import NativeRunner, load_runner
-
-interpreter = pytest.mark.skipif(
-    not HAVE_TRITON or os.environ.get("TRITON_INTERPRET") != "1",
-    reason="the kernels run on the CPU only in Triton's interpreter: install triton and set TRITON_INTERPRET=1 "
-           "before the session starts (CI has no triton; these checks count for nothing there)")
-
-
-@pytest.fixture
-def loop_bounds_patch():
-    """Triton 3.6's interpreter turns a runtime loop bound into an int with `int(array of shape
-    (1,))`, which numpy >= 2.4 refuses; triton-lang/triton#9171 squeezes first. Applied per test."""
-    from triton.runtime import interpreter as interp
-
-    original = interp._patch_lang_tensor
-
-    def patched(tensor, scope):
-        original(tensor, scope)
-        scope.set_attr(tensor, "__index__", lambda self: int(self.handle.data.squeeze()))
-
-    interp._patch_lang_tensor = patched
-    yield
-    interp._patch_lang_tensor = original
 
 
 # Triton 3.6's interpreter multiplies bf16 tiles in `tl.dot` as raw bit patterns (triton-lang/triton#11584):

@@ -22,14 +22,12 @@ numerics (the bit-for-bit claims against torch included) or speed.
 
 from __future__ import annotations
 
-import os
 
 import pytest
 import torch
 import torch.nn.functional as F
 
 from spectandem.demo import demo_paths
-from spectandem.kernels import HAVE_TRITON
 from spectandem.kernels.fused import (
     reduction_layout,
     rmsnorm_ref,
@@ -41,13 +39,9 @@ from spectandem.kernels.rotary import rotary_ref, rotary_triton
 from spectandem.modeling.layers import GatedMLP, RMSNorm, apply_rotary
 from spectandem.modeling.llama import Attention, load_llama
 from tests.gpu.test_fused_kernels import check_rmsnorm, check_rotary, check_silu_mul
+from tests.interpreter import interpreter, needs_triton
 from verifier.runner import NativeRunner
 
-interpreter = pytest.mark.skipif(
-    not HAVE_TRITON or os.environ.get("TRITON_INTERPRET") != "1",
-    reason="the kernels run on the CPU only in Triton's interpreter: install triton and set TRITON_INTERPRET=1 "
-           "before the session starts (CI has no triton; these checks count for nothing there)")
-needs_triton = pytest.mark.skipif(not HAVE_TRITON, reason="the _triton wrappers need the triton package")
 
 DTYPES = [torch.float32, torch.bfloat16]
 DTYPE_IDS = ["fp32", "bf16"]

@@ -22,7 +22,6 @@ silu_mul_packed within a few ulps (numpy's exp); bf16 within a few ulps (the int
 from __future__ import annotations
 
 import copy
-import os
 
 import pytest
 import torch
@@ -30,7 +29,6 @@ import torch.nn.functional as F
 
 from spectandem.config import SamplingParams, SpecConfig
 from spectandem.demo import demo_paths
-from spectandem.kernels import HAVE_TRITON
 from spectandem.kernels.fused import (
     _row_layout,
     add_rmsnorm_ref,
@@ -53,13 +51,9 @@ from tests.gpu.test_packed_model import (
     random_llama,
 )
 from tests.gpu.test_triton_attention import _rounds
+from tests.interpreter import interpreter, needs_triton
 from verifier.runner import NativeRunner
 
-interpreter = pytest.mark.skipif(
-    not HAVE_TRITON or os.environ.get("TRITON_INTERPRET") != "1",
-    reason="the kernels run on the CPU only in Triton's interpreter: install triton and set TRITON_INTERPRET=1 "
-           "before the session starts (CI has no triton; these checks count for nothing there)")
-needs_triton = pytest.mark.skipif(not HAVE_TRITON, reason="the _triton wrappers need the triton package")
 
 DTYPES = [torch.float32, torch.bfloat16]
 DTYPE_IDS = ["fp32", "bf16"]

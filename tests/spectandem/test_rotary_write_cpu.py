@@ -11,21 +11,15 @@ check at small sizes, fp32 bit for bit, bf16 within the interpreter's truncating
 
 from __future__ import annotations
 
-import os
 
 import pytest
 import torch
 
 from spectandem.demo import demo_paths
-from spectandem.kernels import HAVE_TRITON
 from spectandem.modeling.llama import load_llama
 from tests.gpu.test_rotary_write import check_rotary_write
+from tests.interpreter import interpreter
 from verifier.runner import NativeRunner
-
-interpreter = pytest.mark.skipif(
-    not HAVE_TRITON or os.environ.get("TRITON_INTERPRET") != "1",
-    reason="the kernel runs on the CPU only in Triton's interpreter: install triton and set TRITON_INTERPRET=1 "
-           "before the session starts (CI has no triton; these checks count for nothing there)")
 
 
 @interpreter

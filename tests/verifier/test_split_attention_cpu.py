@@ -10,13 +10,12 @@ tests/gpu/test_split_attention.py covers the kernels on the GPU)."""
 
 from __future__ import annotations
 
-import os
 
 import pytest
 import torch
 
 from spectandem.block_manager import blocks_for
-from spectandem.kernels import HAVE_TRITON, paged_tree_attention, paged_tree_attention_ref
+from spectandem.kernels import paged_tree_attention, paged_tree_attention_ref
 from spectandem.kernels.attention import split_len_for
 from spectandem.kv_cache import PagedKVCache
 from tests.gpu.test_split_attention import (
@@ -27,6 +26,7 @@ from tests.gpu.test_split_attention import (
     check_split_padding_rows,
     paged_kv,
 )
+from tests.interpreter import interpreter
 
 # Kernel vs reference in fp32 at these sizes (spans <= ~200, |out| <= ~3): summation order only.
 TIGHT = dict(atol=1e-5, rtol=1e-5)
@@ -70,28 +70,6 @@ def test_bad_split_len_on_the_reference():
 
 # ----------------------------------------------------------------------------------------------
 # The kernels through Triton's interpreter (TRITON_INTERPRET=1 set before the session).
-
-interpreter = pytest.mark.skipif(
-    not HAVE_TRITON or os.environ.get("TRITON_INTERPRET") != "1",
-    reason="the kernel runs on the CPU only in Triton's interpreter: install triton and set TRITON_INTERPRET=1 "
-           "before the session starts")
-
-
-@pytest.fixture
-def loop_bounds_patch():
-    """Triton 3.6's interpreter turns a runtime loop bound into an int with `int(array of shape
-    (1,))`, which numpy >= 2.4 refuses; triton-lang/triton#9171 squeezes first. Applied per test."""
-    from triton.runtime import interpreter as interp
-
-    original = interp._patch_lang_tensor
-
-    def patched(tensor, scope):
-        original(tensor, scope)
-        scope.set_attr(tensor, "__index__", lambda self: int(self.handle.data.squeeze()))
-
-    interp._patch_lang_tensor = patched
-    yield
-    interp._patch_lang_tensor = original
 
 
 @interpreter

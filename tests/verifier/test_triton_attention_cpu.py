@@ -12,7 +12,6 @@ flag plumbing (GpuPaths, --triton-attention)."""
 from __future__ import annotations
 
 import argparse
-import os
 from pathlib import Path
 
 import pytest
@@ -21,11 +20,12 @@ import torch
 from spectandem.config import GpuPaths, SamplingParams, SpecConfig
 from spectandem.demo import demo_paths
 from spectandem.generate_cli import add_model_flags
-from spectandem.kernels import HAVE_TRITON, paged_tree_attention_triton
+from spectandem.kernels import paged_tree_attention_triton
 from spectandem.local import LocalSpeculator
 from spectandem.modeling.llama import load_llama
 from tests.e2e.conftest import PROMPT_TEXTS
 from tests.gpu.test_triton_attention import check_padding_rows
+from tests.interpreter import interpreter
 from verifier.graphs import VerifyGraphs
 from verifier.runner import NativeRunner, load_runner
 
@@ -177,28 +177,6 @@ def test_flag_and_gpu_paths():
 # The Triton kernel itself, through Triton's interpreter (TRITON_INTERPRET=1 set before the session;
 # skipped otherwise, as in CI, where they count for nothing: tests/gpu/test_triton_attention.py covers
 # the kernel on the GPU). fp32 only: the interpreter's bf16 tl.dot is broken (triton-lang/triton#11584).
-
-interpreter = pytest.mark.skipif(
-    not HAVE_TRITON or os.environ.get("TRITON_INTERPRET") != "1",
-    reason="the kernel runs on the CPU only in Triton's interpreter: install triton and set TRITON_INTERPRET=1 "
-           "before the session starts")
-
-
-@pytest.fixture
-def loop_bounds_patch():
-    """Triton 3.6's interpreter turns a runtime loop bound into an int with `int(array of shape
-    (1,))`, which numpy >= 2.4 refuses; triton-lang/triton#9171 squeezes first. Applied per test."""
-    from triton.runtime import interpreter as interp
-
-    original = interp._patch_lang_tensor
-
-    def patched(tensor, scope):
-        original(tensor, scope)
-        scope.set_attr(tensor, "__index__", lambda self: int(self.handle.data.squeeze()))
-
-    interp._patch_lang_tensor = patched
-    yield
-    interp._patch_lang_tensor = original
 
 
 @interpreter
