@@ -42,23 +42,9 @@ ATTENTION_DTYPES = [torch.float32, torch.float16]
 ATTENTION_DTYPE_IDS = ["fp32", "fp16"]
 
 
-@pytest.fixture(scope="module", autouse=True)
-def _interpreter_loop_bounds():
-    """Triton 3.6's interpreter turns a loop bound into an int with `int(array of shape (1,))`, which
-    numpy >= 2.4 refuses ("only 0-dimensional arrays can be converted to Python scalars"), so every
-    kernel whose loop bound is a runtime value fails there. triton-lang/triton#9171 has the fix
-    (squeeze first); apply it for this module only."""
-    from triton.runtime import interpreter
-
-    original = interpreter._patch_lang_tensor
-
-    def patched(tensor, scope):
-        original(tensor, scope)
-        scope.set_attr(tensor, "__index__", lambda self: int(self.handle.data.squeeze()))
-
-    interpreter._patch_lang_tensor = patched
-    yield
-    interpreter._patch_lang_tensor = original
+# Every test here runs a kernel whose loop bound is a runtime value: the interpreter's patch for
+# it (tests/conftest.py `loop_bounds_patch`) applies to each.
+pytestmark = pytest.mark.usefixtures("loop_bounds_patch")
 
 
 @pytest.mark.parametrize("dtype", ATTENTION_DTYPES, ids=ATTENTION_DTYPE_IDS)
