@@ -4,7 +4,7 @@ which clears the L2 cache before each call, so the weight comes from DRAM as in 
 the fraction of the measured copy bandwidth, the best tile per shape, and the largest difference
 from an fp32 reference next to cuBLAS's. CUDA only.
 
-    python benchmarks/gemv_timing.py [--configs all|best]
+    python benchmarks/gemv_timing.py [--rows 1,5,16] [--shapes qkv,o,...,head_lm]
 """
 
 from __future__ import annotations
@@ -20,7 +20,10 @@ from spectandem.bench import copy_bandwidth
 from spectandem.kernels.skinny import skinny_linear_triton
 
 SHAPES = {"qkv": (6144, 4096), "o": (4096, 4096), "gate_up": (28672, 4096), "down": (4096, 14336),
-          "lm_head": (128256, 4096)}
+          "lm_head": (128256, 4096),
+          # the EAGLE-3 head of the 8B shape: q/k/v over [embedding, hidden], fc over three target
+          # layers, its LM head over the 32k draft vocabulary (its o, gate/up and down are above)
+          "head_qkv": (6144, 8192), "head_fc": (4096, 12288), "head_lm": (32000, 4096)}
 CONFIGS = [(bn, bk, w, s) for bn, bk, w, s in itertools.product((16, 32, 64), (128, 256, 512), (4, 8), (3, 4))
            if not (w == 8 and bn == 16)]
 
@@ -28,11 +31,13 @@ CONFIGS = [(bn, bk, w, s) for bn, bk, w, s in itertools.product((16, 32, 64), (1
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--rows", default="1,5,16")
+    ap.add_argument("--shapes", default=",".join(SHAPES), help=f"of {', '.join(SHAPES)}")
     args = ap.parse_args()
     bw = copy_bandwidth("cuda")
     print(f"copy bandwidth {bw / 1e12:.2f} TB/s")
     g = torch.Generator(device="cuda").manual_seed(0)
-    for name, (n, k) in SHAPES.items():
+    for name in args.shapes.split(","):
+        n, k = SHAPES[name]
         w = (torch.randn(n, k, device="cuda", generator=g) * 0.02).to(torch.bfloat16)
         floor_us = n * k * 2 / bw * 1e6
         for m in (int(r) for r in args.rows.split(",")):

@@ -82,7 +82,7 @@ def main() -> None:
     }
     graphs = prop.ahead_graphs
     if graphs.graph:
-        static, graph, _ = next(iter(graphs._captured.values()))
+        graph = next(iter(graphs._captured.values()))[2]
         rows["replay"] = _median_ms(graph.replay, device, args.repeats)
     slot = torch.tensor([prop.slots.of["r"]], device=device)
     base = prop.cache_len["r"]

@@ -17,7 +17,8 @@ from torch import nn
 
 from spectandem.kernels.rotary import rotary
 from spectandem.kv_cache import CacheBatch
-from spectandem.modeling.layers import GatedMLP, RMSNorm, RopeSpec, Rotary, apply_rotary, masked_attention
+from spectandem.modeling.layers import (GatedMLP, PackedProjections, RMSNorm, RopeSpec, Rotary, apply_rotary,
+                                        fast_linear, masked_attention)
 
 
 @dataclass(frozen=True)
@@ -44,8 +45,9 @@ class HeadSpec:
         return self.target_hidden_size * (len(self.aux_layers) if self.kind == "eagle3" else 1)
 
 
-class _HeadAttention(nn.Module):
-    fused = False  # DraftHead.use_fused_kernels: rotary on q and k in one Triton launch on CUDA
+class _HeadAttention(PackedProjections):
+    fused = False  # DraftHead.use_fused_kernels: one q/k/v GEMM, rotary in one Triton launch on CUDA
+    packed_names = ("q_proj", "k_proj", "v_proj")  # packed: [.., (nh + 2 nkv) * hd]
 
     def __init__(self, spec: HeadSpec, in_dim: int):
         super().__init__()
@@ -56,20 +58,34 @@ class _HeadAttention(nn.Module):
         self.v_proj = nn.Linear(in_dim, spec.num_kv_heads * hd, bias=spec.qkv_bias)
         self.o_proj = nn.Linear(spec.num_heads * hd, spec.hidden_size, bias=False)
 
-    def forward(self, x, x_q, cos, sin, cos_q, sin_q, cache: CacheBatch, mask):
-        """x [B, T, D] (K/V rows); x_q [B, Tq, D] (query rows); mask [B, Tq, span]."""
+    def forward(self, x, cos, sin, rows, cache: CacheBatch, mask):
+        """x [B, T, D] (every input row: K/V for each); rows [B, Tq] the query rows, or None for
+        all T in order; cos/sin [B, T, hd]; mask [B, Tq, span]."""
         b, t, _ = x.shape
-        tq = x_q.shape[1]
-        k = self.k_proj(x).view(b, t, self.num_kv_heads, self.head_dim).transpose(1, 2)
-        v = self.v_proj(x).view(b, t, self.num_kv_heads, self.head_dim).transpose(1, 2)
-        q = self.q_proj(x_q).view(b, tq, self.num_heads, self.head_dim).transpose(1, 2)
-        if self.fused and x_q is x:   # every row a query row (DraftHead.run): one table
+        if self.fused and self.packed_weight is not None:
+            # One GEMM over every row (q of the rows that are no query rows is computed and dropped:
+            # at a few rows the GEMM's time is its weight read, the same for 1 row as for 16).
+            q, k, v = fast_linear(x, self.packed_weight, self.packed_bias).split(self.packed_sizes, dim=-1)
+            q = q.view(b, t, self.num_heads, self.head_dim).transpose(1, 2)
+            k = k.view(b, t, self.num_kv_heads, self.head_dim).transpose(1, 2)
             q, k = rotary(q, k, cos, sin)
+            if rows is not None:
+                q = q.gather(2, rows[:, None, :, None].expand(-1, self.num_heads, -1, self.head_dim))
         else:
-            q, k = apply_rotary(q, cos_q, sin_q), apply_rotary(k, cos, sin)
+            x_q = x if rows is None else _gather_rows(x, rows)
+            cos_q, sin_q = (cos, sin) if rows is None else (_gather_rows(cos, rows), _gather_rows(sin, rows))
+            tq = x_q.shape[1]
+            q = self.q_proj(x_q).view(b, tq, self.num_heads, self.head_dim).transpose(1, 2)
+            k = self.k_proj(x).view(b, t, self.num_kv_heads, self.head_dim).transpose(1, 2)
+            v = self.v_proj(x)
+            if self.fused and rows is None:
+                q, k = rotary(q, k, cos, sin)
+            else:
+                q, k = apply_rotary(q, cos_q, sin_q), apply_rotary(k, cos, sin)
+        v = v.view(b, t, self.num_kv_heads, self.head_dim).transpose(1, 2)
         k_all, v_all = cache.update(0, k, v)
         out = masked_attention(q, k_all, v_all, mask, self.head_dim ** -0.5)
-        return self.o_proj(out)
+        return fast_linear(out, self.o_proj.weight, self.o_proj.bias) if self.fused else self.o_proj(out)
 
 
 class _Layer(nn.Module):
@@ -92,6 +108,7 @@ class DraftHead(nn.Module):
     """Common driver; subclasses define how a (token, feature) pair becomes the layer input."""
 
     spec: HeadSpec
+    fast_linears = False  # use_fused_kernels: fc and the LM head through fast_linear (the skinny GEMM)
 
     def project(self, features: torch.Tensor) -> torch.Tensor:
         """Target features [..., feature_size] -> head input hidden [..., H]."""
@@ -100,15 +117,22 @@ class DraftHead(nn.Module):
     def use_fused_kernels(self, enabled: bool = True) -> None:
         """The GPU fast path (EagleProposer with CUDA graphs): the norms, the rotary embedding and
         the SiLU product through the fused kernels of spectandem/kernels/fused.py and rotary.py
-        (one launch each on CUDA with Triton, the torch code elsewhere), the MLP's gate/up as one
-        GEMM. A draft step is a few dozen small launches besides its GEMMs; these take about a
-        third of them away. The drafts may differ in the last bits (packed GEMM): exactness does
-        not depend on them."""
+        (one launch each on CUDA with Triton, the torch code elsewhere), the attention's q/k/v and
+        the MLP's gate/up as one GEMM each, and every projection (fc, q/k/v, o, the MLP, the LM
+        head) through `fast_linear`: the skinny GEMM where it was measured faster than cuBLAS at
+        a few rows (spectandem/kernels/skinny.py). A draft step is a few dozen small launches
+        besides its GEMMs; these take about a third of them away. The drafts may differ in the
+        last bits (another GEMM): exactness does not depend on them."""
         if enabled:
             self.layer.mlp.pack()
+            self.layer.self_attn.pack()
+        self.fast_linears = enabled
         for module in self.modules():
             if isinstance(module, (RMSNorm, GatedMLP, _HeadAttention)):
                 module.fused = enabled
+
+    def _linear(self, linear: nn.Linear, x: torch.Tensor) -> torch.Tensor:
+        return fast_linear(x, linear.weight, linear.bias) if self.fast_linears else linear(x)
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """hidden [..., H] -> draft logits [..., draft_vocab_size] (float32)."""
@@ -136,12 +160,10 @@ class DraftHead(nn.Module):
         x, residual = self._layer_input(emb, hidden)
         cos, sin = self.rotary.cos_sin(positions, x.dtype)
         if query_rows.shape[1] == token_ids.shape[1]:   # every row (see above): no gathers
-            x_q, cos_q, sin_q, res_q = x, cos, sin, residual
+            rows, res_q = None, residual
         else:
-            x_q = _gather_rows(x, query_rows)
-            cos_q, sin_q = _gather_rows(cos, query_rows), _gather_rows(sin, query_rows)
-            res_q = _gather_rows(residual, query_rows)
-        a = res_q + layer.self_attn(x, x_q, cos, sin, cos_q, sin_q, cache, mask)
+            rows, res_q = query_rows, _gather_rows(residual, query_rows)
+        a = res_q + layer.self_attn(x, cos, sin, rows, cache, mask)
         out = a + layer.mlp(layer.post_attention_layernorm(a))
         assert out.shape == (token_ids.shape[0], query_rows.shape[1], self.spec.hidden_size)
         return out
@@ -168,11 +190,11 @@ class Eagle1Head(DraftHead):
         return features
 
     def _layer_input(self, emb, hidden):
-        z = self.fc(torch.cat([emb, hidden], dim=-1))
+        z = self._linear(self.fc, torch.cat([emb, hidden], dim=-1))
         return z, z
 
     def logits(self, hidden):
-        return self.lm_head(hidden).float()
+        return self._linear(self.lm_head, hidden).float()
 
 
 class Eagle3Head(DraftHead):
@@ -193,7 +215,7 @@ class Eagle3Head(DraftHead):
         self.rotary = Rotary(spec.rope)
 
     def project(self, features):
-        return self.fc(features)
+        return self._linear(self.fc, features)
 
     def _layer_input(self, emb, hidden):
         normed = self.layer.hidden_norm(hidden)
@@ -201,7 +223,7 @@ class Eagle3Head(DraftHead):
         return torch.cat([self.layer.input_layernorm(emb), normed], dim=-1), residual
 
     def logits(self, hidden):
-        return self.lm_head(self.norm(hidden)).float()
+        return self._linear(self.lm_head, self.norm(hidden)).float()
 
     def draft_to_target(self, draft_ids):
         return draft_ids + self.d2t[draft_ids]

@@ -9,8 +9,8 @@ projections, against about 100% on the MLP's (profile-decode, session 5). This k
 program a strip of BLOCK_N output columns over all of K, so the grid has N / BLOCK_N programs
 (256 for N = 4096 at BLOCK_N = 16: every multiprocessor streams), with the x tile padded to 16
 rows for the tensor-core dot. `SKINNY_SHAPES` is where benchmarks/gemv_timing.py measured it
-faster than cuBLAS on the H200 (the Llama-3.1-8B shapes), with the tile it measured best;
-elsewhere `skinny_linear` calls F.linear.
+faster than cuBLAS on the H200 (the Llama-3.1-8B shapes and those of its EAGLE-3 head), with the
+tile it measured best; elsewhere `skinny_linear` calls F.linear.
 
 Numerics: fp32 accumulation over K in BLOCK_K chunks, rounded once to the output dtype, as a
 GEMM; another summation order than cuBLAS's, so results differ in the last bits (bf16 steps of
@@ -38,6 +38,12 @@ SKINNY_SHAPES: dict[tuple[int, int], tuple[int, int, int, int]] = {
     (28672, 4096): (32, 128, 4, 3),     # gate/up packed
     (4096, 14336): (32, 512, 4, 4),     # down_proj
     (128256, 4096): (64, 128, 4, 4),    # LM head
+    # The 8B-shaped EAGLE-3 head (benchmarks/results/gemv-timing-head-s23-h200x2.txt, M = 1 / 5):
+    # q/k/v packed over [embedding, hidden] 37.2 -> 36.9 us, fc 39.8 -> 37.3, its LM head over the
+    # 32k draft vocabulary 78.2 -> 73.5 (its o, gate/up and down are the target's shapes above).
+    (6144, 8192): (64, 256, 4, 4),      # head q/k/v packed
+    (4096, 12288): (32, 512, 4, 4),     # head fc (three target layers)
+    (32000, 4096): (64, 128, 4, 3),     # head LM head (draft vocabulary)
 }
 DEFAULT_CONFIG = (16, 256, 4, 4)
 

@@ -1,7 +1,9 @@
 """The skinny GEMM (spectandem/kernels/skinny.py) on the GPU: within what cuBLAS's own bf16 result
-is of an fp32 reference, on every 8B shape it serves and every row count 1..16; a row's result
+is of an fp32 reference, on every 8B shape it serves (the target's and its EAGLE-3 head's) and
+every row count 1..16; a row's result
 does not depend on the other rows (bit for bit); the bias; the fallback to F.linear (exactly) for
-shapes, dtypes and row counts it does not serve; bad inputs refused."""
+shapes, dtypes and row counts it does not serve; bad inputs refused; the 8B-shaped head's fast path
+runs every projection through it, close to the torch code."""
 
 from __future__ import annotations
 
@@ -70,3 +72,48 @@ def test_bad_inputs_are_refused():
     with pytest.raises(ValueError, match="weight must be contiguous"):
         skinny_linear_triton(torch.zeros(1, 4096, device="cuda", dtype=torch.bfloat16), w.t())
 
+
+
+@torch.no_grad()
+@pytest.mark.parametrize("query_rows", [False, True], ids=["every-row", "query-rows"])
+def test_eagle3_head_fast_path_at_the_8b_shape(monkeypatch, query_rows):
+    """The 8B-shaped EAGLE-3 head (bf16, random weights) on its fast path (use_fused_kernels): every
+    projection goes through the kernel (q/k/v packed, fc, o, gate/up, down, the draft LM head) and
+    the output is within what bf16 GEMMs of another order give of the torch code's."""
+    from types import SimpleNamespace
+
+    from spectandem import kernels
+    from spectandem.bench_llama8b import SHAPES, llama8b_spec, random_eagle3_head
+    from spectandem.kernels import skinny
+    from spectandem.kv_cache import KVCache
+
+    spec = llama8b_spec("full")
+    g = torch.Generator(device="cuda").manual_seed(3)
+    embed = torch.randn(spec.vocab_size, spec.hidden_size, device="cuda", generator=g).to(torch.bfloat16)
+    target = SimpleNamespace(spec=spec, model=SimpleNamespace(embed_tokens=SimpleNamespace(weight=embed)))
+    head = random_eagle3_head(target, SHAPES["full"]["draft_vocab_size"], "cuda", torch.bfloat16, 0)
+    s = head.spec
+    b, t = 1, 5
+    toks = torch.randint(0, s.vocab_size, (b, t), device="cuda", generator=g)
+    feats = torch.randn(b, t, s.feature_size, device="cuda", generator=g).to(torch.bfloat16)
+    positions = 40 + torch.arange(t, device="cuda")[None]
+    rows = torch.tensor([[1, t - 1]], device="cuda") if query_rows else torch.arange(t, device="cuda")[None]
+    mask = torch.arange(45, device="cuda")[None, None] <= positions.gather(1, rows)[..., None]
+
+    def run():
+        cache = KVCache(1, 1, s.num_kv_heads, 64, s.head_dim, torch.bfloat16, "cuda")
+        out = head.run(toks, head.project(feats), positions, cache.batch(torch.tensor([0], device="cuda"), positions, 45),
+                       mask, rows)
+        return head.logits(out), cache.k[0].clone()
+
+    ref_logits, ref_k = run()
+    shapes = []
+    kernel = skinny.skinny_linear_triton
+    monkeypatch.setattr(skinny, "skinny_linear_triton",
+                        lambda x, w, b=None, config=None: shapes.append(tuple(w.shape)) or kernel(x, w, b, config))
+    head.use_fused_kernels()
+    logits, k = run()
+    assert kernels.HAVE_TRITON
+    assert set(shapes) == {(6144, 8192), (4096, 12288), (32000, 4096), (4096, 4096), (28672, 4096), (4096, 14336)}
+    torch.testing.assert_close(k, ref_k, atol=0.05, rtol=0.02)
+    torch.testing.assert_close(logits, ref_logits, atol=0.25, rtol=0.05)

@@ -1,0 +1,81 @@
+"""The draft heads' fast path (DraftHead.use_fused_kernels) on the real demo heads, fp32 on the
+CPU: q/k/v as one packed GEMM, fc, o and the LM head through fast_linear (F.linear off CUDA),
+the rotary embedding over every row before the query rows are picked. Held to the torch code it
+replaces: within fp32 ulps (the packed GEMM may sum in another order) with the same argmaxes,
+for every row a query row (draft steps) and for a subset of query rows (catch-up); K/V written
+alike; the checkpoint's names, shapes and values kept; switched off, the torch code bit for bit.
+The GPU side (the skinny kernel at the head's shapes) is tests/gpu/test_skinny.py."""
+
+import copy
+
+import pytest
+import torch
+
+from spectandem.kv_cache import KVCache
+from tests.drafter.proposer_helpers import _gen
+
+
+def _inputs(head, b=2, t=5):
+    s = head.spec
+    toks = torch.randint(0, s.vocab_size, (b, t), generator=_gen(11))
+    hidden = torch.randn(b, t, s.feature_size, generator=_gen(12))
+    base = torch.tensor([3, 0])[:b]
+    positions = base[:, None] + torch.arange(t)
+    return toks, hidden, positions
+
+
+def _run(head, rows_subset: bool):
+    """One head layer over fresh pairs at positions base.. on a cache with earlier entries.
+    -> (hidden out, logits, the cache's K and V)."""
+    s = head.spec
+    toks, feats, positions = _inputs(head)
+    b, t = toks.shape
+    cache = KVCache(1, 3, s.num_kv_heads, 16, s.head_dim, torch.float32)
+    prefix = torch.randn(cache.k[0].shape, generator=_gen(13))
+    cache.k[0].copy_(prefix)
+    cache.v[0].copy_(-prefix)
+    span = int(positions.max()) + 1
+    cols = torch.arange(span)
+    if rows_subset:   # catch-up: only each request's last row (and one middle row) is a query row
+        rows = torch.tensor([[1, t - 1]] * b)
+    else:             # draft step: every row, in order
+        rows = torch.arange(t).expand(b, t)
+    qpos = positions.gather(1, rows)
+    mask = cols[None, None] <= qpos[..., None]
+    out = head.run(toks, head.project(feats), positions, cache.batch(torch.tensor([2, 0]), positions, span), mask,
+                   rows)
+    return out, head.logits(out), cache.k[0].clone(), cache.v[0].clone()
+
+
+@torch.no_grad()
+@pytest.mark.parametrize("rows_subset", [False, True], ids=["every-row", "query-rows"])
+def test_fast_path_matches_the_torch_code(head, rows_subset):
+    fast = copy.deepcopy(head)
+    fast.use_fused_kernels()
+    attn = fast.layer.self_attn
+    assert attn.fused and attn.packed_weight is not None and fast.fast_linears
+    ref, got = _run(head, rows_subset), _run(fast, rows_subset)
+    for name, r, g in zip(("hidden", "logits", "k", "v"), ref, got):
+        assert r.shape == g.shape, name
+        torch.testing.assert_close(g, r, atol=1e-5, rtol=1e-5, msg=name)
+    assert torch.equal(got[1].argmax(-1), ref[1].argmax(-1))
+
+
+@torch.no_grad()
+def test_packing_keeps_the_checkpoint_and_switching_off_is_the_torch_code(head):
+    fast = copy.deepcopy(head)
+    before = {k: v.clone() for k, v in fast.state_dict().items()}
+    fast.use_fused_kernels()
+    attn = fast.layer.self_attn
+    after = fast.state_dict()
+    assert list(after) == list(before)
+    assert all(torch.equal(after[k], before[k]) for k in before)
+    hd, nh, nkv = attn.head_dim, attn.num_heads, attn.num_kv_heads
+    assert attn.packed_weight.shape == ((nh + 2 * nkv) * hd, attn.q_proj.in_features)
+    assert attn.k_proj.weight.data_ptr() == attn.packed_weight[nh * hd:].data_ptr(), "children are views"
+    fast.use_fused_kernels(False)
+    assert not fast.fast_linears and not attn.fused
+    for rows_subset in (False, True):
+        ref, got = _run(head, rows_subset), _run(fast, rows_subset)
+        assert all(torch.equal(r, g) for r, g in zip(ref, got))
+
