@@ -68,21 +68,27 @@ class _HeadAttention(PackedProjections):
             q, k, v = fast_linear(x, self.packed_weight, self.packed_bias).split(self.packed_sizes, dim=-1)
             q = q.view(b, t, self.num_heads, self.head_dim).transpose(1, 2)
             k = k.view(b, t, self.num_kv_heads, self.head_dim).transpose(1, 2)
+            v = v.view(b, t, self.num_kv_heads, self.head_dim).transpose(1, 2)
+            if hasattr(cache, "attend_rows"):   # the paged cache: write and attend in place
+                q = cache.write_rotary(0, q, k, v, cos, sin)
+                if rows is not None:
+                    q = _gather_heads(q, rows)
+                out = cache.attend_rows(0, q, mask, self.head_dim ** -0.5)
+                return fast_linear(out, self.o_proj.weight, self.o_proj.bias)
             q, k = rotary(q, k, cos, sin)
             if rows is not None:
-                q = q.gather(2, rows[:, None, :, None].expand(-1, self.num_heads, -1, self.head_dim))
+                q = _gather_heads(q, rows)
         else:
             x_q = x if rows is None else _gather_rows(x, rows)
             cos_q, sin_q = (cos, sin) if rows is None else (_gather_rows(cos, rows), _gather_rows(sin, rows))
             tq = x_q.shape[1]
             q = self.q_proj(x_q).view(b, tq, self.num_heads, self.head_dim).transpose(1, 2)
             k = self.k_proj(x).view(b, t, self.num_kv_heads, self.head_dim).transpose(1, 2)
-            v = self.v_proj(x)
+            v = self.v_proj(x).view(b, t, self.num_kv_heads, self.head_dim).transpose(1, 2)
             if self.fused and rows is None:
                 q, k = rotary(q, k, cos, sin)
             else:
                 q, k = apply_rotary(q, cos_q, sin_q), apply_rotary(k, cos, sin)
-        v = v.view(b, t, self.num_kv_heads, self.head_dim).transpose(1, 2)
         k_all, v_all = cache.update(0, k, v)
         out = masked_attention(q, k_all, v_all, mask, self.head_dim ** -0.5)
         return fast_linear(out, self.o_proj.weight, self.o_proj.bias) if self.fused else self.o_proj(out)
@@ -102,6 +108,11 @@ class _Layer(nn.Module):
 def _gather_rows(x: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
     """x [B, T, D], rows [B, Tq] -> [B, Tq, D]."""
     return x.gather(1, rows[..., None].expand(-1, -1, x.shape[-1]))
+
+
+def _gather_heads(q: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
+    """q [B, nh, T, hd], rows [B, Tq] -> [B, nh, Tq, hd]."""
+    return q.gather(2, rows[:, None, :, None].expand(-1, q.shape[1], -1, q.shape[3]))
 
 
 class DraftHead(nn.Module):

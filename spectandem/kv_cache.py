@@ -281,6 +281,22 @@ class PagedCacheBatch:
         k, v = self.update(layer, k_new, v_new)
         return masked_attention(q, k, v, mask, scale)
 
+    def write_rotary(self, layer: int, q: torch.Tensor, k_new: torch.Tensor, v_new: torch.Tensor,
+                     cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        """The draft head's fast path, part 1: writes apply_rotary(k_new) and `v_new [B, nkv, T, hd]`
+        at the write rows and returns apply_rotary(q) (`cos, sin [B, T, hd]`), in one launch on
+        CUDA (spectandem/kernels/rotary.py), the torch code otherwise."""
+        from spectandem.kernels.rotary import rotary_write
+
+        return rotary_write(q, k_new, v_new, cos, sin, self.cache.k[layer], self.cache.v[layer], self.write_rows)
+
+    def attend_rows(self, layer: int, q: torch.Tensor, mask: torch.Tensor, scale: float) -> torch.Tensor:
+        """Part 2: `q [B, nh, Tq, hd]` over the read rows under `mask [B, Tq, span]` -> [B, Tq, nh * hd],
+        reading the pool in place (spectandem/kernels/rows_attention.py) where `update` gathers."""
+        from spectandem.kernels.rows_attention import rows_attention
+
+        return rows_attention(q, self.cache.k[layer], self.cache.v[layer], self.read_rows, mask, scale)
+
 
 @dataclass
 class PagedTreeBatch:

@@ -11,7 +11,7 @@ import copy
 import pytest
 import torch
 
-from spectandem.kv_cache import KVCache
+from spectandem.kv_cache import KVCache, PagedKVCache
 from tests.drafter.proposer_helpers import _gen
 
 
@@ -24,13 +24,19 @@ def _inputs(head, b=2, t=5):
     return toks, hidden, positions
 
 
-def _run(head, rows_subset: bool):
+def _run(head, rows_subset: bool, paged: bool = False):
     """One head layer over fresh pairs at positions base.. on a cache with earlier entries.
-    -> (hidden out, logits, the cache's K and V)."""
+    -> (hidden out, logits, the cache's K and V). `paged`: the proposer's PagedKVCache (whose
+    batch has the fast path's write_rotary and attend_rows), else the contiguous KVCache."""
     s = head.spec
     toks, feats, positions = _inputs(head)
     b, t = toks.shape
-    cache = KVCache(1, 3, s.num_kv_heads, 16, s.head_dim, torch.float32)
+    if paged:
+        cache = PagedKVCache(1, 3, s.num_kv_heads, 16, s.head_dim, torch.float32, "cpu", num_blocks=8, block_size=4)
+        for slot in (2, 0):
+            cache.reserve(slot, 16)
+    else:
+        cache = KVCache(1, 3, s.num_kv_heads, 16, s.head_dim, torch.float32)
     prefix = torch.randn(cache.k[0].shape, generator=_gen(13))
     cache.k[0].copy_(prefix)
     cache.v[0].copy_(-prefix)
@@ -48,13 +54,19 @@ def _run(head, rows_subset: bool):
 
 
 @torch.no_grad()
+@pytest.mark.parametrize("paged", [False, True], ids=["contiguous", "paged"])
 @pytest.mark.parametrize("rows_subset", [False, True], ids=["every-row", "query-rows"])
-def test_fast_path_matches_the_torch_code(head, rows_subset):
+def test_fast_path_matches_the_torch_code(head, rows_subset, paged, monkeypatch):
     fast = copy.deepcopy(head)
     fast.use_fused_kernels()
     attn = fast.layer.self_attn
     assert attn.fused and attn.packed_weight is not None and fast.fast_linears
-    ref, got = _run(head, rows_subset), _run(fast, rows_subset)
+    from spectandem.kernels import rows_attention
+    calls = []
+    monkeypatch.setattr(rows_attention, "rows_attention_ref",
+                        lambda *a, ref=rows_attention.rows_attention_ref: calls.append(1) or ref(*a))
+    ref, got = _run(head, rows_subset, paged), _run(fast, rows_subset, paged)
+    assert len(calls) == paged, "the paged cache attends through rows_attention, in place"
     for name, r, g in zip(("hidden", "logits", "k", "v"), ref, got):
         assert r.shape == g.shape, name
         torch.testing.assert_close(g, r, atol=1e-5, rtol=1e-5, msg=name)

@@ -77,15 +77,17 @@ def test_bad_inputs_are_refused():
 @torch.no_grad()
 @pytest.mark.parametrize("query_rows", [False, True], ids=["every-row", "query-rows"])
 def test_eagle3_head_fast_path_at_the_8b_shape(monkeypatch, query_rows):
-    """The 8B-shaped EAGLE-3 head (bf16, random weights) on its fast path (use_fused_kernels): every
-    projection goes through the kernel (q/k/v packed, fc, o, gate/up, down, the draft LM head) and
-    the output is within what bf16 GEMMs of another order give of the torch code's."""
+    """The 8B-shaped EAGLE-3 head (bf16, random weights) on its fast path (use_fused_kernels) over
+    the paged cache: every projection goes through the kernel (q/k/v packed, fc, o, gate/up, down,
+    the draft LM head), the attention through rows_attention, and the output and the K written are
+    within what bf16 GEMMs of another order give of the torch code's."""
     from types import SimpleNamespace
 
     from spectandem import kernels
     from spectandem.bench_llama8b import SHAPES, llama8b_spec, random_eagle3_head
     from spectandem.kernels import skinny
-    from spectandem.kv_cache import KVCache
+    from spectandem.kernels import rows_attention
+    from spectandem.kv_cache import PagedKVCache
 
     spec = llama8b_spec("full")
     g = torch.Generator(device="cuda").manual_seed(3)
@@ -100,8 +102,9 @@ def test_eagle3_head_fast_path_at_the_8b_shape(monkeypatch, query_rows):
     rows = torch.tensor([[1, t - 1]], device="cuda") if query_rows else torch.arange(t, device="cuda")[None]
     mask = torch.arange(45, device="cuda")[None, None] <= positions.gather(1, rows)[..., None]
 
-    def run():
-        cache = KVCache(1, 1, s.num_kv_heads, 64, s.head_dim, torch.bfloat16, "cuda")
+    def run():   # the proposer's paged cache: the fast path writes and attends in place
+        cache = PagedKVCache(1, 1, s.num_kv_heads, 64, s.head_dim, torch.bfloat16, "cuda", num_blocks=4, block_size=16)
+        cache.reserve(0, 64)
         out = head.run(toks, head.project(feats), positions, cache.batch(torch.tensor([0], device="cuda"), positions, 45),
                        mask, rows)
         return head.logits(out), cache.k[0].clone()
@@ -111,9 +114,12 @@ def test_eagle3_head_fast_path_at_the_8b_shape(monkeypatch, query_rows):
     kernel = skinny.skinny_linear_triton
     monkeypatch.setattr(skinny, "skinny_linear_triton",
                         lambda x, w, b=None, config=None: shapes.append(tuple(w.shape)) or kernel(x, w, b, config))
+    attended = []
+    attend = rows_attention.rows_attention_triton
+    monkeypatch.setattr(rows_attention, "rows_attention_triton", lambda *a: attended.append(1) or attend(*a))
     head.use_fused_kernels()
     logits, k = run()
-    assert kernels.HAVE_TRITON
+    assert kernels.HAVE_TRITON and attended == [1]
     assert set(shapes) == {(6144, 8192), (4096, 12288), (32000, 4096), (4096, 4096), (28672, 4096), (4096, 14336)}
     torch.testing.assert_close(k, ref_k, atol=0.05, rtol=0.02)
     torch.testing.assert_close(logits, ref_logits, atol=0.25, rtol=0.05)

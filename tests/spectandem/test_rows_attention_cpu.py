@@ -1,0 +1,47 @@
+"""The draft head's rows attention on the CPU. Always: the reference is the gather and
+masked_attention the head ran before (so the head's CPU path did not change), and the wrapper
+sends CPU tensors there. Under Triton's interpreter (tests/interpreter.py) also the kernel's
+checks of tests/gpu/test_rows_attention.py, in fp32 and fp16 (the interpreter's bf16 `tl.dot`
+is broken: tests/spectandem/test_kernels_cpu.py)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from spectandem.kernels.rows_attention import rows_attention, rows_attention_ref
+from spectandem.modeling.layers import masked_attention
+from tests.gpu.test_rows_attention import check_dispatch_and_errors, check_matches_reference, make_inputs
+from tests.interpreter import interpreter
+
+
+def test_reference_is_the_gather_and_masked_attention():
+    q, k, v, read_rows, mask = make_inputs("cpu", torch.float32, 2, 4, 2, 16, 3, 40, 0)
+    k_all, v_all = k[read_rows].transpose(1, 2), v[read_rows].transpose(1, 2)
+    expected = masked_attention(q, k_all, v_all, mask, 0.25)
+    assert torch.equal(rows_attention_ref(q, k, v, read_rows, mask, 0.25), expected)
+    assert torch.equal(rows_attention(q, k, v, read_rows, mask, 0.25), expected)
+    # The control: another read order is another result.
+    assert not torch.equal(rows_attention_ref(q, k, v, read_rows.flip(1), mask, 0.25), expected)
+
+
+def test_reference_refuses_bad_inputs():
+    q, k, v, read_rows, mask = make_inputs("cpu", torch.float32, 1, 4, 2, 16, 2, 20, 1)
+    with pytest.raises(ValueError, match="mask must be a bool tensor \\[1, 2, 20\\]"):
+        rows_attention_ref(q, k, v, read_rows, mask.int(), 0.25)
+    with pytest.raises(ValueError, match="q must be a float16/bfloat16/float32 tensor"):
+        rows_attention_ref(q[0], k, v, read_rows, mask, 0.25)
+
+
+@interpreter
+@pytest.mark.usefixtures("loop_bounds_patch")
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16], ids=["fp32", "fp16"])
+@pytest.mark.parametrize("b,nh,nkv,hd,tq,span", [(1, 4, 2, 32, 1, 1), (1, 4, 2, 32, 5, 150), (2, 2, 2, 16, 3, 70)])
+def test_interpreted_matches_reference(dtype, b, nh, nkv, hd, tq, span):
+    check_matches_reference("cpu", dtype, b, nh, nkv, hd, tq, span)
+
+
+@interpreter
+@pytest.mark.usefixtures("loop_bounds_patch")
+def test_interpreted_dispatch_and_errors():
+    check_dispatch_and_errors("cpu")
