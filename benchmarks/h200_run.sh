@@ -1,7 +1,10 @@
 #!/usr/bin/env bash
 # What benchmarks/results/ was made with: the GPU tests, then `spectandem bench`, on the H200
-# machine (2 GPUs, so the drafter-on-its-own-GPU rows run too). The image has torch, triton and
-# transformers but no pytest: wheels carried in .whl/ are installed to a scratch directory.
+# machine (2 GPUs, so the drafter-on-its-own-GPU rows run too). The image has torch, triton,
+# transformers and pytest, and grpcio 1.84 without its health and reflection packages: the gRPC
+# tests (test_feature_channel_gpu) need grpcio, grpcio-health-checking and grpcio-reflection 1.85.1
+# carried as wheels in .whl/ (pip download --no-deps --python-version 3.12 --only-binary=:all:
+# --platform manylinux2014_x86_64 ...), which are installed to a scratch directory first.
 #
 #   bash benchmarks/h200_run.sh OUT_DIR [tests|check|bench|channel|profile|full8b|all]
 #     tests: every GPU test file; check: those of the verify/draft/router fast paths, then profile
@@ -15,7 +18,7 @@ what=${2:-all}
 mkdir -p "$out"
 if [ -d .whl ]; then
   python3 -m pip install -q --no-index --no-deps --target /tmp/site .whl/*.whl
-  export PYTHONPATH=$PWD:/tmp/site
+  export PYTHONPATH=/tmp/site:$PWD
 else
   export PYTHONPATH=$PWD
 fi
