@@ -201,9 +201,16 @@ def _launch_split(q, k_pool, v_pool, block_tables, prefix_lens, mask, out, scale
         PAGE=block_size, BLOCK_N=_block_n(head_dim), **shapes,
         num_warps=_NUM_WARPS,
     )
+    combine_splits(prefix_lens, stats, acc, out, num_tokens, grid, shapes)
+
+
+def combine_splits(prefix_lens, stats, acc, out, num_tokens, grid, shapes) -> None:
+    """The combine of a split kernel's partials `stats [B * nkv, num_splits, 2, rows]` and `acc
+    [B * nkv, num_splits, rows, hd]` into `out [B, T, nh * hd]`, request b's span being
+    prefix_lens[b] + T. `grid`: (B * nkv, row blocks); `shapes`: the split kernel's constants."""
     _combine_splits_kernel[grid](
         prefix_lens, stats, acc, out,
-        num_rows, num_tokens, num_splits,
+        stats.shape[3], num_tokens, stats.shape[1],
         stats.stride(0), stats.stride(1),
         acc.stride(0), acc.stride(1), acc.stride(2),
         out.stride(0), out.stride(1),
@@ -283,6 +290,22 @@ def paged_tree_attention_ref(
     allowed = tree_mask.to(device).gather(2, j.clamp(0, num_tokens - 1)[:, None, :].expand(-1, num_tokens, -1))
     mask = (cols[None, None, :] < prefix[:, None, None]) | (in_round[:, None, :] & allowed)  # [B, T, span]
     return masked_attention(q, k, v, mask, scale)
+
+
+def check_query_and_pools(q, k_pool, v_pool) -> None:
+    """The attention kernels' common checks: q [B, nh, T, hd] float16/bfloat16/float32; k_pool and
+    v_pool [rows, nkv, hd] of one shape, q's dtype and device, nkv dividing nh."""
+    if not isinstance(q, torch.Tensor) or q.dim() != 4 or q.dtype not in _FLOAT_DTYPES:
+        raise ValueError(f"q must be a float16/bfloat16/float32 tensor [B, nh, T, hd], got {describe_placed(q)}")
+    nh, hd = q.shape[1], q.shape[3]
+    for name, pool in (("k_pool", k_pool), ("v_pool", v_pool)):
+        if not isinstance(pool, torch.Tensor) or pool.dim() != 3 or pool.shape[2] != hd \
+                or pool.dtype != q.dtype or pool.device != q.device:
+            raise ValueError(f"{name} must be a tensor [rows, nkv, {hd}] of q's dtype {q.dtype} on {q.device}, "
+                             f"got {describe_placed(pool)}")
+    if k_pool.shape != v_pool.shape or nh % k_pool.shape[1]:
+        raise ValueError(f"k_pool {tuple(k_pool.shape)} and v_pool {tuple(v_pool.shape)} must agree, with "
+                         f"q's {nh} heads a multiple of their kv heads")
 
 
 def _block_n(head_dim: int) -> int:

@@ -369,17 +369,10 @@ def tree_paths(parents: torch.Tensor, node_valid: torch.Tensor,
 
 
 def _check_attention(q, k_pool, v_pool, block_tables, prefix_lens, path_rows, path_lens, block_size) -> None:
-    if not isinstance(q, torch.Tensor) or q.dim() != 4 or q.dtype not in _FLOAT_DTYPES:
-        raise ValueError(f"q must be a float16/bfloat16/float32 tensor [B, nh, T, hd], got {describe_placed(q)}")
-    b, nh, t, hd = q.shape
-    for name, pool in (("k_pool", k_pool), ("v_pool", v_pool)):
-        if not isinstance(pool, torch.Tensor) or pool.dim() != 3 or pool.shape[2] != hd \
-                or pool.dtype != q.dtype or pool.device != q.device:
-            raise ValueError(f"{name} must be a tensor [rows, nkv, {hd}] of q's dtype {q.dtype} on {q.device}, "
-                             f"got {describe_placed(pool)}")
-    if k_pool.shape != v_pool.shape or nh % k_pool.shape[1]:
-        raise ValueError(f"k_pool {tuple(k_pool.shape)} and v_pool {tuple(v_pool.shape)} must agree, with "
-                         f"q's {nh} heads a multiple of their kv heads")
+    from spectandem.kernels.attention import check_query_and_pools
+
+    check_query_and_pools(q, k_pool, v_pool)
+    b, _, t, _ = q.shape
     expected = {"block_tables": (b, None), "prefix_lens": (b, t), "path_rows": (b, t, None),
                 "path_lens": (b, t)}
     for name, value in zip(expected, (block_tables, prefix_lens, path_rows, path_lens)):

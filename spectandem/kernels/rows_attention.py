@@ -36,14 +36,15 @@ import torch
 
 from spectandem.checks import describe_placed, is_integer
 from spectandem.kernels import HAVE_TRITON
-from spectandem.kernels.attention import _BLOCK_M, _NUM_WARPS, _block_n, split_len_for
+from spectandem.kernels.attention import (_BLOCK_M, _NUM_WARPS, _block_n, check_query_and_pools, combine_splits,
+                                         split_len_for)
 from spectandem.modeling.layers import masked_attention
 
 if HAVE_TRITON:
     import triton
     import triton.language as tl
 
-    from spectandem.kernels.attention_kernels import _combine_splits_kernel
+    from spectandem.kernels.attention_kernels import query_rows, softmax_chunk
 
     @triton.jit(do_not_specialize=["num_rows", "span"])
     def _rows_attention_split_kernel(
@@ -75,14 +76,8 @@ if HAVE_TRITON:
         kv_head = pid % NUM_KV_HEADS
         lo = split * SPLIT
         hi = tl.minimum(lo + SPLIT, span)
-        r = tl.program_id(1) * BLOCK_M + tl.arange(0, BLOCK_M)
-        tok = r // GROUP
-        head = kv_head * GROUP + r % GROUP
-        row_ok = r < num_rows
-        d = tl.arange(0, BLOCK_D)
-        d_ok = d < HEAD_DIM
-        q = tl.load(q_ptr + b * stride_qb + head[:, None] * stride_qh + tok[:, None] * stride_qt + d[None, :],
-                    mask=row_ok[:, None] & d_ok[None, :], other=0.0)
+        r, tok, head, row_ok, d, d_ok, q = query_rows(q_ptr, b, kv_head, num_rows, stride_qb, stride_qh, stride_qt,
+                                                      GROUP, HEAD_DIM, BLOCK_M, BLOCK_D)
         m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
         l_i = tl.zeros([BLOCK_M], tl.float32)
         acc = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
@@ -94,17 +89,9 @@ if HAVE_TRITON:
             kv_mask = n_ok[:, None] & d_ok[None, :]
             k = tl.load(k_ptr + kv_offs, mask=kv_mask, other=0.0)
             v = tl.load(v_ptr + kv_offs, mask=kv_mask, other=0.0)
-            s = tl.dot(q, tl.trans(k), input_precision="ieee") * qk_scale  # [BLOCK_M, BLOCK_N]
             allowed = tl.load(mask_ptr + b * stride_mb + tok[:, None] * stride_mt + n[None, :],
                               mask=row_ok[:, None] & n_ok[None, :], other=0) != 0
-            s = tl.where(allowed, s, float("-inf"))
-            m_new = tl.maximum(m_i, tl.max(s, 1))
-            m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)  # a row that saw nothing: no NaN
-            alpha = tl.exp2(m_i - m_safe)
-            p = tl.exp2(s - m_safe[:, None])
-            l_i = l_i * alpha + tl.sum(p, 1)
-            acc = tl.dot(p.to(v.dtype), v, acc * alpha[:, None], input_precision="ieee")
-            m_i = m_new
+            m_i, l_i, acc = softmax_chunk(q, k, v, allowed, qk_scale, m_i, l_i, acc)
         stats = stats_ptr + pid.to(tl.int64) * stride_sp + split * stride_ss + r
         tl.store(stats, m_i, mask=row_ok)
         tl.store(stats + num_rows, l_i, mask=row_ok)
@@ -169,31 +156,13 @@ def rows_attention_triton(q, k_pool, v_pool, read_rows, mask, scale) -> torch.Te
     )
     # The combine reads a request's span as prefix_lens[b] + T: every request here has `span`.
     prefix = torch.full((batch_size,), span - num_tokens, dtype=torch.int32, device=q.device)
-    _combine_splits_kernel[grid](
-        prefix, stats, acc, out,
-        num_rows, num_tokens, num_splits,
-        stats.stride(0), stats.stride(1),
-        acc.stride(0), acc.stride(1), acc.stride(2),
-        out.stride(0), out.stride(1),
-        **shapes,
-        num_warps=_NUM_WARPS,
-    )
+    combine_splits(prefix, stats, acc, out, num_tokens, grid, shapes)
     return out
 
 
 def _check(q, k_pool, v_pool, read_rows, mask) -> None:
-    if not isinstance(q, torch.Tensor) or q.dim() != 4 or q.dtype not in (torch.float16, torch.bfloat16,
-                                                                             torch.float32):
-        raise ValueError(f"q must be a float16/bfloat16/float32 tensor [B, nh, T, hd], got {describe_placed(q)}")
-    batch_size, num_heads, num_tokens, head_dim = q.shape
-    for name, pool in (("k_pool", k_pool), ("v_pool", v_pool)):
-        if not isinstance(pool, torch.Tensor) or pool.dim() != 3 or pool.shape[2] != head_dim \
-                or pool.dtype != q.dtype or pool.device != q.device:
-            raise ValueError(f"{name} must be a tensor [R, nkv, {head_dim}] of q's dtype {q.dtype} on {q.device}, "
-                             f"got {describe_placed(pool)}")
-    if k_pool.shape != v_pool.shape or num_heads % k_pool.shape[1]:
-        raise ValueError(f"k_pool {tuple(k_pool.shape)} and v_pool {tuple(v_pool.shape)} must match, with a "
-                         f"number of kv heads dividing q's {num_heads} heads")
+    check_query_and_pools(q, k_pool, v_pool)
+    batch_size, _, num_tokens, _ = q.shape
     if not is_integer(read_rows) or read_rows.dim() != 2 or read_rows.shape[0] != batch_size \
             or read_rows.shape[1] < 1 or read_rows.device != q.device:
         raise ValueError(f"read_rows must be an integer tensor [B, span] with B = {batch_size} on {q.device}, "

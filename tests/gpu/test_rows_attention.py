@@ -63,9 +63,9 @@ def check_dispatch_and_errors(device):
         rows_attention_triton(q, k, v, read_rows, mask[:, :1], 0.25)
     with pytest.raises(ValueError, match="read_rows must be an integer tensor \\[B, span\\] with B = 1"):
         rows_attention_triton(q, k, v, read_rows.float(), mask, 0.25)
-    with pytest.raises(ValueError, match="k_pool must be a tensor \\[R, nkv, 16\\]"):
+    with pytest.raises(ValueError, match="k_pool must be a tensor \\[rows, nkv, 16\\]"):
         rows_attention_triton(q, k[..., :8], v, read_rows, mask, 0.25)
-    with pytest.raises(ValueError, match="must match, with a number of kv heads dividing q's 4 heads"):
+    with pytest.raises(ValueError, match="must agree, with q's 4 heads a multiple of their kv heads"):
         rows_attention_triton(q, k[:, :1].expand(-1, 3, -1), v[:, :1].expand(-1, 3, -1), read_rows, mask, 0.25)
 
 
