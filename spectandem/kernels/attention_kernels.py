@@ -1,6 +1,5 @@
 """The Triton kernels of the paged tree attention: the one-pass kernel, the split-KV kernel and
-the combine of its segments, around one chunk loop (`_attend_entries`; its online softmax step
-`softmax_chunk` and the query rows' layout `query_rows` serve the draft head's rows attention too). Their semantics, the
+the combine of its segments, around one chunk loop (`_attend_entries`). Their semantics, the
 reduction order that makes them batch-invariant and when each runs are in
 spectandem/kernels/attention.py, which launches them."""
 
@@ -11,45 +10,6 @@ from spectandem.kernels import HAVE_TRITON
 if HAVE_TRITON:
     import triton
     import triton.language as tl
-
-    @triton.jit
-    def softmax_chunk(q, k, v, visible, qk_scale, m_i, l_i, acc):
-        """One chunk of the online softmax: q [BLOCK_M, BLOCK_D] against the chunk's k, v
-        [BLOCK_N, BLOCK_D] where `visible [BLOCK_M, BLOCK_N]`, folded into the running (m_i, l_i,
-        acc) (see _attend_entries) -> the new ones. Shared with spectandem/kernels/rows_attention.py."""
-        s = tl.dot(q, tl.trans(k), input_precision="ieee") * qk_scale  # [BLOCK_M, BLOCK_N]
-        s = tl.where(visible, s, float("-inf"))
-        m_new = tl.maximum(m_i, tl.max(s, 1))
-        # A row that has seen nothing yet keeps m = -inf; subtract 0 instead so no NaN appears.
-        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
-        alpha = tl.exp2(m_i - m_safe)
-        p = tl.exp2(s - m_safe[:, None])
-        l_i = l_i * alpha + tl.sum(p, 1)
-        acc = tl.dot(p.to(v.dtype), v, acc * alpha[:, None], input_precision="ieee")
-        return m_new, l_i, acc
-
-    @triton.jit
-    def row_layout(kv_head, num_rows, GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr,
-                   BLOCK_D: tl.constexpr):
-        """The program's block of query rows (grid axis 1), packed as `query_rows` says, and the
-        head dimension's lanes -> (r, tok, head, row_ok, d, d_ok)."""
-        r = tl.program_id(1) * BLOCK_M + tl.arange(0, BLOCK_M)
-        tok = r // GROUP
-        head = kv_head * GROUP + r % GROUP
-        d = tl.arange(0, BLOCK_D)
-        return r, tok, head, r < num_rows, d, d < HEAD_DIM
-
-    @triton.jit
-    def query_rows(q_ptr, b, kv_head, num_rows, stride_qb, stride_qh, stride_qt,
-                   GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_D: tl.constexpr):
-        """The program's block of query rows (grid axis 1) and their q [BLOCK_M, BLOCK_D]. The GROUP
-        query heads sharing a kv head are packed into the rows, so each K/V chunk is loaded once per
-        kv head: row r is token r // GROUP of head kv_head * GROUP + r % GROUP.
-        -> (r, tok, head, row_ok, d, d_ok, q). Shared with spectandem/kernels/rows_attention.py."""
-        r, tok, head, row_ok, d, d_ok = row_layout(kv_head, num_rows, GROUP, HEAD_DIM, BLOCK_M, BLOCK_D)
-        q = tl.load(q_ptr + b * stride_qb + head[:, None] * stride_qh + tok[:, None] * stride_qt + d[None, :],
-                    mask=row_ok[:, None] & d_ok[None, :], other=0.0)
-        return r, tok, head, row_ok, d, d_ok, q
 
     @triton.jit
     def _attend_entries(
@@ -78,13 +38,23 @@ if HAVE_TRITON:
             kv_offs = phys[:, None] * stride_kr + kv_head * stride_kh + d[None, :]
             k = tl.load(k_ptr + kv_offs, mask=kv_mask, other=0.0)
             v = tl.load(v_ptr + kv_offs, mask=kv_mask, other=0.0)
+            s = tl.dot(q, tl.trans(k), input_precision="ieee") * qk_scale  # [BLOCK_M, BLOCK_N]
 
             j = n - prefix  # round entry index
             in_round = (j >= 0) & (n < span)
             allowed = tl.load(mask_ptr + b * stride_mb + tok[:, None] * stride_mt + j[None, :],
                               mask=row_ok[:, None] & in_round[None, :], other=0) != 0
             visible = (n < prefix)[None, :] | (in_round[None, :] & allowed)
-            m_i, l_i, acc = softmax_chunk(q, k, v, visible, qk_scale, m_i, l_i, acc)
+            s = tl.where(visible, s, float("-inf"))
+
+            m_new = tl.maximum(m_i, tl.max(s, 1))
+            # A row that has seen nothing yet keeps m = -inf; subtract 0 instead so no NaN appears.
+            m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
+            alpha = tl.exp2(m_i - m_safe)
+            p = tl.exp2(s - m_safe[:, None])
+            l_i = l_i * alpha + tl.sum(p, 1)
+            acc = tl.dot(p.to(v.dtype), v, acc * alpha[:, None], input_precision="ieee")
+            m_i = m_new
         return m_i, l_i, acc
 
     @triton.jit(do_not_specialize=["num_rows", "num_tokens", "max_blocks"])
@@ -114,9 +84,16 @@ if HAVE_TRITON:
         pid = tl.program_id(0)
         b = pid // NUM_KV_HEADS
         kv_head = pid % NUM_KV_HEADS
-        # The query heads of a kv head packed into the rows (query_rows).
-        r, tok, head, row_ok, d, d_ok, q = query_rows(q_ptr, b, kv_head, num_rows, stride_qb, stride_qh, stride_qt,
-                                                      GROUP, HEAD_DIM, BLOCK_M, BLOCK_D)
+        # The GROUP query heads sharing a kv head are packed into the rows, so each K/V chunk is
+        # loaded once per kv head: row r is token r // GROUP of head kv_head * GROUP + r % GROUP.
+        r = tl.program_id(1) * BLOCK_M + tl.arange(0, BLOCK_M)
+        tok = r // GROUP
+        head = kv_head * GROUP + r % GROUP
+        row_ok = r < num_rows
+        d = tl.arange(0, BLOCK_D)
+        d_ok = d < HEAD_DIM
+        q = tl.load(q_ptr + b * stride_qb + head[:, None] * stride_qh + tok[:, None] * stride_qt + d[None, :],
+                    mask=row_ok[:, None] & d_ok[None, :], other=0.0)
         prefix = tl.load(prefix_ptr + b).to(tl.int32)
         span = prefix + num_tokens
 
@@ -170,8 +147,14 @@ if HAVE_TRITON:
         # which reads segments [0, cdiv(span, SPLIT)) only, never looks at its slot.
         if lo < span:
             kv_head = pid % NUM_KV_HEADS
-            r, tok, head, row_ok, d, d_ok, q = query_rows(q_ptr, b, kv_head, num_rows, stride_qb, stride_qh,
-                                                          stride_qt, GROUP, HEAD_DIM, BLOCK_M, BLOCK_D)
+            r = tl.program_id(1) * BLOCK_M + tl.arange(0, BLOCK_M)  # rows packed as in the one-pass kernel
+            tok = r // GROUP
+            head = kv_head * GROUP + r % GROUP
+            row_ok = r < num_rows
+            d = tl.arange(0, BLOCK_D)
+            d_ok = d < HEAD_DIM
+            q = tl.load(q_ptr + b * stride_qb + head[:, None] * stride_qh + tok[:, None] * stride_qt + d[None, :],
+                        mask=row_ok[:, None] & d_ok[None, :], other=0.0)
             m_i, l_i, acc = _attend_entries(q, lo, tl.minimum(lo + SPLIT, span), b, kv_head, prefix, span, tok,
                                             row_ok, d, d_ok, k_ptr, v_ptr, tables_ptr, mask_ptr, qk_scale,
                                             max_blocks, stride_kr, stride_kh, stride_tb, stride_mb, stride_mt,
@@ -204,7 +187,12 @@ if HAVE_TRITON:
         pid = tl.program_id(0)
         b = pid // NUM_KV_HEADS
         kv_head = pid % NUM_KV_HEADS
-        r, tok, head, row_ok, d, d_ok = row_layout(kv_head, num_rows, GROUP, HEAD_DIM, BLOCK_M, BLOCK_D)
+        r = tl.program_id(1) * BLOCK_M + tl.arange(0, BLOCK_M)
+        tok = r // GROUP
+        head = kv_head * GROUP + r % GROUP
+        row_ok = r < num_rows
+        d = tl.arange(0, BLOCK_D)
+        d_ok = d < HEAD_DIM
         span = tl.load(prefix_ptr + b).to(tl.int32) + num_tokens
         # The segments the split kernel wrote (span <= num_splits * SPLIT for well-formed tables; the
         # minimum only keeps an ill-formed one inside the buffer).

@@ -14,7 +14,9 @@ every entry (two copies of the context), repeats them for the query heads of eac
 more, four times the size), then runs a matmul, the mask, the softmax and another matmul: about ten
 launches and five passes over the context per step, a cost that grows with the context. The kernel
 reads each entry's K and V once, in place, and keeps the softmax online (fp32, base 2), as the
-verifier's paged tree attention does (spectandem/kernels/attention.py), whose combine it shares.
+verifier's paged tree attention does (spectandem/kernels/attention.py), whose combine it shares
+(its chunk loop is written out here: sharing the Triton helpers too would change the verifier's
+kernels, and that wants a GPU run to confirm their bits).
 
 Launch. Split-KV always: one program per (request, kv head, block of BLOCK_M query rows, segment
 of `split_len_for(span)` entries), each leaving its segment's running max, sum and un-normalised
@@ -43,8 +45,6 @@ from spectandem.modeling.layers import masked_attention
 if HAVE_TRITON:
     import triton
     import triton.language as tl
-
-    from spectandem.kernels.attention_kernels import query_rows, softmax_chunk
 
     @triton.jit(do_not_specialize=["num_rows", "span"])
     def _rows_attention_split_kernel(
@@ -76,8 +76,14 @@ if HAVE_TRITON:
         kv_head = pid % NUM_KV_HEADS
         lo = split * SPLIT
         hi = tl.minimum(lo + SPLIT, span)
-        r, tok, head, row_ok, d, d_ok, q = query_rows(q_ptr, b, kv_head, num_rows, stride_qb, stride_qh, stride_qt,
-                                                      GROUP, HEAD_DIM, BLOCK_M, BLOCK_D)
+        r = tl.program_id(1) * BLOCK_M + tl.arange(0, BLOCK_M)
+        tok = r // GROUP
+        head = kv_head * GROUP + r % GROUP
+        row_ok = r < num_rows
+        d = tl.arange(0, BLOCK_D)
+        d_ok = d < HEAD_DIM
+        q = tl.load(q_ptr + b * stride_qb + head[:, None] * stride_qh + tok[:, None] * stride_qt + d[None, :],
+                    mask=row_ok[:, None] & d_ok[None, :], other=0.0)
         m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
         l_i = tl.zeros([BLOCK_M], tl.float32)
         acc = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
@@ -89,9 +95,17 @@ if HAVE_TRITON:
             kv_mask = n_ok[:, None] & d_ok[None, :]
             k = tl.load(k_ptr + kv_offs, mask=kv_mask, other=0.0)
             v = tl.load(v_ptr + kv_offs, mask=kv_mask, other=0.0)
+            s = tl.dot(q, tl.trans(k), input_precision="ieee") * qk_scale  # [BLOCK_M, BLOCK_N]
             allowed = tl.load(mask_ptr + b * stride_mb + tok[:, None] * stride_mt + n[None, :],
                               mask=row_ok[:, None] & n_ok[None, :], other=0) != 0
-            m_i, l_i, acc = softmax_chunk(q, k, v, allowed, qk_scale, m_i, l_i, acc)
+            s = tl.where(allowed, s, float("-inf"))
+            m_new = tl.maximum(m_i, tl.max(s, 1))
+            m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)  # a row that saw nothing: no NaN
+            alpha = tl.exp2(m_i - m_safe)
+            p = tl.exp2(s - m_safe[:, None])
+            l_i = l_i * alpha + tl.sum(p, 1)
+            acc = tl.dot(p.to(v.dtype), v, acc * alpha[:, None], input_precision="ieee")
+            m_i = m_new
         stats = stats_ptr + pid.to(tl.int64) * stride_sp + split * stride_ss + r
         tl.store(stats, m_i, mask=row_ok)
         tl.store(stats + num_rows, l_i, mask=row_ok)
