@@ -53,6 +53,7 @@ import torch
 
 from spectandem.checks import describe_placed
 from spectandem.kernels import HAVE_TRITON
+from spectandem.kernels.attention import check_query_and_pools
 from spectandem.tree import node_depths
 
 _FLOAT_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
@@ -369,8 +370,6 @@ def tree_paths(parents: torch.Tensor, node_valid: torch.Tensor,
 
 
 def _check_attention(q, k_pool, v_pool, block_tables, prefix_lens, path_rows, path_lens, block_size) -> None:
-    from spectandem.kernels.attention import check_query_and_pools
-
     check_query_and_pools(q, k_pool, v_pool)
     b, _, t, _ = q.shape
     expected = {"block_tables": (b, None), "prefix_lens": (b, t), "path_rows": (b, t, None),
