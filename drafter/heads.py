@@ -15,7 +15,6 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from spectandem.kernels.rotary import rotary
 from spectandem.kv_cache import CacheBatch
 from spectandem.modeling.layers import (GatedMLP, PackedProjections, RMSNorm, RopeSpec, Rotary, apply_rotary,
                                         fast_linear, masked_attention)
@@ -46,7 +45,7 @@ class HeadSpec:
 
 
 class _HeadAttention(PackedProjections):
-    fused = False  # DraftHead.use_fused_kernels: one q/k/v GEMM, rotary in one Triton launch on CUDA
+    fused = False  # DraftHead.use_fused_kernels: one q/k/v GEMM; the cache's write_rotary and attend_rows
     packed_names = ("q_proj", "k_proj", "v_proj")  # packed: [.., (nh + 2 nkv) * hd]
 
     def __init__(self, spec: HeadSpec, in_dim: int):
@@ -64,34 +63,25 @@ class _HeadAttention(PackedProjections):
         b, t, _ = x.shape
         if self.fused and self.packed_weight is not None:
             # One GEMM over every row (q of the rows that are no query rows is computed and dropped:
-            # at a few rows the GEMM's time is its weight read, the same for 1 row as for 16).
+            # at a few rows the GEMM's time is its weight read, the same for 1 row as for 16); the
+            # rotated K/V written and the attention read in place on the paged cache.
             q, k, v = fast_linear(x, self.packed_weight, self.packed_bias).split(self.packed_sizes, dim=-1)
-            q = q.view(b, t, self.num_heads, self.head_dim).transpose(1, 2)
-            k = k.view(b, t, self.num_kv_heads, self.head_dim).transpose(1, 2)
-            v = v.view(b, t, self.num_kv_heads, self.head_dim).transpose(1, 2)
-            if hasattr(cache, "attend_rows"):   # the paged cache: write and attend in place
-                q = cache.write_rotary(0, q, k, v, cos, sin)
-                if rows is not None:
-                    q = _gather_heads(q, rows)
-                out = cache.attend_rows(0, q, mask, self.head_dim ** -0.5)
-                return fast_linear(out, self.o_proj.weight, self.o_proj.bias)
-            q, k = rotary(q, k, cos, sin)
+            q = cache.write_rotary(0, q.view(b, t, self.num_heads, self.head_dim).transpose(1, 2),
+                                   k.view(b, t, self.num_kv_heads, self.head_dim).transpose(1, 2),
+                                   v.view(b, t, self.num_kv_heads, self.head_dim).transpose(1, 2), cos, sin)
             if rows is not None:
-                q = _gather_heads(q, rows)
-        else:
-            x_q = x if rows is None else _gather_rows(x, rows)
-            cos_q, sin_q = (cos, sin) if rows is None else (_gather_rows(cos, rows), _gather_rows(sin, rows))
-            tq = x_q.shape[1]
-            q = self.q_proj(x_q).view(b, tq, self.num_heads, self.head_dim).transpose(1, 2)
-            k = self.k_proj(x).view(b, t, self.num_kv_heads, self.head_dim).transpose(1, 2)
-            v = self.v_proj(x).view(b, t, self.num_kv_heads, self.head_dim).transpose(1, 2)
-            if self.fused and rows is None:
-                q, k = rotary(q, k, cos, sin)
-            else:
-                q, k = apply_rotary(q, cos_q, sin_q), apply_rotary(k, cos, sin)
+                q = q.gather(2, rows[:, None, :, None].expand(-1, self.num_heads, -1, self.head_dim))
+            out = cache.attend_rows(0, q, mask, self.head_dim ** -0.5)
+            return fast_linear(out, self.o_proj.weight, self.o_proj.bias)
+        x_q = x if rows is None else _gather_rows(x, rows)
+        cos_q, sin_q = (cos, sin) if rows is None else (_gather_rows(cos, rows), _gather_rows(sin, rows))
+        tq = x_q.shape[1]
+        q = self.q_proj(x_q).view(b, tq, self.num_heads, self.head_dim).transpose(1, 2)
+        k = self.k_proj(x).view(b, t, self.num_kv_heads, self.head_dim).transpose(1, 2)
+        v = self.v_proj(x).view(b, t, self.num_kv_heads, self.head_dim).transpose(1, 2)
+        q, k = apply_rotary(q, cos_q, sin_q), apply_rotary(k, cos, sin)
         k_all, v_all = cache.update(0, k, v)
-        out = masked_attention(q, k_all, v_all, mask, self.head_dim ** -0.5)
-        return fast_linear(out, self.o_proj.weight, self.o_proj.bias) if self.fused else self.o_proj(out)
+        return self.o_proj(masked_attention(q, k_all, v_all, mask, self.head_dim ** -0.5))
 
 
 class _Layer(nn.Module):
@@ -108,11 +98,6 @@ class _Layer(nn.Module):
 def _gather_rows(x: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
     """x [B, T, D], rows [B, Tq] -> [B, Tq, D]."""
     return x.gather(1, rows[..., None].expand(-1, -1, x.shape[-1]))
-
-
-def _gather_heads(q: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
-    """q [B, nh, T, hd], rows [B, Tq] -> [B, nh, Tq, hd]."""
-    return q.gather(2, rows[:, None, :, None].expand(-1, q.shape[1], -1, q.shape[3]))
 
 
 class DraftHead(nn.Module):

@@ -72,11 +72,31 @@ class CacheBatch:
 
     def update(self, layer: int, k_new: torch.Tensor, v_new: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Writes `k_new, v_new [B, nkv, T, hd]`, returns this batch's `k, v [B, nkv, span, hd]`."""
+        self._write(layer, k_new, v_new)
+        return self._read(layer)
+
+    def _write(self, layer: int, k_new: torch.Tensor, v_new: torch.Tensor) -> None:
         rows = self.slots[:, None]
         self.cache.k[layer][rows, :, self.write_index] = k_new.transpose(1, 2).to(self.cache.k[layer].dtype)
         self.cache.v[layer][rows, :, self.write_index] = v_new.transpose(1, 2).to(self.cache.v[layer].dtype)
+
+    def _read(self, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
         return (self.cache.k[layer][self.slots, :, : self.span],
                 self.cache.v[layer][self.slots, :, : self.span])
+
+    def write_rotary(self, layer: int, q: torch.Tensor, k_new: torch.Tensor, v_new: torch.Tensor,
+                     cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        """The draft head's fast path, as PagedCacheBatch has it: writes apply_rotary(k_new) and
+        `v_new [B, nkv, T, hd]`, returns apply_rotary(q) (the rotary kernel on CUDA)."""
+        from spectandem.kernels.rotary import rotary
+
+        q, k = rotary(q, k_new, cos, sin)
+        self._write(layer, k, v_new)
+        return q
+
+    def attend_rows(self, layer: int, q: torch.Tensor, mask: torch.Tensor, scale: float) -> torch.Tensor:
+        """`q [B, nh, Tq, hd]` over the span under `mask [B, Tq, span]` -> [B, Tq, nh * hd]."""
+        return masked_attention(q, *self._read(layer), mask, scale)
 
     def attend(self, layer: int, q: torch.Tensor, k_new: torch.Tensor, v_new: torch.Tensor, mask: torch.Tensor,
                scale: float) -> torch.Tensor:
