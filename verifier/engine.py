@@ -255,11 +255,8 @@ class VerifierEngine(ChainedLaunchMixin):
         so does the fused graph round (spectandem/fused.py), which reaches its verdict on the device."""
         reqs = [self.requests[rid] for rid in request_ids]
         with self._state:
-            keep = self._kept_entries(request_ids)
-            if keep is None:
-                self.runner.commit([r.slot for r in reqs], [r.committed_len - 1 for r in reqs], accepted_nodes)
-            else:
-                self.runner.commit([r.slot for r in reqs], [r.committed_len - 1 for r in reqs], accepted_nodes, keep)
+            self.runner.commit([r.slot for r in reqs], [r.committed_len - 1 for r in reqs], accepted_nodes,
+                               self._kept_entries(request_ids))
             for req, toks in zip(reqs, token_ids):
                 req.token_ids.extend(toks)
 

@@ -80,7 +80,10 @@ class HFRunner:
         return self._features(out)[0]
 
     @torch.no_grad()
-    def commit(self, slots, cache_lens, accepted_nodes):
+    def commit(self, slots, cache_lens, accepted_nodes, keep=None):
+        """Replays the accepted path into the slot's transformers cache. `keep` (entries to hold
+        reserved for a prepared launch, NativeRunner.commit) is a paged-pool notion: this runner
+        is never prepared for, and its caches grow as they are written."""
         for i, (slot, base) in enumerate(zip(slots, cache_lens)):
             nodes = [int(x) for x in accepted_nodes[i] if x >= 0]
             path = self.last_tree.pop(slot)[nodes][None].to(self.device)
