@@ -3,8 +3,8 @@
 # machine (2 GPUs, so the drafter-on-its-own-GPU rows run too). The image has torch, triton,
 # transformers and pytest, and grpcio 1.84 without its health and reflection packages: the gRPC
 # tests (test_feature_channel_gpu) need grpcio, grpcio-health-checking and grpcio-reflection 1.85.1
-# carried as wheels in .whl/ (pip download --no-deps --python-version 3.12 --only-binary=:all:
-# --platform manylinux2014_x86_64 ...), which are installed to a scratch directory first.
+# carried as wheels in .whl/ (`bash benchmarks/device_wheels.sh` fetches them here; name `.whl` in
+# the device call's carry), which are installed to a scratch directory first.
 #
 #   bash benchmarks/h200_run.sh OUT_DIR [tests|check|bench|channel|profile|full8b|all]
 #     tests: every GPU test file; check: those of the verify/draft/router fast paths, then profile
