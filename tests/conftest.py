@@ -4,10 +4,17 @@ The demo models are tiny: their ops are too small to gain from intra-op threads,
 2-core machine OpenMP threads spin-waiting on busy cores made the suite up to 20x slower.
 """
 
+import os
+
 import pytest
 import torch
 
 torch.set_num_threads(1)
+
+# Without a GPU, the Triton kernels run through Triton's interpreter (tests/interpreter.py), which
+# is chosen when triton is first imported: here, before any test module imports it.
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
 
 # Helper modules whose assertions are tests' checks: rewritten like test modules, so a failure
 # shows the values compared. Registered here, before any test module imports them.
@@ -15,18 +22,43 @@ pytest.register_assert_rewrite("tests.drafter.tree_oracle", "tests.router.link_h
 
 
 @pytest.fixture
-def loop_bounds_patch():
-    """Triton 3.6's interpreter turns a runtime loop bound into an int with `int(array of shape
-    (1,))`, which numpy >= 2.4 refuses; triton-lang/triton#9171 squeezes first. Applied per test
-    (tests/interpreter.py)."""
+def interpreter_patches():
+    """Two mends to Triton 3.6's interpreter, applied per test (tests/interpreter.py):
+
+    - a runtime loop bound becomes an int through `int(array of shape (1,))`, which numpy >= 2.4
+      refuses; triton-lang/triton#9171 squeezes first;
+    - `tl.dot` is one numpy matmul of the whole tile, and numpy's BLAS rounds a row differently
+      by where it sits in the tile (rows 6-15 of a 16-row tile differ in the last bit from the
+      same row alone), where the GPU's tensor cores accumulate every row the same way. Our
+      batch-invariance checks compare a row in a tile with that row alone, so here each output
+      row is its own product. bf16 tiles, which the interpreter multiplies as raw bit patterns
+      (triton-lang/triton#11584), are widened to fp32 first: exact, as the GPU's products are.
+    """
+    import numpy as np
     from triton.runtime import interpreter as interp
 
-    original = interp._patch_lang_tensor
+    original_patch, original_dot = interp._patch_lang_tensor, interp.InterpreterBuilder.create_dot
 
     def patched(tensor, scope):
-        original(tensor, scope)
+        original_patch(tensor, scope)
         scope.set_attr(tensor, "__index__", lambda self: int(self.handle.data.squeeze()))
 
+    def widened(handle):
+        if handle.dtype.scalar.is_bf16():   # stored as the raw 16 bits
+            return (handle.data.astype(np.uint32) << 16).view(np.float32)
+        return handle.data
+
+    def dot_by_rows(self, a, b, d, input_precision, max_num_imprecise_acc):
+        if a.dtype.primitive_bitwidth == 8 or b.dtype.primitive_bitwidth == 8:   # fp8: the interpreter's own
+            return original_dot(self, a, b, d, input_precision, max_num_imprecise_acc)
+        a_data, b_data, acc = widened(a), widened(b), d.data
+        out = np.empty_like(acc)
+        for i in range(a_data.shape[-2]):
+            out[..., i: i + 1, :] = np.matmul(a_data[..., i: i + 1, :], b_data, dtype=acc.dtype)
+        return interp.TensorHandle(out + acc, d.dtype.scalar)
+
     interp._patch_lang_tensor = patched
+    interp.InterpreterBuilder.create_dot = dot_by_rows
     yield
-    interp._patch_lang_tensor = original
+    interp._patch_lang_tensor = original_patch
+    interp.InterpreterBuilder.create_dot = original_dot

@@ -10,14 +10,10 @@ Through Triton's interpreter: the kernel checks of tests/gpu/test_fused_kernels.
 fp32: rmsnorm and rotary bit for bit (rmsnorm against `rmsnorm_cuda_order`, the torch replay of
 ATen's CUDA summation order: the CPU module sums in another), silu_mul within a few ulps (numpy's
 exp is not libdevice's). bf16 within a few ulps of the largest value: the interpreter casts fp32 to
-bf16 by truncation, not round-to-nearest-even. They run only where Triton is installed and TRITON_INTERPRET=1 is set
-before the session starts:
-
-    TRITON_INTERPRET=1 python -m pytest -q tests/spectandem/test_fused_kernels_cpu.py -p no:cacheprovider
-
-CI installs no Triton, so there they are skipped and count as covering nothing: the kernels are
-covered on the GPU machine, and the interpreter runs each program in numpy, saying nothing about GPU
-numerics (the bit-for-bit claims against torch included) or speed.
+bf16 by truncation, not round-to-nearest-even. They run where Triton is installed and the
+interpreter is on (tests/interpreter.py; CI installs triton). The interpreter runs each program in
+numpy, saying nothing about GPU numerics (the bit-for-bit claims against torch included) or speed:
+the GPU machine covers those.
 """
 
 from __future__ import annotations

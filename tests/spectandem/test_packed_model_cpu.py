@@ -10,13 +10,11 @@ Qwen2, Qwen3's qk-norm); turning the kernels off after packing is the torch code
 aux hidden states included; the demo target packed decodes the same greedy tokens, alone and under
 EAGLE-3 speculation, whose head stays unpacked.
 
-Through Triton's interpreter (install triton, set TRITON_INTERPRET=1 before the session starts; CI has
-none, so they are skipped there and count for nothing): the kernel checks of tests/gpu/test_packed_model.py
-at small sizes. fp32: add_rmsnorm's sum and norm and rmsnorm over strided rows bit for bit against
+Through Triton's interpreter (tests/interpreter.py: on a machine without a GPU where triton is
+installed, as the README's test command and CI install it): the kernel checks of
+tests/gpu/test_packed_model.py at small sizes. fp32: add_rmsnorm's sum and norm and rmsnorm over strided rows bit for bit against
 `rmsnorm_cuda_order` (the torch replay of ATen's CUDA order), rotary over packed views bit for bit,
 silu_mul_packed within a few ulps (numpy's exp); bf16 within a few ulps (the interpreter truncates).
-
-    TRITON_INTERPRET=1 python -m pytest -q tests/spectandem/test_packed_model_cpu.py -p no:cacheprovider
 """
 
 from __future__ import annotations

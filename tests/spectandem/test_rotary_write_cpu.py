@@ -4,9 +4,8 @@ Always run: off CUDA `rotary_write` is the torch code, and the demo target with 
 on verifies through the paged-tree path (PagedTreeBatch.attend_rotary) bit for bit as the model
 without them (rotary, then the index_puts), logits, features and every pool.
 
-Through Triton's interpreter (TRITON_INTERPRET=1 set before the session, as for
-test_fused_kernels_cpu.py; skipped elsewhere and covering nothing there): the GPU test's kernel
-check at small sizes, fp32 bit for bit, bf16 within the interpreter's truncating casts.
+Through Triton's interpreter (tests/interpreter.py; skipped where triton is missing): the GPU
+test's kernel check at small sizes, fp32 bit for bit, bf16 within the interpreter's truncating casts.
 """
 
 from __future__ import annotations

@@ -1,8 +1,8 @@
 """The draft head's rows attention on the CPU. Always: the reference is the gather and
 masked_attention the head ran before (so the head's CPU path did not change), and the wrapper
 sends CPU tensors there. Under Triton's interpreter (tests/interpreter.py) also the kernel's
-checks of tests/gpu/test_rows_attention.py, in fp32 and fp16 (the interpreter's bf16 `tl.dot`
-is broken: tests/spectandem/test_kernels_cpu.py)."""
+checks of tests/gpu/test_rows_attention.py, in fp32, fp16 and bf16 (bf16 `tl.dot` through
+tests/conftest.py's mend of the interpreter)."""
 
 from __future__ import annotations
 
@@ -34,14 +34,12 @@ def test_reference_refuses_bad_inputs():
 
 
 @interpreter
-@pytest.mark.usefixtures("loop_bounds_patch")
-@pytest.mark.parametrize("dtype", [torch.float32, torch.float16], ids=["fp32", "fp16"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16], ids=["fp32", "fp16", "bf16"])
 @pytest.mark.parametrize("b,nh,nkv,hd,tq,span", [(1, 4, 2, 32, 1, 1), (1, 4, 2, 32, 5, 150), (2, 2, 2, 16, 3, 70)])
 def test_interpreted_matches_reference(dtype, b, nh, nkv, hd, tq, span):
     check_matches_reference("cpu", dtype, b, nh, nkv, hd, tq, span)
 
 
 @interpreter
-@pytest.mark.usefixtures("loop_bounds_patch")
 def test_interpreted_dispatch_and_errors():
     check_dispatch_and_errors("cpu")

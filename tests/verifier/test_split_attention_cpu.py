@@ -1,12 +1,11 @@
 """The split-KV path of the paged tree attention (`split_len`, spectandem/kernels/attention.py) on the
 CPU: `split_len_for` and the cache's choice, the checks on split_len (everywhere), and the kernels
 themselves through Triton's interpreter (the checks of tests/gpu/test_split_attention.py at small
-sizes, fp32 only: the interpreter's bf16 tl.dot is broken, triton-lang/triton#11584):
+sizes; against the reference in fp32 only, as the interpreter casts fp32 to bf16 by truncation;
+bit-for-bit batch invariance in bf16 too, through tests/conftest.py's mend of its bf16 tl.dot):
 
-    TRITON_INTERPRET=1 python -m pytest -q tests/verifier/test_split_attention_cpu.py -p no:cacheprovider
-
-Without Triton or the interpreter the kernel tests are skipped, saying why (CI installs no Triton;
-tests/gpu/test_split_attention.py covers the kernels on the GPU)."""
+Without Triton or the interpreter (tests/interpreter.py) the kernel tests are skipped, saying why;
+tests/gpu/test_split_attention.py covers the kernels on the GPU."""
 
 from __future__ import annotations
 
@@ -69,14 +68,14 @@ def test_bad_split_len_on_the_reference():
 
 
 # ----------------------------------------------------------------------------------------------
-# The kernels through Triton's interpreter (TRITON_INTERPRET=1 set before the session).
+# The kernels through Triton's interpreter (tests/interpreter.py).
 
 
 @interpreter
 @pytest.mark.parametrize("num_tokens", [1, 5])
 @pytest.mark.parametrize("split_len,block_size", [(64, 16), (128, 16), (64, 24), (192, 128)],
                          ids=["64-b16", "128-b16", "64-b24", "192-b128"])
-def test_interpreted_split_matches_reference(loop_bounds_patch, num_tokens, split_len, block_size):
+def test_interpreted_split_matches_reference(num_tokens, split_len, block_size):
     """Spans ending on, one past, one short of a segment boundary and mid-segment; block sizes that
     divide split_len and that do not (b24: segment 1 starts inside block 2; b128: segments cut blocks)."""
     check_split_matches_reference("cpu", torch.float32, prefix=boundary_prefixes(split_len, num_tokens),
@@ -86,7 +85,7 @@ def test_interpreted_split_matches_reference(loop_bounds_patch, num_tokens, spli
 
 
 @interpreter
-def test_interpreted_split_tables_full_and_mha(loop_bounds_patch):
+def test_interpreted_split_tables_full_and_mha():
     """The longest span ends exactly at the table's end (num_splits = table width * block_size /
     split_len, its last segment full); one head per kv head."""
     check_split_matches_reference("cpu", torch.float32, prefix=[128 - 5, 37, 0], num_tokens=5, heads=(2, 2, 16),
@@ -95,25 +94,26 @@ def test_interpreted_split_tables_full_and_mha(loop_bounds_patch):
 
 
 @interpreter
-def test_interpreted_split_padding_rows(loop_bounds_patch):
+def test_interpreted_split_padding_rows():
     check_split_padding_rows("cpu", torch.float32, split_len=64)
 
 
 @interpreter
-def test_interpreted_split_batch_invariance(loop_bounds_patch):
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+def test_interpreted_split_batch_invariance(dtype):
     """Bit for bit at split_len 64 with 24-entry blocks (segments start mid-block); chain rows
     around the segment boundaries checked alone."""
-    check_split_batch_invariance("cpu", torch.float32, (4, 2, 32), split_len=64, block_size=24, seed=1, chain=8,
+    check_split_batch_invariance("cpu", dtype, (4, 2, 32), split_len=64, block_size=24, seed=1, chain=8,
                                  nodes=(0, 2, 3, 4, 7))
 
 
 @interpreter
-def test_interpreted_bad_split_len(loop_bounds_patch):
+def test_interpreted_bad_split_len():
     check_bad_split_len("cpu")
 
 
 @interpreter
-def test_interpreted_split_through_the_cache(loop_bounds_patch, monkeypatch):
+def test_interpreted_split_through_the_cache(monkeypatch):
     """PagedTreeBatch passes its cache's split_len: the kernel (patched in for the CPU reference)
     over a real PagedKVCache equals the reference."""
     import spectandem.kv_cache
