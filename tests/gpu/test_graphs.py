@@ -16,6 +16,7 @@ from spectandem.demo import demo_paths
 from spectandem.local import LocalSpeculator
 from spectandem.modeling.llama import load_llama
 from tests.e2e.conftest import PROMPT_TEXTS
+from tests.verifier.random_trees import accepted_paths, random_trees
 from verifier.graphs import VerifyGraphs
 from verifier.runner import NativeRunner
 
@@ -34,29 +35,6 @@ def _cuda():
         pytest.fail("the gpu marker needs a CUDA device")
 
 
-def _tree(g: torch.Generator, b: int, n: int):
-    parents = torch.full((b, n), -1, dtype=torch.long)
-    valid = torch.ones(b, n, dtype=torch.bool)
-    for i in range(b):
-        live = n - (i % 3 if n > 3 else 0)
-        for j in range(1, live):
-            parents[i, j] = int(torch.randint(0, j, (1,), generator=g))
-        valid[i, live:] = False
-    return torch.randint(1, 4096, (b, n), generator=g).masked_fill(~valid, -1), parents, valid
-
-
-def _accepted(parents, valid):
-    b, n = parents.shape
-    out = torch.full((b, n), -1, dtype=torch.long)
-    for i in range(b):
-        node, path = int(valid[i].nonzero().max()), []
-        while node >= 0:
-            path.append(node)
-            node = int(parents[i, node])
-        out[i, : len(path)] = torch.tensor(path[::-1])
-    return out
-
-
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
 @pytest.mark.parametrize("b,n", [(1, 1), (3, 5), (4, 16), (20, 5)])
 def test_graphed_verify_equals_eager(dtype, b, n):
@@ -73,7 +51,7 @@ def test_graphed_verify_equals_eager(dtype, b, n):
         r.prefill(slots, prompts)
     cache_lens = [len(p) for p in prompts]
     for _ in range(3):  # later rounds replay graphs captured earlier, over the committed paths
-        tokens, parents, valid = _tree(g, b, n)
+        tokens, parents, valid = random_trees(g, b, n)
         (la, fa), (ls, fs), (lg, fg) = [r.verify(slots, cache_lens, tokens, parents, valid) for r in runners]
         assert torch.equal(lg, ls) and torch.equal(fg, fs), "graph replay differs from the same step run eagerly"
         torch.testing.assert_close(lg[valid], la[valid], **TOLERANCE[dtype])
@@ -82,7 +60,7 @@ def test_graphed_verify_equals_eager(dtype, b, n):
             assert torch.equal(lg[valid].argmax(-1), la[valid].argmax(-1))
         else:  # bf16 near-ties may flip; nearly all must agree
             assert (lg[valid].argmax(-1) == la[valid].argmax(-1)).float().mean() >= 0.9
-        accepted = _accepted(parents, valid)
+        accepted = accepted_paths(parents, valid)
         for r in runners:
             r.commit(slots, cache_lens, accepted)
         cache_lens = [c + int((a >= 0).sum()) for c, a in zip(cache_lens, accepted)]
@@ -110,7 +88,7 @@ def test_graphed_prefill_equals_eager(dtype, lens):
         torch.testing.assert_close(a, b, **TOLERANCE[dtype])
     if dtype == torch.float32:
         assert torch.equal(lg.argmax(-1), le.argmax(-1))
-    tokens, parents, valid = _tree(g, len(prompts), 5)
+    tokens, parents, valid = random_trees(g, len(prompts), 5)
     (la, fa), (lv, fv) = [r.verify(slots, list(lens), tokens, parents, valid) for r in (eager, graphed)]
     torch.testing.assert_close(lv[valid], la[valid], **TOLERANCE[dtype])
     if dtype == torch.float32:

@@ -26,6 +26,7 @@ from spectandem.local import LocalSpeculator
 from spectandem.modeling.llama import load_llama
 from spectandem.tree import ancestor_mask
 from tests.e2e.conftest import PROMPT_TEXTS
+from tests.verifier.random_trees import accepted_paths, random_trees
 from verifier.graphs import BATCH_BUCKETS, VerifyGraphs
 from verifier.runner import NativeRunner
 
@@ -48,30 +49,6 @@ def _cuda_and_triton():
         pytest.fail("tests/gpu/test_triton_attention.py needs triton on the GPU machine")
 
 
-def _tree(g: torch.Generator, b: int, n: int):
-    """Random trees [B, N]: parents precede children; some rows end in padding nodes."""
-    parents = torch.full((b, n), -1, dtype=torch.long)
-    valid = torch.ones(b, n, dtype=torch.bool)
-    for i in range(b):
-        live = n - (i % 3 if n > 3 else 0)
-        for j in range(1, live):
-            parents[i, j] = int(torch.randint(0, j, (1,), generator=g))
-        valid[i, live:] = False
-    return torch.randint(1, 4096, (b, n), generator=g).masked_fill(~valid, -1), parents, valid
-
-
-def _accepted(parents, valid):
-    b, n = parents.shape
-    out = torch.full((b, n), -1, dtype=torch.long)
-    for i in range(b):
-        node, path = int(valid[i].nonzero().max()), []
-        while node >= 0:
-            path.append(node)
-            node = int(parents[i, node])
-        out[i, : len(path)] = torch.tensor(path[::-1])
-    return out
-
-
 def _rounds(runners, b: int, n: int, check, num_rounds: int = 3) -> None:
     """Prefill ragged prompts (some past several 64-entry key chunks), then verify + commit rounds."""
     g = torch.Generator().manual_seed(100 * b + n)
@@ -81,9 +58,9 @@ def _rounds(runners, b: int, n: int, check, num_rounds: int = 3) -> None:
         r.prefill(slots, prompts)
     cache_lens = [len(p) for p in prompts]
     for _ in range(num_rounds):
-        tokens, parents, valid = _tree(g, b, n)
+        tokens, parents, valid = random_trees(g, b, n)
         check([r.verify(slots, cache_lens, tokens, parents, valid) for r in runners], valid)
-        accepted = _accepted(parents, valid)
+        accepted = accepted_paths(parents, valid)
         for r in runners:
             r.commit(slots, cache_lens, accepted)
         cache_lens = [c + int((a >= 0).sum()) for c, a in zip(cache_lens, accepted)]

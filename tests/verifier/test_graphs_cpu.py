@@ -14,6 +14,7 @@ import pytest
 import torch
 
 from spectandem.modeling.llama import load_llama
+from tests.verifier.random_trees import accepted_paths, random_trees
 from verifier.graphs import VerifyGraphs, batch_bucket, span_bucket
 from verifier.runner import NativeRunner, load_runner
 
@@ -44,32 +45,6 @@ def _runners(model, features, buckets=(1, 2, 4, 8)):
     return eager, static
 
 
-def _tree(g: torch.Generator, b: int, n: int):
-    """Random trees [B, N]: parents precede children; some rows end in padding nodes."""
-    parents = torch.full((b, n), -1, dtype=torch.long)
-    valid = torch.ones(b, n, dtype=torch.bool)
-    for i in range(b):
-        live = n - (i % 3 if n > 3 else 0)
-        for j in range(1, live):
-            parents[i, j] = int(torch.randint(0, j, (1,), generator=g))
-        valid[i, live:] = False
-    tokens = torch.randint(1, 4096, (b, n), generator=g).masked_fill(~valid, -1)
-    return tokens, parents, valid
-
-
-def _accepted(parents: torch.Tensor, valid: torch.Tensor) -> torch.Tensor:
-    """[B, N] root-first path to each row's last valid node, -1 padded."""
-    b, n = parents.shape
-    out = torch.full((b, n), -1, dtype=torch.long)
-    for i in range(b):
-        node, path = int(valid[i].nonzero().max()), []
-        while node >= 0:
-            path.append(node)
-            node = int(parents[i, node])
-        out[i, : len(path)] = torch.tensor(path[::-1])
-    return out
-
-
 def _compare(a, b, valid):
     (la, fa), (lb, fb) = a, b
     assert la.shape == lb.shape
@@ -93,10 +68,10 @@ def test_static_verify_equals_dynamic(model, features, b, n):
         r.prefill(slots, prompts)
     cache_lens = [len(p) for p in prompts]
     for _ in range(2):  # the second round reads the first's committed path
-        tokens, parents, valid = _tree(g, b, n)
+        tokens, parents, valid = random_trees(g, b, n)
         outs = [r.verify(slots, cache_lens, tokens, parents, valid) for r in (eager, static)]
         _compare(*outs, valid)
-        accepted = _accepted(parents, valid)
+        accepted = accepted_paths(parents, valid)
         for r in (eager, static):
             r.commit(slots, cache_lens, accepted)
         cache_lens = [c + int((a >= 0).sum()) for c, a in zip(cache_lens, accepted)]
@@ -109,7 +84,7 @@ def test_unpadded_static_step_is_bit_identical(model):
     prompts = [torch.randint(1, 4096, (16,), generator=g).tolist() for _ in range(2)]
     for r in (eager, static):
         r.prefill([0, 1], prompts)
-    tokens, parents, valid = _tree(g, 2, 16)
+    tokens, parents, valid = random_trees(g, 2, 16)
     (la, fa), (lb, fb) = [r.verify([0, 1], [16, 16], tokens, parents, valid) for r in (eager, static)]
     assert torch.equal(la, lb) and torch.equal(fa, fb)
 
@@ -118,7 +93,7 @@ def test_run_returns_the_argmax_of_its_logits(model):
     g = torch.Generator().manual_seed(3)
     _, static = _runners(model, None)
     static.prefill([0, 1, 2], [torch.randint(1, 4096, (9,), generator=g).tolist() for _ in range(3)])
-    tokens, parents, valid = _tree(g, 3, 5)
+    tokens, parents, valid = random_trees(g, 3, 5)
     for slot in range(3):
         static.cache.reserve(slot, 9 + 5)
     step = static.graphs.run([0, 1, 2], [9, 9, 9], tokens, parents, valid, None)
@@ -133,7 +108,7 @@ def test_batches_past_the_largest_bucket_run_eagerly(model):
     prompts = [torch.randint(1, 4096, (6 + i,), generator=g).tolist() for i in range(3)]
     for r in (eager, static):
         r.prefill([0, 1, 2], prompts)
-    tokens, parents, valid = _tree(g, 3, 5)
+    tokens, parents, valid = random_trees(g, 3, 5)
     (la, fa), (lb, fb) = [r.verify([0, 1, 2], [6, 7, 8], tokens, parents, valid) for r in (eager, static)]
     assert torch.equal(la, lb) and torch.equal(fa, fb)
     assert not static.graphs.supports(3) and static.graphs.supports(2)
@@ -171,7 +146,7 @@ def test_prefill_through_the_verify_step_equals_eager(model, lens):
     assert torch.equal(ls.argmax(-1), le.argmax(-1))
     for a, b in zip(fs, fe):
         torch.testing.assert_close(a, b, **ULPS)
-    tokens, parents, valid = _tree(g, len(prompts), 5)   # reads the prefill's K/V
+    tokens, parents, valid = random_trees(g, len(prompts), 5)   # reads the prefill's K/V
     _compare(*[r.verify(slots, list(lens), tokens, parents, valid) for r in (eager, static)], valid)
 
 

@@ -26,6 +26,7 @@ from spectandem.modeling.llama import load_llama
 from tests.e2e.conftest import PROMPT_TEXTS
 from tests.gpu.test_triton_attention import check_padding_rows
 from tests.interpreter import interpreter
+from tests.verifier.random_trees import accepted_paths, random_trees
 from verifier.graphs import VerifyGraphs
 from verifier.runner import NativeRunner, load_runner
 
@@ -54,31 +55,6 @@ def _chain(g: torch.Generator, b: int, n: int):
     return torch.randint(1, 4096, (b, n), generator=g).masked_fill(~valid, -1), parents, valid
 
 
-def _branching(g: torch.Generator, b: int, n: int):
-    """Random trees: parents precede children; some rows end in padding nodes."""
-    parents = torch.full((b, n), -1, dtype=torch.long)
-    valid = torch.ones(b, n, dtype=torch.bool)
-    for i in range(b):
-        live = n - (i % 3 if n > 3 else 0)
-        for j in range(1, live):
-            parents[i, j] = int(torch.randint(0, j, (1,), generator=g))
-        valid[i, live:] = False
-    return torch.randint(1, 4096, (b, n), generator=g).masked_fill(~valid, -1), parents, valid
-
-
-def _accepted(parents: torch.Tensor, valid: torch.Tensor) -> torch.Tensor:
-    """[B, N] root-first path to each row's last valid node, -1 padded."""
-    b, n = parents.shape
-    out = torch.full((b, n), -1, dtype=torch.long)
-    for i in range(b):
-        node, path = int(valid[i].nonzero().max()), []
-        while node >= 0:
-            path.append(node)
-            node = int(parents[i, node])
-        out[i, : len(path)] = torch.tensor(path[::-1])
-    return out
-
-
 def _close(a, b, valid):
     (la, fa), (lb, fb) = a, b
     assert la.shape == lb.shape
@@ -104,14 +80,14 @@ def _rounds(runners, g, b: int, n: int, make_tree, compare, num_rounds: int = 2,
     for _ in range(num_rounds):
         tokens, parents, valid = make_tree(g, b, n)
         compare(*[r.verify(slots, cache_lens, tokens, parents, valid) for r in runners], valid)
-        accepted = _accepted(parents, valid)
+        accepted = accepted_paths(parents, valid)
         for r in runners:
             r.commit(slots, cache_lens, accepted)
         cache_lens = [c + int((a >= 0).sum()) for c, a in zip(cache_lens, accepted)]
 
 
 @pytest.mark.parametrize("features", [AUX, None], ids=["aux", "none"])
-@pytest.mark.parametrize("make_tree", [_chain, _branching], ids=["chain", "tree"])
+@pytest.mark.parametrize("make_tree", [_chain, random_trees], ids=["chain", "tree"])
 @pytest.mark.parametrize("b,n", [(1, 1), (3, 5), (2, 16)])
 def test_tree_path_matches_dense_verify(model, features, make_tree, b, n):
     g = torch.Generator().manual_seed(100 * b + n)
@@ -135,7 +111,7 @@ def test_padded_static_tree_step_matches_eager(model, b):
         else:
             _close(a, s, valid)
 
-    _rounds((eager, static), g, b, 7, _branching, compare, after_prefill=lambda: setattr(static, "graphs", graphs))
+    _rounds((eager, static), g, b, 7, random_trees, compare, after_prefill=lambda: setattr(static, "graphs", graphs))
     assert not static.graphs._captured  # graph=False: nothing captured, one static step per call
 
 
@@ -196,5 +172,5 @@ def test_interpreted_kernel_in_the_runner(model, monkeypatch):
     static = _tree_runner(model, AUX)
     static.graphs = VerifyGraphs(model, static.cache, graph=False, batch_buckets=(4,), tree_attention=True)
     g = torch.Generator().manual_seed(1)
-    _rounds((dense, _tree_runner(model, AUX), static), g, 3, 5, _branching,
+    _rounds((dense, _tree_runner(model, AUX), static), g, 3, 5, random_trees,
             lambda a, b, c, valid: (_close(a, b, valid), _close(a, c, valid)))
