@@ -104,6 +104,7 @@ def test_cached_sampled_trees_keep_the_target_distribution():
     model = spec.verifier.runner.model
     exact: dict[tuple, float] = {}
 
+    @torch.no_grad()
     def probs_after(ids):
         from spectandem.kv_cache import KVCache
 
