@@ -6,8 +6,10 @@
 # carried as wheels in .whl/ (`bash benchmarks/device_wheels.sh` fetches them here; name `.whl` in
 # the device call's carry), which are installed to a scratch directory first.
 #
-#   bash benchmarks/h200_run.sh OUT_DIR [tests|check|bench|channel|profile|full8b|all]
+#   bash benchmarks/h200_run.sh OUT_DIR [tests|check|pending|bench|channel|profile|full8b|all]
 #     tests: every GPU test file; check: those of the verify/draft/router fast paths, then profile
+#     pending: the GPU files of changes no GPU has run yet (session 23's combine_splits and
+#     check_query_and_pools; session 24's shared test helpers), test_split_attention with 480 s
 #     channel: that test, then the bench; profile: profile_verify.py and profile_round.py (8B shape)
 #     full8b: the 8B-shaped sections of the bench (roofline, transformers, controlled, router8b with
 #     the drafter on the second GPU), then profile_round at batch 16
@@ -25,7 +27,7 @@ fi
 nvidia-smi --query-gpu=name,memory.total --format=csv,noheader | tee "$out/gpus.txt"
 run_tests() {   # FILE... : each in its own pytest process, logs appended to gpu-tests.txt
   for f in "$@"; do
-    timeout 200 python3 -m pytest -m gpu "$f" -q -p no:cacheprovider -rf --durations=3 >/tmp/one.txt 2>&1 || true
+    timeout "${TEST_LIMIT:-200}" python3 -m pytest -m gpu "$f" -q -p no:cacheprovider -rf --durations=3 >/tmp/one.txt 2>&1 || true
     { echo "==== $f"; cat /tmp/one.txt; } >>"$out/gpu-tests.txt"
     echo "== $f"; grep -E "passed|failed|error|FAILED" /tmp/one.txt | tail -12
   done
@@ -38,6 +40,11 @@ if [ "$what" = check ]; then
     tests/gpu/test_graphs.py tests/gpu/test_packed_model.py tests/gpu/test_devices_gpu.py \
     tests/gpu/test_router8b_two_gpus.py tests/gpu/test_catchup_graphs.py tests/gpu/test_fused_graph.py \
     tests/gpu/test_triton_attention.py tests/gpu/test_batch_invariant.py
+fi
+if [ "$what" = pending ]; then
+  run_tests tests/gpu/test_rows_attention.py tests/gpu/test_batch_invariant.py tests/gpu/test_graphs.py \
+    tests/gpu/test_triton_attention.py
+  TEST_LIMIT=480 run_tests tests/gpu/test_split_attention.py
 fi
 if [ "$what" = channel ]; then
   (timeout 300 python3 -m pytest -q -m gpu -s -p no:cacheprovider tests/gpu/test_feature_channel_gpu.py 2>&1 || true) | tail -30 \
