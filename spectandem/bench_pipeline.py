@@ -32,9 +32,10 @@ def split_modes(modes: list[str]) -> tuple[list[str], list[str]]:
     return [m for m in modes if accepted(m)], [m for m in modes if not accepted(m)]
 
 
-def demo_engines(max_slots: int, dtype, verifier_device: str, drafter_device: str, gpu: GpuPaths = GpuPaths()):
-    """(verifier engine, drafter engine, lookahead, eos ids, tokenizer) of the demo EAGLE-3 chain
-    with each engine on its own device. LocalSpeculator does this with one device for both; a
+def demo_engines(max_slots: int, dtype, verifier_device: str, drafter_device: str, gpu: GpuPaths = GpuPaths(),
+                 cfg=None):
+    """(verifier engine, drafter engine, lookahead, eos ids, tokenizer) of the demo EAGLE-3 pair
+    (`cfg`: its SpecConfig, an EAGLE-3 chain of 4 by default) with each engine on its own device. LocalSpeculator does this with one device for both; a
     `drafter_device` argument there would make this the same call."""
     from drafter.engine import DrafterEngine, build_proposer
     from spectandem.checkpoint import load_tokenizer, read_config
@@ -43,7 +44,7 @@ def demo_engines(max_slots: int, dtype, verifier_device: str, drafter_device: st
     from verifier.engine import VerifierEngine
     from verifier.runner import load_runner
 
-    cfg = SpecConfig(method="eagle3", num_steps=4, topk=1, num_draft_tokens=5)
+    cfg = cfg or SpecConfig(method="eagle3", num_steps=4, topk=1, num_draft_tokens=5)
     target, draft = demo_paths("eagle3")
     runner, model = load_runner(target, None, max_slots, 512, dtype, verifier_device, **gpu.runner_kwargs())
     proposer = build_proposer(cfg, model, draft, max_slots, runner.max_len, dtype, drafter_device,
