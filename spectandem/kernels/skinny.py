@@ -15,8 +15,9 @@ tile it measured best; elsewhere `skinny_linear` calls F.linear.
 Numerics: fp32 accumulation over K in BLOCK_K chunks, rounded once to the output dtype, as a
 GEMM; another summation order than cuBLAS's, so results differ in the last bits (bf16 steps of
 different M already take different cuBLAS kernels). The rows of x do not interact: a row's
-result does not depend on M. CUDA only, bf16 and fp16; `skinny_linear` takes F.linear off CUDA,
-for fp32, and for M > 16.
+result does not depend on M. CUDA only, bf16 and fp16 (CPU tensors too under Triton's
+interpreter, which is how tests/spectandem/test_skinny_cpu.py checks it); `skinny_linear` takes
+F.linear off CUDA, for fp32, and for M > 16.
 """
 
 from __future__ import annotations
@@ -72,18 +73,23 @@ if HAVE_TRITON:
         tl.store(y_ptr + rm[:, None] * stride_ym + rn[None, :], acc.to(y_ptr.dtype.element_ty),
                  mask=(rm[:, None] < M) & (rn[None, :] < N))
 
+    # Under TRITON_INTERPRET=1 `triton.jit` makes InterpretedFunctions, which run numpy on CPU tensors.
+    _INTERPRETED = not isinstance(_skinny_kernel, triton.runtime.JITFunction)
+
 
 def skinny_linear_triton(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
                          config: tuple[int, int, int, int] | None = None) -> torch.Tensor:
     """The kernel: x [..., K] with at most MAX_ROWS rows in all, weight [N, K] contiguous, both
-    CUDA bf16/fp16 of one dtype -> [..., N]. config: (BLOCK_N, BLOCK_K, num_warps, num_stages)."""
+    CUDA (or, under the interpreter, CPU) bf16/fp16 of one dtype -> [..., N]. config: (BLOCK_N,
+    BLOCK_K, num_warps, num_stages)."""
     n, k = weight.shape
     lead = x.shape[:-1]
     x2 = x.reshape(-1, k)
     m = x2.shape[0]
     if x.shape[-1] != k or not 1 <= m <= MAX_ROWS:
         raise ValueError(f"x must be [..., {k}] with 1 to {MAX_ROWS} rows, got {tuple(x.shape)}")
-    if x.dtype != weight.dtype or x.dtype not in (torch.bfloat16, torch.float16) or not (x.is_cuda and weight.is_cuda):
+    on_device = (x.is_cuda and weight.is_cuda) or (_INTERPRETED and x.device == weight.device)
+    if x.dtype != weight.dtype or x.dtype not in (torch.bfloat16, torch.float16) or not on_device:
         raise ValueError(f"x and weight must be CUDA bf16 or fp16 of one dtype, got {x.dtype} on {x.device}, "
                          f"{weight.dtype} on {weight.device}")
     if not weight.is_contiguous():
