@@ -199,15 +199,15 @@ def _record(mode: str, batch_size: int, acceptance_rate: float | None, m: dict, 
     plain = acceptance_rate is None
     r = record(section="router8b", workload="llama8b", method="none" if plain else "eagle3-controlled",
                mode=mode, batch_size=batch_size, acceptance_rate=acceptance_rate, tokens=m["tokens"], seconds=dt,
-               wall_s=round(dt, 4),
+               wall_s=round(dt, 6),   # microseconds: over_verify_alone is computed from these
                accept_length=(c["accepted_tokens"] + drafts) / drafts if drafts else 1.0,
                rounds=c["rounds"], rounds_per_s=round(c["rounds"] / dt, 1), matches_plain=True,
                auto_mode=m["mode"] if mode == "auto" else None,
                auto_rates=m["rates"] if mode == "auto" else None,
                detached_admissions=c["detached_admissions"] if mode == "auto" else None,
-               verify_busy_s=round(verify_s, 4), prefill_busy_s=round(prefill_s, 4),
+               verify_busy_s=round(verify_s, 6), prefill_busy_s=round(prefill_s, 6),
                round_over_verify=round((dt - prefill_s) / verify_s, 3) if verify_s > 0 else None,
-               drafter_busy_s=None if plain else round(sum(m["busy"][1].values()), 4), **placement)
+               drafter_busy_s=None if plain else round(sum(m["busy"][1].values()), 6), **placement)
     if not plain:
         r.update(ahead_hits=c["draft_ahead_hits"], ahead_misses=c["draft_ahead_misses"], ready_trees=c["ready_trees"],
                  chained_verifies=m["chained"], prepared_verifies=m["prepared"], early_verifies=m["early"],
