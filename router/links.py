@@ -204,3 +204,28 @@ class DrafterLink(Protocol):
     async def info(self) -> EngineInfo: ...
 
     async def close(self) -> None: ...
+
+
+class RemoteVerifierLink:
+    """The chained-verify calls of a verifier link to another process (gRPC, Ray): it has none,
+    and the router sends each verify itself."""
+
+    def arm_next(self, tags: list[Tag], then=None, missed=None) -> bool:
+        return False
+
+    def stage_next(self, trees) -> None:
+        return None
+
+    def direct_stage(self) -> None:
+        return None
+
+
+class RemoteDrafterLink:
+    """The pre-calls of a drafter link to another process (gRPC, Ray): it starts none, and the
+    router's own draft_ahead, extend and draft calls do the work."""
+
+    def pre_ahead(self, tags, extend) -> bool:
+        return False
+
+    def pre_draft(self, tags, extend) -> bool:
+        return False

@@ -20,7 +20,8 @@ import asyncio
 import grpc
 
 from router.links import (AheadReply, DraftHandle, DrafterPrefillItem, EngineInfo, EngineUnavailable,
-                          ExtendItem, PlainItem, RoundResult, Tag, VerifierPrefillItem, VerifierPrefillResult)
+                          ExtendItem, PlainItem, RemoteDrafterLink, RemoteVerifierLink, RoundResult, Tag,
+                          VerifierPrefillItem, VerifierPrefillResult)
 from spectandem import codec
 from spectandem.grpc_server import CHANNEL_OPTIONS
 from spectandem.messages import DraftTree, StaleMessage
@@ -61,7 +62,7 @@ class _GrpcLink:
         await self.channel.close()
 
 
-class GrpcVerifierLink(_GrpcLink):
+class GrpcVerifierLink(RemoteVerifierLink, _GrpcLink):
     role = "verifier"
 
     def __init__(self, address: str, timeout_s: float | None = 30.0,
@@ -85,15 +86,6 @@ class GrpcVerifierLink(_GrpcLink):
         reply = await self._call(self.stub.Verify, request)
         return [codec.round_result_from_msg(r) for r in reply.results]
 
-    def arm_next(self, tags: list[Tag], then=None, missed=None) -> bool:
-        return False   # no chained verifies across processes (yet): the router sends each verify
-
-    def stage_next(self, trees) -> None:
-        return None
-
-    def direct_stage(self):
-        return None
-
     async def features(self, tag: Tag):
         reply = await self._call(self.stub.Features, engines_pb2.FeaturesRequest(tag=codec.tag_to_msg(tag)))
         return reply.features if reply.HasField("features") else None
@@ -105,7 +97,7 @@ class GrpcVerifierLink(_GrpcLink):
         return codec.engine_info_from_msg(await self._call(self.stub.GetInfo, engines_pb2.EngineInfoRequest()))
 
 
-class GrpcDrafterLink(_GrpcLink):
+class GrpcDrafterLink(RemoteDrafterLink, _GrpcLink):
     role = "drafter"
 
     def __init__(self, address: str, timeout_s: float | None = 30.0,
@@ -130,12 +122,6 @@ class GrpcDrafterLink(_GrpcLink):
             return codec.ahead_reply_from_msg(reply)
         except ValueError as exc:   # a drafter that sends malformed trees is broken, not the router's caller
             raise EngineUnavailable(f"drafter sent a malformed DraftAheadReply: {exc}") from exc
-
-    def pre_ahead(self, tags, extend) -> bool:
-        return False   # the router's own draft_ahead call does the work
-
-    def pre_draft(self, tags, extend) -> bool:
-        return False   # the router's own extend and draft calls do the work
 
     def ready_handle(self, tree: DraftTree, tags: list[Tag]) -> DraftHandle:
         return DraftHandle(list(tags), codec.draft_tree_to_msg(tree, [t.epoch for t in tags]))

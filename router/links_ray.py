@@ -31,7 +31,8 @@ from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
 from drafter.actor import DrafterActor
 from router.links import (AheadReply, DraftHandle, DrafterPrefillItem, EngineInfo, EngineUnavailable,
-                          ExtendItem, PlainItem, RoundResult, Tag, VerifierPrefillItem, VerifierPrefillResult)
+                          ExtendItem, PlainItem, RemoteDrafterLink, RemoteVerifierLink, RoundResult, Tag,
+                          VerifierPrefillItem, VerifierPrefillResult)
 from spectandem.config import GpuPaths, SpecConfig
 from spectandem.messages import DraftTree
 from verifier.actor import VerifierActor
@@ -97,7 +98,7 @@ async def _awaited(ref):
     return await ref
 
 
-class RayVerifierLink:
+class RayVerifierLink(RemoteVerifierLink):
     def __init__(self, actor, call_timeout_s: float | None = 120.0):
         self.actor, self.call_timeout_s = actor, call_timeout_s
 
@@ -113,15 +114,6 @@ class RayVerifierLink:
             on_launch()   # the verifier is another process: nothing here to wait for
         tree_ref, tags = (draft.payload, list(draft.tags)) if draft is not None else (None, [])
         return await self._call(self.actor.verify.remote(tree_ref, tags, plain, want_features))
-
-    def arm_next(self, tags: list[Tag], then=None, missed=None) -> bool:
-        return False   # no chained verifies across processes (yet): the router sends each verify
-
-    def stage_next(self, trees) -> None:
-        return None
-
-    def direct_stage(self):
-        return None
 
     async def features(self, tag: Tag):
         return await self._call(self.actor.features.remote(tag))
@@ -139,7 +131,7 @@ class RayVerifierLink:
         return None  # the actors belong to start_engines' cleanup
 
 
-class RayDrafterLink:
+class RayDrafterLink(RemoteDrafterLink):
     def __init__(self, actor, call_timeout_s: float | None = 120.0):
         self.actor, self.call_timeout_s = actor, call_timeout_s
 
@@ -156,12 +148,6 @@ class RayDrafterLink:
 
     async def draft_ahead(self, tags: list[Tag], extend: list[ExtendItem] = (), on_trees=None) -> AheadReply:
         return await self._call(self.actor.draft_ahead.remote(list(tags), list(extend)))
-
-    def pre_ahead(self, tags, extend) -> bool:
-        return False   # the router's own draft_ahead call does the work
-
-    def pre_draft(self, tags, extend) -> bool:
-        return False   # the router's own extend and draft calls do the work
 
     def ready_handle(self, tree: DraftTree, tags: list[Tag]) -> DraftHandle:
         return DraftHandle(list(tags), tree)   # the verifier actor takes the tree itself as well as a ref
