@@ -169,18 +169,9 @@ def serve_drafter(cfg: SpecConfig, target_dir: str | Path | None, draft_dir: str
 
 
 def run_drafter(args: argparse.Namespace) -> int:
-    from spectandem.demo import demo_paths
+    from spectandem.generate_cli import spec_from_flags
 
-    cfg = SpecConfig(method=args.method, num_steps=args.num_steps, topk=args.topk,
-                     num_draft_tokens=args.num_draft_tokens, fused=args.fused,
-                     draft_sampling_min_temperature=args.draft_sampling_min_temperature,
-                     ahead_width=args.ahead_width)
-    target, draft = args.target, args.draft
-    if target is None:
-        target, demo_draft = demo_paths(args.method)
-        draft = draft or demo_draft
-    elif draft is None and args.method in ("eagle", "eagle3", "draft-model"):
-        raise ValueError(f"--method {args.method} with --target needs --draft")
+    cfg, target, draft = spec_from_flags(args)
     tls = server_tls_from_args(args)  # flag and file errors before the model loads
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
     # --draft-kv-blocks sizes this drafter's pool (--kv-blocks is the verifier's).
