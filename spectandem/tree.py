@@ -86,12 +86,3 @@ def tril_mask(n: int) -> np.ndarray:
     t = np.tril(np.ones((n, n), dtype=bool))
     t.flags.writeable = False
     return t
-    # A node without a valid parent link inherits from itself: its row stays the identity, its
-    # depth (not yet set) stays 0.
-    link = np.where(ok, par, np.arange(n))
-    step = ok.astype(np.int64)
-    for i in range(1, n):
-        p = link[:, i]
-        mask[:, i] |= mask[rows, p]
-        depth[:, i] = depth[rows, p] + step[:, i]
-    return torch.from_numpy(depth), torch.from_numpy(mask)
