@@ -11,7 +11,6 @@
 from __future__ import annotations
 
 import pytest
-import torch
 
 from drafter import ahead_chains
 from drafter.ahead_chains import rank_chain_outcomes

@@ -14,7 +14,6 @@ from __future__ import annotations
 import pytest
 import torch
 
-from drafter.engine import DrafterEngine
 from spectandem.block_manager import BlockManager
 from spectandem.config import SamplingParams, SpecConfig
 from spectandem.demo import demo_paths
