@@ -35,8 +35,9 @@ def split_modes(modes: list[str]) -> tuple[list[str], list[str]]:
 def demo_engines(max_slots: int, dtype, verifier_device: str, drafter_device: str, gpu: GpuPaths = GpuPaths(),
                  cfg=None):
     """(verifier engine, drafter engine, lookahead, eos ids, tokenizer) of the demo EAGLE-3 pair
-    (`cfg`: its SpecConfig, an EAGLE-3 chain of 4 by default) with each engine on its own device. LocalSpeculator does this with one device for both; a
-    `drafter_device` argument there would make this the same call."""
+    (`cfg`: its SpecConfig, a chain of 4 by default) with each engine on its own device.
+    LocalSpeculator does this with one device for both; a `drafter_device` argument there would
+    make this the same call."""
     from drafter.engine import DrafterEngine, build_proposer
     from spectandem.checkpoint import load_tokenizer, read_config
     from spectandem.config import SpecConfig

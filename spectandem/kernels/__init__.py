@@ -12,11 +12,18 @@ installed, the reference otherwise). On a CPU the kernels run under Triton's int
 """
 
 try:
-    import triton  # noqa: F401  (only probed here; the kernel modules import what they use)
+    import triton  # probed here (and `interpreted`); the kernel modules import what they use
 
     HAVE_TRITON = True
 except ImportError:
     HAVE_TRITON = False
+
+
+def interpreted(kernel) -> bool:
+    """Whether a `triton.jit` kernel runs under Triton's interpreter (numpy, CPU tensors): with
+    TRITON_INTERPRET=1 set before Triton was imported, `triton.jit` makes InterpretedFunctions.
+    Only with HAVE_TRITON."""
+    return not isinstance(kernel, triton.runtime.JITFunction)
 
 from spectandem.kernels.accept import GreedyAcceptance, greedy_accept, greedy_accept_ref, greedy_accept_triton
 from spectandem.kernels.attention import (

@@ -4,7 +4,7 @@ module's docstring; this one only holds the kernels, which it launches."""
 
 from __future__ import annotations
 
-from spectandem.kernels import HAVE_TRITON
+from spectandem.kernels import HAVE_TRITON, interpreted
 
 if HAVE_TRITON:
     import triton
@@ -188,6 +188,5 @@ if HAVE_TRITON:
         u = tl.load(gate_row + inter + cols, mask=ok, other=0.0).to(tl.float32)
         tl.store(out_ptr + row * inter + cols, _silu_times(g, u, out_ptr.dtype.element_ty, INTERPRETED), mask=ok)
 
-    # Under TRITON_INTERPRET=1 `triton.jit` makes InterpretedFunctions, which run numpy.
-    _INTERPRETED = not isinstance(_silu_mul_kernel, triton.runtime.JITFunction)
+    _INTERPRETED = interpreted(_silu_mul_kernel)
 

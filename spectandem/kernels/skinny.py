@@ -25,7 +25,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from spectandem.kernels import HAVE_TRITON
+from spectandem.kernels import HAVE_TRITON, interpreted
 
 MAX_ROWS = 16
 # (N, K) of weights the kernel runs (measured faster than cuBLAS at M = 1 on the H200), with
@@ -73,8 +73,7 @@ if HAVE_TRITON:
         tl.store(y_ptr + rm[:, None] * stride_ym + rn[None, :], acc.to(y_ptr.dtype.element_ty),
                  mask=(rm[:, None] < M) & (rn[None, :] < N))
 
-    # Under TRITON_INTERPRET=1 `triton.jit` makes InterpretedFunctions, which run numpy on CPU tensors.
-    _INTERPRETED = not isinstance(_skinny_kernel, triton.runtime.JITFunction)
+    _INTERPRETED = interpreted(_skinny_kernel)
 
 
 def skinny_linear_triton(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
