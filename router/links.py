@@ -25,6 +25,10 @@ class EngineUnavailable(Exception):
     """The engine behind a link is unreachable or failed."""
 
 
+class EngineStartError(RuntimeError):
+    """An engine that serve started failed before it was ready (the message carries its own error)."""
+
+
 @dataclass(frozen=True)
 class Tag:
     request_id: str

@@ -11,9 +11,17 @@ timed out, or the engine failed inside -> EngineUnavailable; a ValueError or Key
 the engine (StaleMessage included) -> re-raised as itself.
 
 Calls are at most once (max_task_retries 0): verify, draft and extend change KV state, so a
-blind retry would corrupt it; the router retries with epochs instead. The verifier is not
-restarted (its KV is the requests' truth; losing it fails them); the drafter restarts empty and
-says so through `extend`.
+blind retry would corrupt it; the router retries with epochs instead. Both actors restart when
+their process dies (max_restarts -1). The drafter restarts empty and says so through `extend`.
+The verifier's KV is the requests' truth: its calls in flight fail (EngineUnavailable), the
+router fails its requests with UNAVAILABLE and serves again once it answers; a restarted
+verifier refuses any call about a request it did not prefill itself (VerifierActor._check_held),
+so no result of it is ever applied to a request whose KV was lost. It is built with the feature
+layers already resolved (as the verifier service resolves them), since a restart re-runs its
+constructor with the same arguments.
+
+An actor whose constructor fails at start (a broken checkpoint, no memory for its KV) ends
+`start_engines` at once with EngineStartError and the actor's own error.
 """
 
 from __future__ import annotations
@@ -30,7 +38,7 @@ from ray.util.placement_group import placement_group, remove_placement_group
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
 from drafter.actor import DrafterActor
-from router.links import (AheadReply, DraftHandle, DrafterPrefillItem, EngineInfo, EngineUnavailable,
+from router.links import (AheadReply, DraftHandle, DrafterPrefillItem, EngineInfo, EngineStartError, EngineUnavailable,
                           ExtendItem, PlainItem, RemoteDrafterLink, RemoteVerifierLink, RoundResult, Tag,
                           VerifierPrefillItem, VerifierPrefillResult)
 from spectandem.config import GpuPaths, SpecConfig
@@ -227,12 +235,16 @@ def start_engines(target_dir: str | Path, draft_dir: str | Path | None, cfg: Spe
     try:
         # Both load at once (each holds the target); the drafter's head then decides which
         # target features the verifier returns.
-        verifier = VerifierActor.options(**options(0, 0)).remote(
-            target_dir, None, max_slots, max_len, dtype, engine_device, force_hf_target,
+        from verifier.service import resolve_feature_layers
+
+        layers = resolve_feature_layers(None, cfg.method, draft_dir, target_dir) if num_actors == 2 else None
+        verifier = VerifierActor.options(**options(0, -1)).remote(
+            target_dir, layers, max_slots, max_len, dtype, engine_device, force_hf_target,
             model_name=Path(target_dir).name, num_threads=num_threads, kv_blocks=kv_blocks, block_size=block_size,
             gpu=gpu)
         actors.append(verifier)
         drafter = None
+        role = "drafter"
         if num_actors == 2:
             drafter = DrafterActor.options(**options(1, -1)).remote(
                 target_dir, None if draft_dir is None else str(draft_dir), cfg, max_slots, max_len, dtype,
@@ -240,13 +252,18 @@ def start_engines(target_dir: str | Path, draft_dir: str | Path | None, cfg: Spe
                 num_threads=num_threads, kv_blocks=draft_kv_blocks, block_size=block_size, gpu=gpu)
             actors.append(drafter)
             info = ray.get(drafter.info.remote(), timeout=startup_timeout_s)
+            role = "verifier"
             ray.get(verifier.set_feature_layers.remote(info.feature_layers), timeout=startup_timeout_s)
             if feature_channel:
                 # Both ends connect in background threads: neither call waits for the other.
                 address = ray.get(verifier.open_feature_channel.remote(
                     None if feature_channel == "auto" else feature_channel), timeout=startup_timeout_s)
                 ray.get(drafter.open_feature_channel.remote(address), timeout=startup_timeout_s)
+        role = "verifier"
         ray.get(verifier.ping.remote(), timeout=startup_timeout_s)
+    except ray.exceptions.RayActorError as exc:
+        cleanup()
+        raise EngineStartError(f"the {role} actor failed to start: {exc}") from None
     except Exception:
         cleanup()
         raise

@@ -9,12 +9,12 @@ import gc
 import logging
 import os
 import signal
-import subprocess
 import sys
 import threading
 import time
 from pathlib import Path
 
+from router.links import EngineStartError
 from spectandem.config import GpuPaths
 from router.ops import OpsConfig, add_ops_flags
 from spectandem.generate_cli import add_model_flags
@@ -68,6 +68,16 @@ def add_serve(sub) -> None:
                    help="target features go verifier -> drafter over a direct NCCL (CUDA) or gloo (CPU) channel "
                         "instead of through the router; without a value ('auto') on a free port of the "
                         "verifier's node (--backend grpc with engines started here, or ray)")
+    p.add_argument("--engine-restarts", type=int, default=5,
+                   help="--backend grpc: restarts of an engine process started here within "
+                        "--engine-restart-window, after which it stays down (a verifier that stays down ends "
+                        "serve with exit code 1; without its drafter serve decodes plainly). 0: never restart "
+                        "(default: %(default)s)")
+    p.add_argument("--engine-restart-window", type=float, default=300.0, metavar="SECONDS",
+                   help="the window --engine-restarts counts in (default: %(default)s)")
+    p.add_argument("--engine-restart-backoff", type=float, default=1.0, metavar="SECONDS",
+                   help="delay before restarting an engine, doubled for each further restart within the window, "
+                        "at most 30 s (default: %(default)s)")
     add_ops_flags(p)
     p.set_defaults(func=_serve)
 
@@ -98,13 +108,14 @@ def _num_replicas(args) -> int:
     return n
 
 
-async def _build_replicas(args, cfg, target, draft):
+async def _build_replicas(args, cfg, target, draft, supervisor=None):
     """-> ([(verifier link, drafter link or None)] one pair per replica, cleanup coroutine
-    function, {role: Popen} of the engine processes started here; replica i > 0 as "role-i")."""
+    function, {role: EngineProcess} of the engine processes started here (by `supervisor`);
+    replica i > 0 as "role-i")."""
     pairs, cleanups, procs = [], [], {}
     try:
         for i in range(_num_replicas(args)):
-            v, d, cleanup, started = await _build_links(args, cfg, target, draft, i)
+            v, d, cleanup, started = await _build_links(args, cfg, target, draft, i, supervisor)
             pairs.append((v, d))
             cleanups.append(cleanup)
             procs.update({(role if i == 0 else f"{role}-{i}"): p for role, p in started.items()})
@@ -119,9 +130,41 @@ async def _build_replicas(args, cfg, target, draft):
     return pairs, cleanup_all, procs
 
 
-async def _build_links(args, cfg, target, draft, index: int = 0):
+def engine_commands(args, cfg, target: str, draft: str | None, verifier_port: int | None,
+                    drafter_port: int | None, feature_channel: str | None = None) -> dict[str, list[str]]:
+    """The command lines (`python -m verifier|drafter ...`) of the engine processes serve starts for
+    --backend grpc, by role; a role whose port is None is not started."""
+    common = ["--method", cfg.method, "--device", args.device, "--dtype", args.dtype, "--max-slots",
+              str(args.max_running), "--target", target] + (["--draft", draft] if draft else []) + (
+              ["--max-len", str(args.max_len)] if args.max_len else []) + ["--block-size", str(args.block_size)]
+    # Engines started here serve this router only: loopback, and the internal TLS when asked.
+    common += ["--host", "127.0.0.1"] + OpsConfig.from_args(args).engine_flags() + GpuPaths.from_args(args).flags()
+    if feature_channel:
+        common += ["--feature-channel", feature_channel]
+    pool_v = ["--kv-blocks", str(args.kv_blocks)] if args.kv_blocks else []
+    pool_d = ["--draft-kv-blocks", str(args.draft_kv_blocks)] if args.draft_kv_blocks else []
+    tree = ["--num-steps", str(cfg.num_steps), "--topk", str(cfg.topk), "--num-draft-tokens", str(cfg.num_draft_tokens),
+            "--draft-sampling-min-temperature", str(cfg.draft_sampling_min_temperature),
+            "--ahead-width", str(cfg.ahead_width)]
+    out = {}
+    if verifier_port is not None:
+        out["verifier"] = [sys.executable, "-m", "verifier", "--port", str(verifier_port)] + common + pool_v
+    if drafter_port is not None and cfg.method != "none":
+        out["drafter"] = [sys.executable, "-m", "drafter", "--port", str(drafter_port)] + common + tree + pool_d
+    return out
+
+
+def restart_policy(args):
+    from router.supervisor import RestartPolicy
+
+    return RestartPolicy(max_restarts=args.engine_restarts, window_s=args.engine_restart_window,
+                         backoff_s=args.engine_restart_backoff,
+                         max_backoff_s=max(30.0, args.engine_restart_backoff))
+
+
+async def _build_links(args, cfg, target, draft, index: int = 0, supervisor=None):
     """One replica's links: -> (verifier link, drafter link or None, cleanup coroutine function,
-    {role: Popen} of the engine processes started here)."""
+    {role: EngineProcess} of the engine processes started here by `supervisor`)."""
     max_slots = args.max_running
     if args.feature_channel and (args.backend == "local" or args.verifier_address or args.drafter_address):
         raise ValueError("--feature-channel connects engines this command starts (--backend grpc or ray); give "
@@ -169,31 +212,23 @@ async def _build_links(args, cfg, target, draft, index: int = 0):
         return v, d, cleanup, {}
     from router.links_grpc import GrpcDrafterLink, GrpcVerifierLink
 
-    procs: dict[str, subprocess.Popen] = {}
-    common = ["--method", cfg.method, "--device", args.device, "--dtype", args.dtype, "--max-slots", str(max_slots),
-              "--target", target] + (["--draft", draft] if draft else []) + (
-              ["--max-len", str(args.max_len)] if args.max_len else []) + ["--block-size", str(args.block_size)]
     ops = OpsConfig.from_args(args)
-    # Engines started here serve this router only: loopback, and the internal TLS when asked.
-    common += ["--host", "127.0.0.1"] + ops.engine_flags() + GpuPaths.from_args(args).flags()
-    pool_v = ["--kv-blocks", str(args.kv_blocks)] if args.kv_blocks else []
-    pool_d = ["--draft-kv-blocks", str(args.draft_kv_blocks)] if args.draft_kv_blocks else []
-    tree = ["--num-steps", str(cfg.num_steps), "--topk", str(cfg.topk), "--num-draft-tokens", str(cfg.num_draft_tokens),
-            "--draft-sampling-min-temperature", str(cfg.draft_sampling_min_temperature),
-            "--ahead-width", str(cfg.ahead_width)]
     verifier_address = args.verifier_address[index] if args.verifier_address else None
     drafter_address = args.drafter_address[index] if args.drafter_address else None
+    channel = None
     if args.feature_channel and cfg.method != "none":
         channel = f"tcp://127.0.0.1:{_free_port()}" if args.feature_channel == "auto" else args.feature_channel
-        common += ["--feature-channel", channel]
-    if verifier_address is None:
-        port = _free_port()
-        procs["verifier"] = subprocess.Popen([sys.executable, "-m", "verifier", "--port", str(port)] + common + pool_v)
-        verifier_address = f"localhost:{port}"
-    if drafter_address is None and cfg.method != "none":
-        port = _free_port()
-        procs["drafter"] = subprocess.Popen([sys.executable, "-m", "drafter", "--port", str(port)] + common + tree + pool_d)
-        drafter_address = f"localhost:{port}"
+    commands = engine_commands(args, cfg, target, draft, None if verifier_address else _free_port(),
+                               None if drafter_address else _free_port(), channel)
+    if commands and supervisor is None:
+        raise ValueError("engine processes need a supervisor")
+    procs = {}
+    for role, argv in commands.items():
+        procs[role] = supervisor.start(role if index == 0 else f"{role}-{index}", argv)
+    if "verifier" in commands:
+        verifier_address = f"localhost:{commands['verifier'][4]}"
+    if "drafter" in commands:
+        drafter_address = f"localhost:{commands['drafter'][4]}"
     creds = ops.link_credentials()
     v = GrpcVerifierLink(verifier_address, credentials=creds)
     d = GrpcDrafterLink(drafter_address, credentials=creds) if drafter_address else None
@@ -202,22 +237,24 @@ async def _build_links(args, cfg, target, draft, index: int = 0):
         await v.close()
         if d:
             await d.close()
-        for p in procs.values():
-            p.terminate()
-        for p in procs.values():
-            try:
-                p.wait(10)
-            except subprocess.TimeoutExpired:
-                p.kill()
+        if supervisor is not None:
+            await supervisor.wait_stopped()   # no restart from here on
+        await asyncio.gather(*(asyncio.to_thread(p.stop) for p in procs.values()))
     return v, d, cleanup, procs
 
 
-async def _wait_ready(link, what: str, timeout: float = 300.0):
+async def _wait_ready(link, what: str, timeout: float = 300.0, process=None):
+    """The engine's info once it answers. `process`: the EngineProcess serve started for it; its
+    exit ends the wait at once (EngineStartError with its own last output)."""
     deadline = time.monotonic() + timeout
     while True:
+        if process is not None:
+            process.check()
         try:
             return await link.info()
         except Exception as exc:
+            if process is not None:
+                process.check()
             if time.monotonic() > deadline:
                 raise RuntimeError(f"the {what} did not come up in {timeout:.0f} s: {exc}") from None
             await asyncio.sleep(0.5)
@@ -252,15 +289,27 @@ async def serve_async(args, ready_message=True, stop_event: asyncio.Event | None
     tcfg = read_config(target)
     eos = tcfg.get("eos_token_id")
     eos_ids = tuple(eos) if isinstance(eos, list) else (() if eos is None else (int(eos),))
-    pairs, cleanup, procs = await _build_replicas(args, cfg, target, draft)
+    stop = stop_event or asyncio.Event()
+    fatal: list[str] = []
+
+    def gave_up(role: str) -> None:
+        if role.startswith("verifier"):   # without its verifier a replica serves nothing: serve ends, non-zero
+            fatal.append(role)
+            stop.set()
+
+    from router.supervisor import EngineSupervisor
+
+    supervisor = EngineSupervisor(restart_policy(args), on_give_up=gave_up)
+    pairs, cleanup, procs = await _build_replicas(args, cfg, target, draft, supervisor)
     server = None
     router = None
     fronts = None
     try:
         routers = []
-        for v, d in pairs:
-            vinfo = await _wait_ready(v, "verifier")
-            dinfo = await _wait_ready(d, "drafter") if d else None
+        for i, (v, d) in enumerate(pairs):
+            suffix = "" if i == 0 else f"-{i}"
+            vinfo = await _wait_ready(v, "verifier", process=procs.get(f"verifier{suffix}"))
+            dinfo = await _wait_ready(d, "drafter", process=procs.get(f"drafter{suffix}")) if d else None
             if args.feature_channel and d is not None:
                 await _wait_channel(v)
             want = dinfo is not None and dinfo.feature_layers not in (None, "none")
@@ -278,6 +327,7 @@ async def serve_async(args, ready_message=True, stop_event: asyncio.Event | None
                                                       if dinfo else 16)))
         router = routers[0] if len(routers) == 1 else ReplicaSet(routers)
         v, d = pairs[0]
+        supervisor.watch()   # from here on an engine process that exits is restarted
         router.start()
         limits = Limits(max_context=vinfo.max_len, vocab_size=int(tcfg["vocab_size"]))
         info = dict(target_model=Path(target).name, draft_model=Path(draft).name if draft else "",
@@ -312,7 +362,6 @@ async def serve_async(args, ready_message=True, stop_event: asyncio.Event | None
         if args.first_request:
             asyncio.get_running_loop().create_task(_first_request(f"localhost:{port}", args.first_request,
                                                                   ops.api_key, ops.public_tls is not None))
-        stop = stop_event or asyncio.Event()
         loop = asyncio.get_running_loop()
         for sig in (signal.SIGINT, signal.SIGTERM):
             try:
@@ -322,6 +371,7 @@ async def serve_async(args, ready_message=True, stop_event: asyncio.Event | None
         await stop.wait()
     finally:
         # Every step is bounded: one that hangs must not keep the process (or a test) from ending.
+        supervisor.stop_restarting()
         if fronts is not None:
             await _bounded("the HTTP fronts", fronts.close())
         if server is not None:
@@ -332,6 +382,9 @@ async def serve_async(args, ready_message=True, stop_event: asyncio.Event | None
         gc.unfreeze()   # what the server held may be collected again (in-process callers: tests)
         if ready_message:
             print("spectandem stopped", flush=True)
+    if fatal:
+        raise EngineStartError(f"the {', '.join(fatal)} stayed down after {args.engine_restarts} restarts within "
+                               f"{args.engine_restart_window:.0f} s (--engine-restarts, --engine-restart-window)")
 
 
 _RAY_GONE = threading.Event()   # the local Ray cluster was gone at shutdown (router/links_ray.py: gcs_reachable)
@@ -383,7 +436,11 @@ def _serve(args) -> int:
         logging.basicConfig(level=level, format="%(asctime)s %(levelname)s %(name)s %(message)s")
     if args.api_key is None:  # the environment is read here, in the entry point, only
         args.api_key = os.environ.get("SPECTANDEM_API_KEY") or None
-    asyncio.run(serve_async(args))
+    try:
+        asyncio.run(serve_async(args))
+    except EngineStartError as exc:   # an engine that failed to start, or a verifier that stayed down
+        print(f"spectandem serve: error: {exc}", file=sys.stderr, flush=True)
+        return 1
     if _RAY_GONE.is_set():   # skip Ray's exit hook, which would wait for the GCS that is gone
         sys.stdout.flush()
         sys.stderr.flush()

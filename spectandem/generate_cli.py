@@ -6,7 +6,7 @@ from __future__ import annotations
 import argparse
 import json
 import sys
-from spectandem.service_args import model_dtype
+from spectandem.service_args import add_gpu_path_flags, model_dtype
 
 
 def add_model_flags(p: argparse.ArgumentParser) -> None:
@@ -23,14 +23,7 @@ def add_model_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("--ahead-width", type=int, default=4,
                    help="draft ahead: outcomes of a round prepared while it is verified (0: never)")
     p.add_argument("--device", default="cpu")
-    p.add_argument("--cuda-graphs", action="store_true",
-                   help="replay CUDA graphs for verify steps, EAGLE catch-ups and argmax chains (CUDA only)")
-    p.add_argument("--triton-attention", action="store_true",
-                   help="the target's verify attends through the Triton paged tree attention, eager or with "
-                        "--cuda-graphs (CUDA + Triton; not with --batch-invariant)")
-    p.add_argument("--batch-invariant", action="store_true",
-                   help="batch-invariant target kernels: bf16 speculation gives plain decoding's exact tokens "
-                        "(CUDA + Triton; the target then runs without CUDA graphs)")
+    add_gpu_path_flags(p)
     p.add_argument("--dtype", choices=["float32", "bfloat16", "float16", "float64"], default="float32",
                    help="float64: CPU reference runs (their rounding almost never flips seeded draws)")
     p.add_argument("--max-len", type=int, default=None, help="context length (default: the target's)")

@@ -20,6 +20,18 @@ def model_dtype(args: argparse.Namespace):
     return getattr(torch, args.dtype)
 
 
+def add_gpu_path_flags(p: argparse.ArgumentParser) -> None:
+    """The GPU fast paths (spectandem.config.GpuPaths, whose `flags()` hands them to engine processes)."""
+    p.add_argument("--cuda-graphs", action="store_true",
+                   help="replay CUDA graphs for verify steps, EAGLE catch-ups and argmax chains (CUDA only)")
+    p.add_argument("--triton-attention", action="store_true",
+                   help="the target's verify attends through the Triton paged tree attention, eager or with "
+                        "--cuda-graphs (CUDA + Triton; not with --batch-invariant)")
+    p.add_argument("--batch-invariant", action="store_true",
+                   help="batch-invariant target kernels: bf16 speculation gives plain decoding's exact tokens "
+                        "(CUDA + Triton; the target then runs without CUDA graphs)")
+
+
 def add_verifier_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--target", default=None, help="target checkpoint directory (default: the demo target)")
     p.add_argument("--draft", default=None,
@@ -32,6 +44,7 @@ def add_verifier_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--device", default="cpu")
     p.add_argument("--dtype", choices=["float32", "bfloat16", "float16", "float64"], default="float32",
                    help="float64: CPU reference runs (their rounding almost never flips seeded draws)")
+    add_gpu_path_flags(p)
     p.add_argument("--max-len", type=int, default=None, help="context length (default: the target's)")
     p.add_argument("--max-slots", type=int, default=8, help="requests held at once")
     p.add_argument("--kv-blocks", type=int, default=None, help="KV pool in blocks (default: every slot at full context)")

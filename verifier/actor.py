@@ -51,6 +51,14 @@ class VerifierActor:
         self.engine = VerifierEngine(runner, max_slots, int(read_config(target_dir)["vocab_size"]))
         self.model_name, self.device = model_name, device
         self.sender: FeatureSender | None = None
+        # Ray restarted this actor (max_restarts): the KV of every request the router had here is
+        # gone, so a call about a request this instance never prefilled is an outage, not a stale reply.
+        self.restarted = ray.get_runtime_context().was_current_actor_reconstructed
+
+    def _check_held(self, request_ids) -> None:
+        missing = sorted({r for r in request_ids if r not in self.engine.requests})
+        if missing and self.restarted:
+            raise RuntimeError(f"the verifier restarted and does not hold requests {missing}: their KV is gone")
 
     def open_feature_channel(self, address: str | None) -> str:
         """Starts the verifier's end of the direct feature channel at `address` (None: a free port
@@ -80,11 +88,13 @@ class VerifierActor:
         """`draft_payload`: the drafter's DraftTree (Ray resolves the ref passed at top level) or
         None. Results in the order tags then plain; `features` an ObjectRef of
         [num_accepted + 1, F] (or None)."""
+        self._check_held([t.request_id for t in tags] + [p.tag.request_id for p in plain])
         outs = verifier_verify(self.engine, draft_payload, tags, plain, want_features, self.sender)
         return [replace(r, features=_put(r.features)) for r in outs]
 
     def features(self, tag: Tag) -> ray.ObjectRef | None:
         """An ObjectRef of the features of every committed position but the last."""
+        self._check_held([tag.request_id])
         return _put(verifier_features(self.engine, tag))
 
     def release(self, request_ids: list[str]) -> None:
@@ -94,7 +104,7 @@ class VerifierActor:
     def info(self) -> EngineInfo:
         info = verifier_info(self.engine, self.model_name)
         ctx = ray.get_runtime_context()
-        info.extra.update(pid=os.getpid(), node_id=ctx.get_node_id(), placement_group_id=ctx.get_placement_group_id())
+        info.extra.update(pid=os.getpid(), restarted=self.restarted, node_id=ctx.get_node_id(), placement_group_id=ctx.get_placement_group_id())
         if self.sender is not None:
             info.extra["feature_channel"] = self.sender.state
         return info
