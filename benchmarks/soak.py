@@ -703,6 +703,7 @@ class SoakConfig:
     seed: int = 0
     serve_args: tuple = ()
     progress: bool = False
+    mix: dict | None = None        # kind -> weight (DEFAULT_MIX when None)
 
 
 def run_soak(cfg: SoakConfig, log_dir: str | None = None) -> dict:
@@ -712,7 +713,7 @@ def run_soak(cfg: SoakConfig, log_dir: str | None = None) -> dict:
     log_dir = log_dir or tempfile.mkdtemp(prefix="soak-")
     tokenizer = load_tokenizer(demo_paths("none")[0])
     prompts = prompt_ids(tokenizer)
-    plan = plan_requests(cfg.requests, len(prompts), cfg.seed)
+    plan = plan_requests(cfg.requests, len(prompts), cfg.seed, cfg.mix)
     faults = fault_schedule(cfg.requests, cfg.drafter_kills, cfg.drafter_stalls, cfg.verifier_kills,
                             cfg.verifier_stalls)
     t_start = time.monotonic()
@@ -781,6 +782,18 @@ def summary(fig: dict) -> str:
     return "\n".join(lines)
 
 
+def _mix(text: str | None) -> dict | None:
+    if not text:
+        return None
+    mix = dict(DEFAULT_MIX)
+    for item in text.split(","):
+        kind, _, w = item.partition("=")
+        if kind not in KINDS:
+            raise SystemExit(f"--mix: unknown kind {kind!r} (kinds: {', '.join(KINDS)})")
+        mix[kind] = int(w)
+    return mix
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter)
     d = SoakConfig()
@@ -799,6 +812,8 @@ def main(argv=None) -> int:
     ap.add_argument("--dtype", default=d.dtype, choices=["float32", "float64"])
     ap.add_argument("--seed", type=int, default=d.seed)
     ap.add_argument("--serve-arg", action="append", default=[], help="extra flag for serve (repeat)")
+    ap.add_argument("--mix", default=None, metavar="KIND=W,...",
+                    help=f"request kinds and weights, the rest keep theirs (default {DEFAULT_MIX})")
     ap.add_argument("--out", default=None, help="write the figures and every violation as JSON")
     ap.add_argument("--log-dir", default=None)
     a = ap.parse_args(argv)
@@ -807,7 +822,7 @@ def main(argv=None) -> int:
                      verifier_stalls=a.verifier_stalls, stall_seconds=a.stall_seconds,
                      drafter_timeout=a.drafter_timeout, restart_wait=a.restart_wait, settle_seconds=a.settle_seconds,
                      max_seconds=a.max_seconds, dtype=a.dtype, seed=a.seed, serve_args=tuple(a.serve_arg),
-                     progress=True)
+                     progress=True, mix=_mix(a.mix))
     fig = run_soak(cfg, a.log_dir)
     print(summary(fig))
     if a.out:

@@ -7,6 +7,7 @@ report (negative controls), and one clean run it must pass."""
 from __future__ import annotations
 
 import importlib.util
+import json
 import sys
 from pathlib import Path
 
@@ -167,9 +168,10 @@ def test_plan_and_schedule_cover_the_issue():
 def test_soak_grpc_300_requests_with_kills_and_a_stall(tmp_path):
     cfg = soak.SoakConfig(requests=300, concurrency=16, drafter_kills=2, drafter_stalls=1, verifier_kills=1,
                           stall_seconds=6.0, drafter_timeout=2.0, restart_wait=60.0, settle_seconds=30.0,
-                          max_seconds=240.0)
+                          max_seconds=150.0)
     fig = soak.run_soak(cfg, str(tmp_path))
     report = soak.summary(fig)
+    (tmp_path / "soak.json").write_text(json.dumps(fig, indent=1, default=str))
     print(report)
     assert fig["violations"] == [], report
     # Not vacuous: everything was sent, most of it checked token for token, and the faults hit
