@@ -18,7 +18,8 @@ Invariants (each violation names the request and what was seen):
   terminal   every request ends exactly once: one chunk with a finish reason and nothing after it,
              or one error status, or the client's own cancel; a stream closed without a finish
              reason, a request still open at its deadline + 30 s, or DEADLINE_EXCEEDED on a request
-             with a generous deadline is a violation. Failures are allowed only where a fault
+             with a generous deadline is a violation, and so is a drafter stall during which no
+             request in flight gets a chunk past the drafter timeout. Failures are allowed only where a fault
              explains them: UNAVAILABLE for requests that overlapped a verifier fault (from the
              signal until health is SERVING again), DEADLINE_EXCEEDED for short-deadline requests,
              a refusal (ALREADY_EXISTS, INVALID_ARGUMENT) of a request whose id duplicates another's.
@@ -564,7 +565,7 @@ def verifier_windows(faults: list[FaultEvent], t_end: float) -> list[tuple[float
 
 
 def check(plan: list[Planned], records: list[Record], refs: dict, faults: list[FaultEvent], end: dict | None,
-          baseline: dict | None, t_end: float | None = None) -> dict:
+          baseline: dict | None, t_end: float | None = None, drafter_timeout: float = 2.0) -> dict:
     """The invariants over what the run recorded -> {"violations": [...], figures}. Pure: the unit
     tests feed it fabricated records."""
     violations: list[dict] = []
@@ -647,6 +648,23 @@ def check(plan: list[Planned], records: list[Record], refs: dict, faults: list[F
                                  f"position {first} ({len(toks)} tokens, reference {len(exp)})")
         elif rec.finishes and not rec.code:
             fig["unchecked_completions"] += 1
+    # ---- stuck rounds: while an engine is stopped past the drafter timeout, requests must still
+    # make progress when it is the drafter (rounds go on without it)
+    fig["stall_progress"] = []
+    for f in faults:
+        if f.action != "drafter-stall" or f.skipped or not f.t_resume:
+            continue
+        a, b = f.t_signal + drafter_timeout + 1.0, f.t_resume
+        if b - a < 1.0:
+            continue
+        waiting = sum(1 for r in records if r.t_start < a and r.t_end > b)
+        progress = sum(1 for r in records for t in r.chunk_times if a <= t <= b)
+        fig["stall_progress"].append({"window": [round(a, 1), round(b, 1)], "open_requests": waiting,
+                                      "chunks": progress})
+        if waiting and not progress:
+            violations.append({"invariant": "terminal", "idx": -1, "kind": "", "request_id": "",
+                               "what": f"no request made progress from {a:.1f} to {b:.1f} s while the drafter was "
+                                       f"stopped ({waiting} requests open): rounds wait for a stalled drafter"})
     # ---- leaks
     leaked = {}
     if end is not None and baseline is not None:
@@ -739,7 +757,7 @@ def run_soak(cfg: SoakConfig, log_dir: str | None = None) -> dict:
     finally:
         rc = serve.stop()
     fig = check(plan, records, refs, faults, end, baseline,
-                t_end=max((r.t_end for r in records), default=0.0))
+                t_end=max((r.t_end for r in records), default=0.0), drafter_timeout=cfg.drafter_timeout)
     fig.update(planned=cfg.requests, traffic_seconds=round(took, 1), total_seconds=round(time.monotonic() - t_start, 1),
                reference_seconds=round(t_ref, 1), serve_exit=rc, baseline=baseline, end=end,
                faults=[dataclasses.asdict(f) for f in faults], config=dataclasses.asdict(cfg),
@@ -771,6 +789,7 @@ def summary(fig: dict) -> str:
                                                                    if f["t_recovered"] is not None else ""))
                                  for f in fig["faults"])),
             ("fallback rounds (completed requests)", fig["fallback_rounds"]),
+            ("progress while the drafter was stopped", json.dumps(fig["stall_progress"])),
             ("traffic / total seconds", f"{fig['traffic_seconds']} / {fig['total_seconds']}"),
             ("violations by invariant", json.dumps(fig["violations_by_invariant"]) or "none")]
     w = max(len(k) for k, _ in rows)

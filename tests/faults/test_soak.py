@@ -180,3 +180,13 @@ def test_soak_grpc_300_requests_with_kills_and_a_stall(tmp_path):
     assert fig["checked_completions"] >= 150, report
     assert fig["client_cancelled"] > 0 and fig["fallback_rounds"] > 0, report
     assert all(f["t_signal"] > 0 for f in fig["faults"]), report
+
+
+def test_checker_reports_rounds_stalled_by_a_stopped_drafter():
+    plan, recs, refs, faults = _clean()
+    faults.append(FaultEvent("drafter-stall", 2, t_signal=20.0, t_resume=28.0))
+    recs[0].t_start, recs[0].t_end, recs[0].chunk_times = 19.0, 29.0, [19.5, 28.5, 28.9]
+    fig = _check(plan, recs, refs, faults)
+    assert _invariants(fig) == ["terminal"] and fig["stall_progress"][0]["chunks"] == 0
+    recs[0].chunk_times = [19.5, 25.0, 28.9]       # a chunk while it was stopped: rounds went on
+    assert _check(plan, recs, refs, faults)["violations"] == []
