@@ -71,8 +71,9 @@ def _concurrent(stub, reqs, on_first_chunk=None, timeout=120):
 
 
 def test_grpc_backend_exact_and_drafter_killed(reference):
+    # The drafter stays down (no restart: tests/router/test_serve_supervised.py covers those).
     server = Served(["--backend", "grpc", "--max-len", MAX_LEN, "--max-running", "16",
-                     "--drafter-timeout", "3"]).wait_ready()
+                     "--drafter-timeout", "3", "--engine-restarts", "0"]).wait_ready()
     try:
         prompts = _prompts(reference, 6)
         greedy = reference.generate(prompts, [SamplingParams(max_tokens=20)] * 6)
@@ -95,7 +96,9 @@ def test_grpc_backend_exact_and_drafter_killed(reference):
 
 
 def test_grpc_backend_verifier_killed():
-    server = Served(["--backend", "grpc", "--max-len", MAX_LEN, "--max-running", "16"]).wait_ready()
+    # Its restart comes 30 s later, after the checks of the outage below.
+    server = Served(["--backend", "grpc", "--max-len", MAX_LEN, "--max-running", "16",
+                     "--engine-restart-backoff", "30"]).wait_ready()
     try:
         from grpc_health.v1 import health_pb2, health_pb2_grpc
 
