@@ -387,15 +387,24 @@ async def _health_status(health_stub) -> str:
         return type(exc).__name__
 
 
-async def _wait_engine(serve_pid: int, role: str, health_stub, timeout: float) -> tuple[int, int] | None:
-    """The engine's (pid, port) once it runs and health is SERVING; None after `timeout`."""
+async def _wait_engine(serve_pid: int, role: str, health_stub, timeout: float) -> tuple[tuple[int, int] | None, str]:
+    """(the engine's (pid, port), "") once it runs, answers GetInfo and health is SERVING; after
+    `timeout`: (None, what was missing last)."""
     deadline = time.monotonic() + timeout
+    why = ""
     while time.monotonic() < deadline:
         eng = engines(serve_pid).get(role)
-        if eng and await _health_status(health_stub) == "SERVING" and await _engine_info(role, eng[1]) is not None:
-            return eng
+        status = await _health_status(health_stub)
+        if eng is None:
+            why = f"no live {role} process under serve"
+        elif await _engine_info(role, eng[1]) is None:
+            why = f"the {role} process {eng[0]} does not answer GetInfo"
+        elif status != "SERVING":
+            why = f"server health {status}"
+        else:
+            return eng, ""
         await asyncio.sleep(0.5)
-    return None
+    return None, f"{why} for {timeout:.0f} s"
 
 
 async def _engine_info(role: str, port: int) -> dict | None:
@@ -422,9 +431,9 @@ async def run_faults(faults: list[FaultEvent], serve_pid: int, ended: list[int],
             f.skipped = "traffic ended first"
             continue
         role = f.action.split("-")[0]
-        eng = await _wait_engine(serve_pid, role, health_stub, restart_wait)
+        eng, why = await _wait_engine(serve_pid, role, health_stub, restart_wait)
         if eng is None:
-            f.skipped = f"no live {role} process serving within {restart_wait:.0f} s"
+            f.skipped = why
             continue
         f.pid = eng[0]
         f.t_signal = time.monotonic() - t0
