@@ -25,6 +25,10 @@ class EngineUnavailable(Exception):
     """The engine behind a link is unreachable or failed."""
 
 
+class DuplicateRequest(Exception):
+    """A request id that a request which has not ended already uses (ALREADY_EXISTS on the wire)."""
+
+
 @dataclass(frozen=True)
 class Tag:
     request_id: str

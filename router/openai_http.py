@@ -23,7 +23,7 @@ import time
 from aiohttp import web
 
 from router.auth import check_bearer
-from router.links import EngineUnavailable
+from router.links import DuplicateRequest, EngineUnavailable
 from router.openai_protocol import (ApiError, ChatTemplate, Parsed, chat_request, check_model, choice,
                                     completion_request, envelope, error_from_status, usage)
 from router.scheduler import Chunk, Failure, Router
@@ -100,7 +100,7 @@ class OpenAIFront:
         try:
             prompt_ids, params = validate(parsed.request, self.tokenizer, self.limits)
             req = self.router.submit(prompt_ids, params, parsed.request.request_id or None)
-        except (ValueError, EngineUnavailable) as exc:
+        except (ValueError, EngineUnavailable, DuplicateRequest) as exc:
             code, msg = status_of(exc)
             raise error_from_status(code.name, msg, parsed.prompt_param) from None
         response_id = ("chatcmpl-" if chat else "cmpl-") + req.request_id  # the id in logs and X-Request-Id

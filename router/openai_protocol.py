@@ -30,10 +30,10 @@ from spectandem.v1 import common_pb2, generation_pb2
 COMPLETIONS_DEFAULT_MAX_TOKENS = 16
 
 HTTP_STATUS = {"INVALID_ARGUMENT": 400, "OUT_OF_RANGE": 400, "FAILED_PRECONDITION": 400, "UNAUTHENTICATED": 401,
-               "PERMISSION_DENIED": 403, "NOT_FOUND": 404, "RESOURCE_EXHAUSTED": 429, "CANCELLED": 499,
-               "UNAVAILABLE": 503, "DEADLINE_EXCEEDED": 504}
+               "PERMISSION_DENIED": 403, "NOT_FOUND": 404, "ALREADY_EXISTS": 409, "RESOURCE_EXHAUSTED": 429,
+               "CANCELLED": 499, "UNAVAILABLE": 503, "DEADLINE_EXCEEDED": 504}
 ERROR_TYPES = {400: "invalid_request_error", 401: "authentication_error", 403: "permission_error",
-               404: "not_found_error", 429: "rate_limit_error", 503: "service_unavailable_error"}
+               404: "not_found_error", 409: "conflict_error", 429: "rate_limit_error", 503: "service_unavailable_error"}
 
 
 class ApiError(Exception):

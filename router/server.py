@@ -17,7 +17,7 @@ import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
-from router.links import EngineUnavailable
+from router.links import DuplicateRequest, EngineUnavailable
 from router.scheduler import Chunk, Failure, Router
 from spectandem.config import SamplingParams
 from spectandem.v1 import common_pb2, generation_pb2, generation_pb2_grpc
@@ -97,6 +97,8 @@ def validate(request: generation_pb2.GenerateRequest, tokenizer, limits: Limits)
 
 def status_of(exc: BaseException) -> tuple[grpc.StatusCode, str]:
     """The one place exceptions become gRPC status codes."""
+    if isinstance(exc, DuplicateRequest):
+        return grpc.StatusCode.ALREADY_EXISTS, str(exc)
     if isinstance(exc, InvalidRequest) or isinstance(exc, ValueError):
         return grpc.StatusCode.INVALID_ARGUMENT, str(exc)
     if isinstance(exc, EngineUnavailable):
@@ -114,7 +116,7 @@ class GenerationServicer(generation_pb2_grpc.GenerationServicer):
         try:
             prompt_ids, params = validate(request, self.tokenizer, self.limits)
             req = self.router.submit(prompt_ids, params, request.request_id or None)
-        except (ValueError, EngineUnavailable) as exc:
+        except (ValueError, EngineUnavailable, DuplicateRequest) as exc:
             code, msg = status_of(exc)
             await context.abort(code, msg)
         try:
