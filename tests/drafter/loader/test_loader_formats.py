@@ -436,3 +436,15 @@ def test_eagle1_hidden_act_is_honoured(tmp_path, target):
     torch.testing.assert_close(logits, ref_logits, atol=1e-5, rtol=0)
     _, silu_logits = reference_eagle1(t, embed, lm_head, tokens, feats)
     assert not torch.equal(logits.argmax(-1), silu_logits.argmax(-1))   # control: SiLU would differ
+
+
+def test_fast_path_keeps_the_activation(tmp_path, target):
+    """use_fused_kernels packs gate/up into one GEMM; a GELU head keeps its GELU there (the
+    fused SiLU kernel is SiLU's alone)."""
+    cfg, t = eagle3_checkpoint(SEED, embed=True)
+    head = load_head(write(tmp_path, {**cfg, "hidden_act": "gelu"}, t), target)
+    head.use_fused_kernels(True)
+    assert head.layer.mlp.packed_weight is not None
+    tokens, feats = pairs(EMBED_SEED, 3 * HT)
+    _assert_matches(run_pairs_then_step(head, tokens, feats, NEXT),
+                    reference_eagle3_step(t, t["embed_tokens.weight"], tokens, feats, NEXT, act=_gelu))
