@@ -352,3 +352,18 @@ def test_exact_bearer_is_accepted_on_both(server):
     still_serving(server)
     status, body = http(server, "/v1/completions", {"prompt": "x", "max_tokens": 2, "ignore_eos": True})
     assert status == 200 and body["usage"]["completion_tokens"] == 2
+
+
+def test_full_uint64_seed_crosses_the_engine_wire_exactly():
+    """The gRPC backend's engine messages carry a seed of 2**64 - 1 unchanged, to both engines."""
+    from router.links import DrafterPrefillItem, Tag, VerifierPrefillItem
+    from spectandem import codec
+
+    seed = 2**64 - 1
+    params = SamplingParams(max_tokens=4, temperature=0.9, seed=seed)
+    v = codec.verifier_prefill_item_from_msg(codec.verifier_prefill_item_to_msg(
+        VerifierPrefillItem(Tag("r", 0, 3), [1, 2, 3], params, seed)))
+    d = codec.drafter_prefill_item_from_msg(codec.drafter_prefill_item_to_msg(
+        DrafterPrefillItem(Tag("r", 0, 4), [1, 2, 3], 5, params, seed, None)))
+    assert v.seed == d.seed == v.params.seed == d.params.seed == seed
+    assert SamplingParams(temperature=1.0).resolved_seed() < 2**64
