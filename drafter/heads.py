@@ -36,7 +36,15 @@ class HeadSpec:
     fc_bias: bool
     qkv_bias: bool
     aux_layers: tuple[int, ...]      # EAGLE-3: HF hidden-state indices, ascending; EAGLE-1: ()
-    norm_before_residual: bool = False
+    norm_before_residual: bool = False  # EAGLE-3: the layer's residual is hidden_norm(u), not u
+    hidden_act: str = "silu"         # the MLP's activation, a key of layers.ACTIVATIONS
+    final_norm: bool = True          # EAGLE-3: logits = lm_head(norm(h)); False: lm_head(h)
+    normed_feedback: bool = False    # EAGLE-3: the next step reads norm(h) instead of h
+
+    def __post_init__(self):
+        assert not (self.normed_feedback and not self.final_norm), "normed feedback needs the final norm"
+        assert self.kind == "eagle3" or (self.final_norm and not self.normed_feedback
+                                         and not self.norm_before_residual), "EAGLE-3 options on an EAGLE-1 head"
 
     @property
     def feature_size(self) -> int:
@@ -88,7 +96,7 @@ class _Layer(nn.Module):
     def __init__(self, spec: HeadSpec, in_dim: int, input_norms: bool):
         super().__init__()
         self.self_attn = _HeadAttention(spec, in_dim)
-        self.mlp = GatedMLP(spec.hidden_size, spec.intermediate_size)
+        self.mlp = GatedMLP(spec.hidden_size, spec.intermediate_size, act=spec.hidden_act)
         self.post_attention_layernorm = RMSNorm(spec.hidden_size, spec.rms_norm_eps)
         if input_norms:  # EAGLE-3: one norm for the embedding, one for the hidden
             self.input_layernorm = RMSNorm(spec.hidden_size, spec.rms_norm_eps)
@@ -147,7 +155,8 @@ class DraftHead(nn.Module):
         positions [B, T]; mask [B, Tq, cache.span] bool for the query rows;
         query_rows [B, Tq] int64, indices into T; with Tq == T they must be 0..T-1 in order
         (every row a query row, as in tree and chain steps), and are not read.
-        Returns the head's output hidden for the query rows, [B, Tq, H] (pre-norm).
+        Returns the head's output hidden for the query rows, [B, Tq, H]: pre-norm, or after
+        the final norm where `spec.normed_feedback`; it is what `logits` and the next step read.
         """
         assert token_ids.shape == positions.shape == hidden.shape[:2], (token_ids.shape, hidden.shape)
         assert query_rows.shape[0] == token_ids.shape[0] and mask.shape[:2] == query_rows.shape
@@ -162,6 +171,10 @@ class DraftHead(nn.Module):
         a = res_q + layer.self_attn(x, cos, sin, rows, cache, mask)
         out = a + layer.mlp(layer.post_attention_layernorm(a))
         assert out.shape == (token_ids.shape[0], query_rows.shape[1], self.spec.hidden_size)
+        return self._output(out)
+
+    def _output(self, out: torch.Tensor) -> torch.Tensor:
+        """The layer output as the head hands it on (to `logits` and the next step)."""
         return out
 
     def _layer_input(self, emb, hidden):
@@ -195,8 +208,11 @@ class Eagle1Head(DraftHead):
 
 class Eagle3Head(DraftHead):
     """EAGLE-3: u = fc(concat(low, mid, high target layers)); the layer's q/k/v read
-    [input_layernorm(embed), hidden_norm(u)] (2H wide); final norm and the head's own lm_head
-    over a reduced vocabulary mapped to target ids by `d2t` (target id = i + d2t[i])."""
+    [input_layernorm(embed), hidden_norm(u)] (2H wide), its residual is u (hidden_norm(u) with
+    `norm_before_residual`); final norm and the head's own lm_head over a reduced vocabulary
+    mapped to target ids by `d2t` (target id = i + d2t[i]). Variants: no final norm
+    (`final_norm` False: lm_head on the layer output); the normed output fed back to the next
+    step (`normed_feedback`: `run` returns norm(h), `logits` applies lm_head to it)."""
 
     def __init__(self, spec: HeadSpec):
         super().__init__()
@@ -218,8 +234,13 @@ class Eagle3Head(DraftHead):
         residual = normed if self.spec.norm_before_residual else hidden
         return torch.cat([self.layer.input_layernorm(emb), normed], dim=-1), residual
 
+    def _output(self, out):
+        return self.norm(out) if self.spec.normed_feedback else out
+
     def logits(self, hidden):
-        return self._linear(self.lm_head, self.norm(hidden)).float()
+        if self.spec.final_norm and not self.spec.normed_feedback:
+            hidden = self.norm(hidden)
+        return self._linear(self.lm_head, hidden).float()
 
     def draft_to_target(self, draft_ids):
         return draft_ids + self.d2t[draft_ids]

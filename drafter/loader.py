@@ -1,15 +1,28 @@
 """Loading EAGLE-1/2 and EAGLE-3 draft heads from their public checkpoint formats.
 
 Accepted (../shared/reference/formats.md):
+- configs: flat HuggingFace-style config.json (official EAGLE, SGLang, SpecForge), and vLLM's
+  speculators format for EAGLE-3 (`speculators_model_type: "eagle3"`, architecture
+  `Eagle3Speculator`, a one-layer `llama` decoder's fields under `transformer_layer_config`, the
+  head's own fields at the top level, `speculators_config.algorithm` "eagle3"; it must state
+  `norm_before_residual`, which speculators and vLLM default differently);
 - files: model.safetensors, or pytorch_model.bin through torch.load(weights_only=True);
 - key prefixes: `midlayer.` (official / SpecForge EAGLE-3), `layers.0.` (EAGLE-1, speculators),
   each optionally under `model.`;
 - `fc.bias` present or not (the bias is decided by the weights, cross-checked with `bias`);
-- EAGLE-3 `d2t` offsets (target id = i + d2t[i]); `t2d` is ignored (training-only);
+- EAGLE-3 `d2t` offsets (target id = i + d2t[i]); `t2d` and speculators' `verifier_norm` /
+  `verifier_lm_head` are ignored (training-only);
 - auxiliary layers: top-level `eagle_aux_hidden_state_layer_ids` are HuggingFace hidden-state
   indices; `eagle_config.eagle_aux_hidden_state_layer_ids` (SpecForge/SGLang) count decoder-layer
   outputs from 0, so 1 is added; with neither, (2, L//2, L-3);
-- embeddings (and the EAGLE-1 lm_head) come from the target when the file has none.
+- embeddings (and the EAGLE-1 lm_head) come from the target when the file has none;
+- `hidden_act`: silu (the default), swish, gelu, gelu_new, gelu_pytorch_tanh, relu;
+- EAGLE-3 `norm_before_residual` (the residual is hidden_norm(u));
+- `norm_output`, whose meaning depends on the format: SpecForge's (default true) false means no
+  final norm before lm_head; speculators' (default false) true means the normed output is fed
+  back to the next draft step. EAGLE-1 heads accept only SpecForge's false (they have no norm).
+Refused with the field named: other activations, `norm_before_fc` / `fc_norm` true, speculators
+configs of another model type, algorithm or decoder type, or with more than one layer.
 """
 
 from __future__ import annotations
@@ -21,7 +34,7 @@ import torch
 
 from drafter.heads import HEAD_CLASSES, DraftHead, HeadSpec
 from spectandem.checkpoint import CheckpointError, load_weights, read_config
-from spectandem.modeling.layers import RopeSpec
+from spectandem.modeling.layers import ACTIVATIONS, RopeSpec
 from spectandem.modeling.llama import LlamaModel
 
 @dataclass(frozen=True)
@@ -48,7 +61,12 @@ class TargetTensors:
 
 
 _LAYER_PREFIXES = ("model.midlayer.", "model.layers.0.", "midlayer.", "layers.0.")
-_IGNORED = ("t2d",)
+# Training-only tensors: the vocabulary mask and speculators' copies of the target's final norm
+# and lm_head (the teacher of its training loss).
+_IGNORED = ("t2d", "verifier_norm.weight", "verifier_lm_head.weight")
+# speculators format: the head's own fields, at the top level beside `transformer_layer_config`.
+_SPECULATORS_HEAD_FIELDS = ("draft_vocab_size", "target_hidden_size", "eagle_aux_hidden_state_layer_ids",
+                            "norm_before_residual", "norm_before_fc", "fc_norm", "norm_output")
 
 
 def _normalise_keys(state: dict[str, torch.Tensor], path: str) -> dict[str, torch.Tensor]:
@@ -95,6 +113,77 @@ def aux_layers_from_config(cfg: dict, num_target_layers: int, source: str = "con
     return tuple(sorted(ids))
 
 
+def is_speculators_config(cfg: dict) -> bool:
+    """vLLM's speculators format: `speculators_model_type`, an `Eagle3Speculator` /
+    `Eagle3DraftModel` architecture, or the decoder's fields nested under
+    `transformer_layer_config`."""
+    return ("speculators_model_type" in cfg or "transformer_layer_config" in cfg
+            or bool({"Eagle3Speculator", "Eagle3DraftModel"} & set(cfg.get("architectures") or [])))
+
+
+def flatten_speculators_config(cfg: dict, source: str = "config.json") -> dict:
+    """A speculators-format EAGLE-3 config as one flat dict: the decoder fields of
+    `transformer_layer_config` with the head's own top-level fields over them."""
+    model_kind = cfg.get("speculators_model_type")
+    if model_kind != "eagle3":
+        raise CheckpointError(f"{source}: speculators_model_type {model_kind!r} is not supported (only 'eagle3')")
+    algorithm = (cfg.get("speculators_config") or {}).get("algorithm", "eagle3")
+    if algorithm != "eagle3":
+        raise CheckpointError(f"{source}: speculators_config.algorithm {algorithm!r} is not supported (only 'eagle3')")
+    layer = cfg.get("transformer_layer_config")
+    if not isinstance(layer, dict):
+        raise CheckpointError(f"{source}: speculators format without a transformer_layer_config")
+    if layer.get("model_type") != "llama":
+        raise CheckpointError(f"{source}: transformer_layer_config.model_type {layer.get('model_type')!r} is not "
+                              "supported (only 'llama' decoder layers)")
+    if int(layer.get("num_hidden_layers", 1)) != 1:
+        raise CheckpointError(f"{source}: transformer_layer_config.num_hidden_layers "
+                              f"{layer['num_hidden_layers']}: heads with more than one layer are not supported")
+    if "norm_before_residual" not in cfg:
+        # speculators reads an absent field as false, vLLM as true: only the file can say.
+        raise CheckpointError(f"{source}: speculators config without norm_before_residual")
+    return {**layer, **{k: cfg[k] for k in _SPECULATORS_HEAD_FIELDS if k in cfg}}
+
+
+def _flag(cfg: dict, name: str, default: bool, source: str, fmt: str = "") -> bool:
+    value = cfg.get(name, default)
+    if not isinstance(value, bool):
+        raise CheckpointError(f"{source}: {name}{f' ({fmt} format)' if fmt else ''} must be true or false, "
+                              f"not {value!r}")
+    return value
+
+
+def head_options(cfg: dict, kind: str, speculators: bool, source: str = "config.json") -> dict:
+    """HeadSpec's computation options from a (flattened) head config, refusing what the heads
+    cannot compute. `norm_output` has two meanings: in SpecForge configs (default true) false
+    drops the final norm before lm_head; in speculators configs (default false) true feeds the
+    normed output back to the next step."""
+    act = cfg.get("hidden_act", "silu")
+    if act not in ACTIVATIONS:
+        raise CheckpointError(f"{source}: hidden_act {act!r} is not supported "
+                              f"(supported: {', '.join(ACTIVATIONS)})")
+    for name in ("norm_before_fc", "fc_norm"):
+        if _flag(cfg, name, False, source):
+            raise CheckpointError(f"{source}: {name}=true (a norm on the target features before fc) "
+                                  "is not supported")
+    before_residual = _flag(cfg, "norm_before_residual", False, source)
+    if speculators:
+        if kind != "eagle3":
+            raise CheckpointError(f"{source}: speculators eagle3 config for an {kind} head")
+        final_norm, normed_feedback = True, _flag(cfg, "norm_output", False, source, "speculators")
+    else:
+        final_norm, normed_feedback = _flag(cfg, "norm_output", True, source, "SpecForge"), False
+    if kind == "eagle":
+        if before_residual:
+            raise CheckpointError(f"{source}: norm_before_residual=true on an EAGLE-1 head (it has no hidden_norm)")
+        if "norm_output" in cfg and final_norm:
+            raise CheckpointError(f"{source}: norm_output=true (SpecForge format: a final norm before lm_head) "
+                                  "on an EAGLE-1 head, which has none")
+        final_norm = True  # EAGLE-1 has no final norm at all: the flag is an EAGLE-3 option
+    return {"hidden_act": act, "norm_before_residual": before_residual, "final_norm": final_norm,
+            "normed_feedback": normed_feedback}
+
+
 def load_head(directory: str | Path, target: "TargetTensors | LlamaModel", kind: str | None = None,
               dtype: torch.dtype = torch.float32, device: str | torch.device = "cpu") -> DraftHead:
     """Loads a draft head for `target`. `kind` is "eagle" or "eagle3" (None: from the weights)."""
@@ -103,6 +192,9 @@ def load_head(directory: str | Path, target: "TargetTensors | LlamaModel", kind:
         target = TargetTensors.of(target)
     cfg = read_config(directory)
     src = str(directory)
+    speculators = is_speculators_config(cfg)
+    if speculators:
+        cfg = flatten_speculators_config(cfg, f"{directory / 'config.json'}")
     raw = load_weights(directory)
     state = _normalise_keys(raw, src)
     try:
@@ -113,6 +205,7 @@ def load_head(directory: str | Path, target: "TargetTensors | LlamaModel", kind:
     detected = detect_kind(state, hidden, src)
     if kind is not None and kind != detected:
         raise CheckpointError(f"{src}: asked for an {kind} head but the weights are {detected}")
+    options = head_options(cfg, detected, speculators, f"{directory / 'config.json'}")
     tspec = target
     vocab = int(cfg.get("vocab_size", tspec.vocab_size))
     if vocab != tspec.vocab_size:
@@ -144,7 +237,7 @@ def load_head(directory: str | Path, target: "TargetTensors | LlamaModel", kind:
         # The weights decide the fc bias: configs that disagree with their files are common
         # (formats.md 1.1, SGLang #5773).
         fc_bias="fc.bias" in state, qkv_bias="layer.self_attn.q_proj.bias" in state,
-        aux_layers=aux, norm_before_residual=bool(cfg.get("norm_before_residual", False)),
+        aux_layers=aux, **options,
     )
     head = HEAD_CLASSES[detected](spec)
     # Weights taken from the target where the format says so.
@@ -180,12 +273,18 @@ def save_head(head: DraftHead, directory: str | Path) -> None:
     """Writes `head` in its public format: config.json + model.safetensors, without the
     tensors taken from the target (embeddings, unless the head is narrower or wider than the
     target and so cannot share them; EAGLE-1 lm_head). EAGLE-3 uses the official
-    `midlayer.` names, bf16 weights, int64 `d2t` and bool `t2d`; EAGLE-1 uses `layers.0.`."""
+    `midlayer.` names, bf16 weights, int64 `d2t` and bool `t2d`; EAGLE-1 uses `layers.0.`.
+    The config states `hidden_act`, and `norm_before_residual` / `norm_output` (SpecForge's
+    meaning) where they differ from the defaults; a head with normed feedback has no field in
+    this format and is refused."""
     import json
 
     from safetensors.torch import save_file
 
     spec = head.spec
+    if spec.normed_feedback:
+        raise ValueError("save_head: a head that feeds its normed output back (speculators' norm_output) "
+                         "cannot be written in the flat EAGLE format")
     directory = Path(directory)
     directory.mkdir(parents=True, exist_ok=True)
     prefix = "midlayer." if spec.kind == "eagle3" else "layers.0."
@@ -213,6 +312,7 @@ def save_head(head: DraftHead, directory: str | Path) -> None:
         "num_key_value_heads": spec.num_kv_heads,
         "head_dim": spec.head_dim,
         "num_hidden_layers": 1,
+        "hidden_act": spec.hidden_act,
         "rms_norm_eps": spec.rms_norm_eps,
         "rope_theta": spec.rope.theta,
         "vocab_size": spec.vocab_size,
@@ -224,4 +324,8 @@ def save_head(head: DraftHead, directory: str | Path) -> None:
         cfg["draft_vocab_size"] = spec.draft_vocab_size
         cfg["target_hidden_size"] = spec.target_hidden_size
         cfg["eagle_aux_hidden_state_layer_ids"] = list(spec.aux_layers)
+        if spec.norm_before_residual:
+            cfg["norm_before_residual"] = True
+        if not spec.final_norm:
+            cfg["norm_output"] = False
     (directory / "config.json").write_text(json.dumps(cfg, indent=2) + "\n")

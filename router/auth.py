@@ -19,12 +19,13 @@ OPEN_GRPC_PREFIXES = ("/grpc.health.v1.Health/", "/grpc.reflection.v1alpha.Serve
 
 
 def check_bearer(header: str | None, api_key: str) -> str | None:
-    """None when `header` ("Bearer KEY") carries `api_key`, else the reason it does not."""
+    """None when `header` is exactly "Bearer " + `api_key` (the scheme spelled `Bearer`, one
+    space, the key, nothing else), else the reason it is refused."""
     if not header:
         return "missing API key: send the header 'authorization: Bearer <key>'"
-    scheme, _, token = header.partition(" ")
-    if scheme.lower() != "bearer" or not hmac.compare_digest(token.strip().encode(), api_key.encode()):
-        return "invalid API key"
+    expected = ("Bearer " + api_key).encode("utf-8", "surrogateescape")
+    if not hmac.compare_digest(header.encode("utf-8", "surrogateescape"), expected):
+        return "invalid API key: the authorization header must be exactly 'Bearer <key>'"
     return None
 
 

@@ -29,6 +29,10 @@ class EngineStartError(RuntimeError):
     """An engine that serve started failed before it was ready (the message carries its own error)."""
 
 
+class DuplicateRequest(Exception):
+    """A request id that a request which has not ended already uses (ALREADY_EXISTS on the wire)."""
+
+
 @dataclass(frozen=True)
 class Tag:
     request_id: str

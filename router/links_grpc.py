@@ -48,7 +48,7 @@ class _GrpcLink:
             if code == grpc.StatusCode.FAILED_PRECONDITION:
                 raise StaleMessage(details) from None
             if code == grpc.StatusCode.INVALID_ARGUMENT:
-                raise ValueError(f"{self.role} at {self.address}: {details}") from None
+                raise ValueError(f"{self.role}: {details}") from None   # may reach a client: no address
             raise EngineUnavailable(f"{self.role} at {self.address}: {code.name}: {details}") from exc
 
     async def wait_ready(self, timeout_s: float) -> None:

@@ -6,7 +6,8 @@ Two sources, one registry (a private `CollectorRegistry`, so nothing process-glo
   time*, so /metrics can never drift from what the router (and GetServerStats) reports.
     counters   spectandem:spec_decode_num_drafts, _num_draft_tokens, _num_accepted_tokens,
                _num_accepted_tokens_per_pos{position} (position 0 = the first draft token),
-               spectandem:num_rounds, num_preemptions, num_resumes, num_fallback_rounds,
+               spectandem:num_rounds, num_preemptions, num_resumes, num_fallback_rounds (drafter
+               unavailable), num_plain_rounds (speculation switched off), num_drafter_outages,
                num_stale_replies_dropped, num_draft_ahead_{hits,misses}, num_ready_trees,
                num_detached_admissions,
                num_requests_{admitted,finished,failed,cancelled}
@@ -58,7 +59,11 @@ ROUTER_COUNTERS = (
     ("num_preemptions", "preemptions", "Requests preempted (their cache freed, to be resumed)"),
     ("num_resumes", "resumes", "Preempted requests resumed"),
     ("num_fallback_rounds", "fallback_rounds",
-     "Request-rounds decoded without a draft while a drafter is configured"),
+     "Request-rounds decoded without a draft because the drafter was unavailable"),
+    ("num_plain_rounds", "plain_rounds",
+     "Request-rounds decoded without a draft because speculation was switched off (auto chose plain, "
+     "low acceptance, admitted without the drafter)"),
+    ("num_drafter_outages", "drafter_outages", "Times the drafter became unavailable"),
     ("num_stale_replies_dropped", "stale_dropped", "Engine replies of an old epoch or length, dropped unapplied"),
     ("num_draft_ahead_hits", "draft_ahead_hits", "Trees drafted ahead (pipelined) that were used"),
     ("num_draft_ahead_misses", "draft_ahead_misses", "Trees drafted ahead (pipelined) that were discarded"),

@@ -17,15 +17,16 @@ tells the Router to stop the request, as the gRPC servicer does.
 
 from __future__ import annotations
 
+import asyncio
 import json
 import time
 
 from aiohttp import web
 
 from router.auth import check_bearer
-from router.links import EngineUnavailable
+from router.links import DuplicateRequest, EngineUnavailable
 from router.openai_protocol import (ApiError, ChatTemplate, Parsed, chat_request, check_model, choice,
-                                    completion_request, envelope, error_from_status, usage)
+                                    completion_request, envelope, error_from_status, parse_json_body, usage)
 from router.scheduler import Chunk, Failure, Router
 from router.server import Limits, status_of, validate
 
@@ -90,17 +91,18 @@ class OpenAIFront:
         if self.chat_template is None:
             raise ApiError(400, f"the model `{self.model_name}` has no chat template (no chat_template in its "
                                 "tokenizer_config.json or chat_template.jinja): use /v1/completions", "messages")
-        parsed = chat_request(body, request.headers.get("X-Request-Id", ""), self.chat_template, self.tokenizer,
-                              self.limits.max_context)
+        parsed = await asyncio.to_thread(chat_request, body, request.headers.get("X-Request-Id", ""),
+                                         self.chat_template, self.tokenizer, self.limits.max_context,
+                                         self.limits.max_prompt_chars)
         return await self._generate(request, parsed, chat=True)
 
     # ------------------------------------------------------------------ generation
 
     async def _generate(self, request: web.Request, parsed: Parsed, chat: bool) -> web.StreamResponse:
         try:
-            prompt_ids, params = validate(parsed.request, self.tokenizer, self.limits)
+            prompt_ids, params = await validate(parsed.request, self.tokenizer, self.limits)
             req = self.router.submit(prompt_ids, params, parsed.request.request_id or None)
-        except (ValueError, EngineUnavailable) as exc:
+        except (ValueError, EngineUnavailable, DuplicateRequest) as exc:
             code, msg = status_of(exc)
             raise error_from_status(code.name, msg, parsed.prompt_param) from None
         response_id = ("chatcmpl-" if chat else "cmpl-") + req.request_id  # the id in logs and X-Request-Id
@@ -170,9 +172,7 @@ async def _event(resp: web.StreamResponse, obj: dict) -> None:
 
 async def _json_body(request: web.Request) -> dict:
     try:
-        body = await request.json()
-    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
-        raise ApiError(400, f"the request body is not valid JSON: {exc}") from None
-    if not isinstance(body, dict):
-        raise ApiError(400, "the request body must be a JSON object")
-    return body
+        raw = await request.text()
+    except UnicodeDecodeError as exc:
+        raise ApiError(400, f"the request body is not valid UTF-8: {exc}") from None
+    return parse_json_body(raw)

@@ -30,10 +30,10 @@ from spectandem.v1 import common_pb2, generation_pb2
 COMPLETIONS_DEFAULT_MAX_TOKENS = 16
 
 HTTP_STATUS = {"INVALID_ARGUMENT": 400, "OUT_OF_RANGE": 400, "FAILED_PRECONDITION": 400, "UNAUTHENTICATED": 401,
-               "PERMISSION_DENIED": 403, "NOT_FOUND": 404, "RESOURCE_EXHAUSTED": 429, "CANCELLED": 499,
-               "UNAVAILABLE": 503, "DEADLINE_EXCEEDED": 504}
+               "PERMISSION_DENIED": 403, "NOT_FOUND": 404, "ALREADY_EXISTS": 409, "RESOURCE_EXHAUSTED": 429,
+               "CANCELLED": 499, "UNAVAILABLE": 503, "DEADLINE_EXCEEDED": 504}
 ERROR_TYPES = {400: "invalid_request_error", 401: "authentication_error", 403: "permission_error",
-               404: "not_found_error", 429: "rate_limit_error", 503: "service_unavailable_error"}
+               404: "not_found_error", 409: "conflict_error", 429: "rate_limit_error", 503: "service_unavailable_error"}
 
 
 class ApiError(Exception):
@@ -117,6 +117,8 @@ def _sampling_params(body: dict, default_max_tokens: int | None) -> common_pb2.S
     top_p = _typed(body, "top_p", (int, float), "a number", 1.0)
     top_k = _typed(body, "top_k", (int,), "an integer", 0)
     seed = _typed(body, "seed", (int,), "an integer")
+    if seed is not None and not 0 <= seed < 2 ** 64:
+        raise invalid("seed", f"seed must be an integer in [0, 2**64), got {seed}")
     stop = body.get("stop")
     stop = [stop] if isinstance(stop, str) else (stop or [])
     if not isinstance(stop, list) or not all(isinstance(s, str) for s in stop):
@@ -176,14 +178,71 @@ def completion_request(body: dict, request_id: str) -> Parsed:
     return Parsed(request, prompt_param="prompt", **_flags(body))
 
 
-def chat_request(body: dict, request_id: str, template: ChatTemplate, tokenizer, max_context: int) -> Parsed:
+def chat_request(body: dict, request_id: str, template: ChatTemplate, tokenizer, max_context: int,
+                 max_prompt_chars: int = 0) -> Parsed:
+    """Renders and tokenises the messages: run it in a worker thread (it takes time on long
+    messages). A rendered prompt over `max_prompt_chars` (0 = no cap) is refused before it is
+    tokenised."""
+    from router.server import encode_text
+
     _refuse_unsupported(body, chat=True)
     text = template.render(_messages(body.get("messages")))
-    ids = tokenizer.encode(text, add_special_tokens=False).ids  # the template wrote the special tokens
+    if max_prompt_chars and len(text) > max_prompt_chars:
+        raise invalid("messages", f"messages render to a prompt of {len(text)} characters; the limit is "
+                                  f"{max_prompt_chars} (more cannot fit the context of {max_context} tokens)")
+    ids = encode_text(tokenizer, text, add_special_tokens=False)  # the template wrote the special tokens
     params = _sampling_params(body, default_max_tokens=max(1, max_context - len(ids)))
     request = generation_pb2.GenerateRequest(request_id=request_id, params=params)
     _set_token_ids(request, ids, "messages")
     return Parsed(request, prompt_param="messages", **_flags(body))
+
+
+# ------------------------------------------------------------------------------ JSON bodies
+
+MAX_JSON_DEPTH = 64   # objects and arrays nested deeper than this are refused (400)
+
+
+def parse_json_body(raw: str) -> dict:
+    """The request body as a dict, or a 400 ApiError naming the problem: not JSON, not an object,
+    nested more than MAX_JSON_DEPTH levels, or a string holding a lone UTF-16 surrogate ("\\ud800"
+    decodes to one; it is not a character and cannot be UTF-8 encoded), naming where it is."""
+    try:
+        body = json.loads(raw)
+    except RecursionError:
+        raise ApiError(400, f"the request body nests JSON objects/arrays more than {MAX_JSON_DEPTH} levels "
+                            "deep") from None
+    except ValueError as exc:  # json.JSONDecodeError
+        raise ApiError(400, f"the request body is not valid JSON: {exc}") from None
+    if not isinstance(body, dict):
+        raise ApiError(400, "the request body must be a JSON object")
+    stack: list[tuple[object, str, int]] = [(body, "", 1)]
+    while stack:
+        value, path, depth = stack.pop()
+        if isinstance(value, str):
+            _check_utf8(value, path)
+            continue
+        if not isinstance(value, (dict, list)):
+            continue
+        if depth > MAX_JSON_DEPTH:
+            raise ApiError(400, f"the request body nests JSON objects/arrays more than {MAX_JSON_DEPTH} levels "
+                                f"deep (at {path})", path.split(".")[0].split("[")[0] or None)
+        if isinstance(value, dict):
+            for key, item in value.items():
+                where = f"{path}.{key}" if path else key
+                _check_utf8(key, where)
+                stack.append((item, where, depth + 1))
+        else:
+            stack.extend((item, f"{path}[{i}]", depth + 1) for i, item in enumerate(value))
+    return body
+
+
+def _check_utf8(text: str, path: str) -> None:
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError as exc:
+        raise ApiError(400, f"{path} holds a lone surrogate ({ascii(text[exc.start])}) at character {exc.start}: "
+                            "it is not a Unicode character; send valid UTF-8 text",
+                       path.split(".")[0].split("[")[0]) from None
 
 
 def _messages(messages) -> list[dict]:

@@ -163,11 +163,13 @@ class ModeChooser:
         else:                                                     # keep the fastest so far
             edge = plain_edge(num_running)
             best = max(s.rates, key=lambda m: s.rates[m] * (edge if m == "plain" else 1.0))
-            s.keep_windows = min(2 * s.keep_windows, MAX_KEEP_WINDOWS) if best == s.kept else KEEP_WINDOWS
+            changed = best != s.kept
+            s.keep_windows = min(2 * s.keep_windows, MAX_KEEP_WINDOWS) if not changed else KEEP_WINDOWS
             s.kept = best
             s.start("keep", best, window * s.keep_windows)
-            log.info("pipeline mode %s at %d running (committed tokens/s: %s)", s.mode, num_running,
-                     {k: round(v, 1) for k, v in s.rates.items()})
+            if changed:   # a mode kept again after a measurement is not news
+                log.info("auto pipeline: mode %s at %d running (committed tokens/s: %s)", s.mode, num_running,
+                         {k: round(v, 1) for k, v in s.rates.items()})
         return s.mode
 
     def settled(self, num_running: int) -> str | None:

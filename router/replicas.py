@@ -14,7 +14,7 @@ from __future__ import annotations
 
 from dataclasses import fields
 
-from router.links import EngineUnavailable
+from router.links import DuplicateRequest, EngineUnavailable
 from router.scheduler import Router, RouterCounters, ServedRequest
 from spectandem.config import SamplingParams
 
@@ -50,6 +50,8 @@ class ReplicaSet:
             await r.stop()
 
     def submit(self, prompt_ids: list[int], params: SamplingParams, request_id: str | None = None) -> ServedRequest:
+        if request_id and any(r.in_use(request_id) for r in self.replicas):
+            raise DuplicateRequest(f"request_id {request_id!r} is already in use by a request that has not ended")
         n = len(self.replicas)
         order = [self.replicas[(self._next + i) % n] for i in range(n)]
         up = [r for r in order if r.serving]

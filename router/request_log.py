@@ -5,7 +5,7 @@ Request events (logger `spectandem.requests`, level INFO), with their fields:
     admitted     prompt_tokens, max_tokens, temperature, queue_s (submit -> admission)
     first_token  ttft_s (submit -> first token)
     finished     finish_reason, completion_tokens, e2e_s, num_rounds, draft_tokens,
-                 accepted_tokens, accept_length, fallback_rounds
+                 accepted_tokens, accept_length, fallback_rounds, plain_rounds
     failed       code (a gRPC status name), completion_tokens, e2e_s
     cancelled    completion_tokens, e2e_s
 Later token chunks are not logged (one line per round per request would drown the rest).

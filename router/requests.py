@@ -41,10 +41,12 @@ class ServedRequest:
     on_verifier: bool = False
     on_drafter: bool = False         # the drafter holds this request's state, in sync
     detached: bool = False           # admitted while "auto" had settled on plain: no drafter (router/pipeline.py)
+    drafter_refused: bool = False    # the drafter refused its prefill: it decodes without drafts
     num_rounds: int = 0
     draft_tokens: int = 0
     accepted_tokens: int = 0
-    fallback_rounds: int = 0
+    fallback_rounds: int = 0         # rounds without a draft because the drafter was unavailable
+    plain_rounds: int = 0            # rounds without a draft because speculation was switched off
     started: float = field(default_factory=time.monotonic)
     admit_seq: int = -1              # order of first admission (preemption takes the latest)
     preempted: bool = False          # waiting to resume
@@ -71,7 +73,7 @@ class ServedRequest:
         al = (self.accepted_tokens + self.num_rounds) / self.num_rounds if self.num_rounds else 0.0
         return {"num_rounds": self.num_rounds, "draft_tokens": self.draft_tokens,
                 "accepted_tokens": self.accepted_tokens, "accept_length": round(al, 4),
-                "fallback_rounds": self.fallback_rounds}
+                "fallback_rounds": self.fallback_rounds, "plain_rounds": self.plain_rounds}
 
 
 @dataclass
@@ -83,7 +85,13 @@ class RouterCounters:
     draft_tokens: int = 0            # draft tokens verified
     accepted_tokens: int = 0         # draft tokens accepted
     accepted_per_pos: list[int] = field(default_factory=list)  # [i]: drafts accepted at depth i + 1
-    fallback_rounds: int = 0         # request-rounds decoded without a draft while a drafter is configured
+    # Request-rounds decoded without a draft while a drafter is configured, by cause: the drafter
+    # was unavailable (absent, failing, too slow, or it refused the request) ...
+    fallback_rounds: int = 0
+    # ... or speculation was switched off: "auto" chose plain, the acceptance switch, a request
+    # admitted without the drafter, a tree that does not fit the context.
+    plain_rounds: int = 0
+    drafter_outages: int = 0         # times the drafter became unavailable
     preemptions: int = 0
     resumes: int = 0
     stale_dropped: int = 0           # replies of an old epoch or committed length, dropped unapplied

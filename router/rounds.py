@@ -48,6 +48,7 @@ class RoundsMixin:
     _from_ready: bool = False      # this round's tree is the router's own (every request hit)
     _capped_plain: bool = False    # this round's plain steps were cut by the requests' ends
     _drafted_any: bool = False     # this round drafted for some request
+    _draft_failed: frozenset = frozenset()   # ids whose draft this round came back unusable (stale)
 
     async def _round(self) -> None:
         finished = [r for r in self.running if r.done]
@@ -60,6 +61,7 @@ class RoundsMixin:
         mode = self._mode = self._modes.choose(len(self.running), self.drafter_up)
         t0, before = time.perf_counter(), self._tokens_committed
         self._capped_plain = self._drafted_any = False
+        self._draft_failed = frozenset()
         if mode == "pingpong":
             await self._pingpong_round()
         else:
@@ -234,6 +236,7 @@ class RoundsMixin:
             return None, []
         if list(draft.tags) != [r.tag() for r in drafted]:
             self.counters.stale_dropped += 1   # a draft of another epoch or length: never verified
+            self._draft_failed = self._draft_failed | {r.request_id for r in drafted}
             return None, []
         return draft, drafted
 
@@ -291,8 +294,12 @@ class RoundsMixin:
                 c.add_accepted(res.num_accepted)
                 self._switch.observe(res.num_accepted, c.rounds)
             if r not in drafted and self.drafter is not None:
-                r.fallback_rounds += 1
-                c.fallback_rounds += 1
+                if self.drafter_up and (r.on_drafter or r.detached) and r.request_id not in self._draft_failed:
+                    r.plain_rounds += 1
+                    c.plain_rounds += 1
+                else:
+                    r.fallback_rounds += 1
+                    c.fallback_rounds += 1
             ahead, r.ahead_trees = r.ahead_trees, None
             if ahead is not None and ahead[0] == r.committed_len:
                 hit = ahead[1].get(tuple(res.token_ids))
@@ -344,7 +351,8 @@ class RoundsMixin:
         if not self.drafter_up:
             return
         large = len(self.running) >= LARGE_BATCH   # detached requests rejoin below it
-        stale = [r for r in self.running if not r.on_drafter and not r.done and not (r.detached and large)]
+        stale = [r for r in self.running if not r.on_drafter and not r.done and not r.drafter_refused
+                 and not (r.detached and large)]
         for r in stale:
             r.detached = False
         if not stale:

@@ -280,7 +280,7 @@ async def serve_async(args, ready_message=True, stop_event: asyncio.Event | None
     from router.ops import start_fronts
     from router.replicas import ReplicaSet
     from router.scheduler import Router, RouterConfig
-    from router.server import Limits, start_server
+    from router.server import Limits, prompt_char_limit, start_server
     from spectandem.checkpoint import load_tokenizer, read_config
 
     ops = OpsConfig.from_args(args)  # flag errors before any model loads
@@ -329,13 +329,14 @@ async def serve_async(args, ready_message=True, stop_event: asyncio.Event | None
         v, d = pairs[0]
         supervisor.watch()   # from here on an engine process that exits is restarted
         router.start()
-        limits = Limits(max_context=vinfo.max_len, vocab_size=int(tcfg["vocab_size"]))
+        limits = Limits(max_context=vinfo.max_len, vocab_size=int(tcfg["vocab_size"]),
+                        max_prompt_chars=prompt_char_limit(tokenizer, vinfo.max_len))
         info = dict(target_model=Path(target).name, draft_model=Path(draft).name if draft else "",
                     method=cfg.method, num_steps=cfg.num_steps, topk=cfg.topk,
                     num_draft_tokens=cfg.num_draft_tokens, max_context=vinfo.max_len,
                     max_tokens_limit=vinfo.max_len - 1, max_stop_strings=limits.max_stop_strings,
                     max_message_bytes=limits.max_message_bytes, vocab_size=limits.vocab_size,
-                    backend=args.backend, fused=cfg.fused)
+                    backend=args.backend, fused=cfg.fused, max_prompt_chars=limits.max_prompt_chars)
         credentials, interceptors = ops.grpc_server_security()
         server, port = await start_server(router, tokenizer, limits, info, args.host, args.port,
                                           credentials=credentials, interceptors=interceptors)

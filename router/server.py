@@ -14,10 +14,11 @@ import math
 from dataclasses import dataclass
 
 import grpc
+from google.protobuf.descriptor import FieldDescriptor
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
-from router.links import EngineUnavailable
+from router.links import DuplicateRequest, EngineUnavailable
 from router.scheduler import Chunk, Failure, Router
 from spectandem.config import SamplingParams
 from spectandem.v1 import common_pb2, generation_pb2, generation_pb2_grpc
@@ -37,6 +38,25 @@ class Limits:
     max_stop_string_chars: int = 256
     max_request_id_chars: int = 128
     max_message_bytes: int = 4 * 1024 * 1024
+    # A text prompt of more characters cannot fit the context (prompt_char_limit); refused before
+    # it is tokenised. 0: only the message size bounds it.
+    max_prompt_chars: int = 0
+
+
+def prompt_char_limit(tokenizer, max_context: int) -> int:
+    """The most characters a text prompt of fewer than `max_context` tokens can have: each token
+    covers at most as many characters as its longest vocabulary string (for byte-level BPE, one
+    character per byte; for SentencePiece, one per character; added tokens as written), so a text
+    of more than (max_context - 1) * K characters needs at least max_context tokens. Refusing
+    such texts before tokenising them never refuses a prompt that would fit."""
+    longest = max((len(t) for t in tokenizer.get_vocab(with_added_tokens=True)), default=1)
+    return max(1, max_context - 1) * max(1, longest)
+
+
+def encode_text(tokenizer, text: str, add_special_tokens: bool = True) -> list[int]:
+    """Token ids of `text`. Called in a worker thread: `encode_batch` releases the GIL while the
+    tokenizer works (`encode` holds it), so the event loop keeps serving meanwhile."""
+    return tokenizer.encode_batch([text], add_special_tokens=add_special_tokens)[0].ids
 
 
 class InvalidRequest(ValueError):
@@ -70,8 +90,11 @@ def _sampling_params(p: common_pb2.SamplingParams, prompt_len: int, limits: Limi
                           stop_token_ids=tuple(p.stop_token_ids), stop=tuple(p.stop), ignore_eos=p.ignore_eos)
 
 
-def validate(request: generation_pb2.GenerateRequest, tokenizer, limits: Limits) -> tuple[list[int], SamplingParams]:
-    """-> (prompt token ids, sampling params), or InvalidRequest naming the field and the limit."""
+async def validate(request: generation_pb2.GenerateRequest, tokenizer,
+                   limits: Limits) -> tuple[list[int], SamplingParams]:
+    """-> (prompt token ids, sampling params), or InvalidRequest naming the field and the limit.
+    A text prompt over `limits.max_prompt_chars` is refused before tokenisation, and tokenisation
+    runs in a worker thread, off the event loop."""
     if len(request.request_id) > limits.max_request_id_chars:
         raise InvalidRequest(f"request_id has {len(request.request_id)} characters; the limit is "
                              f"{limits.max_request_id_chars}")
@@ -81,7 +104,11 @@ def validate(request: generation_pb2.GenerateRequest, tokenizer, limits: Limits)
     if kind == "text":
         if not request.text:
             raise InvalidRequest("prompt.text is empty")
-        ids = tokenizer.encode(request.text).ids
+        if limits.max_prompt_chars and len(request.text) > limits.max_prompt_chars:
+            raise InvalidRequest(f"prompt.text has {len(request.text)} characters; the limit is "
+                                 f"{limits.max_prompt_chars} (more cannot fit the context of {limits.max_context} "
+                                 "tokens)")
+        ids = await asyncio.to_thread(encode_text, tokenizer, request.text)
     else:
         ids = list(request.token_ids.ids)
         for i, t in enumerate(ids):
@@ -95,8 +122,91 @@ def validate(request: generation_pb2.GenerateRequest, tokenizer, limits: Limits)
     return ids, _sampling_params(request.params, len(ids), limits)
 
 
+class MalformedRequest:
+    """What the public service's deserializers hand a handler for bytes that are not a valid
+    request message (grpc-python answers UNKNOWN when a deserializer raises): the handler answers
+    INVALID_ARGUMENT with `message`."""
+
+    def __init__(self, message: str):
+        self.message = message
+
+
+def _varint(data: bytes, pos: int) -> tuple[int, int]:
+    value, shift = 0, 0
+    while True:
+        byte = data[pos]  # IndexError past the end: truncated
+        pos += 1
+        value |= (byte & 0x7F) << shift
+        if byte < 0x80:
+            return value, pos
+        shift += 7
+        if shift > 63:
+            raise IndexError("varint too long")
+
+
+def invalid_utf8_field(descriptor, data: bytes, prefix: str = "") -> str | None:
+    """The first string field in `data` (the wire format of a `descriptor` message) that is not
+    valid UTF-8, named as the API names it ("prompt.text", "params.stop[2]"), or None when there is
+    none or the bytes are malformed elsewhere."""
+    seen: dict[int, int] = {}
+    pos = 0
+    try:
+        while pos < len(data):
+            key, pos = _varint(data, pos)
+            number, wire = key >> 3, key & 7
+            if wire == 0:
+                _, pos = _varint(data, pos)
+                continue
+            if wire in (1, 5):
+                pos += 8 if wire == 1 else 4
+                continue
+            if wire != 2:
+                return None
+            length, pos = _varint(data, pos)
+            if pos + length > len(data):
+                return None
+            chunk, pos = data[pos:pos + length], pos + length
+            field = descriptor.fields_by_number.get(number)
+            if field is None:
+                continue
+            name = prefix + (f"{field.containing_oneof.name}." if field.containing_oneof else "") + field.name
+            if field.is_repeated:
+                seen[number] = seen.get(number, -1) + 1
+                name += f"[{seen[number]}]"
+            if field.type == FieldDescriptor.TYPE_STRING:
+                try:
+                    chunk.decode("utf-8")
+                except UnicodeDecodeError:
+                    return name
+            elif field.type == FieldDescriptor.TYPE_MESSAGE:
+                found = invalid_utf8_field(field.message_type, chunk, name + ".")
+                if found is not None:
+                    return found
+    except IndexError:
+        return None
+    return None
+
+
+def lenient_deserializer(message_class):
+    """A request deserializer that never raises: the message, or a MalformedRequest naming the
+    field with invalid UTF-8 where there is one."""
+    full_name = message_class.DESCRIPTOR.full_name
+
+    def parse(data: bytes):
+        try:
+            return message_class.FromString(data)
+        except Exception:  # google.protobuf.message.DecodeError
+            field = invalid_utf8_field(message_class.DESCRIPTOR, data)
+            if field is not None:
+                return MalformedRequest(f"{field} is not valid UTF-8")
+            return MalformedRequest(f"the request is not a valid {full_name} (truncated or malformed protobuf)")
+    return parse
+
+
 def status_of(exc: BaseException) -> tuple[grpc.StatusCode, str]:
     """The one place exceptions become gRPC status codes."""
+    if isinstance(exc, DuplicateRequest):
+        return grpc.StatusCode.ALREADY_EXISTS, str(exc)
     if isinstance(exc, InvalidRequest) or isinstance(exc, ValueError):
         return grpc.StatusCode.INVALID_ARGUMENT, str(exc)
     if isinstance(exc, EngineUnavailable):
@@ -111,10 +221,12 @@ class GenerationServicer(generation_pb2_grpc.GenerationServicer):
         self.router, self.tokenizer, self.limits, self.info = router, tokenizer, limits, info
 
     async def Generate(self, request, context):
+        if isinstance(request, MalformedRequest):
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, request.message)
         try:
-            prompt_ids, params = validate(request, self.tokenizer, self.limits)
+            prompt_ids, params = await validate(request, self.tokenizer, self.limits)
             req = self.router.submit(prompt_ids, params, request.request_id or None)
-        except (ValueError, EngineUnavailable) as exc:
+        except (ValueError, EngineUnavailable, DuplicateRequest) as exc:
             code, msg = status_of(exc)
             await context.abort(code, msg)
         try:
@@ -135,10 +247,31 @@ class GenerationServicer(generation_pb2_grpc.GenerationServicer):
                 self.router.cancel(req)
 
     async def GetModelInfo(self, request, context):
+        if isinstance(request, MalformedRequest):
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, request.message)
         return generation_pb2.ModelInfo(**self.info)
 
     async def GetServerStats(self, request, context):
+        if isinstance(request, MalformedRequest):
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, request.message)
         return await server_stats(self.router)
+
+
+def add_generation_service(servicer: GenerationServicer, server) -> None:
+    """Registers `servicer` as the generated `add_GenerationServicer_to_server` does, but with
+    deserializers that hand a malformed request to the handler (INVALID_ARGUMENT naming the field)
+    instead of raising (which grpc-python answers with UNKNOWN)."""
+    methods = {"Generate": (grpc.unary_stream_rpc_method_handler, generation_pb2.GenerateRequest,
+                            generation_pb2.GenerateResponse),
+               "GetModelInfo": (grpc.unary_unary_rpc_method_handler, generation_pb2.GetModelInfoRequest,
+                                generation_pb2.ModelInfo),
+               "GetServerStats": (grpc.unary_unary_rpc_method_handler, generation_pb2.GetServerStatsRequest,
+                                  generation_pb2.ServerStats)}
+    handlers = {name: make(getattr(servicer, name), request_deserializer=lenient_deserializer(request_class),
+                           response_serializer=response_class.SerializeToString)
+                for name, (make, request_class, response_class) in methods.items()}
+    server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler(SERVICE_NAME, handlers),))
+    server.add_registered_method_handlers(SERVICE_NAME, handlers)
 
 
 async def server_stats(router) -> generation_pb2.ServerStats:
@@ -186,7 +319,7 @@ async def start_server(router: Router, tokenizer, limits: Limits, info: dict, ho
         ("grpc.http2.min_recv_ping_interval_without_data_ms", 5000),
         ("grpc.keepalive_permit_without_calls", 1),
     ])
-    generation_pb2_grpc.add_GenerationServicer_to_server(GenerationServicer(router, tokenizer, limits, info), server)
+    add_generation_service(GenerationServicer(router, tokenizer, limits, info), server)
     health_servicer = health.aio.HealthServicer()
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
     reflection.enable_server_reflection(

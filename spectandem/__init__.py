@@ -13,14 +13,14 @@ from typing import TYPE_CHECKING
 _EXPORTS = {
     "SamplingParams": "spectandem.config",
     **{name: "spectandem.client" for name in (
-        "AsyncClient", "Cancelled", "Chunk", "Client", "Completion", "DeadlineExceeded", "InternalError",
+        "AlreadyExists", "AsyncClient", "Cancelled", "Chunk", "Client", "Completion", "DeadlineExceeded", "InternalError",
         "InvalidArgument", "ResourceExhausted", "SpectandemError", "Unauthenticated", "Unavailable")},
 }
 
 __all__ = sorted(_EXPORTS)
 
 if TYPE_CHECKING:
-    from spectandem.client import (AsyncClient, Cancelled, Chunk, Client, Completion, DeadlineExceeded,
+    from spectandem.client import (AlreadyExists, AsyncClient, Cancelled, Chunk, Client, Completion, DeadlineExceeded,
                                    InternalError, InvalidArgument, ResourceExhausted, SpectandemError,
                                    Unauthenticated, Unavailable)
     from spectandem.config import SamplingParams

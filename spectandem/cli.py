@@ -130,7 +130,8 @@ def _stats(args) -> int:
           f"accepted {stats.accepted_tokens}  accept length {al:.2f}")
     print(f"accepted per position {list(stats.accepted_per_pos)}")
     print(f"preemptions {stats.preemptions}  resumes {stats.resumes}  stale dropped {stats.stale_dropped}  "
-          f"fallback rounds {stats.fallback_rounds}  draft-ahead hits/misses {stats.draft_ahead_hits}/"
+          f"fallback rounds {stats.fallback_rounds} (drafter unavailable; outages {stats.drafter_outages})  "
+          f"plain rounds {stats.plain_rounds} (speculation off)  draft-ahead hits/misses {stats.draft_ahead_hits}/"
           f"{stats.draft_ahead_misses} (ready trees {stats.ready_trees})")
     print(f"requests admitted {stats.requests_admitted}  finished {stats.requests_finished}  failed "
           f"{stats.requests_failed}  cancelled {stats.requests_cancelled}  running {stats.running}  "

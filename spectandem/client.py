@@ -31,8 +31,8 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from spectandem.config import SamplingParams
 from spectandem.errors import (  # noqa: F401 (re-exported: the SDK's public exceptions)
-    Cancelled, DeadlineExceeded, InternalError, InvalidArgument, ResourceExhausted, SpectandemError, Unauthenticated,
-    Unavailable, error_from_rpc)
+    AlreadyExists, Cancelled, DeadlineExceeded, InternalError, InvalidArgument, ResourceExhausted, SpectandemError,
+    Unauthenticated, Unavailable, error_from_rpc)
 from spectandem.client_wire import (  # noqa: F401 (Chunk, Completion, Prompt: the SDK's public types)
     Chunk, Completion, Prompt, _ChunkReader, _model_info_dict, build_request)
 from spectandem.v1 import generation_pb2, generation_pb2_grpc

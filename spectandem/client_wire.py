@@ -35,7 +35,8 @@ class Chunk:
 class Completion:
     """A whole completion. `stats`: num_rounds, draft_tokens, accepted_tokens, accept_length
     (committed tokens per round, bonus included), fallback_rounds (rounds decoded without a
-    draft) and prompt_tokens."""
+    draft because the drafter was unavailable), plain_rounds (without a draft because speculation
+    was switched off) and prompt_tokens."""
 
     request_id: str
     text: str
@@ -60,7 +61,7 @@ def _stats_dict(s: common_pb2.SpecStats, prompt_tokens: int) -> dict:
     accept_length = (s.accepted_tokens + s.num_rounds) / s.num_rounds if s.num_rounds else 0.0
     return {"num_rounds": s.num_rounds, "draft_tokens": s.draft_tokens, "accepted_tokens": s.accepted_tokens,
             "accept_length": round(accept_length, 4), "fallback_rounds": s.fallback_rounds,
-            "prompt_tokens": prompt_tokens}
+            "plain_rounds": s.plain_rounds, "prompt_tokens": prompt_tokens}
 
 
 class _ChunkReader:

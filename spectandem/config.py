@@ -84,8 +84,9 @@ class SamplingParams:
             raise ValueError(f"top_k must be an integer >= 0 (0 = off), got {self.top_k!r}")
         if any(not isinstance(s, str) or not s for s in self.stop):
             raise ValueError(f"stop strings must be non-empty strings, got {self.stop!r}")
-        if self.seed is not None and (not isinstance(self.seed, int) or not 0 <= self.seed < 2 ** 63):
-            raise ValueError(f"seed must be an integer in [0, 2**63), got {self.seed!r}")
+        if self.seed is not None and (isinstance(self.seed, bool) or not isinstance(self.seed, int)
+                                      or not 0 <= self.seed < 2 ** 64):
+            raise ValueError(f"seed must be an integer in [0, 2**64), got {self.seed!r}")
 
     @property
     def greedy(self) -> bool:
@@ -94,7 +95,7 @@ class SamplingParams:
     def resolved_seed(self) -> int:
         """The seed to key this request's random numbers with (a fresh one when unset; never
         the global RNG)."""
-        return self.seed if self.seed is not None else int.from_bytes(os.urandom(8), "little") >> 1
+        return self.seed if self.seed is not None else int.from_bytes(os.urandom(8), "little")
 
 
 @dataclass(frozen=True, kw_only=True)

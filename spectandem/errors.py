@@ -22,6 +22,10 @@ class InvalidArgument(SpectandemError):
     """Bad sampling parameters or prompt; retrying the same request cannot succeed."""
 
 
+class AlreadyExists(SpectandemError):
+    """The request id is in use by a request that has not ended."""
+
+
 class ResourceExhausted(SpectandemError):
     """Queue full, prompt too long for the cache, or message too large."""
 
@@ -48,6 +52,7 @@ class InternalError(SpectandemError):
 
 _ERROR_CLASSES: dict[grpc.StatusCode, type[SpectandemError]] = {
     grpc.StatusCode.INVALID_ARGUMENT: InvalidArgument,
+    grpc.StatusCode.ALREADY_EXISTS: AlreadyExists,
     grpc.StatusCode.RESOURCE_EXHAUSTED: ResourceExhausted,
     grpc.StatusCode.UNAVAILABLE: Unavailable,
     grpc.StatusCode.DEADLINE_EXCEEDED: DeadlineExceeded,

@@ -132,17 +132,31 @@ def _repack_after_load(module: PackedProjections, incompatible_keys) -> None:
         module.pack()
 
 
+def gelu_tanh(x: torch.Tensor) -> torch.Tensor:
+    """GELU's tanh approximation."""
+    return F.gelu(x, approximate="tanh")
+
+
+# HuggingFace `hidden_act` names -> the activation they denote (transformers' ACT2FN): "gelu" is
+# the exact (erf) GELU; "gelu_new" and "gelu_pytorch_tanh" are the tanh approximation.
+ACTIVATIONS = {"silu": F.silu, "swish": F.silu, "gelu": F.gelu, "gelu_new": gelu_tanh,
+               "gelu_pytorch_tanh": gelu_tanh, "relu": F.relu}
+
+
 class GatedMLP(PackedProjections):
     fused = False  # LlamaModel.use_fused_kernels: silu(gate) * up in one Triton launch on CUDA
     packed_names = ("gate_proj", "up_proj")  # packed: gate then up, [.., 2 * intermediate]
 
-    def __init__(self, hidden: int, intermediate: int, bias: bool = False):
+    def __init__(self, hidden: int, intermediate: int, bias: bool = False, act: str = "silu"):
         super().__init__()
         self.gate_proj = nn.Linear(hidden, intermediate, bias=bias)
         self.up_proj = nn.Linear(hidden, intermediate, bias=bias)
         self.down_proj = nn.Linear(intermediate, hidden, bias=bias)
+        self.act = ACTIVATIONS[act]
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.act is not F.silu:  # no fused kernel: act(gate) * up in torch
+            return self._forward_act(x)
         if self.fused and self.packed_weight is not None:
             # One GEMM for gate and up; the product reads both halves of its output in place.
             gate_up = fast_linear(x, self.packed_weight, self.packed_bias)  # [..., 2 * intermediate]
@@ -152,6 +166,13 @@ class GatedMLP(PackedProjections):
         if self.fused:
             return self.down_proj(_fused_kernels().silu_mul(gate, up))
         return self.down_proj(F.silu(gate) * up)
+
+    def _forward_act(self, x: torch.Tensor) -> torch.Tensor:
+        if self.fused and self.packed_weight is not None:
+            gate, up = fast_linear(x, self.packed_weight, self.packed_bias).split(self.packed_sizes, dim=-1)
+            d = self.down_proj
+            return fast_linear(self.act(gate) * up, d.weight, d.bias)
+        return self.down_proj(self.act(self.gate_proj(x)) * self.up_proj(x))
 
 
 def fast_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:

@@ -37,18 +37,20 @@ class SamplingParams(_message.Message):
     def __init__(self, max_tokens: _Optional[int] = ..., temperature: _Optional[float] = ..., top_p: _Optional[float] = ..., top_k: _Optional[int] = ..., seed: _Optional[int] = ..., stop_token_ids: _Optional[_Iterable[int]] = ..., stop: _Optional[_Iterable[str]] = ..., ignore_eos: _Optional[bool] = ...) -> None: ...
 
 class SpecStats(_message.Message):
-    __slots__ = ("num_rounds", "draft_tokens", "accepted_tokens", "accept_length", "fallback_rounds")
+    __slots__ = ("num_rounds", "draft_tokens", "accepted_tokens", "accept_length", "fallback_rounds", "plain_rounds")
     NUM_ROUNDS_FIELD_NUMBER: _ClassVar[int]
     DRAFT_TOKENS_FIELD_NUMBER: _ClassVar[int]
     ACCEPTED_TOKENS_FIELD_NUMBER: _ClassVar[int]
     ACCEPT_LENGTH_FIELD_NUMBER: _ClassVar[int]
     FALLBACK_ROUNDS_FIELD_NUMBER: _ClassVar[int]
+    PLAIN_ROUNDS_FIELD_NUMBER: _ClassVar[int]
     num_rounds: int
     draft_tokens: int
     accepted_tokens: int
     accept_length: float
     fallback_rounds: int
-    def __init__(self, num_rounds: _Optional[int] = ..., draft_tokens: _Optional[int] = ..., accepted_tokens: _Optional[int] = ..., accept_length: _Optional[float] = ..., fallback_rounds: _Optional[int] = ...) -> None: ...
+    plain_rounds: int
+    def __init__(self, num_rounds: _Optional[int] = ..., draft_tokens: _Optional[int] = ..., accepted_tokens: _Optional[int] = ..., accept_length: _Optional[float] = ..., fallback_rounds: _Optional[int] = ..., plain_rounds: _Optional[int] = ...) -> None: ...
 
 class RequestTag(_message.Message):
     __slots__ = ("request_id", "epoch", "committed_len")

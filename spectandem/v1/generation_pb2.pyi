@@ -46,7 +46,7 @@ class GetModelInfoRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class ModelInfo(_message.Message):
-    __slots__ = ("target_model", "draft_model", "method", "num_steps", "topk", "num_draft_tokens", "max_context", "max_tokens_limit", "max_stop_strings", "max_message_bytes", "vocab_size", "backend", "fused")
+    __slots__ = ("target_model", "draft_model", "method", "num_steps", "topk", "num_draft_tokens", "max_context", "max_tokens_limit", "max_stop_strings", "max_message_bytes", "vocab_size", "backend", "fused", "max_prompt_chars")
     TARGET_MODEL_FIELD_NUMBER: _ClassVar[int]
     DRAFT_MODEL_FIELD_NUMBER: _ClassVar[int]
     METHOD_FIELD_NUMBER: _ClassVar[int]
@@ -60,6 +60,7 @@ class ModelInfo(_message.Message):
     VOCAB_SIZE_FIELD_NUMBER: _ClassVar[int]
     BACKEND_FIELD_NUMBER: _ClassVar[int]
     FUSED_FIELD_NUMBER: _ClassVar[int]
+    MAX_PROMPT_CHARS_FIELD_NUMBER: _ClassVar[int]
     target_model: str
     draft_model: str
     method: str
@@ -73,7 +74,8 @@ class ModelInfo(_message.Message):
     vocab_size: int
     backend: str
     fused: bool
-    def __init__(self, target_model: _Optional[str] = ..., draft_model: _Optional[str] = ..., method: _Optional[str] = ..., num_steps: _Optional[int] = ..., topk: _Optional[int] = ..., num_draft_tokens: _Optional[int] = ..., max_context: _Optional[int] = ..., max_tokens_limit: _Optional[int] = ..., max_stop_strings: _Optional[int] = ..., max_message_bytes: _Optional[int] = ..., vocab_size: _Optional[int] = ..., backend: _Optional[str] = ..., fused: _Optional[bool] = ...) -> None: ...
+    max_prompt_chars: int
+    def __init__(self, target_model: _Optional[str] = ..., draft_model: _Optional[str] = ..., method: _Optional[str] = ..., num_steps: _Optional[int] = ..., topk: _Optional[int] = ..., num_draft_tokens: _Optional[int] = ..., max_context: _Optional[int] = ..., max_tokens_limit: _Optional[int] = ..., max_stop_strings: _Optional[int] = ..., max_message_bytes: _Optional[int] = ..., vocab_size: _Optional[int] = ..., backend: _Optional[str] = ..., fused: _Optional[bool] = ..., max_prompt_chars: _Optional[int] = ...) -> None: ...
 
 class GetServerStatsRequest(_message.Message):
     __slots__ = ()
@@ -90,7 +92,7 @@ class KvUsage(_message.Message):
     def __init__(self, num_blocks: _Optional[int] = ..., used_blocks: _Optional[int] = ..., block_size: _Optional[int] = ...) -> None: ...
 
 class ServerStats(_message.Message):
-    __slots__ = ("rounds", "num_drafts", "draft_tokens", "accepted_tokens", "accepted_per_pos", "preemptions", "resumes", "stale_dropped", "draft_ahead_hits", "draft_ahead_misses", "fallback_rounds", "requests_admitted", "requests_finished", "requests_failed", "requests_cancelled", "running", "waiting", "verifier_kv", "drafter_kv", "ready_trees", "detached_admissions")
+    __slots__ = ("rounds", "num_drafts", "draft_tokens", "accepted_tokens", "accepted_per_pos", "preemptions", "resumes", "stale_dropped", "draft_ahead_hits", "draft_ahead_misses", "fallback_rounds", "requests_admitted", "requests_finished", "requests_failed", "requests_cancelled", "running", "waiting", "verifier_kv", "drafter_kv", "ready_trees", "detached_admissions", "plain_rounds", "drafter_outages")
     ROUNDS_FIELD_NUMBER: _ClassVar[int]
     NUM_DRAFTS_FIELD_NUMBER: _ClassVar[int]
     DRAFT_TOKENS_FIELD_NUMBER: _ClassVar[int]
@@ -112,6 +114,8 @@ class ServerStats(_message.Message):
     DRAFTER_KV_FIELD_NUMBER: _ClassVar[int]
     READY_TREES_FIELD_NUMBER: _ClassVar[int]
     DETACHED_ADMISSIONS_FIELD_NUMBER: _ClassVar[int]
+    PLAIN_ROUNDS_FIELD_NUMBER: _ClassVar[int]
+    DRAFTER_OUTAGES_FIELD_NUMBER: _ClassVar[int]
     rounds: int
     num_drafts: int
     draft_tokens: int
@@ -133,4 +137,6 @@ class ServerStats(_message.Message):
     drafter_kv: KvUsage
     ready_trees: int
     detached_admissions: int
-    def __init__(self, rounds: _Optional[int] = ..., num_drafts: _Optional[int] = ..., draft_tokens: _Optional[int] = ..., accepted_tokens: _Optional[int] = ..., accepted_per_pos: _Optional[_Iterable[int]] = ..., preemptions: _Optional[int] = ..., resumes: _Optional[int] = ..., stale_dropped: _Optional[int] = ..., draft_ahead_hits: _Optional[int] = ..., draft_ahead_misses: _Optional[int] = ..., fallback_rounds: _Optional[int] = ..., requests_admitted: _Optional[int] = ..., requests_finished: _Optional[int] = ..., requests_failed: _Optional[int] = ..., requests_cancelled: _Optional[int] = ..., running: _Optional[int] = ..., waiting: _Optional[int] = ..., verifier_kv: _Optional[_Union[KvUsage, _Mapping]] = ..., drafter_kv: _Optional[_Union[KvUsage, _Mapping]] = ..., ready_trees: _Optional[int] = ..., detached_admissions: _Optional[int] = ...) -> None: ...
+    plain_rounds: int
+    drafter_outages: int
+    def __init__(self, rounds: _Optional[int] = ..., num_drafts: _Optional[int] = ..., draft_tokens: _Optional[int] = ..., accepted_tokens: _Optional[int] = ..., accepted_per_pos: _Optional[_Iterable[int]] = ..., preemptions: _Optional[int] = ..., resumes: _Optional[int] = ..., stale_dropped: _Optional[int] = ..., draft_ahead_hits: _Optional[int] = ..., draft_ahead_misses: _Optional[int] = ..., fallback_rounds: _Optional[int] = ..., requests_admitted: _Optional[int] = ..., requests_finished: _Optional[int] = ..., requests_failed: _Optional[int] = ..., requests_cancelled: _Optional[int] = ..., running: _Optional[int] = ..., waiting: _Optional[int] = ..., verifier_kv: _Optional[_Union[KvUsage, _Mapping]] = ..., drafter_kv: _Optional[_Union[KvUsage, _Mapping]] = ..., ready_trees: _Optional[int] = ..., detached_admissions: _Optional[int] = ..., plain_rounds: _Optional[int] = ..., drafter_outages: _Optional[int] = ...) -> None: ...

@@ -126,7 +126,8 @@ def test_multi_step_plain_rounds_with_a_drafter_switched_off(plain):
         plain_steps=4))
     got = _serve(router, prompts, params)
     assert [t for t, _, _ in got] == want
-    assert router.counters.fallback_rounds > 0 and router.counters.num_drafts > 0
+    assert router.counters.plain_rounds > 0 and router.counters.num_drafts > 0
+    assert router.counters.fallback_rounds == 0
     assert any(4 in s for s in vlink.steps)
 
 

@@ -96,6 +96,34 @@ def eagle3_checkpoint(seed: int, *, prefix: str = "midlayer.", embed: bool = Fal
     return cfg, t
 
 
+def speculators_checkpoint(seed: int, *, norm_before_residual: bool, hidden_act: str | None = None,
+                           norm_output: bool = False, aux_ids: list[int] | None = None) -> tuple[dict, dict]:
+    """(config, tensors) of an EAGLE-3 head in vLLM's speculators format, laid out as
+    Eagle3SpeculatorConfig serialises it: the decoder's fields under `transformer_layer_config`
+    (a one-layer LlamaConfig whose vocab_size is the target's), the head's own fields at the top
+    level, `speculators_config` naming the algorithm and verifier; tensors under `layers.0.`
+    with the embedding included."""
+    flat, t = eagle3_checkpoint(seed, embed=True)
+    t = renamed(t, "midlayer.", "layers.0.")
+    layer = {k: v for k, v in flat.items() if k not in ("architectures", "draft_vocab_size")}
+    layer.update(architectures=["LlamaForCausalLM"], model_type="llama", attention_bias=False,
+                 mlp_bias=False, head_dim=HD, torch_dtype="float32")
+    if hidden_act is not None:
+        layer["hidden_act"] = hidden_act
+    cfg = {
+        "architectures": ["Eagle3Speculator"], "speculators_model_type": "eagle3", "speculators_version": "0.3.0",
+        "transformer_layer_config": layer, "draft_vocab_size": VD, "norm_before_residual": norm_before_residual,
+        "target_hidden_size": None, "eagle_aux_hidden_state_layer_ids": aux_ids, "norm_before_fc": False,
+        "fc_norm": False, "norm_output": norm_output, "embed_requires_grad": False, "torch_dtype": "float32",
+        "speculators_config": {
+            "algorithm": "eagle3", "default_proposal_method": "greedy",
+            "proposal_methods": [{"proposal_type": "greedy", "speculative_tokens": 3}],
+            "verifier": {"name_or_path": "tiny-llama-target", "architectures": ["LlamaForCausalLM"]},
+        },
+    }
+    return cfg, t
+
+
 def write(directory: Path, cfg: dict, tensors: dict, fmt: str = "safetensors") -> Path:
     directory.mkdir(parents=True, exist_ok=True)
     (directory / "config.json").write_text(json.dumps(cfg))
@@ -137,6 +165,24 @@ def run_pairs(head, token_ids: torch.Tensor, features: torch.Tensor, chunks: tup
             base += n
     out = torch.cat(outs)
     return out, head.logits(out)
+
+
+def run_pairs_then_step(head, token_ids: torch.Tensor, features: torch.Tensor, next_token: int):
+    """run_pairs over all T pairs in one chunk, then one draft step the way EagleProposer runs
+    it: the last row's output hidden fed back with `next_token` at position T over the same
+    cache. Returns (output hidden [T, H], logits [T, Vd], step hidden [H], step logits [Vd])."""
+    s = head.spec
+    t = token_ids.numel()
+    cache = KVCache(1, 2, s.num_kv_heads, 64, s.head_dim, torch.float32)
+    slot, rows = torch.tensor([1]), torch.arange(t)[None]
+    with torch.no_grad():
+        pos = torch.arange(t)[None]
+        mask = torch.arange(t)[None, None, :] <= pos[:, :, None]
+        out = head.run(token_ids[None], head.project(features[None]), pos, cache.batch(slot, pos, t), mask, rows)[0]
+        pos = torch.tensor([[t]])
+        step = head.run(torch.tensor([[next_token]]), out[None, -1:], pos, cache.batch(slot, pos, t + 1),
+                        torch.ones(1, 1, t + 1, dtype=torch.bool), torch.zeros(1, 1, dtype=torch.int64))[0, 0]
+        return out, head.logits(out), step, head.logits(step)
 
 
 def pairs(seed: int, feature_size: int, t: int = 7):

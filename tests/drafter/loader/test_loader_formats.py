@@ -13,8 +13,8 @@ from drafter.heads import Eagle1Head, Eagle3Head
 from drafter.loader import TargetTensors, aux_layers_from_config, load_head, save_head
 from spectandem.checkpoint import CheckpointError
 from tests.drafter.loader.eagle_checkpoints import (H, HD, HT, I, L, NH, NKV, V, VD, _norm, _w, eagle1_checkpoint,
-                                                    eagle3_checkpoint, pairs, renamed, run_pairs, used_target_ids,
-                                                    with_model_prefix, write)
+                                                    eagle3_checkpoint, pairs, renamed, run_pairs, run_pairs_then_step,
+                                                    speculators_checkpoint, used_target_ids, with_model_prefix, write)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -51,18 +51,30 @@ def _attention(t, p, x, hd, theta):
     return out @ t[f"{p}self_attn.o_proj.weight"].T
 
 
-def _mlp(t, p, a, eps):
+def _silu(x):
+    return x * torch.sigmoid(x)
+
+
+def _gelu(x):
+    return 0.5 * x * (1 + torch.erf(x / 2 ** 0.5))
+
+
+def _gelu_tanh(x):
+    return 0.5 * x * (1 + torch.tanh((2 / torch.pi) ** 0.5 * (x + 0.044715 * x ** 3)))
+
+
+def _mlp(t, p, a, eps, act=_silu):
     x = _rms(a, t[f"{p}post_attention_layernorm.weight"], eps)
     gate, up = x @ t[f"{p}mlp.gate_proj.weight"].T, x @ t[f"{p}mlp.up_proj.weight"].T
-    return (F.silu(gate) * up) @ t[f"{p}mlp.down_proj.weight"].T
+    return (act(gate) * up) @ t[f"{p}mlp.down_proj.weight"].T
 
 
-def reference_eagle1(t, embed, lm_head, tokens, feats, eps=1e-6, theta=10000.0):
+def reference_eagle1(t, embed, lm_head, tokens, feats, eps=1e-6, theta=10000.0, act=_silu):
     """z = fc([e, f]); a = z + attn(z) (no input norm); m = a + mlp(norm(a)); logits = lm_head(m)."""
     p = "layers.0."
     z = F.linear(torch.cat([embed[tokens], feats], -1), t["fc.weight"], t.get("fc.bias"))
     a = z + _attention(t, p, z, HD, theta)
-    m = a + _mlp(t, p, a, eps)
+    m = a + _mlp(t, p, a, eps, act)
     return m, m @ lm_head.T
 
 
@@ -78,6 +90,47 @@ def reference_eagle3(t, embed, tokens, feats, hd, eps=1e-5, theta=5000.0):
     return m, _rms(m, t["norm.weight"], eps) @ t["lm_head.weight"].T
 
 
+def _eagle3_layer(t, p, embed, tokens, u, *, act, norm_before_residual, eps=1e-5, theta=5000.0):
+    """The EAGLE-3 layer's outputs m [T, H] over input rows u [T, H] (fc output or fed-back hidden)."""
+    normed = _rms(u, t[f"{p}hidden_norm.weight"], eps)
+    x = torch.cat([_rms(embed[tokens], t[f"{p}input_layernorm.weight"], eps), normed], -1)
+    a = (normed if norm_before_residual else u) + _attention(t, p, x, HD, theta)
+    return a + _mlp(t, p, a, eps, act)
+
+
+def reference_eagle3_step(t, embed, tokens, feats, next_token, *, p="midlayer.", act=_silu,
+                          norm_before_residual=False, final_norm=True, normed_feedback=False, eps=1e-5):
+    """Pairs (feats[i], tokens[i]) at positions 0..T-1, then one draft step at position T reading
+    the last row's fed-back hidden and `next_token`. Fed back: m, or norm(m) with normed feedback;
+    logits: lm_head(norm(m)), or lm_head(m) without the final norm. Returns
+    (fed-back hidden [T, H], logits [T, Vd], step hidden [H], step logits [Vd])."""
+    def handed_on(m):
+        normed = _rms(m, t["norm.weight"], eps)
+        return (normed if normed_feedback else m), (normed if final_norm else m) @ t["lm_head.weight"].T
+
+    layer = dict(act=act, norm_before_residual=norm_before_residual, eps=eps)
+    u = feats @ t["fc.weight"].T
+    fed, logits = handed_on(_eagle3_layer(t, p, embed, tokens, u, **layer))
+    # A causal layer over the T + 1 rows: row T reads the cached rows 0..T-1 and itself.
+    m2 = _eagle3_layer(t, p, embed, torch.cat([tokens, torch.tensor([next_token])]),
+                       torch.cat([u, fed[-1:]]), **layer)[-1]
+    step, step_logits = handed_on(m2)
+    return fed, logits, step, step_logits
+
+
+def _assert_matches(head_out, ref_out):
+    for got, want in zip(head_out, ref_out, strict=True):
+        torch.testing.assert_close(got, want, atol=1e-5, rtol=0)
+    assert torch.equal(head_out[1].argmax(-1), ref_out[1].argmax(-1))
+    assert torch.equal(head_out[3].argmax(-1), ref_out[3].argmax(-1))
+
+
+def _argmaxes(ref):
+    return torch.cat([ref[1].argmax(-1), ref[3].argmax(-1)[None]])
+
+
+# ---------------------------------------------------------------------------------------------
+# EAGLE-1
 # ---------------------------------------------------------------------------------------------
 # EAGLE-1
 
@@ -135,22 +188,23 @@ def test_eagle1_matches_hand_written_forward(fc_bias, qkv_bias, tmp_path, target
 
 
 EAGLE3_VARIANTS = {
-    # name: (layer prefix, embed, file format, `model.` prefix)
-    "specforge-midlayer": ("midlayer.", False, "safetensors", False),
-    "official-bin": ("midlayer.", False, "bin", False),
-    "speculators-layers0-embed": ("layers.0.", True, "safetensors", False),
-    "sglang-model-prefix": ("midlayer.", False, "safetensors", True),
+    # name: (layer prefix, embed, file format, `model.` prefix, speculators config)
+    "specforge-midlayer": ("midlayer.", False, "safetensors", False, False),
+    "official-bin": ("midlayer.", False, "bin", False, False),
+    "flat-layers0-embed": ("layers.0.", True, "safetensors", False, False),
+    "speculators": ("layers.0.", True, "safetensors", False, True),
+    "sglang-model-prefix": ("midlayer.", False, "safetensors", True, False),
 }
 
 
 @pytest.mark.parametrize("variant", EAGLE3_VARIANTS)
 def test_eagle3_formats_load_and_run(variant, tmp_path, target):
-    prefix, embed, fmt, sglang = EAGLE3_VARIANTS[variant]
+    prefix, embed, fmt, sglang, speculators = EAGLE3_VARIANTS[variant]
     cfg, t = eagle3_checkpoint(5, embed=embed)
     cfg["eagle_aux_hidden_state_layer_ids"] = [1, 3, 6]
     t = renamed(t, "midlayer.", prefix)
-    if prefix == "layers.0.":
-        cfg["architectures"] = ["Eagle3Speculator"]
+    if speculators:  # the same tensors, the config nested as speculators writes it
+        cfg, t = speculators_checkpoint(5, norm_before_residual=False, aux_ids=[1, 3, 6])
     d = write(tmp_path / variant, cfg, with_model_prefix(t) if sglang else t, fmt)
 
     head = load_head(d, target)
@@ -280,3 +334,117 @@ def test_target_tensors_of_native_and_transformers_models(target_dir, target):
     a, b = TargetTensors.of(target), TargetTensors.of(hf)
     assert (a.vocab_size, a.hidden_size, a.num_layers) == (b.vocab_size, b.hidden_size, b.num_layers) == (V, HT, L)
     assert torch.equal(a.embed_tokens, b.embed_tokens) and torch.equal(a.lm_head, b.lm_head)
+
+
+# ---------------------------------------------------------------------------------------------
+# Fields that change the computation: hidden_act, norm_before_residual, norm_output (SpecForge's
+# and speculators' meanings). Each loaded head matches the hand-written forward with the field
+# honoured, over the catch-up pairs and one fed-back draft step; the controls show that the same
+# forward with the field ignored picks other tokens on these inputs, so ignoring it would fail.
+
+SEED, NEXT = 38, 5   # checkpoint seed and the token of the fed-back step
+EMBED_SEED = SEED + 1
+
+SPECULATORS_VARIANTS = {
+    # name: (norm_before_residual, hidden_act, norm_output, reference options)
+    "residual-pre-norm": (False, None, False, {}),
+    "norm-before-residual": (True, "silu", False, dict(norm_before_residual=True)),
+    "gelu": (False, "gelu", False, dict(act=_gelu)),
+    "normed-feedback": (False, "silu", True, dict(normed_feedback=True)),
+    "normed-feedback-norm-before-residual": (True, "silu", True, dict(norm_before_residual=True,
+                                                                      normed_feedback=True)),
+}
+
+
+@pytest.mark.parametrize("variant", SPECULATORS_VARIANTS)
+def test_speculators_format_matches_hand_written_forward(variant, tmp_path, target):
+    before_residual, act, norm_output, ref_options = SPECULATORS_VARIANTS[variant]
+    cfg, t = speculators_checkpoint(SEED, norm_before_residual=before_residual, hidden_act=act,
+                                    norm_output=norm_output)
+    head = load_head(write(tmp_path, cfg, t), target)
+    s = head.spec
+    assert isinstance(head, Eagle3Head)
+    assert (s.hidden_size, s.num_heads, s.num_kv_heads, s.intermediate_size, s.rms_norm_eps, s.rope.theta) == \
+        (H, NH, NKV, I, 1e-5, 5000.0)   # read from transformer_layer_config
+    assert (s.vocab_size, s.draft_vocab_size, s.aux_layers) == (V, VD, (2, 4, 5))
+    assert torch.equal(head.embed_tokens.weight, t["embed_tokens.weight"])
+    tokens, feats = pairs(EMBED_SEED, 3 * HT)
+    got = run_pairs_then_step(head, tokens, feats, NEXT)
+    _assert_matches(got, reference_eagle3_step(t, t["embed_tokens.weight"], tokens, feats, NEXT,
+                                               p="layers.0.", **ref_options))
+
+
+def test_speculators_training_tensors_are_ignored(tmp_path, target):
+    """speculators' training copies of the target's final norm and lm_head have no part in drafting."""
+    cfg, t = speculators_checkpoint(SEED, norm_before_residual=False)
+    plain = load_head(write(tmp_path / "plain", cfg, t), target)
+    extra = {**t, "verifier_norm.weight": _norm(torch.Generator().manual_seed(1), H),
+             "verifier_lm_head.weight": _w(torch.Generator().manual_seed(2), V, H)}
+    with_training = load_head(write(tmp_path / "extra", cfg, extra), target)
+    assert plain.state_dict().keys() == with_training.state_dict().keys()
+    assert all(torch.equal(v, with_training.state_dict()[k]) for k, v in plain.state_dict().items())
+
+
+FLAT_EAGLE3_VARIANTS = {
+    # name: (config fields, reference options)
+    "gelu": ({"hidden_act": "gelu"}, dict(act=_gelu)),
+    "gelu-tanh": ({"hidden_act": "gelu_pytorch_tanh"}, dict(act=_gelu_tanh)),
+    "gelu-new": ({"hidden_act": "gelu_new"}, dict(act=_gelu_tanh)),
+    "silu-stated": ({"hidden_act": "silu"}, {}),
+    "norm-before-residual": ({"norm_before_residual": True}, dict(norm_before_residual=True)),
+    "specforge-no-final-norm": ({"norm_output": False}, dict(final_norm=False)),
+    "specforge-final-norm": ({"norm_output": True}, {}),
+}
+
+
+@pytest.mark.parametrize("variant", FLAT_EAGLE3_VARIANTS)
+def test_flat_eagle3_fields_match_hand_written_forward(variant, tmp_path, target):
+    fields, ref_options = FLAT_EAGLE3_VARIANTS[variant]
+    cfg, t = eagle3_checkpoint(SEED, embed=True)
+    head = load_head(write(tmp_path, {**cfg, **fields}, t), target)
+    tokens, feats = pairs(EMBED_SEED, 3 * HT)
+    got = run_pairs_then_step(head, tokens, feats, NEXT)
+    _assert_matches(got, reference_eagle3_step(t, t["embed_tokens.weight"], tokens, feats, NEXT, **ref_options))
+
+
+@pytest.mark.parametrize("honoured,ignored", [
+    (dict(act=_gelu), {}),
+    (dict(act=_gelu_tanh), {}),
+    (dict(norm_before_residual=True), {}),
+    (dict(final_norm=False), {}),
+    (dict(normed_feedback=True), {}),
+])
+def test_each_field_changes_the_argmax_here(honoured, ignored):
+    """Controls of the two tests above: on their checkpoint and inputs, the forward that ignores
+    the field (SiLU, residual u, final norm, pre-norm feedback) proposes other tokens."""
+    _, t = eagle3_checkpoint(SEED, embed=True)
+    tokens, feats = pairs(EMBED_SEED, 3 * HT)
+    embed = t["embed_tokens.weight"]
+    assert not torch.equal(_argmaxes(reference_eagle3_step(t, embed, tokens, feats, NEXT, **honoured)),
+                           _argmaxes(reference_eagle3_step(t, embed, tokens, feats, NEXT, **ignored)))
+
+
+def test_eagle1_hidden_act_is_honoured(tmp_path, target):
+    cfg, t = eagle1_checkpoint(7, fc_bias=True)
+    head = load_head(write(tmp_path, {**cfg, "hidden_act": "gelu", "norm_output": False}, t), target)
+    assert head.spec.hidden_act == "gelu"
+    tokens, feats = pairs(8, H)
+    out, logits = run_pairs(head, tokens, feats, chunks=(3, 4))
+    embed, lm_head = target.model.embed_tokens.weight.detach(), target.lm_head.weight.detach()
+    ref_out, ref_logits = reference_eagle1(t, embed, lm_head, tokens, feats, act=_gelu)
+    torch.testing.assert_close(out, ref_out, atol=1e-5, rtol=0)
+    torch.testing.assert_close(logits, ref_logits, atol=1e-5, rtol=0)
+    _, silu_logits = reference_eagle1(t, embed, lm_head, tokens, feats)
+    assert not torch.equal(logits.argmax(-1), silu_logits.argmax(-1))   # control: SiLU would differ
+
+
+def test_fast_path_keeps_the_activation(tmp_path, target):
+    """use_fused_kernels packs gate/up into one GEMM; a GELU head keeps its GELU there (the
+    fused SiLU kernel is SiLU's alone)."""
+    cfg, t = eagle3_checkpoint(SEED, embed=True)
+    head = load_head(write(tmp_path, {**cfg, "hidden_act": "gelu"}, t), target)
+    head.use_fused_kernels(True)
+    assert head.layer.mlp.packed_weight is not None
+    tokens, feats = pairs(EMBED_SEED, 3 * HT)
+    _assert_matches(run_pairs_then_step(head, tokens, feats, NEXT),
+                    reference_eagle3_step(t, t["embed_tokens.weight"], tokens, feats, NEXT, act=_gelu))

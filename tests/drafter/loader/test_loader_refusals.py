@@ -15,7 +15,8 @@ import torch
 from drafter.loader import load_head
 from spectandem.checkpoint import CheckpointError, load_weights
 from spectandem.modeling.llama import load_llama
-from tests.drafter.loader.eagle_checkpoints import H, HD, HT, L, NKV, V, VD, eagle1_checkpoint, eagle3_checkpoint, write
+from tests.drafter.loader.eagle_checkpoints import (H, HD, HT, L, NKV, V, VD, eagle1_checkpoint, eagle3_checkpoint,
+                                                    speculators_checkpoint, write)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -137,3 +138,74 @@ def test_refuses_corrupt_safetensors(tmp_path, target):
     (d / "config.json").write_text(json.dumps(cfg))
     (d / "model.safetensors").write_bytes(b"\x10\x00\x00\x00\x00\x00\x00\x00{not json}")
     _raises_naming(d / "model.safetensors", "safetensors", call=lambda: load_head(d, target))
+
+
+# ---------------------------------------------------------------------------------------------
+# Config fields the heads cannot compute: refused, naming the field (and for norm_output, whose
+# meaning depends on the format, the format).
+
+
+@pytest.mark.parametrize("act", ["tanh", "quick_gelu", "gelu_10"])
+def test_refuses_unknown_hidden_act(act, tmp_path, target):
+    cfg, t = eagle3_checkpoint(27)
+    d = write(tmp_path, {**cfg, "hidden_act": act}, t)
+    _raises_naming(d / "config.json", "hidden_act", repr(act), call=lambda: load_head(d, target))
+    cfg, t = speculators_checkpoint(27, norm_before_residual=False, hidden_act=act)
+    d = write(tmp_path / "speculators", cfg, t)
+    _raises_naming(d / "config.json", "hidden_act", repr(act), call=lambda: load_head(d, target))
+
+
+def _speculators_with(edit) -> tuple[dict, dict]:
+    cfg, t = speculators_checkpoint(28, norm_before_residual=False)
+    edit(cfg)
+    return cfg, t
+
+
+@pytest.mark.parametrize("edit,words", [
+    (lambda c: c.pop("norm_before_residual"), ("norm_before_residual",)),
+    (lambda c: c["transformer_layer_config"].update(model_type="qwen3"), ("transformer_layer_config.model_type",
+                                                                          "qwen3")),
+    (lambda c: c["transformer_layer_config"].update(num_hidden_layers=2), ("transformer_layer_config.num_hidden_layers",
+                                                                           "2")),
+    (lambda c: c.update(speculators_model_type="eagle"), ("speculators_model_type", "'eagle'")),
+    (lambda c: c["speculators_config"].update(algorithm="eagle"), ("speculators_config.algorithm",)),
+    (lambda c: c.pop("transformer_layer_config"), ("transformer_layer_config",)),
+    (lambda c: c.update(norm_output="yes"), ("norm_output", "speculators format", "'yes'")),
+    (lambda c: c.update(fc_norm=True), ("fc_norm",)),
+    (lambda c: c.update(norm_before_fc=True), ("norm_before_fc",)),
+])
+def test_refuses_speculators_configs_it_cannot_compute(edit, words, tmp_path, target):
+    cfg, t = _speculators_with(edit)
+    d = write(tmp_path, cfg, t)
+    e = _raises_naming(d / "config.json", *words, call=lambda: load_head(d, target))
+    assert isinstance(e, CheckpointError)
+
+
+def test_refuses_flat_config_naming_the_speculators_architecture(tmp_path, target):
+    """An `Eagle3Speculator` config is the speculators format: without its nested decoder config
+    its `norm_output` could mean either thing."""
+    cfg, t = eagle3_checkpoint(29)
+    d = write(tmp_path, {**cfg, "architectures": ["Eagle3Speculator"]}, t)
+    _raises_naming(d / "config.json", "speculators_model_type", call=lambda: load_head(d, target))
+
+
+@pytest.mark.parametrize("fields,words", [
+    ({"norm_output": 0}, ("norm_output", "SpecForge format", "0")),
+    ({"fc_norm": True}, ("fc_norm",)),
+    ({"norm_before_fc": True}, ("norm_before_fc",)),
+    ({"norm_before_residual": "true"}, ("norm_before_residual",)),
+])
+def test_refuses_flat_eagle3_fields_it_cannot_compute(fields, words, tmp_path, target):
+    cfg, t = eagle3_checkpoint(30)
+    d = write(tmp_path, {**cfg, **fields}, t)
+    _raises_naming(d / "config.json", *words, call=lambda: load_head(d, target))
+
+
+@pytest.mark.parametrize("fields,words", [
+    ({"norm_output": True}, ("norm_output=true", "SpecForge format", "EAGLE-1")),
+    ({"norm_before_residual": True}, ("norm_before_residual", "EAGLE-1")),
+])
+def test_refuses_eagle3_options_on_an_eagle1_head(fields, words, tmp_path, target):
+    cfg, t = eagle1_checkpoint(31, fc_bias=True)
+    d = write(tmp_path, {**cfg, **fields}, t)
+    _raises_naming(d / "config.json", *words, call=lambda: load_head(d, target))

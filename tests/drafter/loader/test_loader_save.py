@@ -8,7 +8,8 @@ import torch
 
 from drafter.loader import load_head, save_head
 from spectandem.checkpoint import load_weights
-from tests.drafter.loader.eagle_checkpoints import eagle1_checkpoint, eagle3_checkpoint, pairs, run_pairs, write
+from tests.drafter.loader.eagle_checkpoints import (eagle1_checkpoint, eagle3_checkpoint, pairs, run_pairs,
+                                                    speculators_checkpoint, write)
 
 
 def _bf16_exact(t: dict) -> dict:
@@ -39,3 +40,23 @@ def test_save_head_round_trip(kind, tmp_path, target):
     out, logits = run_pairs(head, tokens, feats, chunks=(3, 4))
     out2, logits2 = run_pairs(again, tokens, feats, chunks=(3, 4))
     assert torch.equal(out, out2) and torch.equal(logits, logits2)
+
+
+@pytest.mark.parametrize("fields", [{"hidden_act": "gelu", "norm_before_residual": True},
+                                    {"hidden_act": "gelu_pytorch_tanh", "norm_output": False}])
+def test_save_head_keeps_the_computation_options(fields, tmp_path, target):
+    cfg, t = eagle3_checkpoint(32)
+    head = load_head(write(tmp_path / "src", {**cfg, **fields}, _bf16_exact(t)), target)
+    save_head(head, tmp_path / "saved")
+    again = load_head(tmp_path / "saved", target)
+    assert again.spec == head.spec
+    assert (head.spec.hidden_act, head.spec.norm_before_residual, head.spec.final_norm) == \
+        (fields["hidden_act"], fields.get("norm_before_residual", False), fields.get("norm_output", True))
+
+
+def test_save_head_refuses_normed_feedback(tmp_path, target):
+    """The flat format has no field for speculators' norm_output (its norm_output means another thing)."""
+    cfg, t = speculators_checkpoint(33, norm_before_residual=False, norm_output=True)
+    head = load_head(write(tmp_path / "src", cfg, t), target)
+    with pytest.raises(ValueError, match="norm_output"):
+        save_head(head, tmp_path / "saved")
