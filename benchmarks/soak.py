@@ -10,7 +10,8 @@ process group, finds the drafter and verifier processes it started (its children
 `--concurrency` workers through the SDK (`AsyncClient`): greedy and seeded, unary and streamed,
 some cancelled by the client after a chunk or two, some with short deadlines, some sharing a
 client-chosen request id with another request in flight. Faults are spread over the run by the
-count of requests ended: SIGKILL of the drafter or the verifier, SIGSTOP for `--stall-seconds`
+count of requests ended (sending waits for a fault that is due, except during a stall, so each lands under traffic):
+SIGKILL of the drafter or the verifier, SIGSTOP for `--stall-seconds`
 then SIGCONT. Before a fault, the engine it targets must be running again (serve restarts the
 engines it started); one that does not come back within `--restart-wait` is a violation.
 
@@ -423,7 +424,9 @@ async def _engine_info(role: str, port: int) -> dict | None:
 
 
 async def run_faults(faults: list[FaultEvent], serve_pid: int, ended: list[int], health_stub, t0: float,
-                     stall_seconds: float, restart_wait: float, stop: asyncio.Event) -> None:
+                     stall_seconds: float, restart_wait: float, stop: asyncio.Event, stalling: list) -> None:
+    """Signals each fault once its count of ended requests is reached and its engine is up;
+    `stalling[0]` is True while an engine is stopped."""
     for f in faults:
         while ended[0] < f.at_ended and not stop.is_set():
             await asyncio.sleep(0.05)
@@ -443,7 +446,9 @@ async def run_faults(faults: list[FaultEvent], serve_pid: int, ended: list[int],
         else:
             with contextlib.suppress(ProcessLookupError):
                 os.kill(f.pid, signal.SIGSTOP)
+            stalling[0] = True
             await asyncio.sleep(stall_seconds)
+            stalling[0] = False
             with contextlib.suppress(ProcessLookupError):
                 os.kill(f.pid, signal.SIGCONT)
             f.t_resume = time.monotonic() - t0
@@ -479,8 +484,18 @@ async def run_traffic(address: str, plan: list[Planned], prompts: list[list[int]
     health = health_pb2_grpc.HealthStub(health_ch)
     client = AsyncClient(address, timeout=120, max_retries=3)
 
+    def held_back(i: int) -> bool:
+        # A fault due at N ended requests is signalled before request N + concurrency is sent, so
+        # it always lands under traffic, however long the faults before it took.
+        # Not while an engine is stopped: requests must keep coming during a stall.
+        return not stalling[0] and any(not f.t_signal and not f.skipped and f.at_ended + concurrency <= i
+                                       for f in faults)
+
     async def worker():
         while next_i[0] < len(plan) and time.monotonic() - t0 < max_seconds:
+            if held_back(next_i[0]) and not fault_task.done():
+                await asyncio.sleep(0.05)
+                continue
             p = plan[next_i[0]]
             next_i[0] += 1
             await run_one(client, p, prompts[p.prompt], records[p.idx], t0)
@@ -488,8 +503,9 @@ async def run_traffic(address: str, plan: list[Planned], prompts: list[list[int]
             if progress and ended[0] % 100 == 0:
                 print(f"  {ended[0]} requests ended, {time.monotonic() - t0:.0f} s", flush=True)
 
+    stalling: list = [False]
     fault_task = asyncio.create_task(run_faults(faults, serve_pid, ended, health, t0, stall_seconds,
-                                                restart_wait, stop))
+                                                restart_wait, stop, stalling))
     try:
         await asyncio.gather(*[worker() for _ in range(concurrency)])
     finally:
@@ -533,6 +549,16 @@ async def end_state(address: str, serve_pid: int, baseline: dict, settle_s: floa
                                     "accepted_tokens": done.stats.get("accepted_tokens", 0)}
         except Exception as exc:
             out["fresh_request"] = {"ok": False, "error": str(exc)[:300]}
+        # Reported, not checked: whether requests are drafted again (the drafter back in use).
+        out["drafting_again_after_s"] = None
+        t = time.monotonic()
+        while out["fresh_request"].get("ok") and time.monotonic() - t < settle_s:
+            with contextlib.suppress(Exception):
+                done = await client.generate(prompt, SamplingParams(max_tokens=len(expected)), timeout=30)
+                if done.stats.get("accepted_tokens", 0) > 0:
+                    out["drafting_again_after_s"] = round(time.monotonic() - t, 1)
+                    break
+            await asyncio.sleep(1.0)
     return out
 
 
@@ -666,14 +692,14 @@ def check(plan: list[Planned], records: list[Record], refs: dict, faults: list[F
         a, b = f.t_signal + drafter_timeout + 1.0, f.t_resume
         if b - a < 1.0:
             continue
-        waiting = sum(1 for r in records if r.t_start < a and r.t_end > b)
+        waiting = sum(1 for r in records if r.t_start < b and r.t_end > a)
         progress = sum(1 for r in records for t in r.chunk_times if a <= t <= b)
         fig["stall_progress"].append({"window": [round(a, 1), round(b, 1)], "open_requests": waiting,
                                       "chunks": progress})
         if waiting and not progress:
             violations.append({"invariant": "terminal", "idx": -1, "kind": "", "request_id": "",
                                "what": f"no request made progress from {a:.1f} to {b:.1f} s while the drafter was "
-                                       f"stopped ({waiting} requests open): rounds wait for a stalled drafter"})
+                                       f"stopped ({waiting} requests open in it): rounds wait for a stalled drafter"})
     # ---- leaks
     leaked = {}
     if end is not None and baseline is not None:
@@ -798,6 +824,7 @@ def summary(fig: dict) -> str:
                                                                    if f["t_recovered"] is not None else ""))
                                  for f in fig["faults"])),
             ("fallback rounds (completed requests)", fig["fallback_rounds"]),
+            ("requests drafted again after (s)", (fig.get("end") or {}).get("drafting_again_after_s")),
             ("progress while the drafter was stopped", json.dumps(fig["stall_progress"])),
             ("traffic / total seconds", f"{fig['traffic_seconds']} / {fig['total_seconds']}"),
             ("violations by invariant", json.dumps(fig["violations_by_invariant"]) or "none")]

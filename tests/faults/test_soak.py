@@ -180,6 +180,7 @@ def test_soak_grpc_300_requests_with_kills_and_a_stall(tmp_path):
     assert fig["checked_completions"] >= 150, report
     assert fig["client_cancelled"] > 0 and fig["fallback_rounds"] > 0, report
     assert all(f["t_signal"] > 0 for f in fig["faults"]), report
+    assert fig["stall_progress"] and all(w["open_requests"] > 0 for w in fig["stall_progress"]), report
 
 
 def test_checker_reports_rounds_stalled_by_a_stopped_drafter():
