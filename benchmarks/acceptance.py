@@ -1,6 +1,6 @@
 """Mean acceptance length of a draft method on held-out corpus text.
 
-    python benchmarks/acceptance.py --corpus ../shared/data/corpus/python-stdlib-3.11.txt.xz
+    python benchmarks/acceptance.py --corpus CORPUS    # e.g. the demo pair's: python-stdlib-3.11.txt.xz
 
 Prompts are windows of held-out documents (drafter.data: the last 5% of files, which neither
 the demo target nor its heads saw); each is continued greedily (or at --temperature) for

@@ -9,7 +9,7 @@ a (spectandem/bench_controlled.py: its second guess is right with probability a,
 third); a real head's share depends on the width. The share does not depend on the device or on
 timing, so this runs anywhere; the cost of a wider cache (more forks to draft) is the GPU's.
 
-    python benchmarks/ahead_width.py --corpus ../shared/data/corpus/python-stdlib-3.11.txt.xz
+    python benchmarks/ahead_width.py --corpus CORPUS    # e.g. the demo pair's: python-stdlib-3.11.txt.xz
 
 Each prompt is a held-out window (as benchmarks/acceptance.py), generated greedily at batch 1
 through the router in "ahead" mode over in-process links (spectandem serve --backend local).

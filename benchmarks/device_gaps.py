@@ -20,10 +20,8 @@ this one's start: host work and waits the GPU did not hide) and the step's own t
 batch's first round (the prefill's end to the first step: the drafter's prefill and first draft)
 and tail (the last step's end to the batch's end on the host), against the whole window; the
 ratio is the window less the prefills over the steps at their median time (1.0: the GPU never
-waited after the prefill).
-
-Until session 22 the prefill's replay was counted as the first step: the head read negative and
-the ratio's denominator held one step too many (1.112 then is about 1.14 now, at 36 steps).
+waited after the prefill). A graphed prefill replays the verify step's graph: that replay is
+part of the prefill, not a step.
 """
 
 from __future__ import annotations

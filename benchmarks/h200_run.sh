@@ -8,8 +8,8 @@
 #
 #   bash benchmarks/h200_run.sh OUT_DIR [tests|check|pending|bench|channel|profile|full8b|all]
 #     tests: every GPU test file; check: those of the verify/draft/router fast paths, then profile
-#     pending: the GPU files of changes no GPU has run yet (session 23's combine_splits and
-#     check_query_and_pools; session 24's shared test helpers), test_split_attention with 480 s
+#     pending: the rows, batch-invariant, graphs and Triton attention files, then test_split_attention
+#     with 480 s
 #     channel: that test, then the bench; profile: profile_verify.py and profile_round.py (8B shape)
 #     full8b: the 8B-shaped sections of the bench (roofline, transformers, controlled, router8b with
 #     the drafter on the second GPU), then profile_round at batch 16

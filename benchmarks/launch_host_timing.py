@@ -8,9 +8,9 @@ p90), each call timed in three states of the host and device:
 
     python benchmarks/launch_host_timing.py [--context 160] [--nodes 5] [--iters 60]
 
-Session 18 found there that `torch.cuda.Event.record()` without a stream costs 20-60 us (it
-asks for the current stream; `record(stream)` 2-18 us). The copies' figures moved from run to
-run (benchmarks/results/README.md).
+On the H200 `torch.cuda.Event.record()` without a stream costs 20-60 us (it asks for the current
+stream; `record(stream)` 2-18 us); the copies' figures vary from run to run
+(benchmarks/results/launch-host-timing-h200x2.txt, RESULTS.md).
 """
 
 from __future__ import annotations

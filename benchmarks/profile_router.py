@@ -91,7 +91,7 @@ class Timers:
             module, qual = name.split(":")
             cls_name, _, fn_name = qual.rpartition(".")
             owner = getattr(importlib.import_module(module), cls_name) if cls_name else importlib.import_module(module)
-            if hasattr(owner, fn_name):   # (older code, compared in turn, may lack a function)
+            if hasattr(owner, fn_name):   # (another tree, run to compare, may lack a function)
                 self._patch(owner, fn_name, qual)
 
     def _add(self, label: str, t0: float) -> None:

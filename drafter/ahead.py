@@ -1,6 +1,6 @@
 """Draft ahead, the drafter engine's stage that runs while the verifier verifies.
 
-Draft ahead (SSD's outcome cache, ../shared/reference/disagg.md): while the verifier checks a
+Draft ahead (SSD's outcome cache): while the verifier checks a
 round's tree, `draft_ahead` prepares the next tree for the round's likeliest outcomes. An
 outcome is what the round commits: the accepted path plus the bonus token. The drafter forks the
 request's state once per tree node and absorbs that node's path with its own predicted features.

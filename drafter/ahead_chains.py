@@ -29,9 +29,9 @@ lm_head runs once over the m + 1 hiddens after it (one read of its weights, not 
 With a catch-up (`run_caught_up`: a hit's deferred catch-up, drafter/ahead.py) the pass first
 absorbs the verdict's pairs (feature, token) as `EagleProposer.catch_up` does: K/V for every pair,
 the rest of the layer for the last one. Its output hidden starts the forced chain and its logits
-are row 0 of that one lm_head. One graph, one host preparation and one copy in, where a catch-up
-graph then an ahead graph took two of each (the drafter's host time is what a round waits for
-when the drafter is on its own GPU: benchmarks/results/README.md, session 13).
+are row 0 of that one lm_head. One graph, one host preparation and one copy in, not two of each
+(a catch-up graph, then an ahead graph): the drafter's host time is what a round waits for when
+the drafter is on its own GPU.
 """
 
 from __future__ import annotations

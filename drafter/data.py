@@ -1,8 +1,8 @@
 """Training text for draft heads: a corpus file split into documents, with a fixed held-out part.
 
 A corpus is a text file (optionally .xz) of documents separated by `<|endoftext|>` lines; a
-document may start with a `# file: PATH` line (the format of ../shared/data/corpus). Documents
-whose name sorts into the last 5% are held out, so the same split serves training and
+document may start with a `# file: PATH` line (as in the demo pair's corpus, the Python 3.11
+standard library's sources). Documents whose name sorts into the last 5% are held out, so the same split serves training and
 measurement everywhere.
 """
 

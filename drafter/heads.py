@@ -1,5 +1,5 @@
 """EAGLE draft heads: EAGLE-1/2 and EAGLE-3, parameter names as in their public checkpoints
-(../shared/reference/formats.md; the loader maps `midlayer.` / `layers.0.` prefixes).
+(the loader, drafter/loader.py, maps `midlayer.` / `layers.0.` prefixes).
 
 A head consumes pairs (feature at position p, token at position p + 1) at RoPE position p and
 predicts the token at p + 2. Its output hidden is fed back as the feature of the next draft

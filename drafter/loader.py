@@ -1,6 +1,6 @@
 """Loading EAGLE-1/2 and EAGLE-3 draft heads from their public checkpoint formats.
 
-Accepted (../shared/reference/formats.md):
+Accepted:
 - configs: flat HuggingFace-style config.json (official EAGLE, SGLang, SpecForge), and vLLM's
   speculators format for EAGLE-3 (`speculators_model_type: "eagle3"`, architecture
   `Eagle3Speculator`, a one-layer `llama` decoder's fields under `transformer_layer_config`, the

@@ -1,9 +1,9 @@
 """The exact recipe of the embedded demo pair (tokenizer, target, draft LM).
 
-The pair is trained on the fixed corpus in ../shared/data/corpus (the Python 3.11
-standard library). Files whose path sorts into the last 5% are held out: neither the
-tokenizer, the target, the draft LM nor the draft heads ever see them, and acceptance is
-measured on them.
+The pair is trained on a fixed corpus, `--corpus CORPUS`: the Python 3.11 standard library's
+sources as one file (drafter/data.py's format). Files whose path sorts into the last 5% are held
+out: neither the tokenizer, the target, the draft LM nor the draft heads ever see them, and
+acceptance is measured on them.
 
 Steps (each writes under --out, default models/demo):
 

@@ -346,7 +346,7 @@ async def serve_async(args, ready_message=True, stop_event: asyncio.Event | None
                                     default_slots=args.max_running, chat_template=ChatTemplate.from_model_dir(target))
         # Everything loaded so far (models, engines, captured graphs) lives as long as the server:
         # out of every later collection, so a full collection never walks it mid-round (at batch
-        # 64 on the H200 one such collection took 178 ms: benchmarks/results/README.md).
+        # 64 on the H200 one such collection takes longer than a round).
         gc.collect()
         gc.freeze()
         if state is not None:

@@ -5,7 +5,7 @@ the nodes), W [N, K] as nn.Linear stores it.
 Why. At M = 1 a projection reads its whole weight to produce N numbers: memory-bound, and the
 time is the weight's bytes over the bandwidth the kernel reaches. cuBLAS's kernels for the 8B
 shape reached about 75% of the H200's copy bandwidth on the q/k/v (50 MB) and o (34 MB)
-projections, against about 100% on the MLP's (profile-decode, session 5). This kernel gives every
+projections, against about 100% on the MLP's (benchmarks/profile_decode.py). This kernel gives every
 program a strip of BLOCK_N output columns over all of K, so the grid has N / BLOCK_N programs
 (256 for N = 4096 at BLOCK_N = 16: every multiprocessor streams), with the x tile padded to 16
 rows for the tensor-core dot. `SKINNY_SHAPES` is where benchmarks/gemv_timing.py measured it
@@ -30,17 +30,17 @@ from spectandem.kernels import HAVE_TRITON, interpreted
 MAX_ROWS = 16
 # (N, K) of weights the kernel runs (measured faster than cuBLAS at M = 1 on the H200), with
 # its tile: (BLOCK_N, BLOCK_K, num_warps, num_stages). Filled from gemv_timing.py's table.
-# benchmarks/results/gemv-timing-h200.txt (M = 1; the best tile at M = 5 and 16 was the same or
-# within 2%): q/k/v 22.7 -> 22.5 us, o 19.0 -> 17.1, gate/up 69.3 -> 67.5, down 42.3 -> 40.2, LM
-# head 257 -> 246 (do_bench with the L2 cleared; launch gaps included for both).
+# benchmarks/results/gemv-timing-h200.txt (M = 1, cuBLAS -> skinny; the best tile at M = 5 and 16
+# was the same or within 2%): q/k/v 22.7 -> 22.5 us, o 19.0 -> 17.1, gate/up 69.3 -> 67.5, down
+# 42.3 -> 40.2, LM head 257 -> 246 (do_bench with the L2 cleared; launch gaps included for both).
 SKINNY_SHAPES: dict[tuple[int, int], tuple[int, int, int, int]] = {
     (6144, 4096): (64, 256, 4, 4),      # Llama-3.1-8B q/k/v packed
     (4096, 4096): (32, 512, 4, 3),      # o_proj
     (28672, 4096): (32, 128, 4, 3),     # gate/up packed
     (4096, 14336): (32, 512, 4, 4),     # down_proj
     (128256, 4096): (64, 128, 4, 4),    # LM head
-    # The 8B-shaped EAGLE-3 head (benchmarks/results/gemv-timing-head-s23-h200x2.txt, M = 1 / 5):
-    # q/k/v packed over [embedding, hidden] 37.2 -> 36.9 us, fc 39.8 -> 37.3, its LM head over the
+    # The 8B-shaped EAGLE-3 head (benchmarks/results/gemv-timing-head-h200x2.txt, M = 1 / 5,
+    # cuBLAS -> skinny): q/k/v packed over [embedding, hidden] 37.2 -> 36.9 us, fc 39.8 -> 37.3, its LM head over the
     # 32k draft vocabulary 78.2 -> 73.5 (its o, gate/up and down are the target's shapes above).
     (6144, 8192): (64, 256, 4, 4),      # head q/k/v packed
     (4096, 12288): (32, 512, 4, 4),     # head fc (three target layers)

@@ -1,5 +1,5 @@
 """Synthetic checkpoints of the drafter.loader tests, built from the key/shape tables of
-../shared/reference/formats.md (1.2 and 2.2) for a tiny target, and a head run over them the way
+the public EAGLE-1/2 and EAGLE-3 checkpoints (drafter/loader.py) for a tiny target, and a head run over them the way
 EagleProposer.catch_up runs it."""
 
 from __future__ import annotations

@@ -1,5 +1,5 @@
 """drafter.loader on synthetic checkpoints in every public EAGLE format
-(../shared/reference/formats.md): each loads, runs and matches a hand-written forward; auxiliary
+(drafter/loader.py): each loads, runs and matches a hand-written forward; auxiliary
 layers in both index conventions, the head kind, and the target tensors of native and
 transformers models."""
 
