@@ -2,8 +2,8 @@
 
 A corpus is a text file (optionally .xz) of documents separated by `<|endoftext|>` lines; a
 document may start with a `# file: PATH` line (as in the demo pair's corpus, the Python 3.11
-standard library's sources). Documents whose name sorts into the last 5% are held out, so the same split serves training and
-measurement everywhere.
+standard library's sources). Documents whose name sorts into the last 5% are held out, so the
+same split serves training and measurement everywhere.
 """
 
 from __future__ import annotations

@@ -40,8 +40,9 @@ SKINNY_SHAPES: dict[tuple[int, int], tuple[int, int, int, int]] = {
     (4096, 14336): (32, 512, 4, 4),     # down_proj
     (128256, 4096): (64, 128, 4, 4),    # LM head
     # The 8B-shaped EAGLE-3 head (benchmarks/results/gemv-timing-head-h200x2.txt, M = 1 / 5,
-    # cuBLAS -> skinny): q/k/v packed over [embedding, hidden] 37.2 -> 36.9 us, fc 39.8 -> 37.3, its LM head over the
-    # 32k draft vocabulary 78.2 -> 73.5 (its o, gate/up and down are the target's shapes above).
+    # cuBLAS -> skinny): q/k/v packed over [embedding, hidden] 37.2 -> 36.9 us, fc 39.8 -> 37.3,
+    # its LM head over the 32k draft vocabulary 78.2 -> 73.5 (its o, gate/up and down are the
+    # target's shapes above).
     (6144, 8192): (64, 256, 4, 4),      # head q/k/v packed
     (4096, 12288): (32, 512, 4, 4),     # head fc (three target layers)
     (32000, 4096): (64, 128, 4, 3),     # head LM head (draft vocabulary)

@@ -1,6 +1,6 @@
 """The draft head's attention over rows of the paged pool (spectandem/kernels/rows_attention.py)
-on the GPU, against its torch reference (the gather and masked_attention, the head's path off the fast path):
-fp32 and bf16, grouped-query heads, one to several query rows, spans of one to many segments,
+on the GPU, against its torch reference (the gather and masked_attention, the head's path off the
+fast path): fp32 and bf16, grouped-query heads, one to several query rows, spans of one to many segments,
 rows that see nothing (zeros), a row's result independent of the other rows (bit for bit), bad
 inputs refused. The checks take a device, so tests/spectandem/test_rows_attention_cpu.py runs them
 through Triton's interpreter too."""

@@ -1,6 +1,6 @@
 """Synthetic checkpoints of the drafter.loader tests, built from the key/shape tables of
-the public EAGLE-1/2 and EAGLE-3 checkpoints (drafter/loader.py) for a tiny target, and a head run over them the way
-EagleProposer.catch_up runs it."""
+the public EAGLE-1/2 and EAGLE-3 checkpoints (drafter/loader.py) for a tiny target, and a head run
+over them the way EagleProposer.catch_up runs it."""
 
 from __future__ import annotations
 
