@@ -1,5 +1,5 @@
 """A direct verifier -> drafter channel for target features, so a round's features never cross
-the router (issue 5): a dedicated two-rank torch.distributed group between the two engines of
+the router: a dedicated two-rank torch.distributed group between the two engines of
 one node, the verifier rank 0 (sender), the drafter rank 1 (receiver).
 
     verifier: send([f_0, f_1]) -> [ChannelRef(7, 0), ChannelRef(7, 1)]     (returns at once)

@@ -5,8 +5,8 @@
 q [B, nh, T, hd]; k_pool, v_pool [R, nkv, hd] (one layer of PagedKVCache); read_rows [B, span] the
 physical row of each logical entry 0..span-1 of request b (PagedCacheBatch.read_rows); mask
 [B, T, span] bool, True where query t may see entry j. The same numbers as gathering the rows and
-calling masked_attention (spectandem/modeling/layers.py), which is what the reference does and what
-the head computed before: example, read_rows [[9, 2, 4]], mask [[[True, True, False]]] -> the query
+calling masked_attention (spectandem/modeling/layers.py), which is what the reference does (the
+head's path off the GPU): example, read_rows [[9, 2, 4]], mask [[[True, True, False]]] -> the query
 attends to pool rows 9 and 2.
 
 Why. The head's steps read a request's whole context every step. The torch code gathers K and V of

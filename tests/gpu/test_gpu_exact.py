@@ -3,7 +3,7 @@ speculative output equals plain decoding on the same device, token for token, on
 
 bf16 is not covered yet: without batch-invariant kernels a tree verify and a one-token decode
 round differently, and on the H200 the EAGLE-3 chain differed from plain decoding on 2 of 24
-prompts (issue 5, batch-invariant verification)."""
+prompts (hence --batch-invariant)."""
 
 from __future__ import annotations
 

@@ -1,5 +1,5 @@
 """The draft head's rows attention on the CPU. Always: the reference is the gather and
-masked_attention the head ran before (so the head's CPU path did not change), and the wrapper
+masked_attention (the head's CPU path), and the wrapper
 sends CPU tensors there. Under Triton's interpreter (tests/interpreter.py) also the kernel's
 checks of tests/gpu/test_rows_attention.py, in fp32, fp16 and bf16 (bf16 `tl.dot` through
 tests/conftest.py's mend of the interpreter)."""
