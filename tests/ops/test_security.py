@@ -134,7 +134,7 @@ def test_internal_mtls_between_router_and_engine_services(pki):
         toks, _, reason, stats = collect(s.stub, request(text="def add(a, b):", max_tokens=12, ignore_eos=True))
         assert len(toks) == 12 and stats.accepted_tokens > 0          # the drafter took part, over mTLS
         for role in ("verifier", "drafter"):
-            cmd = s.state["procs"][role].args
+            cmd = s.state["procs"][role].argv
             assert cmd[cmd.index("--host") + 1] == "127.0.0.1" and "--tls-client-ca" in cmd
         from router.links_grpc import GrpcVerifierLink
 
