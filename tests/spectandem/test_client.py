@@ -27,9 +27,9 @@ from spectandem.v1 import common_pb2, generation_pb2, generation_pb2_grpc
 
 ROOT = Path(__file__).resolve().parents[2]
 STATS = common_pb2.SpecStats(num_rounds=3, draft_tokens=12, accepted_tokens=4, accept_length=7 / 3,
-                             fallback_rounds=1)
+                             fallback_rounds=1, plain_rounds=2)
 EXPECTED_STATS = {"num_rounds": 3, "draft_tokens": 12, "accepted_tokens": 4, "accept_length": 2.3333,
-                  "fallback_rounds": 1, "prompt_tokens": 5}
+                  "fallback_rounds": 1, "plain_rounds": 2, "prompt_tokens": 5}
 
 
 def ok_script(request_id: str = "req-1") -> list:
