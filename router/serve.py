@@ -78,8 +78,25 @@ def add_serve(sub) -> None:
     p.add_argument("--engine-restart-backoff", type=float, default=1.0, metavar="SECONDS",
                    help="delay before restarting an engine, doubled for each further restart within the window, "
                         "at most 30 s (default: %(default)s)")
+    p.add_argument("--link-tuning", action="append", default=None, metavar="NAME=VALUE",
+                   help="--backend local: change one timing choice of the in-process links (repeat for more; "
+                        "router/links_local.py LocalLinkTuning: chained_verify, drafter_first_s, launch_first_s, "
+                        "launch_missed, launch_missed_early, ahead_after_miss, prepare_launch, switch_interval_s; "
+                        "default: none changed)")
+    p.add_argument("--log-level", type=str.upper, choices=["DEBUG", "INFO", "WARNING", "ERROR", "CRITICAL"],
+                   default=None, help="logging level (default: $SPECTANDEM_LOG_LEVEL, else WARNING)")
     add_ops_flags(p)
     p.set_defaults(func=_serve)
+
+
+def link_tuning(args):
+    """--link-tuning -> the in-process links' LocalLinkTuning; refused unless --backend local."""
+    from router.links_local import LocalLinkTuning
+
+    settings = getattr(args, "link_tuning", None) or []
+    if settings and args.backend != "local":
+        raise ValueError(f"--link-tuning tunes the in-process links of --backend local, not --backend {args.backend}")
+    return LocalLinkTuning.from_settings(settings)
 
 
 def _spec(args):
@@ -180,8 +197,9 @@ async def _build_links(args, cfg, target, draft, index: int = 0, supervisor=None
                                dtype=model_dtype(args), device=args.device, kv_blocks=args.kv_blocks,
                                draft_kv_blocks=args.draft_kv_blocks, block_size=args.block_size,
                                **GpuPaths.from_args(args).runner_kwargs())
-        v = LocalVerifierLink(spec.verifier, Path(target).name)
-        d = LocalDrafterLink(spec.drafter, Path(draft).name if draft else "") if spec.drafter else None
+        tuning = link_tuning(args)
+        v = LocalVerifierLink(spec.verifier, Path(target).name, tuning=tuning)
+        d = LocalDrafterLink(spec.drafter, Path(draft).name if draft else "", tuning=tuning) if spec.drafter else None
 
         async def cleanup():
             return None
@@ -284,6 +302,7 @@ async def serve_async(args, ready_message=True, stop_event: asyncio.Event | None
     from spectandem.checkpoint import load_tokenizer, read_config
 
     ops = OpsConfig.from_args(args)  # flag errors before any model loads
+    link_tuning(args)
     cfg, target, draft = _spec(args)
     tokenizer = load_tokenizer(target)
     tcfg = read_config(target)
@@ -428,15 +447,22 @@ def _serve(args) -> int:
     import faulthandler
 
     faulthandler.register(signal.SIGUSR2, all_threads=True)   # `kill -USR2 PID`: every thread's stack, to stderr
-    level = os.environ.get("SPECTANDEM_LOG_LEVEL", "WARNING")
+    # The environment is read here, in the entry point, only.
+    level = args.log_level or os.environ.get("SPECTANDEM_LOG_LEVEL", "WARNING").upper()
+    if not isinstance(logging.getLevelName(level), int):
+        raise ValueError(f"SPECTANDEM_LOG_LEVEL: unknown logging level {level!r}")
     if args.log_format == "json":
         from router.request_log import configure_json_logging
 
         configure_json_logging(level)
     else:
         logging.basicConfig(level=level, format="%(asctime)s %(levelname)s %(name)s %(message)s")
-    if args.api_key is None:  # the environment is read here, in the entry point, only
+    if args.api_key is None:
         args.api_key = os.environ.get("SPECTANDEM_API_KEY") or None
+    if args.backend == "local":   # engines and router share this process: the whole process's setting
+        from router.local_base import shorten_switch_interval
+
+        shorten_switch_interval(link_tuning(args).switch_interval_s)
     try:
         asyncio.run(serve_async(args))
     except EngineStartError as exc:   # an engine that failed to start, or a verifier that stayed down

@@ -345,6 +345,11 @@ def _bench(args) -> int:
     plan = BenchPlan.from_args(args, device)
     json_path, txt_path, png_path = _paths(args.out, args.plot)
     t0 = time.perf_counter()
+    if {"router8b", "pipeline"} & set(plan.sections):   # the router and both engines in this process
+        from router.links_local import LocalLinkTuning
+        from router.local_base import shorten_switch_interval
+
+        shorten_switch_interval(LocalLinkTuning().switch_interval_s)
     bandwidth = copy_bandwidth(device)
     records, info = _measure(plan, args, getattr(torch, args.dtype), bandwidth)
     gpu = torch.cuda.get_device_name(device) if device.startswith("cuda") else "cpu"
