@@ -299,15 +299,14 @@ async def serve_async(args, ready_message=True, stop_event: asyncio.Event | None
     from router.replicas import ReplicaSet
     from router.scheduler import Router, RouterConfig
     from router.server import Limits, prompt_char_limit, start_server
-    from spectandem.checkpoint import load_tokenizer, read_config
+    from spectandem.checkpoint import eos_token_ids, load_tokenizer, read_config
 
     ops = OpsConfig.from_args(args)  # flag errors before any model loads
     link_tuning(args)
     cfg, target, draft = _spec(args)
     tokenizer = load_tokenizer(target)
     tcfg = read_config(target)
-    eos = tcfg.get("eos_token_id")
-    eos_ids = tuple(eos) if isinstance(eos, list) else (() if eos is None else (int(eos),))
+    eos_ids = eos_token_ids(tcfg)
     stop = stop_event or asyncio.Event()
     fatal: list[str] = []
 

@@ -92,6 +92,14 @@ class SamplingParams:
     def greedy(self) -> bool:
         return self.temperature == 0
 
+    def drafts_sampled(self, min_temperature: float) -> bool:
+        """Whether this request's drafts are sampled (and verified with their probabilities q by
+        rejection sampling) rather than deterministic (verified without q): a sampled request at
+        or above `min_temperature` (SpecConfig.draft_sampling_min_temperature). The drafter
+        drafts by it and the router relies on it (a request with deterministic drafts decodes
+        the same tokens in a plain round)."""
+        return not self.greedy and self.temperature >= max(min_temperature, 1e-12)
+
     def resolved_seed(self) -> int:
         """The seed to key this request's random numbers with (a fresh one when unset; never
         the global RNG)."""

@@ -25,7 +25,7 @@ class LocalSpeculator:
         speculation equals plain decoding bit for bit in bf16; CUDA and Triton only).
         triton_attention: the target's verify attends through the Triton paged tree attention
         (CUDA and Triton only; with or without cuda_graphs)."""
-        from spectandem.checkpoint import load_tokenizer, read_config
+        from spectandem.checkpoint import eos_token_ids, load_tokenizer, read_config
 
         self.cfg = cfg
         # The head decides which features it reads, and takes weights from the target: build the
@@ -40,8 +40,7 @@ class LocalSpeculator:
         self.verifier = VerifierEngine(runner, max_slots, int(read_config(target_dir)["vocab_size"]))
         self.drafter = DrafterEngine(proposer, cfg) if proposer is not None else None
         target_cfg = read_config(target_dir)
-        eos = target_cfg.get("eos_token_id")
-        self.eos_token_ids = tuple(eos) if isinstance(eos, list) else (() if eos is None else (int(eos),))
+        self.eos_token_ids = eos_token_ids(target_cfg)
         self.tokenizer = load_tokenizer(target_dir)
         self.vocab_size = int(target_cfg["vocab_size"])
         # Fused mode on the GPU with graphs: greedy rounds replay one graph (spectandem/fused.py).
