@@ -15,7 +15,7 @@ import time
 from pathlib import Path
 
 from router.links import EngineStartError
-from spectandem.config import GpuPaths
+from spectandem.config import EngineConfig, GpuPaths
 from router.ops import OpsConfig, add_ops_flags
 from spectandem.generate_cli import add_model_flags
 from spectandem.service_args import model_dtype
@@ -49,8 +49,8 @@ def add_serve(sub) -> None:
                    help="drafter/verifier pairs behind this server, each with its own round loop (on Ray: its "
                         "own placement group, so a pair shares a node); --max-running is per replica "
                         "(default: 1, or one per --verifier-address)")
-    p.add_argument("--host", default="localhost")
-    p.add_argument("--port", type=int, default=50051)
+    p.add_argument("--host", default="localhost", help="address of the public gRPC API (and the HTTP fronts)")
+    p.add_argument("--port", type=int, default=50051, help="port of the public gRPC API (0: a free one, printed)")
     p.add_argument("--max-running", type=int, default=64, help="requests in the running batch (engine slots)")
     p.add_argument("--first-request", default=None, metavar="PROMPT",
                    help="once serving, send this prompt through the client SDK and print the completion")
@@ -193,10 +193,7 @@ async def _build_links(args, cfg, target, draft, index: int = 0, supervisor=None
         from router.links_local import LocalDrafterLink, LocalVerifierLink
         from spectandem.local import LocalSpeculator
 
-        spec = LocalSpeculator(target, draft, cfg, max_slots=max_slots, max_len=args.max_len,
-                               dtype=model_dtype(args), device=args.device, kv_blocks=args.kv_blocks,
-                               draft_kv_blocks=args.draft_kv_blocks, block_size=args.block_size,
-                               **GpuPaths.from_args(args).runner_kwargs())
+        spec = LocalSpeculator.from_config(EngineConfig.from_args(args, cfg, target, draft, max_slots))
         tuning = link_tuning(args)
         v = LocalVerifierLink(spec.verifier, Path(target).name, tuning=tuning)
         d = LocalDrafterLink(spec.drafter, Path(draft).name if draft else "", tuning=tuning) if spec.drafter else None
@@ -298,11 +295,14 @@ async def serve_async(args, ready_message=True, stop_event: asyncio.Event | None
     from router.ops import start_fronts
     from router.replicas import ReplicaSet
     from router.scheduler import Router, RouterConfig
-    from router.server import Limits, prompt_char_limit, start_server
+    from router.server import Limits, check_port_free, prompt_char_limit, start_server
     from spectandem.checkpoint import eos_token_ids, load_tokenizer, read_config
 
     ops = OpsConfig.from_args(args)  # flag errors before any model loads
     link_tuning(args)
+    for flag, port in (("--port", args.port), ("--http-port", ops.http_port), ("--metrics-port", ops.metrics_port)):
+        if port:   # a port in use, before the models load
+            check_port_free(args.host, port, flag)
     cfg, target, draft = _spec(args)
     tokenizer = load_tokenizer(target)
     tcfg = read_config(target)
