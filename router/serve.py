@@ -125,14 +125,23 @@ def _num_replicas(args) -> int:
     return n
 
 
-async def _build_replicas(args, cfg, target, draft, supervisor=None):
+def _quiet(text: str) -> None:
+    return None
+
+
+def _progress(text: str) -> None:
+    """A step of serve's start (to stderr, as the engines' own output)."""
+    print(f"spectandem serve: {text}", file=sys.stderr, flush=True)
+
+
+async def _build_replicas(args, cfg, target, draft, supervisor=None, say=_quiet):
     """-> ([(verifier link, drafter link or None)] one pair per replica, cleanup coroutine
     function, {role: EngineProcess} of the engine processes started here (by `supervisor`);
-    replica i > 0 as "role-i")."""
+    replica i > 0 as "role-i"). `say`: the start's progress lines."""
     pairs, cleanups, procs = [], [], {}
     try:
         for i in range(_num_replicas(args)):
-            v, d, cleanup, started = await _build_links(args, cfg, target, draft, i, supervisor)
+            v, d, cleanup, started = await _build_links(args, cfg, target, draft, i, supervisor, say)
             pairs.append((v, d))
             cleanups.append(cleanup)
             procs.update({(role if i == 0 else f"{role}-{i}"): p for role, p in started.items()})
@@ -179,7 +188,13 @@ def restart_policy(args):
                          max_backoff_s=max(30.0, args.engine_restart_backoff))
 
 
-async def _build_links(args, cfg, target, draft, index: int = 0, supervisor=None):
+def _loading(what: str, cfg, target, draft) -> str:
+    models = Path(target).name + (f" and {cfg.method} {Path(draft).name}" if draft and cfg.method != "none" else "")
+    # CUDA graphs are captured later, as each batch shape first runs: no step of the start.
+    return f"{what} {models}"
+
+
+async def _build_links(args, cfg, target, draft, index: int = 0, supervisor=None, say=_quiet):
     """One replica's links: -> (verifier link, drafter link or None, cleanup coroutine function,
     {role: EngineProcess} of the engine processes started here by `supervisor`)."""
     max_slots = args.max_running
@@ -193,7 +208,9 @@ async def _build_links(args, cfg, target, draft, index: int = 0, supervisor=None
         from router.links_local import LocalDrafterLink, LocalVerifierLink
         from spectandem.local import LocalSpeculator
 
-        spec = LocalSpeculator.from_config(EngineConfig.from_args(args, cfg, target, draft, max_slots))
+        config = EngineConfig.from_args(args, cfg, target, draft, max_slots)
+        say(_loading("loading", cfg, target, draft) + " in this process")
+        spec = LocalSpeculator.from_config(config)
         tuning = link_tuning(args)
         v = LocalVerifierLink(spec.verifier, Path(target).name, tuning=tuning)
         d = LocalDrafterLink(spec.drafter, Path(draft).name if draft else "", tuning=tuning) if spec.drafter else None
@@ -207,8 +224,11 @@ async def _build_links(args, cfg, target, draft, index: int = 0, supervisor=None
         from router.links_ray import gcs_reachable, ray_init, start_engines
 
         started_here = not ray.is_initialized() and args.ray_address is None
+        if index == 0:
+            say(f"joining the Ray cluster at {args.ray_address}" if args.ray_address else "starting a local Ray cluster")
         # A local cluster gets a logical CPU per engine actor of every replica (bundles hold one).
         ray_init(args.ray_address, None if args.ray_address else max(os.cpu_count() or 1, 2 * _num_replicas(args)))
+        say(_loading("starting the engine actors, loading", cfg, target, draft))
         v, d, stop = start_engines(target, draft, cfg, max_slots=max_slots, max_len=args.max_len,
                                    device=args.device, dtype=model_dtype(args), kv_blocks=args.kv_blocks,
                                    draft_kv_blocks=args.draft_kv_blocks, block_size=args.block_size,
@@ -238,6 +258,8 @@ async def _build_links(args, cfg, target, draft, index: int = 0, supervisor=None
     if commands and supervisor is None:
         raise ValueError("engine processes need a supervisor")
     procs = {}
+    if commands:
+        say(_loading(f"starting engine processes ({', '.join(commands)}), loading", cfg, target, draft))
     for role, argv in commands.items():
         procs[role] = supervisor.start(role if index == 0 else f"{role}-{index}", argv)
     if "verifier" in commands:
@@ -318,12 +340,15 @@ async def serve_async(args, ready_message=True, stop_event: asyncio.Event | None
     from router.supervisor import EngineSupervisor
 
     supervisor = EngineSupervisor(restart_policy(args), on_give_up=gave_up)
-    pairs, cleanup, procs = await _build_replicas(args, cfg, target, draft, supervisor)
+    say = _progress if ready_message else _quiet
+    pairs, cleanup, procs = await _build_replicas(args, cfg, target, draft, supervisor, say)
     server = None
     router = None
     fronts = None
     try:
         routers = []
+        if procs:
+            say("waiting for the engine processes to load")
         for i, (v, d) in enumerate(pairs):
             suffix = "" if i == 0 else f"-{i}"
             vinfo = await _wait_ready(v, "verifier", process=procs.get(f"verifier{suffix}"))

@@ -108,3 +108,19 @@ def test_port_in_use_is_one_line(flag):
         argv[argv.index("--port") if flag == "--port" else len(argv):] = []
         out = _cli(*argv, *([] if flag == "--port" else ["--port", "0"]), flag, str(port))
     _one_line_error(out, str(port))
+
+
+def test_serve_reports_its_start():
+    """serve says what it is doing while it starts (stderr), then where it serves (stdout)."""
+    import signal
+
+    proc = subprocess.Popen([sys.executable, "-m", "spectandem.cli", "serve", "--method", "none", "--backend", "local",
+                             "--port", "0", "--http-port", "0", "--metrics-port", "0", "--max-len", "128"],
+                            cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        ready = proc.stdout.readline()
+        assert ready.startswith("spectandem serving"), ready
+    finally:
+        proc.send_signal(signal.SIGINT)
+        _, err = proc.communicate(timeout=120)
+    assert "spectandem serve: loading target in this process" in err, err
