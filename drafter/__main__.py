@@ -4,10 +4,11 @@ import argparse
 import sys
 
 from drafter.service import add_drafter_args, run_drafter
+from spectandem.service_args import HelpFormatter
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="python -m drafter", description=__doc__)
+    p = argparse.ArgumentParser(prog="python -m drafter", description=__doc__, formatter_class=HelpFormatter)
     add_drafter_args(p)
     args = p.parse_args(argv)
     try:

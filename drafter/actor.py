@@ -19,19 +19,17 @@ from __future__ import annotations
 
 import os
 from dataclasses import replace
-from pathlib import Path
 
 import ray
 import torch
 
-from drafter.engine import DrafterEngine, build_proposer
+from drafter.factory import build_engine
 from drafter.service_core import (drafter_draft, drafter_draft_ahead, drafter_extend, drafter_info, drafter_prefill,
                                   drafter_release)
 from router.links import AheadReply, DrafterPrefillItem, EngineInfo, ExtendItem, Tag
 from spectandem.channel import FeatureReceiver
-from spectandem.config import GpuPaths, SpecConfig
+from spectandem.config import EngineConfig
 from spectandem.messages import DraftTree
-from verifier.runner import load_runner
 
 
 def _resolve_features(items: list):
@@ -43,21 +41,10 @@ def _resolve_features(items: list):
 
 @ray.remote
 class DrafterActor:
-    def __init__(self, target_dir: str | Path, draft_dir: str | Path | None, cfg: SpecConfig, max_slots: int,
-                 max_len: int | None, dtype: torch.dtype = torch.float32, device: str = "cpu",
-                 force_hf_target: bool = False, model_name: str = "draft", num_threads: int = 1,
-                 kv_blocks: int | None = None, block_size: int = 16, gpu: GpuPaths | None = None):
-        torch.set_num_threads(num_threads)
-        # EAGLE heads take embeddings and lm_head from the target, and the context length comes
-        # from the same rule as the verifier's: load it through the runner loader (one slot of
-        # cache, dropped with the runner).
-        runner, target = load_runner(target_dir, None, 1, max_len, dtype, device, force_hf_target)
-        proposer = build_proposer(cfg, target, draft_dir, max_slots, runner.max_len, dtype, device, kv_blocks,
-                                  block_size, **(gpu or GpuPaths()).proposer_kwargs())
-        if proposer is None:
-            raise ValueError(f"method {cfg.method!r} has no drafter")
-        self.engine = DrafterEngine(proposer, cfg)
-        self.model_name, self.device = model_name, device
+    def __init__(self, config: EngineConfig, model_name: str = "draft", num_threads: int = 1):
+        torch.set_num_threads(num_threads)   # this actor's own process
+        self.engine, _ = build_engine(config)
+        self.model_name, self.device = model_name, config.device
         self.receiver: FeatureReceiver | None = None
 
     def open_feature_channel(self, address: str) -> None:

@@ -91,7 +91,7 @@ class DrafterEngine(DraftAheadMixin):
         for request_id, prompt_ids, first_token_id, params, seed, features, epoch in items:
             if request_id in self.requests:
                 self.remove(request_id, keep_draft=True)  # a re-prefill (resync after a restart or preemption)
-            sample = params.temperature >= max(self.cfg.draft_sampling_min_temperature, 1e-12) and not params.greedy
+            sample = params.drafts_sampled(self.cfg.draft_sampling_min_temperature)
             req = DraftRequest(request_id, list(prompt_ids) + [first_token_id], params, seed, sample)
             self.requests[request_id] = req
             self.epochs[request_id] = epoch

@@ -16,15 +16,14 @@ import asyncio
 import logging
 from pathlib import Path
 
-import torch
-
-from drafter.engine import DrafterEngine, build_proposer
+from drafter.engine import DrafterEngine
+from drafter.factory import build_engine
 from drafter.service_core import (drafter_draft, drafter_draft_ahead, drafter_extend, drafter_info, drafter_prefill,
                                   drafter_release)
 from spectandem import codec
 from spectandem.channel import FeatureReceiver
-from spectandem.config import GpuPaths, SpecConfig
-from spectandem.service_args import add_drafter_args, model_dtype  # noqa: F401 (add_drafter_args: re-exported)
+from spectandem.config import EngineConfig
+from spectandem.service_args import add_drafter_args  # noqa: F401 (re-exported)
 from spectandem.grpc_server import EngineCalls, EngineServer
 from spectandem.tls import ServerTls, server_tls_from_args
 from spectandem.v1 import engines_pb2, engines_pb2_grpc
@@ -96,36 +95,6 @@ class DrafterServicer(engines_pb2_grpc.DrafterServicer):
 # Building the engine and serving it
 
 
-def build_drafter_engine(cfg: SpecConfig, target_dir: str | Path | None, draft_dir: str | Path | None,
-                         max_slots: int = 8, max_len: int | None = None, dtype: torch.dtype = torch.float32,
-                         device: str = "cpu", kv_blocks: int | None = None,
-                         block_size: int = 16, gpu: GpuPaths | None = None) -> tuple[DrafterEngine, int]:
-    """-> (engine, context length: the verifier's for the same target and max_len, 0 when n-gram
-    drafting is given neither)."""
-    if cfg.method == "none":
-        raise ValueError("--method none has no drafter")
-    if cfg.fused:
-        raise ValueError("fused mode runs verify and extend in one process; it cannot be served as a drafter")
-    target, context = None, max_len or 0
-    if cfg.method != "ngram":
-        if target_dir is None:
-            raise ValueError(f"--method {cfg.method} needs --target (the head shares the target's weights)")
-        from verifier.runner import load_runner
-
-        # One slot: this runner is dropped at once; only the model's weights are kept.
-        runner, target = load_runner(target_dir, None, 1, max_len, dtype, device)
-        context = runner.max_len
-        del runner
-    elif target_dir is not None:
-        from spectandem.checkpoint import read_config
-
-        limit = int(read_config(target_dir).get("max_position_embeddings", 2048))
-        context = min(max_len or limit, limit)
-    proposer = build_proposer(cfg, target, draft_dir, max_slots, context, dtype, device, kv_blocks, block_size,
-                              **(gpu or GpuPaths()).proposer_kwargs())
-    return DrafterEngine(proposer, cfg), context
-
-
 async def start_drafter_server(engine: DrafterEngine, host: str = "127.0.0.1", port: int = 0,
                                model_name: str = "draft", device: str = "cpu", max_slots: int = 0,
                                max_len: int = 0, tls: ServerTls | None = None,
@@ -137,17 +106,16 @@ async def start_drafter_server(engine: DrafterEngine, host: str = "127.0.0.1", p
                                     SERVICE_NAME, host, port, tls.grpc_credentials() if tls else None)
 
 
-def serve_drafter(cfg: SpecConfig, target_dir: str | Path | None, draft_dir: str | Path | None,
-                  host: str = "0.0.0.0", port: int = 50053, max_slots: int = 8, max_len: int | None = None,
-                  device: str = "cpu", dtype: torch.dtype = torch.float32, kv_blocks: int | None = None,
-                  block_size: int = 16, tls: ServerTls | None = None, gpu: GpuPaths | None = None,
+def serve_drafter(config: EngineConfig, host: str = "0.0.0.0", port: int = 50053, tls: ServerTls | None = None,
                   feature_channel: str | None = None) -> None:
-    """Loads the drafter, serves it until SIGTERM/SIGINT. `feature_channel`: tcp://HOST:PORT of
-    the verifier's direct feature channel (None: features come inline)."""
+    """Loads the drafter (drafter/factory.py), serves it until SIGTERM/SIGINT. `feature_channel`:
+    tcp://HOST:PORT of the verifier's direct feature channel (None: features come inline)."""
+    cfg, draft_dir, device, max_slots = config.spec, config.draft_dir, config.device, config.max_slots
+    if cfg.fused:
+        raise ValueError("fused mode runs verify and extend in one process; it cannot be served as a drafter")
     # Connecting runs in the background, while the model loads.
     receiver = FeatureReceiver(feature_channel, device) if feature_channel else None
-    engine, context = build_drafter_engine(cfg, target_dir, draft_dir, max_slots, max_len, dtype, device,
-                                           kv_blocks, block_size, gpu)
+    engine, context = build_engine(config)
     name = Path(draft_dir).name if draft_dir is not None else cfg.method
 
     async def main():
@@ -172,10 +140,10 @@ def run_drafter(args: argparse.Namespace) -> int:
     from spectandem.generate_cli import spec_from_flags
 
     cfg, target, draft = spec_from_flags(args)
+    if args.kv_blocks is not None:
+        raise ValueError("--kv-blocks sizes the verifier's KV pool; a drafter's is --draft-kv-blocks")
+    config = EngineConfig.from_args(args, cfg, target, draft, args.max_slots)
     tls = server_tls_from_args(args)  # flag and file errors before the model loads
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
-    # --draft-kv-blocks sizes this drafter's pool (--kv-blocks is the verifier's).
-    serve_drafter(cfg, target, draft, args.host, args.port, args.max_slots, args.max_len, args.device,
-                  model_dtype(args), args.draft_kv_blocks, args.block_size, tls=tls,
-                  gpu=GpuPaths.from_args(args), feature_channel=args.feature_channel)
+    serve_drafter(config, args.host, args.port, tls=tls, feature_channel=args.feature_channel)
     return 0

@@ -5,8 +5,9 @@ stream, busy time) is router/local_base.py."""
 
 from __future__ import annotations
 
-import os
+import dataclasses
 import time
+from dataclasses import dataclass
 
 from router.link_handoffs import PreAhead, PreCalls, PreDraft, StagedTrees, item_key
 from router.links import DraftHandle, Tag
@@ -17,39 +18,88 @@ from router.local_base import _LocalLink
 # the drafter has nothing) once its draft-ahead call returns or times out: this only bounds a
 # caller that arms and never stages. Past it the call ends without a launch.
 STAGE_WAIT_S = 30.0
-# After a chained launch (or a miss) the verifier's worker starts the drafter's next call, then
-# holds the verdict back from the router until that call's drafting is queued on the device, at
-# most this long. The drafter's host work before its graph (catch-up bookkeeping, the graph's
-# inputs) is on the round's critical path; the router's turn is not, and at the Python lock it
-# would stretch the drafter's by its own length. SPECTANDEM_DRAFTER_FIRST_S=0 turns it off.
-DRAFTER_FIRST_S = float(os.environ.get("SPECTANDEM_DRAFTER_FIRST_S", "0.004"))
-# And the other way at the verdict: a pre-ahead whose trees went straight to an armed verify
-# tells the router it is done only once that verify has launched from them (at most this long),
-# so that the router's turn on its reply does not hold the Python lock between the verdict and
-# the launch. SPECTANDEM_LAUNCH_FIRST_S=0 turns it off.
-LAUNCH_FIRST_S = float(os.environ.get("SPECTANDEM_LAUNCH_FIRST_S", "0.01"))
-# After a miss, the drafter's pre-draft gives its tree straight to the verifier, which launches
-# it then and there (LocalVerifierLink._launch_missed); SPECTANDEM_LAUNCH_MISSED=0 leaves the
-# launch to the router's verify call.
-LAUNCH_MISSED = os.environ.get("SPECTANDEM_LAUNCH_MISSED", "1") != "0"
-# And that launch goes out as soon as the pre-draft's argmax chain is queued on the drafter's
-# device, its token ids copied from there on the device (LocalVerifierLink._launch_missed_early),
-# not once the host has them. SPECTANDEM_LAUNCH_MISSED_EARLY=0 waits for the host's tree.
-LAUNCH_MISSED_EARLY = os.environ.get("SPECTANDEM_LAUNCH_MISSED_EARLY", "1") != "0"
-# After a miss whose tree the verifier launched at once, the drafter's worker drafts ahead for
-# that tree right away (a pre-ahead queued behind the pre-draft), not at the router's turn: the
-# router's draft-ahead call of that round takes its reply. SPECTANDEM_AHEAD_AFTER_MISS=0 leaves
-# it to the router's call.
-AHEAD_AFTER_MISS = os.environ.get("SPECTANDEM_AHEAD_AFTER_MISS", "1") != "0"
-# The staged trees come before the verdict: the verifier packs the next verify's inputs for each
-# outcome then (VerifierEngine.prepare_next, one request), and the verdict's launch only picks
-# one. SPECTANDEM_PREPARE_LAUNCH=0 packs them at the verdict.
-PREPARE_LAUNCH = os.environ.get("SPECTANDEM_PREPARE_LAUNCH", "1") != "0"
+
+
+@dataclass(frozen=True, kw_only=True)
+class LocalLinkTuning:
+    """Timing choices of the in-process links on a GPU, given to both links by whoever builds
+    them (on the CPU the engines compute inside the calls, so the holds and early launches are
+    off there whatever these say; tests set the links' attributes to check them on the CPU).
+
+    chained_verify: a verify armed with the next trees queues the verdict's next forward itself
+    (LocalVerifierLink.arm_next; False: the router launches every verify).
+    drafter_first_s: after a chained launch (or a miss) the verifier's worker starts the
+    drafter's next call, then holds the verdict back from the router until that call's drafting
+    is queued on the device, at most this long. The drafter's host work before its graph
+    (catch-up bookkeeping, the graph's inputs) is on the round's critical path; the router's
+    turn is not, and at the Python lock it would stretch the drafter's by its own length. 0: off.
+    launch_first_s: the other way at the verdict: a pre-ahead whose trees went straight to an
+    armed verify tells the router it is done only once that verify has launched from them (at
+    most this long), so that the router's turn on its reply does not hold the Python lock
+    between the verdict and the launch. 0: off.
+    launch_missed: after a miss, the drafter's pre-draft gives its tree straight to the
+    verifier, which launches it then and there (LocalVerifierLink._launch_missed); False leaves
+    the launch to the router's verify call.
+    launch_missed_early: that launch goes out as soon as the pre-draft's argmax chain is queued
+    on the drafter's device, its token ids copied from there on the device
+    (LocalVerifierLink._launch_missed_early), not once the host has them.
+    ahead_after_miss: after a miss whose tree the verifier launched at once, the drafter's
+    worker drafts ahead for that tree right away (a pre-ahead queued behind the pre-draft), not
+    at the router's turn: the router's draft-ahead call of that round takes its reply.
+    prepare_launch: the staged trees come before the verdict: the verifier packs the next
+    verify's inputs for each outcome then (VerifierEngine.prepare_next, one request), and the
+    verdict's launch only picks one; False packs them at the verdict.
+    switch_interval_s: the interpreter's switch interval while both engines and the router share
+    this process (router/local_base.py shorten_switch_interval; 0 keeps the interpreter's). A
+    process-wide setting: the entry point that builds the links applies it, the links do not.
+
+    The defaults are today's choices; benchmarks/results/README.md has the GPU comparisons that
+    chose them. Whether each is still worth keeping is a GPU measurement (on and off in turn)."""
+
+    chained_verify: bool = True
+    drafter_first_s: float = 0.004
+    launch_first_s: float = 0.01
+    launch_missed: bool = True
+    launch_missed_early: bool = True
+    ahead_after_miss: bool = True
+    prepare_launch: bool = True
+    switch_interval_s: float = 0.0005
+
+    def __post_init__(self):
+        for name in ("drafter_first_s", "launch_first_s", "switch_interval_s"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 <= value < float("inf"):
+                raise ValueError(f"{name} must be a number of seconds >= 0, got {value!r}")
+        for name in ("chained_verify", "launch_missed", "launch_missed_early", "ahead_after_miss", "prepare_launch"):
+            if not isinstance(getattr(self, name), bool):
+                raise ValueError(f"{name} must be true or false, got {getattr(self, name)!r}")
+
+    @staticmethod
+    def from_settings(settings: list[str]) -> "LocalLinkTuning":
+        """NAME=VALUE strings (a flag's values) -> the tuning with those fields changed; an
+        unknown name or a value of the wrong kind is refused."""
+        fields = {f.name: f for f in dataclasses.fields(LocalLinkTuning)}
+        changes: dict = {}
+        for setting in settings:
+            name, sep, text = setting.partition("=")
+            name = name.strip().replace("-", "_")
+            if not sep or name not in fields:
+                raise ValueError(f"{setting!r}: expected NAME=VALUE with NAME one of {', '.join(fields)}")
+            if isinstance(getattr(LocalLinkTuning(), name), bool):
+                if text.strip().lower() not in ("0", "1", "true", "false", "on", "off"):
+                    raise ValueError(f"{setting!r}: {name} takes 1/0 (true/false, on/off)")
+                changes[name] = text.strip().lower() in ("1", "true", "on")
+            else:
+                try:
+                    changes[name] = float(text)
+                except ValueError:
+                    raise ValueError(f"{setting!r}: {name} takes a number of seconds") from None
+        return LocalLinkTuning(**changes)
 
 
 class LocalVerifierLink(_LocalLink):
     """`chain`: chained verifies (VerifierEngine.arm_next; router/rounds.py), by default where the
-    engine computes on a GPU (unless SPECTANDEM_CHAINED_VERIFY=0). The armed verify's call, once
+    engine computes on a GPU (unless `tuning.chained_verify` is off). The armed verify's call, once
     it has the verdict, waits for the staged trees (from the drafter's worker, `direct_stage`,
     or the router's `stage_next`, whichever first) and queues the verdict's next tree's forward,
     which runs while the router takes in the verdict; then it starts the drafter's next call
@@ -58,10 +108,12 @@ class LocalVerifierLink(_LocalLink):
 
     role = "verifier"
 
-    def __init__(self, engine, model_name: str = "target", chain: bool | None = None):
+    def __init__(self, engine, model_name: str = "target", chain: bool | None = None,
+                 tuning: LocalLinkTuning = LocalLinkTuning()):
         super().__init__(engine, model_name)
-        if chain is None:   # SPECTANDEM_CHAINED_VERIFY=0 turns the default off (to compare)
-            chain = self._stream is not None and os.environ.get("SPECTANDEM_CHAINED_VERIFY", "1") != "0"
+        if chain is None:
+            chain = self._stream is not None and tuning.chained_verify
+        self.prepare_launch = tuning.prepare_launch
         self.chains = chain
         self._chain_end: float | None = None   # when the call that queued a chained verify ended
         self._queued = False                   # the call now running queued one
@@ -69,14 +121,14 @@ class LocalVerifierLink(_LocalLink):
         self.chained_launches = 0
         self.direct_staged = 0                 # trees staged by the drafter's worker (direct_stage)
         # A miss's tree launched as soon as the drafter's pre-draft has it (`_launch_missed`).
-        self.launch_missed = chain and LAUNCH_MISSED
+        self.launch_missed = chain and tuning.launch_missed
         self.missed_launches = 0
-        self.launch_missed_early = LAUNCH_MISSED_EARLY and getattr(getattr(engine, "runner", None), "takes_device_tokens", False)
+        self.launch_missed_early = tuning.launch_missed_early and getattr(getattr(engine, "runner", None), "takes_device_tokens", False)
         self.missed_early_launches = 0   # of missed_launches, from the drafter's device tokens
         self._armed: StagedTrees | None = None     # the last arm_next's, for its verify
         # On a GPU the verdict waits for the drafter's next call to queue its drafting
-        # (DRAFTER_FIRST_S); on the CPU that call computes, so it does not (tests turn it on).
-        self.drafter_first_s = DRAFTER_FIRST_S if self._stream is not None else 0.0
+        # (tuning.drafter_first_s); on the CPU that call computes, so it does not (tests turn it on).
+        self.drafter_first_s = tuning.drafter_first_s if self._stream is not None else 0.0
         self._staging: StagedTrees | None = None   # the same, for stage_next
 
     def _busy_from(self, kind: str, start: float) -> float:
@@ -98,11 +150,11 @@ class LocalVerifierLink(_LocalLink):
         (the verify's RoundResults) from its worker; given trees but none for the verdict (a
         miss, or no room), it calls `missed(results)` instead. Where either returns a started
         drafter call (`wait_queued`), the verify's call returns once that call's drafting is
-        queued (DRAFTER_FIRST_S at most). False: not chaining."""
+        queued (`drafter_first_s` at most). False: not chaining."""
         if not self.chains:
             return False
         ids, lens = [t.request_id for t in tags], [t.committed_len for t in tags]
-        prepare = getattr(self.engine, "prepare_next", None) if PREPARE_LAUNCH else None
+        prepare = getattr(self.engine, "prepare_next", None) if self.prepare_launch else None
         self._armed = self._staging = StagedTrees(
             ids, lens, then, missed, None if prepare is None else lambda trees: prepare(ids, lens, trees))
         return True
@@ -152,7 +204,7 @@ class LocalVerifierLink(_LocalLink):
             self._stream.synchronize()
         started, self._started = self._started, None
         if self.drafter_first_s > 0 and hasattr(started, "wait_queued"):
-            t0 = time.perf_counter()   # the drafter's host work first (DRAFTER_FIRST_S)
+            t0 = time.perf_counter()   # the drafter's host work first (drafter_first_s)
             started.wait_queued(self.drafter_first_s)
             self._waited += time.perf_counter() - t0
         return out
@@ -263,7 +315,7 @@ class LocalDrafterLink(PreCalls, _LocalLink):
 
     role = "drafter"
 
-    def __init__(self, engine, model_name: str = "draft"):
+    def __init__(self, engine, model_name: str = "draft", tuning: LocalLinkTuning = LocalLinkTuning()):
         super().__init__(engine, model_name)
         self._init_pre_calls()
         self.pre_ahead_used = 0                       # draft_ahead calls answered by a pre-ahead
@@ -271,11 +323,11 @@ class LocalDrafterLink(PreCalls, _LocalLink):
         self.pre_drafts = 0                           # pre-drafts started
         self.ahead_after_miss_used = 0                # draft_ahead calls answered by a pre-draft's pre-ahead
         # A pre-draft's tree launched at once gets its draft-ahead next, from this link's worker
-        # (AHEAD_AFTER_MISS); on the CPU that launch runs the forward, so it does not (tests turn it on).
-        self.ahead_after_miss = AHEAD_AFTER_MISS and self._stream is not None
-        # On a GPU a pre-ahead's reply waits for the verifier's launch (LAUNCH_FIRST_S); on the
-        # CPU that launch runs the forward, so it does not (tests turn it on).
-        self.launch_first_s = LAUNCH_FIRST_S if self._stream is not None else 0.0
+        # (tuning.ahead_after_miss); on the CPU that launch runs the forward, so it does not (tests turn it on).
+        self.ahead_after_miss = tuning.ahead_after_miss and self._stream is not None
+        # On a GPU a pre-ahead's reply waits for the verifier's launch (tuning.launch_first_s); on
+        # the CPU that launch runs the forward, so it does not (tests turn it on).
+        self.launch_first_s = tuning.launch_first_s if self._stream is not None else 0.0
 
     def pre_ahead(self, tags: list[Tag], extend: list) -> PreAhead:
         """From any thread: starts draft_ahead(tags, extend) now, in this link's pre-call thread

@@ -41,7 +41,7 @@ from drafter.actor import DrafterActor
 from router.links import (AheadReply, DraftHandle, DrafterPrefillItem, EngineInfo, EngineStartError, EngineUnavailable,
                           ExtendItem, PlainItem, RemoteDrafterLink, RemoteVerifierLink, RoundResult, Tag,
                           VerifierPrefillItem, VerifierPrefillResult)
-from spectandem.config import GpuPaths, SpecConfig
+from spectandem.config import EngineConfig, GpuPaths, SpecConfig
 from spectandem.messages import DraftTree
 from verifier.actor import VerifierActor
 
@@ -238,18 +238,18 @@ def start_engines(target_dir: str | Path, draft_dir: str | Path | None, cfg: Spe
         from verifier.service import resolve_feature_layers
 
         layers = resolve_feature_layers(None, cfg.method, draft_dir, target_dir) if num_actors == 2 else None
+        config = EngineConfig(target_dir=target_dir, draft_dir=None if draft_dir is None else str(draft_dir), spec=cfg,
+                              max_slots=max_slots, max_len=max_len, dtype=str(dtype).removeprefix("torch."),
+                              device=engine_device, kv_blocks=kv_blocks, draft_kv_blocks=draft_kv_blocks,
+                              block_size=block_size, gpu=gpu or GpuPaths(), force_hf_target=force_hf_target)
         verifier = VerifierActor.options(**options(0, -1)).remote(
-            target_dir, layers, max_slots, max_len, dtype, engine_device, force_hf_target,
-            model_name=Path(target_dir).name, num_threads=num_threads, kv_blocks=kv_blocks, block_size=block_size,
-            gpu=gpu)
+            config, layers, model_name=Path(target_dir).name, num_threads=num_threads)
         actors.append(verifier)
         drafter = None
         role = "drafter"
         if num_actors == 2:
             drafter = DrafterActor.options(**options(1, -1)).remote(
-                target_dir, None if draft_dir is None else str(draft_dir), cfg, max_slots, max_len, dtype,
-                engine_device, force_hf_target, model_name=Path(draft_dir).name if draft_dir else cfg.method,
-                num_threads=num_threads, kv_blocks=draft_kv_blocks, block_size=block_size, gpu=gpu)
+                config, model_name=Path(draft_dir).name if draft_dir else cfg.method, num_threads=num_threads)
             actors.append(drafter)
             info = ray.get(drafter.info.remote(), timeout=startup_timeout_s)
             role = "verifier"

@@ -4,7 +4,6 @@ calls run one at a time in a worker thread, on a CUDA stream of its own on a GPU
 from __future__ import annotations
 
 import asyncio
-import os
 import sys
 import threading
 import time
@@ -13,17 +12,16 @@ from router.links import EngineUnavailable
 from spectandem.devices import engine_device
 
 
-# In one process the router's event loop and the two engines' worker threads take turns at the
-# Python lock. A thread waiting for it (the verifier's, back from its forward, with the next
-# round's host work) gets it when the holder blocks or, at the latest, after the interpreter's
-# switch interval: 5 ms by default, as long as a whole verify forward of the 8B target. In-process
-# links shorten it (SPECTANDEM_SWITCH_INTERVAL_S; 0 keeps the interpreter's).
-SWITCH_INTERVAL_S = float(os.environ.get("SPECTANDEM_SWITCH_INTERVAL_S", "0.0005"))
-
-
-def _shorten_switch_interval() -> None:
-    if 0 < SWITCH_INTERVAL_S < sys.getswitchinterval():
-        sys.setswitchinterval(SWITCH_INTERVAL_S)
+def shorten_switch_interval(seconds: float) -> None:
+    """For an entry point that runs both engines and the router in this process (the whole
+    process is affected, so no constructor does it). In one process the router's event loop and
+    the two engines' worker threads take turns at the Python lock. A thread waiting for it (the
+    verifier's, back from its forward, with the next round's host work) gets it when the holder
+    blocks or, at the latest, after the interpreter's switch interval: 5 ms by default, as long
+    as a whole verify forward of the 8B target. `seconds` (LocalLinkTuning.switch_interval_s)
+    shortens it; 0, or one no shorter than the interpreter's, keeps the interpreter's."""
+    if 0 < seconds < sys.getswitchinterval():
+        sys.setswitchinterval(seconds)
 
 
 class _LocalLink:
@@ -45,7 +43,6 @@ class _LocalLink:
 
     def __init__(self, engine, model_name: str):
         self.engine, self.model_name = engine, model_name
-        _shorten_switch_interval()
         self._lock = asyncio.Lock()
         self._engine_lock = threading.Lock()
         self._stream = None

@@ -111,7 +111,9 @@ async def start_http(app, host: str, port: int, ssl_context=None) -> tuple:
         await site.start()
     except OSError as exc:
         await runner.cleanup()
-        raise OSError(f"cannot listen on {host}:{port}: {exc.strerror or exc}") from None
+        from spectandem.errors import ListenError
+
+        raise ListenError(f"cannot listen on {host}:{port}: {exc.strerror or exc}") from None
     return runner, runner.addresses[0][1]
 
 

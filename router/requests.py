@@ -132,9 +132,10 @@ class RouterConfig:
     # Draft lengths "auto" also tries from 2 * pingpong_min_batch requests (tree depth caps, for
     # requests whose tokens do not depend on the tree).
     short_draft_steps: tuple[int, ...] = (1, 2)
-    # Requests at or above this temperature have sampled drafts; speculation is never switched off
-    # for them (a plain round changes their seeded tokens). Below it, a plain round draws the same
-    # tokens as a speculative one, so switching off is invisible. Must equal the drafter's setting.
+    # Requests whose drafts are sampled at this setting (SamplingParams.drafts_sampled): speculation
+    # is never switched off for them (a plain round changes their seeded tokens). For the others a
+    # plain round draws the same tokens as a speculative one, so switching off is invisible. Must
+    # equal the drafter's setting.
     draft_sampling_min_temperature: float = 0.5
     mode_window: int = 8                      # rounds per measurement of a pipeline mode in "auto"
     adaptive_window: int = 64                 # drafted request-rounds per acceptance check (0: off)

@@ -173,7 +173,7 @@ class RoundsMixin:
 
     def _invisible_when_plain(self, r: ServedRequest) -> bool:
         """Deterministic drafts: a plain round draws exactly the tokens a speculative one would."""
-        return r.params.greedy or r.params.temperature < self.cfg.draft_sampling_min_temperature
+        return not r.params.drafts_sampled(self.cfg.draft_sampling_min_temperature)
 
     async def _pingpong_round(self) -> None:
         """Ping-pong: the drafter drafts half B while the verifier verifies half A, then catches

@@ -15,7 +15,7 @@ import time
 from pathlib import Path
 
 from router.links import EngineStartError
-from spectandem.config import GpuPaths
+from spectandem.config import EngineConfig, GpuPaths
 from router.ops import OpsConfig, add_ops_flags
 from spectandem.generate_cli import add_model_flags
 from spectandem.service_args import model_dtype
@@ -49,8 +49,8 @@ def add_serve(sub) -> None:
                    help="drafter/verifier pairs behind this server, each with its own round loop (on Ray: its "
                         "own placement group, so a pair shares a node); --max-running is per replica "
                         "(default: 1, or one per --verifier-address)")
-    p.add_argument("--host", default="localhost")
-    p.add_argument("--port", type=int, default=50051)
+    p.add_argument("--host", default="localhost", help="address of the public gRPC API (and the HTTP fronts)")
+    p.add_argument("--port", type=int, default=50051, help="port of the public gRPC API (0: a free one, printed)")
     p.add_argument("--max-running", type=int, default=64, help="requests in the running batch (engine slots)")
     p.add_argument("--first-request", default=None, metavar="PROMPT",
                    help="once serving, send this prompt through the client SDK and print the completion")
@@ -78,8 +78,25 @@ def add_serve(sub) -> None:
     p.add_argument("--engine-restart-backoff", type=float, default=1.0, metavar="SECONDS",
                    help="delay before restarting an engine, doubled for each further restart within the window, "
                         "at most 30 s (default: %(default)s)")
+    p.add_argument("--link-tuning", action="append", default=None, metavar="NAME=VALUE",
+                   help="--backend local: change one timing choice of the in-process links (repeat for more; "
+                        "router/links_local.py LocalLinkTuning: chained_verify, drafter_first_s, launch_first_s, "
+                        "launch_missed, launch_missed_early, ahead_after_miss, prepare_launch, switch_interval_s; "
+                        "default: none changed)")
+    p.add_argument("--log-level", type=str.upper, choices=["DEBUG", "INFO", "WARNING", "ERROR", "CRITICAL"],
+                   default=None, help="logging level (default: $SPECTANDEM_LOG_LEVEL, else WARNING)")
     add_ops_flags(p)
     p.set_defaults(func=_serve)
+
+
+def link_tuning(args):
+    """--link-tuning -> the in-process links' LocalLinkTuning; refused unless --backend local."""
+    from router.links_local import LocalLinkTuning
+
+    settings = getattr(args, "link_tuning", None) or []
+    if settings and args.backend != "local":
+        raise ValueError(f"--link-tuning tunes the in-process links of --backend local, not --backend {args.backend}")
+    return LocalLinkTuning.from_settings(settings)
 
 
 def _spec(args):
@@ -108,14 +125,23 @@ def _num_replicas(args) -> int:
     return n
 
 
-async def _build_replicas(args, cfg, target, draft, supervisor=None):
+def _quiet(text: str) -> None:
+    return None
+
+
+def _progress(text: str) -> None:
+    """A step of serve's start (to stderr, as the engines' own output)."""
+    print(f"spectandem serve: {text}", file=sys.stderr, flush=True)
+
+
+async def _build_replicas(args, cfg, target, draft, supervisor=None, say=_quiet):
     """-> ([(verifier link, drafter link or None)] one pair per replica, cleanup coroutine
     function, {role: EngineProcess} of the engine processes started here (by `supervisor`);
-    replica i > 0 as "role-i")."""
+    replica i > 0 as "role-i"). `say`: the start's progress lines."""
     pairs, cleanups, procs = [], [], {}
     try:
         for i in range(_num_replicas(args)):
-            v, d, cleanup, started = await _build_links(args, cfg, target, draft, i, supervisor)
+            v, d, cleanup, started = await _build_links(args, cfg, target, draft, i, supervisor, say)
             pairs.append((v, d))
             cleanups.append(cleanup)
             procs.update({(role if i == 0 else f"{role}-{i}"): p for role, p in started.items()})
@@ -162,7 +188,13 @@ def restart_policy(args):
                          max_backoff_s=max(30.0, args.engine_restart_backoff))
 
 
-async def _build_links(args, cfg, target, draft, index: int = 0, supervisor=None):
+def _loading(what: str, cfg, target, draft) -> str:
+    models = Path(target).name + (f" and {cfg.method} {Path(draft).name}" if draft and cfg.method != "none" else "")
+    # CUDA graphs are captured later, as each batch shape first runs: no step of the start.
+    return f"{what} {models}"
+
+
+async def _build_links(args, cfg, target, draft, index: int = 0, supervisor=None, say=_quiet):
     """One replica's links: -> (verifier link, drafter link or None, cleanup coroutine function,
     {role: EngineProcess} of the engine processes started here by `supervisor`)."""
     max_slots = args.max_running
@@ -176,12 +208,12 @@ async def _build_links(args, cfg, target, draft, index: int = 0, supervisor=None
         from router.links_local import LocalDrafterLink, LocalVerifierLink
         from spectandem.local import LocalSpeculator
 
-        spec = LocalSpeculator(target, draft, cfg, max_slots=max_slots, max_len=args.max_len,
-                               dtype=model_dtype(args), device=args.device, kv_blocks=args.kv_blocks,
-                               draft_kv_blocks=args.draft_kv_blocks, block_size=args.block_size,
-                               **GpuPaths.from_args(args).runner_kwargs())
-        v = LocalVerifierLink(spec.verifier, Path(target).name)
-        d = LocalDrafterLink(spec.drafter, Path(draft).name if draft else "") if spec.drafter else None
+        config = EngineConfig.from_args(args, cfg, target, draft, max_slots)
+        say(_loading("loading", cfg, target, draft) + " in this process")
+        spec = LocalSpeculator.from_config(config)
+        tuning = link_tuning(args)
+        v = LocalVerifierLink(spec.verifier, Path(target).name, tuning=tuning)
+        d = LocalDrafterLink(spec.drafter, Path(draft).name if draft else "", tuning=tuning) if spec.drafter else None
 
         async def cleanup():
             return None
@@ -192,8 +224,11 @@ async def _build_links(args, cfg, target, draft, index: int = 0, supervisor=None
         from router.links_ray import gcs_reachable, ray_init, start_engines
 
         started_here = not ray.is_initialized() and args.ray_address is None
+        if index == 0:
+            say(f"joining the Ray cluster at {args.ray_address}" if args.ray_address else "starting a local Ray cluster")
         # A local cluster gets a logical CPU per engine actor of every replica (bundles hold one).
         ray_init(args.ray_address, None if args.ray_address else max(os.cpu_count() or 1, 2 * _num_replicas(args)))
+        say(_loading("starting the engine actors, loading", cfg, target, draft))
         v, d, stop = start_engines(target, draft, cfg, max_slots=max_slots, max_len=args.max_len,
                                    device=args.device, dtype=model_dtype(args), kv_blocks=args.kv_blocks,
                                    draft_kv_blocks=args.draft_kv_blocks, block_size=args.block_size,
@@ -223,6 +258,8 @@ async def _build_links(args, cfg, target, draft, index: int = 0, supervisor=None
     if commands and supervisor is None:
         raise ValueError("engine processes need a supervisor")
     procs = {}
+    if commands:
+        say(_loading(f"starting engine processes ({', '.join(commands)}), loading", cfg, target, draft))
     for role, argv in commands.items():
         procs[role] = supervisor.start(role if index == 0 else f"{role}-{index}", argv)
     if "verifier" in commands:
@@ -280,15 +317,18 @@ async def serve_async(args, ready_message=True, stop_event: asyncio.Event | None
     from router.ops import start_fronts
     from router.replicas import ReplicaSet
     from router.scheduler import Router, RouterConfig
-    from router.server import Limits, prompt_char_limit, start_server
-    from spectandem.checkpoint import load_tokenizer, read_config
+    from router.server import Limits, check_port_free, prompt_char_limit, start_server
+    from spectandem.checkpoint import eos_token_ids, load_tokenizer, read_config
 
     ops = OpsConfig.from_args(args)  # flag errors before any model loads
+    link_tuning(args)
+    for flag, port in (("--port", args.port), ("--http-port", ops.http_port), ("--metrics-port", ops.metrics_port)):
+        if port:   # a port in use, before the models load
+            check_port_free(args.host, port, flag)
     cfg, target, draft = _spec(args)
     tokenizer = load_tokenizer(target)
     tcfg = read_config(target)
-    eos = tcfg.get("eos_token_id")
-    eos_ids = tuple(eos) if isinstance(eos, list) else (() if eos is None else (int(eos),))
+    eos_ids = eos_token_ids(tcfg)
     stop = stop_event or asyncio.Event()
     fatal: list[str] = []
 
@@ -300,12 +340,15 @@ async def serve_async(args, ready_message=True, stop_event: asyncio.Event | None
     from router.supervisor import EngineSupervisor
 
     supervisor = EngineSupervisor(restart_policy(args), on_give_up=gave_up)
-    pairs, cleanup, procs = await _build_replicas(args, cfg, target, draft, supervisor)
+    say = _progress if ready_message else _quiet
+    pairs, cleanup, procs = await _build_replicas(args, cfg, target, draft, supervisor, say)
     server = None
     router = None
     fronts = None
     try:
         routers = []
+        if procs:
+            say("waiting for the engine processes to load")
         for i, (v, d) in enumerate(pairs):
             suffix = "" if i == 0 else f"-{i}"
             vinfo = await _wait_ready(v, "verifier", process=procs.get(f"verifier{suffix}"))
@@ -428,15 +471,22 @@ def _serve(args) -> int:
     import faulthandler
 
     faulthandler.register(signal.SIGUSR2, all_threads=True)   # `kill -USR2 PID`: every thread's stack, to stderr
-    level = os.environ.get("SPECTANDEM_LOG_LEVEL", "WARNING")
+    # The environment is read here, in the entry point, only.
+    level = args.log_level or os.environ.get("SPECTANDEM_LOG_LEVEL", "WARNING").upper()
+    if not isinstance(logging.getLevelName(level), int):
+        raise ValueError(f"SPECTANDEM_LOG_LEVEL: unknown logging level {level!r}")
     if args.log_format == "json":
         from router.request_log import configure_json_logging
 
         configure_json_logging(level)
     else:
         logging.basicConfig(level=level, format="%(asctime)s %(levelname)s %(name)s %(message)s")
-    if args.api_key is None:  # the environment is read here, in the entry point, only
+    if args.api_key is None:
         args.api_key = os.environ.get("SPECTANDEM_API_KEY") or None
+    if args.backend == "local":   # engines and router share this process: the whole process's setting
+        from router.local_base import shorten_switch_interval
+
+        shorten_switch_interval(link_tuning(args).switch_interval_s)
     try:
         asyncio.run(serve_async(args))
     except EngineStartError as exc:   # an engine that failed to start, or a verifier that stayed down

@@ -21,6 +21,7 @@ from grpc_reflection.v1alpha import reflection
 from router.links import DuplicateRequest, EngineUnavailable
 from router.scheduler import Chunk, Failure, Router
 from spectandem.config import SamplingParams
+from spectandem.errors import ListenError
 from spectandem.v1 import common_pb2, generation_pb2, generation_pb2_grpc
 
 log = logging.getLogger("spectandem.router")
@@ -307,6 +308,28 @@ def _response(request_id: str, ev: Chunk) -> generation_pb2.GenerateResponse:
     return out
 
 
+def check_port_free(host: str, port: int, flag: str) -> None:
+    """ListenError (one line, naming `flag`) where host:port is in use or not ours to take; gRPC
+    would find the same, but log it at length first. Port 0 (any free one) passes."""
+    if port == 0:
+        return
+    import errno
+    import socket
+
+    try:
+        infos = socket.getaddrinfo(host or None, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE)
+    except OSError as exc:
+        raise ListenError(f"{flag} {port}: cannot listen on {host}:{port}: {exc.strerror or exc}") from None
+    for family, kind, proto, _, addr in infos:
+        with socket.socket(family, kind, proto) as s:
+            s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)   # as the server binds: TIME_WAIT is free
+            try:
+                s.bind(addr)
+            except OSError as exc:
+                if exc.errno in (errno.EADDRINUSE, errno.EACCES):
+                    raise ListenError(f"{flag} {port}: cannot listen on {host}:{port}: {exc.strerror}") from None
+
+
 async def start_server(router: Router, tokenizer, limits: Limits, info: dict, host: str = "localhost",
                        port: int = 50051, credentials: grpc.ServerCredentials | None = None,
                        interceptors: tuple = ()):
@@ -318,6 +341,7 @@ async def start_server(router: Router, tokenizer, limits: Limits, info: dict, ho
         ("grpc.max_send_message_length", 64 * 1024 * 1024),
         ("grpc.http2.min_recv_ping_interval_without_data_ms", 5000),
         ("grpc.keepalive_permit_without_calls", 1),
+        ("grpc.so_reuseport", 0),   # a port in use is refused, not shared with the server holding it
     ])
     add_generation_service(GenerationServicer(router, tokenizer, limits, info), server)
     health_servicer = health.aio.HealthServicer()
@@ -325,9 +349,13 @@ async def start_server(router: Router, tokenizer, limits: Limits, info: dict, ho
     reflection.enable_server_reflection(
         (SERVICE_NAME, health_pb2.DESCRIPTOR.services_by_name["Health"].full_name, reflection.SERVICE_NAME), server)
     address = f"{host}:{port}"
-    bound = server.add_secure_port(address, credentials) if credentials else server.add_insecure_port(address)
+    check_port_free(host, port, "--port")
+    try:
+        bound = server.add_secure_port(address, credentials) if credentials else server.add_insecure_port(address)
+    except RuntimeError as exc:
+        raise ListenError(f"--port {port}: cannot listen on {address}: {exc}") from None
     if bound == 0:
-        raise OSError(f"cannot listen on {address}")
+        raise ListenError(f"--port {port}: cannot listen on {address}: in use or not an address of this host")
 
     async def set_health(up: bool) -> None:
         status = health_pb2.HealthCheckResponse.SERVING if up else health_pb2.HealthCheckResponse.NOT_SERVING

@@ -155,18 +155,20 @@ def add_bench(sub) -> None:
     p.add_argument("--prompts", type=int, default=3, help="prompts run one after the other for batch-1 rows")
     p.add_argument("--device", default=None, help="cuda when available, else cpu")
     p.add_argument("--dtype", choices=["float32", "bfloat16"], default="float32", help="demo pair dtype")
-    p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--temperatures", default=",".join(str(t) for t in TEMPERATURES))
+    p.add_argument("--seed", type=int, default=0, help="seed of the 8B sections' random weights, prompts and controlled acceptance")
+    p.add_argument("--temperatures", default=",".join(str(t) for t in TEMPERATURES),
+                   help="temperature section: comma-separated temperatures")
     p.add_argument("--llama8b-scale", choices=["full", "tiny"], default="full",
                    help="full: the 8B shapes (CUDA only); tiny: a small copy (any device); bf16 on CUDA, else fp32")
     p.add_argument("--llama8b-steps", type=int, default=64, help="plain decoding steps of the roofline row")
     p.add_argument("--llama8b-context", type=int, default=512, help="context of the roofline and verify-forward rows")
     p.add_argument("--llama8b-prompt-len", type=int, default=32, help="random prompt length of the controlled runs")
-    p.add_argument("--acceptance-rates", default="0.6,0.8,0.9")
+    p.add_argument("--acceptance-rates", default="0.6,0.8,0.9",
+                   help="controlled and router8b sections: comma-separated acceptance rates of the controlled head")
     p.add_argument("--controlled-steps", type=int, default=4, help="drafts per chain in the controlled runs")
     p.add_argument("--pipeline-modes", default="plain,sequential,pingpong,ahead,auto",
                    help="router pipeline modes (those RouterConfig rejects are skipped)")
-    p.add_argument("--pipeline-batch-sizes", default="4,16,64")
+    p.add_argument("--pipeline-batch-sizes", default="4,16,64", help="pipeline section: comma-separated batch sizes")
     p.add_argument("--router8b-modes", default="sequential,auto",
                    help="router8b: modes besides plain, from sequential, ahead, pingpong, auto")
     p.add_argument("--router8b-batch-sizes", default="16,64", help="router8b: batch sizes")
@@ -345,6 +347,11 @@ def _bench(args) -> int:
     plan = BenchPlan.from_args(args, device)
     json_path, txt_path, png_path = _paths(args.out, args.plot)
     t0 = time.perf_counter()
+    if {"router8b", "pipeline"} & set(plan.sections):   # the router and both engines in this process
+        from router.links_local import LocalLinkTuning
+        from router.local_base import shorten_switch_interval
+
+        shorten_switch_interval(LocalLinkTuning().switch_interval_s)
     bandwidth = copy_bandwidth(device)
     records, info = _measure(plan, args, getattr(torch, args.dtype), bandwidth)
     gpu = torch.cuda.get_device_name(device) if device.startswith("cuda") else "cpu"

@@ -39,7 +39,7 @@ def demo_engines(max_slots: int, dtype, verifier_device: str, drafter_device: st
     LocalSpeculator does this with one device for both; a `drafter_device` argument there would
     make this the same call."""
     from drafter.engine import DrafterEngine, build_proposer
-    from spectandem.checkpoint import load_tokenizer, read_config
+    from spectandem.checkpoint import eos_token_ids, load_tokenizer, read_config
     from spectandem.config import SpecConfig
     from spectandem.demo import demo_paths
     from verifier.engine import VerifierEngine
@@ -52,8 +52,7 @@ def demo_engines(max_slots: int, dtype, verifier_device: str, drafter_device: st
                               **gpu.proposer_kwargs())
     runner.feature_layers = proposer.feature_layers
     tcfg = read_config(target)
-    eos = tcfg.get("eos_token_id")
-    eos_ids = tuple(eos) if isinstance(eos, list) else (() if eos is None else (int(eos),))
+    eos_ids = eos_token_ids(tcfg)
     lookahead = max(cfg.max_draft_nodes + 1, (cfg.num_steps - 1) * cfg.topk + 1)
     return (VerifierEngine(runner, max_slots, int(tcfg["vocab_size"])), DrafterEngine(proposer, cfg), lookahead,
             eos_ids, load_tokenizer(target))

@@ -28,6 +28,14 @@ def read_config(directory: str | Path) -> dict:
         raise CheckpointError(f"{path}: not valid JSON ({exc})") from None
 
 
+def eos_token_ids(config: dict) -> tuple[int, ...]:
+    """A checkpoint config's `eos_token_id` (one id, a list of them, or none) as a tuple."""
+    eos = config.get("eos_token_id")
+    if eos is None:
+        return ()
+    return tuple(int(e) for e in eos) if isinstance(eos, list) else (int(eos),)
+
+
 def load_bin(path: Path) -> dict[str, torch.Tensor]:
     """A PyTorch pickle, loaded with weights_only=True: tensors only, never code."""
     try:

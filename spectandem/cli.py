@@ -11,14 +11,15 @@ def _add_train_draft(sub) -> None:
     p.add_argument("--target", required=True, help="HuggingFace-format target directory")
     p.add_argument("--corpus", required=True, help="training text (.txt or .txt.xz; documents split by <|endoftext|>)")
     p.add_argument("--out", required=True, help="directory to write the head to")
-    p.add_argument("--arch", choices=["eagle3", "eagle"], default="eagle3")
-    p.add_argument("--steps", type=int, default=2000)
-    p.add_argument("--batch", type=int, default=32)
-    p.add_argument("--seq-len", type=int, default=256)
-    p.add_argument("--lr", type=float, default=2e-3)
+    p.add_argument("--arch", choices=["eagle3", "eagle"], default="eagle3", help="head architecture")
+    p.add_argument("--steps", type=int, default=2000, help="optimizer steps")
+    p.add_argument("--batch", type=int, default=32, help="sequences per step")
+    p.add_argument("--seq-len", type=int, default=256, help="tokens per training sequence")
+    p.add_argument("--lr", type=float, default=2e-3, help="peak learning rate")
     p.add_argument("--ttt-steps", type=int, default=3, help="training-time-test unroll depth")
-    p.add_argument("--draft-vocab-size", type=int, default=2048)
-    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--draft-vocab-size", type=int, default=2048,
+                   help="EAGLE-3: the head predicts this many tokens, the corpus's most frequent")
+    p.add_argument("--seed", type=int, default=0, help="seed of the head's initialisation and the batches")
     p.add_argument("--device", default=None, help="cpu or cuda (default: cuda when available)")
     p.set_defaults(func=_train_draft)
 
@@ -56,8 +57,18 @@ def _add_services(sub) -> None:
     p.set_defaults(func=run_drafter)
 
 
+def _version() -> str:
+    from importlib.metadata import PackageNotFoundError, version
+
+    try:
+        return version("spectandem")
+    except PackageNotFoundError:   # run from a source tree that was never installed
+        return "(not installed)"
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="spectandem", description=__doc__)
+    parser.add_argument("--version", action="version", version=f"spectandem {_version()}")
     sub = parser.add_subparsers(dest="command", required=True)
     from spectandem.generate_cli import add_generate
 
@@ -71,24 +82,33 @@ def build_parser() -> argparse.ArgumentParser:
     from spectandem.bench import add_bench
 
     add_bench(sub)
+    from spectandem.service_args import HelpFormatter
+
+    for p in sub.choices.values():   # each option's help shows its default
+        p.formatter_class = HelpFormatter
     return parser
 
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
+    from spectandem.errors import ListenError
+
     try:
         return args.func(args)
     except ValueError as exc:  # config and input errors: one clear line, no traceback
         print(f"spectandem: error: {exc}", file=sys.stderr)
         return 2
+    except ListenError as exc:  # a port in use: the same
+        print(f"spectandem: error: {exc}", file=sys.stderr)
+        return 1
 
 
 
 def _add_stats(sub) -> None:
     p = sub.add_parser("stats", help="a running server's counters, queues and KV usage")
-    p.add_argument("--address", default="localhost:50051")
-    p.add_argument("--json", action="store_true")
-    p.add_argument("--timeout", type=float, default=10.0)
+    p.add_argument("--address", default="localhost:50051", metavar="HOST:PORT", help="the server")
+    p.add_argument("--json", action="store_true", help="print one JSON object")
+    p.add_argument("--timeout", type=float, default=10.0, help="deadline of the call in seconds")
     p.add_argument("--api-key", default=None,
                    help="bearer token for a server run with --api-key (default: $SPECTANDEM_API_KEY)")
     p.set_defaults(func=_stats)

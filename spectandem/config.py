@@ -92,6 +92,14 @@ class SamplingParams:
     def greedy(self) -> bool:
         return self.temperature == 0
 
+    def drafts_sampled(self, min_temperature: float) -> bool:
+        """Whether this request's drafts are sampled (and verified with their probabilities q by
+        rejection sampling) rather than deterministic (verified without q): a sampled request at
+        or above `min_temperature` (SpecConfig.draft_sampling_min_temperature). The drafter
+        drafts by it and the router relies on it (a request with deterministic drafts decodes
+        the same tokens in a plain round)."""
+        return not self.greedy and self.temperature >= max(min_temperature, 1e-12)
+
     def resolved_seed(self) -> int:
         """The seed to key this request's random numbers with (a fresh one when unset; never
         the global RNG)."""
@@ -137,3 +145,65 @@ class GpuPaths:
 
     def proposer_kwargs(self) -> dict:
         return {"cuda_graphs": self.cuda_graphs}
+
+
+DTYPES = ("float32", "bfloat16", "float16", "float64")
+
+
+def check_dtype(dtype: str, device: str) -> None:
+    """--dtype against --device: float64 is for CPU reference runs (the GPU's kernels take
+    float32, bfloat16 and float16)."""
+    if dtype not in DTYPES:
+        raise ValueError(f"dtype must be one of {', '.join(DTYPES)}; got {dtype!r}")
+    if dtype == "float64" and device != "cpu":
+        raise ValueError(f"--dtype float64 runs on --device cpu only (got --device {device}); "
+                         "on a GPU use float32, bfloat16 or float16")
+
+
+@dataclass(frozen=True, kw_only=True)
+class EngineConfig:
+    """What an engine is built from, by the one factory of each role (verifier/factory.py,
+    drafter/factory.py) that the Ray actors, the gRPC services and the in-process backend all
+    call. Built once from flags (`from_args`).
+
+    target_dir: the target checkpoint (the drafter's EAGLE heads take its embeddings and lm_head;
+    n-gram drafting may go without). draft_dir: the head or draft model. max_slots: requests held
+    at once. max_len: context length (None: the target's). dtype: a torch dtype's name. kv_blocks /
+    draft_kv_blocks: the verifier's / drafter's KV pool in blocks (None: every slot at full
+    context). block_size: cache entries per KV block (both). force_hf_target: the target runs on
+    transformers even where a native implementation exists."""
+
+    target_dir: str | None
+    draft_dir: str | None = None
+    spec: SpecConfig = SpecConfig()
+    max_slots: int = 8
+    max_len: int | None = None
+    dtype: str = "float32"
+    device: str = "cpu"
+    kv_blocks: int | None = None
+    draft_kv_blocks: int | None = None
+    block_size: int = 16
+    gpu: GpuPaths = GpuPaths()
+    force_hf_target: bool = False
+
+    def __post_init__(self):
+        if self.dtype not in DTYPES:
+            raise ValueError(f"dtype must be one of {', '.join(DTYPES)}; got {self.dtype!r}")
+
+    @property
+    def torch_dtype(self):
+        import torch
+
+        return getattr(torch, self.dtype)
+
+    @staticmethod
+    def from_args(args, spec: SpecConfig, target_dir, draft_dir, max_slots: int) -> "EngineConfig":
+        """The model flags (spectandem/generate_cli.py add_model_flags, spectandem/service_args.py)
+        of a parsed command line; `spec`, the directories and the slots as that command resolved them."""
+        check_dtype(args.dtype, args.device)
+        return EngineConfig(target_dir=None if target_dir is None else str(target_dir),
+                            draft_dir=None if draft_dir is None else str(draft_dir), spec=spec, max_slots=max_slots,
+                            max_len=args.max_len, dtype=args.dtype, device=args.device,
+                            kv_blocks=getattr(args, "kv_blocks", None),
+                            draft_kv_blocks=getattr(args, "draft_kv_blocks", None), block_size=args.block_size,
+                            gpu=GpuPaths.from_args(args))

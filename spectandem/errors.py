@@ -68,3 +68,8 @@ def error_from_rpc(err: grpc.RpcError) -> SpectandemError:
     """The SDK exception for a failed RPC; codes without a class of their own get the base class."""
     code, details = err.code(), err.details() or ""
     return _ERROR_CLASSES.get(code, SpectandemError)(code, details)
+
+
+class ListenError(OSError):
+    """A server of this process cannot listen on its address (the port in use, an address not
+    of this host): the user's to fix, reported in one line."""

@@ -6,14 +6,16 @@ from __future__ import annotations
 import argparse
 import json
 import sys
-from spectandem.service_args import add_gpu_path_flags, model_dtype
+from spectandem.service_args import add_gpu_path_flags
 
 
 def add_model_flags(p: argparse.ArgumentParser) -> None:
     """Model and tree flags shared by every command that loads models."""
     p.add_argument("--target", default=None, help="target checkpoint directory (default: the demo target)")
     p.add_argument("--draft", default=None, help="draft head / draft model directory (default: the demo's)")
-    p.add_argument("--method", choices=["eagle", "eagle3", "draft-model", "ngram", "none"], default="eagle3")
+    p.add_argument("--method", choices=["eagle", "eagle3", "draft-model", "ngram", "none"], default="eagle3",
+                   help="how drafts are made: an EAGLE-1 or EAGLE-3 head, a small draft model, prompt-lookup "
+                        "n-grams, or none (plain decoding)")
     p.add_argument("--num-steps", type=int, default=4, help="tree depth")
     p.add_argument("--topk", type=int, default=1, help="children expanded per node")
     p.add_argument("--num-draft-tokens", type=int, default=5, help="verified nodes per round, root included")
@@ -22,7 +24,7 @@ def add_model_flags(p: argparse.ArgumentParser) -> None:
                    help="below this temperature drafts are deterministic and verified without q")
     p.add_argument("--ahead-width", type=int, default=4,
                    help="draft ahead: outcomes of a round prepared while it is verified (0: never)")
-    p.add_argument("--device", default="cpu")
+    p.add_argument("--device", default="cpu", help="torch device of the engines (cpu, cuda, cuda:N)")
     add_gpu_path_flags(p)
     p.add_argument("--dtype", choices=["float32", "bfloat16", "float16", "float64"], default="float32",
                    help="float64: CPU reference runs (their rounding almost never flips seeded draws)")
@@ -46,12 +48,13 @@ def add_generate(sub) -> None:
     p.add_argument("--api-key", default=None,
                    help="bearer token for a server run with --api-key (default: $SPECTANDEM_API_KEY)")
     add_model_flags(p)
-    p.add_argument("--max-tokens", type=int, default=64)
-    p.add_argument("--temperature", type=float, default=0.0)
-    p.add_argument("--top-p", type=float, default=1.0)
-    p.add_argument("--top-k", type=int, default=0)
-    p.add_argument("--seed", type=int, default=None)
-    p.add_argument("--stop-token-ids", type=int, nargs="*", default=())
+    p.add_argument("--max-tokens", type=int, default=64, help="tokens to generate at most")
+    p.add_argument("--temperature", type=float, default=0.0, help="sampling temperature (0: greedy)")
+    p.add_argument("--top-p", type=float, default=1.0, help="nucleus sampling: the smallest set of tokens of this mass")
+    p.add_argument("--top-k", type=int, default=0, help="sample among the k likeliest tokens (0: all)")
+    p.add_argument("--seed", type=int, default=None, help="seed of the request's random numbers (default: a fresh one)")
+    p.add_argument("--stop-token-ids", type=int, nargs="*", default=(), metavar="ID",
+                   help="token ids that end the completion, besides the model's EOS (default: none)")
     p.add_argument("--json", action="store_true", help="print one JSON object")
     p.set_defaults(func=_generate)
 
@@ -75,13 +78,11 @@ def spec_from_flags(args):
 
 
 def build_local(args):
-    from spectandem.config import GpuPaths
+    from spectandem.config import EngineConfig
     from spectandem.local import LocalSpeculator
 
     cfg, target, draft = spec_from_flags(args)
-    return LocalSpeculator(target, draft, cfg, max_slots=4, max_len=args.max_len,
-                           dtype=model_dtype(args), device=args.device,
-                           **GpuPaths.from_args(args).runner_kwargs())
+    return LocalSpeculator.from_config(EngineConfig.from_args(args, cfg, target, draft, max_slots=4))
 
 
 def completion_json(text: str, c) -> dict:

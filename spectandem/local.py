@@ -6,12 +6,9 @@ from pathlib import Path
 
 import torch
 
-from drafter.engine import DrafterEngine, build_proposer
-from spectandem.config import SamplingParams, SpecConfig
+from spectandem.config import EngineConfig, GpuPaths, SamplingParams, SpecConfig
 from spectandem.fused import FusedStep
 from spectandem.reference import Completion, generate
-from verifier.engine import VerifierEngine
-from verifier.runner import load_runner
 
 
 class LocalSpeculator:
@@ -20,33 +17,46 @@ class LocalSpeculator:
                  device: str = "cpu", force_hf_target: bool = False, kv_blocks: int | None = None,
                  draft_kv_blocks: int | None = None, block_size: int = 16, cuda_graphs: bool = False,
                  batch_invariant: bool = False, triton_attention: bool = False):
-        """cuda_graphs: the target's verify steps, EAGLE catch-ups and argmax chains run as CUDA graphs.
-        batch_invariant: the target's prefill and verify run the batch-invariant kernels (greedy
-        speculation equals plain decoding bit for bit in bf16; CUDA and Triton only).
-        triton_attention: the target's verify attends through the Triton paged tree attention
-        (CUDA and Triton only; with or without cuda_graphs)."""
-        from spectandem.checkpoint import load_tokenizer, read_config
+        """Both engines from the role factories (verifier/factory.py, drafter/factory.py), the
+        drafter on the target's weights as loaded for the verifier. cuda_graphs, batch_invariant,
+        triton_attention: spectandem.config.GpuPaths (the target's graphs are off with
+        batch_invariant)."""
+        self._build(EngineConfig(
+            target_dir=str(target_dir), draft_dir=None if draft_dir is None else str(draft_dir), spec=cfg,
+            max_slots=max_slots, max_len=max_len, dtype=str(dtype).removeprefix("torch."), device=device,
+            kv_blocks=kv_blocks, draft_kv_blocks=draft_kv_blocks, block_size=block_size,
+            force_hf_target=force_hf_target,
+            gpu=GpuPaths(cuda_graphs=cuda_graphs, batch_invariant=batch_invariant, triton_attention=triton_attention)))
 
-        self.cfg = cfg
+    @classmethod
+    def from_config(cls, config: EngineConfig) -> "LocalSpeculator":
+        """Both engines of `config` (built once from a command's flags: EngineConfig.from_args)."""
+        self = cls.__new__(cls)
+        self._build(config)
+        return self
+
+    def _build(self, config: EngineConfig) -> None:
+        from drafter.factory import build_engine as build_drafter
+        from spectandem.checkpoint import eos_token_ids, load_tokenizer, read_config
+        from verifier.factory import build_engine as build_verifier
+
+        cfg = self.cfg = config.spec
+        target_dir = config.target_dir
         # The head decides which features it reads, and takes weights from the target: build the
-        # target first, then the proposer, then tell the runner what to return.
-        runner, model = load_runner(target_dir, None, max_slots, max_len, dtype, device, force_hf_target,
-                                    kv_blocks, block_size, cuda_graphs, batch_invariant, triton_attention)
-        proposer = None
+        # target first, then the drafter on the same weights, then tell the runner what to return.
+        self.verifier = build_verifier(config)
+        self.drafter = None
         if cfg.method != "none":
-            proposer = build_proposer(cfg, model, draft_dir, max_slots, runner.max_len, dtype, device,
-                                      draft_kv_blocks, block_size, cuda_graphs)
-            runner.feature_layers = proposer.feature_layers
-        self.verifier = VerifierEngine(runner, max_slots, int(read_config(target_dir)["vocab_size"]))
-        self.drafter = DrafterEngine(proposer, cfg) if proposer is not None else None
+            runner = self.verifier.runner
+            self.drafter, _ = build_drafter(config, target=runner.model, context=runner.max_len)
+            runner.feature_layers = self.drafter.feature_layers
         target_cfg = read_config(target_dir)
-        eos = target_cfg.get("eos_token_id")
-        self.eos_token_ids = tuple(eos) if isinstance(eos, list) else (() if eos is None else (int(eos),))
+        self.eos_token_ids = eos_token_ids(target_cfg)
         self.tokenizer = load_tokenizer(target_dir)
         self.vocab_size = int(target_cfg["vocab_size"])
         # Fused mode on the GPU with graphs: greedy rounds replay one graph (spectandem/fused.py).
         self._fused_graph = None
-        if cfg.fused and cuda_graphs and not batch_invariant:
+        if cfg.fused and config.gpu.cuda_graphs and not config.gpu.batch_invariant:
             from spectandem.fused import FusedGraphStep
 
             self._fused_graph = FusedGraphStep(self.verifier, self.drafter, graph=True)

@@ -9,14 +9,32 @@ import argparse
 from spectandem.tls import add_server_tls_flags
 
 
+class HelpFormatter(argparse.HelpFormatter):
+    """Every command's help: each option shows its default, unless its help already says it
+    (`(default: ...)`) or there is none to show (None, an on/off switch, an empty list)."""
+
+    def _get_help_string(self, action: argparse.Action) -> str:
+        text = action.help or ""
+        if "%(default)" in text or "(default:" in text or not shows_default(action):
+            return text
+        return f"{text} (default: %(default)s)" if text else "default: %(default)s"
+
+
+def shows_default(action: argparse.Action) -> bool:
+    """Whether an option has a default to show: a value, for an option that takes one."""
+    if action.default in (None, argparse.SUPPRESS) or action.nargs == 0 or not action.option_strings:
+        return False
+    return not (isinstance(action.default, (tuple, list)) and not action.default)
+
+
 def model_dtype(args: argparse.Namespace):
     """`--dtype` as a torch dtype, checked against `--device`: float64 is for CPU reference runs
     (the GPU's kernels take float32, bfloat16 and float16)."""
     import torch
 
-    if args.dtype == "float64" and args.device != "cpu":
-        raise ValueError(f"--dtype float64 runs on --device cpu only (got --device {args.device}); "
-                         "on a GPU use float32, bfloat16 or float16")
+    from spectandem.config import check_dtype
+
+    check_dtype(args.dtype, args.device)
     return getattr(torch, args.dtype)
 
 
@@ -41,7 +59,7 @@ def add_verifier_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--feature-layers", default=None,
                    help='features the drafter reads: "none", "final" or comma-separated HF hidden-state indices '
                         "(default: from --method and --draft)")
-    p.add_argument("--device", default="cpu")
+    p.add_argument("--device", default="cpu", help="torch device of the engine (cpu, cuda, cuda:N)")
     p.add_argument("--dtype", choices=["float32", "bfloat16", "float16", "float64"], default="float32",
                    help="float64: CPU reference runs (their rounding almost never flips seeded draws)")
     add_gpu_path_flags(p)
@@ -49,7 +67,7 @@ def add_verifier_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--max-slots", type=int, default=8, help="requests held at once")
     p.add_argument("--kv-blocks", type=int, default=None, help="KV pool in blocks (default: every slot at full context)")
     p.add_argument("--block-size", type=int, default=16, help="cache entries per KV block")
-    p.add_argument("--host", default="0.0.0.0")
+    p.add_argument("--host", default="0.0.0.0", help="address to listen on")
     p.add_argument("--port", type=int, default=50052, help="0 picks a free port (printed)")
     p.add_argument("--feature-channel", default=None, metavar="tcp://HOST:PORT",
                    help="send target features to the drafter over a direct NCCL (CUDA) or gloo (CPU) channel; this "
@@ -62,7 +80,7 @@ def add_drafter_args(p: argparse.ArgumentParser) -> None:
 
     add_model_flags(p)
     p.add_argument("--max-slots", type=int, default=8, help="requests held at once")
-    p.add_argument("--host", default="0.0.0.0")
+    p.add_argument("--host", default="0.0.0.0", help="address to listen on")
     p.add_argument("--port", type=int, default=50053, help="0 picks a free port (printed)")
     p.add_argument("--feature-channel", default=None, metavar="tcp://HOST:PORT",
                    help="take target features from the verifier's direct channel at this address (its "

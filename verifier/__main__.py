@@ -4,10 +4,11 @@ import argparse
 import sys
 
 from verifier.service import add_verifier_args, run_verifier
+from spectandem.service_args import HelpFormatter
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="python -m verifier", description=__doc__)
+    p = argparse.ArgumentParser(prog="python -m verifier", description=__doc__, formatter_class=HelpFormatter)
     add_verifier_args(p)
     args = p.parse_args(argv)
     try:

@@ -13,16 +13,15 @@ from __future__ import annotations
 import os
 import socket
 from dataclasses import replace
-from pathlib import Path
 
 import ray
 import torch
 
 from router.links import EngineInfo, PlainItem, RoundResult, Tag, VerifierPrefillItem, VerifierPrefillResult
 from spectandem.channel import FeatureSender
-from spectandem.config import GpuPaths
-from verifier.engine import VerifierEngine
-from verifier.runner import FeatureSpec, load_runner
+from spectandem.config import EngineConfig
+from verifier.factory import build_engine
+from verifier.runner import FeatureSpec
 from verifier.service_core import verifier_features, verifier_info, verifier_prefill, verifier_verify
 
 
@@ -39,17 +38,11 @@ def _put(features):
 
 @ray.remote
 class VerifierActor:
-    def __init__(self, target_dir: str | Path, feature_layers: FeatureSpec, max_slots: int, max_len: int | None,
-                 dtype: torch.dtype = torch.float32, device: str = "cpu", force_hf_target: bool = False,
-                 model_name: str = "target", num_threads: int = 1, kv_blocks: int | None = None,
-                 block_size: int = 16, gpu: GpuPaths | None = None):
-        from spectandem.checkpoint import read_config
-
-        torch.set_num_threads(num_threads)
-        runner, _ = load_runner(target_dir, feature_layers, max_slots, max_len, dtype, device, force_hf_target,
-                                kv_blocks, block_size, **(gpu or GpuPaths()).runner_kwargs())
-        self.engine = VerifierEngine(runner, max_slots, int(read_config(target_dir)["vocab_size"]))
-        self.model_name, self.device = model_name, device
+    def __init__(self, config: EngineConfig, feature_layers: FeatureSpec, model_name: str = "target",
+                 num_threads: int = 1):
+        torch.set_num_threads(num_threads)   # this actor's own process
+        self.engine = build_engine(config, feature_layers)
+        self.model_name, self.device = model_name, config.device
         self.sender: FeatureSender | None = None
         # Ray restarted this actor (max_restarts): the KV of every request the router had here is
         # gone, so a call about a request this instance never prefilled is an outage, not a stale reply.

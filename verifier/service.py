@@ -17,16 +17,15 @@ import asyncio
 import logging
 from pathlib import Path
 
-import torch
-
 from spectandem import codec
 from spectandem.channel import FeatureSender
-from spectandem.config import GpuPaths
-from spectandem.service_args import add_verifier_args, model_dtype  # noqa: F401 (add_verifier_args: re-exported)
+from spectandem.config import EngineConfig, SpecConfig
+from spectandem.service_args import add_verifier_args  # noqa: F401 (re-exported)
 from spectandem.grpc_server import EngineCalls, EngineServer
 from spectandem.tls import ServerTls, server_tls_from_args
 from spectandem.v1 import engines_pb2, engines_pb2_grpc
 from verifier.engine import VerifierEngine
+from verifier.factory import build_engine
 from verifier.service_core import verifier_features, verifier_info, verifier_prefill, verifier_verify
 
 SERVICE_NAME = engines_pb2.DESCRIPTOR.services_by_name["Verifier"].full_name
@@ -110,17 +109,6 @@ def resolve_feature_layers(feature_layers: str | None, method: str, draft_dir: s
     return aux_layers_from_config(read_config(draft_dir), num_layers, str(Path(draft_dir) / "config.json"))
 
 
-def build_verifier_engine(target_dir: str | Path, feature_layers, max_slots: int = 8, max_len: int | None = None,
-                          dtype: torch.dtype = torch.float32, device: str = "cpu", kv_blocks: int | None = None,
-                          block_size: int = 16, gpu: GpuPaths | None = None) -> VerifierEngine:
-    from spectandem.checkpoint import read_config
-    from verifier.runner import load_runner
-
-    runner, _ = load_runner(target_dir, feature_layers, max_slots, max_len, dtype, device, kv_blocks=kv_blocks,
-                            block_size=block_size, **(gpu or GpuPaths()).runner_kwargs())
-    return VerifierEngine(runner, max_slots, int(read_config(target_dir)["vocab_size"]))
-
-
 async def start_verifier_server(engine: VerifierEngine, host: str = "127.0.0.1", port: int = 0,
                                 model_name: str = "target", device: str = "cpu",
                                 tls: ServerTls | None = None, sender: FeatureSender | None = None) -> EngineServer:
@@ -131,18 +119,16 @@ async def start_verifier_server(engine: VerifierEngine, host: str = "127.0.0.1",
                                     SERVICE_NAME, host, port, tls.grpc_credentials() if tls else None)
 
 
-def serve_verifier(target_dir: str | Path, method: str = "eagle3", draft_dir: str | Path | None = None,
-                   host: str = "0.0.0.0", port: int = 50052, max_slots: int = 8, max_len: int | None = None,
-                   device: str = "cpu", dtype: torch.dtype = torch.float32, feature_layers: str | None = None,
-                   kv_blocks: int | None = None, block_size: int = 16, tls: ServerTls | None = None,
-                   gpu: GpuPaths | None = None, feature_channel: str | None = None) -> None:
-    """Loads the target, serves it until SIGTERM/SIGINT. `draft_dir` is read only for the
-    feature layers (see resolve_feature_layers). `feature_channel`: tcp://HOST:PORT of the
-    direct channel to the drafter (None: features go inline)."""
-    layers = resolve_feature_layers(feature_layers, method, draft_dir, target_dir)
+def serve_verifier(config: EngineConfig, feature_layers: str | None = None, host: str = "0.0.0.0", port: int = 50052,
+                   tls: ServerTls | None = None, feature_channel: str | None = None) -> None:
+    """Loads the target (verifier/factory.py), serves it until SIGTERM/SIGINT. `config.draft_dir`
+    is read only for the feature layers (see resolve_feature_layers). `feature_channel`:
+    tcp://HOST:PORT of the direct channel to the drafter (None: features go inline)."""
+    target_dir, device = config.target_dir, config.device
+    layers = resolve_feature_layers(feature_layers, config.spec.method, config.draft_dir, target_dir)
     # Connecting runs in the background, while the model loads.
     sender = FeatureSender(feature_channel, device) if feature_channel else None
-    engine = build_verifier_engine(target_dir, layers, max_slots, max_len, dtype, device, kv_blocks, block_size, gpu)
+    engine = build_engine(config, layers)
 
     async def main():
         server = await start_verifier_server(engine, host, port, Path(target_dir).name, device, tls=tls,
@@ -169,9 +155,8 @@ def run_verifier(args: argparse.Namespace) -> int:
     if target is None:
         target, demo_draft = demo_paths(args.method)
         draft = draft or demo_draft
+    config = EngineConfig.from_args(args, SpecConfig(method=args.method), target, draft, args.max_slots)
     tls = server_tls_from_args(args)  # flag and file errors before the model loads
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
-    serve_verifier(target, args.method, draft, args.host, args.port, args.max_slots, args.max_len, args.device,
-                   model_dtype(args), args.feature_layers, args.kv_blocks, args.block_size, tls=tls,
-                   gpu=GpuPaths.from_args(args), feature_channel=args.feature_channel)
+    serve_verifier(config, args.feature_layers, args.host, args.port, tls=tls, feature_channel=args.feature_channel)
     return 0

@@ -16,6 +16,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from spectandem.checkpoint import eos_token_ids
 from spectandem.kernels.rotary import rotary
 from spectandem.kv_cache import CacheBatch, PagedKVCache
 from spectandem.modeling.layers import (GatedMLP, PackedProjections, RMSNorm, RopeSpec, Rotary, apply_rotary,
@@ -64,8 +65,7 @@ class LlamaSpec:
             window = cfg.get("sliding_window")
             if arch != "MistralForCausalLM" and not cfg.get("use_sliding_window", False):
                 window = None
-            eos = cfg.get("eos_token_id")
-            eos_ids = tuple(eos) if isinstance(eos, list) else (() if eos is None else (int(eos),))
+            eos_ids = eos_token_ids(cfg)
             return LlamaSpec(
                 architecture=arch,
                 vocab_size=int(cfg["vocab_size"]),

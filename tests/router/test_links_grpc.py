@@ -51,14 +51,17 @@ class _LoopThread:
 @pytest.fixture(scope="module")
 def ngram_servers():
     """(verifier address, drafter address) of n-gram engines served from this process."""
-    from drafter.service import build_drafter_engine, start_drafter_server
-    from verifier.service import build_verifier_engine, resolve_feature_layers, start_verifier_server
+    from drafter.factory import build_engine as build_drafter
+    from drafter.service import start_drafter_server
+    from spectandem.config import EngineConfig
+    from verifier.factory import build_engine as build_verifier
+    from verifier.service import resolve_feature_layers, start_verifier_server
 
     target, _ = demo_paths("ngram")
     cfg = SpecConfig(method="ngram", **TREE)
     layers = resolve_feature_layers(None, "ngram", None, target)
-    verifier = build_verifier_engine(target, layers, max_slots=4, max_len=MAX_LEN)
-    drafter, _ = build_drafter_engine(cfg, target, None, max_slots=4, max_len=MAX_LEN)
+    verifier = build_verifier(EngineConfig(target_dir=target, spec=cfg, max_slots=4, max_len=MAX_LEN), layers)
+    drafter, _ = build_drafter(EngineConfig(target_dir=target, spec=cfg, max_slots=4, max_len=MAX_LEN))
     bg = _LoopThread()
     servers = [bg.run(start_verifier_server(verifier, "127.0.0.1", 0)),
                bg.run(start_drafter_server(drafter, "127.0.0.1", 0, max_slots=4, max_len=MAX_LEN))]

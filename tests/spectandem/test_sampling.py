@@ -206,3 +206,23 @@ def test_greedy_takes_the_lowest_id_on_ties() -> None:
     logits = torch.tensor([[0.0, 2.0, 2.0, 1.0], [5.0, 5.0, 5.0, 5.0], [-1.0, -3.0, -2.0, -1.0]])
     assert greedy(logits).tolist() == [1, 0, 0]
     assert greedy(logits.view(3, 1, 4)).shape == (3, 1)
+
+
+def test_drafts_sampled_rule():
+    """One rule, read by the drafter (how it drafts) and the router (whether a plain round is
+    invisible): sampled requests at or above the minimum temperature."""
+    from spectandem.config import SamplingParams
+
+    assert not SamplingParams(temperature=0.0).drafts_sampled(0.0)
+    assert not SamplingParams(temperature=0.4).drafts_sampled(0.5)
+    assert SamplingParams(temperature=0.5).drafts_sampled(0.5)
+    assert SamplingParams(temperature=1e-3).drafts_sampled(0.0)
+
+
+def test_eos_token_ids_from_config():
+    from spectandem.checkpoint import eos_token_ids
+
+    assert eos_token_ids({}) == ()
+    assert eos_token_ids({"eos_token_id": None}) == ()
+    assert eos_token_ids({"eos_token_id": 7}) == (7,)
+    assert eos_token_ids({"eos_token_id": [1, 2]}) == (1, 2)

@@ -1,0 +1,126 @@
+"""What a user reads from the command line: every option's help shows its default, `--version`,
+and user errors as one line on stderr (exit code 2 or 1), never a traceback."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import socket
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from spectandem.cli import build_parser
+from spectandem.service_args import shows_default
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def _parsers():
+    """(name, parser) of `spectandem` and each of its subcommands, and of python -m verifier|drafter."""
+    from spectandem.service_args import HelpFormatter, add_drafter_args, add_verifier_args
+
+    top = build_parser()
+    yield "spectandem", top
+    for action in top._actions:
+        if isinstance(action, argparse._SubParsersAction):
+            yield from ((f"spectandem {name}", p) for name, p in action.choices.items())
+    for name, add in (("verifier", add_verifier_args), ("drafter", add_drafter_args)):
+        p = argparse.ArgumentParser(prog=f"python -m {name}", formatter_class=HelpFormatter)
+        add(p)
+        yield f"python -m {name}", p
+
+
+def _shown(default) -> str:
+    return ",".join(map(str, default)) if isinstance(default, (tuple, list)) else str(default)
+
+
+@pytest.mark.parametrize("name,parser", list(_parsers()), ids=lambda x: x if isinstance(x, str) else "")
+def test_every_option_shows_its_default(name, parser):
+    formatter = parser._get_formatter()
+    missing = []
+    for action in parser._actions:
+        if not action.help and action.option_strings and action.help is not argparse.SUPPRESS:
+            missing.append(f"{'/'.join(action.option_strings)}: no help")
+            continue
+        if not shows_default(action):
+            continue
+        text = formatter._expand_help(action)
+        if "default" not in text or (_shown(action.default) not in text and str(action.default) not in text):
+            missing.append(f"{'/'.join(action.option_strings)} (default {action.default!r}): {text!r}")
+    assert not missing, f"{name}: options without help or whose help does not show the default:\n" + "\n".join(missing)
+    parser.format_help()   # every help string formats
+
+
+def test_the_package_main_modules_use_the_formatter():
+    for role in ("verifier", "drafter"):
+        out = subprocess.run([sys.executable, "-m", role, "--help"], cwd=ROOT, capture_output=True, text=True,
+                             timeout=120)
+        assert out.returncode == 0, out.stderr
+        assert "(default: 8)" in " ".join(out.stdout.split()), out.stdout   # --max-slots
+
+
+def _cli(*argv, timeout=180):
+    return subprocess.run([sys.executable, "-m", "spectandem.cli", *argv], cwd=ROOT, capture_output=True, text=True,
+                          timeout=timeout)
+
+
+def test_version():
+    from importlib.metadata import version
+
+    out = _cli("--version")
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.strip() == f"spectandem {version('spectandem')}"
+
+
+def _one_line_error(out, *needles):
+    assert out.returncode in (1, 2), (out.returncode, out.stdout, out.stderr)
+    assert "Traceback" not in out.stderr, out.stderr
+    lines = [line for line in out.stderr.splitlines() if "error" in line.lower()]
+    assert len(lines) == 1, out.stderr
+    for needle in needles:
+        assert needle in lines[0], lines[0]
+
+
+def test_missing_checkpoint_is_one_line(tmp_path):
+    out = _cli("generate", "hi", "--method", "none", "--target", str(tmp_path / "nowhere"))
+    _one_line_error(out, "nowhere", "not a directory")
+    out = _cli("generate", "hi", "--method", "none", "--target", str(tmp_path))   # a directory without config.json
+    _one_line_error(out, "config.json")
+
+
+def test_folder_for_a_file_is_one_line(tmp_path):
+    out = _cli("serve", "--method", "none", "--backend", "local", "--port", "0", "--tls-cert", str(tmp_path),
+               "--tls-key", str(tmp_path))
+    _one_line_error(out, str(tmp_path))
+
+
+@pytest.mark.parametrize("flag", ["--port", "--http-port", "--metrics-port"])
+def test_port_in_use_is_one_line(flag):
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        s.listen()
+        port = s.getsockname()[1]
+        argv = ["serve", "--method", "none", "--backend", "local", "--host", "127.0.0.1", "--port", "0",
+                "--max-len", "128"]
+        argv[argv.index("--port") if flag == "--port" else len(argv):] = []
+        out = _cli(*argv, *([] if flag == "--port" else ["--port", "0"]), flag, str(port))
+    _one_line_error(out, str(port))
+
+
+def test_serve_reports_its_start():
+    """serve says what it is doing while it starts (stderr), then where it serves (stdout)."""
+    import signal
+
+    proc = subprocess.Popen([sys.executable, "-m", "spectandem.cli", "serve", "--method", "none", "--backend", "local",
+                             "--port", "0", "--http-port", "0", "--metrics-port", "0", "--max-len", "128"],
+                            cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        ready = proc.stdout.readline()
+        assert ready.startswith("spectandem serving"), ready
+    finally:
+        proc.send_signal(signal.SIGINT)
+        _, err = proc.communicate(timeout=120)
+    assert "spectandem serve: loading target in this process" in err, err
