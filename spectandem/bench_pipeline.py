@@ -61,7 +61,7 @@ def demo_engines(max_slots: int, dtype, verifier_device: str, drafter_device: st
 
 async def _complete(router, prompts: list[list[int]], params) -> int:
     """Submits every prompt at once; -> tokens generated once all have finished."""
-    from router.scheduler import Chunk
+    from router.loop import Chunk
 
     async def one(req) -> int:
         n = 0
@@ -92,7 +92,7 @@ async def _rows(engines, modes: list[str], batch_sizes: list[int], max_tokens: i
     import time
 
     from router.links_local import LocalDrafterLink, LocalVerifierLink
-    from router.scheduler import Router, RouterConfig
+    from router.loop import Router, RouterConfig
     from spectandem.config import SamplingParams
 
     verifier, drafter, lookahead, eos, tokenizer = engines
