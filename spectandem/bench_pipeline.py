@@ -1,7 +1,7 @@
 """`spectandem bench` through the router: rounds and tokens per second per pipeline mode, with
 both engines on one device and, where two GPUs exist, the drafter on its own (cuda:1).
 
-The router (router/scheduler.py) runs over in-process links (router/links_local.py), as
+The router (router/loop.py) runs over in-process links (router/links_local.py), as
 `spectandem serve --backend local` does, on the demo pair's EAGLE-3 chain. Every batch is
 submitted at once (greedy, ignore_eos) and timed until its last token. Mode "plain" is the
 router without a drafter (the baseline); "auto" first runs the same batch once untimed, so its
