@@ -190,7 +190,7 @@ class Router:
     def num_active(self) -> int:
         return len(self.waiting) + len(self.running)
 
-    # ---------------------------------------------------------------- the loop
+    # ---------------------------------------------------------------- the loop, scheduling, admission
 
     async def _loop(self) -> None:
         while not self._stopping:
@@ -212,76 +212,6 @@ class Router:
                 await self._release(self.running)
                 self.running, self.waiting = [], []
             await asyncio.sleep(0)
-
-    def _releases_due(self) -> bool:
-        """Whether an engine that answers still holds ids the router let go of."""
-        return bool((self._release_v and self.serving) or (self._release_d and self.drafter_up))
-
-    async def _settle(self) -> None:
-        """Before admission: finished requests are released on both sides (a new request may reuse
-        an id), and what an engine that answers still holds for the router is let go of."""
-        await self._release_finished()
-        if self._release_v and self.serving:
-            ids = sorted(self._release_v)
-            try:
-                await asyncio.wait_for(self.verifier.release(ids), self.cfg.probe_interval * 5)
-                self._release_v.difference_update(ids)
-            except (EngineUnavailable, asyncio.TimeoutError) as exc:
-                self._verifier_failed(self.running, exc)
-                self.running = []
-        if self._release_d and self.drafter_up:
-            ids = sorted(self._release_d)
-            try:
-                await asyncio.wait_for(self.drafter.release(ids), self.cfg.drafter_timeout)
-                self._release_d.difference_update(ids)
-            except (EngineUnavailable, asyncio.TimeoutError) as exc:
-                self._drafter_failed(exc)
-
-    async def _watch(self) -> None:
-        """Probes failed engines every probe_interval, off the round loop. An engine is declared
-        back only once it has released what it still held for the router."""
-        while not self._stopping:
-            await asyncio.sleep(self.cfg.probe_interval)
-            if not self.serving:
-                await self._probe_verifier()
-            if self.drafter is not None and not self.drafter_up:
-                await self._probe_drafter()
-
-    async def _probe_verifier(self) -> None:
-        try:
-            await asyncio.wait_for(self.verifier.info(), self.cfg.probe_interval * 5)
-            while self._release_v:   # ids added while a release is under way go in the next one
-                ids = sorted(self._release_v)
-                await asyncio.wait_for(self.verifier.release(ids), self.cfg.probe_interval * 5)
-                self._release_v.difference_update(ids)
-        except Exception as exc:
-            log.debug("verifier probe: %s", exc)
-            return
-        self._set_serving(True)
-        self._wake.set()
-
-    async def _probe_drafter(self) -> None:
-        try:
-            await asyncio.wait_for(self.drafter.info(), self.cfg.drafter_timeout)
-            while self._release_d:
-                ids = sorted(self._release_d)
-                await asyncio.wait_for(self.drafter.release(ids), self.cfg.drafter_timeout)
-                self._release_d.difference_update(ids)
-        except Exception as exc:
-            log.debug("drafter probe: %s", exc)
-            return
-        for r in self.waiting:   # what it kept for preempted requests went with the releases
-            r.drafter_kept = False
-        self.drafter_up = True
-        log.warning("the drafter answers again: speculation resumes")
-        self._wake.set()
-
-    def _set_serving(self, up: bool) -> None:
-        if up != self.serving:
-            self.serving = up
-            log.warning("the verifier %s", "answers again: serving" if up else "is unavailable: not serving")
-            if self.on_serving_change:
-                self.on_serving_change(up)
 
     async def _release_finished(self) -> None:
         finished = [r for r in self.running if r.done]
@@ -741,7 +671,7 @@ class Router:
             return
         await self._drafter_prefill(stale, feats)
 
-    # ---------------------------------------------------------------- helpers
+    # ---------------------------------------------------------------- streaming
 
     def _commit(self, r: ServedRequest, tokens: list[int]) -> bool:
         """Streams a round's tokens; returns True while the request goes on."""
@@ -774,6 +704,8 @@ class Router:
             self._emit("failed", r, failure.code)
             self._ended(r, RequestStatus.FAILED)
             r.events.put_nowait(failure)
+
+    # ---------------------------------------------------------------- engine failures and releases
 
     def _verifier_failed(self, reqs: list[ServedRequest], exc: Exception) -> None:
         """Fails `reqs` and every waiting request with UNAVAILABLE (the cause goes to the log, not
@@ -812,6 +744,76 @@ class Router:
             r.on_drafter = False
             r.backlog.clear()
             r.ahead_trees = r.next_tree = None
+
+    def _releases_due(self) -> bool:
+        """Whether an engine that answers still holds ids the router let go of."""
+        return bool((self._release_v and self.serving) or (self._release_d and self.drafter_up))
+
+    async def _settle(self) -> None:
+        """Before admission: finished requests are released on both sides (a new request may reuse
+        an id), and what an engine that answers still holds for the router is let go of."""
+        await self._release_finished()
+        if self._release_v and self.serving:
+            ids = sorted(self._release_v)
+            try:
+                await asyncio.wait_for(self.verifier.release(ids), self.cfg.probe_interval * 5)
+                self._release_v.difference_update(ids)
+            except (EngineUnavailable, asyncio.TimeoutError) as exc:
+                self._verifier_failed(self.running, exc)
+                self.running = []
+        if self._release_d and self.drafter_up:
+            ids = sorted(self._release_d)
+            try:
+                await asyncio.wait_for(self.drafter.release(ids), self.cfg.drafter_timeout)
+                self._release_d.difference_update(ids)
+            except (EngineUnavailable, asyncio.TimeoutError) as exc:
+                self._drafter_failed(exc)
+
+    async def _watch(self) -> None:
+        """Probes failed engines every probe_interval, off the round loop. An engine is declared
+        back only once it has released what it still held for the router."""
+        while not self._stopping:
+            await asyncio.sleep(self.cfg.probe_interval)
+            if not self.serving:
+                await self._probe_verifier()
+            if self.drafter is not None and not self.drafter_up:
+                await self._probe_drafter()
+
+    async def _probe_verifier(self) -> None:
+        try:
+            await asyncio.wait_for(self.verifier.info(), self.cfg.probe_interval * 5)
+            while self._release_v:   # ids added while a release is under way go in the next one
+                ids = sorted(self._release_v)
+                await asyncio.wait_for(self.verifier.release(ids), self.cfg.probe_interval * 5)
+                self._release_v.difference_update(ids)
+        except Exception as exc:
+            log.debug("verifier probe: %s", exc)
+            return
+        self._set_serving(True)
+        self._wake.set()
+
+    async def _probe_drafter(self) -> None:
+        try:
+            await asyncio.wait_for(self.drafter.info(), self.cfg.drafter_timeout)
+            while self._release_d:
+                ids = sorted(self._release_d)
+                await asyncio.wait_for(self.drafter.release(ids), self.cfg.drafter_timeout)
+                self._release_d.difference_update(ids)
+        except Exception as exc:
+            log.debug("drafter probe: %s", exc)
+            return
+        for r in self.waiting:   # what it kept for preempted requests went with the releases
+            r.drafter_kept = False
+        self.drafter_up = True
+        log.warning("the drafter answers again: speculation resumes")
+        self._wake.set()
+
+    def _set_serving(self, up: bool) -> None:
+        if up != self.serving:
+            self.serving = up
+            log.warning("the verifier %s", "answers again: serving" if up else "is unavailable: not serving")
+            if self.on_serving_change:
+                self.on_serving_change(up)
 
     async def _forget_kept(self, reqs: list[ServedRequest]) -> None:
         """Releases the drafter's kept trees of preempted requests that will not resume."""
@@ -860,6 +862,7 @@ class Router:
             except (EngineUnavailable, asyncio.TimeoutError) as exc:
                 self._release_d.update(ids_d)
                 self._drafter_failed(exc)
+
 
 def _next_call_args(results) -> tuple[list, list[ExtendItem]]:
     """A verdict's RoundResults -> the tags and catch-up items of the drafter's next call."""

@@ -129,7 +129,8 @@ def test_a_request_that_can_never_fit_fails_alone():
         return too_long, outs
 
     too_long, (failed, ok) = run(go())
-    assert isinstance(failed[2], Failure) and failed[2].code == "RESOURCE_EXHAUSTED" and "--kv-blocks" in failed[2].message
+    assert isinstance(failed[2], Failure) and failed[2].code == "RESOURCE_EXHAUSTED"
+    assert "--kv-blocks" in failed[2].message
     assert too_long.status is RequestStatus.FAILED
     assert ok[0] == reference([5, 9], 6)
 
