@@ -230,13 +230,25 @@ class Router:
         plan = self.scheduler.plan([Running(r.request_id, r.committed_len, r.admit_seq) for r in self.running],
                                    [Waiting(r.request_id, r.committed_len, r.resuming) for r in self.waiting], held)
         waiting = {r.request_id: r for r in self.waiting}
-        running = {r.request_id: r for r in self.running}
         batch = [waiting[i] for i in plan.admit]
         for rid, why in plan.fail_waiting:
             r = waiting[rid]
             self.waiting.remove(r)
             self._finish_failure(r, Failure("RESOURCE_EXHAUSTED", why))
             await self._forget_kept([r])
+        await self._make_room(plan)
+        if batch:
+            for r in batch:
+                self.waiting.remove(r)
+            await self._admit(batch)
+
+    async def _make_room(self, plan=None) -> None:
+        """Carries out the plan's preemptions and its failure of a request that alone outgrows the
+        pools; without a plan, plans them for the running requests as they are now (the round
+        checks again after admission: a new request's first token may take a block more)."""
+        if plan is None:
+            plan = self.scheduler.plan([Running(r.request_id, r.committed_len, r.admit_seq) for r in self.running], [])
+        running = {r.request_id: r for r in self.running}
         for rid in plan.preempt:
             await self._preempt(running[rid])
         for rid, why in plan.fail_running:
@@ -244,10 +256,6 @@ class Router:
             self._finish_failure(r, Failure("RESOURCE_EXHAUSTED", why))
             self.running = [x for x in self.running if x is not r]
             await self._release([r])
-        if batch:
-            for r in batch:
-                self.waiting.remove(r)
-            await self._admit(batch)
 
     async def _preempt(self, victim: ServedRequest) -> None:
         """Frees the request's KV on both sides (the drafter keeps its ready next tree), keeps its
@@ -359,6 +367,7 @@ class Router:
 
     async def _round(self) -> None:
         await self._release_finished()   # requests that ended during admission
+        await self._make_room()
         if not self.running:
             return
         await self._resync()
@@ -843,8 +852,10 @@ class Router:
             r.backlog.clear()
             r.ahead_trees = r.next_tree = None
         # Pending until confirmed, so that a call that fails, times out or is cancelled (stop)
-        # leaves them to be released again.
+        # leaves them to be released again; a kept tree is released when its request ends.
         self._release_v.update(ids_v)
+        if ids_d and not (keep_draft and self.drafter_up):
+            self._release_d.update(ids_d)
         if ids_v and self.serving:
             try:
                 await asyncio.wait_for(self.verifier.release(ids_v), self.cfg.probe_interval * 5)
@@ -853,8 +864,6 @@ class Router:
                 pass   # released by `_settle`, or by the watcher once the verifier answers
         if not ids_d:
             return
-        if not (keep_draft and self.drafter_up):   # a kept tree is released when its request ends
-            self._release_d.update(ids_d)
         if self.drafter_up:
             try:
                 await asyncio.wait_for(self.drafter.release(ids_d, keep_draft), self.cfg.drafter_timeout)
