@@ -35,7 +35,7 @@ from spectandem.config import SamplingParams, SpecConfig  # noqa: E402
 async def hit_share(width: int, num_steps: int, prompts_count: int, prompt_len: int, max_tokens: int,
                     corpus: str) -> dict:
     from router.links_local import LocalDrafterLink, LocalVerifierLink
-    from router.scheduler import Router, RouterConfig
+    from router.loop import Router, RouterConfig
 
     cfg = SpecConfig(method="eagle3", num_steps=num_steps, topk=1, num_draft_tokens=num_steps + 1, ahead_width=width)
     verifier, drafter, lookahead, eos, tokenizer = demo_engines(2, None, "cpu", "cpu", cfg=cfg)

@@ -56,17 +56,17 @@ sys.path.insert(0, str(Path(__file__).parent))   # the sibling modules below
 from profile_marks import MARKS, edges, round_marks  # noqa: E402  (a sibling module of this script)
 
 SETUPS = ("plain", "spec-plain", "sequential", "ahead", "auto")
-TIMED = ("router.scheduler:Router._plan", "router.scheduler:Router._release", "router.scheduler:Router._commit",
-         "router.rounds:RoundsMixin._draft", "router.rounds:RoundsMixin._verify", "router.rounds:RoundsMixin._apply",
-         "router.rounds:RoundsMixin._extend", "router.rounds:RoundsMixin._resync",
+TIMED = ("router.loop:Router._schedule", "router.loop:Router._release", "router.loop:Router._commit",
+         "router.loop:Router._draft", "router.loop:Router._verify", "router.loop:Router._apply",
+         "router.loop:Router._extend", "router.loop:Router._resync",
          "verifier.service_core:verifier_verify", "verifier.engine:VerifierEngine.verify",
          "verifier.engine:VerifierEngine._accept", "verifier.engine:VerifierEngine.commit",
          "verifier.runner:NativeRunner.verify", "verifier.runner:NativeRunner.commit",
          "verifier.graphs:VerifyGraphs.run", "spectandem.kv_cache:PagedKVCache.reserve",
          "drafter.service_core:drafter_draft", "drafter.service_core:drafter_extend",
          "drafter.engine:DrafterEngine.draft", "drafter.engine:DrafterEngine.extend",
-         "router.rounds:RoundsMixin._draft_ahead", "drafter.service_core:drafter_draft_ahead",
-         "router.rounds:RoundsMixin._round", "verifier.engine:VerifierEngine.launch_next",
+         "router.loop:Router._draft_ahead", "drafter.service_core:drafter_draft_ahead",
+         "router.loop:Router._round", "verifier.engine:VerifierEngine.launch_next",
          "verifier.engine:VerifierEngine._launch",
          "router.links_local:LocalVerifierLink.stage_next", "router.links_local:LocalDrafterLink._pre_run",
          "drafter.engine:DrafterEngine.draft_ahead", "drafter.engine:DrafterEngine.flush_deferred",
@@ -104,9 +104,9 @@ class Timers:
                     self.trace.append((label, t0, t1, threading.current_thread().name))
 
     def timeline(self, first: int, rounds: int) -> str:
-        """The traced calls from round `first` (by RoundsMixin._round's starts) for `rounds` rounds,
+        """The traced calls from round `first` (by Router._round's starts) for `rounds` rounds,
         in ms from that round's start, by start time: where a round's time goes, thread by thread."""
-        starts = sorted(t0 for label, t0, _, _ in self.trace if label == "RoundsMixin._round")
+        starts = sorted(t0 for label, t0, _, _ in self.trace if label == "Router._round")
         if len(starts) <= first:
             return "   (too few rounds traced)"
         a = starts[first]

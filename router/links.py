@@ -107,7 +107,7 @@ class AheadReply:
     from the outcome cache (`hits`; None: there was no cache), and the cache it filled for that
     tree's verdict (`trees`: the round's committed tokens -> the next tree; None where it holds
     none the router may use, e.g. sampled drafts). With it the router verifies a hit's next tree
-    without asking the drafter (router/rounds.py)."""
+    without asking the drafter (router/loop.py)."""
 
     hits: list[bool | None]
     trees: list[dict[tuple[int, ...], ReadyTree] | None]

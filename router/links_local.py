@@ -98,7 +98,7 @@ class LocalLinkTuning:
 
 
 class LocalVerifierLink(_LocalLink):
-    """`chain`: chained verifies (VerifierEngine.arm_next; router/rounds.py), by default where the
+    """`chain`: chained verifies (VerifierEngine.arm_next; router/loop.py), by default where the
     engine computes on a GPU (unless `tuning.chained_verify` is off). The armed verify's call, once
     it has the verdict, waits for the staged trees (from the drafter's worker, `direct_stage`,
     or the router's `stage_next`, whichever first) and queues the verdict's next tree's forward,

@@ -27,7 +27,7 @@ from router.auth import check_bearer
 from router.links import DuplicateRequest, EngineUnavailable
 from router.openai_protocol import (ApiError, ChatTemplate, Parsed, chat_request, check_model, choice,
                                     completion_request, envelope, error_from_status, parse_json_body, usage)
-from router.scheduler import Chunk, Failure, Router
+from router.loop import Chunk, Failure, Router
 from router.server import Limits, status_of, validate
 
 OPEN_PATHS = ("/health", "/metrics")   # everything else needs the API key when one is set

@@ -15,7 +15,7 @@ choice must not depend on load). The others keep full drafts.
 
 In "auto" the candidates depend on the batch: below 2 * pingpong_min_batch requests, sequential,
 ahead and plain (ahead only while the drafter drafts ahead: one that never does is found out from
-its replies, router/rounds.py); from there, sequential, ping-pong, each short draft length and plain. It measures
+its replies, router/loop.py); from there, sequential, ping-pong, each short draft length and plain. It measures
 each (committed tokens per second over a window of rounds, its first round left out) and keeps the
 fastest for eight windows, measuring it again as it runs; between keeps it measures one other
 candidate (in turn) for a window, so a change of the fastest is found at the cost of one window.
@@ -102,7 +102,7 @@ class ModeChooser:
         self._states: dict[tuple, _ClassState] = {}   # batch class -> its state
         self._state = _ClassState()
         # Modes the engines cannot do (`ahead` with a drafter that does not draft ahead: the
-        # router finds out from its replies, router/rounds.py): never candidates.
+        # router finds out from its replies, router/loop.py): never candidates.
         self.unavailable: set[str] = set()
 
     @property
@@ -181,7 +181,7 @@ class ModeChooser:
 
     def settled_plain(self, num_running: int) -> bool:
         """"auto" has settled on plain at LARGE_BATCH or more running: the router then stops
-        keeping new requests ready to speculate (router/scheduler.py: no target features, no
+        keeping new requests ready to speculate (router/loop.py: no target features, no
         drafter prefill)."""
         return self.cfg.pipeline == "auto" and num_running >= LARGE_BATCH and self.settled(num_running) == "plain"
 

@@ -15,7 +15,7 @@ from __future__ import annotations
 from dataclasses import fields
 
 from router.links import DuplicateRequest, EngineUnavailable
-from router.scheduler import Router, RouterCounters, ServedRequest
+from router.loop import Router, RouterCounters, ServedRequest
 from spectandem.config import SamplingParams
 
 TERMINAL_EVENTS = ("finished", "failed", "cancelled")

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import enum
 import time
 from dataclasses import dataclass, field
 
@@ -26,6 +27,18 @@ class Failure:
     message: str
 
 
+class RequestStatus(enum.Enum):
+    WAITING = "waiting"        # queued, never admitted
+    RUNNING = "running"        # in the running batch
+    PREEMPTED = "preempted"    # taken out of the batch for KV room, queued to resume
+    FINISHED = "finished"      # ended by EOS, a stop, max_tokens or the context
+    FAILED = "failed"          # ended by an error (its Failure was streamed)
+    CANCELLED = "cancelled"    # ended by its client (cancel, disconnect, deadline)
+
+
+ENDED = frozenset({RequestStatus.FINISHED, RequestStatus.FAILED, RequestStatus.CANCELLED})
+
+
 @dataclass
 class ServedRequest:
     request_id: str
@@ -36,8 +49,7 @@ class ServedRequest:
     epoch: int = 0
     tokens: list[int] = field(default_factory=list)
     events: asyncio.Queue = field(default_factory=asyncio.Queue)
-    done: bool = False
-    cancelled: bool = False
+    status: RequestStatus = RequestStatus.WAITING
     on_verifier: bool = False
     on_drafter: bool = False         # the drafter holds this request's state, in sync
     detached: bool = False           # admitted while "auto" had settled on plain: no drafter (router/pipeline.py)
@@ -49,18 +61,26 @@ class ServedRequest:
     plain_rounds: int = 0            # rounds without a draft because speculation was switched off
     started: float = field(default_factory=time.monotonic)
     admit_seq: int = -1              # order of first admission (preemption takes the latest)
-    preempted: bool = False          # waiting to resume
     drafter_kept: bool = False       # preempted; the drafter keeps its next tree until released
-    # Catch-ups held back (router/rounds.py): those of rounds this request decoded plainly, and
+    # Catch-ups held back (router/loop.py): those of rounds this request decoded plainly, and
     # an all-hit verdict's (the next verify goes out first). The drafter gets them in order, in
     # one call: with the next draft-ahead call, before the next draft, before the next round's
     # own catch-up, or before a preempting release.
     backlog: list = field(default_factory=list)
-    # Draft ahead (router/rounds.py): the outcome trees the drafter filled for the round in flight
+    # Draft ahead (router/loop.py): the outcome trees the drafter filled for the round in flight
     # (committed_len it was verified at, outcome -> ReadyTree), and the next tree they gave for
     # the verdict (committed_len, ReadyTree): verified without a draft call.
     ahead_trees: tuple | None = None
     next_tree: tuple | None = None
+
+    @property
+    def done(self) -> bool:
+        """It has ended: nothing more is streamed, and its id may be used again."""
+        return self.status in ENDED
+
+    @property
+    def resuming(self) -> bool:
+        return self.status is RequestStatus.PREEMPTED
 
     @property
     def committed_len(self) -> int:

@@ -316,7 +316,7 @@ async def serve_async(args, ready_message=True, stop_event: asyncio.Event | None
     from router.openai_protocol import ChatTemplate
     from router.ops import start_fronts
     from router.replicas import ReplicaSet
-    from router.scheduler import Router, RouterConfig
+    from router.loop import Router, RouterConfig
     from router.server import Limits, check_port_free, prompt_char_limit, start_server
     from spectandem.checkpoint import eos_token_ids, load_tokenizer, read_config
 

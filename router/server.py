@@ -19,7 +19,7 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
 from router.links import DuplicateRequest, EngineUnavailable
-from router.scheduler import Chunk, Failure, Router
+from router.loop import Chunk, Failure, Router
 from spectandem.config import SamplingParams
 from spectandem.errors import ListenError
 from spectandem.v1 import common_pb2, generation_pb2, generation_pb2_grpc

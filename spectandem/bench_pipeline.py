@@ -1,7 +1,7 @@
 """`spectandem bench` through the router: rounds and tokens per second per pipeline mode, with
 both engines on one device and, where two GPUs exist, the drafter on its own (cuda:1).
 
-The router (router/scheduler.py) runs over in-process links (router/links_local.py), as
+The router (router/loop.py) runs over in-process links (router/links_local.py), as
 `spectandem serve --backend local` does, on the demo pair's EAGLE-3 chain. Every batch is
 submitted at once (greedy, ignore_eos) and timed until its last token. Mode "plain" is the
 router without a drafter (the baseline); "auto" first runs the same batch once untimed, so its
@@ -60,7 +60,7 @@ def demo_engines(max_slots: int, dtype, verifier_device: str, drafter_device: st
 
 async def _complete(router, prompts: list[list[int]], params) -> int:
     """Submits every prompt at once; -> tokens generated once all have finished."""
-    from router.scheduler import Chunk
+    from router.loop import Chunk
 
     async def one(req) -> int:
         n = 0
@@ -91,7 +91,7 @@ async def _rows(engines, modes: list[str], batch_sizes: list[int], max_tokens: i
     import time
 
     from router.links_local import LocalDrafterLink, LocalVerifierLink
-    from router.scheduler import Router, RouterConfig
+    from router.loop import Router, RouterConfig
     from spectandem.config import SamplingParams
 
     verifier, drafter, lookahead, eos, tokenizer = engines

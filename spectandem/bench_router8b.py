@@ -108,7 +108,7 @@ class IdsAsText:
 
 
 async def _batch(router, runs, ids: list[str], indices: list[int]) -> int:
-    from router.scheduler import Chunk
+    from router.loop import Chunk
 
     async def one(rid: str, i: int) -> int:
         req = router.submit(runs.prompts[i], runs.params, request_id=rid)
@@ -140,7 +140,7 @@ class _Setup:
 def _setup(runs, acceptance_rate: float | None, mode: str, max_running: int, plain_steps: int = 1) -> _Setup:
     from drafter.engine import DrafterEngine
     from router.links_local import LocalDrafterLink, LocalVerifierLink
-    from router.scheduler import Router, RouterConfig
+    from router.loop import Router, RouterConfig
 
     plain = acceptance_rate is None
     plans: dict = {}

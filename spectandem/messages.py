@@ -91,7 +91,7 @@ class ReadyTree:
     """One request's next tree, drafted ahead for one outcome of the round in flight (drafter/
     ahead.py), as host lists: node 0 is the outcome's bonus token (the root), then the drafts.
     The router holds these so that, on a hit, it sends the next verify without asking the
-    drafter (router/rounds.py); `trees_from_ready` makes them the rows `DrafterEngine.draft`
+    drafter (router/loop.py); `trees_from_ready` makes them the rows `DrafterEngine.draft`
     would have made."""
 
     token_ids: tuple[int, ...]       # root first; -1 on padding

@@ -9,7 +9,7 @@ request in a verify batch it picks the acceptance rule:
 Uniforms come from `spectandem.rng`, keyed by (seed, position, stream, index): a result never
 depends on what else is in the batch, and the global RNG is never touched.
 
-Chained verifies (draft ahead, router/rounds.py): the router arms a verify and the engine
+Chained verifies (draft ahead, router/loop.py): the router arms a verify and the engine
 queues the verdict's next tree itself, from inside that verify (verifier/chained.py).
 """
 
@@ -120,7 +120,7 @@ class VerifierEngine(ChainedLaunchMixin):
 
     def verify(self, tree: DraftTree, on_launch=None) -> list[VerifyOutput]:
         """`on_launch()`, if given, is called once the forward is queued on the device, before
-        the host waits for it (the router starts the drafter's work then: router/rounds.py)."""
+        the host waits for it (the router starts the drafter's work then: router/loop.py)."""
         launched, self._launched = self._launched, None
         armed, self._armed = self._armed, None
         self._early = self._unconfirmed = None

@@ -15,7 +15,7 @@ import torch
 
 from router.links_local import LocalVerifierLink
 from router.requests import RouterConfig
-from router.scheduler import Router
+from router.loop import Router
 from spectandem.checkpoint import load_tokenizer
 from spectandem.config import SamplingParams, SpecConfig
 from spectandem.demo import demo_paths

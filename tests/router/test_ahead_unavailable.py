@@ -58,7 +58,7 @@ def test_a_drafter_that_drafts_ahead_keeps_it(runs):
     s.acceptance_rate = None                       # no plans to write; tokens are still the target's
 
     async def go():
-        from router.scheduler import Chunk
+        from router.loop import Chunk
 
         s.router.start()
         try:

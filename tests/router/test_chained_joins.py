@@ -1,4 +1,4 @@
-"""Chained verifies when a request joins mid-stream (router/rounds.py, router/links_local.py):
+"""Chained verifies when a request joins mid-stream (router/loop.py, router/links_local.py):
 a request submitted from the verifier link's worker right after a chained launch or a miss, before
 the router has that verdict. The next round drafts both requests, so the drafter's pre-call the
 verdict started answers no call; no catch-up is absorbed twice and both requests get plain

@@ -1,5 +1,5 @@
 """Chained verifies (VerifierEngine.arm_next / take_verdict / launch_next and
-LocalVerifierLink.stage_next; router/rounds.py): in an "ahead" round the verifier, once it has
+LocalVerifierLink.stage_next; router/loop.py): in an "ahead" round the verifier, once it has
 the verdict, starts the verify of the verdict's next
 tree (drafted ahead, staged by the router) before the router asks for it. Real demo engines on
 the CPU (fp32): the tokens equal plain decoding's, greedy and sampled; every chained launch is
@@ -15,7 +15,7 @@ import pytest
 from router.links import EngineUnavailable, Tag
 from router.links_local import LocalDrafterLink, LocalVerifierLink
 from router.requests import RouterConfig
-from router.scheduler import Router
+from router.loop import Router
 from spectandem.config import SamplingParams, SpecConfig
 from spectandem.demo import demo_paths
 from spectandem.local import LocalSpeculator
@@ -80,7 +80,7 @@ def test_chained_greedy_batch1_equals_plain_and_every_launch_is_used():
     # After each launch the drafter's next call started from the verifier's worker (pre_ahead),
     # and the router's own call of the same arguments took its reply every time.
     assert dlink.pre_ahead_used == vlink.chained_launches
-    # Only rounds within lookahead tokens of the end are not armed (router/rounds.py: _chains).
+    # Only rounds within lookahead tokens of the end are not armed (router/loop.py: _chains).
     assert used >= c.ready_trees - spec.lookahead
     assert not spec.verifier.requests and not spec.drafter.requests
 

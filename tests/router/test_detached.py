@@ -9,11 +9,11 @@ from __future__ import annotations
 
 import asyncio
 
-import router.rounds
+import router.loop
 from router.links_local import LocalDrafterLink, LocalVerifierLink
 from router.pipeline import KEEP_WINDOWS, ModeChooser, _ClassState
 from router.requests import RouterConfig
-from router.scheduler import Router
+from router.loop import Router
 from spectandem.config import SamplingParams, SpecConfig
 from spectandem.demo import demo_paths
 from spectandem.local import LocalSpeculator
@@ -47,7 +47,7 @@ class CountingDrafter(LocalDrafterLink):
 
 
 def test_detached_requests_decode_plainly_then_rejoin(monkeypatch):
-    monkeypatch.setattr(router.rounds, "LARGE_BATCH", 4)
+    monkeypatch.setattr(router.loop, "LARGE_BATCH", 4)
     t, d = demo_paths("eagle3")
     spec = LocalSpeculator(t, d, SpecConfig(method="eagle3"), max_slots=8, max_len=256)
     plain = LocalSpeculator(*demo_paths("none"), SpecConfig(method="none"), max_slots=8, max_len=256)

@@ -9,7 +9,7 @@ import asyncio
 import time
 
 from router.links_local import LocalDrafterLink, LocalVerifierLink
-from router.scheduler import Router
+from router.loop import Router
 from router.requests import RouterConfig
 from spectandem.config import SamplingParams, SpecConfig
 from spectandem.demo import demo_paths

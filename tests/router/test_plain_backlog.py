@@ -10,7 +10,7 @@ import asyncio
 
 from router.links_local import LocalDrafterLink, LocalVerifierLink
 from router.requests import RouterConfig
-from router.scheduler import Router
+from router.loop import Router
 from spectandem.config import SamplingParams, SpecConfig
 from spectandem.demo import demo_paths
 from spectandem.local import LocalSpeculator

@@ -11,7 +11,7 @@ import pytest
 
 from router.links import EngineUnavailable
 from router.replicas import ReplicaSet
-from router.scheduler import RouterCounters
+from router.loop import RouterCounters
 from spectandem.config import SamplingParams, SpecConfig
 from spectandem.demo import demo_paths
 from spectandem.local import LocalSpeculator

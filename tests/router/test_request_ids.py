@@ -16,7 +16,7 @@ import pytest
 
 from router.links_local import LocalDrafterLink, LocalVerifierLink
 from router.requests import RouterConfig
-from router.scheduler import Failure, Router
+from router.loop import Failure, Router
 from spectandem.config import SamplingParams, SpecConfig
 from spectandem.demo import demo_paths
 from spectandem.local import LocalSpeculator

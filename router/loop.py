@@ -1,0 +1,878 @@
+"""The router: its loop, the rounds of each pipeline mode, and what it does when an engine fails.
+
+One turn of the loop (`_loop`): `_settle` (release what ended, and what an engine that answers
+still holds for the router), `_schedule` (carry out router/scheduler.py's plan: fail what can
+never fit, preempt, admit: prefill on the verifier, stream the first token, prefill on the
+drafter), then `_round`: re-prefill the drafter with the requests it does not hold (`_resync`)
+and run one round in the mode router/pipeline.py chooses:
+- sequential (`_sequential_round`): `_draft` (a tree for the requests the drafter holds; the
+  others decode plainly), `_verify` (one batched verify of drafted and plain rows), `_apply`
+  (commit and stream each verdict, drop stale ones) and `_extend` (the drafter's catch-up);
+- ahead (`_sequential_round(ahead=True)`): the same, while the verifier verifies the drafter
+  fills its outcome cache (`_draft_ahead`), so a hit's next tree is ready with the verdict;
+- ping-pong (`_pingpong_round`): two halves, the drafter on one while the verifier verifies the
+  other;
+- short drafts ("short:N", `_draft`'s steps) and plain (`_draft` drafts for no request whose
+  tokens do not depend on the tree).
+The acceptance rule is the verifier's: a verdict (RoundResult) carries the accepted draft tokens
+and the bonus token; `_commit` streams them, cut at EOS, a stop string, max_tokens or the context.
+
+Invariants:
+- a request's committed length only grows; tokens are streamed once, in order, never taken back;
+- drafts are provisional until a verdict for their (epoch, committed length) arrives;
+- the verifier is never made to wait on a missing draft: a request without one decodes plainly
+  (its tree is just the root) in the same verify batch;
+- every admitted request ends in exactly one terminal event (finish or failure), and is released
+  on both sides;
+- a reply whose (epoch, committed length) is not the request's own is dropped and counted, never
+  applied.
+
+Preemption (`_preempt`): frees the request's KV on both sides, keeps its committed tokens, bumps
+its epoch and requeues it ahead of new requests. The drafter keeps the request's pending next
+tree, if it has one ready (draft ahead), with its draft probabilities, tagged with the committed
+length. On resume the verifier rebuilds its KV from the committed tokens (nothing is resampled),
+the drafter is re-prefilled from the verifier's features, and the kept tree is the next draft if
+its committed length still matches.
+
+The drafter is optional at every moment: if it is absent, slow (no answer within
+`drafter_timeout`) or failing, the round goes on without it; the requests it held are marked
+unsynced and are re-prefilled on the drafter (from the verifier's recomputed features) once it
+answers again. A drafter that fails or is too slow only takes the drafts out of the round; a
+verifier that fails ends the round and its requests (UNAVAILABLE).
+
+Failed engines are probed by a watcher task of their own (`_watch`), every probe_interval, off
+the round loop: a hung drafter costs the rounds one `drafter_timeout`, and a verifier that comes
+back is found while the router is idle. Whatever an engine may still hold for requests the router
+no longer runs there (a call that failed or timed out, a request ended by a verifier failure) is
+kept in `_release_v` / `_release_d` and released as soon as that engine answers: before the
+watcher declares it back, or at the next turn of the loop while it is up.
+
+Request ids are unique among live requests: `submit` refuses an id in use (DuplicateRequest,
+ALREADY_EXISTS on the wire), and a request whose id an engine still holds for an ended one
+waits to be admitted until that is released. An engine's refusal of one request at admission
+fails that request alone.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+import uuid
+
+from router.capacity import KvBudget
+from router.detok import Detokenizer
+from router.links import (DrafterLink, DrafterPrefillItem, DuplicateRequest, EngineUnavailable, ExtendItem, PlainItem,
+                          Tag, VerifierLink, VerifierPrefillItem)
+from router.pipeline import LARGE_BATCH, ModeChooser, SpeculationSwitch
+from router.requests import (Chunk, Failure, RequestStatus, RouterConfig, RouterCounters,  # noqa: F401 (re-exported)
+                             ServedRequest)
+from router.scheduler import Running, Scheduler, Waiting
+from spectandem.config import SamplingParams
+from spectandem.messages import StaleMessage, trees_from_ready
+from spectandem.reference import take_tokens
+
+log = logging.getLogger("spectandem.router")
+AHEAD_UNANSWERED_ROUNDS = 3   # "ahead" rounds in a row without a hit or miss: the drafter does not draft ahead
+
+
+class Router:
+    def __init__(self, verifier: VerifierLink, drafter: DrafterLink | None, tokenizer, cfg: RouterConfig):
+        self.verifier, self.drafter, self.tokenizer, self.cfg = verifier, drafter, tokenizer, cfg
+        self.waiting: list[ServedRequest] = []
+        self.running: list[ServedRequest] = []
+        self.serving = True                      # the verifier answers
+        self.drafter_up = drafter is not None
+        self._wake = asyncio.Event()
+        self._stopping = False   # stop(): the loop ends at its next turn even if the cancel is lost
+        self._task: asyncio.Task | None = None
+        self._watcher: asyncio.Task | None = None
+        self._live: dict[str, ServedRequest] = {}   # request id -> the request using it (not yet done)
+        self._admitted = 0
+        self._tokens_committed = 0
+        self._modes = ModeChooser(cfg)
+        self._mode = "sequential"
+        self._switch = SpeculationSwitch(cfg)
+        self._detaching = False           # new requests are admitted without the drafter
+        self.on_serving_change = None            # callback(bool), e.g. to update gRPC health
+        # Ids an engine may still hold that the router no longer runs there (a call that failed or
+        # timed out, requests ended by a failure): released once that engine answers.
+        self._release_v: set[str] = set()
+        self._release_d: set[str] = set()
+        self.counters = RouterCounters()
+        self.kv = KvBudget(cfg, drafter is not None)
+        self.scheduler = Scheduler(self.kv, cfg.max_running)
+        # Round state (the rounds section below).
+        self._ahead_unanswered = 0       # "ahead" rounds in a row whose draft-ahead answered neither hit nor miss
+        self._staged = False             # the last round staged every request's next trees on the verifier
+        self._from_ready = False         # this round's tree is the router's own (every request hit)
+        self._capped_plain = False       # this round's plain steps were cut by the requests' ends
+        self._drafted_any = False        # this round drafted for some request
+        self._draft_failed = frozenset()   # ids whose draft this round came back unusable (stale)
+        # Listeners get (event, request, data): "admitted", "tokens" (data: number of new tokens,
+        # the first time also {"first": True}), "finished" (data: finish reason),
+        # "failed" (data: status code name), "cancelled". Metrics and logs hook in here.
+        self.listeners: list = []
+
+    # ---------------------------------------------------------------- public side
+
+    def start(self) -> None:
+        loop = asyncio.get_running_loop()
+        self._task = loop.create_task(self._loop())
+        self._watcher = loop.create_task(self._watch())
+
+    async def stop(self) -> None:
+        if self._watcher:
+            self._watcher.cancel()
+        if self._task:
+            # Cancelling alone is not enough: on Python 3.11 an `asyncio.wait_for` whose inner call
+            # finishes as the cancel arrives returns the result and drops the cancel, and the loop
+            # then waits on `_wake` for ever. The flag ends it at its next turn either way.
+            self._stopping = True
+            self._wake.set()
+            self._task.cancel()
+            try:
+                await self._task
+            except asyncio.CancelledError:
+                pass
+        for r in self.waiting + self.running:
+            self._finish_failure(r, Failure("UNAVAILABLE", "the server is shutting down"))
+        try:
+            await asyncio.wait_for(self._forget_kept(self.waiting), self.cfg.probe_interval * 5)
+            # A dying or restarting engine must not hold shutdown: the engines go away next anyway.
+            await asyncio.wait_for(self._release([r for r in self.running if r.on_verifier or r.on_drafter]),
+                                   self.cfg.probe_interval * 5)
+            await asyncio.wait_for(self._settle(), self.cfg.probe_interval * 5)
+        except asyncio.TimeoutError:
+            log.warning("engines did not confirm releases at shutdown")
+
+    def submit(self, prompt_ids: list[int], params: SamplingParams, request_id: str | None = None) -> ServedRequest:
+        """Queues a request. Raises EngineUnavailable while the verifier is down, DuplicateRequest
+        when `request_id` names a request that has not ended."""
+        if not self.serving:
+            raise EngineUnavailable("the verifier is not available")
+        if request_id and self.in_use(request_id):
+            raise DuplicateRequest(f"request_id {request_id!r} is already in use by a request that has not ended")
+        req = ServedRequest(request_id or uuid.uuid4().hex, list(prompt_ids), params, params.resolved_seed(),
+                            Detokenizer(self.tokenizer, params.stop))
+        self._live[req.request_id] = req
+        self.waiting.append(req)
+        self._wake.set()
+        return req
+
+    def in_use(self, request_id: str) -> bool:
+        """Whether a request that has not ended uses this id."""
+        return request_id in self._live
+
+    def _ended(self, r: ServedRequest, status: RequestStatus) -> None:
+        """Ends the request: its id may be used again (admitted once the engines let it go)."""
+        r.status = status
+        if self._live.get(r.request_id) is r:
+            del self._live[r.request_id]
+
+    def _emit(self, event: str, req: ServedRequest, data=None) -> None:
+        for fn in self.listeners:
+            try:
+                fn(event, req, data)
+            except Exception:  # an observer must never break serving
+                log.exception("listener failed on %s", event)
+
+    def cancel(self, req: ServedRequest) -> None:
+        """Stops all work for the request (client cancel, disconnect or deadline)."""
+        if not req.done:
+            self.counters.requests_cancelled += 1
+            self._emit("cancelled", req)
+            self._ended(req, RequestStatus.CANCELLED)
+            req.events.put_nowait(Chunk([], "", finish_reason="abort", stats=req.stats()))
+            self._wake.set()
+
+    @property
+    def num_active(self) -> int:
+        return len(self.waiting) + len(self.running)
+
+    # ---------------------------------------------------------------- the loop, scheduling, admission
+
+    async def _loop(self) -> None:
+        while not self._stopping:
+            if not self.waiting and not self.running and not self._releases_due():
+                self._wake.clear()
+                await self._wake.wait()
+                if self._stopping:
+                    return
+            try:
+                await self._settle()
+                await self._schedule()
+                await self._round()
+            except asyncio.CancelledError:
+                raise
+            except Exception as exc:  # a bug must not leave clients waiting forever
+                log.exception("round failed")
+                for r in self.running + self.waiting:
+                    self._finish_failure(r, Failure("INTERNAL", f"round failed: {exc}"))
+                await self._release(self.running)
+                self.running, self.waiting = [], []
+            await asyncio.sleep(0)
+
+    async def _release_finished(self) -> None:
+        finished = [r for r in self.running if r.done]
+        if finished:
+            self.running = [r for r in self.running if not r.done]
+            await self._release(finished)
+
+    async def _schedule(self) -> None:
+        """Carries out the scheduler's plan (router/scheduler.py): fails the requests that can
+        never fit, preempts until the next round fits both KV pools, admits."""
+        await self._release_finished()
+        cancelled = [r for r in self.waiting if r.status is RequestStatus.CANCELLED]
+        await self._forget_kept(cancelled)
+        self.waiting = [r for r in self.waiting if r.status is not RequestStatus.CANCELLED]
+        held = self._release_v | {r.request_id for r in self.running}   # ids an engine still holds
+        plan = self.scheduler.plan([Running(r.request_id, r.committed_len, r.admit_seq) for r in self.running],
+                                   [Waiting(r.request_id, r.committed_len, r.resuming) for r in self.waiting], held)
+        waiting = {r.request_id: r for r in self.waiting}
+        batch = [waiting[i] for i in plan.admit]
+        for rid, why in plan.fail_waiting:
+            r = waiting[rid]
+            self.waiting.remove(r)
+            self._finish_failure(r, Failure("RESOURCE_EXHAUSTED", why))
+            await self._forget_kept([r])
+        await self._make_room(plan)
+        if batch:
+            for r in batch:
+                self.waiting.remove(r)
+            await self._admit(batch)
+
+    async def _make_room(self, plan=None) -> None:
+        """Carries out the plan's preemptions and its failure of a request that alone outgrows the
+        pools; without a plan, plans them for the running requests as they are now (the round
+        checks again after admission: a new request's first token may take a block more)."""
+        if plan is None:
+            plan = self.scheduler.plan([Running(r.request_id, r.committed_len, r.admit_seq) for r in self.running], [])
+        running = {r.request_id: r for r in self.running}
+        for rid in plan.preempt:
+            await self._preempt(running[rid])
+        for rid, why in plan.fail_running:
+            r = running[rid]
+            self._finish_failure(r, Failure("RESOURCE_EXHAUSTED", why))
+            self.running = [x for x in self.running if x is not r]
+            await self._release([r])
+
+    async def _preempt(self, victim: ServedRequest) -> None:
+        """Frees the request's KV on both sides (the drafter keeps its ready next tree), keeps its
+        committed tokens and requeues it ahead of new requests, under a new epoch."""
+        self.running.remove(victim)
+        await self._release([victim], keep_draft=True)
+        victim.epoch += 1
+        if not victim.done:
+            victim.status = RequestStatus.PREEMPTED
+        self.counters.preemptions += 1
+        first_new = next((i for i, w in enumerate(self.waiting) if not w.resuming), len(self.waiting))
+        self.waiting.insert(first_new, victim)
+        log.info("preempted %s at committed length %d (epoch %d)", victim.request_id, victim.committed_len,
+                 victim.epoch)
+
+    async def _admit(self, batch: list[ServedRequest]) -> None:
+        """Prefills the planned requests on the verifier, streams their first tokens (resumed
+        ones commit nothing new) and prefills them on the drafter."""
+        resumed = {r.request_id for r in batch if r.resuming}
+        # "auto" settled on plain at this batch size: admit without the drafter (router/pipeline.py).
+        detach = self.drafter is not None and self._modes.settled_plain(len(self.running) + len(batch))
+        if detach != self._detaching:
+            self._detaching = detach
+            log.info("auto pipeline: new requests are admitted %s the drafter (%d running)",
+                     "without" if detach else "with", len(self.running) + len(batch))
+        batch, results = await self._prefill_verifier(batch, self.cfg.want_features and not detach, resumed)
+        if not batch:
+            return
+        for r in batch:
+            r.detached = detach
+        if detach:
+            self.counters.detached_admissions += len(batch)
+        for r in batch:
+            r.on_verifier = True
+            if r.admit_seq < 0:
+                self._admitted += 1
+                r.admit_seq = self._admitted
+                self.counters.requests_admitted += 1
+                self._emit("admitted", r)
+        self.running.extend(batch)
+        features = {}
+        for r, res in zip(batch, results):
+            if not r.done:
+                r.status = RequestStatus.RUNNING
+            if r.request_id in resumed:  # resumed: nothing new to commit
+                self.counters.resumes += 1
+                features[r.request_id] = res.features
+            elif self._commit(r, [res.first_token_id]):
+                features[r.request_id] = res.features
+        live = [r for r in batch if not r.done]
+        if self.drafter_up and live and not detach:
+            await self._drafter_prefill(live, [features[r.request_id] for r in live])
+        await self._release([r for r in batch if r.done])
+
+    async def _prefill_verifier(self, batch: list[ServedRequest], want_features: bool, resumed: set[str]):
+        """-> (the requests the verifier took, its results in their order); `resumed`: the ids of
+        preempted requests, prefilled with their committed tokens. A refusal (ValueError)
+        of the batch is retried request by request, so that only the refused ones fail; an
+        unavailable verifier fails them all (and everything waiting)."""
+        def item(r: ServedRequest) -> VerifierPrefillItem:
+            resume = r.request_id in resumed
+            tag = Tag(r.request_id, r.epoch, r.committed_len if resume else len(r.prompt_ids))
+            return VerifierPrefillItem(tag, r.prompt_ids + r.tokens if resume else r.prompt_ids, r.params,
+                                       r.seed, resume=resume)
+        groups = [batch]
+        taken, results = [], []
+        while groups:
+            group = groups.pop(0)
+            try:
+                out = await self.verifier.prefill([item(r) for r in group], want_features)
+            except EngineUnavailable as exc:
+                self._release_v.update(r.request_id for r in group + taken)   # it may hold some
+                self._verifier_failed(self.running + group + [r for g in groups for r in g], exc)
+                self.running = []
+                for r in taken:
+                    self._finish_failure(r, Failure("UNAVAILABLE", "the verifier is unavailable; try again"))
+                return [], []
+            except ValueError as exc:
+                if len(group) > 1:
+                    groups[:0] = [[r] for r in group]
+                    continue
+                log.warning("the verifier refused request %s: %s", group[0].request_id, exc)
+                self._finish_failure(group[0], Failure("INVALID_ARGUMENT", f"the verifier refused the request: {exc}"))
+                await self._forget_kept(group)
+                continue
+            taken += group
+            results += out
+        return taken, results
+
+    async def _drafter_prefill(self, reqs: list[ServedRequest], features: list) -> None:
+        items = [DrafterPrefillItem(r.tag(), r.prompt_ids + r.tokens[:-1], r.tokens[-1], r.params, r.seed, f)
+                 for r, f in zip(reqs, features)]
+        try:
+            untaken = await asyncio.wait_for(self.drafter.prefill(items), self.cfg.drafter_timeout)
+            for r in reqs:
+                r.on_drafter = r.request_id not in untaken   # untaken: resynced before the next draft
+                r.drafter_kept = False   # the prefill took the kept tree back, or dropped it
+        except (EngineUnavailable, asyncio.TimeoutError, StaleMessage) as exc:
+            self._release_d.update(r.request_id for r in reqs)   # a late prefill may still land
+            self._drafter_failed(exc)
+        except ValueError as exc:   # refused: these requests decode without drafts
+            log.warning("the drafter refused %d requests (%s): they decode without drafts", len(reqs), exc)
+            self._release_d.update(r.request_id for r in reqs)
+            for r in reqs:
+                r.on_drafter = False
+                r.drafter_refused = True
+
+    # ---------------------------------------------------------------- rounds
+
+    async def _round(self) -> None:
+        await self._release_finished()   # requests that ended during admission
+        await self._make_room()
+        if not self.running:
+            return
+        await self._resync()
+        mode = self._mode = self._modes.choose(len(self.running), self.drafter_up)
+        t0, before = time.perf_counter(), self._tokens_committed
+        self._capped_plain = self._drafted_any = False
+        self._draft_failed = frozenset()
+        if mode == "pingpong":
+            await self._pingpong_round()
+        else:
+            await self._sequential_round(ahead=mode == "ahead")
+        # A plain round whose steps were cut by the requests' ends decodes fewer tokens than the
+        # mode does: the batch's tail, not plain decoding's rate. It does not count as a measurement,
+        # nor does a speculating round that drafted for no request (all detached: router/pipeline.py).
+        detached_only = not self._drafted_any and any(r.detached for r in self.running)
+        if not self._capped_plain and (mode == "plain" or not detached_only):
+            self._modes.record(mode, self._tokens_committed - before, time.perf_counter() - t0)
+
+    async def _sequential_round(self, ahead: bool = False) -> None:
+        """Draft, verify, extend. `ahead`: while the verifier verifies, the drafter prepares the
+        next trees for the likeliest outcomes; on a hit the next draft call returns at once and
+        the catch-up with the real features runs while the verifier is busy again."""
+        draft, drafted = await self._draft(self.running)
+        # The verifier started this round's tree itself (the last round staged its trees, and
+        # the router holds every request's tree for the verdict): its host work is done, the
+        # drafter goes at once. Otherwise the drafter's turn comes once the forward is queued.
+        started, self._staged = self._staged and self._from_ready, False
+        gate = ahead and drafted and not started
+        launched = asyncio.get_running_loop().create_future() if gate else None
+        chain = ahead and self._chains(drafted) and self.verifier.arm_next([r.tag() for r in drafted],
+                                                                            then=self._pre_ahead,
+                                                                            missed=self._pre_draft)
+        verify = asyncio.ensure_future(self._verify(draft, drafted, self.running, launched))
+        try:
+            if launched is not None:   # the drafter's turn once the verify forward is queued
+                await asyncio.wait([launched, verify], return_when=asyncio.FIRST_COMPLETED)
+            cached = [r for r in drafted if self._cached(r, ahead)]
+            if cached:   # with their held-back catch-ups (the last verdict's, if it hit), in one call
+                # Chaining, the trees go straight to the verifier where the link can (the same
+                # order: every drafted request is cached); the router stages them too, below.
+                direct = self.verifier.direct_stage() if chain and cached == drafted else None
+                await self._draft_ahead(cached, self._take_backlog(cached), direct)
+        finally:
+            if chain:   # the verifier starts the verdict's next tree itself, if it has one
+                trees = [r.ahead_trees[1] if r.ahead_trees is not None else None for r in drafted]
+                self._staged = all(t is not None for t in trees)
+                self.verifier.stage_next(trees)
+            results = await verify
+        if results is not None:
+            extend = self._apply(results, drafted, self.running)
+            ready = {r.request_id for r in drafted if r.next_tree is not None}
+            if extend and ahead and all(i.tag.request_id in ready for i in extend):
+                # Every drafted request hit and the router holds its next tree: the next round's
+                # verify goes out first, and this catch-up rides with its draft-ahead call.
+                by_id = {r.request_id: r for r in drafted}
+                for item in extend:
+                    by_id[item.tag.request_id].backlog.append(item)
+            elif extend:   # after what the requests still hold back, in order
+                await self._extend(self._take_backlog(drafted) + extend)
+
+    def _pre_ahead(self, results):
+        """From the verifier link's worker, once it has launched a chained verify (every request
+        hit): the drafter's next draft-ahead call starts now with the arguments the router's
+        next round gives it (this verdict's catch-ups), where the drafter link can
+        (DrafterLink.pre_ahead). Its reply answers that call. -> what pre_ahead returns."""
+        return self.drafter.pre_ahead(*_next_call_args(results))
+
+    def _pre_draft(self, results):
+        """From the verifier link's worker, when an armed verify's verdict did not chain (a miss):
+        the drafter's catch-up and the next round's draft start now, with the arguments the
+        router's next calls give (DrafterLink.pre_draft). Its tree answers that draft call.
+        -> what pre_draft returns."""
+        return self.drafter.pre_draft(*_next_call_args(results))
+
+    def _cached(self, r: ServedRequest, ahead: bool) -> bool:
+        """Whether this ahead round drafts ahead for `r` (its next tree may be held for the router)."""
+        return (ahead and r.on_drafter and self.drafter_up
+                and (self.cfg.pipeline == "ahead" or self._invisible_when_plain(r)))
+
+    def _chains(self, drafted: list[ServedRequest]) -> bool:
+        """Whether this ahead round's verify may chain (VerifierLink.arm_next): every running
+        request is drafted and drafted ahead, none waits to be admitted, none can reach its
+        max_tokens in this round (it commits fewer than lookahead tokens) and the next tree fits
+        the context, so the next round verifies the same requests with the trees draft ahead
+        returns for this verdict. Else a chained verify would be dropped, its forward wasted
+        (a request that stops on EOS or a stop string still wastes one)."""
+        k = self.cfg.lookahead
+        return (bool(drafted) and len(drafted) == len(self.running) and not self.waiting
+                and all(self._cached(r, True) and r.params.max_tokens - len(r.tokens) > k
+                        and r.committed_len + 2 * k <= self.cfg.max_len for r in drafted))
+
+    async def _draft_ahead(self, reqs: list[ServedRequest], extend: list[ExtendItem] = (),
+                           on_trees=None) -> None:
+        """Draft ahead for `reqs`, after the catch-up `extend` (held back by the last round).
+        `on_trees`: the verifier link's direct_stage, for the drafter link."""
+        try:
+            reply = await asyncio.wait_for(self.drafter.draft_ahead([r.tag() for r in reqs], extend, on_trees),
+                                           self.cfg.drafter_timeout)
+        except (EngineUnavailable, asyncio.TimeoutError, StaleMessage) as exc:
+            self._drafter_failed(exc)
+            return
+        self._off_drafter(reply.unknown)
+        flags = reply.hits
+        for r, trees in zip(reqs, reply.trees):
+            r.ahead_trees = (r.committed_len, trees) if trees else None
+        self.counters.draft_ahead_hits += sum(f is True for f in flags)
+        self.counters.draft_ahead_misses += sum(f is False for f in flags)
+        # A drafter that drafts ahead answers hit or miss from its second such round on; one
+        # that never does (None for every request, round after round) makes "ahead" a plain
+        # sequential round plus a call: "auto" stops offering it.
+        self._ahead_unanswered = 0 if any(f is not None for f in flags) else self._ahead_unanswered + 1
+        if (self._ahead_unanswered >= AHEAD_UNANSWERED_ROUNDS and self.cfg.pipeline == "auto"
+                and "ahead" not in self._modes.unavailable):
+            self._modes.unavailable.add("ahead")
+            log.info("the drafter does not draft ahead: pipeline mode \"ahead\" is no longer a candidate")
+
+    def _invisible_when_plain(self, r: ServedRequest) -> bool:
+        """Deterministic drafts: a plain round draws exactly the tokens a speculative one would."""
+        return not r.params.drafts_sampled(self.cfg.draft_sampling_min_temperature)
+
+    async def _pingpong_round(self) -> None:
+        """Ping-pong: the drafter drafts half B while the verifier verifies half A, then catches
+        up half A while the verifier verifies half B. Each request still sees draft -> verify ->
+        extend in order, so its tokens are those of the sequential loop."""
+        a, b = self.running[0::2], self.running[1::2]
+        draft_a, drafted_a = await self._draft(a)
+        verify_a = asyncio.ensure_future(self._verify(draft_a, drafted_a, a))
+        draft_b, drafted_b = await self._draft(b)
+        results_a = await verify_a
+        if results_a is None:
+            return
+        extend_a = self._apply(results_a, drafted_a, a)
+        verify_b = asyncio.ensure_future(self._verify(draft_b, drafted_b, b))
+        if extend_a:
+            await self._extend(extend_a)
+        results_b = await verify_b
+        if results_b is None:
+            return
+        extend_b = self._apply(results_b, drafted_b, b)
+        if extend_b:
+            await self._extend(extend_b)
+
+    async def _draft(self, group: list[ServedRequest]):
+        """-> (draft handle or None, the requests it covers). Requests not covered decode plainly."""
+        fits = lambda r: r.committed_len - 1 + self.cfg.lookahead <= self.cfg.max_len
+        spec_off = self._switch.off(self.counters.rounds) or self._mode == "plain"
+        drafted = [r for r in group if self.drafter_up and r.on_drafter and fits(r)
+                   and not (spec_off and self._invisible_when_plain(r))]
+        ready = [r.next_tree for r in drafted]
+        self._from_ready = False
+        for r in group:
+            r.next_tree = None       # a ready tree serves this round or none
+        if drafted and all(t is not None and t[0] == r.committed_len for t, r in zip(ready, drafted)):
+            # Draft ahead hit for every drafted request: the trees the router holds are those the
+            # drafter would return (drafter/engine.py makes both from the same rows).
+            tree = trees_from_ready([r.request_id for r in drafted], [r.committed_len for r in drafted],
+                                    [t[1] for t in ready])
+            self.counters.ready_trees += len(drafted)
+            self._drafted_any = self._from_ready = True
+            return self.drafter.ready_handle(tree, [r.tag() for r in drafted]), drafted
+        if not drafted:
+            return None, []
+        self._drafted_any = True
+        backlog = self._take_backlog(drafted)
+        if backlog:   # held-back catch-ups (plain rounds, a hit's): the drafter must be in step first
+            await self._extend(backlog)
+            drafted = [r for r in drafted if r.on_drafter and self.drafter_up]
+            if not drafted:
+                return None, []
+        steps = None
+        if self._mode.startswith("short:"):   # shorter trees where the tree does not decide the tokens
+            cap = int(self._mode.split(":")[1])
+            steps = [cap if self._invisible_when_plain(r) else None for r in drafted]
+        try:
+            draft = await asyncio.wait_for(self.drafter.draft([r.tag() for r in drafted], steps),
+                                           self.cfg.drafter_timeout)
+        except (EngineUnavailable, asyncio.TimeoutError, StaleMessage) as exc:
+            self._drafter_failed(exc)
+            return None, []
+        if list(draft.tags) != [r.tag() for r in drafted]:
+            self.counters.stale_dropped += 1   # a draft of another epoch or length: never verified
+            self._draft_failed = self._draft_failed | {r.request_id for r in drafted}
+            return None, []
+        return draft, drafted
+
+    async def _verify(self, draft, drafted: list[ServedRequest], group: list[ServedRequest], launched=None):
+        """One batched verify of the group (drafted rows, then plain rows); None if the verifier
+        failed. `launched` (a future): resolved once the verifier's forward is queued (VerifierLink.verify's
+        on_launch)."""
+        steps = self._plain_steps(group) if not drafted else 1
+        plain = [PlainItem(r.tag(), r.tokens[-1], steps) for r in group if r not in drafted]
+        # No features for a round of detached requests only: no drafter will catch up on them.
+        want = self.cfg.want_features and (any(r.on_drafter for r in group) or not any(r.detached for r in group))
+        try:
+            if launched is not None:
+                loop = asyncio.get_running_loop()
+                done = lambda: loop.call_soon_threadsafe(lambda: launched.done() or launched.set_result(None))
+                return await self.verifier.verify(draft, plain, want, on_launch=done)
+            return await self.verifier.verify(draft, plain, want)
+        except EngineUnavailable as exc:
+            self._verifier_failed(list(self.running), exc)
+            self.running = []
+            return None
+
+    def _plain_steps(self, group: list[ServedRequest]) -> int:
+        """Tokens per request of a round without drafts: cfg.plain_steps when every request is
+        greedy, at most what each may still generate (max_tokens, the context). Sets
+        `_capped_plain` when the requests' ends cut it."""
+        k = self.cfg.plain_steps
+        if k <= 1 or not all(r.params.greedy for r in group):
+            return 1
+        for r in group:
+            k = min(k, r.params.max_tokens - len(r.tokens), self.cfg.max_len - r.committed_len + 1)
+        self._capped_plain = self._capped_plain or k < self.cfg.plain_steps
+        return max(k, 1)
+
+    def _apply(self, results, drafted: list[ServedRequest], group: list[ServedRequest]) -> list[ExtendItem]:
+        """Commits a verify's results (dropping stale ones); returns the drafter catch-up items."""
+        extend = []
+        c = self.counters
+        c.rounds += 1
+        expected = {r.request_id: r for r in group}
+        for res in results:
+            r = expected.pop(res.tag.request_id, None)
+            if r is None or res.tag.epoch != r.epoch or res.tag.committed_len != r.committed_len + len(res.token_ids):
+                c.stale_dropped += 1   # a reply of an old epoch (or unknown): dropped, never applied
+                if r is not None:
+                    expected[r.request_id] = r
+                continue
+            r.num_rounds += 1
+            r.draft_tokens += res.num_draft_tokens
+            r.accepted_tokens += res.num_accepted
+            if res.num_draft_tokens:
+                c.num_drafts += 1
+                c.draft_tokens += res.num_draft_tokens
+                c.accepted_tokens += res.num_accepted
+                c.add_accepted(res.num_accepted)
+                self._switch.observe(res.num_accepted, c.rounds)
+            if r not in drafted and self.drafter is not None:
+                if self.drafter_up and (r.on_drafter or r.detached) and r.request_id not in self._draft_failed:
+                    r.plain_rounds += 1
+                    c.plain_rounds += 1
+                else:
+                    r.fallback_rounds += 1
+                    c.fallback_rounds += 1
+            ahead, r.ahead_trees = r.ahead_trees, None
+            if ahead is not None and ahead[0] == r.committed_len:
+                hit = ahead[1].get(tuple(res.token_ids))
+                r.next_tree = None if hit is None else (r.committed_len + len(res.token_ids), hit)
+            going_on = self._commit(r, res.token_ids) if not r.done else False
+            if going_on and r.on_drafter and self.drafter_up:
+                item = ExtendItem(Tag(r.request_id, r.epoch, r.committed_len), res.token_ids, res.features)
+                # Decoded plainly: the catch-up waits until the request is drafted again, when the
+                # drafter absorbs every held-back round in one forward (the drafter's engine merges
+                # them), so rounds of "plain" cost the drafter nothing.
+                (r.backlog if r not in drafted else extend).append(item)
+            elif going_on:
+                r.on_drafter = False
+                r.backlog.clear()
+        return extend
+
+    async def _extend(self, items: list[ExtendItem]) -> None:
+        try:
+            unknown = await asyncio.wait_for(self.drafter.extend(items), self.cfg.drafter_timeout)
+        except (EngineUnavailable, asyncio.TimeoutError, StaleMessage) as exc:
+            self._drafter_failed(exc)
+            return
+        self._off_drafter(unknown)
+
+    def _off_drafter(self, unknown: list[str]) -> None:
+        """Requests the drafter reports it does not hold (it restarted): re-prefill them."""
+        for r in self.running:
+            if r.request_id in unknown:
+                r.on_drafter = False
+                r.backlog.clear()
+                r.ahead_trees = r.next_tree = None
+
+    @staticmethod
+    def _take_backlog(reqs: list[ServedRequest]) -> list[ExtendItem]:
+        """The requests' held-back catch-ups (ServedRequest.backlog), in order; their backlogs emptied."""
+        items = [item for r in reqs for item in r.backlog]
+        for r in reqs:
+            r.backlog.clear()
+        return items
+
+    async def _flush_backlog(self, reqs: list[ServedRequest]) -> None:
+        """Sends the requests' held-back catch-ups now (before a preempting release)."""
+        items = self._take_backlog(reqs)
+        if items and self.drafter_up:
+            await self._extend(items)
+
+    async def _resync(self) -> None:
+        """Re-prefills, on a drafter that is (back) up, the requests it does not hold."""
+        if not self.drafter_up:
+            return
+        large = len(self.running) >= LARGE_BATCH   # detached requests rejoin below it
+        stale = [r for r in self.running if not r.on_drafter and not r.done and not r.drafter_refused
+                 and not (r.detached and large)]
+        for r in stale:
+            r.detached = False
+        if not stale:
+            return
+        feats = []
+        try:
+            for r in stale:
+                feats.append(await self.verifier.features(r.tag()) if self.cfg.want_features else None)
+        except EngineUnavailable as exc:
+            self._verifier_failed(list(self.running), exc)
+            self.running = []
+            return
+        await self._drafter_prefill(stale, feats)
+
+    # ---------------------------------------------------------------- streaming
+
+    def _commit(self, r: ServedRequest, tokens: list[int]) -> bool:
+        """Streams a round's tokens; returns True while the request goes on."""
+        if r.done:
+            return False
+        n, reason = take_tokens(len(r.tokens), tokens, r.params, self.cfg.eos_token_ids,
+                                r.committed_len + len(tokens), self.cfg.max_len)
+        new = tokens[:n]
+        r.tokens.extend(new)
+        self._tokens_committed += len(new)
+        text = r.detok.push(new)
+        if r.detok.stopped and reason is None:
+            reason = "stop"
+        first = r.num_rounds == 0 and len(r.tokens) == len(new)
+        self._emit("tokens", r, {"count": len(new), "first": first})
+        if reason is None:
+            r.events.put_nowait(Chunk(new, text, prompt_tokens=len(r.prompt_ids) if first else 0))
+            return True
+        text += r.detok.flush()
+        self._ended(r, RequestStatus.FINISHED)
+        self.counters.requests_finished += 1
+        self._emit("finished", r, reason)
+        r.events.put_nowait(Chunk(new, text, finish_reason=reason, stats=r.stats(),
+                                  prompt_tokens=len(r.prompt_ids) if first else 0))
+        return False
+
+    def _finish_failure(self, r: ServedRequest, failure: Failure) -> None:
+        if not r.done:
+            self.counters.requests_failed += 1
+            self._emit("failed", r, failure.code)
+            self._ended(r, RequestStatus.FAILED)
+            r.events.put_nowait(failure)
+
+    # ---------------------------------------------------------------- engine failures and releases
+
+    def _verifier_failed(self, reqs: list[ServedRequest], exc: Exception) -> None:
+        """Fails `reqs` and every waiting request with UNAVAILABLE (the cause goes to the log, not
+        to clients: it names internal addresses) and marks the verifier down. What the engines
+        hold for them is released once each answers (the drafter's at once, if it is up). The
+        caller drops `reqs` from the running batch."""
+        log.error("verifier failed: %s", exc)
+        for r in reqs:
+            if r.on_verifier:
+                self._release_v.add(r.request_id)
+            if r.on_drafter or r.drafter_kept:
+                self._release_d.add(r.request_id)
+            r.on_verifier = r.on_drafter = r.drafter_kept = False
+            r.backlog.clear()
+            r.ahead_trees = r.next_tree = None
+        for r in self.waiting:
+            if r.drafter_kept:
+                self._release_d.add(r.request_id)
+                r.drafter_kept = False
+        for r in reqs + self.waiting:
+            self._finish_failure(r, Failure("UNAVAILABLE", "the verifier is unavailable; try again"))
+        self.waiting = []
+        self._set_serving(False)
+
+    def _drafter_failed(self, exc: Exception) -> None:
+        """Rounds go on without the drafter; what it held is released once it answers again (the
+        running requests are then re-prefilled from the verifier's features)."""
+        if self.drafter_up:
+            self.counters.drafter_outages += 1
+            log.warning("the drafter is unavailable (%s): decoding without drafts until it answers again",
+                        str(exc) or type(exc).__name__)
+        self.drafter_up = False
+        for r in self.running:
+            if r.on_drafter:
+                self._release_d.add(r.request_id)
+            r.on_drafter = False
+            r.backlog.clear()
+            r.ahead_trees = r.next_tree = None
+
+    def _releases_due(self) -> bool:
+        """Whether an engine that answers still holds ids the router let go of."""
+        return bool((self._release_v and self.serving) or (self._release_d and self.drafter_up))
+
+    async def _settle(self) -> None:
+        """Before admission: finished requests are released on both sides (a new request may reuse
+        an id), and what an engine that answers still holds for the router is let go of."""
+        await self._release_finished()
+        if self._release_v and self.serving:
+            ids = sorted(self._release_v)
+            try:
+                await asyncio.wait_for(self.verifier.release(ids), self.cfg.probe_interval * 5)
+                self._release_v.difference_update(ids)
+            except (EngineUnavailable, asyncio.TimeoutError) as exc:
+                self._verifier_failed(self.running, exc)
+                self.running = []
+        if self._release_d and self.drafter_up:
+            ids = sorted(self._release_d)
+            try:
+                await asyncio.wait_for(self.drafter.release(ids), self.cfg.drafter_timeout)
+                self._release_d.difference_update(ids)
+            except (EngineUnavailable, asyncio.TimeoutError) as exc:
+                self._drafter_failed(exc)
+
+    async def _watch(self) -> None:
+        """Probes failed engines every probe_interval, off the round loop. An engine is declared
+        back only once it has released what it still held for the router."""
+        while not self._stopping:
+            await asyncio.sleep(self.cfg.probe_interval)
+            if not self.serving:
+                await self._probe_verifier()
+            if self.drafter is not None and not self.drafter_up:
+                await self._probe_drafter()
+
+    async def _probe_verifier(self) -> None:
+        try:
+            await asyncio.wait_for(self.verifier.info(), self.cfg.probe_interval * 5)
+            while self._release_v:   # ids added while a release is under way go in the next one
+                ids = sorted(self._release_v)
+                await asyncio.wait_for(self.verifier.release(ids), self.cfg.probe_interval * 5)
+                self._release_v.difference_update(ids)
+        except Exception as exc:
+            log.debug("verifier probe: %s", exc)
+            return
+        self._set_serving(True)
+        self._wake.set()
+
+    async def _probe_drafter(self) -> None:
+        try:
+            await asyncio.wait_for(self.drafter.info(), self.cfg.drafter_timeout)
+            while self._release_d:
+                ids = sorted(self._release_d)
+                await asyncio.wait_for(self.drafter.release(ids), self.cfg.drafter_timeout)
+                self._release_d.difference_update(ids)
+        except Exception as exc:
+            log.debug("drafter probe: %s", exc)
+            return
+        for r in self.waiting:   # what it kept for preempted requests went with the releases
+            r.drafter_kept = False
+        self.drafter_up = True
+        log.warning("the drafter answers again: speculation resumes")
+        self._wake.set()
+
+    def _set_serving(self, up: bool) -> None:
+        if up != self.serving:
+            self.serving = up
+            log.warning("the verifier %s", "answers again: serving" if up else "is unavailable: not serving")
+            if self.on_serving_change:
+                self.on_serving_change(up)
+
+    async def _forget_kept(self, reqs: list[ServedRequest]) -> None:
+        """Releases the drafter's kept trees of preempted requests that will not resume."""
+        kept = [r for r in reqs if r.drafter_kept]
+        for r in kept:
+            r.drafter_kept = False
+        if kept and not self.drafter_up:
+            self._release_d.update(r.request_id for r in kept)
+        elif kept:
+            try:
+                await asyncio.wait_for(self.drafter.release([r.request_id for r in kept]), self.cfg.drafter_timeout)
+            except (EngineUnavailable, asyncio.TimeoutError) as exc:
+                self._release_d.update(r.request_id for r in kept)
+                self._drafter_failed(exc)
+
+    async def _release(self, reqs: list[ServedRequest], keep_draft: bool = False) -> None:
+        """Frees the requests on both sides; keep_draft (preemption): the drafter keeps each
+        one's ready next tree for its resume. An engine that does not answer gets them again
+        once it does (`_release_v`, `_release_d`)."""
+        if keep_draft:   # in step first: a preempted request's drafter keeps its next tree
+            await self._flush_backlog([r for r in reqs if r.on_drafter])
+        ids_v = [r.request_id for r in reqs if r.on_verifier]
+        ids_d = [r.request_id for r in reqs if r.on_drafter]
+        for r in reqs:
+            r.drafter_kept = keep_draft and r.on_drafter and self.drafter_up
+            r.on_verifier = r.on_drafter = False
+            r.backlog.clear()
+            r.ahead_trees = r.next_tree = None
+        # Pending until confirmed, so that a call that fails, times out or is cancelled (stop)
+        # leaves them to be released again; a kept tree is released when its request ends.
+        self._release_v.update(ids_v)
+        if ids_d and not (keep_draft and self.drafter_up):
+            self._release_d.update(ids_d)
+        if ids_v and self.serving:
+            try:
+                await asyncio.wait_for(self.verifier.release(ids_v), self.cfg.probe_interval * 5)
+                self._release_v.difference_update(ids_v)
+            except (EngineUnavailable, asyncio.TimeoutError):
+                pass   # released by `_settle`, or by the watcher once the verifier answers
+        if not ids_d:
+            return
+        if self.drafter_up:
+            try:
+                await asyncio.wait_for(self.drafter.release(ids_d, keep_draft), self.cfg.drafter_timeout)
+                self._release_d.difference_update(ids_d)
+            except (EngineUnavailable, asyncio.TimeoutError) as exc:
+                self._release_d.update(ids_d)
+                self._drafter_failed(exc)
+
+
+def _next_call_args(results) -> tuple[list, list[ExtendItem]]:
+    """A verdict's RoundResults -> the tags and catch-up items of the drafter's next call."""
+    return [res.tag for res in results], [ExtendItem(res.tag, res.token_ids, res.features) for res in results]
