@@ -27,7 +27,7 @@ import torch
 from drafter.engine import DrafterEngine, build_proposer
 from drafter.service_core import (drafter_draft, drafter_draft_ahead, drafter_extend, drafter_info, drafter_prefill,
                                   drafter_release)
-from router.links import AheadReply, DrafterPrefillItem, EngineInfo, ExtendItem, Tag
+from spectandem.protocol import AheadReply, DrafterPrefillItem, EngineInfo, ExtendItem, Tag
 from spectandem.channel import FeatureReceiver
 from spectandem.config import GpuPaths, SpecConfig
 from spectandem.messages import DraftTree

@@ -38,9 +38,9 @@ from ray.util.placement_group import placement_group, remove_placement_group
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
 from drafter.actor import DrafterActor
-from router.links import (AheadReply, DraftHandle, DrafterPrefillItem, EngineInfo, EngineStartError, EngineUnavailable,
-                          ExtendItem, PlainItem, RemoteDrafterLink, RemoteVerifierLink, RoundResult, Tag,
-                          VerifierPrefillItem, VerifierPrefillResult)
+from router.links import EngineStartError, EngineUnavailable, RemoteDrafterLink, RemoteVerifierLink
+from spectandem.protocol import (AheadReply, DraftHandle, DrafterPrefillItem, EngineInfo, ExtendItem, PlainItem,
+                                 RoundResult, Tag, VerifierPrefillItem, VerifierPrefillResult)
 from spectandem.config import GpuPaths, SpecConfig
 from spectandem.messages import DraftTree
 from verifier.actor import VerifierActor

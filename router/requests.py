@@ -7,7 +7,7 @@ import time
 from dataclasses import dataclass, field
 
 from router.detok import Detokenizer
-from router.links import Tag
+from spectandem.protocol import Tag
 from spectandem.config import SamplingParams
 
 

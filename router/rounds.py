@@ -17,7 +17,8 @@ import asyncio
 import logging
 import time
 
-from router.links import DrafterLink, EngineUnavailable, ExtendItem, PlainItem, Tag, VerifierLink
+from router.links import DrafterLink, EngineUnavailable, VerifierLink
+from spectandem.protocol import ExtendItem, PlainItem, Tag
 from router.pipeline import LARGE_BATCH, ModeChooser, SpeculationSwitch
 from router.requests import RouterConfig, RouterCounters, ServedRequest
 from spectandem.messages import StaleMessage, trees_from_ready

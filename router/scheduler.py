@@ -50,8 +50,8 @@ import uuid
 
 from router.capacity import KvBudget
 from router.detok import Detokenizer
-from router.links import (DrafterLink, DrafterPrefillItem, DuplicateRequest, EngineUnavailable, Tag, VerifierLink,
-                          VerifierPrefillItem)
+from router.links import DrafterLink, DuplicateRequest, EngineUnavailable, VerifierLink
+from spectandem.protocol import DrafterPrefillItem, Tag, VerifierPrefillItem
 from router.pipeline import ModeChooser, SpeculationSwitch
 from router.requests import Chunk, Failure, RouterConfig, RouterCounters, ServedRequest  # noqa: F401 (re-exported)
 from router.rounds import RoundsMixin

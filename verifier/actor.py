@@ -18,7 +18,7 @@ from pathlib import Path
 import ray
 import torch
 
-from router.links import EngineInfo, PlainItem, RoundResult, Tag, VerifierPrefillItem, VerifierPrefillResult
+from spectandem.protocol import EngineInfo, PlainItem, RoundResult, Tag, VerifierPrefillItem, VerifierPrefillResult
 from spectandem.channel import FeatureSender
 from spectandem.config import GpuPaths
 from verifier.engine import VerifierEngine

@@ -356,7 +356,7 @@ def test_exact_bearer_is_accepted_on_both(server):
 
 def test_full_uint64_seed_crosses_the_engine_wire_exactly():
     """The gRPC backend's engine messages carry a seed of 2**64 - 1 unchanged, to both engines."""
-    from router.links import DrafterPrefillItem, Tag, VerifierPrefillItem
+    from spectandem.protocol import DrafterPrefillItem, Tag, VerifierPrefillItem
     from spectandem import codec
 
     seed = 2**64 - 1

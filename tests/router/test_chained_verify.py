@@ -12,7 +12,8 @@ import asyncio
 
 import pytest
 
-from router.links import EngineUnavailable, Tag
+from router.links import EngineUnavailable
+from spectandem.protocol import Tag
 from router.links_local import LocalDrafterLink, LocalVerifierLink
 from router.requests import RouterConfig
 from router.scheduler import Router

@@ -21,7 +21,8 @@ import grpc
 import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from router.links import DrafterPrefillItem, EngineUnavailable, ExtendItem, PlainItem, Tag, VerifierPrefillItem
+from router.links import EngineUnavailable
+from spectandem.protocol import DrafterPrefillItem, ExtendItem, PlainItem, Tag, VerifierPrefillItem
 from router.links_grpc import GrpcDrafterLink, GrpcVerifierLink
 from spectandem.config import SamplingParams, SpecConfig
 from spectandem.demo import demo_paths

@@ -13,7 +13,8 @@ import pytest
 import ray
 import torch
 
-from router.links import (DrafterPrefillItem, EngineUnavailable, ExtendItem, PlainItem, Tag, VerifierPrefillItem)
+from router.links import EngineUnavailable
+from spectandem.protocol import DrafterPrefillItem, ExtendItem, PlainItem, Tag, VerifierPrefillItem
 from router.links_ray import RayVerifierLink, ray_init, start_engines
 from spectandem.config import SamplingParams, SpecConfig
 from spectandem.demo import demo_paths

@@ -13,7 +13,7 @@ import asyncio
 
 import pytest
 
-from router.links import PlainItem, Tag
+from spectandem.protocol import PlainItem, Tag
 from router.links_local import LocalDrafterLink, LocalVerifierLink
 from router.requests import RouterConfig
 from router.scheduler import Router
