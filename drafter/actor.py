@@ -31,7 +31,7 @@ from spectandem.protocol import AheadReply, DrafterPrefillItem, EngineInfo, Exte
 from spectandem.channel import FeatureReceiver
 from spectandem.config import GpuPaths, SpecConfig
 from spectandem.messages import DraftTree
-from verifier.runner import load_runner
+from spectandem.modeling.target import inspect_target, load_target
 
 
 def _resolve_features(items: list):
@@ -48,11 +48,12 @@ class DrafterActor:
                  force_hf_target: bool = False, model_name: str = "draft", num_threads: int = 1,
                  kv_blocks: int | None = None, block_size: int = 16, gpu: GpuPaths | None = None):
         torch.set_num_threads(num_threads)
-        # EAGLE heads take embeddings and lm_head from the target, and the context length comes
-        # from the same rule as the verifier's: load it through the runner loader (one slot of
-        # cache, dropped with the runner).
-        runner, target = load_runner(target_dir, None, 1, max_len, dtype, device, force_hf_target)
-        proposer = build_proposer(cfg, target, draft_dir, max_slots, runner.max_len, dtype, device, kv_blocks,
+        # The context length comes from the same rule as the verifier's (spectandem/modeling/target.py);
+        # EAGLE heads and draft models take embeddings and lm_head from the target, n-gram drafting
+        # needs none of its weights.
+        checkpoint = inspect_target(target_dir, max_len, force_hf_target)
+        target = load_target(checkpoint, dtype, device) if cfg.method != "ngram" else None
+        proposer = build_proposer(cfg, target, draft_dir, max_slots, checkpoint.max_len, dtype, device, kv_blocks,
                                   block_size, **(gpu or GpuPaths()).proposer_kwargs())
         if proposer is None:
             raise ValueError(f"method {cfg.method!r} has no drafter")

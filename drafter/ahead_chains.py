@@ -44,9 +44,9 @@ import torch
 from drafter.graphs import (PAIR_BUCKETS, HeadGraphs, PassStart, _rows_into, catch_up_columns, catch_up_in_pass,
                             chain_tree, index_views, pack_parts, padded_features)
 from drafter.tree import TreeDraft
+from spectandem.cuda_graphs import BATCH_BUCKETS, batch_bucket, capture_graph, span_bucket
 from spectandem.devices import device_work_queued, to_device, to_host
 from spectandem.kv_cache import PagedCacheBatch, PagedKVCache
-from verifier.graphs import BATCH_BUCKETS, batch_bucket, capture_graph, span_bucket
 
 
 def scratch_entries(chain_len: int, num_steps: int, width: int) -> int:

@@ -23,9 +23,9 @@ import numpy as np
 import torch
 
 from drafter.tree import TreeDraft
+from spectandem.cuda_graphs import BATCH_BUCKETS, batch_bucket, capture_graph, span_bucket
 from spectandem.devices import device_work_queued, to_device
 from spectandem.kv_cache import PagedCacheBatch, PagedKVCache
-from verifier.graphs import BATCH_BUCKETS, batch_bucket, capture_graph, span_bucket
 
 # Catch-ups of up to 16 new pairs per request replay a graph: every extend of a round (at most the
 # tree's depth + 1 pairs) and short prefills; longer ones run eagerly.

@@ -26,6 +26,7 @@ from spectandem.channel import FeatureReceiver
 from spectandem.config import GpuPaths, SpecConfig
 from spectandem.service_args import add_drafter_args, model_dtype  # noqa: F401 (add_drafter_args: re-exported)
 from spectandem.grpc_server import EngineCalls, EngineServer
+from spectandem.modeling.target import inspect_target, load_target
 from spectandem.tls import ServerTls, server_tls_from_args
 from spectandem.v1 import engines_pb2, engines_pb2_grpc
 
@@ -110,17 +111,10 @@ def build_drafter_engine(cfg: SpecConfig, target_dir: str | Path | None, draft_d
     if cfg.method != "ngram":
         if target_dir is None:
             raise ValueError(f"--method {cfg.method} needs --target (the head shares the target's weights)")
-        from verifier.runner import load_runner
-
-        # One slot: this runner is dropped at once; only the model's weights are kept.
-        runner, target = load_runner(target_dir, None, 1, max_len, dtype, device)
-        context = runner.max_len
-        del runner
+        checkpoint = inspect_target(target_dir, max_len)
+        target, context = load_target(checkpoint, dtype, device), checkpoint.max_len
     elif target_dir is not None:
-        from spectandem.checkpoint import read_config
-
-        limit = int(read_config(target_dir).get("max_position_embeddings", 2048))
-        context = min(max_len or limit, limit)
+        context = inspect_target(target_dir, max_len).max_len
     proposer = build_proposer(cfg, target, draft_dir, max_slots, context, dtype, device, kv_blocks, block_size,
                               **(gpu or GpuPaths()).proposer_kwargs())
     return DrafterEngine(proposer, cfg), context

@@ -235,7 +235,7 @@ def start_engines(target_dir: str | Path, draft_dir: str | Path | None, cfg: Spe
     try:
         # Both load at once (each holds the target); the drafter's head then decides which
         # target features the verifier returns.
-        from verifier.service import resolve_feature_layers
+        from spectandem.feature_layers import resolve_feature_layers
 
         layers = resolve_feature_layers(None, cfg.method, draft_dir, target_dir) if num_actors == 2 else None
         verifier = VerifierActor.options(**options(0, -1)).remote(

@@ -76,7 +76,7 @@ def random_eagle3_head(target, draft_vocab_size: int, device: str, dtype, seed: 
     import torch
 
     from drafter.heads import Eagle3Head, HeadSpec
-    from drafter.loader import aux_layers_from_config
+    from spectandem.feature_layers import aux_layers_from_config
 
     t = target.spec
     spec = HeadSpec(kind="eagle3", hidden_size=t.hidden_size, target_hidden_size=t.hidden_size,

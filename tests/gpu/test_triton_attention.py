@@ -27,7 +27,8 @@ from spectandem.modeling.llama import load_llama
 from spectandem.tree import ancestor_mask
 from tests.e2e.conftest import PROMPT_TEXTS
 from tests.verifier.random_trees import accepted_paths, random_trees
-from verifier.graphs import BATCH_BUCKETS, VerifyGraphs
+from spectandem.cuda_graphs import BATCH_BUCKETS
+from verifier.graphs import VerifyGraphs
 from verifier.runner import NativeRunner
 
 pytestmark = pytest.mark.gpu

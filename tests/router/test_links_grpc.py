@@ -53,7 +53,8 @@ class _LoopThread:
 def ngram_servers():
     """(verifier address, drafter address) of n-gram engines served from this process."""
     from drafter.service import build_drafter_engine, start_drafter_server
-    from verifier.service import build_verifier_engine, resolve_feature_layers, start_verifier_server
+    from spectandem.feature_layers import resolve_feature_layers
+    from verifier.service import build_verifier_engine, start_verifier_server
 
     target, _ = demo_paths("ngram")
     cfg = SpecConfig(method="ngram", **TREE)
