@@ -26,7 +26,7 @@ from spectandem.devices import to_device, to_host
 from spectandem.messages import DraftTree, PrefillOutput, StaleMessage, VerifyOutput, root_only_tree
 from spectandem.sampling import greedy, logits_to_probs, sample_from_probs
 from spectandem.kernels.accept import greedy_accept
-from verifier.accept import VerifyResult, verify_greedy, verify_rejection, verify_tree_sampling
+from spectandem.accept import VerifyResult, verify_greedy, verify_rejection, verify_tree_sampling
 from verifier.chained import ChainedLaunchMixin, Prepared, same_tree
 
 
