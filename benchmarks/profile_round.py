@@ -105,7 +105,7 @@ def demo(args) -> None:
     from spectandem.bench.records import PROMPTS
     from spectandem.config import SamplingParams, SpecConfig
     from spectandem.demo import demo_paths
-    from spectandem.local import LocalSpeculator
+    from router.local import LocalSpeculator
 
     device = "cuda" if torch.cuda.is_available() else "cpu"
     fast = dict(cuda_graphs=True, triton_attention=True) if device == "cuda" else {}

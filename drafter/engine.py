@@ -178,7 +178,7 @@ class DrafterEngine(DraftAheadMixin):
 
     def extend_caught_up(self, outputs: list[VerifyOutput]) -> None:
         """`extend` for verdicts whose catch-up already ran on the proposer's state: the fused graph
-        round (spectandem/fused.py) absorbs the round's pairs on the device and records them with
+        round (verifier/fused.py) absorbs the round's pairs on the device and records them with
         `EagleProposer.record_catch_up`. Appends each request's committed tokens and spends its q
         rows; no catch-up runs here."""
         for out in outputs:

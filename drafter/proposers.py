@@ -216,7 +216,7 @@ class EagleProposer:
     def record_catch_up(self, request_id: str, num_new: int, last_hidden: torch.Tensor,
                         last_logits: torch.Tensor) -> None:
         """Records a catch-up that ran outside `catch_up` on this proposer's cache (the fused graph
-        round, spectandem/fused.py): `num_new` more pairs are in the request's slot, and
+        round, verifier/fused.py): `num_new` more pairs are in the request's slot, and
         last_hidden [H], last_logits [Vd] are the head's outputs for the last of them."""
         self.cache_len[request_id] += num_new
         self.last_hidden[request_id] = last_hidden

@@ -174,7 +174,7 @@ async def _build_links(args, cfg, target, draft, index: int = 0, supervisor=None
                          f"{_num_replicas(args)} replicas give --feature-channel without a value")
     if args.backend == "local":
         from router.links_local import LocalDrafterLink, LocalVerifierLink
-        from spectandem.local import LocalSpeculator
+        from router.local import LocalSpeculator
 
         spec = LocalSpeculator(target, draft, cfg, max_slots=max_slots, max_len=args.max_len,
                                dtype=model_dtype(args), device=args.device, kv_blocks=args.kv_blocks,

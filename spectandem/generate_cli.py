@@ -76,7 +76,7 @@ def spec_from_flags(args):
 
 def build_local(args):
     from spectandem.config import GpuPaths
-    from spectandem.local import LocalSpeculator
+    from router.local import LocalSpeculator
 
     cfg, target, draft = spec_from_flags(args)
     return LocalSpeculator(target, draft, cfg, max_slots=4, max_len=args.max_len,

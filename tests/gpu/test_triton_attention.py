@@ -22,7 +22,7 @@ import torch
 from spectandem.config import SamplingParams, SpecConfig
 from spectandem.demo import demo_paths
 from spectandem.kernels import HAVE_TRITON, paged_tree_attention_triton
-from spectandem.local import LocalSpeculator
+from router.local import LocalSpeculator
 from spectandem.modeling.llama import load_llama
 from spectandem.tree import ancestor_mask
 from tests.e2e.conftest import PROMPT_TEXTS

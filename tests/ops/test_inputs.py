@@ -21,7 +21,7 @@ from router.server import Limits, prompt_char_limit, start_server
 from spectandem import Client, SamplingParams
 from spectandem.config import SpecConfig
 from spectandem.demo import demo_paths
-from spectandem.local import LocalSpeculator
+from router.local import LocalSpeculator
 from spectandem.v1 import common_pb2, generation_pb2, generation_pb2_grpc
 from tests.ops.conftest import free_port
 from tests.router.conftest import Served

@@ -20,7 +20,7 @@ from spectandem.protocol import DrafterPrefillItem, ExtendItem, PlainItem, Tag, 
 from spectandem.config import SamplingParams, SpecConfig
 from spectandem.demo import demo_paths
 from spectandem.messages import trees_from_ready
-from spectandem.local import LocalSpeculator
+from router.local import LocalSpeculator
 from spectandem.reference import Completion, _append
 
 ROOT = Path(__file__).resolve().parents[2]

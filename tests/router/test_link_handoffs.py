@@ -119,7 +119,7 @@ def test_the_chain_draft_ahead_marks_its_work_queued():
     from spectandem.config import SpecConfig
     from spectandem.demo import demo_paths
     from spectandem.devices import on_queued
-    from spectandem.local import LocalSpeculator
+    from router.local import LocalSpeculator
     from tests.drafter.lockstep import prefilled
     from tests.e2e.conftest import PROMPT_TEXTS
 

@@ -18,7 +18,7 @@ from spectandem.protocol import DrafterPrefillItem, ExtendItem, PlainItem, Tag, 
 from router.links_ray import RayVerifierLink, ray_init, start_engines
 from spectandem.config import SamplingParams, SpecConfig
 from spectandem.demo import demo_paths
-from spectandem.local import LocalSpeculator
+from router.local import LocalSpeculator
 from spectandem.messages import StaleMessage, trees_from_ready
 from spectandem.reference import Completion, _append
 

@@ -1,22 +1,24 @@
-"""Both engines in this process: what `spectandem generate` uses without a server address."""
+"""Both engines in this process: what `spectandem generate` uses without a server address, and
+what the tests drive the pair through. It builds a drafter and a verifier engine and runs the
+reference loop (spectandem/reference.py) over them, so it sits above both roles, with the
+router's in-process backend (router/links_local.py); like the router it imports no torch."""
 
 from __future__ import annotations
 
 from pathlib import Path
 
-import torch
-
 from drafter.engine import DrafterEngine, build_proposer
 from spectandem.config import SamplingParams, SpecConfig
-from spectandem.fused import FusedStep
+from spectandem.devices import DEFAULT_DTYPE
 from spectandem.reference import Completion, generate
 from verifier.engine import VerifierEngine
+from verifier.fused import FusedStep
 from verifier.runner import load_runner
 
 
 class LocalSpeculator:
     def __init__(self, target_dir: str | Path, draft_dir: str | Path | None, cfg: SpecConfig,
-                 max_slots: int = 8, max_len: int | None = None, dtype: torch.dtype = torch.float32,
+                 max_slots: int = 8, max_len: int | None = None, dtype=DEFAULT_DTYPE,
                  device: str = "cpu", force_hf_target: bool = False, kv_blocks: int | None = None,
                  draft_kv_blocks: int | None = None, block_size: int = 16, cuda_graphs: bool = False,
                  batch_invariant: bool = False, triton_attention: bool = False):
@@ -44,10 +46,10 @@ class LocalSpeculator:
         self.eos_token_ids = tuple(eos) if isinstance(eos, list) else (() if eos is None else (int(eos),))
         self.tokenizer = load_tokenizer(target_dir)
         self.vocab_size = int(target_cfg["vocab_size"])
-        # Fused mode on the GPU with graphs: greedy rounds replay one graph (spectandem/fused.py).
+        # Fused mode on the GPU with graphs: greedy rounds replay one graph (verifier/fused.py).
         self._fused_graph = None
         if cfg.fused and cuda_graphs and not batch_invariant:
-            from spectandem.fused import FusedGraphStep
+            from verifier.fused import FusedGraphStep
 
             self._fused_graph = FusedGraphStep(self.verifier, self.drafter, graph=True)
 
