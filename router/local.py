@@ -10,7 +10,7 @@ from pathlib import Path
 from drafter.engine import DrafterEngine, build_proposer
 from spectandem.config import SamplingParams, SpecConfig
 from spectandem.devices import DEFAULT_DTYPE
-from spectandem.reference import Completion, generate
+from spectandem.reference import LocalCompletion, generate
 from verifier.engine import VerifierEngine
 from verifier.fused import FusedStep
 from verifier.runner import load_runner
@@ -62,7 +62,7 @@ class LocalSpeculator:
         return max(c.max_draft_nodes + 1, (c.num_steps - 1) * c.topk + 1)
 
     def generate(self, prompts: list[list[int]], params: list[SamplingParams],
-                 request_ids: list[str] | None = None, ahead: bool = False) -> list[Completion]:
+                 request_ids: list[str] | None = None, ahead: bool = False) -> list[LocalCompletion]:
         for i, p in enumerate(prompts):
             bad = [t for t in p if not 0 <= t < self.vocab_size]
             if bad:

@@ -53,7 +53,7 @@ from router.detok import Detokenizer
 from router.links import DrafterLink, DuplicateRequest, EngineUnavailable, VerifierLink
 from spectandem.protocol import DrafterPrefillItem, Tag, VerifierPrefillItem
 from router.pipeline import ModeChooser, SpeculationSwitch
-from router.requests import Chunk, Failure, RouterConfig, RouterCounters, ServedRequest  # noqa: F401 (re-exported)
+from router.requests import Failure, RouterConfig, RouterCounters, ServedRequest, StreamEvent  # noqa: F401 (re-exported)
 from router.rounds import RoundsMixin
 from spectandem.config import SamplingParams
 from spectandem.messages import StaleMessage
@@ -162,7 +162,7 @@ class Router(RoundsMixin):
             self._emit("cancelled", req)
             req.cancelled = True
             self._ended(req)
-            req.events.put_nowait(Chunk([], "", finish_reason="abort", stats=req.stats()))
+            req.events.put_nowait(StreamEvent([], "", finish_reason="abort", stats=req.stats()))
             self._wake.set()
 
     @property
@@ -409,13 +409,13 @@ class Router(RoundsMixin):
         first = r.num_rounds == 0 and len(r.tokens) == len(new)
         self._emit("tokens", r, {"count": len(new), "first": first})
         if reason is None:
-            r.events.put_nowait(Chunk(new, text, prompt_tokens=len(r.prompt_ids) if first else 0))
+            r.events.put_nowait(StreamEvent(new, text, prompt_tokens=len(r.prompt_ids) if first else 0))
             return True
         text += r.detok.flush()
         self._ended(r)
         self.counters.requests_finished += 1
         self._emit("finished", r, reason)
-        r.events.put_nowait(Chunk(new, text, finish_reason=reason, stats=r.stats(),
+        r.events.put_nowait(StreamEvent(new, text, finish_reason=reason, stats=r.stats(),
                                   prompt_tokens=len(r.prompt_ids) if first else 0))
         return False
 

@@ -58,14 +58,14 @@ def test_a_drafter_that_drafts_ahead_keeps_it(runs):
     s.acceptance_rate = None                       # no plans to write; tokens are still the target's
 
     async def go():
-        from router.scheduler import Chunk
+        from router.scheduler import StreamEvent
 
         s.router.start()
         try:
             for k in range(2):
                 req = s.router.submit(runs.prompts[k], runs.params, request_id=f"a{k}")
                 while not (ev := await req.events.get()).finish_reason:
-                    assert isinstance(ev, Chunk)
+                    assert isinstance(ev, StreamEvent)
         finally:
             await s.router.stop()
     asyncio.run(go())

@@ -20,7 +20,7 @@ from spectandem.config import SamplingParams, SpecConfig
 from spectandem.demo import demo_paths
 from router.local import LocalSpeculator
 from spectandem.messages import StaleMessage, trees_from_ready
-from spectandem.reference import Completion, _append
+from spectandem.reference import LocalCompletion, _append
 
 pytestmark = pytest.mark.slow
 
@@ -75,7 +75,7 @@ async def speculate(verifier, drafter, prompts, params, eos, lookahead, seen: Se
     max_len = (await verifier.info()).max_len
     ids = [f"req-{i}" for i in range(len(prompts))]
     seeds = {rid: sp.resolved_seed() for rid, sp in zip(ids, params)}
-    by_id = {rid: (Completion(rid, list(p)), sp) for rid, p, sp in zip(ids, prompts, params)}
+    by_id = {rid: (LocalCompletion(rid, list(p)), sp) for rid, p, sp in zip(ids, prompts, params)}
     tags: dict[str, Tag] = {}
     pres = await verifier.prefill([VerifierPrefillItem(Tag(rid, 0, len(p)), p, sp, seeds[rid])
                                    for rid, p, sp in zip(ids, prompts, params)], want_features=True)
