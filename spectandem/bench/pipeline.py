@@ -61,13 +61,13 @@ def demo_engines(max_slots: int, dtype, verifier_device: str, drafter_device: st
 
 async def _complete(router, prompts: list[list[int]], params) -> int:
     """Submits every prompt at once; -> tokens generated once all have finished."""
-    from router.scheduler import Chunk
+    from router.scheduler import StreamEvent
 
     async def one(req) -> int:
         n = 0
         while True:
             ev = await req.events.get()
-            if not isinstance(ev, Chunk):
+            if not isinstance(ev, StreamEvent):
                 raise RuntimeError(f"request {req.request_id} failed: {ev}")
             n += len(ev.token_ids)
             if ev.finish_reason:

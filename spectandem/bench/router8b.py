@@ -108,14 +108,14 @@ class IdsAsText:
 
 
 async def _batch(router, runs, ids: list[str], indices: list[int]) -> int:
-    from router.scheduler import Chunk
+    from router.scheduler import StreamEvent
 
     async def one(rid: str, i: int) -> int:
         req = router.submit(runs.prompts[i], runs.params, request_id=rid)
         got = []
         while True:
             ev = await req.events.get()
-            if not isinstance(ev, Chunk):
+            if not isinstance(ev, StreamEvent):
                 raise RuntimeError(f"request {rid} failed: {ev}")
             got += ev.token_ids
             if ev.finish_reason:
