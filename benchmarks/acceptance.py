@@ -16,7 +16,7 @@ import time
 from drafter.data import split_documents
 from spectandem.config import SamplingParams, SpecConfig
 from spectandem.demo import demo_paths
-from spectandem.local import LocalSpeculator
+from router.local import LocalSpeculator
 
 CONFIGS = {
     "chain s4": dict(num_steps=4, topk=1, num_draft_tokens=5),

@@ -28,9 +28,9 @@ from collections import defaultdict
 import torch
 
 from drafter.engine import DrafterEngine
-from spectandem.bench_controlled import ControlledProposer, plan_drafts
+from spectandem.bench.controlled import ControlledProposer, plan_drafts
 from spectandem.config import GpuPaths
-from spectandem.bench_llama8b import SHAPES, ControlledRuns, llama8b_spec, random_eagle3_head, random_target
+from spectandem.bench.llama8b import SHAPES, ControlledRuns, llama8b_spec, random_eagle3_head, random_target
 from spectandem.reference import generate
 from verifier.engine import VerifierEngine
 
@@ -102,10 +102,10 @@ def main() -> None:
 
 
 def demo(args) -> None:
-    from spectandem.bench_records import PROMPTS
+    from spectandem.bench.records import PROMPTS
     from spectandem.config import SamplingParams, SpecConfig
     from spectandem.demo import demo_paths
-    from spectandem.local import LocalSpeculator
+    from router.local import LocalSpeculator
 
     device = "cuda" if torch.cuda.is_available() else "cpu"
     fast = dict(cuda_graphs=True, triton_attention=True) if device == "cuda" else {}

@@ -222,7 +222,7 @@ def reference_tokens(plan: list[Planned], prompts: list[list[int]], dtype: str =
 
     from spectandem.config import SamplingParams, SpecConfig
     from spectandem.demo import demo_paths
-    from spectandem.local import LocalSpeculator
+    from router.local import LocalSpeculator
 
     keys = sorted({p.ref_key() for p in plan if p.checked} | {(0, 0.0, None)}, key=repr)
     longest = max(p.max_tokens for p in plan)

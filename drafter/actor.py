@@ -26,7 +26,7 @@ import torch
 from drafter.factory import build_engine
 from drafter.service_core import (drafter_draft, drafter_draft_ahead, drafter_extend, drafter_info, drafter_prefill,
                                   drafter_release)
-from router.links import AheadReply, DrafterPrefillItem, EngineInfo, ExtendItem, Tag
+from spectandem.protocol import AheadReply, DrafterPrefillItem, EngineInfo, ExtendItem, Tag
 from spectandem.channel import FeatureReceiver
 from spectandem.config import EngineConfig
 from spectandem.messages import DraftTree

@@ -43,10 +43,10 @@ import torch
 
 from drafter.graphs import (PAIR_BUCKETS, HeadGraphs, PassStart, _rows_into, catch_up_columns, catch_up_in_pass,
                             chain_tree, index_views, pack_parts, padded_features)
-from drafter.tree import TreeDraft
+from drafter.tree import DraftNodes
+from spectandem.cuda_graphs import BATCH_BUCKETS, batch_bucket, capture_graph, span_bucket
 from spectandem.devices import device_work_queued, to_device, to_host
 from spectandem.kv_cache import PagedCacheBatch, PagedKVCache
-from verifier.graphs import BATCH_BUCKETS, batch_bucket, capture_graph, span_bucket
 
 
 def scratch_entries(chain_len: int, num_steps: int, width: int) -> int:
@@ -286,12 +286,12 @@ class AheadChainGraphs(HeadGraphs):
 
 def outcome_trees(packed: torch.Tensor, chains: list[list[int]], num_draft_tokens: int) -> list[dict]:
     """`ahead_forward`'s host output [B, W, 3 + S] and each request's chain being verified ->
-    per request {accepted path + (bonus,): (TreeDraft, row)} over one TreeDraft of every outcome."""
+    per request {accepted path + (bonus,): (DraftNodes, row)} over one DraftNodes of every outcome."""
     b, width, _ = packed.shape
     tree = chain_tree(packed[..., 3:].reshape(b * width, -1), num_draft_tokens)
     out = []
     for i, chain in enumerate(chains):
-        cache: dict[tuple[int, ...], tuple[TreeDraft, int]] = {}
+        cache: dict[tuple[int, ...], tuple[DraftNodes, int]] = {}
         for o, (k, bonus, ok) in enumerate(packed[i, :, :3].tolist()):
             if ok:
                 cache.setdefault(tuple(chain[:k]) + (bonus,), (tree, i * width + o))

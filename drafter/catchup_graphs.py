@@ -16,9 +16,9 @@ from dataclasses import dataclass, fields
 import torch
 
 from drafter.graphs import PAIR_BUCKETS, PREFILL_PAIR_BUCKETS, HeadGraphs, StaticInputs, pair_bucket
+from spectandem.cuda_graphs import BATCH_BUCKETS, batch_bucket, capture_graph, span_bucket
 from spectandem.devices import to_device
 from spectandem.kv_cache import PagedCacheBatch, PagedKVCache
-from verifier.graphs import BATCH_BUCKETS, batch_bucket, capture_graph, span_bucket
 
 
 @dataclass

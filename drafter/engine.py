@@ -18,7 +18,7 @@ import torch
 from drafter.ahead import DraftAheadMixin
 from drafter.lm_proposers import DraftModelProposer, NgramProposer
 from drafter.proposers import DraftRequest, EagleProposer, Proposer
-from drafter.tree import TreeDraft, host_lists, ready_rows
+from drafter.tree import DraftNodes, host_lists, ready_rows
 from spectandem.config import SamplingParams, SpecConfig
 from spectandem.devices import to_host
 from spectandem.messages import DraftTree, ReadyTree, StaleMessage, VerifyOutput, trees_from_ready
@@ -64,14 +64,14 @@ class DrafterEngine(DraftAheadMixin):
         self.store = DraftProbStore()
         # Draft ahead, per request:
         self.in_flight: dict[str, tuple[int, list[int], list[int], list[bool]]] = {}  # tree being verified
-        self.outcomes: dict[str, tuple[int, dict[tuple[int, ...], tuple[TreeDraft, int]]]] = {}
-        self.ready: dict[str, tuple[int, TreeDraft, int]] = {}   # next tree (committed_len, tree, row)
+        self.outcomes: dict[str, tuple[int, dict[tuple[int, ...], tuple[DraftNodes, int]]]] = {}
+        self.ready: dict[str, tuple[int, DraftNodes, int]] = {}   # next tree (committed_len, tree, row)
         self.deferred: dict[str, tuple[int, torch.Tensor | None]] = {}  # catch-up not run yet
         self.last_hit: dict[str, bool] = {}     # did the last verdict hit the outcome cache
         # The outcome cache's deterministic trees as the verifier's rows (outcome -> ReadyTree):
         # what draft_ahead returns to the router, which verifies a hit's tree without a draft call.
         self.outcome_rows: dict[str, dict[tuple[int, ...], ReadyTree]] = {}
-        self.kept: dict[str, tuple[int, TreeDraft, int]] = {}    # next trees kept through preemption
+        self.kept: dict[str, tuple[int, DraftNodes, int]] = {}    # next trees kept through preemption
         self.ahead_hits = self.ahead_misses = 0
         self._drafts_ahead = bool(cfg.ahead_width and getattr(proposer, "supports_ahead", False))
 
@@ -178,7 +178,7 @@ class DrafterEngine(DraftAheadMixin):
 
     def extend_caught_up(self, outputs: list[VerifyOutput]) -> None:
         """`extend` for verdicts whose catch-up already ran on the proposer's state: the fused graph
-        round (spectandem/fused.py) absorbs the round's pairs on the device and records them with
+        round (verifier/fused.py) absorbs the round's pairs on the device and records them with
         `EagleProposer.record_catch_up`. Appends each request's committed tokens and spends its q
         rows; no catch-up runs here."""
         for out in outputs:
@@ -210,7 +210,7 @@ class DrafterEngine(DraftAheadMixin):
         `_launch_missed_early`)."""
         steps = list(num_steps) if num_steps is not None else [None] * len(request_ids)
         reqs = [self.requests[i] for i in request_ids]
-        drafts: dict[int, tuple[TreeDraft, int]] = {}
+        drafts: dict[int, tuple[DraftNodes, int]] = {}
         for i, r in enumerate(reqs):
             ready = self.ready.pop(r.request_id, None)
             if ready is not None and ready[0] == r.committed_len:

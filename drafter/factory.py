@@ -1,10 +1,11 @@
 """The drafter's one engine factory: the Ray actor (drafter/actor.py), the gRPC service
-(drafter/service.py) and the in-process backend (spectandem/local.py) all build it here."""
+(drafter/service.py) and the in-process backend (router/local.py) all build it here."""
 
 from __future__ import annotations
 
 from drafter.engine import DrafterEngine, build_proposer
 from spectandem.config import EngineConfig
+from spectandem.modeling.target import inspect_target, load_target
 
 
 def build_engine(config: EngineConfig, target=None, context: int | None = None) -> tuple[DrafterEngine, int]:
@@ -12,7 +13,7 @@ def build_engine(config: EngineConfig, target=None, context: int | None = None) 
     context length: the verifier's for the same target and max_len; 0 when n-gram drafting is
     given neither). `target`, `context`: the target model already loaded in this process (the
     verifier's, `engine.runner.model`, and its runner's max_len), whose weights EAGLE heads
-    share; None loads the target's weights here (a runner of one slot, dropped at once)."""
+    share; None loads the target here (spectandem/modeling/target.py)."""
     spec = config.spec
     if spec.method == "none":
         raise ValueError("--method none has no drafter")
@@ -21,17 +22,10 @@ def build_engine(config: EngineConfig, target=None, context: int | None = None) 
         if spec.method != "ngram":
             if config.target_dir is None:
                 raise ValueError(f"--method {spec.method} needs --target (the head shares the target's weights)")
-            from verifier.runner import load_runner
-
-            runner, target = load_runner(config.target_dir, None, 1, config.max_len, config.torch_dtype,
-                                         config.device, config.force_hf_target)
-            context = runner.max_len
-            del runner
-        elif config.target_dir is not None:
-            from spectandem.checkpoint import read_config
-
-            limit = int(read_config(config.target_dir).get("max_position_embeddings", 2048))
-            context = min(config.max_len or limit, limit)
+            checkpoint = inspect_target(config.target_dir, config.max_len, config.force_hf_target)
+            target, context = load_target(checkpoint, config.torch_dtype, config.device), checkpoint.max_len
+        elif config.target_dir is not None:   # n-gram drafting reads no target weights
+            context = inspect_target(config.target_dir, config.max_len, config.force_hf_target).max_len
     elif context is None:
         raise ValueError("a shared target model comes with its context length")
     proposer = build_proposer(spec, target, config.draft_dir, config.max_slots, context, config.torch_dtype,

@@ -22,10 +22,10 @@ from dataclasses import dataclass, fields
 import numpy as np
 import torch
 
-from drafter.tree import TreeDraft
+from drafter.tree import DraftNodes
+from spectandem.cuda_graphs import BATCH_BUCKETS, batch_bucket, capture_graph, span_bucket
 from spectandem.devices import device_work_queued, to_device
 from spectandem.kv_cache import PagedCacheBatch, PagedKVCache
-from verifier.graphs import BATCH_BUCKETS, batch_bucket, capture_graph, span_bucket
 
 # Catch-ups of up to 16 new pairs per request replay a graph: every extend of a round (at most the
 # tree's depth + 1 pairs) and short prefills; longer ones run eagerly.
@@ -236,13 +236,13 @@ def chain_forward(head, cache: PagedKVCache, inp: ChainInputs) -> tuple[torch.Te
     return head.draft_to_target(torch.cat(toks, 1)), h0, first.float()
 
 
-def chain_tree(token_ids: torch.Tensor, num_draft_tokens: int) -> TreeDraft:
+def chain_tree(token_ids: torch.Tensor, num_draft_tokens: int) -> DraftNodes:
     """token_ids [B, S] of a chain -> its first min(S, num_draft_tokens - 1) nodes, as
     `expand_topk` selects them (all scores 0, node j + 1's parent is node j)."""
     b, s = token_ids.shape
     m = min(s, num_draft_tokens - 1)
     dev = token_ids.device
-    return TreeDraft(token_ids=token_ids[:, :m], parents=torch.arange(m, device=dev).expand(b, m).clone(),
+    return DraftNodes(token_ids=token_ids[:, :m], parents=torch.arange(m, device=dev).expand(b, m).clone(),
                      scores=torch.zeros(b, m, device=dev))
 
 
@@ -280,17 +280,17 @@ class ChainGraphs(HeadGraphs):
                 and (max_new == 0 or pair_bucket(rows, max_new, self.pair_buckets) is not None))
 
     def propose(self, slots: list[int], base: list[int], first_logits: torch.Tensor, hidden: torch.Tensor,
-                num_steps: int, num_draft_tokens: int) -> TreeDraft:
-        """From a catch-up already run (`chain_inputs`'s start) -> the chain's TreeDraft (what
+                num_steps: int, num_draft_tokens: int) -> DraftNodes:
+        """From a catch-up already run (`chain_inputs`'s start) -> the chain's DraftNodes (what
         `expand_topk` returns)."""
         toks, _, _ = self._run(slots, base, num_steps, 0, start=(first_logits, hidden))
         return chain_tree(toks, num_draft_tokens)
 
     def propose_caught_up(self, slots: list[int], base: list[int], token_ids: list[list[int]],
                           features: list[torch.Tensor], num_steps: int,
-                          num_draft_tokens: int) -> tuple[TreeDraft, torch.Tensor, torch.Tensor]:
+                          num_draft_tokens: int) -> tuple[DraftNodes, torch.Tensor, torch.Tensor]:
         """The catch-up of each request's pairs (`chain_inputs`'s catch_up; base counts the entries
-        once caught up), then the chain -> (TreeDraft, the catch-up's hidden [B, 1, H] and logits
+        once caught up), then the chain -> (DraftNodes, the catch-up's hidden [B, 1, H] and logits
         [B, Vd]), none aliased by a static buffer."""
         pairs = pair_bucket(batch_bucket(len(base), self.batch_buckets), max(len(t) for t in token_ids),
                             self.pair_buckets)

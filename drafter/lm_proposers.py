@@ -8,7 +8,7 @@ import torch
 
 from drafter.proposers import RequestSlots, ScratchTree, pad_rows, paged_cache
 from drafter.tree import draft_tree
-from drafter.tree import TreeDraft
+from drafter.tree import DraftNodes
 from spectandem.config import SpecConfig
 from spectandem.devices import to_device
 from spectandem.modeling.llama import LlamaModel
@@ -140,7 +140,7 @@ class NgramProposer:
         for i, c in enumerate(chains):
             tok[i, : len(c)] = torch.tensor(c, dtype=torch.long)
             scores[i, : len(c)] = 0.0
-        return TreeDraft(token_ids=tok, parents=parents, scores=scores)
+        return DraftNodes(token_ids=tok, parents=parents, scores=scores)
 
     def remove(self, request_id):
         return None

@@ -34,6 +34,7 @@ import torch
 
 from drafter.heads import HEAD_CLASSES, DraftHead, HeadSpec
 from spectandem.checkpoint import CheckpointError, load_weights, read_config
+from spectandem.feature_layers import aux_layers_from_config
 from spectandem.modeling.layers import ACTIVATIONS, RopeSpec
 from spectandem.modeling.llama import LlamaModel
 
@@ -95,22 +96,6 @@ def detect_kind(state: dict[str, torch.Tensor], hidden: int, source: str = "chec
     if q is None:
         raise CheckpointError(f"{source}: no self_attn.q_proj.weight found: not an EAGLE head")
     return "eagle3" if q.shape[1] == 2 * hidden else "eagle"
-
-
-def aux_layers_from_config(cfg: dict, num_target_layers: int, source: str = "config.json") -> tuple[int, ...]:
-    """Auxiliary target layers as HuggingFace hidden-state indices, ascending."""
-    if cfg.get("eagle_aux_hidden_state_layer_ids") is not None:
-        ids = [int(i) for i in cfg["eagle_aux_hidden_state_layer_ids"]]
-    elif (cfg.get("eagle_config") or {}).get("eagle_aux_hidden_state_layer_ids") is not None:
-        ids = [int(i) + 1 for i in cfg["eagle_config"]["eagle_aux_hidden_state_layer_ids"]]
-    else:
-        n = num_target_layers
-        ids = [2, n // 2, n - 3]
-    for i in ids:
-        if not 0 <= i <= num_target_layers:
-            raise ValueError(f"{source}: auxiliary layer {i} is outside the target's hidden states "
-                             f"0..{num_target_layers}")
-    return tuple(sorted(ids))
 
 
 def is_speculators_config(cfg: dict) -> bool:

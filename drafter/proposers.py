@@ -18,7 +18,7 @@ from drafter.ahead_chains import AheadChainGraphs, outcome_trees, scratch_entrie
 from drafter.catchup_graphs import CatchUpGraphs, catch_up_forward, catch_up_inputs
 from drafter.graphs import ChainGraphs
 from drafter.heads import DraftHead
-from drafter.tree import TreeDraft, draft_tree
+from drafter.tree import DraftNodes, draft_tree
 from spectandem.config import SamplingParams, SpecConfig
 from spectandem.devices import to_device, to_device_all
 from spectandem.block_manager import KVCacheFull
@@ -48,7 +48,7 @@ class Proposer(Protocol):
     def catch_up(self, reqs: list[DraftRequest], num_new: list[int], features: list[torch.Tensor | None]) -> None:
         """Absorb each request's `num_new` newest committed tokens (features [num_new, F])."""
 
-    def propose(self, reqs: list[DraftRequest], num_steps: int | None = None) -> TreeDraft:
+    def propose(self, reqs: list[DraftRequest], num_steps: int | None = None) -> DraftNodes:
         """Draft nodes for each request (root excluded); `num_steps` caps the tree depth."""
 
     # Draft ahead (optional; `supports_ahead`): work on forks of a request's state while the
@@ -71,7 +71,7 @@ class Proposer(Protocol):
     # Draft ahead for chains in one pass (optional; `supports_ahead_chains(batch)`).
     def ahead_chains(self, reqs: list[DraftRequest], chains: list[list[int]], width: int) -> list[dict]:
         """Per request (deterministic drafts; all chains of one length m), the outcome cache of
-        the chain being verified: {accepted path + (bonus,): (TreeDraft, row)}, at most `width`
+        the chain being verified: {accepted path + (bonus,): (DraftNodes, row)}, at most `width`
         outcomes (drafter/ahead_chains.py)."""
 
 
@@ -216,7 +216,7 @@ class EagleProposer:
     def record_catch_up(self, request_id: str, num_new: int, last_hidden: torch.Tensor,
                         last_logits: torch.Tensor) -> None:
         """Records a catch-up that ran outside `catch_up` on this proposer's cache (the fused graph
-        round, spectandem/fused.py): `num_new` more pairs are in the request's slot, and
+        round, verifier/fused.py): `num_new` more pairs are in the request's slot, and
         last_hidden [H], last_logits [Vd] are the head's outputs for the last of them."""
         self.cache_len[request_id] += num_new
         self.last_hidden[request_id] = last_hidden

@@ -12,7 +12,7 @@ import logging
 import time
 from dataclasses import replace
 
-from router.links import AheadReply, DrafterPrefillItem, EngineInfo, ExtendItem, Tag
+from spectandem.protocol import AheadReply, DrafterPrefillItem, EngineInfo, ExtendItem, Tag
 from spectandem.channel import ChannelRef, FeatureChannelError, FeatureReceiver
 from spectandem.messages import DraftTree, StaleMessage, VerifyOutput
 

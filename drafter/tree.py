@@ -50,8 +50,10 @@ class StepFn(Protocol):
 
 
 @dataclass
-class TreeDraft:
-    """Draft nodes without the root: [B, M] each, M = number of draft nodes."""
+class DraftNodes:
+    """What tree drafting makes inside the drafter: the draft nodes without the root, [B, M]
+    each (M = number of draft nodes), with q over the draft vocabulary. The engine turns it into
+    the round's `spectandem.messages.DraftTree` (root first, request ids and tags, target ids)."""
 
     token_ids: torch.Tensor   # [B, M] int64 target ids
     parents: torch.Tensor     # [B, M] int64 node index of the parent (0 = root)
@@ -69,7 +71,7 @@ def _extend_visible(visible: torch.Tensor, parent_rows: torch.Tensor, k: int) ->
 
 
 def expand_topk(first_logits: torch.Tensor, step: StepFn, to_target: Callable[[torch.Tensor], torch.Tensor],
-                num_steps: int, topk: int, num_draft_tokens: int, argmax: bool) -> TreeDraft:
+                num_steps: int, topk: int, num_draft_tokens: int, argmax: bool) -> DraftNodes:
     """first_logits [B, Vd] from the catch-up pass -> the best num_draft_tokens - 1 nodes."""
     b = first_logits.shape[0]
     k = topk
@@ -111,7 +113,7 @@ def expand_topk(first_logits: torch.Tensor, step: StepFn, to_target: Callable[[t
 
 
 def _select(tok: torch.Tensor, score: torch.Tensor, parent: torch.Tensor, budget: int,
-            to_target) -> TreeDraft:
+            to_target) -> DraftNodes:
     """Global rerank of candidates [B, M] (parent = candidate id, -1 = root) to `budget` nodes.
 
     Example: scores [-.1, -.5, -.3(parent 0), -.9(parent 0)], budget 2 -> candidates {0, 2},
@@ -126,13 +128,13 @@ def _select(tok: torch.Tensor, score: torch.Tensor, parent: torch.Tensor, budget
     par_cand = parent.gather(1, chosen)
     parents = torch.where(par_cand < 0, torch.zeros_like(par_cand), node_of.gather(1, par_cand.clamp(min=0)))
     assert bool((parents >= 0).all()), "draft tree not closed under ancestors"
-    return TreeDraft(token_ids=to_target(tok.gather(1, chosen)), parents=parents,
+    return DraftNodes(token_ids=to_target(tok.gather(1, chosen)), parents=parents,
                      scores=score.gather(1, chosen))
 
 
 def sample_chains(first_logits: torch.Tensor, step: StepFn, to_target, num_steps: int, topk: int,
                   num_draft_tokens: int, temperatures: list[float], top_ks: list[int], top_ps: list[float],
-                  seeds: list[int], committed_lens: list[int]) -> TreeDraft:
+                  seeds: list[int], committed_lens: list[int]) -> DraftNodes:
     """k chains of sampled drafts from the root. Node of depth d in chain j has index
     1 + (d - 1) * k + j. Draws come from `rng` keyed by (seed, position, STREAM_DRAFT, j)."""
     b = first_logits.shape[0]
@@ -174,12 +176,12 @@ def sample_chains(first_logits: torch.Tensor, step: StepFn, to_target, num_steps
     probs[:, 0] = q_root[:, 0]
     for d, q in enumerate(node_probs[1:], start=1):                         # rows of depth-d nodes
         probs[:, 1 + (d - 1) * k: 1 + d * k] = q
-    return TreeDraft(token_ids=to_target(torch.cat(toks, 1)[:, :m]), parents=parents.clone(),
+    return DraftNodes(token_ids=to_target(torch.cat(toks, 1)[:, :m]), parents=parents.clone(),
                      scores=torch.cat(scores, 1)[:, :m].float(), node_probs=probs)
 
 
 def host_lists(token_ids: torch.Tensor, parents: torch.Tensor, scores: torch.Tensor) -> tuple[list, list, list]:
-    """A drafted tree's token_ids, parents, scores (TreeDraft's, on the host) as nested lists,
+    """A drafted tree's token_ids, parents, scores (DraftNodes's, on the host) as nested lists,
     each converted once: `ready_rows` then picks rows without a tensor op per row."""
     return token_ids.tolist(), parents.tolist(), scores.float().tolist()
 
@@ -191,7 +193,7 @@ def ready_rows(root: int, lists: tuple[list, list, list], row: int) -> ReadyTree
 
 
 def draft_tree(reqs: list[DraftRequest], first: torch.Tensor, step, to_target, cfg: SpecConfig,
-           vocab_size: int, num_steps: int | None = None) -> TreeDraft:
+           vocab_size: int, num_steps: int | None = None) -> DraftNodes:
     """Deterministic top-k trees (argmax chains when topk == 1), or sampled chains whose
     draft probabilities are returned over the target vocabulary [B, M + 1, vocab_size]."""
     sampled = {r.sample_drafts for r in reqs}

@@ -27,7 +27,8 @@ import logging
 import queue
 import threading
 
-from router.links import AheadReply, EngineUnavailable, Tag
+from router.links import EngineUnavailable
+from spectandem.protocol import AheadReply, Tag
 from spectandem.devices import on_queued
 
 log = logging.getLogger("spectandem.router")

@@ -19,9 +19,9 @@ import asyncio
 
 import grpc
 
-from router.links import (AheadReply, DraftHandle, DrafterPrefillItem, EngineInfo, EngineUnavailable,
-                          ExtendItem, PlainItem, RemoteDrafterLink, RemoteVerifierLink, RoundResult, Tag,
-                          VerifierPrefillItem, VerifierPrefillResult)
+from router.links import EngineUnavailable, RemoteDrafterLink, RemoteVerifierLink
+from spectandem.protocol import (AheadReply, DraftHandle, DrafterPrefillItem, EngineInfo, ExtendItem, PlainItem,
+                                 RoundResult, Tag, VerifierPrefillItem, VerifierPrefillResult)
 from spectandem import codec
 from spectandem.grpc_server import CHANNEL_OPTIONS
 from spectandem.messages import DraftTree, StaleMessage

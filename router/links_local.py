@@ -10,7 +10,7 @@ import time
 from dataclasses import dataclass
 
 from router.link_handoffs import PreAhead, PreCalls, PreDraft, StagedTrees, item_key
-from router.links import DraftHandle, Tag
+from spectandem.protocol import DraftHandle, Tag
 from router.local_base import _LocalLink
 
 

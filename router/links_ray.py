@@ -33,16 +33,16 @@ from pathlib import Path
 from typing import Callable
 
 import ray
-import torch
 from ray.util.placement_group import placement_group, remove_placement_group
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
 from drafter.actor import DrafterActor
-from router.links import (AheadReply, DraftHandle, DrafterPrefillItem, EngineInfo, EngineStartError, EngineUnavailable,
-                          ExtendItem, PlainItem, RemoteDrafterLink, RemoteVerifierLink, RoundResult, Tag,
-                          VerifierPrefillItem, VerifierPrefillResult)
+from router.links import EngineStartError, EngineUnavailable, RemoteDrafterLink, RemoteVerifierLink
 from spectandem.config import EngineConfig, GpuPaths, SpecConfig
+from spectandem.devices import DEFAULT_DTYPE
 from spectandem.messages import DraftTree
+from spectandem.protocol import (AheadReply, DraftHandle, DrafterPrefillItem, EngineInfo, ExtendItem, PlainItem,
+                                 RoundResult, Tag, VerifierPrefillItem, VerifierPrefillResult)
 from verifier.actor import VerifierActor
 
 log = logging.getLogger("spectandem.router")
@@ -194,7 +194,7 @@ def _placement(num_actors: int, device: str, timeout_s: float):
 
 
 def start_engines(target_dir: str | Path, draft_dir: str | Path | None, cfg: SpecConfig, max_slots: int,
-                  max_len: int | None, device: str = "auto", *, dtype: torch.dtype = torch.float32,
+                  max_len: int | None, device: str = "auto", *, dtype=DEFAULT_DTYPE,
                   force_hf_target: bool = False, call_timeout_s: float | None = 120.0,
                   startup_timeout_s: float = 300.0, num_threads: int = 1, kv_blocks: int | None = None,
                   draft_kv_blocks: int | None = None, block_size: int = 16, gpu: GpuPaths | None = None,
@@ -235,7 +235,7 @@ def start_engines(target_dir: str | Path, draft_dir: str | Path | None, cfg: Spe
     try:
         # Both load at once (each holds the target); the drafter's head then decides which
         # target features the verifier returns.
-        from verifier.service import resolve_feature_layers
+        from spectandem.feature_layers import resolve_feature_layers
 
         layers = resolve_feature_layers(None, cfg.method, draft_dir, target_dir) if num_actors == 2 else None
         config = EngineConfig(target_dir=target_dir, draft_dir=None if draft_dir is None else str(draft_dir), spec=cfg,

@@ -9,7 +9,7 @@ import threading
 import time
 
 from router.links import EngineUnavailable
-from spectandem.devices import engine_device
+from spectandem.devices import engine_stream, on_stream
 
 
 def shorten_switch_interval(seconds: float) -> None:
@@ -45,13 +45,8 @@ class _LocalLink:
         self.engine, self.model_name = engine, model_name
         self._lock = asyncio.Lock()
         self._engine_lock = threading.Lock()
-        self._stream = None
         self.busy_s: dict[str, float] = {}
-        device = engine_device(engine)
-        if device is not None and device.type == "cuda":
-            import torch
-
-            self._stream = torch.cuda.Stream(device=device)
+        self._stream = engine_stream(engine)
 
     def _call(self, kind: str, fn, *args, sync: bool = True):
         """`sync` False: `fn` synchronizes what it hands on itself (LocalVerifierLink._verify).
@@ -74,12 +69,7 @@ class _LocalLink:
 
     def _on_stream(self, fn, *args):
         """fn(*args) with this engine's CUDA stream current (as it is, without one)."""
-        if self._stream is None:
-            return fn(*args)
-        import torch
-
-        with torch.cuda.stream(self._stream):
-            return fn(*args)
+        return on_stream(self._stream, fn, *args)
 
     def _busy_from(self, kind: str, start: float) -> float:
         """When the call just ended began its work (its start, for most)."""

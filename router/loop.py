@@ -62,13 +62,13 @@ import uuid
 
 from router.capacity import KvBudget
 from router.detok import Detokenizer
-from router.links import (DrafterLink, DrafterPrefillItem, DuplicateRequest, EngineUnavailable, ExtendItem, PlainItem,
-                          Tag, VerifierLink, VerifierPrefillItem)
+from router.links import DrafterLink, DuplicateRequest, EngineUnavailable, VerifierLink
 from router.pipeline import LARGE_BATCH, ModeChooser, SpeculationSwitch
-from router.requests import (Chunk, Failure, RequestStatus, RouterConfig, RouterCounters,  # noqa: F401 (re-exported)
+from router.requests import (Failure, StreamEvent, RequestStatus, RouterConfig, RouterCounters,  # noqa: F401 (re-exported)
                              ServedRequest)
 from router.scheduler import Running, Scheduler, Waiting
 from spectandem.config import SamplingParams
+from spectandem.protocol import DrafterPrefillItem, ExtendItem, PlainItem, Tag, VerifierPrefillItem
 from spectandem.messages import StaleMessage, trees_from_ready
 from spectandem.reference import take_tokens
 
@@ -183,7 +183,7 @@ class Router:
             self.counters.requests_cancelled += 1
             self._emit("cancelled", req)
             self._ended(req, RequestStatus.CANCELLED)
-            req.events.put_nowait(Chunk([], "", finish_reason="abort", stats=req.stats()))
+            req.events.put_nowait(StreamEvent([], "", finish_reason="abort", stats=req.stats()))
             self._wake.set()
 
     @property
@@ -697,13 +697,13 @@ class Router:
         first = r.num_rounds == 0 and len(r.tokens) == len(new)
         self._emit("tokens", r, {"count": len(new), "first": first})
         if reason is None:
-            r.events.put_nowait(Chunk(new, text, prompt_tokens=len(r.prompt_ids) if first else 0))
+            r.events.put_nowait(StreamEvent(new, text, prompt_tokens=len(r.prompt_ids) if first else 0))
             return True
         text += r.detok.flush()
         self._ended(r, RequestStatus.FINISHED)
         self.counters.requests_finished += 1
         self._emit("finished", r, reason)
-        r.events.put_nowait(Chunk(new, text, finish_reason=reason, stats=r.stats(),
+        r.events.put_nowait(StreamEvent(new, text, finish_reason=reason, stats=r.stats(),
                                   prompt_tokens=len(r.prompt_ids) if first else 0))
         return False
 

@@ -27,7 +27,7 @@ from router.auth import check_bearer
 from router.links import DuplicateRequest, EngineUnavailable
 from router.openai_protocol import (ApiError, ChatTemplate, Parsed, chat_request, check_model, choice,
                                     completion_request, envelope, error_from_status, parse_json_body, usage)
-from router.loop import Chunk, Failure, Router
+from router.loop import Failure, Router, StreamEvent
 from router.server import Limits, status_of, validate
 
 OPEN_PATHS = ("/health", "/metrics")   # everything else needs the API key when one is set
@@ -120,7 +120,7 @@ class OpenAIFront:
             if not req.done:
                 self.router.cancel(req)
 
-    async def _whole(self, req, first: Chunk, parsed: Parsed, shape: dict, prompt_ids: list[int]) -> web.Response:
+    async def _whole(self, req, first: StreamEvent, parsed: Parsed, shape: dict, prompt_ids: list[int]) -> web.Response:
         text, token_ids, ev = "", [], first
         while True:
             if isinstance(ev, Failure):
@@ -136,7 +136,7 @@ class OpenAIFront:
                        usage(len(prompt_ids), len(token_ids)))
         return web.json_response(out, headers={"X-Request-Id": req.request_id})
 
-    async def _stream(self, request: web.Request, req, first: Chunk, parsed: Parsed, shape: dict,
+    async def _stream(self, request: web.Request, req, first: StreamEvent, parsed: Parsed, shape: dict,
                       prompt_ids: list[int]) -> web.StreamResponse:
         resp = web.StreamResponse(headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache",
                                            "X-Request-Id": req.request_id})

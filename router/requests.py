@@ -8,12 +8,16 @@ import time
 from dataclasses import dataclass, field
 
 from router.detok import Detokenizer
-from router.links import Tag
+from spectandem.protocol import Tag
 from spectandem.config import SamplingParams
 
 
 @dataclass
-class Chunk:
+class StreamEvent:
+    """What a request's stream carries inside the router: tokens committed since the previous
+    event, in the server's own terms (the gRPC server and the HTTP front turn it into their
+    responses; the SDK's public `spectandem.Chunk` is made from those)."""
+
     token_ids: list[int]
     text: str
     finish_reason: str | None = None

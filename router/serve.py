@@ -206,7 +206,7 @@ async def _build_links(args, cfg, target, draft, index: int = 0, supervisor=None
                          f"{_num_replicas(args)} replicas give --feature-channel without a value")
     if args.backend == "local":
         from router.links_local import LocalDrafterLink, LocalVerifierLink
-        from spectandem.local import LocalSpeculator
+        from router.local import LocalSpeculator
 
         config = EngineConfig.from_args(args, cfg, target, draft, max_slots)
         say(_loading("loading", cfg, target, draft) + " in this process")

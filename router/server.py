@@ -19,7 +19,7 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
 from router.links import DuplicateRequest, EngineUnavailable
-from router.loop import Chunk, Failure, Router
+from router.loop import Failure, Router, StreamEvent
 from spectandem.config import SamplingParams
 from spectandem.errors import ListenError
 from spectandem.v1 import common_pb2, generation_pb2, generation_pb2_grpc
@@ -236,7 +236,7 @@ class GenerationServicer(generation_pb2_grpc.GenerationServicer):
                 if isinstance(ev, Failure):
                     code, msg = status_of(ev)
                     await context.abort(code, msg)
-                assert isinstance(ev, Chunk)
+                assert isinstance(ev, StreamEvent)
                 if ev.finish_reason == "abort":
                     return
                 yield _response(req.request_id, ev)
@@ -299,7 +299,7 @@ async def server_stats(router) -> generation_pb2.ServerStats:
     return out
 
 
-def _response(request_id: str, ev: Chunk) -> generation_pb2.GenerateResponse:
+def _response(request_id: str, ev: StreamEvent) -> generation_pb2.GenerateResponse:
     out = generation_pb2.GenerateResponse(request_id=request_id, token_ids=ev.token_ids, text=ev.text,
                                           prompt_tokens=ev.prompt_tokens)
     if ev.finish_reason is not None:

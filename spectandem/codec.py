@@ -16,11 +16,11 @@ import sys
 import numpy as np
 import torch
 
-from router.links import (AheadReply, DrafterPrefillItem, EngineInfo, ExtendItem, PlainItem, RoundResult, Tag,
-                          VerifierPrefillItem, VerifierPrefillResult)
 from spectandem.channel import ChannelRef
 from spectandem.config import SamplingParams
 from spectandem.messages import DraftTree, ReadyTree
+from spectandem.protocol import (AheadReply, DrafterPrefillItem, EngineInfo, ExtendItem, PlainItem, RoundResult, Tag,
+                                 VerifierPrefillItem, VerifierPrefillResult)
 from spectandem.v1 import common_pb2, engines_pb2
 
 # dtype name -> (torch dtype, the torch dtype its bytes are moved as, little-endian numpy dtype)

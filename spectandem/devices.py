@@ -16,6 +16,9 @@ from contextlib import contextmanager
 
 import torch
 
+# What the engines compute in unless told otherwise (for callers that import no torch themselves).
+DEFAULT_DTYPE = torch.float32
+
 
 def to_device(data, device, dtype: torch.dtype | None = None) -> torch.Tensor:
     """`torch.tensor(data, dtype=dtype, device=device)` (or a CPU tensor moved there), without a
@@ -71,6 +74,23 @@ def engine_device(engine) -> torch.device | None:
     proposer = getattr(engine, "proposer", None)
     device = getattr(runner, "device", None) or getattr(proposer, "device", None)
     return None if device is None else torch.device(device)
+
+
+def engine_stream(engine):
+    """A CUDA stream of the engine's own on its device (None: it computes on the CPU or nothing),
+    for an in-process link to run the engine's calls on (router/local_base.py)."""
+    device = engine_device(engine)
+    if device is None or device.type != "cuda":
+        return None
+    return torch.cuda.Stream(device=device)
+
+
+def on_stream(stream, fn, *args):
+    """fn(*args) with `stream` current (as it is when `stream` is None)."""
+    if stream is None:
+        return fn(*args)
+    with torch.cuda.stream(stream):
+        return fn(*args)
 
 
 # The hook `device_work_queued` calls, per thread (`on_queued`).

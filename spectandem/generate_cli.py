@@ -78,8 +78,8 @@ def spec_from_flags(args):
 
 
 def build_local(args):
+    from router.local import LocalSpeculator
     from spectandem.config import EngineConfig
-    from spectandem.local import LocalSpeculator
 
     cfg, target, draft = spec_from_flags(args)
     return LocalSpeculator.from_config(EngineConfig.from_args(args, cfg, target, draft, max_slots=4))

@@ -9,7 +9,7 @@
                drafter.extend  -> catch-up on the accepted tokens with the real target features
 
 Every later process split (Ray actors, gRPC services, the router) must produce exactly the tokens
-this loop produces. `Completion.stats` counts rounds, drafted and accepted tokens;
+this loop produces. `LocalCompletion.stats` counts rounds, drafted and accepted tokens;
 accept_length = committed tokens per verification round, bonus included.
 """
 
@@ -38,7 +38,10 @@ class Stats:
 
 
 @dataclass
-class Completion:
+class LocalCompletion:
+    """One request's result in process (LocalSpeculator, the reference loop): token ids and
+    `Stats`, no text. The SDK's `spectandem.Completion` is what a server returns."""
+
     request_id: str
     prompt_ids: list[int]
     token_ids: list[int] = field(default_factory=list)
@@ -61,7 +64,7 @@ def take_tokens(num_generated: int, tokens: list[int], params: SamplingParams, e
     return len(tokens), ("length" if committed_len >= max_len else None)
 
 
-def _append(c: Completion, tokens: list[int], params: SamplingParams, eos: tuple[int, ...],
+def _append(c: LocalCompletion, tokens: list[int], params: SamplingParams, eos: tuple[int, ...],
             committed_len: int, max_len: int) -> None:
     n, reason = take_tokens(len(c.token_ids), tokens, params, eos, committed_len, max_len)
     c.token_ids.extend(tokens[:n])
@@ -70,7 +73,7 @@ def _append(c: Completion, tokens: list[int], params: SamplingParams, eos: tuple
 
 def generate(verifier, drafter, prompts: list[list[int]], params: list[SamplingParams],
              eos_token_ids: tuple[int, ...] = (), lookahead: int = 1,
-             request_ids: list[str] | None = None, fused=None, ahead: bool = False) -> list[Completion]:
+             request_ids: list[str] | None = None, fused=None, ahead: bool = False) -> list[LocalCompletion]:
     """Speculative generation for a batch of prompts. `drafter` None means plain decoding;
     `lookahead` is how many cache entries past the committed prefix a round may write on either
     side (tree nodes, draft scratch). `fused` (a FusedStep) makes verify + extend + the next
@@ -78,7 +81,7 @@ def generate(verifier, drafter, prompts: list[list[int]], params: list[SamplingP
     trees before they are verified (what the router overlaps with the verify)."""
     ids = request_ids or [f"req-{i}" for i in range(len(prompts))]
     seeds = [p.resolved_seed() for p in params]
-    by_id = {rid: (Completion(rid, list(p)), sp) for rid, p, sp in zip(ids, prompts, params)}
+    by_id = {rid: (LocalCompletion(rid, list(p)), sp) for rid, p, sp in zip(ids, prompts, params)}
     for out in verifier.prefill(ids, prompts, params, seeds):
         c, sp = by_id[out.request_id]
         _append(c, [out.first_token_id], sp, eos_token_ids, len(c.prompt_ids) + 1, verifier.max_len)

@@ -17,7 +17,7 @@ from dataclasses import replace
 import ray
 import torch
 
-from router.links import EngineInfo, PlainItem, RoundResult, Tag, VerifierPrefillItem, VerifierPrefillResult
+from spectandem.protocol import EngineInfo, PlainItem, RoundResult, Tag, VerifierPrefillItem, VerifierPrefillResult
 from spectandem.channel import FeatureSender
 from spectandem.config import EngineConfig
 from verifier.factory import build_engine

@@ -26,7 +26,7 @@ from spectandem.devices import to_device, to_host
 from spectandem.messages import DraftTree, PrefillOutput, StaleMessage, VerifyOutput, root_only_tree
 from spectandem.sampling import greedy, logits_to_probs, sample_from_probs
 from spectandem.kernels.accept import greedy_accept
-from verifier.accept import VerifyResult, verify_greedy, verify_rejection, verify_tree_sampling
+from spectandem.accept import VerifyResult, verify_greedy, verify_rejection, verify_tree_sampling
 from verifier.chained import ChainedLaunchMixin, Prepared, same_tree
 
 
@@ -252,7 +252,7 @@ class VerifierEngine(ChainedLaunchMixin):
         """Commits a verified round. accepted_nodes [B, N]: request b's accepted path as tree node
         indices in order, -1 after it; the runner keeps those nodes' KV. token_ids[b]: the tokens
         the round commits for request b (accepted drafts, then the bonus). `verify` ends here, and
-        so does the fused graph round (spectandem/fused.py), which reaches its verdict on the device."""
+        so does the fused graph round (verifier/fused.py), which reaches its verdict on the device."""
         reqs = [self.requests[rid] for rid in request_ids]
         with self._state:
             self.runner.commit([r.slot for r in reqs], [r.committed_len - 1 for r in reqs], accepted_nodes,

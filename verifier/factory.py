@@ -1,5 +1,5 @@
 """The verifier's one engine factory: the Ray actor (verifier/actor.py), the gRPC service
-(verifier/service.py) and the in-process backend (spectandem/local.py) all build it here."""
+(verifier/service.py) and the in-process backend (router/local.py) all build it here."""
 
 from __future__ import annotations
 
@@ -10,7 +10,7 @@ from verifier.engine import VerifierEngine
 def build_engine(config: EngineConfig, feature_layers=None) -> VerifierEngine:
     """The target's engine: its runner (native or transformers) with `config.kv_blocks` of KV.
     `feature_layers`: the target features its results carry (None, "final" or HF hidden-state
-    indices; the drafter's head decides: verifier/service.py resolve_feature_layers). The loaded
+    indices; the drafter's head decides: spectandem/feature_layers.py resolve_feature_layers). The loaded
     model is `engine.runner.model` (an in-process drafter shares its weights)."""
     from spectandem.checkpoint import read_config
     from verifier.runner import load_runner

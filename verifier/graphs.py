@@ -37,62 +37,17 @@ shapes: a step whose B fills its bucket is the eager step bit for bit.
 
 from __future__ import annotations
 
-import threading
-
 from dataclasses import dataclass
-from typing import Callable
 
 import torch
 
+from spectandem.cuda_graphs import BATCH_BUCKETS, batch_bucket, capture_graph, span_bucket
 from spectandem.devices import to_device
 from spectandem.kv_cache import PagedCacheBatch, PagedKVCache
 from spectandem.tree import tree_shape
 from verifier.tree_inputs import TreeVerifyInputs, copy_fields, host_tree_inputs, padding_tree_flat, tree_inputs_on
 
-BATCH_BUCKETS = (1, 2, 4, 8, 16, 32, 64)
-MIN_SPAN = 32
 FeatureSpec = None | str | tuple[int, ...]
-
-
-def batch_bucket(batch: int, buckets: tuple[int, ...] = BATCH_BUCKETS) -> int | None:
-    """The smallest bucket holding `batch` rows; None past the largest (run eagerly)."""
-    return next((b for b in buckets if b >= batch), None)
-
-
-def span_bucket(span: int, max_len: int) -> int:
-    """Cache columns a step of `span` entries runs over: the next power of two (at least
-    MIN_SPAN), capped at max_len. Example: max_len 300 -> 5 -> 32, 33 -> 64, 257 -> 300."""
-    if not 1 <= span <= max_len:
-        raise ValueError(f"span must be in [1, {max_len}] (the cache's max_len), got {span}")
-    return min(max(MIN_SPAN, 1 << (span - 1).bit_length()), max_len)
-
-
-_CAPTURE_LOCK = threading.Lock()
-
-
-def capture_graph(fn: Callable[[], None], pool, device: torch.device, warmup: int = 2) -> "torch.cuda.CUDAGraph":
-    """Captures `fn` (which must only write buffers allocated outside `pool`). The warm-up runs
-    on a side stream first, so lazy initialisation (cuBLAS handles, workspaces) happens outside
-    the capture.
-
-    The capture runs on that side stream, made on `device`: torch.cuda.graph's default capture
-    stream is one per process, made on whichever device captured first, so a drafter capturing
-    on cuda:1 after a verifier on cuda:0 would capture nothing (seen on the H200). Captures are
-    serialized across the process's threads (the two engines of `serve --backend local`)."""
-    with _CAPTURE_LOCK, torch.cuda.device(device), torch.no_grad():
-        side = torch.cuda.Stream()
-        side.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(side):
-            for _ in range(warmup):
-                fn()
-        torch.cuda.current_stream().wait_stream(side)
-        graph = torch.cuda.CUDAGraph()
-        # thread_local: the other engine of this process may launch work from its own thread
-        # while this one captures (the router runs drafter and verifier calls concurrently).
-        with torch.cuda.graph(graph, pool=pool, stream=side, capture_error_mode="thread_local"):
-            fn()
-    graph.device = torch.device(device)   # which device replays it (benchmarks/profile_router.py)
-    return graph
 
 
 @dataclass

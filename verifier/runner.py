@@ -18,10 +18,12 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from spectandem.cuda_graphs import batch_bucket
 from spectandem.kv_cache import KVCache, PagedKVCache
-from spectandem.modeling.llama import NATIVE_ARCHITECTURES, InvariantBatch, LlamaModel, load_llama
+from spectandem.modeling.llama import InvariantBatch, LlamaModel
+from spectandem.modeling.target import inspect_target, load_target
 from spectandem.block_manager import KVCacheFull
-from verifier.graphs import VerifyGraphs, batch_bucket, verify_forward, verify_inputs, with_device_tokens
+from verifier.graphs import VerifyGraphs, verify_forward, verify_inputs, with_device_tokens
 from verifier.tree_inputs import host_tree_inputs, tree_input_rows, tree_verify_inputs
 from verifier.hf_runner import FeatureSpec, HFRunner
 
@@ -337,20 +339,12 @@ def load_runner(target_dir: str | Path, feature_layers: FeatureSpec, max_slots: 
     only): prefill and verify through the batch-invariant kernels (NativeRunner).
     `triton_attention` (native runner only): verify attends through the Triton paged tree
     attention (NativeRunner)."""
-    from spectandem.checkpoint import read_config
-
-    cfg = read_config(target_dir)
-    arch = (cfg.get("architectures") or [""])[0]
-    context = int(cfg.get("max_position_embeddings", 2048))
-    max_len = min(max_len or context, context)
-    if arch in NATIVE_ARCHITECTURES and not force_hf:
-        model = load_llama(target_dir, dtype, device)
-        if model.spec.sliding_window:
-            # Within the window, sliding-window attention is full attention: capping the context
-            # there keeps the native path exact without a windowed mask.
-            max_len = min(max_len, model.spec.sliding_window)
-        return NativeRunner(model, feature_layers, max_slots, max_len, kv_blocks, block_size, cuda_graphs,
+    target = inspect_target(target_dir, max_len, force_hf)
+    if target.native:
+        model = load_target(target, dtype, device)
+        return NativeRunner(model, feature_layers, max_slots, target.max_len, kv_blocks, block_size, cuda_graphs,
                             batch_invariant, triton_attention), model
+    arch = target.architecture
     if cuda_graphs:
         raise ValueError(f"{target_dir}: CUDA graphs need the native runner; architecture {arch!r} "
                          f"(force_hf={force_hf}) runs on transformers")
@@ -360,12 +354,6 @@ def load_runner(target_dir: str | Path, feature_layers: FeatureSpec, max_slots: 
     if triton_attention:
         raise ValueError(f"{target_dir}: the Triton tree attention needs the native runner; architecture "
                          f"{arch!r} (force_hf={force_hf}) runs on transformers")
-    from transformers import AutoModelForCausalLM
-
-    try:
-        model = AutoModelForCausalLM.from_pretrained(str(target_dir), dtype=dtype, local_files_only=True)
-    except (ValueError, OSError, KeyError) as exc:
-        raise ValueError(f"{target_dir}: cannot load architecture {arch!r} ({exc})") from None
-    model = model.to(device).eval()
-    return HFRunner(model, feature_layers, max_len), model
+    model = load_target(target, dtype, device)
+    return HFRunner(model, feature_layers, target.max_len), model
 

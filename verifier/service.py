@@ -20,6 +20,7 @@ from pathlib import Path
 from spectandem import codec
 from spectandem.channel import FeatureSender
 from spectandem.config import EngineConfig, SpecConfig
+from spectandem.feature_layers import resolve_feature_layers
 from spectandem.service_args import add_verifier_args  # noqa: F401 (re-exported)
 from spectandem.grpc_server import EngineCalls, EngineServer
 from spectandem.tls import ServerTls, server_tls_from_args
@@ -89,24 +90,6 @@ class VerifierServicer(engines_pb2_grpc.VerifierServicer):
 # Building the engine and serving it
 
 
-def resolve_feature_layers(feature_layers: str | None, method: str, draft_dir: str | Path | None,
-                           target_dir: str | Path):
-    """What the drafter reads: None, "final" or HF hidden-state indices. An explicit
-    `feature_layers` string wins; else the method decides (EAGLE-3: the head's auxiliary layers,
-    read from its config.json without loading weights)."""
-    if feature_layers is not None:
-        return codec.feature_layers_from_str(feature_layers)
-    if method == "eagle":
-        return "final"
-    if method != "eagle3":
-        return None
-    if draft_dir is None:
-        raise ValueError("--method eagle3 needs --draft (to read the head's auxiliary layers) or --feature-layers")
-    from drafter.loader import aux_layers_from_config
-    from spectandem.checkpoint import read_config
-
-    num_layers = int(read_config(target_dir)["num_hidden_layers"])
-    return aux_layers_from_config(read_config(draft_dir), num_layers, str(Path(draft_dir) / "config.json"))
 
 
 async def start_verifier_server(engine: VerifierEngine, host: str = "127.0.0.1", port: int = 0,

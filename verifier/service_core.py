@@ -6,7 +6,7 @@ While it is up, the results carry ChannelRefs in place of feature tensors; other
 
 from __future__ import annotations
 
-from router.links import EngineInfo, PlainItem, RoundResult, Tag, VerifierPrefillItem, VerifierPrefillResult
+from spectandem.protocol import EngineInfo, PlainItem, RoundResult, Tag, VerifierPrefillItem, VerifierPrefillResult
 from spectandem.channel import FeatureSender
 from spectandem.messages import DraftTree, concat_trees, root_only_tree
 

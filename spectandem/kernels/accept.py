@@ -1,6 +1,6 @@
 """Greedy acceptance over draft trees, one Triton program per request.
 
-The words are verifier/accept.py's (read its glossary): node 0 is the root, `parents[b, i] < i`,
+The words are spectandem/accept.py's (read its glossary): node 0 is the root, `parents[b, i] < i`,
 children are taken in sibling order (ascending node index), and a round outputs `num_accepted`
 accepted draft tokens followed by one bonus token (recovered or bonus: the target argmax where
 the walk stops).
@@ -24,12 +24,13 @@ from typing import NamedTuple
 
 import torch
 
+from spectandem.accept import verify_greedy
 from spectandem.checks import describe
 from spectandem.kernels import HAVE_TRITON
 
 
 class GreedyAcceptance(NamedTuple):
-    """verifier.accept.VerifyResult's fields, padded to the tree width N instead of D+1."""
+    """spectandem.accept.VerifyResult's fields, padded to the tree width N instead of D+1."""
 
     accepted_nodes: torch.Tensor  # [B, N] int64: root (0), then each accepted draft node; -1 pad
     num_accepted: torch.Tensor  # [B] int64: accepted draft nodes, root excluded
@@ -140,9 +141,6 @@ def greedy_accept_ref(
 ) -> GreedyAcceptance:
     """verify_greedy itself, on one-hot logits whose argmax is `target_argmax`; its [B, D+1]
     results are padded to N. Runs on the CPU, returns tensors on tree_token_ids' device."""
-    # Imported here: verifier depends on spectandem, and spectandem must import without it.
-    from verifier.accept import verify_greedy
-
     _check_inputs(target_argmax, tree_token_ids, parents, node_valid)
     batch_size, num_nodes = tree_token_ids.shape
     argmax = target_argmax.cpu().to(torch.int64)

@@ -16,7 +16,7 @@ from drafter import ahead_chains
 from drafter.ahead_chains import rank_chain_outcomes
 from spectandem.config import SamplingParams, SpecConfig
 from spectandem.demo import demo_paths
-from spectandem.local import LocalSpeculator
+from router.local import LocalSpeculator
 from tests.e2e.conftest import PROMPT_TEXTS
 
 

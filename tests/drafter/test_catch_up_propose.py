@@ -17,7 +17,7 @@ import pytest
 from drafter.graphs import ChainGraphs
 from spectandem.config import SpecConfig
 from spectandem.demo import demo_paths
-from spectandem.local import LocalSpeculator
+from router.local import LocalSpeculator
 from tests.drafter.lockstep import assert_same_head_state, prefilled, verify_and_extend
 from tests.e2e.conftest import PROMPT_TEXTS
 

@@ -18,7 +18,7 @@ from spectandem.block_manager import BlockManager
 from spectandem.config import SamplingParams, SpecConfig
 from spectandem.demo import demo_paths
 from spectandem.kv_cache import PagedKVCache
-from spectandem.local import LocalSpeculator
+from router.local import LocalSpeculator
 from tests.e2e.conftest import PROMPT_TEXTS
 
 CASES = [

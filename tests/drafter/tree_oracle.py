@@ -10,7 +10,7 @@ branches, all k*k kept as candidates and the k best expanded; the tree is the N-
 
 import torch
 
-from drafter.tree import TreeDraft
+from drafter.tree import DraftNodes
 
 
 def _identity(t: torch.Tensor) -> torch.Tensor:
@@ -84,7 +84,7 @@ def beam_candidates(logits_of, first, b, k, num_steps) -> tuple[list, list]:
 
 # ---------------------------------------------------------------- tree checks
 
-def node_paths(tree: TreeDraft, b: int, distinct: bool = True) -> list[tuple[int, ...]]:
+def node_paths(tree: DraftNodes, b: int, distinct: bool = True) -> list[tuple[int, ...]]:
     """Paths of the draft nodes of request b; asserts parents precede children and, for top-k
     trees, that no path repeats (sampled chains draw i.i.d. and may repeat)."""
     paths = [()]
@@ -96,7 +96,7 @@ def node_paths(tree: TreeDraft, b: int, distinct: bool = True) -> list[tuple[int
     return nodes
 
 
-def check_closed(tree: TreeDraft, b: int, distinct: bool = True) -> list[tuple[int, ...]]:
+def check_closed(tree: DraftNodes, b: int, distinct: bool = True) -> list[tuple[int, ...]]:
     nodes = node_paths(tree, b, distinct)
     chosen = set(nodes)
     for p in nodes:

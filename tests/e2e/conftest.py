@@ -8,7 +8,7 @@ import torch
 from spectandem.checkpoint import load_tokenizer
 from spectandem.config import SpecConfig
 from spectandem.demo import demo_paths
-from spectandem.local import LocalSpeculator
+from router.local import LocalSpeculator
 
 PROMPT_TEXTS = [
     "def fibonacci(n):\n", "import os\nimport sys\n\n", "class Queue:\n    def __init__(self",

@@ -66,7 +66,7 @@ def test_context_end(prompts, oracle):
     p = prompts[0]
     from spectandem.config import SpecConfig
     from spectandem.demo import demo_paths
-    from spectandem.local import LocalSpeculator
+    from router.local import LocalSpeculator
 
     t, d = demo_paths("eagle3")
     spec = LocalSpeculator(t, d, SpecConfig(method="eagle3", num_steps=4, num_draft_tokens=5), max_slots=1,

@@ -27,7 +27,7 @@ from spectandem.kernels.batch_invariant import (
     tree_paths,
 )
 from spectandem.kv_cache import PagedKVCache
-from spectandem.local import LocalSpeculator
+from router.local import LocalSpeculator
 from tests.e2e.conftest import PROMPT_TEXTS
 
 pytestmark = pytest.mark.gpu

@@ -19,7 +19,7 @@ from drafter.loader import load_head
 from drafter.proposers import DraftRequest, EagleProposer
 from spectandem.config import SamplingParams, SpecConfig
 from spectandem.demo import demo_paths
-from spectandem.local import LocalSpeculator
+from router.local import LocalSpeculator
 from spectandem.modeling.llama import load_llama
 from tests.e2e.conftest import PROMPT_TEXTS
 

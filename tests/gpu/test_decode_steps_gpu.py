@@ -19,7 +19,7 @@ from router.loop import Router
 from spectandem.checkpoint import load_tokenizer
 from spectandem.config import SamplingParams, SpecConfig
 from spectandem.demo import demo_paths
-from spectandem.local import LocalSpeculator
+from router.local import LocalSpeculator
 from spectandem.messages import root_only_tree
 from spectandem.modeling.llama import load_llama
 from tests.e2e.conftest import PROMPT_TEXTS

@@ -30,7 +30,7 @@ from router.links_grpc import GrpcDrafterLink
 from spectandem.channel import ChannelRef, FeatureReceiver, FeatureSender
 from spectandem.config import SamplingParams, SpecConfig
 from spectandem.demo import demo_paths
-from spectandem.local import LocalSpeculator
+from router.local import LocalSpeculator
 from tests.router.link_harness import MAX_LEN, PROMPT_TEXTS, TREE, _assert_same, speculate
 from tests.router.test_feature_channel import RecordingVerifier, _address, _wait_state
 

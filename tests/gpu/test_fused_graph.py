@@ -1,4 +1,4 @@
-"""On the GPU: the fused round as one CUDA graph (spectandem/fused.py FusedGraphStep) gives the
+"""On the GPU: the fused round as one CUDA graph (verifier/fused.py FusedGraphStep) gives the
 tokens of the same round run eagerly, and greedy fused speculation through LocalSpeculator with
 graphs equals plain decoding with graphs on 24 prompts (fp32), EAGLE-3 and EAGLE-1."""
 
@@ -9,8 +9,8 @@ import torch
 
 from spectandem.config import SamplingParams, SpecConfig
 from spectandem.demo import demo_paths
-from spectandem.fused import FusedGraphStep
-from spectandem.local import LocalSpeculator
+from verifier.fused import FusedGraphStep
+from router.local import LocalSpeculator
 from tests.e2e.conftest import PROMPT_TEXTS
 
 pytestmark = pytest.mark.gpu

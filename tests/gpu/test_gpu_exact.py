@@ -12,7 +12,7 @@ import torch
 
 from spectandem.config import SamplingParams, SpecConfig
 from spectandem.demo import demo_paths
-from spectandem.local import LocalSpeculator
+from router.local import LocalSpeculator
 from tests.e2e.conftest import PROMPT_TEXTS
 
 pytestmark = pytest.mark.gpu

@@ -35,7 +35,7 @@ from spectandem.kernels.fused import (
     silu_mul_packed_triton,
 )
 from spectandem.kernels.rotary import rotary_triton
-from spectandem.local import LocalSpeculator
+from router.local import LocalSpeculator
 from spectandem.modeling.layers import RMSNorm, RopeSpec, Rotary, apply_rotary
 from spectandem.modeling.llama import LlamaModel, LlamaSpec
 from tests.e2e.conftest import PROMPT_TEXTS

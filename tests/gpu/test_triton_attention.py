@@ -22,12 +22,13 @@ import torch
 from spectandem.config import SamplingParams, SpecConfig
 from spectandem.demo import demo_paths
 from spectandem.kernels import HAVE_TRITON, paged_tree_attention_triton
-from spectandem.local import LocalSpeculator
+from router.local import LocalSpeculator
 from spectandem.modeling.llama import load_llama
 from spectandem.tree import ancestor_mask
 from tests.e2e.conftest import PROMPT_TEXTS
 from tests.verifier.random_trees import accepted_paths, random_trees
-from verifier.graphs import BATCH_BUCKETS, VerifyGraphs
+from spectandem.cuda_graphs import BATCH_BUCKETS
+from verifier.graphs import VerifyGraphs
 from verifier.runner import NativeRunner
 
 pytestmark = pytest.mark.gpu

@@ -21,7 +21,7 @@ from router.server import Limits, prompt_char_limit, start_server
 from spectandem import Client, SamplingParams
 from spectandem.config import SpecConfig
 from spectandem.demo import demo_paths
-from spectandem.local import LocalSpeculator
+from router.local import LocalSpeculator
 from spectandem.v1 import common_pb2, generation_pb2, generation_pb2_grpc
 from tests.ops.conftest import free_port
 from tests.router.conftest import Served
@@ -356,7 +356,7 @@ def test_exact_bearer_is_accepted_on_both(server):
 
 def test_full_uint64_seed_crosses_the_engine_wire_exactly():
     """The gRPC backend's engine messages carry a seed of 2**64 - 1 unchanged, to both engines."""
-    from router.links import DrafterPrefillItem, Tag, VerifierPrefillItem
+    from spectandem.protocol import DrafterPrefillItem, Tag, VerifierPrefillItem
     from spectandem import codec
 
     seed = 2**64 - 1

@@ -18,8 +18,8 @@ from __future__ import annotations
 
 import asyncio
 
-from router.links import (AheadReply, DraftHandle, EngineInfo, EngineUnavailable, RemoteDrafterLink,
-                          RemoteVerifierLink, RoundResult, Tag, VerifierPrefillResult)
+from router.links import EngineUnavailable, RemoteDrafterLink, RemoteVerifierLink
+from spectandem.protocol import AheadReply, DraftHandle, EngineInfo, RoundResult, Tag, VerifierPrefillResult
 
 VOCAB = 64
 

@@ -16,12 +16,12 @@ import time
 from collections.abc import Iterator, Sequence
 from pathlib import Path
 
-from router.links import DrafterPrefillItem, ExtendItem, PlainItem, Tag, VerifierPrefillItem
+from spectandem.protocol import DrafterPrefillItem, ExtendItem, PlainItem, Tag, VerifierPrefillItem
 from spectandem.config import SamplingParams, SpecConfig
 from spectandem.demo import demo_paths
 from spectandem.messages import trees_from_ready
-from spectandem.local import LocalSpeculator
-from spectandem.reference import Completion, _append
+from router.local import LocalSpeculator
+from spectandem.reference import LocalCompletion, _append
 
 ROOT = Path(__file__).resolve().parents[2]
 PROMPT_TEXTS = ["def fibonacci(n):\n", "class Queue:\n    def __init__(self", "import os\nimport sys\n\n",
@@ -35,7 +35,7 @@ def _greedy(n: int) -> list[SamplingParams]:
     return [SamplingParams(max_tokens=MAX_TOKENS) for _ in range(n)]
 
 
-def _local(method: str, prompts, *param_lists, ahead: bool = False) -> tuple[list[list[Completion]], tuple[int, ...], int]:
+def _local(method: str, prompts, *param_lists, ahead: bool = False) -> tuple[list[list[LocalCompletion]], tuple[int, ...], int]:
     """The in-process reference: completions for each list of params, eos ids, lookahead."""
     target, draft = demo_paths(method)
     spec = LocalSpeculator(target, draft, SpecConfig(method=method, **TREE), max_slots=4, max_len=MAX_LEN)
@@ -77,7 +77,7 @@ async def drained(spec, tries: int = 50) -> None:
 
 async def speculate(vlink, dlink, prompts, params, eos: tuple[int, ...], lookahead: int,
                     plain_rounds=lambda rid, n: False, ahead: list | None = None,
-                    ready: list | None = None) -> list[Completion]:
+                    ready: list | None = None) -> list[LocalCompletion]:
     """prefill -> (draft -> verify -> extend)* for a batch, as spectandem.reference.generate does.
     `plain_rounds(request_id, round)` True sends that request as a plain row (no draft).
     `ahead` (a list): DraftAhead on each round's trees, overlapped with their verify; the hit
@@ -87,7 +87,7 @@ async def speculate(vlink, dlink, prompts, params, eos: tuple[int, ...], lookahe
     max_len = (await vlink.info()).max_len
     ids = [f"req-{i}" for i in range(len(prompts))]
     seeds = [p.resolved_seed() for p in params]
-    comps = {rid: Completion(rid, list(p)) for rid, p in zip(ids, prompts)}
+    comps = {rid: LocalCompletion(rid, list(p)) for rid, p in zip(ids, prompts)}
     sp = dict(zip(ids, params))
     results = await vlink.prefill([VerifierPrefillItem(Tag(rid, 0, len(p)), p, s, seed)
                                    for rid, p, s, seed in zip(ids, prompts, params, seeds)], want_features=True)
@@ -158,7 +158,7 @@ async def speculate(vlink, dlink, prompts, params, eos: tuple[int, ...], lookahe
     return [comps[rid] for rid in ids]
 
 
-def _assert_same(got: list[Completion], expected: list[Completion], same_stats: bool = True):
+def _assert_same(got: list[LocalCompletion], expected: list[LocalCompletion], same_stats: bool = True):
     for i, (g, e) in enumerate(zip(got, expected)):
         assert g.token_ids == e.token_ids, f"prompt {i}"
         assert g.finish_reason == e.finish_reason

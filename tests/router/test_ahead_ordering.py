@@ -14,7 +14,7 @@ from router.requests import RouterConfig
 from router.loop import Router
 from spectandem.config import SamplingParams, SpecConfig
 from spectandem.demo import demo_paths
-from spectandem.local import LocalSpeculator
+from router.local import LocalSpeculator
 from tests.e2e.conftest import PROMPT_TEXTS
 from tests.router.link_harness import collect, drained
 

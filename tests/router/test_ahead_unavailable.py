@@ -9,12 +9,12 @@ import asyncio
 import pytest
 import torch
 
-from spectandem import bench_router8b as br
+from spectandem.bench import router8b as br
 
 
 @pytest.fixture(scope="module")
 def runs():
-    from spectandem.bench_llama8b import ControlledRuns, llama8b_spec, random_eagle3_head, random_target
+    from spectandem.bench.llama8b import ControlledRuns, llama8b_spec, random_eagle3_head, random_target
 
     model = random_target(llama8b_spec("tiny"), "cpu", torch.float32, 0)
     head = random_eagle3_head(model, 256, "cpu", torch.float32, 0)
@@ -35,7 +35,7 @@ def _serve_one(s, runs) -> None:
 def test_a_drafter_that_never_drafts_ahead_loses_the_ahead_candidate(runs):
     from drafter.engine import DrafterEngine
     from router.links_local import LocalDrafterLink
-    from spectandem.bench_controlled import ControlledProposer
+    from spectandem.bench.controlled import ControlledProposer
 
     s = br._setup(runs, 0.8, "auto", 1)
     # A controlled proposer told not to draft ahead: its draft_ahead replies are all None.
@@ -58,14 +58,14 @@ def test_a_drafter_that_drafts_ahead_keeps_it(runs):
     s.acceptance_rate = None                       # no plans to write; tokens are still the target's
 
     async def go():
-        from router.loop import Chunk
+        from router.loop import StreamEvent
 
         s.router.start()
         try:
             for k in range(2):
                 req = s.router.submit(runs.prompts[k], runs.params, request_id=f"a{k}")
                 while not (ev := await req.events.get()).finish_reason:
-                    assert isinstance(ev, Chunk)
+                    assert isinstance(ev, StreamEvent)
         finally:
             await s.router.stop()
     asyncio.run(go())

@@ -12,13 +12,14 @@ import asyncio
 
 import pytest
 
-from router.links import EngineUnavailable, Tag
+from router.links import EngineUnavailable
+from spectandem.protocol import Tag
 from router.links_local import LocalDrafterLink, LocalVerifierLink
 from router.requests import RouterConfig
 from router.loop import Router
 from spectandem.config import SamplingParams, SpecConfig
 from spectandem.demo import demo_paths
-from spectandem.local import LocalSpeculator
+from router.local import LocalSpeculator
 from spectandem.messages import ReadyTree, trees_from_ready
 from tests.e2e.conftest import PROMPT_TEXTS
 from tests.router.link_harness import collect, drained

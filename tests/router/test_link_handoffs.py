@@ -5,7 +5,7 @@ import asyncio
 import threading
 
 from router.link_handoffs import PreAhead
-from router.links import AheadReply, Tag
+from spectandem.protocol import AheadReply, Tag
 
 
 def _job() -> PreAhead:
@@ -119,7 +119,7 @@ def test_the_chain_draft_ahead_marks_its_work_queued():
     from spectandem.config import SpecConfig
     from spectandem.demo import demo_paths
     from spectandem.devices import on_queued
-    from spectandem.local import LocalSpeculator
+    from router.local import LocalSpeculator
     from tests.drafter.lockstep import prefilled
     from tests.e2e.conftest import PROMPT_TEXTS
 
@@ -159,7 +159,7 @@ class _MissDrafter(_Drafter):
 def _missed(launched: bool):
     """A miss's pre-draft on the link (ahead_after_miss on) whose tree the verifier's taker
     launches or not -> (engine, link, its tags, its catch-up item)."""
-    from router.links import ExtendItem
+    from spectandem.protocol import ExtendItem
     from router.links_local import LocalDrafterLink
 
     engine = _MissDrafter()

@@ -21,7 +21,8 @@ import grpc
 import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from router.links import DrafterPrefillItem, EngineUnavailable, ExtendItem, PlainItem, Tag, VerifierPrefillItem
+from router.links import EngineUnavailable
+from spectandem.protocol import DrafterPrefillItem, ExtendItem, PlainItem, Tag, VerifierPrefillItem
 from router.links_grpc import GrpcDrafterLink, GrpcVerifierLink
 from spectandem.config import SamplingParams, SpecConfig
 from spectandem.demo import demo_paths
@@ -55,7 +56,8 @@ def ngram_servers():
     from drafter.service import start_drafter_server
     from spectandem.config import EngineConfig
     from verifier.factory import build_engine as build_verifier
-    from verifier.service import resolve_feature_layers, start_verifier_server
+    from spectandem.feature_layers import resolve_feature_layers
+    from verifier.service import start_verifier_server
 
     target, _ = demo_paths("ngram")
     cfg = SpecConfig(method="ngram", **TREE)

@@ -13,13 +13,14 @@ import pytest
 import ray
 import torch
 
-from router.links import (DrafterPrefillItem, EngineUnavailable, ExtendItem, PlainItem, Tag, VerifierPrefillItem)
+from router.links import EngineUnavailable
+from spectandem.protocol import DrafterPrefillItem, ExtendItem, PlainItem, Tag, VerifierPrefillItem
 from router.links_ray import RayVerifierLink, ray_init, start_engines
 from spectandem.config import SamplingParams, SpecConfig
 from spectandem.demo import demo_paths
-from spectandem.local import LocalSpeculator
+from router.local import LocalSpeculator
 from spectandem.messages import StaleMessage, trees_from_ready
-from spectandem.reference import Completion, _append
+from spectandem.reference import LocalCompletion, _append
 
 pytestmark = pytest.mark.slow
 
@@ -74,7 +75,7 @@ async def speculate(verifier, drafter, prompts, params, eos, lookahead, seen: Se
     max_len = (await verifier.info()).max_len
     ids = [f"req-{i}" for i in range(len(prompts))]
     seeds = {rid: sp.resolved_seed() for rid, sp in zip(ids, params)}
-    by_id = {rid: (Completion(rid, list(p)), sp) for rid, p, sp in zip(ids, prompts, params)}
+    by_id = {rid: (LocalCompletion(rid, list(p)), sp) for rid, p, sp in zip(ids, prompts, params)}
     tags: dict[str, Tag] = {}
     pres = await verifier.prefill([VerifierPrefillItem(Tag(rid, 0, len(p)), p, sp, seeds[rid])
                                    for rid, p, sp in zip(ids, prompts, params)], want_features=True)

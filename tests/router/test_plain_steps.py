@@ -13,13 +13,13 @@ import asyncio
 
 import pytest
 
-from router.links import PlainItem, Tag
+from spectandem.protocol import PlainItem, Tag
 from router.links_local import LocalDrafterLink, LocalVerifierLink
 from router.requests import RouterConfig
 from router.loop import Router
 from spectandem.config import SamplingParams, SpecConfig
 from spectandem.demo import demo_paths
-from spectandem.local import LocalSpeculator
+from router.local import LocalSpeculator
 from tests.e2e.conftest import PROMPT_TEXTS
 
 

@@ -16,7 +16,7 @@ import torch
 
 from spectandem.config import SamplingParams, SpecConfig
 from spectandem.demo import demo_paths
-from spectandem.local import LocalSpeculator
+from router.local import LocalSpeculator
 from spectandem.v1 import generation_pb2
 from tests.e2e.conftest import PROMPT_TEXTS
 from tests.router.conftest import Served, collect, request
@@ -209,7 +209,7 @@ class _LateDelivery:
 
 def test_old_epoch_replies_are_dropped_and_counted(reference):
     from router.links_local import LocalDrafterLink, LocalVerifierLink
-    from router.loop import Chunk, Router, RouterConfig
+    from router.loop import StreamEvent, Router, RouterConfig
 
     t, d = demo_paths("eagle3")
     spec = LocalSpeculator(t, d, SpecConfig(method="eagle3"), max_slots=8, max_len=256, kv_blocks=12, block_size=16)
@@ -230,7 +230,7 @@ def test_old_epoch_replies_are_dropped_and_counted(reference):
             toks = []
             while True:
                 ev = await asyncio.wait_for(r.events.get(), 120)
-                assert isinstance(ev, Chunk), ev
+                assert isinstance(ev, StreamEvent), ev
                 toks += ev.token_ids
                 if ev.finish_reason:
                     break

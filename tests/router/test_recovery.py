@@ -30,7 +30,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from spectandem.config import SamplingParams, SpecConfig
 from spectandem.demo import demo_paths
-from spectandem.local import LocalSpeculator
+from router.local import LocalSpeculator
 from spectandem.v1 import generation_pb2
 from tests.e2e.conftest import PROMPT_TEXTS
 from tests.router.conftest import Served, collect, request

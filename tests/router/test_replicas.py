@@ -14,7 +14,7 @@ from router.replicas import ReplicaSet
 from router.loop import RouterCounters
 from spectandem.config import SamplingParams, SpecConfig
 from spectandem.demo import demo_paths
-from spectandem.local import LocalSpeculator
+from router.local import LocalSpeculator
 from tests.e2e.conftest import PROMPT_TEXTS
 from tests.router.conftest import Served, collect, request
 

@@ -19,7 +19,7 @@ from router.requests import RouterConfig
 from router.loop import Failure, Router
 from spectandem.config import SamplingParams, SpecConfig
 from spectandem.demo import demo_paths
-from spectandem.local import LocalSpeculator
+from router.local import LocalSpeculator
 from tests.e2e.conftest import PROMPT_TEXTS
 from tests.ops.conftest import free_port
 from tests.router.conftest import Served, collect, request

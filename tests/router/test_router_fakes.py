@@ -10,7 +10,7 @@ import pytest
 
 from router.links import DuplicateRequest, EngineUnavailable
 from router.loop import Router
-from router.requests import Chunk, Failure, RequestStatus, RouterConfig
+from router.requests import Failure, RequestStatus, RouterConfig, StreamEvent
 from spectandem.config import SamplingParams
 from tests.router.fakes import VOCAB, OracleVerifier, ScriptedDrafter, Tokenizer, continuation, oracle, reference
 
@@ -190,7 +190,7 @@ def test_verifier_failure_fails_its_requests_then_serving_resumes():
         return first, rest, again
 
     first, rest, again = run(go())
-    assert isinstance(first, Chunk) and first.token_ids
+    assert isinstance(first, StreamEvent) and first.token_ids
     assert isinstance(rest[2], Failure) and rest[2].code == "UNAVAILABLE"
     assert states == [False, True]
     assert again[0] == reference(PROMPTS[1], 40)

@@ -18,7 +18,7 @@ import pytest
 
 from spectandem.config import SamplingParams, SpecConfig
 from spectandem.demo import demo_paths
-from spectandem.local import LocalSpeculator
+from router.local import LocalSpeculator
 from tests.e2e.conftest import PROMPT_TEXTS
 from tests.router.conftest import Served, collect, request
 

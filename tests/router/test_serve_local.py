@@ -11,7 +11,7 @@ import pytest
 
 from spectandem.config import SamplingParams, SpecConfig
 from spectandem.demo import demo_paths
-from spectandem.local import LocalSpeculator
+from router.local import LocalSpeculator
 from spectandem.v1 import generation_pb2
 from tests.e2e.conftest import PROMPT_TEXTS
 from tests.router.conftest import collect, request

@@ -11,7 +11,7 @@ from router.requests import RouterConfig
 from router.loop import Router
 from spectandem.config import SamplingParams, SpecConfig
 from spectandem.demo import demo_paths
-from spectandem.local import LocalSpeculator
+from router.local import LocalSpeculator
 
 
 class SwallowingVerifier(LocalVerifierLink):

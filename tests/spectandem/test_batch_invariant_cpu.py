@@ -22,7 +22,7 @@ import torch
 from spectandem.config import SamplingParams, SpecConfig
 from spectandem.demo import demo_paths
 from spectandem.kernels.batch_invariant import bi_attention_ref, bi_linear_ref, bi_rmsnorm_ref, tree_paths
-from spectandem.local import LocalSpeculator
+from router.local import LocalSpeculator
 from spectandem.modeling.layers import RMSNorm, masked_attention
 from spectandem.tree import ancestor_mask
 from tests.e2e.conftest import PROMPT_TEXTS

@@ -1,5 +1,5 @@
 """The benchmark's controlled-acceptance drafts: the plan, and the proposer that swaps them into
-a real proposer's chains (spectandem/bench_controlled.py)."""
+a real proposer's chains (spectandem/bench/controlled.py)."""
 
 import math
 
@@ -7,8 +7,8 @@ import pytest
 import torch
 
 from drafter.proposers import DraftRequest
-from drafter.tree import TreeDraft
-from spectandem.bench_controlled import ControlledProposer, expected_accept_length, expected_ahead_hit_rate, plan_drafts
+from drafter.tree import DraftNodes
+from spectandem.bench.controlled import ControlledProposer, expected_accept_length, expected_ahead_hit_rate, plan_drafts
 from spectandem.config import SamplingParams, SpecConfig
 
 VOCAB = 50
@@ -47,7 +47,7 @@ class _ScriptedProposer:
     def propose(self, reqs, num_steps=None):
         self.calls.append(("propose", [r.request_id for r in reqs], num_steps))
         m = num_steps or self.cfg.num_steps
-        return TreeDraft(token_ids=torch.zeros(len(reqs), m, dtype=torch.long),
+        return DraftNodes(token_ids=torch.zeros(len(reqs), m, dtype=torch.long),
                          parents=torch.arange(m).expand(len(reqs), m).clone(), scores=torch.zeros(len(reqs), m))
 
     def kv_stats(self):
@@ -207,7 +207,7 @@ class _CaughtUpScripted(_ScriptedProposer):
     def catch_up_propose(self, reqs, num_new, features, num_steps=None):
         self.calls.append(("catch_up_propose", [r.request_id for r in reqs], list(num_new)))
         m = num_steps or self.cfg.num_steps
-        return TreeDraft(token_ids=torch.zeros(len(reqs), m, dtype=torch.long),
+        return DraftNodes(token_ids=torch.zeros(len(reqs), m, dtype=torch.long),
                          parents=torch.arange(m).expand(len(reqs), m).clone(), scores=torch.zeros(len(reqs), m))
 
 

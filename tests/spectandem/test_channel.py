@@ -16,7 +16,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from router.links import ExtendItem, RoundResult, Tag
+from spectandem.protocol import ExtendItem, RoundResult, Tag
 from spectandem import codec
 from spectandem.channel import (MAX_ITEMS, ChannelRef, FeatureChannelError, FeatureReceiver, FeatureSender, _Group,
                                 parse_address)

@@ -7,7 +7,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from router.links import DrafterPrefillItem, RoundResult, Tag, VerifierPrefillItem
+from spectandem.protocol import DrafterPrefillItem, RoundResult, Tag, VerifierPrefillItem
 from spectandem import codec
 from spectandem.config import SamplingParams
 from spectandem.messages import DraftTree
@@ -125,7 +125,7 @@ def test_params_and_link_messages_round_trip():
 def test_ahead_reply_round_trip_and_the_trees_it_makes():
     """DraftAhead's reply: hit flags (None kept) and per tag its outcome trees, float32 scores
     exact; the router's tree from them is the one trees_from_ready builds locally."""
-    from router.links import AheadReply
+    from spectandem.protocol import AheadReply
     from spectandem.messages import ReadyTree, trees_from_ready
 
     chain = ReadyTree((7, 11, 12, 13), (-1, 0, 1, 2), (0.0, -0.25, -1.5, float(torch.tensor(-2.1))))

@@ -35,7 +35,7 @@ from spectandem.kernels.fused import (
     silu_mul_packed_triton,
 )
 from spectandem.kv_cache import KVCache
-from spectandem.local import LocalSpeculator
+from router.local import LocalSpeculator
 from spectandem.modeling.layers import GatedMLP, RMSNorm
 from spectandem.modeling.llama import Attention
 from tests.e2e.conftest import PROMPT_TEXTS

@@ -10,7 +10,7 @@ import torch
 
 from spectandem import rng
 from spectandem.sampling import logits_to_probs, sample_from_probs
-from verifier.accept import VerifyResult, verify_rejection, verify_tree_sampling
+from spectandem.accept import VerifyResult, verify_rejection, verify_tree_sampling
 
 ALPHA = 1e-6
 TRIALS = 20_000

@@ -1,11 +1,11 @@
-"""verifier.accept on hand-built trees with peaked logits, where the answer is known."""
+"""spectandem.accept on hand-built trees with peaked logits, where the answer is known."""
 
 import pytest
 import torch
 
 from spectandem import rng
 from spectandem.sampling import logits_to_probs
-from verifier.accept import VerifyResult, verify_greedy, verify_rejection, verify_tree_sampling
+from spectandem.accept import VerifyResult, verify_greedy, verify_rejection, verify_tree_sampling
 
 P = -1  # padding in accepted_nodes / output_token_ids
 VOCAB = 20

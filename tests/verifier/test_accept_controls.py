@@ -10,7 +10,7 @@ from spectandem.sampling import logits_to_probs
 from tests.verifier.accept_law import (ALPHA, MIN_NONCENTRALITY, VOCAB, _chain_rejection_round, _chisquare_pvalue,
                                        _exact_first_token, _exact_first_token_shared_coin, _first_token_counts,
                                        _generate, _multi_candidate_round, _noncentrality)
-from verifier import accept
+from spectandem import accept
 
 pytestmark = pytest.mark.usefixtures("single_thread")
 

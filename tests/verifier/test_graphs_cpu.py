@@ -15,7 +15,8 @@ import torch
 
 from spectandem.modeling.llama import load_llama
 from tests.verifier.random_trees import accepted_paths, random_trees
-from verifier.graphs import VerifyGraphs, batch_bucket, span_bucket
+from spectandem.cuda_graphs import batch_bucket, span_bucket
+from verifier.graphs import VerifyGraphs
 from verifier.runner import NativeRunner, load_runner
 
 DEMO = Path(__file__).resolve().parents[2] / "models" / "demo" / "target"

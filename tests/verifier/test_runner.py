@@ -12,7 +12,7 @@ import torch
 
 from spectandem.config import SamplingParams, SpecConfig
 from spectandem.kv_cache import KVCache
-from spectandem.local import LocalSpeculator
+from router.local import LocalSpeculator
 from spectandem.modeling.llama import load_llama
 from verifier.runner import HFRunner, NativeRunner, load_runner
 

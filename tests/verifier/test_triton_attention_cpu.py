@@ -21,7 +21,7 @@ from spectandem.config import GpuPaths, SamplingParams, SpecConfig
 from spectandem.demo import demo_paths
 from spectandem.generate_cli import add_model_flags
 from spectandem.kernels import paged_tree_attention_triton
-from spectandem.local import LocalSpeculator
+from router.local import LocalSpeculator
 from spectandem.modeling.llama import load_llama
 from tests.e2e.conftest import PROMPT_TEXTS
 from tests.gpu.test_triton_attention import check_padding_rows

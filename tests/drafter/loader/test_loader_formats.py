@@ -10,7 +10,8 @@ import torch
 import torch.nn.functional as F
 
 from drafter.heads import Eagle1Head, Eagle3Head
-from drafter.loader import TargetTensors, aux_layers_from_config, load_head, save_head
+from drafter.loader import TargetTensors, load_head, save_head
+from spectandem.feature_layers import aux_layers_from_config
 from spectandem.checkpoint import CheckpointError
 from tests.drafter.loader.eagle_checkpoints import (H, HD, HT, I, L, NH, NKV, V, VD, _norm, _w, eagle1_checkpoint,
                                                     eagle3_checkpoint, pairs, renamed, run_pairs, run_pairs_then_step,

@@ -1,19 +1,21 @@
-"""Both engines in this process: what `spectandem generate` uses without a server address."""
+"""Both engines in this process: what `spectandem generate` uses without a server address, and
+what the tests drive the pair through. It builds a drafter and a verifier engine and runs the
+reference loop (spectandem/reference.py) over them, so it sits above both roles, with the
+router's in-process backend (router/links_local.py); like the router it imports no torch."""
 
 from __future__ import annotations
 
 from pathlib import Path
 
-import torch
-
 from spectandem.config import EngineConfig, GpuPaths, SamplingParams, SpecConfig
-from spectandem.fused import FusedStep
-from spectandem.reference import Completion, generate
+from spectandem.devices import DEFAULT_DTYPE
+from spectandem.reference import LocalCompletion, generate
+from verifier.fused import FusedStep
 
 
 class LocalSpeculator:
     def __init__(self, target_dir: str | Path, draft_dir: str | Path | None, cfg: SpecConfig,
-                 max_slots: int = 8, max_len: int | None = None, dtype: torch.dtype = torch.float32,
+                 max_slots: int = 8, max_len: int | None = None, dtype=DEFAULT_DTYPE,
                  device: str = "cpu", force_hf_target: bool = False, kv_blocks: int | None = None,
                  draft_kv_blocks: int | None = None, block_size: int = 16, cuda_graphs: bool = False,
                  batch_invariant: bool = False, triton_attention: bool = False):
@@ -54,10 +56,10 @@ class LocalSpeculator:
         self.eos_token_ids = eos_token_ids(target_cfg)
         self.tokenizer = load_tokenizer(target_dir)
         self.vocab_size = int(target_cfg["vocab_size"])
-        # Fused mode on the GPU with graphs: greedy rounds replay one graph (spectandem/fused.py).
+        # Fused mode on the GPU with graphs: greedy rounds replay one graph (verifier/fused.py).
         self._fused_graph = None
         if cfg.fused and config.gpu.cuda_graphs and not config.gpu.batch_invariant:
-            from spectandem.fused import FusedGraphStep
+            from verifier.fused import FusedGraphStep
 
             self._fused_graph = FusedGraphStep(self.verifier, self.drafter, graph=True)
 
@@ -70,7 +72,7 @@ class LocalSpeculator:
         return max(c.max_draft_nodes + 1, (c.num_steps - 1) * c.topk + 1)
 
     def generate(self, prompts: list[list[int]], params: list[SamplingParams],
-                 request_ids: list[str] | None = None, ahead: bool = False) -> list[Completion]:
+                 request_ids: list[str] | None = None, ahead: bool = False) -> list[LocalCompletion]:
         for i, p in enumerate(prompts):
             bad = [t for t in p if not 0 <= t < self.vocab_size]
             if bad:

@@ -1,4 +1,4 @@
-"""The fused round as one static-shape computation (spectandem/fused.py FusedGraphStep), run
+"""The fused round as one static-shape computation (verifier/fused.py FusedGraphStep), run
 eagerly on the CPU (graph=False): greedy output equals plain decoding token for token, batched
 and padded, for EAGLE-3 and EAGLE-1; the engines' state after it is what the unfused round
 leaves (committed tokens, head cache length); sampled requests fall back to the unfused step.
@@ -10,8 +10,8 @@ import pytest
 
 from spectandem.config import SamplingParams, SpecConfig
 from spectandem.demo import demo_paths
-from spectandem.fused import FusedGraphStep, FusedStep
-from spectandem.local import LocalSpeculator
+from verifier.fused import FusedGraphStep, FusedStep
+from router.local import LocalSpeculator
 from spectandem.reference import generate
 from tests.e2e.conftest import PROMPT_TEXTS
 

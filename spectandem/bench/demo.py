@@ -3,7 +3,7 @@
 
 from __future__ import annotations
 
-from spectandem.bench_records import PROMPTS, accept_length, record, timed
+from spectandem.bench.records import PROMPTS, accept_length, record, timed
 from spectandem.config import GpuPaths
 
 DEMO_MODES = {
@@ -25,7 +25,7 @@ DRAFT_KINDS = {"sampled": 0.0, "greedy": float("inf")}
 def _speculator(mode: str, max_slots: int, device: str, dtype, gpu: GpuPaths = GpuPaths(), **cfg_overrides):
     from spectandem.config import SpecConfig
     from spectandem.demo import demo_paths
-    from spectandem.local import LocalSpeculator
+    from router.local import LocalSpeculator
 
     method, tree = DEMO_MODES[mode]
     target, draft = demo_paths(method)

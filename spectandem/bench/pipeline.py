@@ -13,7 +13,7 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 
-from spectandem.bench_records import PROMPTS, record, sync
+from spectandem.bench.records import PROMPTS, record, sync
 from spectandem.config import GpuPaths
 
 
@@ -60,13 +60,13 @@ def demo_engines(max_slots: int, dtype, verifier_device: str, drafter_device: st
 
 async def _complete(router, prompts: list[list[int]], params) -> int:
     """Submits every prompt at once; -> tokens generated once all have finished."""
-    from router.loop import Chunk
+    from router.loop import StreamEvent
 
     async def one(req) -> int:
         n = 0
         while True:
             ev = await req.events.get()
-            if not isinstance(ev, Chunk):
+            if not isinstance(ev, StreamEvent):
                 raise RuntimeError(f"request {req.request_id} failed: {ev}")
             n += len(ev.token_ids)
             if ev.finish_reason:

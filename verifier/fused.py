@@ -1,4 +1,6 @@
-"""Fused mode ("naive EAGLE"): one draft token per round, and a round is one step.
+"""Fused mode ("naive EAGLE"): one draft token per round, and a round is one step, with the
+drafter engine in the verifier's process (`spectandem generate --fused`). The drafter is reached
+through its engine's calls and its proposer's head and cache, never imported.
 
 The step runs the target's verify over [root, draft], commits, runs the head's catch-up over
 the accepted pairs with the real target features, and reads the next round's draft off the
@@ -72,11 +74,10 @@ class FusedGraphStep:
     VerifierEngine over a NativeRunner, `drafter` a DrafterEngine over an EagleProposer."""
 
     def __init__(self, verifier, drafter, graph: bool = True):
-        from drafter.proposers import EagleProposer
         from verifier.runner import NativeRunner
 
         runner, proposer = verifier.runner, drafter.proposer
-        if not isinstance(runner, NativeRunner) or not isinstance(proposer, EagleProposer):
+        if not isinstance(runner, NativeRunner) or getattr(proposer, "head", None) is None:   # an EAGLE head
             raise ValueError("the fused graph needs the native target runner and an EAGLE head")
         if drafter.cfg.num_draft_tokens != 2 or drafter.cfg.topk != 1:
             raise ValueError("the fused graph drafts one token per round (num_draft_tokens 2, topk 1)")

@@ -51,7 +51,7 @@ def record(*, section: str, workload: str, method: str, mode: str, batch_size: i
 
 
 def accept_length(completions) -> float:
-    """Committed tokens per verification round over `Completion`s (spectandem.reference)."""
+    """Committed tokens per verification round over `LocalCompletion`s (spectandem.reference)."""
     rounds = sum(c.stats.num_rounds for c in completions)
     accepted = sum(c.stats.accepted_tokens for c in completions)
     return (accepted + rounds) / rounds if rounds else 1.0

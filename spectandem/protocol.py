@@ -1,0 +1,114 @@
+"""The engine protocol: the messages the router exchanges with the drafter and the verifier.
+
+These are the engines' own call and reply types (drafter/engine.py, verifier/engine.py and their
+Ray actors and gRPC services take and return them; spectandem/codec.py maps them to the wire's
+protobuf messages). The router deals in them as ids, tokens, counts and opaque handles: a draft
+tree and a request's features travel as `Any` handles (in-process: the objects; Ray: object refs;
+gRPC: serialized protobuf messages).
+
+Every call carries a `Tag` per request (request id, epoch, committed length); an engine refuses
+one whose tag is not its own (spectandem.messages.StaleMessage).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+from spectandem.config import SamplingParams
+from spectandem.messages import ReadyTree
+
+
+@dataclass(frozen=True)
+class Tag:
+    request_id: str
+    epoch: int
+    committed_len: int
+
+
+@dataclass
+class VerifierPrefillItem:
+    tag: Tag                       # committed_len = prompt length
+    prompt_ids: list[int]
+    params: SamplingParams         # seed always set
+    seed: int
+    resume: bool = False           # after preemption: prompt_ids = every committed token, no sampling
+
+
+@dataclass
+class VerifierPrefillResult:
+    tag: Tag                       # committed_len = prompt length + 1
+    first_token_id: int
+    features: Any                  # opaque handle for the drafter, or None
+
+
+@dataclass
+class PlainItem:
+    """A request decoded without a draft this round (its tree is just the root)."""
+
+    tag: Tag
+    last_token_id: int
+    # Tokens to decode (greedy only; every item of a round without drafts alike): > 1 runs
+    # `steps` plain steps in one call (VerifierEngine.decode).
+    steps: int = 1
+
+
+@dataclass
+class RoundResult:
+    tag: Tag                       # committed_len after the round
+    token_ids: list[int]
+    num_accepted: int
+    num_draft_tokens: int
+    features: Any                  # opaque handle for the drafter's catch-up, or None
+
+
+@dataclass
+class DrafterPrefillItem:
+    tag: Tag                       # committed_len = len(prompt_ids) + 1
+    prompt_ids: list[int]
+    first_token_id: int
+    params: SamplingParams
+    seed: int
+    features: Any
+
+
+@dataclass
+class ExtendItem:
+    tag: Tag                       # committed_len after the round
+    token_ids: list[int]
+    features: Any
+
+
+@dataclass
+class DraftHandle:
+    """A round's trees for `tags` (opaque `payload`)."""
+
+    tags: list[Tag]
+    payload: Any
+
+
+@dataclass
+class AheadReply:
+    """The drafter's answer to draft_ahead, per tag: whether the tree now being verified came
+    from the outcome cache (`hits`; None: there was no cache), and the cache it filled for that
+    tree's verdict (`trees`: the round's committed tokens -> the next tree; None where it holds
+    none the router may use, e.g. sampled drafts). With it the router verifies a hit's next tree
+    without asking the drafter (router/loop.py)."""
+
+    hits: list[bool | None]
+    trees: list[dict[tuple[int, ...], ReadyTree] | None]
+    unknown: list[str] = field(default_factory=list)   # ids of `extend` the drafter does not hold
+
+
+@dataclass
+class EngineInfo:
+    role: str
+    model: str
+    kind: str
+    vocab_size: int
+    max_len: int
+    max_slots: int
+    used_slots: int
+    feature_layers: Any = None
+    extra: dict = field(default_factory=dict)
+    kv: dict = field(default_factory=dict)   # num_blocks, block_size, used_blocks (paged caches)
