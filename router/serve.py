@@ -189,7 +189,7 @@ def restart_policy(args):
 
 
 def _loading(what: str, cfg, target, draft) -> str:
-    models = Path(target).name + (f" and {cfg.method} {Path(draft).name}" if draft and cfg.method != "none" else "")
+    models = f"target {target}" + (f" and {cfg.method} draft {draft}" if draft and cfg.method != "none" else "")
     # CUDA graphs are captured later, as each batch shape first runs: no step of the start.
     return f"{what} {models}"
 

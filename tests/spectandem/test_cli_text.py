@@ -123,4 +123,6 @@ def test_serve_reports_its_start():
     finally:
         proc.send_signal(signal.SIGINT)
         _, err = proc.communicate(timeout=120)
-    assert "spectandem serve: loading target in this process" in err, err
+    from spectandem.demo import demo_paths
+
+    assert f"spectandem serve: loading target {demo_paths('none')[0]} in this process" in err, err
