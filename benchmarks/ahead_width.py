@@ -5,7 +5,7 @@ Draft ahead (drafter/ahead.py) caches a next tree for each of the `ahead_width` 
 outcomes (accepted path, bonus token) of the round being verified, ranked by the head's own
 log-probabilities. The share of verdicts it holds decides how many rounds must draft after the
 verdict (a miss). `spectandem bench`'s controlled drafter fixes that share at the acceptance rate
-a (spectandem/bench/controlled.py: its second guess is right with probability a, and it has no
+a (benchmarks/bench/controlled.py: its second guess is right with probability a, and it has no
 third); a real head's share depends on the width. The share does not depend on the device or on
 timing, so this runs anywhere; the cost of a wider cache (more forks to draft) is the GPU's.
 
@@ -28,7 +28,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from acceptance import held_out_prompts  # noqa: E402
 
-from spectandem.bench.pipeline import _complete, _settle, demo_engines  # noqa: E402
+from benchmarks.bench.pipeline import _complete, _settle, demo_engines  # noqa: E402
 from spectandem.config import SamplingParams, SpecConfig  # noqa: E402
 
 

@@ -16,7 +16,7 @@ import time
 import torch
 
 from drafter.proposers import DraftRequest, EagleProposer
-from spectandem.bench.llama8b import SHAPES, llama8b_spec, random_eagle3_head, random_target
+from benchmarks.bench.llama8b import SHAPES, llama8b_spec, random_eagle3_head, random_target
 from spectandem.config import SamplingParams, SpecConfig
 
 

@@ -16,7 +16,7 @@ import torch
 import torch.nn.functional as F
 import triton
 
-from spectandem.bench.command import copy_bandwidth
+from benchmarks.bench.command import copy_bandwidth
 from spectandem.kernels.skinny import skinny_linear_triton
 
 SHAPES = {"qkv": (6144, 4096), "o": (4096, 4096), "gate_up": (28672, 4096), "down": (4096, 14336),

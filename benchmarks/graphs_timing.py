@@ -1,6 +1,6 @@
 """Milliseconds per verify step at batch 1, eager vs CUDA graphs (verifier/graphs.py), for a chain
 of N = 1 (plain decoding) and N = 16 nodes after a --context-token prompt: the demo target (fp32 and
-bf16) and a Llama-3.1-8B-shaped bf16 target with random weights (spectandem.bench.llama8b).
+bf16) and a Llama-3.1-8B-shaped bf16 target with random weights (benchmarks.bench.llama8b).
 Also the demo EAGLE-3 argmax chain (drafter/graphs.py). CUDA only.
 
     python benchmarks/graphs_timing.py [--context 512] [--iters 50] [--skip-8b]
@@ -17,7 +17,7 @@ import time
 
 import torch
 
-from spectandem.bench.llama8b import llama8b_spec, random_target
+from benchmarks.bench.llama8b import llama8b_spec, random_target
 from spectandem.demo import demo_paths
 from spectandem.modeling.llama import load_llama
 from verifier.runner import NativeRunner

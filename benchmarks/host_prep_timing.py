@@ -14,7 +14,7 @@ import time
 
 import torch
 
-from spectandem.bench.llama8b import TREE16_PARENTS
+from benchmarks.bench.llama8b import TREE16_PARENTS
 from spectandem.kv_cache import PagedKVCache
 from verifier.tree_inputs import tree_verify_inputs
 

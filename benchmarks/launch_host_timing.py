@@ -21,7 +21,7 @@ import time
 
 import torch
 
-from spectandem.bench.llama8b import llama8b_spec, random_target
+from benchmarks.bench.llama8b import llama8b_spec, random_target
 from verifier.runner import NativeRunner
 from verifier.tree_inputs import host_tree_inputs
 

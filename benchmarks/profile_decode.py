@@ -16,7 +16,7 @@ import time
 import torch
 
 from graphs_timing import median_ms  # benchmarks/: this script's own folder
-from spectandem.bench.llama8b import llama8b_spec, random_target
+from benchmarks.bench.llama8b import llama8b_spec, random_target
 from spectandem.config import GpuPaths
 from verifier.runner import NativeRunner
 

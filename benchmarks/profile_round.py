@@ -28,9 +28,9 @@ from collections import defaultdict
 import torch
 
 from drafter.engine import DrafterEngine
-from spectandem.bench.controlled import ControlledProposer, plan_drafts
+from benchmarks.bench.controlled import ControlledProposer, plan_drafts
 from spectandem.config import GpuPaths
-from spectandem.bench.llama8b import SHAPES, ControlledRuns, llama8b_spec, random_eagle3_head, random_target
+from benchmarks.bench.llama8b import SHAPES, ControlledRuns, llama8b_spec, random_eagle3_head, random_target
 from spectandem.reference import generate
 from verifier.engine import VerifierEngine
 
@@ -102,7 +102,7 @@ def main() -> None:
 
 
 def demo(args) -> None:
-    from spectandem.bench.records import PROMPTS
+    from benchmarks.bench.records import PROMPTS
     from spectandem.config import SamplingParams, SpecConfig
     from spectandem.demo import demo_paths
     from router.local import LocalSpeculator

@@ -48,8 +48,8 @@ from pathlib import Path
 import torch
 
 from router import links_local as router_links
-from spectandem.bench import router8b as br
-from spectandem.bench.llama8b import SHAPES, ControlledRuns, llama8b_spec, random_eagle3_head, random_target
+from benchmarks.bench import router8b as br
+from benchmarks.bench.llama8b import SHAPES, ControlledRuns, llama8b_spec, random_eagle3_head, random_target
 from spectandem.config import GpuPaths
 
 sys.path.insert(0, str(Path(__file__).parent))   # the sibling modules below

@@ -20,7 +20,7 @@ import time
 
 import torch
 
-from spectandem.bench.llama8b import TREE16_PARENTS, llama8b_spec, random_target
+from benchmarks.bench.llama8b import TREE16_PARENTS, llama8b_spec, random_target
 from spectandem.config import GpuPaths
 from verifier.runner import NativeRunner
 

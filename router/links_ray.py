@@ -28,7 +28,6 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import os
 from pathlib import Path
 from typing import Callable
 
@@ -56,9 +55,6 @@ def ray_init(address: str | None, num_cpus: int | None = None) -> None:
     if address:
         ray.init(address=address)
     else:
-        # A loaded machine can take longer than Ray's default 30 s to bring its GCS up; a local
-        # cluster waits up to 120 s (the operator's own setting wins).
-        os.environ.setdefault("RAY_gcs_server_port_wait_time_s", "120")
         # "local" explicitly: never join whatever RAY_ADDRESS the environment happens to name.
         # A GCS that never writes its port file fails ray.init (seen now and then in the test suite
         # on a 2-core machine; the cause is not known): the start is tried once more.

@@ -431,6 +431,7 @@ async def serve_async(args, ready_message=True, stop_event: asyncio.Event | None
                                f"{args.engine_restart_window:.0f} s (--engine-restarts, --engine-restart-window)")
 
 
+RAY_GCS_WAIT_VAR = "RAY_gcs_server_port_wait_time_s"   # Ray's own setting, read by ray.init
 _RAY_GONE = threading.Event()   # the local Ray cluster was gone at shutdown (router/links_ray.py: gcs_reachable)
 RAY_STOP_S = 10.0               # what one Ray shutdown step may take
 
@@ -471,6 +472,9 @@ def _serve(args) -> int:
     import faulthandler
 
     faulthandler.register(signal.SIGUSR2, all_threads=True)   # `kill -USR2 PID`: every thread's stack, to stderr
+    # A loaded machine can take longer than Ray's default 30 s to bring a local cluster's GCS up:
+    # it may take 120 s (the operator's own setting wins).
+    os.environ.setdefault(RAY_GCS_WAIT_VAR, "120")
     # The environment is read here, in the entry point, only.
     level = args.log_level or os.environ.get("SPECTANDEM_LOG_LEVEL", "WARNING").upper()
     if not isinstance(logging.getLevelName(level), int):

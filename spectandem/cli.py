@@ -79,7 +79,7 @@ def build_parser() -> argparse.ArgumentParser:
     _add_train_draft(sub)
     _add_services(sub)
     _add_stats(sub)
-    from spectandem.bench.command import add_bench
+    from benchmarks.bench.command import add_bench
 
     add_bench(sub)
     from spectandem.service_args import HelpFormatter

@@ -16,6 +16,10 @@ torch.set_num_threads(1)
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
+# The tests start local Ray clusters as `spectandem serve` does, with its GCS start-up wait (serve
+# sets it in its entry point; a 2-core machine under load needs it).
+os.environ.setdefault("RAY_gcs_server_port_wait_time_s", "120")
+
 # Helper modules whose assertions are tests' checks: rewritten like test modules, so a failure
 # shows the values compared. Registered here, before any test module imports them.
 pytest.register_assert_rewrite("tests.drafter.tree_oracle", "tests.router.link_harness", "tests.verifier.accept_law")

@@ -9,8 +9,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from spectandem.bench.llama8b import SHAPES, ControlledRuns, llama8b_spec, random_eagle3_head, random_target
-from spectandem.bench.router8b import bench_router8b
+from benchmarks.bench.llama8b import SHAPES, ControlledRuns, llama8b_spec, random_eagle3_head, random_target
+from benchmarks.bench.router8b import bench_router8b
 from spectandem.config import GpuPaths
 
 pytestmark = pytest.mark.gpu

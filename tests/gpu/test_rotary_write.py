@@ -96,7 +96,7 @@ def test_fast_path_verify_same_with_and_without_the_fused_write():
     """The fast-path runner (graphs off) on a tiny 8B-shaped bf16 target, a 16-node tree after a
     40-token prefix: logits and every layer's pools equal whether Attention takes
     PagedTreeBatch.attend_rotary (the fused write) or rotary then attend."""
-    from spectandem.bench.llama8b import TREE16_PARENTS, llama8b_spec, random_target
+    from benchmarks.bench.llama8b import TREE16_PARENTS, llama8b_spec, random_target
     from spectandem.kv_cache import PagedTreeBatch
     from verifier.runner import NativeRunner
 

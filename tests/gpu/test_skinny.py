@@ -84,7 +84,7 @@ def test_eagle3_head_fast_path_at_the_8b_shape(monkeypatch, query_rows):
     from types import SimpleNamespace
 
     from spectandem import kernels
-    from spectandem.bench.llama8b import SHAPES, llama8b_spec, random_eagle3_head
+    from benchmarks.bench.llama8b import SHAPES, llama8b_spec, random_eagle3_head
     from spectandem.kernels import skinny
     from spectandem.kernels import rows_attention
     from spectandem.kv_cache import PagedKVCache

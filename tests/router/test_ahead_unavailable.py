@@ -9,12 +9,12 @@ import asyncio
 import pytest
 import torch
 
-from spectandem.bench import router8b as br
+from benchmarks.bench import router8b as br
 
 
 @pytest.fixture(scope="module")
 def runs():
-    from spectandem.bench.llama8b import ControlledRuns, llama8b_spec, random_eagle3_head, random_target
+    from benchmarks.bench.llama8b import ControlledRuns, llama8b_spec, random_eagle3_head, random_target
 
     model = random_target(llama8b_spec("tiny"), "cpu", torch.float32, 0)
     head = random_eagle3_head(model, 256, "cpu", torch.float32, 0)
@@ -35,7 +35,7 @@ def _serve_one(s, runs) -> None:
 def test_a_drafter_that_never_drafts_ahead_loses_the_ahead_candidate(runs):
     from drafter.engine import DrafterEngine
     from router.links_local import LocalDrafterLink
-    from spectandem.bench.controlled import ControlledProposer
+    from benchmarks.bench.controlled import ControlledProposer
 
     s = br._setup(runs, 0.8, "auto", 1)
     # A controlled proposer told not to draft ahead: its draft_ahead replies are all None.

@@ -1,14 +1,14 @@
 """`spectandem bench --sections router8b` at the tiny llama8b scale on the CPU (fp32): the router's
 modes at controlled acceptance, ping-pong included, with the verifier's busy time per row
-(spectandem/bench/router8b.py), and the flags that choose modes and the drafter's device."""
+(benchmarks/bench/router8b.py), and the flags that choose modes and the drafter's device."""
 
 import statistics
 
 import pytest
 import torch
 
-from spectandem.bench.llama8b import SHAPES, ControlledRuns, llama8b_spec, random_eagle3_head, random_target
-from spectandem.bench.router8b import bench_router8b
+from benchmarks.bench.llama8b import SHAPES, ControlledRuns, llama8b_spec, random_eagle3_head, random_target
+from benchmarks.bench.router8b import bench_router8b
 
 STEPS = 4            # drafts per chain
 MAX_TOKENS = 16      # 1 token from the prefill + 3 rounds of STEPS + 1 at full acceptance
@@ -70,7 +70,7 @@ def test_a_second_placement_gets_its_own_proposer_and_shares_the_target_engines(
 
 
 def _plan(*flags):
-    from spectandem.bench.command import BenchPlan
+    from benchmarks.bench.command import BenchPlan
     from spectandem.cli import build_parser
 
     args = build_parser().parse_args(["bench", "--sections", "router8b", "--llama8b-scale", "tiny", *flags])
@@ -101,7 +101,7 @@ def test_rows_are_the_median_of_repeated_batches(runs, repeated):
 
 
 def test_speculating_rows_have_plain_batches_timed_between_their_own(rows, repeated):
-    from spectandem.bench.command import _note
+    from benchmarks.bench.command import _note
 
     speculating = [(r, n) for section, n in ((rows.values(), 1), (repeated, 3))
                    for r in section if r["mode"] != "plain"]

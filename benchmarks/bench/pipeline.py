@@ -13,7 +13,7 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 
-from spectandem.bench.records import PROMPTS, record, sync
+from benchmarks.bench.records import PROMPTS, record, sync
 from spectandem.config import GpuPaths
 
 

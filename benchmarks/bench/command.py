@@ -3,28 +3,28 @@
 Sections (`--sections`, all by default):
 - demo: the trained demo pair (real acceptance), per method and mode: batch-1 latency (ms per
   output token, tokens/s, mean accept length) and throughput over batch sizes
-  (spectandem/bench/demo.py);
+  (benchmarks/bench/demo.py);
 - hf: transformers' own greedy `generate` on the demo target at batch 1;
 - assisted: transformers' assisted generation, `assistant_model` = the demo draft LM, batch 1;
 - temperature: the demo EAGLE-3 chain at temperatures 0..2, with sampled drafts (rejection
   sampling with their probabilities) and with greedy drafts (target-only verification);
 - llama8b: plain decoding of a Llama-3.1-8B-shaped bf16 target (random weights, no download)
-  against the copy-bandwidth roofline (spectandem/bench/llama8b.py);
+  against the copy-bandwidth roofline (benchmarks/bench/llama8b.py);
 - controlled: on that target, an EAGLE-3 head of matching shape whose drafts the target accepts
-  at a controlled rate (spectandem/bench/controlled.py), batch 1 and over batch sizes; one
+  at a controlled rate (benchmarks/bench/controlled.py), batch 1 and over batch sizes; one
   verify forward of a 16-node tree against a one-token decode step; measured against ideal;
-- hf8b: transformers' own greedy `generate` on that target, batch 1 (spectandem/bench/hf8b.py);
+- hf8b: transformers' own greedy `generate` on that target, batch 1 (benchmarks/bench/hf8b.py);
 - router8b: the router's pipeline modes ("plain", then --router8b-modes) over that target at the
   controlled acceptance rates and --router8b-batch-sizes: "auto" must never lose to plain; with
   the head on one device and, where two GPUs exist (--router8b-drafter-device), on its own; per
-  row, round_over_verify: wall time over the verifier's busy time (spectandem/bench/router8b.py);
+  row, round_over_verify: wall time over the verifier's busy time (benchmarks/bench/router8b.py);
 - pipeline: the router over in-process links per pipeline mode, and with the drafter on its own
-  GPU where there are two (spectandem/bench/pipeline.py).
+  GPU where there are two (benchmarks/bench/pipeline.py).
 The llama8b sections need CUDA at full size; `--llama8b-scale tiny` runs a small copy anywhere.
 
 Output: `--out DIR` (or a .json path) gets bench.json (run-level results and one record per
-configuration: spectandem/bench/records.py), bench.txt (the printed table) and bench.png
-(spectandem/bench/plot.py, with matplotlib; `--plot-from bench.json` draws it later elsewhere).
+configuration: benchmarks/bench/records.py), bench.txt (the printed table) and bench.png
+(benchmarks/bench/plot.py, with matplotlib; `--plot-from bench.json` draws it later elsewhere).
 The default run takes about 4 minutes on an H200.
 """
 
@@ -35,8 +35,8 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-from spectandem.bench.demo import DEMO_MODES, TEMPERATURES
-from spectandem.bench.records import sync
+from benchmarks.bench.demo import DEMO_MODES, TEMPERATURES
+from benchmarks.bench.records import sync
 from spectandem.config import GpuPaths
 
 SECTIONS = ("demo", "hf", "assisted", "llama8b", "hf8b", "controlled", "router8b", "temperature", "pipeline")
@@ -126,7 +126,7 @@ def _router8b_plan(args, device: str) -> dict:
     pipeline section places its drafter; else none); or a CUDA device other than the verifier's."""
     import torch
 
-    from spectandem.bench.router8b import check_modes
+    from benchmarks.bench.router8b import check_modes
 
     modes = tuple(m for m in args.router8b_modes.split(",") if m)
     check_modes(list(modes), "--router8b-modes")
@@ -194,7 +194,7 @@ def _llama8b(plan: BenchPlan, args, bandwidth: float) -> tuple[list[dict], dict 
     """The llama8b and controlled sections on one target (built once)."""
     import torch
 
-    from spectandem.bench.llama8b import (ROOFLINE_CHAINS, SHAPES, ControlledRuns, bench_controlled, bench_plain_roofline,
+    from benchmarks.bench.llama8b import (ROOFLINE_CHAINS, SHAPES, ControlledRuns, bench_controlled, bench_plain_roofline,
                                           llama8b_spec, random_eagle3_head, random_target, verify_forward_times)
 
     device = plan.device
@@ -208,7 +208,7 @@ def _llama8b(plan: BenchPlan, args, bandwidth: float) -> tuple[list[dict], dict 
                 records.append(bench_plain_roofline(model, device, args.llama8b_steps, args.llama8b_context,
                                                     bandwidth, gpu=plan.gpu, chain=chain))
     if "hf8b" in plan.sections:
-        from spectandem.bench.hf8b import bench_hf8b
+        from benchmarks.bench.hf8b import bench_hf8b
 
         records.append(bench_hf8b(model, device, args.llama8b_prompt_len, args.max_tokens, args.seed))
     if {"controlled", "router8b"} & set(plan.sections):
@@ -221,7 +221,7 @@ def _llama8b(plan: BenchPlan, args, bandwidth: float) -> tuple[list[dict], dict 
         if "controlled" in plan.sections:
             records += bench_controlled(runs, list(plan.acceptance_rates), list(plan.batch_sizes), verify)
         if "router8b" in plan.sections:
-            from spectandem.bench.router8b import bench_router8b
+            from benchmarks.bench.router8b import bench_router8b
 
             records += bench_router8b(runs, list(plan.acceptance_rates), list(plan.router8b_modes),
                                       list(plan.router8b_batch_sizes), plan.router8b_drafter_device, args.plain_steps,
@@ -233,7 +233,7 @@ def _llama8b(plan: BenchPlan, args, bandwidth: float) -> tuple[list[dict], dict 
 
 def _measure(plan: BenchPlan, args, dtype, bandwidth: float) -> tuple[list[dict], dict]:
     """-> (records, run-level results: verify_forward, skipped_pipeline_modes)."""
-    from spectandem.bench import demo as bench_demo
+    from benchmarks.bench import demo as bench_demo
 
     device, sections, records = plan.device, plan.sections, []
     info = {"verify_forward": None, "skipped_pipeline_modes": []}
@@ -250,7 +250,7 @@ def _measure(plan: BenchPlan, args, dtype, bandwidth: float) -> tuple[list[dict]
         more, info["verify_forward"] = _llama8b(plan, args, bandwidth)
         records += more
     if "pipeline" in sections:
-        from spectandem.bench.pipeline import bench_pipeline, split_modes
+        from benchmarks.bench.pipeline import bench_pipeline, split_modes
 
         modes, rejected = split_modes(list(plan.pipeline_modes))
         info["skipped_pipeline_modes"] = rejected
@@ -336,7 +336,7 @@ def _bench(args) -> int:
     import torch
     import transformers
 
-    from spectandem.bench import plot as bench_plot
+    from benchmarks.bench import plot as bench_plot
 
     if args.plot_from:
         if not bench_plot.have_matplotlib():

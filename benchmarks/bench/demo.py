@@ -3,7 +3,7 @@
 
 from __future__ import annotations
 
-from spectandem.bench.records import PROMPTS, accept_length, record, timed
+from benchmarks.bench.records import PROMPTS, accept_length, record, timed
 from spectandem.config import GpuPaths
 
 DEMO_MODES = {

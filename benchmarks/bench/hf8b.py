@@ -42,7 +42,7 @@ def hf_llama(model):
 def bench_hf8b(model, device: str, prompt_len: int, max_tokens: int, seed: int) -> dict:
     import torch
 
-    from spectandem.bench.records import record, timed
+    from benchmarks.bench.records import record, timed
 
     hf = hf_llama(model)
     g = torch.Generator().manual_seed(seed)
