@@ -1,0 +1,342 @@
+"""The served-performance matrix: `spectandem serve` for each backend, driven by `spectandem bench
+serve` through the public gRPC API, for plain decoding and speculation, with the engine loop of
+the same models measured in the same run as the reference.
+
+    python benchmarks/serve_matrix.py --out benchmarks/results/serve-h200.json           # one GPU
+    python benchmarks/serve_matrix.py --pair demo --device cpu --concurrency 1 --out X  # the demo pair
+
+`--pair llama8b` (default) writes a Llama-3.1-8B-shaped bf16 target with the demo tokenizer's
+4,096-token vocabulary and an EAGLE-3 head of matching shape to `--workdir` (random structured
+weights: benchmarks/bench/llama8b.py random_target), then serves it with `--method none` and with
+the head at each controlled acceptance rate (`serve --benchmark-acceptance-rate A`: the real
+head runs, its drafts are replaced by the target's own greedy tokens with probability A; the
+output stays exactly the target's greedy output). `--pair demo` serves the trained demo pair
+(`--method none` and `--method eagle3`, real acceptance). `--scale tiny` makes the 8B-shaped
+pair small enough for a CPU (a check of the script, not a measurement).
+
+Every server runs with serve's defaults apart from the model and the port. Each bench run first
+sends every prompt once (not measured: warm-up, and where acceptance is controlled the drafter
+learns each prompt's greedy continuation from it), then measures. Each record's `exact` says
+whether every output equals the plain greedy output of the same prompt (the `--method none`
+server of the same backend).
+
+Output: `--out` JSON, {"gpu", "command", "records": [...], "engine_reference": [...]}, and a table.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shlex
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _numbers(text: str, kind) -> list:
+    return [kind(x) for x in text.split(",") if x.strip()]
+
+
+# --------------------------------------------------------------------------- the 8B-shaped pair
+
+def write_llama8b_pair(workdir: Path, scale: str, device: str, seed: int):
+    """Writes the 8B-shaped target (HF Llama format, the demo tokenizer) and an EAGLE-3 head to
+    `workdir` (kept when already there for the same scale and seed) -> (target dir, head dir,
+    the target model in memory, the head in memory) on `device`, bf16 on CUDA."""
+    import dataclasses
+    import shutil
+
+    import torch
+    from safetensors.torch import save_file
+
+    from benchmarks.bench.llama8b import llama8b_spec, random_eagle3_head, random_target
+    from drafter.loader import save_head
+    from spectandem.demo import demo_paths
+
+    dtype = torch.bfloat16 if device.startswith("cuda") else torch.float32
+    demo_target, _ = demo_paths("eagle3")
+    spec = dataclasses.replace(llama8b_spec(scale), vocab_size=4096, eos_token_ids=(0,))
+    target = random_target(spec, device, dtype, seed)
+    draft_vocab = 2048
+    head = random_eagle3_head(target, draft_vocab, device, dtype, seed)
+    tdir, hdir = workdir / f"target-{scale}", workdir / f"eagle3-{scale}"
+    marker = {"scale": scale, "seed": seed, "dtype": str(dtype)}
+    if (workdir / "pair.json").exists() and json.loads((workdir / "pair.json").read_text()) == marker:
+        return tdir, hdir, target, head
+    tdir.mkdir(parents=True, exist_ok=True)
+    tensors = {k: v.detach().to("cpu", torch.bfloat16).contiguous() for k, v in target.state_dict().items()
+               if k.endswith((".weight", ".bias"))}
+    save_file(tensors, str(tdir / "model.safetensors"))
+    r = spec.rope
+    config = {
+        "architectures": ["LlamaForCausalLM"], "model_type": "llama", "vocab_size": spec.vocab_size,
+        "hidden_size": spec.hidden_size, "intermediate_size": spec.intermediate_size,
+        "num_hidden_layers": spec.num_layers, "num_attention_heads": spec.num_heads,
+        "num_key_value_heads": spec.num_kv_heads, "head_dim": spec.head_dim, "hidden_act": "silu",
+        "rms_norm_eps": spec.rms_norm_eps, "max_position_embeddings": spec.max_position_embeddings,
+        "rope_theta": r.theta, "rope_scaling": {"rope_type": "llama3", "factor": r.factor,
+                                                "low_freq_factor": r.low_freq_factor,
+                                                "high_freq_factor": r.high_freq_factor,
+                                                "original_max_position_embeddings": r.original_max_position},
+        "tie_word_embeddings": False, "attention_bias": False, "mlp_bias": False,
+        "bos_token_id": 0, "eos_token_id": 0, "pad_token_id": 0, "torch_dtype": "bfloat16",
+    }
+    (tdir / "config.json").write_text(json.dumps(config, indent=2) + "\n")
+    for name in ("tokenizer.json", "tokenizer_config.json", "generation_config.json"):
+        if (demo_target / name).exists():
+            shutil.copy(demo_target / name, tdir / name)
+    save_head(head, hdir)
+    (workdir / "pair.json").write_text(json.dumps(marker))
+    return tdir, hdir, target, head
+
+
+def engine_reference_llama8b(target, head, device: str, rates: list[float], batch_sizes: list[int],
+                             max_tokens: int, seed: int) -> list[dict]:
+    """The engine loop (no router, no server) on the same models: plain decoding and each
+    controlled rate at each batch size (benchmarks/bench/llama8b.py bench_controlled)."""
+    from benchmarks.bench.llama8b import ControlledRuns, bench_controlled
+    from spectandem.config import GpuPaths
+
+    gpu = GpuPaths(cuda_graphs=True, triton_attention=True) if device.startswith("cuda") else GpuPaths()
+    runs = ControlledRuns(target, head, device, max_slots=max(batch_sizes), num_prompts=max(batch_sizes),
+                          prompt_len=64, max_tokens=max_tokens, num_steps=4, seed=seed, gpu=gpu)
+    out = []
+    for r in bench_controlled(runs, rates, batch_sizes, None):
+        out.append({"method": "none" if r["method"] == "none" else "eagle3", "acceptance_rate": r["acceptance_rate"],
+                    "batch_size": r["batch_size"], "tokens_per_s": r["tokens_per_s"],
+                    "accept_length": r["accept_length"], "exact": r["matches_plain"]})
+    return out
+
+
+def engine_reference_demo(device: str, batch_sizes: list[int], max_tokens: int, prompts: list[str]) -> list[dict]:
+    """The demo pair's engine loop (router/local.py LocalSpeculator.generate): plain decoding and
+    EAGLE-3 at each batch size, greedy, `max_tokens` per request, after one warm-up run."""
+    from router.local import LocalSpeculator
+    from spectandem.checkpoint import load_tokenizer
+    from spectandem.config import EngineConfig, SamplingParams, SpecConfig
+    from spectandem.demo import demo_paths
+
+    out = []
+    for method in ("none", "eagle3"):
+        t, d = demo_paths(method)
+        spec = LocalSpeculator.from_config(EngineConfig(target_dir=str(t), draft_dir=str(d) if d else None,
+                                                        spec=SpecConfig(method=method), max_slots=max(batch_sizes),
+                                                        max_len=2048, device=device))
+        tok = load_tokenizer(t)
+        ids = [tok.encode(p).ids for p in prompts]
+        params = SamplingParams(max_tokens=max_tokens, ignore_eos=True)
+        for b in batch_sizes:
+            groups = [ids[i: i + b] for i in range(0, max(b, min(len(ids), 4 * b)), b)]
+            groups = [g for g in groups if len(g) == b] or [ids[:b]]
+            spec.generate(groups[0], [params] * b)   # warm-up
+            t0 = time.perf_counter()
+            done = [c for g in groups for c in spec.generate(g, [params] * b)]
+            dt = time.perf_counter() - t0
+            rounds = sum(c.stats.num_rounds for c in done)
+            acc = sum(c.stats.accepted_tokens for c in done)
+            out.append({"method": method, "acceptance_rate": None, "batch_size": b,
+                        "tokens_per_s": round(sum(len(c.token_ids) for c in done) / dt, 1),
+                        "accept_length": round((acc + rounds) / rounds, 3) if rounds else 1.0})
+    return out
+
+
+# --------------------------------------------------------------------------- serving
+
+class Server:
+    """`spectandem serve` in a process group of its own, until `stop`."""
+
+    def __init__(self, argv: list[str], log: Path, timeout: float):
+        self.port = _free_port()
+        self.argv = [sys.executable, "-m", "spectandem.cli", "serve", "--port", str(self.port), *argv]
+        self.log = log
+        self._out = open(log, "w")
+        self.proc = subprocess.Popen(self.argv, stdout=self._out, stderr=subprocess.STDOUT, cwd=ROOT,
+                                     start_new_session=True)
+        deadline = time.monotonic() + timeout
+        t0 = time.monotonic()
+        while "spectandem serving" not in log.read_text():
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"serve exited with {self.proc.returncode}:\n{log.read_text()[-3000:]}")
+            if time.monotonic() > deadline:
+                self.stop()
+                raise RuntimeError(f"serve did not come up in {timeout:.0f} s:\n{log.read_text()[-3000:]}")
+            time.sleep(0.5)
+        self.start_s = time.monotonic() - t0
+
+    def stop(self) -> None:
+        if self.proc.poll() is None:
+            os.killpg(self.proc.pid, signal.SIGINT)
+            try:
+                self.proc.wait(120)
+            except subprocess.TimeoutExpired:
+                os.killpg(self.proc.pid, signal.SIGKILL)
+                self.proc.wait()
+        self._out.close()
+
+
+def bench_serve(port: int, concurrency: int, num_prompts: int, max_tokens: int, warmups: int, dataset: str | None,
+                out: Path) -> dict:
+    """One `spectandem bench serve` run over gRPC -> its JSON (outputs saved)."""
+    argv = [sys.executable, "-m", "spectandem.cli", "bench", "serve", "--address", f"localhost:{port}",
+            "--max-concurrency", str(concurrency), "--num-prompts", str(num_prompts), "--max-tokens",
+            str(max_tokens), "--ignore-eos", "--num-warmups", str(warmups), "--save-outputs",
+            "--result-file", str(out)] + (["--dataset", dataset] if dataset else [])
+    done = subprocess.run(argv, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, timeout=1800)
+    if done.returncode != 0:
+        raise RuntimeError(f"bench serve failed ({done.returncode}): {shlex.join(argv)}\n{done.stdout[-3000:]}")
+    return json.loads(out.read_text())
+
+
+def outputs_of(result: dict) -> dict[int, list[int]]:
+    """Prompt index -> output token ids of a bench serve result with saved outputs."""
+    return {o["prompt_index"]: o["token_ids"] for o in result["outputs"]}
+
+
+def _p(result: dict, metric: str, q: str):
+    m = result.get(metric) or {}
+    return m.get(q)
+
+
+def served_record(backend: str, method: str, rate, concurrency: int, result: dict, exact) -> dict:
+    return {"backend": backend, "method": method, "acceptance_rate": rate, "concurrency": concurrency,
+            "output_tokens_per_s": result["output_tokens_per_s"],
+            "ttft_ms_p50": _p(result, "ttft_ms", "p50"), "tpot_ms_p50": _p(result, "tpot_ms", "p50"),
+            "itl_ms_p50": _p(result, "itl_ms", "p50"), "itl_ms_p99": _p(result, "itl_ms", "p99"),
+            "accept_length": result.get("accept_length"), "exact": exact,
+            "completed": result.get("completed"), "failed": result.get("failed")}
+
+
+def run_matrix(args) -> dict:
+    import torch
+
+    device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
+    concurrency = _numbers(args.concurrency, int)
+    rates = _numbers(args.rates, float)
+    backends = [b for b in args.backends.split(",") if b]
+    workdir = Path(args.workdir or tempfile.mkdtemp(prefix="spectandem-matrix-"))
+    workdir.mkdir(parents=True, exist_ok=True)
+    logs = workdir / "logs"
+    logs.mkdir(exist_ok=True)
+    say = lambda text: print(f"[serve_matrix] {text}", file=sys.stderr, flush=True)
+
+    if args.pair == "llama8b":
+        say(f"writing the {args.scale} 8B-shaped pair to {workdir}")
+        tdir, hdir, target, head = write_llama8b_pair(workdir, args.scale, device, args.seed)
+        reference = []
+        if not args.skip_engine_reference:
+            say("engine loop reference")
+            reference = engine_reference_llama8b(target, head, device, rates, concurrency, args.max_tokens, args.seed)
+        del target, head
+        if device.startswith("cuda"):
+            torch.cuda.empty_cache()
+        model = ["--target", str(tdir), "--draft", str(hdir)]
+        methods = [("none", None)] + [("eagle3", a) for a in rates]
+    else:
+        from spectandem.demo import demo_paths
+
+        t, d = demo_paths("eagle3")
+        model = ["--target", str(t), "--draft", str(d)]
+        reference = []
+        if not args.skip_engine_reference:
+            from tests.e2e.conftest import PROMPT_TEXTS
+
+            say("engine loop reference")
+            reference = engine_reference_demo(device, concurrency, args.max_tokens, PROMPT_TEXTS)
+        methods = [("none", None), ("eagle3", None)]
+
+    records = []
+    for backend in backends:
+        plain: dict[int, list[int]] = {}
+        for method, rate in methods:
+            argv = model + ["--backend", backend, "--method", method] + (["--device", args.device] if args.device else [])
+            if rate is not None:
+                argv += ["--benchmark-acceptance-rate", str(rate)]
+            argv += shlex.split(args.serve_args)
+            label = f"{backend}-{method}" + (f"-a{rate}" if rate is not None else "")
+            say(f"serve {label}")
+            server = Server(argv, logs / f"serve-{label}.log", args.start_timeout)
+            try:
+                say(f"  up in {server.start_s:.0f} s")
+                for c in concurrency:
+                    n = max(args.min_prompts, args.prompts_per_slot * c)
+                    result = bench_serve(server.port, c, n, args.max_tokens, n, args.dataset,
+                                         logs / f"bench-{label}-c{c}.json")
+                    outs = outputs_of(result)
+                    if method == "none":
+                        plain.update(outs)
+                    exact = all(plain.get(i) == ids for i, ids in outs.items()) if plain else None
+                    rec = served_record(backend, method, rate, c, result, exact)
+                    records.append(rec)
+                    say(f"  c={c}: {rec['output_tokens_per_s']:.1f} tok/s, accept {rec['accept_length']}, "
+                        f"exact {exact}")
+            finally:
+                server.stop()
+    gpu = torch.cuda.get_device_name(0) if device.startswith("cuda") else f"cpu ({os.cpu_count()} cores)"
+    return {"gpu": gpu, "command": shlex.join([Path(sys.argv[0]).as_posix()] + sys.argv[1:]),
+            "pair": args.pair, "scale": args.scale if args.pair == "llama8b" else None,
+            "max_tokens": args.max_tokens, "records": records, "engine_reference": reference}
+
+
+def table(results: dict) -> str:
+    ref = {(r["method"], r["acceptance_rate"], r["batch_size"]): r["tokens_per_s"] for r in results["engine_reference"]}
+    plain = {(r["backend"], r["concurrency"]): r["output_tokens_per_s"] for r in results["records"]
+             if r["method"] == "none"}
+    lines = [f"{'backend':8} {'method':7} {'a':>4} {'conc':>4} {'tok/s':>9} {'/engine':>7} {'/plain':>6} "
+             f"{'ttft p50':>8} {'tpot p50':>8} {'itl p50':>7} {'itl p99':>7} {'accept':>6} exact"]
+    for r in results["records"]:
+        e = ref.get((r["method"], r["acceptance_rate"], r["concurrency"]))
+        p = plain.get((r["backend"], r["concurrency"]))
+        f = lambda x, spec: "-" if x is None else format(x, spec)
+        lines.append(f"{r['backend']:8} {r['method']:7} {f(r['acceptance_rate'], '4.1f'):>4} {r['concurrency']:>4} "
+                     f"{r['output_tokens_per_s']:9.1f} {f(e and r['output_tokens_per_s'] / e, '.2f'):>7} "
+                     f"{f(p and r['output_tokens_per_s'] / p, '.2f'):>6} {f(r['ttft_ms_p50'], '8.1f'):>8} "
+                     f"{f(r['tpot_ms_p50'], '8.2f'):>8} {f(r['itl_ms_p50'], '7.2f'):>7} {f(r['itl_ms_p99'], '7.2f'):>7} "
+                     f"{f(r['accept_length'], '6.2f'):>6} {r['exact']}")
+    if results["engine_reference"]:
+        lines.append("engine loop: " + ", ".join(
+            f"{m}{'' if a is None else f' a={a}'} b={b}: {t:.1f}" for (m, a, b), t in ref.items()))
+    return "\n".join(lines)
+
+
+def main() -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--pair", choices=["llama8b", "demo"], default="llama8b", help="the models served (default: llama8b)")
+    p.add_argument("--scale", choices=["full", "tiny"], default="full", help="llama8b: the 8B shapes or a tiny copy")
+    p.add_argument("--backends", default="local,grpc,ray", help="comma-separated (default: local,grpc,ray)")
+    p.add_argument("--rates", default="0.6,0.8,0.9", help="llama8b: controlled acceptance rates (default: 0.6,0.8,0.9)")
+    p.add_argument("--concurrency", default="1,16,64", help="bench serve --max-concurrency values (default: 1,16,64)")
+    p.add_argument("--max-tokens", type=int, default=128, help="output tokens per request (default: 128)")
+    p.add_argument("--prompts-per-slot", type=int, default=2, help="prompts per unit of concurrency (default: 2)")
+    p.add_argument("--min-prompts", type=int, default=8, help="prompts per run at least (default: 8)")
+    p.add_argument("--dataset", default=None, help="bench serve --dataset (default: bench serve's)")
+    p.add_argument("--device", default=None, help="serve --device (default: serve's own default)")
+    p.add_argument("--serve-args", default="", help="more serve flags, one string (default: none)")
+    p.add_argument("--seed", type=int, default=0, help="the random weights' seed (default: 0)")
+    p.add_argument("--workdir", default=None, help="where the pair and the logs go (default: a temporary folder)")
+    p.add_argument("--start-timeout", type=float, default=600.0, help="seconds a server may take to start")
+    p.add_argument("--skip-engine-reference", action="store_true", help="serve only")
+    p.add_argument("--out", required=True, help="the JSON written")
+    args = p.parse_args()
+    results = run_matrix(args)
+    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
+    Path(args.out).write_text(json.dumps(results, indent=1) + "\n")
+    print(table(results))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
