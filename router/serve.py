@@ -237,7 +237,8 @@ async def _build_links(args, cfg, target, draft, index: int = 0, supervisor=None
         v, d, stop = start_engines(target, draft, cfg, max_slots=max_slots, max_len=args.max_len,
                                    device=args.device, dtype=model_dtype(args), kv_blocks=args.kv_blocks,
                                    draft_kv_blocks=args.draft_kv_blocks, block_size=args.block_size,
-                                   gpu=GpuPaths.from_args(args), feature_channel=args.feature_channel)
+                                   gpu=GpuPaths.from_args(args), feature_channel=args.feature_channel,
+                                   gpu_memory_utilization=args.gpu_memory_utilization)
 
         async def cleanup():
             # A signal to the whole process group (`timeout`, systemd) ends a local cluster with
