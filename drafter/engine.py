@@ -306,7 +306,8 @@ def build_proposer(cfg: SpecConfig, target, draft_dir: str | Path | None, max_sl
                    dtype: torch.dtype = torch.float32, device: str = "cpu", kv_blocks: int | None = None,
                    block_size: int = 16, cuda_graphs: bool = False) -> Proposer | None:
     """The one place a method name becomes a proposer. `target` is the target model, native or
-    transformers (EAGLE heads take embeddings and lm_head from it). `cuda_graphs`: EAGLE catch-ups
+    transformers, or what the drafter reads of it (drafter/loader.py TargetTensors): EAGLE heads
+    take embeddings and lm_head from it, a draft model its vocabulary size. `cuda_graphs`: EAGLE catch-ups
     of up to 16 pairs and argmax chains run as CUDA graphs (drafter/graphs.py); other methods, trees
     and long catch-ups (prefills) run eagerly."""
     if cfg.method == "none":
@@ -321,7 +322,7 @@ def build_proposer(cfg: SpecConfig, target, draft_dir: str | Path | None, max_sl
         from drafter.loader import TargetTensors
 
         model = load_llama(draft_dir, dtype, device)
-        vocab = TargetTensors.of(target).vocab_size
+        vocab = (target if isinstance(target, TargetTensors) else TargetTensors.of(target)).vocab_size
         if model.spec.vocab_size != vocab:
             raise ValueError(f"{draft_dir}: draft model vocab_size {model.spec.vocab_size} does not match "
                              f"the target's {vocab}")

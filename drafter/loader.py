@@ -40,13 +40,14 @@ from spectandem.modeling.llama import LlamaModel
 
 @dataclass(frozen=True)
 class TargetTensors:
-    """What a head needs of its target: shapes, and the weights it may share."""
+    """What a head needs of its target: shapes, and the weights it may share (None: shapes only,
+    what a draft model is checked against)."""
 
     vocab_size: int
     hidden_size: int
     num_layers: int
-    embed_tokens: torch.Tensor   # [V, Ht]
-    lm_head: torch.Tensor        # [V, Ht]
+    embed_tokens: torch.Tensor | None   # [V, Ht]
+    lm_head: torch.Tensor | None        # [V, Ht]
 
     @staticmethod
     def of(model) -> "TargetTensors":
@@ -59,6 +60,15 @@ class TargetTensors:
         return TargetTensors(int(cfg.vocab_size), int(cfg.hidden_size), int(cfg.num_hidden_layers),
                              model.get_input_embeddings().weight.detach(),
                              model.get_output_embeddings().weight.detach())
+
+    @staticmethod
+    def read(target_dir: str | Path, embed_tokens: torch.Tensor | None = None,
+             lm_head: torch.Tensor | None = None) -> "TargetTensors":
+        """From the target's config.json and its embeddings and lm_head as read alone
+        (spectandem/modeling/target.py load_embeddings)."""
+        cfg = read_config(target_dir)
+        return TargetTensors(int(cfg["vocab_size"]), int(cfg["hidden_size"]), int(cfg["num_hidden_layers"]),
+                             embed_tokens, lm_head)
 
 
 _LAYER_PREFIXES = ("model.midlayer.", "model.layers.0.", "midlayer.", "layers.0.")

@@ -77,18 +77,17 @@ class Proposer(Protocol):
 
 def ahead_slots(cfg: SpecConfig, max_slots: int) -> int:
     """Extra cache slots for draft-ahead forks: per request, one per tree node and one per outcome."""
-    return max_slots * (cfg.max_draft_nodes + 1 + cfg.ahead_width) if cfg.ahead_width else 0
+    from spectandem.memory import ahead_slots as slots
+
+    return slots(cfg, max_slots)
 
 
 def paged_cache(num_layers, max_slots, num_kv_heads, max_len, head_dim, dtype, device, kv_blocks, block_size, cfg):
     """The proposer's cache: `kv_blocks`, or by default every request at full length plus room
-    for draft-ahead forks (each borrows its request's full blocks and needs a copy of the partial
-    one plus what it absorbs and drafts); slots for the forks on top."""
-    from spectandem.block_manager import blocks_for
+    for draft-ahead forks (spectandem/memory.py draft_pool_blocks); slots for the forks on top."""
+    from spectandem.memory import draft_pool_blocks
 
-    fork_entries = block_size + cfg.num_steps + 1 + max(0, cfg.num_steps - 1) * cfg.topk
-    num_blocks = kv_blocks or (max_slots * blocks_for(max_len + 1, block_size)
-                               + ahead_slots(cfg, max_slots) * blocks_for(fork_entries, block_size))
+    num_blocks = kv_blocks or draft_pool_blocks(cfg, max_slots, max_len, block_size)
     return PagedKVCache(num_layers, max_slots + ahead_slots(cfg, max_slots), num_kv_heads, max_len, head_dim,
                         dtype, device, num_blocks=num_blocks, block_size=block_size)
 

@@ -38,6 +38,7 @@ from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 from drafter.actor import DrafterActor
 from router.links import EngineStartError, EngineUnavailable, RemoteDrafterLink, RemoteVerifierLink
 from spectandem.config import EngineConfig, GpuPaths, SpecConfig
+from spectandem.memory import shared_gpu_configs
 from spectandem.devices import DEFAULT_DTYPE
 from spectandem.messages import DraftTree
 from spectandem.protocol import (AheadReply, DraftHandle, DrafterPrefillItem, EngineInfo, ExtendItem, PlainItem,
@@ -194,6 +195,7 @@ def start_engines(target_dir: str | Path, draft_dir: str | Path | None, cfg: Spe
                   force_hf_target: bool = False, call_timeout_s: float | None = 120.0,
                   startup_timeout_s: float = 300.0, num_threads: int = 1, kv_blocks: int | None = None,
                   draft_kv_blocks: int | None = None, block_size: int = 16, gpu: GpuPaths | None = None,
+                  gpu_memory_utilization: float = 0.9,
                   feature_channel: str | None = None,
                   ) -> tuple[RayVerifierLink, RayDrafterLink | None, Callable[[], None]]:
     """Places a verifier actor (and a drafter actor unless cfg.method is "none") in one
@@ -237,15 +239,18 @@ def start_engines(target_dir: str | Path, draft_dir: str | Path | None, cfg: Spe
         config = EngineConfig(target_dir=target_dir, draft_dir=None if draft_dir is None else str(draft_dir), spec=cfg,
                               max_slots=max_slots, max_len=max_len, dtype=str(dtype).removeprefix("torch."),
                               device=engine_device, kv_blocks=kv_blocks, draft_kv_blocks=draft_kv_blocks,
-                              block_size=block_size, gpu=gpu or GpuPaths(), force_hf_target=force_hf_target)
+                              block_size=block_size, gpu=gpu or GpuPaths(), force_hf_target=force_hf_target,
+                              gpu_memory_utilization=gpu_memory_utilization)
+        # Both on engine_device: the drafter's share of its memory, the verifier's rest.
+        verifier_config, drafter_config = shared_gpu_configs(config)
         verifier = VerifierActor.options(**options(0, -1)).remote(
-            config, layers, model_name=Path(target_dir).name, num_threads=num_threads)
+            verifier_config, layers, model_name=Path(target_dir).name, num_threads=num_threads)
         actors.append(verifier)
         drafter = None
         role = "drafter"
         if num_actors == 2:
             drafter = DrafterActor.options(**options(1, -1)).remote(
-                config, model_name=Path(draft_dir).name if draft_dir else cfg.method, num_threads=num_threads)
+                drafter_config, model_name=Path(draft_dir).name if draft_dir else cfg.method, num_threads=num_threads)
             actors.append(drafter)
             info = ray.get(drafter.info.remote(), timeout=startup_timeout_s)
             role = "verifier"

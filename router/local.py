@@ -40,18 +40,23 @@ class LocalSpeculator:
     def _build(self, config: EngineConfig) -> None:
         from drafter.factory import build_engine as build_drafter
         from spectandem.checkpoint import eos_token_ids, load_tokenizer, read_config
+        from spectandem.memory import shared_gpu_configs
         from verifier.factory import build_engine as build_verifier
+        from verifier.factory import warm_up_engine
 
         cfg = self.cfg = config.spec
         target_dir = config.target_dir
+        # One device: the drafter's share of its memory and the verifier's rest (spectandem/memory.py).
+        verifier_config, drafter_config = shared_gpu_configs(config)
         # The head decides which features it reads, and takes weights from the target: build the
         # target first, then the drafter on the same weights, then tell the runner what to return.
-        self.verifier = build_verifier(config)
+        self.verifier = build_verifier(verifier_config, warm_up=False)
         self.drafter = None
         if cfg.method != "none":
             runner = self.verifier.runner
-            self.drafter, _ = build_drafter(config, target=runner.model, context=runner.max_len)
+            self.drafter, _ = build_drafter(drafter_config, target=runner.model, context=runner.max_len)
             runner.feature_layers = self.drafter.feature_layers
+        warm_up_engine(self.verifier, verifier_config)   # its graphs, with the features the drafter reads
         target_cfg = read_config(target_dir)
         self.eos_token_ids = eos_token_ids(target_cfg)
         self.tokenizer = load_tokenizer(target_dir)

@@ -18,6 +18,8 @@ from router.links import EngineStartError
 from spectandem.config import EngineConfig, GpuPaths
 from router.ops import OpsConfig, add_ops_flags
 from spectandem.generate_cli import add_model_flags
+from spectandem.memory import engine_memory_flags, kv_capacity_line
+from spectandem.service_args import add_memory_flags
 from spectandem.service_args import model_dtype
 
 log = logging.getLogger("spectandem.serve")
@@ -36,6 +38,7 @@ def _at_least_one(text: str) -> int:
 def add_serve(sub) -> None:
     p = sub.add_parser("serve", help="serve the public gRPC API (the demo pair with no model flags)")
     add_model_flags(p)
+    add_memory_flags(p, engine=False)
     p.add_argument("--backend", choices=["ray", "grpc", "local"], default="ray",
                    help="ray: drafter and verifier as Ray actors (a local cluster unless --ray-address); "
                         "grpc: as gRPC services (started here unless --drafter-address/--verifier-address); "
@@ -167,8 +170,10 @@ def engine_commands(args, cfg, target: str, draft: str | None, verifier_port: in
     common += ["--host", "127.0.0.1"] + OpsConfig.from_args(args).engine_flags() + GpuPaths.from_args(args).flags()
     if feature_channel:
         common += ["--feature-channel", feature_channel]
-    pool_v = ["--kv-blocks", str(args.kv_blocks)] if args.kv_blocks else []
-    pool_d = ["--draft-kv-blocks", str(args.draft_kv_blocks)] if args.draft_kv_blocks else []
+    # Both engines on args.device: the drafter's share of its memory and the verifier's rest.
+    mem_v, mem_d = engine_memory_flags(EngineConfig.from_args(args, cfg, target, draft, args.max_running))
+    pool_v = (["--kv-blocks", str(args.kv_blocks)] if args.kv_blocks else []) + mem_v
+    pool_d = (["--draft-kv-blocks", str(args.draft_kv_blocks)] if args.draft_kv_blocks else []) + mem_d
     tree = ["--num-steps", str(cfg.num_steps), "--topk", str(cfg.topk), "--num-draft-tokens", str(cfg.num_draft_tokens),
             "--draft-sampling-min-temperature", str(cfg.draft_sampling_min_temperature),
             "--ahead-width", str(cfg.ahead_width)]
@@ -232,7 +237,8 @@ async def _build_links(args, cfg, target, draft, index: int = 0, supervisor=None
         v, d, stop = start_engines(target, draft, cfg, max_slots=max_slots, max_len=args.max_len,
                                    device=args.device, dtype=model_dtype(args), kv_blocks=args.kv_blocks,
                                    draft_kv_blocks=args.draft_kv_blocks, block_size=args.block_size,
-                                   gpu=GpuPaths.from_args(args), feature_channel=args.feature_channel)
+                                   gpu=GpuPaths.from_args(args), feature_channel=args.feature_channel,
+                                   gpu_memory_utilization=args.gpu_memory_utilization)
 
         async def cleanup():
             # A signal to the whole process group (`timeout`, systemd) ends a local cluster with
@@ -368,6 +374,7 @@ async def serve_async(args, ready_message=True, stop_event: asyncio.Event | None
                                                       draft_kv_blocks=dinfo.kv.get("num_blocks", 0) if dinfo else 0,
                                                       draft_kv_block_size=(dinfo.kv.get("block_size", 16) or 16)
                                                       if dinfo else 16)))
+            say(kv_capacity_line(vinfo.kv, dinfo.kv if dinfo else None))
         router = routers[0] if len(routers) == 1 else ReplicaSet(routers)
         v, d = pairs[0]
         supervisor.watch()   # from here on an engine process that exits is restarted

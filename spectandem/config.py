@@ -170,8 +170,11 @@ class EngineConfig:
     n-gram drafting may go without). draft_dir: the head or draft model. max_slots: requests held
     at once. max_len: context length (None: the target's). dtype: a torch dtype's name. kv_blocks /
     draft_kv_blocks: the verifier's / drafter's KV pool in blocks (None: every slot at full
-    context). block_size: cache entries per KV block (both). force_hf_target: the target runs on
-    transformers even where a native implementation exists."""
+    context on the CPU; on CUDA sized from the memory budget: spectandem/memory.py). block_size: cache
+    entries per KV block (both). force_hf_target: the target runs on transformers even where a
+    native implementation exists. gpu_memory_utilization: the fraction of the GPU's total memory
+    the engine may use, less memory_reserved_gib (another engine's share of the same GPU);
+    memory_budget_gib, where given, is the engine's budget instead (CUDA only)."""
 
     target_dir: str | None
     draft_dir: str | None = None
@@ -185,10 +188,16 @@ class EngineConfig:
     block_size: int = 16
     gpu: GpuPaths = GpuPaths()
     force_hf_target: bool = False
+    gpu_memory_utilization: float = 0.9
+    memory_budget_gib: float | None = None
+    memory_reserved_gib: float = 0.0
 
     def __post_init__(self):
+        from spectandem.memory import check_utilization
+
         if self.dtype not in DTYPES:
             raise ValueError(f"dtype must be one of {', '.join(DTYPES)}; got {self.dtype!r}")
+        check_utilization(self.gpu_memory_utilization)
 
     @property
     def torch_dtype(self):
@@ -206,4 +215,7 @@ class EngineConfig:
                             max_len=args.max_len, dtype=args.dtype, device=args.device,
                             kv_blocks=getattr(args, "kv_blocks", None),
                             draft_kv_blocks=getattr(args, "draft_kv_blocks", None), block_size=args.block_size,
-                            gpu=GpuPaths.from_args(args))
+                            gpu=GpuPaths.from_args(args),
+                            gpu_memory_utilization=getattr(args, "gpu_memory_utilization", 0.9),
+                            memory_budget_gib=getattr(args, "memory_budget_gib", None),
+                            memory_reserved_gib=getattr(args, "memory_reserved_gib", 0.0) or 0.0)

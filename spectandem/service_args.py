@@ -50,6 +50,19 @@ def add_gpu_path_flags(p: argparse.ArgumentParser) -> None:
                         "(CUDA + Triton; the target then runs without CUDA graphs)")
 
 
+def add_memory_flags(p: argparse.ArgumentParser, engine: bool = True) -> None:
+    """The GPU memory budget of the KV pools (spectandem/memory.py; EngineConfig's fields).
+    `engine`: also the per-engine budget flags that serve hands its engine processes."""
+    p.add_argument("--gpu-memory-utilization", type=float, default=0.9,
+                   help="fraction of the GPU's total memory the server may use; on CUDA, without --kv-blocks, "
+                        "the KV pools take what weights, activations and CUDA graphs leave of it")
+    if engine:
+        p.add_argument("--memory-budget-gib", type=float, default=None,
+                       help="this engine's GPU memory budget in GiB, instead of --gpu-memory-utilization")
+        p.add_argument("--memory-reserved-gib", type=float, default=0.0,
+                       help="GiB of this GPU left to another engine, taken off --gpu-memory-utilization's share")
+
+
 def add_verifier_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--target", default=None, help="target checkpoint directory (default: the demo target)")
     p.add_argument("--draft", default=None,
@@ -67,6 +80,7 @@ def add_verifier_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--max-slots", type=int, default=8, help="requests held at once")
     p.add_argument("--kv-blocks", type=int, default=None, help="KV pool in blocks (default: every slot at full context)")
     p.add_argument("--block-size", type=int, default=16, help="cache entries per KV block")
+    add_memory_flags(p)
     p.add_argument("--host", default="0.0.0.0", help="address to listen on")
     p.add_argument("--port", type=int, default=50052, help="0 picks a free port (printed)")
     p.add_argument("--feature-channel", default=None, metavar="tcp://HOST:PORT",
@@ -79,6 +93,7 @@ def add_drafter_args(p: argparse.ArgumentParser) -> None:
     from spectandem.generate_cli import add_model_flags
 
     add_model_flags(p)
+    add_memory_flags(p)
     p.add_argument("--max-slots", type=int, default=8, help="requests held at once")
     p.add_argument("--host", default="0.0.0.0", help="address to listen on")
     p.add_argument("--port", type=int, default=50053, help="0 picks a free port (printed)")

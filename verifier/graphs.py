@@ -162,6 +162,15 @@ class VerifyGraphs:
     def supports(self, batch: int) -> bool:
         return batch_bucket(batch, self.batch_buckets) is not None
 
+    def warm_up(self, shapes: list[tuple], progress=None) -> None:
+        """Captures the graph of every (Bc, N, S, feature spec) in `shapes` not captured yet
+        (`verify_graph_shapes`), reporting "capturing CUDA graphs: i/total" to `progress`."""
+        todo = [key for key in shapes if key not in self._captured]
+        for i, (rows, n, span, layers) in enumerate(todo, 1):
+            self._capture(rows, n, span, layers)
+            if progress is not None and (i == len(todo) or i % 10 == 0):
+                progress(f"capturing CUDA graphs: {i}/{len(todo)}")
+
     def run(self, slots: list[int], cache_lens: list[int], token_ids: torch.Tensor, parents: torch.Tensor,
             node_valid: torch.Tensor, feature_layers: FeatureSpec,
             device_tokens: torch.Tensor | None = None, flat: torch.Tensor | None = None) -> VerifyStep:
@@ -233,6 +242,21 @@ class VerifyGraphs:
         step = _Captured(inputs, capture_graph(body, self.pool, self.device), flat)
         self._captured[(rows, n, span, feature_layers)] = step
         return step
+
+
+def verify_graph_shapes(max_slots: int, widths: list[int], max_len: int, feature_specs: list[FeatureSpec],
+                        tree_attention: bool = False, batch_buckets: tuple[int, ...] = BATCH_BUCKETS) -> list[tuple]:
+    """Every graph key (Bc, N, S, feature spec) `VerifyGraphs.run` asks for with at most
+    `max_slots` rows, N in `widths` and any cache length: the batch buckets up to max_slots's,
+    and every span bucket up to max_len (None with the tree attention, which reads lengths on the
+    device). Example: max_slots 3, widths [5], max_len 100, [None] -> (1|2|4, 5, 32|64|100, None)."""
+    top = batch_bucket(max_slots, batch_buckets)
+    rows = [b for b in batch_buckets if top is None or b <= top]
+    spans: list[int | None] = [None]
+    if not tree_attention:
+        spans = sorted({span_bucket(s, max_len) for s in [min(1 << k, max_len) for k in range(max_len.bit_length() + 1)]})
+    return [(r, n, s, f) for r in rows for n in sorted(set(widths)) if n <= max_len for s in spans
+            if s is None or s >= n for f in feature_specs]
 
 
 def with_device_tokens(token_ids: torch.Tensor, device_tokens: torch.Tensor) -> torch.Tensor:

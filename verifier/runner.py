@@ -18,7 +18,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from spectandem.cuda_graphs import batch_bucket
+from spectandem.cuda_graphs import batch_bucket, span_bucket
 from spectandem.kv_cache import KVCache, PagedKVCache
 from spectandem.modeling.llama import InvariantBatch, LlamaModel
 from spectandem.modeling.target import inspect_target, load_target
@@ -58,19 +58,52 @@ class NativeRunner:
         self.device = next(model.parameters()).device
         self.dtype = next(model.parameters()).dtype
         self.max_len = max_len
-        self.cache = PagedKVCache(s.num_layers, max_slots, s.num_kv_heads, max_len, s.head_dim, self.dtype,
-                                  self.device, num_blocks=kv_blocks, block_size=block_size)
+        self.max_slots = max_slots
         if triton_attention:
             _check_triton_attention(self.device, batch_invariant)
             model.use_fused_kernels()  # the fast path: fewer launches, the same bits
-        self.graphs = VerifyGraphs(model, self.cache, tree_attention=triton_attention) if cuda_graphs else None
         self.batch_invariant = batch_invariant
         if batch_invariant:
             _check_batch_invariant(self.device, cuda_graphs)
         self.triton_attention = triton_attention
+        self.set_cache(kv_blocks, block_size, cuda_graphs)
+
+    def set_cache(self, kv_blocks: int | None, block_size: int, cuda_graphs: bool) -> None:
+        """A new, empty KV pool of `kv_blocks` (None: every slot at full context), and new graphs
+        on it where `cuda_graphs` (the factory's profiling pass runs on a small pool first). No
+        request may be held."""
+        s = self.spec
+        self.cache = self.graphs = None   # the old pool goes before the new one is allocated
+        self.cache = PagedKVCache(s.num_layers, self.max_slots, s.num_kv_heads, self.max_len, s.head_dim, self.dtype,
+                                  self.device, num_blocks=kv_blocks, block_size=block_size)
+        self.graphs = (VerifyGraphs(self.model, self.cache, tree_attention=self.triton_attention)
+                       if cuda_graphs else None)
 
     def kv_stats(self) -> dict:
         return self.cache.stats()
+
+    def graph_shapes(self, widths: list[int]) -> list[tuple]:
+        """The verify graphs this runner replays for trees of N in `widths` (plain steps: 1) and
+        its graphed prefills (chains of 8..GRAPHED_PREFILL_MAX nodes), with and without features."""
+        from verifier.graphs import verify_graph_shapes
+
+        if self.graphs is None:
+            return []
+        feats = [None] + ([self.feature_layers] if self.feature_layers is not None else [])
+        shapes = verify_graph_shapes(self.max_slots, list(widths) + [1], self.max_len, feats, self.triton_attention,
+                                     self.graphs.batch_buckets)
+        n = 8
+        while n <= min(GRAPHED_PREFILL_MAX, self.max_len):   # prefills: cache length 0, one span
+            span = None if self.triton_attention else span_bucket(n, self.max_len)
+            shapes += [(r, n, span, self.feature_layers) for r, *_ in shapes if r * n <= GRAPHED_PREFILL_ROWS]
+            n *= 2
+        return list(dict.fromkeys(shapes))
+
+    def warm_up(self, widths: list[int], progress=None) -> None:
+        """Captures every verify graph of `graph_shapes(widths)` now, so none is captured while
+        serving; nothing without CUDA graphs (the CPU)."""
+        if self.graphs is not None and self.graphs.graph:
+            self.graphs.warm_up(self.graph_shapes(widths), progress)
 
     def _features(self, hidden, aux):
         if self.feature_layers is None:

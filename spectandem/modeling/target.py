@@ -53,3 +53,53 @@ def load_target(target: TargetCheckpoint, dtype: torch.dtype = torch.float32, de
     except (ValueError, OSError, KeyError) as exc:
         raise ValueError(f"{target.path}: cannot load architecture {target.architecture!r} ({exc})") from None
     return model.to(device).eval()
+
+
+def embedding_names(target: TargetCheckpoint) -> tuple[str, str] | None:
+    """The checkpoint names of the input embeddings and lm_head, where the architecture fixes
+    them (the native Llama family); None otherwise."""
+    if target.architecture in NATIVE_ARCHITECTURES:
+        return "model.embed_tokens.weight", "lm_head.weight"
+    return None
+
+
+def load_embeddings(target: TargetCheckpoint, dtype: torch.dtype = torch.float32,
+                    device: str = "cpu") -> tuple[torch.Tensor, torch.Tensor] | None:
+    """(input embeddings [V, H], lm_head [V, H]) read alone from the checkpoint's files, without
+    the decoder layers; tied embeddings (or no lm_head tensor) give the embeddings twice. None
+    where the names are not known (`embedding_names`): then the whole model must load."""
+    from spectandem.checkpoint import CheckpointError, load_weights
+
+    names = embedding_names(target)
+    if names is None:
+        return None
+    cfg = read_config(target.path)
+    tied = bool(cfg.get("tie_word_embeddings", False))
+    wanted = names[:1] if tied else names
+    found = _read_tensors(Path(target.path), wanted)
+    if found is None:   # no safetensors: a PyTorch pickle loads whole, on the host
+        state = load_weights(target.path)
+        found = {n: state[n] for n in wanted if n in state}
+    if names[0] not in found:
+        raise CheckpointError(f"{target.path}: no tensor {names[0]!r} (the input embeddings)")
+    embed = found[names[0]].to(device=device, dtype=dtype)
+    lm_head = embed if tied or names[1] not in found else found[names[1]].to(device=device, dtype=dtype)
+    return embed, lm_head
+
+
+def _read_tensors(directory: Path, names: tuple[str, ...]) -> dict[str, torch.Tensor] | None:
+    """These tensors from the directory's safetensors files (each file opened only for what it
+    holds); None where it has none."""
+    from safetensors import safe_open
+
+    files = sorted(directory.glob("*.safetensors"))
+    if not files:
+        return None
+    out: dict[str, torch.Tensor] = {}
+    for path in files:
+        with safe_open(str(path), framework="pt", device="cpu") as f:
+            keys = set(f.keys())
+            for name in names:
+                if name in keys and name not in out:
+                    out[name] = f.get_tensor(name)
+    return out

@@ -126,3 +126,24 @@ def test_serve_reports_its_start():
     from spectandem.demo import demo_paths
 
     assert f"spectandem serve: loading target {demo_paths('none')[0]} in this process" in err, err
+
+
+def test_serve_prints_both_kv_capacities():
+    """On the CPU too: one start-up line with each side's KV pool (the verifier's: every slot at
+    full context, 2 x blocks_for(129, 16) = 18 blocks)."""
+    import re
+    import signal
+
+    proc = subprocess.Popen([sys.executable, "-m", "spectandem.cli", "serve", "--method", "eagle3", "--backend",
+                             "local", "--port", "0", "--max-len", "128", "--max-running", "2"],
+                            cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        ready = proc.stdout.readline()
+        assert ready.startswith("spectandem serving"), ready
+    finally:
+        proc.send_signal(signal.SIGINT)
+        _, err = proc.communicate(timeout=120)
+    line = re.search(r"spectandem serve: verifier KV cache: 288 tokens \(18 blocks of 16\), "
+                     r"drafter KV cache: (\d+) tokens \((\d+) blocks of 16\)\n", err)
+    assert line is not None, err
+    assert int(line[1]) == 16 * int(line[2]) and int(line[2]) >= 18

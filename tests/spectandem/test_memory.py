@@ -1,0 +1,118 @@
+"""GPU memory budgets and KV pool sizing (spectandem/memory.py): the arithmetic, on byte counts."""
+
+import pytest
+
+from spectandem import memory
+from spectandem.config import EngineConfig, SpecConfig
+from spectandem.demo import demo_paths
+from spectandem.memory import GIB
+
+# Llama-3.1-8B's attention: 32 layers, 8 KV heads of 128, bf16.
+LLAMA8B_BLOCK = memory.kv_block_bytes(32, 8, 128, 16, 2)
+
+
+def test_block_bytes_are_k_and_v_of_every_layer():
+    assert LLAMA8B_BLOCK == 2 * 32 * 16 * 8 * 128 * 2 == 2 << 20     # 128 KiB per token
+
+
+def test_engine_budget_is_the_fraction_less_the_other_engines_share():
+    total = 140 * GIB
+    assert memory.engine_budget(total, 0.9) == int(0.9 * total)
+    assert memory.engine_budget(total, 0.9, reserved_gib=3.5) == int(0.9 * total) - int(3.5 * GIB)
+    assert memory.engine_budget(total, 0.9, budget_gib=2.25) == int(2.25 * GIB)
+
+
+@pytest.mark.parametrize("util", [0.0, -0.1, 1.5])
+def test_utilization_out_of_range_is_refused_by_name(util):
+    with pytest.raises(ValueError, match="--gpu-memory-utilization"):
+        memory.engine_budget(80 * GIB, util)
+    with pytest.raises(ValueError, match="--gpu-memory-utilization"):
+        EngineConfig(target_dir=None, gpu_memory_utilization=util)
+
+
+def test_reserve_past_the_budget_is_refused():
+    with pytest.raises(ValueError, match="reserved"):
+        memory.engine_budget(10 * GIB, 0.5, reserved_gib=6)
+
+
+def test_split_gives_the_drafter_its_need_and_the_verifier_the_rest():
+    total = 140 * GIB
+    v, d = memory.split_budget(total, 0.9, 3 * GIB)
+    assert d == 3 * GIB and v + d == int(0.9 * total)
+    with pytest.raises(ValueError, match="drafter needs"):
+        memory.split_budget(total, 0.01, 3 * GIB)
+
+
+def test_blocks_take_what_weights_activations_and_reserves_leave():
+    budget, weights, peak = 126 * GIB, 16 * GIB, 4 * GIB
+    cap = 64 * memory.blocks_for(131072 + 1, 16)        # every slot at full context: far past the GPU
+    s = memory.kv_blocks_for_budget(budget, weights, peak, LLAMA8B_BLOCK, cap)
+    graphs = int(memory.GRAPH_RESERVE_FRACTION * budget)
+    assert s.graph_reserve == graphs
+    assert s.blocks == (budget - weights - peak - memory.RUNTIME_RESERVE_BYTES - graphs) // LLAMA8B_BLOCK
+    used = weights + peak + memory.RUNTIME_RESERVE_BYTES + graphs + s.blocks * LLAMA8B_BLOCK
+    assert budget - LLAMA8B_BLOCK < used <= budget
+    assert f"{s.blocks} blocks" in s.describe("verifier")
+
+
+def test_blocks_are_capped_at_every_slot_at_full_context_and_never_negative():
+    assert memory.kv_blocks_for_budget(100 * GIB, GIB, GIB, LLAMA8B_BLOCK, 1000).blocks == 1000
+    assert memory.kv_blocks_for_budget(2 * GIB, 3 * GIB, GIB, LLAMA8B_BLOCK, 1000).blocks == 0
+
+
+def test_a_pool_short_of_one_request_fails_naming_both_flags():
+    memory.check_fits_one_request("verifier", 8193, 16, 131072, 0.9)  # exactly one request: fine
+    with pytest.raises(ValueError) as err:
+        memory.check_fits_one_request("verifier", 8192, 16, 131072, 0.9)
+    assert "--max-len 131072" in str(err.value) and "--gpu-memory-utilization" in str(err.value)
+    assert "\n" not in str(err.value)
+
+
+def test_draft_pool_blocks_is_the_proposers_default_pool():
+    from drafter.proposers import paged_cache
+
+    spec = SpecConfig(method="eagle3", num_steps=4, topk=1, num_draft_tokens=5, ahead_width=4)
+    cache = paged_cache(1, 3, 1, 100, 8, None, "cpu", None, 16, spec)
+    assert cache.blocks.num_blocks == memory.draft_pool_blocks(spec, 3, 100, 16)
+
+
+def _demo_config(method="eagle3", device="cuda", **kw):
+    target, draft = demo_paths(method)
+    return EngineConfig(target_dir=str(target), draft_dir=None if draft is None else str(draft),
+                        spec=SpecConfig(method=method), max_slots=4, max_len=256, dtype="bfloat16", device=device, **kw)
+
+
+def test_a_drafter_given_its_need_sizes_its_pool_at_every_slot_at_full_context():
+    """The drafter's budget (computed by serve from configs) holds its pool at the cap when its
+    measured activations stay within the estimate."""
+    config = _demo_config()
+    from spectandem.checkpoint import read_config
+
+    tcfg = read_config(config.target_dir)
+    need = memory.drafter_need_bytes(config.spec, tcfg, config.draft_dir, "bfloat16", 4, 256, 16)
+    weights = (memory.safetensors_elements(config.draft_dir) + 2 * tcfg["vocab_size"] * tcfg["hidden_size"]) * 2
+    rows = config.spec.max_draft_nodes + 1 + config.spec.topk * config.spec.ahead_width
+    peak = memory.drafter_activation_bytes(4, rows, tcfg["vocab_size"])
+    dcfg = read_config(config.draft_dir)
+    block = memory.kv_block_bytes(1, dcfg["num_key_value_heads"], dcfg["head_dim"], 16, 2)
+    cap = memory.draft_pool_blocks(config.spec, 4, 256, 16)
+    assert memory.kv_blocks_for_budget(need, weights, peak, block, cap).blocks == cap
+
+
+def test_engine_flags_split_one_gpu_and_leave_the_cpu_alone():
+    util = ["--gpu-memory-utilization", "0.8"]
+    assert memory.engine_memory_flags(_demo_config(device="cpu", gpu_memory_utilization=0.8)) == (util, util)
+    assert memory.engine_memory_flags(_demo_config("ngram", gpu_memory_utilization=0.8)) == (util, util)
+    v, d = memory.engine_memory_flags(_demo_config(gpu_memory_utilization=0.8))
+    share = memory.drafter_budget_gib(_demo_config())
+    assert share > 0
+    assert v == util + ["--memory-reserved-gib", str(share)] and d == util + ["--memory-budget-gib", str(share)]
+    vc, dc = memory.shared_gpu_configs(_demo_config())
+    assert (vc.memory_reserved_gib, vc.memory_budget_gib, dc.memory_budget_gib) == (share, None, share)
+
+
+def test_kv_capacity_line():
+    line = memory.kv_capacity_line({"num_blocks": 10, "block_size": 16, "used_blocks": 0},
+                                   {"num_blocks": 3, "block_size": 16})
+    assert line == "verifier KV cache: 160 tokens (10 blocks of 16), drafter KV cache: 48 tokens (3 blocks of 16)"
+    assert memory.kv_capacity_line({"num_blocks": 2, "block_size": 8}, None).endswith("drafter KV cache: none")
