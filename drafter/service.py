@@ -142,6 +142,9 @@ def run_drafter(args: argparse.Namespace) -> int:
     cfg, target, draft = spec_from_flags(args)
     if args.kv_blocks is not None:
         raise ValueError("--kv-blocks sizes the verifier's KV pool; a drafter's is --draft-kv-blocks")
+    from spectandem.devices import resolve_flags
+
+    args = resolve_flags(args, target)
     config = EngineConfig.from_args(args, cfg, target, draft, args.max_slots)
     tls = server_tls_from_args(args)  # flag and file errors before the model loads
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")

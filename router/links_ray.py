@@ -173,21 +173,31 @@ class RayDrafterLink(RemoteDrafterLink):
         return None
 
 
+def bundle_plan(gpus: int, num_actors: int, on_gpu: bool) -> tuple[list[dict], str]:
+    """The placement group for `num_actors` engine actors -> (one bundle per actor, strategy).
+    On the CPU: a CPU each (PACK). On GPUs (STRICT_PACK: one node, so features move over its
+    shared memory or NVLink): a GPU each when the cluster has one per actor, else the actors
+    share one GPU, each bundle holding an equal fraction of it."""
+    if not on_gpu:
+        return [{"CPU": 1} for _ in range(num_actors)], "PACK"
+    if gpus < 1:
+        raise ValueError("device 'cuda' needs a GPU; the cluster has none")
+    share = 1 if gpus >= num_actors else 1 / num_actors
+    return [{"GPU": share, "CPU": 1} for _ in range(num_actors)], "STRICT_PACK"
+
+
 def _placement(num_actors: int, device: str, timeout_s: float):
-    """A ready placement group of one bundle per actor, and whether the bundles hold GPUs."""
+    """A ready placement group of one bundle per actor (bundle_plan), and the bundles."""
     gpus = int(ray.cluster_resources().get("GPU", 0))
-    if device == "cuda" and gpus < num_actors:
-        raise ValueError(f"device 'cuda' needs {num_actors} GPUs (one per actor); the cluster has {gpus}")
-    on_gpu = device == "cuda" or (device == "auto" and gpus >= num_actors)
-    bundle = {"GPU": 1, "CPU": 1} if on_gpu else {"CPU": 1}
-    pg = placement_group([dict(bundle) for _ in range(num_actors)], strategy="STRICT_PACK" if on_gpu else "PACK")
+    bundles, strategy = bundle_plan(gpus, num_actors, device == "cuda" or (device == "auto" and gpus > 0))
+    pg = placement_group(bundles, strategy=strategy)
     try:
         ray.get(pg.ready(), timeout=timeout_s)
     except ray.exceptions.GetTimeoutError:
         remove_placement_group(pg)
-        raise EngineUnavailable(f"no room for {num_actors} bundles of {bundle} within {timeout_s} s "
+        raise EngineUnavailable(f"no room for {num_actors} bundles of {bundles[0]} within {timeout_s} s "
                                 f"(cluster: {ray.cluster_resources()})") from None
-    return pg, on_gpu
+    return pg, bundles
 
 
 def start_engines(target_dir: str | Path, draft_dir: str | Path | None, cfg: SpecConfig, max_slots: int,
@@ -201,9 +211,8 @@ def start_engines(target_dir: str | Path, draft_dir: str | Path | None, cfg: Spe
     """Places a verifier actor (and a drafter actor unless cfg.method is "none") in one
     placement group, one bundle each, and waits until they are built.
 
-    device: "cuda" needs one GPU per actor (STRICT_PACK: one node, so features move over the
-    node's shared memory or NVLink); "cpu" places CPU-only bundles (PACK); "auto" picks "cuda"
-    when the cluster has a GPU per actor. Returns the links and a cleanup that kills both actors
+    device: "cuda" gives each actor a GPU, or with fewer GPUs than actors a share of one
+    (bundle_plan); "cpu" places CPU-only bundles; "auto" picks "cuda" when the cluster has a GPU. Returns the links and a cleanup that kills both actors
     and frees the placement group. Ray must be initialized (ray_init).
 
     feature_channel: "auto" (a free port on the verifier's node) or tcp://HOST:PORT opens the
@@ -213,10 +222,11 @@ def start_engines(target_dir: str | Path, draft_dir: str | Path | None, cfg: Spe
     if device not in ("auto", "cpu", "cuda"):
         raise ValueError(f"device must be 'auto', 'cpu' or 'cuda', got {device!r}")
     num_actors = 1 if cfg.method == "none" else 2
-    pg, on_gpu = _placement(num_actors, device, startup_timeout_s)
+    pg, bundles = _placement(num_actors, device, startup_timeout_s)
+    on_gpu = "GPU" in bundles[0]
 
     def options(index: int, max_restarts: int) -> dict:
-        return dict(num_cpus=1, num_gpus=1 if on_gpu else 0, max_restarts=max_restarts, max_task_retries=0,
+        return dict(num_cpus=1, num_gpus=bundles[index].get("GPU", 0), max_restarts=max_restarts, max_task_retries=0,
                     runtime_env={"env_vars": {"OMP_NUM_THREADS": str(num_threads)}},
                     scheduling_strategy=PlacementGroupSchedulingStrategy(
                         placement_group=pg, placement_group_bundle_index=index))

@@ -5,6 +5,7 @@ router's in-process backend (router/links_local.py); like the router it imports 
 
 from __future__ import annotations
 
+import dataclasses
 from pathlib import Path
 
 from spectandem.config import EngineConfig, GpuPaths, SamplingParams, SpecConfig
@@ -31,13 +32,14 @@ class LocalSpeculator:
             gpu=GpuPaths(cuda_graphs=cuda_graphs, batch_invariant=batch_invariant, triton_attention=triton_attention)))
 
     @classmethod
-    def from_config(cls, config: EngineConfig) -> "LocalSpeculator":
-        """Both engines of `config` (built once from a command's flags: EngineConfig.from_args)."""
+    def from_config(cls, config: EngineConfig, drafter_device: str | None = None) -> "LocalSpeculator":
+        """Both engines of `config` (built once from a command's flags: EngineConfig.from_args).
+        `drafter_device`: the drafter's device when not `config.device` (None: the same)."""
         self = cls.__new__(cls)
-        self._build(config)
+        self._build(config, drafter_device)
         return self
 
-    def _build(self, config: EngineConfig) -> None:
+    def _build(self, config: EngineConfig, drafter_device: str | None = None) -> None:
         from drafter.factory import build_engine as build_drafter
         from spectandem.checkpoint import eos_token_ids, load_tokenizer, read_config
         from spectandem.memory import shared_gpu_configs
@@ -46,15 +48,22 @@ class LocalSpeculator:
 
         cfg = self.cfg = config.spec
         target_dir = config.target_dir
-        # One device: the drafter's share of its memory and the verifier's rest (spectandem/memory.py).
-        verifier_config, drafter_config = shared_gpu_configs(config)
+        # One device: the drafter's share of its memory and the verifier's rest (spectandem/memory.py);
+        # a drafter on a device of its own sizes its pool from that device alone.
+        shared = drafter_device in (None, config.device)
+        verifier_config, drafter_config = shared_gpu_configs(config) if shared else (config, config)
         # The head decides which features it reads, and takes weights from the target: build the
         # target first, then the drafter on the same weights, then tell the runner what to return.
+        # A drafter on another device loads the target's weights there itself (as a drafter
+        # process does); the engines move what crosses between them to their own device.
         self.verifier = build_verifier(verifier_config, warm_up=False)
         self.drafter = None
         if cfg.method != "none":
             runner = self.verifier.runner
-            self.drafter, _ = build_drafter(drafter_config, target=runner.model, context=runner.max_len)
+            if shared:
+                self.drafter, _ = build_drafter(drafter_config, target=runner.model, context=runner.max_len)
+            else:
+                self.drafter, _ = build_drafter(dataclasses.replace(drafter_config, device=drafter_device))
             runner.feature_layers = self.drafter.feature_layers
         warm_up_engine(self.verifier, verifier_config)   # its graphs, with the features the drafter reads
         target_cfg = read_config(target_dir)

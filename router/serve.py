@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import dataclasses
 import gc
 import logging
 import os
@@ -15,12 +16,11 @@ import time
 from pathlib import Path
 
 from router.links import EngineStartError
-from spectandem.config import EngineConfig, GpuPaths
+from spectandem.config import EngineConfig, GpuPaths, engine_devices, resolve_model_flags
 from router.ops import OpsConfig, add_ops_flags
 from spectandem.generate_cli import add_model_flags
 from spectandem.memory import engine_memory_flags, kv_capacity_line
-from spectandem.service_args import add_memory_flags
-from spectandem.service_args import model_dtype
+from spectandem.service_args import DEVICE_HELP, add_memory_flags, model_dtype
 
 log = logging.getLogger("spectandem.serve")
 
@@ -43,6 +43,10 @@ def add_serve(sub) -> None:
                    help="ray: drafter and verifier as Ray actors (a local cluster unless --ray-address); "
                         "grpc: as gRPC services (started here unless --drafter-address/--verifier-address); "
                         "local: both engines in this process")
+    p.add_argument("--drafter-device", default="auto",
+                   help="--backend local and grpc: the drafter's torch device; auto = cuda:1 when two GPUs or more "
+                        "are visible and --device is cuda (or auto), else the verifier's device (cuda:0 with one GPU). "
+                        "Ray gives each actor a GPU of its own when there are two, else a half of the one")
     p.add_argument("--ray-address", default=None, help="join an existing Ray cluster (e.g. 'auto')")
     p.add_argument("--drafter-address", action="append", default=None,
                    help="use a separately deployed drafter service (repeat: one per replica)")
@@ -160,18 +164,31 @@ async def _build_replicas(args, cfg, target, draft, supervisor=None, say=_quiet)
 
 
 def engine_commands(args, cfg, target: str, draft: str | None, verifier_port: int | None,
-                    drafter_port: int | None, feature_channel: str | None = None) -> dict[str, list[str]]:
+                    drafter_port: int | None, feature_channel: str | None = None,
+                    devices: tuple[str, str] | None = None) -> dict[str, list[str]]:
     """The command lines (`python -m verifier|drafter ...`) of the engine processes serve starts for
-    --backend grpc, by role; a role whose port is None is not started."""
-    common = ["--method", cfg.method, "--device", args.device, "--dtype", args.dtype, "--max-slots",
+    --backend grpc, by role; a role whose port is None is not started. `args`: resolved model flags
+    (resolve_model_flags), passed on explicitly, so that an engine never resolves `auto` itself.
+    `devices`: (verifier's, drafter's) torch device (engine_devices; None: --device for both). The
+    engines see every GPU and are told which to use (--device cuda:N), with no CUDA_VISIBLE_DEVICES."""
+    unresolved = [flag for flag, value in (("--device", args.device), ("--dtype", args.dtype),
+                                           ("--cuda-graphs", args.cuda_graphs),
+                                           ("--triton-attention", args.triton_attention)) if value in ("auto", None)]
+    if unresolved:
+        raise ValueError(f"engine command lines need resolved flags; {', '.join(unresolved)} not resolved")
+    verifier_device, drafter_device = devices or (args.device, args.device)
+    common = ["--method", cfg.method, "--dtype", args.dtype, "--max-slots",
               str(args.max_running), "--target", target] + (["--draft", draft] if draft else []) + (
               ["--max-len", str(args.max_len)] if args.max_len else []) + ["--block-size", str(args.block_size)]
     # Engines started here serve this router only: loopback, and the internal TLS when asked.
     common += ["--host", "127.0.0.1"] + OpsConfig.from_args(args).engine_flags() + GpuPaths.from_args(args).flags()
     if feature_channel:
         common += ["--feature-channel", feature_channel]
-    # Both engines on args.device: the drafter's share of its memory and the verifier's rest.
+    # Both engines on one device: the drafter's share of its memory and the verifier's rest;
+    # on devices of their own, each sizes its pool from its device alone.
     mem_v, mem_d = engine_memory_flags(EngineConfig.from_args(args, cfg, target, draft, args.max_running))
+    if verifier_device != drafter_device:
+        mem_v = mem_d = ["--gpu-memory-utilization", str(args.gpu_memory_utilization)]
     pool_v = (["--kv-blocks", str(args.kv_blocks)] if args.kv_blocks else []) + mem_v
     pool_d = (["--draft-kv-blocks", str(args.draft_kv_blocks)] if args.draft_kv_blocks else []) + mem_d
     tree = ["--num-steps", str(cfg.num_steps), "--topk", str(cfg.topk), "--num-draft-tokens", str(cfg.num_draft_tokens),
@@ -179,9 +196,11 @@ def engine_commands(args, cfg, target: str, draft: str | None, verifier_port: in
             "--ahead-width", str(cfg.ahead_width)]
     out = {}
     if verifier_port is not None:
-        out["verifier"] = [sys.executable, "-m", "verifier", "--port", str(verifier_port)] + common + pool_v
+        out["verifier"] = ([sys.executable, "-m", "verifier", "--port", str(verifier_port), "--device", verifier_device]
+                           + common + pool_v)
     if drafter_port is not None and cfg.method != "none":
-        out["drafter"] = [sys.executable, "-m", "drafter", "--port", str(drafter_port)] + common + tree + pool_d
+        out["drafter"] = ([sys.executable, "-m", "drafter", "--port", str(drafter_port), "--device", drafter_device]
+                          + common + tree + pool_d)
     return out
 
 
@@ -195,7 +214,6 @@ def restart_policy(args):
 
 def _loading(what: str, cfg, target, draft) -> str:
     models = f"target {target}" + (f" and {cfg.method} draft {draft}" if draft and cfg.method != "none" else "")
-    # CUDA graphs are captured later, as each batch shape first runs: no step of the start.
     return f"{what} {models}"
 
 
@@ -213,9 +231,11 @@ async def _build_links(args, cfg, target, draft, index: int = 0, supervisor=None
         from router.links_local import LocalDrafterLink, LocalVerifierLink
         from router.local import LocalSpeculator
 
+        verifier_device, drafter_device = args.engine_devices
         config = EngineConfig.from_args(args, cfg, target, draft, max_slots)
+        config = dataclasses.replace(config, device=verifier_device)
         say(_loading("loading", cfg, target, draft) + " in this process")
-        spec = LocalSpeculator.from_config(config)
+        spec = LocalSpeculator.from_config(config, drafter_device=drafter_device)
         tuning = link_tuning(args)
         v = LocalVerifierLink(spec.verifier, Path(target).name, tuning=tuning)
         d = LocalDrafterLink(spec.drafter, Path(draft).name if draft else "", tuning=tuning) if spec.drafter else None
@@ -226,16 +246,13 @@ async def _build_links(args, cfg, target, draft, index: int = 0, supervisor=None
     if args.backend == "ray":
         import ray
 
-        from router.links_ray import gcs_reachable, ray_init, start_engines
+        from router.links_ray import gcs_reachable, start_engines
 
-        started_here = not ray.is_initialized() and args.ray_address is None
-        if index == 0:
-            say(f"joining the Ray cluster at {args.ray_address}" if args.ray_address else "starting a local Ray cluster")
-        # A local cluster gets a logical CPU per engine actor of every replica (bundles hold one).
-        ray_init(args.ray_address, None if args.ray_address else max(os.cpu_count() or 1, 2 * _num_replicas(args)))
+        started_here = index == 0 and getattr(args, "ray_started_here", False)   # started by _platform
+        _ray_init(args)
         say(_loading("starting the engine actors, loading", cfg, target, draft))
         v, d, stop = start_engines(target, draft, cfg, max_slots=max_slots, max_len=args.max_len,
-                                   device=args.device, dtype=model_dtype(args), kv_blocks=args.kv_blocks,
+                                   device=args.engine_devices[0], dtype=model_dtype(args), kv_blocks=args.kv_blocks,
                                    draft_kv_blocks=args.draft_kv_blocks, block_size=args.block_size,
                                    gpu=GpuPaths.from_args(args), feature_channel=args.feature_channel,
                                    gpu_memory_utilization=args.gpu_memory_utilization)
@@ -260,7 +277,7 @@ async def _build_links(args, cfg, target, draft, index: int = 0, supervisor=None
     if args.feature_channel and cfg.method != "none":
         channel = f"tcp://127.0.0.1:{_free_port()}" if args.feature_channel == "auto" else args.feature_channel
     commands = engine_commands(args, cfg, target, draft, None if verifier_address else _free_port(),
-                               None if drafter_address else _free_port(), channel)
+                               None if drafter_address else _free_port(), channel, args.engine_devices)
     if commands and supervisor is None:
         raise ValueError("engine processes need a supervisor")
     procs = {}
@@ -284,6 +301,60 @@ async def _build_links(args, cfg, target, draft, index: int = 0, supervisor=None
             await supervisor.wait_stopped()   # no restart from here on
         await asyncio.gather(*(asyncio.to_thread(p.stop) for p in procs.values()))
     return v, d, cleanup, procs
+
+
+def _ray_init(args) -> None:
+    """Joins --ray-address or starts a local cluster (once: later calls do nothing)."""
+    from router.links_ray import ray_init
+
+    # A local cluster gets a logical CPU per engine actor of every replica (bundles hold one).
+    ray_init(args.ray_address, None if args.ray_address else max(os.cpu_count() or 1, 2 * _num_replicas(args)))
+
+
+def _platform(args, target: str, say=_quiet):
+    """-> (what the `auto` model flags resolve against: spectandem.config.Platform, with this
+    machine's GPUs or with --backend ray the cluster's; whether a local Ray cluster was started
+    here, to be stopped with serve)."""
+    from spectandem.devices import probe_platform
+
+    gpus, started_here = None, False
+    if args.backend == "ray":
+        import ray
+
+        started_here = not ray.is_initialized() and args.ray_address is None
+        if not ray.is_initialized():
+            say(f"joining the Ray cluster at {args.ray_address}" if args.ray_address else "starting a local Ray cluster")
+        _ray_init(args)
+        gpus = int(ray.cluster_resources().get("GPU", 0))
+    return probe_platform(target, gpus), started_here
+
+
+def resolve_serve_flags(args, platform):
+    """serve's flags with the model flags resolved for `platform` (resolve_model_flags), plus
+    `engine_devices`: (verifier's, drafter's) torch device (engine_devices) and `gpus`: the GPUs
+    the engines may use."""
+    out = resolve_model_flags(args, platform)
+    out.engine_devices = engine_devices(out.device, platform.gpus, out.backend, out.drafter_device)
+    out.gpus = platform.gpus
+    return out
+
+
+def placement_line(args, cfg) -> str:
+    """Where each engine runs, in its dtype, with its fast paths: "verifier on cuda:0 (bfloat16,
+    CUDA graphs, Triton attention); drafter on cuda:1 (bfloat16, CUDA graphs)". Ray actors: the
+    GPU, or share of one, that Ray gives each (router/links_ray.py bundle_plan)."""
+    paths = GpuPaths.from_args(args)
+    verifier, drafter = args.engine_devices
+    if args.backend == "ray" and verifier == "cuda":
+        from router.links_ray import bundle_plan
+
+        actors = 1 if cfg.method == "none" else 2
+        share = bundle_plan(args.gpus, actors, True)[0][0]["GPU"]
+        verifier = drafter = "a GPU of its own" if share == 1 else f"{share:g} of a shared GPU"
+    line = f"verifier on {verifier} ({args.dtype}, {paths.describe('verifier')})"
+    if cfg.method != "none":
+        line += f"; drafter on {drafter} ({args.dtype}, {paths.describe('drafter')})"
+    return line
 
 
 async def _wait_ready(link, what: str, timeout: float = 300.0, process=None):
@@ -332,6 +403,12 @@ async def serve_async(args, ready_message=True, stop_event: asyncio.Event | None
         if port:   # a port in use, before the models load
             check_port_free(args.host, port, flag)
     cfg, target, draft = _spec(args)
+    say = _progress if ready_message else _quiet
+    platform, ray_started_here = _platform(args, target, say)
+    args = resolve_serve_flags(args, platform)
+    args.ray_started_here = ray_started_here
+    if not (args.verifier_address and (args.drafter_address or cfg.method == "none")):
+        say(placement_line(args, cfg))   # engines this command starts
     tokenizer = load_tokenizer(target)
     tcfg = read_config(target)
     eos_ids = eos_token_ids(tcfg)
@@ -346,7 +423,6 @@ async def serve_async(args, ready_message=True, stop_event: asyncio.Event | None
     from router.supervisor import EngineSupervisor
 
     supervisor = EngineSupervisor(restart_policy(args), on_give_up=gave_up)
-    say = _progress if ready_message else _quiet
     pairs, cleanup, procs = await _build_replicas(args, cfg, target, draft, supervisor, say)
     server = None
     router = None

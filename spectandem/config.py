@@ -107,6 +107,40 @@ class SamplingParams:
 
 
 @dataclass(frozen=True, kw_only=True)
+class Platform:
+    """What the `auto` defaults of the model flags depend on, probed once by an entry point
+    (spectandem/devices.py probe_platform; for Ray, the cluster's GPUs): GPUs visible, whether
+    Triton is installed, whether the target runs on the native runner (the one with the GPU
+    fast paths)."""
+
+    gpus: int = 0
+    triton: bool = False
+    native: bool = True
+
+
+def is_cuda(device: str) -> bool:
+    """Whether a torch device string names a CUDA device ("cuda", "cuda:N")."""
+    return device == "cuda" or device.startswith("cuda:")
+
+
+def resolve_device(device: str, gpus: int) -> str:
+    """--device: "auto" is "cuda" when a GPU is visible, else "cpu"; anything else as given
+    ("cuda" or "cuda:N" with no GPU is refused)."""
+    if device == "auto":
+        return "cuda" if gpus > 0 else "cpu"
+    if is_cuda(device) and gpus < 1:
+        raise ValueError(f"--device {device} needs a CUDA GPU; none is visible (use --device cpu or auto)")
+    return device
+
+
+def resolve_dtype(dtype: str, device: str) -> str:
+    """--dtype: "auto" is bfloat16 on CUDA, float32 on the CPU; anything else as given."""
+    if dtype == "auto":
+        return "bfloat16" if is_cuda(device) else "float32"
+    return dtype
+
+
+@dataclass(frozen=True, kw_only=True)
 class GpuPaths:
     """The engines' GPU fast paths (CUDA only; the engines refuse them on the CPU).
 
@@ -129,15 +163,50 @@ class GpuPaths:
 
     @staticmethod
     def from_args(args) -> "GpuPaths":
+        """The paths as the flags give them (a flag left at None counts as off: see `resolve`)."""
         return GpuPaths(cuda_graphs=bool(getattr(args, "cuda_graphs", False)),
                         batch_invariant=bool(getattr(args, "batch_invariant", False)),
                         triton_attention=bool(getattr(args, "triton_attention", False)))
 
+    @staticmethod
+    def resolve(args, device: str, platform: Platform) -> "GpuPaths":
+        """The paths for `device` (resolved) from the flags: --cuda-graphs and --triton-attention
+        left unset (None) are on on CUDA for a native target (Triton attention also needs Triton,
+        and is off with --batch-invariant), off otherwise; --enforce-eager turns CUDA graphs off.
+        Asking for a path on the CPU, or for contradicting ones, is refused."""
+        graphs, triton = getattr(args, "cuda_graphs", None), getattr(args, "triton_attention", None)
+        invariant = bool(getattr(args, "batch_invariant", False))
+        if getattr(args, "enforce_eager", False):
+            if graphs:
+                raise ValueError("--enforce-eager and --cuda-graphs contradict each other; give one")
+            graphs = False
+        if not is_cuda(device):
+            asked = [flag for flag, on in (("--cuda-graphs", graphs), ("--triton-attention", triton),
+                                           ("--batch-invariant", invariant)) if on]
+            if asked:
+                raise ValueError(f"{', '.join(asked)} need a CUDA device; got --device {device}")
+        cuda = is_cuda(device) and platform.native
+        if graphs is None:
+            graphs = cuda
+        if triton is None:
+            triton = cuda and platform.triton and not invariant
+        return GpuPaths(cuda_graphs=bool(graphs), batch_invariant=invariant, triton_attention=bool(triton))
+
     def flags(self) -> list[str]:
-        """Command-line flags that give an engine process the same paths."""
-        on = {"--cuda-graphs": self.cuda_graphs, "--batch-invariant": self.batch_invariant,
-              "--triton-attention": self.triton_attention}
-        return [flag for flag, enabled in on.items() if enabled]
+        """Command-line flags that give an engine process the same paths, every one explicit."""
+        return (["--cuda-graphs" if self.cuda_graphs else "--no-cuda-graphs",
+                 "--triton-attention" if self.triton_attention else "--no-triton-attention"]
+                + (["--batch-invariant"] if self.batch_invariant else []))
+
+    def describe(self, role: str = "verifier") -> str:
+        """The paths `role` runs, in words ("CUDA graphs, Triton attention"; "eager")."""
+        if role == "verifier":
+            names = [name for name, on in (("CUDA graphs", self.runner_kwargs()["cuda_graphs"]),
+                                           ("Triton attention", self.triton_attention),
+                                           ("batch-invariant kernels", self.batch_invariant)) if on]
+        else:
+            names = ["CUDA graphs"] if self.cuda_graphs else []
+        return ", ".join(names) or "eager"
 
     def runner_kwargs(self) -> dict:
         return {"cuda_graphs": self.cuda_graphs and not self.batch_invariant, "batch_invariant": self.batch_invariant,
@@ -145,6 +214,58 @@ class GpuPaths:
 
     def proposer_kwargs(self) -> dict:
         return {"cuda_graphs": self.cuda_graphs}
+
+
+def resolve_model_flags(args, platform: Platform):
+    """A copy of parsed model flags with every `auto` and unset GPU path made explicit (--device,
+    --dtype, --cuda-graphs, --triton-attention, --batch-invariant; --enforce-eager folded into
+    --cuda-graphs), so that every engine, in this process or started from here, runs the same
+    settings. Entry points call it once, with what they probed."""
+    import copy
+
+    device = resolve_device(args.device, platform.gpus)
+    dtype = resolve_dtype(args.dtype, device)
+    check_dtype(dtype, device)
+    paths = GpuPaths.resolve(args, device, platform)
+    out = copy.copy(args)
+    out.device, out.dtype = device, dtype
+    out.cuda_graphs, out.triton_attention, out.batch_invariant = (paths.cuda_graphs, paths.triton_attention,
+                                                                  paths.batch_invariant)
+    out.enforce_eager = False
+    drafter_device = getattr(args, "drafter_device", None)
+    if drafter_device not in (None, "auto"):
+        out.drafter_device = resolve_device(drafter_device, platform.gpus)
+        if is_cuda(out.drafter_device) != is_cuda(device):
+            raise ValueError(f"--drafter-device {drafter_device} and --device {args.device} must both be CUDA or "
+                             "both be the CPU (the GPU paths and dtype are resolved once for both)")
+    return out
+
+
+def engine_devices(device: str, gpus: int, backend: str, drafter_device: str = "auto") -> tuple[str, str]:
+    """Where each engine runs -> (verifier device, drafter device), from a resolved --device,
+    the GPUs visible and the backend. On the CPU both run there. With "cuda": two GPUs or more
+    put the verifier on cuda:0 and the drafter on cuda:1, one GPU holds both (cuda:0). "cuda:N":
+    both on that GPU. Ray assigns each actor its GPU (or a share of one: router/links_ray.py
+    bundle_plan), which the actor sees as "cuda", so there "cuda:N" is refused. `drafter_device`
+    (--backend local, grpc): "auto" as above, or the drafter's own device."""
+    if backend not in ("local", "grpc", "ray"):
+        raise ValueError(f"backend must be local, grpc or ray, got {backend!r}")
+    if not is_cuda(device):
+        verifier, drafter = device, device
+    elif backend == "ray":
+        if device != "cuda":
+            raise ValueError(f"--backend ray places each actor on a GPU of its own choosing: give --device cuda "
+                             f"(or auto), not {device}")
+        verifier, drafter = "cuda", "cuda"
+    elif device == "cuda":
+        verifier, drafter = "cuda:0", ("cuda:1" if gpus >= 2 else "cuda:0")
+    else:
+        verifier, drafter = device, device
+    if drafter_device != "auto":
+        if backend == "ray":
+            raise ValueError("--drafter-device is for --backend local and grpc; Ray places the drafter actor itself")
+        drafter = drafter_device
+    return verifier, drafter
 
 
 DTYPES = ("float32", "bfloat16", "float16", "float64")
@@ -209,6 +330,9 @@ class EngineConfig:
     def from_args(args, spec: SpecConfig, target_dir, draft_dir, max_slots: int) -> "EngineConfig":
         """The model flags (spectandem/generate_cli.py add_model_flags, spectandem/service_args.py)
         of a parsed command line; `spec`, the directories and the slots as that command resolved them."""
+        unresolved = [flag for flag, value in (("--device", args.device), ("--dtype", args.dtype)) if value == "auto"]
+        if unresolved:
+            raise ValueError(f"{', '.join(unresolved)} auto must be resolved first (resolve_model_flags)")
         check_dtype(args.dtype, args.device)
         return EngineConfig(target_dir=None if target_dir is None else str(target_dir),
                             draft_dir=None if draft_dir is None else str(draft_dir), spec=spec, max_slots=max_slots,

@@ -114,3 +114,29 @@ def device_work_queued() -> None:
     fn = getattr(_queued, "fn", None)
     if fn is not None:
         fn()
+
+
+def probe_platform(target_dir=None, gpus: int | None = None):
+    """What this machine offers the `auto` model flags (spectandem.config.Platform): the CUDA
+    GPUs visible (or `gpus`, counted elsewhere: a Ray cluster's), whether Triton is installed,
+    whether the target at `target_dir` runs on the native runner (None: assumed). For entry points."""
+    import importlib.util
+
+    from spectandem.config import Platform
+
+    if gpus is None:
+        gpus = torch.cuda.device_count() if torch.cuda.is_available() else 0
+    native = True
+    if target_dir is not None:
+        from spectandem.modeling.target import inspect_target
+
+        native = inspect_target(target_dir, None).native
+    return Platform(gpus=gpus, triton=importlib.util.find_spec("triton") is not None, native=native)
+
+
+def resolve_flags(args, target_dir=None, gpus: int | None = None):
+    """`args` with the model flags' `auto` values made explicit for this machine
+    (spectandem.config.resolve_model_flags over probe_platform)."""
+    from spectandem.config import resolve_model_flags
+
+    return resolve_model_flags(args, probe_platform(target_dir, gpus))

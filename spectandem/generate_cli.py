@@ -6,7 +6,7 @@ from __future__ import annotations
 import argparse
 import json
 import sys
-from spectandem.service_args import add_gpu_path_flags
+from spectandem.service_args import add_device_flags
 
 
 def add_model_flags(p: argparse.ArgumentParser) -> None:
@@ -24,10 +24,7 @@ def add_model_flags(p: argparse.ArgumentParser) -> None:
                    help="below this temperature drafts are deterministic and verified without q")
     p.add_argument("--ahead-width", type=int, default=4,
                    help="draft ahead: outcomes of a round prepared while it is verified (0: never)")
-    p.add_argument("--device", default="cpu", help="torch device of the engines (cpu, cuda, cuda:N)")
-    add_gpu_path_flags(p)
-    p.add_argument("--dtype", choices=["float32", "bfloat16", "float16", "float64"], default="float32",
-                   help="float64: CPU reference runs (their rounding almost never flips seeded draws)")
+    add_device_flags(p)
     p.add_argument("--max-len", type=int, default=None, help="context length (default: the target's)")
     p.add_argument("--kv-blocks", type=int, default=None,
                    help="verifier KV pool in blocks (default: every slot at full context)")
@@ -81,7 +78,10 @@ def build_local(args):
     from router.local import LocalSpeculator
     from spectandem.config import EngineConfig
 
+    from spectandem.devices import resolve_flags
+
     cfg, target, draft = spec_from_flags(args)
+    args = resolve_flags(args, target)
     return LocalSpeculator.from_config(EngineConfig.from_args(args, cfg, target, draft, max_slots=4))
 
 

@@ -38,16 +38,34 @@ def model_dtype(args: argparse.Namespace):
     return getattr(torch, args.dtype)
 
 
+DEVICE_HELP = "torch device of the engine(s): auto = cuda when a CUDA GPU is visible, else cpu; or cpu, cuda, cuda:N"
+DTYPE_HELP = ("auto = bfloat16 on CUDA, float32 on the CPU; float64: CPU reference runs (their rounding almost never "
+              "flips seeded draws)")
+DTYPE_CHOICES = ["auto", "float32", "bfloat16", "float16", "float64"]
+
+
+def add_device_flags(p: argparse.ArgumentParser) -> None:
+    """--device, --dtype (both `auto` by default: spectandem.config.resolve_model_flags) and the GPU fast paths."""
+    p.add_argument("--device", default="auto", help=DEVICE_HELP)
+    p.add_argument("--dtype", choices=DTYPE_CHOICES, default="auto", help=DTYPE_HELP)
+    add_gpu_path_flags(p)
+
+
 def add_gpu_path_flags(p: argparse.ArgumentParser) -> None:
-    """The GPU fast paths (spectandem.config.GpuPaths, whose `flags()` hands them to engine processes)."""
-    p.add_argument("--cuda-graphs", action="store_true",
-                   help="replay CUDA graphs for verify steps, EAGLE catch-ups and argmax chains (CUDA only)")
-    p.add_argument("--triton-attention", action="store_true",
+    """The GPU fast paths (spectandem.config.GpuPaths: `resolve` fills in the defaults, `flags()`
+    hands them to engine processes)."""
+    p.add_argument("--cuda-graphs", action=argparse.BooleanOptionalAction, default=None,
+                   help="replay CUDA graphs for verify steps, EAGLE catch-ups and argmax chains (CUDA only; "
+                        "default: on on CUDA, off on the CPU)")
+    p.add_argument("--enforce-eager", action="store_true",
+                   help="run eagerly, without CUDA graphs (vLLM's spelling of --no-cuda-graphs)")
+    p.add_argument("--triton-attention", action=argparse.BooleanOptionalAction, default=None,
                    help="the target's verify attends through the Triton paged tree attention, eager or with "
-                        "--cuda-graphs (CUDA + Triton; not with --batch-invariant)")
+                        "CUDA graphs (CUDA + Triton; default: on on CUDA with Triton installed, off on the CPU and "
+                        "with --batch-invariant)")
     p.add_argument("--batch-invariant", action="store_true",
                    help="batch-invariant target kernels: bf16 speculation gives plain decoding's exact tokens "
-                        "(CUDA + Triton; the target then runs without CUDA graphs)")
+                        "(CUDA + Triton; the target then runs without CUDA graphs; default: off)")
 
 
 def add_memory_flags(p: argparse.ArgumentParser, engine: bool = True) -> None:
@@ -72,10 +90,7 @@ def add_verifier_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--feature-layers", default=None,
                    help='features the drafter reads: "none", "final" or comma-separated HF hidden-state indices '
                         "(default: from --method and --draft)")
-    p.add_argument("--device", default="cpu", help="torch device of the engine (cpu, cuda, cuda:N)")
-    p.add_argument("--dtype", choices=["float32", "bfloat16", "float16", "float64"], default="float32",
-                   help="float64: CPU reference runs (their rounding almost never flips seeded draws)")
-    add_gpu_path_flags(p)
+    add_device_flags(p)
     p.add_argument("--max-len", type=int, default=None, help="context length (default: the target's)")
     p.add_argument("--max-slots", type=int, default=8, help="requests held at once")
     p.add_argument("--kv-blocks", type=int, default=None, help="KV pool in blocks (default: every slot at full context)")

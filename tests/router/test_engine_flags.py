@@ -1,6 +1,7 @@
 """Every command line `spectandem serve --backend grpc` builds for its engine processes is
-accepted by the engines' own parsers (`python -m verifier`, `python -m drafter`) and gives them
-the values serve was given."""
+accepted by the engines' own parsers (`python -m verifier`, `python -m drafter`), carries every
+model flag explicitly (no `auto`, no unset GPU path), and resolves in the engine to the settings
+serve resolved: device per role, dtype, GPU fast paths. Parse only: no model loads."""
 
 from __future__ import annotations
 
@@ -9,19 +10,25 @@ import itertools
 
 import pytest
 
-from router.serve import engine_commands
+from router.serve import engine_commands, resolve_serve_flags
 from spectandem.cli import build_parser
+from spectandem.config import GpuPaths, Platform, resolve_model_flags
 from spectandem.generate_cli import spec_from_flags
 from spectandem.service_args import add_drafter_args, add_verifier_args
 
-GPU = [[], ["--cuda-graphs"], ["--batch-invariant"], ["--triton-attention"], ["--cuda-graphs", "--batch-invariant"],
-       ["--cuda-graphs", "--triton-attention"]]
+GPU = [[], ["--cuda-graphs"], ["--no-cuda-graphs"], ["--enforce-eager"], ["--batch-invariant"],
+       ["--triton-attention"], ["--no-triton-attention"], ["--cuda-graphs", "--batch-invariant"],
+       ["--cuda-graphs", "--triton-attention"], ["--batch-invariant", "--no-cuda-graphs"],
+       ["--enforce-eager", "--no-triton-attention"]]
 METHODS = [["--method", "eagle3"], ["--method", "eagle"], ["--method", "ngram"], ["--method", "none"],
            ["--method", "draft-model"]]
 SIZES = [[], ["--max-len", "256", "--kv-blocks", "40", "--draft-kv-blocks", "30", "--block-size", "8"]]
 OTHER = [[], ["--device", "cuda", "--dtype", "bfloat16", "--num-steps", "3", "--topk", "2", "--num-draft-tokens", "6",
               "--ahead-width", "0", "--draft-sampling-min-temperature", "0.3", "--max-running", "12"],
+         ["--device", "cpu", "--dtype", "float64"], ["--device", "cuda:0", "--drafter-device", "cuda:0"],
          ["--feature-channel"]]
+PLATFORMS = [Platform(gpus=0, triton=True), Platform(gpus=1, triton=True), Platform(gpus=2, triton=False),
+             Platform(gpus=4, triton=True, native=False)]
 
 
 def _parser(add):
@@ -40,26 +47,39 @@ def _tls_files(tmp_path):
 
 @pytest.mark.parametrize("tls", [False, True])
 def test_every_engine_command_line_serve_builds_parses(tmp_path, tls):
-    verifier_p, drafter_p = _parser(add_verifier_args), _parser(add_drafter_args)
+    verifier_p, drafter_p, serve_p = _parser(add_verifier_args), _parser(add_drafter_args), build_parser()
     extra_tls = _tls_files(tmp_path) if tls else []
-    checked = 0
-    for gpu, method, sizes, other in itertools.product(GPU, METHODS, SIZES, OTHER):
+    checked = refused = 0
+    for gpu, method, sizes, other, platform in itertools.product(GPU, METHODS, SIZES, OTHER, PLATFORMS):
         argv = ["serve", "--backend", "grpc", *gpu, *method, *sizes, *other, *extra_tls]
-        args = build_parser().parse_args(argv)
-        cfg, target, draft = spec_from_flags(args)
+        raw = serve_p.parse_args(argv)
+        cfg, target, draft = spec_from_flags(raw)
+        try:
+            args = resolve_serve_flags(raw, platform)
+        except ValueError:   # a GPU path or device asked for where there is no GPU, or contradicting ones
+            refused += 1
+            continue
+        serve_paths = GpuPaths.from_args(args)
         channel = "tcp://127.0.0.1:5999" if args.feature_channel and cfg.method != "none" else None
-        cmds = engine_commands(args, cfg, target, draft, 7001, 7002, channel)
+        cmds = engine_commands(args, cfg, target, draft, 7001, 7002, channel, args.engine_devices)
         assert set(cmds) == ({"verifier"} if cfg.method == "none" else {"verifier", "drafter"}), argv
         for role, cmd in cmds.items():
             assert cmd[1:3] == ["-m", role]
+            assert "auto" not in cmd[3:], (role, cmd)
+            assert ("--cuda-graphs" in cmd) != ("--no-cuda-graphs" in cmd), cmd
+            assert ("--triton-attention" in cmd) != ("--no-triton-attention" in cmd), cmd
             parser = verifier_p if role == "verifier" else drafter_p
             try:
                 got = parser.parse_args(cmd[3:])
             except SystemExit:
                 pytest.fail(f"python -m {role} refuses the command line serve builds for {argv}: {cmd[3:]}")
             assert got.port == (7001 if role == "verifier" else 7002) and got.host == "127.0.0.1"
-            for flag in ("cuda_graphs", "batch_invariant", "triton_attention", "device", "dtype", "max_len",
-                         "block_size", "method"):
+            # The engine resolves its flags on the same machine: nothing is left for it to choose.
+            engine = resolve_model_flags(got, platform)
+            assert engine.device == args.engine_devices[0 if role == "verifier" else 1], (role, argv, platform)
+            assert engine.dtype == args.dtype, (role, argv, platform)
+            assert GpuPaths.from_args(engine) == serve_paths, (role, argv, platform)
+            for flag in ("max_len", "block_size", "method"):
                 assert getattr(got, flag) == getattr(args, flag), (role, flag, argv)
             assert got.max_slots == args.max_running and got.target == target and got.draft == draft
             assert got.feature_channel == channel
@@ -72,4 +92,27 @@ def test_every_engine_command_line_serve_builds_parses(tmp_path, tls):
                         got.draft_sampling_min_temperature) == (cfg.num_steps, cfg.topk, cfg.num_draft_tokens,
                                                                 cfg.ahead_width, cfg.draft_sampling_min_temperature)
             checked += 1
-    assert checked > 300
+    assert checked > 1000 and refused > 100
+
+
+def test_engine_command_lines_need_resolved_flags():
+    raw = build_parser().parse_args(["serve", "--backend", "grpc"])
+    cfg, target, draft = spec_from_flags(raw)
+    with pytest.raises(ValueError, match="--device, --dtype, --cuda-graphs, --triton-attention not resolved"):
+        engine_commands(raw, cfg, target, draft, 7001, 7002)
+
+
+@pytest.mark.parametrize("gpus, devices", [(1, ("cuda:0", "cuda:0")), (2, ("cuda:0", "cuda:1")),
+                                           (4, ("cuda:0", "cuda:1"))])
+def test_engines_serve_starts_get_their_gpu(gpus, devices):
+    """One GPU: both engine processes on cuda:0; two or more: the drafter on cuda:1. Defaults on
+    CUDA: bfloat16, CUDA graphs and Triton attention, passed explicitly."""
+    raw = build_parser().parse_args(["serve", "--backend", "grpc"])
+    cfg, target, draft = spec_from_flags(raw)
+    args = resolve_serve_flags(raw, Platform(gpus=gpus, triton=True))
+    cmds = engine_commands(args, cfg, target, draft, 7001, 7002, None, args.engine_devices)
+    for role, device in zip(("verifier", "drafter"), devices):
+        cmd = cmds[role]
+        assert cmd[cmd.index("--device") + 1] == device
+        assert cmd[cmd.index("--dtype") + 1] == "bfloat16"
+        assert "--cuda-graphs" in cmd and "--triton-attention" in cmd and "--batch-invariant" not in cmd
