@@ -52,7 +52,8 @@ def load_prompts(path: str | Path, *, seed: int = 0, count: int = GENERATED_PROM
 
 
 def jsonl_prompts(path: Path) -> list[Prompt]:
-    """Each line's "prompt" (a non-empty string); blank lines are skipped."""
+    """Each line's "prompt" (a non-empty string) and "source" (optional: where the prompt came
+    from; default FILE:LINE); blank lines are skipped."""
     prompts = []
     with open(path, encoding="utf-8") as f:
         for n, line in enumerate(f, 1):
@@ -65,7 +66,8 @@ def jsonl_prompts(path: Path) -> list[Prompt]:
             text = row.get("prompt") if isinstance(row, dict) else None
             if not isinstance(text, str) or not text:
                 raise DatasetError(f'--dataset: {path}:{n}: expected {{"prompt": "<non-empty text>"}}')
-            prompts.append(Prompt(text, f"{path.name}:{n}"))
+            source = row.get("source")
+            prompts.append(Prompt(text, source if isinstance(source, str) else f"{path.name}:{n}"))
     if not prompts:
         raise DatasetError(f"--dataset: {path} holds no prompts")
     return prompts

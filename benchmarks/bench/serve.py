@@ -17,6 +17,9 @@ speculation one chunk can hold several tokens) and E2E latency, each as mean, p5
 ms; acceptance length (committed tokens per verify round, bonus included): per request from the
 gRPC stream's final stats, or for the HTTP API from the server's GetServerStats counters before
 and after the run when `--address` is given too (counting every client of that server then).
+Those counters' differences (verify rounds per second, draft-ahead hits, ...) go in the JSON
+whenever a gRPC address is known. To compare the router's pipeline modes, serve with each
+`--pipeline` mode in turn and run the same command against it.
 
 `run(config)` returns the dict that `--result-file` holds; the command prints it as a table.
 """
@@ -203,7 +206,7 @@ class _OpenAI:
                     raise BenchServeError(f"{self.base}/v1/models answered HTTP {resp.status}: {body[:200]}")
                 self.model = json.loads(body)["data"][0]["id"]
         except (aiohttp.ClientError, asyncio.TimeoutError, OSError) as exc:
-            raise BenchServeError(f"cannot reach the HTTP server at {self.base}: {exc!r}") from None
+            raise BenchServeError(f"cannot reach the HTTP server at {self.base}: {exc or type(exc).__name__}") from None
         except (ValueError, KeyError, IndexError, TypeError):
             raise BenchServeError(f"{self.base}/v1/models did not answer an OpenAI model list") from None
         return self.model
@@ -360,6 +363,7 @@ async def _run(config: ServeBenchConfig) -> dict:
         await api.close()
     out = summarize(config, results, duration, model, prompts)
     out.update(_acceptance(config, results, before, after))
+    out["server_counters"] = _counters(before, after, duration)
     out["requests"] = [_request_row(r, prompts, config.save_outputs) for r in results]
     return out
 
@@ -428,6 +432,23 @@ def summarize(config: ServeBenchConfig, results: list[RequestResult], duration: 
         **_dist([r.e2e for r in ok], "e2el"),
         "mean_tokens_per_chunk": round(out_tokens / chunks, 4) if chunks else None,
     }
+
+
+COUNTERS = ("rounds", "num_drafts", "draft_tokens", "accepted_tokens", "fallback_rounds", "plain_rounds",
+            "draft_ahead_hits", "draft_ahead_misses", "ready_trees", "preemptions", "requests_finished",
+            "requests_failed")
+
+
+def _counters(before, after, duration: float) -> dict | None:
+    """The server's counters over the measured part (GetServerStats after minus before; every
+    client of the server counts), verify rounds per second and the draft-ahead hit share."""
+    if before is None:
+        return None
+    out = {f: getattr(after, f) - getattr(before, f) for f in COUNTERS}
+    looked = out["draft_ahead_hits"] + out["draft_ahead_misses"]
+    out["rounds_per_s"] = round(out["rounds"] / duration, 4)
+    out["draft_ahead_hit_share"] = round(out["draft_ahead_hits"] / looked, 4) if looked else None
+    return out
 
 
 def _acceptance(config: ServeBenchConfig, results: list[RequestResult], before, after) -> dict:
