@@ -346,9 +346,10 @@ async def _run(config: ServeBenchConfig) -> dict:
         model = await api.start()
         jobs = _jobs(config, [p.text for p in prompts])
         warmups = jobs if config.num_warmups == -1 else [jobs[i % len(jobs)] for i in range(config.num_warmups)]
+        warm = []
         if warmups:
             bar = _Progress(len(warmups), config.progress, "warm-up")
-            await _drive(api, warmups, config, None, bar)
+            warm = await _drive(api, warmups, config, None, bar)
             bar.close()
         stats_address = config.grpc_address
         before = await _server_stats(stats_address, config.api_key, config.ready_timeout) if stats_address else None
@@ -364,6 +365,9 @@ async def _run(config: ServeBenchConfig) -> dict:
     out = summarize(config, results, duration, model, prompts)
     out.update(_acceptance(config, results, before, after))
     out["server_counters"] = _counters(before, after, duration)
+    warm_failed = [r for r in warm if not r.ok]
+    out.update(warmups=len(warm), warmup_failed=len(warm_failed),
+               warmup_first_error=warm_failed[0].error if warm_failed else None)
     out["requests"] = [_request_row(r, prompts, config.save_outputs) for r in results]
     return out
 
@@ -494,6 +498,7 @@ def format_table(res: dict) -> str:
              row("Model", res["model"]),
              row("Maximum concurrency", res["max_concurrency"] or "unlimited"),
              row("Request rate (req/s)", num(res["request_rate"]) if res["request_rate"] else "inf"),
+             row("Warm-up requests (not counted)", f"{res['warmups']} ({res['warmup_failed']} failed)"),
              row("Successful requests", res["completed"]), row("Failed requests", res["failed"]),
              row("Benchmark duration (s)", num(res["duration_s"])),
              row("Total input tokens", res["total_input_tokens"]),
@@ -613,7 +618,7 @@ def config_from_args(args) -> ServeBenchConfig:
 
 def bench_serve(args) -> int:
     """The command: run, print the table, write the JSON and PNG. Exit code 1 when the run cannot
-    start or any request failed (its first error printed)."""
+    start or any request (warm-ups included) failed (the first error printed)."""
     from benchmarks.bench.plot import have_matplotlib
 
     given = sorted(k for k, v in getattr(args, "bench_defaults", {}).items()
@@ -638,8 +643,10 @@ def bench_serve(args) -> int:
             print(f"-> {draw(res, Path(args.serve_plot))}")
         else:
             print("plot skipped: matplotlib is not installed (pip install 'spectandem[bench]')")
+    if res["warmup_failed"]:
+        print(f"spectandem: error: {res['warmup_failed']} of {res['warmups']} warm-up requests failed; the first: "
+              f"{res['warmup_first_error']}", file=sys.stderr)
     if res["failed"]:
         print(f"spectandem: error: {res['failed']} of {res['num_prompts']} requests failed; the first: "
               f"{res['first_error']}", file=sys.stderr)
-        return 1
-    return 0
+    return 1 if res["failed"] or res["warmup_failed"] else 0

@@ -29,7 +29,7 @@ FIELDS = {"label", "date", "api", "endpoint", "model", "dataset", "settings", "m
           "num_prompts", "completed", "failed", "first_error", "duration_s", "total_input_tokens",
           "total_output_tokens", "request_throughput", "output_throughput", "total_token_throughput",
           "mean_tokens_per_chunk", "acceptance_source", "acceptance_length", "server_acceptance_length",
-          "server_counters", "requests",
+          "server_counters", "requests", "warmups", "warmup_failed", "warmup_first_error",
           *(f"{s}_{m}_ms" for s in ("mean", "p50", "p90", "p99") for m in ("ttft", "tpot", "itl", "e2el")),
           *(f"{s}_acceptance_length" for s in ("mean", "p50", "p90", "p99"))}
 
@@ -74,6 +74,7 @@ def test_grpc_run_writes_every_field_and_the_sdks_tokens(server, tmp_path):
     assert res["total_input_tokens"] == sum(q["prompt_tokens"] for q in res["requests"]) > 0
     # warm-ups were sent (7 requests finished on the server) but only the 5 measured ones count
     assert _finished(server) - before == 7 and res["server_counters"]["requests_finished"] == 5
+    assert (res["warmups"], res["warmup_failed"]) == (2, 0)
     assert res["acceptance_source"] == "grpc-stream-stats" and res["acceptance_length"] >= 1
     assert res["server_acceptance_length"] == res["acceptance_length"]   # no other client meanwhile
     for q in res["requests"]:
@@ -88,12 +89,12 @@ def test_grpc_run_writes_every_field_and_the_sdks_tokens(server, tmp_path):
 def test_openai_run_returns_the_sdks_tokens(server, tmp_path):
     out = tmp_path / "run.json"
     r = _cli("--api", "openai", "--base-url", server.base_url, "--address", server.address, "--num-prompts", "4",
-             "--max-tokens", "12", "--max-concurrency", "4", "--save-outputs", "--no-progress",
+             "--max-tokens", "12", "--max-concurrency", "4", "--num-warmups", "-1", "--save-outputs", "--no-progress",
              "--result-file", str(out))
     assert r.returncode == 0, r.stderr
     res = json.loads(out.read_text())
     assert FIELDS <= set(res)
-    assert (res["api"], res["completed"], res["failed"]) == ("openai", 4, 0)
+    assert (res["api"], res["completed"], res["failed"], res["warmups"]) == ("openai", 4, 0, 4)  # -1: each prompt once
     assert res["acceptance_source"].startswith("server-stats-delta") and res["acceptance_length"] >= 1
     assert all(q["prompt_tokens"] > 0 for q in res["requests"])
     for q in res["requests"]:
@@ -152,11 +153,12 @@ def test_failed_requests_are_counted_and_reported(server, tmp_path, capsys):
     the first error and exits 1."""
     out = tmp_path / "run.json"
     rc = main(["bench", "serve", "--address", server.address, "--num-prompts", "2", "--max-tokens", "600",
-               "--no-progress", "--result-file", str(out)])
+               "--num-warmups", "1", "--no-progress", "--result-file", str(out)])
     err = capsys.readouterr().err
     res = json.loads(out.read_text())
-    assert rc == 1 and (res["completed"], res["failed"]) == (0, 2)
-    assert "max_tokens" in res["first_error"] and "2 of 2 requests failed" in err and "max_tokens" in err
+    assert rc == 1 and (res["completed"], res["failed"], res["warmups"], res["warmup_failed"]) == (0, 2, 1, 1)
+    assert "max_tokens" in res["first_error"] and "max_tokens" in res["warmup_first_error"]
+    assert "1 of 1 warm-up requests failed" in err and "2 of 2 requests failed" in err and "max_tokens" in err
 
 
 def test_unreachable_server_is_one_line_and_exit_1():
