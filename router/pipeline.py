@@ -27,7 +27,7 @@ sequential at 83% of plain kept between plain's keeps cost 1-3% of plain's throu
 belong to a batch class (the candidates and the nearest power of two of the running requests:
 46 to 90 running are the class of 64, so a batch of 64 stays in it while its last requests
 finish) and survive while the batch is in another class. Ping-pong wins when drafter and
-verifier have devices of their own and loses when they share cores (benchmarks/serving.py);
+verifier have devices of their own and loses when they share cores (`spectandem bench serve`);
 short drafts and plain win at large batches where verifying trees costs more than it saves.
 Once plain is kept twice in a row from LARGE_BATCH running requests (`settled_plain`), new
 requests are admitted without the drafter (no target features, no drafter prefill: "detached"):

@@ -188,6 +188,13 @@ def add_bench(sub) -> None:
     p.add_argument("--plot-from", default=None, metavar="JSON",
                    help="only draw the PNG from an earlier run's JSON (measures nothing)")
     p.set_defaults(func=_bench)
+    from benchmarks.bench.serve import add_serve_bench
+
+    serve = p.add_subparsers(dest="bench_command", metavar="{serve}", title="subcommands",
+                             description="serve: drive a running server over its public API (spectandem bench serve -h)")
+    add_serve_bench(serve)
+    defaults = vars(p.parse_args([]))   # this command's own options, which `bench serve` does not take
+    serve.choices["serve"].set_defaults(bench_defaults=defaults)
 
 
 def _llama8b(plan: BenchPlan, args, bandwidth: float) -> tuple[list[dict], dict | None]:

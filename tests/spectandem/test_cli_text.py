@@ -22,11 +22,14 @@ def _parsers():
     """(name, parser) of `spectandem` and each of its subcommands, and of python -m verifier|drafter."""
     from spectandem.service_args import HelpFormatter, add_drafter_args, add_verifier_args
 
-    top = build_parser()
-    yield "spectandem", top
-    for action in top._actions:
-        if isinstance(action, argparse._SubParsersAction):
-            yield from ((f"spectandem {name}", p) for name, p in action.choices.items())
+    def walk(name, parser):   # subcommands of subcommands too (`spectandem bench serve`)
+        yield name, parser
+        for action in parser._actions:
+            if isinstance(action, argparse._SubParsersAction):
+                for sub, p in action.choices.items():
+                    yield from walk(f"{name} {sub}", p)
+
+    yield from walk("spectandem", build_parser())
     for name, add in (("verifier", add_verifier_args), ("drafter", add_drafter_args)):
         p = argparse.ArgumentParser(prog=f"python -m {name}", formatter_class=HelpFormatter)
         add(p)
