@@ -203,20 +203,15 @@ def bench_serve(port: int, concurrency: int, num_prompts: int, max_tokens: int, 
 
 def outputs_of(result: dict) -> dict[int, list[int]]:
     """Prompt index -> output token ids of a bench serve result with saved outputs."""
-    return {o["prompt_index"]: o["token_ids"] for o in result["outputs"]}
-
-
-def _p(result: dict, metric: str, q: str):
-    m = result.get(metric) or {}
-    return m.get(q)
+    return {o["prompt_index"]: o["output_token_ids"] for o in result["requests"] if o.get("ok")}
 
 
 def served_record(backend: str, method: str, rate, concurrency: int, result: dict, exact) -> dict:
     return {"backend": backend, "method": method, "acceptance_rate": rate, "concurrency": concurrency,
-            "output_tokens_per_s": result["output_tokens_per_s"],
-            "ttft_ms_p50": _p(result, "ttft_ms", "p50"), "tpot_ms_p50": _p(result, "tpot_ms", "p50"),
-            "itl_ms_p50": _p(result, "itl_ms", "p50"), "itl_ms_p99": _p(result, "itl_ms", "p99"),
-            "accept_length": result.get("accept_length"), "exact": exact,
+            "output_tokens_per_s": round(result["output_throughput"], 1),
+            "ttft_ms_p50": result["p50_ttft_ms"], "tpot_ms_p50": result["p50_tpot_ms"],
+            "itl_ms_p50": result["p50_itl_ms"], "itl_ms_p99": result["p99_itl_ms"],
+            "accept_length": result.get("acceptance_length"), "exact": exact,
             "completed": result.get("completed"), "failed": result.get("failed")}
 
 
@@ -273,7 +268,7 @@ def run_matrix(args) -> dict:
                 say(f"  up in {server.start_s:.0f} s")
                 for c in concurrency:
                     n = max(args.min_prompts, args.prompts_per_slot * c)
-                    result = bench_serve(server.port, c, n, args.max_tokens, n, args.dataset,
+                    result = bench_serve(server.port, c, n, args.max_tokens, -1, args.dataset,
                                          logs / f"bench-{label}-c{c}.json")
                     outs = outputs_of(result)
                     if method == "none":
