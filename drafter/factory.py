@@ -3,9 +3,13 @@
 
 from __future__ import annotations
 
+import logging
+
 from drafter.engine import DrafterEngine, build_proposer
-from spectandem.config import EngineConfig
+from spectandem.config import EngineConfig, benchmark_warning
 from spectandem.modeling.target import inspect_target, load_target
+
+log = logging.getLogger("spectandem.drafter")
 
 
 def build_engine(config: EngineConfig, target=None, context: int | None = None) -> tuple[DrafterEngine, int]:
@@ -31,4 +35,16 @@ def build_engine(config: EngineConfig, target=None, context: int | None = None) 
     proposer = build_proposer(spec, target, config.draft_dir, config.max_slots, context, config.torch_dtype,
                               config.device, config.draft_kv_blocks, config.block_size,
                               **config.gpu.proposer_kwargs())
+    if spec.benchmark_acceptance_rate is not None:
+        proposer = _controlled(proposer, spec.benchmark_acceptance_rate, target)
     return DrafterEngine(proposer, spec), context
+
+
+def _controlled(proposer, rate: float, target):
+    """The benchmark-only proposer (drafter/controlled.py) around the real head: drafts of the
+    outputs it has seen, right at `rate`."""
+    from drafter.controlled import ControlledProposer, TruthBook
+    from drafter.loader import TargetTensors
+
+    log.warning(benchmark_warning(rate))
+    return ControlledProposer(proposer, truths=TruthBook(rate, TargetTensors.of(target).vocab_size))

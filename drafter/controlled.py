@@ -1,5 +1,7 @@
-"""Controlled acceptance for `spectandem bench`: a benchmark-only proposer whose drafts the
-target accepts at a chosen rate. Not in the production registry (drafter/engine.py).
+"""Controlled acceptance: a benchmark-only proposer whose drafts the target accepts at a chosen
+rate. Not in the production registry (drafter/engine.py): `spectandem bench` builds it with plans
+from truths it computes beforehand, and `spectandem serve --benchmark-acceptance-rate A` (through
+drafter/factory.py) with plans from truths it learns from the requests it has seen (`TruthBook`).
 
 Glossary:
 - truth: a request's prompt followed by the target's own greedy continuation, computed
@@ -16,6 +18,13 @@ Glossary:
 drafting cost is real), then the proposed chain's tokens are replaced by the planned drafts.
 Greedy verification keeps the output exactly the target's greedy output.
 
+Served (`truths` given): a greedy request that ends (finished, cancelled or preempted: the
+engine's `request_ended`) leaves its committed tokens in the `TruthBook`; a later greedy request
+whose tokens are a prefix of a recorded truth drafts that truth's plan, drawn at rate a with a
+seed made from the truth's tokens (every process draws the same plan). Positions past the truth,
+requests with no truth, sampled requests and requests whose committed tokens leave their truth
+keep the inner proposer's drafts, row by row and position by position: one batch mixes them.
+
 Draft ahead (drafter/ahead.py: while a round is verified, the drafter drafts the next round for
 its likeliest outcomes) needs the drafter's ranking of the tokens at a position, not only its
 first choice. The controlled drafter's ranking at position p: first its draft, drafts[p], then
@@ -29,8 +38,10 @@ their paths, the log-probabilities, the trees), so the cost of drafting ahead is
 
 from __future__ import annotations
 
+import hashlib
 import math
 import random
+from collections import OrderedDict
 from dataclasses import dataclass
 
 import torch
@@ -90,19 +101,85 @@ def expected_ahead_hit_rate(acceptance_rate: float, num_drafts: int) -> float:
     return a ** (num_drafts + 1) + (1 - a ** num_drafts) * a
 
 
+def truth_seed(truth) -> str:
+    """The plan seed of a served truth: a digest of its tokens (the same in every process)."""
+    return hashlib.sha256(",".join(map(str, truth)).encode()).hexdigest()
+
+
+class TruthBook:
+    """Truths learned while serving: the committed tokens (prompt + output) of greedy requests
+    that ended. A request whose tokens are a prefix of a recorded truth (looked up by its first
+    `key_len` tokens, then checked) gets that truth's plan at `rate`, drawn once per truth. A
+    truth that a recorded one extends is not kept; at most `capacity` truths are, the least
+    recently used going first. Requests of fewer than `key_len` tokens find none."""
+
+    def __init__(self, rate: float, vocab_size: int, capacity: int = 4096, key_len: int = 8):
+        if not 0.0 <= rate <= 1.0:
+            raise ValueError(f"acceptance rate must be in [0, 1], got {rate}")
+        if capacity < 1 or key_len < 1:
+            raise ValueError(f"capacity and key_len must be >= 1, got {capacity}, {key_len}")
+        self.rate, self.vocab_size, self.capacity, self.key_len = rate, vocab_size, capacity, key_len
+        self._truths: OrderedDict[tuple[int, ...], DraftPlan | None] = OrderedDict()   # truth -> its plan once drawn
+        self._by_key: dict[tuple[int, ...], list[tuple[int, ...]]] = {}
+
+    def __len__(self) -> int:
+        return len(self._truths)
+
+    def record(self, token_ids) -> None:
+        """Keeps `token_ids` as a truth, unless a recorded truth already extends it; drops the
+        recorded truths it extends."""
+        truth = tuple(token_ids)
+        if len(truth) < self.key_len:
+            return
+        bucket = self._by_key.setdefault(truth[: self.key_len], [])
+        for t in bucket:
+            if t[: len(truth)] == truth:
+                self._truths.move_to_end(t)
+                return
+        for t in [t for t in bucket if truth[: len(t)] == t]:
+            bucket.remove(t)
+            del self._truths[t]
+        bucket.append(truth)
+        self._truths[truth] = None
+        while len(self._truths) > self.capacity:
+            old, _ = self._truths.popitem(last=False)
+            key = old[: self.key_len]
+            self._by_key[key].remove(old)
+            if not self._by_key[key]:
+                del self._by_key[key]
+
+    def plan(self, token_ids) -> DraftPlan | None:
+        """The plan of a recorded truth that `token_ids` is a proper prefix of; None without one."""
+        tokens = tuple(token_ids)
+        if len(tokens) < self.key_len:
+            return None
+        for t in self._by_key.get(tokens[: self.key_len], ()):
+            if len(t) > len(tokens) and t[: len(tokens)] == tokens:
+                plan = self._truths[t]
+                if plan is None:
+                    plan = self._truths[t] = plan_drafts(list(t), 0, self.rate, self.vocab_size, truth_seed(t))
+                self._truths.move_to_end(t)
+                return plan
+        return None
+
+
 class ControlledProposer:
     """A chain proposer (topk 1) that drafts each request's `DraftPlan` after running `inner`.
 
-    Requests must be greedy (deterministic drafts); `plans` is keyed by request id. Requests
-    whose committed tokens left their truth (a target whose greedy choice differs between the
-    plain pass and verification) are listed in `diverged`: their acceptance is no longer the
-    planned one."""
+    Without `truths` (the bench): requests must be greedy (deterministic drafts) and `plans`,
+    keyed by request id, holds every request's plan. With `truths` (serving): a greedy request's
+    plan comes from the book when it is first seen, and ended greedy requests are recorded in it;
+    what has no plan keeps the inner proposer's drafts (module docstring). Requests whose
+    committed tokens left their truth (a target whose greedy choice differs between the plain
+    pass and verification) are listed in `diverged`: their acceptance is no longer the planned
+    one (served, they draft the inner proposer's drafts from then on)."""
 
-    def __init__(self, inner, plans: dict[str, DraftPlan], ahead: bool = True):
+    def __init__(self, inner, plans: dict[str, DraftPlan] | None = None, ahead: bool = True,
+                 truths: TruthBook | None = None):
         """`ahead`: draft ahead (when `inner` can) with the plan's guesses (module docstring)."""
         if inner.cfg.topk != 1:
             raise ValueError(f"controlled acceptance drafts chains (topk 1), got topk {inner.cfg.topk}")
-        self.inner, self.plans = inner, plans
+        self.inner, self.plans, self.truths = inner, ({} if plans is None else plans), truths
         self.cfg = inner.cfg
         self.feature_layers = inner.feature_layers
         self.diverged: set[str] = set()
@@ -115,9 +192,24 @@ class ControlledProposer:
         there (router/links_local.py: engine_device), as it does for the inner proposer alone."""
         return getattr(self.inner, "device", None)
 
-    def _plan(self, request_id: str) -> DraftPlan:
-        """A request's plan; a draft-ahead fork has its request's (drafter/ahead.py)."""
-        return self.plans[ahead_owner(request_id)]
+    def _plan(self, request_id: str) -> DraftPlan | None:
+        """A request's plan; a draft-ahead fork has its request's (drafter/ahead.py). Served:
+        None where the request has none."""
+        owner = ahead_owner(request_id)
+        return self.plans[owner] if self.truths is None else self.plans.get(owner)
+
+    def _plan_of(self, r) -> DraftPlan | None:
+        """`_plan` for a DraftRequest; served, a greedy request seen for the first time looks up
+        its truth (its committed tokens a prefix of a recorded one)."""
+        if self.truths is not None and r.request_id not in self.plans and ahead_owner(r.request_id) == r.request_id:
+            self.plans[r.request_id] = self.truths.plan(r.token_ids) if r.params.greedy else None
+        return self._plan(r.request_id)
+
+    def request_ended(self, req) -> None:
+        """Served: a greedy request that ends (finished, cancelled, preempted) leaves its committed
+        tokens as a truth (drafter/engine.py calls this before `remove`)."""
+        if self.truths is not None and req.params.greedy:
+            self.truths.record(req.token_ids)
 
     def catch_up(self, reqs, num_new, features):
         self.inner.catch_up(reqs, num_new, features)
@@ -125,17 +217,25 @@ class ControlledProposer:
 
     def _check_truth(self, reqs, num_new):
         for r, n in zip(reqs, num_new):
-            truth = self.plans[r.request_id].truth
+            plan = self._plan_of(r)
+            if plan is None:
+                continue
+            truth = plan.truth
             if tuple(r.token_ids[-n:]) != truth[r.committed_len - n: r.committed_len]:
                 self.diverged.add(r.request_id)
+                if self.truths is not None:
+                    self.plans[r.request_id] = None
 
     def stage_features(self, features):
         stage = getattr(self.inner, "stage_features", None)
         return features if stage is None else stage(features)
 
-    def propose(self, reqs, num_steps=None):
-        if any(r.sample_drafts for r in reqs):
+    def _check_greedy(self, reqs):
+        if self.truths is None and any(r.sample_drafts for r in reqs):
             raise ValueError("controlled acceptance needs deterministic drafts (greedy requests)")
+
+    def propose(self, reqs, num_steps=None):
+        self._check_greedy(reqs)
         return self._planned(reqs, self.inner.propose(reqs, num_steps))
 
     def fuses_catch_up(self, num_new):
@@ -145,8 +245,7 @@ class ControlledProposer:
     def catch_up_propose(self, reqs, num_new, features, num_steps=None):
         """`catch_up` then `propose`, in the inner proposer's one pass when it has one
         (`EagleProposer.catch_up_propose`): the plan's drafts, the real cost."""
-        if any(r.sample_drafts for r in reqs):
-            raise ValueError("controlled acceptance needs deterministic drafts (greedy requests)")
+        self._check_greedy(reqs)
         tree = self._caught_up("catch_up_propose", reqs, num_new, features, num_steps)
         return self.propose(reqs, num_steps) if tree is None else self._planned(reqs, tree)
 
@@ -163,22 +262,34 @@ class ControlledProposer:
             self._check_truth(reqs, num_new)
 
     def _planned(self, reqs, tree):
-        """The inner proposer's chains with the plan's drafts in their place."""
+        """The inner proposer's chains with the plan's drafts in their place (served: where a
+        request has a plan, up to its truth's end; sampled requests keep theirs)."""
         m = tree.token_ids.shape[1]
-        rows = []
+        rows, spans = [], []
         for r in reqs:
             # Draft node j (depth j + 1) is the draft for position committed_len + j.
-            drafts = self._plan(r.request_id).drafts
+            plan = None if r.sample_drafts else self._plan_of(r)
             n = r.committed_len
-            assert n + m <= len(drafts), f"{r.request_id}: plan of {len(drafts)} positions, drafting to {n + m}"
-            rows.append(drafts[n: n + m])
+            if self.truths is None:
+                assert n + m <= len(plan.drafts), f"{r.request_id}: plan of {len(plan.drafts)} positions, drafting to {n + m}"
+            row = list(plan.drafts[n: n + m]) if plan is not None else []
+            spans.append(len(row))
+            rows.append(row + [0] * (m - len(row)))
+        if not any(spans):
+            return tree
         dev = tree.token_ids.device
+        cuda = dev.type == "cuda"
         # From pinned memory on a GPU: from pageable memory the copy would wait for the drafting.
-        planned = torch.empty(len(rows), m, dtype=torch.long, pin_memory=dev.type == "cuda")   # [B, M]
+        planned = torch.empty(len(rows), m, dtype=torch.long, pin_memory=cuda)   # [B, M]
         planned.numpy()[:] = rows
-        if dev.type == "cuda":
+        use = tree.token_ids >= 0
+        if min(spans) < m:   # rows (or their ends) without a plan keep the inner drafts
+            within = torch.empty(len(rows), m, dtype=torch.bool, pin_memory=cuda)
+            within.numpy()[:] = [[j < k for j in range(m)] for k in spans]
+            use = use & (within.to(dev, non_blocking=True) if cuda else within)
+        if cuda:
             planned = planned.to(dev, non_blocking=True)
-        tree.token_ids = torch.where(tree.token_ids >= 0, planned, tree.token_ids)
+        tree.token_ids = torch.where(use, planned, tree.token_ids)
         return tree
 
     # Draft ahead: the forks are the inner proposer's; only the ranking is the plan's.
@@ -196,23 +307,30 @@ class ControlledProposer:
 
     def ahead_chains(self, reqs, chains, width):
         """Chains drafted ahead in one pass (drafter/ahead_chains.py): the inner proposer's pass
-        runs (its cost is drafting ahead's) and its outcomes are dropped; the plan ranks the
-        outcomes (`_ranking`, as `ahead_logprobs` does for the forks) and gives their trees."""
-        self.inner.ahead_chains(reqs, chains, width)
-        return self._planned_outcomes(reqs, chains, width)
+        runs (its cost is drafting ahead's) and its outcomes are dropped where there is a plan;
+        the plan ranks the outcomes (`_ranking`, as `ahead_logprobs` does for the forks) and
+        gives their trees."""
+        real = self.inner.ahead_chains(reqs, chains, width)
+        return self._planned_outcomes(reqs, chains, width, real)
 
     def catch_up_ahead_chains(self, reqs, num_new, features, chains, width):
         """`catch_up` then `ahead_chains`, in the inner proposer's one pass when it has one
         (`EagleProposer.catch_up_ahead_chains`): the plan's outcomes, the real cost."""
-        if self._caught_up("catch_up_ahead_chains", reqs, num_new, features, chains, width) is None:
+        real = self._caught_up("catch_up_ahead_chains", reqs, num_new, features, chains, width)
+        if real is None:
             return self.ahead_chains(reqs, chains, width)
-        return self._planned_outcomes(reqs, chains, width)
+        return self._planned_outcomes(reqs, chains, width, real)
 
-    def _planned_outcomes(self, reqs, chains, width):
+    def _planned_outcomes(self, reqs, chains, width, real):
+        """Per request, the plan's outcome cache; served, the inner proposer's (`real`) where the
+        request has no plan or the outcomes' trees would draft past its truth."""
         steps = self.cfg.max_draft_nodes   # a chain's length
         out = []
-        for r, chain in zip(reqs, chains):
-            plan, n = self._plan(r.request_id), r.committed_len
+        for r, chain, inner in zip(reqs, chains, real):
+            plan, n = self._plan_of(r), r.committed_len
+            if self.truths is not None and (plan is None or n + len(chain) + 1 + steps > len(plan.drafts)):
+                out.append(inner)
+                continue
             chosen = rank_chain_outcomes(chain, [self._ranking(plan, n + k) for k in range(len(chain) + 1)], width)
             rows = [plan.drafts[n + k + 1: n + k + 1 + steps] for k, _ in chosen]
             assert all(len(row) == steps for row in rows), f"{r.request_id}: plan of {len(plan.drafts)} positions"
@@ -233,12 +351,16 @@ class ControlledProposer:
         """[len(request_ids), V]: each fork's log-probabilities for the position it predicts (its
         committed length), from the plan: the first guess a, the second (1 - a) a (the chance that
         it is the target's token), every other token 0. An outcome's score (drafter/ahead.py) is
-        then the log of its probability. The real head's log-probabilities are computed and
-        dropped: their cost is drafting ahead's."""
+        then the log of its probability. The real head's log-probabilities are computed (their
+        cost is drafting ahead's) and kept only for served forks without a plan there."""
         real = self.inner.ahead_logprobs(request_ids).float().cpu()   # the real path's copy too
         out = torch.full_like(real, float("-inf"))
         for i, fid in enumerate(request_ids):
-            for tok, lp in self._ranking(self._plan(fid), self._fork_len[fid]).items():
+            plan, p = self._plan(fid), self._fork_len[fid]
+            if self.truths is not None and (plan is None or p >= len(plan.drafts)):
+                out[i] = real[i]
+                continue
+            for tok, lp in self._ranking(plan, p).items():
                 out[i, tok] = lp
         return out
 
@@ -247,4 +369,7 @@ class ControlledProposer:
 
     def remove(self, request_id):
         self._fork_len.pop(request_id, None)
+        if self.truths is not None:
+            self.plans.pop(request_id, None)
+            self.diverged.discard(request_id)
         self.inner.remove(request_id)
