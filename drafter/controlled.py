@@ -20,10 +20,12 @@ Greedy verification keeps the output exactly the target's greedy output.
 
 Served (`truths` given): a greedy request that ends (finished, cancelled or preempted: the
 engine's `request_ended`) leaves its committed tokens in the `TruthBook`; a later greedy request
-whose tokens are a prefix of a recorded truth drafts that truth's plan, drawn at rate a with a
-seed made from the truth's tokens (every process draws the same plan). Positions past the truth,
-requests with no truth, sampled requests and requests whose committed tokens leave their truth
-keep the inner proposer's drafts, row by row and position by position: one batch mixes them.
+whose tokens are a prefix of a recorded truth drafts that truth's plan, drawn at rate a from
+digests of the truth's tokens (`prefix_plan`: every process draws the same plan). Positions
+past the truth, requests with no truth, sampled requests and requests whose committed tokens
+leave their truth keep the inner proposer's drafts, row by row and position by position: one
+batch mixes them. A request's truth ends where its drafter last caught up, before its last
+round: a warm-up pass needs a few more tokens than the pass it prepares.
 
 Draft ahead (drafter/ahead.py: while a round is verified, the drafter drafts the next round for
 its likeliest outcomes) needs the drafter's ranking of the tokens at a position, not only its
@@ -101,17 +103,41 @@ def expected_ahead_hit_rate(acceptance_rate: float, num_drafts: int) -> float:
     return a ** (num_drafts + 1) + (1 - a ** num_drafts) * a
 
 
-def truth_seed(truth) -> str:
-    """The plan seed of a served truth: a digest of its tokens (the same in every process)."""
-    return hashlib.sha256(",".join(map(str, truth)).encode()).hexdigest()
+def prefix_plan(truth: list[int], acceptance_rate: float, vocab_size: int) -> DraftPlan:
+    """A served truth's plan, drawn as `plan_drafts` draws (first guess right with probability a,
+    second guess right with probability a where the first is wrong), each position's draws from
+    a digest of the truth's tokens up to it: every process, and every truth that extends the
+    same tokens, gets the same drafts there."""
+    if not 0.0 <= acceptance_rate <= 1.0:
+        raise ValueError(f"acceptance rate must be in [0, 1], got {acceptance_rate}")
+    digest = hashlib.blake2b(b"spectandem controlled acceptance", digest_size=32).digest()
+    drafts, seconds = [], []
+    for tok in truth:
+        digest = hashlib.blake2b(digest + int(tok).to_bytes(8, "little"), digest_size=32).digest()
+        u = [int.from_bytes(digest[k: k + 8], "little") for k in (0, 8, 16, 24)]
+        first = tok if u[0] / 2 ** 64 < acceptance_rate else (tok + 1 + u[1] % (vocab_size - 1)) % vocab_size
+        right = first != tok and u[2] / 2 ** 64 < acceptance_rate
+        drafts.append(first)
+        seconds.append(tok if right else _nth_other(u[3], vocab_size, {tok, first}))
+    return DraftPlan(tuple(truth), tuple(drafts), tuple(seconds), acceptance_rate)
+
+
+def _nth_other(n: int, vocab_size: int, avoid: set[int]) -> int:
+    """The (n mod its count)-th token of the vocabulary outside `avoid`."""
+    t = n % (vocab_size - len(avoid))
+    for a in sorted(avoid):
+        if t >= a:
+            t += 1
+    return t
 
 
 class TruthBook:
     """Truths learned while serving: the committed tokens (prompt + output) of greedy requests
-    that ended. A request whose tokens are a prefix of a recorded truth (looked up by its first
-    `key_len` tokens, then checked) gets that truth's plan at `rate`, drawn once per truth. A
-    truth that a recorded one extends is not kept; at most `capacity` truths are, the least
-    recently used going first. Requests of fewer than `key_len` tokens find none."""
+    that ended. A request whose tokens are a proper prefix of a recorded truth gets that truth's
+    plan at `rate` (`prefix_plan`), drawn once per truth. Truths are looked up by their first
+    tokens (each truth is indexed under its prefixes of 1 to `key_len` tokens, a request by its
+    first `key_len` tokens or all of them), then checked. A truth that a recorded one extends is not kept; at
+    most `capacity` truths are, the least recently used going first."""
 
     def __init__(self, rate: float, vocab_size: int, capacity: int = 4096, key_len: int = 8):
         if not 0.0 <= rate <= 1.0:
@@ -120,44 +146,50 @@ class TruthBook:
             raise ValueError(f"capacity and key_len must be >= 1, got {capacity}, {key_len}")
         self.rate, self.vocab_size, self.capacity, self.key_len = rate, vocab_size, capacity, key_len
         self._truths: OrderedDict[tuple[int, ...], DraftPlan | None] = OrderedDict()   # truth -> its plan once drawn
-        self._by_key: dict[tuple[int, ...], list[tuple[int, ...]]] = {}
+        self._by_key: dict[tuple[int, ...], dict[tuple[int, ...], None]] = {}   # prefix -> truths (an ordered set)
 
     def __len__(self) -> int:
         return len(self._truths)
+
+    def _keys(self, truth: tuple[int, ...]):
+        return (truth[:k] for k in range(1, min(len(truth), self.key_len) + 1))
 
     def record(self, token_ids) -> None:
         """Keeps `token_ids` as a truth, unless a recorded truth already extends it; drops the
         recorded truths it extends."""
         truth = tuple(token_ids)
-        if len(truth) < self.key_len:
+        if not truth:
             return
-        bucket = self._by_key.setdefault(truth[: self.key_len], [])
+        bucket = self._by_key.get(truth[: self.key_len], {})
         for t in bucket:
             if t[: len(truth)] == truth:
                 self._truths.move_to_end(t)
                 return
-        for t in [t for t in bucket if truth[: len(t)] == t]:
-            bucket.remove(t)
-            del self._truths[t]
-        bucket.append(truth)
+        shorter = [truth[:k] for k in range(1, min(len(truth), self.key_len)) if truth[:k] in self._truths]
+        for t in shorter + [t for t in bucket if truth[: len(t)] == t]:   # the truths it extends
+            self._drop(t)
         self._truths[truth] = None
+        for key in self._keys(truth):
+            self._by_key.setdefault(key, {})[truth] = None
         while len(self._truths) > self.capacity:
-            old, _ = self._truths.popitem(last=False)
-            key = old[: self.key_len]
-            self._by_key[key].remove(old)
-            if not self._by_key[key]:
+            self._drop(next(iter(self._truths)))
+
+    def _drop(self, truth: tuple[int, ...]) -> None:
+        del self._truths[truth]
+        for key in self._keys(truth):
+            bucket = self._by_key[key]
+            del bucket[truth]
+            if not bucket:
                 del self._by_key[key]
 
     def plan(self, token_ids) -> DraftPlan | None:
         """The plan of a recorded truth that `token_ids` is a proper prefix of; None without one."""
         tokens = tuple(token_ids)
-        if len(tokens) < self.key_len:
-            return None
         for t in self._by_key.get(tokens[: self.key_len], ()):
             if len(t) > len(tokens) and t[: len(tokens)] == tokens:
                 plan = self._truths[t]
                 if plan is None:
-                    plan = self._truths[t] = plan_drafts(list(t), 0, self.rate, self.vocab_size, truth_seed(t))
+                    plan = self._truths[t] = prefix_plan(list(t), self.rate, self.vocab_size)
                 self._truths.move_to_end(t)
                 return plan
         return None
@@ -271,7 +303,8 @@ class ControlledProposer:
             plan = None if r.sample_drafts else self._plan_of(r)
             n = r.committed_len
             if self.truths is None:
-                assert n + m <= len(plan.drafts), f"{r.request_id}: plan of {len(plan.drafts)} positions, drafting to {n + m}"
+                assert n + m <= len(plan.drafts), \
+                    f"{r.request_id}: plan of {len(plan.drafts)} positions, drafting to {n + m}"
             row = list(plan.drafts[n: n + m]) if plan is not None else []
             spans.append(len(row))
             rows.append(row + [0] * (m - len(row)))
