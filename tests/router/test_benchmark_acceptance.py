@@ -49,9 +49,12 @@ def _check_outputs(results, reference, n):
         assert reason == "length" and toks == ref[:n]
 
 
-def test_rate_one_accepts_every_draft(prompts, reference):
+def test_rate_one_accepts_every_draft(prompts, reference, caplog):
     s = _served(1.0)
     try:
+        warned = [r for r in caplog.records if r.name == "spectandem.serve" and r.levelname == "WARNING"]
+        assert any("benchmark mode: drafts follow outputs seen before at acceptance rate 1; not for production"
+                   in r.getMessage() for r in warned)
         info = s.stub.GetModelInfo(generation_pb2.GetModelInfoRequest())
         assert info.HasField("benchmark_acceptance_rate") and info.benchmark_acceptance_rate == 1.0
         first = _pass(s, prompts, WARM)              # no truth yet: the real head drafts
