@@ -5,7 +5,7 @@ Draft ahead (drafter/ahead.py) caches a next tree for each of the `ahead_width` 
 outcomes (accepted path, bonus token) of the round being verified, ranked by the head's own
 log-probabilities. The share of verdicts it holds decides how many rounds must draft after the
 verdict (a miss). `spectandem bench`'s controlled drafter fixes that share at the acceptance rate
-a (benchmarks/bench/controlled.py: its second guess is right with probability a, and it has no
+a (drafter/controlled.py: its second guess is right with probability a, and it has no
 third); a real head's share depends on the width. The share does not depend on the device or on
 timing, so this runs anywhere; the cost of a wider cache (more forks to draft) is the GPU's.
 

@@ -29,7 +29,7 @@ MARKS = ("verifier.graphs:VerifyGraphs.run", "verifier.engine:VerifierEngine._ac
          "verifier.chained:ChainedLaunchMixin._prepared_like", "verifier.engine:VerifierEngine._launch",
          # a draft ahead's results, to the verifier's prepared inputs
          "drafter.proposers:outcome_trees", "drafter.engine:DrafterEngine._outcome_rows",
-         "benchmarks.bench.controlled:ControlledProposer._planned_outcomes",
+         "drafter.controlled:ControlledProposer._planned_outcomes",
          "verifier.runner:NativeRunner.prepare_rows", "verifier.runner:host_tree_inputs",
          "verifier.runner:tree_input_rows", "verifier.engine:VerifierEngine._launch_prepared")
 

@@ -28,7 +28,7 @@ from collections import defaultdict
 import torch
 
 from drafter.engine import DrafterEngine
-from benchmarks.bench.controlled import ControlledProposer, plan_drafts
+from drafter.controlled import ControlledProposer, plan_drafts
 from spectandem.config import GpuPaths
 from benchmarks.bench.llama8b import SHAPES, ControlledRuns, llama8b_spec, random_eagle3_head, random_target
 from spectandem.reference import generate

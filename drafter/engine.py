@@ -296,9 +296,12 @@ class DrafterEngine(DraftAheadMixin):
             self.kept.pop(request_id, None)
         for d in (self.in_flight, self.outcomes, self.outcome_rows, self.deferred, self.last_hit):
             d.pop(request_id, None)
-        self.requests.pop(request_id, None)
+        req = self.requests.pop(request_id, None)
         self.epochs.pop(request_id, None)
         self.store.drop(request_id)
+        ended = getattr(self.proposer, "request_ended", None)   # its committed tokens (drafter/controlled.py)
+        if ended is not None and req is not None:
+            ended(req)
         self.proposer.remove(request_id)
 
 

@@ -8,8 +8,9 @@ import sys
 from dataclasses import replace
 
 from drafter.engine import DrafterEngine, build_proposer
-from spectandem.config import EngineConfig, SamplingParams
+from spectandem.config import EngineConfig, SamplingParams, benchmark_warning
 from spectandem.modeling.target import inspect_target, load_embeddings, load_target
+
 
 log = logging.getLogger("spectandem.drafter")
 
@@ -36,11 +37,13 @@ def build_engine(config: EngineConfig, target=None, context: int | None = None,
     elif context is None:
         raise ValueError("a shared target model comes with its context length")
     config = _sized_config(config, target, context, progress)
-    engine = DrafterEngine(_proposer(config, target, context), spec)
-    warm_up = getattr(engine.proposer, "warm_up", None)
+    proposer = _proposer(config, target, context)
+    warm_up = getattr(proposer, "warm_up", None)
     if warm_up is not None and config.gpu.cuda_graphs and config.device.startswith("cuda"):
         warm_up(progress)
-    return engine, context
+    if spec.benchmark_acceptance_rate is not None:
+        proposer = _controlled(proposer, spec.benchmark_acceptance_rate, target)
+    return DrafterEngine(proposer, spec), context
 
 
 def _target_tensors(config: EngineConfig):
@@ -124,3 +127,14 @@ def _profile(engine: DrafterEngine, proposer, max_slots: int, prompt: int) -> No
     engine.draft(ids)
     for rid in ids:
         engine.remove(rid)
+
+
+def _controlled(proposer, rate: float, target):
+    """The benchmark-only proposer (drafter/controlled.py) around the real head: drafts of the
+    outputs it has seen, right at `rate`."""
+    from drafter.controlled import ControlledProposer, TruthBook
+    from drafter.loader import TargetTensors
+
+    log.warning(benchmark_warning(rate))
+    tensors = target if isinstance(target, TargetTensors) else TargetTensors.of(target)
+    return ControlledProposer(proposer, truths=TruthBook(rate, tensors.vocab_size))

@@ -16,11 +16,11 @@ import time
 from pathlib import Path
 
 from router.links import EngineStartError
-from spectandem.config import EngineConfig, GpuPaths, engine_devices, resolve_model_flags
+from spectandem.config import EngineConfig, GpuPaths, benchmark_warning, engine_devices, resolve_model_flags
 from router.ops import OpsConfig, add_ops_flags
 from spectandem.generate_cli import add_model_flags
 from spectandem.memory import engine_memory_flags, kv_capacity_line
-from spectandem.service_args import DEVICE_HELP, add_memory_flags, model_dtype
+from spectandem.service_args import DEVICE_HELP, add_benchmark_flag, add_memory_flags, model_dtype
 
 log = logging.getLogger("spectandem.serve")
 
@@ -39,6 +39,7 @@ def add_serve(sub) -> None:
     p = sub.add_parser("serve", help="serve the public gRPC API (the demo pair with no model flags)")
     add_model_flags(p)
     add_memory_flags(p, engine=False)
+    add_benchmark_flag(p)
     p.add_argument("--backend", choices=["ray", "grpc", "local"], default="ray",
                    help="ray: drafter and verifier as Ray actors (a local cluster unless --ray-address); "
                         "grpc: as gRPC services (started here unless --drafter-address/--verifier-address); "
@@ -194,6 +195,8 @@ def engine_commands(args, cfg, target: str, draft: str | None, verifier_port: in
     tree = ["--num-steps", str(cfg.num_steps), "--topk", str(cfg.topk), "--num-draft-tokens", str(cfg.num_draft_tokens),
             "--draft-sampling-min-temperature", str(cfg.draft_sampling_min_temperature),
             "--ahead-width", str(cfg.ahead_width)]
+    if cfg.benchmark_acceptance_rate is not None:
+        tree += ["--benchmark-acceptance-rate", repr(cfg.benchmark_acceptance_rate)]
     out = {}
     if verifier_port is not None:
         out["verifier"] = ([sys.executable, "-m", "verifier", "--port", str(verifier_port), "--device", verifier_device]
@@ -409,6 +412,11 @@ async def serve_async(args, ready_message=True, stop_event: asyncio.Event | None
     args.ray_started_here = ray_started_here
     if not (args.verifier_address and (args.drafter_address or cfg.method == "none")):
         say(placement_line(args, cfg))   # engines this command starts
+    if cfg.benchmark_acceptance_rate is not None:
+        log.warning(benchmark_warning(cfg.benchmark_acceptance_rate))
+        if ready_message:
+            print(f"spectandem serve: WARNING: {benchmark_warning(cfg.benchmark_acceptance_rate)}",
+                  file=sys.stderr, flush=True)
     tokenizer = load_tokenizer(target)
     tcfg = read_config(target)
     eos_ids = eos_token_ids(tcfg)
@@ -463,6 +471,8 @@ async def serve_async(args, ready_message=True, stop_event: asyncio.Event | None
                     max_tokens_limit=vinfo.max_len - 1, max_stop_strings=limits.max_stop_strings,
                     max_message_bytes=limits.max_message_bytes, vocab_size=limits.vocab_size,
                     backend=args.backend, fused=cfg.fused, max_prompt_chars=limits.max_prompt_chars)
+        if cfg.benchmark_acceptance_rate is not None:
+            info["benchmark_acceptance_rate"] = cfg.benchmark_acceptance_rate
         credentials, interceptors = ops.grpc_server_security()
         server, port = await start_server(router, tokenizer, limits, info, args.host, args.port,
                                           credentials=credentials, interceptors=interceptors)

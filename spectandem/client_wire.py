@@ -109,4 +109,6 @@ def build_request(prompt: Prompt, params: SamplingParams | None, request_id: str
 
 
 def _model_info_dict(info: generation_pb2.ModelInfo) -> dict:
-    return {f.name: getattr(info, f.name) for f in info.DESCRIPTOR.fields}
+    """ModelInfo's fields by name; None for an optional field the server left unset."""
+    return {f.name: getattr(info, f.name) if not f.has_presence or info.HasField(f.name) else None
+            for f in info.DESCRIPTOR.fields}

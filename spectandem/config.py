@@ -29,6 +29,9 @@ class SpecConfig:
     # verified the drafter prepares the next tree for, when the router asks it to (0 = never).
     ahead_width: int = 4
     ngram_min: int = 1
+    # Benchmarks only (drafter/controlled.py): the drafter drafts the outputs of greedy requests
+    # seen before, each draft right with this probability; None (always outside benchmarks): off.
+    benchmark_acceptance_rate: float | None = None
 
     def __post_init__(self):
         if self.method not in METHODS:
@@ -48,6 +51,22 @@ class SpecConfig:
             raise ValueError(f"need 1 <= ngram_min <= ngram_max, got {self.ngram_min}, {self.ngram_max}")
         if not self.draft_sampling_min_temperature >= 0:
             raise ValueError(f"draft_sampling_min_temperature must be >= 0, got {self.draft_sampling_min_temperature}")
+        if self.benchmark_acceptance_rate is not None:
+            self._check_benchmark_rate()
+
+    def _check_benchmark_rate(self) -> None:
+        rate = self.benchmark_acceptance_rate
+        if (isinstance(rate, bool) or not isinstance(rate, (int, float)) or not math.isfinite(rate)
+                or not 0 <= rate <= 1):
+            raise ValueError(f"benchmark_acceptance_rate must be a number in [0, 1], got {rate!r}")
+        if self.method not in ("eagle", "eagle3"):
+            raise ValueError(f"benchmark_acceptance_rate needs an EAGLE head (method eagle or eagle3), "
+                             f"got method {self.method!r}")
+        if self.topk != 1:
+            raise ValueError(f"benchmark_acceptance_rate drafts chains: it needs topk 1, got topk {self.topk}")
+        if self.fused:
+            raise ValueError("benchmark_acceptance_rate does not work with fused mode (its graph drafts "
+                             "with the head directly)")
 
     @property
     def max_draft_nodes(self) -> int:
@@ -57,6 +76,11 @@ class SpecConfig:
         if self.topk == 1 or self.method == "ngram":
             return min(self.num_draft_tokens - 1, self.num_steps)
         return min(self.num_draft_tokens - 1, self.topk + (self.num_steps - 1) * self.topk ** 2)
+
+
+def benchmark_warning(rate: float) -> str:
+    """The line a drafter at a benchmark acceptance rate logs, and serve prints, at start-up."""
+    return f"benchmark mode: drafts follow outputs seen before at acceptance rate {rate:g}; not for production"
 
 
 @dataclass(frozen=True, kw_only=True)

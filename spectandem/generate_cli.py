@@ -64,7 +64,8 @@ def spec_from_flags(args):
     cfg = SpecConfig(method=args.method, num_steps=args.num_steps, topk=args.topk,
                      num_draft_tokens=args.num_draft_tokens, fused=args.fused,
                      draft_sampling_min_temperature=args.draft_sampling_min_temperature,
-                     ahead_width=args.ahead_width)
+                     ahead_width=args.ahead_width,
+                     benchmark_acceptance_rate=getattr(args, "benchmark_acceptance_rate", None))
     target, draft = args.target, args.draft
     if target is None:
         demo_target, demo_draft = demo_paths(args.method)

@@ -81,6 +81,25 @@ def add_memory_flags(p: argparse.ArgumentParser, engine: bool = True) -> None:
                        help="GiB of this GPU left to another engine, taken off --gpu-memory-utilization's share")
 
 
+def _rate(text: str) -> float:
+    try:
+        rate = float(text)
+    except ValueError:
+        rate = float("nan")
+    if not 0 <= rate <= 1:
+        raise argparse.ArgumentTypeError(f"must be a number in [0, 1], got {text!r}")
+    return rate
+
+
+def add_benchmark_flag(p: argparse.ArgumentParser) -> None:
+    """--benchmark-acceptance-rate (spectandem.config.SpecConfig.benchmark_acceptance_rate)."""
+    p.add_argument("--benchmark-acceptance-rate", type=_rate, default=None, metavar="A",
+                   help="FOR BENCHMARKS ONLY, never in production: the drafter drafts the outputs of greedy requests "
+                        "it has seen before (send each prompt once greedily to warm up), each draft right with "
+                        "probability A in [0, 1], while the real EAGLE head still runs; other requests and positions "
+                        "get the head's drafts. Needs --method eagle or eagle3 and --topk 1")
+
+
 def add_verifier_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--target", default=None, help="target checkpoint directory (default: the demo target)")
     p.add_argument("--draft", default=None,
@@ -109,6 +128,7 @@ def add_drafter_args(p: argparse.ArgumentParser) -> None:
 
     add_model_flags(p)
     add_memory_flags(p)
+    add_benchmark_flag(p)
     p.add_argument("--max-slots", type=int, default=8, help="requests held at once")
     p.add_argument("--host", default="0.0.0.0", help="address to listen on")
     p.add_argument("--port", type=int, default=50053, help="0 picks a free port (printed)")

@@ -11,7 +11,7 @@ Sections (`--sections`, all by default):
 - llama8b: plain decoding of a Llama-3.1-8B-shaped bf16 target (random weights, no download)
   against the copy-bandwidth roofline (benchmarks/bench/llama8b.py);
 - controlled: on that target, an EAGLE-3 head of matching shape whose drafts the target accepts
-  at a controlled rate (benchmarks/bench/controlled.py), batch 1 and over batch sizes; one
+  at a controlled rate (drafter/controlled.py), batch 1 and over batch sizes; one
   verify forward of a 16-node tree against a one-token decode step; measured against ideal;
 - hf8b: transformers' own greedy `generate` on that target, batch 1 (benchmarks/bench/hf8b.py);
 - router8b: the router's pipeline modes ("plain", then --router8b-modes) over that target at the

@@ -16,7 +16,7 @@ Run time does not depend on weight values: the shapes and the kernels are those 
 
 from __future__ import annotations
 
-from benchmarks.bench.controlled import ControlledProposer, expected_accept_length, plan_drafts
+from drafter.controlled import ControlledProposer, expected_accept_length, plan_drafts
 from benchmarks.bench.records import accept_length, record, sync, timed
 from spectandem.config import GpuPaths
 
@@ -250,7 +250,7 @@ class ControlledRuns:
         self.seed, self.vocab_size = seed, v
         self.num_prompts, self.prompt_len, self.max_tokens = num_prompts, prompt_len, max_tokens
         # Draft ahead caches one tree per accept length (0..num_steps): the controlled drafter's
-        # best guess for each (benchmarks/bench/controlled.py).
+        # best guess for each (drafter/controlled.py).
         self.cfg = SpecConfig(method="eagle3", num_steps=num_steps, topk=1, num_draft_tokens=num_steps + 1,
                               ahead_width=num_steps + 1)
         self.lookahead = self.cfg.max_draft_nodes + 1       # a chain round writes its root and drafts

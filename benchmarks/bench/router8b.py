@@ -1,5 +1,5 @@
 """`spectandem bench --sections router8b`: the router's pipeline modes over the 8B-shaped target
-at controlled acceptance (benchmarks/bench/controlled.py), so that "auto" is measured where
+at controlled acceptance (drafter/controlled.py), so that "auto" is measured where
 speculation can lose: at large batches, a verify of B trees costs more than B plain tokens, and
 at a low acceptance rate the drafts do not pay for it.
 
@@ -16,7 +16,7 @@ measured per candidate at the batch's size (`auto_rates`) and, where it settled 
 large batch, requests admitted without the drafter (`detached_admissions`). Before any timing, each mode runs
 every batch size once untimed (CUDA graphs of each size captured). Every row checks that its
 tokens are the target's own greedy continuation (`matches_plain`). "ahead" drafts ahead with the
-controlled drafter's guesses (benchmarks/bench/controlled.py): its rows give the outcome cache's
+controlled drafter's guesses (drafter/controlled.py): its rows give the outcome cache's
 hits and misses (`ahead_hits`, `ahead_misses`; expected hit rate `expected_ahead_hit_rate`) and
 the request-rounds verified with a tree the router held from draft ahead, no draft call
 (`ready_trees`), and the verifies the verifier had started itself, before the router asked
@@ -84,7 +84,7 @@ import dataclasses
 import itertools
 import time
 
-from benchmarks.bench.controlled import ControlledProposer, expected_ahead_hit_rate, plan_drafts
+from drafter.controlled import ControlledProposer, expected_ahead_hit_rate, plan_drafts
 from benchmarks.bench.pipeline import _settle
 from benchmarks.bench.records import record, sync
 

@@ -46,7 +46,7 @@ class GetModelInfoRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class ModelInfo(_message.Message):
-    __slots__ = ("target_model", "draft_model", "method", "num_steps", "topk", "num_draft_tokens", "max_context", "max_tokens_limit", "max_stop_strings", "max_message_bytes", "vocab_size", "backend", "fused", "max_prompt_chars")
+    __slots__ = ("target_model", "draft_model", "method", "num_steps", "topk", "num_draft_tokens", "max_context", "max_tokens_limit", "max_stop_strings", "max_message_bytes", "vocab_size", "backend", "fused", "max_prompt_chars", "benchmark_acceptance_rate")
     TARGET_MODEL_FIELD_NUMBER: _ClassVar[int]
     DRAFT_MODEL_FIELD_NUMBER: _ClassVar[int]
     METHOD_FIELD_NUMBER: _ClassVar[int]
@@ -61,6 +61,7 @@ class ModelInfo(_message.Message):
     BACKEND_FIELD_NUMBER: _ClassVar[int]
     FUSED_FIELD_NUMBER: _ClassVar[int]
     MAX_PROMPT_CHARS_FIELD_NUMBER: _ClassVar[int]
+    BENCHMARK_ACCEPTANCE_RATE_FIELD_NUMBER: _ClassVar[int]
     target_model: str
     draft_model: str
     method: str
@@ -75,7 +76,8 @@ class ModelInfo(_message.Message):
     backend: str
     fused: bool
     max_prompt_chars: int
-    def __init__(self, target_model: _Optional[str] = ..., draft_model: _Optional[str] = ..., method: _Optional[str] = ..., num_steps: _Optional[int] = ..., topk: _Optional[int] = ..., num_draft_tokens: _Optional[int] = ..., max_context: _Optional[int] = ..., max_tokens_limit: _Optional[int] = ..., max_stop_strings: _Optional[int] = ..., max_message_bytes: _Optional[int] = ..., vocab_size: _Optional[int] = ..., backend: _Optional[str] = ..., fused: _Optional[bool] = ..., max_prompt_chars: _Optional[int] = ...) -> None: ...
+    benchmark_acceptance_rate: float
+    def __init__(self, target_model: _Optional[str] = ..., draft_model: _Optional[str] = ..., method: _Optional[str] = ..., num_steps: _Optional[int] = ..., topk: _Optional[int] = ..., num_draft_tokens: _Optional[int] = ..., max_context: _Optional[int] = ..., max_tokens_limit: _Optional[int] = ..., max_stop_strings: _Optional[int] = ..., max_message_bytes: _Optional[int] = ..., vocab_size: _Optional[int] = ..., backend: _Optional[str] = ..., fused: _Optional[bool] = ..., max_prompt_chars: _Optional[int] = ..., benchmark_acceptance_rate: _Optional[float] = ...) -> None: ...
 
 class GetServerStatsRequest(_message.Message):
     __slots__ = ()

@@ -35,7 +35,7 @@ def _serve_one(s, runs) -> None:
 def test_a_drafter_that_never_drafts_ahead_loses_the_ahead_candidate(runs):
     from drafter.engine import DrafterEngine
     from router.links_local import LocalDrafterLink
-    from benchmarks.bench.controlled import ControlledProposer
+    from drafter.controlled import ControlledProposer
 
     s = br._setup(runs, 0.8, "auto", 1)
     # A controlled proposer told not to draft ahead: its draft_ahead replies are all None.

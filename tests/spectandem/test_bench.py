@@ -9,7 +9,7 @@ import sys
 
 import pytest
 
-from benchmarks.bench.controlled import expected_accept_length
+from drafter.controlled import expected_accept_length
 
 COMMON = {"section", "workload", "method", "mode", "batch_size", "acceptance_rate", "tokens_per_s", "ms_per_token",
           "accept_length", "roofline_fraction"}

@@ -1,5 +1,5 @@
 """The benchmark's controlled-acceptance drafts: the plan, and the proposer that swaps them into
-a real proposer's chains (benchmarks/bench/controlled.py)."""
+a real proposer's chains (drafter/controlled.py)."""
 
 import math
 
@@ -8,7 +8,7 @@ import torch
 
 from drafter.proposers import DraftRequest
 from drafter.tree import DraftNodes
-from benchmarks.bench.controlled import ControlledProposer, expected_accept_length, expected_ahead_hit_rate, plan_drafts
+from drafter.controlled import ControlledProposer, expected_accept_length, expected_ahead_hit_rate, plan_drafts
 from spectandem.config import SamplingParams, SpecConfig
 
 VOCAB = 50

@@ -1,11 +1,11 @@
 """Draft ahead over the controlled proposer, behind the real router (tiny 8B-shaped target and
 EAGLE-3 head on the CPU, fp32): the tokens stay the target's greedy continuation, and the outcome
-cache hits exactly where the plan's guesses say it must (benchmarks/bench/controlled.py)."""
+cache hits exactly where the plan's guesses say it must (drafter/controlled.py)."""
 
 import pytest
 import torch
 
-from benchmarks.bench.controlled import plan_drafts
+from drafter.controlled import plan_drafts
 from benchmarks.bench.llama8b import SHAPES, ControlledRuns, llama8b_spec, random_eagle3_head, random_target
 from benchmarks.bench.router8b import bench_router8b
 
