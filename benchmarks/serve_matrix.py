@@ -14,9 +14,10 @@ output stays exactly the target's greedy output). `--pair demo` serves the train
 (`--method none` and `--method eagle3`, real acceptance). `--scale tiny` makes the 8B-shaped
 pair small enough for a CPU (a check of the script, not a measurement).
 
-Every server runs with serve's defaults apart from the model and the port. Each bench run first
-sends every prompt once (not measured: warm-up, and where acceptance is controlled the drafter
-learns each prompt's greedy continuation from it), then measures. Each record's `exact` says
+Every server runs with serve's defaults apart from the model and the port. Where acceptance is
+controlled, one pass over every prompt (longer than the measured ones) first lets the drafter
+learn each prompt's greedy continuation. Each bench run then sends one wave of warm-up requests
+at its concurrency (not measured) and measures. Each record's `exact` says
 whether every output equals the plain greedy output of the same prompt (the `--method none`
 server of the same backend).
 
@@ -45,6 +46,9 @@ def _free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
+
+
+TRUTH_EXTRA = 16   # tokens the learning pass generates past the measured ones
 
 
 def _numbers(text: str, kind) -> list:
@@ -266,9 +270,13 @@ def run_matrix(args) -> dict:
             server = Server(argv, logs / f"serve-{label}.log", args.start_timeout)
             try:
                 say(f"  up in {server.start_s:.0f} s")
+                if rate is not None:   # the drafter learns each prompt's greedy output, a round's drafts past the end
+                    n = max(args.min_prompts, args.prompts_per_slot * max(concurrency))
+                    bench_serve(server.port, max(concurrency), n, args.max_tokens + TRUTH_EXTRA, 0, args.dataset,
+                                logs / f"bench-{label}-truth.json")
                 for c in concurrency:
                     n = max(args.min_prompts, args.prompts_per_slot * c)
-                    result = bench_serve(server.port, c, n, args.max_tokens, -1, args.dataset,
+                    result = bench_serve(server.port, c, n, args.max_tokens, c, args.dataset,
                                          logs / f"bench-{label}-c{c}.json")
                     outs = outputs_of(result)
                     if method == "none":
