@@ -9,7 +9,7 @@ import itertools
 
 import pytest
 
-from router.serve import engine_commands
+from router.serve import engine_commands, feature_channel
 from spectandem.cli import build_parser
 from spectandem.generate_cli import spec_from_flags
 from spectandem.service_args import add_drafter_args, add_verifier_args
@@ -21,7 +21,7 @@ METHODS = [["--method", "eagle3"], ["--method", "eagle"], ["--method", "ngram"],
 SIZES = [[], ["--max-len", "256", "--kv-blocks", "40", "--draft-kv-blocks", "30", "--block-size", "8"]]
 OTHER = [[], ["--device", "cuda", "--dtype", "bfloat16", "--num-steps", "3", "--topk", "2", "--num-draft-tokens", "6",
               "--ahead-width", "0", "--draft-sampling-min-temperature", "0.3", "--max-running", "12"],
-         ["--feature-channel"]]
+         ["--feature-channel"], ["--no-feature-channel"], ["--feature-channel", "tcp://127.0.0.1:5999"]]
 
 
 def _parser(add):
@@ -47,7 +47,7 @@ def test_every_engine_command_line_serve_builds_parses(tmp_path, tls):
         argv = ["serve", "--backend", "grpc", *gpu, *method, *sizes, *other, *extra_tls]
         args = build_parser().parse_args(argv)
         cfg, target, draft = spec_from_flags(args)
-        channel = "tcp://127.0.0.1:5999" if args.feature_channel and cfg.method != "none" else None
+        channel = "tcp://127.0.0.1:5999" if feature_channel(args) and cfg.method != "none" else None
         cmds = engine_commands(args, cfg, target, draft, 7001, 7002, channel)
         assert set(cmds) == ({"verifier"} if cfg.method == "none" else {"verifier", "drafter"}), argv
         for role, cmd in cmds.items():
@@ -73,3 +73,17 @@ def test_every_engine_command_line_serve_builds_parses(tmp_path, tls):
                                                                 cfg.ahead_width, cfg.draft_sampling_min_temperature)
             checked += 1
     assert checked > 300
+
+
+def test_feature_channel_is_on_by_default_where_serve_starts_both_engines():
+    def resolved(*argv):
+        return feature_channel(build_parser().parse_args(["serve", *argv]))
+
+    assert resolved() == resolved("--backend", "grpc") == resolved("--backend", "ray") == "auto"
+    assert resolved("--backend", "grpc", "--feature-channel") == "auto"
+    assert resolved("--backend", "grpc", "--feature-channel", "tcp://10.0.0.2:29500") == "tcp://10.0.0.2:29500"
+    for off in (["--no-feature-channel"], ["--feature-channel", "off"]):
+        assert resolved("--backend", "grpc", *off) is None and resolved("--backend", "ray", *off) is None
+    assert resolved("--backend", "local") is None
+    assert resolved("--backend", "grpc", "--verifier-address", "h:1") is None
+    assert resolved("--backend", "grpc", "--drafter-address", "h:2") is None
