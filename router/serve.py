@@ -72,10 +72,14 @@ def add_serve(sub) -> None:
                         "on the GPU without the host waiting between them. 1: one token per round")
     p.add_argument("--drafter-timeout", type=float, default=10.0,
                    help="seconds a drafter call may take before rounds go on without it")
-    p.add_argument("--feature-channel", nargs="?", const="auto", default=None, metavar="tcp://HOST:PORT",
-                   help="target features go verifier -> drafter over a direct NCCL (CUDA) or gloo (CPU) channel "
-                        "instead of through the router; without a value ('auto') on a free port of the "
-                        "verifier's node (--backend grpc with engines started here, or ray)")
+    p.add_argument("--feature-channel", nargs="?", const="auto", default=None, metavar="tcp://HOST:PORT|auto|off",
+                   help="target features go verifier -> drafter over a direct channel instead of through the "
+                        "router: a CUDA IPC ring when both engines share a GPU, NCCL between two GPUs, shared "
+                        "memory or gloo on CPU. On by default ('auto': a free port of the verifier's node) when "
+                        "this command starts both engines (--backend grpc or ray) and speculates; a value: that "
+                        "address; 'off': through the router. If it cannot come up, features go through the router")
+    p.add_argument("--no-feature-channel", dest="feature_channel", action="store_const", const="off",
+                   help="target features go through the router (--feature-channel off)")
     p.add_argument("--engine-restarts", type=int, default=5,
                    help="--backend grpc: restarts of an engine process started here within "
                         "--engine-restart-window, after which it stays down (a verifier that stays down ends "
@@ -119,6 +123,19 @@ def _free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
+
+
+def feature_channel(args) -> str | None:
+    """The feature channel serve opens: "auto", an address, or None (features through the
+    router). Without --feature-channel: "auto" when this command starts both engines of a pair
+    (--backend grpc or ray, no --verifier-address/--drafter-address), else None."""
+    value = getattr(args, "feature_channel", None)
+    if value == "off":
+        return None
+    if value is None:
+        started_here = args.backend in ("grpc", "ray") and not args.verifier_address and not args.drafter_address
+        return "auto" if started_here else None
+    return value
 
 
 def _num_replicas(args) -> int:
@@ -224,12 +241,14 @@ async def _build_links(args, cfg, target, draft, index: int = 0, supervisor=None
     """One replica's links: -> (verifier link, drafter link or None, cleanup coroutine function,
     {role: EngineProcess} of the engine processes started here by `supervisor`)."""
     max_slots = args.max_running
-    if args.feature_channel and (args.backend == "local" or args.verifier_address or args.drafter_address):
+    channel_flag = args.feature_channel if args.feature_channel != "off" else None   # given on the command line
+    if channel_flag and (args.backend == "local" or args.verifier_address or args.drafter_address):
         raise ValueError("--feature-channel connects engines this command starts (--backend grpc or ray); give "
                          "separately deployed services their own --feature-channel")
-    if args.feature_channel not in (None, "auto") and _num_replicas(args) > 1:
-        raise ValueError(f"--feature-channel {args.feature_channel} is one pair's address; with "
+    if channel_flag not in (None, "auto") and _num_replicas(args) > 1:
+        raise ValueError(f"--feature-channel {channel_flag} is one pair's address; with "
                          f"{_num_replicas(args)} replicas give --feature-channel without a value")
+    wanted_channel = feature_channel(args)
     if args.backend == "local":
         from router.links_local import LocalDrafterLink, LocalVerifierLink
         from router.local import LocalSpeculator
@@ -257,7 +276,7 @@ async def _build_links(args, cfg, target, draft, index: int = 0, supervisor=None
         v, d, stop = start_engines(target, draft, cfg, max_slots=max_slots, max_len=args.max_len,
                                    device=args.engine_devices[0], dtype=model_dtype(args), kv_blocks=args.kv_blocks,
                                    draft_kv_blocks=args.draft_kv_blocks, block_size=args.block_size,
-                                   gpu=GpuPaths.from_args(args), feature_channel=args.feature_channel,
+                                   gpu=GpuPaths.from_args(args), feature_channel=wanted_channel,
                                    gpu_memory_utilization=args.gpu_memory_utilization)
 
         async def cleanup():
@@ -277,8 +296,8 @@ async def _build_links(args, cfg, target, draft, index: int = 0, supervisor=None
     verifier_address = args.verifier_address[index] if args.verifier_address else None
     drafter_address = args.drafter_address[index] if args.drafter_address else None
     channel = None
-    if args.feature_channel and cfg.method != "none":
-        channel = f"tcp://127.0.0.1:{_free_port()}" if args.feature_channel == "auto" else args.feature_channel
+    if wanted_channel and cfg.method != "none":
+        channel = f"tcp://127.0.0.1:{_free_port()}" if wanted_channel == "auto" else wanted_channel
     commands = engine_commands(args, cfg, target, draft, None if verifier_address else _free_port(),
                                None if drafter_address else _free_port(), channel, args.engine_devices)
     if commands and supervisor is None:
@@ -443,7 +462,7 @@ async def serve_async(args, ready_message=True, stop_event: asyncio.Event | None
             suffix = "" if i == 0 else f"-{i}"
             vinfo = await _wait_ready(v, "verifier", process=procs.get(f"verifier{suffix}"))
             dinfo = await _wait_ready(d, "drafter", process=procs.get(f"drafter{suffix}")) if d else None
-            if args.feature_channel and d is not None:
+            if feature_channel(args) and d is not None:
                 await _wait_channel(v)
             want = dinfo is not None and dinfo.feature_layers not in (None, "none")
             lookahead = 1 if d is None else max(cfg.max_draft_nodes + 1, (cfg.num_steps - 1) * cfg.topk + 1)

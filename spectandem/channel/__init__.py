@@ -5,16 +5,22 @@ one node, the verifier rank 0 (sender), the drafter rank 1 (receiver).
     verifier: send([f_0, f_1]) -> [ChannelRef(7, 0), ChannelRef(7, 1)]     (returns at once)
                  | queue
                  v sender thread ---- header (gloo, CPU) ----------> receiver thread
-                                 ---- payload (NCCL GPU->GPU, or gloo) --^     | mailbox {7: ...}
+                                 ---- payload (ring slot, NCCL, gloo) ---^     | mailbox {7: ...}
     router:   passes the ChannelRefs on, where the tensors went before           v
     drafter:  take(ChannelRef(7, 1)) -> f_1 (or FeatureChannelError: resync the request)
 
 Glossary:
 - message: one verifier call's features (a prefill's or a verify's; a call of more than
   MAX_ITEMS requests is split into several), a header and a payload, numbered by `seq` from 1.
-- header: int64[HEADER_LEN] = [seq, num_items, ndim, dtype code, shape of item 0, shape of
-  item 1, ...], zero-padded. num_items = -1 closes the channel. Two float32 items [3, 8] and
-  [1, 8] as message 7: [7, 2, 2, 0, 3, 8, 1, 8, 0, ...].
+- header: int64[HEADER_LEN] = [seq, num_items, ndim, dtype code, ring slot (-1: the payload
+  follows over the group), shape of item 0, shape of item 1, ...], zero-padded. num_items = -1
+  closes the channel. Two float32 items [3, 8] and [1, 8] as message 7 in slot 2:
+  [7, 2, 2, 0, 2, 3, 8, 1, 8, 0, ...].
+- payload transport, chosen when the channel comes up: both ends on one device (one GPU, or
+  CPU engines on one host) -> a PayloadRing (ring.py): slots the verifier shared once (CUDA IPC,
+  or host shared memory) that it writes and the drafter copies out of and releases; a message
+  larger than a slot, or finding every slot unread, goes over the group. Two GPUs -> NCCL.
+  Otherwise (or when the drafter cannot map the ring) -> gloo.
 - payload: uint8[nbytes], the items' bytes back to back, row-major. Above: 128 bytes, item 0 =
   payload[0:96].view(float32).view(3, 8), item 1 = payload[96:128].view(float32).view(1, 8).
 - ChannelRef(seq, index): what the verifier returns in place of a tensor; opaque to the router.
@@ -34,7 +40,8 @@ with a log line; `take` of a dropped or late message raises FeatureChannelError,
 drafter reports that request as unknown so the router resyncs it through the verifier's
 ordinary Features call. A restarted drafter does not rejoin (the verifier's sender breaks).
 
-Modules: wire.py (header, references, the two-rank group), sender.py, receiver.py.
+Modules: wire.py (header, references, the two-rank group), ring.py (the payload ring),
+sender.py, receiver.py.
 """
 
 from spectandem.channel.receiver import FeatureReceiver

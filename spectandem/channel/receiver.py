@@ -12,7 +12,8 @@ from dataclasses import dataclass, field
 
 import torch
 
-from spectandem.channel.wire import (_CLOSE, _DTYPES, ChannelRef, FeatureChannelError, _device, _Group, parse_address)
+from spectandem.channel.wire import (_CLOSE, _DTYPES, NO_SLOT, SHAPES_AT, ChannelRef, FeatureChannelError, _device, _Group,
+                                     parse_address)
 
 log = logging.getLogger("spectandem.channel")
 
@@ -48,6 +49,7 @@ class FeatureReceiver:
         self.capacity, self.max_bytes = capacity, max_bytes
         self.state = "connecting"        # -> "up" -> "broken" | "closed"
         self.dropped = 0                 # messages evicted before every item was taken
+        self.lost = 0                    # ring messages overwritten before they were read
         self._mail: OrderedDict[int, _Message] = OrderedDict()
         self._bytes = 0
         self._last_seq = 0
@@ -71,7 +73,8 @@ class FeatureReceiver:
                     return self._hand_out(ref, msg)
                 if ref.seq <= self._last_seq:
                     raise FeatureChannelError(f"features of channel message {ref.seq} were dropped (the mailbox "
-                                              f"holds {self.capacity} messages) or already taken")
+                                              f"holds {self.capacity} messages), overwritten in the payload "
+                                              f"ring or already taken")
                 if self.state in ("broken", "closed"):
                     raise FeatureChannelError(f"the feature channel is {self.state}; message {ref.seq} never came")
                 remaining = deadline - time.monotonic()
@@ -116,18 +119,24 @@ class FeatureReceiver:
             with torch.cuda.stream(stream) if stream is not None else contextlib.nullcontext():
                 while True:
                     header = self._group.recv_header()
-                    seq, num_items, ndim, code = header[:4]
+                    seq, num_items, ndim, code, slot = header[:SHAPES_AT]
                     if num_items == _CLOSE or self.state == "closed":
                         break
-                    shapes = [tuple(header[4 + i * ndim:4 + (i + 1) * ndim]) for i in range(num_items)]
+                    shapes = [tuple(header[SHAPES_AT + i * ndim:SHAPES_AT + (i + 1) * ndim]) for i in range(num_items)]
                     dtype = _DTYPES[code]
                     nbytes = sum(math.prod(s) for s in shapes) * torch.empty((), dtype=dtype).element_size()
-                    payload = torch.empty(nbytes, dtype=torch.uint8, device=self.device)
-                    if nbytes:
-                        self._group.recv_payload(payload)
+                    if slot != NO_SLOT:
+                        payload = self._from_ring(seq, slot, nbytes)
+                        if payload is None:
+                            continue
+                    else:
+                        payload = torch.empty(nbytes, dtype=torch.uint8, device=self.device)
+                        if nbytes:
+                            self._group.recv_payload(payload)
                     if seq == 0:   # the handshake
                         self._set_state("up")
-                        log.info("feature channel from the verifier up at %s", self.address)
+                        log.info("feature channel from the verifier up at %s (payloads: %s)", self.address,
+                                 self._group.transport)
                         continue
                     self._store(seq, _Message(payload, shapes, dtype))
             self._set_state("closed")
@@ -136,6 +145,27 @@ class FeatureReceiver:
                 log.warning("feature channel from the verifier broken (%s: %s): features of later rounds are "
                             "resynced through the router", type(exc).__name__, exc)
             self._set_state("broken")
+        finally:
+            if self._group is not None and self._group.ring is not None:
+                self._group.ring.close()
+
+    def _from_ring(self, seq: int, slot: int, nbytes: int) -> torch.Tensor | None:
+        """Message `seq`'s payload copied out of its ring slot, which is then released; None when
+        the slot was overwritten first (its refs then raise FeatureChannelError, as dropped ones)."""
+        ring = self._group.ring
+        if ring is None:
+            raise FeatureChannelError(f"message {seq} is in ring slot {slot}, but this end has no ring")
+        try:
+            return ring.read(seq, slot, nbytes)
+        except FeatureChannelError as exc:
+            with self._cond:
+                self.lost += 1
+                self._last_seq = max(self._last_seq, seq)
+                self._cond.notify_all()
+            log.warning("feature channel: %s", exc)
+            return None
+        finally:
+            ring.release()
 
     def _set_state(self, state: str) -> None:
         with self._cond:

@@ -10,8 +10,8 @@ from dataclasses import dataclass
 
 import torch
 
-from spectandem.channel.wire import (_CLOSE, _DTYPES, HEADER_LEN, MAX_ITEMS, ChannelRef, FeatureChannelError, _device, _Group,
-                                     _header, parse_address)
+from spectandem.channel.wire import (_CLOSE, _DTYPES, HEADER_LEN, MAX_ITEMS, NO_SLOT, SHAPES_AT, ChannelRef,
+                                     FeatureChannelError, _device, _Group, _header, parse_address)
 
 log = logging.getLogger("spectandem.channel")
 
@@ -21,19 +21,27 @@ log = logging.getLogger("spectandem.channel")
 
 @dataclass
 class _Outgoing:
-    header: list[int]                  # [seq, num_items, ndim, dtype code, shapes...]
-    payload: torch.Tensor              # [nbytes] uint8, a snapshot of the items
+    header: list[int]                  # [seq, num_items, ndim, dtype code, ring slot, shapes...]
+    payload: torch.Tensor | None       # [nbytes] uint8, a snapshot of the items (None: in a ring slot)
     ready: "torch.cuda.Event | None"   # recorded on the verifier's stream after the snapshot
 
 
 class FeatureSender:
-    """The verifier's end. `send` is called from the serving thread and never blocks."""
+    """The verifier's end. `send` is called from the serving thread and never blocks.
+
+    ring_slots, slot_bytes: the payload ring offered when both ends are on one device (ring.py;
+    0 slots: none). A message that fits a free slot goes there; a larger one, or one finding
+    every slot still unread, goes over the group."""
 
     def __init__(self, address: str, device: str | torch.device, *, connect_timeout_s: float = 600.0,
-                 send_timeout_s: float = 5.0, max_queued: int = 256):
+                 send_timeout_s: float = 5.0, max_queued: int = 256, ring_slots: int = 4,
+                 slot_bytes: int = 16 << 20):
         parse_address(address)
         if send_timeout_s <= 0 or max_queued < 1:
             raise ValueError(f"send_timeout_s must be > 0 and max_queued >= 1, got {send_timeout_s}, {max_queued}")
+        if ring_slots < 0 or slot_bytes < 1:
+            raise ValueError(f"ring_slots must be >= 0 and slot_bytes >= 1, got {ring_slots}, {slot_bytes}")
+        self.ring_slots, self.slot_bytes = ring_slots, slot_bytes
         self.address, self.device = address, _device(device)
         self.connect_timeout_s, self.send_timeout_s, self.max_queued = connect_timeout_s, send_timeout_s, max_queued
         self.state = "connecting"        # -> "up" -> "broken" | "closed"
@@ -67,26 +75,36 @@ class FeatureSender:
             raise ValueError(f"dtype {items[0].dtype} cannot cross the feature channel; supported: {_DTYPES}")
         if self._queue.qsize() >= self.max_queued:
             return None           # back-pressure: these go inline
-        per_message = min(MAX_ITEMS, (HEADER_LEN - 4) // max(items[0].dim(), 1))
+        per_message = min(MAX_ITEMS, (HEADER_LEN - SHAPES_AT) // max(items[0].dim(), 1))
         if per_message < 1:
             raise ValueError(f"{items[0].dim()}-D items do not fit the channel's header of {HEADER_LEN}")
+        ring = self._group.ring
         refs: list[ChannelRef | None] = [None] * len(features)
-        for start in range(0, len(items), per_message):
-            chunk = items[start:start + per_message]
+        start = 0
+        for chunk in _chunks(items, per_message, ring.slot_bytes if ring is not None else 0):
+            # Under the lock: messages enter the queue (and the ring) in seq order.
             with self._lock:
                 self._seq += 1
                 seq = self._seq
-            # A snapshot, taken in the serving thread's stream order: the items may be views of
-            # buffers the next forward overwrites (CUDA graph outputs).
-            payload = torch.cat([t.detach().reshape(-1) for t in chunk]).to(self.device).view(torch.uint8)
-            ready = None
-            if self.device.type == "cuda":
-                ready = torch.cuda.Event()
-                ready.record(torch.cuda.current_stream(self.device))
-            self._queue.put(_Outgoing(_header(seq, chunk), payload, ready))
+                # The items may be views of buffers the next forward overwrites (CUDA graph
+                # outputs): both paths copy them now, in the serving thread's stream order.
+                if ring is not None and ring.fits(_nbytes(chunk)) and ring.free() > 0:
+                    msg = _Outgoing(_header(seq, chunk, ring.write(seq, [t.detach() for t in chunk])), None, None)
+                else:
+                    msg = self._snapshot(seq, chunk)
+                self._queue.put(msg)
             for j in range(len(chunk)):
                 refs[present[start + j]] = ChannelRef(seq, j)
+            start += len(chunk)
         return refs
+
+    def _snapshot(self, seq: int, chunk: list[torch.Tensor]) -> _Outgoing:
+        payload = torch.cat([t.detach().reshape(-1) for t in chunk]).to(self.device).view(torch.uint8)
+        ready = None
+        if self.device.type == "cuda":
+            ready = torch.cuda.Event()
+            ready.record(torch.cuda.current_stream(self.device))
+        return _Outgoing(_header(seq, chunk), payload, ready)
 
     def close(self) -> None:
         """Tells the receiver the channel ends (when up), stops the thread and ends the groups
@@ -97,6 +115,8 @@ class FeatureSender:
             self.state = "closed"
         if self._group is not None and not self._thread.is_alive():
             self._group.abort()
+            if self._group.ring is not None:
+                self._group.ring.close()   # the drafter keeps its own mapping
 
     def _check_stuck(self) -> None:
         """From the caller's thread: a send the peer has not taken for send_timeout_s breaks the
@@ -107,7 +127,8 @@ class FeatureSender:
 
     def _run(self) -> None:
         try:
-            self._group = _Group(self.address, 0, self.device, self.connect_timeout_s)
+            self._group = _Group(self.address, 0, self.device, self.connect_timeout_s,
+                                 ring=(self.ring_slots, self.slot_bytes))
             self._post(_Outgoing(_header(0, [torch.zeros(1, dtype=torch.int64)]), torch.zeros(8, dtype=torch.uint8),
                                  None))
             self._drain(wait=True, timeout_s=self.connect_timeout_s)
@@ -115,8 +136,7 @@ class FeatureSender:
             self._break(f"could not connect to the drafter at {self.address}: {exc}")
             return
         self.state = "up"
-        log.info("feature channel to the drafter up at %s (%s)", self.address,
-                 "NCCL" if self._group.nccl is not None else "gloo")
+        log.info("feature channel to the drafter up at %s (payloads: %s)", self.address, self._group.transport)
         while True:
             try:
                 msg = self._queue.get(timeout=0.05)
@@ -144,7 +164,9 @@ class FeatureSender:
     def _post(self, msg: _Outgoing) -> None:
         group = self._group
         self._blocked_since = time.monotonic()
-        if group.stream is None:
+        if msg.payload is None:         # in a ring slot: the header names it
+            group.send_header(msg.header)
+        elif group.nccl is None:
             if msg.ready is not None:   # a CUDA payload staged through host memory
                 msg.ready.synchronize()
             group.send_header(msg.header)
@@ -185,3 +207,22 @@ class FeatureSender:
         log.warning("feature channel to the drafter broken (%s): features go through the router from now on", why)
         if self._group is not None:
             self._group.abort()
+
+
+def _nbytes(items: list[torch.Tensor]) -> int:
+    return sum(t.numel() * t.element_size() for t in items)
+
+
+def _chunks(items: list[torch.Tensor], per_message: int, slot_bytes: int) -> list[list[torch.Tensor]]:
+    """Messages of at most `per_message` items and, with a ring (slot_bytes > 0), of at most one
+    slot's bytes where the items allow (an item larger than a slot is a message of its own)."""
+    out: list[list[torch.Tensor]] = []
+    size = 0
+    for t in items:
+        n = t.numel() * t.element_size()
+        if not out or len(out[-1]) >= per_message or (slot_bytes and size + n > slot_bytes):
+            out.append([])
+            size = 0
+        out[-1].append(t)
+        size += n
+    return out

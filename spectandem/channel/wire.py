@@ -21,6 +21,8 @@ _DTYPES = (torch.float32, torch.float16, torch.bfloat16, torch.float64, torch.in
 # channel, so the groups get none in practice; liveness comes from send_timeout_s.
 _GROUP_TIMEOUT = timedelta(days=30)
 _CLOSE = -1
+NO_SLOT = -1             # header[4]: the payload follows over the group, not in a ring slot
+SHAPES_AT = 5            # header[SHAPES_AT:]: the items' shapes
 
 
 class FeatureChannelError(RuntimeError):
@@ -53,12 +55,15 @@ def _device(device: str | torch.device) -> torch.device:
 
 
 class _Group:
-    """The two ranks' groups: gloo for headers (and payloads between CPU engines, or through
-    host memory when both engines share one GPU), NCCL for payloads between two GPUs. Built
-    outside torch.distributed's global state, so nothing else in the process (a default group,
-    another channel) is touched."""
+    """The two ranks' groups: gloo for headers, and payloads by the first of these that comes
+    up: a PayloadRing when both ends are on one device (one GPU, or the host between CPU engines:
+    ring.py), NCCL between two GPUs, gloo (through host memory) otherwise and for messages larger
+    than a ring slot. Built outside torch.distributed's global state, so nothing else in the
+    process (a default group, another channel) is touched. `ring`: (slots, slot_bytes) the
+    verifier (rank 0) offers; None or 0 slots: no ring."""
 
-    def __init__(self, address: str, rank: int, device: torch.device, timeout_s: float):
+    def __init__(self, address: str, rank: int, device: torch.device, timeout_s: float,
+                 ring: tuple[int, int] | None = None):
         host, port = parse_address(address)
         self.rank, self.peer, self.device = rank, 1 - rank, device
         self.store = dist.TCPStore(host, port, 2, rank == 0, timedelta(seconds=timeout_s), wait_for_workers=False)
@@ -72,18 +77,55 @@ class _Group:
         opts._devices = [dist.ProcessGroupGloo.create_device(hostname=host)]
         opts._timeout = _GROUP_TIMEOUT
         self.gloo = dist.ProcessGroupGloo(dist.PrefixStore("gloo", self.store), rank, 2, opts)
-        self.nccl = self._nccl() if device.type == "cuda" and not self._same_gpu() else None
+        same_device = device.type == "cpu" or self._same_gpu()
+        self.ring = self._share_ring(ring if same_device else None)
+        self.nccl = self._nccl() if device.type == "cuda" and not same_device else None
         self.stream = torch.cuda.Stream(device) if self.nccl is not None else None
+        if same_device and device.type == "cuda" and self.ring is None:
+            log.warning("feature channel: both engines are on one GPU without a payload ring; features go "
+                        "through host memory")
+
+    @property
+    def transport(self) -> str:
+        if self.ring is not None:
+            return "CUDA IPC ring" if self.device.type == "cuda" else "shared-memory ring"
+        return "NCCL" if self.nccl is not None else "gloo"
 
     def _same_gpu(self) -> bool:
-        """Both ends on one GPU (NCCL refuses two ranks there): payloads then go through host
-        memory over gloo."""
+        """Both ends on one GPU (NCCL refuses two ranks there)."""
         uuid = str(getattr(torch.cuda.get_device_properties(self.device), "uuid", "")) or f"pid-{os.getpid()}"
         self.store.set(f"gpu-{self.rank}", uuid)
-        same = self.store.get(f"gpu-{self.peer}").decode() == uuid
-        if same:
-            log.warning("feature channel: both engines are on GPU %s; features go through host memory", uuid)
-        return same
+        return self.store.get(f"gpu-{self.peer}").decode() == uuid
+
+    def _share_ring(self, ring: tuple[int, int] | None):
+        """The verifier creates the ring and publishes it; the drafter maps it and says whether it
+        could. -> this end's PayloadRing, or None (either end could not: payloads by the group)."""
+        from spectandem.channel.ring import PayloadRing, RingSpec
+
+        if self.rank == 0:
+            mine = PayloadRing.create(self.device, *ring) if ring and ring[0] > 0 else None
+            try:
+                self.store.set("ring", mine.export() if mine is not None else b"")
+                ok = self.store.get("ring-ok") == b"1"
+            except BaseException:
+                if mine is not None:
+                    mine.close()
+                raise
+            if mine is not None:
+                mine.unlink()      # both ends have it mapped: the name is no longer needed
+                if not ok:
+                    mine.close()
+            return mine if ok else None
+        spec = self.store.get("ring")
+        mine = None
+        if spec:
+            try:
+                mine = PayloadRing.attach(RingSpec.from_bytes(spec), self.device)
+            except Exception as exc:
+                log.warning("feature channel: cannot map the verifier's payload ring (%s: %s); payloads go "
+                            "through the group", type(exc).__name__, exc)
+        self.store.set("ring-ok", b"1" if mine is not None else b"0")
+        return mine
 
     def _nccl(self):
         opts = dist.ProcessGroupNCCL.Options()
@@ -135,7 +177,8 @@ class _Group:
         done.synchronize()
 
     def abort(self) -> None:
-        """Ends the groups' pending operations (a dead peer's send kernel, a posted recv)."""
+        """Ends the groups' pending operations (a dead peer's send kernel, a posted recv). The
+        ring stays mapped: a receiver thread may still be copying out of it."""
         for pg in (self.nccl, self.gloo):
             stop = getattr(pg, "abort", None) if pg is not None else None
             if stop is not None:
@@ -145,6 +188,7 @@ class _Group:
                     log.debug("feature channel: abort: %s", exc)
 
 
-def _header(seq: int, items: list[torch.Tensor]) -> list[int]:
+def _header(seq: int, items: list[torch.Tensor], slot: int = NO_SLOT) -> list[int]:
     ndim = items[0].dim() if items else 0
-    return [seq, len(items), ndim, _DTYPES.index(items[0].dtype) if items else 0] + [d for t in items for d in t.shape]
+    return ([seq, len(items), ndim, _DTYPES.index(items[0].dtype) if items else 0, slot]
+            + [d for t in items for d in t.shape])

@@ -10,7 +10,7 @@ import itertools
 
 import pytest
 
-from router.serve import engine_commands, resolve_serve_flags
+from router.serve import engine_commands, feature_channel, resolve_serve_flags
 from spectandem.cli import build_parser
 from spectandem.config import GpuPaths, Platform, resolve_model_flags
 from spectandem.generate_cli import spec_from_flags
@@ -26,7 +26,7 @@ SIZES = [[], ["--max-len", "256", "--kv-blocks", "40", "--draft-kv-blocks", "30"
 OTHER = [[], ["--device", "cuda", "--dtype", "bfloat16", "--num-steps", "3", "--topk", "2", "--num-draft-tokens", "6",
               "--ahead-width", "0", "--draft-sampling-min-temperature", "0.3", "--max-running", "12"],
          ["--device", "cpu", "--dtype", "float64"], ["--device", "cuda:0", "--drafter-device", "cuda:0"],
-         ["--feature-channel"]]
+         ["--feature-channel"], ["--no-feature-channel"], ["--feature-channel", "tcp://127.0.0.1:5999"]]
 PLATFORMS = [Platform(gpus=0, triton=True), Platform(gpus=1, triton=True), Platform(gpus=2, triton=False),
              Platform(gpus=4, triton=True, native=False)]
 
@@ -60,7 +60,7 @@ def test_every_engine_command_line_serve_builds_parses(tmp_path, tls):
             refused += 1
             continue
         serve_paths = GpuPaths.from_args(args)
-        channel = "tcp://127.0.0.1:5999" if args.feature_channel and cfg.method != "none" else None
+        channel = "tcp://127.0.0.1:5999" if feature_channel(args) and cfg.method != "none" else None
         cmds = engine_commands(args, cfg, target, draft, 7001, 7002, channel, args.engine_devices)
         assert set(cmds) == ({"verifier"} if cfg.method == "none" else {"verifier", "drafter"}), argv
         for role, cmd in cmds.items():
@@ -116,3 +116,17 @@ def test_engines_serve_starts_get_their_gpu(gpus, devices):
         assert cmd[cmd.index("--device") + 1] == device
         assert cmd[cmd.index("--dtype") + 1] == "bfloat16"
         assert "--cuda-graphs" in cmd and "--triton-attention" in cmd and "--batch-invariant" not in cmd
+
+
+def test_feature_channel_is_on_by_default_where_serve_starts_both_engines():
+    def resolved(*argv):
+        return feature_channel(build_parser().parse_args(["serve", *argv]))
+
+    assert resolved() == resolved("--backend", "grpc") == resolved("--backend", "ray") == "auto"
+    assert resolved("--backend", "grpc", "--feature-channel") == "auto"
+    assert resolved("--backend", "grpc", "--feature-channel", "tcp://10.0.0.2:29500") == "tcp://10.0.0.2:29500"
+    for off in (["--no-feature-channel"], ["--feature-channel", "off"]):
+        assert resolved("--backend", "grpc", *off) is None and resolved("--backend", "ray", *off) is None
+    assert resolved("--backend", "local") is None
+    assert resolved("--backend", "grpc", "--verifier-address", "h:1") is None
+    assert resolved("--backend", "grpc", "--drafter-address", "h:2") is None

@@ -9,7 +9,10 @@ serve --backend grpc --feature-channel`.
 - the drafter killed mid-stream: every request completes with the same tokens, and the
   verifier's sender reports the channel broken (it then returns features inline);
 - the Ray actors with a channel (start_engines(feature_channel="auto")): the same tokens, and
-  ChannelRefs where object refs went before.
+  ChannelRefs where object refs went before;
+- `serve --backend grpc` opens the channel by default (its payloads in the shared-memory ring,
+  mapped by the drafter) and streams the same greedy tokens as with --no-feature-channel; a
+  channel that cannot come up (its port taken) leaves features to the router, tokens unchanged.
 """
 
 from __future__ import annotations
@@ -186,3 +189,50 @@ def test_ray_actors_with_channel_match_local(prompts):
     _assert_same(got, expected)
     assert not seen.resynced
     assert seen.results and all(isinstance(r.features, ChannelRef) for r in seen.results)
+
+
+SERVE_FLAGS = ["--backend", "grpc", "--max-len", str(MAX_LEN), "--max-running", "4", "--num-steps",
+               str(TREE["num_steps"]), "--topk", str(TREE["topk"]), "--num-draft-tokens", str(TREE["num_draft_tokens"])]
+
+
+def _served_greedy(server: Served, prompts) -> list[list[int]]:
+    return [collect(server.stub, request(ids=p, max_tokens=20))[0] for p in prompts]
+
+
+def _maps_ring(pid: int) -> bool:
+    with open(f"/proc/{pid}/maps") as f:
+        return "spectandem-ring-" in f.read()
+
+
+@pytest.mark.slow
+def test_serve_grpc_opens_the_channel_by_default_and_streams_the_same_tokens_as_without(prompts):
+    (greedy,), _, _ = _local("eagle3", prompts, [SamplingParams(max_tokens=20)] * len(prompts))
+    got = {}
+    for name, flags in (("default", []), ("off", ["--no-feature-channel"])):
+        server = Served(SERVE_FLAGS + flags).wait_ready()
+        try:
+            state = server.run(_channel_state(server.state["verifier"]))
+            drafter_pid = server.state["procs"]["drafter"].pid
+            got[name] = (state, _maps_ring(drafter_pid), _served_greedy(server, prompts))
+        finally:
+            server.close()
+    assert got["default"][:2] == ("up", True)     # the drafter maps the verifier's payload ring
+    assert got["off"][:2] == ("", False)
+    assert got["default"][2] == got["off"][2] == [g.token_ids for g in greedy]
+
+
+@pytest.mark.slow
+def test_serve_grpc_channel_that_cannot_come_up_leaves_features_to_the_router(prompts, caplog):
+    (greedy,), _, _ = _local("eagle3", prompts, [SamplingParams(max_tokens=20)] * len(prompts))
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        address = f"tcp://127.0.0.1:{taken.getsockname()[1]}"
+        with caplog.at_level("WARNING", logger="spectandem.serve"):
+            server = Served(SERVE_FLAGS + ["--feature-channel", address]).wait_ready()
+        try:
+            assert server.run(_channel_state(server.state["verifier"])) == "broken"
+            assert any("features go through the router" in r.getMessage() for r in caplog.records)
+            assert _served_greedy(server, prompts) == [g.token_ids for g in greedy]
+        finally:
+            server.close()
