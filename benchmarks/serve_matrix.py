@@ -284,6 +284,9 @@ def run_matrix(args) -> dict:
                     exact = all(plain.get(i) == ids for i, ids in outs.items()) if plain else None
                     rec = served_record(backend, method, rate, c, result, exact)
                     records.append(rec)
+                    if args.out:   # what is measured so far, should a later step fail
+                        Path(args.out).write_text(json.dumps({"partial": True, "records": records,
+                                                              "engine_reference": reference}, indent=1) + "\n")
                     say(f"  c={c}: {rec['output_tokens_per_s']:.1f} tok/s, accept {rec['accept_length']}, "
                         f"exact {exact}")
             finally:
@@ -334,8 +337,8 @@ def main() -> int:
     p.add_argument("--skip-engine-reference", action="store_true", help="serve only")
     p.add_argument("--out", required=True, help="the JSON written")
     args = p.parse_args()
-    results = run_matrix(args)
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
+    results = run_matrix(args)
     Path(args.out).write_text(json.dumps(results, indent=1) + "\n")
     print(table(results))
     return 0
