@@ -42,10 +42,9 @@ import numpy as np
 import torch
 
 from drafter.graphs import (PAIR_BUCKETS, HeadGraphs, PassStart, _rows_into, catch_up_columns, catch_up_in_pass,
-                            chain_tree, index_views, pack_parts, padded_features, pair_sizes)
+                            chain_tree, index_views, pack_parts, padded_features)
 from drafter.tree import DraftNodes
-from spectandem.config import SpecConfig
-from spectandem.cuda_graphs import BATCH_BUCKETS, batch_bucket, batch_rows, capture_graph, span_bucket, span_buckets
+from spectandem.cuda_graphs import BATCH_BUCKETS, batch_bucket, capture_graph, span_bucket
 from spectandem.devices import device_work_queued, to_device, to_host
 from spectandem.kv_cache import PagedCacheBatch, PagedKVCache
 
@@ -196,8 +195,7 @@ def ahead_forward(head, cache: PagedKVCache, inp: AheadInputs,
 class AheadChainGraphs(HeadGraphs):
     """Chain draft ahead at bucketed static shapes, one CUDA graph per (Bc, span, m, S, W, Tc)
     (Tc = 0: no catch-up inside; else the catch-up's pairs padded up to `PAIR_BUCKETS`), captured
-    at start-up (`ahead_graph_shapes`) or on first use. With `graph=False` the same padded
-    computation runs eagerly (the CPU path)."""
+    lazily. With `graph=False` the same padded computation runs eagerly (the CPU path)."""
 
     def __init__(self, head, cache: PagedKVCache, graph: bool = True,
                  batch_buckets: tuple[int, ...] = BATCH_BUCKETS, pair_buckets: tuple[int, ...] = PAIR_BUCKETS):
@@ -208,6 +206,7 @@ class AheadChainGraphs(HeadGraphs):
         t2d[head.draft_to_target(draft_ids)] = draft_ids
         self.target_to_draft = t2d
         self.pair_buckets = tuple(sorted(pair_buckets))
+        self._captured: dict[tuple, tuple[AheadInputs, "torch.cuda.CUDAGraph", tuple]] = {}
 
     def supports(self, batch: int, max_new: int = 0) -> bool:
         """Batches up to the largest batch bucket; with a catch-up inside (max_new pairs at most
@@ -238,11 +237,14 @@ class AheadChainGraphs(HeadGraphs):
         rows = batch_bucket(b, self.batch_buckets)
         span = span_bucket(max(base) + scratch_entries(m, num_steps, width), self.cache.max_len)
         key = (rows, span, m, num_steps, width, pairs)
-        if not self.graph:
+        if not self.graph or key not in self._captured:
             inp = ahead_inputs(self.cache, slots, base, chains, num_steps, width, rows, span, start, catch_up)
+        if not self.graph:
             packed, hidden, logits = ahead_forward(self.head, self.cache, inp, self.target_to_draft)
         else:
-            static, flat, graph, (packed, hidden, logits) = self._graph_of(key)
+            if key not in self._captured:
+                self._capture(key, inp)
+            static, flat, graph, (packed, hidden, logits) = self._captured[key]
             # The index inputs packed on the host straight into pinned memory, in one copy into
             # the graph's buffer (its fields are views of it); then the features or the start.
             host = torch.empty(flat.numel(), dtype=torch.int64, pin_memory=True)
@@ -258,15 +260,20 @@ class AheadChainGraphs(HeadGraphs):
         device_work_queued()
         return to_host(packed[:b])[0], hidden[:b], logits[:b]
 
-    def _capture(self, key: tuple) -> None:
+    def _capture(self, key: tuple, like: AheadInputs) -> None:
         rows, span, m, num_steps, width, pairs = key
-        # The index fields as views of one buffer; the start and the outputs shared (HeadGraphs).
-        flat, views = self._padding_index(ahead_index_fields(rows, span, m, num_steps, width, pairs),
-                                          AheadInputs.ROW_FIELDS)
-        static = AheadInputs(**views, **self._padding_start(rows, pairs))
+        static = like.like_padding(self.cache.trash_row)
+        # The index fields as views of one buffer, padding as like_padding has it.
+        layout = ahead_index_fields(rows, span, m, num_steps, width, pairs)
+        flat = torch.empty(sum(int(np.prod(shape)) for _, shape in layout), dtype=torch.int64, device=self.device)
+        for name, view in index_views(flat, layout).items():
+            view.copy_(getattr(static, name))
+            setattr(static, name, view)
+        s, dev = self.head.spec, self.device
         # Outputs outside the graphs' pool: a later capture may reuse the pool's memory.
-        outs = [self._shared_buffer("out_packed", (rows, width, 3 + num_steps), torch.long),
-                *self._catch_up_outputs(rows)]
+        outs = [torch.empty(rows, width, 3 + num_steps, dtype=torch.long, device=dev),
+                torch.empty(rows, 1, s.hidden_size, dtype=next(self.head.parameters()).dtype, device=dev),
+                torch.empty(rows, s.draft_vocab_size, device=dev)]
 
         def body():
             for buf, t in zip(outs, ahead_forward(self.head, self.cache, static, self.target_to_draft)):
@@ -275,25 +282,6 @@ class AheadChainGraphs(HeadGraphs):
         if self.pool is None:
             self.pool = torch.cuda.graph_pool_handle()
         self._captured[key] = (static, flat, capture_graph(body, self.pool, self.device), tuple(outs))
-
-
-def ahead_graph_shapes(cfg: SpecConfig, max_slots: int, max_len: int, batch_buckets: tuple[int, ...] = BATCH_BUCKETS,
-                       pair_buckets: tuple[int, ...] = PAIR_BUCKETS) -> list[tuple]:
-    """Every graph key (Bc, span, m, S, W, Tc) `AheadChainGraphs` is asked for by an EagleProposer
-    of `cfg` drafting ahead for at most `max_slots` requests at once in a head cache of `max_len`
-    entries: argmax chains (topk 1) with ahead_width W > 0; chains being verified of m =
-    1..max_draft_nodes drafts (shorter trees: a capped draft depth), outcome chains of S =
-    max_draft_nodes; no catch-up inside (Tc 0) or one of each pair bucket; every span bucket the
-    pass can reach (base + scratch_entries(m, S, W), base at least the catch-up's fewest pairs).
-    Example: num_steps 1, ahead_width 1, max_slots 1, max_len 64, pair buckets (1,) ->
-    (1, 32|64, 1, 1, 1, 0), (1, 32|64, 1, 1, 1, 1)."""
-    steps, width = cfg.max_draft_nodes, cfg.ahead_width
-    if cfg.topk != 1 or width == 0:
-        return []
-    return [(rows, s, m, steps, width, pairs) for rows in batch_rows(max_slots, batch_buckets)
-            for m in range(1, steps + 1)
-            for pairs, fewest in [(0, 0)] + pair_sizes(rows, pair_buckets, prefill_limit=False)
-            for s in span_buckets(max_len, fewest + scratch_entries(m, steps, width) - 1)]
 
 
 def outcome_trees(packed: torch.Tensor, chains: list[list[int]], num_draft_tokens: int) -> list[dict]:

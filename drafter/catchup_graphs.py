@@ -11,12 +11,12 @@ read only the trash row.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
 
 import torch
 
-from drafter.graphs import PAIR_BUCKETS, PREFILL_PAIR_BUCKETS, HeadGraphs, StaticInputs, pair_bucket, pair_sizes
-from spectandem.cuda_graphs import BATCH_BUCKETS, batch_bucket, batch_rows, capture_graph, span_bucket, span_buckets
+from drafter.graphs import PAIR_BUCKETS, PREFILL_PAIR_BUCKETS, HeadGraphs, StaticInputs, pair_bucket
+from spectandem.cuda_graphs import BATCH_BUCKETS, batch_bucket, capture_graph, span_bucket
 from spectandem.devices import to_device
 from spectandem.kv_cache import PagedCacheBatch, PagedKVCache
 
@@ -72,14 +72,15 @@ def catch_up_forward(head, cache: PagedKVCache, inp: CatchUpInputs, span: int) -
 
 
 class CatchUpGraphs(HeadGraphs):
-    """Catch-ups at bucketed static shapes, one CUDA graph per (Bc, Tc, S), captured at start-up
-    (`catch_up_graph_shapes`) or on first use. With `graph=False` the same padded computation
-    runs eagerly (testable on CPU)."""
+    """Catch-ups at bucketed static shapes, one CUDA graph per (Bc, Tc, S), captured lazily. With
+    `graph=False` the same padded computation runs eagerly (testable on CPU)."""
 
     def __init__(self, head, cache: PagedKVCache, graph: bool = True, batch_buckets: tuple[int, ...] = BATCH_BUCKETS,
                  pair_buckets: tuple[int, ...] = PAIR_BUCKETS + PREFILL_PAIR_BUCKETS):
         super().__init__(head, cache, graph, batch_buckets)
         self.pair_buckets = tuple(sorted(pair_buckets))
+        self._captured: dict[tuple, tuple[CatchUpInputs, "torch.cuda.CUDAGraph"]] = {}
+        self._outputs: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}   # Bc -> ([Bc, 1, H], [Bc, 1, Vd])
 
     def supports(self, batch: int, max_new: int) -> bool:
         """Batches up to the largest batch bucket, at most the largest pair bucket per request."""
@@ -98,28 +99,27 @@ class CatchUpGraphs(HeadGraphs):
         if not self.graph:
             hidden, logits = catch_up_forward(self.head, self.cache, inp, span)
             return hidden[:b], logits[:b]
-        static, graph = self._graph_of((rows, pairs, span))
+        key = (rows, pairs, span)
+        if key not in self._captured:
+            self._capture(key, inp)
+        static, graph = self._captured[key]
         static.copy_(inp)
         self.cache.sync_device_tables()   # the graph maps its rows through the device block tables
         graph.replay()
-        hidden, logits = self._outputs(rows)
+        hidden, logits = self._outputs[rows]
         # One copy each: every graph of this Bc replays into these buffers.
         return hidden[:b].clone(), logits[:b].clone()
 
-    def _outputs(self, rows: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """The output buffers of every graph of Bc rows: ([Bc, 1, H], [Bc, 1, Vd] float32)."""
-        hidden, logits = self._catch_up_outputs(rows)
-        return hidden, logits[:, None]
-
-    def _capture(self, key: tuple) -> None:
+    def _capture(self, key: tuple, like: CatchUpInputs) -> None:
         rows, pairs, span = key
         # All zeros: every row padding (0 pairs), so warm-up and capture touch only the trash row.
-        # Shared by the graphs of every span of (Bc, Tc): a replay copies its inputs in whole first.
-        long = lambda name, *shape: self._shared_buffer(name, shape, torch.long)
-        static = CatchUpInputs(long("token_ids", rows, pairs),
-                               self._shared_buffer("features", (rows, pairs, self.head.spec.feature_size)),
-                               long("base", rows), long("num_new", rows), long("slots", rows))
-        out_hidden, out_logits = self._outputs(rows)
+        static = CatchUpInputs(*(torch.zeros_like(getattr(like, f.name)) for f in fields(like)))
+        if rows not in self._outputs:
+            s = self.head.spec
+            dtype = next(self.head.parameters()).dtype
+            self._outputs[rows] = (torch.empty(rows, 1, s.hidden_size, dtype=dtype, device=self.device),
+                                   torch.empty(rows, 1, s.draft_vocab_size, device=self.device))
+        out_hidden, out_logits = self._outputs[rows]
 
         def body():
             hidden, logits = catch_up_forward(self.head, self.cache, static, span)
@@ -129,14 +129,3 @@ class CatchUpGraphs(HeadGraphs):
         if self.pool is None:
             self.pool = torch.cuda.graph_pool_handle()
         self._captured[key] = (static, capture_graph(body, self.pool, self.device))
-
-
-def catch_up_graph_shapes(max_slots: int, max_len: int, batch_buckets: tuple[int, ...] = BATCH_BUCKETS,
-                          pair_buckets: tuple[int, ...] = PAIR_BUCKETS + PREFILL_PAIR_BUCKETS) -> list[tuple]:
-    """Every graph key (Bc, Tc, S) `CatchUpGraphs.run` is asked for with at most `max_slots`
-    requests in a head cache of `max_len` entries: each batch bucket, each pair bucket its rows
-    take (`pair_bucket`), and every span bucket a catch-up of that many pairs can reach (its
-    longest request ends past the bucket below Tc). Example: max_slots 1, max_len 100, pair
-    buckets (1, 64) -> (1, 1, 32|64|100), (1, 64, 32|64|100)."""
-    return [(rows, pairs, s) for rows in batch_rows(max_slots, batch_buckets)
-            for pairs, fewest in pair_sizes(rows, pair_buckets) for s in span_buckets(max_len, fewest - 1)]

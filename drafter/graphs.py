@@ -17,15 +17,13 @@ a chain's graph can run a catch-up first (`catch_up_in_pass`).
 
 from __future__ import annotations
 
-import logging
 from dataclasses import dataclass, fields
 
 import numpy as np
 import torch
 
 from drafter.tree import DraftNodes
-from spectandem.config import SpecConfig
-from spectandem.cuda_graphs import BATCH_BUCKETS, batch_bucket, batch_rows, capture_graph, span_bucket, span_buckets
+from spectandem.cuda_graphs import BATCH_BUCKETS, batch_bucket, capture_graph, span_bucket
 from spectandem.devices import device_work_queued, to_device
 from spectandem.kv_cache import PagedCacheBatch, PagedKVCache
 
@@ -47,22 +45,6 @@ def pair_bucket(rows: int, max_new: int, buckets: tuple[int, ...]) -> int | None
     if pairs is None or (pairs > PAIR_BUCKETS[-1] and rows * pairs > PREFILL_PAIR_ROWS):
         return None
     return pairs
-
-
-def pair_sizes(rows: int, buckets: tuple[int, ...], prefill_limit: bool = True) -> list[tuple[int, int]]:
-    """The pair buckets a catch-up in a graph of `rows` rows pads to, each with the fewest pairs
-    its longest request has there (one past the bucket below): [(Tc, fewest)]. `prefill_limit`:
-    `pair_bucket`'s cap on rows * Tc past PAIR_BUCKETS. Example: rows 1, (1, 2, 4) ->
-    [(1, 1), (2, 2), (4, 3)]."""
-    out, below = [], 0
-    for pairs in sorted(buckets):
-        if not prefill_limit or pair_bucket(rows, pairs, buckets) == pairs:
-            out.append((pairs, below + 1))
-        below = pairs
-    return out
-
-
-log = logging.getLogger("spectandem.drafter")
 
 
 class StaticInputs:
@@ -266,14 +248,7 @@ def chain_tree(token_ids: torch.Tensor, num_draft_tokens: int) -> DraftNodes:
 
 class HeadGraphs:
     """What the head's graph families share: the head and its cache, graphs or the same padded
-    computation eagerly (`graph=False`, the CPU path), batch buckets, one memory pool, the
-    captured graphs by key, and the buffers graphs of one family share.
-
-    `capture(key)` captures a key's graph from the key alone (every row padding), so a family's
-    start-up set (its `*_graph_shapes` function) is captured before serving (EagleProposer.warm_up);
-    after that (`warmed`) a graph still missing is captured on first use with a warning naming
-    its key. Inputs and outputs are shared where only their shapes tell graphs apart (a replay
-    overwrites its inputs whole first, and its outputs are copied or read before the next)."""
+    computation eagerly (`graph=False`, the CPU path), batch buckets and one memory pool."""
 
     def __init__(self, head, cache: PagedKVCache, graph: bool = True,
                  batch_buckets: tuple[int, ...] = BATCH_BUCKETS):
@@ -282,64 +257,7 @@ class HeadGraphs:
         if graph and self.device.type != "cuda":
             raise ValueError(f"CUDA graphs need a CUDA device, the draft cache is on {self.device}")
         self.batch_buckets = tuple(sorted(batch_buckets))
-        self.dtype = next(head.parameters()).dtype
         self.pool = None
-        self.warmed = False
-        self._captured: dict[tuple, tuple] = {}
-        self._shared: dict[tuple, object] = {}
-
-    def capture(self, key: tuple) -> None:
-        """Captures the graph of `key` (the family's key layout) unless it is captured."""
-        if key not in self._captured:
-            self._capture(key)
-
-    def _graph_of(self, key: tuple) -> tuple:
-        """The captured graph of `key`, captured now where it is not; after warm-up that logs a
-        warning (the start-up set missed it: the capture stalls this step)."""
-        if key not in self._captured:
-            if self.warmed:
-                log.warning("drafter: %s captured a CUDA graph while serving, key %s (not in the start-up set)",
-                            type(self).__name__, key)
-            self._capture(key)
-        return self._captured[key]
-
-    def _shared_buffer(self, name: str, shape: tuple[int, ...], dtype: torch.dtype | None = None) -> torch.Tensor:
-        """A zeroed buffer, one per (name, shape, dtype) for every graph of this family."""
-        key = (name, shape, dtype or self.dtype)
-        if key not in self._shared:
-            self._shared[key] = torch.zeros(shape, dtype=dtype or self.dtype, device=self.device)
-        return self._shared[key]
-
-    def _padding_index(self, layout: list[tuple[str, tuple[int, ...]]],
-                       row_fields: frozenset) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
-        """A pass's packed index buffer (`index_views` layout) with every row padding: the trash
-        row in the fields of physical rows, zeros elsewhere -> (buffer, its fields' views)."""
-        flat = torch.zeros(sum(int(np.prod(shape)) for _, shape in layout), dtype=torch.int64, device=self.device)
-        views = index_views(flat, layout)
-        for name, view in views.items():
-            if name in row_fields:
-                view.fill_(self.cache.trash_row)
-        return flat, views
-
-    def _padding_start(self, rows: int, pairs: int) -> dict[str, torch.Tensor]:
-        """A pass's start (PassStart) with every row padding, shared by the family's graphs of
-        (Bc, Tc): the catch-up's features [Bc, Tc, F] where it runs one (pairs > 0), else the
-        catch-up's logits [Bc, Vd] float32 and hidden [Bc, 1, H]."""
-        s = self.head.spec
-        if pairs:
-            return {"cu_features": self._shared_buffer("cu_features", (rows, pairs, s.feature_size))}
-        return {"first_logits": self._shared_buffer("first_logits", (rows, s.draft_vocab_size), torch.float32),
-                "hidden": self._shared_buffer("hidden", (rows, 1, s.hidden_size))}
-
-    def _catch_up_outputs(self, rows: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """Output buffers of a pass's catch-up, shared by the family's graphs of Bc rows: its
-        hidden [Bc, 1, H] and logits [Bc, Vd] float32."""
-        s = self.head.spec
-        return (self._shared_buffer("out_hidden", (rows, 1, s.hidden_size)),
-                self._shared_buffer("out_logits", (rows, s.draft_vocab_size), torch.float32))
-
-    def _capture(self, key: tuple) -> None:
-        raise NotImplementedError
 
 
 class ChainGraphs(HeadGraphs):
@@ -352,6 +270,7 @@ class ChainGraphs(HeadGraphs):
                  pair_buckets: tuple[int, ...] = PAIR_BUCKETS + PREFILL_PAIR_BUCKETS):
         super().__init__(head, cache, graph, batch_buckets)
         self.pair_buckets = tuple(sorted(pair_buckets))
+        self._captured: dict[tuple, tuple[ChainInputs, "torch.cuda.CUDAGraph", tuple]] = {}
 
     def supports(self, batch: int, topk: int, sampled: bool, num_steps: int, max_new: int = 0) -> bool:
         """Argmax chains of at least one head step, batch up to the largest bucket; with a
@@ -383,11 +302,14 @@ class ChainGraphs(HeadGraphs):
         rows = batch_bucket(b, self.batch_buckets)
         span = span_bucket(max(base) + num_steps - 1, self.cache.max_len)
         key = (rows, span, num_steps, pairs)
-        if not self.graph:
+        if not self.graph or key not in self._captured:
             inp = chain_inputs(self.cache, slots, base, num_steps, rows, span, start, catch_up)
+        if not self.graph:
             toks, hidden, logits = chain_forward(self.head, self.cache, inp)
         else:
-            static, flat, graph, (toks, hidden, logits) = self._graph_of(key)
+            if key not in self._captured:
+                self._capture(key, inp)
+            static, flat, graph, (toks, hidden, logits) = self._captured[key]
             # The index inputs packed on the host straight into pinned memory, in one copy into
             # the graph's buffer (its fields are views of it); then the features or the start.
             host = torch.empty(flat.numel(), dtype=torch.int64, pin_memory=True)
@@ -406,12 +328,19 @@ class ChainGraphs(HeadGraphs):
         device_work_queued()
         return toks[:b], hidden[:b], logits[:b]
 
-    def _capture(self, key: tuple) -> None:
+    def _capture(self, key: tuple, like: ChainInputs) -> None:
         rows, span, num_steps, pairs = key
-        # The index fields as views of one buffer; the start and the outputs shared (HeadGraphs).
-        flat, views = self._padding_index(chain_index_fields(rows, span, num_steps, pairs), ChainInputs.ROW_FIELDS)
-        static = ChainInputs(**views, **self._padding_start(rows, pairs))
-        outs = (self._shared_buffer("out_tokens", (rows, num_steps), torch.long), *self._catch_up_outputs(rows))
+        static = like.like_padding(self.cache.trash_row)
+        # The index fields as views of one buffer, padding as like_padding has it.
+        layout = chain_index_fields(rows, span, num_steps, pairs)
+        flat = torch.empty(sum(int(np.prod(shape)) for _, shape in layout), dtype=torch.int64, device=self.device)
+        for name, view in index_views(flat, layout).items():
+            view.copy_(getattr(static, name))
+            setattr(static, name, view)
+        s = self.head.spec
+        outs = (torch.empty(rows, num_steps, dtype=torch.long, device=self.device),
+                torch.empty(rows, 1, s.hidden_size, dtype=next(self.head.parameters()).dtype, device=self.device),
+                torch.empty(rows, s.draft_vocab_size, device=self.device))
 
         def body():
             for buf, t in zip(outs, chain_forward(self.head, self.cache, static)):
@@ -420,28 +349,6 @@ class ChainGraphs(HeadGraphs):
         if self.pool is None:
             self.pool = torch.cuda.graph_pool_handle()
         self._captured[key] = (static, flat, capture_graph(body, self.pool, self.device), outs)
-
-
-def chain_graph_shapes(cfg: SpecConfig, max_slots: int, max_len: int, batch_buckets: tuple[int, ...] = BATCH_BUCKETS,
-                       pair_buckets: tuple[int, ...] = PAIR_BUCKETS + PREFILL_PAIR_BUCKETS) -> list[tuple]:
-    """Every graph key (Bc, S, num_steps, Tc) `ChainGraphs` is asked for by an EagleProposer of
-    `cfg` with at most `max_slots` requests drafting at once in a head cache of `max_len` entries:
-    argmax chains only (topk 1), of 2..cfg.num_steps steps (a draft's depth may be capped below
-    the configured one: `DrafterEngine.draft`'s num_steps), with no catch-up inside (Tc 0) or
-    one of each pair bucket its rows take; every span bucket a chain of that start can reach
-    (base + num_steps - 1 entries, base at least the catch-up's fewest pairs). Draft-ahead
-    forks draft argmax chains (drafter/ahead.py `_fill_outcomes`) only for groups of chains
-    past the largest batch bucket, where every bucket is in the set.
-    Example: num_steps 2, max_slots 1, max_len 32, pair buckets (1, 2) ->
-    (1, 32, 2, 0), (1, 32, 2, 1), (1, 32, 2, 2)."""
-    if cfg.topk != 1 or cfg.num_steps < 2:
-        return []
-    out = []
-    for rows in batch_rows(max_slots, batch_buckets):
-        for steps in range(2, cfg.num_steps + 1):
-            for pairs, fewest in [(0, 0)] + pair_sizes(rows, pair_buckets):
-                out += [(rows, s, steps, pairs) for s in span_buckets(max_len, fewest + steps - 2)]
-    return out
 
 
 def _rows_into(static: torch.Tensor, parts: list[torch.Tensor]) -> None:

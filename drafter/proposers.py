@@ -14,9 +14,9 @@ from typing import Protocol
 
 import torch
 
-from drafter.ahead_chains import AheadChainGraphs, ahead_graph_shapes, outcome_trees, scratch_entries
-from drafter.catchup_graphs import CatchUpGraphs, catch_up_forward, catch_up_graph_shapes, catch_up_inputs
-from drafter.graphs import ChainGraphs, HeadGraphs, chain_graph_shapes
+from drafter.ahead_chains import AheadChainGraphs, outcome_trees, scratch_entries
+from drafter.catchup_graphs import CatchUpGraphs, catch_up_forward, catch_up_inputs
+from drafter.graphs import ChainGraphs
 from drafter.heads import DraftHead
 from drafter.tree import DraftNodes, draft_tree
 from spectandem.config import SamplingParams, SpecConfig
@@ -156,7 +156,7 @@ class EagleProposer:
 
     def __init__(self, head: DraftHead, cfg: SpecConfig, max_slots: int, max_len: int,
                  kv_blocks: int | None = None, block_size: int = 16, cuda_graphs: bool = False):
-        self.head, self.cfg, self.max_slots = head, cfg, max_slots
+        self.head, self.cfg = head, cfg
         self.feature_layers = head.spec.aux_layers if head.spec.kind == "eagle3" else "final"
         s = head.spec
         self.dtype = next(head.parameters()).dtype
@@ -172,31 +172,6 @@ class EagleProposer:
         self.chain = ChainGraphs(head, self.cache) if cuda_graphs else None
         self.catch_up_graphs = CatchUpGraphs(head, self.cache) if cuda_graphs else None
         self.ahead_graphs = AheadChainGraphs(head, self.cache, graph=cuda_graphs) if cfg.topk == 1 else None
-
-    def graph_shapes(self) -> list[tuple[HeadGraphs, list[tuple]]]:
-        """Each graph family this proposer replays (those with graphs) and the keys it asks it for
-        while serving: catch-ups, argmax chains, chain draft ahead (each family's `*_graph_shapes`)."""
-        max_len = self.cache.max_len
-        families = [(self.catch_up_graphs, lambda g: catch_up_graph_shapes(self.max_slots, max_len, g.batch_buckets,
-                                                                           g.pair_buckets)),
-                    (self.chain, lambda g: chain_graph_shapes(self.cfg, self.max_slots, max_len, g.batch_buckets,
-                                                              g.pair_buckets)),
-                    (self.ahead_graphs, lambda g: ahead_graph_shapes(self.cfg, self.max_slots, max_len,
-                                                                     g.batch_buckets, g.pair_buckets))]
-        return [(g, shapes(g)) for g, shapes in families if g is not None and g.graph]
-
-    def warm_up(self, progress=None) -> None:
-        """Captures every graph of `graph_shapes` now, so none is captured while serving (one
-        that still is logs a warning naming its key), reporting "capturing CUDA graphs: i/total"
-        to `progress`; nothing without CUDA graphs (the CPU)."""
-        families = self.graph_shapes()
-        todo = [(g, key) for g, keys in families for key in keys if key not in g._captured]
-        for i, (g, key) in enumerate(todo, 1):
-            g.capture(key)
-            if progress is not None and (i == len(todo) or i % 10 == 0):
-                progress(f"capturing CUDA graphs: {i}/{len(todo)}")
-        for g, _ in families:
-            g.warmed = True
 
     @torch.no_grad()
     def catch_up(self, reqs, num_new, features):

@@ -32,20 +32,6 @@ def span_bucket(span: int, max_len: int) -> int:
     return min(max(MIN_SPAN, 1 << (span - 1).bit_length()), max_len)
 
 
-def batch_rows(max_batch: int, buckets: tuple[int, ...] = BATCH_BUCKETS) -> list[int]:
-    """The buckets a step of at most `max_batch` rows pads to: every bucket up to max_batch's
-    (all of them when max_batch is past the largest). Example: 3 -> [1, 2, 4]."""
-    top = batch_bucket(max_batch, buckets)
-    return [b for b in sorted(buckets) if top is None or b <= top]
-
-
-def span_buckets(max_len: int, above: int = 0) -> list[int]:
-    """Every span bucket a step over more than `above` and at most `max_len` entries runs over,
-    ascending. Example: max_len 100 -> [32, 64, 100]; above 40 -> [64, 100]; above 100 -> []."""
-    every = {span_bucket(min(1 << k, max_len), max_len) for k in range(max_len.bit_length() + 1)}
-    return sorted(s for s in every if s > above)
-
-
 _CAPTURE_LOCK = threading.Lock()
 
 

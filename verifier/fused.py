@@ -11,8 +11,6 @@ catch-up logits.
 target's forward over the two nodes, the greedy verdict, the head's forward over both possible
 pairs, and the next draft, chosen on the device. On the GPU it is one CUDA graph replay per
 round; `graph=False` runs the same computation eagerly (the CPU tests compare it with FusedStep).
-Its graphs are captured on first use, not at start-up: only `spectandem generate --fused` runs
-fused rounds (`LocalSpeculator.generate`); `spectandem serve` has no fused mode.
 
 Why both pairs: with root token t and draft x at positions L-1 and L, the target's argmax a0
 after the root equals x exactly when x is accepted. The head then absorbs (f0, a0) and, only

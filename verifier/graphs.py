@@ -37,20 +37,17 @@ shapes: a step whose B fills its bucket is the eager step bit for bit.
 
 from __future__ import annotations
 
-import logging
 from dataclasses import dataclass
 
 import torch
 
-from spectandem.cuda_graphs import (BATCH_BUCKETS, batch_bucket, batch_rows, capture_graph, span_bucket,
-                                   span_buckets)
+from spectandem.cuda_graphs import BATCH_BUCKETS, batch_bucket, capture_graph, span_bucket
 from spectandem.devices import to_device
 from spectandem.kv_cache import PagedCacheBatch, PagedKVCache
 from spectandem.tree import tree_shape
 from verifier.tree_inputs import TreeVerifyInputs, copy_fields, host_tree_inputs, padding_tree_flat, tree_inputs_on
 
 FeatureSpec = None | str | tuple[int, ...]
-log = logging.getLogger("spectandem.verifier")
 
 
 @dataclass
@@ -147,8 +144,7 @@ class _Captured:
 
 class VerifyGraphs:
     """Verify steps at bucketed static shapes, one CUDA graph per (Bc, N, S, feature spec),
-    captured at start-up (`warm_up`) or on first use; after warm-up, a capture on first use logs
-    a warning naming its key. With `graph=False` the same padded computation runs eagerly
+    captured lazily on first use. With `graph=False` the same padded computation runs eagerly
     (the CPU-testable "static eager" path). `tree_attention`: the steps attend through the Triton
     tree attention (TreeVerifyInputs, PagedTreeBatch); one graph per (Bc, N, feature spec)."""
 
@@ -160,7 +156,6 @@ class VerifyGraphs:
             raise ValueError(f"CUDA graphs need a CUDA device, the cache is on {self.device}")
         self.batch_buckets = tuple(sorted(batch_buckets))
         self.pool = None                                   # one memory pool, made at the first capture
-        self.warmed = False                                # warm_up ran: a later capture is a miss
         self._captured: dict[tuple, _Captured] = {}
         self._outputs: dict[tuple, VerifyStep] = {}        # (Bc, N, feature spec) -> static outputs
 
@@ -175,7 +170,6 @@ class VerifyGraphs:
             self._capture(rows, n, span, layers)
             if progress is not None and (i == len(todo) or i % 10 == 0):
                 progress(f"capturing CUDA graphs: {i}/{len(todo)}")
-        self.warmed = True
 
     def run(self, slots: list[int], cache_lens: list[int], token_ids: torch.Tensor, parents: torch.Tensor,
             node_valid: torch.Tensor, feature_layers: FeatureSpec,
@@ -207,9 +201,6 @@ class VerifyGraphs:
             return VerifyStep(logits, feats, logits.argmax(-1)).rows(b)
         step = self._captured.get((rows, n, span, feature_layers))
         if step is None:
-            if self.warmed:
-                log.warning("verifier: VerifyGraphs captured a CUDA graph while serving, key %s (not in the "
-                            "start-up set)", (rows, n, span, feature_layers))
             step = self._capture(rows, n, span, feature_layers)
         if inp is None:
             step.flat.copy_(flat, non_blocking=True)   # the step's inputs, in one copy
@@ -259,8 +250,11 @@ def verify_graph_shapes(max_slots: int, widths: list[int], max_len: int, feature
     `max_slots` rows, N in `widths` and any cache length: the batch buckets up to max_slots's,
     and every span bucket up to max_len (None with the tree attention, which reads lengths on the
     device). Example: max_slots 3, widths [5], max_len 100, [None] -> (1|2|4, 5, 32|64|100, None)."""
-    rows = batch_rows(max_slots, batch_buckets)
-    spans: list[int | None] = [None] if tree_attention else span_buckets(max_len)
+    top = batch_bucket(max_slots, batch_buckets)
+    rows = [b for b in batch_buckets if top is None or b <= top]
+    spans: list[int | None] = [None]
+    if not tree_attention:
+        spans = sorted({span_bucket(s, max_len) for s in [min(1 << k, max_len) for k in range(max_len.bit_length() + 1)]})
     return [(r, n, s, f) for r in rows for n in sorted(set(widths)) if n <= max_len for s in spans
             if s is None or s >= n for f in feature_specs]
 
