@@ -117,7 +117,7 @@ def engine_reference_llama8b(target, head, device: str, rates: list[float], batc
 
     gpu = GpuPaths(cuda_graphs=True, triton_attention=True) if device.startswith("cuda") else GpuPaths()
     runs = ControlledRuns(target, head, device, max_slots=max(batch_sizes), num_prompts=max(batch_sizes),
-                          prompt_len=64, max_tokens=max_tokens, num_steps=4, seed=seed, gpu=gpu)
+                          prompt_len=128, max_tokens=max_tokens, num_steps=4, seed=seed, gpu=gpu)
     out = []
     for r in bench_controlled(runs, rates, batch_sizes, None):
         out.append({"method": "none" if r["method"] == "none" else "eagle3", "acceptance_rate": r["acceptance_rate"],
