@@ -160,6 +160,31 @@ class Router:
         self._wake.set()
         return req
 
+    async def warm_up(self, batch_sizes: list[int], vocab_size: int, max_tokens: int = 128, say=None) -> None:
+        """Runs greedy requests at each batch size in turn (prompts of several lengths), so that the
+        engines capture the graphs of every batch bucket and "auto" meets each of its modes once
+        before the first client does; then forgets what "auto" measured (those rounds paid for the
+        captures) and the counters. Serving's start (router/serve.py), before the port opens."""
+        lengths = (16, 48, 96, 200)
+        for i, b in enumerate(batch_sizes, 1):
+            if say is not None:
+                say(f"warming up: {b} requests at once ({i}/{len(batch_sizes)})")
+            reqs = []
+            for j in range(b):
+                n = lengths[j % len(lengths)]
+                prompt = [1 + (7 * j + 13 * k) % (vocab_size - 1) for k in range(n)]
+                reqs.append(self.submit(prompt, SamplingParams(max_tokens=max_tokens, ignore_eos=True, seed=j),
+                                        f"warm-up-{b}-{j}"))
+            for r in reqs:
+                while True:
+                    ev = await r.events.get()
+                    if ev.finish_reason is not None:
+                        break
+                if r.status is not RequestStatus.FINISHED:
+                    raise RuntimeError(f"a warm-up request did not finish ({r.status.value}): serving would fail too")
+        self._modes = ModeChooser(self.cfg)
+        self.counters = RouterCounters()
+
     def in_use(self, request_id: str) -> bool:
         """Whether a request that has not ended uses this id."""
         return request_id in self._live

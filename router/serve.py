@@ -95,6 +95,10 @@ def add_serve(sub) -> None:
                         "router/links_local.py LocalLinkTuning: chained_verify, drafter_first_s, launch_first_s, "
                         "launch_missed, launch_missed_early, ahead_after_miss, prepare_launch, switch_interval_s; "
                         "default: none changed)")
+    p.add_argument("--warm-up", action=argparse.BooleanOptionalAction, default=None,
+                   help="before serving, run greedy requests at each batch size up to --max-running (1, 2, 4, ... "
+                        "64), so that every CUDA graph of those batches is captured and the pipeline modes are met "
+                        "before the first client (default: on when the verifier runs on a GPU)")
     p.add_argument("--log-level", type=str.upper, choices=["DEBUG", "INFO", "WARNING", "ERROR", "CRITICAL"],
                    default=None, help="logging level (default: $SPECTANDEM_LOG_LEVEL, else WARNING)")
     add_ops_flags(p)
@@ -482,6 +486,10 @@ async def serve_async(args, ready_message=True, stop_event: asyncio.Event | None
         v, d = pairs[0]
         supervisor.watch()   # from here on an engine process that exits is restarted
         router.start()
+        if warm_up_wanted(args):
+            sizes = [b for b in WARM_UP_BATCHES if b <= args.max_running]
+            for r in routers:
+                await r.warm_up(sizes, int(tcfg["vocab_size"]), min(128, vinfo.max_len // 4), say)
         limits = Limits(max_context=vinfo.max_len, vocab_size=int(tcfg["vocab_size"]),
                         max_prompt_chars=prompt_char_limit(tokenizer, vinfo.max_len))
         info = dict(target_model=Path(target).name, draft_model=Path(draft).name if draft else "",
@@ -541,6 +549,17 @@ async def serve_async(args, ready_message=True, stop_event: asyncio.Event | None
     if fatal:
         raise EngineStartError(f"the {', '.join(fatal)} stayed down after {args.engine_restarts} restarts within "
                                f"{args.engine_restart_window:.0f} s (--engine-restarts, --engine-restart-window)")
+
+
+WARM_UP_BATCHES = (1, 2, 4, 8, 16, 32, 64)   # the engines' CUDA graph batch buckets (spectandem/cuda_graphs.py)
+
+
+def warm_up_wanted(args) -> bool:
+    """--warm-up, by default on where the verifier runs on a GPU (its graphs and the drafter's
+    are captured as each batch bucket first runs: better before the first client than during)."""
+    if args.warm_up is not None:
+        return args.warm_up
+    return str(getattr(args, "engine_devices", (args.device,))[0]).startswith("cuda")
 
 
 RAY_GCS_WAIT_VAR = "RAY_gcs_server_port_wait_time_s"   # Ray's own setting, read by ray.init

@@ -1,0 +1,21 @@
+"""serve --warm-up: requests at each batch size before the port opens; what they did is forgotten."""
+
+from spectandem.v1 import generation_pb2
+from tests.router.conftest import Served, request
+
+
+def test_warm_up_runs_each_batch_size_before_serving_and_leaves_clean_counters():
+    server = Served(["--backend", "local", "--warm-up", "--max-running", "2", "--max-len", "512"]).wait_ready(300)
+    try:
+        router = server.state["router"]
+        assert router.num_active == 0
+        stats = server.stub.GetServerStats(generation_pb2.GetServerStatsRequest())
+        assert stats.requests_finished == 0 and stats.rounds == 0
+        assert router._modes.rates_for(1) == {} and router._modes.rates_for(2) == {}
+        # the warm-up's requests went through both engines and were released there
+        assert server.slots_in_use() == (0, 0)
+        chunks = list(server.stub.Generate(request(text="def f(x):\n", max_tokens=8, ignore_eos=True), timeout=120))
+        assert sum(len(c.token_ids) for c in chunks) == 8
+        assert server.stub.GetServerStats(generation_pb2.GetServerStatsRequest()).requests_finished == 1
+    finally:
+        server.close()
