@@ -210,13 +210,13 @@ def outputs_of(result: dict) -> dict[int, list[int]]:
     return {o["prompt_index"]: o["output_token_ids"] for o in result["requests"] if o.get("ok")}
 
 
-def served_record(backend: str, method: str, rate, concurrency: int, result: dict, exact) -> dict:
+def served_record(backend: str, method: str, rate, concurrency: int, result: dict, exact, serve_args: str = "") -> dict:
     return {"backend": backend, "method": method, "acceptance_rate": rate, "concurrency": concurrency,
             "output_tokens_per_s": round(result["output_throughput"], 1),
             "ttft_ms_p50": result["p50_ttft_ms"], "tpot_ms_p50": result["p50_tpot_ms"],
             "itl_ms_p50": result["p50_itl_ms"], "itl_ms_p99": result["p99_itl_ms"],
             "accept_length": result.get("acceptance_length"), "exact": exact,
-            "completed": result.get("completed"), "failed": result.get("failed")}
+            "completed": result.get("completed"), "failed": result.get("failed"), "serve_args": serve_args}
 
 
 def run_matrix(args) -> dict:
@@ -243,7 +243,7 @@ def run_matrix(args) -> dict:
         if device.startswith("cuda"):
             torch.cuda.empty_cache()
         model = ["--target", str(tdir), "--draft", str(hdir)]
-        methods = [("none", None)] + [("eagle3", a) for a in rates]
+        methods = ([] if args.no_plain else [("none", None)]) + [("eagle3", a) for a in rates]
     else:
         from spectandem.demo import demo_paths
 
@@ -261,7 +261,7 @@ def run_matrix(args) -> dict:
     for backend in backends:
         plain: dict[int, list[int]] = {}
         for method, rate in methods:
-            argv = model + ["--backend", backend, "--method", method] + (["--device", args.device] if args.device else [])
+            argv = model + ["--backend", backend, "--method", method, "--http-port", "0", "--metrics-port", "0"] + (["--device", args.device] if args.device else [])
             if rate is not None:
                 argv += ["--benchmark-acceptance-rate", str(rate)]
             argv += shlex.split(args.serve_args)
@@ -282,7 +282,7 @@ def run_matrix(args) -> dict:
                     if method == "none":
                         plain.update(outs)
                     exact = all(plain.get(i) == ids for i, ids in outs.items()) if plain else None
-                    rec = served_record(backend, method, rate, c, result, exact)
+                    rec = served_record(backend, method, rate, c, result, exact, args.serve_args)
                     records.append(rec)
                     if args.out:   # what is measured so far, should a later step fail
                         Path(args.out).write_text(json.dumps({"partial": True, "records": records,
@@ -318,7 +318,12 @@ def table(results: dict) -> str:
     return "\n".join(lines)
 
 
+def _terminated(signum, frame):
+    raise SystemExit(128 + signum)   # the running server is stopped on the way out (Server.stop)
+
+
 def main() -> int:
+    signal.signal(signal.SIGTERM, _terminated)
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--pair", choices=["llama8b", "demo"], default="llama8b", help="the models served (default: llama8b)")
     p.add_argument("--scale", choices=["full", "tiny"], default="full", help="llama8b: the 8B shapes or a tiny copy")
@@ -334,6 +339,7 @@ def main() -> int:
     p.add_argument("--seed", type=int, default=0, help="the random weights' seed (default: 0)")
     p.add_argument("--workdir", default=None, help="where the pair and the logs go (default: a temporary folder)")
     p.add_argument("--start-timeout", type=float, default=600.0, help="seconds a server may take to start")
+    p.add_argument("--no-plain", action="store_true", help="llama8b: the controlled rates only, no --method none server")
     p.add_argument("--skip-engine-reference", action="store_true", help="serve only")
     p.add_argument("--out", required=True, help="the JSON written")
     args = p.parse_args()

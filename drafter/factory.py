@@ -78,7 +78,8 @@ def _sized_config(config: EngineConfig, target, context: int, progress) -> Engin
     draft of every slot), its peak allocation measured, and the blocks the rest of the budget
     holds (at most every slot at full context) chosen. Unchanged on the CPU, with
     draft_kv_blocks given, and for n-gram drafting (no cache)."""
-    if config.draft_kv_blocks is not None or not config.device.startswith("cuda") or config.spec.method == "ngram":
+    if (config.draft_kv_blocks is not None or not config.device.startswith("cuda") or config.spec.method == "ngram"
+            or config.gpu_memory_utilization is None):
         return config
     import torch
 

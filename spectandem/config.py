@@ -314,11 +314,12 @@ class EngineConfig:
     target_dir: the target checkpoint (the drafter's EAGLE heads take its embeddings and lm_head;
     n-gram drafting may go without). draft_dir: the head or draft model. max_slots: requests held
     at once. max_len: context length (None: the target's). dtype: a torch dtype's name. kv_blocks /
-    draft_kv_blocks: the verifier's / drafter's KV pool in blocks (None: every slot at full
-    context on the CPU; on CUDA sized from the memory budget: spectandem/memory.py). block_size: cache
+    draft_kv_blocks: the verifier's / drafter's KV pool in blocks (None: on CUDA with
+    gpu_memory_utilization given, sized from the memory budget, spectandem/memory.py; else every
+    slot at full context). block_size: cache
     entries per KV block (both). force_hf_target: the target runs on transformers even where a
     native implementation exists. gpu_memory_utilization: the fraction of the GPU's total memory
-    the engine may use, less memory_reserved_gib (another engine's share of the same GPU);
+    the engine may use (None: no sizing; the command-line entry points give 0.9), less memory_reserved_gib (another engine's share of the same GPU);
     memory_budget_gib, where given, is the engine's budget instead (CUDA only)."""
 
     target_dir: str | None
@@ -333,7 +334,7 @@ class EngineConfig:
     block_size: int = 16
     gpu: GpuPaths = GpuPaths()
     force_hf_target: bool = False
-    gpu_memory_utilization: float = 0.9
+    gpu_memory_utilization: float | None = None
     memory_budget_gib: float | None = None
     memory_reserved_gib: float = 0.0
 
@@ -342,7 +343,8 @@ class EngineConfig:
 
         if self.dtype not in DTYPES:
             raise ValueError(f"dtype must be one of {', '.join(DTYPES)}; got {self.dtype!r}")
-        check_utilization(self.gpu_memory_utilization)
+        if self.gpu_memory_utilization is not None:
+            check_utilization(self.gpu_memory_utilization)
 
     @property
     def torch_dtype(self):
@@ -364,6 +366,6 @@ class EngineConfig:
                             kv_blocks=getattr(args, "kv_blocks", None),
                             draft_kv_blocks=getattr(args, "draft_kv_blocks", None), block_size=args.block_size,
                             gpu=GpuPaths.from_args(args),
-                            gpu_memory_utilization=getattr(args, "gpu_memory_utilization", 0.9),
+                            gpu_memory_utilization=getattr(args, "gpu_memory_utilization", None),
                             memory_budget_gib=getattr(args, "memory_budget_gib", None),
                             memory_reserved_gib=getattr(args, "memory_reserved_gib", 0.0) or 0.0)

@@ -230,7 +230,7 @@ def drafter_budget_gib(config) -> float | None:
     whole MiB. None where no split is needed: on the CPU, for n-gram drafting (no GPU memory),
     or where the engine's budget is given."""
     if (not config.device.startswith("cuda") or config.spec.method in ("none", "ngram")
-            or config.memory_budget_gib is not None):
+            or config.memory_budget_gib is not None or config.gpu_memory_utilization is None):
         return None
     from spectandem.checkpoint import read_config
 
@@ -255,6 +255,8 @@ def shared_gpu_configs(config):
 
 def engine_memory_flags(config) -> tuple[list[str], list[str]]:
     """The command-line flags of `shared_gpu_configs` for (the verifier, the drafter) process."""
+    if config.gpu_memory_utilization is None:
+        return [], []
     util = ["--gpu-memory-utilization", str(config.gpu_memory_utilization)]
     share = drafter_budget_gib(config)
     if share is None:

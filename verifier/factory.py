@@ -35,7 +35,7 @@ def build_engine(config: EngineConfig, feature_layers=None, progress=_progress, 
     if config.target_dir is None:
         raise ValueError("the verifier needs a target checkpoint directory (--target)")
     vocab = int(read_config(config.target_dir)["vocab_size"])
-    sized = config.kv_blocks is None and config.device.startswith("cuda")
+    sized = config.kv_blocks is None and config.device.startswith("cuda") and config.gpu_memory_utilization is not None
     before = memory.allocated_bytes(config.device) if sized else 0
     gpu = config.gpu.runner_kwargs()
     if sized:   # graphs come with the sized pool

@@ -104,10 +104,13 @@ def test_engine_flags_split_one_gpu_and_leave_the_cpu_alone():
     assert memory.engine_memory_flags(_demo_config(device="cpu", gpu_memory_utilization=0.8)) == (util, util)
     assert memory.engine_memory_flags(_demo_config("ngram", gpu_memory_utilization=0.8)) == (util, util)
     v, d = memory.engine_memory_flags(_demo_config(gpu_memory_utilization=0.8))
-    share = memory.drafter_budget_gib(_demo_config())
+    share = memory.drafter_budget_gib(_demo_config(gpu_memory_utilization=0.8))
     assert share > 0
     assert v == util + ["--memory-reserved-gib", str(share)] and d == util + ["--memory-budget-gib", str(share)]
-    vc, dc = memory.shared_gpu_configs(_demo_config())
+    # No utilization (the library's default, outside the command-line entry points): no sizing, no split.
+    assert memory.engine_memory_flags(_demo_config()) == ([], [])
+    assert memory.shared_gpu_configs(_demo_config()) == (_demo_config(), _demo_config())
+    vc, dc = memory.shared_gpu_configs(_demo_config(gpu_memory_utilization=0.8))
     assert (vc.memory_reserved_gib, vc.memory_budget_gib, dc.memory_budget_gib) == (share, None, share)
 
 
