@@ -25,15 +25,18 @@ os.environ.setdefault("RAY_gcs_server_port_wait_time_s", "120")
 pytest.register_assert_rewrite("tests.drafter.tree_oracle", "tests.router.link_harness", "tests.verifier.accept_law")
 
 
-# The whole suite runs on this many pytest-xdist workers (pyproject's addopts: `-n auto --dist
-# loadgroup`); a run of single files stays in one process, where a worker would only add its start.
+# The CPU suite runs on this many pytest-xdist workers (pyproject's addopts: `-n auto --dist
+# loadgroup`); a run of single files stays in one process, where a worker would only add its start,
+# and so do GPU runs (`-m gpu`: one device).
 SUITE_WORKERS = 2
 
 
 def pytest_xdist_auto_num_workers(config) -> int:
-    """Workers for `-n auto`: SUITE_WORKERS for directories (the whole suite), 0 for files."""
+    """Workers for `-n auto`: SUITE_WORKERS for the CPU tests of directories, 0 for files or GPU runs."""
     paths = [str(a).split("::")[0] for a in config.args]
-    return 0 if paths and all(p.endswith(".py") for p in paths) else SUITE_WORKERS
+    if config.getoption("markexpr") != "not gpu" or (paths and all(p.endswith(".py") for p in paths)):
+        return 0
+    return SUITE_WORKERS
 
 
 def pytest_collection_modifyitems(config, items):
