@@ -25,6 +25,29 @@ os.environ.setdefault("RAY_gcs_server_port_wait_time_s", "120")
 pytest.register_assert_rewrite("tests.drafter.tree_oracle", "tests.router.link_harness", "tests.verifier.accept_law")
 
 
+# The CPU suite runs on this many pytest-xdist workers (pyproject's addopts: `-n auto --dist
+# loadgroup`); a run of single files stays in one process, where a worker would only add its start,
+# and so do GPU runs (`-m gpu`: one device).
+SUITE_WORKERS = 2
+
+
+def pytest_xdist_auto_num_workers(config) -> int:
+    """Workers for `-n auto`: SUITE_WORKERS for the CPU tests of directories, 0 for files or GPU runs."""
+    paths = [str(a).split("::")[0] for a in config.args]
+    if config.getoption("markexpr") != "not gpu" or (paths and all(p.endswith(".py") for p in paths)):
+        return 0
+    return SUITE_WORKERS
+
+
+def pytest_collection_modifyitems(config, items):
+    """Under `--dist loadgroup` each test module is one unit of work (its module fixtures, such
+    as served routers, start once), unless it names its own `xdist_group`: modules that share a
+    group run one after another in one worker."""
+    for item in items:
+        if item.get_closest_marker("xdist_group") is None:
+            item.add_marker(pytest.mark.xdist_group(item.module.__name__ if item.module else item.nodeid))
+
+
 @pytest.fixture
 def interpreter_patches():
     """Two mends to Triton 3.6's interpreter, applied per test (tests/interpreter.py):

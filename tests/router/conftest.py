@@ -15,6 +15,10 @@ from spectandem.demo import demo_paths
 from spectandem.v1 import common_pb2, generation_pb2, generation_pb2_grpc
 from tests.router.link_harness import PROMPT_TEXTS
 
+# Modules that start local Ray clusters share one xdist group: they run one after another in one
+# worker, so two clusters never start at once on a 2-core machine.
+RAY_CLUSTERS = pytest.mark.xdist_group("ray")
+
 
 class Served:
     def __init__(self, argv: list[str]):

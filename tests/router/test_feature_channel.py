@@ -27,8 +27,10 @@ from router.links_grpc import GrpcDrafterLink, GrpcVerifierLink
 from spectandem.channel import ChannelRef
 from spectandem.config import SamplingParams, SpecConfig
 from spectandem.demo import demo_paths
-from tests.router.conftest import Served, collect, request
+from tests.router.conftest import RAY_CLUSTERS, Served, collect, request
 from tests.router.link_harness import MAX_LEN, TREE, _assert_same, _greedy, _local, _seeded, spawn_pair, speculate
+
+pytestmark = RAY_CLUSTERS
 
 
 def _address() -> str:

@@ -21,8 +21,9 @@ from spectandem.demo import demo_paths
 from router.local import LocalSpeculator
 from spectandem.messages import StaleMessage, trees_from_ready
 from spectandem.reference import LocalCompletion, _append
+from tests.router.conftest import RAY_CLUSTERS
 
-pytestmark = pytest.mark.slow
+pytestmark = [pytest.mark.slow, RAY_CLUSTERS]
 
 CFG = SpecConfig(method="eagle3", num_steps=4, topk=1, num_draft_tokens=5)
 MAX_SLOTS, MAX_LEN, MAX_TOKENS = 8, 256, 24

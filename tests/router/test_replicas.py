@@ -16,7 +16,9 @@ from spectandem.config import SamplingParams, SpecConfig
 from spectandem.demo import demo_paths
 from router.local import LocalSpeculator
 from tests.e2e.conftest import PROMPT_TEXTS
-from tests.router.conftest import Served, collect, request
+from tests.router.conftest import RAY_CLUSTERS, Served, collect, request
+
+pytestmark = RAY_CLUSTERS
 
 
 class FakeRouter:

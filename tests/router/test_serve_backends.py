@@ -20,7 +20,9 @@ from spectandem.config import SamplingParams, SpecConfig
 from spectandem.demo import demo_paths
 from router.local import LocalSpeculator
 from tests.e2e.conftest import PROMPT_TEXTS
-from tests.router.conftest import Served, collect, request
+from tests.router.conftest import RAY_CLUSTERS, Served, collect, request
+
+pytestmark = RAY_CLUSTERS
 
 MAX_LEN = "256"
 
@@ -167,7 +169,10 @@ def test_spectandem_serve_as_a_user_would(tmp_path, stop):
     that was already gone)."""
     port = _free_port()
     env = dict(os.environ, OMP_NUM_THREADS="1")
-    proc = subprocess.Popen([sys.executable, "-m", "spectandem.cli", "serve", "--port", str(port)],
+    # The HTTP front and metrics on free ports too: their fixed defaults collide with any other
+    # server on this machine (another test worker's, another run's).
+    fronts = ["--http-port", str(_free_port()), "--metrics-port", str(_free_port())]
+    proc = subprocess.Popen([sys.executable, "-m", "spectandem.cli", "serve", "--port", str(port), *fronts],
                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env,
                             start_new_session=True)
     try:

@@ -27,7 +27,9 @@ import pytest
 
 from spectandem.demo import demo_paths
 from tests.e2e.conftest import PROMPT_TEXTS
-from tests.router.conftest import Served, collect, request
+from tests.router.conftest import RAY_CLUSTERS, Served, collect, request
+
+pytestmark = RAY_CLUSTERS
 
 MAX_LEN = "256"
 

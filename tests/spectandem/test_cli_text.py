@@ -138,7 +138,8 @@ def test_serve_prints_both_kv_capacities():
     import signal
 
     proc = subprocess.Popen([sys.executable, "-m", "spectandem.cli", "serve", "--method", "eagle3", "--backend",
-                             "local", "--port", "0", "--max-len", "128", "--max-running", "2"],
+                             "local", "--port", "0", "--http-port", "0", "--metrics-port", "0", "--max-len", "128",
+                             "--max-running", "2"],
                             cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     try:
         ready = proc.stdout.readline()
