@@ -183,6 +183,7 @@ class Router:
                 if r.status is not RequestStatus.FINISHED:
                     raise RuntimeError(f"a warm-up request did not finish ({r.status.value}): serving would fail too")
         self._modes = ModeChooser(self.cfg)
+        self._switch = SpeculationSwitch(self.cfg)   # the warm-up's drafts say nothing of a client's
         self.counters = RouterCounters()
 
     def in_use(self, request_id: str) -> bool:

@@ -96,10 +96,15 @@ def _read_tensors(directory: Path, names: tuple[str, ...]) -> dict[str, torch.Te
     if not files:
         return None
     out: dict[str, torch.Tensor] = {}
+    from spectandem.checkpoint import CheckpointError
+
     for path in files:
-        with safe_open(str(path), framework="pt", device="cpu") as f:
-            keys = set(f.keys())
-            for name in names:
-                if name in keys and name not in out:
-                    out[name] = f.get_tensor(name)
+        try:
+            with safe_open(str(path), framework="pt", device="cpu") as f:
+                keys = set(f.keys())
+                for name in names:
+                    if name in keys and name not in out:
+                        out[name] = f.get_tensor(name)
+        except Exception as exc:  # safetensors raises its own error types; name the file
+            raise CheckpointError(f"{path}: cannot read safetensors ({exc})") from None
     return out

@@ -12,6 +12,7 @@ def test_warm_up_runs_each_batch_size_before_serving_and_leaves_clean_counters()
         stats = server.stub.GetServerStats(generation_pb2.GetServerStatsRequest())
         assert stats.requests_finished == 0 and stats.rounds == 0
         assert router._modes.rates_for(1) == {} and router._modes.rates_for(2) == {}
+        assert not router._switch.off(0) and router._switch._recent == []
         # the warm-up's requests went through both engines and were released there
         assert server.slots_in_use() == (0, 0)
         chunks = list(server.stub.Generate(request(text="def f(x):\n", max_tokens=8, ignore_eos=True), timeout=120))
