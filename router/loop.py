@@ -302,7 +302,8 @@ class Router:
         ones commit nothing new) and prefills them on the drafter."""
         resumed = {r.request_id for r in batch if r.resuming}
         # "auto" settled on plain at this batch size: admit without the drafter (router/pipeline.py).
-        detach = self.drafter is not None and self._modes.settled_plain(len(self.running) + len(batch))
+        detach = (self.drafter is not None and not self.cfg.drafter_learns_outputs
+                  and self._modes.settled_plain(len(self.running) + len(batch)))
         if detach != self._detaching:
             self._detaching = detach
             log.info("auto pipeline: new requests are admitted %s the drafter (%d running)",
@@ -868,8 +869,8 @@ class Router:
         """Frees the requests on both sides; keep_draft (preemption): the drafter keeps each
         one's ready next tree for its resume. An engine that does not answer gets them again
         once it does (`_release_v`, `_release_d`)."""
-        if keep_draft:   # in step first: a preempted request's drafter keeps its next tree
-            await self._flush_backlog([r for r in reqs if r.on_drafter])
+        if keep_draft or self.cfg.drafter_learns_outputs:   # in step first: a preempted request's
+            await self._flush_backlog([r for r in reqs if r.on_drafter])   # drafter keeps its next tree
         ids_v = [r.request_id for r in reqs if r.on_verifier]
         ids_d = [r.request_id for r in reqs if r.on_drafter]
         for r in reqs:

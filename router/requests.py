@@ -170,6 +170,10 @@ class RouterConfig:
     # for all). 1: a plain round is one step. Bounded by each request's remaining max_tokens and
     # context; tokens stream in chunks of this many, and new requests join between rounds.
     plain_steps: int = 1
+    # Benchmark mode (serve --benchmark-acceptance-rate): the drafter learns each request's output
+    # (drafter/controlled.py), so every request stays on it (never admitted detached) and its
+    # held-back catch-ups reach it before its release.
+    drafter_learns_outputs: bool = False
 
     def __post_init__(self):
         if self.pipeline not in PIPELINES:

@@ -475,6 +475,7 @@ async def serve_async(args, ready_message=True, stop_event: asyncio.Event | None
                                                                 max_running=args.max_running,
                                                                 drafter_timeout=args.drafter_timeout,
                                                       pipeline=args.pipeline, plain_steps=args.plain_steps,
+                                                      drafter_learns_outputs=cfg.benchmark_acceptance_rate is not None,
                                                       draft_sampling_min_temperature=cfg.draft_sampling_min_temperature,
                                                       kv_blocks=vinfo.kv.get("num_blocks", 0),
                                                       kv_block_size=vinfo.kv.get("block_size", 16) or 16,

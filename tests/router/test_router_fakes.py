@@ -289,3 +289,40 @@ def test_oracle_is_not_trivial():
     # The fakes' target must vary with the context, or "exact" would prove nothing.
     assert len({oracle([t]) for t in range(VOCAB)}) > VOCAB // 2
     assert len(set(reference(PROMPTS[0], 40))) > 10
+
+
+class RecordingDrafter(ScriptedDrafter):
+    """Records the context it holds for each request when the router releases it: what a
+    drafter that learns outputs (drafter/controlled.py) can learn."""
+
+    def __init__(self, propose=None):
+        super().__init__(propose)
+        self.learned: dict[int, list[int]] = {}
+
+    async def release(self, request_ids, keep_draft=False):
+        for rid in request_ids:
+            if rid in self.ctx and not keep_draft:
+                self.learned[len(self.learned)] = list(self.ctx[rid])
+        await super().release(request_ids, keep_draft)
+
+
+@pytest.mark.parametrize("learns", [True, False])
+def test_a_drafter_that_learns_outputs_sees_them_whole_before_release(learns):
+    """Benchmark mode (drafter_learns_outputs): rejected drafts switch speculation off, so most
+    rounds are plain and hold their catch-ups back; those reach the drafter before each release,
+    so it holds the whole output but the last round's. Without the mode (negative control) the
+    held-back catch-ups are dropped at release."""
+    v, d = OracleVerifier(), RecordingDrafter(wrong)
+    cfg = config(pipeline="sequential", drafter_learns_outputs=learns, adaptive_window=12, adaptive_off_rounds=1000)
+    router, outs = run(serve(v, d, PROMPTS, cfg=cfg))
+    assert_exact(outs)
+    assert router.counters.plain_rounds > 0
+    whole = {tuple(p + reference(p, 40)) for p in PROMPTS}
+    assert len(d.learned) == len(PROMPTS)
+    for ctx in d.learned.values():
+        assert any(w[: len(ctx)] == tuple(ctx) for w in whole)   # a prefix of its request's output
+    short_by = [min(len(w) - len(ctx) for w in whole if w[: len(ctx)] == tuple(ctx)) for ctx in d.learned.values()]
+    if learns:   # all but the last round's token
+        assert max(short_by) <= 1, short_by
+    else:
+        assert min(short_by) > 20, short_by
