@@ -137,7 +137,7 @@ def serve_drafter(config: EngineConfig, host: str = "0.0.0.0", port: int = 50053
 
 
 def run_drafter(args: argparse.Namespace) -> int:
-    from spectandem.generate_cli import spec_from_flags
+    from spectandem.service_args import spec_from_flags
 
     cfg, target, draft = spec_from_flags(args)
     if args.kv_blocks is not None:

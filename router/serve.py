@@ -18,7 +18,7 @@ from pathlib import Path
 from router.links import EngineStartError
 from spectandem.config import EngineConfig, GpuPaths, benchmark_warning, engine_devices, resolve_model_flags
 from router.ops import OpsConfig, add_ops_flags
-from spectandem.generate_cli import add_model_flags
+from spectandem.service_args import add_model_flags
 from spectandem.memory import engine_memory_flags, kv_capacity_line
 from spectandem.service_args import DEVICE_HELP, add_benchmark_flag, add_memory_flags, model_dtype
 
@@ -116,7 +116,7 @@ def link_tuning(args):
 
 
 def _spec(args):
-    from spectandem.generate_cli import spec_from_flags
+    from spectandem.service_args import spec_from_flags
 
     return spec_from_flags(args)
 

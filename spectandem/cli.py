@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 
 
@@ -70,7 +71,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="spectandem", description=__doc__)
     parser.add_argument("--version", action="version", version=f"spectandem {_version()}")
     sub = parser.add_subparsers(dest="command", required=True)
-    from spectandem.generate_cli import add_generate
+    from router.generate import add_generate
 
     add_generate(sub)
     from router.serve import add_serve
@@ -92,6 +93,9 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     from spectandem.errors import ListenError
+
+    if args.command == "generate" and args.api_key is None:   # the environment is read here, in the entry point
+        args.api_key = os.environ.get("SPECTANDEM_API_KEY") or None
 
     try:
         return args.func(args)

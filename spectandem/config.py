@@ -354,7 +354,7 @@ class EngineConfig:
 
     @staticmethod
     def from_args(args, spec: SpecConfig, target_dir, draft_dir, max_slots: int) -> "EngineConfig":
-        """The model flags (spectandem/generate_cli.py add_model_flags, spectandem/service_args.py)
+        """The model flags (spectandem/service_args.py add_model_flags)
         of a parsed command line; `spec`, the directories and the slots as that command resolved them."""
         unresolved = [flag for flag, value in (("--device", args.device), ("--dtype", args.dtype)) if value == "auto"]
         if unresolved:

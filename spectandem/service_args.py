@@ -124,8 +124,6 @@ def add_verifier_args(p: argparse.ArgumentParser) -> None:
 
 
 def add_drafter_args(p: argparse.ArgumentParser) -> None:
-    from spectandem.generate_cli import add_model_flags
-
     add_model_flags(p)
     add_memory_flags(p)
     add_benchmark_flag(p)
@@ -136,3 +134,46 @@ def add_drafter_args(p: argparse.ArgumentParser) -> None:
                    help="take target features from the verifier's direct channel at this address (its "
                         "--feature-channel)")
     add_server_tls_flags(p, "the Drafter service")
+
+
+def add_model_flags(p: argparse.ArgumentParser) -> None:
+    """Model and tree flags shared by every command that loads models."""
+    p.add_argument("--target", default=None, help="target checkpoint directory (default: the demo target)")
+    p.add_argument("--draft", default=None, help="draft head / draft model directory (default: the demo's)")
+    p.add_argument("--method", choices=["eagle", "eagle3", "draft-model", "ngram", "none"], default="eagle3",
+                   help="how drafts are made: an EAGLE-1 or EAGLE-3 head, a small draft model, prompt-lookup "
+                        "n-grams, or none (plain decoding)")
+    p.add_argument("--num-steps", type=int, default=4, help="tree depth")
+    p.add_argument("--topk", type=int, default=1, help="children expanded per node")
+    p.add_argument("--num-draft-tokens", type=int, default=5, help="verified nodes per round, root included")
+    p.add_argument("--fused", action="store_true", help="one draft token per round, verify+extend fused")
+    p.add_argument("--draft-sampling-min-temperature", type=float, default=0.5,
+                   help="below this temperature drafts are deterministic and verified without q")
+    p.add_argument("--ahead-width", type=int, default=4,
+                   help="draft ahead: outcomes of a round prepared while it is verified (0: never)")
+    add_device_flags(p)
+    p.add_argument("--max-len", type=int, default=None, help="context length (default: the target's)")
+    p.add_argument("--kv-blocks", type=int, default=None,
+                   help="verifier KV pool in blocks (default: every slot at full context)")
+    p.add_argument("--draft-kv-blocks", type=int, default=None,
+                   help="drafter KV pool in blocks (default: every slot at full context)")
+    p.add_argument("--block-size", type=int, default=16, help="cache entries per KV block (both sides)")
+
+
+def spec_from_flags(args):
+    """The model flags -> (SpecConfig, target dir, draft dir or None); the demo pair by default."""
+    from spectandem.config import SpecConfig
+    from spectandem.demo import demo_paths
+
+    cfg = SpecConfig(method=args.method, num_steps=args.num_steps, topk=args.topk,
+                     num_draft_tokens=args.num_draft_tokens, fused=args.fused,
+                     draft_sampling_min_temperature=args.draft_sampling_min_temperature,
+                     ahead_width=args.ahead_width,
+                     benchmark_acceptance_rate=getattr(args, "benchmark_acceptance_rate", None))
+    target, draft = args.target, args.draft
+    if target is None:
+        demo_target, demo_draft = demo_paths(args.method)
+        target, draft = str(demo_target), (draft or (str(demo_draft) if demo_draft else None))
+    elif draft is None and args.method in ("eagle", "eagle3", "draft-model"):
+        raise ValueError(f"--method {args.method} with --target needs --draft")
+    return cfg, target, draft

@@ -36,10 +36,6 @@ ENTRY_POINTS = {
         "the `spectandem` command: dispatches to `serve`, `drafter`, `verifier`, `train-draft`, "
         "`generate` (in the roles) and `bench` (benchmarks/bench/)",
     ),
-    "spectandem/generate_cli.py": (
-        {"router", "drafter", "verifier"},
-        "`spectandem generate`: builds the in-process pair (router.local.LocalSpeculator)",
-    ),
     "router/links_local.py": (
         {"drafter", "verifier"},
         "the in-process backend of `spectandem serve --backend local`: the engines live in the "

@@ -13,7 +13,7 @@ import pytest
 from router.serve import engine_commands, feature_channel, resolve_serve_flags
 from spectandem.cli import build_parser
 from spectandem.config import GpuPaths, Platform, resolve_model_flags
-from spectandem.generate_cli import spec_from_flags
+from spectandem.service_args import spec_from_flags
 from spectandem.service_args import add_drafter_args, add_verifier_args
 
 GPU = [[], ["--cuda-graphs"], ["--no-cuda-graphs"], ["--enforce-eager"], ["--batch-invariant"],

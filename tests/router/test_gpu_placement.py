@@ -10,7 +10,7 @@ from router.links_ray import bundle_plan
 from router.serve import placement_line, resolve_serve_flags
 from spectandem.cli import build_parser
 from spectandem.config import Platform
-from spectandem.generate_cli import spec_from_flags
+from spectandem.service_args import spec_from_flags
 
 
 @pytest.mark.parametrize("gpus, actors, share", [(1, 1, 1), (1, 2, 0.5), (2, 1, 1), (2, 2, 1), (4, 1, 1),

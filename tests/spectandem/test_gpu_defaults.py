@@ -10,7 +10,7 @@ import pytest
 
 from spectandem.config import (GpuPaths, Platform, engine_devices, resolve_device, resolve_dtype,
                                resolve_model_flags)
-from spectandem.generate_cli import add_model_flags
+from spectandem.service_args import add_model_flags
 
 CPU = Platform(gpus=0, triton=True)
 ONE_GPU = Platform(gpus=1, triton=True)

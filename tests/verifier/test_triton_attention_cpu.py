@@ -19,7 +19,7 @@ import torch
 
 from spectandem.config import GpuPaths, SamplingParams, SpecConfig
 from spectandem.demo import demo_paths
-from spectandem.generate_cli import add_model_flags
+from spectandem.service_args import add_model_flags
 from spectandem.kernels import paged_tree_attention_triton
 from router.local import LocalSpeculator
 from spectandem.modeling.llama import load_llama
