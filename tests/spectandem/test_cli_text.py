@@ -113,12 +113,13 @@ def test_port_in_use_is_one_line(flag):
     _one_line_error(out, str(port))
 
 
-def test_serve_reports_its_start():
-    """serve says what it is doing while it starts (stderr), then where it serves (stdout)."""
+def _serve_start_stderr(*flags: str) -> str:
+    """Starts `spectandem serve --backend local` (its ports free ones), waits until it serves,
+    stops it with Ctrl-C -> what it wrote to stderr."""
     import signal
 
-    proc = subprocess.Popen([sys.executable, "-m", "spectandem.cli", "serve", "--method", "none", "--backend", "local",
-                             "--port", "0", "--http-port", "0", "--metrics-port", "0", "--max-len", "128"],
+    proc = subprocess.Popen([sys.executable, "-m", "spectandem.cli", "serve", "--backend", "local", "--port", "0",
+                             "--http-port", "0", "--metrics-port", "0", "--max-len", "128", *flags],
                             cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     try:
         ready = proc.stdout.readline()
@@ -126,6 +127,12 @@ def test_serve_reports_its_start():
     finally:
         proc.send_signal(signal.SIGINT)
         _, err = proc.communicate(timeout=120)
+    return err
+
+
+def test_serve_reports_its_start():
+    """serve says what it is doing while it starts (stderr), then where it serves (stdout)."""
+    err = _serve_start_stderr("--method", "none")
     from spectandem.demo import demo_paths
 
     assert f"spectandem serve: loading target {demo_paths('none')[0]} in this process" in err, err
@@ -135,18 +142,8 @@ def test_serve_prints_both_kv_capacities():
     """On the CPU too: one start-up line with each side's KV pool (the verifier's: every slot at
     full context, 2 x blocks_for(129, 16) = 18 blocks)."""
     import re
-    import signal
 
-    proc = subprocess.Popen([sys.executable, "-m", "spectandem.cli", "serve", "--method", "eagle3", "--backend",
-                             "local", "--port", "0", "--http-port", "0", "--metrics-port", "0", "--max-len", "128",
-                             "--max-running", "2"],
-                            cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-    try:
-        ready = proc.stdout.readline()
-        assert ready.startswith("spectandem serving"), ready
-    finally:
-        proc.send_signal(signal.SIGINT)
-        _, err = proc.communicate(timeout=120)
+    err = _serve_start_stderr("--method", "eagle3", "--max-running", "2")
     line = re.search(r"spectandem serve: verifier KV cache: 288 tokens \(18 blocks of 16\), "
                      r"drafter KV cache: (\d+) tokens \((\d+) blocks of 16\)\n", err)
     assert line is not None, err
