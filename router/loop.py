@@ -182,6 +182,8 @@ class Router:
                         break
                 if r.status is not RequestStatus.FINISHED:
                     raise RuntimeError(f"a warm-up request did not finish ({r.status.value}): serving would fail too")
+        while self.running or self._releases_due():   # the engines that answer let the last ones go
+            await asyncio.sleep(0.005)
         self._modes = ModeChooser(self.cfg)
         self._switch = SpeculationSwitch(self.cfg)   # the warm-up's drafts say nothing of a client's
         self.counters = RouterCounters()
