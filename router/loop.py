@@ -401,7 +401,7 @@ class Router:
             return
         await self._resync()
         mode = self._mode = self._modes.choose(len(self.running), self.drafter_up)
-        t0, before = time.perf_counter(), self._tokens_committed
+        t0, before, request_rounds = time.perf_counter(), self._tokens_committed, len(self.running)
         self._capped_plain = self._drafted_any = False
         self._draft_failed = frozenset()
         if mode == "pingpong":
@@ -413,7 +413,7 @@ class Router:
         # nor does a speculating round that drafted for no request (all detached: router/pipeline.py).
         detached_only = not self._drafted_any and any(r.detached for r in self.running)
         if not self._capped_plain and (mode == "plain" or not detached_only):
-            self._modes.record(mode, self._tokens_committed - before, time.perf_counter() - t0)
+            self._modes.record(mode, self._tokens_committed - before, time.perf_counter() - t0, request_rounds)
 
     async def _sequential_round(self, ahead: bool = False) -> None:
         """Draft, verify, extend. `ahead`: while the verifier verifies, the drafter prepares the

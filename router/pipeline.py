@@ -16,8 +16,7 @@ choice must not depend on load). The others keep full drafts.
 In "auto" the candidates depend on the batch: below 2 * pingpong_min_batch requests, sequential,
 ahead and plain (ahead only while the drafter drafts ahead: one that never does is found out from
 its replies, router/loop.py); from there, sequential, ping-pong, each short draft length and plain. It measures
-each (committed tokens per second over a window of rounds, its first round left out) and keeps the
-fastest for eight windows, measuring it again as it runs; between keeps it measures one other
+each over a window of rounds (its first round left out) and keeps the fastest for eight windows, measuring it again as it runs; between keeps it measures one other
 candidate (in turn) for a window, so a change of the fastest is found at the cost of one window.
 While the same mode stays the fastest, each keep is twice as long as the one before (up to 32
 windows): a settled choice spends about 3% of its rounds measuring the others. Candidates that
@@ -42,6 +41,14 @@ the per-round rate does not see, and the larger the batch the longer that tail (
 H200 at a = 0.9: sequential measured 1.04x plain per round, 0.77x end to end; at a = 0.6-0.8
 level rates, plain faster end to end).
 
+A mode's rate is the tokens its kind of draft commits per request-round times the request-rounds
+its window ran per second. The first is pooled over the last YIELD_WINDOWS windows of every mode
+that drafts the same trees (sequential, ahead and ping-pong; each short length; plain), because
+what a request commits per round depends on its text: at one running request, windows of
+different modes see different stretches of text, and a mode compared on its own window's tokens
+wins or loses by the text it happened to see. The second leaves out the slowest eighth of the
+window's rounds: a round that captured a CUDA graph or waited on a stall is not the mode's cost.
+
 `SpeculationSwitch`: when drafts are almost never accepted, drafting only costs time; the router
 then decodes plainly for a number of rounds and tries again.
 """
@@ -50,6 +57,7 @@ from __future__ import annotations
 
 import logging
 import math
+from collections import deque
 from dataclasses import dataclass, field
 
 log = logging.getLogger("spectandem.router")
@@ -60,6 +68,12 @@ FAR_EVERY = 4             # every this many ends of a keep, any candidate may be
 PLAIN_EDGE = 1.05         # a speculating mode is kept over plain only when it measured this much faster
 PLAIN_EDGE_LARGE = 1.15   # ... from LARGE_BATCH running requests on
 LARGE_BATCH = 32
+YIELD_WINDOWS = 8         # windows of rounds over which tokens per request-round are pooled per draft kind
+
+
+def draft_kind(mode: str) -> str:
+    """The trees a mode verifies: modes of one kind commit the same tokens per request-round."""
+    return "full" if mode in ("sequential", "ahead", "pingpong") else mode
 
 
 def plain_edge(num_running: int) -> float:
@@ -81,8 +95,23 @@ class _ClassState:
     any_turn: int = 0           # the next other candidate in turn, near or not
     kept: str | None = None     # the mode of the last keep
     keep_windows: int = 0       # windows of the last keep (doubles while the same mode stays the fastest)
-    rates: dict[str, float] = field(default_factory=dict)
-    acc: dict[str, tuple[int, float]] = field(default_factory=dict)   # mode -> (tokens, seconds) so far
+    speeds: dict[str, float] = field(default_factory=dict)   # mode -> request-rounds/s its last window ran
+    # mode -> its phase's rounds so far, each (seconds, request-rounds)
+    acc: dict[str, list[tuple[float, int]]] = field(default_factory=dict)
+    # draft kind -> recent rounds, each (tokens, request-rounds): what the kind commits per request-round
+    yields: dict[str, deque] = field(default_factory=dict)
+
+    @property
+    def rates(self) -> dict[str, float]:
+        """Committed tokens/s per measured mode: its speed times what its kind commits per
+        request-round now."""
+        out = {}
+        for mode, speed in self.speeds.items():
+            recent = self.yields.get(draft_kind(mode), ())
+            rr = sum(r for _, r in recent)
+            if rr:
+                out[mode] = sum(t for t, _ in recent) / rr * speed
+        return out
 
     def start(self, phase: str, mode: str, rounds: int) -> None:
         self.phase, self.mode, self.left, self.length, self.fresh = phase, mode, rounds, rounds, True
@@ -130,7 +159,7 @@ class ModeChooser:
     def rates_for(self, num_running: int) -> dict[str, float]:
         """Committed tokens/s measured so far per candidate in the batch class of `num_running`."""
         state = self._states.get(self._class(num_running))
-        return dict(state.rates) if state else {}
+        return state.rates if state else {}
 
     def _enter(self, num_running: int) -> None:
         """Switches to the batch class of `num_running` requests."""
@@ -155,21 +184,22 @@ class ModeChooser:
         if s.left > 0:
             return s.mode
         window = self.cfg.mode_window
-        todo = [c for c in self.cands if c not in s.rates]
+        rates = s.rates
+        todo = [c for c in self.cands if c not in rates]
         if todo:                                                  # measure every candidate once, in order
             s.start("measure", todo[0], window)
         elif s.phase == "keep" and (pick := self._explore_pick(s)) is not None:
             s.start("explore", pick, window)                      # then, between keeps, one other again
         else:                                                     # keep the fastest so far
             edge = plain_edge(num_running)
-            best = max(s.rates, key=lambda m: s.rates[m] * (edge if m == "plain" else 1.0))
+            best = max(rates, key=lambda m: rates[m] * (edge if m == "plain" else 1.0))
             changed = best != s.kept
             s.keep_windows = min(2 * s.keep_windows, MAX_KEEP_WINDOWS) if not changed else KEEP_WINDOWS
             s.kept = best
             s.start("keep", best, window * s.keep_windows)
             if changed:   # a mode kept again after a measurement is not news
                 log.info("auto pipeline: mode %s at %d running (committed tokens/s: %s)", s.mode, num_running,
-                         {k: round(v, 1) for k, v in s.rates.items()})
+                         {k: round(v, 1) for k, v in rates.items()})
         return s.mode
 
     def settled(self, num_running: int) -> str | None:
@@ -193,29 +223,42 @@ class ModeChooser:
         if s.explored % FAR_EVERY == 0:
             s.any_turn += 1
             return others[(s.any_turn - 1) % len(others)]
-        best = s.rates.get(s.mode, 0.0)
-        near = [c for c in others if s.rates.get(c, 0.0) >= EXPLORE_NEAR * best]
+        rates = s.rates
+        best = rates.get(s.mode, 0.0)
+        near = [c for c in others if rates.get(c, 0.0) >= EXPLORE_NEAR * best]
         if not near:
             return None
         s.near_turn += 1
         return near[(s.near_turn - 1) % len(near)]
 
-    def record(self, mode: str, tokens: int, seconds: float) -> None:
-        """One round of `mode`: every phase measures its mode (a keep re-measures the fastest), its
-        first round left out when the phase has others: it pays for the previous mode's leftovers
-        (a pending catch-up, a second micro-batch), not its own."""
+    def record(self, mode: str, tokens: int, seconds: float, request_rounds: int = 1) -> None:
+        """One round of `mode` that committed `tokens` for `request_rounds` requests: every phase
+        measures its mode (a keep re-measures the fastest), its first round left out when the
+        phase has others: it pays for the previous mode's leftovers (a pending catch-up, a second
+        micro-batch), not its own."""
         s = self._state
         if s.mode != mode or s.left <= 0:
             return
         first, s.fresh = s.fresh, False
         s.left -= 1
-        if not (first and s.length > 1):
-            t, sec = s.acc.get(mode, (0, 0.0))
-            s.acc[mode] = (t + tokens, sec + seconds)
+        if not (first and s.length > 1) and request_rounds > 0:
+            s.acc.setdefault(mode, []).append((seconds, request_rounds))
+            kind = draft_kind(mode)
+            if kind not in s.yields:
+                s.yields[kind] = deque(maxlen=YIELD_WINDOWS * max(self.cfg.mode_window, 1))
+            s.yields[kind].append((tokens, request_rounds))
         if s.left == 0:
-            t, sec = s.acc.pop(mode, (0, 0.0))
-            if sec > 0:
-                s.rates[mode] = t / sec
+            speed = _speed(s.acc.pop(mode, []))
+            if speed is not None:
+                s.speeds[mode] = speed
+
+
+def _speed(rounds: list[tuple[float, int]]) -> float | None:
+    """Request-rounds per second of a window's rounds [(seconds, request-rounds)], the slowest
+    eighth of them (per request-round) left out."""
+    kept = sorted(rounds, key=lambda x: x[0] / x[1])[: len(rounds) - len(rounds) // 8]
+    seconds = sum(sec for sec, _ in kept)
+    return sum(r for _, r in kept) / seconds if kept and seconds > 0 else None
 
 
 class SpeculationSwitch:
