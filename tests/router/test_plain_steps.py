@@ -77,7 +77,7 @@ def test_multi_step_plain_rounds_equal_one_step_decoding(plain):
     router = Router(vlink, None, plain.tokenizer, RouterConfig(max_len=256, eos_token_ids=plain.eos_token_ids,
                                                                lookahead=1, want_features=False, plain_steps=4))
     recorded, record = [], router._modes.record
-    router._modes.record = lambda mode, tokens, seconds: (recorded.append(tokens), record(mode, tokens, seconds))
+    router._modes.record = lambda mode, tokens, *rest: (recorded.append(tokens), record(mode, tokens, *rest))
     got = _serve(router, prompts, params, [plain.verifier])
     assert [(t, r) for t, _, r in got[:5]] == want
     for (toks, text, _), (wt, _) in zip(got[:5], want):
