@@ -66,8 +66,7 @@ def engine_budget(total_bytes: int, utilization: float, budget_gib: float | None
 
 def split_budget(total_bytes: int, utilization: float, drafter_need: int) -> tuple[int, int]:
     """Both engines on one GPU: (verifier's bytes, drafter's bytes) of utilization x total. The
-    drafter gets what it needs (every slot at full context: `drafter_need_bytes`), the verifier
-    the rest."""
+    drafter gets what it needs (`drafter_need_bytes`), the verifier the rest."""
     check_utilization(utilization)
     total = int(utilization * total_bytes)
     if drafter_need >= total:
@@ -131,9 +130,13 @@ def draft_pool_blocks(spec, max_slots: int, max_len: int, block_size: int) -> in
     """The drafter's pool at every request at full length, plus room for draft-ahead forks (each
     borrows its request's full blocks and needs a copy of the partial one plus what it absorbs
     and drafts)."""
+    return max_slots * blocks_for(max_len + 1, block_size) + fork_blocks(spec, max_slots, block_size)
+
+
+def fork_blocks(spec, max_slots: int, block_size: int) -> int:
+    """The draft-ahead forks' part of the drafter's pool (draft_pool_blocks)."""
     fork_entries = block_size + spec.num_steps + 1 + max(0, spec.num_steps - 1) * spec.topk
-    return max_slots * blocks_for(max_len + 1, block_size) + ahead_slots(spec, max_slots) * blocks_for(
-        fork_entries, block_size)
+    return ahead_slots(spec, max_slots) * blocks_for(fork_entries, block_size)
 
 
 def safetensors_elements(directory: str | Path) -> int:
@@ -169,11 +172,32 @@ def drafter_activation_bytes(max_slots: int, rows_per_slot: int, vocab: int) -> 
     return max_slots * rows_per_slot * vocab * 24
 
 
+def verifier_activation_bytes(target_cfg: dict, max_slots: int, rows_per_slot: int, dtype_bytes: int) -> int:
+    """An estimate of the verifier's profiling peak: every slot's prefill at PROFILE_PROMPT_TOKENS
+    (a few hidden-sized and MLP-sized rows per token), or the logits of its widest round."""
+    hidden, inter = int(target_cfg["hidden_size"]), int(target_cfg.get("intermediate_size") or 4 * int(target_cfg["hidden_size"]))
+    prefill = max_slots * PROFILE_PROMPT_TOKENS * (6 * hidden + 3 * inter) * dtype_bytes
+    return max(prefill, max_slots * rows_per_slot * int(target_cfg["vocab_size"]) * 24)
+
+
+def shared_kv_tokens(budget: int, verifier_fixed: int, drafter_fixed: int, verifier_token_bytes: int,
+                     drafter_token_bytes: int) -> int:
+    """Both engines on one GPU: the tokens each KV pool holds when the KV memory of `budget`
+    (after both engines' fixed costs and graph reserves) is split so that both hold the same
+    number (the drafter holds a token of every request the verifier holds, never more)."""
+    usable = int(budget * (1 - GRAPH_RESERVE_FRACTION)) - verifier_fixed - drafter_fixed
+    return max(0, usable // (verifier_token_bytes + drafter_token_bytes))
+
+
 def drafter_need_bytes(spec, target_cfg: dict, draft_dir: str | Path | None, dtype: str, max_slots: int,
-                       max_len: int, block_size: int, draft_kv_blocks: int | None = None) -> int:
-    """What the drafter needs on its GPU for every slot at full context: its weights (head or
-    draft model; an EAGLE head's copies of the target's embeddings and lm_head), its KV pool, its
-    activations and the runtime and CUDA graph reserves. 0 for n-gram drafting (no GPU)."""
+                       max_len: int, block_size: int, draft_kv_blocks: int | None = None,
+                       shared_budget: int | None = None, target_dir: str | Path | None = None) -> int:
+    """What the drafter needs on its GPU: its weights (head or draft model; an EAGLE head's copies
+    of the target's embeddings and lm_head), its KV pool, its activations and the runtime and CUDA
+    graph reserves. The pool holds every slot at full context, or, given the `shared_budget`
+    (bytes) of a GPU it shares with the verifier of `target_dir`, as many tokens as the verifier's
+    pool will (`shared_kv_tokens`) when that is fewer, plus its draft-ahead forks. 0 for n-gram
+    drafting (no GPU)."""
     if spec.method in ("none", "ngram"):
         return 0
     from spectandem.checkpoint import read_config
@@ -185,11 +209,21 @@ def drafter_need_bytes(spec, target_cfg: dict, draft_dir: str | Path | None, dty
     if spec.method in ("eagle", "eagle3"):   # embeddings and (EAGLE-1) lm_head from the target
         weights += 2 * vocab * int(target_cfg["hidden_size"]) * nbytes
     layers, kv_heads, head_dim = _head_attention_shape(cfg)
-    blocks = draft_kv_blocks or draft_pool_blocks(spec, max_slots, max_len, block_size)
-    kv = blocks * kv_block_bytes(layers, kv_heads, head_dim, block_size, nbytes)
+    block = kv_block_bytes(layers, kv_heads, head_dim, block_size, nbytes)
     rows = spec.max_draft_nodes + 1 + max(spec.topk, 1) * max(spec.ahead_width, 1)
-    need = weights + kv + drafter_activation_bytes(max_slots, rows, vocab) + RUNTIME_RESERVE_BYTES
-    return int(need / (1 - GRAPH_RESERVE_FRACTION)) + 1
+    fixed = weights + drafter_activation_bytes(max_slots, rows, vocab) + RUNTIME_RESERVE_BYTES
+    blocks = draft_kv_blocks or draft_pool_blocks(spec, max_slots, max_len, block_size)
+    if draft_kv_blocks is None and shared_budget is not None:
+        t_layers, t_heads = int(target_cfg["num_hidden_layers"]), int(target_cfg["num_attention_heads"])
+        t_kv = int(target_cfg.get("num_key_value_heads") or t_heads)
+        t_dim = int(target_cfg.get("head_dim") or int(target_cfg["hidden_size"]) // t_heads)
+        verifier_fixed = (safetensors_elements(target_dir) * nbytes + RUNTIME_RESERVE_BYTES
+                          + verifier_activation_bytes(target_cfg, max_slots, spec.max_draft_nodes + 1, nbytes))
+        tokens = shared_kv_tokens(shared_budget, verifier_fixed, fixed,
+                                  kv_block_bytes(t_layers, t_kv, t_dim, 1, nbytes), block // block_size)
+        # every slot's partial block on top of the shared tokens
+        blocks = min(blocks, blocks_for(tokens, block_size) + max_slots + fork_blocks(spec, max_slots, block_size))
+    return int((fixed + blocks * block) / (1 - GRAPH_RESERVE_FRACTION)) + 1
 
 
 # Measurements on the engine's device (torch imported here only).
@@ -224,11 +258,12 @@ def measure_peak(fn, device) -> int:
 
 # Both engines on one GPU (serve, the in-process pair).
 
-def drafter_budget_gib(config) -> float | None:
+def drafter_budget_gib(config, total_bytes: int | None = None) -> float | None:
     """The drafter's budget in GiB where it shares a CUDA device with the verifier (EngineConfig
-    `config`, the pair's): its need for every slot at full context (`drafter_need_bytes`), in
-    whole MiB. None where no split is needed: on the CPU, for n-gram drafting (no GPU memory),
-    or where the engine's budget is given."""
+    `config`, the pair's): its need (`drafter_need_bytes`) for a pool of as many tokens as the
+    verifier's will hold in --gpu-memory-utilization of the device's `total_bytes` (read from
+    the device when not given), in whole MiB. None where no split is needed: on the CPU, for
+    n-gram drafting (no GPU memory), or where the engine's budget is given."""
     if (not config.device.startswith("cuda") or config.spec.method in ("none", "ngram")
             or config.memory_budget_gib is not None or config.gpu_memory_utilization is None):
         return None
@@ -237,8 +272,16 @@ def drafter_budget_gib(config) -> float | None:
     tcfg = read_config(config.target_dir)
     longest = int(tcfg.get("max_position_embeddings", 2048))
     context = min(config.max_len or longest, longest)
+    shared = None
+    if total_bytes is None:
+        try:
+            total_bytes = device_total_bytes(config.device)
+        except (AssertionError, RuntimeError):   # no CUDA in this process (a Ray driver off the GPU):
+            total_bytes = None                      # a pool for every slot at full context
+    if total_bytes is not None:
+        shared = int(config.gpu_memory_utilization * total_bytes)
     need = drafter_need_bytes(config.spec, tcfg, config.draft_dir, config.dtype, config.max_slots, context,
-                              config.block_size, config.draft_kv_blocks)
+                              config.block_size, config.draft_kv_blocks, shared, config.target_dir)
     return -(-need // (1 << 20)) / 1024
 
 

@@ -119,3 +119,50 @@ def test_kv_capacity_line():
                                    {"num_blocks": 3, "block_size": 16})
     assert line == "verifier KV cache: 160 tokens (10 blocks of 16), drafter KV cache: 48 tokens (3 blocks of 16)"
     assert memory.kv_capacity_line({"num_blocks": 2, "block_size": 8}, None).endswith("drafter KV cache: none")
+
+
+def _header_only_checkpoint(directory, config: dict, elements: int) -> str:
+    """A config.json and a *.safetensors file with only a header (what the sizing reads)."""
+    import json
+    import struct
+
+    directory.mkdir()
+    (directory / "config.json").write_text(json.dumps(config))
+    header = json.dumps({"weight": {"dtype": "BF16", "shape": [elements], "data_offsets": [0, 0]}}).encode()
+    (directory / "model.safetensors").write_bytes(struct.pack("<Q", len(header)) + header)
+    return str(directory)
+
+
+def test_on_a_shared_gpu_the_drafter_pool_holds_the_tokens_the_verifiers_pool_will(tmp_path):
+    """An 8B-shaped target (131,072 context) and its EAGLE-3 head on one 141 GiB GPU at 0.9: the
+    drafter gets a budget for as many tokens as the verifier's pool will hold with the rest, not
+    for every slot at full context (64 x 131,072 tokens, several times what the verifier holds)."""
+    from spectandem.config import EngineConfig, SpecConfig
+
+    tcfg = {"hidden_size": 4096, "intermediate_size": 14336, "num_hidden_layers": 32, "num_attention_heads": 32,
+            "num_key_value_heads": 8, "vocab_size": 128256, "max_position_embeddings": 131072}
+    target = _header_only_checkpoint(tmp_path / "target", tcfg, 8_030_261_248)
+    head = _header_only_checkpoint(tmp_path / "head", {"hidden_size": 4096, "num_attention_heads": 32,
+                                                       "num_key_value_heads": 8, "head_dim": 128,
+                                                       "num_hidden_layers": 1}, 380_000_000)
+    config = EngineConfig(target_dir=target, draft_dir=head, spec=SpecConfig(method="eagle3"), max_slots=64,
+                          max_len=None, dtype="bfloat16", device="cuda", gpu_memory_utilization=0.9)
+    total = 141 * memory.GIB
+    share = int(memory.drafter_budget_gib(config, total) * memory.GIB)
+    # The verifier's pool from the rest, as verifier/factory.py sizes it (its activations as estimated).
+    rows = config.spec.max_draft_nodes + 1
+    verifier_budget = memory.engine_budget(total, 0.9, reserved_gib=share / memory.GIB)
+    token_bytes = memory.kv_block_bytes(32, 8, 128, 1, 2)
+    verifier_tokens = memory.kv_blocks_for_budget(
+        verifier_budget, 8_030_261_248 * 2, memory.verifier_activation_bytes(tcfg, 64, rows, 2), token_bytes,
+        64 * 131072).blocks
+    drafter_blocks = memory.kv_blocks_for_budget(
+        share, (380_000_000 + 2 * 128256 * 4096) * 2,
+        memory.drafter_activation_bytes(64, rows + config.spec.topk * config.spec.ahead_width, 128256),
+        memory.kv_block_bytes(1, 8, 128, 16, 2), memory.draft_pool_blocks(config.spec, 64, 131072, 16)).blocks
+    forks = memory.fork_blocks(config.spec, 64, 16)
+    assert 500_000 < verifier_tokens < 64 * 131072
+    assert verifier_tokens <= (drafter_blocks - forks) * 16 <= 1.01 * verifier_tokens + 64 * 16
+    # Negative control: sized for every slot at full context, the drafter would take many times more.
+    full = memory.drafter_need_bytes(config.spec, tcfg, head, "bfloat16", 64, 131072, 16)
+    assert full > 4 * share
