@@ -6,7 +6,8 @@ drafter/factory.py) measure their weights and one profiling pass and call them. 
 sizes from its own numbers only: on a GPU both engines share, serve computes the drafter's
 need from its configs before either starts (`drafter_need_bytes`), gives the drafter that as
 its budget and tells the verifier to leave it aside (`--memory-reserved-gib`), so neither ever
-reads what the other happens to hold.
+reads what the other happens to hold. That need is a pool of as many tokens as the verifier's
+will hold (`shared_kv_tokens`): the drafter holds a token of every request the verifier holds.
 
 An engine's budget is spent as: weights + peak activations of the profiling pass + a reserve
 for the CUDA context, cuBLAS workspaces and the allocator's slack (RUNTIME_RESERVE_BYTES) + a
