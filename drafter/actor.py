@@ -24,8 +24,8 @@ import ray
 import torch
 
 from drafter.factory import build_engine
-from drafter.service_core import (drafter_draft, drafter_draft_ahead, drafter_extend, drafter_info, drafter_prefill,
-                                  drafter_release)
+from drafter.service_core import (drafter_draft_ahead, drafter_extend, drafter_extend_and_draft, drafter_info,
+                                  drafter_prefill, drafter_release)
 from spectandem.protocol import AheadReply, DrafterPrefillItem, EngineInfo, ExtendItem, Tag
 from spectandem.channel import FeatureReceiver
 from spectandem.config import EngineConfig
@@ -57,10 +57,14 @@ class DrafterActor:
         return drafter_prefill(self.engine, _resolve_features(items), self.receiver)
 
     @ray.method(num_returns=2)
-    def draft(self, tags: list[Tag], num_steps: list[int | None] | None = None) -> tuple[DraftTree, None]:
-        """(the round's trees, a done marker): the caller awaits the marker, which raises as the
-        call failed, and forwards the tree's ref without fetching it."""
-        return drafter_draft(self.engine, tags, num_steps), None
+    def draft(self, tags: list[Tag], num_steps: list[int | None] | None = None,
+              extend: list[ExtendItem] = ()) -> tuple[DraftTree | None, tuple[list[Tag], list[str]]]:
+        """`extend` first, then (the round's trees, (the tags they are for, the unknown ids)): the
+        caller awaits the second, which raises as the call failed, and forwards the tree's ref
+        without fetching it."""
+        tree, known, unknown = drafter_extend_and_draft(self.engine, tags, num_steps, _resolve_features(list(extend)),
+                                                        self.receiver)
+        return tree, (known, unknown)
 
     def draft_ahead(self, tags: list[Tag], extend: list[ExtendItem] = ()) -> AheadReply:
         return drafter_draft_ahead(self.engine, tags, _resolve_features(list(extend)), self.receiver)

@@ -18,8 +18,8 @@ from pathlib import Path
 
 from drafter.engine import DrafterEngine
 from drafter.factory import build_engine
-from drafter.service_core import (drafter_draft, drafter_draft_ahead, drafter_extend, drafter_info, drafter_prefill,
-                                  drafter_release)
+from drafter.service_core import (drafter_draft_ahead, drafter_extend, drafter_extend_and_draft, drafter_info,
+                                  drafter_prefill, drafter_release)
 from spectandem import codec
 from spectandem.channel import FeatureReceiver
 from spectandem.config import EngineConfig
@@ -66,8 +66,13 @@ class DrafterServicer(engines_pb2_grpc.DrafterServicer):
         tags = [codec.tag_from_msg(t) for t in request.tags]
         if not tags:
             raise ValueError("draft request has no requests")
-        tree = drafter_draft(self.engine, tags, list(request.num_steps) or None)
-        return engines_pb2.DraftReply(tree=codec.draft_tree_to_msg(tree, [t.epoch for t in tags]))
+        tree, known, unknown = drafter_extend_and_draft(
+            self.engine, tags, list(request.num_steps) or None,
+            [codec.extend_item_from_msg(m) for m in request.extend], self.receiver)
+        if tree is None:
+            return engines_pb2.DraftReply(unknown_request_ids=unknown)
+        return engines_pb2.DraftReply(tree=codec.draft_tree_to_msg(tree, [t.epoch for t in known]),
+                                      unknown_request_ids=unknown)
 
     def _draft_ahead(self, request: engines_pb2.DraftAheadRequest) -> engines_pb2.DraftAheadReply:
         return codec.ahead_reply_to_msg(drafter_draft_ahead(

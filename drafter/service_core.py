@@ -65,6 +65,19 @@ def drafter_draft(engine, tags: list[Tag], num_steps: list[int | None] | None = 
     return engine.draft([t.request_id for t in tags], steps, on_device=on_device)
 
 
+def drafter_extend_and_draft(engine, tags: list[Tag], num_steps: list[int | None] | None, extend: list[ExtendItem],
+                             receiver: FeatureReceiver | None = None) -> tuple[DraftTree | None, list[Tag], list[str]]:
+    """`extend` first (drafter_extend), then the trees of the tags it did not report unknown:
+    (the trees or None when no tag is left, the tags they are for, the unknown ids)."""
+    unknown = drafter_extend(engine, list(extend), receiver) if extend else []
+    keep = [i for i, t in enumerate(tags) if t.request_id not in unknown]
+    known = [tags[i] for i in keep]
+    if not known:
+        return None, [], unknown
+    steps = [num_steps[i] for i in keep] if num_steps else None
+    return drafter_draft(engine, known, steps), known, unknown
+
+
 def drafter_draft_ahead(engine, tags: list[Tag], extend: list[ExtendItem] = (),
                         receiver: FeatureReceiver | None = None, on_trees=None) -> AheadReply:
     """`extend` first (drafter_extend); tags of requests it reports unknown get None (no cache).

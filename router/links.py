@@ -79,8 +79,11 @@ class DrafterLink(Protocol):
     async def prefill(self, items: list[DrafterPrefillItem]) -> list[str]:
         """Returns the ids it did not take (none normally)."""
 
-    async def draft(self, tags: list[Tag], num_steps: list[int | None] | None = None) -> DraftHandle:
-        """The round's trees; per tag, a new one at most `num_steps[i]` deep (None: as configured)."""
+    async def draft(self, tags: list[Tag], num_steps: list[int | None] | None = None,
+                    extend: list[ExtendItem] = ()) -> DraftHandle:
+        """The round's trees; per tag, a new one at most `num_steps[i]` deep (None: as configured).
+        `extend` first (as `extend` would): the handle leaves out the tags of the ids it reports
+        unknown (`DraftHandle.unknown`), and has no payload when no tag is left."""
 
     async def draft_ahead(self, tags: list[Tag], extend: list[ExtendItem] = (),
                           on_trees: Callable[[list], None] | None = None) -> AheadReply:

@@ -109,11 +109,16 @@ class GrpcDrafterLink(RemoteDrafterLink, _GrpcLink):
         request = engines_pb2.DrafterPrefillRequest(items=[codec.drafter_prefill_item_to_msg(i) for i in items])
         return list((await self._call(self.stub.Prefill, request)).unknown_request_ids)
 
-    async def draft(self, tags: list[Tag], num_steps: list[int | None] | None = None) -> DraftHandle:
+    async def draft(self, tags: list[Tag], num_steps: list[int | None] | None = None,
+                    extend: list[ExtendItem] = ()) -> DraftHandle:
         request = engines_pb2.DraftRequest(tags=[codec.tag_to_msg(t) for t in tags],
-                                           num_steps=[n or 0 for n in num_steps] if num_steps else [])
+                                           num_steps=[n or 0 for n in num_steps] if num_steps else [],
+                                           extend=[codec.extend_item_to_msg(i) for i in extend])
         reply = await self._call(self.stub.Draft, request)
-        return DraftHandle([codec.tag_from_msg(t) for t in reply.tree.tags], reply.tree)
+        unknown = list(reply.unknown_request_ids)
+        if not reply.HasField("tree"):
+            return DraftHandle([], None, unknown)
+        return DraftHandle([codec.tag_from_msg(t) for t in reply.tree.tags], reply.tree, unknown)
 
     async def draft_ahead(self, tags: list[Tag], extend: list[ExtendItem] = (), on_trees=None) -> AheadReply:
         reply = await self._call(self.stub.DraftAhead, engines_pb2.DraftAheadRequest(

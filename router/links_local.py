@@ -362,15 +362,31 @@ class LocalDrafterLink(PreCalls, _LocalLink):
 
         return await self._run("prefill", drafter_prefill, self.engine, items)
 
-    async def draft(self, tags, num_steps=None):
+    async def draft(self, tags, num_steps=None, extend=()):
+        """`extend` and the trees in one worker call; with pre-calls pending, `extend` as its own
+        call first (a pre-draft, pre_draft, covers the two in turn)."""
+        if extend and not self._pending:
+            tree, known, unknown = await self._run("draft", self._extend_and_draft, tags, num_steps, list(extend))
+            return DraftHandle(known, tree, unknown)
+        unknown = await self.extend(list(extend)) if extend else []
+        if unknown:
+            keep = [i for i, t in enumerate(tags) if t.request_id not in unknown]
+            tags, num_steps = [tags[i] for i in keep], [num_steps[i] for i in keep] if num_steps else None
+            if not tags:
+                return DraftHandle([], None, unknown)
         job = self._claim(PreDraft, tags, num_steps)
         if job is not None:
             async with self._lock:
                 tree = await job.result()
             if tree is not None:
                 self.pre_draft_used += 1
-                return DraftHandle(tags, tree)
-        return DraftHandle(tags, await self._run("draft", self._draft, tags, num_steps))
+                return DraftHandle(tags, tree, unknown)
+        return DraftHandle(tags, await self._run("draft", self._draft, tags, num_steps), unknown)
+
+    def _extend_and_draft(self, tags, num_steps, extend):
+        from drafter.service_core import drafter_extend_and_draft
+
+        return drafter_extend_and_draft(self.engine, tags, num_steps, self._unabsorbed(extend))
 
     def _draft(self, tags, num_steps):
         from drafter.service_core import drafter_draft

@@ -146,10 +146,11 @@ class RayDrafterLink(RemoteDrafterLink):
     async def prefill(self, items: list[DrafterPrefillItem]) -> list[str]:
         return await self._call(self.actor.prefill.remote(items))
 
-    async def draft(self, tags: list[Tag], num_steps: list[int | None] | None = None) -> DraftHandle:
-        tree_ref, done = self.actor.draft.remote(list(tags), num_steps)
-        await self._call(done)  # raises as the draft failed; the tree itself stays in Ray
-        return DraftHandle(list(tags), tree_ref)
+    async def draft(self, tags: list[Tag], num_steps: list[int | None] | None = None,
+                    extend: list[ExtendItem] = ()) -> DraftHandle:
+        tree_ref, done = self.actor.draft.remote(list(tags), num_steps, list(extend))
+        known, unknown = await self._call(done)  # raises as the draft failed; the tree itself stays in Ray
+        return DraftHandle(list(known), tree_ref if known else None, list(unknown))
 
     async def draft_ahead(self, tags: list[Tag], extend: list[ExtendItem] = (), on_trees=None) -> AheadReply:
         return await self._call(self.actor.draft_ahead.remote(list(tags), list(extend)))

@@ -5,9 +5,10 @@ still holds for the router), `_schedule` (carry out router/scheduler.py's plan: 
 never fit, preempt, admit: prefill on the verifier, stream the first token, prefill on the
 drafter), then `_round`: re-prefill the drafter with the requests it does not hold (`_resync`)
 and run one round in the mode router/pipeline.py chooses:
-- sequential (`_sequential_round`): `_draft` (a tree for the requests the drafter holds; the
-  others decode plainly), `_verify` (one batched verify of drafted and plain rows), `_apply`
-  (commit and stream each verdict, drop stale ones) and `_extend` (the drafter's catch-up);
+- sequential (`_sequential_round`): `_draft` (a tree for the requests the drafter holds, after
+  their catch-up with the last round's verdict, in one drafter call; the others decode
+  plainly), `_verify` (one batched verify of drafted and plain rows) and `_apply` (commit and
+  stream each verdict, drop stale ones, hold the drafter's catch-up back for the next call);
 - ahead (`_sequential_round(ahead=True)`): the same, while the verifier verifies the drafter
   fills its outcome cache (`_draft_ahead`), so a hit's next tree is ready with the verdict;
 - ping-pong (`_pingpong_round`): two halves, the drafter on one while the verifier verifies the
@@ -416,7 +417,8 @@ class Router:
             self._modes.record(mode, self._tokens_committed - before, time.perf_counter() - t0, request_rounds)
 
     async def _sequential_round(self, ahead: bool = False) -> None:
-        """Draft, verify, extend. `ahead`: while the verifier verifies, the drafter prepares the
+        """Draft (with the last round's catch-up), verify, hold this round's catch-up back for the
+        next drafter call. `ahead`: while the verifier verifies, the drafter prepares the
         next trees for the likeliest outcomes; on a hit the next draft call returns at once and
         the catch-up with the real features runs while the verifier is busy again."""
         draft, drafted = await self._draft(self.running)
@@ -448,9 +450,10 @@ class Router:
         if results is not None:
             extend = self._apply(results, drafted, self.running)
             ready = {r.request_id for r in drafted if r.next_tree is not None}
-            if extend and ahead and all(i.tag.request_id in ready for i in extend):
-                # Every drafted request hit and the router holds its next tree: the next round's
-                # verify goes out first, and this catch-up rides with its draft-ahead call.
+            if extend and (not ahead or all(i.tag.request_id in ready for i in extend)):
+                # Held back: the next round's drafter call carries it (sequential: its draft;
+                # ahead, where every drafted request hit and the router holds its next tree: the
+                # draft-ahead that goes with the verify of that tree).
                 by_id = {r.request_id: r for r in drafted}
                 for item in extend:
                     by_id[item.tag.request_id].backlog.append(item)
@@ -560,22 +563,24 @@ class Router:
         if not drafted:
             return None, []
         self._drafted_any = True
-        backlog = self._take_backlog(drafted)
-        if backlog:   # held-back catch-ups (plain rounds, a hit's): the drafter must be in step first
-            await self._extend(backlog)
-            drafted = [r for r in drafted if r.on_drafter and self.drafter_up]
-            if not drafted:
-                return None, []
         steps = None
         if self._mode.startswith("short:"):   # shorter trees where the tree does not decide the tokens
             cap = int(self._mode.split(":")[1])
             steps = [cap if self._invisible_when_plain(r) else None for r in drafted]
+        # With the held-back catch-ups (the last round's, plain rounds', a hit's): the drafter
+        # absorbs them first, in the same call.
+        backlog = self._take_backlog(drafted)
         try:
-            draft = await asyncio.wait_for(self.drafter.draft([r.tag() for r in drafted], steps),
+            draft = await asyncio.wait_for(self.drafter.draft([r.tag() for r in drafted], steps, backlog),
                                            self.cfg.drafter_timeout)
         except (EngineUnavailable, asyncio.TimeoutError, StaleMessage) as exc:
             self._drafter_failed(exc)
             return None, []
+        if draft.unknown:   # it restarted: no tree for them, re-prefilled by the next resync
+            self._off_drafter(draft.unknown)
+            drafted = [r for r in drafted if r.on_drafter]
+            if not drafted:
+                return None, []
         if list(draft.tags) != [r.tag() for r in drafted]:
             self.counters.stale_dropped += 1   # a draft of another epoch or length: never verified
             self._draft_failed = self._draft_failed | {r.request_id for r in drafted}

@@ -81,10 +81,12 @@ class ExtendItem:
 
 @dataclass
 class DraftHandle:
-    """A round's trees for `tags` (opaque `payload`)."""
+    """A round's trees for `tags` (opaque `payload`; None with no tags). `unknown`: ids of the
+    draft call's catch-up the drafter does not hold (no tree for them: re-prefill them)."""
 
     tags: list[Tag]
     payload: Any
+    unknown: list[str] = field(default_factory=list)
 
 
 @dataclass

@@ -162,12 +162,14 @@ class DrafterPrefillRequest(_message.Message):
     def __init__(self, items: _Optional[_Iterable[_Union[DrafterPrefillItem, _Mapping]]] = ...) -> None: ...
 
 class DraftRequest(_message.Message):
-    __slots__ = ("tags", "num_steps")
+    __slots__ = ("tags", "num_steps", "extend")
     TAGS_FIELD_NUMBER: _ClassVar[int]
     NUM_STEPS_FIELD_NUMBER: _ClassVar[int]
+    EXTEND_FIELD_NUMBER: _ClassVar[int]
     tags: _containers.RepeatedCompositeFieldContainer[_common_pb2.RequestTag]
     num_steps: _containers.RepeatedScalarFieldContainer[int]
-    def __init__(self, tags: _Optional[_Iterable[_Union[_common_pb2.RequestTag, _Mapping]]] = ..., num_steps: _Optional[_Iterable[int]] = ...) -> None: ...
+    extend: _containers.RepeatedCompositeFieldContainer[ExtendItem]
+    def __init__(self, tags: _Optional[_Iterable[_Union[_common_pb2.RequestTag, _Mapping]]] = ..., num_steps: _Optional[_Iterable[int]] = ..., extend: _Optional[_Iterable[_Union[ExtendItem, _Mapping]]] = ...) -> None: ...
 
 class DraftAheadRequest(_message.Message):
     __slots__ = ("tags", "extend")
@@ -206,10 +208,12 @@ class OutcomeTree(_message.Message):
     def __init__(self, outcome: _Optional[_Iterable[int]] = ..., token_ids: _Optional[_Iterable[int]] = ..., parents: _Optional[_Iterable[int]] = ..., scores: _Optional[_Iterable[float]] = ...) -> None: ...
 
 class DraftReply(_message.Message):
-    __slots__ = ("tree",)
+    __slots__ = ("tree", "unknown_request_ids")
     TREE_FIELD_NUMBER: _ClassVar[int]
+    UNKNOWN_REQUEST_IDS_FIELD_NUMBER: _ClassVar[int]
     tree: DraftTreeMsg
-    def __init__(self, tree: _Optional[_Union[DraftTreeMsg, _Mapping]] = ...) -> None: ...
+    unknown_request_ids: _containers.RepeatedScalarFieldContainer[str]
+    def __init__(self, tree: _Optional[_Union[DraftTreeMsg, _Mapping]] = ..., unknown_request_ids: _Optional[_Iterable[str]] = ...) -> None: ...
 
 class ExtendItem(_message.Message):
     __slots__ = ("tag", "token_ids", "features", "feature_ref")

@@ -171,8 +171,11 @@ class ScriptedDrafter(RemoteDrafterLink):
             self._in_step(it.tag, "prefill")
         return []
 
-    async def draft(self, tags, num_steps=None):
+    async def draft(self, tags, num_steps=None, extend=()):
         await self._gate("draft")
+        unknown = await self._absorb(extend)
+        keep = [i for i, t in enumerate(tags) if t.request_id not in unknown]
+        tags, num_steps = [tags[i] for i in keep], [num_steps[i] for i in keep] if num_steps else None
         chains = {}
         for i, tag in enumerate(tags):
             ctx = self._in_step(tag, "draft")
@@ -183,7 +186,7 @@ class ScriptedDrafter(RemoteDrafterLink):
             chains[tag.request_id] = list(self.propose(list(ctx), depth))[:depth]
         if self.stale:
             tags = [Tag(t.request_id, t.epoch, t.committed_len - 1) for t in tags]
-        return DraftHandle(list(tags), chains)
+        return DraftHandle(list(tags), chains if tags else None, unknown)
 
     async def _absorb(self, items) -> list[str]:
         unknown = []

@@ -77,13 +77,15 @@ async def drained(spec, tries: int = 50) -> None:
 
 async def speculate(vlink, dlink, prompts, params, eos: tuple[int, ...], lookahead: int,
                     plain_rounds=lambda rid, n: False, ahead: list | None = None,
-                    ready: list | None = None) -> list[LocalCompletion]:
+                    ready: list | None = None, with_draft: bool = False) -> list[LocalCompletion]:
     """prefill -> (draft -> verify -> extend)* for a batch, as spectandem.reference.generate does.
     `plain_rounds(request_id, round)` True sends that request as a plain row (no draft).
     `ahead` (a list): DraftAhead on each round's trees, overlapped with their verify; the hit
     flags are appended to it. With it, a round whose every drafted request hit verifies the
     outcome trees DraftAhead returned (`ready_handle`, no Draft call), as the router does; the
-    number of such rounds is appended to `ready` (a list) if given."""
+    number of such rounds is appended to `ready` (a list) if given. `with_draft`: a round's
+    catch-up is held back and goes with the next Draft call (as the router's sequential rounds
+    send it) instead of its own Extend call."""
     max_len = (await vlink.info()).max_len
     ids = [f"req-{i}" for i in range(len(prompts))]
     seeds = [p.resolved_seed() for p in params]
@@ -114,10 +116,13 @@ async def speculate(vlink, dlink, prompts, params, eos: tuple[int, ...], lookahe
             if ready is not None:
                 ready.append(len(drafted))
         else:
-            if catch_up:   # the drafter must be in step before it drafts
+            if catch_up and not (with_draft and drafted):   # the drafter must be in step before it drafts
                 assert await dlink.extend(catch_up) == []
                 catch_up = []
-            draft = await dlink.draft(drafted) if drafted else None
+            draft = await dlink.draft(drafted, None, catch_up) if drafted else None
+            if draft is not None:
+                assert draft.unknown == [] and draft.tags == drafted
+            catch_up = []
         next_trees = {}
         tables = {}
         if ahead is not None and draft is not None:
@@ -150,6 +155,8 @@ async def speculate(vlink, dlink, prompts, params, eos: tuple[int, ...], lookahe
         items = [ExtendItem(o.tag, o.token_ids, o.features) for o in still]
         if items and ahead is not None and all(o.tag.request_id in next_trees for o in still):
             catch_up = items           # every request hit: its catch-up goes with the next DraftAhead
+        elif items and with_draft and ahead is None:
+            catch_up = items           # it goes with the next Draft
         elif items:
             assert await dlink.extend(items) == []
         active = [o.tag for o in still]

@@ -49,9 +49,9 @@ class LoggingDrafter(LocalDrafterLink):
         super().__init__(engine)
         self.log = log
 
-    async def draft(self, tags, num_steps=None):
+    async def draft(self, tags, num_steps=None, extend=()):
         self.log.add("draft")
-        return await super().draft(tags, num_steps)
+        return await super().draft(tags, num_steps, extend)
 
     async def draft_ahead(self, tags, extend=(), on_trees=None):
         self.log.add("ahead+extend" if extend else "ahead")

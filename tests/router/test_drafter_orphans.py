@@ -30,12 +30,12 @@ class SlowOnce(LocalDrafterLink):
     def stuck(self) -> bool:
         return time.monotonic() < self.stuck_until
 
-    async def draft(self, tags, num_steps=None):
+    async def draft(self, tags, num_steps=None, extend=()):
         self.calls += 1
         if self.calls == 3:
             self.stuck_until = time.monotonic() + 3.0
             await asyncio.sleep(3.0)          # the router stops waiting long before
-        return await super().draft(tags, num_steps)
+        return await super().draft(tags, num_steps, extend)
 
     async def info(self):
         if self.stuck:

@@ -159,14 +159,19 @@ def test_eagle3_subprocesses_match_local(eagle3_processes, prompts):
             assert vi.feature_layers == di.feature_layers == (2, 4, 5)
             assert vi.max_len == di.max_len == MAX_LEN and vi.max_slots == 4
             return (await speculate(v, d, prompts, _greedy(len(prompts)), eos, lookahead),
-                    await speculate(v, d, prompts, _seeded(len(prompts)), eos, lookahead))
+                    await speculate(v, d, prompts, _seeded(len(prompts)), eos, lookahead),
+                    await speculate(v, d, prompts, _greedy(len(prompts)), eos, lookahead, with_draft=True),
+                    await speculate(v, d, prompts, _seeded(len(prompts)), eos, lookahead, with_draft=True))
         finally:
             await v.close()
             await d.close()
 
-    got, got_seeded = asyncio.run(main())
+    got, got_seeded, got_with_draft, got_seeded_with_draft = asyncio.run(main())
     _assert_same(got, expected)
     _assert_same(got_seeded, expected_seeded)
+    # Each round's catch-up carried by the next Draft call: the same tokens and trees.
+    _assert_same(got_with_draft, expected)
+    _assert_same(got_seeded_with_draft, expected_seeded)
     assert any(s.token_ids != g.token_ids for s, g in zip(got_seeded, got))  # it really sampled
 
 

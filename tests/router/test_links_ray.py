@@ -68,11 +68,12 @@ class Seen:
 
 
 async def speculate(verifier, drafter, prompts, params, eos, lookahead, seen: Seen, before_extend=None,
-                    ahead: bool = False):
+                    ahead: bool = False, with_draft: bool = False):
     """The loop of spectandem/reference.py, through the links, as a router runs it (plus the
     re-prefill of requests the drafter reports unknown). `ahead`: DraftAhead on each round's
     trees, overlapped with their verify as the router's "ahead" mode does; the hit flags go to
-    `seen.ahead`."""
+    `seen.ahead`. `with_draft`: each round's catch-up goes with the next Draft call (the
+    router's sequential rounds)."""
     max_len = (await verifier.info()).max_len
     ids = [f"req-{i}" for i in range(len(prompts))]
     seeds = {rid: sp.resolved_seed() for rid, sp in zip(ids, params)}
@@ -116,10 +117,12 @@ async def speculate(verifier, drafter, prompts, params, eos, lookahead, seen: Se
             plain = []
             seen.ready += len(active)
         else:
-            if catch_up:   # the drafter must be in step before it drafts
+            if catch_up and not with_draft:   # the drafter must be in step before it drafts
                 await resync(await drafter.extend(catch_up))
                 catch_up = []
-            draft, plain = await drafter.draft([tags[r] for r in active]), []
+            draft, plain = await drafter.draft([tags[r] for r in active], None, catch_up), []
+            assert draft.unknown == [] and draft.tags == [tags[r] for r in active]
+            catch_up = []
             seen.handles.append(draft.payload)
         if draft is None and catch_up:
             await resync(await drafter.extend(catch_up))
@@ -162,6 +165,9 @@ async def speculate(verifier, drafter, prompts, params, eos, lookahead, seen: Se
         items = [ExtendItem(r.tag, r.token_ids, r.features) for r in still]
         if items and ahead and before_extend is None and all(r.tag.request_id in next_trees for r in still):
             catch_up = items
+        elif items and with_draft and not ahead and before_extend is None and all(
+                tags[r.tag.request_id].committed_len - 1 + lookahead <= max_len for r in still):
+            catch_up = items   # the next round drafts every one of them
         else:
             await resync(await drafter.extend(items))
         active = [r.tag.request_id for r in still]
@@ -180,12 +186,13 @@ def _assert_only_refs(seen: Seen):
         assert not any(isinstance(v, torch.Tensor) for v in vars(r).values()), r
 
 
-def test_greedy_through_ray_equals_local(engines, local, prompts):
+@pytest.mark.parametrize("with_draft", [False, True], ids=["extend-calls", "catch-up-with-draft"])
+def test_greedy_through_ray_equals_local(engines, local, prompts, with_draft):
     verifier, drafter = engines
     expected = local.generate(prompts, _greedy(len(prompts)))
     seen = Seen()
     got = asyncio.run(speculate(verifier, drafter, prompts, _greedy(len(prompts)), local.eos_token_ids,
-                                local.lookahead, seen))
+                                local.lookahead, seen, with_draft=with_draft))
     for i, (g, e) in enumerate(zip(got, expected)):
         assert g.token_ids == e.token_ids, f"prompt {i}: {g.token_ids} != {e.token_ids}"
         assert g.finish_reason == e.finish_reason

@@ -1,6 +1,6 @@
 """Router logic: while requests are decoded plainly (speculation switched off, or "plain" in
-auto), their drafter catch-ups are held back and handed over in one call, in order, before the
-request is drafted again; the drafter's engine absorbs them in one forward. Real engines behind
+auto), their drafter catch-ups are held back and handed over in one call, in order, with the
+request's next draft; the drafter's engine absorbs them in one forward. Real engines behind
 in-process links (the drafter link only counts what it is sent); greedy tokens must equal plain
 decoding's, and both engines end with nothing held."""
 
@@ -21,11 +21,16 @@ from tests.router.link_harness import collect, drained
 class CountingDrafter(LocalDrafterLink):
     def __init__(self, engine):
         super().__init__(engine)
-        self.extends: list[list[str]] = []      # request ids of each extend call, in order
+        self.extends: list[list[str]] = []      # request ids of each call's catch-up, in order
 
     async def extend(self, items):
         self.extends.append([i.tag.request_id for i in items])
         return await super().extend(items)
+
+    async def draft(self, tags, num_steps=None, extend=()):
+        if extend:
+            self.extends.append([i.tag.request_id for i in extend])
+        return await super().draft(tags, num_steps, extend)
 
 
 def test_plain_rounds_hold_back_catch_ups_and_tokens_stay_exact():
@@ -57,6 +62,6 @@ def test_plain_rounds_hold_back_catch_ups_and_tokens_stay_exact():
     assert counters.plain_rounds > 0, "speculation should have been off for some rounds"
     assert counters.fallback_rounds == 0, "the drafter never failed: no round is a fallback"
     held_back = [ids for ids in extends if len(ids) > len(set(ids))]
-    assert held_back, "a request's plain rounds should reach the drafter together, in one extend call"
+    assert held_back, "a request's plain rounds should reach the drafter together, in one call"
     assert not spec.drafter.requests and spec.drafter.proposer.kv_stats()["used_blocks"] == 0
     assert not spec.verifier.requests

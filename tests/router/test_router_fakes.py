@@ -326,3 +326,31 @@ def test_a_drafter_that_learns_outputs_sees_them_whole_before_release(learns):
         assert max(short_by) <= 1, short_by
     else:
         assert min(short_by) > 20, short_by
+
+
+def test_a_drafter_that_forgot_its_requests_reports_them_with_the_draft_and_they_are_prefilled_again():
+    """The drafter restarts between rounds (it forgets every request): the next draft call's
+    catch-up names them unknown, they decode plainly until the router prefills them again, and
+    then speculate; the tokens stay the target's."""
+    v, d = OracleVerifier(), ScriptedDrafter()
+    seen = {"tokens": 0, "forgot": False, "prefills": 0}
+    prefill = d.prefill
+
+    async def counting_prefill(items):
+        seen["prefills"] += len(items)
+        return await prefill(items)
+    d.prefill = counting_prefill
+
+    def cue(router, ev, req, data):
+        if ev == "tokens":
+            seen["tokens"] += data["count"]
+            if seen["tokens"] >= 30 and not seen["forgot"]:
+                d.ctx.clear()                    # a restarted drafter holds nothing
+                seen["forgot"] = True
+
+    router, outs = run(serve(v, d, PROMPTS, cfg=config(pipeline="sequential"), on_event=cue))
+    assert_exact(outs)
+    assert_clean(v, d)
+    assert seen["forgot"] and seen["prefills"] > len(PROMPTS)      # prefilled again after it forgot
+    assert router.counters.drafter_outages == 0 and router.drafter_up
+    assert d.calls.count("extend") == 0                           # catch-ups went with the drafts
