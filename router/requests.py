@@ -43,7 +43,7 @@ class RequestStatus(enum.Enum):
 ENDED = frozenset({RequestStatus.FINISHED, RequestStatus.FAILED, RequestStatus.CANCELLED})
 
 
-@dataclass
+@dataclass(eq=False)   # identity: a request is itself, never equal to another
 class ServedRequest:
     request_id: str
     prompt_ids: list[int]
