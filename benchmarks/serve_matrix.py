@@ -31,7 +31,6 @@ import json
 import os
 import shlex
 import signal
-import socket
 import subprocess
 import sys
 import tempfile
@@ -41,12 +40,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
+from router.serve import free_port  # noqa: E402  (after the path: run as a script)
 
 TRUTH_EXTRA = 16   # tokens the learning pass generates past the measured ones
 
@@ -164,7 +158,7 @@ class Server:
     """`spectandem serve` in a process group of its own, until `stop`."""
 
     def __init__(self, argv: list[str], log: Path, timeout: float):
-        self.port = _free_port()
+        self.port = free_port()
         self.argv = [sys.executable, "-m", "spectandem.cli", "serve", "--port", str(self.port), *argv]
         self.log = log
         self._out = open(log, "w")

@@ -20,7 +20,7 @@ from spectandem.config import EngineConfig, GpuPaths, benchmark_warning, engine_
 from router.ops import OpsConfig, add_ops_flags
 from spectandem.service_args import add_model_flags
 from spectandem.memory import engine_memory_flags, kv_capacity_line
-from spectandem.service_args import DEVICE_HELP, add_benchmark_flag, add_memory_flags, model_dtype
+from spectandem.service_args import add_benchmark_flag, add_memory_flags, model_dtype
 
 log = logging.getLogger("spectandem.serve")
 
@@ -121,7 +121,8 @@ def _spec(args):
     return spec_from_flags(args)
 
 
-def _free_port() -> int:
+def free_port() -> int:
+    """A TCP port on 127.0.0.1 that is free now."""
     import socket
 
     with socket.socket() as s:
@@ -301,9 +302,9 @@ async def _build_links(args, cfg, target, draft, index: int = 0, supervisor=None
     drafter_address = args.drafter_address[index] if args.drafter_address else None
     channel = None
     if wanted_channel and cfg.method != "none":
-        channel = f"tcp://127.0.0.1:{_free_port()}" if wanted_channel == "auto" else wanted_channel
-    commands = engine_commands(args, cfg, target, draft, None if verifier_address else _free_port(),
-                               None if drafter_address else _free_port(), channel, args.engine_devices)
+        channel = f"tcp://127.0.0.1:{free_port()}" if wanted_channel == "auto" else wanted_channel
+    commands = engine_commands(args, cfg, target, draft, None if verifier_address else free_port(),
+                               None if drafter_address else free_port(), channel, args.engine_devices)
     if commands and supervisor is None:
         raise ValueError("engine processes need a supervisor")
     procs = {}

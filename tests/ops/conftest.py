@@ -1,4 +1,4 @@
-"""Shared by the operations tests: free ports, and a private PKI made per test session with
+"""Shared by the operations tests: a private PKI made per test session with
 `cryptography` (a CA, a server certificate for localhost that also serves as the router's
 internal client certificate, a client certificate, and a client certificate from another CA)."""
 
@@ -6,17 +6,10 @@ from __future__ import annotations
 
 import datetime
 import ipaddress
-import socket
 from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 @dataclass(frozen=True)

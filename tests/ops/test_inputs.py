@@ -23,7 +23,7 @@ from spectandem.config import SpecConfig
 from spectandem.demo import demo_paths
 from router.local import LocalSpeculator
 from spectandem.v1 import common_pb2, generation_pb2, generation_pb2_grpc
-from tests.ops.conftest import free_port
+from router.serve import free_port
 from tests.router.conftest import Served
 
 KEY = "input-test-key-42"

@@ -14,7 +14,7 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from router.request_log import REQUEST_LOGGER, JsonFormatter
 from tests.e2e.conftest import PROMPT_TEXTS
-from tests.ops.conftest import free_port
+from router.serve import free_port
 from tests.router.conftest import Served, collect, request
 
 P = "spectandem:"

@@ -17,7 +17,7 @@ from router.openai_protocol import ChatTemplate
 from router.ops import start_http
 from router.server import Limits
 from tests.e2e.conftest import PROMPT_TEXTS
-from tests.ops.conftest import free_port
+from router.serve import free_port
 from tests.router.conftest import Served, collect, request
 
 TEMPLATE = ("{% for m in messages %}<|{{ m['role'] }}|>{{ m['content'] }}\n{% endfor %}"

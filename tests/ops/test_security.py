@@ -22,7 +22,7 @@ from router.auth import ApiKeyInterceptor
 from router.server import Limits, start_server
 from spectandem import Client, SamplingParams, Unauthenticated
 from spectandem.tls import ClientTls, ServerTls
-from tests.ops.conftest import free_port
+from router.serve import free_port
 from tests.router.conftest import Served, collect, request
 
 KEY = "test-key-0123456789"

@@ -18,7 +18,6 @@ from __future__ import annotations
 import logging
 import os
 import signal
-import socket
 import subprocess
 import sys
 import threading
@@ -32,6 +31,7 @@ from spectandem.config import SamplingParams, SpecConfig
 from spectandem.demo import demo_paths
 from router.local import LocalSpeculator
 from spectandem.v1 import generation_pb2
+from router.serve import free_port
 from tests.e2e.conftest import PROMPT_TEXTS
 from tests.router.conftest import Served, collect, request
 
@@ -40,17 +40,12 @@ SLOTS = 16
 pytestmark = pytest.mark.slow
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
 
 class Engine:
     """One engine service in a process group of its own, restartable on the same port."""
 
     def __init__(self, role: str, extra: list[str] = ()):
-        self.role, self.port = role, _free_port()
+        self.role, self.port = role, free_port()
         self.argv = [sys.executable, "-m", role, "--host", "127.0.0.1", "--port", str(self.port), "--method", "eagle3",
                      "--max-slots", str(SLOTS), "--max-len", str(MAX_LEN), *extra]
         self.proc: subprocess.Popen | None = None

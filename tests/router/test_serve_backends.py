@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import os
 import signal
-import socket
 import subprocess
 import sys
 import threading
@@ -19,6 +18,7 @@ import pytest
 from spectandem.config import SamplingParams, SpecConfig
 from spectandem.demo import demo_paths
 from router.local import LocalSpeculator
+from router.serve import free_port
 from tests.e2e.conftest import PROMPT_TEXTS
 from tests.router.conftest import RAY_CLUSTERS, Served, collect, request
 
@@ -154,11 +154,6 @@ def test_ray_backend_exact_and_drafter_killed(reference):
         server.close()
 
 
-def _free_port():
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
 
 @pytest.mark.parametrize("stop", ["sigterm", "ctrl-c", "group-sigterm"])
 def test_spectandem_serve_as_a_user_would(tmp_path, stop):
@@ -167,11 +162,11 @@ def test_spectandem_serve_as_a_user_would(tmp_path, stop):
     group, as `timeout` or systemd send it, which also ends the local Ray cluster's own processes
     under it. Each way it stops cleanly and soon (the last once waited 120 s on a Ray cluster
     that was already gone)."""
-    port = _free_port()
+    port = free_port()
     env = dict(os.environ, OMP_NUM_THREADS="1")
     # The HTTP front and metrics on free ports too: their fixed defaults collide with any other
     # server on this machine (another test worker's, another run's).
-    fronts = ["--http-port", str(_free_port()), "--metrics-port", str(_free_port())]
+    fronts = ["--http-port", str(free_port()), "--metrics-port", str(free_port())]
     proc = subprocess.Popen([sys.executable, "-m", "spectandem.cli", "serve", "--port", str(port), *fronts],
                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env,
                             start_new_session=True)

@@ -16,7 +16,6 @@ from __future__ import annotations
 import os
 import shutil
 import signal
-import socket
 import subprocess
 import sys
 import threading
@@ -26,6 +25,7 @@ import grpc
 import pytest
 
 from spectandem.demo import demo_paths
+from router.serve import free_port
 from tests.e2e.conftest import PROMPT_TEXTS
 from tests.router.conftest import RAY_CLUSTERS, Served, collect, request
 
@@ -33,11 +33,6 @@ pytestmark = RAY_CLUSTERS
 
 MAX_LEN = "256"
 
-
-def _free_port():
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _gone(pid: int) -> bool:
@@ -87,7 +82,7 @@ def broken_target(tmp_path):
 @pytest.mark.parametrize("backend", ["grpc", "ray"])
 def test_engine_that_fails_to_start_ends_serve_with_its_error(broken_target, backend):
     draft = str(demo_paths("eagle3")[1])
-    rc, out, took = _run_serve(["--backend", backend, "--port", str(_free_port()), "--target", broken_target,
+    rc, out, took = _run_serve(["--backend", backend, "--port", str(free_port()), "--target", broken_target,
                                 "--draft", draft, "--max-len", MAX_LEN], timeout_s=120)
     assert rc is not None, f"serve still running after {took:.0f} s:\n{out[-3000:]}"
     assert rc != 0, out[-3000:]
@@ -180,7 +175,7 @@ def _children(pid: int) -> list[int]:
 
 
 def test_grpc_verifier_that_stays_down_ends_serve_non_zero():
-    port = _free_port()
+    port = free_port()
 
     def kill_verifier(proc):
         from spectandem import Client
