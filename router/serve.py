@@ -121,6 +121,14 @@ def _spec(args):
     return spec_from_flags(args)
 
 
+def _engine_threads() -> int:
+    """Torch threads of each engine actor: this process's (the cores, or OMP_NUM_THREADS), as
+    the engine processes of the gRPC backend and the in-process engines have."""
+    import torch
+
+    return torch.get_num_threads()
+
+
 def free_port() -> int:
     """A TCP port on 127.0.0.1 that is free now."""
     import socket
@@ -282,7 +290,8 @@ async def _build_links(args, cfg, target, draft, index: int = 0, supervisor=None
                                    device=args.engine_devices[0], dtype=model_dtype(args), kv_blocks=args.kv_blocks,
                                    draft_kv_blocks=args.draft_kv_blocks, block_size=args.block_size,
                                    gpu=GpuPaths.from_args(args), feature_channel=wanted_channel,
-                                   gpu_memory_utilization=args.gpu_memory_utilization)
+                                   gpu_memory_utilization=args.gpu_memory_utilization,
+                                   num_threads=_engine_threads())
 
         async def cleanup():
             # A signal to the whole process group (`timeout`, systemd) ends a local cluster with
