@@ -15,9 +15,10 @@ choice must not depend on load). The others keep full drafts.
 
 In "auto" the candidates depend on the batch: below 2 * pingpong_min_batch requests, sequential,
 ahead and plain (ahead only while the drafter drafts ahead: one that never does is found out from
-its replies, router/loop.py); from there, sequential, ping-pong, each short draft length and plain. It measures
-each over a window of rounds (its first round left out) and keeps the fastest for eight windows, measuring it again as it runs; between keeps it measures one other
-candidate (in turn) for a window, so a change of the fastest is found at the cost of one window.
+its replies, router/loop.py); from there, sequential, ping-pong, each short draft length and
+plain. It measures each over a window of rounds (its first round left out) and keeps the fastest
+for eight windows, measuring it again as it runs; between keeps it measures one other candidate
+(in turn) for a window, so a change of the fastest is found at the cost of one window.
 While the same mode stays the fastest, each keep is twice as long as the one before (up to 32
 windows): a settled choice spends about 3% of its rounds measuring the others. Candidates that
 measured under 85% of the fastest are measured again only every fourth time (a window of
