@@ -102,7 +102,7 @@ def add_serve(sub) -> None:
     p.add_argument("--log-level", type=str.upper, choices=["DEBUG", "INFO", "WARNING", "ERROR", "CRITICAL"],
                    default=None, help="logging level (default: $SPECTANDEM_LOG_LEVEL, else WARNING)")
     add_ops_flags(p)
-    p.set_defaults(func=_serve)
+    p.set_defaults(func=_serve, engine_threads=1)   # Ray actors: torch threads each (_serve sets it)
 
 
 def link_tuning(args):
@@ -121,12 +121,19 @@ def _spec(args):
     return spec_from_flags(args)
 
 
-def _engine_threads() -> int:
-    """Torch threads of each engine actor: this process's (the cores, or OMP_NUM_THREADS), as
-    the engine processes of the gRPC backend and the in-process engines have."""
-    import torch
-
-    return torch.get_num_threads()
+def engine_threads(omp_num_threads: str | None) -> int:
+    """Torch threads of each Ray engine actor: OMP_NUM_THREADS where set, else the cores this
+    process may run on (what torch gives the gRPC backend's engine processes and the in-process
+    engines)."""
+    if omp_num_threads:
+        try:
+            n = int(omp_num_threads)
+        except ValueError:
+            raise ValueError(f"OMP_NUM_THREADS must be a positive integer, got {omp_num_threads!r}") from None
+        if n < 1:
+            raise ValueError(f"OMP_NUM_THREADS must be a positive integer, got {omp_num_threads!r}")
+        return n
+    return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
 
 
 def free_port() -> int:
@@ -291,7 +298,7 @@ async def _build_links(args, cfg, target, draft, index: int = 0, supervisor=None
                                    draft_kv_blocks=args.draft_kv_blocks, block_size=args.block_size,
                                    gpu=GpuPaths.from_args(args), feature_channel=wanted_channel,
                                    gpu_memory_utilization=args.gpu_memory_utilization,
-                                   num_threads=_engine_threads())
+                                   num_threads=args.engine_threads)
 
         async def cleanup():
             # A signal to the whole process group (`timeout`, systemd) ends a local cluster with
@@ -629,6 +636,7 @@ def _serve(args) -> int:
         logging.basicConfig(level=level, format="%(asctime)s %(levelname)s %(name)s %(message)s")
     if args.api_key is None:
         args.api_key = os.environ.get("SPECTANDEM_API_KEY") or None
+    args.engine_threads = engine_threads(os.environ.get("OMP_NUM_THREADS"))
     if args.backend == "local":   # engines and router share this process: the whole process's setting
         from router.local_base import shorten_switch_interval
 

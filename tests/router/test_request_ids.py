@@ -21,7 +21,7 @@ from spectandem.config import SamplingParams, SpecConfig
 from spectandem.demo import demo_paths
 from router.local import LocalSpeculator
 from tests.e2e.conftest import PROMPT_TEXTS
-from tests.ops.conftest import free_port
+from router.serve import free_port
 from tests.router.conftest import Served, collect, request
 
 

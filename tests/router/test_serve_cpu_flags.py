@@ -12,6 +12,8 @@ import sys
 import threading
 import time
 
+import pytest
+
 
 def test_grpc_serve_on_the_cpu_with_explicit_no_gpu_flags():
     env = dict(os.environ, OMP_NUM_THREADS="1")
@@ -48,3 +50,13 @@ def test_grpc_serve_on_the_cpu_with_explicit_no_gpu_flags():
     assert "spectandem verifier:" in out and "spectandem drafter:" in out, out
     assert "first request failed" not in out and "finish_reason=" in out, out
     assert rc == 0 and "spectandem stopped" in out, (rc, out)
+
+
+def test_ray_engine_threads_follow_omp_num_threads_else_the_cores():
+    from router.serve import engine_threads
+
+    assert engine_threads("3") == 3
+    assert engine_threads(None) == engine_threads("") == len(os.sched_getaffinity(0))
+    for bad in ("0", "two"):
+        with pytest.raises(ValueError, match="OMP_NUM_THREADS must be a positive integer"):
+            engine_threads(bad)

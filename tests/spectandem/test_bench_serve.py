@@ -21,7 +21,7 @@ from spectandem.cli import main
 from spectandem.client import Client
 from spectandem.config import SamplingParams
 from spectandem.v1 import generation_pb2
-from tests.ops.conftest import free_port
+from router.serve import free_port
 from tests.router.conftest import Served
 
 HAVE_MPL = importlib.util.find_spec("matplotlib") is not None
