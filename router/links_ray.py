@@ -38,6 +38,7 @@ from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 from drafter.actor import DrafterActor
 from router.links import EngineStartError, EngineUnavailable, RemoteDrafterLink, RemoteVerifierLink
 from spectandem.config import EngineConfig, GpuPaths, SpecConfig
+from spectandem.channel import NCCL_ERROR_HANDLING
 from spectandem.memory import shared_gpu_configs
 from spectandem.devices import DEFAULT_DTYPE
 from spectandem.messages import DraftTree
@@ -228,7 +229,7 @@ def start_engines(target_dir: str | Path, draft_dir: str | Path | None, cfg: Spe
 
     def options(index: int, max_restarts: int) -> dict:
         return dict(num_cpus=1, num_gpus=bundles[index].get("GPU", 0), max_restarts=max_restarts, max_task_retries=0,
-                    runtime_env={"env_vars": {"OMP_NUM_THREADS": str(num_threads)}},
+                    runtime_env={"env_vars": {"OMP_NUM_THREADS": str(num_threads), **NCCL_ERROR_HANDLING}},
                     scheduling_strategy=PlacementGroupSchedulingStrategy(
                         placement_group=pg, placement_group_bundle_index=index))
 

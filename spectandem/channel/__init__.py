@@ -46,6 +46,7 @@ sender.py, receiver.py.
 
 from spectandem.channel.receiver import FeatureReceiver
 from spectandem.channel.sender import FeatureSender
-from spectandem.channel.wire import MAX_ITEMS, ChannelRef, FeatureChannelError, _Group, parse_address  # noqa: F401 (_Group: tests)
+from spectandem.channel.wire import (MAX_ITEMS, NCCL_ERROR_HANDLING, ChannelRef, FeatureChannelError,  # noqa: F401
+                                     _Group, parse_address)   # (_Group: tests)
 
-__all__ = ["MAX_ITEMS", "ChannelRef", "FeatureChannelError", "FeatureReceiver", "FeatureSender", "parse_address"]
+__all__ = ["MAX_ITEMS", "NCCL_ERROR_HANDLING", "ChannelRef", "FeatureChannelError", "FeatureReceiver", "FeatureSender", "parse_address"]

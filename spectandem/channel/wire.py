@@ -11,6 +11,10 @@ from urllib.parse import urlparse
 import torch
 import torch.distributed as dist
 
+# What the engine entry points put in their environment (python -m verifier / drafter, the Ray
+# actors' runtime_env): a failed operation of the channel's NCCL group aborts the group only.
+NCCL_ERROR_HANDLING = {"TORCH_NCCL_ASYNC_ERROR_HANDLING": "2"}
+
 log = logging.getLogger("spectandem.channel")
 
 HEADER_LEN = 256
@@ -131,17 +135,10 @@ class _Group:
         opts = dist.ProcessGroupNCCL.Options()
         opts._timeout = _GROUP_TIMEOUT
         # Hazard: by default NCCL's watchdog takes the whole process down when an operation of
-        # the group fails (a dead peer). CleanUpOnly (2) aborts the group and leaves the process
-        # up; ProcessGroupNCCL reads the setting once, here, so it is set for this group only.
-        previous = os.environ.get("TORCH_NCCL_ASYNC_ERROR_HANDLING")
-        os.environ["TORCH_NCCL_ASYNC_ERROR_HANDLING"] = "2"
-        try:
-            return dist.ProcessGroupNCCL(dist.PrefixStore("nccl", self.store), self.rank, 2, opts)
-        finally:
-            if previous is None:
-                del os.environ["TORCH_NCCL_ASYNC_ERROR_HANDLING"]
-            else:
-                os.environ["TORCH_NCCL_ASYNC_ERROR_HANDLING"] = previous
+        # the group fails (a dead peer). Torch takes the remedy only from the environment, so the
+        # engine entry points set NCCL_ERROR_HANDLING (CleanUpOnly: the group aborts, the process
+        # stays up) before anything starts.
+        return dist.ProcessGroupNCCL(dist.PrefixStore("nccl", self.store), self.rank, 2, opts)
 
     # gloo waits are untimed: a timed wait returned milliseconds late. The sender watches for a
     # wait that lasts too long instead (FeatureSender._check_stuck).

@@ -27,7 +27,7 @@ import pytest
 import torch
 
 from router.links_grpc import GrpcDrafterLink
-from spectandem.channel import ChannelRef, FeatureReceiver, FeatureSender
+from spectandem.channel import NCCL_ERROR_HANDLING, ChannelRef, FeatureReceiver, FeatureSender
 from spectandem.config import SamplingParams, SpecConfig
 from spectandem.demo import demo_paths
 from router.local import LocalSpeculator
@@ -51,6 +51,7 @@ def _pythonpath() -> str:
 def _two_gpus():
     if torch.cuda.device_count() < 2:
         pytest.fail(f"the feature channel test needs 2 CUDA devices, found {torch.cuda.device_count()}")
+    os.environ.update(NCCL_ERROR_HANDLING)   # as the engine entry points do (this process and its children)
 
 
 def _spawn_on(gpu: int, args: list[str], log: Path) -> tuple[subprocess.Popen, str]:
