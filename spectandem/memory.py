@@ -159,8 +159,9 @@ def safetensors_elements(directory: str | Path) -> int:
     return total
 
 
-def _head_attention_shape(cfg: dict) -> tuple[int, int, int]:
-    """(layers, kv heads, head dim) of a draft config (a speculators config nests the layer's)."""
+def _attention_shape(cfg: dict) -> tuple[int, int, int]:
+    """(layers, kv heads, head dim) of a model or draft config (a speculators config nests the
+    layer's)."""
     layer = cfg.get("transformer_layer_config") or cfg
     heads = int(layer["num_attention_heads"])
     head_dim = int(layer.get("head_dim") or int(layer["hidden_size"]) // heads)
@@ -209,19 +210,16 @@ def drafter_need_bytes(spec, target_cfg: dict, draft_dir: str | Path | None, dty
     vocab = int(target_cfg["vocab_size"])
     if spec.method in ("eagle", "eagle3"):   # embeddings and (EAGLE-1) lm_head from the target
         weights += 2 * vocab * int(target_cfg["hidden_size"]) * nbytes
-    layers, kv_heads, head_dim = _head_attention_shape(cfg)
+    layers, kv_heads, head_dim = _attention_shape(cfg)
     block = kv_block_bytes(layers, kv_heads, head_dim, block_size, nbytes)
     rows = spec.max_draft_nodes + 1 + max(spec.topk, 1) * max(spec.ahead_width, 1)
     fixed = weights + drafter_activation_bytes(max_slots, rows, vocab) + RUNTIME_RESERVE_BYTES
     blocks = draft_kv_blocks or draft_pool_blocks(spec, max_slots, max_len, block_size)
     if draft_kv_blocks is None and shared_budget is not None:
-        t_layers, t_heads = int(target_cfg["num_hidden_layers"]), int(target_cfg["num_attention_heads"])
-        t_kv = int(target_cfg.get("num_key_value_heads") or t_heads)
-        t_dim = int(target_cfg.get("head_dim") or int(target_cfg["hidden_size"]) // t_heads)
         verifier_fixed = (safetensors_elements(target_dir) * nbytes + RUNTIME_RESERVE_BYTES
                           + verifier_activation_bytes(target_cfg, max_slots, spec.max_draft_nodes + 1, nbytes))
         tokens = shared_kv_tokens(shared_budget, verifier_fixed, fixed,
-                                  kv_block_bytes(t_layers, t_kv, t_dim, 1, nbytes), block // block_size)
+                                  kv_block_bytes(*_attention_shape(target_cfg), 1, nbytes), block // block_size)
         # every slot's partial block on top of the shared tokens
         blocks = min(blocks, blocks_for(tokens, block_size) + max_slots + fork_blocks(spec, max_slots, block_size))
     return int((fixed + blocks * block) / (1 - GRAPH_RESERVE_FRACTION)) + 1
