@@ -251,7 +251,7 @@ def run_matrix(args) -> dict:
             reference = engine_reference_demo(device, concurrency, args.max_tokens, PROMPT_TEXTS)
         methods = [("none", None), ("eagle3", None)]
 
-    records = []
+    records, failures = [], []
     for backend in backends:
         plain: dict[int, list[int]] = {}
         for method, rate in methods:
@@ -261,17 +261,35 @@ def run_matrix(args) -> dict:
             argv += shlex.split(args.serve_args)
             label = f"{backend}-{method}" + (f"-a{rate}" if rate is not None else "")
             say(f"serve {label}")
-            server = Server(argv, logs / f"serve-{label}.log", args.start_timeout)
+            try:
+                server = Server(argv, logs / f"serve-{label}.log", args.start_timeout)
+            except RuntimeError as e:   # the other servers still run; the failure is recorded
+                say(f"  failed to start: {str(e).splitlines()[0]}")
+                failures.append({"backend": backend, "method": method, "acceptance_rate": rate,
+                                 "error": str(e)[-2000:]})
+                continue
             try:
                 say(f"  up in {server.start_s:.0f} s")
                 if rate is not None:   # the drafter learns each prompt's greedy output, a round's drafts past the end
                     n = max(args.min_prompts, args.prompts_per_slot * max(concurrency))
-                    bench_serve(server.port, max(concurrency), n, args.max_tokens + TRUTH_EXTRA, 0, args.dataset,
-                                logs / f"bench-{label}-truth.json")
+                    try:
+                        bench_serve(server.port, max(concurrency), n, args.max_tokens + TRUTH_EXTRA, 0, args.dataset,
+                                    logs / f"bench-{label}-truth.json")
+                    except (RuntimeError, subprocess.TimeoutExpired) as e:
+                        say(f"  the learning pass failed: {str(e).splitlines()[0]}")
+                        failures.append({"backend": backend, "method": method, "acceptance_rate": rate,
+                                         "error": str(e)[-2000:]})
+                        continue
                 for c in concurrency:
                     n = max(args.min_prompts, args.prompts_per_slot * c)
-                    result = bench_serve(server.port, c, n, args.max_tokens, c, args.dataset,
-                                         logs / f"bench-{label}-c{c}.json")
+                    try:
+                        result = bench_serve(server.port, c, n, args.max_tokens, c, args.dataset,
+                                             logs / f"bench-{label}-c{c}.json")
+                    except (RuntimeError, subprocess.TimeoutExpired) as e:
+                        say(f"  c={c} failed: {str(e).splitlines()[0]}")
+                        failures.append({"backend": backend, "method": method, "acceptance_rate": rate,
+                                         "concurrency": c, "error": str(e)[-2000:]})
+                        continue
                     outs = outputs_of(result)
                     if method == "none":
                         plain.update(outs)
@@ -279,7 +297,7 @@ def run_matrix(args) -> dict:
                     rec = served_record(backend, method, rate, c, result, exact, args.serve_args)
                     records.append(rec)
                     if args.out:   # what is measured so far, should a later step fail
-                        Path(args.out).write_text(json.dumps({"partial": True, "records": records,
+                        Path(args.out).write_text(json.dumps({"partial": True, "records": records, "failures": failures,
                                                               "engine_reference": reference}, indent=1) + "\n")
                     say(f"  c={c}: {rec['output_tokens_per_s']:.1f} tok/s, accept {rec['accept_length']}, "
                         f"exact {exact}")
@@ -288,7 +306,7 @@ def run_matrix(args) -> dict:
     gpu = torch.cuda.get_device_name(0) if device.startswith("cuda") else f"cpu ({os.cpu_count()} cores)"
     return {"gpu": gpu, "command": shlex.join([Path(sys.argv[0]).as_posix()] + sys.argv[1:]),
             "pair": args.pair, "scale": args.scale if args.pair == "llama8b" else None,
-            "max_tokens": args.max_tokens, "records": records, "engine_reference": reference}
+            "max_tokens": args.max_tokens, "records": records, "failures": failures, "engine_reference": reference}
 
 
 def table(results: dict) -> str:
@@ -309,6 +327,9 @@ def table(results: dict) -> str:
     if results["engine_reference"]:
         lines.append("engine loop: " + ", ".join(
             f"{m}{'' if a is None else f' a={a}'} b={b}: {t:.1f}" for (m, a, b), t in ref.items()))
+    for x in results.get("failures", []):
+        lines.append(f"FAILED {x['backend']} {x['method']} a={x['acceptance_rate']} c={x.get('concurrency', '-')}: "
+                     f"{x['error'].splitlines()[0]}")
     return "\n".join(lines)
 
 
@@ -341,7 +362,7 @@ def main() -> int:
     results = run_matrix(args)
     Path(args.out).write_text(json.dumps(results, indent=1) + "\n")
     print(table(results))
-    return 0
+    return 1 if results["failures"] else 0
 
 
 if __name__ == "__main__":

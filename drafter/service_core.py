@@ -123,7 +123,9 @@ def drafter_extend(engine, items: list[ExtendItem], receiver: FeatureReceiver | 
     known, missing = _take_features(receiver, known)
     for rid in missing:  # forgotten, so that "unknown" is true and the re-prefill starts clean
         engine.remove(rid)
-    unknown += missing
+    if missing:   # with the request's other rounds of this call, those whose features did come
+        known = [i for i in known if i.tag.request_id not in missing]
+        unknown += list(dict.fromkeys(missing))
     engine.extend([VerifyOutput(request_id=i.tag.request_id, committed_len=i.tag.committed_len,
                                 token_ids=list(i.token_ids), num_accepted=len(i.token_ids) - 1,
                                 num_draft_tokens=0, features=i.features) for i in known])

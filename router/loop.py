@@ -74,6 +74,11 @@ from spectandem.messages import StaleMessage, trees_from_ready
 from spectandem.reference import take_tokens
 
 log = logging.getLogger("spectandem.router")
+
+# Plain rounds hold a request's catch-ups back for its next draft; at this many the router sends
+# them. Features that travel over the feature channel wait for the drafter in a mailbox that
+# keeps the last 32 messages, one a verifier call (spectandem/channel/receiver.py).
+BACKLOG_ROUNDS = 8
 AHEAD_UNANSWERED_ROUNDS = 3   # "ahead" rounds in a row without a hit or miss: the drafter does not draft ahead
 
 
@@ -409,6 +414,8 @@ class Router:
             await self._pingpong_round()
         else:
             await self._sequential_round(ahead=mode == "ahead")
+        if any(len(r.backlog) >= BACKLOG_ROUNDS for r in self.running):   # long plain stretches
+            await self._flush_backlog([r for r in self.running if r.backlog])
         # A plain round whose steps were cut by the requests' ends decodes fewer tokens than the
         # mode does: the batch's tail, not plain decoding's rate. It does not count as a measurement,
         # nor does a speculating round that drafted for no request (all detached: router/pipeline.py).
