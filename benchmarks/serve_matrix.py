@@ -16,7 +16,8 @@ pair small enough for a CPU (a check of the script, not a measurement).
 
 Every server runs with serve's defaults apart from the model and the port. Where acceptance is
 controlled, one pass over every prompt (longer than the measured ones) first lets the drafter
-learn each prompt's greedy continuation. Each bench run then sends one wave of warm-up requests
+learn each prompt's greedy continuation, and a second, unmeasured, lets `--pipeline auto` see
+drafts that are accepted before the measured runs. Each bench run then sends one wave of warm-up requests
 at its concurrency (not measured) and measures. Each record's `exact` says
 whether every output equals the plain greedy output of the same prompt (the `--method none`
 server of the same backend).
@@ -275,6 +276,10 @@ def run_matrix(args) -> dict:
                     try:
                         bench_serve(server.port, max(concurrency), n, args.max_tokens + TRUTH_EXTRA, 0, args.dataset,
                                     logs / f"bench-{label}-truth.json")
+                        # once more, unmeasured: what `auto` measured while nothing was learned yet
+                        # (drafts never accepted) gives way to rounds whose drafts are
+                        bench_serve(server.port, max(concurrency), n, args.max_tokens, 0, args.dataset,
+                                    logs / f"bench-{label}-settle.json")
                     except (RuntimeError, subprocess.TimeoutExpired) as e:
                         say(f"  the learning pass failed: {str(e).splitlines()[0]}")
                         failures.append({"backend": backend, "method": method, "acceptance_rate": rate,

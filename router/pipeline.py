@@ -20,7 +20,8 @@ plain. It measures each over a window of rounds (its first round left out) and k
 for eight windows, measuring it again as it runs; between keeps it measures one other candidate
 (in turn) for a window, so a change of the fastest is found at the cost of one window.
 While the same mode stays the fastest, each keep is twice as long as the one before (up to 32
-windows): a settled choice spends about 3% of its rounds measuring the others. Candidates that
+windows, and at most `max_keep_seconds` (RouterConfig, 4 s), so that a change of traffic is seen within seconds at any
+batch): a settled choice spends about 3% of its rounds measuring the others. Candidates that
 measured under 85% of the fastest are measured again only every fourth time (a window of
 short:1 at batch 64 costs as much as several of plain; at batch 64 on the H200, windows of
 sequential at 83% of plain kept between plain's keeps cost 1-3% of plain's throughput). Measurements
@@ -43,12 +44,15 @@ H200 at a = 0.9: sequential measured 1.04x plain per round, 0.77x end to end; at
 level rates, plain faster end to end).
 
 A mode's rate is the tokens its kind of draft commits per request-round times the request-rounds
-its window ran per second. The first is pooled over the last YIELD_WINDOWS windows of every mode
-that drafts the same trees (sequential, ahead and ping-pong; each short length; plain), because
-what a request commits per round depends on its text: at one running request, windows of
-different modes see different stretches of text, and a mode compared on its own window's tokens
-wins or loses by the text it happened to see. The second leaves out the slowest eighth of the
-window's rounds: a round that captured a CUDA graph or waited on a stall is not the mode's cost.
+its window ran per second. The first is pooled over the latest rounds of every mode that drafts
+the same trees (sequential, ahead and ping-pong; each short length; plain), as many as hold
+YIELD_REQUEST_ROUNDS request-rounds, because what a request commits per round depends on its
+text: at one running request, windows of different modes see different stretches of text, and a
+mode compared on its own window's tokens wins or loses by the text it happened to see. Pooled by
+request-rounds rather than rounds, one window of a large batch (many texts at once) is evidence
+enough: when drafts start to be accepted (new traffic) while plain is kept, the first window of
+speculation between keeps shows it. The second leaves out the slowest eighth of the window's
+rounds: a round that captured a CUDA graph or waited on a stall is not the mode's cost.
 
 `SpeculationSwitch`: when drafts are almost never accepted, drafting only costs time; the router
 then decodes plainly for a number of rounds and tries again.
@@ -69,7 +73,9 @@ FAR_EVERY = 4             # every this many ends of a keep, any candidate may be
 PLAIN_EDGE = 1.05         # a speculating mode is kept over plain only when it measured this much faster
 PLAIN_EDGE_LARGE = 1.15   # ... from LARGE_BATCH running requests on
 LARGE_BATCH = 32
-YIELD_WINDOWS = 8         # windows of rounds over which tokens per request-round are pooled per draft kind
+# Tokens per request-round are pooled per draft kind over the latest rounds that hold this many
+# request-rounds: 16 windows at one running request, one window from 16 on.
+YIELD_REQUEST_ROUNDS = 128
 
 
 def draft_kind(mode: str) -> str:
@@ -96,6 +102,7 @@ class _ClassState:
     any_turn: int = 0           # the next other candidate in turn, near or not
     kept: str | None = None     # the mode of the last keep
     keep_windows: int = 0       # windows of the last keep (doubles while the same mode stays the fastest)
+    elapsed: float = 0.0        # seconds of the phase's rounds so far
     speeds: dict[str, float] = field(default_factory=dict)   # mode -> request-rounds/s its last window ran
     # mode -> its phase's rounds so far, each (seconds, request-rounds)
     acc: dict[str, list[tuple[float, int]]] = field(default_factory=dict)
@@ -116,6 +123,14 @@ class _ClassState:
 
     def start(self, phase: str, mode: str, rounds: int) -> None:
         self.phase, self.mode, self.left, self.length, self.fresh = phase, mode, rounds, rounds, True
+        self.elapsed = 0.0
+
+    def end(self) -> None:
+        """The phase is over: its mode's speed is that of the rounds it measured."""
+        self.left = 0
+        speed = _speed(self.acc.pop(self.mode, []))
+        if speed is not None:
+            self.speeds[self.mode] = speed
 
 
 class ModeChooser:
@@ -182,6 +197,8 @@ class ModeChooser:
             return "sequential" if self.cfg.pipeline == "pingpong" and num_running < 2 else self.cfg.pipeline
         self._enter(num_running)
         s = self._state
+        if s.left > 0 and s.phase == "keep" and s.elapsed >= self.cfg.max_keep_seconds:
+            s.end()
         if s.left > 0:
             return s.mode
         window = self.cfg.mode_window
@@ -242,16 +259,17 @@ class ModeChooser:
             return
         first, s.fresh = s.fresh, False
         s.left -= 1
+        s.elapsed += seconds
         if not (first and s.length > 1) and request_rounds > 0:
             s.acc.setdefault(mode, []).append((seconds, request_rounds))
             kind = draft_kind(mode)
-            if kind not in s.yields:
-                s.yields[kind] = deque(maxlen=YIELD_WINDOWS * max(self.cfg.mode_window, 1))
-            s.yields[kind].append((tokens, request_rounds))
+            pool = s.yields.setdefault(kind, deque())
+            pool.append((tokens, request_rounds))
+            held = sum(r for _, r in pool)
+            while held - pool[0][1] >= YIELD_REQUEST_ROUNDS:
+                held -= pool.popleft()[1]
         if s.left == 0:
-            speed = _speed(s.acc.pop(mode, []))
-            if speed is not None:
-                s.speeds[mode] = speed
+            s.end()
 
 
 def _speed(rounds: list[tuple[float, int]]) -> float | None:

@@ -162,6 +162,7 @@ class RouterConfig:
     # equal the drafter's setting.
     draft_sampling_min_temperature: float = 0.5
     mode_window: int = 8                      # rounds per measurement of a pipeline mode in "auto"
+    max_keep_seconds: float = 4.0             # "auto" keeps a mode at most this long between measurements
     adaptive_window: int = 64                 # drafted request-rounds per acceptance check (0: off)
     adaptive_min_accept_length: float = 1.1   # below this, drafting costs more than it gains
     adaptive_off_rounds: int = 32             # plain rounds before speculation is tried again

@@ -10,7 +10,10 @@ from router.requests import RouterConfig
 
 
 def _cfg(**kw):
-    return RouterConfig(max_len=256, eos_token_ids=(0,), lookahead=5, want_features=True, **({"mode_window": 3} | kw))
+    """Rounds of these tests take abstract seconds: keeps are bounded by windows alone unless a
+    test says otherwise."""
+    return RouterConfig(max_len=256, eos_token_ids=(0,), lookahead=5, want_features=True,
+                        **({"mode_window": 3, "max_keep_seconds": float("inf")} | kw))
 
 
 def _run(chooser, rates, rounds, num_running=8):
@@ -225,3 +228,42 @@ def test_one_stalled_round_in_a_window_does_not_decide_the_mode():
         chooser.record(mode, tokens=1 if mode == "plain" else 3, seconds=seconds)
     assert chosen[4] == "sequential"
     assert set(chosen[27:]) == {"sequential"}
+
+
+def test_when_drafts_start_to_be_accepted_the_first_window_of_speculation_shows_it():
+    """At 64 running, drafts first never accepted (a speculating round commits a token a request,
+    like plain, in a round 2.5 times as long): plain is kept, and speculation, far below it, is
+    measured only every fourth time between keeps. Then the text changes and drafts are accepted
+    (3.3 tokens a request-round: 1.3 times plain's rate). The first window that measures
+    sequential again is evidence enough at this batch (YIELD_REQUEST_ROUNDS): sequential is kept
+    from there on, instead of after the several more windows it would take to outweigh the old
+    ones."""
+    from router.pipeline import YIELD_REQUEST_ROUNDS
+
+    n = 64
+    chooser = ModeChooser(_cfg(pipeline="auto"))
+    times = {"sequential": 2.5, "pingpong": 4.0, "short:1": 4.0, "short:2": 4.0, "plain": 1.0}
+    change = 15 + 24 + 48 + 96 * 4
+    chosen = _chosen_with_text(chooser, change + 4 * 100 * 3, lambda i: n * (1.0 if i < change else 3.3), times, n)
+    assert chosen[change - 1] == "plain"
+    after = _windows(chosen[change:])
+    first = next(k for k, (m, _) in enumerate(after) if m == "sequential")
+    assert 2 * n >= YIELD_REQUEST_ROUNDS, "a window (its first round left out) holds this much evidence"
+    keeps = [m for m, rounds in after[first + 1:] if rounds > 3]    # the others: one window between keeps
+    assert keeps and set(keeps) == {"sequential"}, after
+
+
+def test_a_keep_ends_after_max_keep_seconds_however_many_windows_it_was_given():
+    """Slow rounds (a large batch): a keep of up to 32 windows would last minutes; it ends after
+    `max_keep_seconds`, and another candidate is measured."""
+    chooser = ModeChooser(_cfg(pipeline="auto", max_keep_seconds=4.0))
+    order = ["sequential", "pingpong", "short:1", "short:2", "plain"]
+    rates = {m: 130.0 for m in order} | {"plain": 150.0}          # every other one near
+    round_s = 4.0 / 10
+    chosen = []
+    for _ in range(15 + 60):
+        mode = chooser.choose(num_running=64, drafter_up=True)
+        chosen.append(mode)
+        chooser.record(mode, tokens=round(rates[mode] * round_s), seconds=round_s, request_rounds=64)
+    keeps = [rounds for m, rounds in _windows(chosen[15:]) if m == "plain"]
+    assert len(keeps) >= 3 and max(keeps[:-1]) <= 11, _windows(chosen[15:])   # 10 rounds, and float sums

@@ -311,7 +311,8 @@ def test_a_drafter_that_learns_outputs_sees_them_whole_before_release(learns):
     """Benchmark mode (drafter_learns_outputs): rejected drafts switch speculation off, so most
     rounds are plain and hold their catch-ups back; those reach the drafter before each release,
     so it holds the whole output but the last round's. Without the mode (negative control) the
-    held-back catch-ups are dropped at release."""
+    held-back catch-ups are dropped at release (the router sends them every BACKLOG_ROUNDS
+    rounds: up to that many are missing)."""
     v, d = OracleVerifier(), RecordingDrafter(wrong)
     cfg = config(pipeline="sequential", drafter_learns_outputs=learns, adaptive_window=12, adaptive_off_rounds=1000)
     router, outs = run(serve(v, d, PROMPTS, cfg=cfg))
@@ -325,7 +326,7 @@ def test_a_drafter_that_learns_outputs_sees_them_whole_before_release(learns):
     if learns:   # all but the last round's token
         assert max(short_by) <= 1, short_by
     else:
-        assert min(short_by) > 20, short_by
+        assert max(short_by) > 1, short_by
 
 
 def test_a_drafter_that_forgot_its_requests_reports_them_with_the_draft_and_they_are_prefilled_again():
