@@ -104,15 +104,18 @@ def write_llama8b_pair(workdir: Path, scale: str, device: str, seed: int):
 
 
 def engine_reference_llama8b(target, head, device: str, rates: list[float], batch_sizes: list[int],
-                             max_tokens: int, seed: int) -> list[dict]:
+                             max_tokens: int, seed: int, drafter_device: str | None = None) -> list[dict]:
     """The engine loop (no router, no server) on the same models: plain decoding and each
-    controlled rate at each batch size (benchmarks/bench/llama8b.py bench_controlled)."""
+    controlled rate at each batch size (benchmarks/bench/llama8b.py bench_controlled), the
+    head on `drafter_device` where given."""
     from benchmarks.bench.llama8b import ControlledRuns, bench_controlled
     from spectandem.config import GpuPaths
 
     gpu = GpuPaths(cuda_graphs=True, triton_attention=True) if device.startswith("cuda") else GpuPaths()
     runs = ControlledRuns(target, head, device, max_slots=max(batch_sizes), num_prompts=max(batch_sizes),
                           prompt_len=128, max_tokens=max_tokens, num_steps=4, seed=seed, gpu=gpu)
+    if drafter_device:
+        runs = runs.with_drafter_device(drafter_device)
     out = []
     for r in bench_controlled(runs, rates, batch_sizes, None):
         out.append({"method": "none" if r["method"] == "none" else "eagle3", "acceptance_rate": r["acceptance_rate"],
@@ -233,7 +236,8 @@ def run_matrix(args) -> dict:
         reference = []
         if not args.skip_engine_reference:
             say("engine loop reference")
-            reference = engine_reference_llama8b(target, head, device, rates, concurrency, args.max_tokens, args.seed)
+            reference = engine_reference_llama8b(target, head, device, rates, concurrency, args.max_tokens, args.seed,
+                                                 args.drafter_device)
         del target, head
         if device.startswith("cuda"):
             torch.cuda.empty_cache()
@@ -257,6 +261,8 @@ def run_matrix(args) -> dict:
         plain: dict[int, list[int]] = {}
         for method, rate in methods:
             argv = model + ["--backend", backend, "--method", method, "--http-port", "0", "--metrics-port", "0"] + (["--device", args.device] if args.device else [])
+            if args.drafter_device and method != "none" and backend != "ray":   # Ray places its actors itself
+                argv += ["--drafter-device", args.drafter_device]
             if rate is not None:
                 argv += ["--benchmark-acceptance-rate", str(rate)]
             argv += shlex.split(args.serve_args)
@@ -309,8 +315,10 @@ def run_matrix(args) -> dict:
             finally:
                 server.stop()
     gpu = torch.cuda.get_device_name(0) if device.startswith("cuda") else f"cpu ({os.cpu_count()} cores)"
+    if device.startswith("cuda") and torch.cuda.device_count() > 1:
+        gpu = f"{torch.cuda.device_count()} x {gpu}"
     return {"gpu": gpu, "command": shlex.join([Path(sys.argv[0]).as_posix()] + sys.argv[1:]),
-            "pair": args.pair, "scale": args.scale if args.pair == "llama8b" else None,
+            "drafter_device": args.drafter_device, "pair": args.pair, "scale": args.scale if args.pair == "llama8b" else None,
             "max_tokens": args.max_tokens, "records": records, "failures": failures, "engine_reference": reference}
 
 
@@ -355,6 +363,9 @@ def main() -> int:
     p.add_argument("--min-prompts", type=int, default=8, help="prompts per run at least (default: 8)")
     p.add_argument("--dataset", default=None, help="bench serve --dataset (default: bench serve's)")
     p.add_argument("--device", default=None, help="serve --device (default: serve's own default)")
+    p.add_argument("--drafter-device", default=None,
+                   help="the drafter's device in the engine loop and, for --backend local and grpc, serve's "
+                        "--drafter-device (default: the verifier's in the engine loop, serve's choice in serve)")
     p.add_argument("--serve-args", default="", help="more serve flags, one string (default: none)")
     p.add_argument("--seed", type=int, default=0, help="the random weights' seed (default: 0)")
     p.add_argument("--workdir", default=None, help="where the pair and the logs go (default: a temporary folder)")
