@@ -54,6 +54,11 @@ def _two_gpus():
     os.environ.update(NCCL_ERROR_HANDLING)   # as the engine entry points do (this process and its children)
 
 
+# The engine processes' numerics set to the in-process reference's (LocalSpeculator: fp32, eager,
+# torch attention); on CUDA they default to bf16, CUDA graphs and Triton attention.
+LIKE_LOCAL = ["--dtype", "float32", "--no-cuda-graphs", "--no-triton-attention"]
+
+
 def _spawn_on(gpu: int, args: list[str], log: Path) -> tuple[subprocess.Popen, str]:
     env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=_pythonpath(), CUDA_VISIBLE_DEVICES=str(gpu))
     with log.open("w") as err:
@@ -73,7 +78,7 @@ def _pair(logs: Path, name: str, channel: bool) -> list[tuple[subprocess.Popen, 
     flags = ["--feature-channel", _address()] if channel else []
     tree = ["--num-steps", str(TREE["num_steps"]), "--topk", str(TREE["topk"]),
             "--num-draft-tokens", str(TREE["num_draft_tokens"])]
-    common = ["--max-slots", "4", "--max-len", str(MAX_LEN), *flags]
+    common = ["--max-slots", "4", *LIKE_LOCAL, "--max-len", str(MAX_LEN), *flags]
     return [_spawn_on(0, ["-m", "verifier", *common], logs / f"{name}-v.log"),
             _spawn_on(1, ["-m", "drafter", *common, *tree], logs / f"{name}-d.log")]
 

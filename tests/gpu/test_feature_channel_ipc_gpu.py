@@ -92,7 +92,7 @@ def test_engines_on_one_gpu_use_the_ring_and_match_local(tmp_path):
     from spectandem.config import SamplingParams, SpecConfig
     from spectandem.demo import demo_paths
     from router.links_grpc import GrpcDrafterLink
-    from tests.gpu.test_feature_channel_gpu import _spawn_on
+    from tests.gpu.test_feature_channel_gpu import LIKE_LOCAL, _spawn_on
     from tests.router.link_harness import MAX_LEN, PROMPT_TEXTS, TREE, _assert_same, speculate
     from tests.router.test_feature_channel import RecordingVerifier, _maps_ring, _wait_state
 
@@ -103,7 +103,7 @@ def test_engines_on_one_gpu_use_the_ring_and_match_local(tmp_path):
     greedy = [SamplingParams(max_tokens=24) for _ in prompts]
     tree = ["--num-steps", str(TREE["num_steps"]), "--topk", str(TREE["topk"]),
             "--num-draft-tokens", str(TREE["num_draft_tokens"])]
-    common = ["--max-slots", "4", "--max-len", str(MAX_LEN), "--feature-channel", _address()]
+    common = ["--max-slots", "4", *LIKE_LOCAL, "--max-len", str(MAX_LEN), "--feature-channel", _address()]
     procs = []
     try:
         procs.append(_spawn_on(0, ["-m", "verifier", *common], tmp_path / "v.log"))
