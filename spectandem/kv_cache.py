@@ -315,7 +315,8 @@ class PagedCacheBatch:
         reading the pool in place (spectandem/kernels/rows_attention.py) where `update` gathers."""
         from spectandem.kernels.rows_attention import rows_attention
 
-        return rows_attention(q, self.cache.k[layer], self.cache.v[layer], self.read_rows, mask, scale)
+        return rows_attention(q, self.cache.k[layer], self.cache.v[layer], self.read_rows, mask, scale,
+                              capacity=self.cache.max_len)
 
 
 @dataclass

@@ -114,10 +114,11 @@ if HAVE_TRITON:
 
 
 def rows_attention(q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor, read_rows: torch.Tensor,
-                   mask: torch.Tensor, scale: float) -> torch.Tensor:
-    """The kernel for CUDA tensors when Triton is installed, the torch reference otherwise."""
+                   mask: torch.Tensor, scale: float, capacity: int | None = None) -> torch.Tensor:
+    """The kernel for CUDA tensors when Triton is installed, the torch reference otherwise.
+    `capacity`: rows_attention_triton's."""
     if q.is_cuda and HAVE_TRITON:
-        return rows_attention_triton(q, k_pool, v_pool, read_rows, mask, scale)
+        return rows_attention_triton(q, k_pool, v_pool, read_rows, mask, scale, capacity)
     return rows_attention_ref(q, k_pool, v_pool, read_rows, mask, scale)
 
 
@@ -128,7 +129,11 @@ def rows_attention_ref(q, k_pool, v_pool, read_rows, mask, scale) -> torch.Tenso
     return masked_attention(q, k_pool[read_rows].transpose(1, 2), v_pool[read_rows].transpose(1, 2), mask, scale)
 
 
-def rows_attention_triton(q, k_pool, v_pool, read_rows, mask, scale) -> torch.Tensor:
+def rows_attention_triton(q, k_pool, v_pool, read_rows, mask, scale, capacity: int | None = None) -> torch.Tensor:
+    """`capacity`: the most entries a request of the calling cache holds. The split length, a
+    compile-time constant of the kernel, is a function of it alone (split_len_for), so a cache's
+    calls of every span share one compiled kernel; without it, of the span (a compile for each
+    new power of two the spans reach, while serving)."""
     if not HAVE_TRITON:
         raise RuntimeError("rows_attention_triton needs the triton package")
     _check(q, k_pool, v_pool, read_rows, mask)
@@ -148,7 +153,7 @@ def rows_attention_triton(q, k_pool, v_pool, read_rows, mask, scale) -> torch.Te
     if mask.stride(-1) != 1:
         mask = mask.contiguous()
     mask8 = mask.view(torch.uint8)  # same storage: the kernel loads bytes
-    split_len = split_len_for(span, head_dim)
+    split_len = split_len_for(max(span, capacity or 0), head_dim)
     num_splits = triton.cdiv(span, split_len)
     stats = torch.empty(batch_size * num_kv_heads, num_splits, 2, num_rows, dtype=torch.float32, device=q.device)
     acc = torch.empty(batch_size * num_kv_heads, num_splits, num_rows, head_dim, dtype=torch.float32,
