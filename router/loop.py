@@ -79,6 +79,12 @@ log = logging.getLogger("spectandem.router")
 # them. Features that travel over the feature channel wait for the drafter in a mailbox that
 # keeps the last 32 messages, one a verifier call (spectandem/channel/receiver.py).
 BACKLOG_ROUNDS = 8
+# Clients send concurrent requests as a wave whose calls land a little apart. While they are still
+# landing (the last came less than ARRIVAL_GAP_S ago), admission waits for the rest, at most
+# ARRIVAL_WAIT_S, so that one prefill takes the wave instead of its first call alone followed,
+# a round later, by the others.
+ARRIVAL_GAP_S = 0.002
+ARRIVAL_WAIT_S = 0.010
 AHEAD_UNANSWERED_ROUNDS = 3   # "ahead" rounds in a row without a hit or miss: the drafter does not draft ahead
 
 
@@ -95,6 +101,7 @@ class Router:
         self._watcher: asyncio.Task | None = None
         self._live: dict[str, ServedRequest] = {}   # request id -> the request using it (not yet done)
         self._admitted = 0
+        self._last_arrival = float("-inf")   # when the latest request was submitted (time.monotonic)
         self._tokens_committed = 0
         self._modes = ModeChooser(cfg)
         self._mode = "sequential"
@@ -163,6 +170,7 @@ class Router:
                             Detokenizer(self.tokenizer, params.stop))
         self._live[req.request_id] = req
         self.waiting.append(req)
+        self._last_arrival = time.monotonic()
         self._wake.set()
         return req
 
@@ -234,6 +242,7 @@ class Router:
                 if self._stopping:
                     return
             try:
+                await self._let_arrivals_land()
                 await self._settle()
                 await self._schedule()
                 await self._round()
@@ -246,6 +255,14 @@ class Router:
                 await self._release(self.running)
                 self.running, self.waiting = [], []
             await asyncio.sleep(0)
+
+    async def _let_arrivals_land(self) -> None:
+        """Waits while a wave of new requests is still landing (ARRIVAL_GAP_S, ARRIVAL_WAIT_S)."""
+        if not self.waiting:
+            return
+        start = time.monotonic()
+        while time.monotonic() - self._last_arrival < ARRIVAL_GAP_S and time.monotonic() - start < ARRIVAL_WAIT_S:
+            await asyncio.sleep(ARRIVAL_GAP_S / 4)
 
     async def _release_finished(self) -> None:
         finished = [r for r in self.running if r.done]

@@ -355,3 +355,44 @@ def test_a_drafter_that_forgot_its_requests_reports_them_with_the_draft_and_they
     assert seen["forgot"] and seen["prefills"] > len(PROMPTS)      # prefilled again after it forgot
     assert router.counters.drafter_outages == 0 and router.drafter_up
     assert d.calls.count("extend") == 0                           # catch-ups went with the drafts
+
+
+class CountingVerifier(OracleVerifier):
+    def __init__(self):
+        super().__init__()
+        self.prefills: list[int] = []      # requests in each prefill call
+
+    async def prefill(self, items, want_features):
+        self.prefills.append(len(items))
+        return await super().prefill(items, want_features)
+
+
+@pytest.mark.parametrize("gap_s", [0.0005, 0.05])
+def test_a_wave_of_requests_landing_a_little_apart_is_prefilled_at_once(gap_s):
+    """A client's concurrent calls land a little apart (here 0.5 ms): admission waits for the rest
+    of the wave (ARRIVAL_GAP_S), so one prefill takes all six, not the first alone and the others a
+    round later. Requests far apart (50 ms, the control) are prefilled as they come."""
+    from router.loop import ARRIVAL_GAP_S
+
+    assert gap_s < ARRIVAL_GAP_S or gap_s > 10 * ARRIVAL_GAP_S
+
+    async def main():
+        v, d = CountingVerifier(), ScriptedDrafter(wrong)
+        router = Router(v, d, Tokenizer(), config())
+        router.start()
+        try:
+            reqs = []
+            for p in PROMPTS:
+                reqs.append(router.submit(p, GREEDY))
+                await asyncio.sleep(gap_s)
+            outs = await asyncio.gather(*(collect(r) for r in reqs))
+        finally:
+            await router.stop()
+        return v, outs
+
+    v, outs = run(main())
+    assert_exact(outs)
+    if gap_s < ARRIVAL_GAP_S:
+        assert v.prefills == [len(PROMPTS)], v.prefills
+    else:
+        assert len(v.prefills) == len(PROMPTS), v.prefills
