@@ -51,7 +51,9 @@ text: at one running request, windows of different modes see different stretches
 mode compared on its own window's tokens wins or loses by the text it happened to see. Pooled by
 request-rounds rather than rounds, one window of a large batch (many texts at once) is evidence
 enough: when drafts start to be accepted (new traffic) while plain is kept, the first window of
-speculation between keeps shows it. The second leaves out the slowest eighth of the window's
+speculation between keeps shows it; at a small batch, a window that commits over YIELD_CHANGE
+times more (or less) per request-round than the pooled rounds restarts the pool (the traffic
+changed: a text where drafts were never accepted, then one where they are). The second leaves out the slowest eighth of the window's
 rounds: a round that captured a CUDA graph or waited on a stall is not the mode's cost.
 
 `SpeculationSwitch`: when drafts are almost never accepted, drafting only costs time; the router
@@ -76,6 +78,7 @@ LARGE_BATCH = 32
 # Tokens per request-round are pooled per draft kind over the latest rounds that hold this many
 # request-rounds: 16 windows at one running request, one window from 16 on.
 YIELD_REQUEST_ROUNDS = 128
+YIELD_CHANGE = 2.0        # a window committing this many times more (or less) a request-round than the pool restarts it
 
 
 def draft_kind(mode: str) -> str:
@@ -103,6 +106,7 @@ class _ClassState:
     kept: str | None = None     # the mode of the last keep
     keep_windows: int = 0       # windows of the last keep (doubles while the same mode stays the fastest)
     elapsed: float = 0.0        # seconds of the phase's rounds so far
+    pooled: list[int] = field(default_factory=lambda: [0, 0, 0])   # the phase's tokens, request-rounds, rounds in `yields`
     speeds: dict[str, float] = field(default_factory=dict)   # mode -> request-rounds/s its last window ran
     # mode -> its phase's rounds so far, each (seconds, request-rounds)
     acc: dict[str, list[tuple[float, int]]] = field(default_factory=dict)
@@ -123,14 +127,25 @@ class _ClassState:
 
     def start(self, phase: str, mode: str, rounds: int) -> None:
         self.phase, self.mode, self.left, self.length, self.fresh = phase, mode, rounds, rounds, True
-        self.elapsed = 0.0
+        self.elapsed, self.pooled = 0.0, [0, 0, 0]
 
     def end(self) -> None:
-        """The phase is over: its mode's speed is that of the rounds it measured."""
+        """The phase is over: its mode's speed is that of the rounds it measured. Where what its
+        rounds committed per request-round is over twice or under half what the older rounds of
+        its kind did, the traffic changed: the pool keeps the phase's rounds alone."""
         self.left = 0
         speed = _speed(self.acc.pop(self.mode, []))
         if speed is not None:
             self.speeds[self.mode] = speed
+        tokens, request_rounds, rounds = self.pooled
+        pool = self.yields.get(draft_kind(self.mode))
+        if not request_rounds or not pool or len(pool) <= rounds:
+            return
+        older = list(pool)[: len(pool) - rounds]
+        mine, theirs = tokens / request_rounds, sum(t for t, _ in older) / sum(r for _, r in older)
+        if mine > YIELD_CHANGE * theirs or mine * YIELD_CHANGE < theirs:
+            for _ in older:
+                pool.popleft()
 
 
 class ModeChooser:
@@ -265,9 +280,11 @@ class ModeChooser:
             kind = draft_kind(mode)
             pool = s.yields.setdefault(kind, deque())
             pool.append((tokens, request_rounds))
+            s.pooled = [s.pooled[0] + tokens, s.pooled[1] + request_rounds, s.pooled[2] + 1]
             held = sum(r for _, r in pool)
             while held - pool[0][1] >= YIELD_REQUEST_ROUNDS:
                 held -= pool.popleft()[1]
+            s.pooled[2] = min(s.pooled[2], len(pool))
         if s.left == 0:
             s.end()
 

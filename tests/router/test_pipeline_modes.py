@@ -267,3 +267,29 @@ def test_a_keep_ends_after_max_keep_seconds_however_many_windows_it_was_given():
         chooser.record(mode, tokens=round(rates[mode] * round_s), seconds=round_s, request_rounds=64)
     keeps = [rounds for m, rounds in _windows(chosen[15:]) if m == "plain"]
     assert len(keeps) >= 3 and max(keeps[:-1]) <= 11, _windows(chosen[15:])   # 10 rounds, and float sums
+
+
+def test_at_one_request_a_window_far_from_the_pool_restarts_it():
+    """At one running request the pool spans 16 windows. Drafts accepted (3.3 tokens a round in
+    rounds 1.5 times plain's): sequential kept. Then a stretch where they are not (1.2 a round):
+    the kept rounds fill the pool with it and plain takes over; sequential, now far below plain,
+    is measured only every fourth time. When drafts are accepted again, the first window of
+    sequential commits over YIELD_CHANGE times the pool and restarts it: sequential is kept from
+    there, not after the pool has turned over window by window."""
+    from router.pipeline import YIELD_CHANGE
+
+    assert 3.3 > YIELD_CHANGE * 1.2
+    chooser = ModeChooser(_cfg(pipeline="auto"))
+    times = {"sequential": 1.5, "ahead": 1.6, "plain": 1.0}
+    hard, easy = 9 + 24 + 3 + 48, 9 + 24 + 3 + 48 + 600
+    text = lambda i: 1.2 if hard <= i < easy else 3.3
+    chosen = _chosen_with_text(chooser, easy + 400, text, times)
+    assert chosen[hard - 1] == "sequential" and chosen[easy - 1] == "plain"
+    after = _windows(chosen[easy:])
+    first = next(k for k, (m, _) in enumerate(after) if m == "sequential")
+    keeps = [m for m, rounds in after[first + 1:] if rounds > 3]
+    assert keeps and set(keeps) == {"sequential"}, after
+
+    varied = ModeChooser(_cfg(pipeline="auto"))   # the control: text within YIELD_CHANGE pools
+    _chosen_with_text(varied, 9 + 24 + 3, lambda i: 2.5 if (i // 3) % 2 else 3.5, times)
+    assert len(varied._state.yields["full"]) > 3
