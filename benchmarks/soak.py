@@ -487,9 +487,19 @@ async def run_traffic(address: str, plan: list[Planned], prompts: list[list[int]
     def held_back(i: int) -> bool:
         # A fault due at N ended requests is signalled before request N + concurrency is sent, so
         # it always lands under traffic, however long the faults before it took.
-        # Not while an engine is stopped: requests must keep coming during a stall.
-        return not stalling[0] and any(not f.t_signal and not f.skipped and f.at_ended + concurrency <= i
-                                       for f in faults)
+        # While an engine is stopped requests keep coming (rounds must go on during a stall), paced
+        # evenly over the stall, and a reserve of the plan is kept for the faults still to come:
+        # on a fast machine an unpaced stall drains the plan in its first seconds, leaving the
+        # rest of the stall without traffic and the later faults without requests.
+        pending = [f for f in faults if not f.t_signal and not f.skipped]
+        if stalling[0]:
+            if not stall_pace:
+                stall_pace[:] = [time.monotonic(), i]
+            started, first = stall_pace
+            budget = max(0, len(plan) - 2 * concurrency * len(pending) - first)
+            return i >= first + budget * min(1.0, (time.monotonic() - started) / max(stall_seconds, 1e-3))
+        stall_pace.clear()
+        return any(f.at_ended + concurrency <= i for f in pending)
 
     async def worker():
         while next_i[0] < len(plan) and time.monotonic() - t0 < max_seconds:
@@ -504,6 +514,7 @@ async def run_traffic(address: str, plan: list[Planned], prompts: list[list[int]
                 print(f"  {ended[0]} requests ended, {time.monotonic() - t0:.0f} s", flush=True)
 
     stalling: list = [False]
+    stall_pace: list = []          # [when the stall was first seen, the next request then]
     fault_task = asyncio.create_task(run_faults(faults, serve_pid, ended, health, t0, stall_seconds,
                                                 restart_wait, stop, stalling))
     try:
