@@ -6,10 +6,14 @@ predicts the token at p + 2. Its output hidden is fed back as the feature of the
 step. `run` is the one entry point: K/V are written for every input row, while attention
 output, o-proj, MLP and norms are computed only for the rows in `query_rows`, the rows whose
 logits are needed (all rows during tree steps; the last live row per request in catch-up).
+Its kernels are the `ModelOps` it is built with (spectandem/modeling/ops.py): the torch
+reference, or the fused ops of the GPU fast path (`with_ops(FUSED_OPS)`, EagleProposer with
+CUDA graphs).
 """
 
 from __future__ import annotations
 
+import copy
 from dataclasses import dataclass
 
 import torch
@@ -17,7 +21,8 @@ from torch import nn
 
 from spectandem.kv_cache import CacheBatch
 from spectandem.modeling.layers import (GatedMLP, PackedProjections, RMSNorm, RopeSpec, Rotary, apply_rotary,
-                                        fast_linear, masked_attention)
+                                        masked_attention)
+from spectandem.modeling.ops import TORCH_OPS, ModelOps
 
 
 @dataclass(frozen=True)
@@ -53,7 +58,6 @@ class HeadSpec:
 
 
 class _HeadAttention(PackedProjections):
-    fused = False  # DraftHead.use_fused_kernels: one q/k/v GEMM; the cache's write_rotary and attend_rows
     packed_names = ("q_proj", "k_proj", "v_proj")  # packed: [.., (nh + 2 nkv) * hd]
 
     def __init__(self, spec: HeadSpec, in_dim: int):
@@ -65,31 +69,32 @@ class _HeadAttention(PackedProjections):
         self.v_proj = nn.Linear(in_dim, spec.num_kv_heads * hd, bias=spec.qkv_bias)
         self.o_proj = nn.Linear(spec.num_heads * hd, spec.hidden_size, bias=False)
 
-    def forward(self, x, cos, sin, rows, cache: CacheBatch, mask):
+    def forward(self, x, cos, sin, rows, cache: CacheBatch, mask, ops: ModelOps):
         """x [B, T, D] (every input row: K/V for each); rows [B, Tq] the query rows, or None for
         all T in order; cos/sin [B, T, hd]; mask [B, Tq, span]."""
         b, t, _ = x.shape
-        if self.fused and self.packed_weight is not None:
+        if ops.packed:
             # One GEMM over every row (q of the rows that are no query rows is computed and dropped:
             # at a few rows the GEMM's time is its weight read, the same for 1 row as for 16); the
             # rotated K/V written and the attention read in place on the paged cache.
-            q, k, v = fast_linear(x, self.packed_weight, self.packed_bias).split(self.packed_sizes, dim=-1)
+            q, k, v = ops.project(self, x)
             q = cache.write_rotary(0, q.view(b, t, self.num_heads, self.head_dim).transpose(1, 2),
                                    k.view(b, t, self.num_kv_heads, self.head_dim).transpose(1, 2),
                                    v.view(b, t, self.num_kv_heads, self.head_dim).transpose(1, 2), cos, sin)
             if rows is not None:
                 q = q.gather(2, rows[:, None, :, None].expand(-1, self.num_heads, -1, self.head_dim))
             out = cache.attend_rows(0, q, mask, self.head_dim ** -0.5)
-            return fast_linear(out, self.o_proj.weight, self.o_proj.bias)
+            return ops.linear(self.o_proj, out)
+        # The torch reference: q of the query rows only, K/V of every row.
         x_q = x if rows is None else _gather_rows(x, rows)
         cos_q, sin_q = (cos, sin) if rows is None else (_gather_rows(cos, rows), _gather_rows(sin, rows))
         tq = x_q.shape[1]
-        q = self.q_proj(x_q).view(b, tq, self.num_heads, self.head_dim).transpose(1, 2)
-        k = self.k_proj(x).view(b, t, self.num_kv_heads, self.head_dim).transpose(1, 2)
-        v = self.v_proj(x).view(b, t, self.num_kv_heads, self.head_dim).transpose(1, 2)
+        q = ops.linear(self.q_proj, x_q).view(b, tq, self.num_heads, self.head_dim).transpose(1, 2)
+        k = ops.linear(self.k_proj, x).view(b, t, self.num_kv_heads, self.head_dim).transpose(1, 2)
+        v = ops.linear(self.v_proj, x).view(b, t, self.num_kv_heads, self.head_dim).transpose(1, 2)
         q, k = apply_rotary(q, cos_q, sin_q), apply_rotary(k, cos, sin)
         k_all, v_all = cache.update(0, k, v)
-        return self.o_proj(masked_attention(q, k_all, v_all, mask, self.head_dim ** -0.5))
+        return ops.linear(self.o_proj, masked_attention(q, k_all, v_all, mask, self.head_dim ** -0.5))
 
 
 class _Layer(nn.Module):
@@ -109,34 +114,35 @@ def _gather_rows(x: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
 
 
 class DraftHead(nn.Module):
-    """Common driver; subclasses define how a (token, feature) pair becomes the layer input."""
+    """Common driver; subclasses define how a (token, feature) pair becomes the layer input.
+    `ops`: its kernels (the torch reference unless built `with_ops`)."""
 
     spec: HeadSpec
-    fast_linears = False  # use_fused_kernels: fc and the LM head through fast_linear (the skinny GEMM)
+    ops: ModelOps = TORCH_OPS
 
     def project(self, features: torch.Tensor) -> torch.Tensor:
         """Target features [..., feature_size] -> head input hidden [..., H]."""
         raise NotImplementedError
 
-    def use_fused_kernels(self, enabled: bool = True) -> None:
-        """The GPU fast path (EagleProposer with CUDA graphs): the norms, the rotary embedding and
-        the SiLU product through the fused kernels of spectandem/kernels/fused.py and rotary.py
-        (one launch each on CUDA with Triton, the torch code elsewhere), the attention's q/k/v and
-        the MLP's gate/up as one GEMM each, and every projection (fc, q/k/v, o, the MLP, the LM
-        head) through `fast_linear`: the skinny GEMM where it was measured faster than cuBLAS at
-        a few rows (spectandem/kernels/skinny.py). A draft step is a few dozen small launches
-        besides its GEMMs; these take about a third of them away. The drafts may differ in the
-        last bits (another GEMM): exactness does not depend on them."""
-        if enabled:
+    def with_ops(self, ops: ModelOps) -> "DraftHead":
+        """This head's weights (the same modules, nothing copied) under `ops`; this head is
+        unchanged. The fused ops (the GPU fast path of EagleProposer with CUDA graphs): the norms,
+        the rotary embedding and the SiLU product through the fused kernels, the attention's
+        q/k/v and the MLP's gate/up as one GEMM each over weights packed here, and every
+        projection (fc, q/k/v, o, the MLP, the LM head) through `fast_linear`: the skinny GEMM
+        where it was measured faster than cuBLAS at a few rows (spectandem/kernels/skinny.py). A
+        draft step is a few dozen small launches besides its GEMMs; these take about a third of
+        them away. The drafts may differ in the last bits (another GEMM): exactness does not
+        depend on them."""
+        if ops.packed:
             self.layer.mlp.pack()
             self.layer.self_attn.pack()
-        self.fast_linears = enabled
-        for module in self.modules():
-            if isinstance(module, (RMSNorm, GatedMLP, _HeadAttention)):
-                module.fused = enabled
+        twin = copy.copy(self)   # a new Module whose parameters, buffers and children are this one's
+        twin.ops = ops
+        return twin
 
     def _linear(self, linear: nn.Linear, x: torch.Tensor) -> torch.Tensor:
-        return fast_linear(x, linear.weight, linear.bias) if self.fast_linears else linear(x)
+        return self.ops.linear(linear, x)
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """hidden [..., H] -> draft logits [..., draft_vocab_size] (float32)."""
@@ -160,7 +166,7 @@ class DraftHead(nn.Module):
         """
         assert token_ids.shape == positions.shape == hidden.shape[:2], (token_ids.shape, hidden.shape)
         assert query_rows.shape[0] == token_ids.shape[0] and mask.shape[:2] == query_rows.shape
-        layer = self.layer
+        layer, ops = self.layer, self.ops
         emb = self.embed_tokens(token_ids).to(hidden.dtype)
         x, residual = self._layer_input(emb, hidden)
         cos, sin = self.rotary.cos_sin(positions, x.dtype)
@@ -168,8 +174,8 @@ class DraftHead(nn.Module):
             rows, res_q = None, residual
         else:
             rows, res_q = query_rows, _gather_rows(residual, query_rows)
-        a = res_q + layer.self_attn(x, cos, sin, rows, cache, mask)
-        out = a + layer.mlp(layer.post_attention_layernorm(a))
+        a = res_q + layer.self_attn(x, cos, sin, rows, cache, mask, ops)
+        out = a + ops.mlp(layer.mlp, ops.norm(layer.post_attention_layernorm, a))
         assert out.shape == (token_ids.shape[0], query_rows.shape[1], self.spec.hidden_size)
         return self._output(out)
 
@@ -203,7 +209,7 @@ class Eagle1Head(DraftHead):
         return z, z
 
     def logits(self, hidden):
-        return self._linear(self.lm_head, hidden).float()
+        return self.ops.logits(self.lm_head, hidden)
 
 
 class Eagle3Head(DraftHead):
@@ -230,17 +236,17 @@ class Eagle3Head(DraftHead):
         return self._linear(self.fc, features)
 
     def _layer_input(self, emb, hidden):
-        normed = self.layer.hidden_norm(hidden)
+        normed = self.ops.norm(self.layer.hidden_norm, hidden)
         residual = normed if self.spec.norm_before_residual else hidden
-        return torch.cat([self.layer.input_layernorm(emb), normed], dim=-1), residual
+        return torch.cat([self.ops.norm(self.layer.input_layernorm, emb), normed], dim=-1), residual
 
     def _output(self, out):
-        return self.norm(out) if self.spec.normed_feedback else out
+        return self.ops.norm(self.norm, out) if self.spec.normed_feedback else out
 
     def logits(self, hidden):
         if self.spec.final_norm and not self.spec.normed_feedback:
-            hidden = self.norm(hidden)
-        return self._linear(self.lm_head, hidden).float()
+            hidden = self.ops.norm(self.norm, hidden)
+        return self.ops.logits(self.lm_head, hidden)
 
     def draft_to_target(self, draft_ids):
         return draft_ids + self.d2t[draft_ids]

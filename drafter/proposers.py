@@ -23,6 +23,7 @@ from spectandem.config import SamplingParams, SpecConfig
 from spectandem.devices import to_device, to_device_all
 from spectandem.block_manager import KVCacheFull
 from spectandem.kv_cache import PagedKVCache
+from spectandem.modeling.ops import FUSED_OPS
 
 
 @dataclass
@@ -168,7 +169,7 @@ class EagleProposer:
         self.last_hidden: dict[str, torch.Tensor] = {}   # [H]
         self.last_logits: dict[str, torch.Tensor] = {}   # [Vd]
         if cuda_graphs:   # the GPU fast path: fused kernels in the head's steps too
-            head.use_fused_kernels()
+            self.head = head = head.with_ops(FUSED_OPS)
         self.chain = ChainGraphs(head, self.cache) if cuda_graphs else None
         self.catch_up_graphs = CatchUpGraphs(head, self.cache) if cuda_graphs else None
         self.ahead_graphs = AheadChainGraphs(head, self.cache, graph=cuda_graphs) if cfg.topk == 1 else None

@@ -126,7 +126,7 @@ def _ttt_forward(head: DraftHead, tokens: torch.Tensor, feats: torch.Tensor, ste
             out = out + probs[..., p_len + i: p_len + i + 1] * vi
         out = out.transpose(1, 2).reshape(b, p_len, nh * hd)
         a = residual + attn.o_proj(out)
-        h = a + layer.mlp(layer.post_attention_layernorm(a))
+        h = a + head.ops.mlp(layer.mlp, layer.post_attention_layernorm(a))
         outs.append(h)
         hidden = F.pad(h, (0, 0, 1, 0))[:, :p_len]  # the next step reads p - 1's output at p
     return outs

@@ -105,6 +105,11 @@ class CacheBatch:
         k, v = self.update(layer, k_new, v_new)
         return masked_attention(q, k, v, mask, scale)
 
+    def attend_rotary(self, layer: int, q: torch.Tensor, k_new: torch.Tensor, v_new: torch.Tensor,
+                      cos: torch.Tensor, sin: torch.Tensor, mask: torch.Tensor, scale: float) -> torch.Tensor:
+        """`attend` of q and k_new rotated by the rotary kernel (`cos, sin [B, T, hd]`)."""
+        return _rotated_attend(self, layer, q, k_new, v_new, cos, sin, mask, scale)
+
 
 class PagedKVCache:
     """The same interface as KVCache over a pool of fixed-size blocks.
@@ -301,6 +306,11 @@ class PagedCacheBatch:
         k, v = self.update(layer, k_new, v_new)
         return masked_attention(q, k, v, mask, scale)
 
+    def attend_rotary(self, layer: int, q: torch.Tensor, k_new: torch.Tensor, v_new: torch.Tensor,
+                      cos: torch.Tensor, sin: torch.Tensor, mask: torch.Tensor, scale: float) -> torch.Tensor:
+        """`attend` of q and k_new rotated by the rotary kernel (`cos, sin [B, T, hd]`)."""
+        return _rotated_attend(self, layer, q, k_new, v_new, cos, sin, mask, scale)
+
     def write_rotary(self, layer: int, q: torch.Tensor, k_new: torch.Tensor, v_new: torch.Tensor,
                      cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
         """The draft head's fast path, part 1: writes apply_rotary(k_new) and `v_new [B, nkv, T, hd]`
@@ -317,6 +327,15 @@ class PagedCacheBatch:
 
         return rows_attention(q, self.cache.k[layer], self.cache.v[layer], self.read_rows, mask, scale,
                               capacity=self.cache.max_len)
+
+
+def _rotated_attend(view, layer, q, k_new, v_new, cos, sin, mask, scale) -> torch.Tensor:
+    """The fused ops' attention on a view whose write is no kernel of its own: the rotary kernel
+    (spectandem/kernels/rotary.py; the torch code off CUDA) on q and k_new, then `view.attend`."""
+    from spectandem.kernels.rotary import rotary
+
+    q, k = rotary(q, k_new, cos, sin)
+    return view.attend(layer, q, k, v_new, mask, scale)
 
 
 @dataclass

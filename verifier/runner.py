@@ -21,6 +21,7 @@ import torch
 from spectandem.cuda_graphs import batch_bucket, span_bucket
 from spectandem.kv_cache import KVCache, PagedKVCache
 from spectandem.modeling.llama import InvariantBatch, LlamaModel
+from spectandem.modeling.ops import FUSED_OPS, INVARIANT_OPS
 from spectandem.modeling.target import inspect_target, load_target
 from spectandem.block_manager import KVCacheFull
 from verifier.graphs import VerifyGraphs, verify_forward, verify_inputs, with_device_tokens
@@ -52,17 +53,24 @@ class NativeRunner:
         (spectandem/kernels/attention.py, via PagedTreeBatch) instead of gathering the span and
         masking it densely; eager or with cuda_graphs; prefill keeps the dense path. Needs a CUDA
         device and Triton (tests set the attribute after construction to run the same path on the
-        torch reference). Also turns on the model's fused kernels (LlamaModel.use_fused_kernels)."""
+        torch reference). The model then runs the fused ops (spectandem/modeling/ops.py):
+        fewer launches, the same bits.
+        `self.model` is the model under the ops this runner runs (`model.with_ops`: the same
+        weights); `model` itself is left as it is."""
         s = model.spec
-        self.model, self.spec, self.feature_layers = model, s, feature_layers
+        self.spec, self.feature_layers = s, feature_layers
         self.device = next(model.parameters()).device
         self.dtype = next(model.parameters()).dtype
         self.max_len = max_len
         self.max_slots = max_slots
         if triton_attention:
             _check_triton_attention(self.device, batch_invariant)
-            model.use_fused_kernels()  # the fast path: fewer launches, the same bits
+            model = model.with_ops(FUSED_OPS)
+        self.model = model
         self.batch_invariant = batch_invariant
+        # The same weights under the batch-invariant kernels: prefill and verify where
+        # `batch_invariant` (tests set it after construction to run that path on the CPU).
+        self.invariant_model = model.with_ops(INVARIANT_OPS)
         if batch_invariant:
             _check_batch_invariant(self.device, cuda_graphs)
         self.triton_attention = triton_attention
@@ -135,14 +143,14 @@ class NativeRunner:
         mask[:, :, 0] |= True  # padding rows attend somewhere; never read
         slot_t = torch.tensor(slots, device=self.device)
         if self.batch_invariant:
-            hidden, aux = self.model.forward_invariant(toks, positions, self._prefill_keys(slot_t, write, real),
-                                                       self._capture())
+            hidden, aux = self.invariant_model(toks, positions, self._prefill_keys(slot_t, write, real), None,
+                                               self._capture())
         else:
             hidden, aux = self.model(toks, positions, self.cache.batch(slot_t, write, t), mask, self._capture())
         last = hidden.gather(1, (lens - 1)[:, None, None].expand(-1, 1, hidden.shape[-1]))
         feats = self._features(hidden, aux)
         per_req = None if feats is None else [feats[i, : len(p)] for i, p in enumerate(prompts)]
-        logits = self.model.logits_invariant(last) if self.batch_invariant else self.model.logits(last)
+        logits = (self.invariant_model if self.batch_invariant else self.model).logits(last)
         return logits[:, 0], per_req
 
     def _graphed_prefill_nodes(self, prompts: list[list[int]]) -> int:
@@ -287,7 +295,7 @@ class NativeRunner:
                               rows[..., None], (~real).long())
 
     def _verify_invariant(self, slots, cache_lens, token_ids, parents, node_valid):
-        """`verify` through LlamaModel.forward_invariant: node j (written at cache_len + j) reads
+        """`verify` through the invariant ops: node j (written at cache_len + j) reads
         the committed entries, then its path from the root."""
         from spectandem.kernels.batch_invariant import tree_paths
 
@@ -297,9 +305,9 @@ class NativeRunner:
         write = self.cache.rows(slot_t, base + torch.arange(n, device=self.device))     # [B, N]
         path_rows, path_lens = tree_paths(parents.to(self.device), node_valid.to(self.device), write)
         keys = InvariantBatch(self.cache, write, self.cache._tables[slot_t], base.expand(b, n), path_rows, path_lens)
-        hidden, aux = self.model.forward_invariant(token_ids.clamp(min=0).to(self.device), base + path_lens - 1,
-                                                   keys, self._capture())
-        return self.model.logits_invariant(hidden), self._features(hidden, aux)
+        hidden, aux = self.invariant_model(token_ids.clamp(min=0).to(self.device), base + path_lens - 1, keys, None,
+                                           self._capture())
+        return self.invariant_model.logits(hidden), self._features(hidden, aux)
 
     @torch.no_grad()
     def features(self, tokens: list[int]) -> torch.Tensor | None:

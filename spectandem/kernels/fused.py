@@ -1,7 +1,7 @@
 """Fused kernels of the target's forward on the fast path: RMSNorm, the rotary embedding and the
 gated MLP's SiLU product in one launch each, each meant to compute bit for bit what the torch code
-of spectandem/modeling/layers.py computes on the same GPU. `LlamaModel.use_fused_kernels` turns
-them on.
+of spectandem/modeling/layers.py computes on the same GPU. The fused ops (spectandem/modeling/ops.py
+`FUSED_OPS`) run them.
 
 Measured on the H200 (torch 2.11, tests/gpu/test_fused_kernels.py): rotary and silu_mul are bit
 for bit in fp32 and bf16, and rmsnorm in bf16 (add_rmsnorm and silu_mul_packed:
@@ -12,10 +12,10 @@ the fast path these kernels are the only implementation, for plain decoding and 
     rmsnorm          RMSNorm.forward: 8 torch kernels in bf16 (cast, square, mean, + eps, rsqrt,
                      scale, cast, times the weight), 6 in fp32; x's rows may be strided (q and k
                      viewed from the packed q/k/v projection, for qk-norm)
-    add_rmsnorm      RMSNorm.add_and_norm: the residual add before a norm, and the norm: 9 in bf16
+    add_rmsnorm      ModelOps.add_norm: the residual add before a norm, and the norm: 9 in bf16
     rotary           apply_rotary on q and k: 5 torch kernels per tensor (two products, neg, cat, sum);
                      spectandem/kernels/rotary.py, under this module's rules, with the paged K/V write
-    silu_mul         GatedMLP's F.silu(gate) * up: 2 torch kernels
+    silu_mul         ModelOps.mlp's F.silu(gate) * up: 2 torch kernels
     silu_mul_packed  the same on the packed gate/up projection [..., 2I], read in place
 
 Bit for bit, step by step. Each kernel computes in fp32 and rounds to the tensor's dtype exactly
@@ -157,7 +157,7 @@ def add_rmsnorm_triton(x: torch.Tensor, delta: torch.Tensor, weight: torch.Tenso
 
 def add_rmsnorm_ref(x: torch.Tensor, delta: torch.Tensor, weight: torch.Tensor,
                     eps: float) -> tuple[torch.Tensor, torch.Tensor]:
-    """RMSNorm.add_and_norm's torch code: the add, then RMSNorm.forward's."""
+    """ModelOps.add_norm's torch code: the add, then RMSNorm.forward's."""
     total = x + delta
     return total, rmsnorm_ref(total, weight, eps)
 

@@ -1,6 +1,8 @@
 """Building blocks shared by the target model and the draft heads: RMSNorm, rotary
 embeddings, gated MLP and masked attention over an explicit KV cache; PackedProjections, the
-target's q/k/v and gate/up projections as one weight each on the fused path.
+q/k/v and gate/up projections as one weight each for the fused ops. The modules hold weights;
+the kernels run over them are a `ModelOps`' (spectandem/modeling/ops.py), whose torch reference
+is the code here.
 
 Numerics follow HuggingFace's Llama implementation (fp32 RMSNorm statistics, fp32 rotary
 tables, softmax in fp32), so that greedy tokens match transformers' own `generate`. A float64
@@ -25,34 +27,22 @@ def compute_dtype(dtype: torch.dtype) -> torch.dtype:
 
 
 class RMSNorm(nn.Module):
-    fused = False  # LlamaModel.use_fused_kernels: one Triton launch on CUDA, the same bits
-
     def __init__(self, dim: int, eps: float):
         super().__init__()
         self.weight = nn.Parameter(torch.ones(dim))
         self.eps = eps
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if self.fused:
-            return _fused_kernels().rmsnorm(x, self.weight, self.eps)
         dtype = x.dtype
         x32 = x.to(compute_dtype(dtype))
         x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
         return self.weight * x32.to(dtype)
 
-    def add_and_norm(self, x: torch.Tensor, delta: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """x, delta [..., H] -> (x + delta, self(x + delta)): a residual add and the next norm, in
-        one launch where fused (the same bits as the two steps)."""
-        if self.fused:
-            return _fused_kernels().add_rmsnorm(x, delta, self.weight, self.eps)
-        total = x + delta
-        return total, self(total)
-
 
 class PackedProjections(nn.Module):
     """Base of a module whose input projections, the nn.Linear children named in `packed_names`
     (one input width, concatenated in that order), can share one weight: one GEMM instead of one
-    per child on the fused path.
+    per child under the fused ops.
 
     `pack()` concatenates the children's weights (and biases) into `packed_weight [sum(out), in]`
     (`packed_bias [sum(out)]`) and makes each child's parameters views of its rows, so
@@ -144,7 +134,8 @@ ACTIVATIONS = {"silu": F.silu, "swish": F.silu, "gelu": F.gelu, "gelu_new": gelu
 
 
 class GatedMLP(PackedProjections):
-    fused = False  # LlamaModel.use_fused_kernels: silu(gate) * up in one Triton launch on CUDA
+    """down(act(gate(x)) * up(x)), computed by `ModelOps.mlp`."""
+
     packed_names = ("gate_proj", "up_proj")  # packed: gate then up, [.., 2 * intermediate]
 
     def __init__(self, hidden: int, intermediate: int, bias: bool = False, act: str = "silu"):
@@ -154,26 +145,6 @@ class GatedMLP(PackedProjections):
         self.down_proj = nn.Linear(intermediate, hidden, bias=bias)
         self.act = ACTIVATIONS[act]
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if self.act is not F.silu:  # no fused kernel: act(gate) * up in torch
-            return self._forward_act(x)
-        if self.fused and self.packed_weight is not None:
-            # One GEMM for gate and up; the product reads both halves of its output in place.
-            gate_up = fast_linear(x, self.packed_weight, self.packed_bias)  # [..., 2 * intermediate]
-            d = self.down_proj
-            return fast_linear(_fused_kernels().silu_mul_packed(gate_up), d.weight, d.bias)
-        gate, up = self.gate_proj(x), self.up_proj(x)
-        if self.fused:
-            return self.down_proj(_fused_kernels().silu_mul(gate, up))
-        return self.down_proj(F.silu(gate) * up)
-
-    def _forward_act(self, x: torch.Tensor) -> torch.Tensor:
-        if self.fused and self.packed_weight is not None:
-            gate, up = fast_linear(x, self.packed_weight, self.packed_bias).split(self.packed_sizes, dim=-1)
-            d = self.down_proj
-            return fast_linear(self.act(gate) * up, d.weight, d.bias)
-        return self.down_proj(self.act(self.gate_proj(x)) * self.up_proj(x))
-
 
 def fast_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
     """F.linear on the fast path: the skinny GEMM (spectandem/kernels/skinny.py) for CUDA bf16/fp16
@@ -181,14 +152,6 @@ def fast_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None
     from spectandem.kernels.skinny import skinny_linear
 
     return skinny_linear(x, weight, bias)
-
-
-def _fused_kernels():
-    """spectandem/kernels/fused.py, whose functions fall back to the torch code above off CUDA or
-    without Triton. Imported lazily: spectandem.kernels imports this module."""
-    from spectandem.kernels import fused
-
-    return fused
 
 
 @dataclass(frozen=True)

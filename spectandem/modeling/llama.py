@@ -2,25 +2,25 @@
 
 The model has no mode flags: prefill, one-token decode and tree verification are the same
 forward over a different number of positions with a mask built by the caller. Parameter
-names equal HuggingFace's, so checkpoints load with `load_state_dict`. `forward_invariant` is
-the same forward through the batch-invariant kernels (NativeRunner's `batch_invariant`);
-`use_fused_kernels` runs `forward`'s elementwise steps through fused Triton kernels of the same
-bits and its q/k/v and gate/up projections as one GEMM each (NativeRunner's `triton_attention`).
+names equal HuggingFace's, so checkpoints load with `load_state_dict`. Its kernels are the
+`ModelOps` it is built with (spectandem/modeling/ops.py): the torch reference, the fused GPU
+path (NativeRunner's `triton_attention`) or the batch-invariant kernels (NativeRunner's
+`batch_invariant`); `with_ops` gives the same weights under another.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 
+import copy
+
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from spectandem.checkpoint import eos_token_ids
-from spectandem.kernels.rotary import rotary
 from spectandem.kv_cache import CacheBatch, PagedKVCache
-from spectandem.modeling.layers import (GatedMLP, PackedProjections, RMSNorm, RopeSpec, Rotary, apply_rotary,
-                                        fast_linear)
+from spectandem.modeling.layers import GatedMLP, PackedProjections, RMSNorm, RopeSpec, Rotary
+from spectandem.modeling.ops import TORCH_OPS, ModelOps
 
 NATIVE_ARCHITECTURES = ("LlamaForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM", "MistralForCausalLM")
 
@@ -93,7 +93,6 @@ class LlamaSpec:
 
 
 class Attention(PackedProjections):
-    fused = False  # LlamaModel.use_fused_kernels: rotary on q and k in one Triton launch on CUDA
     packed_names = ("q_proj", "k_proj", "v_proj")  # packed: [.., (nh + 2 nkv) * hd]
 
     def __init__(self, spec: LlamaSpec):
@@ -110,30 +109,17 @@ class Attention(PackedProjections):
         else:
             self.q_norm = self.k_norm = None
 
-    def forward(self, x, cos, sin, cache: CacheBatch, layer: int, mask):
+    def forward(self, x, cos, sin, cache: CacheBatch, layer: int, mask, ops: ModelOps):
         b, t, _ = x.shape
-        if self.fused and self.packed_weight is not None:
-            # One GEMM; q, k and v are views of its columns: rows of (nh + 2 nkv) * hd, not contiguous.
-            q, k, v = fast_linear(x, self.packed_weight, self.packed_bias).split(self.packed_sizes, dim=-1)
-        else:
-            q, k, v = self.q_proj(x), self.k_proj(x), self.v_proj(x)
+        q, k, v = ops.project(self, x)
         q = q.view(b, t, self.num_heads, self.head_dim)
         k = k.view(b, t, self.num_kv_heads, self.head_dim)
         v = v.view(b, t, self.num_kv_heads, self.head_dim)
         if self.q_norm is not None:
-            q, k = self.q_norm(q), self.k_norm(k)
-        attend_rotary = getattr(cache, "attend_rotary", None) if self.fused else None
-        if attend_rotary is not None:   # the paged-tree path: rotary and the K/V write in one launch
-            out = attend_rotary(layer, q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), cos, sin, mask,
-                                self.head_dim ** -0.5)
-        else:
-            if self.fused:
-                q, k = rotary(q.transpose(1, 2), k.transpose(1, 2), cos, sin)
-            else:
-                q = apply_rotary(q.transpose(1, 2), cos, sin)
-                k = apply_rotary(k.transpose(1, 2), cos, sin)
-            out = cache.attend(layer, q, k, v.transpose(1, 2), mask, self.head_dim ** -0.5)
-        return fast_linear(out, self.o_proj.weight, self.o_proj.bias) if self.fused else self.o_proj(out)
+            q, k = ops.head_norm(self.q_norm, q), ops.head_norm(self.k_norm, k)
+        out = ops.attend(cache, layer, q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), cos, sin, mask,
+                         self.head_dim ** -0.5)
+        return ops.linear(self.o_proj, out)
 
 
 class DecoderLayer(nn.Module):
@@ -144,14 +130,14 @@ class DecoderLayer(nn.Module):
         self.input_layernorm = RMSNorm(spec.hidden_size, spec.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(spec.hidden_size, spec.rms_norm_eps)
 
-    def forward(self, x, h, cos, sin, cache, layer, mask):
+    def forward(self, x, h, cos, sin, cache, layer, mask, ops: ModelOps):
         """x [B, T, H]: the residual stream entering the layer; h: input_layernorm(x), which the
         caller computes together with the previous layer's last residual add.
 
         Returns (x + attention, the MLP's output): the caller adds the latter to the former in
-        the next norm (`RMSNorm.add_and_norm`, one launch on the fused path)."""
-        x, h = self.post_attention_layernorm.add_and_norm(x, self.self_attn(h, cos, sin, cache, layer, mask))
-        return x, self.mlp(h)
+        the next norm (`ops.add_norm`, one launch on the fused path)."""
+        x, h = ops.add_norm(self.post_attention_layernorm, x, self.self_attn(h, cos, sin, cache, layer, mask, ops))
+        return x, ops.mlp(self.mlp, h)
 
 
 class LlamaBody(nn.Module):
@@ -166,13 +152,12 @@ class LlamaBody(nn.Module):
 class LlamaModel(nn.Module):
     """`forward` returns the final-normed hidden states and, when asked, the residual
     stream at the requested HuggingFace hidden-state indices (k = 0: embeddings, k = i + 1:
-    after decoder layer i), concatenated in the order given."""
+    after decoder layer i), concatenated in the order given. `ops`: its kernels."""
 
-    fast_logits = False  # use_fused_kernels: the LM head through fast_linear
-
-    def __init__(self, spec: LlamaSpec):
+    def __init__(self, spec: LlamaSpec, ops: ModelOps = TORCH_OPS):
         super().__init__()
         self.spec = spec
+        self.ops = ops
         self.model = LlamaBody(spec)
         self.lm_head = nn.Linear(spec.hidden_size, spec.vocab_size, bias=False)
         if spec.tie_word_embeddings:
@@ -181,10 +166,11 @@ class LlamaModel(nn.Module):
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, cache: CacheBatch,
                 mask: torch.Tensor | None, capture: tuple[int, ...] = ()) -> tuple[torch.Tensor, torch.Tensor | None]:
         """input_ids, positions [B, T] int64; mask [B, T, span] bool over the cache view's span, or
-        None when the view carries its own (PagedTreeBatch).
+        None when the view carries its own (PagedTreeBatch; InvariantBatch with the invariant ops).
 
         Returns (hidden [B, T, H] after the final norm, aux [B, T, len(capture) * H] or None).
         """
+        ops = self.ops
         x = self.model.embed_tokens(input_ids)
         cos, sin = self.model.rotary_emb.cos_sin(positions, x.dtype)
         captured: dict[int, torch.Tensor] = {0: x} if 0 in capture else {}
@@ -192,44 +178,29 @@ class LlamaModel(nn.Module):
         # Layer i's MLP output is added to the stream by the norm after it (layer i + 1's input
         # norm, the final norm after the last layer), which also yields hidden state i + 1.
         next_norms = [layer.input_layernorm for layer in layers[1:]] + [self.model.norm]
-        h = (layers[0].input_layernorm if len(layers) else self.model.norm)(x)
+        h = ops.norm(layers[0].input_layernorm if len(layers) else self.model.norm, x)
         for i, (layer, next_norm) in enumerate(zip(layers, next_norms)):
-            x, mlp_out = layer(x, h, cos, sin, cache, i, mask)
-            x, h = next_norm.add_and_norm(x, mlp_out)
+            x, mlp_out = layer(x, h, cos, sin, cache, i, mask, ops)
+            x, h = ops.add_norm(next_norm, x, mlp_out)
             if i + 1 in capture:
                 captured[i + 1] = x
         aux = torch.cat([captured[k] for k in capture], dim=-1) if capture else None
         return h, aux
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        """hidden [..., H] -> logits [..., V] (float32). On the fast path (use_fused_kernels)
-        through `fast_linear`."""
-        if self.fast_logits:
-            return fast_linear(hidden, self.lm_head.weight, self.lm_head.bias).float()
-        return self.lm_head(hidden).float()
+        """hidden [..., H] -> logits [..., V] (float32)."""
+        return self.ops.logits(self.lm_head, hidden)
 
-    def use_fused_kernels(self, enabled: bool = True) -> None:
-        """`forward` runs RMSNorm (with the residual add before it), the rotary embedding and the
-        SiLU product through the fused kernels of spectandem/kernels/fused.py (one launch each on
-        CUDA with Triton, the same bits as the torch code; the torch code elsewhere), and each
-        layer's q/k/v and gate/up projections as one GEMM each (`pack_projections`: the last bits
-        may differ from separate GEMMs). A property of the model: every runner over it takes the
-        path. `forward_invariant` is unaffected. Turning it off keeps the weights packed (the
-        projections' parameters stay views of the packed storage); `forward` then runs the torch
-        code over those views, as before packing."""
-        if enabled:
+    def with_ops(self, ops: ModelOps) -> "LlamaModel":
+        """This model's weights (the same modules and tensors, nothing copied) under `ops`; this
+        model is unchanged. Fused ops read the q/k/v and gate/up projections packed into one
+        weight each (`pack_projections`), which it packs first: parameter names, shapes and
+        memory stay as they are, so this model reads the same weights after."""
+        if ops.packed:
             self.pack_projections()
-        self.fast_logits = enabled
-        for module in self.modules():
-            if isinstance(module, (RMSNorm, GatedMLP, Attention)):
-                module.fused = enabled
-        # Qwen3's qk-norm stays the torch code: over rows of head_dim its ATen reduction order
-        # varies with the row count in a way the kernel did not replay on the H200 (bf16 q, B 4,
-        # T 5: 2 of 81920 elements a bit apart), and one implementation serves every step alike.
-        for layer in self.model.layers:
-            for norm in (layer.self_attn.q_norm, layer.self_attn.k_norm):
-                if norm is not None:
-                    norm.fused = False
+        twin = copy.copy(self)   # a new Module whose parameters, buffers and children are this one's
+        twin.ops = ops
+        return twin
 
     def pack_projections(self) -> None:
         """Each layer's q/k/v projections share one weight [(nh + 2 nkv) * hd, H] and its gate/up
@@ -238,30 +209,6 @@ class LlamaModel(nn.Module):
         for layer in self.model.layers:
             layer.self_attn.pack()
             layer.mlp.pack()
-
-    def forward_invariant(self, input_ids: torch.Tensor, positions: torch.Tensor, batch: "InvariantBatch",
-                          capture: tuple[int, ...] = ()) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """`forward` through the batch-invariant kernels (spectandem/kernels/batch_invariant.py):
-        each row's result depends on its own token, position and logical keys only, never on the
-        other rows. `batch` says where K/V go and which keys each row reads (instead of a cache
-        view and a mask). Same weights, same returns; the last bits differ from `forward`."""
-        x = self.model.embed_tokens(input_ids)
-        cos, sin = self.model.rotary_emb.cos_sin(positions, x.dtype)
-        captured: dict[int, torch.Tensor] = {0: x} if 0 in capture else {}
-        for i, layer in enumerate(self.model.layers):
-            x = x + _attention_invariant(layer.self_attn, _norm_invariant(layer.input_layernorm, x), cos, sin, batch, i)
-            h = _norm_invariant(layer.post_attention_layernorm, x)
-            mlp = layer.mlp
-            x = x + _linear_invariant(mlp.down_proj, F.silu(_linear_invariant(mlp.gate_proj, h))
-                                      * _linear_invariant(mlp.up_proj, h))
-            if i + 1 in capture:
-                captured[i + 1] = x
-        aux = torch.cat([captured[k] for k in capture], dim=-1) if capture else None
-        return _norm_invariant(self.model.norm, x), aux
-
-    def logits_invariant(self, hidden: torch.Tensor) -> torch.Tensor:
-        """`logits` through bi_linear."""
-        return _linear_invariant(self.lm_head, hidden).float()
 
 
 def load_llama(directory, dtype: torch.dtype = torch.float32, device: str | torch.device = "cpu") -> LlamaModel:
@@ -296,9 +243,10 @@ def load_llama(directory, dtype: torch.dtype = torch.float32, device: str | torc
 
 @dataclass
 class InvariantBatch:
-    """Where `LlamaModel.forward_invariant` writes each token's K/V and which keys each query row
-    reads: the logical key sequence of spectandem/kernels/batch_invariant.py (cache entries
-    0..prefix_lens-1 through the block table, then the row's tree path, root first)."""
+    """The cache view of a forward through the invariant ops (spectandem/modeling/ops.py): where
+    each token's K/V are written and which keys each query row reads, the logical key sequence of
+    spectandem/kernels/batch_invariant.py (cache entries 0..prefix_lens-1 through the block
+    table, then the row's tree path, root first)."""
 
     cache: PagedKVCache
     write_rows: torch.Tensor    # [B, T] physical rows the tokens' K/V are written to
@@ -312,38 +260,16 @@ class InvariantBatch:
         for name in ("block_tables", "prefix_lens", "path_rows", "path_lens"):
             setattr(self, name, getattr(self, name).to(torch.int32).contiguous())
 
-    def attend(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float) -> torch.Tensor:
-        """Writes `k, v [B, nkv, T, hd]`, then attends `q [B, nh, T, hd]` -> [B, T, nh * hd]."""
+    def attend(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: None,
+               scale: float) -> torch.Tensor:
+        """Writes `k, v [B, nkv, T, hd]`, then attends `q [B, nh, T, hd]` -> [B, T, nh * hd].
+        `mask` must be None: the view says which keys each row reads."""
         from spectandem.kernels.batch_invariant import bi_attention
+
+        assert mask is None, "an InvariantBatch carries its own keys; the forward's mask must be None"
 
         k_pool, v_pool = self.cache.k[layer], self.cache.v[layer]
         k_pool[self.write_rows] = k.transpose(1, 2).to(k_pool.dtype)
         v_pool[self.write_rows] = v.transpose(1, 2).to(v_pool.dtype)
         return bi_attention(q, k_pool, v_pool, self.block_tables, self.prefix_lens, self.path_rows, self.path_lens,
                             scale, self.cache.block_size)
-
-
-def _linear_invariant(linear: nn.Linear, x: torch.Tensor) -> torch.Tensor:
-    from spectandem.kernels.batch_invariant import bi_linear
-
-    return bi_linear(x, linear.weight, linear.bias)
-
-
-def _norm_invariant(norm: RMSNorm, x: torch.Tensor) -> torch.Tensor:
-    from spectandem.kernels.batch_invariant import bi_rmsnorm
-
-    return bi_rmsnorm(x, norm.weight, norm.eps)
-
-
-def _attention_invariant(attn: Attention, x: torch.Tensor, cos, sin, batch: InvariantBatch, layer: int) -> torch.Tensor:
-    """Attention.forward with bi_* kernels; the elementwise steps (rotary) are the same code."""
-    b, t, _ = x.shape
-    q = _linear_invariant(attn.q_proj, x).view(b, t, attn.num_heads, attn.head_dim)
-    k = _linear_invariant(attn.k_proj, x).view(b, t, attn.num_kv_heads, attn.head_dim)
-    v = _linear_invariant(attn.v_proj, x).view(b, t, attn.num_kv_heads, attn.head_dim)
-    if attn.q_norm is not None:
-        q, k = _norm_invariant(attn.q_norm, q), _norm_invariant(attn.k_norm, k)
-    q = apply_rotary(q.transpose(1, 2), cos, sin)
-    k = apply_rotary(k.transpose(1, 2), cos, sin)
-    out = batch.attend(layer, q, k, v.transpose(1, 2), attn.head_dim ** -0.5)
-    return _linear_invariant(attn.o_proj, out)

@@ -1,4 +1,4 @@
-"""The draft heads' fast path (DraftHead.use_fused_kernels) on the real demo heads, fp32 on the
+"""The draft heads' fast path (DraftHead.with_ops(FUSED_OPS)) on the real demo heads, fp32 on the
 CPU: q/k/v as one packed GEMM, fc, o and the LM head through fast_linear (F.linear off CUDA),
 the rotary embedding over every row before the query rows are picked. Held to the torch code it
 replaces: within fp32 ulps (the packed GEMM may sum in another order) with the same argmaxes,
@@ -12,6 +12,7 @@ import pytest
 import torch
 
 from spectandem.kv_cache import KVCache, PagedKVCache
+from spectandem.modeling.ops import FUSED_OPS, TORCH_OPS
 from tests.drafter.proposer_helpers import _gen
 
 
@@ -57,10 +58,9 @@ def _run(head, rows_subset: bool, paged: bool = False):
 @pytest.mark.parametrize("paged", [False, True], ids=["contiguous", "paged"])
 @pytest.mark.parametrize("rows_subset", [False, True], ids=["every-row", "query-rows"])
 def test_fast_path_matches_the_torch_code(head, rows_subset, paged, monkeypatch):
-    fast = copy.deepcopy(head)
-    fast.use_fused_kernels()
+    fast = copy.deepcopy(head).with_ops(FUSED_OPS)
     attn = fast.layer.self_attn
-    assert attn.fused and attn.packed_weight is not None and fast.fast_linears
+    assert fast.ops is FUSED_OPS and attn.packed_weight is not None
     from spectandem.kernels import rows_attention
     calls = []
     monkeypatch.setattr(rows_attention, "rows_attention_ref",
@@ -77,7 +77,7 @@ def test_fast_path_matches_the_torch_code(head, rows_subset, paged, monkeypatch)
 def test_packing_keeps_the_checkpoint_and_switching_off_is_the_torch_code(head):
     fast = copy.deepcopy(head)
     before = {k: v.clone() for k, v in fast.state_dict().items()}
-    fast.use_fused_kernels()
+    fast = fast.with_ops(FUSED_OPS)
     attn = fast.layer.self_attn
     after = fast.state_dict()
     assert list(after) == list(before)
@@ -85,8 +85,8 @@ def test_packing_keeps_the_checkpoint_and_switching_off_is_the_torch_code(head):
     hd, nh, nkv = attn.head_dim, attn.num_heads, attn.num_kv_heads
     assert attn.packed_weight.shape == ((nh + 2 * nkv) * hd, attn.q_proj.in_features)
     assert attn.k_proj.weight.data_ptr() == attn.packed_weight[nh * hd:].data_ptr(), "children are views"
-    fast.use_fused_kernels(False)
-    assert not fast.fast_linears and not attn.fused
+    fast = fast.with_ops(TORCH_OPS)
+    assert fast.ops is TORCH_OPS and fast.layer.self_attn.packed_weight is not None, "still packed"
     for rows_subset in (False, True):
         ref, got = _run(head, rows_subset), _run(fast, rows_subset)
         assert all(torch.equal(r, g) for r, g in zip(ref, got))

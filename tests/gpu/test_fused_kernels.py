@@ -40,6 +40,7 @@ from spectandem.kernels.rotary import rotary_triton
 from router.local import LocalSpeculator
 from spectandem.modeling.layers import RMSNorm, RopeSpec, Rotary, apply_rotary
 from spectandem.modeling.llama import load_llama
+from spectandem.modeling.ops import FUSED_OPS, TORCH_OPS
 from tests.e2e.conftest import PROMPT_TEXTS
 from tests.gpu.test_triton_attention import _rounds
 from verifier.runner import NativeRunner
@@ -227,11 +228,12 @@ def test_silu_mul_equals_gated_mlp(dtype, shape):
 def test_verify_fused_equals_unfused(dtype, cuda_graphs, b, n):
     fused_model = load_llama(demo_paths("none")[0], dtype, "cuda")
     torch_model = load_llama(demo_paths("none")[0], dtype, "cuda")
-    runners = [NativeRunner(model, AUX, max_slots=32, max_len=MAX_LEN, cuda_graphs=cuda_graphs, triton_attention=True)
-               for model in (fused_model, torch_model)]
-    torch_model.use_fused_kernels(False)
-    assert fused_model.model.norm.fused and fused_model.model.layers[0].mlp.fused
-    assert not torch_model.model.layers[0].self_attn.fused
+    runners = [NativeRunner(fused_model, AUX, max_slots=32, max_len=MAX_LEN, cuda_graphs=cuda_graphs,
+                            triton_attention=True),
+               NativeRunner(torch_model, AUX, max_slots=32, max_len=MAX_LEN, cuda_graphs=cuda_graphs)]
+    runners[1].triton_attention = True             # the paged-tree path under the torch ops,
+    runners[1].set_cache(None, 16, cuda_graphs)    # its graphs captured on that path
+    assert runners[0].model.ops is FUSED_OPS and runners[1].model.ops is TORCH_OPS
 
     def check(outs, valid):
         # Not bit for bit (the fp32 RMSNorm above differs from ATen's in the last bits): close,
@@ -253,10 +255,12 @@ def test_verify_fused_equals_unfused(dtype, cuda_graphs, b, n):
 def _speculator(method: str, fused: bool = True, **tree) -> LocalSpeculator:
     spec = LocalSpeculator(*demo_paths(method), SpecConfig(method=method, **tree), max_slots=32, max_len=MAX_LEN,
                            device="cuda", cuda_graphs=True, triton_attention=True)
-    model = spec.verifier.runner.model
-    assert model.model.norm.fused, "triton_attention turns the fused kernels on"
+    runner = spec.verifier.runner
+    assert runner.model.ops is FUSED_OPS, "triton_attention turns the fused kernels on"
     if not fused:
-        model.use_fused_kernels(False)
+        runner.model = runner.model.with_ops(TORCH_OPS)
+        if runner.graphs is not None:
+            runner.graphs.model = runner.model
     return spec
 
 

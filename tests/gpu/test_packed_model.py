@@ -1,4 +1,4 @@
-"""The packed projections and the fused residual add + RMSNorm on the GPU (LlamaModel.use_fused_kernels;
+"""The packed projections and the fused residual add + RMSNorm on the GPU (FUSED_OPS;
 run with `python -m pytest -m gpu tests/gpu/test_packed_model.py`).
 
 - Kernel level, as bit patterns against the torch code, fp32 and bf16: add_rmsnorm's sum against
@@ -38,6 +38,7 @@ from spectandem.kernels.rotary import rotary_triton
 from router.local import LocalSpeculator
 from spectandem.modeling.layers import RMSNorm, RopeSpec, Rotary, apply_rotary
 from spectandem.modeling.llama import LlamaModel, LlamaSpec
+from spectandem.modeling.ops import FUSED_OPS
 from tests.e2e.conftest import PROMPT_TEXTS
 from tests.gpu.test_fused_kernels import _randn, assert_same, rmsnorm_cuda_order
 from tests.gpu.test_triton_attention import _rounds
@@ -90,9 +91,7 @@ def random_llama(architecture: str, dtype: torch.dtype, device, seed: int = 0, *
 def packed_pair(architecture: str, dtype: torch.dtype, device, **config) -> tuple[LlamaModel, LlamaModel]:
     """(packed and fused, the same weights through the torch code)."""
     plain = random_llama(architecture, dtype, device, **config)
-    fused = copy.deepcopy(plain)
-    fused.use_fused_kernels()
-    return fused, plain
+    return copy.deepcopy(plain).with_ops(FUSED_OPS), plain
 
 
 @torch.no_grad()
@@ -218,7 +217,7 @@ def test_silu_mul_packed_equals_gated_mlp(dtype, rows, inter):
 def test_strided_rmsnorm_close_to_module(dtype, b, t):
     """The kernel over qk-norm rows (32/8 heads of 128) viewed from the packed projection. Close,
     not bit for bit: on the H200 (bf16, B 4, T 5) 2 of 81920 elements were a bit apart, so the
-    model keeps its qk-norm on the torch code (LlamaModel.use_fused_kernels)."""
+    model keeps its qk-norm on the torch code (FusedOps.head_norm)."""
     check_strided_rmsnorm("cuda", dtype, b, t, 32, 8, 128, seed=b + t, exact=False)
 
 
@@ -239,9 +238,10 @@ def test_packed_rotary_equals_apply_rotary(dtype, b, t):
 def test_packed_verify_close_to_torch_code(model, dtype, cuda_graphs, b, n):
     architecture, config = MODELS[model]
     fused_model, torch_model = packed_pair(architecture, dtype, "cuda", **config)
-    runners = [NativeRunner(model, AUX, max_slots=8, max_len=512, cuda_graphs=cuda_graphs, triton_attention=True)
-               for model in (fused_model, torch_model)]
-    torch_model.use_fused_kernels(False)
+    runners = [NativeRunner(fused_model, AUX, max_slots=8, max_len=512, cuda_graphs=cuda_graphs, triton_attention=True),
+               NativeRunner(torch_model, AUX, max_slots=8, max_len=512, cuda_graphs=cuda_graphs)]
+    runners[1].triton_attention = True             # the paged-tree path under the torch ops,
+    runners[1].set_cache(None, 16, cuda_graphs)    # its graphs captured on that path
     assert fused_model.model.layers[0].self_attn.packed_weight is not None, "triton_attention packs the projections"
 
     def check(outs, valid):
@@ -261,7 +261,7 @@ def test_packing_keeps_memory_and_names_on_cuda(dtype):
     shapes = {k: v.shape for k, v in model.state_dict().items()}
     torch.cuda.synchronize()
     before = torch.cuda.memory_allocated()
-    model.use_fused_kernels()
+    model.with_ops(FUSED_OPS)
     torch.cuda.synchronize()
     # At most as much: the allocator rounds each tensor up to 512 bytes, the small biases included.
     assert torch.cuda.memory_allocated() <= before, "the packed weights replace the separate ones"
@@ -278,7 +278,8 @@ def _speculator(method: str, **tree) -> LocalSpeculator:
     spec = LocalSpeculator(*demo_paths(method), SpecConfig(method=method, **tree), max_slots=32, max_len=512,
                            device="cuda", cuda_graphs=True, triton_attention=True)
     layer = spec.verifier.runner.model.model.layers[0]
-    assert layer.self_attn.fused and layer.mlp.packed_weight is not None, "triton_attention packs and fuses"
+    assert spec.verifier.runner.model.ops is FUSED_OPS and layer.mlp.packed_weight is not None, \
+        "triton_attention packs and fuses"
     return spec
 
 
@@ -296,5 +297,6 @@ def test_greedy_eagle3_chain_equals_plain_on_packed_path():
     # With CUDA graphs the draft head takes the fast path too (EagleProposer: packed gate/up, fused
     # norms); its drafts may differ in the last bits, which the equality above shows does not matter.
     head_mlp = spec.drafter.proposer.head.layer.mlp
-    assert head_mlp.packed_weight is not None and head_mlp.fused, "the draft head's fast path is on"
+    assert head_mlp.packed_weight is not None and spec.drafter.proposer.head.ops is FUSED_OPS, \
+        "the draft head's fast path is on"
 

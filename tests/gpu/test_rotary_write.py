@@ -97,19 +97,18 @@ def test_fast_path_verify_same_with_and_without_the_fused_write():
     40-token prefix: logits and every layer's pools equal whether Attention takes
     PagedTreeBatch.attend_rotary (the fused write) or rotary then attend."""
     from benchmarks.bench.llama8b import TREE16_PARENTS, llama8b_spec, random_target
-    from spectandem.kv_cache import PagedTreeBatch
+    from spectandem.kv_cache import PagedTreeBatch, _rotated_attend
     from verifier.runner import NativeRunner
 
     model = random_target(llama8b_spec("tiny"), "cuda", torch.bfloat16, 0)
-    model.use_fused_kernels()
     g = torch.Generator().manual_seed(1)
     prompt = torch.randint(0, model.spec.vocab_size, (40,), generator=g).tolist()
     tokens = torch.randint(0, model.spec.vocab_size, (1, 16), generator=g)
     outs = []
     for fused_write in (True, False):
         saved = PagedTreeBatch.attend_rotary
-        if not fused_write:
-            del PagedTreeBatch.attend_rotary
+        if not fused_write:   # the rotary kernel, then attend's own K/V write
+            PagedTreeBatch.attend_rotary = _rotated_attend
         try:
             runner = NativeRunner(model, None, 1, 128, triton_attention=True)
             runner.prefill([0], [prompt])

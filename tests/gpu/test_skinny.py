@@ -77,7 +77,7 @@ def test_bad_inputs_are_refused():
 @torch.no_grad()
 @pytest.mark.parametrize("query_rows", [False, True], ids=["every-row", "query-rows"])
 def test_eagle3_head_fast_path_at_the_8b_shape(monkeypatch, query_rows):
-    """The 8B-shaped EAGLE-3 head (bf16, random weights) on its fast path (use_fused_kernels) over
+    """The 8B-shaped EAGLE-3 head (bf16, random weights) on its fast path (FUSED_OPS) over
     the paged cache: every projection goes through the kernel (q/k/v packed, fc, o, gate/up, down,
     the draft LM head), the attention through rows_attention, and the output and the K written are
     within what bf16 GEMMs of another order give of the torch code's."""
@@ -117,7 +117,9 @@ def test_eagle3_head_fast_path_at_the_8b_shape(monkeypatch, query_rows):
     attended = []
     attend = rows_attention.rows_attention_triton
     monkeypatch.setattr(rows_attention, "rows_attention_triton", lambda *a: attended.append(1) or attend(*a))
-    head.use_fused_kernels()
+    from spectandem.modeling.ops import FUSED_OPS
+
+    head = head.with_ops(FUSED_OPS)
     logits, k = run()
     assert kernels.HAVE_TRITON and attended == [1]
     assert set(shapes) == {(6144, 8192), (4096, 12288), (32000, 4096), (4096, 4096), (28672, 4096), (4096, 14336)}

@@ -1,10 +1,11 @@
 """The fast path's fused kernels (spectandem/kernels/fused.py) on the CPU.
 
-Always run: off CUDA the hooks are the torch code. The demo target with
-`LlamaModel.use_fused_kernels()` prefills and verifies through NativeRunner bit for bit as without;
-RMSNorm and GatedMLP with `fused` set equal themselves unset; the `_ref` forms are the layers.py code;
-`use_fused_kernels` flags the target's modules and nothing is on by default; `reduction_layout` at
-the 8B shapes; the wrappers' validation (where Triton is installed).
+Always run: off CUDA the hooks are the torch code. The demo target under the fused ops
+(`with_ops(FUSED_OPS)`) prefills and verifies through NativeRunner bit for bit as without;
+RMSNorm and GatedMLP under the fused ops equal the torch ops; the `_ref` forms are the layers.py
+code; `with_ops` keeps the weights and leaves the model it came from as it was, and the torch ops
+are the default; `reduction_layout` at the 8B shapes; the wrappers' validation (where Triton is
+installed).
 
 Through Triton's interpreter: the kernel checks of tests/gpu/test_fused_kernels.py at small sizes.
 fp32: rmsnorm and rotary bit for bit (rmsnorm against `rmsnorm_cuda_order`, the torch replay of
@@ -33,7 +34,8 @@ from spectandem.kernels.fused import (
 )
 from spectandem.kernels.rotary import rotary_ref, rotary_triton
 from spectandem.modeling.layers import GatedMLP, RMSNorm, apply_rotary
-from spectandem.modeling.llama import Attention, load_llama
+from spectandem.modeling.llama import load_llama
+from spectandem.modeling.ops import FUSED_OPS, TORCH_OPS
 from tests.gpu.test_fused_kernels import check_rmsnorm, check_rotary, check_silu_mul
 from tests.interpreter import interpreter, needs_triton
 from verifier.runner import NativeRunner
@@ -84,7 +86,7 @@ AUX = (2, 4, 5)
 def test_fused_demo_target_on_cpu_is_the_torch_code():
     fused_model = load_llama(demo_paths("none")[0], torch.float32, "cpu")
     torch_model = load_llama(demo_paths("none")[0], torch.float32, "cpu")
-    fused_model.use_fused_kernels()
+    fused_model = fused_model.with_ops(FUSED_OPS)
     fused, plain = (NativeRunner(m, AUX, max_slots=4, max_len=128) for m in (fused_model, torch_model))
     prompts = [[5, 9, 200, 31, 7], [11, 3]]
     for r in (fused, plain):
@@ -104,9 +106,9 @@ def test_fused_modules_on_cpu_equal_unfused(dtype):
     norm = RMSNorm(64, 1e-6).to(dtype)
     norm.weight.copy_(torch.randn(64, generator=gen))
     mlp = GatedMLP(64, 96).to(dtype)
-    expected = norm(x), mlp(x)
-    norm.fused = mlp.fused = True
-    assert torch.equal(norm(x), expected[0]) and torch.equal(mlp(x), expected[1])
+    expected = TORCH_OPS.norm(norm, x), TORCH_OPS.mlp(mlp, x)
+    mlp.pack()
+    assert torch.equal(FUSED_OPS.norm(norm, x), expected[0]) and torch.equal(FUSED_OPS.mlp(mlp, x), expected[1])
 
 
 def test_references_are_the_layers_code():
@@ -125,16 +127,15 @@ def test_references_are_the_layers_code():
     assert torch.equal(silu_mul_ref(gate, up), F.silu(gate) * up)
 
 
-def test_use_fused_kernels_flags_the_models_modules():
+def test_with_ops_gives_the_same_weights_under_other_kernels():
     model = load_llama(demo_paths("none")[0], torch.float32, "cpu")
-    hooked = [m for m in model.modules() if isinstance(m, (RMSNorm, GatedMLP, Attention))]
-    assert len(hooked) == 4 * len(model.model.layers) + 1  # two norms, attention, MLP per layer; the final norm
-    assert not any(m.fused for m in hooked), "the fused kernels are opt-in"
-    model.use_fused_kernels()
-    assert all(m.fused for m in hooked)
-    model.use_fused_kernels(False)
-    assert not any(m.fused for m in hooked)
-    assert not RMSNorm.fused and not GatedMLP.fused, "modules of other models (the draft heads) stay off"
+    assert model.ops is TORCH_OPS, "the fused kernels are opt-in"
+    fused = model.with_ops(FUSED_OPS)
+    assert fused.ops is FUSED_OPS and model.ops is TORCH_OPS, "the model it came from is unchanged"
+    assert all(a is b for a, b in zip(fused.parameters(), model.parameters())), "the same weights, not copies"
+    assert list(fused.state_dict()) == list(model.state_dict())
+    assert fused.with_ops(TORCH_OPS).ops is TORCH_OPS
+    assert NativeRunner(model, None, max_slots=1, max_len=64).model.ops is TORCH_OPS
 
 
 def test_reduction_layout_at_8b_shapes():

@@ -1,11 +1,11 @@
-"""Packed projections and the fused residual add + RMSNorm (LlamaModel.use_fused_kernels) on the CPU.
+"""Packed projections and the fused residual add + RMSNorm (the fused ops, FUSED_OPS) on the CPU.
 
 Always run: off CUDA the fused hooks are the torch code, so a fused model here computes its q/k/v
 and gate/up projections as one GEMM each and everything else as before. Packing keeps the
 parameters' names, shapes, values and memory (the projections become views of the packed weight);
 load_state_dict (copying or assigning), dtype conversions and deepcopy keep the model packed; the packed model
 verifies within fp32 ulps of the unpacked one with the same argmaxes (Llama, Llama with every bias,
-Qwen2, Qwen3's qk-norm); turning the kernels off after packing is the torch code bit for bit;
+Qwen2, Qwen3's qk-norm); the torch ops over packed weights are the torch code bit for bit;
 `forward` (residual adds moved into the next norm) equals the layer-by-layer formula bit for bit,
 aux hidden states included; the demo target packed decodes the same greedy tokens, alone and under
 EAGLE-3 speculation, whose head stays unpacked.
@@ -38,6 +38,7 @@ from spectandem.kv_cache import KVCache
 from router.local import LocalSpeculator
 from spectandem.modeling.layers import GatedMLP, RMSNorm
 from spectandem.modeling.llama import Attention
+from spectandem.modeling.ops import FUSED_OPS, TORCH_OPS
 from tests.e2e.conftest import PROMPT_TEXTS
 from tests.gpu.test_packed_model import (
     MODELS,
@@ -74,7 +75,7 @@ def test_packing_keeps_names_shapes_values_and_memory(model):
     m = random_llama(architecture, torch.float32, "cpu", **config)
     before = {k: v.clone() for k, v in m.state_dict().items()}
     memory = _storage_bytes(m)
-    m.use_fused_kernels()
+    m.with_ops(FUSED_OPS)
     after = m.state_dict()
     assert list(after) == list(before)
     assert all(after[k].shape == v.shape and torch.equal(after[k], v) for k, v in before.items())
@@ -102,7 +103,7 @@ def test_packing_keeps_names_shapes_values_and_memory(model):
 @pytest.mark.parametrize("assign", [False, True], ids=["copy", "assign"])
 def test_load_state_dict_into_a_packed_model_updates_the_packed_weights(assign):
     target = random_llama("Qwen2ForCausalLM", torch.float32, "cpu", seed=0)
-    target.use_fused_kernels()
+    target = target.with_ops(FUSED_OPS)
     source = random_llama("Qwen2ForCausalLM", torch.float32, "cpu", seed=1)
     state = {k: v.clone() for k, v in source.state_dict().items()}
     target.load_state_dict(state, assign=assign)
@@ -120,8 +121,7 @@ def test_load_state_dict_into_a_packed_model_updates_the_packed_weights(assign):
 
 @torch.no_grad()
 def test_conversion_and_copy_repack():
-    m = random_llama("LlamaForCausalLM", torch.float32, "cpu", mlp_bias=True)
-    m.use_fused_kernels()
+    m = random_llama("LlamaForCausalLM", torch.float32, "cpu", mlp_bias=True).with_ops(FUSED_OPS)
     weights = {k: v.clone() for k, v in m.state_dict().items()}
     m.to(torch.bfloat16)
     copied = copy.deepcopy(m)
@@ -134,14 +134,14 @@ def test_conversion_and_copy_repack():
     assert copied.model.layers[1].mlp.packed_weight.data_ptr() != m.model.layers[1].mlp.packed_weight.data_ptr()
 
 
-def test_use_fused_kernels_packs_only_the_target():
+def test_fused_ops_pack_only_the_target():
     m = random_llama("LlamaForCausalLM", torch.float32, "cpu")
     packable = [mod for mod in m.modules() if isinstance(mod, (Attention, GatedMLP))]
     assert len(packable) == 2 * m.spec.num_layers and all(mod.packed_weight is None for mod in packable)
-    m.use_fused_kernels()
+    fused = m.with_ops(FUSED_OPS)
     assert all(mod.packed_weight is not None for mod in packable)
-    m.use_fused_kernels(False)
-    assert all(mod.packed_weight is not None and not mod.fused for mod in packable), "views stay valid"
+    assert fused.with_ops(TORCH_OPS).ops is TORCH_OPS and m.ops is TORCH_OPS
+    assert all(mod.packed_weight is not None for mod in packable), "views stay valid"
     assert GatedMLP(8, 16).packed_weight is None, "other models' modules (the draft heads) stay unpacked"
 
 
@@ -175,7 +175,7 @@ def test_packed_model_verifies_close_to_unpacked(model):
 @torch.no_grad()
 def test_fused_off_after_packing_is_the_torch_code():
     packed, plain = packed_pair("Qwen3ForCausalLM", torch.float32, "cpu")
-    packed.use_fused_kernels(False)
+    packed = packed.with_ops(TORCH_OPS)
     runners = [NativeRunner(m, AUX, max_slots=4, max_len=512) for m in (packed, plain)]
     _rounds(runners, 2, 4, _check_equal)
 
@@ -186,8 +186,8 @@ def test_forward_equals_the_layer_by_layer_formula(fused):
     """`forward` adds each layer's MLP output in the next norm; the hidden states it captures and
     returns equal x = x + attn(norm(x)); x = x + mlp(norm(x)) layer by layer, then the final norm."""
     m = random_llama("LlamaForCausalLM", torch.float32, "cpu", attention_bias=True)
-    m.use_fused_kernels(fused)
-    s = m.spec
+    m = m.with_ops(FUSED_OPS if fused else TORCH_OPS)
+    ops, s = m.ops, m.spec
     ids = torch.randint(0, s.vocab_size, (2, 6), generator=torch.Generator().manual_seed(0))
     positions = torch.arange(6).expand(2, 6)
     mask = torch.ones(6, 6, dtype=torch.bool).tril().expand(2, 6, 6)
@@ -199,10 +199,10 @@ def test_forward_equals_the_layer_by_layer_formula(fused):
     cos, sin = m.model.rotary_emb.cos_sin(positions, x.dtype)
     states = [x]
     for i, layer in enumerate(m.model.layers):
-        x = x + layer.self_attn(layer.input_layernorm(x), cos, sin, views[1], i, mask)
-        x = x + layer.mlp(layer.post_attention_layernorm(x))
+        x = x + layer.self_attn(ops.norm(layer.input_layernorm, x), cos, sin, views[1], i, mask, ops)
+        x = x + ops.mlp(layer.mlp, ops.norm(layer.post_attention_layernorm, x))
         states.append(x)
-    assert torch.equal(hidden, m.model.norm(x))
+    assert torch.equal(hidden, ops.norm(m.model.norm, x))
     assert torch.equal(aux, torch.cat([states[k] for k in capture], dim=-1))
 
 
@@ -220,13 +220,14 @@ def plain_demo():
 def test_packed_demo_target_decodes_the_same_greedy_tokens(plain_demo, method, tree):
     prompts, expected = plain_demo
     spec = LocalSpeculator(*demo_paths(method), SpecConfig(method=method, **tree), max_slots=4, max_len=128)
-    spec.verifier.runner.model.use_fused_kernels()  # what triton_attention does, off CUDA
+    runner = spec.verifier.runner
+    runner.model = runner.model.with_ops(FUSED_OPS)  # what triton_attention does, off CUDA
     outs = spec.generate(prompts, [SamplingParams(max_tokens=16)] * len(prompts))
     assert [o.token_ids for o in outs] == expected
     if method != "none":
         assert sum(o.stats.accepted_tokens for o in outs) > 0
         mlp = spec.drafter.proposer.head.layer.mlp
-        assert mlp.packed_weight is None and not mlp.fused, "the draft head stays as it was"
+        assert mlp.packed_weight is None and spec.drafter.proposer.head.ops is TORCH_OPS, "the draft head stays as it was"
 
 
 # ----------------------------------------------------------------------------------------------
@@ -255,7 +256,7 @@ def test_references_are_the_layers_code():
         norm.weight.copy_(torch.randn(64, generator=gen))
         total, normed = add_rmsnorm_ref(x, delta, norm.weight, 1e-5)
         assert torch.equal(total, x + delta) and torch.equal(normed, norm(x + delta))
-        got = norm.add_and_norm(x, delta)
+        got = TORCH_OPS.add_norm(norm, x, delta)
         assert torch.equal(got[0], total) and torch.equal(got[1], normed)
     gate_up = torch.randn(4, 2 * 48, generator=gen)
     assert torch.equal(silu_mul_packed_ref(gate_up), F.silu(gate_up[:, :48]) * gate_up[:, 48:])
@@ -321,11 +322,10 @@ def test_interpreted_packed_model_runs_the_kernels(monkeypatch):
     qk-norm's strided rows): the fused hooks forced to their `_triton` forms, against the torch code."""
     import spectandem.kernels.fused as fused_kernels
     import spectandem.kernels.rotary as rotary_kernels
-    import spectandem.modeling.llama as llama
 
     for name in ("rmsnorm", "add_rmsnorm", "silu_mul_packed"):
         monkeypatch.setattr(fused_kernels, name, getattr(fused_kernels, f"{name}_triton"))
-    monkeypatch.setattr(llama, "rotary", rotary_kernels.rotary_triton)
+    monkeypatch.setattr(rotary_kernels, "rotary", rotary_kernels.rotary_triton)
     fused_model, torch_model = packed_pair("Qwen3ForCausalLM", torch.float32, "cpu")
     runners = [NativeRunner(m, AUX, max_slots=4, max_len=512) for m in (fused_model, torch_model)]
     _rounds(runners, 2, 3, _check_close, num_rounds=1)

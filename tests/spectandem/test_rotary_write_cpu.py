@@ -16,6 +16,7 @@ import torch
 
 from spectandem.demo import demo_paths
 from spectandem.modeling.llama import load_llama
+from spectandem.modeling.ops import FUSED_OPS
 from tests.gpu.test_rotary_write import check_rotary_write
 from tests.interpreter import interpreter
 from verifier.runner import NativeRunner
@@ -31,7 +32,7 @@ def test_interpreted_rotary_write(dtype, b, t, trash):
 @torch.no_grad()
 def test_fused_tree_path_on_cpu_writes_what_the_unfused_path_writes():
     models = [load_llama(demo_paths("none")[0], torch.float32, "cpu") for _ in range(2)]
-    models[0].use_fused_kernels()
+    models[0] = models[0].with_ops(FUSED_OPS)
     runners = []
     for m in models:
         r = NativeRunner(m, (2, 4, 5), max_slots=4, max_len=128)
@@ -59,8 +60,7 @@ def test_the_fused_path_goes_through_attend_rotary(monkeypatch):
         calls.append(layer)
         return real(self, layer, *args)
     monkeypatch.setattr(PagedTreeBatch, "attend_rotary", counting)
-    model = load_llama(demo_paths("none")[0], torch.float32, "cpu")
-    model.use_fused_kernels()
+    model = load_llama(demo_paths("none")[0], torch.float32, "cpu").with_ops(FUSED_OPS)
     runner = NativeRunner(model, None, max_slots=1, max_len=64)
     runner.triton_attention = True
     runner.prefill([0], [[5, 9, 200]])

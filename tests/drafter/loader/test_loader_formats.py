@@ -440,11 +440,12 @@ def test_eagle1_hidden_act_is_honoured(tmp_path, target):
 
 
 def test_fast_path_keeps_the_activation(tmp_path, target):
-    """use_fused_kernels packs gate/up into one GEMM; a GELU head keeps its GELU there (the
-    fused SiLU kernel is SiLU's alone)."""
+    """The fused ops pack gate/up into one GEMM; a GELU head keeps its GELU there (the fused
+    SiLU kernel is SiLU's alone)."""
+    from spectandem.modeling.ops import FUSED_OPS
+
     cfg, t = eagle3_checkpoint(SEED, embed=True)
-    head = load_head(write(tmp_path, {**cfg, "hidden_act": "gelu"}, t), target)
-    head.use_fused_kernels(True)
+    head = load_head(write(tmp_path, {**cfg, "hidden_act": "gelu"}, t), target).with_ops(FUSED_OPS)
     assert head.layer.mlp.packed_weight is not None
     tokens, feats = pairs(EMBED_SEED, 3 * HT)
     _assert_matches(run_pairs_then_step(head, tokens, feats, NEXT),
