@@ -49,8 +49,7 @@ class DraftAheadMixin:
         chains = self._chains(todo)
         # A chain group whose every request has a deferred catch-up (a hit's) runs it inside the
         # chain pass (one graph: drafter/ahead_chains.py); every other deferred catch-up runs first.
-        fused = getattr(self.proposer, "catch_up_ahead_chains", None)
-        inside = {m for m, ids in chains.items() if fused is not None and self._all_deferred(ids)}
+        inside = {m for m, ids in chains.items() if self.proposer.has_catch_up_ahead_chains and self._all_deferred(ids)}
         self.flush_deferred([i for i in request_ids if not any(i in chains[m] for m in inside)])
         forks: list[str] = []
         try:
@@ -58,7 +57,8 @@ class DraftAheadMixin:
                 reqs, ahead = [self.requests[i] for i in ids], [self.in_flight[i][1][1: m + 1] for i in ids]
                 if m in inside:
                     pending = [self.deferred.pop(i) for i in ids]
-                    trees = fused(reqs, [n for n, _ in pending], [f for _, f in pending], ahead, self.cfg.ahead_width)
+                    trees = self.proposer.catch_up_ahead_chains(reqs, [n for n, _ in pending], [f for _, f in pending],
+                                                                ahead, self.cfg.ahead_width)
                 else:
                     trees = self.proposer.ahead_chains(reqs, ahead, self.cfg.ahead_width)
                 for rid, cache in zip(ids, trees):
@@ -101,9 +101,6 @@ class DraftAheadMixin:
     def _chains(self, request_ids: list[str]) -> dict[int, list[str]]:
         """The requests whose tree being verified is a chain with deterministic drafts, by chain
         length, when the proposer drafts ahead for chains in one pass."""
-        supports = getattr(self.proposer, "supports_ahead_chains", None)
-        if supports is None:
-            return {}
         out: dict[int, list[str]] = {}
         for rid in request_ids:
             _, _, parents, valid = self.in_flight[rid]
@@ -111,7 +108,7 @@ class DraftAheadMixin:
             if (not self.requests[rid].sample_drafts and m >= 1 and all(valid[: m + 1])
                     and all(parents[j] == j - 1 for j in range(1, m + 1))):
                 out.setdefault(m, []).append(rid)
-        return {m: ids for m, ids in out.items() if supports(len(ids))}
+        return {m: ids for m, ids in out.items() if self.proposer.supports_ahead_chains(len(ids))}
 
     def _fill_outcomes(self, request_ids: list[str], forks: list[str]) -> None:
         if not request_ids:

@@ -51,6 +51,7 @@ import torch
 from drafter.ahead_chains import rank_chain_outcomes
 from drafter.ahead import ahead_owner
 from drafter.graphs import chain_tree
+from drafter.proposers import Proposer
 
 
 @dataclass(frozen=True)
@@ -195,7 +196,7 @@ class TruthBook:
         return None
 
 
-class ControlledProposer:
+class ControlledProposer(Proposer):
     """A chain proposer (topk 1) that drafts each request's `DraftPlan` after running `inner`.
 
     Without `truths` (the bench): requests must be greedy (deterministic drafts) and `plans`,
@@ -206,6 +207,9 @@ class ControlledProposer:
     pass and verification) are listed in `diverged`: their acceptance is no longer the planned
     one (served, they draft the inner proposer's drafts from then on)."""
 
+    # Its one-pass calls run the inner proposer's where it has them, else the catch-up first.
+    has_catch_up_propose = has_catch_up_ahead_chains = True
+
     def __init__(self, inner, plans: dict[str, DraftPlan] | None = None, ahead: bool = True,
                  truths: TruthBook | None = None):
         """`ahead`: draft ahead (when `inner` can) with the plan's guesses (module docstring)."""
@@ -215,14 +219,14 @@ class ControlledProposer:
         self.cfg = inner.cfg
         self.feature_layers = inner.feature_layers
         self.diverged: set[str] = set()
-        self.supports_ahead = ahead and getattr(inner, "supports_ahead", False)
+        self.supports_ahead = ahead and inner.supports_ahead
         self._fork_len: dict[str, int] = {}   # draft-ahead fork -> its committed length
 
     @property
     def device(self):
         """The inner proposer's device: the drafter's link computes on a CUDA stream of its own
         there (router/links_local.py: engine_device), as it does for the inner proposer alone."""
-        return getattr(self.inner, "device", None)
+        return self.inner.device
 
     def _plan(self, request_id: str) -> DraftPlan | None:
         """A request's plan; a draft-ahead fork has its request's (drafter/ahead.py). Served:
@@ -259,8 +263,7 @@ class ControlledProposer:
                     self.plans[r.request_id] = None
 
     def stage_features(self, features):
-        stage = getattr(self.inner, "stage_features", None)
-        return features if stage is None else stage(features)
+        return self.inner.stage_features(features)
 
     def _check_greedy(self, reqs):
         if self.truths is None and any(r.sample_drafts for r in reqs):
@@ -271,25 +274,24 @@ class ControlledProposer:
         return self._planned(reqs, self.inner.propose(reqs, num_steps))
 
     def fuses_catch_up(self, num_new):
-        fuses = getattr(self.inner, "fuses_catch_up", None)
-        return fuses is not None and fuses(num_new)
+        return self.inner.fuses_catch_up(num_new)
 
     def catch_up_propose(self, reqs, num_new, features, num_steps=None):
         """`catch_up` then `propose`, in the inner proposer's one pass when it has one
         (`EagleProposer.catch_up_propose`): the plan's drafts, the real cost."""
         self._check_greedy(reqs)
-        tree = self._caught_up("catch_up_propose", reqs, num_new, features, num_steps)
+        one_pass = self.inner.catch_up_propose if self.inner.has_catch_up_propose else None
+        tree = self._caught_up(one_pass, reqs, num_new, features, num_steps)
         return self.propose(reqs, num_steps) if tree is None else self._planned(reqs, tree)
 
-    def _caught_up(self, name, reqs, num_new, features, *args):
-        """The inner proposer's one-pass call `name` (a catch-up, then a pass), checking the
-        committed tokens against the truth; None (only the catch-up run) when it has none."""
-        inner = getattr(self.inner, name, None)
-        if inner is None:
+    def _caught_up(self, one_pass, reqs, num_new, features, *args):
+        """The inner proposer's one-pass call (a catch-up, then a pass), checking the committed
+        tokens against the truth; None (only the catch-up run) when it has none (`one_pass` None)."""
+        if one_pass is None:
             self.catch_up(reqs, num_new, features)
             return None
         try:
-            return inner(reqs, num_new, features, *args)
+            return one_pass(reqs, num_new, features, *args)
         finally:   # the catch-up has run unless the inner proposer failed before it
             self._check_truth(reqs, num_new)
 
@@ -335,8 +337,7 @@ class ControlledProposer:
             self._fork_len[r.request_id] = r.committed_len
 
     def supports_ahead_chains(self, batch: int) -> bool:
-        inner = getattr(self.inner, "supports_ahead_chains", None)
-        return self.supports_ahead and inner is not None and inner(batch)
+        return self.supports_ahead and self.inner.supports_ahead_chains(batch)
 
     def ahead_chains(self, reqs, chains, width):
         """Chains drafted ahead in one pass (drafter/ahead_chains.py): the inner proposer's pass
@@ -349,7 +350,8 @@ class ControlledProposer:
     def catch_up_ahead_chains(self, reqs, num_new, features, chains, width):
         """`catch_up` then `ahead_chains`, in the inner proposer's one pass when it has one
         (`EagleProposer.catch_up_ahead_chains`): the plan's outcomes, the real cost."""
-        real = self._caught_up("catch_up_ahead_chains", reqs, num_new, features, chains, width)
+        one_pass = self.inner.catch_up_ahead_chains if self.inner.has_catch_up_ahead_chains else None
+        real = self._caught_up(one_pass, reqs, num_new, features, chains, width)
         if real is None:
             return self.ahead_chains(reqs, chains, width)
         return self._planned_outcomes(reqs, chains, width, real)

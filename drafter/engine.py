@@ -55,7 +55,6 @@ class DraftProbStore:
 
 
 class DrafterEngine(DraftAheadMixin):
-    drafts_on_device = True   # draft's on_device (drafter/service_core.py drafter_draft)
 
     def __init__(self, proposer: Proposer, cfg: SpecConfig):
         self.proposer, self.cfg = proposer, cfg
@@ -73,7 +72,7 @@ class DrafterEngine(DraftAheadMixin):
         self.outcome_rows: dict[str, dict[tuple[int, ...], ReadyTree]] = {}
         self.kept: dict[str, tuple[int, DraftNodes, int]] = {}    # next trees kept through preemption
         self.ahead_hits = self.ahead_misses = 0
-        self._drafts_ahead = bool(cfg.ahead_width and getattr(proposer, "supports_ahead", False))
+        self._drafts_ahead = bool(cfg.ahead_width and proposer.supports_ahead)
 
     @property
     def feature_layers(self):
@@ -102,11 +101,10 @@ class DrafterEngine(DraftAheadMixin):
         # A prompt's catch-up waits for the request's first draft where that draft runs it in
         # the same graph (as a miss's does: `_drafts_caught_up`; the proposer's `fuses_catch_up`):
         # the prefill returns at once, and the first tree costs one graph on the GPU.
-        fuses = getattr(self.proposer, "fuses_catch_up", None)
         now = []
         for req, it in zip(reqs, items):
-            if (it[5] is not None and fuses is not None and req.request_id not in self.ready
-                    and self._drafts_caught_up(req) and fuses(req.committed_len - 1)):
+            if (it[5] is not None and req.request_id not in self.ready
+                    and self._drafts_caught_up(req) and self.proposer.fuses_catch_up(req.committed_len - 1)):
                 self.deferred[req.request_id] = (req.committed_len - 1, self._stage(it[5]))
             else:
                 now.append((req, it[5]))
@@ -166,15 +164,13 @@ class DrafterEngine(DraftAheadMixin):
         """Whether a verdict without a ready tree (a miss, or no draft ahead) defers its catch-up
         to the request's next draft, which then runs both in one pass (`catch_up_propose`: an
         argmax chain's catch-up and drafting in one graph on the GPU)."""
-        return (self.cfg.topk == 1 and not req.sample_drafts
-                and getattr(self.proposer, "catch_up_propose", None) is not None)
+        return self.cfg.topk == 1 and not req.sample_drafts and self.proposer.has_catch_up_propose
 
     def _stage(self, features: torch.Tensor | None) -> torch.Tensor | None:
         """A deferred catch-up's features, moved to the proposer's device now. From another GPU
         the copy runs on that GPU's stream: at the deferred catch-up, the next round's verify is
         queued there and the copy (with all of draft ahead behind it) would wait for it."""
-        stage = getattr(self.proposer, "stage_features", None)
-        return features if stage is None or features is None else stage(features)
+        return None if features is None else self.proposer.stage_features(features)
 
     def extend_caught_up(self, outputs: list[VerifyOutput]) -> None:
         """`extend` for verdicts whose catch-up already ran on the proposer's state: the fused graph
@@ -221,15 +217,14 @@ class DrafterEngine(DraftAheadMixin):
                 parts.setdefault((r.sample_drafts, steps[i] or self.cfg.num_steps), []).append(i)
         # A group of deterministic drafts whose every request has a deferred catch-up runs it in
         # the same pass (`catch_up_propose`); every other deferred catch-up runs first.
-        fused = getattr(self.proposer, "catch_up_propose", None)
-        inside = {key for key, idx in parts.items()
-                  if fused is not None and not key[0] and self._all_deferred([reqs[i].request_id for i in idx])}
+        inside = {key for key, idx in parts.items() if self.proposer.has_catch_up_propose and not key[0]
+                  and self._all_deferred([reqs[i].request_id for i in idx])}
         self.flush_deferred([reqs[i].request_id for key, idx in parts.items() if key not in inside for i in idx])
         for key, idx in parts.items():
             group = [reqs[i] for i in idx]
             if key in inside:
                 pending = [self.deferred.pop(r.request_id) for r in group]
-                tree = fused(group, [n for n, _ in pending], [f for _, f in pending], key[1])
+                tree = self.proposer.catch_up_propose(group, [n for n, _ in pending], [f for _, f in pending], key[1])
             else:
                 tree = self.proposer.propose(group, key[1])
             for row, i in enumerate(idx):
@@ -299,9 +294,8 @@ class DrafterEngine(DraftAheadMixin):
         req = self.requests.pop(request_id, None)
         self.epochs.pop(request_id, None)
         self.store.drop(request_id)
-        ended = getattr(self.proposer, "request_ended", None)   # its committed tokens (drafter/controlled.py)
-        if ended is not None and req is not None:
-            ended(req)
+        if req is not None:
+            self.proposer.request_ended(req)
         self.proposer.remove(request_id)
 
 

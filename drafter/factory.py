@@ -38,9 +38,6 @@ def build_engine(config: EngineConfig, target=None, context: int | None = None,
         raise ValueError("a shared target model comes with its context length")
     config = _sized_config(config, target, context, progress)
     proposer = _proposer(config, target, context)
-    warm_up = getattr(proposer, "warm_up", None)
-    if warm_up is not None and config.gpu.cuda_graphs and config.device.startswith("cuda"):
-        warm_up(progress)
     if spec.benchmark_acceptance_rate is not None:
         proposer = _controlled(proposer, spec.benchmark_acceptance_rate, target)
     return DrafterEngine(proposer, spec), context
@@ -118,7 +115,7 @@ def _profile(engine: DrafterEngine, proposer, max_slots: int, prompt: int) -> No
     """Every slot's prompt caught up, then one sampled draft of every slot (q rows included)."""
     import torch
 
-    head = getattr(proposer, "head", None)
+    head = proposer.head
     device = proposer.cache.k[0].device
     feats = None if head is None else torch.zeros(prompt, head.spec.feature_size, dtype=proposer.cache.k[0].dtype,
                                                   device=device)

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import torch
 
-from drafter.proposers import RequestSlots, ScratchTree, pad_rows, paged_cache
+from drafter.proposers import Proposer, RequestSlots, ScratchTree, pad_rows, paged_cache
 from drafter.tree import draft_tree
 from drafter.tree import DraftNodes
 from spectandem.config import SpecConfig
@@ -14,7 +14,7 @@ from spectandem.devices import to_device
 from spectandem.modeling.llama import LlamaModel
 
 
-class DraftModelProposer:
+class DraftModelProposer(Proposer):
     """A separate small causal LM ("draft-model"). Its cache holds every committed token
     (committed_len entries); tree steps feed draft tokens at their own positions."""
 
@@ -105,7 +105,7 @@ class DraftModelProposer:
         self.last_logits.pop(request_id, None)
 
 
-class NgramProposer:
+class NgramProposer(Proposer):
     """Prompt lookup: the longest suffix n-gram (ngram_max down to ngram_min) that occurred
     earlier in the request's tokens proposes the tokens that followed its latest earlier
     occurrence, as a chain of up to min(num_steps, num_draft_tokens - 1) deterministic drafts."""
@@ -118,9 +118,6 @@ class NgramProposer:
 
     def catch_up(self, reqs, num_new, features):
         return None
-
-    def kv_stats(self) -> dict:
-        return {}  # no model, no cache
 
     def _lookup(self, tokens: list[int], num_steps: int) -> list[int]:
         want = min(num_steps, self.cfg.num_draft_tokens - 1)

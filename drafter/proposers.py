@@ -10,7 +10,6 @@ EAGLE heads propose here; the draft-model and n-gram proposers are in drafter/lm
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Protocol
 
 import torch
 
@@ -41,39 +40,87 @@ class DraftRequest:
         return len(self.token_ids)
 
 
-class Proposer(Protocol):
+class Proposer:
+    """What a draft method implements. `catch_up`, `propose` and `remove` every method has; the
+    rest is declared here with the answer of a method that cannot, and a method that can
+    overrides it (DrafterEngine asks these, never probes for attributes)."""
+
     # What the verifier must send back per position: None (nothing), "final" (last hidden
     # state after the final norm) or a tuple of HuggingFace hidden-state indices.
-    feature_layers: None | str | tuple[int, ...]
+    feature_layers: None | str | tuple[int, ...] = None
+    # Where it computes (a CUDA device: the in-process drafter link runs it on a stream of its
+    # own there); None: the CPU.
+    device: torch.device | None = None
+    # The EAGLE head, for methods that draft with one (the fused round, verifier/fused.py).
+    head: DraftHead | None = None
+    # Draft ahead: `ahead_fork`, `ahead_absorb`, `ahead_logprobs` work on forks of a request's
+    # state while the verifier is busy. A fork shares the request's cache prefix; the engine
+    # frees it with `remove`.
+    supports_ahead: bool = False
+    # A deferred catch-up run inside the next pass, for argmax chains one graph on the GPU: the
+    # next draft's (`catch_up_propose`) and draft ahead's (`catch_up_ahead_chains`).
+    has_catch_up_propose: bool = False
+    has_catch_up_ahead_chains: bool = False
 
     def catch_up(self, reqs: list[DraftRequest], num_new: list[int], features: list[torch.Tensor | None]) -> None:
         """Absorb each request's `num_new` newest committed tokens (features [num_new, F])."""
+        raise NotImplementedError
 
     def propose(self, reqs: list[DraftRequest], num_steps: int | None = None) -> DraftNodes:
         """Draft nodes for each request (root excluded); `num_steps` caps the tree depth."""
+        raise NotImplementedError
 
-    # Draft ahead (optional; `supports_ahead`): work on forks of a request's state while the
-    # verifier is busy. A fork shares the request's cache prefix; the engine frees it with `remove`.
-    supports_ahead: bool
+    def remove(self, request_id: str) -> None:
+        raise NotImplementedError
+
+    def kv_stats(self) -> dict:
+        """Its KV pool's use (num_blocks, block_size, used_blocks), where it has one."""
+        return {}
+
+    def request_ended(self, req: DraftRequest) -> None:
+        """Called by the engine just before `remove` of a request that ended, with its
+        committed tokens (the controlled proposer records them, drafter/controlled.py)."""
+
+    def stage_features(self, features: torch.Tensor) -> torch.Tensor:
+        """A deferred catch-up's features moved to where the proposer computes."""
+        return features
+
+    def fuses_catch_up(self, num_new: int) -> bool:
+        """Whether a prompt's catch-up of `num_new` pairs waits for the request's first draft
+        (`catch_up_propose` in one graph); only where `has_catch_up_propose`."""
+        return False
+
+    def catch_up_propose(self, reqs: list[DraftRequest], num_new: list[int], features: list, num_steps=None):
+        """`catch_up` then `propose` in one pass (where `has_catch_up_propose`)."""
+        raise NotImplementedError
 
     def ahead_fork(self, src_id: str, dst_id: str) -> None:
         """A new request state `dst_id`, a copy of `src_id`'s (its cache shared, not copied)."""
+        raise NotImplementedError
 
     def ahead_absorb(self, reqs: list[DraftRequest], num_new: list[int]) -> None:
         """Like catch_up, without target features: the method's own predictions stand in."""
+        raise NotImplementedError
 
     def ahead_logprobs(self, request_ids: list[str]) -> torch.Tensor:
         """[B, vocab_size] log-probabilities of each request's next token (target ids; -inf
         for tokens the draft cannot propose)."""
+        raise NotImplementedError
 
-    def remove(self, request_id: str) -> None:
-        ...
+    def supports_ahead_chains(self, batch: int) -> bool:
+        """Whether `batch` chains draft ahead in one pass (`ahead_chains`)."""
+        return False
 
-    # Draft ahead for chains in one pass (optional; `supports_ahead_chains(batch)`).
     def ahead_chains(self, reqs: list[DraftRequest], chains: list[list[int]], width: int) -> list[dict]:
         """Per request (deterministic drafts; all chains of one length m), the outcome cache of
         the chain being verified: {accepted path + (bonus,): (DraftNodes, row)}, at most `width`
         outcomes (drafter/ahead_chains.py)."""
+        raise NotImplementedError
+
+    def catch_up_ahead_chains(self, reqs: list[DraftRequest], num_new: list[int], features: list,
+                              chains: list[list[int]], width: int) -> list[dict]:
+        """`catch_up` then `ahead_chains` in one pass (where `has_catch_up_ahead_chains`)."""
+        raise NotImplementedError
 
 
 def ahead_slots(cfg: SpecConfig, max_slots: int) -> int:
@@ -149,7 +196,7 @@ class ScratchTree:
         return self.cache.batch(self.slots, write, span), positions, mask
 
 
-class EagleProposer:
+class EagleProposer(Proposer):
     """EAGLE-1/2 and EAGLE-3 heads. Per request: a head KV slot holding one entry per pair
     (feature p, token p + 1) absorbed so far, i.e. committed_len - 1 entries, and the last
     catch-up row's output hidden and logits. With `cuda_graphs`, short catch-ups and argmax
@@ -223,6 +270,7 @@ class EagleProposer:
         self.last_logits[request_id] = last_logits
 
     supports_ahead = True
+    has_catch_up_propose = has_catch_up_ahead_chains = True
 
     def stage_features(self, features: torch.Tensor) -> torch.Tensor:
         """Target features on this proposer's device and dtype (what `catch_up` reads)."""

@@ -60,8 +60,6 @@ def drafter_draft(engine, tags: list[Tag], num_steps: list[int | None] | None = 
     if num_steps is not None and len(num_steps) != len(tags):
         raise ValueError(f"num_steps has {len(num_steps)} entries for {len(tags)} requests")
     steps = [n or None for n in num_steps] if num_steps else None
-    if on_device is None or not getattr(engine, "drafts_on_device", False):
-        return engine.draft([t.request_id for t in tags], steps)
     return engine.draft([t.request_id for t in tags], steps, on_device=on_device)
 
 
@@ -89,8 +87,7 @@ def drafter_draft_ahead(engine, tags: list[Tag], extend: list[ExtendItem] = (),
         engine.check_tag(t.request_id, t.epoch, t.committed_len)
     ids = [t.request_id for t in known]
     hits = engine.draft_ahead(ids)
-    trees = getattr(engine, "outcome_trees", None)
-    trees = trees(ids) if trees is not None else [None] * len(ids)
+    trees = engine.outcome_trees(ids)
     got = {rid: (h, tr) for rid, h, tr in zip(ids, hits, trees)}
     per = [got.get(t.request_id, (None, None)) for t in tags]
     if on_trees is not None:

@@ -64,8 +64,8 @@ class ChainedLaunchMixin:
         host can."""
         # The stream its work is queued on (`round_done` is recorded there at its verdict): taken
         # now, before that verify, as asking for the current stream costs tens of microseconds.
-        device = getattr(self.runner, "device", None)
-        stream = torch.cuda.current_stream(device) if torch.device(device or "cpu").type == "cuda" else None
+        device = self.runner.device
+        stream = torch.cuda.current_stream(device) if torch.device(device).type == "cuda" else None
         self._armed = (tuple(request_ids), tuple(committed_lens), on_verdict, stream)
 
     def take_verdict(self) -> tuple | None:
@@ -85,7 +85,7 @@ class ChainedLaunchMixin:
         next verify for each outcome with a tree (trees: as `launch_next`'s), for one request.
         -> whether it did (not after the verdict, nor for a batch, nor where the runner's verify
         reads no packed inputs: `packs_tree_inputs`)."""
-        if not getattr(self.runner, "packs_tree_inputs", False) or len(request_ids) != 1 or len(trees) != 1 or not trees[0]:
+        if not self.runner.packs_tree_inputs or len(request_ids) != 1 or len(trees) != 1 or not trees[0]:
             return False
         rid, tag, outcomes = request_ids[0], committed_lens[0], trees[0]
         with self._state:
@@ -199,7 +199,7 @@ class ChainedLaunchMixin:
         like = flat is None and not chained
         if like:
             flat = self._prepared_like(tree)
-        if device_tokens is not None and not getattr(self.runner, "takes_device_tokens", False):
+        if device_tokens is not None and not self.runner.takes_device_tokens:
             return False
         try:
             reqs, logits, feats = self._launch(tree, flat, device_tokens)

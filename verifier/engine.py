@@ -218,11 +218,10 @@ class VerifierEngine(ChainedLaunchMixin):
             if req.committed_len - 1 + steps > self.max_len:
                 raise ValueError(f"request {rid!r}: {steps} steps at committed length {req.committed_len} "
                                  f"exceed the context of {self.max_len}")
-        chain = getattr(self.runner, "decode_greedy", None)
-        if chain is None:   # a runner without the device chain: one plain verify per step
+        if not self.runner.chains_decode:   # a runner without the device chain: one plain verify per step
             return self._decode_by_rounds(request_ids, steps)
         with self._state:
-            tokens, feats = chain([r.slot for r in reqs], [r.committed_len - 1 for r in reqs],
+            tokens, feats = self.runner.decode_greedy([r.slot for r in reqs], [r.committed_len - 1 for r in reqs],
                                   [r.token_ids[-1] for r in reqs], steps, features)
         rows = to_host(tokens)[0].tolist()     # the only wait for the device
         with self._state:

@@ -54,9 +54,8 @@ def build_engine(config: EngineConfig, feature_layers=None, progress=_progress, 
 def warm_up_engine(engine: VerifierEngine, config: EngineConfig, progress=_progress) -> None:
     """Captures the CUDA graphs of every verify the engine will run: trees of 1 to
     `config.spec`'s widest (root included), plain steps, graphed prefills. Nothing on the CPU."""
-    warm = getattr(engine.runner, "warm_up", None)
-    if warm is not None and config.device.startswith("cuda"):
-        warm(list(range(1, config.spec.max_draft_nodes + 2)), progress)
+    if config.device.startswith("cuda"):
+        engine.runner.warm_up(list(range(1, config.spec.max_draft_nodes + 2)), progress)
 
 
 def _size_pool(runner, config: EngineConfig, vocab: int, weights: int, progress) -> None:

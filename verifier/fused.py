@@ -77,7 +77,7 @@ class FusedGraphStep:
         from verifier.runner import NativeRunner
 
         runner, proposer = verifier.runner, drafter.proposer
-        if not isinstance(runner, NativeRunner) or getattr(proposer, "head", None) is None:   # an EAGLE head
+        if not isinstance(runner, NativeRunner) or proposer.head is None:   # an EAGLE head
             raise ValueError("the fused graph needs the native target runner and an EAGLE head")
         if drafter.cfg.num_draft_tokens != 2 or drafter.cfg.topk != 1:
             raise ValueError("the fused graph drafts one token per round (num_draft_tokens 2, topk 1)")

@@ -15,6 +15,11 @@ class HFRunner:
     `commit` crops the cache to the committed prefix and re-runs the accepted path (one extra
     forward per round: slower, same tokens)."""
 
+    # What NativeRunner can do and this runner cannot (VerifierEngine and verifier/chained.py ask):
+    packs_tree_inputs = False     # one-request verify inputs packed ahead (NativeRunner.prepare_rows)
+    takes_device_tokens = False   # a verify of draft tokens still on the drafter's device
+    chains_decode = False         # several greedy steps chained on the device (NativeRunner.decode_greedy)
+
     def __init__(self, model, feature_layers: FeatureSpec, max_len: int):
         self.model, self.feature_layers, self.max_len = model, feature_layers, max_len
         self.device = next(model.parameters()).device
@@ -89,6 +94,9 @@ class HFRunner:
             path = self.last_tree.pop(slot)[nodes][None].to(self.device)
             pos = torch.arange(base, base + len(nodes), device=self.device)[None]
             self.model(input_ids=path, position_ids=pos, past_key_values=self.caches[slot], use_cache=True)
+
+    def warm_up(self, widths: list[int], progress=None) -> None:
+        """Nothing to capture: this runner has no CUDA graphs."""
 
     def kv_stats(self) -> dict:
         return {}  # transformers' own caches: not paged, no pool to report

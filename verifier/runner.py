@@ -187,6 +187,7 @@ class NativeRunner:
         return last, per_req
 
     takes_device_tokens = True   # verify's device_tokens (VerifierEngine.launch)
+    chains_decode = True         # decode_greedy
 
     @torch.no_grad()
     def verify(self, slots: list[int], cache_lens: list[int], token_ids: torch.Tensor, parents: torch.Tensor,

@@ -38,7 +38,7 @@ def _caches(d, rids):
 def _lockstep(method, width, tree, rounds, prompts, patch=None):
     """-> (rounds compared, rounds that took the one-pass catch-up, rounds whose caches differed)."""
     fused, split = _spec(method, width, **tree), _spec(method, width, **tree)
-    split.drafter.proposer.catch_up_ahead_chains = None     # the engine then runs the two passes
+    split.drafter.proposer.has_catch_up_ahead_chains = False     # the engine then runs the two passes
     rids = prefilled((fused, split), prompts)
     used, differ = 0, 0
     real = ahead_chains.AheadChainGraphs.run_caught_up

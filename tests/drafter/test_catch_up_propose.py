@@ -33,7 +33,7 @@ def _spec(method, **tree):
 def _lockstep(method, tree, rounds, prompts, patch=None):
     """-> (rounds, rounds that ran the one pass, rounds whose trees differed)."""
     fused, split = _spec(method, **tree), _spec(method, **tree)
-    split.drafter.proposer.catch_up_propose = None     # the engine catches up in extend, as before
+    split.drafter.proposer.has_catch_up_propose = False     # the engine catches up in extend, as before
     rids = prefilled((fused, split), prompts)
     chain = fused.drafter.proposer.chain
     real, calls = chain.propose_caught_up, []

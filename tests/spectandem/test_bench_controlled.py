@@ -6,7 +6,7 @@ import math
 import pytest
 import torch
 
-from drafter.proposers import DraftRequest
+from drafter.proposers import DraftRequest, Proposer
 from drafter.tree import DraftNodes
 from drafter.controlled import ControlledProposer, expected_accept_length, expected_ahead_hit_rate, plan_drafts
 from spectandem.config import SamplingParams, SpecConfig
@@ -33,7 +33,7 @@ def test_expected_accept_length():
     assert expected_accept_length(1.0, 4) == 5 and expected_accept_length(0.0, 4) == 1
 
 
-class _ScriptedProposer:
+class _ScriptedProposer(Proposer):
     """A chain proposer that drafts token 0 at every node and records its calls."""
 
     feature_layers = (1, 2, 3)
@@ -171,6 +171,8 @@ class _TwoPassScripted(_AheadScripted):
 class _OnePassScripted(_TwoPassScripted):
     """... and the catch-up inside the chain pass."""
 
+    has_catch_up_ahead_chains = True
+
     def catch_up_ahead_chains(self, reqs, num_new, features, chains, width):
         self.calls.append(("catch_up_ahead_chains", [r.request_id for r in reqs], list(num_new)))
         return [{} for _ in reqs]
@@ -203,6 +205,8 @@ def test_catch_up_inside_the_chain_pass_keeps_the_plan():
 
 class _CaughtUpScripted(_ScriptedProposer):
     """An inner proposer that drafts with the catch-up inside (token 0 at every node)."""
+
+    has_catch_up_propose = True
 
     def catch_up_propose(self, reqs, num_new, features, num_steps=None):
         self.calls.append(("catch_up_propose", [r.request_id for r in reqs], list(num_new)))
