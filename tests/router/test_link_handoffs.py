@@ -101,6 +101,9 @@ class _Drafter:
         assert self.release.wait(5)
         return [True]
 
+    def outcome_trees(self, ids):
+        return [None] * len(ids)
+
 
 def test_a_pre_ahead_is_queued_before_it_is_done():
     from router.links_local import LocalDrafterLink
@@ -146,7 +149,7 @@ class _MissDrafter(_Drafter):
     def extend(self, outputs):
         self.calls.append(("extend", [o.request_id for o in outputs]))
 
-    def draft(self, ids, num_steps=None):
+    def draft(self, ids, num_steps=None, on_device=None):
         assert self.drafting.wait(5)
         self.calls.append(("draft", ids))
         return "tree"
