@@ -1,7 +1,9 @@
 """The drafter engine: request bookkeeping around a proposer, and the one registry of methods.
 
-Per request it keeps the committed tokens and the draft probabilities of the round in flight,
-tagged with the committed length they were drafted at (`DraftProbStore`).
+Per request it keeps one `HeldRequest`: the committed tokens and what the engine knows of the
+request's drafts (the tree being verified, the outcome cache, the next tree, a catch-up not run
+yet). The draft probabilities of the round in flight are kept apart, tagged with the committed
+length they were drafted at (`DraftProbStore`).
 
 Draft ahead (the outcome cache filled while the verifier verifies): drafter/ahead.py.
 
@@ -11,11 +13,12 @@ its committed length; a re-prefill at the same committed length makes it the nex
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 
-from drafter.ahead import DraftAheadMixin
+from drafter import ahead
 from drafter.lm_proposers import DraftModelProposer, NgramProposer
 from drafter.proposers import DraftRequest, EagleProposer, Proposer
 from drafter.tree import DraftNodes, host_lists, ready_rows
@@ -54,23 +57,39 @@ class DraftProbStore:
         return len(self._rows)
 
 
-class DrafterEngine(DraftAheadMixin):
+@dataclass(eq=False)
+class HeldRequest(DraftRequest):
+    """A request the engine holds: the proposer's view of it (DraftRequest) and the engine's own
+    state of its drafts."""
+
+    epoch: int = 0
+    # The tree being verified (committed_len, token ids, parents, valid), what draft ahead forks
+    # from; set by `draft` where the engine drafts ahead.
+    in_flight: tuple[int, list[int], list[int], list[bool]] | None = None
+    # The outcome cache draft ahead filled for that tree: (committed_len, {outcome: (DraftNodes,
+    # row)}), an outcome being the round's committed tokens.
+    outcomes: tuple[int, dict[tuple[int, ...], tuple[DraftNodes, int]]] | None = None
+    # Its deterministic trees as the verifier's rows (outcome -> ReadyTree): what draft_ahead
+    # returns to the router, which verifies a hit's tree without a draft call.
+    outcome_rows: dict[tuple[int, ...], ReadyTree] | None = None
+    # The next tree (committed_len, DraftNodes, row): a hit of the outcome cache, or the draft
+    # kept through preemption.
+    ready: tuple[int, DraftNodes, int] | None = None
+    # A catch-up not run yet (its new pairs, their target features), run by the next call that
+    # reads the proposer's state.
+    deferred: tuple[int, torch.Tensor | None] | None = None
+    # Whether the last verdict hit the outcome cache (None: there was none); draft_ahead's answer.
+    last_hit: bool | None = None
+
+
+class DrafterEngine:
 
     def __init__(self, proposer: Proposer, cfg: SpecConfig):
         self.proposer, self.cfg = proposer, cfg
-        self.requests: dict[str, DraftRequest] = {}
-        self.epochs: dict[str, int] = {}
+        self.requests: dict[str, HeldRequest] = {}
         self.store = DraftProbStore()
-        # Draft ahead, per request:
-        self.in_flight: dict[str, tuple[int, list[int], list[int], list[bool]]] = {}  # tree being verified
-        self.outcomes: dict[str, tuple[int, dict[tuple[int, ...], tuple[DraftNodes, int]]]] = {}
-        self.ready: dict[str, tuple[int, DraftNodes, int]] = {}   # next tree (committed_len, tree, row)
-        self.deferred: dict[str, tuple[int, torch.Tensor | None]] = {}  # catch-up not run yet
-        self.last_hit: dict[str, bool] = {}     # did the last verdict hit the outcome cache
-        # The outcome cache's deterministic trees as the verifier's rows (outcome -> ReadyTree):
-        # what draft_ahead returns to the router, which verifies a hit's tree without a draft call.
-        self.outcome_rows: dict[str, dict[tuple[int, ...], ReadyTree]] = {}
-        self.kept: dict[str, tuple[int, DraftNodes, int]] = {}    # next trees kept through preemption
+        # Next trees of removed requests, kept through preemption: (committed_len, tree, row).
+        self.kept: dict[str, tuple[int, DraftNodes, int]] = {}
         self.ahead_hits = self.ahead_misses = 0
         self._drafts_ahead = bool(cfg.ahead_width and proposer.supports_ahead)
 
@@ -91,33 +110,44 @@ class DrafterEngine(DraftAheadMixin):
             if request_id in self.requests:
                 self.remove(request_id, keep_draft=True)  # a re-prefill (resync after a restart or preemption)
             sample = params.drafts_sampled(self.cfg.draft_sampling_min_temperature)
-            req = DraftRequest(request_id, list(prompt_ids) + [first_token_id], params, seed, sample)
+            req = HeldRequest(request_id, list(prompt_ids) + [first_token_id], params, seed, sample, epoch=epoch)
             self.requests[request_id] = req
-            self.epochs[request_id] = epoch
             kept = self.kept.pop(request_id, None)
             if kept is not None and kept[0] == req.committed_len:
-                self.ready[request_id] = kept   # the draft pending at preemption, still current
+                req.ready = kept   # the draft pending at preemption, still current
             reqs.append(req)
         # A prompt's catch-up waits for the request's first draft where that draft runs it in
         # the same graph (as a miss's does: `_drafts_caught_up`; the proposer's `fuses_catch_up`):
         # the prefill returns at once, and the first tree costs one graph on the GPU.
         now = []
         for req, it in zip(reqs, items):
-            if (it[5] is not None and req.request_id not in self.ready
+            if (it[5] is not None and req.ready is None
                     and self._drafts_caught_up(req) and self.proposer.fuses_catch_up(req.committed_len - 1)):
-                self.deferred[req.request_id] = (req.committed_len - 1, self._stage(it[5]))
+                req.deferred = (req.committed_len - 1, self._stage(it[5]))
             else:
                 now.append((req, it[5]))
         if now:
             self.proposer.catch_up([r for r, _ in now], [r.committed_len - 1 for r, _ in now], [f for _, f in now])
+
+    def draft_ahead(self, request_ids: list[str]) -> list[bool | None]:
+        """Fills the outcome cache for the trees of these requests now being verified (drafter/
+        ahead.py). Returns, per request, whether its tree being verified came from the cache
+        (None: no cache then)."""
+        return ahead.draft_ahead(self, request_ids)
+
+    def outcome_trees(self, request_ids: list[str]) -> list[dict[tuple[int, ...], ReadyTree] | None]:
+        """Per request, its outcome cache's trees as the verifier's rows (outcome: the round's
+        committed tokens -> the next tree), for the router to verify a hit's tree without a
+        draft call; None where there is no cache or its drafts are sampled (their q stays here)."""
+        return [self.requests[i].outcome_rows for i in request_ids]
 
     def check_tag(self, request_id: str, epoch: int, committed_len: int) -> None:
         """Raises StaleMessage unless the request is at this epoch and committed length."""
         req = self.requests.get(request_id)
         if req is None:
             raise StaleMessage(f"request {request_id!r} is not active on the drafter")
-        if (self.epochs[request_id], req.committed_len) != (epoch, committed_len):
-            raise StaleMessage(f"request {request_id!r} is at epoch {self.epochs[request_id]}, committed "
+        if (req.epoch, req.committed_len) != (epoch, committed_len):
+            raise StaleMessage(f"request {request_id!r} is at epoch {req.epoch}, committed "
                                f"length {req.committed_len}; the message is for {epoch}, {committed_len}")
 
     def extend(self, outputs: list[VerifyOutput]) -> None:
@@ -134,27 +164,24 @@ class DrafterEngine(DraftAheadMixin):
         self.flush_deferred([out.request_id for out in outputs])
         now = []
         for out, req in zip(outputs, reqs):
-            rid = out.request_id
-            self.store.drop(rid)  # the round's verdict is in: its q rows are spent
-            self.in_flight.pop(rid, None)
-            self.ready.pop(rid, None)
-            cache = self.outcomes.pop(rid, None)
+            self.store.drop(out.request_id)  # the round's verdict is in: its q rows are spent
+            cache, rows = req.outcomes, req.outcome_rows or {}
+            req.in_flight = req.ready = req.outcomes = req.outcome_rows = None
             if cache is not None and cache[0] == req.committed_len:
                 hit = cache[1].get(tuple(out.token_ids))
-                self.last_hit[rid] = hit is not None
+                req.last_hit = hit is not None
                 self.ahead_hits += hit is not None
                 self.ahead_misses += hit is None
                 if hit is not None:
-                    self.ready[rid] = (out.committed_len, *hit)
+                    req.ready = (out.committed_len, *hit)
                     # The router may verify this tree without a draft call (it holds the
                     # outcome's rows: `outcome_trees`); draft ahead then forks from it.
-                    rows = self.outcome_rows.get(rid, {}).get(tuple(out.token_ids))
-                    if rows is not None:
-                        self.in_flight[rid] = _in_flight(out.committed_len, rows)
-            self.outcome_rows.pop(rid, None)
+                    hit_rows = rows.get(tuple(out.token_ids))
+                    if hit_rows is not None:
+                        req.in_flight = _in_flight(out.committed_len, hit_rows)
             req.token_ids.extend(out.token_ids)
-            if rid in self.ready or (out.features is not None and self._drafts_caught_up(req)):
-                self.deferred[rid] = (len(out.token_ids), self._stage(out.features))
+            if req.ready is not None or (out.features is not None and self._drafts_caught_up(req)):
+                req.deferred = (len(out.token_ids), self._stage(out.features))
             else:
                 now.append((req, len(out.token_ids), out.features))
         if now:
@@ -184,14 +211,19 @@ class DrafterEngine(DraftAheadMixin):
     def _all_deferred(self, request_ids: list[str]) -> bool:
         """Whether every one of these requests has a deferred catch-up with its features (what a
         one-pass catch-up inside a draft or a draft ahead runs)."""
-        return all(self.deferred.get(i, (0, None))[1] is not None for i in request_ids)
+        return all((d := self.requests[i].deferred) is not None and d[1] is not None for i in request_ids)
 
     def flush_deferred(self, request_ids: list[str]) -> None:
         """Runs the deferred catch-ups of these requests (draft ahead: a hit's catch-up waits
         for the next call that reads the proposer's state)."""
-        todo = [(self.requests[i], *self.deferred.pop(i)) for i in request_ids if i in self.deferred]
+        todo = [(r, *self._take_deferred(r)) for r in (self.requests[i] for i in request_ids) if r.deferred is not None]
         if todo:
             self.proposer.catch_up([r for r, _, _ in todo], [n for _, n, _ in todo], [f for _, _, f in todo])
+
+    @staticmethod
+    def _take_deferred(req: HeldRequest) -> tuple[int, torch.Tensor | None]:
+        deferred, req.deferred = req.deferred, None
+        return deferred
 
     def draft(self, request_ids: list[str], num_steps: list[int | None] | None = None,
               on_device=None) -> DraftTree:
@@ -208,7 +240,7 @@ class DrafterEngine(DraftAheadMixin):
         reqs = [self.requests[i] for i in request_ids]
         drafts: dict[int, tuple[DraftNodes, int]] = {}
         for i, r in enumerate(reqs):
-            ready = self.ready.pop(r.request_id, None)
+            ready, r.ready = r.ready, None
             if ready is not None and ready[0] == r.committed_len:
                 drafts[i] = ready[1:]
         parts: dict[tuple, list[int]] = {}
@@ -223,7 +255,7 @@ class DrafterEngine(DraftAheadMixin):
         for key, idx in parts.items():
             group = [reqs[i] for i in idx]
             if key in inside:
-                pending = [self.deferred.pop(r.request_id) for r in group]
+                pending = [self._take_deferred(r) for r in group]
                 tree = self.proposer.catch_up_propose(group, [n for n, _ in pending], [f for _, f in pending], key[1])
             else:
                 tree = self.proposer.propose(group, key[1])
@@ -251,7 +283,7 @@ class DrafterEngine(DraftAheadMixin):
         tree = trees_from_ready(list(request_ids), [r.committed_len for r in reqs], rows)
         if self._drafts_ahead:   # what draft_ahead forks from; nothing else reads it
             for r, rt in zip(reqs, rows):
-                self.in_flight[r.request_id] = _in_flight(r.committed_len, rt)
+                r.in_flight = _in_flight(r.committed_len, rt)
         if any(q is not None for q in probs_rows):
             b, n = tree.token_ids.shape
             vocab = next(q.shape[-1] for q in probs_rows if q is not None)
@@ -284,15 +316,11 @@ class DrafterEngine(DraftAheadMixin):
     def remove(self, request_id: str, keep_draft: bool = False) -> None:
         """Forgets a request; with keep_draft, its ready next tree stays for a re-prefill at the
         same committed length (preemption)."""
-        ready = self.ready.pop(request_id, None)
-        if keep_draft and ready is not None:
-            self.kept[request_id] = ready
+        req = self.requests.pop(request_id, None)
+        if keep_draft and req is not None and req.ready is not None:
+            self.kept[request_id] = req.ready
         elif not keep_draft:
             self.kept.pop(request_id, None)
-        for d in (self.in_flight, self.outcomes, self.outcome_rows, self.deferred, self.last_hit):
-            d.pop(request_id, None)
-        req = self.requests.pop(request_id, None)
-        self.epochs.pop(request_id, None)
         self.store.drop(request_id)
         if req is not None:
             self.proposer.request_ended(req)

@@ -29,7 +29,7 @@ def _spec(method, width, **tree):
 def _caches(d, rids):
     out = []
     for rid in rids:
-        entry = d.outcomes.get(rid)
+        entry = d.requests[rid].outcomes
         out.append(None if entry is None else
                    (entry[0], {key: tree.token_ids[row].tolist() for key, (tree, row) in entry[1].items()}))
     return out

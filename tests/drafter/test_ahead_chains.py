@@ -13,6 +13,7 @@ from __future__ import annotations
 import pytest
 
 from drafter import ahead_chains
+from drafter.ahead import fill_outcomes
 from drafter.ahead_chains import rank_chain_outcomes
 from spectandem.config import SamplingParams, SpecConfig
 from spectandem.demo import demo_paths
@@ -30,16 +31,19 @@ def _general(d, rid):
     """The general path's outcome cache for `rid`'s tree being verified, forks freed after."""
     forks: list[str] = []
     try:
-        d._fill_outcomes([rid], forks)
+        fill_outcomes(d, [rid], forks)
     finally:
         for f in reversed(forks):
             d.proposer.remove(f)
-    return {key: tree.token_ids[row].tolist() for key, (tree, row) in d.outcomes.pop(rid)[1].items()}
+    req = d.requests[rid]
+    cache, req.outcomes = req.outcomes, None
+    return {key: tree.token_ids[row].tolist() for key, (tree, row) in cache[1].items()}
 
 
 def _one_pass(d, rid):
-    m = sum(d.in_flight[rid][3]) - 1
-    chain = d.in_flight[rid][1][1: m + 1]
+    in_flight = d.requests[rid].in_flight
+    m = sum(in_flight[3]) - 1
+    chain = in_flight[1][1: m + 1]
     cache = d.proposer.ahead_chains([d.requests[rid]], [chain], d.cfg.ahead_width)[0]
     return {key: tree.token_ids[row].tolist() for key, (tree, row) in cache.items()}
 

@@ -51,7 +51,7 @@ def test_greedy_with_outcome_cache_equals_plain(plain, method, tree):
     assert d.ahead_hits > 0 and d.ahead_misses > 0, (d.ahead_hits, d.ahead_misses)
     # Every fork and every request is gone; the pool is whole again.
     assert d.proposer.kv_stats()["used_blocks"] == 0 and not d.proposer.slots.of
-    assert not (d.requests or d.ready or d.outcomes or d.deferred or d.in_flight or d.kept or len(d.store))
+    assert not (d.requests or d.kept or len(d.store))   # what it held per request went with the request
 
 
 def test_outcome_cache_is_off_without_width(plain):
@@ -180,16 +180,16 @@ def test_next_tree_is_kept_through_preemption():
         tree = d.draft(["r"])
         d.draft_ahead(["r"])
         d.extend(v.verify(tree))
-        if "r" in d.ready:
+        if d.requests["r"].ready is not None:
             break
-    assert "r" in d.ready, "no verdict hit the outcome cache in 30 rounds"
-    ready_len, ready_tree, row = d.ready["r"]
+    assert d.requests["r"].ready is not None, "no verdict hit the outcome cache in 30 rounds"
+    ready_len, ready_tree, row = d.requests["r"].ready
     committed = list(d.requests["r"].token_ids)
     assert ready_len == len(committed)
     d.remove("r", keep_draft=True)
     assert "r" in d.kept and "r" not in d.requests and d.proposer.kv_stats()["used_blocks"] == 0
     d.add("r", committed[:-1], committed[-1], sp, 1, v.features("r"), epoch=1)
-    assert "r" not in d.kept and d.ready["r"][0] == len(committed)
+    assert "r" not in d.kept and d.requests["r"].ready[0] == len(committed)
     resumed = d.draft(["r"])
     m = ready_tree.token_ids.shape[1]
     assert resumed.token_ids[0, 1: 1 + m].tolist() == ready_tree.token_ids[row].tolist()
@@ -200,7 +200,7 @@ def test_next_tree_is_kept_through_preemption():
     d.remove("r", keep_draft=True)
     d.kept["r"] = (len(committed) - 1, ready_tree, row)
     d.add("r", committed[:-1], committed[-1], sp, 1, v.features("r"), epoch=2)
-    assert "r" not in d.ready and "r" not in d.kept
+    assert d.requests["r"].ready is None and "r" not in d.kept
     # A plain remove forgets a kept tree.
     d.kept["r"] = (len(committed), ready_tree, row)
     d.remove("r")

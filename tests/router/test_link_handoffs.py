@@ -135,7 +135,7 @@ def test_the_chain_draft_ahead_marks_its_work_queued():
     with on_queued(lambda: marks.append(threading.current_thread().name)):
         spec.drafter.draft_ahead(rids)
     assert marks == [threading.current_thread().name]
-    assert spec.drafter.outcomes.get(rids[0]) is not None     # it did draft ahead
+    assert spec.drafter.requests[rids[0]].outcomes is not None     # it did draft ahead
 
 
 class _MissDrafter(_Drafter):
