@@ -24,7 +24,8 @@ from drafter.proposers import DraftRequest, EagleProposer, Proposer
 from drafter.tree import DraftNodes, host_lists, ready_rows
 from spectandem.config import SamplingParams, SpecConfig
 from spectandem.devices import to_host
-from spectandem.messages import DraftTree, ReadyTree, StaleMessage, VerifyOutput, trees_from_ready
+from spectandem.messages import DraftTree, ReadyTree, StaleMessage, trees_from_ready
+from spectandem.protocol import Verdict
 
 
 class DraftProbStore:
@@ -150,7 +151,7 @@ class DrafterEngine:
             raise StaleMessage(f"request {request_id!r} is at epoch {req.epoch}, committed "
                                f"length {req.committed_len}; the message is for {epoch}, {committed_len}")
 
-    def extend(self, outputs: list[VerifyOutput]) -> None:
+    def extend(self, outputs: list[Verdict]) -> None:
         """Catch-up after verification: absorb each request's accepted tokens and bonus token. A
         request may appear several times (rounds it was decoded plainly, in order): its rounds are
         absorbed in one catch-up."""
@@ -199,7 +200,7 @@ class DrafterEngine:
         queued there and the copy (with all of draft ahead behind it) would wait for it."""
         return None if features is None else self.proposer.stage_features(features)
 
-    def extend_caught_up(self, outputs: list[VerifyOutput]) -> None:
+    def extend_caught_up(self, outputs: list[Verdict]) -> None:
         """`extend` for verdicts whose catch-up already ran on the proposer's state: the fused graph
         round (verifier/fused.py) absorbs the round's pairs on the device and records them with
         `EagleProposer.record_catch_up`. Appends each request's committed tokens and spends its q
@@ -374,19 +375,18 @@ def _in_flight(committed_len: int, rt: ReadyTree) -> tuple[int, list[int], list[
     return committed_len, list(rt.token_ids), list(rt.parents), [t >= 0 for t in rt.token_ids]
 
 
-def _merge_rounds(outputs: list[VerifyOutput]) -> list[VerifyOutput]:
+def _merge_rounds(outputs: list[Verdict]) -> list[Verdict]:
     """One output per request, in order of first appearance: a request's consecutive rounds
     joined (tokens and feature rows concatenated, the last committed length)."""
-    merged: dict[str, VerifyOutput] = {}
+    merged: dict[str, Verdict] = {}
     for out in outputs:
         prev = merged.get(out.request_id)
         if prev is None:
             merged[out.request_id] = out
             continue
         feats = None if prev.features is None else torch.cat([prev.features, out.features.to(prev.features)])
-        merged[out.request_id] = VerifyOutput(request_id=out.request_id, committed_len=out.committed_len,
-                                              token_ids=list(prev.token_ids) + list(out.token_ids),
-                                              num_accepted=prev.num_accepted + out.num_accepted,
-                                              num_draft_tokens=prev.num_draft_tokens + out.num_draft_tokens,
-                                              features=feats)
+        merged[out.request_id] = Verdict(out.tag, token_ids=list(prev.token_ids) + list(out.token_ids),
+                                         num_accepted=prev.num_accepted + out.num_accepted,
+                                         num_draft_tokens=prev.num_draft_tokens + out.num_draft_tokens,
+                                         features=feats)
     return list(merged.values())

@@ -12,9 +12,9 @@ import logging
 import time
 from dataclasses import replace
 
-from spectandem.protocol import AheadReply, DrafterPrefillItem, EngineInfo, ExtendItem, Tag
+from spectandem.protocol import AheadReply, DrafterPrefillItem, EngineInfo, ExtendItem, Tag, Verdict
 from spectandem.channel import ChannelRef, FeatureChannelError, FeatureReceiver
-from spectandem.messages import DraftTree, StaleMessage, VerifyOutput
+from spectandem.messages import DraftTree, StaleMessage
 
 log = logging.getLogger("spectandem.drafter")
 
@@ -123,9 +123,8 @@ def drafter_extend(engine, items: list[ExtendItem], receiver: FeatureReceiver | 
     if missing:   # with the request's other rounds of this call, those whose features did come
         known = [i for i in known if i.tag.request_id not in missing]
         unknown += list(dict.fromkeys(missing))
-    engine.extend([VerifyOutput(request_id=i.tag.request_id, committed_len=i.tag.committed_len,
-                                token_ids=list(i.token_ids), num_accepted=len(i.token_ids) - 1,
-                                num_draft_tokens=0, features=i.features) for i in known])
+    engine.extend([Verdict(i.tag, list(i.token_ids), num_accepted=len(i.token_ids) - 1, num_draft_tokens=0,
+                           features=i.features) for i in known])
     return unknown
 
 

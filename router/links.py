@@ -18,7 +18,7 @@ from typing import Any, Callable, Protocol
 
 from spectandem.messages import DraftTree
 from spectandem.protocol import (AheadReply, DraftHandle, DrafterPrefillItem, EngineInfo, ExtendItem, PlainItem,
-                                 RoundResult, Tag, VerifierPrefillItem, VerifierPrefillResult)
+                                 Tag, Verdict, VerifierPrefillItem, VerifierPrefillResult)
 
 
 class EngineUnavailable(Exception):
@@ -37,7 +37,7 @@ class VerifierLink(Protocol):
     async def prefill(self, items: list[VerifierPrefillItem], want_features: bool) -> list[VerifierPrefillResult]: ...
 
     async def verify(self, draft: DraftHandle | None, plain: list[PlainItem], want_features: bool,
-                     on_launch: Callable[[], None] | None = None) -> list[RoundResult]:
+                     on_launch: Callable[[], None] | None = None) -> list[Verdict]:
         """Verifies the drafted trees and the plain rows in one batch; results in the order
         draft.tags then plain. `on_launch()` (from any thread) once the verifier's host work
         before the forward is done: the router starts the drafter's work of an "ahead" round
@@ -49,7 +49,7 @@ class VerifierLink(Protocol):
         """Chained verifies (draft ahead): called just before a verify of exactly `tags`; True if
         the verifier will then, after the verdict, take the next trees (`stage_next`) and start
         the verdict's one before the router asks, and then call `then(results)` (that verify's
-        RoundResults, from any thread); given trees without one for the verdict, it calls
+        Verdicts, from any thread); given trees without one for the verdict, it calls
         `missed(results)` instead. Links that cannot return False."""
 
     def stage_next(self, trees: list[dict | None] | None) -> None:

@@ -21,7 +21,7 @@ import grpc
 
 from router.links import EngineUnavailable, RemoteDrafterLink, RemoteVerifierLink
 from spectandem.protocol import (AheadReply, DraftHandle, DrafterPrefillItem, EngineInfo, ExtendItem, PlainItem,
-                                 RoundResult, Tag, VerifierPrefillItem, VerifierPrefillResult)
+                                 Tag, Verdict, VerifierPrefillItem, VerifierPrefillResult)
 from spectandem import codec
 from spectandem.grpc_server import CHANNEL_OPTIONS
 from spectandem.messages import DraftTree, StaleMessage
@@ -77,14 +77,14 @@ class GrpcVerifierLink(RemoteVerifierLink, _GrpcLink):
         return [codec.verifier_prefill_result_from_msg(r) for r in reply.results]
 
     async def verify(self, draft: DraftHandle | None, plain: list[PlainItem], want_features: bool,
-                     on_launch=None) -> list[RoundResult]:
+                     on_launch=None) -> list[Verdict]:
         if on_launch is not None:
             on_launch()   # the verifier is another process: nothing here to wait for
         request = engines_pb2.VerifyRequest(tree=draft.payload if draft is not None else None,
                                             plain=[codec.plain_item_to_msg(p) for p in plain],
                                             want_features=want_features)
         reply = await self._call(self.stub.Verify, request)
-        return [codec.round_result_from_msg(r) for r in reply.results]
+        return [codec.verdict_from_msg(r) for r in reply.results]
 
     async def features(self, tag: Tag):
         reply = await self._call(self.stub.Features, engines_pb2.FeaturesRequest(tag=codec.tag_to_msg(tag)))

@@ -147,7 +147,7 @@ class LocalVerifierLink(_LocalLink):
     def arm_next(self, tags: list[Tag], then=None, missed=None) -> bool:
         """Before a verify of exactly `tags`: once its verdict is in and `stage_next` has given
         the next trees, the verifier starts the verdict's one, and then calls `then(results)`
-        (the verify's RoundResults) from its worker; given trees but none for the verdict (a
+        (the verify's Verdicts) from its worker; given trees but none for the verdict (a
         miss, or no room), it calls `missed(results)` instead. Where either returns a started
         drafter call (`wait_queued`), the verify's call returns once that call's drafting is
         queued (`drafter_first_s` at most). False: not chaining."""
@@ -196,9 +196,8 @@ class LocalVerifierLink(_LocalLink):
         self._started = None
         if armed is not None:   # in this thread: the engine's last chained launch is done
             _, tree, tags, _, want_features, *_ = args
-            epochs = {t.request_id: t.epoch for t in tags}
             self.engine.arm_next(armed.request_ids, armed.committed_lens,
-                                 lambda: staged.append(self._launch_next(armed, epochs, want_features)))
+                                 lambda: staged.append(self._launch_next(armed, want_features)))
         out = verifier_verify(*args)
         if self._stream is not None and not staged:   # (the verdict hook synchronized its round's work)
             self._stream.synchronize()
@@ -238,7 +237,7 @@ class LocalVerifierLink(_LocalLink):
                 return True
         return False
 
-    def _launch_next(self, armed, epochs: dict[str, int], want_features: bool):
+    def _launch_next(self, armed, want_features: bool):
         """The engine's verdict hook of an armed verify (VerifierEngine.arm_next): waits for the
         staged trees and queues the verdict's next tree (VerifierEngine.launch_next; made already
         where its inputs were prepared); then, once that round's own work is done (the engine's
@@ -252,12 +251,12 @@ class LocalVerifierLink(_LocalLink):
             self.chained_launches += self._queued
             if self._stream is not None:   # what the results hand on (the features) is complete
                 (self.engine.round_done or self._stream).synchronize()
-            self._started = self._follow(armed, trees, epochs, want_features)
+            self._started = self._follow(armed, trees, want_features)
         finally:
             armed.taken()
         return trees
 
-    def _follow(self, armed, trees, epochs: dict[str, int], want_features: bool):
+    def _follow(self, armed, trees, want_features: bool):
         """From the verdict hook: the drafter's next call, with this verdict's results (the
         verify's own, built early: VerifierEngine.verdict_outputs). After a chained launch the
         armed `then` (a pre-ahead); after a verdict whose trees came but held none for it (a
@@ -265,12 +264,12 @@ class LocalVerifierLink(_LocalLink):
         (`_launch_missed`). -> what it returned (None: neither). Given to the armed handoff
         (`StagedTrees.follower`): the pre-ahead that staged the trees holds its reply back from
         the router until this call's drafting is queued (router/link_handoffs.py)."""
-        from verifier.service_core import round_results
+        from verifier.service_core import handed_on
 
         fn = armed.then if self._queued else (armed.missed if trees is not None else None)
         if fn is None:
             return None
-        started = fn(round_results(self.engine.verdict_outputs(), epochs, want_features))
+        started = fn(handed_on(self.engine.verdict_outputs(), want_features))
         if not self._queued and self.launch_missed and hasattr(started, "on_ready"):
             if self.launch_missed_early and hasattr(started, "on_device"):
                 started.on_device(self._launch_missed_early)

@@ -43,7 +43,7 @@ from spectandem.memory import shared_gpu_configs
 from spectandem.devices import DEFAULT_DTYPE
 from spectandem.messages import DraftTree
 from spectandem.protocol import (AheadReply, DraftHandle, DrafterPrefillItem, EngineInfo, ExtendItem, PlainItem,
-                                 RoundResult, Tag, VerifierPrefillItem, VerifierPrefillResult)
+                                 Tag, Verdict, VerifierPrefillItem, VerifierPrefillResult)
 from verifier.actor import VerifierActor
 
 log = logging.getLogger("spectandem.router")
@@ -115,7 +115,7 @@ class RayVerifierLink(RemoteVerifierLink):
         return await self._call(self.actor.prefill.remote(items, want_features))
 
     async def verify(self, draft: DraftHandle | None, plain: list[PlainItem], want_features: bool,
-                     on_launch=None) -> list[RoundResult]:
+                     on_launch=None) -> list[Verdict]:
         if on_launch is not None:
             on_launch()   # the verifier is another process: nothing here to wait for
         tree_ref, tags = (draft.payload, list(draft.tags)) if draft is not None else (None, [])

@@ -15,7 +15,7 @@ and run one round in the mode router/pipeline.py chooses:
   other;
 - short drafts ("short:N", `_draft`'s steps) and plain (`_draft` drafts for no request whose
   tokens do not depend on the tree).
-The acceptance rule is the verifier's: a verdict (RoundResult) carries the accepted draft tokens
+The acceptance rule is the verifier's: a `Verdict` carries the accepted draft tokens
 and the bonus token; `_commit` streams them, cut at EOS, a stop string, max_tokens or the context.
 
 Invariants:
@@ -932,5 +932,5 @@ class Router:
 
 
 def _next_call_args(results) -> tuple[list, list[ExtendItem]]:
-    """A verdict's RoundResults -> the tags and catch-up items of the drafter's next call."""
+    """A verdict's Verdicts -> the tags and catch-up items of the drafter's next call."""
     return [res.tag for res in results], [ExtendItem(res.tag, res.token_ids, res.features) for res in results]

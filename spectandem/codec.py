@@ -19,7 +19,7 @@ import torch
 from spectandem.channel import ChannelRef
 from spectandem.config import SamplingParams
 from spectandem.messages import DraftTree, ReadyTree
-from spectandem.protocol import (AheadReply, DrafterPrefillItem, EngineInfo, ExtendItem, PlainItem, RoundResult, Tag,
+from spectandem.protocol import (AheadReply, DrafterPrefillItem, EngineInfo, ExtendItem, PlainItem, Tag, Verdict,
                                  VerifierPrefillItem, VerifierPrefillResult)
 from spectandem.v1 import common_pb2, engines_pb2
 
@@ -276,13 +276,13 @@ def plain_item_from_msg(msg: engines_pb2.PlainItem) -> PlainItem:
     return PlainItem(tag_from_msg(msg.tag), msg.last_token_id, max(1, msg.steps))
 
 
-def round_result_to_msg(r: RoundResult) -> engines_pb2.VerifyResultMsg:
+def verdict_to_msg(r: Verdict) -> engines_pb2.VerifyResultMsg:
     return engines_pb2.VerifyResultMsg(tag=tag_to_msg(r.tag), token_ids=r.token_ids, num_accepted=r.num_accepted,
                                        num_draft_tokens=r.num_draft_tokens, **feature_handle(r.features))
 
 
-def round_result_from_msg(msg: engines_pb2.VerifyResultMsg) -> RoundResult:
-    return RoundResult(tag_from_msg(msg.tag), list(msg.token_ids), msg.num_accepted, msg.num_draft_tokens,
+def verdict_from_msg(msg: engines_pb2.VerifyResultMsg) -> Verdict:
+    return Verdict(tag_from_msg(msg.tag), list(msg.token_ids), msg.num_accepted, msg.num_draft_tokens,
                        _features_in(msg, decode=False))
 
 

@@ -66,20 +66,6 @@ class DraftTree:
 
 
 @dataclass
-class VerifyOutput:
-    """The verifier's verdict for one request of a round."""
-
-    request_id: str
-    committed_len: int               # after this round's tokens were committed
-    token_ids: list[int]             # accepted drafts, then the bonus or correction token
-    num_accepted: int
-    num_draft_tokens: int
-    # [num_accepted + 1, F]: target features at the root and each accepted node, the pairs the
-    # drafter's catch-up needs (None when the drafter reads no features).
-    features: torch.Tensor | None
-
-
-@dataclass
 class PrefillOutput:
     request_id: str
     first_token_id: int              # sampled from the logits after the prompt

@@ -54,12 +54,27 @@ class PlainItem:
 
 
 @dataclass
-class RoundResult:
-    tag: Tag                       # committed_len after the round
-    token_ids: list[int]
+class Verdict:
+    """The verifier's verdict for one request of a round: what it commits and the target
+    features the drafter's catch-up needs. The verifier engine returns these; its services and
+    links hand them on with `features` as the link's handle."""
+
+    tag: Tag                       # committed_len after this round's tokens were committed
+    token_ids: list[int]           # accepted drafts, then the bonus or correction token
     num_accepted: int
     num_draft_tokens: int
-    features: Any                  # opaque handle for the drafter's catch-up, or None
+    # From the engine: [num_accepted + 1, F], the target features at the root and each accepted
+    # node (the pairs the drafter's catch-up needs), or None when the drafter reads none. Across
+    # a link: that link's opaque handle for them.
+    features: Any
+
+    @property
+    def request_id(self) -> str:
+        return self.tag.request_id
+
+    @property
+    def committed_len(self) -> int:
+        return self.tag.committed_len
 
 
 @dataclass

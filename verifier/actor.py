@@ -17,7 +17,7 @@ from dataclasses import replace
 import ray
 import torch
 
-from spectandem.protocol import EngineInfo, PlainItem, RoundResult, Tag, VerifierPrefillItem, VerifierPrefillResult
+from spectandem.protocol import EngineInfo, PlainItem, Tag, Verdict, VerifierPrefillItem, VerifierPrefillResult
 from spectandem.channel import FeatureSender
 from spectandem.config import EngineConfig
 from verifier.factory import build_engine
@@ -77,7 +77,7 @@ class VerifierActor:
         return [replace(r, features=_put(r.features))
                 for r in verifier_prefill(self.engine, items, want_features, self.sender)]
 
-    def verify(self, draft_payload, tags: list[Tag], plain: list[PlainItem], want_features: bool) -> list[RoundResult]:
+    def verify(self, draft_payload, tags: list[Tag], plain: list[PlainItem], want_features: bool) -> list[Verdict]:
         """`draft_payload`: the drafter's DraftTree (Ray resolves the ref passed at top level) or
         None. Results in the order tags then plain; `features` an ObjectRef of
         [num_accepted + 1, F] (or None)."""

@@ -74,7 +74,7 @@ class ChainedLaunchMixin:
         return verdict
 
     def verdict_outputs(self) -> list:
-        """From inside an armed verify's `on_verdict`: that verify's outputs (VerifyOutput, as it
+        """From inside an armed verify's `on_verdict`: that verify's outputs (Verdict, as it
         will return them; built once), so that the caller can hand them on before the verify
         returns (router/links_local.py starts the drafter's next call from there)."""
         assert self._verdict_outputs is not None, "only from inside an armed verify's on_verdict"

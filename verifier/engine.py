@@ -23,7 +23,8 @@ import torch
 from spectandem import rng
 from spectandem.config import SamplingParams
 from spectandem.devices import to_device, to_host
-from spectandem.messages import DraftTree, PrefillOutput, StaleMessage, VerifyOutput, root_only_tree
+from spectandem.messages import DraftTree, PrefillOutput, StaleMessage, root_only_tree
+from spectandem.protocol import Tag, Verdict
 from spectandem.sampling import greedy, logits_to_probs, sample_from_probs
 from spectandem.kernels.accept import greedy_accept
 from spectandem.accept import VerifyResult, verify_greedy, verify_rejection, verify_tree_sampling
@@ -118,7 +119,7 @@ class VerifierEngine(ChainedLaunchMixin):
             outs.append(PrefillOutput(rid, first, None if feats is None else feats[i]))
         return outs
 
-    def verify(self, tree: DraftTree, on_launch=None) -> list[VerifyOutput]:
+    def verify(self, tree: DraftTree, on_launch=None) -> list[Verdict]:
         """`on_launch()`, if given, is called once the forward is queued on the device, before
         the host waits for it (the router starts the drafter's work then: router/loop.py)."""
         launched, self._launched = self._launched, None
@@ -151,14 +152,14 @@ class VerifierEngine(ChainedLaunchMixin):
         self.commit(tree.request_ids, result.accepted_nodes, tokens)
         if kept:
             self._verdict = (list(tree.request_ids), [r.committed_len for r in reqs], tokens)
-        built: list[list[VerifyOutput]] = []
+        built: list[list[Verdict]] = []
 
-        def outputs() -> list[VerifyOutput]:
+        def outputs() -> list[Verdict]:
             if not built:
                 num_acc, num_drafts = result.num_accepted.tolist(), tree.num_draft_tokens()
-                built.append([VerifyOutput(request_id=rid, committed_len=req.committed_len, token_ids=toks,
-                                           num_accepted=k, num_draft_tokens=d,
-                                           features=None if picked is None else picked[b, : len(toks)])
+                built.append([Verdict(Tag(rid, req.epoch, req.committed_len), token_ids=toks,
+                                      num_accepted=k, num_draft_tokens=d,
+                                      features=None if picked is None else picked[b, : len(toks)])
                               for b, (rid, req, toks, k, d)
                               in enumerate(zip(tree.request_ids, reqs, tokens, num_acc, num_drafts))])
             return built[0]
@@ -197,7 +198,7 @@ class VerifierEngine(ChainedLaunchMixin):
         return reqs, logits, feats
 
     def decode(self, request_ids: list[str], committed_lens: list[int], steps: int,
-               features: bool = True) -> list[VerifyOutput]:
+               features: bool = True) -> list[Verdict]:
         """Plain greedy decoding of `steps` tokens for each request (temperature 0 only), in one
         call: the tokens `steps` plain rounds would commit, with the host never waiting between
         steps where the runner can chain them on the device (`NativeRunner.decode_greedy`).
@@ -228,11 +229,11 @@ class VerifierEngine(ChainedLaunchMixin):
             for req, toks in zip(reqs, rows):
                 req.token_ids.extend(toks)
         per = [None] * len(reqs) if feats is None else feats.unbind(0)   # one call, not one index per request
-        return [VerifyOutput(request_id=rid, committed_len=req.committed_len, token_ids=toks, num_accepted=0,
-                             num_draft_tokens=0, features=f)
+        return [Verdict(Tag(rid, req.epoch, req.committed_len), token_ids=toks, num_accepted=0,
+                        num_draft_tokens=0, features=f)
                 for rid, req, toks, f in zip(request_ids, reqs, rows, per)]
 
-    def _decode_by_rounds(self, request_ids: list[str], steps: int) -> list[VerifyOutput]:
+    def _decode_by_rounds(self, request_ids: list[str], steps: int) -> list[Verdict]:
         rounds = []
         for _ in range(steps):
             reqs = [self.requests[rid] for rid in request_ids]
@@ -242,9 +243,8 @@ class VerifierEngine(ChainedLaunchMixin):
         for b, rid in enumerate(request_ids):
             per = [r[b] for r in rounds]
             feats = None if per[0].features is None else torch.cat([o.features for o in per])
-            outs.append(VerifyOutput(request_id=rid, committed_len=per[-1].committed_len,
-                                     token_ids=[t for o in per for t in o.token_ids], num_accepted=0,
-                                     num_draft_tokens=0, features=feats))
+            outs.append(Verdict(per[-1].tag, token_ids=[t for o in per for t in o.token_ids], num_accepted=0,
+                                num_draft_tokens=0, features=feats))
         return outs
 
     def commit(self, request_ids: list[str], accepted_nodes: torch.Tensor, token_ids: list[list[int]]) -> None:

@@ -28,7 +28,8 @@ from dataclasses import dataclass
 import torch
 
 from spectandem.devices import to_host
-from spectandem.messages import DraftTree, VerifyOutput
+from spectandem.messages import DraftTree
+from spectandem.protocol import Tag, Verdict
 
 
 class FusedStep:
@@ -37,7 +38,7 @@ class FusedStep:
             raise ValueError(f"fused mode needs num_draft_tokens == 2, got {drafter.cfg.num_draft_tokens}")
         self.verifier, self.drafter, self.graph_step = verifier, drafter, graph_step
 
-    def __call__(self, tree: DraftTree) -> tuple[list[VerifyOutput], DraftTree]:
+    def __call__(self, tree: DraftTree) -> tuple[list[Verdict], DraftTree]:
         """Verify `tree`, extend the head, and draft the next round for the same requests."""
         if self.graph_step is not None and self.graph_step.supports(tree):
             return self.graph_step(tree)
@@ -204,7 +205,7 @@ class FusedGraphStep:
 
     # ------------------------------------------------------------------ bookkeeping
 
-    def __call__(self, tree: DraftTree) -> tuple[list[VerifyOutput], DraftTree]:
+    def __call__(self, tree: DraftTree) -> tuple[list[Verdict], DraftTree]:
         from spectandem.messages import StaleMessage
 
         ids = tree.request_ids
@@ -217,8 +218,9 @@ class FusedGraphStep:
         argmax, accepted, next_draft = to_host(out.argmax[:b], out.accepted[:b], out.next_draft[:b])
         tokens = [argmax[i].tolist() if bool(accepted[i]) else [int(argmax[i, 0])] for i in range(b)]
         self.verifier.commit(ids, torch.tensor([[0, 1] if bool(a) else [0, -1] for a in accepted]), tokens)
-        outs = [VerifyOutput(request_id=rid, committed_len=self.verifier.committed_len(rid), token_ids=toks,
-                             num_accepted=len(toks) - 1, num_draft_tokens=1, features=None)
+        held = self.verifier.requests
+        outs = [Verdict(Tag(rid, held[rid].epoch, held[rid].committed_len), token_ids=toks,
+                        num_accepted=len(toks) - 1, num_draft_tokens=1, features=None)
                 for rid, toks in zip(ids, tokens)]
         self.drafter.extend_caught_up(outs)
         for i, (rid, toks) in enumerate(zip(ids, tokens)):

@@ -66,7 +66,7 @@ class VerifierServicer(engines_pb2_grpc.VerifierServicer):
         if tree is None and not plain:
             raise ValueError("verify request has neither a tree nor plain items")
         results = verifier_verify(self.engine, tree, tags, plain, request.want_features, self.sender)
-        return engines_pb2.VerifyReply(results=[codec.round_result_to_msg(r) for r in results])
+        return engines_pb2.VerifyReply(results=[codec.verdict_to_msg(r) for r in results])
 
     def _features(self, request: engines_pb2.FeaturesRequest) -> engines_pb2.FeaturesReply:
         feats = verifier_features(self.engine, codec.tag_from_msg(request.tag))

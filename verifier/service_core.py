@@ -6,7 +6,9 @@ While it is up, the results carry ChannelRefs in place of feature tensors; other
 
 from __future__ import annotations
 
-from spectandem.protocol import EngineInfo, PlainItem, RoundResult, Tag, VerifierPrefillItem, VerifierPrefillResult
+from dataclasses import replace
+
+from spectandem.protocol import EngineInfo, PlainItem, Tag, Verdict, VerifierPrefillItem, VerifierPrefillResult
 from spectandem.channel import FeatureSender
 from spectandem.messages import DraftTree, concat_trees, root_only_tree
 
@@ -29,7 +31,7 @@ def verifier_prefill(engine, items: list[VerifierPrefillItem], want_features: bo
 
 
 def verifier_verify(engine, tree: DraftTree | None, tags: list[Tag], plain: list[PlainItem],
-                    want_features: bool, sender: FeatureSender | None = None, on_launch=None) -> list[RoundResult]:
+                    want_features: bool, sender: FeatureSender | None = None, on_launch=None) -> list[Verdict]:
     """`on_launch`: VerifierEngine.verify's (in-process links)."""
     for t in tags + [p.tag for p in plain]:
         engine.check_tag(t.request_id, t.epoch, t.committed_len)
@@ -42,28 +44,23 @@ def verifier_verify(engine, tree: DraftTree | None, tags: list[Tag], plain: list
     rows = root_only_tree([p.tag.request_id for p in plain], [p.tag.committed_len for p in plain],
                           [p.last_token_id for p in plain]) if plain else None
     merged = tree if rows is None else (rows if tree is None else concat_trees(tree, rows))
-    epochs = {t.request_id: t.epoch for t in tags + [p.tag for p in plain]}
     outs = engine.verify(merged) if on_launch is None else engine.verify(merged, on_launch)
-    return round_results(outs, epochs, want_features, sender)
+    return handed_on(outs, want_features, sender)
 
 
-def round_results(outs: list, epochs: dict[str, int], want_features: bool,
-                  sender: FeatureSender | None = None) -> list[RoundResult]:
-    """A verify's outputs (VerifyOutput) -> its RoundResults; epochs: per request id its tag's."""
-    features = _handles(sender, [o.features if want_features else None for o in outs])
-    return [RoundResult(Tag(o.request_id, epochs[o.request_id], o.committed_len), o.token_ids, o.num_accepted,
-                        o.num_draft_tokens, f)
-            for o, f in zip(outs, features)]
+def handed_on(verdicts: list[Verdict], want_features: bool, sender: FeatureSender | None = None) -> list[Verdict]:
+    """The engine's verdicts as a link hands them on: their features as the link's handles (the
+    tensors in-process, ChannelRefs through the feature channel), or None where not wanted."""
+    features = _handles(sender, [v.features if want_features else None for v in verdicts])
+    return [replace(v, features=f) for v, f in zip(verdicts, features)]
 
 
 def _decode(engine, plain: list[PlainItem], steps: int, want_features: bool,
-            sender: FeatureSender | None) -> list[RoundResult]:
+            sender: FeatureSender | None) -> list[Verdict]:
     """A round without drafts whose items decode `steps` tokens each (VerifierEngine.decode)."""
     outs = engine.decode([p.tag.request_id for p in plain], [p.tag.committed_len for p in plain], steps,
                          features=want_features)
-    features = _handles(sender, [o.features if want_features else None for o in outs])
-    return [RoundResult(Tag(p.tag.request_id, p.tag.epoch, o.committed_len), o.token_ids, 0, 0, f)
-            for p, o, f in zip(plain, outs, features)]
+    return handed_on(outs, want_features, sender)
 
 
 def verifier_features(engine, tag: Tag):

@@ -8,13 +8,14 @@ import torch
 from drafter.engine import DrafterEngine, DraftProbStore
 from drafter.proposers import EagleProposer
 from spectandem.config import SamplingParams
-from spectandem.messages import StaleMessage, VerifyOutput
+from spectandem.messages import StaleMessage
+from spectandem.protocol import Tag, Verdict
 from tests.drafter.proposer_helpers import LOOSE, MAX_LEN, _cfg, _features, _tokens
 
 
-def _verify_output(rid, committed_len, tokens, feats) -> VerifyOutput:
-    return VerifyOutput(request_id=rid, committed_len=committed_len, token_ids=tokens,
-                        num_accepted=len(tokens) - 1, num_draft_tokens=4, features=feats)
+def _verify_output(rid, committed_len, tokens, feats) -> Verdict:
+    return Verdict(Tag(rid, 0, committed_len), token_ids=tokens, num_accepted=len(tokens) - 1, num_draft_tokens=4,
+                   features=feats)
 
 
 def _engine(head, **kw) -> DrafterEngine:

@@ -19,7 +19,7 @@ from __future__ import annotations
 import asyncio
 
 from router.links import EngineUnavailable, RemoteDrafterLink, RemoteVerifierLink
-from spectandem.protocol import AheadReply, DraftHandle, EngineInfo, RoundResult, Tag, VerifierPrefillResult
+from spectandem.protocol import AheadReply, DraftHandle, EngineInfo, Tag, Verdict, VerifierPrefillResult
 
 VOCAB = 64
 
@@ -94,7 +94,7 @@ class OracleVerifier(RemoteVerifierLink):
             out.append(VerifierPrefillResult(tag, first, ("features", rid, len(ctx)) if want_features else None))
         return out
 
-    def _round(self, tag: Tag, chain: list[int], steps: int, want_features: bool) -> RoundResult:
+    def _round(self, tag: Tag, chain: list[int], steps: int, want_features: bool) -> Verdict:
         rid = tag.request_id
         ctx = self.ctx.get(rid)
         if ctx is None or len(ctx) != tag.committed_len or self.epoch[rid] != tag.epoch:
@@ -108,7 +108,7 @@ class OracleVerifier(RemoteVerifierLink):
             accepted += 1
         tokens = chain[:accepted] + continuation(ctx, steps)
         ctx += tokens[accepted:]
-        return RoundResult(Tag(rid, tag.epoch, len(ctx)), tokens, accepted, len(chain),
+        return Verdict(Tag(rid, tag.epoch, len(ctx)), tokens, accepted, len(chain),
                            ("features", rid, len(ctx)) if want_features else None)
 
     async def verify(self, draft, plain, want_features, on_launch=None):

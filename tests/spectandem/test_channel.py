@@ -16,7 +16,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from spectandem.protocol import ExtendItem, RoundResult, Tag
+from spectandem.protocol import ExtendItem, Tag, Verdict
 from spectandem import codec
 from spectandem.channel import (MAX_ITEMS, ChannelRef, FeatureChannelError, FeatureReceiver, FeatureSender, _Group,
                                 parse_address)
@@ -151,10 +151,10 @@ def test_addresses_and_codec():
     for bad in ("10.0.0.2:29500", "tcp://host", "udp://h:1"):
         with pytest.raises(ValueError, match="tcp://HOST:PORT"):
             parse_address(bad)
-    r = RoundResult(Tag("r", 1, 9), [4, 5], 1, 3, ChannelRef(7, 2))
-    msg = engines_pb2.VerifyResultMsg.FromString(codec.round_result_to_msg(r).SerializeToString())
+    r = Verdict(Tag("r", 1, 9), [4, 5], 1, 3, ChannelRef(7, 2))
+    msg = engines_pb2.VerifyResultMsg.FromString(codec.verdict_to_msg(r).SerializeToString())
     assert msg.WhichOneof("feature_handle") == "feature_ref" and not msg.HasField("features")
-    assert codec.round_result_from_msg(msg) == r
+    assert codec.verdict_from_msg(msg) == r
     item = codec.extend_item_from_msg(codec.extend_item_to_msg(ExtendItem(Tag("r", 1, 9), [4, 5], ChannelRef(7, 2))))
     assert item.features == ChannelRef(7, 2)
     feats = torch.randn(2, 8)

@@ -7,7 +7,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from spectandem.protocol import DrafterPrefillItem, RoundResult, Tag, VerifierPrefillItem
+from spectandem.protocol import DrafterPrefillItem, Tag, Verdict, VerifierPrefillItem
 from spectandem import codec
 from spectandem.config import SamplingParams
 from spectandem.messages import DraftTree
@@ -114,8 +114,8 @@ def test_params_and_link_messages_round_trip():
     d = DrafterPrefillItem(Tag("r", 1, 4), [4, 5, 6], 9, SamplingParams(), 5, codec.tensor_to_msg(feats))
     back = codec.drafter_prefill_item_from_msg(codec.drafter_prefill_item_to_msg(d))
     assert torch.equal(back.features, feats) and back.first_token_id == 9 and back.seed == 5
-    r = RoundResult(Tag("r", 0, 12), [7, 8], 1, 4, None)
-    assert codec.round_result_from_msg(codec.round_result_to_msg(r)) == r
+    r = Verdict(Tag("r", 0, 12), [7, 8], 1, 4, None)
+    assert codec.verdict_from_msg(codec.verdict_to_msg(r)) == r
     for s, layers in [("none", None), ("final", "final"), ("2,4,5", (2, 4, 5))]:
         assert codec.feature_layers_from_str(s) == layers and codec.feature_layers_to_str(layers) == s
     with pytest.raises(ValueError, match="feature layers"):
