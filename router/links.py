@@ -1,6 +1,8 @@
 """How the router reaches the drafter and the verifier: one small async interface, three
 implementations (in-process in router/links_local.py; Ray actors in router/links_ray.py; gRPC
-stubs in router/links_grpc.py).
+stubs in router/links_grpc.py), whose methods are the RPCs of the `Verifier` and `Drafter`
+services of proto/spectandem/v1/engines.proto (and `ready_handle`, a handle made locally). The
+in-process backend adds chained verifies (`ChainedVerifies`).
 
 The router deals in ids, tokens and counts. Tensors never pass through it as tensors: a draft
 tree and a request's features travel as opaque handles that one link returns and the other
@@ -44,27 +46,6 @@ class VerifierLink(Protocol):
         then, which in-process engines (one Python lock) would otherwise make the verifier wait
         for. Links to other processes call it at once."""
 
-    def arm_next(self, tags: list[Tag], then: Callable[[list], None] | None = None,
-                 missed: Callable[[list], None] | None = None) -> bool:
-        """Chained verifies (draft ahead): called just before a verify of exactly `tags`; True if
-        the verifier will then, after the verdict, take the next trees (`stage_next`) and start
-        the verdict's one before the router asks, and then call `then(results)` (that verify's
-        Verdicts, from any thread); given trees without one for the verdict, it calls
-        `missed(results)` instead. Links that cannot return False."""
-
-    def stage_next(self, trees: list[dict | None] | None) -> None:
-        """After a True `arm_next`, at most once, while or after that verify runs: per tag, the
-        drafter's trees for its outcomes (AheadReply.trees). The verifier then starts the verdict's
-        next tree, if it has one, before the router's next verify."""
-
-    def direct_stage(self) -> Callable[[list], None] | None:
-        """After a True `arm_next`: a callable that stages that verify's next trees (as
-        `stage_next`) from any thread, for a drafter link of the same process to call from its
-        worker the moment draft ahead is done, so the trees reach the verifier without waiting
-        for the router's turn. Bound to that one verify: a late call stages nothing for a later
-        one. None: the link has none (other processes); the router's `stage_next` stays the
-        rule, and the first of the two wins (they carry the same trees)."""
-
     async def features(self, tag: Tag) -> Any:
         """Features of every committed position but the last (to rebuild a drafter's state)."""
 
@@ -85,28 +66,10 @@ class DrafterLink(Protocol):
         `extend` first (as `extend` would): the handle leaves out the tags of the ids it reports
         unknown (`DraftHandle.unknown`), and has no payload when no tag is left."""
 
-    async def draft_ahead(self, tags: list[Tag], extend: list[ExtendItem] = (),
-                          on_trees: Callable[[list], None] | None = None) -> AheadReply:
+    async def draft_ahead(self, tags: list[Tag], extend: list[ExtendItem] = ()) -> AheadReply:
         """Called while the trees of `tags` are verified: fill the outcome cache for them, after
         absorbing `extend` (as `extend` would; its unknown ids come back in the reply, and their
-        tags get no cache). `on_trees(reply.trees)`: given by the router only with a verifier
-        link's `direct_stage` of this process; an in-process link calls it from its worker as
-        soon as the trees are on the host, others never."""
-
-    def pre_ahead(self, tags: list[Tag], extend: list[ExtendItem]):
-        """From any thread: start draft_ahead(tags, extend) now (the router calls it when a
-        chained verify was launched, with that verdict's arguments); the router's own
-        draft_ahead with arguments it covers then returns its reply, and other calls see its
-        effects (items it absorbed are not absorbed twice). False: the link cannot (other
-        processes); nothing happens. Else the started call, whose `wait_queued(timeout)` waits
-        until its drafting is on the device (router/link_handoffs.py)."""
-
-    def pre_draft(self, tags: list[Tag], extend: list[ExtendItem]):
-        """From any thread: start extend(extend) then draft(tags) now (the router calls it when an
-        armed verify's verdict did not chain: a miss); the router's own draft of exactly these
-        tags then returns its tree, and other calls see its effects (its items are not absorbed
-        twice). False: the link cannot (other processes); nothing happens. Else the started
-        call, as pre_ahead's."""
+        tags get no cache)."""
 
     def ready_handle(self, tree: DraftTree, tags: list[Tag]) -> DraftHandle:
         """A handle the verifier link takes for a tree the router built (`trees_from_ready`)."""
@@ -122,26 +85,40 @@ class DrafterLink(Protocol):
     async def close(self) -> None: ...
 
 
-class RemoteVerifierLink:
-    """The chained-verify calls of a verifier link to another process (gRPC, Ray): it has none,
-    and the router sends each verify itself."""
+class ChainedVerifies(Protocol):
+    """What the in-process backend adds to the engine interface (router/links_local.py
+    `LocalChain`): with both engines in the router's process, an "ahead" round's verifier starts
+    the verdict's next tree itself, as soon as it has the verdict and the drafter's trees for it,
+    and the drafter starts its next call without waiting for the router's turn. The router uses
+    it where `serve` hands it one (`Router(chained=)`); over the other backends every verify and
+    every drafter call is the router's own."""
 
-    def arm_next(self, tags: list[Tag], then=None, missed=None) -> bool:
-        return False
+    def arm_next(self, tags: list[Tag], then: Callable[[list], Any] | None = None,
+                 missed: Callable[[list], Any] | None = None) -> bool:
+        """Called just before a verify of exactly `tags`; True if the verifier will then, after
+        the verdict, take the next trees (`stage_next`, or this chain's `draft_ahead`) and start
+        the verdict's one before the router asks, and then call `then(verdicts)` (from any
+        thread); given trees without one for the verdict, it calls `missed(verdicts)` instead.
+        False: not chaining (the router sends that verify's successor itself)."""
 
-    def stage_next(self, trees) -> None:
-        return None
+    def stage_next(self, trees: list[dict | None] | None) -> None:
+        """After a True `arm_next`, at most once, while or after that verify runs: per tag, the
+        drafter's trees for its outcomes (AheadReply.trees). The verifier then starts the verdict's
+        next tree, if it has one, before the router's next verify."""
 
-    def direct_stage(self) -> None:
-        return None
+    async def draft_ahead(self, tags: list[Tag], extend: list[ExtendItem] = ()) -> AheadReply:
+        """After a True `arm_next`: the drafter link's draft_ahead, whose trees the drafter's worker
+        also stages on the verifier the moment they are on the host (before the router's turn;
+        the first of that and `stage_next` wins: they carry the same trees)."""
 
+    def pre_ahead(self, tags: list[Tag], extend: list[ExtendItem]):
+        """From any thread: start the drafter's draft_ahead(tags, extend) now (`then` of a chained
+        verify calls it, with that verdict's arguments); the router's own draft_ahead with
+        arguments it covers then returns its reply, and other calls see its effects (items it
+        absorbed are not absorbed twice). -> the started call, whose `wait_queued(timeout)` waits
+        until its drafting is on the device (router/link_handoffs.py)."""
 
-class RemoteDrafterLink:
-    """The pre-calls of a drafter link to another process (gRPC, Ray): it starts none, and the
-    router's own draft_ahead, extend and draft calls do the work."""
-
-    def pre_ahead(self, tags, extend) -> bool:
-        return False
-
-    def pre_draft(self, tags, extend) -> bool:
-        return False
+    def pre_draft(self, tags: list[Tag], extend: list[ExtendItem]):
+        """From any thread: start the drafter's extend(extend) then draft(tags) now (`missed` of
+        an armed verify calls it); the router's own draft of exactly these tags then returns its
+        tree, and other calls see its effects. -> the started call, as pre_ahead's."""

@@ -19,7 +19,7 @@ import asyncio
 
 import grpc
 
-from router.links import EngineUnavailable, RemoteDrafterLink, RemoteVerifierLink
+from router.links import EngineUnavailable
 from spectandem.protocol import (AheadReply, DraftHandle, DrafterPrefillItem, EngineInfo, ExtendItem, PlainItem,
                                  Tag, Verdict, VerifierPrefillItem, VerifierPrefillResult)
 from spectandem import codec
@@ -62,7 +62,7 @@ class _GrpcLink:
         await self.channel.close()
 
 
-class GrpcVerifierLink(RemoteVerifierLink, _GrpcLink):
+class GrpcVerifierLink(_GrpcLink):
     role = "verifier"
 
     def __init__(self, address: str, timeout_s: float | None = 30.0,
@@ -97,7 +97,7 @@ class GrpcVerifierLink(RemoteVerifierLink, _GrpcLink):
         return codec.engine_info_from_msg(await self._call(self.stub.GetInfo, engines_pb2.EngineInfoRequest()))
 
 
-class GrpcDrafterLink(RemoteDrafterLink, _GrpcLink):
+class GrpcDrafterLink(_GrpcLink):
     role = "drafter"
 
     def __init__(self, address: str, timeout_s: float | None = 30.0,
@@ -120,7 +120,7 @@ class GrpcDrafterLink(RemoteDrafterLink, _GrpcLink):
             return DraftHandle([], None, unknown)
         return DraftHandle([codec.tag_from_msg(t) for t in reply.tree.tags], reply.tree, unknown)
 
-    async def draft_ahead(self, tags: list[Tag], extend: list[ExtendItem] = (), on_trees=None) -> AheadReply:
+    async def draft_ahead(self, tags: list[Tag], extend: list[ExtendItem] = ()) -> AheadReply:
         reply = await self._call(self.stub.DraftAhead, engines_pb2.DraftAheadRequest(
             tags=[codec.tag_to_msg(t) for t in tags], extend=[codec.extend_item_to_msg(i) for i in extend]))
         try:

@@ -445,3 +445,28 @@ class LocalDrafterLink(PreCalls, _LocalLink):
 
     async def close(self):
         return None
+
+
+class LocalChain:
+    """Chained verifies (router/links.py `ChainedVerifies`) over the in-process pair of links: the
+    verifier link arms and launches (VerifierEngine.arm_next, launch_next), the drafter link starts
+    the calls that follow (pre_ahead, pre_draft), and its draft ahead stages the trees on the
+    verifier straight from its worker."""
+
+    def __init__(self, verifier: LocalVerifierLink, drafter: LocalDrafterLink):
+        self.verifier, self.drafter = verifier, drafter
+
+    def arm_next(self, tags, then=None, missed=None) -> bool:
+        return self.verifier.arm_next(tags, then, missed)
+
+    def stage_next(self, trees) -> None:
+        self.verifier.stage_next(trees)
+
+    async def draft_ahead(self, tags, extend=()):
+        return await self.drafter.draft_ahead(tags, extend, self.verifier.direct_stage())
+
+    def pre_ahead(self, tags, extend) -> PreAhead:
+        return self.drafter.pre_ahead(tags, extend)
+
+    def pre_draft(self, tags, extend) -> PreDraft:
+        return self.drafter.pre_draft(tags, extend)

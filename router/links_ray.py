@@ -36,7 +36,7 @@ from ray.util.placement_group import placement_group, remove_placement_group
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
 from drafter.actor import DrafterActor
-from router.links import EngineStartError, EngineUnavailable, RemoteDrafterLink, RemoteVerifierLink
+from router.links import EngineStartError, EngineUnavailable
 from spectandem.config import EngineConfig, GpuPaths, SpecConfig
 from spectandem.channel import NCCL_ERROR_HANDLING
 from spectandem.memory import shared_gpu_configs
@@ -104,7 +104,7 @@ async def _awaited(ref):
     return await ref
 
 
-class RayVerifierLink(RemoteVerifierLink):
+class RayVerifierLink:
     def __init__(self, actor, call_timeout_s: float | None = 120.0):
         self.actor, self.call_timeout_s = actor, call_timeout_s
 
@@ -137,7 +137,7 @@ class RayVerifierLink(RemoteVerifierLink):
         return None  # the actors belong to start_engines' cleanup
 
 
-class RayDrafterLink(RemoteDrafterLink):
+class RayDrafterLink:
     def __init__(self, actor, call_timeout_s: float | None = 120.0):
         self.actor, self.call_timeout_s = actor, call_timeout_s
 
@@ -153,7 +153,7 @@ class RayDrafterLink(RemoteDrafterLink):
         known, unknown = await self._call(done)  # raises as the draft failed; the tree itself stays in Ray
         return DraftHandle(list(known), tree_ref if known else None, list(unknown))
 
-    async def draft_ahead(self, tags: list[Tag], extend: list[ExtendItem] = (), on_trees=None) -> AheadReply:
+    async def draft_ahead(self, tags: list[Tag], extend: list[ExtendItem] = ()) -> AheadReply:
         return await self._call(self.actor.draft_ahead.remote(list(tags), list(extend)))
 
     def ready_handle(self, tree: DraftTree, tags: list[Tag]) -> DraftHandle:

@@ -63,7 +63,7 @@ import uuid
 
 from router.capacity import KvBudget
 from router.detok import Detokenizer
-from router.links import DrafterLink, DuplicateRequest, EngineUnavailable, VerifierLink
+from router.links import ChainedVerifies, DrafterLink, DuplicateRequest, EngineUnavailable, VerifierLink
 from router.pipeline import LARGE_BATCH, ModeChooser, SpeculationSwitch
 from router.requests import (Failure, StreamEvent, RequestStatus, RouterConfig, RouterCounters,  # noqa: F401 (re-exported)
                              ServedRequest)
@@ -89,8 +89,12 @@ AHEAD_UNANSWERED_ROUNDS = 3   # "ahead" rounds in a row without a hit or miss: t
 
 
 class Router:
-    def __init__(self, verifier: VerifierLink, drafter: DrafterLink | None, tokenizer, cfg: RouterConfig):
+    def __init__(self, verifier: VerifierLink, drafter: DrafterLink | None, tokenizer, cfg: RouterConfig,
+                 chained: ChainedVerifies | None = None):
+        """`chained`: the in-process backend's chained verifies over these two links (router/
+        links_local.py LocalChain), which "ahead" rounds then use; None elsewhere."""
         self.verifier, self.drafter, self.tokenizer, self.cfg = verifier, drafter, tokenizer, cfg
+        self.chained = chained if drafter is not None else None
         self.waiting: list[ServedRequest] = []
         self.running: list[ServedRequest] = []
         self.serving = True                      # the verifier answers
@@ -452,24 +456,22 @@ class Router:
         started, self._staged = self._staged and self._from_ready, False
         gate = ahead and drafted and not started
         launched = asyncio.get_running_loop().create_future() if gate else None
-        chain = ahead and self._chains(drafted) and self.verifier.arm_next([r.tag() for r in drafted],
-                                                                            then=self._pre_ahead,
-                                                                            missed=self._pre_draft)
+        chain = (ahead and self.chained is not None and self._chains(drafted)
+                 and self.chained.arm_next([r.tag() for r in drafted], then=self._pre_ahead, missed=self._pre_draft))
         verify = asyncio.ensure_future(self._verify(draft, drafted, self.running, launched))
         try:
             if launched is not None:   # the drafter's turn once the verify forward is queued
                 await asyncio.wait([launched, verify], return_when=asyncio.FIRST_COMPLETED)
             cached = [r for r in drafted if self._cached(r, ahead)]
             if cached:   # with their held-back catch-ups (the last verdict's, if it hit), in one call
-                # Chaining, the trees go straight to the verifier where the link can (the same
-                # order: every drafted request is cached); the router stages them too, below.
-                direct = self.verifier.direct_stage() if chain and cached == drafted else None
-                await self._draft_ahead(cached, self._take_backlog(cached), direct)
+                # Chaining, the trees go straight to the verifier (the same order: every drafted
+                # request is cached); the router stages them too, below.
+                await self._draft_ahead(cached, self._take_backlog(cached), staged=chain and cached == drafted)
         finally:
             if chain:   # the verifier starts the verdict's next tree itself, if it has one
                 trees = [r.ahead_trees[1] if r.ahead_trees is not None else None for r in drafted]
                 self._staged = all(t is not None for t in trees)
-                self.verifier.stage_next(trees)
+                self.chained.stage_next(trees)
             results = await verify
         if results is not None:
             extend = self._apply(results, drafted, self.running)
@@ -488,15 +490,15 @@ class Router:
         """From the verifier link's worker, once it has launched a chained verify (every request
         hit): the drafter's next draft-ahead call starts now with the arguments the router's
         next round gives it (this verdict's catch-ups), where the drafter link can
-        (DrafterLink.pre_ahead). Its reply answers that call. -> what pre_ahead returns."""
-        return self.drafter.pre_ahead(*_next_call_args(results))
+        (ChainedVerifies.pre_ahead). Its reply answers that call. -> what pre_ahead returns."""
+        return self.chained.pre_ahead(*_next_call_args(results))
 
     def _pre_draft(self, results):
         """From the verifier link's worker, when an armed verify's verdict did not chain (a miss):
         the drafter's catch-up and the next round's draft start now, with the arguments the
-        router's next calls give (DrafterLink.pre_draft). Its tree answers that draft call.
+        router's next calls give (ChainedVerifies.pre_draft). Its tree answers that draft call.
         -> what pre_draft returns."""
-        return self.drafter.pre_draft(*_next_call_args(results))
+        return self.chained.pre_draft(*_next_call_args(results))
 
     def _cached(self, r: ServedRequest, ahead: bool) -> bool:
         """Whether this ahead round drafts ahead for `r` (its next tree may be held for the router)."""
@@ -504,7 +506,7 @@ class Router:
                 and (self.cfg.pipeline == "ahead" or self._invisible_when_plain(r)))
 
     def _chains(self, drafted: list[ServedRequest]) -> bool:
-        """Whether this ahead round's verify may chain (VerifierLink.arm_next): every running
+        """Whether this ahead round's verify may chain (ChainedVerifies.arm_next): every running
         request is drafted and drafted ahead, none waits to be admitted, none can reach its
         max_tokens in this round (it commits fewer than lookahead tokens) and the next tree fits
         the context, so the next round verifies the same requests with the trees draft ahead
@@ -516,12 +518,12 @@ class Router:
                         and r.committed_len + 2 * k <= self.cfg.max_len for r in drafted))
 
     async def _draft_ahead(self, reqs: list[ServedRequest], extend: list[ExtendItem] = (),
-                           on_trees=None) -> None:
+                           staged: bool = False) -> None:
         """Draft ahead for `reqs`, after the catch-up `extend` (held back by the last round).
-        `on_trees`: the verifier link's direct_stage, for the drafter link."""
+        `staged`: through the chain, which also stages the trees on the armed verifier."""
+        call = self.chained.draft_ahead if staged else self.drafter.draft_ahead
         try:
-            reply = await asyncio.wait_for(self.drafter.draft_ahead([r.tag() for r in reqs], extend, on_trees),
-                                           self.cfg.drafter_timeout)
+            reply = await asyncio.wait_for(call([r.tag() for r in reqs], extend), self.cfg.drafter_timeout)
         except (EngineUnavailable, asyncio.TimeoutError, StaleMessage) as exc:
             self._drafter_failed(exc)
             return

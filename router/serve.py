@@ -244,6 +244,15 @@ def engine_commands(args, cfg, target: str, draft: str | None, verifier_port: in
     return out
 
 
+def _chained(args, verifier, drafter):
+    """The in-process backend's chained verifies over one replica's links; None elsewhere."""
+    if args.backend != "local" or drafter is None:
+        return None
+    from router.links_local import LocalChain
+
+    return LocalChain(verifier, drafter)
+
+
 def restart_policy(args):
     from router.supervisor import RestartPolicy
 
@@ -498,7 +507,8 @@ async def serve_async(args, ready_message=True, stop_event: asyncio.Event | None
                                                       kv_block_size=vinfo.kv.get("block_size", 16) or 16,
                                                       draft_kv_blocks=dinfo.kv.get("num_blocks", 0) if dinfo else 0,
                                                       draft_kv_block_size=(dinfo.kv.get("block_size", 16) or 16)
-                                                      if dinfo else 16)))
+                                                      if dinfo else 16),
+                                  chained=_chained(args, v, d)))
             say(kv_capacity_line(vinfo.kv, dinfo.kv if dinfo else None))
         router = routers[0] if len(routers) == 1 else ReplicaSet(routers)
         v, d = pairs[0]

@@ -139,7 +139,7 @@ class _Setup:
 
 def _setup(runs, acceptance_rate: float | None, mode: str, max_running: int, plain_steps: int = 1) -> _Setup:
     from drafter.engine import DrafterEngine
-    from router.links_local import LocalDrafterLink, LocalVerifierLink
+    from router.links_local import LocalChain, LocalDrafterLink, LocalVerifierLink
     from router.loop import Router, RouterConfig
 
     plain = acceptance_rate is None
@@ -150,7 +150,7 @@ def _setup(runs, acceptance_rate: float | None, mode: str, max_running: int, pla
     router = Router(vlink, dlink, IdsAsText(), RouterConfig(
         max_len=verifier.max_len, eos_token_ids=(), lookahead=1 if plain else runs.lookahead,
         want_features=not plain, max_running=max_running, pipeline="sequential" if plain else mode,
-        plain_steps=plain_steps))
+        plain_steps=plain_steps), chained=None if plain else LocalChain(vlink, dlink))
     return _Setup(router, (vlink,) if plain else (vlink, dlink), plans, acceptance_rate)
 
 

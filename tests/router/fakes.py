@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import asyncio
 
-from router.links import EngineUnavailable, RemoteDrafterLink, RemoteVerifierLink
+from router.links import EngineUnavailable
 from spectandem.protocol import AheadReply, DraftHandle, EngineInfo, Tag, Verdict, VerifierPrefillResult
 
 VOCAB = 64
@@ -60,7 +60,7 @@ class Tokenizer:
         return "".join(chr(ord("a") + i % 26) for i in ids)
 
 
-class OracleVerifier(RemoteVerifierLink):
+class OracleVerifier:
     def __init__(self):
         self.ctx: dict[str, list[int]] = {}      # request id -> its committed tokens (KV) here
         self.epoch: dict[str, int] = {}
@@ -140,7 +140,7 @@ class OracleVerifier(RemoteVerifierLink):
         pass
 
 
-class ScriptedDrafter(RemoteDrafterLink):
+class ScriptedDrafter:
     def __init__(self, propose=None, depth: int = 4):
         # propose(context, depth) -> the draft chain; by default the oracle's own tokens (all accepted)
         self.propose = propose or continuation
@@ -199,7 +199,7 @@ class ScriptedDrafter(RemoteDrafterLink):
             self._in_step(it.tag, "catch-up")
         return unknown
 
-    async def draft_ahead(self, tags, extend=(), on_trees=None):
+    async def draft_ahead(self, tags, extend=()):
         await self._gate("draft_ahead")
         unknown = await self._absorb(extend)
         return AheadReply([None] * len(tags), [None] * len(tags), unknown)

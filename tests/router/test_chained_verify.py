@@ -14,7 +14,7 @@ import pytest
 
 from router.links import EngineUnavailable
 from spectandem.protocol import Tag
-from router.links_local import LocalDrafterLink, LocalVerifierLink
+from router.links_local import LocalChain, LocalDrafterLink, LocalVerifierLink
 from router.requests import RouterConfig
 from router.loop import Router
 from spectandem.config import SamplingParams, SpecConfig
@@ -37,7 +37,7 @@ def _router(spec, vlink, dlink) -> Router:
     """A started Router in "ahead" over these links."""
     router = Router(vlink, dlink, spec.tokenizer,
                     RouterConfig(max_len=MAX_LEN, eos_token_ids=spec.eos_token_ids, lookahead=spec.lookahead,
-                                 want_features=True, pipeline="ahead"))
+                                 want_features=True, pipeline="ahead"), chained=LocalChain(vlink, dlink))
     router.start()
     return router
 
