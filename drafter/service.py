@@ -147,8 +147,9 @@ def run_drafter(args: argparse.Namespace) -> int:
     cfg, target, draft = spec_from_flags(args)
     if args.kv_blocks is not None:
         raise ValueError("--kv-blocks sizes the verifier's KV pool; a drafter's is --draft-kv-blocks")
-    from spectandem.devices import resolve_flags
+    from spectandem.devices import resolve_flags, set_cpu_threads
 
+    set_cpu_threads(args.threads)
     args = resolve_flags(args, target)
     config = EngineConfig.from_args(args, cfg, target, draft, args.max_slots)
     tls = server_tls_from_args(args)  # flag and file errors before the model loads

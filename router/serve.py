@@ -20,7 +20,7 @@ from spectandem.config import EngineConfig, GpuPaths, benchmark_warning, engine_
 from router.ops import OpsConfig, add_ops_flags
 from spectandem.service_args import add_model_flags
 from spectandem.memory import engine_memory_flags, kv_capacity_line
-from spectandem.service_args import add_benchmark_flag, add_memory_flags, model_dtype
+from spectandem.service_args import add_benchmark_flag, add_memory_flags, model_dtype, positive_int
 
 log = logging.getLogger("spectandem.serve")
 
@@ -101,8 +101,12 @@ def add_serve(sub) -> None:
                         "before the first client (default: on when the verifier runs on a GPU)")
     p.add_argument("--log-level", type=str.upper, choices=["DEBUG", "INFO", "WARNING", "ERROR", "CRITICAL"],
                    default=None, help="logging level (default: $SPECTANDEM_LOG_LEVEL, else WARNING)")
+    p.add_argument("--engine-threads", type=positive_int, default=None, metavar="N",
+                   help="torch CPU threads of each engine, in this process (--backend local) or in the engine "
+                        "processes serve starts (default: $OMP_NUM_THREADS where set, else the cores this process "
+                        "may use less one, at least 1: a core stays with the router and the gRPC server)")
     add_ops_flags(p)
-    p.set_defaults(func=_serve, engine_threads=1)   # Ray actors: torch threads each (_serve sets it)
+    p.set_defaults(func=_serve)
 
 
 def link_tuning(args):
@@ -121,10 +125,13 @@ def _spec(args):
     return spec_from_flags(args)
 
 
-def engine_threads(omp_num_threads: str | None) -> int:
-    """Torch threads of each Ray engine actor: OMP_NUM_THREADS where set, else the cores this
-    process may run on (what torch gives the gRPC backend's engine processes and the in-process
-    engines)."""
+def engine_threads(flag: int | None, omp_num_threads: str | None) -> int:
+    """Torch threads of each engine (--engine-threads): the flag, else OMP_NUM_THREADS where set,
+    else the cores this process may run on less one, at least 1. On the 2-core CPU, one thread
+    an engine served the demo pair 1.3-1.6x as fast as two (the router, the gRPC server and the
+    engines' threads otherwise contend for both cores)."""
+    if flag is not None:
+        return flag
     if omp_num_threads:
         try:
             n = int(omp_num_threads)
@@ -133,7 +140,8 @@ def engine_threads(omp_num_threads: str | None) -> int:
         if n < 1:
             raise ValueError(f"OMP_NUM_THREADS must be a positive integer, got {omp_num_threads!r}")
         return n
-    return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+    return max(1, cores - 1)
 
 
 def free_port() -> int:
@@ -220,6 +228,8 @@ def engine_commands(args, cfg, target: str, draft: str | None, verifier_port: in
               ["--max-len", str(args.max_len)] if args.max_len else []) + ["--block-size", str(args.block_size)]
     # Engines started here serve this router only: loopback, and the internal TLS when asked.
     common += ["--host", "127.0.0.1"] + OpsConfig.from_args(args).engine_flags() + GpuPaths.from_args(args).flags()
+    if args.engine_threads:
+        common += ["--threads", str(args.engine_threads)]
     if feature_channel:
         common += ["--feature-channel", feature_channel]
     # Both engines on one device: the drafter's share of its memory and the verifier's rest;
@@ -307,7 +317,7 @@ async def _build_links(args, cfg, target, draft, index: int = 0, supervisor=None
                                    draft_kv_blocks=args.draft_kv_blocks, block_size=args.block_size,
                                    gpu=GpuPaths.from_args(args), feature_channel=wanted_channel,
                                    gpu_memory_utilization=args.gpu_memory_utilization,
-                                   num_threads=args.engine_threads)
+                                   num_threads=args.engine_threads or 1)   # (None: serve_async without _serve)
 
         async def cleanup():
             # A signal to the whole process group (`timeout`, systemd) ends a local cluster with
@@ -394,18 +404,22 @@ def resolve_serve_flags(args, platform):
 def placement_line(args, cfg) -> str:
     """Where each engine runs, in its dtype, with its fast paths: "verifier on cuda:0 (bfloat16,
     CUDA graphs, Triton attention); drafter on cuda:1 (bfloat16, CUDA graphs)". Ray actors: the
-    GPU, or share of one, that Ray gives each (router/links_ray.py bundle_plan)."""
+    GPU, or share of one, that Ray gives each (router/links_ray.py bundle_plan). On the CPU, with
+    --engine-threads resolved: the torch threads of each, "verifier on cpu (float32, eager, 1 thread)"."""
     paths = GpuPaths.from_args(args)
     verifier, drafter = args.engine_devices
+    threads = ""
+    if verifier == "cpu" and args.engine_threads:
+        threads = f", {args.engine_threads} thread{'s' if args.engine_threads > 1 else ''}"
     if args.backend == "ray" and verifier == "cuda":
         from router.links_ray import bundle_plan
 
         actors = 1 if cfg.method == "none" else 2
         share = bundle_plan(args.gpus, actors, True)[0][0]["GPU"]
         verifier = drafter = "a GPU of its own" if share == 1 else f"{share:g} of a shared GPU"
-    line = f"verifier on {verifier} ({args.dtype}, {paths.describe('verifier')})"
+    line = f"verifier on {verifier} ({args.dtype}, {paths.describe('verifier')}{threads})"
     if cfg.method != "none":
-        line += f"; drafter on {drafter} ({args.dtype}, {paths.describe('drafter')})"
+        line += f"; drafter on {drafter} ({args.dtype}, {paths.describe('drafter')}{threads})"
     return line
 
 
@@ -646,7 +660,11 @@ def _serve(args) -> int:
         logging.basicConfig(level=level, format="%(asctime)s %(levelname)s %(name)s %(message)s")
     if args.api_key is None:
         args.api_key = os.environ.get("SPECTANDEM_API_KEY") or None
-    args.engine_threads = engine_threads(os.environ.get("OMP_NUM_THREADS"))
+    args.engine_threads = engine_threads(args.engine_threads, os.environ.get("OMP_NUM_THREADS"))
+    if args.backend == "local":   # the engines run in this process
+        from spectandem.devices import set_cpu_threads
+
+        set_cpu_threads(args.engine_threads)
     if args.backend == "local":   # engines and router share this process: the whole process's setting
         from router.local_base import shorten_switch_interval
 

@@ -116,6 +116,13 @@ def device_work_queued() -> None:
         fn()
 
 
+def set_cpu_threads(n: int | None) -> None:
+    """torch's intra-op CPU threads for this process (None: left as torch set them). Called by the
+    entry points that start engines, once, before any model loads."""
+    if n is not None:
+        torch.set_num_threads(n)
+
+
 def probe_platform(target_dir=None, gpus: int | None = None):
     """What this machine offers the `auto` model flags (spectandem.config.Platform): the CUDA
     GPUs visible (or `gpus`, counted elsewhere: a Ray cluster's), whether Triton is installed,

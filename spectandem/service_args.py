@@ -100,6 +100,23 @@ def add_benchmark_flag(p: argparse.ArgumentParser) -> None:
                         "get the head's drafts. Needs --method eagle or eagle3 and --topk 1")
 
 
+def positive_int(text: str) -> int:
+    try:
+        n = int(text)
+    except ValueError:
+        n = 0
+    if n < 1:
+        raise argparse.ArgumentTypeError(f"must be a positive integer, got {text!r}")
+    return n
+
+
+def add_threads_flag(p: argparse.ArgumentParser) -> None:
+    """--threads of an engine process (`spectandem serve` passes its --engine-threads on)."""
+    p.add_argument("--threads", type=positive_int, default=None, metavar="N",
+                   help="torch CPU threads of this engine (default: torch's own: OMP_NUM_THREADS where set, "
+                        "else one per core)")
+
+
 def add_verifier_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--target", default=None, help="target checkpoint directory (default: the demo target)")
     p.add_argument("--draft", default=None,
@@ -115,6 +132,7 @@ def add_verifier_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--kv-blocks", type=int, default=None, help="KV pool in blocks (default: every slot at full context)")
     p.add_argument("--block-size", type=int, default=16, help="cache entries per KV block")
     add_memory_flags(p)
+    add_threads_flag(p)
     p.add_argument("--host", default="0.0.0.0", help="address to listen on")
     p.add_argument("--port", type=int, default=50052, help="0 picks a free port (printed)")
     p.add_argument("--feature-channel", default=None, metavar="tcp://HOST:PORT",
@@ -128,6 +146,7 @@ def add_drafter_args(p: argparse.ArgumentParser) -> None:
     add_memory_flags(p)
     add_benchmark_flag(p)
     p.add_argument("--max-slots", type=int, default=8, help="requests held at once")
+    add_threads_flag(p)
     p.add_argument("--host", default="0.0.0.0", help="address to listen on")
     p.add_argument("--port", type=int, default=50053, help="0 picks a free port (printed)")
     p.add_argument("--feature-channel", default=None, metavar="tcp://HOST:PORT",

@@ -138,8 +138,9 @@ def run_verifier(args: argparse.Namespace) -> int:
     if target is None:
         target, demo_draft = demo_paths(args.method)
         draft = draft or demo_draft
-    from spectandem.devices import resolve_flags
+    from spectandem.devices import resolve_flags, set_cpu_threads
 
+    set_cpu_threads(args.threads)
     args = resolve_flags(args, target)
     config = EngineConfig.from_args(args, SpecConfig(method=args.method), target, draft, args.max_slots)
     tls = server_tls_from_args(args)  # flag and file errors before the model loads

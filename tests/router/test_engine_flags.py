@@ -25,7 +25,7 @@ METHODS = [["--method", "eagle3"], ["--method", "eagle"], ["--method", "ngram"],
 SIZES = [[], ["--max-len", "256", "--kv-blocks", "40", "--draft-kv-blocks", "30", "--block-size", "8"]]
 OTHER = [[], ["--device", "cuda", "--dtype", "bfloat16", "--num-steps", "3", "--topk", "2", "--num-draft-tokens", "6",
               "--ahead-width", "0", "--draft-sampling-min-temperature", "0.3", "--max-running", "12"],
-         ["--device", "cpu", "--dtype", "float64"], ["--device", "cuda:0", "--drafter-device", "cuda:0"],
+         ["--device", "cpu", "--dtype", "float64", "--engine-threads", "3"], ["--device", "cuda:0", "--drafter-device", "cuda:0"],
          ["--feature-channel"], ["--no-feature-channel"], ["--feature-channel", "tcp://127.0.0.1:5999"]]
 PLATFORMS = [Platform(gpus=0, triton=True), Platform(gpus=1, triton=True), Platform(gpus=2, triton=False),
              Platform(gpus=4, triton=True, native=False)]
@@ -83,6 +83,7 @@ def test_every_engine_command_line_serve_builds_parses(tmp_path, tls):
                 assert getattr(got, flag) == getattr(args, flag), (role, flag, argv)
             assert got.max_slots == args.max_running and got.target == target and got.draft == draft
             assert got.feature_channel == channel
+            assert got.threads == args.engine_threads
             assert (got.tls_cert is not None) == tls
             if role == "verifier":
                 assert got.kv_blocks == args.kv_blocks

@@ -1,7 +1,7 @@
 """A real `spectandem serve --backend grpc` on the CPU with the explicit no-GPU flags
-(--device cpu --dtype float32 --no-cuda-graphs --no-triton-attention --enforce-eager): both engine
-processes accept what serve hands them, the start-up line says where each runs, a request is
-answered, and SIGTERM stops it all with exit code 0."""
+(--device cpu --dtype float32 --no-cuda-graphs --no-triton-attention --enforce-eager) and
+--engine-threads: both engine processes accept what serve hands them, the start-up line says where
+each runs, a request is answered, and SIGTERM stops it all with exit code 0."""
 
 from __future__ import annotations
 
@@ -19,7 +19,7 @@ def test_grpc_serve_on_the_cpu_with_explicit_no_gpu_flags():
     argv = [sys.executable, "-m", "spectandem.cli", "serve", "--backend", "grpc", "--port", "0", "--http-port", "0",
             "--metrics-port", "0", "--device", "cpu", "--dtype", "float32", "--no-cuda-graphs",
             "--no-triton-attention", "--enforce-eager", "--max-len", "256", "--max-running", "4",
-            "--engine-restarts", "0", "--first-request", "def fibonacci(n):"]
+            "--engine-restarts", "0", "--engine-threads", "1", "--first-request", "def fibonacci(n):"]
     proc = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env,
                             start_new_session=True)
     lines: list[str] = []
@@ -45,17 +45,19 @@ def test_grpc_serve_on_the_cpu_with_explicit_no_gpu_flags():
         proc.wait(30)
         reader.join(30)
     out = "".join(lines)
-    assert "spectandem serve: verifier on cpu (float32, eager); drafter on cpu (float32, eager)" in out, out
+    assert ("spectandem serve: verifier on cpu (float32, eager, 1 thread); drafter on cpu (float32, eager, 1 thread)"
+            in out), out
     assert "spectandem verifier:" in out and "spectandem drafter:" in out, out
     assert "first request failed" not in out and "finish_reason=" in out, out
     assert rc == 0 and "spectandem stopped" in out, (rc, out)
 
 
-def test_ray_engine_threads_follow_omp_num_threads_else_the_cores():
+def test_engine_threads_follow_the_flag_else_omp_num_threads_else_the_cores_less_one():
     from router.serve import engine_threads
 
-    assert engine_threads("3") == 3
-    assert engine_threads(None) == engine_threads("") == len(os.sched_getaffinity(0))
+    assert engine_threads(2, "3") == 2
+    assert engine_threads(None, "3") == 3
+    assert engine_threads(None, None) == engine_threads(None, "") == max(1, len(os.sched_getaffinity(0)) - 1)
     for bad in ("0", "two"):
         with pytest.raises(ValueError, match="OMP_NUM_THREADS must be a positive integer"):
-            engine_threads(bad)
+            engine_threads(None, bad)
