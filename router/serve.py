@@ -128,7 +128,7 @@ def _spec(args):
 def engine_threads(flag: int | None, omp_num_threads: str | None) -> int:
     """Torch threads of each engine (--engine-threads): the flag, else OMP_NUM_THREADS where set,
     else the cores this process may run on less one, at least 1. On the 2-core CPU, one thread
-    an engine served the demo pair 1.3-1.6x as fast as two (the router, the gRPC server and the
+    an engine served the demo pair 1.1-1.6x as fast as two (the router, the gRPC server and the
     engines' threads otherwise contend for both cores)."""
     if flag is not None:
         return flag
