@@ -18,21 +18,10 @@ from pathlib import Path
 from router.links import EngineStartError
 from spectandem.config import EngineConfig, GpuPaths, benchmark_warning, engine_devices, resolve_model_flags
 from router.ops import OpsConfig, add_ops_flags
-from spectandem.service_args import add_model_flags
 from spectandem.memory import engine_memory_flags, kv_capacity_line
-from spectandem.service_args import add_benchmark_flag, add_memory_flags, model_dtype, positive_int
+from spectandem.service_args import add_benchmark_flag, add_memory_flags, add_model_flags, model_dtype, positive_int
 
 log = logging.getLogger("spectandem.serve")
-
-
-def _at_least_one(text: str) -> int:
-    try:
-        n = int(text)
-    except ValueError:
-        n = 0
-    if n < 1:
-        raise argparse.ArgumentTypeError(f"must be an integer >= 1, got {text!r}")
-    return n
 
 
 def add_serve(sub) -> None:
@@ -66,7 +55,7 @@ def add_serve(sub) -> None:
                    help="ahead: the drafter prepares the next trees for likely outcomes during the verify "
                         "(latency); pingpong: two micro-batches overlap drafting with verification "
                         "(throughput); auto: measured per batch size, with shorter drafts and plain rounds")
-    p.add_argument("--plain-steps", type=_at_least_one, default=4,
+    p.add_argument("--plain-steps", type=positive_int, default=4,
                    help="tokens per request a plain round (no drafts: --method none, or speculation switched off) "
                         "decodes in one verifier call when every request in it is greedy; the steps are chained "
                         "on the GPU without the host waiting between them. 1: one token per round")
