@@ -489,8 +489,8 @@ class Router:
     def _pre_ahead(self, results):
         """From the verifier link's worker, once it has launched a chained verify (every request
         hit): the drafter's next draft-ahead call starts now with the arguments the router's
-        next round gives it (this verdict's catch-ups), where the drafter link can
-        (ChainedVerifies.pre_ahead). Its reply answers that call. -> what pre_ahead returns."""
+        next round gives it (this verdict's catch-ups: ChainedVerifies.pre_ahead). Its reply
+        answers that call. -> what pre_ahead returns."""
         return self.chained.pre_ahead(*_next_call_args(results))
 
     def _pre_draft(self, results):
@@ -934,5 +934,5 @@ class Router:
 
 
 def _next_call_args(results) -> tuple[list, list[ExtendItem]]:
-    """A verdict's Verdicts -> the tags and catch-up items of the drafter's next call."""
+    """A round's verdicts -> the tags and catch-up items of the drafter's next call."""
     return [res.tag for res in results], [ExtendItem(res.tag, res.token_ids, res.features) for res in results]
