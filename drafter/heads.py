@@ -13,7 +13,6 @@ CUDA graphs).
 
 from __future__ import annotations
 
-import copy
 from dataclasses import dataclass
 
 import torch
@@ -22,7 +21,7 @@ from torch import nn
 from spectandem.kv_cache import CacheBatch
 from spectandem.modeling.layers import (GatedMLP, PackedProjections, RMSNorm, RopeSpec, Rotary, apply_rotary,
                                         masked_attention)
-from spectandem.modeling.ops import TORCH_OPS, ModelOps
+from spectandem.modeling.ops import TORCH_OPS, ModelOps, twin_under
 
 
 @dataclass(frozen=True)
@@ -134,12 +133,7 @@ class DraftHead(nn.Module):
         draft step is a few dozen small launches besides its GEMMs; these take about a third of
         them away. The drafts may differ in the last bits (another GEMM): exactness does not
         depend on them."""
-        if ops.packed:
-            self.layer.mlp.pack()
-            self.layer.self_attn.pack()
-        twin = copy.copy(self)   # a new Module whose parameters, buffers and children are this one's
-        twin.ops = ops
-        return twin
+        return twin_under(self, ops)
 
     def _linear(self, linear: nn.Linear, x: torch.Tensor) -> torch.Tensor:
         return self.ops.linear(linear, x)

@@ -12,15 +12,13 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-import copy
-
 import torch
 from torch import nn
 
 from spectandem.checkpoint import eos_token_ids
 from spectandem.kv_cache import CacheBatch, PagedKVCache
 from spectandem.modeling.layers import GatedMLP, PackedProjections, RMSNorm, RopeSpec, Rotary
-from spectandem.modeling.ops import TORCH_OPS, ModelOps
+from spectandem.modeling.ops import TORCH_OPS, ModelOps, twin_under
 
 NATIVE_ARCHITECTURES = ("LlamaForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM", "MistralForCausalLM")
 
@@ -196,11 +194,7 @@ class LlamaModel(nn.Module):
         model is unchanged. Fused ops read the q/k/v and gate/up projections packed into one
         weight each (`pack_projections`), which it packs first: parameter names, shapes and
         memory stay as they are, so this model reads the same weights after."""
-        if ops.packed:
-            self.pack_projections()
-        twin = copy.copy(self)   # a new Module whose parameters, buffers and children are this one's
-        twin.ops = ops
-        return twin
+        return twin_under(self, ops)
 
     def pack_projections(self) -> None:
         """Each layer's q/k/v projections share one weight [(nh + 2 nkv) * hd, H] and its gate/up

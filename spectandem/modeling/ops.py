@@ -18,6 +18,8 @@ model's kernels.
 
 from __future__ import annotations
 
+import copy
+
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -129,6 +131,20 @@ class InvariantOps(ModelOps):
 
     def head_norm(self, norm, x):
         return self.norm(norm, x)
+
+
+def twin_under(model: nn.Module, ops: ModelOps) -> nn.Module:
+    """`model`'s weights (the same modules and tensors, nothing copied) as a new model object whose
+    `ops` are `ops`; `model` is unchanged. Ops that read packed projections get them packed first
+    (every PackedProjections in it: parameter names, shapes and memory stay, so `model` reads the
+    same weights after)."""
+    if ops.packed:
+        for module in model.modules():
+            if isinstance(module, PackedProjections):
+                module.pack()
+    twin = copy.copy(model)   # a new Module whose parameters, buffers and children are `model`'s
+    twin.ops = ops
+    return twin
 
 
 def _fused():
