@@ -21,6 +21,7 @@ from spectandem.config import SamplingParams, SpecConfig
 from spectandem.demo import demo_paths
 from router.local import LocalSpeculator
 from spectandem.modeling.llama import load_llama
+from spectandem.modeling.ops import FUSED_OPS
 from tests.e2e.conftest import PROMPT_TEXTS
 
 pytestmark = pytest.mark.gpu
@@ -47,7 +48,9 @@ def _committed(p: EagleProposer, reqs) -> tuple[torch.Tensor, torch.Tensor]:
 @pytest.mark.parametrize("b", [1, 3, 20])
 def test_graphed_catch_up_equals_eager(kind, b):
     target = load_llama(demo_paths("none")[0], torch.float32, "cuda")
-    head = load_head(demo_paths(kind)[1], target, kind=kind, dtype=torch.float32, device="cuda")
+    # The fused head for every proposer: the graphed one takes it (cuda_graphs), and each
+    # comparison is of the same kernels.
+    head = load_head(demo_paths(kind)[1], target, kind=kind, dtype=torch.float32, device="cuda").with_ops(FUSED_OPS)
     cfg = SpecConfig(method=kind, num_steps=4, topk=1, num_draft_tokens=5)
     eager = EagleProposer(head, cfg, max_slots=32, max_len=MAX_LEN)
     static = EagleProposer(head, cfg, max_slots=32, max_len=MAX_LEN)

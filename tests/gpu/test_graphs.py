@@ -15,6 +15,7 @@ from spectandem.config import SamplingParams, SpecConfig
 from spectandem.demo import demo_paths
 from router.local import LocalSpeculator
 from spectandem.modeling.llama import load_llama
+from spectandem.modeling.ops import FUSED_OPS
 from tests.e2e.conftest import PROMPT_TEXTS
 from tests.verifier.random_trees import accepted_paths, random_trees
 from verifier.graphs import VerifyGraphs
@@ -99,7 +100,9 @@ def test_graphed_prefill_equals_eager(dtype, lens):
 @pytest.mark.parametrize("b", [1, 3])
 def test_graphed_chain_equals_eager(kind, b):
     target = load_llama(demo_paths("none")[0], torch.float32, "cuda")
-    head = load_head(demo_paths(kind)[1], target, kind=kind, dtype=torch.float32, device="cuda")
+    # The fused head for every proposer: the graphed one takes it (cuda_graphs), and each
+    # comparison is of the same kernels.
+    head = load_head(demo_paths(kind)[1], target, kind=kind, dtype=torch.float32, device="cuda").with_ops(FUSED_OPS)
     cfg = SpecConfig(method=kind, num_steps=5, topk=1, num_draft_tokens=5)
     eager = EagleProposer(head, cfg, max_slots=8, max_len=MAX_LEN)
     static = EagleProposer(head, cfg, max_slots=8, max_len=MAX_LEN)
@@ -158,7 +161,9 @@ def test_graphed_ahead_chains_equal_eager(kind, b):
     """Chain draft ahead (drafter/ahead_chains.py): the CUDA graph gives the eager pass's outcome
     caches (outcomes and next chains), round after round, fp32."""
     target = load_llama(demo_paths("none")[0], torch.float32, "cuda")
-    head = load_head(demo_paths(kind)[1], target, kind=kind, dtype=torch.float32, device="cuda")
+    # The fused head for every proposer: the graphed one takes it (cuda_graphs), and each
+    # comparison is of the same kernels.
+    head = load_head(demo_paths(kind)[1], target, kind=kind, dtype=torch.float32, device="cuda").with_ops(FUSED_OPS)
     cfg = SpecConfig(method=kind, num_steps=4, topk=1, num_draft_tokens=5, ahead_width=5)
     eager = EagleProposer(head, cfg, max_slots=8, max_len=MAX_LEN)
     graphed = EagleProposer(head, cfg, max_slots=8, max_len=MAX_LEN, cuda_graphs=True)
@@ -186,7 +191,9 @@ def _three_proposers(kind, b, seed, eager_chains):
     (with `eager_chains` the eager ones draft chains through ChainGraphs run eagerly), with b
     requests caught up on random features -> (eager, graphed, split, requests, head, generator)."""
     target = load_llama(demo_paths("none")[0], torch.float32, "cuda")
-    head = load_head(demo_paths(kind)[1], target, kind=kind, dtype=torch.float32, device="cuda")
+    # The fused head for every proposer: the graphed one takes it (cuda_graphs), and each
+    # comparison is of the same kernels.
+    head = load_head(demo_paths(kind)[1], target, kind=kind, dtype=torch.float32, device="cuda").with_ops(FUSED_OPS)
     cfg = SpecConfig(method=kind, num_steps=4, topk=1, num_draft_tokens=5, ahead_width=5)
     eager, split = (EagleProposer(head, cfg, max_slots=8, max_len=MAX_LEN) for _ in range(2))
     if eager_chains:

@@ -95,7 +95,7 @@ def test_graphed_triton_verify_equals_eager_triton(dtype, b, n):
     model = load_llama(demo_paths("none")[0], dtype, "cuda")
     eager = NativeRunner(model, AUX, max_slots=32, max_len=MAX_LEN, triton_attention=True)
     static = NativeRunner(model, AUX, max_slots=32, max_len=MAX_LEN, triton_attention=True)
-    static.graphs = VerifyGraphs(model, static.cache, graph=False, tree_attention=True)
+    static.graphs = VerifyGraphs(static.model, static.cache, graph=False, tree_attention=True)
     graphed = NativeRunner(model, AUX, max_slots=32, max_len=MAX_LEN, cuda_graphs=True, triton_attention=True)
     # The verify step is what this compares: every runner prefills eagerly, as `eager` does (a
     # short prompt would otherwise prefill as a padded chain through the step: test_graphs.py).
