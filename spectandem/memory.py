@@ -168,18 +168,29 @@ def _attention_shape(cfg: dict) -> tuple[int, int, int]:
     return int(layer.get("num_hidden_layers", 1)), int(layer.get("num_key_value_heads") or heads), head_dim
 
 
-def drafter_activation_bytes(max_slots: int, rows_per_slot: int, vocab: int) -> int:
-    """A bound on the drafter's activations: a few float32/float64 copies of the logits of every
+def prefill_activation_bytes(cfg: dict, max_slots: int, dtype_bytes: int) -> int:
+    """An estimate of a model's activations in the profiling pass's prefill: every slot's prompt
+    of PROFILE_PROMPT_TOKENS at once, a few hidden-sized and MLP-sized rows per token. `cfg`: the
+    model's config.json (a draft head's nested transformer_layer_config too)."""
+    layer = cfg.get("transformer_layer_config") or cfg
+    hidden = int(layer["hidden_size"])
+    inter = int(layer.get("intermediate_size") or 4 * hidden)
+    return max_slots * PROFILE_PROMPT_TOKENS * (6 * hidden + 3 * inter) * dtype_bytes
+
+
+def drafter_activation_bytes(draft_cfg: dict, max_slots: int, rows_per_slot: int, vocab: int,
+                             dtype_bytes: int) -> int:
+    """An estimate of the drafter's profiling peak: every slot's catch-up of its prompt through the
+    draft model (`prefill_activation_bytes`), or a few float32/float64 copies of the logits of every
     row it drafts at once (logits, log-probs, probabilities, the sampled q rows)."""
-    return max_slots * rows_per_slot * vocab * 24
+    return max(prefill_activation_bytes(draft_cfg, max_slots, dtype_bytes), max_slots * rows_per_slot * vocab * 24)
 
 
 def verifier_activation_bytes(target_cfg: dict, max_slots: int, rows_per_slot: int, dtype_bytes: int) -> int:
-    """An estimate of the verifier's profiling peak: every slot's prefill at PROFILE_PROMPT_TOKENS
-    (a few hidden-sized and MLP-sized rows per token), or the logits of its widest round."""
-    hidden, inter = int(target_cfg["hidden_size"]), int(target_cfg.get("intermediate_size") or 4 * int(target_cfg["hidden_size"]))
-    prefill = max_slots * PROFILE_PROMPT_TOKENS * (6 * hidden + 3 * inter) * dtype_bytes
-    return max(prefill, max_slots * rows_per_slot * int(target_cfg["vocab_size"]) * 24)
+    """An estimate of the verifier's profiling peak: every slot's prefill
+    (`prefill_activation_bytes`), or the logits of its widest round."""
+    return max(prefill_activation_bytes(target_cfg, max_slots, dtype_bytes),
+               max_slots * rows_per_slot * int(target_cfg["vocab_size"]) * 24)
 
 
 def shared_kv_tokens(budget: int, verifier_fixed: int, drafter_fixed: int, verifier_token_bytes: int,
@@ -213,7 +224,7 @@ def drafter_need_bytes(spec, target_cfg: dict, draft_dir: str | Path | None, dty
     layers, kv_heads, head_dim = _attention_shape(cfg)
     block = kv_block_bytes(layers, kv_heads, head_dim, block_size, nbytes)
     rows = spec.max_draft_nodes + 1 + max(spec.topk, 1) * max(spec.ahead_width, 1)
-    fixed = weights + drafter_activation_bytes(max_slots, rows, vocab) + RUNTIME_RESERVE_BYTES
+    fixed = weights + drafter_activation_bytes(cfg, max_slots, rows, vocab, nbytes) + RUNTIME_RESERVE_BYTES
     blocks = draft_kv_blocks or draft_pool_blocks(spec, max_slots, max_len, block_size)
     if draft_kv_blocks is None and shared_budget is not None:
         verifier_fixed = (safetensors_elements(target_dir) * nbytes + RUNTIME_RESERVE_BYTES
