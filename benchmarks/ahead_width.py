@@ -34,7 +34,7 @@ from spectandem.config import SamplingParams, SpecConfig  # noqa: E402
 
 async def hit_share(width: int, num_steps: int, prompts_count: int, prompt_len: int, max_tokens: int,
                     corpus: str) -> dict:
-    from router.links_local import LocalChain, LocalDrafterLink, LocalVerifierLink
+    from router.links_local import LocalDrafterLink, LocalVerifierLink
     from router.loop import Router, RouterConfig
 
     cfg = SpecConfig(method="eagle3", num_steps=num_steps, topk=1, num_draft_tokens=num_steps + 1, ahead_width=width)
@@ -42,8 +42,7 @@ async def hit_share(width: int, num_steps: int, prompts_count: int, prompt_len: 
     vlink, dlink = LocalVerifierLink(verifier), LocalDrafterLink(drafter)
     router = Router(vlink, dlink, tokenizer, RouterConfig(
         max_len=verifier.max_len, eos_token_ids=eos, lookahead=lookahead, want_features=True, max_running=1,
-        pipeline="ahead", draft_sampling_min_temperature=drafter.cfg.draft_sampling_min_temperature),
-        chained=LocalChain(vlink, dlink))
+        pipeline="ahead", draft_sampling_min_temperature=drafter.cfg.draft_sampling_min_temperature))
     router.start()
     try:
         params = SamplingParams(max_tokens=max_tokens, ignore_eos=True)

@@ -5,13 +5,8 @@ Timing events go on the verifier's stream around every verify step's graph repla
 `VerifyGraphs.run`: after its inputs are copied and any wait for the drafter's tokens is queued,
 so a miss's wait for the drafter counts as a gap) and around every prefill
 (`VerifierEngine.prefill`), and one more when the batch ends. Each step is tagged
-with the path that launched it, read from the host's call stack at the launch:
-- "miss-early": a miss's tree launched from the drafter's device tokens (`_launch_missed_early`);
-- "chained": a hit's next tree launched by the verifier itself at its verdict (`launch_next`);
-- "prepared": a hit's launch from inputs prepared before its verdict (`_launch_prepared`, from
-  inside the verify, before its commit);
-- "router": every other replay: a verify the router called (a hit without prepared inputs, a
-  round after a miss without an early launch).
+with the path that launched it, read from the host's call stack at the launch ("router": a
+verify the router called; TAGS lists other paths by a function on the stack).
 Replays inside a prefill (the graphed prefill runs the verify step's graph) are part of the
 prefill, not steps.
 
@@ -31,7 +26,7 @@ import threading
 
 import torch
 
-TAGS = (("_launch_missed_early", "miss-early"), ("_launch_prepared", "prepared"), ("launch_next", "chained"))
+TAGS: tuple[tuple[str, str], ...] = ()
 
 
 def _tag() -> str:

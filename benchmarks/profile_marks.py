@@ -7,31 +7,23 @@ from collections import defaultdict
 
 # The few calls `--marks` times: light enough that a round keeps its shape.
 MARKS = ("verifier.graphs:VerifyGraphs.run", "verifier.engine:VerifierEngine._accept",
-         "router.links_local:LocalVerifierLink._launch_next", "verifier.engine:VerifierEngine.verify",
-         "router.links_local:LocalDrafterLink._pre_run", "drafter.ahead_chains:ahead_inputs",
-         "drafter.ahead_chains:AheadChainGraphs._run", "router.link_handoffs:StagedTrees.put_trees",
-         "drafter.engine:DrafterEngine.draft", "drafter.engine:DrafterEngine.extend",
+         "verifier.engine:VerifierEngine.verify",
+         "drafter.ahead_chains:ahead_inputs",
+         "drafter.ahead_chains:AheadChainGraphs._run", "drafter.engine:DrafterEngine.draft", "drafter.engine:DrafterEngine.extend",
          "router.loop:Router._apply", "router.loop:Router._draft_ahead",
-         "verifier.engine:VerifierEngine.commit", "verifier.engine:VerifierEngine.launch_next",
-         "verifier.runner:NativeRunner.verify", "drafter.proposers:EagleProposer.catch_up_propose",
+         "verifier.engine:VerifierEngine.commit", "verifier.runner:NativeRunner.verify", "drafter.proposers:EagleProposer.catch_up_propose",
          "drafter.graphs:chain_inputs", "drafter.graphs:ChainGraphs._run", "router.loop:Router._draft",
-         "router.links_local:LocalVerifierLink._verify", "router.loop:Router._round",
+         "router.loop:Router._round",
          # a request's start and end (`edges`), and the verdict-to-launch host work
          "router.loop:Router._admit", "router.loop:Router._drafter_prefill",
          "verifier.engine:VerifierEngine.prefill", "drafter.engine:DrafterEngine.add_many",
-         "verifier.chained:trees_from_ready", "verifier.graphs:host_tree_inputs",
+         "verifier.graphs:host_tree_inputs",
          "spectandem.kv_cache:PagedKVCache.reserve", "router.loop:Router._release",
          "drafter.proposers:EagleProposer.catch_up", "drafter.proposers:catch_up_inputs",
          "drafter.proposers:catch_up_forward", "drafter.proposers:to_device_all",
-         "verifier.chained:ChainedLaunchMixin.prepare_next",
-         # a miss's launch from the drafter's tokens on the device
-         "drafter.engine:DrafterEngine._device_chain", "router.links_local:LocalVerifierLink._launch_missed_early",
-         "verifier.chained:ChainedLaunchMixin._prepared_like", "verifier.engine:VerifierEngine._launch",
-         # a draft ahead's results, to the verifier's prepared inputs
-         "drafter.proposers:outcome_trees", "drafter.engine:DrafterEngine._outcome_rows",
-         "drafter.controlled:ControlledProposer._planned_outcomes",
-         "verifier.runner:NativeRunner.prepare_rows", "verifier.runner:host_tree_inputs",
-         "verifier.runner:tree_input_rows", "verifier.engine:VerifierEngine._launch_prepared")
+         "verifier.engine:VerifierEngine._launch",
+         # a draft ahead's results
+         "drafter.proposers:outcome_trees", "drafter.controlled:ControlledProposer._planned_outcomes")
 
 
 def round_marks(trace: list, anchor: str = "VerifyGraphs.run", slowest: int = 0) -> str:

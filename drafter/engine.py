@@ -226,17 +226,10 @@ class DrafterEngine:
         deferred, req.deferred = req.deferred, None
         return deferred
 
-    def draft(self, request_ids: list[str], num_steps: list[int | None] | None = None,
-              on_device=None) -> DraftTree:
+    def draft(self, request_ids: list[str], num_steps: list[int | None] | None = None) -> DraftTree:
         """One round's trees for these requests (sampled and deterministic drafted separately):
         a request's ready tree (outcome cache, or kept through preemption) if it has one at its
-        committed length, else a new one of depth at most `num_steps[i]` (None: configured).
-        `on_device(tree, drafts, ready)`: where every request drafts a new argmax chain in one
-        group, called once that drafting is queued and before the host waits for it, with the
-        round's tree whose drafts are not known yet (-1 past the roots: `device_chain`), the
-        drafts' token ids [B, N - 1] on the drafter's device and an event recorded after them
-        (None on a CPU). A miss's tree is verified from there (router/links_local.py:
-        `_launch_missed_early`)."""
+        committed length, else a new one of depth at most `num_steps[i]` (None: configured)."""
         steps = list(num_steps) if num_steps is not None else [None] * len(request_ids)
         reqs = [self.requests[i] for i in request_ids]
         drafts: dict[int, tuple[DraftNodes, int]] = {}
@@ -262,10 +255,6 @@ class DrafterEngine:
                 tree = self.proposer.propose(group, key[1])
             for row, i in enumerate(idx):
                 drafts[i] = (tree, row)
-        if on_device is not None and len(parts) == 1 and len(drafts) == len(reqs) == len(parts[next(iter(parts))]):
-            early = self._device_chain(list(request_ids), reqs, parts, drafts)
-            if early is not None:
-                on_device(*early)
         host: dict[int, list] = {}   # each tree's tensors, copied to the host once (one wait per tree)
         for d, _ in drafts.values():
             if id(d) not in host:
@@ -294,25 +283,6 @@ class DrafterEngine:
                     tree.draft_probs[i, : q.shape[0]] = q
         tree.sampled = [r.sample_drafts for r in reqs]
         return tree
-
-    def _device_chain(self, request_ids: list[str], reqs: list[DraftRequest], parts: dict, drafts: dict):
-        """`draft`'s early tree for `on_device`: one new group of deterministic argmax chains
-        (topk 1) whose token ids are still on the device -> (the round's DraftTree with only
-        its roots' tokens on the host, the drafts' [B, N - 1] on the device, an event recorded
-        after them or None), or None where the group is not that."""
-        (sampled, _), = parts
-        tree = drafts[0][0]
-        if sampled or self.cfg.topk != 1 or any(drafts[i][0] is not tree or drafts[i][1] != i for i in range(len(reqs))):
-            return None
-        chain = tree.token_ids
-        b, m = chain.shape
-        if b != len(reqs) or chain.dtype != torch.long:
-            return None
-        ready = None
-        if chain.is_cuda:
-            ready = torch.cuda.Event()
-            ready.record(torch.cuda.current_stream(chain.device))
-        return device_chain(request_ids, [r.committed_len for r in reqs], [r.token_ids[-1] for r in reqs], m), chain, ready
 
     def remove(self, request_id: str, keep_draft: bool = False) -> None:
         """Forgets a request; with keep_draft, its ready next tree stays for a re-prefill at the
@@ -357,17 +327,6 @@ def build_proposer(cfg: SpecConfig, target, draft_dir: str | Path | None, max_sl
 
     head = load_head(draft_dir, target, kind=cfg.method, dtype=dtype, device=device)
     return EagleProposer(head, cfg, max_slots, max_len, kv_blocks, block_size, cuda_graphs)
-
-
-def device_chain(request_ids: list[str], committed_lens: list[int], roots: list[int], m: int) -> DraftTree:
-    """The round's tree of argmax chains of m drafts under these roots, as `draft` returns it,
-    with -1 for the drafts' tokens (on the device still: `DrafterEngine.draft`'s on_device)."""
-    b = len(request_ids)
-    token_ids = torch.full((b, m + 1), -1, dtype=torch.long)
-    token_ids[:, 0] = torch.tensor(roots, dtype=torch.long)
-    return DraftTree(request_ids=list(request_ids), committed_lens=list(committed_lens), token_ids=token_ids,
-                     parents=torch.arange(-1, m, dtype=torch.long).expand(b, m + 1).clone(),
-                     node_valid=torch.ones(b, m + 1, dtype=torch.bool), scores=torch.zeros(b, m + 1))
 
 
 def _in_flight(committed_len: int, rt: ReadyTree) -> tuple[int, list[int], list[int], list[bool]]:

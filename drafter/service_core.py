@@ -52,15 +52,14 @@ def drafter_prefill(engine, items: list[DrafterPrefillItem], receiver: FeatureRe
     return missing
 
 
-def drafter_draft(engine, tags: list[Tag], num_steps: list[int | None] | None = None, on_device=None) -> DraftTree:
-    """num_steps: per tag, a depth cap for new trees (None or 0: as configured). `on_device`:
-    DrafterEngine.draft's (in-process links only)."""
+def drafter_draft(engine, tags: list[Tag], num_steps: list[int | None] | None = None) -> DraftTree:
+    """num_steps: per tag, a depth cap for new trees (None or 0: as configured)."""
     for t in tags:
         engine.check_tag(t.request_id, t.epoch, t.committed_len)
     if num_steps is not None and len(num_steps) != len(tags):
         raise ValueError(f"num_steps has {len(num_steps)} entries for {len(tags)} requests")
     steps = [n or None for n in num_steps] if num_steps else None
-    return engine.draft([t.request_id for t in tags], steps, on_device=on_device)
+    return engine.draft([t.request_id for t in tags], steps)
 
 
 def drafter_extend_and_draft(engine, tags: list[Tag], num_steps: list[int | None] | None, extend: list[ExtendItem],
@@ -77,10 +76,8 @@ def drafter_extend_and_draft(engine, tags: list[Tag], num_steps: list[int | None
 
 
 def drafter_draft_ahead(engine, tags: list[Tag], extend: list[ExtendItem] = (),
-                        receiver: FeatureReceiver | None = None, on_trees=None) -> AheadReply:
-    """`extend` first (drafter_extend); tags of requests it reports unknown get None (no cache).
-    `on_trees(trees)`, if given, gets the reply's trees the moment they are on the host, before
-    the call's own bookkeeping (in-process links stage them for the verifier from there)."""
+                        receiver: FeatureReceiver | None = None) -> AheadReply:
+    """`extend` first (drafter_extend); tags of requests it reports unknown get None (no cache)."""
     unknown = drafter_extend(engine, list(extend), receiver) if extend else []
     known = [t for t in tags if t.request_id not in unknown]
     for t in known:
@@ -90,8 +87,6 @@ def drafter_draft_ahead(engine, tags: list[Tag], extend: list[ExtendItem] = (),
     trees = engine.outcome_trees(ids)
     got = {rid: (h, tr) for rid, h, tr in zip(ids, hits, trees)}
     per = [got.get(t.request_id, (None, None)) for t in tags]
-    if on_trees is not None:
-        on_trees([tr for _, tr in per])
     return AheadReply([h for h, _ in per], [tr for _, tr in per], unknown)
 
 

@@ -1,8 +1,7 @@
 """How the router reaches the drafter and the verifier: one small async interface, three
 implementations (in-process in router/links_local.py; Ray actors in router/links_ray.py; gRPC
 stubs in router/links_grpc.py), whose methods are the RPCs of the `Verifier` and `Drafter`
-services of proto/spectandem/v1/engines.proto (and `ready_handle`, a handle made locally). The
-in-process backend adds chained verifies (`ChainedVerifies`).
+services of proto/spectandem/v1/engines.proto (and `ready_handle`, a handle made locally).
 
 The router deals in ids, tokens and counts. Tensors never pass through it as tensors: a draft
 tree and a request's features travel as opaque handles that one link returns and the other
@@ -83,42 +82,3 @@ class DrafterLink(Protocol):
     async def info(self) -> EngineInfo: ...
 
     async def close(self) -> None: ...
-
-
-class ChainedVerifies(Protocol):
-    """What the in-process backend adds to the engine interface (router/links_local.py
-    `LocalChain`): with both engines in the router's process, an "ahead" round's verifier starts
-    the verdict's next tree itself, as soon as it has the verdict and the drafter's trees for it,
-    and the drafter starts its next call without waiting for the router's turn. The router uses
-    it where `serve` hands it one (`Router(chained=)`); over the other backends every verify and
-    every drafter call is the router's own."""
-
-    def arm_next(self, tags: list[Tag], then: Callable[[list], Any] | None = None,
-                 missed: Callable[[list], Any] | None = None) -> bool:
-        """Called just before a verify of exactly `tags`; True if the verifier will then, after
-        the verdict, take the next trees (`stage_next`, or this chain's `draft_ahead`) and start
-        the verdict's one before the router asks, and then call `then(verdicts)` (from any
-        thread); given trees without one for the verdict, it calls `missed(verdicts)` instead.
-        False: not chaining (the router sends that verify's successor itself)."""
-
-    def stage_next(self, trees: list[dict | None] | None) -> None:
-        """After a True `arm_next`, at most once, while or after that verify runs: per tag, the
-        drafter's trees for its outcomes (AheadReply.trees). The verifier then starts the verdict's
-        next tree, if it has one, before the router's next verify."""
-
-    async def draft_ahead(self, tags: list[Tag], extend: list[ExtendItem] = ()) -> AheadReply:
-        """After a True `arm_next`: the drafter link's draft_ahead, whose trees the drafter's worker
-        also stages on the verifier the moment they are on the host (before the router's turn;
-        the first of that and `stage_next` wins: they carry the same trees)."""
-
-    def pre_ahead(self, tags: list[Tag], extend: list[ExtendItem]):
-        """From any thread: start the drafter's draft_ahead(tags, extend) now (`then` of a chained
-        verify calls it, with that verdict's arguments); the router's own draft_ahead with
-        arguments it covers then returns its reply, and other calls see its effects (items it
-        absorbed are not absorbed twice). -> the started call, whose `wait_queued(timeout)` waits
-        until its drafting is on the device (router/link_handoffs.py)."""
-
-    def pre_draft(self, tags: list[Tag], extend: list[ExtendItem]):
-        """From any thread: start the drafter's extend(extend) then draft(tags) now (`missed` of
-        an armed verify calls it); the router's own draft of exactly these tags then returns its
-        tree, and other calls see its effects. -> the started call, as pre_ahead's."""

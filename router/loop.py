@@ -63,7 +63,7 @@ import uuid
 
 from router.capacity import KvBudget
 from router.detok import Detokenizer
-from router.links import ChainedVerifies, DrafterLink, DuplicateRequest, EngineUnavailable, VerifierLink
+from router.links import DrafterLink, DuplicateRequest, EngineUnavailable, VerifierLink
 from router.pipeline import LARGE_BATCH, ModeChooser, SpeculationSwitch
 from router.requests import (Failure, StreamEvent, RequestStatus, RouterConfig, RouterCounters,  # noqa: F401 (re-exported)
                              ServedRequest)
@@ -89,12 +89,8 @@ AHEAD_UNANSWERED_ROUNDS = 3   # "ahead" rounds in a row without a hit or miss: t
 
 
 class Router:
-    def __init__(self, verifier: VerifierLink, drafter: DrafterLink | None, tokenizer, cfg: RouterConfig,
-                 chained: ChainedVerifies | None = None):
-        """`chained`: the in-process backend's chained verifies over these two links (router/
-        links_local.py LocalChain), which "ahead" rounds then use; None elsewhere."""
+    def __init__(self, verifier: VerifierLink, drafter: DrafterLink | None, tokenizer, cfg: RouterConfig):
         self.verifier, self.drafter, self.tokenizer, self.cfg = verifier, drafter, tokenizer, cfg
-        self.chained = chained if drafter is not None else None
         self.waiting: list[ServedRequest] = []
         self.running: list[ServedRequest] = []
         self.serving = True                      # the verifier answers
@@ -121,8 +117,6 @@ class Router:
         self.scheduler = Scheduler(self.kv, cfg.max_running)
         # Round state (the rounds section below).
         self._ahead_unanswered = 0       # "ahead" rounds in a row whose draft-ahead answered neither hit nor miss
-        self._staged = False             # the last round staged every request's next trees on the verifier
-        self._from_ready = False         # this round's tree is the router's own (every request hit)
         self._capped_plain = False       # this round's plain steps were cut by the requests' ends
         self._drafted_any = False        # this round drafted for some request
         self._draft_failed = frozenset()   # ids whose draft this round came back unusable (stale)
@@ -450,28 +444,16 @@ class Router:
         next trees for the likeliest outcomes; on a hit the next draft call returns at once and
         the catch-up with the real features runs while the verifier is busy again."""
         draft, drafted = await self._draft(self.running)
-        # The verifier started this round's tree itself (the last round staged its trees, and
-        # the router holds every request's tree for the verdict): its host work is done, the
-        # drafter goes at once. Otherwise the drafter's turn comes once the forward is queued.
-        started, self._staged = self._staged and self._from_ready, False
-        gate = ahead and drafted and not started
-        launched = asyncio.get_running_loop().create_future() if gate else None
-        chain = (ahead and self.chained is not None and self._chains(drafted)
-                 and self.chained.arm_next([r.tag() for r in drafted], then=self._pre_ahead, missed=self._pre_draft))
+        # The drafter's turn comes once the verify forward is queued.
+        launched = asyncio.get_running_loop().create_future() if ahead and drafted else None
         verify = asyncio.ensure_future(self._verify(draft, drafted, self.running, launched))
         try:
-            if launched is not None:   # the drafter's turn once the verify forward is queued
+            if launched is not None:
                 await asyncio.wait([launched, verify], return_when=asyncio.FIRST_COMPLETED)
             cached = [r for r in drafted if self._cached(r, ahead)]
             if cached:   # with their held-back catch-ups (the last verdict's, if it hit), in one call
-                # Chaining, the trees go straight to the verifier (the same order: every drafted
-                # request is cached); the router stages them too, below.
-                await self._draft_ahead(cached, self._take_backlog(cached), staged=chain and cached == drafted)
+                await self._draft_ahead(cached, self._take_backlog(cached))
         finally:
-            if chain:   # the verifier starts the verdict's next tree itself, if it has one
-                trees = [r.ahead_trees[1] if r.ahead_trees is not None else None for r in drafted]
-                self._staged = all(t is not None for t in trees)
-                self.chained.stage_next(trees)
             results = await verify
         if results is not None:
             extend = self._apply(results, drafted, self.running)
@@ -486,44 +468,16 @@ class Router:
             elif extend:   # after what the requests still hold back, in order
                 await self._extend(self._take_backlog(drafted) + extend)
 
-    def _pre_ahead(self, results):
-        """From the verifier link's worker, once it has launched a chained verify (every request
-        hit): the drafter's next draft-ahead call starts now with the arguments the router's
-        next round gives it (this verdict's catch-ups: ChainedVerifies.pre_ahead). Its reply
-        answers that call. -> what pre_ahead returns."""
-        return self.chained.pre_ahead(*_next_call_args(results))
-
-    def _pre_draft(self, results):
-        """From the verifier link's worker, when an armed verify's verdict did not chain (a miss):
-        the drafter's catch-up and the next round's draft start now, with the arguments the
-        router's next calls give (ChainedVerifies.pre_draft). Its tree answers that draft call.
-        -> what pre_draft returns."""
-        return self.chained.pre_draft(*_next_call_args(results))
-
     def _cached(self, r: ServedRequest, ahead: bool) -> bool:
         """Whether this ahead round drafts ahead for `r` (its next tree may be held for the router)."""
         return (ahead and r.on_drafter and self.drafter_up
                 and (self.cfg.pipeline == "ahead" or self._invisible_when_plain(r)))
 
-    def _chains(self, drafted: list[ServedRequest]) -> bool:
-        """Whether this ahead round's verify may chain (ChainedVerifies.arm_next): every running
-        request is drafted and drafted ahead, none waits to be admitted, none can reach its
-        max_tokens in this round (it commits fewer than lookahead tokens) and the next tree fits
-        the context, so the next round verifies the same requests with the trees draft ahead
-        returns for this verdict. Else a chained verify would be dropped, its forward wasted
-        (a request that stops on EOS or a stop string still wastes one)."""
-        k = self.cfg.lookahead
-        return (bool(drafted) and len(drafted) == len(self.running) and not self.waiting
-                and all(self._cached(r, True) and r.params.max_tokens - len(r.tokens) > k
-                        and r.committed_len + 2 * k <= self.cfg.max_len for r in drafted))
-
-    async def _draft_ahead(self, reqs: list[ServedRequest], extend: list[ExtendItem] = (),
-                           staged: bool = False) -> None:
-        """Draft ahead for `reqs`, after the catch-up `extend` (held back by the last round).
-        `staged`: through the chain, which also stages the trees on the armed verifier."""
-        call = self.chained.draft_ahead if staged else self.drafter.draft_ahead
+    async def _draft_ahead(self, reqs: list[ServedRequest], extend: list[ExtendItem] = ()) -> None:
+        """Draft ahead for `reqs`, after the catch-up `extend` (held back by the last round)."""
         try:
-            reply = await asyncio.wait_for(call([r.tag() for r in reqs], extend), self.cfg.drafter_timeout)
+            reply = await asyncio.wait_for(self.drafter.draft_ahead([r.tag() for r in reqs], extend),
+                                           self.cfg.drafter_timeout)
         except (EngineUnavailable, asyncio.TimeoutError, StaleMessage) as exc:
             self._drafter_failed(exc)
             return
@@ -575,7 +529,6 @@ class Router:
         drafted = [r for r in group if self.drafter_up and r.on_drafter and fits(r)
                    and not (spec_off and self._invisible_when_plain(r))]
         ready = [r.next_tree for r in drafted]
-        self._from_ready = False
         for r in group:
             r.next_tree = None       # a ready tree serves this round or none
         if drafted and all(t is not None and t[0] == r.committed_len for t, r in zip(ready, drafted)):
@@ -584,7 +537,7 @@ class Router:
             tree = trees_from_ready([r.request_id for r in drafted], [r.committed_len for r in drafted],
                                     [t[1] for t in ready])
             self.counters.ready_trees += len(drafted)
-            self._drafted_any = self._from_ready = True
+            self._drafted_any = True
             return self.drafter.ready_handle(tree, [r.tag() for r in drafted]), drafted
         if not drafted:
             return None, []
@@ -932,7 +885,3 @@ class Router:
                 self._release_d.update(ids_d)
                 self._drafter_failed(exc)
 
-
-def _next_call_args(results) -> tuple[list, list[ExtendItem]]:
-    """A round's verdicts -> the tags and catch-up items of the drafter's next call."""
-    return [res.tag for res in results], [ExtendItem(res.tag, res.token_ids, res.features) for res in results]

@@ -79,11 +79,10 @@ def add_serve(sub) -> None:
     p.add_argument("--engine-restart-backoff", type=float, default=1.0, metavar="SECONDS",
                    help="delay before restarting an engine, doubled for each further restart within the window, "
                         "at most 30 s (default: %(default)s)")
-    p.add_argument("--link-tuning", action="append", default=None, metavar="NAME=VALUE",
-                   help="--backend local: change one timing choice of the in-process links (repeat for more; "
-                        "router/links_local.py LocalLinkTuning: chained_verify, drafter_first_s, launch_first_s, "
-                        "launch_missed, launch_missed_early, ahead_after_miss, prepare_launch, switch_interval_s; "
-                        "default: none changed)")
+    p.add_argument("--switch-interval-ms", type=float, default=None, metavar="MS",
+                   help="--backend local: the interpreter's switch interval while the router and both engines "
+                        "share this process, so that a thread back from the GPU gets the Python lock sooner "
+                        "(0: keep the interpreter's 5 ms; default: 0.5)")
     p.add_argument("--warm-up", action=argparse.BooleanOptionalAction, default=None,
                    help="before serving, run greedy requests at each batch size up to --max-running (1, 2, 4, ... "
                         "64), so that every CUDA graph of those batches is captured and the pipeline modes are met "
@@ -98,14 +97,17 @@ def add_serve(sub) -> None:
     p.set_defaults(func=_serve)
 
 
-def link_tuning(args):
-    """--link-tuning -> the in-process links' LocalLinkTuning; refused unless --backend local."""
-    from router.links_local import LocalLinkTuning
+def switch_interval_s(args) -> float:
+    """--switch-interval-ms in seconds (DEFAULT_SWITCH_INTERVAL_S unless given); refused unless
+    --backend local."""
+    ms = getattr(args, "switch_interval_ms", None)
+    if ms is not None and args.backend != "local":
+        raise ValueError(f"--switch-interval-ms applies to --backend local (one process), not --backend {args.backend}")
+    if ms is not None and not 0 <= ms < float("inf"):
+        raise ValueError(f"--switch-interval-ms must be a number of milliseconds >= 0, got {ms}")
+    from router.local_base import DEFAULT_SWITCH_INTERVAL_S
 
-    settings = getattr(args, "link_tuning", None) or []
-    if settings and args.backend != "local":
-        raise ValueError(f"--link-tuning tunes the in-process links of --backend local, not --backend {args.backend}")
-    return LocalLinkTuning.from_settings(settings)
+    return DEFAULT_SWITCH_INTERVAL_S if ms is None else ms / 1000
 
 
 def _spec(args):
@@ -243,15 +245,6 @@ def engine_commands(args, cfg, target: str, draft: str | None, verifier_port: in
     return out
 
 
-def _chained(args, verifier, drafter):
-    """The in-process backend's chained verifies over one replica's links; None elsewhere."""
-    if args.backend != "local" or drafter is None:
-        return None
-    from router.links_local import LocalChain
-
-    return LocalChain(verifier, drafter)
-
-
 def restart_policy(args):
     from router.supervisor import RestartPolicy
 
@@ -286,9 +279,8 @@ async def _build_links(args, cfg, target, draft, index: int = 0, supervisor=None
         config = dataclasses.replace(config, device=verifier_device)
         say(_loading("loading", cfg, target, draft) + " in this process")
         spec = LocalSpeculator.from_config(config, drafter_device=drafter_device)
-        tuning = link_tuning(args)
-        v = LocalVerifierLink(spec.verifier, Path(target).name, tuning=tuning)
-        d = LocalDrafterLink(spec.drafter, Path(draft).name if draft else "", tuning=tuning) if spec.drafter else None
+        v = LocalVerifierLink(spec.verifier, Path(target).name)
+        d = LocalDrafterLink(spec.drafter, Path(draft).name if draft else "") if spec.drafter else None
 
         async def cleanup():
             return None
@@ -453,7 +445,7 @@ async def serve_async(args, ready_message=True, stop_event: asyncio.Event | None
     from spectandem.checkpoint import eos_token_ids, load_tokenizer, read_config
 
     ops = OpsConfig.from_args(args)  # flag errors before any model loads
-    link_tuning(args)
+    switch_interval_s(args)
     for flag, port in (("--port", args.port), ("--http-port", ops.http_port), ("--metrics-port", ops.metrics_port)):
         if port:   # a port in use, before the models load
             check_port_free(args.host, port, flag)
@@ -510,8 +502,7 @@ async def serve_async(args, ready_message=True, stop_event: asyncio.Event | None
                                                       kv_block_size=vinfo.kv.get("block_size", 16) or 16,
                                                       draft_kv_blocks=dinfo.kv.get("num_blocks", 0) if dinfo else 0,
                                                       draft_kv_block_size=(dinfo.kv.get("block_size", 16) or 16)
-                                                      if dinfo else 16),
-                                  chained=_chained(args, v, d)))
+                                                      if dinfo else 16)))
             say(kv_capacity_line(vinfo.kv, dinfo.kv if dinfo else None))
         router = routers[0] if len(routers) == 1 else ReplicaSet(routers)
         v, d = pairs[0]
@@ -657,7 +648,7 @@ def _serve(args) -> int:
     if args.backend == "local":   # engines and router share this process: the whole process's setting
         from router.local_base import shorten_switch_interval
 
-        shorten_switch_interval(link_tuning(args).switch_interval_s)
+        shorten_switch_interval(switch_interval_s(args))
     try:
         asyncio.run(serve_async(args))
     except EngineStartError as exc:   # an engine that failed to start, or a verifier that stayed down

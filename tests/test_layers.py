@@ -51,11 +51,6 @@ ENTRY_POINTS = {
         {"drafter", "verifier"},
         "the Ray backend of `spectandem serve`: places the engine actors, and Ray needs their classes",
     ),
-    "router/link_handoffs.py": (
-        {"drafter"},
-        "the in-process backend's pre-calls: they run on the drafter engine that the link holds, "
-        "through the same calls as the drafter's Ray actor and gRPC service",
-    ),
 }
 
 

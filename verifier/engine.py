@@ -8,14 +8,10 @@ request in a verify batch it picks the acceptance rule:
 - sampled drafts with their probabilities: recursive rejection sampling (`verify_rejection`).
 Uniforms come from `spectandem.rng`, keyed by (seed, position, stream, index): a result never
 depends on what else is in the batch, and the global RNG is never touched.
-
-Chained verifies (draft ahead, router/loop.py): the router arms a verify and the engine
-queues the verdict's next tree itself, from inside that verify (verifier/chained.py).
 """
 
 from __future__ import annotations
 
-import threading
 from dataclasses import dataclass
 
 import torch
@@ -28,7 +24,6 @@ from spectandem.protocol import Tag, Verdict
 from spectandem.sampling import greedy, logits_to_probs, sample_from_probs
 from spectandem.kernels.accept import greedy_accept
 from spectandem.accept import VerifyResult, verify_greedy, verify_rejection, verify_tree_sampling
-from verifier.chained import ChainedLaunchMixin, Prepared, same_tree
 
 
 @dataclass
@@ -44,31 +39,12 @@ class _Request:
         return len(self.token_ids)
 
 
-class VerifierEngine(ChainedLaunchMixin):
+class VerifierEngine:
     def __init__(self, runner, max_slots: int, vocab_size: int = 0):
         self.runner = runner
         self.vocab_size = vocab_size
         self.requests: dict[str, _Request] = {}
         self.free_slots = list(range(max_slots - 1, -1, -1))
-        # Chained verifies (module docstring): the armed tags, the armed verify's verdict, and
-        # the launched verify (tree, logits, features).
-        self._armed: tuple | None = None
-        self._verdict: tuple | None = None
-        self._verdict_outputs = None   # inside an armed verify's on_verdict: its outputs, built once
-        self._launched: tuple | None = None
-        self._unconfirmed: tuple | None = None   # a launch from device tokens (tree, logits, features)
-        self._prepared: Prepared | None = None   # a verify's inputs packed per outcome (prepare_next)
-        self._early: Prepared | None = None      # a prepared launch made before its verdict's commit
-        # On a GPU: recorded at an armed verify's verdict, after its own work, before any launch.
-        self.round_done = None
-        # Where the engine changes a request's KV slot; prepare_next comes from another thread.
-        self._state = threading.RLock()
-        self.chained = 0              # verifies served by a chained launch (launch_next)
-        self.launched_prepared = 0    # of those, launched from inputs prepared before the verdict
-        self.launched_early = 0       # verifies served by another `launch` (a miss's tree)
-        self.launched_like_prepared = 0   # of those launches, from an outcome's prepared inputs
-        self.launched_from_device = 0     # of those launches, from the drafter's tokens on the device
-        self.last_chained = False     # the last verify was
 
     @property
     def max_len(self) -> int:
@@ -98,15 +74,14 @@ class VerifierEngine(ChainedLaunchMixin):
                 raise ValueError(f"request {rid!r}: prompt has {len(p)} tokens; the context holds {self.max_len}")
         if len(request_ids) > len(self.free_slots):
             raise RuntimeError(f"verifier has {len(self.free_slots)} free slots, {len(request_ids)} requested")
-        with self._state:
-            slots = [self.free_slots.pop() for _ in request_ids]
-            try:
-                logits, feats = self.runner.prefill(slots, [p[:-1] if r else p for p, r in zip(prompts, resume)])
-            except Exception:
-                for slot in slots:
-                    self.runner.release(slot)
-                    self.free_slots.append(slot)
-                raise
+        slots = [self.free_slots.pop() for _ in request_ids]
+        try:
+            logits, feats = self.runner.prefill(slots, [p[:-1] if r else p for p, r in zip(prompts, resume)])
+        except Exception:
+            for slot in slots:
+                self.runner.release(slot)
+                self.free_slots.append(slot)
+            raise
         outs = []
         for i, rid in enumerate(request_ids):
             req = _Request(slots[i], list(prompts[i]), params[i], seeds[i], epochs[i] if epochs else 0)
@@ -122,63 +97,22 @@ class VerifierEngine(ChainedLaunchMixin):
     def verify(self, tree: DraftTree, on_launch=None) -> list[Verdict]:
         """`on_launch()`, if given, is called once the forward is queued on the device, before
         the host waits for it (the router starts the drafter's work then: router/loop.py)."""
-        launched, self._launched = self._launched, None
-        armed, self._armed = self._armed, None
-        self._early = self._unconfirmed = None
-        self.last_chained = launched is not None and same_tree(launched[0], tree)
-        if self.last_chained:      # queued by launch_next or launch, for this very tree
-            reqs = [self.requests[rid] for rid in tree.request_ids]
-            logits, feats = launched[1], launched[2]
-            self.chained += launched[3]
-            self.launched_early += not launched[3]
-        else:
-            reqs, logits, feats = self._launch(tree)
+        reqs, logits, feats = self._launch(tree)
         if on_launch is not None:
             on_launch()
         result, picked = self._accept(tree, reqs, logits, feats)
         # Per request from whole-batch host lists (one conversion each, not one per request).
         tokens = result.token_lists()
-        if feats is not None and picked is None:   # (before any launch: it reuses the features' buffer)
+        if feats is not None and picked is None:
             picked = _gather_path(feats, result.accepted_nodes[:, :max(len(t) for t in tokens)])
-        on_verdict = None
-        kept = armed is not None and armed[:2] == (tuple(tree.request_ids), tuple(tree.committed_lens))
-        if kept:
-            on_verdict = armed[2]
-            if armed[3] is not None:   # this round's work, not the next forward's (`round_done`)
-                self.round_done = self.round_done or torch.cuda.Event()
-                self.round_done.record(armed[3])   # (with the stream given: without, tens of microseconds)
-            # Inputs prepared before the verdict: the next forward goes out now, before the commit.
-            self._launch_prepared(tree, reqs, tokens, result.accepted_nodes)
         self.commit(tree.request_ids, result.accepted_nodes, tokens)
-        if kept:
-            self._verdict = (list(tree.request_ids), [r.committed_len for r in reqs], tokens)
-        built: list[list[Verdict]] = []
+        num_acc, num_drafts = result.num_accepted.tolist(), tree.num_draft_tokens()
+        return [Verdict(Tag(rid, req.epoch, req.committed_len), token_ids=toks, num_accepted=k, num_draft_tokens=d,
+                        features=None if picked is None else picked[b, : len(toks)])
+                for b, (rid, req, toks, k, d) in enumerate(zip(tree.request_ids, reqs, tokens, num_acc, num_drafts))]
 
-        def outputs() -> list[Verdict]:
-            if not built:
-                num_acc, num_drafts = result.num_accepted.tolist(), tree.num_draft_tokens()
-                built.append([Verdict(Tag(rid, req.epoch, req.committed_len), token_ids=toks,
-                                      num_accepted=k, num_draft_tokens=d,
-                                      features=None if picked is None else picked[b, : len(toks)])
-                              for b, (rid, req, toks, k, d)
-                              in enumerate(zip(tree.request_ids, reqs, tokens, num_acc, num_drafts))])
-            return built[0]
-        if on_verdict is not None:
-            # The armed caller's chained launch (router/links_local.py), queued behind this
-            # round's work on the device and before the host builds this round's outputs; the
-            # caller may take those outputs there, once launched (`verdict_outputs`).
-            self._verdict_outputs = outputs
-            try:
-                on_verdict()
-            finally:
-                self._verdict_outputs = None
-        return outputs()
-
-    def _launch(self, tree: DraftTree, flat: torch.Tensor | None = None, device_tokens: tuple | None = None):
-        """Checks the tree's tags and queues its forward -> (requests, logits, features).
-        `flat`: its inputs, prepared before the verdict (verifier/chained.py). `device_tokens`:
-        (token ids [B, K] on a device, a CUDA event after them or None), read in place of the
-        tree's last columns (`launch`)."""
+    def _launch(self, tree: DraftTree):
+        """Checks the tree's tags and queues its forward -> (requests, logits, features)."""
         reqs = [self.requests[rid] for rid in tree.request_ids]
         for rid, req, tag in zip(tree.request_ids, reqs, tree.committed_lens):
             if tag != req.committed_len:
@@ -189,12 +123,7 @@ class VerifierEngine(ChainedLaunchMixin):
                                  f"{req.committed_len} exceeds the context of {self.max_len}")
         slots = [r.slot for r in reqs]
         cache_lens = [r.committed_len - 1 for r in reqs]
-        extra = {} if flat is None else {"flat": flat}
-        if device_tokens is not None:
-            extra["device_tokens"], extra["ready"] = device_tokens
-        with self._state:
-            logits, feats = self.runner.verify(slots, cache_lens, tree.token_ids, tree.parents, tree.node_valid,
-                                               **extra)
+        logits, feats = self.runner.verify(slots, cache_lens, tree.token_ids, tree.parents, tree.node_valid)
         return reqs, logits, feats
 
     def decode(self, request_ids: list[str], committed_lens: list[int], steps: int,
@@ -207,7 +136,6 @@ class VerifierEngine(ChainedLaunchMixin):
         `features` False none are captured (a round no drafter catches up on)."""
         if steps < 1:
             raise ValueError(f"steps must be >= 1, got {steps}")
-        self._launched = self._armed = self._early = self._unconfirmed = None   # its graphs may share a launched verify's buffers
         reqs = [self.requests[rid] for rid in request_ids]
         for rid, req, tag in zip(request_ids, reqs, committed_lens):
             if tag != req.committed_len:
@@ -221,13 +149,11 @@ class VerifierEngine(ChainedLaunchMixin):
                                  f"exceed the context of {self.max_len}")
         if not self.runner.chains_decode:   # a runner without the device chain: one plain verify per step
             return self._decode_by_rounds(request_ids, steps)
-        with self._state:
-            tokens, feats = self.runner.decode_greedy([r.slot for r in reqs], [r.committed_len - 1 for r in reqs],
-                                  [r.token_ids[-1] for r in reqs], steps, features)
+        tokens, feats = self.runner.decode_greedy([r.slot for r in reqs], [r.committed_len - 1 for r in reqs],
+                                                  [r.token_ids[-1] for r in reqs], steps, features)
         rows = to_host(tokens)[0].tolist()     # the only wait for the device
-        with self._state:
-            for req, toks in zip(reqs, rows):
-                req.token_ids.extend(toks)
+        for req, toks in zip(reqs, rows):
+            req.token_ids.extend(toks)
         per = [None] * len(reqs) if feats is None else feats.unbind(0)   # one call, not one index per request
         return [Verdict(Tag(rid, req.epoch, req.committed_len), token_ids=toks, num_accepted=0,
                         num_draft_tokens=0, features=f)
@@ -253,11 +179,9 @@ class VerifierEngine(ChainedLaunchMixin):
         the round commits for request b (accepted drafts, then the bonus). `verify` ends here, and
         so does the fused graph round (verifier/fused.py), which reaches its verdict on the device."""
         reqs = [self.requests[rid] for rid in request_ids]
-        with self._state:
-            self.runner.commit([r.slot for r in reqs], [r.committed_len - 1 for r in reqs], accepted_nodes,
-                               self._kept_entries(request_ids))
-            for req, toks in zip(reqs, token_ids):
-                req.token_ids.extend(toks)
+        self.runner.commit([r.slot for r in reqs], [r.committed_len - 1 for r in reqs], accepted_nodes)
+        for req, toks in zip(reqs, token_ids):
+            req.token_ids.extend(toks)
 
     def _accept(self, tree: DraftTree, reqs: list[_Request], logits: torch.Tensor,
                 feats: torch.Tensor | None = None) -> tuple[VerifyResult, torch.Tensor | None]:
@@ -332,17 +256,10 @@ class VerifierEngine(ChainedLaunchMixin):
                               for d in range(width)] for b in idx], dtype=torch.float64)
 
     def release(self, request_id: str) -> None:
-        if self._launched is not None and request_id in self._launched[0].request_ids:
-            self._launched = None
-        if self._unconfirmed is not None and request_id in self._unconfirmed[0].request_ids:
-            self._unconfirmed = None
-        with self._state:
-            if self._prepared is not None and self._prepared.request_id == request_id:
-                self._prepared = None
-            req = self.requests.pop(request_id, None)
-            if req is not None:
-                self.runner.release(req.slot)
-                self.free_slots.append(req.slot)
+        req = self.requests.pop(request_id, None)
+        if req is not None:
+            self.runner.release(req.slot)
+            self.free_slots.append(req.slot)
 
     def committed_len(self, request_id: str) -> int:
         return self.requests[request_id].committed_len

@@ -173,21 +173,17 @@ class VerifyGraphs:
 
     def run(self, slots: list[int], cache_lens: list[int], token_ids: torch.Tensor, parents: torch.Tensor,
             node_valid: torch.Tensor, feature_layers: FeatureSpec,
-            device_tokens: torch.Tensor | None = None, flat: torch.Tensor | None = None) -> VerifyStep:
+            device_tokens: torch.Tensor | None = None) -> VerifyStep:
         """The step for B <= max bucket requests (arguments as `NativeRunner.verify`; slots
         already reserved) -> its first B rows. `device_tokens` [B, N] on the device, when given,
         replaces token_ids in the step's inputs without the host reading it (multi-step decoding
-        feeds each step the previous step's argmax this way). `flat`: these very inputs packed
-        beforehand (`host_tree_inputs` at B's bucket; the tree attention's only). `device_tokens`
-        may be [B, K], K < N: it replaces the last K columns (a chain's drafts under a root the
-        host knows: VerifierEngine.launch)."""
+        feeds each step the previous step's argmax this way)."""
         b, n = token_ids.shape
         rows = batch_bucket(b, self.batch_buckets)
         assert rows is not None, f"batch {b} is past the largest bucket {self.batch_buckets[-1]}"
         if self.tree_attention:  # the kernel reads each row's length on the device: no span bucket
             span = None
-            if flat is None:
-                flat = host_tree_inputs(self.cache, slots, cache_lens, token_ids, parents, node_valid, rows)
+            flat = host_tree_inputs(self.cache, slots, cache_lens, token_ids, parents, node_valid, rows)
             inp = None
         else:
             span = span_bucket(max(cache_lens) + n, self.cache.max_len)

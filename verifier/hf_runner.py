@@ -15,9 +15,7 @@ class HFRunner:
     `commit` crops the cache to the committed prefix and re-runs the accepted path (one extra
     forward per round: slower, same tokens)."""
 
-    # What NativeRunner can do and this runner cannot (VerifierEngine and verifier/chained.py ask):
-    packs_tree_inputs = False     # one-request verify inputs packed ahead (NativeRunner.prepare_rows)
-    takes_device_tokens = False   # a verify of draft tokens still on the drafter's device
+    # What NativeRunner can do and this runner cannot (VerifierEngine.decode asks):
     chains_decode = False         # several greedy steps chained on the device (NativeRunner.decode_greedy)
 
     def __init__(self, model, feature_layers: FeatureSpec, max_len: int):
@@ -85,10 +83,8 @@ class HFRunner:
         return self._features(out)[0]
 
     @torch.no_grad()
-    def commit(self, slots, cache_lens, accepted_nodes, keep=None):
-        """Replays the accepted path into the slot's transformers cache. `keep` (entries to hold
-        reserved for a prepared launch, NativeRunner.commit) is a paged-pool notion: this runner
-        is never prepared for, and its caches grow as they are written."""
+    def commit(self, slots, cache_lens, accepted_nodes):
+        """Replays the accepted path into the slot's transformers cache."""
         for i, (slot, base) in enumerate(zip(slots, cache_lens)):
             nodes = [int(x) for x in accepted_nodes[i] if x >= 0]
             path = self.last_tree.pop(slot)[nodes][None].to(self.device)

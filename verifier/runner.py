@@ -23,9 +23,8 @@ from spectandem.kv_cache import KVCache, PagedKVCache
 from spectandem.modeling.llama import InvariantBatch, LlamaModel
 from spectandem.modeling.ops import FUSED_OPS, INVARIANT_OPS
 from spectandem.modeling.target import inspect_target, load_target
-from spectandem.block_manager import KVCacheFull
 from verifier.graphs import VerifyGraphs, verify_forward, verify_inputs, with_device_tokens
-from verifier.tree_inputs import host_tree_inputs, tree_input_rows, tree_verify_inputs
+from verifier.tree_inputs import tree_verify_inputs
 from verifier.hf_runner import FeatureSpec, HFRunner
 
 __all__ = ["FeatureSpec", "HFRunner", "NativeRunner", "load_runner"]
@@ -186,59 +185,24 @@ class NativeRunner:
         per_req = None if feats is None else [feats[i, :m].clone() for i, m in enumerate(lens)]
         return last, per_req
 
-    takes_device_tokens = True   # verify's device_tokens (VerifierEngine.launch)
     chains_decode = True         # decode_greedy
 
     @torch.no_grad()
     def verify(self, slots: list[int], cache_lens: list[int], token_ids: torch.Tensor, parents: torch.Tensor,
-               node_valid: torch.Tensor, flat: torch.Tensor | None = None,
-               device_tokens: torch.Tensor | None = None, ready=None):
+               node_valid: torch.Tensor):
         """One forward over every tree node. token_ids, parents [B, N]; node_valid [B, N].
-        `flat`: a one-request verify's packed inputs from `prepare_rows` (the slot's entries
-        reserved then), or None. `device_tokens` [B, K] int64 (K <= N) on any device (another
-        GPU: a drafter's), with `ready` (a CUDA event after them, or None): the last K token
-        ids of each row, which the host does not know yet (a chain's drafts under a known
-        root), read in place of token_ids' there; copied on the device.
         -> (logits [B, N, V] float32, features [B, N, F] or None)."""
         b, n = token_ids.shape
         for slot, c in zip(slots, cache_lens):
             self.cache.reserve(slot, c + n)
-        if ready is not None:   # the copy runs on the tokens' device, in its current stream
-            torch.cuda.current_stream(device_tokens.device).wait_event(ready)
-        logits, feats, _ = self._step(slots, cache_lens, token_ids, parents, node_valid, device_tokens, flat=flat)
+        logits, feats, _ = self._step(slots, cache_lens, token_ids, parents, node_valid)
         return logits, feats
 
-    @property
-    def packs_tree_inputs(self) -> bool:
-        """Whether a one-request verify reads its inputs as `host_tree_inputs` packs them for a
-        batch bucket of 1: through the CUDA graphs of the tree attention."""
-        g = self.graphs
-        return g is not None and g.tree_attention and not self.batch_invariant and batch_bucket(1, g.batch_buckets) == 1
-
-    def prepare_rows(self, slot: int, cache_lens: list[int], token_ids: torch.Tensor, parents: torch.Tensor,
-                     node_valid: torch.Tensor) -> list[torch.Tensor] | None:
-        """The packed inputs of several candidate one-request verifies of one slot, built before
-        any of them is chosen: row i verifies the tree (token_ids, parents, node_valid)[i] at
-        cache_lens[i]. Reserves the slot for the longest of them (the caller keeps those entries
-        until the choice: `commit`'s `keep`) -> each row's flat for `verify(..., flat=)`; None
-        where the verify would not read one (`packs_tree_inputs`), or no room."""
-        if not self.packs_tree_inputs:
-            return None
-        rows, n = token_ids.shape
-        try:
-            self.cache.reserve(slot, max(cache_lens) + n)
-        except (KVCacheFull, ValueError):   # no room, or past max_len: the verdict's launch builds its own
-            return None
-        flat = host_tree_inputs(self.cache, [slot] * rows, cache_lens, token_ids, parents, node_valid, rows)
-        return tree_input_rows(flat, rows, n, self.cache.host_tables.shape[1])
-
-    def _step(self, slots, cache_lens, token_ids, parents, node_valid, device_tokens=None, features: bool = True,
-              flat=None):
+    def _step(self, slots, cache_lens, token_ids, parents, node_valid, device_tokens=None, features: bool = True):
         """The verify forward on the runner's path (slots reserved) -> (logits, features, argmax
-        [B, N] on the device). `device_tokens` [B, K] (on a device) replaces token_ids' last K
-        columns (verifier/graphs.py `with_device_tokens`).
-        `features` False: none captured (the same logits; graphs of their own). `flat`: the
-        inputs packed beforehand (`prepare_rows`), read on the graphs' path."""
+        [B, N] on the device). `device_tokens` [B, K] (on the device: decode_greedy's previous
+        step's argmax) replaces token_ids' last K columns (verifier/graphs.py `with_device_tokens`).
+        `features` False: none captured (the same logits; graphs of their own)."""
         b, n = token_ids.shape
         layers = self.feature_layers if features else None
         if self.batch_invariant:
@@ -246,7 +210,7 @@ class NativeRunner:
             logits, feats = self._verify_invariant(slots, cache_lens, toks, parents, node_valid)
             return logits, feats if features else None, logits.argmax(-1)
         if self.graphs is not None and self.graphs.supports(b):
-            step = self.graphs.run(slots, cache_lens, token_ids, parents, node_valid, layers, device_tokens, flat)
+            step = self.graphs.run(slots, cache_lens, token_ids, parents, node_valid, layers, device_tokens)
             return step.logits, step.features, step.argmax
         # Eagerly: the static-shape step without padding (rows = B; dense: span = max(cache_len) + N).
         if self.triton_attention:
@@ -325,14 +289,12 @@ class NativeRunner:
                                  mask, self._capture())
         return self._features(hidden, aux)[0]
 
-    def commit(self, slots: list[int], cache_lens: list[int], accepted_nodes: torch.Tensor,
-               keep: list[int] | None = None) -> None:
+    def commit(self, slots: list[int], cache_lens: list[int], accepted_nodes: torch.Tensor) -> None:
         """Keeps the accepted path: accepted_nodes [B, A] node indices (root first, -1 padded),
         node j was written at cache_len + j and moves to cache_len + its rank on the path.
         Example: cache_len 10, path [0, 2, 5] -> entries 10, 12, 15 move to 10, 11, 12. A path
         whose node j has rank j (every chain, a decode step) is already in place: nothing moves.
-        accepted_nodes is a host result: nothing here waits for the device. keep[b]: entries of
-        request b to keep reserved past its committed ones (inputs packed for them: `prepare_rows`)."""
+        accepted_nodes is a host result: nothing here waits for the device."""
         nodes = accepted_nodes.cpu().numpy()                  # [B, A] (numpy: this runs every round)
         ok = nodes >= 0
         kept = ok.sum(1).tolist()
@@ -343,8 +305,8 @@ class NativeRunner:
             self.cache.compact(slots, torch.from_numpy(np.where(ok, base + nodes, trash)),
                                torch.from_numpy(np.where(ok, base + rank, trash)))
         # The tree's scratch past the committed entries goes back to the pool.
-        for i, (slot, c, k) in enumerate(zip(slots, cache_lens, kept)):
-            self.cache.trim(slot, max(c + k, keep[i] if keep else 0))
+        for slot, c, k in zip(slots, cache_lens, kept):
+            self.cache.trim(slot, c + k)
 
     def release(self, slot: int) -> None:
         self.cache.free(slot)

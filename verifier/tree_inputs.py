@@ -1,7 +1,6 @@
 """The packed inputs of a verify through the Triton tree attention (verifier/graphs.py's tree
 path): `TreeVerifyInputs` and how the host builds them in one buffer that crosses to the device
-in one copy (`host_tree_inputs`), for a whole batch, for padding, and for one request per row
-(`tree_input_rows`: a prepared launch's, verifier/chained.py)."""
+in one copy (`host_tree_inputs`), for a whole batch and for padding."""
 
 from __future__ import annotations
 
@@ -70,22 +69,6 @@ def _tree_fields_np(flat: torch.Tensor, rows: int, n: int, max_blocks: int) -> t
             ints[2 * rows * n: 3 * rows * n].reshape(rows, n),
             ints[3 * rows * n: 3 * rows * n + rows * max_blocks].reshape(rows, max_blocks),
             ints[3 * rows * n + rows * max_blocks:], buf[8 * rows * (3 * n + max_blocks + 1):].view(np.bool_).reshape(rows, n, n))
-
-
-def tree_input_rows(flat: torch.Tensor, rows: int, n: int, max_blocks: int) -> list[torch.Tensor]:
-    """A host `flat` of `rows` rows (`host_tree_inputs`) -> one flat of one row per row (views of
-    one buffer in the same kind of memory): the inputs of a one-request verify of that row's
-    tree. Each field crosses in one numpy copy for all rows."""
-    fields = _tree_fields_np(flat, rows, n, max_blocks)
-    one = tree_inputs_nbytes(1, n, max_blocks)
-    stride = -(-one // 64) * 64              # rows 64-byte aligned: the int64 views below stay aligned
-    big = torch.empty(rows * stride, dtype=torch.uint8, pin_memory=flat.is_pinned())
-    per = big.numpy().reshape(rows, stride)
-    ints = per[:, : 8 * (3 * n + max_blocks + 1)].view(np.int64)      # [rows, 3N + max_blocks + 1]
-    ints[:, :n], ints[:, n: 2 * n], ints[:, 2 * n: 3 * n] = fields[0], fields[1], fields[2]
-    ints[:, 3 * n: 3 * n + max_blocks], ints[:, -1] = fields[3], fields[4]
-    per[:, 8 * (3 * n + max_blocks + 1): one] = fields[5].reshape(rows, n * n).view(np.uint8)
-    return [big[i * stride: i * stride + one] for i in range(rows)]
 
 
 def host_tree_inputs(cache: PagedKVCache, slots: list[int], cache_lens: list[int], token_ids: torch.Tensor,

@@ -302,14 +302,6 @@ def _note(r: dict) -> str:
         notes.append(f"round/verify {r['round_over_verify']:.2f}" + (f" (alone {alone:.2f})" if alone else ""))
     if r.get("round_over_forward") is not None:
         notes.append(f"round {r['round_ms']} ms = {r['round_over_forward']:.2f}x forward")
-    if r.get("chained_verifies"):
-        notes.append(f"chained {r['chained_verifies']}/{r['rounds']}"
-                     + (f" ({r['prepared_verifies']} prepared)" if r.get("prepared_verifies") else "")
-                     + (f", early {r['early_verifies']}" if r.get("early_verifies") else ""))
-    if r.get("pre_ahead_used"):
-        notes.append(f"pre-ahead {r['pre_ahead_used']}")
-    if r.get("pre_draft_used"):
-        notes.append(f"pre-draft {r['pre_draft_used']}")
     if r.get("target_forwards") is not None and r["method"] == "hf-assisted":
         notes.append(f"{r['target_forwards']} target forwards")
     return ", ".join(notes)
@@ -355,10 +347,9 @@ def _bench(args) -> int:
     json_path, txt_path, png_path = _paths(args.out, args.plot)
     t0 = time.perf_counter()
     if {"router8b", "pipeline"} & set(plan.sections):   # the router and both engines in this process
-        from router.links_local import LocalLinkTuning
-        from router.local_base import shorten_switch_interval
+        from router.local_base import DEFAULT_SWITCH_INTERVAL_S, shorten_switch_interval
 
-        shorten_switch_interval(LocalLinkTuning().switch_interval_s)
+        shorten_switch_interval(DEFAULT_SWITCH_INTERVAL_S)
     bandwidth = copy_bandwidth(device)
     records, info = _measure(plan, args, getattr(torch, args.dtype), bandwidth)
     gpu = torch.cuda.get_device_name(device) if device.startswith("cuda") else "cpu"

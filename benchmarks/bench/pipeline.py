@@ -90,7 +90,7 @@ async def _rows(engines, modes: list[str], batch_sizes: list[int], max_tokens: i
                 plain_steps: int = 1) -> list[dict]:
     import time
 
-    from router.links_local import LocalChain, LocalDrafterLink, LocalVerifierLink
+    from router.links_local import LocalDrafterLink, LocalVerifierLink
     from router.loop import Router, RouterConfig
     from spectandem.config import SamplingParams
 
@@ -105,8 +105,7 @@ async def _rows(engines, modes: list[str], batch_sizes: list[int], max_tokens: i
         router = Router(vlink, None if plain else dlink, tokenizer, RouterConfig(
             max_len=verifier.max_len, eos_token_ids=eos, lookahead=1 if plain else lookahead, want_features=not plain,
             max_running=max(batch_sizes), pipeline="sequential" if plain else mode,
-            draft_sampling_min_temperature=drafter.cfg.draft_sampling_min_temperature, plain_steps=plain_steps),
-            chained=None if plain else LocalChain(vlink, dlink))
+            draft_sampling_min_temperature=drafter.cfg.draft_sampling_min_temperature, plain_steps=plain_steps))
         router.start()
         try:
             await _complete(router, prompts[:2], SamplingParams(max_tokens=8, ignore_eos=True))  # warm-up

@@ -19,19 +19,7 @@ tokens are the target's own greedy continuation (`matches_plain`). "ahead" draft
 controlled drafter's guesses (drafter/controlled.py): its rows give the outcome cache's
 hits and misses (`ahead_hits`, `ahead_misses`; expected hit rate `expected_ahead_hit_rate`) and
 the request-rounds verified with a tree the router held from draft ahead, no draft call
-(`ready_trees`), and the verifies the verifier had started itself, before the router asked
-(`chained_verifies`: VerifierEngine.launch_next; in-process links chain on a GPU; of them
-`prepared_verifies` from inputs packed before the verdict, verifier/chained.py) and the
-draft-ahead calls answered by the drafter's pre-ahead, which the verifier link started after
-such a launch (`pre_ahead_used`: LocalDrafterLink.pre_ahead), and the draft calls answered by
-the drafter's pre-draft, which it started after an armed verdict with no tree (a miss:
-`pre_draft_used`, LocalDrafterLink.pre_draft), whose tree the verifier launched as soon as it was
-drafted (`early_verifies`: LocalVerifierLink._launch_missed; of them `early_prepared_verifies`
-from the inputs prepared for an outcome of the same shape, VerifierEngine._prepared_like; of them
-`early_device_verifies` launched before the host had the tree, the forward reading the drafter's
-token ids on its device: LocalVerifierLink._launch_missed_early), and
-the draft-ahead calls for such a tree answered by the pre-ahead the drafter's worker queued
-behind the pre-draft (`ahead_after_miss_used`).
+(`ready_trees`).
 
 Plain timed minutes earlier is no baseline: the GPU's speed drifts by several percent over a
 section (on one H200, plain at batch 64 read 9,337 tok/s at the start of a run; interleaved batch
@@ -53,8 +41,7 @@ to it with its proposer and caches, the target engines shared (`ControlledRuns.w
 Is drafting hidden behind verification? Each row takes the engines' busy time over its timed
 batch from the links (`busy_s` of router/links_local.py: per call, from its start in the worker thread
 until its CUDA stream is done; for a verify, the host's preparation, the forward, acceptance and
-the results on the host; a verify the verifier started itself (chained) counts from the end of
-the call that started it):
+the results on the host):
 - `wall_s`: the batch's wall seconds, from submission until the last token;
 - `verify_busy_s`, `prefill_busy_s`: the verifier inside verify and prefill calls;
 - `round_over_verify` = (wall_s - prefill_busy_s) / verify_busy_s = 1 + the time the verifier
@@ -139,7 +126,7 @@ class _Setup:
 
 def _setup(runs, acceptance_rate: float | None, mode: str, max_running: int, plain_steps: int = 1) -> _Setup:
     from drafter.engine import DrafterEngine
-    from router.links_local import LocalChain, LocalDrafterLink, LocalVerifierLink
+    from router.links_local import LocalDrafterLink, LocalVerifierLink
     from router.loop import Router, RouterConfig
 
     plain = acceptance_rate is None
@@ -150,7 +137,7 @@ def _setup(runs, acceptance_rate: float | None, mode: str, max_running: int, pla
     router = Router(vlink, dlink, IdsAsText(), RouterConfig(
         max_len=verifier.max_len, eos_token_ids=(), lookahead=1 if plain else runs.lookahead,
         want_features=not plain, max_running=max_running, pipeline="sequential" if plain else mode,
-        plain_steps=plain_steps), chained=None if plain else LocalChain(vlink, dlink))
+        plain_steps=plain_steps))
     return _Setup(router, (vlink,) if plain else (vlink, dlink), plans, acceptance_rate)
 
 
@@ -166,13 +153,6 @@ async def _timed(s: _Setup, runs, ids: list[str], indices: list[int]) -> dict:
     for d in devices:
         sync(d)
     busy0 = [dict(link.busy_s) for link in s.links]   # the engines hold no request now (_settle)
-    eng = s.links[0].engine
-    chained0, early0, prepared0 = eng.chained, eng.launched_early, getattr(eng, "launched_prepared", 0)
-    like0, device0 = getattr(eng, "launched_like_prepared", 0), getattr(eng, "launched_from_device", 0)
-    # The drafter's link, when there is one: its draft-ahead and draft calls a pre-call answered.
-    pre_used = lambda: tuple(getattr(s.links[-1], k, 0) for k in ("pre_ahead_used", "pre_draft_used",
-                                                                   "ahead_after_miss_used"))
-    pre0 = pre_used()
     t0 = time.perf_counter()
     tokens = await _batch(router, runs, ids, indices)
     for d in devices:
@@ -182,12 +162,6 @@ async def _timed(s: _Setup, runs, ids: list[str], indices: list[int]) -> dict:
     await _settle(s.links)
     c = {k: v - before[k] for k, v in dataclasses.asdict(router.counters).items() if isinstance(v, int)}
     return {"tokens": tokens, "seconds": dt, "counters": c, "mode": router._modes.mode, "busy": busy,
-            "chained": eng.chained - chained0, "early": eng.launched_early - early0,
-            "prepared": getattr(eng, "launched_prepared", 0) - prepared0,
-            "early_prepared": getattr(eng, "launched_like_prepared", 0) - like0,
-            "early_device": getattr(eng, "launched_from_device", 0) - device0,
-            "pre_ahead": pre_used()[0] - pre0[0], "pre_draft": pre_used()[1] - pre0[1],
-            "ahead_after_miss": pre_used()[2] - pre0[2],
             "rates": {k: round(v, 1) for k, v in router._modes.rates_for(len(ids)).items()}}
 
 
@@ -210,10 +184,7 @@ def _record(mode: str, batch_size: int, acceptance_rate: float | None, m: dict, 
                drafter_busy_s=None if plain else round(sum(m["busy"][1].values()), 6), **placement)
     if not plain:
         r.update(ahead_hits=c["draft_ahead_hits"], ahead_misses=c["draft_ahead_misses"], ready_trees=c["ready_trees"],
-                 chained_verifies=m["chained"], prepared_verifies=m["prepared"], early_verifies=m["early"],
-                 early_prepared_verifies=m["early_prepared"], early_device_verifies=m["early_device"],
-                 pre_ahead_used=m["pre_ahead"],
-                 pre_draft_used=m["pre_draft"], ahead_after_miss_used=m["ahead_after_miss"], round_ms=round((dt - prefill_s) / c["rounds"] * 1000, 3),
+                 round_ms=round((dt - prefill_s) / c["rounds"] * 1000, 3),
                  expected_ahead_hit_rate=round(expected_ahead_hit_rate(acceptance_rate, num_steps), 3))
     if not plain and batch_size == 1 and verify and drafts:
         ideal = r["accept_length"] / (verify["chain_ms"] / 1000)

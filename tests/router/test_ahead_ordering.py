@@ -53,9 +53,9 @@ class LoggingDrafter(LocalDrafterLink):
         self.log.add("draft")
         return await super().draft(tags, num_steps, extend)
 
-    async def draft_ahead(self, tags, extend=(), on_trees=None):
+    async def draft_ahead(self, tags, extend=()):
         self.log.add("ahead+extend" if extend else "ahead")
-        return await super().draft_ahead(tags, extend, on_trees)
+        return await super().draft_ahead(tags, extend)
 
     async def extend(self, items):
         self.log.add("extend")

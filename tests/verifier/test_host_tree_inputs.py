@@ -1,5 +1,5 @@
 """`host_tree_inputs` (verifier/graphs.py): the packed inputs of a verify through the tree
-attention, built on the host in numpy every round (and for each chained launch). Checked field
+attention, built on the host in numpy every round. Checked field
 by field against a reference worked out here in plain Python: positions from each node's depth,
 the ancestor mask by walking parents, write rows from the slot's block table, padding rows."""
 

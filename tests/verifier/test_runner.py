@@ -291,36 +291,3 @@ def test_ngram_speculation_matches_transformers_generate_on_gpt_neox(neox_dir, h
     for prompt, c in zip(PROMPTS, completions):
         assert c.token_ids == _hf_greedy(hf_neox, prompt), prompt
     assert sum(c.stats.accepted_tokens for c in completions) > 0
-
-
-
-def check_device_tokens(runner_for, device: str, drafts_device: str) -> None:
-    """`verify(..., device_tokens=drafts)` (a miss's launch before the host has its drafts:
-    VerifierEngine.launch): the tree's token ids past the roots are unknown (-1) and the drafts
-    [B, N - 1] (on `drafts_device`) replace them; the logits and features equal a verify of the
-    full tree, and the caller's token ids are left as they were. Control: other drafts give
-    other logits. `runner_for()`: a fresh runner over the demo target."""
-    prompts = [[1, 5, 9, 3], [2, 7, 4]]
-    tree = torch.tensor([[3, 8, 11, 6], [4, 12, 2, 9]])
-    parents = torch.arange(-1, 3).expand(2, 4)
-    valid = torch.ones(2, 4, dtype=torch.bool)
-    outs = []
-    for drafts in (None, tree[:, 1:], (tree[:, 1:] + 1) % 50):
-        runner = runner_for()
-        runner.prefill([0, 1], prompts)
-        lens = [len(p) - 1 for p in prompts]   # the last prompt token is each tree's root
-        toks = tree.clone()
-        if drafts is not None:
-            toks[:, 1:] = -1
-            drafts = drafts.to(drafts_device)
-        unknown = toks.clone()
-        logits, feats = runner.verify([0, 1], lens, toks, parents, valid, device_tokens=drafts)
-        outs.append((logits.clone().cpu(), feats.clone().cpu()))   # graph outputs are the next call's buffers
-        assert torch.equal(toks, unknown)
-    (full_l, full_f), (dev_l, dev_f), (other_l, _) = outs
-    assert torch.equal(full_l, dev_l) and torch.equal(full_f, dev_f)
-    assert not torch.allclose(full_l[:, 1:], other_l[:, 1:])
-
-
-def test_native_runner_reads_a_chains_drafts_from_device_tokens(native_demo):
-    check_device_tokens(lambda: NativeRunner(native_demo, AUX, max_slots=3, max_len=64), "cpu", "cpu")
