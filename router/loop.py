@@ -175,8 +175,9 @@ class Router:
     async def warm_up(self, batch_sizes: list[int], vocab_size: int, max_tokens: int = 128, say=None) -> None:
         """Runs greedy requests at each batch size in turn (prompts of several lengths), so that the
         engines capture the graphs of every batch bucket and "auto" meets each of its modes once
-        before the first client does; then forgets what "auto" measured (those rounds paid for the
-        captures) and the counters. Serving's start (router/serve.py), before the port opens."""
+        before the first client does; then forgets what the warm-up's text told "auto" (it keeps each
+        mode's speed: ModeChooser.forget_text) and the counters. Serving's start (router/serve.py),
+        before the port opens."""
         lengths = (16, 48, 96, 200)
         for i, b in enumerate(batch_sizes, 1):
             if say is not None:
@@ -196,7 +197,7 @@ class Router:
                     raise RuntimeError(f"a warm-up request did not finish ({r.status.value}): serving would fail too")
         while self.running or self._releases_due():   # the engines that answer let the last ones go
             await asyncio.sleep(0.005)
-        self._modes = ModeChooser(self.cfg)
+        self._modes.forget_text()   # the engines' speeds stay; what the warm-up's drafts committed goes
         self._switch = SpeculationSwitch(self.cfg)   # the warm-up's drafts say nothing of a client's
         self.counters = RouterCounters()
 

@@ -235,6 +235,20 @@ class ModeChooser:
                          {k: round(v, 1) for k, v in rates.items()})
         return s.mode
 
+    def forget_text(self) -> None:
+        """Keeps what the rounds so far say of the engines and forgets what they say of the text
+        (serve's warm-up, router/loop.py): each batch class keeps its modes' speeds (request-rounds
+        per second: the engines' work at that batch and tree shape) and plain's tokens per
+        request-round (plain steps, whatever the text), and forgets what the drafting modes
+        committed per request-round (the acceptance of the warm-up's own prompts) and any phase
+        under way. Its first phase then measures only the draft kinds it has no yield for (one
+        window of sequential gives ping-pong's and ahead's rate too) instead of every candidate."""
+        for key, state in self._states.items():
+            plain = state.yields.get("plain")
+            self._states[key] = _ClassState(speeds=dict(state.speeds), yields={"plain": plain} if plain else {})
+        self._key = None
+        self._state = _ClassState()
+
     def settled(self, num_running: int) -> str | None:
         """The mode "auto" keeps in the batch class of `num_running` for at least the second keep
         in a row, or None (still measuring, or the fastest changed lately)."""

@@ -43,6 +43,42 @@ def test_auto_small_batches_choose_between_sequential_ahead_and_plain():
         assert set(chosen[9:]) == {fastest}
 
 
+def test_after_forget_text_only_the_draft_kinds_without_a_yield_are_measured():
+    """Serve's warm-up (Router.warm_up) keeps each mode's speed and plain's yield: the first phase
+    after it measures sequential (whose yield ping-pong shares), short:1 and short:2, then keeps
+    the fastest by the warm-up's speeds; a fresh chooser (the control) measures all five."""
+    order = ["sequential", "pingpong", "short:1", "short:2", "plain"]
+    rates = {m: 100.0 for m in order} | {"pingpong": 150.0}
+    chooser = ModeChooser(_cfg(pipeline="auto"))
+    _run(chooser, rates, 15 + 24)
+    chooser.forget_text()
+    assert chooser.rates_for(8).keys() == {"plain"}
+    chosen = _run(chooser, rates, 9 + 24)
+    assert chosen[:9] == [m for m in ("sequential", "short:1", "short:2") for _ in range(3)]
+    assert set(chosen[9:]) == {"pingpong"}
+    fresh = _run(ModeChooser(_cfg(pipeline="auto")), rates, 15)
+    assert fresh == [m for m in order for _ in range(3)]
+
+
+def test_forget_text_drops_what_the_drafts_committed():
+    """What a drafting mode committed per request-round in the warm-up says nothing of the
+    clients' text: with every draft rejected there (plain the fastest), the clients' accepted
+    drafts make sequential the fastest at once."""
+    order = ["sequential", "pingpong", "short:1", "short:2", "plain"]
+    chooser = ModeChooser(_cfg(pipeline="auto"))
+    for _ in range(15 + 24):   # the warm-up: drafts commit 1 token a round, plain 4 in a faster round
+        mode = chooser.choose(num_running=8, drafter_up=True)
+        chooser.record(mode, tokens=4 if mode == "plain" else 1, seconds=1.0 if mode == "plain" else 1.2)
+    assert chooser.mode == "plain"
+    chooser.forget_text()
+    chosen = []
+    for _ in range(9 + 24):    # the clients: sequential commits 8 a round
+        mode = chooser.choose(num_running=8, drafter_up=True)
+        chosen.append(mode)
+        chooser.record(mode, tokens=4 if mode == "plain" else (8 if mode == "sequential" else 3), seconds=1.2)
+    assert set(chosen[9:]) <= {"sequential", "pingpong"} and chosen[-1] in ("sequential", "pingpong")
+
+
 def test_a_new_batch_class_starts_measuring_again():
     chooser = ModeChooser(_cfg(pipeline="auto"))
     rates = {"sequential": 100.0, "ahead": 150.0, "plain": 90.0}
