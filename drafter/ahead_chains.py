@@ -45,7 +45,7 @@ from drafter.graphs import (PAIR_BUCKETS, HeadGraphs, PassStart, _rows_into, cat
                             chain_tree, index_views, pack_parts, padded_features)
 from drafter.tree import DraftNodes
 from spectandem.cuda_graphs import BATCH_BUCKETS, batch_bucket, capture_graph, span_bucket
-from spectandem.devices import device_work_queued, to_device, to_host
+from spectandem.devices import to_device, to_host
 from spectandem.kv_cache import PagedCacheBatch, PagedKVCache
 
 
@@ -257,7 +257,6 @@ class AheadChainGraphs(HeadGraphs):
                 _rows_into(static.first_logits, list(start[0]))
                 _rows_into(static.hidden, list(start[1]))
             graph.replay()
-        device_work_queued()
         return to_host(packed[:b])[0], hidden[:b], logits[:b]
 
     def _capture(self, key: tuple, like: AheadInputs) -> None:

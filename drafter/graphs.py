@@ -24,7 +24,7 @@ import torch
 
 from drafter.tree import DraftNodes
 from spectandem.cuda_graphs import BATCH_BUCKETS, batch_bucket, capture_graph, span_bucket
-from spectandem.devices import device_work_queued, to_device
+from spectandem.devices import to_device
 from spectandem.kv_cache import PagedCacheBatch, PagedKVCache
 
 # Catch-ups of up to 16 new pairs per request replay a graph: every extend of a round (at most the
@@ -325,7 +325,6 @@ class ChainGraphs(HeadGraphs):
                 static.hidden[:b].copy_(start[1])
             graph.replay()
             toks = toks.clone()
-        device_work_queued()
         return toks[:b], hidden[:b], logits[:b]
 
     def _capture(self, key: tuple, like: ChainInputs) -> None:

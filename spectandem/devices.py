@@ -11,9 +11,6 @@ the same; PyTorch's pinned-memory allocator keeps the staging buffer until the c
 
 from __future__ import annotations
 
-import threading
-from contextlib import contextmanager
-
 import torch
 
 # What the engines compute in unless told otherwise (for callers that import no torch themselves).
@@ -91,29 +88,6 @@ def on_stream(stream, fn, *args):
         return fn(*args)
     with torch.cuda.stream(stream):
         return fn(*args)
-
-
-# The hook `device_work_queued` calls, per thread (`on_queued`).
-_queued = threading.local()
-
-
-@contextmanager
-def on_queued(fn):
-    """Within the block, on this thread, `device_work_queued()` calls `fn()`: a graph family
-    says so once a call's device work is queued (its replay is on the stream), before the host
-    waits for the result. A link's worker uses it to let another thread go on from there."""
-    before, _queued.fn = getattr(_queued, "fn", None), fn
-    try:
-        yield
-    finally:
-        _queued.fn = before
-
-
-def device_work_queued() -> None:
-    """Called by the draft graph families after a replay (or the eager pass): see `on_queued`."""
-    fn = getattr(_queued, "fn", None)
-    if fn is not None:
-        fn()
 
 
 def set_cpu_threads(n: int | None) -> None:
