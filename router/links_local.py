@@ -24,7 +24,7 @@ class LocalVerifierLink(_LocalLink):
         from verifier.service_core import verifier_verify
 
         return await self._run("verify", verifier_verify, self.engine, draft.payload if draft else None,
-                               [d for d in (draft.tags if draft else [])], plain, want_features, None, on_launch)
+                               list(draft.tags) if draft else [], plain, want_features, None, on_launch)
 
     async def features(self, tag):
         from verifier.service_core import verifier_features

@@ -192,7 +192,7 @@ class VerifyGraphs:
             if inp is None:
                 inp = tree_inputs_on(flat.to(self.device, non_blocking=True), rows, n, self.cache.host_tables.shape[1])
             if device_tokens is not None:
-                with_device_tokens(inp.token_ids[:b], device_tokens)
+                inp.token_ids[:b].copy_(device_tokens)
             logits, feats = verify_forward(self.model, self.cache, feature_layers, inp)
             return VerifyStep(logits, feats, logits.argmax(-1)).rows(b)
         step = self._captured.get((rows, n, span, feature_layers))
@@ -203,7 +203,7 @@ class VerifyGraphs:
         else:
             step.inputs.copy_(inp)
         if device_tokens is not None:
-            with_device_tokens(step.inputs.token_ids[:b], device_tokens)
+            step.inputs.token_ids[:b].copy_(device_tokens)
         step.graph.replay()
         return self._outputs[(rows, n, feature_layers)].rows(b)
 
@@ -253,11 +253,3 @@ def verify_graph_shapes(max_slots: int, widths: list[int], max_len: int, feature
         spans = sorted({span_bucket(s, max_len) for s in [min(1 << k, max_len) for k in range(max_len.bit_length() + 1)]})
     return [(r, n, s, f) for r in rows for n in sorted(set(widths)) if n <= max_len for s in spans
             if s is None or s >= n for f in feature_specs]
-
-
-def with_device_tokens(token_ids: torch.Tensor, device_tokens: torch.Tensor) -> torch.Tensor:
-    """token_ids [B, N] (an input buffer on the runner's device) with its last K columns
-    overwritten by device_tokens [B, K] (on any device: a cross-device copy, ordered on both
-    devices' current streams) -> token_ids."""
-    token_ids[:, token_ids.shape[1] - device_tokens.shape[1]:].copy_(device_tokens)
-    return token_ids

@@ -23,7 +23,7 @@ from spectandem.kv_cache import KVCache, PagedKVCache
 from spectandem.modeling.llama import InvariantBatch, LlamaModel
 from spectandem.modeling.ops import FUSED_OPS, INVARIANT_OPS
 from spectandem.modeling.target import inspect_target, load_target
-from verifier.graphs import VerifyGraphs, verify_forward, verify_inputs, with_device_tokens
+from verifier.graphs import VerifyGraphs, verify_forward, verify_inputs
 from verifier.tree_inputs import tree_verify_inputs
 from verifier.hf_runner import FeatureSpec, HFRunner
 
@@ -200,13 +200,13 @@ class NativeRunner:
 
     def _step(self, slots, cache_lens, token_ids, parents, node_valid, device_tokens=None, features: bool = True):
         """The verify forward on the runner's path (slots reserved) -> (logits, features, argmax
-        [B, N] on the device). `device_tokens` [B, K] (on the device: decode_greedy's previous
-        step's argmax) replaces token_ids' last K columns (verifier/graphs.py `with_device_tokens`).
+        [B, N] on the device). `device_tokens` [B, N] on the device (decode_greedy's previous
+        step's argmax) replaces token_ids, read there without the host waiting for it.
         `features` False: none captured (the same logits; graphs of their own)."""
         b, n = token_ids.shape
         layers = self.feature_layers if features else None
         if self.batch_invariant:
-            toks = token_ids if device_tokens is None else with_device_tokens(token_ids.to(self.device, copy=True), device_tokens)
+            toks = token_ids if device_tokens is None else device_tokens
             logits, feats = self._verify_invariant(slots, cache_lens, toks, parents, node_valid)
             return logits, feats if features else None, logits.argmax(-1)
         if self.graphs is not None and self.graphs.supports(b):
@@ -219,7 +219,7 @@ class NativeRunner:
             inp = verify_inputs(self.cache, slots, cache_lens, token_ids, parents, node_valid, b,
                                 max(cache_lens) + n)
         if device_tokens is not None:
-            with_device_tokens(inp.token_ids[:b], device_tokens)
+            inp.token_ids[:b].copy_(device_tokens)
         logits, feats = verify_forward(self.model, self.cache, layers, inp)
         return logits, feats, logits.argmax(-1)
 
