@@ -2,15 +2,11 @@
 device's own clock with no profiler attached.
 
 Timing events go on the verifier's stream around every verify step's graph replay (inside
-`VerifyGraphs.run`: after its inputs are copied and any wait for the drafter's tokens is queued,
-so a miss's wait for the drafter counts as a gap) and around every prefill
-(`VerifierEngine.prefill`), and one more when the batch ends. Each step is tagged
-with the path that launched it, read from the host's call stack at the launch ("router": a
-verify the router called; TAGS lists other paths by a function on the stack).
-Replays inside a prefill (the graphed prefill runs the verify step's graph) are part of the
+`VerifyGraphs.run`, after its inputs are copied) and around every prefill
+(`VerifierEngine.prefill`), and one more when the batch ends. Replays inside a prefill (the graphed prefill runs the verify step's graph) are part of the
 prefill, not steps.
 
-The report: per tag, the idle gap on the device before such a step (the previous step's end to
+The report: the idle gap on the device before such a step (the previous step's end to
 this one's start: host work and waits the GPU did not hide) and the step's own time, then the
 batch's first round (the prefill's end to the first step: the drafter's prefill and first draft)
 and tail (the last step's end to the batch's end on the host), against the whole window; the
@@ -21,22 +17,11 @@ part of the prefill, not a step.
 
 from __future__ import annotations
 
-import sys
 import threading
 
 import torch
 
-TAGS: tuple[tuple[str, str], ...] = ()
-
-
-def _tag() -> str:
-    f, names = sys._getframe(2), set()
-    for _ in range(24):
-        if f is None:
-            break
-        names.add(f.f_code.co_name)
-        f = f.f_back
-    return next((tag for fn, tag in TAGS if fn in names), "router")
+STEP = "verify"   # every step the router called (the report's one row of steps)
 
 
 class DeviceGaps:
@@ -55,7 +40,7 @@ class DeviceGaps:
 
         def run(inner):
             def timed(*args, **kwargs):
-                local.tag = _tag() if gaps.on and not getattr(local, "prefill", False) else None
+                local.tag = STEP if gaps.on and not getattr(local, "prefill", False) else None
                 try:
                     return inner(*args, **kwargs)
                 finally:
