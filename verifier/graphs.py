@@ -135,18 +135,37 @@ def verify_forward(model, cache: PagedKVCache, feature_layers: FeatureSpec,
     return model.logits(hidden), feats
 
 
+def prefill_forward(model, cache: PagedKVCache, feature_layers: FeatureSpec, inp: VerifyInputs | TreeVerifyInputs,
+                    last: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """A prefill's forward over static inputs (one chain per prompt at cache length 0) ->
+    (logits after each prompt [Bc, V] float32: node `last[r]` of row r, features [Bc, N, F] or
+    None). Only the last node of each row goes through the LM head."""
+    capture = feature_layers if isinstance(feature_layers, tuple) else ()
+    cache_batch, mask = inp.forward_args(cache)
+    hidden, aux = model(inp.token_ids, inp.positions, cache_batch, mask, capture)
+    feats = None if feature_layers is None else (hidden if feature_layers == "final" else aux)
+    h = hidden[torch.arange(hidden.shape[0], device=hidden.device), last]
+    return model.logits(h[:, None])[:, 0], feats
+
+
 @dataclass
 class _Captured:
     inputs: VerifyInputs | TreeVerifyInputs  # the buffers the graph reads
     graph: "torch.cuda.CUDAGraph | None"
     flat: torch.Tensor | None = None         # TreeVerifyInputs: the one buffer its fields view
+    last: torch.Tensor | None = None         # a prefill's: each row's last node [Bc]
 
 
 class VerifyGraphs:
     """Verify steps at bucketed static shapes, one CUDA graph per (Bc, N, S, feature spec),
     captured lazily on first use. With `graph=False` the same padded computation runs eagerly
     (the CPU-testable "static eager" path). `tree_attention`: the steps attend through the Triton
-    tree attention (TreeVerifyInputs, PagedTreeBatch); one graph per (Bc, N, feature spec)."""
+    tree attention (TreeVerifyInputs, PagedTreeBatch); one graph per (Bc, N, feature spec).
+
+    Prefills (`prefill`) run the same forward over one chain per prompt at cache length 0, with
+    graphs of their own: only each row's last node goes through the LM head, so a long chain
+    costs no [Bc, N, V] logits. Their outputs are shared by every prefill graph of one Bc (the
+    logits) and of one Bc x N (the features)."""
 
     def __init__(self, model, cache: PagedKVCache, graph: bool = True,
                  batch_buckets: tuple[int, ...] = BATCH_BUCKETS, tree_attention: bool = False):
@@ -158,16 +177,21 @@ class VerifyGraphs:
         self.pool = None                                   # one memory pool, made at the first capture
         self._captured: dict[tuple, _Captured] = {}
         self._outputs: dict[tuple, VerifyStep] = {}        # (Bc, N, feature spec) -> static outputs
+        self._prefills: dict[tuple, _Captured] = {}        # (Bc, N, S, feature spec) -> a prefill's graph
+        self._prefill_logits: dict[int, torch.Tensor] = {}           # Bc -> [Bc, V]
+        self._prefill_features: dict[tuple, torch.Tensor] = {}       # (Bc * N, feature spec) -> flat
 
     def supports(self, batch: int) -> bool:
         return batch_bucket(batch, self.batch_buckets) is not None
 
-    def warm_up(self, shapes: list[tuple], progress=None) -> None:
-        """Captures the graph of every (Bc, N, S, feature spec) in `shapes` not captured yet
-        (`verify_graph_shapes`), reporting "capturing CUDA graphs: i/total" to `progress`."""
-        todo = [key for key in shapes if key not in self._captured]
-        for i, (rows, n, span, layers) in enumerate(todo, 1):
-            self._capture(rows, n, span, layers)
+    def warm_up(self, shapes: list[tuple], progress=None, prefill_shapes: list[tuple] = ()) -> None:
+        """Captures the graph of every (Bc, N, S, feature spec) in `shapes` (verify steps,
+        `verify_graph_shapes`) and in `prefill_shapes` (prefills) not captured yet, reporting
+        "capturing CUDA graphs: i/total" to `progress`."""
+        todo = [(self._capture, key) for key in shapes if key not in self._captured]
+        todo += [(self._capture_prefill, key) for key in prefill_shapes if key not in self._prefills]
+        for i, (capture, key) in enumerate(todo, 1):
+            capture(*key)
             if progress is not None and (i == len(todo) or i % 10 == 0):
                 progress(f"capturing CUDA graphs: {i}/{len(todo)}")
 
@@ -181,13 +205,8 @@ class VerifyGraphs:
         b, n = token_ids.shape
         rows = batch_bucket(b, self.batch_buckets)
         assert rows is not None, f"batch {b} is past the largest bucket {self.batch_buckets[-1]}"
-        if self.tree_attention:  # the kernel reads each row's length on the device: no span bucket
-            span = None
-            flat = host_tree_inputs(self.cache, slots, cache_lens, token_ids, parents, node_valid, rows)
-            inp = None
-        else:
-            span = span_bucket(max(cache_lens) + n, self.cache.max_len)
-            inp = verify_inputs(self.cache, slots, cache_lens, token_ids, parents, node_valid, rows, span)
+        # The tree attention reads each row's length on the device: no span bucket.
+        span, flat, inp = self._inputs(slots, cache_lens, token_ids, parents, node_valid, rows)
         if not self.graph:
             if inp is None:
                 inp = tree_inputs_on(flat.to(self.device, non_blocking=True), rows, n, self.cache.host_tables.shape[1])
@@ -207,18 +226,92 @@ class VerifyGraphs:
         step.graph.replay()
         return self._outputs[(rows, n, feature_layers)].rows(b)
 
-    def _capture(self, rows: int, n: int, span: int | None, feature_layers: FeatureSpec) -> _Captured:
-        flat = None
+    def prefill(self, slots: list[int], token_ids: torch.Tensor, lens: list[int],
+                feature_layers: FeatureSpec) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """A prefill of B <= max bucket prompts, one chain each at cache length 0: token_ids
+        [B, N] the prompts padded to N nodes (the padding invalid), lens their lengths, the slots
+        reserved for N entries -> (logits after each prompt [B, V] float32, a copy; features
+        [B, N, F] or None, a view of the shared buffer, valid until the next prefill)."""
+        b, n = token_ids.shape
+        rows = batch_bucket(b, self.batch_buckets)
+        assert rows is not None, f"batch {b} is past the largest bucket {self.batch_buckets[-1]}"
+        parents = torch.arange(-1, n - 1).expand(b, n)
+        valid = torch.arange(n)[None, :] < torch.tensor(lens)[:, None]
+        last = torch.zeros(rows, dtype=torch.long, pin_memory=self.device.type == "cuda")
+        last[:b] = torch.tensor(lens) - 1
+        span, flat, inp = self._inputs(slots, [0] * b, token_ids, parents, valid, rows)
+        if not self.graph:
+            if inp is None:
+                inp = tree_inputs_on(flat.to(self.device), rows, n, self.cache.host_tables.shape[1])
+            logits, feats = prefill_forward(self.model, self.cache, feature_layers, inp, last.to(self.device))
+            return logits[:b], None if feats is None else feats[:b]
+        step = self._prefills.get((rows, n, span, feature_layers))
+        if step is None:
+            step = self._capture_prefill(rows, n, span, feature_layers)
+        if inp is None:
+            step.flat.copy_(flat, non_blocking=True)
+        else:
+            step.inputs.copy_(inp)
+        step.last.copy_(last, non_blocking=True)
+        step.graph.replay()
+        feats = None if feature_layers is None else self._prefill_features[(rows * n, feature_layers)]
+        return (self._prefill_logits[rows][:b].clone(),
+                None if feats is None else feats.view(rows, n, -1)[:b])
+
+    def _inputs(self, slots, cache_lens, token_ids, parents, node_valid, rows):
+        """-> (span bucket or None, packed host inputs or None, VerifyInputs or None): the tree
+        attention's packed inputs (span None), else the dense inputs at the span bucket."""
+        n = token_ids.shape[1]
+        if self.tree_attention:
+            return None, host_tree_inputs(self.cache, slots, cache_lens, token_ids, parents, node_valid, rows), None
+        span = span_bucket(max(cache_lens) + n, self.cache.max_len)
+        return span, None, verify_inputs(self.cache, slots, cache_lens, token_ids, parents, node_valid, rows, span)
+
+    def _padding(self, rows: int, n: int, span: int | None):
+        """(padding inputs, their packed buffer or None) of a (Bc, N, S) graph."""
         if span is None:
             flat = padding_tree_flat(self.cache, rows, n)
-            inputs = tree_inputs_on(flat, rows, n, self.cache.host_tables.shape[1])
-        else:
-            inputs = padding_inputs(self.cache, rows, n, span)
+            return tree_inputs_on(flat, rows, n, self.cache.host_tables.shape[1]), flat
+        return padding_inputs(self.cache, rows, n, span), None
+
+    def _feature_width(self, feature_layers: FeatureSpec) -> int:
+        if feature_layers is None:
+            return 0
+        return self.model.spec.hidden_size * (1 if feature_layers == "final" else len(feature_layers))
+
+    def _capture_prefill(self, rows: int, n: int, span: int | None, feature_layers: FeatureSpec) -> _Captured:
+        inputs, flat = self._padding(rows, n, span)
+        last = torch.zeros(rows, dtype=torch.long, device=self.device)
+        logits_out = self._prefill_logits.get(rows)
+        if logits_out is None:
+            logits_out = torch.empty(rows, self.model.spec.vocab_size, device=self.device)
+            self._prefill_logits[rows] = logits_out
+        feats_out = None
+        if feature_layers is not None:
+            feats_out = self._prefill_features.get((rows * n, feature_layers))
+            if feats_out is None:
+                feats_out = torch.empty(rows * n * self._feature_width(feature_layers),
+                                        dtype=next(self.model.parameters()).dtype, device=self.device)
+                self._prefill_features[(rows * n, feature_layers)] = feats_out
+
+        def body():
+            logits, feats = prefill_forward(self.model, self.cache, feature_layers, inputs, last)
+            logits_out.copy_(logits)
+            if feats is not None:
+                feats_out.view(feats.shape).copy_(feats)
+
+        if self.pool is None:
+            self.pool = torch.cuda.graph_pool_handle()
+        step = _Captured(inputs, capture_graph(body, self.pool, self.device), flat, last)
+        self._prefills[(rows, n, span, feature_layers)] = step
+        return step
+
+    def _capture(self, rows: int, n: int, span: int | None, feature_layers: FeatureSpec) -> _Captured:
+        inputs, flat = self._padding(rows, n, span)
         out = self._outputs.get((rows, n, feature_layers))
         if out is None:
             spec = self.model.spec
-            width = 0 if feature_layers is None else spec.hidden_size * (
-                1 if feature_layers == "final" else len(feature_layers))
+            width = self._feature_width(feature_layers)
             dtype = next(self.model.parameters()).dtype
             out = VerifyStep(torch.empty(rows, n, spec.vocab_size, device=self.device),
                              None if feature_layers is None else torch.empty(rows, n, width, dtype=dtype,

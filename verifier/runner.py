@@ -30,12 +30,14 @@ from verifier.hf_runner import FeatureSpec, HFRunner
 __all__ = ["FeatureSpec", "HFRunner", "NativeRunner", "load_runner"]
 
 
-# With CUDA graphs, prompts of at most GRAPHED_PREFILL_MAX tokens prefill through the graphed
-# verify step (a chain of at most 64 nodes) where the batch bucket times the chain length is at
-# most GRAPHED_PREFILL_ROWS (the graph's logits: 256 rows of a 128k vocabulary, 128 MiB);
-# longer prompts (and resumes past it) and larger batches prefill eagerly.
-GRAPHED_PREFILL_MAX = 64
-GRAPHED_PREFILL_ROWS = 256
+# With CUDA graphs, prompts of at most GRAPHED_PREFILL_MAX tokens prefill through a graph of the
+# verify forward (one chain per prompt, padded to a power of two nodes) where the batch bucket
+# times the chain length is at most GRAPHED_PREFILL_ROWS (the tokens of one forward; its features
+# buffer: 2,048 x 12,288 bf16 for an 8B EAGLE-3 target, 48 MiB); longer prompts (and resumes past
+# it) and larger batches prefill eagerly. On an H100 the 8B-shaped target prefills one prompt of
+# 128 tokens in 8 ms graphed and 34 ms eagerly (benchmarks/prefill_timing.py).
+GRAPHED_PREFILL_MAX = 512
+GRAPHED_PREFILL_ROWS = 2048
 
 
 class NativeRunner:
@@ -90,27 +92,36 @@ class NativeRunner:
         return self.cache.stats()
 
     def graph_shapes(self, widths: list[int]) -> list[tuple]:
-        """The verify graphs this runner replays for trees of N in `widths` (plain steps: 1) and
-        its graphed prefills (chains of 8..GRAPHED_PREFILL_MAX nodes), with and without features."""
+        """The verify graphs this runner replays for trees of N in `widths` (plain steps: 1), with
+        and without features."""
         from verifier.graphs import verify_graph_shapes
 
         if self.graphs is None:
             return []
         feats = [None] + ([self.feature_layers] if self.feature_layers is not None else [])
-        shapes = verify_graph_shapes(self.max_slots, list(widths) + [1], self.max_len, feats, self.triton_attention,
-                                     self.graphs.batch_buckets)
-        n = 8
-        while n <= min(GRAPHED_PREFILL_MAX, self.max_len):   # prefills: cache length 0, one span
+        return verify_graph_shapes(self.max_slots, list(widths) + [1], self.max_len, feats, self.triton_attention,
+                                   self.graphs.batch_buckets)
+
+    def prefill_graph_shapes(self) -> list[tuple]:
+        """The prefill graphs this runner replays (`_graphed_prefill_nodes`): chains of 8 to
+        GRAPHED_PREFILL_MAX nodes at every batch bucket up to max_slots's where the bucket times
+        the chain is at most GRAPHED_PREFILL_ROWS, with the runner's features."""
+        if self.graphs is None:
+            return []
+        top = batch_bucket(self.max_slots, self.graphs.batch_buckets)
+        rows = [r for r in self.graphs.batch_buckets if top is None or r <= top]
+        shapes, n = [], 8
+        while n <= min(GRAPHED_PREFILL_MAX, self.max_len):   # cache length 0: one span
             span = None if self.triton_attention else span_bucket(n, self.max_len)
-            shapes += [(r, n, span, self.feature_layers) for r, *_ in shapes if r * n <= GRAPHED_PREFILL_ROWS]
+            shapes += [(r, n, span, self.feature_layers) for r in rows if r * n <= GRAPHED_PREFILL_ROWS]
             n *= 2
-        return list(dict.fromkeys(shapes))
+        return shapes
 
     def warm_up(self, widths: list[int], progress=None) -> None:
-        """Captures every verify graph of `graph_shapes(widths)` now, so none is captured while
-        serving; nothing without CUDA graphs (the CPU)."""
+        """Captures every verify graph of `graph_shapes(widths)` and every prefill graph now, so
+        none is captured while serving; nothing without CUDA graphs (the CPU)."""
         if self.graphs is not None and self.graphs.graph:
-            self.graphs.warm_up(self.graph_shapes(widths), progress)
+            self.graphs.warm_up(self.graph_shapes(widths), progress, self.prefill_graph_shapes())
 
     def _features(self, hidden, aux):
         if self.feature_layers is None:
@@ -125,7 +136,8 @@ class NativeRunner:
         """-> (logits after each prompt [B, V], features per request [[P_b, F]] or None).
         With CUDA graphs, short prompts in small batches prefill as one chain each through the
         graphed verify step (`_prefill_graphed`); the others run eagerly."""
-        if self.graphs is not None and not self.batch_invariant and self._graphed_prefill_nodes(prompts):
+        if self.graphs is not None and not self.batch_invariant and self._padding_fits(
+                slots, self._graphed_prefill_nodes(prompts)):
             return self._prefill_graphed(slots, prompts)
         for slot, p in zip(slots, prompts):
             self.cache.reserve(slot, len(p))
@@ -163,13 +175,20 @@ class NativeRunner:
         fits = longest <= GRAPHED_PREFILL_MAX and n <= self.cache.max_len
         return n if fits and rows is not None and rows * n <= GRAPHED_PREFILL_ROWS else 0
 
+    def _padding_fits(self, slots: list[int], n: int) -> bool:
+        """Whether the pool holds `n` entries for each slot now (a graphed prefill's chains,
+        padding included, until it trims them): False for n = 0 (no graphed prefill), and where
+        the padding would take blocks a prompt alone would not need (a pool near full)."""
+        blocks = self.cache.blocks
+        return n > 0 and sum(blocks.missing(s, n) for s in slots) <= len(blocks.free)
+
     def _prefill_graphed(self, slots: list[int], prompts: list[list[int]]):
-        """`prefill` as a verify of one chain per prompt at cache length 0, padded to a power of
-        two nodes (the padding nodes invalid): node j is the prompt's token j at position j,
-        seeing tokens 0..j, its K/V written at entry j, as the eager prefill does; the padding's
-        entries lie past the prompt, where the next verify writes. One captured graph per
-        (batch bucket, node bucket) instead of an eager forward, which the host's kernel
-        launches make several times slower for short prompts."""
+        """`prefill` as one chain per prompt at cache length 0 through a prefill graph
+        (VerifyGraphs.prefill), padded to a power of two nodes (the padding nodes invalid): node
+        j is the prompt's token j at position j, seeing tokens 0..j, its K/V written at entry j,
+        as the eager prefill does; the padding's entries lie past the prompt, where the next
+        verify writes. One captured graph per (batch bucket, node bucket) instead of an eager
+        forward, which the host's kernel launches make several times slower."""
         b, lens = len(prompts), [len(p) for p in prompts]
         n = self._graphed_prefill_nodes(prompts)
         for slot in slots:
@@ -177,13 +196,12 @@ class NativeRunner:
         tokens = torch.zeros(b, n, dtype=torch.long)
         for i, p in enumerate(prompts):
             tokens[i, : len(p)] = torch.tensor(p, dtype=torch.long)
-        parents = torch.arange(-1, n - 1).expand(b, n)
-        valid = torch.arange(n)[None, :] < torch.tensor(lens)[:, None]
-        logits, feats, _ = self._step(slots, [0] * b, tokens, parents, valid)
-        # Copies: the graph's output buffers are the next verify's too.
-        last = logits[torch.arange(b, device=logits.device), torch.tensor(lens, device=logits.device) - 1]
+        logits, feats = self.graphs.prefill(slots, tokens, lens, self.feature_layers)
+        for slot, m in zip(slots, lens):   # the padding's blocks back to the pool (the next verify writes there)
+            self.cache.trim(slot, m)
+        # Copies: the graph's features buffer is the next prefill's too.
         per_req = None if feats is None else [feats[i, :m].clone() for i, m in enumerate(lens)]
-        return last, per_req
+        return logits, per_req
 
     chains_decode = True         # decode_greedy
 

@@ -1,5 +1,6 @@
-"""The verify graphs captured at start-up (NativeRunner.graph_shapes, verifier/graphs.py
-verify_graph_shapes) are the ones `VerifyGraphs.run` asks for; on the CPU warm-up captures nothing."""
+"""The graphs captured at start-up (NativeRunner.graph_shapes, verifier/graphs.py
+verify_graph_shapes; NativeRunner.prefill_graph_shapes) are the ones `VerifyGraphs.run` and
+`VerifyGraphs.prefill` ask for; on the CPU warm-up captures nothing."""
 
 import pytest
 import torch
@@ -34,7 +35,8 @@ def test_every_key_run_asks_for_is_warmed_up(feature_layers, monkeypatch):
         raise _Asked
 
     monkeypatch.setattr(VerifyGraphs, "_capture", capture)
-    shapes = set(runner.graph_shapes(widths))
+    monkeypatch.setattr(VerifyGraphs, "_capture_prefill", capture)
+    shapes = set(runner.graph_shapes(widths)) | set(runner.prefill_graph_shapes())
     engine = VerifierEngine(runner, 3, model.spec.vocab_size)
     for b in (1, 2, 3):
         for plen in (3, 9, 40, 150):

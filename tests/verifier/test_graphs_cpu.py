@@ -131,17 +131,19 @@ def test_cuda_graphs_need_cuda_and_the_native_runner(model):
         load_runner(DEMO, None, max_slots=1, max_len=32, force_hf=True, cuda_graphs=True)
 
 
-@pytest.mark.parametrize("lens", [(1,), (8, 9), (64, 3, 30), (65, 2)], ids=["1", "8-9", "64-3-30", "65-2"])
+@pytest.mark.parametrize("lens", [(1,), (8, 9), (64, 3, 30), (150, 2)], ids=["1", "8-9", "64-3-30", "150-2"])
 def test_prefill_through_the_verify_step_equals_eager(model, lens):
     """With graphs, short prompts prefill as one chain each through the verify step (here its
     static shape run eagerly): the last logits and every position's features as the eager
-    prefill's; a prompt past GRAPHED_PREFILL_MAX sends the batch eagerly (no step shape used)."""
+    prefill's; a batch whose padded chains pass GRAPHED_PREFILL_ROWS, or whose chain would pass
+    the cache, prefills eagerly."""
     g = torch.Generator().manual_seed(sum(lens))
     eager, static = _runners(model, AUX)
     prompts = [torch.randint(1, 4096, (m,), generator=g).tolist() for m in lens]
     slots = list(range(len(prompts)))
     (le, fe), (ls, fs) = eager.prefill(slots, prompts), static.prefill(slots, prompts)
-    assert static._graphed_prefill_nodes(prompts) == (0 if max(lens) > 64 else max(8, 1 << (max(lens) - 1).bit_length()))
+    n = max(8, 1 << (max(lens) - 1).bit_length())
+    assert static._graphed_prefill_nodes(prompts) == (0 if n > MAX_LEN else n)
     assert ls.shape == le.shape and [f.shape for f in fs] == [f.shape for f in fe]
     torch.testing.assert_close(ls, le, **ULPS)
     assert torch.equal(ls.argmax(-1), le.argmax(-1))
@@ -149,6 +151,42 @@ def test_prefill_through_the_verify_step_equals_eager(model, lens):
         torch.testing.assert_close(a, b, **ULPS)
     tokens, parents, valid = random_trees(g, len(prompts), 5)   # reads the prefill's K/V
     _compare(*[r.verify(slots, list(lens), tokens, parents, valid) for r in (eager, static)], valid)
+
+
+def test_prefill_past_the_rows_limit_runs_eagerly(model, monkeypatch):
+    """Three prompts of up to 64 tokens make a 4 x 64 chain batch: graphed under a limit of 256
+    rows, eager under one of 128, with the same logits and features."""
+    import verifier.runner as runner_module
+
+    g = torch.Generator().manual_seed(5)
+    prompts = [torch.randint(1, 4096, (m,), generator=g).tolist() for m in (64, 3, 30)]
+    eager, static = _runners(model, AUX)
+    monkeypatch.setattr(runner_module, "GRAPHED_PREFILL_ROWS", 256)
+    assert static._graphed_prefill_nodes(prompts) == 64
+    monkeypatch.setattr(runner_module, "GRAPHED_PREFILL_ROWS", 128)
+    assert static._graphed_prefill_nodes(prompts) == 0
+    (le, fe), (ls, fs) = eager.prefill([0, 1, 2], prompts), static.prefill([0, 1, 2], prompts)
+    assert torch.equal(ls, le) and all(torch.equal(a, b) for a, b in zip(fs, fe))
+
+
+def test_prefill_whose_padding_the_pool_cannot_hold_runs_eagerly(model):
+    """A pool of 3 blocks of 16 holds a 40-token prompt but not its 64-node padded chain: that
+    prefill runs eagerly, with the eager prefill's logits and features, and leaves the prompt's
+    blocks alone held; with room for the chain the graphed prefill returns the padding's blocks."""
+    g = torch.Generator().manual_seed(6)
+    prompt = torch.randint(1, 4096, (40,), generator=g).tolist()
+    eager = NativeRunner(model, AUX, max_slots=2, max_len=MAX_LEN, kv_blocks=3)
+    static = NativeRunner(model, AUX, max_slots=2, max_len=MAX_LEN, kv_blocks=3)
+    static.graphs = VerifyGraphs(model, static.cache, graph=False)
+    assert static._graphed_prefill_nodes([prompt]) == 64 and not static._padding_fits([0], 64)
+    (le, fe), (ls, fs) = eager.prefill([0], [prompt]), static.prefill([0], [prompt])
+    assert torch.equal(ls, le) and torch.equal(fs[0], fe[0])
+    assert static.cache.blocks.num_used == 3
+    roomy = NativeRunner(model, AUX, max_slots=2, max_len=MAX_LEN, kv_blocks=8)
+    roomy.graphs = VerifyGraphs(model, roomy.cache, graph=False)
+    (lr, fr) = roomy.prefill([0], [prompt])
+    torch.testing.assert_close(lr, le, **ULPS)
+    assert roomy.cache.blocks.num_used == 3
 
 
 def test_prefill_chain_longer_than_the_cache_runs_eagerly(model):

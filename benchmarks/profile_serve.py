@@ -1,0 +1,214 @@
+"""Where a served round goes: `spectandem serve` in this process, driven by `spectandem bench
+serve` (a separate process, over gRPC) at each `--concurrency`, with every thread's Python stack
+sampled while the measured run lasts.
+
+    python benchmarks/profile_serve.py --concurrency 16,64 -- --backend local --target T --draft H \
+        --benchmark-acceptance-rate 0.8
+
+Arguments after `--` are serve's. Per concurrency it prints bench serve's figures, and:
+- engines: for the in-process backend, the share of the measured wall time each engine spent
+  inside its calls, by kind (router/local_base.py busy_s: a verify's host preparation, its
+  forward and its results on the host);
+- threads: for each thread, the share of samples by (innermost project function, innermost
+  frame), the top `--top`; a thread waiting (the event loop in its selector, a worker on its
+  queue) shows where it waits. Samples are taken every `--interval-ms` (1 by default) with
+  sys._current_frames, which needs the interpreter lock: a thread that holds it for long is
+  sampled when it lets go, so shares are of lock turns rather than of time.
+- `--gpu-trace S`: on CUDA, S seconds of the measured run traced by torch.profiler (device
+  activity only) and summarized by benchmarks/gpu_gaps.py: how busy the GPU was.
+
+With `--learn` (controlled acceptance), one unmeasured pass over the prompts first lets the
+drafter learn each prompt's greedy continuation, as benchmarks/serve_matrix.py does.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from collections import Counter
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+PARTS = ("router", "drafter", "verifier", "spectandem", "benchmarks")
+
+
+def _project(filename: str) -> str | None:
+    try:
+        rel = Path(filename).resolve().relative_to(ROOT)
+    except ValueError:
+        return None
+    return str(rel) if rel.parts[0] in PARTS and rel.parts[:2] != ("spectandem", "v1") else None
+
+
+class StackSampler:
+    """Every `interval` seconds while `active()` holds, each other thread's (name, innermost
+    project function, innermost frame) counted."""
+
+    def __init__(self, interval: float, active):
+        self.interval, self.active = interval, active
+        self.counts: Counter = Counter()
+        self.samples = 0
+        self._on = threading.Event()
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="stack-sampler", daemon=True)
+        self._thread.start()
+
+    def _run(self) -> None:
+        me = threading.get_ident()
+        paths: dict[str, str | None] = {}
+        while not self._stop.is_set():
+            time.sleep(self.interval)
+            if not self._on.is_set() or not self.active():
+                continue
+            names = {t.ident: t.name for t in threading.enumerate()}
+            self.samples += 1
+            for ident, frame in sys._current_frames().items():
+                if ident == me:
+                    continue
+                leaf = f"{Path(frame.f_code.co_filename).name}:{frame.f_code.co_name}"
+                inner = "-"
+                f = frame
+                while f is not None:
+                    fn = f.f_code.co_filename
+                    if fn not in paths:
+                        paths[fn] = _project(fn)
+                    if paths[fn] is not None:
+                        inner = f"{paths[fn]}:{f.f_code.co_qualname}"
+                        break
+                    f = f.f_back
+                self.counts[(_thread_kind(names.get(ident, "?")), inner, leaf)] += 1
+
+    def start(self) -> None:
+        self.counts.clear()
+        self.samples = 0
+        self._on.set()
+
+    def pause(self) -> None:
+        self._on.clear()
+
+    def close(self) -> None:
+        self._stop.set()
+        self._thread.join()
+
+    def report(self, top: int) -> str:
+        by_thread: dict[str, Counter] = {}
+        for (thread, inner, leaf), n in self.counts.items():
+            by_thread.setdefault(thread, Counter())[(inner, leaf)] += n
+        lines = [f"  {self.samples} samples"]
+        for thread, c in sorted(by_thread.items(), key=lambda kv: -sum(kv[1].values())):
+            total = sum(c.values())
+            lines.append(f"  thread {thread}: {total} samples")
+            for (inner, leaf), n in c.most_common(top):
+                lines.append(f"    {100 * n / total:5.1f}%  {inner}  [{leaf}]")
+        return "\n".join(lines)
+
+
+def _thread_kind(name: str) -> str:
+    """A thread's name with pool indices dropped, so a pool's threads add up."""
+    return name.rstrip("0123456789").rstrip("_-") or name
+
+
+def _busy(state: dict) -> dict:
+    out = {}
+    for role in ("verifier", "drafter"):
+        link = state.get(role)
+        if link is not None and hasattr(link, "busy_s"):
+            out[role] = dict(link.busy_s)
+    return out
+
+
+def _bench(port: int, concurrency: int, num_prompts: int, max_tokens: int, out: Path, during=None) -> dict:
+    """One `spectandem bench serve` run; `during()` is called while it runs."""
+    argv = [sys.executable, "-m", "spectandem.cli", "bench", "serve", "--address", f"localhost:{port}",
+            "--max-concurrency", str(concurrency), "--num-prompts", str(num_prompts), "--max-tokens",
+            str(max_tokens), "--ignore-eos", "--result-file", str(out), "--no-progress"]
+    proc = subprocess.Popen(argv, cwd=ROOT, stdout=subprocess.DEVNULL)
+    if during is not None:
+        during()
+    if proc.wait() != 0:
+        raise RuntimeError(f"bench serve exited with {proc.returncode}")
+    return json.loads(out.read_text())
+
+
+def _device_trace(router, seconds: float, path: Path) -> str:
+    """A torch.profiler trace of the device only, `seconds` long from the first active request,
+    summarized by benchmarks/gpu_gaps.py."""
+    import torch
+
+    from benchmarks.gpu_gaps import summarize
+
+    while router.num_active == 0:
+        time.sleep(0.001)
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
+        time.sleep(seconds)
+    prof.export_chrome_trace(str(path))
+    return summarize(str(path), top=8)
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    ours, serve_args = (argv[:argv.index("--")], argv[argv.index("--") + 1:]) if "--" in argv else (argv, [])
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--concurrency", default="16", help="comma-separated (default: %(default)s)")
+    ap.add_argument("--prompts-per-slot", type=int, default=3, help="measured prompts per unit of concurrency (default: 3)")
+    ap.add_argument("--max-tokens", type=int, default=128, help="tokens per request (default: %(default)s)")
+    ap.add_argument("--interval-ms", type=float, default=1.0, help="sampling interval (default: %(default)s)")
+    ap.add_argument("--top", type=int, default=12, help="entries per thread (default: %(default)s)")
+    ap.add_argument("--learn", action="store_true", help="one unmeasured pass first (controlled acceptance)")
+    ap.add_argument("--gpu-trace", type=float, default=0.0, help="seconds of device trace per run (default: none)")
+    ap.add_argument("--out", help="write the report here too")
+    a = ap.parse_args(ours)
+
+    sys.path.insert(0, str(ROOT))
+    from tests.router.conftest import Served
+
+    concurrency = [int(x) for x in a.concurrency.split(",") if x]
+    work = Path(tempfile.mkdtemp(prefix="profile-serve-"))
+    served = Served(serve_args).wait_ready(600)
+    router = served.state["router"]
+    sampler = StackSampler(a.interval_ms / 1000, lambda: router.num_active > 0)
+    port = served.state["port"]
+    report = [f"serve {' '.join(serve_args)}"]
+    try:
+        if a.learn:
+            _bench(port, max(concurrency), a.prompts_per_slot * max(concurrency), a.max_tokens + 16, work / "learn.json")
+        for c in concurrency:
+            n = a.prompts_per_slot * c
+            _bench(port, c, c, a.max_tokens, work / f"warm-c{c}.json")   # graphs, auto's first picks
+            busy0 = _busy(served.state)
+            gpu = []
+            during = (lambda: gpu.append(_device_trace(router, a.gpu_trace, work / f"trace-c{c}.json"))
+                      if a.gpu_trace > 0 else None)
+            sampler.start()
+            res = _bench(port, c, n, a.max_tokens, work / f"c{c}.json", during)
+            wall = res["duration_s"]
+            sampler.pause()
+            busy1 = _busy(served.state)
+            report.append(f"\n== concurrency {c}: {res['output_throughput']:.1f} tok/s, ttft p50 {res['p50_ttft_ms']:.1f} ms, "
+                          f"tpot p50 {res['p50_tpot_ms']:.2f} ms, itl p50/p99 {res['p50_itl_ms']:.2f}/{res['p99_itl_ms']:.2f} ms, "
+                          f"accept {res.get('acceptance_length')}, {n} requests in {wall:.2f} s")
+            for role, after in busy1.items():
+                before = busy0.get(role, {})
+                parts = {k: after[k] - before.get(k, 0.0) for k in after if after[k] - before.get(k, 0.0) > 0}
+                report.append(f"  {role} busy {100 * sum(parts.values()) / wall:.1f}% of the wall: " +
+                              ", ".join(f"{k} {100 * v / wall:.1f}%" for k, v in sorted(parts.items(), key=lambda kv: -kv[1])))
+            report.append(sampler.report(a.top))
+            report += gpu
+            print("\n".join(report[-4:]), flush=True)
+    finally:
+        sampler.close()
+        served.close()
+    text = "\n".join(report) + "\n"
+    if a.out:
+        Path(a.out).write_text(text)
+    print(text)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
