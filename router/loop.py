@@ -97,6 +97,7 @@ class Router:
         self.drafter_up = drafter is not None
         self._wake = asyncio.Event()
         self._stopping = False   # stop(): the loop ends at its next turn even if the cancel is lost
+        self._verified = False   # whether this turn of the loop sent a verify (and so yielded)
         self._task: asyncio.Task | None = None
         self._watcher: asyncio.Task | None = None
         self._live: dict[str, ServedRequest] = {}   # request id -> the request using it (not yet done)
@@ -240,6 +241,7 @@ class Router:
                 await self._wake.wait()
                 if self._stopping:
                     return
+            self._verified = False
             try:
                 await self._let_arrivals_land()
                 await self._settle()
@@ -253,7 +255,11 @@ class Router:
                     self._finish_failure(r, Failure("INTERNAL", f"round failed: {exc}"))
                 await self._release(self.running)
                 self.running, self.waiting = [], []
-            await asyncio.sleep(0)
+            # A turn that verified yielded while the verifier worked. No yield here: the streams its
+            # commits woke write to their clients while the next round's verify is in flight, not
+            # before it is sent. A turn without a verify may not have yielded at all.
+            if not self._verified:
+                await asyncio.sleep(0)
 
     async def _let_arrivals_land(self) -> None:
         """Waits while a wave of new requests is still landing (ARRIVAL_GAP_S, ARRIVAL_WAIT_S)."""
@@ -575,6 +581,7 @@ class Router:
         plain = [PlainItem(r.tag(), r.tokens[-1], steps) for r in group if r not in drafted]
         # No features for a round of detached requests only: no drafter will catch up on them.
         want = self.cfg.want_features and (any(r.on_drafter for r in group) or not any(r.detached for r in group))
+        self._verified = True
         try:
             if launched is not None:
                 loop = asyncio.get_running_loop()

@@ -134,8 +134,21 @@ class NativeRunner:
     @torch.no_grad()
     def prefill(self, slots: list[int], prompts: list[list[int]]):
         """-> (logits after each prompt [B, V], features per request [[P_b, F]] or None).
-        With CUDA graphs, short prompts in small batches prefill as one chain each through the
-        graphed verify step (`_prefill_graphed`); the others run eagerly."""
+        With CUDA graphs, the prompts prefill in groups of one padded length (`prefill_groups`),
+        each as one chain per prompt through a prefill graph (`_prefill_graphed`) where it fits,
+        else eagerly; without, in one eager forward."""
+        if self.graphs is not None and not self.batch_invariant and len(prompts) > 1:
+            groups = prefill_groups([len(p) for p in prompts], self.graphs.batch_buckets)
+            if len(groups) > 1:
+                logits, feats = [None] * len(prompts), [None] * len(prompts)
+                for idx in groups:
+                    lg, fs = self._prefill_one_group([slots[i] for i in idx], [prompts[i] for i in idx])
+                    for j, i in enumerate(idx):
+                        logits[i], feats[i] = lg[j], None if fs is None else fs[j]
+                return torch.stack(logits), None if self.feature_layers is None else feats
+        return self._prefill_one_group(slots, prompts)
+
+    def _prefill_one_group(self, slots: list[int], prompts: list[list[int]]):
         if self.graphs is not None and not self.batch_invariant and self._padding_fits(
                 slots, self._graphed_prefill_nodes(prompts)):
             return self._prefill_graphed(slots, prompts)
@@ -328,6 +341,26 @@ class NativeRunner:
 
     def release(self, slot: int) -> None:
         self.cache.free(slot)
+
+
+def prefill_groups(lens: list[int], batch_buckets: tuple[int, ...]) -> list[list[int]]:
+    """The prompts of a graphed prefill (their lengths) in groups, as indices: one group per
+    padded length (8 to GRAPHED_PREFILL_MAX, powers of two), each cut into runs of at most the
+    largest batch bucket whose rows at that length stay within GRAPHED_PREFILL_ROWS; the prompts
+    past GRAPHED_PREFILL_MAX in one group (eager). A batch of mixed lengths pads each prompt to
+    its own group's length instead of the longest's, and each group fits one prefill graph.
+    Example: lens [100, 20, 300, 120], buckets (1, 2, 4, 8) -> [[1], [0, 3], [2]]."""
+    by_n: dict[int, list[int]] = {}
+    for i, m in enumerate(lens):
+        n = max(8, 1 << (m - 1).bit_length()) if m <= GRAPHED_PREFILL_MAX else 0
+        by_n.setdefault(n, []).append(i)
+    groups = []
+    for n in sorted(by_n, key=lambda n: n or float("inf")):
+        idx = by_n[n]
+        fit = [b for b in batch_buckets if b * n <= GRAPHED_PREFILL_ROWS]
+        size = max(fit) if n and fit else len(idx)
+        groups += [idx[k: k + size] for k in range(0, len(idx), size)]
+    return groups
 
 
 def _check_batch_invariant(device: torch.device, cuda_graphs: bool) -> None:

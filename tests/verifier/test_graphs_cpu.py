@@ -17,7 +17,7 @@ from spectandem.modeling.llama import load_llama
 from tests.verifier.random_trees import accepted_paths, random_trees
 from spectandem.cuda_graphs import batch_bucket, span_bucket
 from verifier.graphs import VerifyGraphs
-from verifier.runner import NativeRunner, load_runner
+from verifier.runner import NativeRunner, load_runner, prefill_groups
 
 DEMO = Path(__file__).resolve().parents[2] / "models" / "demo" / "target"
 AUX = (2, 4, 5)
@@ -107,8 +107,10 @@ def test_batches_past_the_largest_bucket_run_eagerly(model):
     g = torch.Generator().manual_seed(5)
     eager, static = _runners(model, "final", buckets=(1, 2))
     prompts = [torch.randint(1, 4096, (6 + i,), generator=g).tolist() for i in range(3)]
+    graphs, static.graphs = static.graphs, None   # the same eager prefill on both: the verify is compared
     for r in (eager, static):
         r.prefill([0, 1, 2], prompts)
+    static.graphs = graphs
     tokens, parents, valid = random_trees(g, 3, 5)
     (la, fa), (lb, fb) = [r.verify([0, 1, 2], [6, 7, 8], tokens, parents, valid) for r in (eager, static)]
     assert torch.equal(la, lb) and torch.equal(fa, fb)
@@ -153,20 +155,27 @@ def test_prefill_through_the_verify_step_equals_eager(model, lens):
     _compare(*[r.verify(slots, list(lens), tokens, parents, valid) for r in (eager, static)], valid)
 
 
-def test_prefill_past_the_rows_limit_runs_eagerly(model, monkeypatch):
-    """Three prompts of up to 64 tokens make a 4 x 64 chain batch: graphed under a limit of 256
-    rows, eager under one of 128, with the same logits and features."""
+def test_prefill_groups_pad_each_prompt_to_its_own_length():
+    assert prefill_groups([100, 20, 300, 120], (1, 2, 4, 8)) == [[1], [0, 3], [2]]
+    assert prefill_groups([600, 20, 700], (1, 2, 4, 8)) == [[1], [0, 2]]   # past GRAPHED_PREFILL_MAX: eager
+    assert [len(g) for g in prefill_groups([130] * 40, (1, 2, 4, 8, 16, 32, 64))] == [8] * 5   # 8 x 256 rows
+
+
+def test_prefill_past_the_rows_limit_is_cut_into_groups_that_fit(model, monkeypatch):
+    """Under a limit of 128 rows, three prompts that pad to 64 nodes prefill as a graphed group
+    of two and one of one, with the eager prefill's logits and features."""
     import verifier.runner as runner_module
 
-    g = torch.Generator().manual_seed(5)
-    prompts = [torch.randint(1, 4096, (m,), generator=g).tolist() for m in (64, 3, 30)]
-    eager, static = _runners(model, AUX)
-    monkeypatch.setattr(runner_module, "GRAPHED_PREFILL_ROWS", 256)
-    assert static._graphed_prefill_nodes(prompts) == 64
     monkeypatch.setattr(runner_module, "GRAPHED_PREFILL_ROWS", 128)
-    assert static._graphed_prefill_nodes(prompts) == 0
+    g = torch.Generator().manual_seed(5)
+    prompts = [torch.randint(1, 4096, (m,), generator=g).tolist() for m in (64, 60, 50)]
+    eager, static = _runners(model, AUX)
+    assert prefill_groups([64, 60, 50], static.graphs.batch_buckets) == [[0, 1], [2]]
+    assert static._graphed_prefill_nodes(prompts) == 0 and static._graphed_prefill_nodes(prompts[:2]) == 64
     (le, fe), (ls, fs) = eager.prefill([0, 1, 2], prompts), static.prefill([0, 1, 2], prompts)
-    assert torch.equal(ls, le) and all(torch.equal(a, b) for a, b in zip(fs, fe))
+    torch.testing.assert_close(ls, le, **ULPS)
+    for a, b in zip(fs, fe):
+        torch.testing.assert_close(a, b, **ULPS)
 
 
 def test_prefill_whose_padding_the_pool_cannot_hold_runs_eagerly(model):
