@@ -14,6 +14,9 @@ Arguments after `--` are serve's. Per concurrency it prints bench serve's figure
   queue) shows where it waits. Samples are taken every `--interval-ms` (1 by default) with
   sys._current_frames, which needs the interpreter lock: a thread that holds it for long is
   sampled when it lets go, so shares are of lock turns rather than of time.
+- router: the wall time inside each of the router's steps (router/loop.py: `_round`, `_draft`,
+  `_verify`, `_apply`, `_admit`, ...), as a share of the measured run; nested steps count in
+  their callers too, and an await's time includes the wait for the event loop to resume it;
 - `--gpu-trace S`: on CUDA, S seconds of the measured run traced by torch.profiler (device
   activity only) and summarized by benchmarks/gpu_gaps.py: how busy the GPU was.
 
@@ -113,6 +116,39 @@ def _thread_kind(name: str) -> str:
     return name.rstrip("0123456789").rstrip("_-") or name
 
 
+ROUTER_STEPS = ("_let_arrivals_land", "_settle", "_schedule", "_admit", "_prefill_verifier", "_drafter_prefill",
+                "_round", "_resync", "_draft", "_verify", "_apply", "_extend", "_draft_ahead", "_release",
+                "_commit")
+
+
+def _time_router(router) -> dict[str, float]:
+    """Wraps the router's steps (ROUTER_STEPS) on each replica's Router with timers -> their
+    accumulated seconds, by name (cleared by the caller)."""
+    import asyncio
+    import functools
+
+    acc: dict[str, float] = dict.fromkeys(ROUTER_STEPS, 0.0)
+    for r in getattr(router, "replicas", [router]):
+        for name in ROUTER_STEPS:
+            fn = getattr(r, name)
+            if asyncio.iscoroutinefunction(fn):
+                async def timed(*args, _fn=fn, _name=name, **kw):
+                    t0 = time.perf_counter()
+                    try:
+                        return await _fn(*args, **kw)
+                    finally:
+                        acc[_name] += time.perf_counter() - t0
+            else:
+                def timed(*args, _fn=fn, _name=name, **kw):
+                    t0 = time.perf_counter()
+                    try:
+                        return _fn(*args, **kw)
+                    finally:
+                        acc[_name] += time.perf_counter() - t0
+            setattr(r, name, functools.wraps(fn)(timed))
+    return acc
+
+
 def _busy(state: dict) -> dict:
     out = {}
     for role in ("verifier", "drafter"):
@@ -172,6 +208,7 @@ def main(argv: list[str] | None = None) -> int:
     served = Served(serve_args).wait_ready(600)
     router = served.state["router"]
     sampler = StackSampler(a.interval_ms / 1000, lambda: router.num_active > 0)
+    steps = _time_router(router)
     port = served.state["port"]
     report = [f"serve {' '.join(serve_args)}"]
     try:
@@ -185,6 +222,7 @@ def main(argv: list[str] | None = None) -> int:
             during = (lambda: gpu.append(_device_trace(router, a.gpu_trace, work / f"trace-c{c}.json"))
                       if a.gpu_trace > 0 else None)
             sampler.start()
+            steps.update(dict.fromkeys(steps, 0.0))
             res = _bench(port, c, n, a.max_tokens, work / f"c{c}.json", during)
             wall = res["duration_s"]
             sampler.pause()
@@ -197,6 +235,8 @@ def main(argv: list[str] | None = None) -> int:
                 parts = {k: after[k] - before.get(k, 0.0) for k in after if after[k] - before.get(k, 0.0) > 0}
                 report.append(f"  {role} busy {100 * sum(parts.values()) / wall:.1f}% of the wall: " +
                               ", ".join(f"{k} {100 * v / wall:.1f}%" for k, v in sorted(parts.items(), key=lambda kv: -kv[1])))
+            report.append("  router: " + ", ".join(f"{k.lstrip('_')} {100 * v / wall:.1f}%" for k, v in steps.items()
+                                                   if v > 0))
             report.append(sampler.report(a.top))
             report += gpu
             print("\n".join(report[-4:]), flush=True)
