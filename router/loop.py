@@ -98,9 +98,6 @@ class Router:
         self._wake = asyncio.Event()
         self._stopping = False   # stop(): the loop ends at its next turn even if the cancel is lost
         self._verified = False   # whether this turn of the loop sent a verify (and so yielded)
-        # Committed chunks not yet on their requests' queues (`_flush`): a round's chunks go out
-        # once the next verify is sent, so the streams they wake write while it runs.
-        self._held: list[tuple[asyncio.Queue, StreamEvent]] = []
         self._task: asyncio.Task | None = None
         self._watcher: asyncio.Task | None = None
         self._live: dict[str, ServedRequest] = {}   # request id -> the request using it (not yet done)
@@ -150,7 +147,6 @@ class Router:
                 await self._task
             except asyncio.CancelledError:
                 pass
-        self._flush()
         for r in self.waiting + self.running:
             self._finish_failure(r, Failure("UNAVAILABLE", "the server is shutting down"))
         try:
@@ -229,7 +225,6 @@ class Router:
             self.counters.requests_cancelled += 1
             self._emit("cancelled", req)
             self._ended(req, RequestStatus.CANCELLED)
-            self._held = [(q, ev) for q, ev in self._held if q is not req.events]   # nothing more for it
             req.events.put_nowait(StreamEvent([], "", finish_reason="abort", stats=req.stats()))
             self._wake.set()
 
@@ -242,7 +237,6 @@ class Router:
     async def _loop(self) -> None:
         while not self._stopping:
             if not self.waiting and not self.running and not self._releases_due():
-                self._flush()
                 self._wake.clear()
                 await self._wake.wait()
                 if self._stopping:
@@ -261,11 +255,10 @@ class Router:
                     self._finish_failure(r, Failure("INTERNAL", f"round failed: {exc}"))
                 await self._release(self.running)
                 self.running, self.waiting = [], []
-            # A turn that verified yielded while the verifier worked, and its chunks go out when the
-            # next verify is sent (`_verify`). A turn without a verify sends them now, and may not
-            # have yielded at all.
+            # A turn that verified yielded while the verifier worked. No yield here: the streams its
+            # commits woke write to their clients while the next round's verify is in flight, not
+            # before it is sent. A turn without a verify may not have yielded at all.
             if not self._verified:
-                self._flush()
                 await asyncio.sleep(0)
 
     async def _let_arrivals_land(self) -> None:
@@ -589,7 +582,6 @@ class Router:
         # No features for a round of detached requests only: no drafter will catch up on them.
         want = self.cfg.want_features and (any(r.on_drafter for r in group) or not any(r.detached for r in group))
         self._verified = True
-        self._flush()   # the streams woken here write once this coroutine waits, the verify sent
         try:
             if launched is not None:
                 loop = asyncio.get_running_loop()
@@ -726,28 +718,21 @@ class Router:
         first = r.num_rounds == 0 and len(r.tokens) == len(new)
         self._emit("tokens", r, {"count": len(new), "first": first})
         if reason is None:
-            self._held.append((r.events, StreamEvent(new, text, prompt_tokens=len(r.prompt_ids) if first else 0)))
+            r.events.put_nowait(StreamEvent(new, text, prompt_tokens=len(r.prompt_ids) if first else 0))
             return True
         text += r.detok.flush()
         self._ended(r, RequestStatus.FINISHED)
         self.counters.requests_finished += 1
         self._emit("finished", r, reason)
-        self._held.append((r.events, StreamEvent(new, text, finish_reason=reason, stats=r.stats(),
-                                                 prompt_tokens=len(r.prompt_ids) if first else 0)))
+        r.events.put_nowait(StreamEvent(new, text, finish_reason=reason, stats=r.stats(),
+                                  prompt_tokens=len(r.prompt_ids) if first else 0))
         return False
-
-    def _flush(self) -> None:
-        """Puts the held chunks on their requests' queues, in commit order."""
-        held, self._held = self._held, []
-        for queue, event in held:
-            queue.put_nowait(event)
 
     def _finish_failure(self, r: ServedRequest, failure: Failure) -> None:
         if not r.done:
             self.counters.requests_failed += 1
             self._emit("failed", r, failure.code)
             self._ended(r, RequestStatus.FAILED)
-            self._flush()   # its chunks before its failure
             r.events.put_nowait(failure)
 
     # ---------------------------------------------------------------- engine failures and releases
