@@ -19,9 +19,8 @@ import torch
 from torch import nn
 
 from spectandem.kv_cache import CacheBatch
-from spectandem.modeling.layers import (GatedMLP, PackedProjections, RMSNorm, RopeSpec, Rotary, apply_rotary,
-                                        masked_attention)
-from spectandem.modeling.ops import TORCH_OPS, ModelOps, twin_under
+from spectandem.modeling.layers import GatedMLP, PackedProjections, RMSNorm, RopeSpec, Rotary
+from spectandem.modeling.ops import TORCH_OPS, ModelOps, gather_rows, twin_under
 
 
 @dataclass(frozen=True)
@@ -70,30 +69,8 @@ class _HeadAttention(PackedProjections):
 
     def forward(self, x, cos, sin, rows, cache: CacheBatch, mask, ops: ModelOps):
         """x [B, T, D] (every input row: K/V for each); rows [B, Tq] the query rows, or None for
-        all T in order; cos/sin [B, T, hd]; mask [B, Tq, span]."""
-        b, t, _ = x.shape
-        if ops.packed:
-            # One GEMM over every row (q of the rows that are no query rows is computed and dropped:
-            # at a few rows the GEMM's time is its weight read, the same for 1 row as for 16); the
-            # rotated K/V written and the attention read in place on the paged cache.
-            q, k, v = ops.project(self, x)
-            q = cache.write_rotary(0, q.view(b, t, self.num_heads, self.head_dim).transpose(1, 2),
-                                   k.view(b, t, self.num_kv_heads, self.head_dim).transpose(1, 2),
-                                   v.view(b, t, self.num_kv_heads, self.head_dim).transpose(1, 2), cos, sin)
-            if rows is not None:
-                q = q.gather(2, rows[:, None, :, None].expand(-1, self.num_heads, -1, self.head_dim))
-            out = cache.attend_rows(0, q, mask, self.head_dim ** -0.5)
-            return ops.linear(self.o_proj, out)
-        # The torch reference: q of the query rows only, K/V of every row.
-        x_q = x if rows is None else _gather_rows(x, rows)
-        cos_q, sin_q = (cos, sin) if rows is None else (_gather_rows(cos, rows), _gather_rows(sin, rows))
-        tq = x_q.shape[1]
-        q = ops.linear(self.q_proj, x_q).view(b, tq, self.num_heads, self.head_dim).transpose(1, 2)
-        k = ops.linear(self.k_proj, x).view(b, t, self.num_kv_heads, self.head_dim).transpose(1, 2)
-        v = ops.linear(self.v_proj, x).view(b, t, self.num_kv_heads, self.head_dim).transpose(1, 2)
-        q, k = apply_rotary(q, cos_q, sin_q), apply_rotary(k, cos, sin)
-        k_all, v_all = cache.update(0, k, v)
-        return ops.linear(self.o_proj, masked_attention(q, k_all, v_all, mask, self.head_dim ** -0.5))
+        all T in order; cos/sin [B, T, hd]; mask [B, Tq, span] -> [B, Tq, D]."""
+        return ops.query_rows_attention(self, x, cos, sin, rows, cache, mask, self.head_dim ** -0.5)
 
 
 class _Layer(nn.Module):
@@ -105,11 +82,6 @@ class _Layer(nn.Module):
         if input_norms:  # EAGLE-3: one norm for the embedding, one for the hidden
             self.input_layernorm = RMSNorm(spec.hidden_size, spec.rms_norm_eps)
             self.hidden_norm = RMSNorm(spec.hidden_size, spec.rms_norm_eps)
-
-
-def _gather_rows(x: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
-    """x [B, T, D], rows [B, Tq] -> [B, Tq, D]."""
-    return x.gather(1, rows[..., None].expand(-1, -1, x.shape[-1]))
 
 
 class DraftHead(nn.Module):
@@ -167,7 +139,7 @@ class DraftHead(nn.Module):
         if query_rows.shape[1] == token_ids.shape[1]:   # every row (see above): no gathers
             rows, res_q = None, residual
         else:
-            rows, res_q = query_rows, _gather_rows(residual, query_rows)
+            rows, res_q = query_rows, gather_rows(residual, query_rows)
         a = res_q + layer.self_attn(x, cos, sin, rows, cache, mask, ops)
         out = a + ops.mlp(layer.mlp, ops.norm(layer.post_attention_layernorm, a))
         assert out.shape == (token_ids.shape[0], query_rows.shape[1], self.spec.hidden_size)

@@ -7,7 +7,8 @@ that has more than one implementation. Three backends:
   and the SiLU product through the fused Triton kernels of spectandem/kernels/fused.py and
   rotary.py (the same bits as the torch code; the torch code off CUDA), the q/k/v and gate/up
   projections as one GEMM each over packed weights, and the projections through `fast_linear`
-  (the skinny GEMM at a few rows). The packed GEMM may differ from separate ones in the last bits.
+  (the skinny GEMM at a few rows); the draft head's attention writes its rotated K/V and reads
+  them in place on the paged cache. The packed GEMM may differ from separate ones in the last bits.
 - `INVARIANT_OPS`: the batch-invariant kernels of spectandem/kernels/batch_invariant.py, where a
   row's result depends on its own token, position and keys only (the verifier's
   `--batch-invariant`); its cache view is a `spectandem.modeling.llama.InvariantBatch`.
@@ -24,7 +25,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from spectandem.modeling.layers import GatedMLP, PackedProjections, RMSNorm, apply_rotary, fast_linear
+from spectandem.modeling.layers import GatedMLP, PackedProjections, RMSNorm, apply_rotary, fast_linear, masked_attention
 
 
 class ModelOps:
@@ -68,6 +69,22 @@ class ModelOps:
         (None where the view carries its own) -> [B, T, nh * hd]."""
         q, k = self.rotary(q, k, cos, sin)
         return cache.attend(layer, q, k, v, mask, scale)
+
+    def query_rows_attention(self, attn, x, cos, sin, rows, cache, mask, scale: float) -> torch.Tensor:
+        """The attention of a draft head (drafter/heads.py, whose `attn` has q/k/v/o_proj,
+        num_heads, num_kv_heads, head_dim): every row of x [B, T, D] written to the cache view,
+        queries at `rows` [B, Tq] (None: all T in order), mask [B, Tq, span] -> [B, Tq, D].
+        Here q of the query rows only, K/V of every row."""
+        b, t, _ = x.shape
+        x_q = x if rows is None else gather_rows(x, rows)
+        cos_q, sin_q = (cos, sin) if rows is None else (gather_rows(cos, rows), gather_rows(sin, rows))
+        tq, hd = x_q.shape[1], attn.head_dim
+        q = self.linear(attn.q_proj, x_q).view(b, tq, attn.num_heads, hd).transpose(1, 2)
+        k = self.linear(attn.k_proj, x).view(b, t, attn.num_kv_heads, hd).transpose(1, 2)
+        v = self.linear(attn.v_proj, x).view(b, t, attn.num_kv_heads, hd).transpose(1, 2)
+        q, k = apply_rotary(q, cos_q, sin_q), apply_rotary(k, cos, sin)
+        k_all, v_all = cache.update(0, k, v)
+        return self.linear(attn.o_proj, masked_attention(q, k_all, v_all, mask, scale))
 
     def logits(self, lm_head: nn.Linear, hidden: torch.Tensor) -> torch.Tensor:
         return self.linear(lm_head, hidden).float()
@@ -115,6 +132,19 @@ class FusedOps(ModelOps):
         # its kernel does both (the paged tree batch), the rotary kernel then `attend` elsewhere.
         return cache.attend_rotary(layer, q, k, v, cos, sin, mask, scale)
 
+    def query_rows_attention(self, attn, x, cos, sin, rows, cache, mask, scale):
+        # One GEMM over every row (q of the rows that are no query rows is computed and dropped:
+        # at a few rows the GEMM's time is its weight read, the same for 1 row as for 16); the
+        # rotated K/V written and the attention read in place on the paged cache.
+        b, t, _ = x.shape
+        nh, nkv, hd = attn.num_heads, attn.num_kv_heads, attn.head_dim
+        q, k, v = self.project(attn, x)
+        q = cache.write_rotary(0, q.view(b, t, nh, hd).transpose(1, 2), k.view(b, t, nkv, hd).transpose(1, 2),
+                               v.view(b, t, nkv, hd).transpose(1, 2), cos, sin)
+        if rows is not None:
+            q = q.gather(2, rows[:, None, :, None].expand(-1, nh, -1, hd))
+        return self.linear(attn.o_proj, cache.attend_rows(0, q, mask, scale))
+
 
 class InvariantOps(ModelOps):
     name = "invariant"
@@ -131,6 +161,11 @@ class InvariantOps(ModelOps):
 
     def head_norm(self, norm, x):
         return self.norm(norm, x)
+
+
+def gather_rows(x: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
+    """x [B, T, D], rows [B, Tq] -> [B, Tq, D]."""
+    return x.gather(1, rows[..., None].expand(-1, -1, x.shape[-1]))
 
 
 def twin_under(model: nn.Module, ops: ModelOps) -> nn.Module:
