@@ -255,9 +255,10 @@ class Router:
                     self._finish_failure(r, Failure("INTERNAL", f"round failed: {exc}"))
                 await self._release(self.running)
                 self.running, self.waiting = [], []
-            # A turn that verified yielded while the verifier worked. No yield here: the streams its
-            # commits woke write to their clients while the next round's verify is in flight, not
-            # before it is sent. A turn without a verify may not have yielded at all.
+            # A turn that verified yielded while the verifier worked. No yield here: where the next
+            # turn calls no engine before its verify, the streams this turn's commits woke write
+            # to their clients while that verify is in flight, not before it is sent. A turn
+            # without a verify may not have yielded at all.
             if not self._verified:
                 await asyncio.sleep(0)
 
