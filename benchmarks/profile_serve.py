@@ -27,8 +27,6 @@ drafter learn each prompt's greedy continuation, as benchmarks/serve_matrix.py d
 from __future__ import annotations
 
 import argparse
-import json
-import subprocess
 import sys
 import tempfile
 import threading
@@ -37,15 +35,14 @@ from collections import Counter
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
-PARTS = ("router", "drafter", "verifier", "spectandem", "benchmarks")
+sys.path.insert(0, str(ROOT))
+
+from benchmarks.request_path import PARTS, project_file  # noqa: E402  (after the path: run as a script)
+from benchmarks.serve_matrix import bench_serve  # noqa: E402
 
 
 def _project(filename: str) -> str | None:
-    try:
-        rel = Path(filename).resolve().relative_to(ROOT)
-    except ValueError:
-        return None
-    return str(rel) if rel.parts[0] in PARTS and rel.parts[:2] != ("spectandem", "v1") else None
+    return project_file(filename, PARTS + ("benchmarks",))
 
 
 class StackSampler:
@@ -159,16 +156,8 @@ def _busy(state: dict) -> dict:
 
 
 def _bench(port: int, concurrency: int, num_prompts: int, max_tokens: int, out: Path, during=None) -> dict:
-    """One `spectandem bench serve` run; `during()` is called while it runs."""
-    argv = [sys.executable, "-m", "spectandem.cli", "bench", "serve", "--address", f"localhost:{port}",
-            "--max-concurrency", str(concurrency), "--num-prompts", str(num_prompts), "--max-tokens",
-            str(max_tokens), "--ignore-eos", "--result-file", str(out), "--no-progress"]
-    proc = subprocess.Popen(argv, cwd=ROOT, stdout=subprocess.DEVNULL)
-    if during is not None:
-        during()
-    if proc.wait() != 0:
-        raise RuntimeError(f"bench serve exited with {proc.returncode}")
-    return json.loads(out.read_text())
+    """One `spectandem bench serve` run (benchmarks/serve_matrix.py), no warm-up requests."""
+    return bench_serve(port, concurrency, num_prompts, max_tokens, 0, None, out, during)
 
 
 def _device_trace(router, seconds: float, path: Path) -> str:
@@ -200,7 +189,6 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--out", help="write the report here too")
     a = ap.parse_args(ours)
 
-    sys.path.insert(0, str(ROOT))
     from tests.router.conftest import Served
 
     concurrency = [int(x) for x in a.concurrency.split(",") if x]

@@ -29,13 +29,14 @@ ROOT = Path(__file__).resolve().parents[1]
 PARTS = ("router", "drafter", "verifier", "spectandem")
 
 
-def _project_file(filename: str) -> str | None:
-    """The path relative to the repository of a project source file; None for anything else."""
+def project_file(filename: str, parts: tuple[str, ...] = PARTS) -> str | None:
+    """The path relative to the repository of a source file under one of `parts` (the generated
+    stubs left out); None for anything else."""
     try:
         rel = Path(filename).resolve().relative_to(ROOT)
     except ValueError:
         return None
-    if rel.parts[0] not in PARTS or rel.parts[:2] == ("spectandem", "v1"):
+    if rel.parts[0] not in parts or rel.parts[:2] == ("spectandem", "v1"):
         return None
     return str(rel)
 
@@ -62,7 +63,7 @@ def main(argv: list[str] | None = None) -> int:
 
     def hook(frame, event, arg):
         if event == "call" and tracing.is_set():
-            path = _project_file(frame.f_code.co_filename)
+            path = project_file(frame.f_code.co_filename)
             if path is None:
                 return
             if not a.main_path:
@@ -70,7 +71,7 @@ def main(argv: list[str] | None = None) -> int:
             elif (path, frame.f_code.co_qualname) in LANDMARKS:
                 f = frame
                 while f is not None:
-                    p = _project_file(f.f_code.co_filename)
+                    p = project_file(f.f_code.co_filename)
                     if p is not None:
                         calls[p].add(f.f_code.co_qualname)
                     f = f.f_back

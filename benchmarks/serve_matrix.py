@@ -191,15 +191,25 @@ class Server:
 
 
 def bench_serve(port: int, concurrency: int, num_prompts: int, max_tokens: int, warmups: int, dataset: str | None,
-                out: Path) -> dict:
-    """One `spectandem bench serve` run over gRPC -> its JSON (outputs saved)."""
+                out: Path, during=None) -> dict:
+    """One `spectandem bench serve` run over gRPC -> its JSON (outputs saved); `during()`, when
+    given, is called while it runs."""
     argv = [sys.executable, "-m", "spectandem.cli", "bench", "serve", "--address", f"localhost:{port}",
             "--max-concurrency", str(concurrency), "--num-prompts", str(num_prompts), "--max-tokens",
             str(max_tokens), "--ignore-eos", "--num-warmups", str(warmups), "--save-outputs",
             "--result-file", str(out)] + (["--dataset", dataset] if dataset else [])
-    done = subprocess.run(argv, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, timeout=1800)
-    if done.returncode != 0:
-        raise RuntimeError(f"bench serve failed ({done.returncode}): {shlex.join(argv)}\n{done.stdout[-3000:]}")
+    with tempfile.TemporaryFile("w+") as log:
+        proc = subprocess.Popen(argv, cwd=ROOT, stdout=log, stderr=subprocess.STDOUT, text=True)
+        try:
+            if during is not None:
+                during()
+            proc.wait(1800)
+        finally:
+            if proc.poll() is None:
+                proc.kill()
+        if proc.returncode != 0:
+            log.seek(0)
+            raise RuntimeError(f"bench serve failed ({proc.returncode}): {shlex.join(argv)}\n{log.read()[-3000:]}")
     return json.loads(out.read_text())
 
 

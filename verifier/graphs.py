@@ -124,14 +124,20 @@ class VerifyStep:
                           self.argmax[:b].clone())
 
 
-def verify_forward(model, cache: PagedKVCache, feature_layers: FeatureSpec,
-                   inp: VerifyInputs | TreeVerifyInputs) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """The verify forward over static inputs -> (logits [Bc, N, V] float32, features or None).
-    Features: None, "final" (hidden after the final norm) or HF hidden-state indices (aux)."""
+def _hidden(model, cache: PagedKVCache, feature_layers: FeatureSpec,
+            inp: VerifyInputs | TreeVerifyInputs) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """The target's forward over static inputs -> (hidden after the final norm [Bc, N, H],
+    features or None). Features: None, "final" (that hidden) or HF hidden-state indices (aux)."""
     capture = feature_layers if isinstance(feature_layers, tuple) else ()
     cache_batch, mask = inp.forward_args(cache)
     hidden, aux = model(inp.token_ids, inp.positions, cache_batch, mask, capture)
-    feats = None if feature_layers is None else (hidden if feature_layers == "final" else aux)
+    return hidden, None if feature_layers is None else (hidden if feature_layers == "final" else aux)
+
+
+def verify_forward(model, cache: PagedKVCache, feature_layers: FeatureSpec,
+                   inp: VerifyInputs | TreeVerifyInputs) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """The verify forward over static inputs -> (logits [Bc, N, V] float32, features or None)."""
+    hidden, feats = _hidden(model, cache, feature_layers, inp)
     return model.logits(hidden), feats
 
 
@@ -140,10 +146,7 @@ def prefill_forward(model, cache: PagedKVCache, feature_layers: FeatureSpec, inp
     """A prefill's forward over static inputs (one chain per prompt at cache length 0) ->
     (logits after each prompt [Bc, V] float32: node `last[r]` of row r, features [Bc, N, F] or
     None). Only the last node of each row goes through the LM head."""
-    capture = feature_layers if isinstance(feature_layers, tuple) else ()
-    cache_batch, mask = inp.forward_args(cache)
-    hidden, aux = model(inp.token_ids, inp.positions, cache_batch, mask, capture)
-    feats = None if feature_layers is None else (hidden if feature_layers == "final" else aux)
+    hidden, feats = _hidden(model, cache, feature_layers, inp)
     h = hidden[torch.arange(hidden.shape[0], device=hidden.device), last]
     return model.logits(h[:, None])[:, 0], feats
 
