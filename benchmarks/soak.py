@@ -610,6 +610,22 @@ def verifier_windows(faults: list[FaultEvent], t_end: float) -> list[tuple[float
     return out
 
 
+DEADLINE_SLACK_S = 0.05   # how far before its deadline a client's DEADLINE_EXCEEDED may be reported
+
+
+def finished_at_deadline(rec: Record, p: Planned) -> bool:
+    """Whether a short-deadline stream got its finish chunk before the deadline and its status
+    after it: the server sends the last chunk and then the status, and a deadline that expires
+    between the two makes grpc report DEADLINE_EXCEEDED for a request that completed. The finish
+    must be the stream's last chunk, received before the deadline, and the status must come at the
+    deadline (a DEADLINE_EXCEEDED earlier than that would be the server's, and is not this)."""
+    if rec.code != "DEADLINE_EXCEEDED" or not p.short_deadline or len(rec.finishes) != 1 or rec.unary:
+        return False
+    n = rec.finishes[0][0]
+    return (n == len(rec.chunks) - 1 and rec.chunk_times[n] - rec.t_start <= p.timeout
+            and rec.t_end - rec.t_start >= p.timeout - DEADLINE_SLACK_S)
+
+
 def check(plan: list[Planned], records: list[Record], refs: dict, faults: list[FaultEvent], end: dict | None,
           baseline: dict | None, t_end: float | None = None, drafter_timeout: float = 2.0) -> dict:
     """The invariants over what the run recorded -> {"violations": [...], figures}. Pure: the unit
@@ -620,7 +636,7 @@ def check(plan: list[Planned], records: list[Record], refs: dict, faults: list[F
     by_code: dict[str, int] = {}
     fig = dict(sent=len(records), completed=0, failed=0, client_cancelled=0, deadline_exceeded=0,
                wrong_tokens=0, repeated_chunks=0, taken_back_chunks=0, hung=0, stuck=0, unexplained_failures=0,
-               checked_completions=0, unchecked_completions=0, fallback_rounds=0)
+               checked_completions=0, unchecked_completions=0, fallback_rounds=0, finished_at_deadline=0)
 
     def bad(inv: str, p: Planned, what: str):
         violations.append({"invariant": inv, "idx": p.idx, "kind": p.kind, "request_id": p.request_id, "what": what})
@@ -629,32 +645,36 @@ def check(plan: list[Planned], records: list[Record], refs: dict, faults: list[F
         p = plan[rec.idx]
         exp = expected_for(p, refs)
         toks = rec.tokens
+        code = rec.code
+        if finished_at_deadline(rec, p):   # one end: the finish; the status lost the race with the deadline
+            fig["finished_at_deadline"] += 1
+            code = ""
         # ---- terminal: exactly one end
-        ends = len(rec.finishes) + bool(rec.code) + rec.client_cancelled + rec.hung
+        ends = len(rec.finishes) + bool(code) + rec.client_cancelled + rec.hung
         if rec.hung:
             fig["hung"] += 1
             bad("terminal", p, f"still open {p.timeout + 30:.0f} s after it was sent (timeout {p.timeout} s)")
         elif ends == 0:
             bad("terminal", p, f"stream closed without a finish reason or an error after {len(toks)} tokens")
         elif ends > 1:
-            bad("terminal", p, f"{ends} terminal states: finishes {rec.finishes}, code {rec.code or '-'}, "
+            bad("terminal", p, f"{ends} terminal states: finishes {rec.finishes}, code {code or '-'}, "
                                f"cancelled {rec.client_cancelled}")
         if rec.finishes and rec.finishes[0][0] != len(rec.chunks) - 1:
             bad("stream", p, f"{len(rec.chunks) - 1 - rec.finishes[0][0]} chunk(s) after the finish chunk")
-        if rec.code:
-            by_code[rec.code] = by_code.get(rec.code, 0) + 1
+        if code:
+            by_code[code] = by_code.get(code, 0) + 1
             fig["failed"] += 1
-            explained = ((rec.code == "UNAVAILABLE" and _overlaps(rec, vwin))
-                         or (rec.code == "DEADLINE_EXCEEDED" and p.short_deadline)
-                         or (rec.code in EXPLAINED_DUP_CODES and p.kind == "dup_id"))
-            if rec.code == "DEADLINE_EXCEEDED":
+            explained = ((code == "UNAVAILABLE" and _overlaps(rec, vwin))
+                         or (code == "DEADLINE_EXCEEDED" and p.short_deadline)
+                         or (code in EXPLAINED_DUP_CODES and p.kind == "dup_id"))
+            if code == "DEADLINE_EXCEEDED":
                 fig["deadline_exceeded"] += 1
             if not explained:
                 fig["unexplained_failures"] += 1
-                if rec.code == "DEADLINE_EXCEEDED":
+                if code == "DEADLINE_EXCEEDED":
                     fig["stuck"] += 1
-                bad("terminal", p, ("stuck: " if rec.code == "DEADLINE_EXCEEDED" else "")
-                    + f"{rec.code} not explained by a fault ({rec.details!r}; "
+                bad("terminal", p, ("stuck: " if code == "DEADLINE_EXCEEDED" else "")
+                    + f"{code} not explained by a fault ({rec.details!r}; "
                                    f"{rec.t_start:.1f}-{rec.t_end:.1f} s, {len(toks)} tokens)")
         elif rec.client_cancelled:
             fig["client_cancelled"] += 1
@@ -684,7 +704,7 @@ def check(plan: list[Planned], records: list[Record], refs: dict, faults: list[F
                     break
                 seen += chunk
             # ---- tokens: exact for completions, prefix for the others
-            done = bool(rec.finishes) and not rec.code and not rec.client_cancelled
+            done = bool(rec.finishes) and not code and not rec.client_cancelled
             if done:
                 fig["checked_completions"] += 1
             if (done and toks != exp) or (not done and toks != exp[:len(toks)]):
@@ -692,7 +712,7 @@ def check(plan: list[Planned], records: list[Record], refs: dict, faults: list[F
                 first = next((i for i, (a, b) in enumerate(zip(toks, exp)) if a != b), min(len(toks), len(exp)))
                 bad("tokens", p, f"{'completed' if done else 'partial'} tokens differ from the reference at "
                                  f"position {first} ({len(toks)} tokens, reference {len(exp)})")
-        elif rec.finishes and not rec.code:
+        elif rec.finishes and not code:
             fig["unchecked_completions"] += 1
     # ---- stuck rounds: while an engine is stopped past the drafter timeout, requests must still
     # make progress when it is the drafter (rounds go on without it)
@@ -820,6 +840,7 @@ def summary(fig: dict) -> str:
             ("unexplained failures", fig["unexplained_failures"]),
             ("cancelled by the client", fig["client_cancelled"]),
             ("deadline exceeded", fig["deadline_exceeded"]),
+            ("finished, then DEADLINE_EXCEEDED at the deadline", fig["finished_at_deadline"]),
             ("stuck (DEADLINE_EXCEEDED at a generous deadline)", fig["stuck"]),
             ("hung (no end by deadline + 30 s)", fig["hung"]),
             ("wrong tokens (requests)", fig["wrong_tokens"]),

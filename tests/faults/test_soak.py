@@ -114,6 +114,35 @@ def test_checker_reports_a_request_without_exactly_one_end(defect):
         assert fig["unexplained_failures"] == 1
 
 
+def _finished_then_deadline(t_end: float, t_finish: float = 1.19):
+    """Request 3 (deadline 0.2 s, sent at 1 s) gets all its tokens and its finish, then a
+    DEADLINE_EXCEEDED status at `t_end`."""
+    plan, recs, refs, faults = _clean()
+    recs[3] = Record(3, 1.0, t_end, chunks=[[11, 12, 13], [14, 15, 16, 17, 18]], chunk_times=[1.1, t_finish],
+                     finishes=[(1, "length")], code="DEADLINE_EXCEEDED")
+    return plan, recs, refs, faults
+
+
+def test_checker_counts_a_finish_whose_status_came_at_the_deadline_once():
+    fig = _check(*_finished_then_deadline(t_end=1.2))
+    assert fig["violations"] == []
+    assert (fig["finished_at_deadline"], fig["completed"], fig["checked_completions"]) == (1, 5, 4)
+    assert fig["failed_by_code"] == {"UNAVAILABLE": 1}
+
+
+@pytest.mark.parametrize("defect", ["status_before_deadline", "finish_after_deadline", "generous_deadline"])
+def test_checker_reports_a_finish_and_a_deadline_that_are_two_ends(defect):
+    if defect == "status_before_deadline":
+        plan, recs, refs, faults = _finished_then_deadline(t_end=1.1, t_finish=1.05)
+    elif defect == "finish_after_deadline":
+        plan, recs, refs, faults = _finished_then_deadline(t_end=1.3, t_finish=1.25)
+    else:
+        plan, recs, refs, faults = _finished_then_deadline(t_end=1.2)
+        plan[3] = Planned(3, "greedy_stream", 0, 8, timeout=0.2)
+    fig = _check(plan, recs, refs, faults)
+    assert fig["finished_at_deadline"] == 0 and "terminal" in _invariants(fig)
+
+
 def test_checker_reports_a_duplicate_id_mixup():
     plan, recs, refs, faults = _clean()
     recs[5].response_ids = ["d", "other"]

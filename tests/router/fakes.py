@@ -68,6 +68,7 @@ class OracleVerifier:
         self.refuse: set[str] = set()            # ids whose prefill it refuses (ValueError)
         self.errors: list[str] = []
         self.verifies = 0
+        self.hold = None                         # a callable: verify waits while it returns True
 
     def _check(self) -> None:
         if self.down:
@@ -113,6 +114,8 @@ class OracleVerifier:
 
     async def verify(self, draft, plain, want_features, on_launch=None):
         self._check()
+        while self.hold is not None and self.hold():
+            await asyncio.sleep(0.001)
         self.verifies += 1
         if on_launch is not None:
             on_launch()

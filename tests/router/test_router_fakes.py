@@ -147,8 +147,9 @@ def test_drafter_failure_falls_back_then_speculation_resumes(fault):
         if seen["tokens"] >= 30 and d.mode == "ok" and seen["drafts_after"] is None:
             d.mode = fault                       # the drafter goes away mid-stream ...
         elif d.mode == fault and router.counters.fallback_rounds >= 6:
-            d.mode = "ok"                        # ... and comes back
-            seen["drafts_after"] = router.counters.num_drafts
+            d.mode = "ok"                        # ... and comes back; the requests do not end
+            seen["drafts_after"] = router.counters.num_drafts   # before the router has seen it back
+            v.hold = lambda: not router.drafter_up
 
     router, outs = run(serve(v, d, PROMPTS, cfg=config(drafter_timeout=0.02), on_event=cue))
     assert_exact(outs)
