@@ -73,10 +73,14 @@ def _sized_config(config: EngineConfig, target, context: int, progress) -> Engin
     """`config` with `draft_kv_blocks` set from the GPU memory budget: a proposer on a small
     pool is built and run once at the largest batch (every slot's catch-up, then a sampled
     draft of every slot), its peak allocation measured, and the blocks the rest of the budget
-    holds (at most every slot at full context) chosen. Unchanged on the CPU, with
-    draft_kv_blocks given, and for n-gram drafting (no cache)."""
-    if (config.draft_kv_blocks is not None or not config.device.startswith("cuda") or config.spec.method == "ngram"
-            or config.gpu_memory_utilization is None):
+    holds (at most every slot at full context) chosen. On the CPU, the blocks
+    `cpu_kv_cache_gib` holds (`_cpu_sized_config`). Unchanged with draft_kv_blocks given, and for
+    n-gram drafting (no cache)."""
+    if config.draft_kv_blocks is not None or config.spec.method == "ngram":
+        return config
+    if config.device == "cpu" and config.cpu_kv_cache_gib is not None:
+        return _cpu_sized_config(config, target, context, progress)
+    if not config.device.startswith("cuda") or config.gpu_memory_utilization is None:
         return config
     import torch
 
@@ -103,6 +107,23 @@ def _sized_config(config: EngineConfig, target, context: int, progress) -> Engin
     memory.check_fits_one_request("drafter", sizing.blocks, config.block_size, context,
                                   config.gpu_memory_utilization)
     return replace(config, draft_kv_blocks=sizing.blocks)
+
+
+def _cpu_sized_config(config: EngineConfig, target, context: int, progress) -> EngineConfig:
+    """`config` with `draft_kv_blocks` what `cpu_kv_cache_gib` holds (at most every slot at full
+    context, with room for draft-ahead forks): a block's bytes read off a proposer on a one-block
+    pool."""
+    from spectandem import memory
+
+    probe = _proposer(replace(config, draft_kv_blocks=1, gpu=replace(config.gpu, cuda_graphs=False)), target, context)
+    block_bytes = cache_block_bytes(probe.cache)
+    del probe
+    cap = memory.draft_pool_blocks(config.spec, config.max_slots, context, config.block_size)
+    blocks = memory.cpu_kv_blocks("drafter", config.cpu_kv_cache_gib, block_bytes, cap, config.block_size, context)
+    if blocks < cap:
+        progress(f"KV pool of {blocks * config.block_size} tokens ({config.cpu_kv_cache_gib:g} GiB, "
+                 f"--cpu-kv-cache-gib); every request at full context would take {cap * config.block_size}")
+    return replace(config, draft_kv_blocks=blocks)
 
 
 def cache_block_bytes(cache) -> int:

@@ -207,7 +207,7 @@ def start_engines(target_dir: str | Path, draft_dir: str | Path | None, cfg: Spe
                   force_hf_target: bool = False, call_timeout_s: float | None = 120.0,
                   startup_timeout_s: float = 300.0, num_threads: int = 1, kv_blocks: int | None = None,
                   draft_kv_blocks: int | None = None, block_size: int = 16, gpu: GpuPaths | None = None,
-                  gpu_memory_utilization: float = 0.9,
+                  gpu_memory_utilization: float = 0.9, cpu_kv_cache_gib: float | None = None,
                   feature_channel: str | None = None,
                   ) -> tuple[RayVerifierLink, RayDrafterLink | None, Callable[[], None]]:
     """Places a verifier actor (and a drafter actor unless cfg.method is "none") in one
@@ -252,7 +252,7 @@ def start_engines(target_dir: str | Path, draft_dir: str | Path | None, cfg: Spe
                               max_slots=max_slots, max_len=max_len, dtype=str(dtype).removeprefix("torch."),
                               device=engine_device, kv_blocks=kv_blocks, draft_kv_blocks=draft_kv_blocks,
                               block_size=block_size, gpu=gpu or GpuPaths(), force_hf_target=force_hf_target,
-                              gpu_memory_utilization=gpu_memory_utilization)
+                              gpu_memory_utilization=gpu_memory_utilization, cpu_kv_cache_gib=cpu_kv_cache_gib)
         # Both on engine_device: the drafter's share of its memory, the verifier's rest.
         verifier_config, drafter_config = shared_gpu_configs(config)
         verifier = VerifierActor.options(**options(0, -1)).remote(

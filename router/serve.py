@@ -221,6 +221,8 @@ def engine_commands(args, cfg, target: str, draft: str | None, verifier_port: in
     common += ["--host", "127.0.0.1"] + OpsConfig.from_args(args).engine_flags() + GpuPaths.from_args(args).flags()
     if args.engine_threads:
         common += ["--threads", str(args.engine_threads)]
+    if args.cpu_kv_cache_gib is not None:
+        common += ["--cpu-kv-cache-gib", repr(args.cpu_kv_cache_gib)]
     if feature_channel:
         common += ["--feature-channel", feature_channel]
     # Both engines on one device: the drafter's share of its memory and the verifier's rest;
@@ -298,6 +300,7 @@ async def _build_links(args, cfg, target, draft, index: int = 0, supervisor=None
                                    draft_kv_blocks=args.draft_kv_blocks, block_size=args.block_size,
                                    gpu=GpuPaths.from_args(args), feature_channel=wanted_channel,
                                    gpu_memory_utilization=args.gpu_memory_utilization,
+                                   cpu_kv_cache_gib=args.cpu_kv_cache_gib,
                                    num_threads=args.engine_threads or 1)   # (None: serve_async without _serve)
 
         async def cleanup():

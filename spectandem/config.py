@@ -315,12 +315,14 @@ class EngineConfig:
     n-gram drafting may go without). draft_dir: the head or draft model. max_slots: requests held
     at once. max_len: context length (None: the target's). dtype: a torch dtype's name. kv_blocks /
     draft_kv_blocks: the verifier's / drafter's KV pool in blocks (None: on CUDA with
-    gpu_memory_utilization given, sized from the memory budget, spectandem/memory.py; else every
-    slot at full context). block_size: cache
+    gpu_memory_utilization given, sized from the memory budget, spectandem/memory.py; on the CPU
+    with cpu_kv_cache_gib given, what that holds; else every slot at full context). block_size: cache
     entries per KV block (both). force_hf_target: the target runs on transformers even where a
     native implementation exists. gpu_memory_utilization: the fraction of the GPU's total memory
     the engine may use (None: no sizing; the command-line entry points give 0.9), less memory_reserved_gib (another engine's share of the same GPU);
-    memory_budget_gib, where given, is the engine's budget instead (CUDA only)."""
+    memory_budget_gib, where given, is the engine's budget instead (CUDA only).
+    cpu_kv_cache_gib: on the CPU without kv_blocks / draft_kv_blocks, each engine's KV pool holds
+    this many GiB (at most every slot at full context; None: every slot at full context)."""
 
     target_dir: str | None
     draft_dir: str | None = None
@@ -337,9 +339,13 @@ class EngineConfig:
     gpu_memory_utilization: float | None = None
     memory_budget_gib: float | None = None
     memory_reserved_gib: float = 0.0
+    cpu_kv_cache_gib: float | None = None
 
     def __post_init__(self):
-        from spectandem.memory import check_utilization
+        from spectandem.memory import check_cpu_kv_space, check_utilization
+
+        if self.cpu_kv_cache_gib is not None:
+            check_cpu_kv_space(self.cpu_kv_cache_gib)
 
         if self.dtype not in DTYPES:
             raise ValueError(f"dtype must be one of {', '.join(DTYPES)}; got {self.dtype!r}")
@@ -368,4 +374,5 @@ class EngineConfig:
                             gpu=GpuPaths.from_args(args),
                             gpu_memory_utilization=getattr(args, "gpu_memory_utilization", None),
                             memory_budget_gib=getattr(args, "memory_budget_gib", None),
-                            memory_reserved_gib=getattr(args, "memory_reserved_gib", 0.0) or 0.0)
+                            memory_reserved_gib=getattr(args, "memory_reserved_gib", 0.0) or 0.0,
+                            cpu_kv_cache_gib=getattr(args, "cpu_kv_cache_gib", None))

@@ -120,6 +120,30 @@ def check_fits_one_request(role: str, blocks: int, block_size: int, max_len: int
                          f"lower --max-len or raise --gpu-memory-utilization (now {utilization})")
 
 
+DEFAULT_CPU_KV_CACHE_GIB = 4.0   # each engine's KV pool on the CPU (--cpu-kv-cache-gib)
+
+
+def check_cpu_kv_space(gib: float) -> None:
+    if not gib > 0:
+        raise ValueError(f"--cpu-kv-cache-gib must be > 0, got {gib}")
+
+
+def cpu_kv_blocks(role: str, gib: float, block_bytes: int, cap_blocks: int, block_size: int, max_len: int) -> int:
+    """The KV blocks of an engine's pool on the CPU: as many as `gib` GiB hold, at most
+    `cap_blocks` (every slot at full context). Refuses a pool that cannot hold one request at
+    the full context."""
+    check_cpu_kv_space(gib)
+    if block_bytes <= 0:
+        raise ValueError(f"block_bytes must be > 0, got {block_bytes}")
+    blocks = min(cap_blocks, int(gib * GIB) // block_bytes)
+    need = blocks_for(max_len + 1, block_size)
+    if blocks < need:
+        raise ValueError(f"{role}: --cpu-kv-cache-gib {gib:g} holds {blocks * block_size} tokens of KV, fewer than "
+                         f"one request at --max-len {max_len} needs ({need * block_size}, "
+                         f"{need * block_bytes / GIB:.2f} GiB): lower --max-len or raise --cpu-kv-cache-gib")
+    return blocks
+
+
 # The drafter's need, from its configs (serve, before the engines start).
 
 def ahead_slots(spec, max_slots: int) -> int:

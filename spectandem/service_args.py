@@ -7,6 +7,7 @@ from __future__ import annotations
 import argparse
 
 from spectandem.tls import add_server_tls_flags
+from spectandem.memory import DEFAULT_CPU_KV_CACHE_GIB
 
 
 class HelpFormatter(argparse.HelpFormatter):
@@ -74,6 +75,10 @@ def add_memory_flags(p: argparse.ArgumentParser, engine: bool = True) -> None:
     p.add_argument("--gpu-memory-utilization", type=float, default=0.9,
                    help="fraction of the GPU's total memory the server may use; on CUDA, without --kv-blocks, "
                         "the KV pools take what weights, activations and CUDA graphs leave of it")
+    p.add_argument("--cpu-kv-cache-gib", type=float, default=DEFAULT_CPU_KV_CACHE_GIB, metavar="GIB",
+                   help="on the CPU, without --kv-blocks / --draft-kv-blocks, the GiB of each engine's KV pool "
+                        "(at most every request at full context; a pool that cannot hold one request at --max-len "
+                        "is refused) (default: %(default)s)")
     if engine:
         p.add_argument("--memory-budget-gib", type=float, default=None,
                        help="this engine's GPU memory budget in GiB, instead of --gpu-memory-utilization")

@@ -25,7 +25,7 @@ def build_engine(config: EngineConfig, feature_layers=None, progress=_progress, 
     indices; the drafter's head decides: spectandem/feature_layers.py resolve_feature_layers). The loaded
     model is `engine.runner.model` (an in-process drafter shares its weights).
     On CUDA without `kv_blocks`, the native runner's pool is sized from the memory budget
-    (`_size_pool`), and with CUDA graphs every graph the engine replays is captured here
+    (`_size_pool`), on the CPU from `cpu_kv_cache_gib` (`_size_cpu_pool`), and with CUDA graphs every graph the engine replays is captured here
     (`warm_up_engine`; `warm_up` False leaves that to the caller, once it has set the runner's
     feature layers)."""
     from spectandem import memory
@@ -36,15 +36,18 @@ def build_engine(config: EngineConfig, feature_layers=None, progress=_progress, 
         raise ValueError("the verifier needs a target checkpoint directory (--target)")
     vocab = int(read_config(config.target_dir)["vocab_size"])
     sized = config.kv_blocks is None and config.device.startswith("cuda") and config.gpu_memory_utilization is not None
+    on_cpu = config.kv_blocks is None and config.device == "cpu" and config.cpu_kv_cache_gib is not None
     before = memory.allocated_bytes(config.device) if sized else 0
     gpu = config.gpu.runner_kwargs()
     if sized:   # graphs come with the sized pool
         gpu["cuda_graphs"] = False
     runner, _ = load_runner(config.target_dir, feature_layers, config.max_slots, config.max_len, config.torch_dtype,
-                            config.device, config.force_hf_target, 1 if sized else config.kv_blocks,
+                            config.device, config.force_hf_target, 1 if sized or on_cpu else config.kv_blocks,
                             config.block_size, **gpu)
     if sized and isinstance(runner, NativeRunner):
         _size_pool(runner, config, vocab, memory.allocated_bytes(config.device) - before, progress)
+    if on_cpu and isinstance(runner, NativeRunner):
+        _size_cpu_pool(runner, config, progress)
     engine = VerifierEngine(runner, config.max_slots, vocab)
     if warm_up:
         warm_up_engine(engine, config, progress)
@@ -85,6 +88,23 @@ def _size_pool(runner, config: EngineConfig, vocab: int, weights: int, progress)
     memory.check_fits_one_request("verifier", sizing.blocks, config.block_size, runner.max_len,
                                   config.gpu_memory_utilization)
     runner.set_cache(sizing.blocks, config.block_size, config.gpu.runner_kwargs()["cuda_graphs"])
+
+
+def _size_cpu_pool(runner, config: EngineConfig, progress) -> None:
+    """Gives `runner` the KV pool `config.cpu_kv_cache_gib` holds on the CPU (at most every slot at
+    full context)."""
+    from spectandem import memory
+    from spectandem.block_manager import blocks_for
+
+    block_bytes = memory.kv_block_bytes(runner.spec.num_layers, runner.spec.num_kv_heads, runner.spec.head_dim,
+                                        config.block_size, runner.dtype.itemsize)
+    cap = config.max_slots * blocks_for(runner.max_len + 1, config.block_size)
+    blocks = memory.cpu_kv_blocks("verifier", config.cpu_kv_cache_gib, block_bytes, cap, config.block_size,
+                                  runner.max_len)
+    if blocks < cap:
+        progress(f"KV pool of {blocks * config.block_size} tokens ({config.cpu_kv_cache_gib:g} GiB, "
+                 f"--cpu-kv-cache-gib); every request at full context would take {cap * config.block_size}")
+    runner.set_cache(blocks, config.block_size, False)
 
 
 def _pool_bytes(cache) -> int:

@@ -130,12 +130,19 @@ def test_checker_counts_a_finish_whose_status_came_at_the_deadline_once():
     assert fig["failed_by_code"] == {"UNAVAILABLE": 1}
 
 
-@pytest.mark.parametrize("defect", ["status_before_deadline", "finish_after_deadline", "generous_deadline"])
+def test_checker_counts_a_finish_read_after_the_deadline_once():
+    """The client's loop read the finish chunk (received in time) after the deadline had passed."""
+    fig = _check(*_finished_then_deadline(t_end=1.31, t_finish=1.3))
+    assert fig["violations"] == [] and fig["finished_at_deadline"] == 1
+
+
+@pytest.mark.parametrize("defect", ["status_before_deadline", "chunk_after_finish", "generous_deadline"])
 def test_checker_reports_a_finish_and_a_deadline_that_are_two_ends(defect):
     if defect == "status_before_deadline":
         plan, recs, refs, faults = _finished_then_deadline(t_end=1.1, t_finish=1.05)
-    elif defect == "finish_after_deadline":
-        plan, recs, refs, faults = _finished_then_deadline(t_end=1.3, t_finish=1.25)
+    elif defect == "chunk_after_finish":
+        plan, recs, refs, faults = _finished_then_deadline(t_end=1.2)
+        recs[3].finishes = [(0, "length")]
     else:
         plan, recs, refs, faults = _finished_then_deadline(t_end=1.2)
         plan[3] = Planned(3, "greedy_stream", 0, 8, timeout=0.2)

@@ -22,7 +22,8 @@ GPU = [[], ["--cuda-graphs"], ["--no-cuda-graphs"], ["--enforce-eager"], ["--bat
        ["--enforce-eager", "--no-triton-attention"]]
 METHODS = [["--method", "eagle3"], ["--method", "eagle"], ["--method", "ngram"], ["--method", "none"],
            ["--method", "draft-model"]]
-SIZES = [[], ["--max-len", "256", "--kv-blocks", "40", "--draft-kv-blocks", "30", "--block-size", "8"]]
+SIZES = [[], ["--max-len", "256", "--kv-blocks", "40", "--draft-kv-blocks", "30", "--block-size", "8"],
+         ["--cpu-kv-cache-gib", "0.25"]]
 OTHER = [[], ["--device", "cuda", "--dtype", "bfloat16", "--num-steps", "3", "--topk", "2", "--num-draft-tokens", "6",
               "--ahead-width", "0", "--draft-sampling-min-temperature", "0.3", "--max-running", "12"],
          ["--device", "cpu", "--dtype", "float64", "--engine-threads", "3"], ["--device", "cuda:0", "--drafter-device", "cuda:0"],
@@ -84,6 +85,7 @@ def test_every_engine_command_line_serve_builds_parses(tmp_path, tls):
             assert got.max_slots == args.max_running and got.target == target and got.draft == draft
             assert got.feature_channel == channel
             assert got.threads == args.engine_threads
+            assert got.cpu_kv_cache_gib == args.cpu_kv_cache_gib
             assert (got.tls_cert is not None) == tls
             if role == "verifier":
                 assert got.kv_blocks == args.kv_blocks

@@ -180,3 +180,23 @@ def test_the_drafter_estimate_covers_its_heads_catch_up_of_every_slots_prompt():
     estimate = memory.drafter_activation_bytes(head_cfg, 64, 16, 4096, 2)
     assert measured <= estimate <= 2 * measured
     assert 64 * 16 * 4096 * 24 < measured / 10   # negative control: the logits term alone is far below
+
+
+# ---- the CPU: each engine's pool from --cpu-kv-cache-gib
+
+def test_cpu_pool_is_what_the_space_holds_capped_at_every_slot_at_full_context():
+    block = memory.kv_block_bytes(8, 2, 64, 16, 4)                      # the demo target in float32
+    assert memory.cpu_kv_blocks("verifier", 1.0, block, 10 ** 9, 16, 2048) == GIB // block
+    assert memory.cpu_kv_blocks("verifier", 1.0, block, 300, 16, 2048) == 300
+
+
+def test_a_cpu_pool_short_of_one_request_fails_naming_both_flags():
+    with pytest.raises(ValueError, match=r"verifier: --cpu-kv-cache-gib 4 holds .* --max-len 131072 .*lower --max-len "
+                                         r"or raise --cpu-kv-cache-gib"):
+        memory.cpu_kv_blocks("verifier", 4.0, LLAMA8B_BLOCK * 2, 10 ** 9, 16, 131072)   # float32: 256 KiB a token
+
+
+@pytest.mark.parametrize("gib", [0.0, -1.0])
+def test_cpu_space_out_of_range_is_refused_by_name(gib):
+    with pytest.raises(ValueError, match="--cpu-kv-cache-gib must be > 0"):
+        EngineConfig(target_dir=None, cpu_kv_cache_gib=gib)
