@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import re
 from pathlib import Path
 from typing import Callable
 
@@ -202,6 +203,22 @@ def _placement(num_actors: int, device: str, timeout_s: float):
     return pg, bundles
 
 
+def actor_start_error(exc: Exception) -> str:
+    """What an actor whose constructor raised said, as one line: Ray hands the error on as the
+    remote traceback's text only, whose last line is the exception's; a ValueError (a flag or
+    input the engine refused) is its message alone. Any other death: Ray's own text."""
+    text = getattr(exc, "error_msg", None) or str(exc)
+    if getattr(exc, "_actor_init_failed", False):
+        for line in reversed(text.strip().splitlines()):
+            m = _EXCEPTION_LINE.match(line.strip())
+            if m:
+                return m.group(2) if m.group(1) == "ValueError" else f"{m.group(1)}: {m.group(2)}"
+    return str(exc)
+
+
+_EXCEPTION_LINE = re.compile(r"^(?:[A-Za-z_][\w.]*\.)?([A-Za-z_]\w*(?:Error|Exception)): (.+)$")
+
+
 def start_engines(target_dir: str | Path, draft_dir: str | Path | None, cfg: SpecConfig, max_slots: int,
                   max_len: int | None, device: str = "auto", *, dtype=DEFAULT_DTYPE,
                   force_hf_target: bool = False, call_timeout_s: float | None = 120.0,
@@ -276,7 +293,7 @@ def start_engines(target_dir: str | Path, draft_dir: str | Path | None, cfg: Spe
         ray.get(verifier.ping.remote(), timeout=startup_timeout_s)
     except ray.exceptions.RayActorError as exc:
         cleanup()
-        raise EngineStartError(f"the {role} actor failed to start: {exc}") from None
+        raise EngineStartError(f"the {role} actor failed to start: {actor_start_error(exc)}") from None
     except Exception:
         cleanup()
         raise

@@ -2,7 +2,8 @@
 
 - An engine that fails to start (a target whose weights file is broken: serve itself reads only
   its config and tokenizer) ends `spectandem serve` with a non-zero exit within seconds, printing
-  the engine's own error: gRPC services and Ray actors.
+  the engine's own error: gRPC services and Ray actors. An engine that refuses its flags (a KV
+  pool too small for one request) does so in one line, not a traceback, on every backend.
 - --backend grpc: a SIGKILLed drafter process is restarted on its port and speculation resumes;
   a SIGKILLed verifier fails its requests with UNAVAILABLE, is restarted, and the server serves
   again; every engine process, restarted ones included, is gone after shutdown. A verifier that
@@ -91,6 +92,19 @@ def test_engine_that_fails_to_start_ends_serve_with_its_error(broken_target, bac
     assert ("before it was ready; its last output" if backend == "grpc" else "actor failed to start") in report
     assert "cannot read safetensors" in report, report    # the engine's own error
     assert took < 90, took
+
+
+@pytest.mark.parametrize("backend", ["local", "grpc", "ray"])
+def test_a_kv_pool_that_cannot_hold_one_request_is_one_line_on_every_backend(backend):
+    """The verifier refuses a --cpu-kv-cache-gib too small for one request at --max-len: serve
+    ends with that one line, not a traceback, whichever process the engine runs in."""
+    rc, out, took = _run_serve(["--backend", backend, "--port", str(free_port()), "--max-len", "2048",
+                                "--cpu-kv-cache-gib", "0.01"], timeout_s=120)
+    assert rc is not None and rc != 0, out[-3000:]
+    lines = [line for line in out.splitlines() if "error: " in line and "--cpu-kv-cache-gib 0.01 holds" in line]
+    assert lines, out[-3000:]
+    assert "lower --max-len or raise --cpu-kv-cache-gib" in lines[-1]
+    assert "Traceback" not in out and 'File "' not in out, out[-3000:]
 
 
 def _health(channel) -> int:
