@@ -22,8 +22,6 @@ from grpc_reflection.v1alpha import reflection
 from spectandem.messages import StaleMessage
 
 log = logging.getLogger("spectandem.grpc")
-_STATS = {}
-_N = 0
 
 # Features of long prompts are large: a 2k-token EAGLE-3 prefill of an 8B model is 48 MiB.
 MAX_MESSAGE_BYTES = 64 * 1024 * 1024
@@ -46,28 +44,11 @@ class EngineCalls:
         """fn(*args) decodes the request, calls the engine and encodes the reply, all in the
         worker thread, so a malformed request maps to INVALID_ARGUMENT like any other."""
 
-        import time, os
-        t_in = time.perf_counter()
-        box = {}
         def locked():
-            box['t1'] = time.perf_counter()
             with self._lock:
-                box['t2'] = time.perf_counter()
-                r = fn(*args)
-                box['t3'] = time.perf_counter()
-                return r
+                return fn(*args)
 
-        out = await self._mapped(context, asyncio.to_thread(locked), fn)
-        t_out = time.perf_counter()
-        st = _STATS.setdefault(getattr(fn, '__name__', '?'), [0, 0.0, 0.0, 0.0, 0.0])
-        st[0] += 1; st[1] += box['t1'] - t_in; st[2] += box['t3'] - box['t2']; st[3] += t_out - box['t3']; st[4] += t_out - t_in
-        global _N
-        _N += 1
-        if _N % 100 == 0:
-            with open(f"/tmp/exp/eng_{self.role}_{os.getpid()}.txt", "w") as f:
-                for k, v in _STATS.items():
-                    f.write(f"{k:30s} n={v[0]} to_thread={v[1]/v[0]*1e3:.3f} work={v[2]/v[0]*1e3:.3f} back={v[3]/v[0]*1e3:.3f} total={v[4]/v[0]*1e3:.3f} ms\n")
-        return out
+        return await self._mapped(context, asyncio.to_thread(locked), fn)
 
     async def peek(self, context: grpc.aio.ServicerContext, fn: Callable, *args):
         """A cheap read of counters (info): inline, without waiting for a forward in flight."""
