@@ -23,7 +23,7 @@ from spectandem.messages import DraftTree, PrefillOutput, StaleMessage, root_onl
 from spectandem.protocol import Tag, Verdict
 from spectandem.sampling import greedy, logits_to_probs, sample_from_probs
 from spectandem.kernels.accept import greedy_accept
-from spectandem.accept import VerifyResult, verify_greedy, verify_rejection, verify_tree_sampling
+from spectandem.accept import VerifyResult, verify_rejection, verify_tree_sampling
 
 
 @dataclass
@@ -192,8 +192,7 @@ class VerifierEngine:
         for b, req in enumerate(reqs):
             rule = "greedy" if req.params.greedy else ("rejection" if tree.sampled[b] else "tree")
             groups.setdefault(rule, []).append(b)
-        on_gpu = logits.is_cuda
-        if on_gpu and set(groups) == {"greedy"}:   # every row in one walk: nothing to merge
+        if set(groups) == {"greedy"}:   # every row in one walk: nothing to merge
             return self._greedy_on_device(logits, list(range(len(reqs))),
                                           (tree.token_ids, tree.parents, tree.node_valid), feats)
         b_all, width = len(reqs), tree.num_nodes
@@ -201,16 +200,14 @@ class VerifierEngine:
         outputs = torch.full((b_all, width), -1, dtype=torch.long)
         num_acc = torch.zeros(b_all, dtype=torch.long)
         bonus = torch.zeros(b_all, dtype=torch.long)
-        # Greedy rows on the GPU are walked there (spectandem/kernels/accept.py): only the argmax
-        # and the results cross to the host, not the logits.
-        lg = logits.float().cpu() if not on_gpu or set(groups) != {"greedy"} else None
+        # Greedy rows are walked on the logits' device (spectandem/kernels/accept.py): only the
+        # argmax and the results cross to the host, not the logits; the sampled rules read them.
+        lg = logits.float().cpu()
         for rule, idx in groups.items():
             sel = torch.tensor(idx)
             args = (tree.token_ids[sel], tree.parents[sel], tree.node_valid[sel])
-            if rule == "greedy" and on_gpu:
+            if rule == "greedy":
                 res, _ = self._greedy_on_device(logits, idx, args)
-            elif rule == "greedy":
-                res = verify_greedy(*args, lg[sel])
             else:
                 probs = torch.stack([logits_to_probs(lg[b], reqs[b].params.temperature, reqs[b].params.top_k,
                                                      reqs[b].params.top_p) for b in idx])

@@ -1,4 +1,5 @@
-"""Greedy acceptance over draft trees, one Triton program per request.
+"""Greedy acceptance over draft trees: one Triton program per request on CUDA, a walk over
+Python lists on the CPU (`greedy_accept_host`).
 
 The words are spectandem/accept.py's (read its glossary): node 0 is the root, `parents[b, i] < i`,
 children are taken in sibling order (ascending node index), and a round outputs `num_accepted`
@@ -93,10 +94,61 @@ def greedy_accept(
     parents: torch.Tensor,  # [B, N] integer
     node_valid: torch.Tensor,  # [B, N] bool
 ) -> GreedyAcceptance:
-    """The kernel for CUDA tensors when Triton is installed, verify_greedy otherwise."""
+    """The kernel for CUDA tensors when Triton is installed, the host walk for CPU tensors,
+    verify_greedy otherwise."""
     if target_argmax.is_cuda and HAVE_TRITON:
         return greedy_accept_triton(target_argmax, tree_token_ids, parents, node_valid)
+    if not target_argmax.is_cuda:
+        return greedy_accept_host(target_argmax, tree_token_ids, parents, node_valid)
     return greedy_accept_ref(target_argmax, tree_token_ids, parents, node_valid)
+
+
+def greedy_accept_host(
+    target_argmax: torch.Tensor,  # [B, N] integer
+    tree_token_ids: torch.Tensor,  # [B, N] integer
+    parents: torch.Tensor,  # [B, N] integer
+    node_valid: torch.Tensor,  # [B, N] bool
+) -> GreedyAcceptance:
+    """The walk on the host over Python lists: each request's children indexed once, then one
+    step a depth; what a small tree costs here is the few list operations, not a tensor op a
+    step. Checks the tree as verify_greedy does (valid root with parent -1, every valid draft
+    node's parent a valid earlier node)."""
+    _check_inputs(target_argmax, tree_token_ids, parents, node_valid)
+    batch_size, num_nodes = tree_token_ids.shape
+    argmax, tokens = target_argmax.tolist(), tree_token_ids.tolist()
+    pars, valid = parents.tolist(), node_valid.tolist()
+    accepted = [[-1] * num_nodes for _ in range(batch_size)]
+    output = [[-1] * num_nodes for _ in range(batch_size)]
+    num_accepted, bonus = [0] * batch_size, [0] * batch_size
+    for b in range(batch_size):
+        par, ok, tok, target = pars[b], valid[b], tokens[b], argmax[b]
+        if not ok[0] or par[0] != -1:
+            raise ValueError(f"request {b}: the root (node 0) must be valid with parent -1, got valid {ok[0]}, "
+                             f"parent {par[0]}")
+        children: list[list[int]] = [[] for _ in range(num_nodes)]
+        for i in range(1, num_nodes):
+            if ok[i]:
+                p = par[i]
+                if not (0 <= p < i and ok[p]):
+                    raise ValueError(f"parents[{b}, {i}] = {p}: a valid draft node needs a valid parent "
+                                     f"earlier in the tree")
+                children[p].append(i)
+        acc, out = accepted[b], output[b]
+        acc[0], current, depth = 0, 0, 0
+        while True:
+            wanted = target[current]
+            child = next((c for c in children[current] if tok[c] == wanted), -1)
+            if child < 0:
+                out[depth], bonus[b], num_accepted[b] = wanted, wanted, depth
+                break
+            out[depth] = tok[child]
+            depth += 1
+            acc[depth], current = child, child
+    device = tree_token_ids.device
+    return GreedyAcceptance(torch.tensor(accepted, dtype=torch.int64, device=device).view(batch_size, num_nodes),
+                            torch.tensor(num_accepted, dtype=torch.int64, device=device),
+                            torch.tensor(output, dtype=torch.int64, device=device).view(batch_size, num_nodes),
+                            torch.tensor(bonus, dtype=torch.int64, device=device))
 
 
 def greedy_accept_triton(
