@@ -42,8 +42,8 @@ import numpy as np
 import torch
 
 from drafter.graphs import (PAIR_BUCKETS, HeadGraphs, PassStart, _rows_into, catch_up_columns, catch_up_in_pass,
-                            chain_tree, index_views, pack_parts, padded_features)
-from drafter.tree import DraftNodes
+                            index_views, pack_parts, padded_features)
+from drafter.tree import DraftNodes, chain_tree
 from spectandem.cuda_graphs import BATCH_BUCKETS, batch_bucket, capture_graph, span_bucket
 from spectandem.devices import to_device, to_host
 from spectandem.kv_cache import PagedCacheBatch, PagedKVCache

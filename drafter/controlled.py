@@ -50,7 +50,7 @@ import torch
 
 from drafter.ahead_chains import rank_chain_outcomes
 from drafter.ahead import ahead_owner
-from drafter.graphs import chain_tree
+from drafter.tree import chain_tree
 from drafter.proposers import Proposer
 
 

@@ -22,7 +22,7 @@ from dataclasses import dataclass, fields
 import numpy as np
 import torch
 
-from drafter.tree import DraftNodes
+from drafter.tree import DraftNodes, chain_tree
 from spectandem.cuda_graphs import BATCH_BUCKETS, batch_bucket, capture_graph, span_bucket
 from spectandem.devices import to_device
 from spectandem.kv_cache import PagedCacheBatch, PagedKVCache
@@ -234,16 +234,6 @@ def chain_forward(head, cache: PagedKVCache, inp: ChainInputs) -> tuple[torch.Te
         tok = head.logits(hidden).argmax(-1)                                             # [Bc, 1]
         toks.append(tok)
     return head.draft_to_target(torch.cat(toks, 1)), h0, first.float()
-
-
-def chain_tree(token_ids: torch.Tensor, num_draft_tokens: int) -> DraftNodes:
-    """token_ids [B, S] of a chain -> its first min(S, num_draft_tokens - 1) nodes, as
-    `expand_topk` selects them (all scores 0, node j + 1's parent is node j)."""
-    b, s = token_ids.shape
-    m = min(s, num_draft_tokens - 1)
-    dev = token_ids.device
-    return DraftNodes(token_ids=token_ids[:, :m], parents=torch.arange(m, device=dev).expand(b, m).clone(),
-                     scores=torch.zeros(b, m, device=dev))
 
 
 class HeadGraphs:

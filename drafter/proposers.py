@@ -188,6 +188,9 @@ class ScratchTree:
         positions = (self.base[:, None] + step - 1 + self.pos_offset).expand(b, k)       # [B, k]
         span = int(self.base.max()) + step * k
         cols = torch.arange(span, device=dev)
+        if k == 1 and bool(visible.all()):   # a chain sees every entry before its own: the same mask
+            mask = cols[None, None, :] < (self.base + step)[:, None, None]
+            return self.cache.batch(self.slots, write, span), positions, mask
         mask = (cols[None, None, :] < self.base[:, None, None]).expand(b, k, span).clone()
         rel = cols[None, :] - self.base[:, None]                                           # [B, span]
         in_scratch = (rel >= 0) & (rel < step * k)

@@ -70,6 +70,16 @@ def _extend_visible(visible: torch.Tensor, parent_rows: torch.Tensor, k: int) ->
     return torch.cat([inherited, own], dim=-1)
 
 
+def chain_tree(token_ids: torch.Tensor, num_draft_tokens: int) -> DraftNodes:
+    """token_ids [B, S] of a chain -> its first min(S, num_draft_tokens - 1) nodes, as
+    `expand_topk` selects them (all scores 0, node j + 1's parent is node j)."""
+    b, s = token_ids.shape
+    m = min(s, num_draft_tokens - 1)
+    dev = token_ids.device
+    return DraftNodes(token_ids=token_ids[:, :m], parents=torch.arange(m, device=dev).expand(b, m).clone(),
+                     scores=torch.zeros(b, m, device=dev))
+
+
 def expand_topk(first_logits: torch.Tensor, step: StepFn, to_target: Callable[[torch.Tensor], torch.Tensor],
                 num_steps: int, topk: int, num_draft_tokens: int, argmax: bool) -> DraftNodes:
     """first_logits [B, Vd] from the catch-up pass -> the best num_draft_tokens - 1 nodes."""
@@ -108,6 +118,8 @@ def expand_topk(first_logits: torch.Tensor, step: StepFn, to_target: Callable[[t
         live_tok = flat_tok.gather(1, chosen)
         if i + 1 < num_steps:
             visible = _extend_visible(visible, parent_rows, k)
+    if use_argmax:   # a chain: _select's order is the steps' (every score 0, each node the last's child)
+        return chain_tree(to_target(torch.cat(cand_tok, 1)), num_draft_tokens)
     return _select(torch.cat(cand_tok, 1), torch.cat(cand_score, 1), torch.cat(cand_parent, 1),
                    num_draft_tokens - 1, to_target)
 
