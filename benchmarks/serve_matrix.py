@@ -37,6 +37,7 @@ import sys
 import tempfile
 import time
 from pathlib import Path
+from typing import Callable
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
@@ -124,9 +125,11 @@ def engine_reference_llama8b(target, head, device: str, rates: list[float], batc
     return out
 
 
-def engine_reference_demo(device: str, batch_sizes: list[int], max_tokens: int, prompts: list[str]) -> list[dict]:
+def engine_reference_demo(device: str, batch_sizes: list[int], max_tokens: int,
+                          prompts_for: Callable[[int], list[str]]) -> list[dict]:
     """The demo pair's engine loop (router/local.py LocalSpeculator.generate): plain decoding and
-    EAGLE-3 at each batch size, greedy, `max_tokens` per request, after one warm-up run."""
+    EAGLE-3 at each batch size b, greedy, `max_tokens` per request, over `prompts_for(b)` (the
+    prompts the served run at concurrency b measures) in batches of b, after one warm-up batch."""
     from router.local import LocalSpeculator
     from spectandem.checkpoint import load_tokenizer
     from spectandem.config import EngineConfig, SamplingParams, SpecConfig
@@ -139,10 +142,10 @@ def engine_reference_demo(device: str, batch_sizes: list[int], max_tokens: int, 
                                                         spec=SpecConfig(method=method), max_slots=max(batch_sizes),
                                                         max_len=2048, device=device))
         tok = load_tokenizer(t)
-        ids = [tok.encode(p).ids for p in prompts]
         params = SamplingParams(max_tokens=max_tokens, ignore_eos=True)
         for b in batch_sizes:
-            groups = [ids[i: i + b] for i in range(0, max(b, min(len(ids), 4 * b)), b)]
+            ids = [tok.encode(p).ids for p in prompts_for(b)]
+            groups = [ids[i: i + b] for i in range(0, len(ids), b)]
             groups = [g for g in groups if len(g) == b] or [ids[:b]]
             spec.generate(groups[0], [params] * b)   # warm-up
             t0 = time.perf_counter()
@@ -260,10 +263,14 @@ def run_matrix(args) -> dict:
         model = ["--target", str(t), "--draft", str(d)]
         reference = []
         if not args.skip_engine_reference:
-            from tests.e2e.conftest import PROMPT_TEXTS
+            from benchmarks.bench.datasets import DEFAULT_DATASET
+            from benchmarks.bench.serve import measured_prompts
 
             say("engine loop reference")
-            reference = engine_reference_demo(device, concurrency, args.max_tokens, PROMPT_TEXTS)
+            reference = engine_reference_demo(
+                device, concurrency, args.max_tokens,
+                lambda c: measured_prompts(args.dataset or DEFAULT_DATASET,
+                                           max(args.min_prompts, args.prompts_per_slot * c)))
         methods = [("none", None), ("eagle3", None)]
 
     records, failures = [], []

@@ -326,6 +326,13 @@ async def _drive(api, jobs: list[tuple[int, str, int]], config: ServeBenchConfig
     return list(await asyncio.gather(*tasks))
 
 
+def measured_prompts(dataset: str | Path, num_prompts: int, seed: int = 0) -> list[str]:
+    """The texts a run with this dataset, --num-prompts and --seed measures, in the order it sends
+    them (an engine-loop reference of the same prompts: benchmarks/serve_matrix.py)."""
+    texts = [p.text for p in load_prompts(dataset, seed=seed)]
+    return [t for _, t, _ in _jobs(ServeBenchConfig(num_prompts=num_prompts, seed=seed), texts)]
+
+
 def _jobs(config: ServeBenchConfig, texts: list[str]) -> list[tuple[int, str, int]]:
     """The measured requests: num_prompts prompts in an order drawn from the seed (the dataset
     repeated when it is shorter), each with its own seed."""
