@@ -16,7 +16,7 @@ import grpc
 import pytest
 
 from benchmarks.bench import datasets
-from benchmarks.bench.serve import ServeBenchConfig, run
+from benchmarks.bench.serve import ServeBenchConfig, measured_prompts, run
 from spectandem.cli import main
 from spectandem.client import Client
 from spectandem.config import SamplingParams
@@ -80,6 +80,8 @@ def test_grpc_run_writes_every_field_and_the_sdks_tokens(server, tmp_path):
     for q in res["requests"]:
         assert q["ttft_ms"] <= q["e2el_ms"] and len(q["itl_ms"]) == q["chunks"] - 1
         assert q["output_token_ids"] == _sdk_tokens(server, q["prompt"], max_tokens=8, ignore_eos=True)
+    # what an engine-loop reference of the same run replays (benchmarks/serve_matrix.py)
+    assert [q["prompt"] for q in res["requests"]] == measured_prompts(datasets.DEFAULT_DATASET, 5)
     if HAVE_MPL:
         assert png.stat().st_size > 0
     else:
