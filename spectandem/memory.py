@@ -1,5 +1,6 @@
 """GPU memory budgets and KV pool sizing (`--gpu-memory-utilization`, vLLM's meaning: the
-fraction of the GPU's total memory the server may use).
+fraction of the GPU's total memory the server may use); on the CPU, each engine's pool is the
+KV space `--cpu-kv-cache-gib` gives it (`cpu_kv_blocks`).
 
 The arithmetic is in pure functions over byte counts; the engines (verifier/factory.py,
 drafter/factory.py) measure their weights and one profiling pass and call them. Each engine

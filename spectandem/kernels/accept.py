@@ -111,8 +111,8 @@ def greedy_accept_host(
 ) -> GreedyAcceptance:
     """The walk on the host over Python lists: each request's children indexed once, then one
     step a depth; what a small tree costs here is the few list operations, not a tensor op a
-    step. Checks the tree as verify_greedy does (valid root with parent -1, every valid draft
-    node's parent a valid earlier node)."""
+    step. Checks the tree's structure as verify_greedy does (a valid root with parent -1, every
+    valid draft node's parent a valid earlier node)."""
     _check_inputs(target_argmax, tree_token_ids, parents, node_valid)
     batch_size, num_nodes = tree_token_ids.shape
     argmax, tokens = target_argmax.tolist(), tree_token_ids.tolist()
