@@ -101,12 +101,14 @@ def expand_topk(first_logits: torch.Tensor, step: StepFn, to_target: Callable[[t
     offset = k
     for i in range(1, num_steps):
         logits = step(i, to_target(live_tok), parent_rows, visible)        # [B, k, Vd]
-        if use_argmax:
-            child_tok = logits.argmax(-1, keepdim=True)                     # [B, 1, 1]
-            cum = live_score[..., None]                                     # constant 0
-        else:
-            lp, child_tok = torch.log_softmax(logits.float(), -1).topk(k, dim=-1)  # [B, k, k]
-            cum = live_score[..., None] + lp                                # summed log-probs
+        if use_argmax:   # a chain: each step's argmax is the next node, the child of the last
+            live_tok = logits.argmax(-1)                                    # [B, 1]
+            cand_tok.append(live_tok)
+            if i + 1 < num_steps:
+                visible = _extend_visible(visible, parent_rows, k)
+            continue
+        lp, child_tok = torch.log_softmax(logits.float(), -1).topk(k, dim=-1)  # [B, k, k]
+        cum = live_score[..., None] + lp                                    # summed log-probs
         flat_tok, flat_score = child_tok.flatten(1), cum.flatten(1)         # [B, k*k]
         cand_tok.append(flat_tok)
         cand_score.append(flat_score)
@@ -118,7 +120,7 @@ def expand_topk(first_logits: torch.Tensor, step: StepFn, to_target: Callable[[t
         live_tok = flat_tok.gather(1, chosen)
         if i + 1 < num_steps:
             visible = _extend_visible(visible, parent_rows, k)
-    if use_argmax:   # a chain: _select's order is the steps' (every score 0, each node the last's child)
+    if use_argmax:   # what _select picks of a chain: its nodes in order (every score 0)
         return chain_tree(to_target(torch.cat(cand_tok, 1)), num_draft_tokens)
     return _select(torch.cat(cand_tok, 1), torch.cat(cand_score, 1), torch.cat(cand_parent, 1),
                    num_draft_tokens - 1, to_target)

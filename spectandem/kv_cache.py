@@ -231,14 +231,11 @@ class PagedKVCache:
                 "used_blocks": self.blocks.num_used}
 
     def rows(self, slots: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
-        """Physical rows of logical `index [B, T]` in `slots [B]`. On the CPU the same arithmetic
-        in numpy over the host tables (a few torch calls a step cost more than the step's rows)."""
-        bs = self.block_size
+        """Physical rows of logical `index [B, T]` (not negative) in `slots [B]`. On the CPU,
+        `host_rows` (numpy over the host tables: a few torch calls a step cost more there)."""
         if not self._device_tables.is_cuda:
-            tables, idx = self.host_tables_np, index.numpy()
-            block = tables[slots.numpy()[:, None], np.minimum(idx // bs, tables.shape[1] - 1)]
-            return torch.from_numpy(np.where((block >= 0) & (idx < self.max_len), block * bs + idx % bs,
-                                             self._trash_row))
+            return self.host_rows(slots.tolist(), index)
+        bs = self.block_size
         block = self._tables[slots[:, None], (index // bs).clamp(max=self._tables.shape[1] - 1)]  # [B, T]
         ok = (block >= 0) & (index < self.max_len)
         return torch.where(ok, block * bs + index % bs, self._trash_row)
