@@ -42,7 +42,7 @@ import numpy as np
 import torch
 
 from drafter.graphs import (PAIR_BUCKETS, HeadGraphs, PassStart, _rows_into, catch_up_columns, catch_up_in_pass,
-                            index_views, pack_parts, padded_features)
+                            index_views, pack_parts, padded_features, padding_index_fields)
 from drafter.tree import DraftNodes, chain_tree
 from spectandem.cuda_graphs import BATCH_BUCKETS, batch_bucket, capture_graph, span_bucket
 from spectandem.devices import to_device, to_host
@@ -206,7 +206,6 @@ class AheadChainGraphs(HeadGraphs):
         t2d[head.draft_to_target(draft_ids)] = draft_ids
         self.target_to_draft = t2d
         self.pair_buckets = tuple(sorted(pair_buckets))
-        self._captured: dict[tuple, tuple[AheadInputs, "torch.cuda.CUDAGraph", tuple]] = {}
 
     def supports(self, batch: int, max_new: int = 0) -> bool:
         """Batches up to the largest batch bucket; with a catch-up inside (max_new pairs at most
@@ -259,6 +258,20 @@ class AheadChainGraphs(HeadGraphs):
             graph.replay()
         return to_host(packed[:b])[0], hidden[:b], logits[:b]
 
+    def warm_keys(self, max_batch: int, spans: list[int], num_steps: int, width: int) -> list[tuple]:
+        """The keys of the draft aheads a drafter of at most `max_batch` requests runs over `spans`
+        for full chains of `num_steps` drafts and `width` outcomes: from a catch-up already run or
+        after a hit's catch-up (`PAIR_BUCKETS`)."""
+        top = batch_bucket(max_batch, self.batch_buckets) or self.batch_buckets[-1]
+        return [(rows, span, num_steps, num_steps, width, pairs) for rows in self.batch_buckets if rows <= top
+                for span in spans for pairs in (0, *self.pair_buckets)]
+
+    def padding_inputs(self, key: tuple) -> AheadInputs:
+        rows, span, m, num_steps, width, pairs = key
+        fields_ = padding_index_fields(AheadInputs, ahead_index_fields(rows, span, m, num_steps, width, pairs),
+                                       self.cache.trash_row, self.device)
+        return AheadInputs(**fields_, **self._pass_start(rows, pairs))
+
     def _capture(self, key: tuple, like: AheadInputs) -> None:
         rows, span, m, num_steps, width, pairs = key
         static = like.like_padding(self.cache.trash_row)
@@ -268,11 +281,12 @@ class AheadChainGraphs(HeadGraphs):
         for name, view in index_views(flat, layout).items():
             view.copy_(getattr(static, name))
             setattr(static, name, view)
-        s, dev = self.head.spec, self.device
-        # Outputs outside the graphs' pool: a later capture may reuse the pool's memory.
-        outs = [torch.empty(rows, width, 3 + num_steps, dtype=torch.long, device=dev),
-                torch.empty(rows, 1, s.hidden_size, dtype=next(self.head.parameters()).dtype, device=dev),
-                torch.empty(rows, s.draft_vocab_size, device=dev)]
+        if pairs:
+            static.cu_features = self._features(rows, pairs, static.cu_features)
+        s = self.head.spec
+        outs = [self._output("packed", (rows, width, 3 + num_steps), torch.long),
+                self._output("hidden", (rows, 1, s.hidden_size), next(self.head.parameters()).dtype),
+                self._output("logits", (rows, s.draft_vocab_size), torch.float32)]
 
         def body():
             for buf, t in zip(outs, ahead_forward(self.head, self.cache, static, self.target_to_draft)):

@@ -79,7 +79,6 @@ class CatchUpGraphs(HeadGraphs):
                  pair_buckets: tuple[int, ...] = PAIR_BUCKETS + PREFILL_PAIR_BUCKETS):
         super().__init__(head, cache, graph, batch_buckets)
         self.pair_buckets = tuple(sorted(pair_buckets))
-        self._captured: dict[tuple, tuple[CatchUpInputs, "torch.cuda.CUDAGraph"]] = {}
         self._outputs: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}   # Bc -> ([Bc, 1, H], [Bc, 1, Vd])
 
     def supports(self, batch: int, max_new: int) -> bool:
@@ -110,10 +109,28 @@ class CatchUpGraphs(HeadGraphs):
         # One copy each: every graph of this Bc replays into these buffers.
         return hidden[:b].clone(), logits[:b].clone()
 
+    def warm_keys(self, max_batch: int, spans: list[int]) -> list[tuple]:
+        """The keys of the catch-ups a drafter of at most `max_batch` requests runs over `spans`:
+        a round's (`PAIR_BUCKETS`) and prefills' (the larger pair buckets, within
+        PREFILL_PAIR_ROWS, at spans holding such a prompt)."""
+        top = batch_bucket(max_batch, self.batch_buckets) or self.batch_buckets[-1]
+        return [(rows, pairs, span) for rows in self.batch_buckets if rows <= top for span in spans
+                for pairs in self.pair_buckets
+                if pair_bucket(rows, pairs, self.pair_buckets) == pairs and (pairs in PAIR_BUCKETS or 2 * span > pairs)]
+
+    def padding_inputs(self, key: tuple) -> CatchUpInputs:
+        rows, pairs, span = key
+        dev, s = self.device, self.head.spec
+        zeros = lambda *shape: torch.zeros(shape, dtype=torch.long, device=dev)
+        return CatchUpInputs(token_ids=zeros(rows, pairs), base=zeros(rows), num_new=zeros(rows), slots=zeros(rows),
+                             features=torch.zeros(rows, pairs, s.feature_size, dtype=next(self.head.parameters()).dtype,
+                                                  device=dev))
+
     def _capture(self, key: tuple, like: CatchUpInputs) -> None:
         rows, pairs, span = key
         # All zeros: every row padding (0 pairs), so warm-up and capture touch only the trash row.
         static = CatchUpInputs(*(torch.zeros_like(getattr(like, f.name)) for f in fields(like)))
+        static.features = self._features(rows, pairs, static.features)
         if rows not in self._outputs:
             s = self.head.spec
             dtype = next(self.head.parameters()).dtype

@@ -399,6 +399,9 @@ class ControlledProposer(Proposer):
                 out[i, tok] = lp
         return out
 
+    def warm_up(self, max_batch, progress=None):
+        return self.inner.warm_up(max_batch, progress)
+
     def kv_stats(self) -> dict:
         return self.inner.kv_stats()
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import logging
 import sys
+import time
 from dataclasses import replace
 
 from drafter.engine import DrafterEngine, build_proposer
@@ -38,6 +39,10 @@ def build_engine(config: EngineConfig, target=None, context: int | None = None,
         raise ValueError("a shared target model comes with its context length")
     config = _sized_config(config, target, context, progress)
     proposer = _proposer(config, target, context)
+    if config.gpu.cuda_graphs:
+        t0 = time.perf_counter()
+        if captured := proposer.warm_up(config.max_slots, progress):
+            progress(f"{captured} CUDA graphs captured in {time.perf_counter() - t0:.1f} s")
     if spec.benchmark_acceptance_rate is not None:
         proposer = _controlled(proposer, spec.benchmark_acceptance_rate, target)
     return DrafterEngine(proposer, spec), context

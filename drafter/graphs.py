@@ -23,7 +23,7 @@ import numpy as np
 import torch
 
 from drafter.tree import DraftNodes, chain_tree
-from spectandem.cuda_graphs import BATCH_BUCKETS, batch_bucket, capture_graph, span_bucket
+from spectandem.cuda_graphs import BATCH_BUCKETS, MIN_SPAN, batch_bucket, capture_graph, span_bucket
 from spectandem.devices import to_device
 from spectandem.kv_cache import PagedCacheBatch, PagedKVCache
 
@@ -36,6 +36,9 @@ PAIR_BUCKETS = (1, 2, 4, 8, 16)
 # of host time for 32 pairs on an H200 host, before the first draft could start.
 PREFILL_PAIR_BUCKETS = (32, 64, 128, 256, 512)
 PREFILL_PAIR_ROWS = 2048
+# Start-up captures the graphs of passes over up to this many cache entries (a request's context);
+# a longer context's graphs are captured when it first comes.
+WARM_MAX_SPAN = 4096
 
 
 def pair_bucket(rows: int, max_new: int, buckets: tuple[int, ...]) -> int | None:
@@ -248,6 +251,68 @@ class HeadGraphs:
             raise ValueError(f"CUDA graphs need a CUDA device, the draft cache is on {self.device}")
         self.batch_buckets = tuple(sorted(batch_buckets))
         self.pool = None
+        self._captured: dict[tuple, tuple] = {}
+        self._shared: dict[tuple, torch.Tensor] = {}
+
+    def warm_up(self, keys: list[tuple], progress=None, what: str = "") -> int:
+        """Captures the graph of every key in `keys` not captured yet, from inputs that are all
+        padding (`padding_inputs`), reporting "capturing <what> graphs: i/total" to `progress`
+        -> the number captured."""
+        todo = [key for key in dict.fromkeys(keys) if key not in self._captured]
+        for i, key in enumerate(todo, 1):
+            self._capture(key, self.padding_inputs(key))
+            if progress is not None and (i == len(todo) or i % 100 == 0):
+                progress(f"capturing {what} graphs: {i}/{len(todo)}")
+        return len(todo)
+
+    def padding_inputs(self, key: tuple):
+        """Inputs of `key`'s shapes, every row padding (what `_capture` starts from)."""
+        raise NotImplementedError
+
+    def _output(self, name: str, shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
+        """An output buffer that every graph of this family writing `name` at `shape` shares: a run
+        reads (or copies) its outputs before the next replay, so one per shape is enough, and
+        the buffers live outside the graphs' pool (a later capture may reuse the pool's memory)."""
+        key = (name, shape, dtype)
+        if key not in self._shared:
+            self._shared[key] = torch.empty(shape, dtype=dtype, device=self.device)
+        return self._shared[key]
+
+    def _features(self, rows: int, pairs: int, like: torch.Tensor) -> torch.Tensor:
+        """The [rows, pairs, F] features input of a graph, a view of one buffer every graph of this
+        family reads its catch-up's features from (each run writes them before its replay): one
+        buffer of the largest shape instead of one per (rows, pairs, span)."""
+        width = like.shape[-1]
+        flat = self._output("features", (max(PREFILL_PAIR_ROWS, self.batch_buckets[-1] * PAIR_BUCKETS[-1]) * width,),
+                            like.dtype)
+        assert rows * pairs * width <= flat.numel(), (rows, pairs, width)
+        return flat[: rows * pairs * width].view(rows, pairs, width)
+
+    def _pass_start(self, rows: int, pairs: int) -> dict:
+        """The PassStart fields of a padding pass: a catch-up of `pairs` pairs, or a start."""
+        s, dtype = self.head.spec, next(self.head.parameters()).dtype
+        dev = self.device
+        if pairs:
+            return dict(cu_features=torch.zeros(rows, pairs, s.feature_size, dtype=dtype, device=dev))
+        return dict(first_logits=torch.zeros(rows, s.draft_vocab_size, device=dev),
+                    hidden=torch.zeros(rows, 1, s.hidden_size, dtype=dtype, device=dev))
+
+
+def padding_index_fields(cls, layout: list[tuple[str, tuple[int, ...]]], trash: int, device) -> dict:
+    """A pass's index fields of `layout`, every row padding: the trash row where `cls` keeps
+    physical cache rows, zeros elsewhere (what `StaticInputs.like_padding` makes)."""
+    return {name: torch.full(shape, trash, dtype=torch.long, device=device) if name in cls.ROW_FIELDS
+            else torch.zeros(shape, dtype=torch.long, device=device) for name, shape in layout}
+
+
+def warm_spans(max_len: int, limit: int) -> list[int]:
+    """The span buckets (`span_bucket`) of passes over up to min(max_len, limit) entries."""
+    out, span = [], MIN_SPAN
+    while True:
+        out.append(span_bucket(min(span, max_len), max_len))
+        if span >= min(max_len, limit):
+            return sorted(set(out))
+        span *= 2
 
 
 class ChainGraphs(HeadGraphs):
@@ -260,7 +325,6 @@ class ChainGraphs(HeadGraphs):
                  pair_buckets: tuple[int, ...] = PAIR_BUCKETS + PREFILL_PAIR_BUCKETS):
         super().__init__(head, cache, graph, batch_buckets)
         self.pair_buckets = tuple(sorted(pair_buckets))
-        self._captured: dict[tuple, tuple[ChainInputs, "torch.cuda.CUDAGraph", tuple]] = {}
 
     def supports(self, batch: int, topk: int, sampled: bool, num_steps: int, max_new: int = 0) -> bool:
         """Argmax chains of at least one head step, batch up to the largest bucket; with a
@@ -317,6 +381,27 @@ class ChainGraphs(HeadGraphs):
             toks = toks.clone()
         return toks[:b], hidden[:b], logits[:b]
 
+    def warm_keys(self, max_batch: int, steps: list[int], spans: list[int]) -> list[tuple]:
+        """The keys of the chains a drafter of at most `max_batch` requests runs over `spans`: each
+        of `steps` from a catch-up already run or after a round's catch-up (`PAIR_BUCKETS`), and
+        the first chain of `steps[0]` after a prefill (the larger pair buckets, within
+        PREFILL_PAIR_ROWS, at spans holding such a prompt)."""
+        top = batch_bucket(max_batch, self.batch_buckets) or self.batch_buckets[-1]
+        keys = []
+        for rows in (b for b in self.batch_buckets if b <= top):
+            for span in spans:
+                for n in steps:
+                    keys += [(rows, span, n, pairs) for pairs in (0, *PAIR_BUCKETS) if pairs in (0, *self.pair_buckets)]
+                keys += [(rows, span, steps[0], pairs) for pairs in self.pair_buckets if pairs > PAIR_BUCKETS[-1]
+                         and pair_bucket(rows, pairs, self.pair_buckets) == pairs and 2 * span > pairs]
+        return keys
+
+    def padding_inputs(self, key: tuple) -> ChainInputs:
+        rows, span, num_steps, pairs = key
+        fields_ = padding_index_fields(ChainInputs, chain_index_fields(rows, span, num_steps, pairs),
+                                       self.cache.trash_row, self.device)
+        return ChainInputs(**fields_, **self._pass_start(rows, pairs))
+
     def _capture(self, key: tuple, like: ChainInputs) -> None:
         rows, span, num_steps, pairs = key
         static = like.like_padding(self.cache.trash_row)
@@ -326,10 +411,12 @@ class ChainGraphs(HeadGraphs):
         for name, view in index_views(flat, layout).items():
             view.copy_(getattr(static, name))
             setattr(static, name, view)
+        if pairs:
+            static.cu_features = self._features(rows, pairs, static.cu_features)
         s = self.head.spec
-        outs = (torch.empty(rows, num_steps, dtype=torch.long, device=self.device),
-                torch.empty(rows, 1, s.hidden_size, dtype=next(self.head.parameters()).dtype, device=self.device),
-                torch.empty(rows, s.draft_vocab_size, device=self.device))
+        outs = (self._output("tokens", (rows, num_steps), torch.long),
+                self._output("hidden", (rows, 1, s.hidden_size), next(self.head.parameters()).dtype),
+                self._output("logits", (rows, s.draft_vocab_size), torch.float32))
 
         def body():
             for buf, t in zip(outs, chain_forward(self.head, self.cache, static)):

@@ -15,7 +15,7 @@ import torch
 
 from drafter.ahead_chains import AheadChainGraphs, outcome_trees, scratch_entries
 from drafter.catchup_graphs import CatchUpGraphs, catch_up_forward, catch_up_inputs
-from drafter.graphs import ChainGraphs
+from drafter.graphs import WARM_MAX_SPAN, ChainGraphs, warm_spans
 from drafter.heads import DraftHead
 from drafter.tree import DraftNodes, draft_tree
 from spectandem.config import SamplingParams, SpecConfig
@@ -76,6 +76,11 @@ class Proposer:
     def kv_stats(self) -> dict:
         """Its KV pool's use (num_blocks, block_size, used_blocks), where it has one."""
         return {}
+
+    def warm_up(self, max_batch: int, progress=None) -> int:
+        """Captures the CUDA graphs it replays for batches of up to `max_batch` requests, before
+        serving -> how many (none for a method without graphs)."""
+        return 0
 
     def request_ended(self, req: DraftRequest) -> None:
         """Called by the engine just before `remove` of a request that ended, with its
@@ -223,6 +228,28 @@ class EagleProposer(Proposer):
         self.chain = ChainGraphs(head, self.cache) if cuda_graphs else None
         self.catch_up_graphs = CatchUpGraphs(head, self.cache) if cuda_graphs else None
         self.ahead_graphs = AheadChainGraphs(head, self.cache, graph=cuda_graphs) if cfg.topk == 1 else None
+
+    @torch.no_grad()
+    def warm_up(self, max_batch, progress=None):
+        """Every graph of a chain, a draft ahead and a catch-up at every batch bucket up to
+        `max_batch`'s and every span bucket up to WARM_MAX_SPAN entries (longer contexts capture
+        theirs when they first come): the chains of `num_steps` and of short:2, each from a
+        catch-up run before it or with a round's catch-up inside, the first chain after a
+        prefill, and the draft aheads of full chains. A graph captured while serving stalls
+        every request in the batch for its capture."""
+        if self.chain is None:
+            return 0
+        spans = warm_spans(self.cache.max_len, WARM_MAX_SPAN)
+        captured = 0
+        if self.cfg.topk == 1:
+            steps = [n for n in dict.fromkeys((self.cfg.num_steps, 2)) if 2 <= n <= self.cfg.num_steps]
+            if steps:
+                captured += self.chain.warm_up(self.chain.warm_keys(max_batch, steps, spans), progress, "draft chain")
+            if self.ahead_graphs is not None and self.cfg.ahead_width:
+                keys = self.ahead_graphs.warm_keys(max_batch, spans, self.cfg.max_draft_nodes, self.cfg.ahead_width)
+                captured += self.ahead_graphs.warm_up(keys, progress, "draft-ahead")
+        keys = self.catch_up_graphs.warm_keys(max_batch, spans)
+        return captured + self.catch_up_graphs.warm_up(keys, progress, "catch-up")
 
     @torch.no_grad()
     def catch_up(self, reqs, num_new, features):

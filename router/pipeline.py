@@ -24,7 +24,9 @@ windows, and at most `max_keep_seconds` (RouterConfig, 4 s), so that a change of
 batch): a settled choice spends about 3% of its rounds measuring the others. Candidates that
 measured under 85% of the fastest are measured again only every fourth time (a window of
 short:1 at batch 64 costs as much as several of plain; at batch 64 on the H200, windows of
-sequential at 83% of plain kept between plain's keeps cost 1-3% of plain's throughput). Measurements
+sequential at 83% of plain kept between plain's keeps cost 1-3% of plain's throughput), except that
+while plain is kept the fastest speculating mode is measured after every keep: traffic whose
+drafts start to be accepted shows within one keep (4 s at most), not four. Measurements
 belong to a batch class (the candidates and the nearest power of two of the running requests:
 46 to 90 running are the class of 64, so a batch of 64 stays in it while its last requests
 finish) and survive while the batch is in another class. Ping-pong wins when drafter and
@@ -137,6 +139,8 @@ class _ClassState:
         speed = _speed(self.acc.pop(self.mode, []))
         if speed is not None:
             self.speeds[self.mode] = speed
+        log.debug("auto pipeline: %s of %s over %d rounds in %.1f ms: %s request-rounds/s", self.phase, self.mode,
+                  self.length, self.elapsed * 1e3, "-" if speed is None else f"{speed:.1f}")
         tokens, request_rounds, rounds = self.pooled
         pool = self.yields.get(draft_kind(self.mode))
         if not request_rounds or not pool or len(pool) <= rounds:
@@ -230,9 +234,9 @@ class ModeChooser:
             s.keep_windows = min(2 * s.keep_windows, MAX_KEEP_WINDOWS) if not changed else KEEP_WINDOWS
             s.kept = best
             s.start("keep", best, window * s.keep_windows)
-            if changed:   # a mode kept again after a measurement is not news
-                log.info("auto pipeline: mode %s at %d running (committed tokens/s: %s)", s.mode, num_running,
-                         {k: round(v, 1) for k, v in rates.items()})
+            # a mode kept again after a measurement is not news
+            log.log(logging.INFO if changed else logging.DEBUG, "auto pipeline: mode %s at %d running (committed "
+                    "tokens/s: %s)", s.mode, num_running, {k: round(v, 1) for k, v in rates.items()})
         return s.mode
 
     def forget_text(self) -> None:
@@ -273,6 +277,10 @@ class ModeChooser:
         rates = s.rates
         best = rates.get(s.mode, 0.0)
         near = [c for c in others if rates.get(c, 0.0) >= EXPLORE_NEAR * best]
+        if not near and s.mode == "plain" and (drafting := [c for c in others if c in rates]):
+            # Kept plain: the fastest speculating mode after every keep, so that drafts starting to
+            # be accepted (new traffic) show within one keep rather than FAR_EVERY keeps.
+            near = [max(drafting, key=rates.__getitem__)]
         if not near:
             return None
         s.near_turn += 1

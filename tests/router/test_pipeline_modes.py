@@ -162,7 +162,8 @@ def test_between_keeps_one_other_candidate_is_measured_and_a_faster_one_is_kept(
     """After the first sweep, a keep of 8 windows, then one window of another candidate (the
     near ones in turn; every fourth time any one in turn), then a keep again, twice as long while
     the same mode stays the fastest (at most 32 windows); when plain becomes the fastest, the next
-    window that measures it keeps it, for 8 windows."""
+    window that measures it keeps it, for 8 windows, and then the fastest speculating mode is
+    measured again, however far below plain it measured."""
     chooser = ModeChooser(_cfg(pipeline="auto"))
     order = ["sequential", "pingpong", "short:1", "short:2", "plain"]
     rates = {m: 130.0 for m in order} | {"sequential": 150.0}     # every other one near (>= 85%)
@@ -171,9 +172,21 @@ def test_between_keeps_one_other_candidate_is_measured_and_a_faster_one_is_kept(
                                      ("sequential", 96), ("short:2", 3), ("sequential", 96), ("pingpong", 3)]
     rates["plain"] = 300.0            # plain decoding got faster (say, the batch grew)
     chosen = _run(chooser, rates, 96 + 3 + 24 + 3, num_running=64)
-    # measured, then kept: 8 windows, and on (every other one is now under 85% of plain)
-    assert _windows(chosen) == [("sequential", 96), ("plain", 3 + 24 + 3)]
+    # measured, then kept: 8 windows; then sequential (the fastest speculating mode, under 85% of plain)
+    assert _windows(chosen) == [("sequential", 96), ("plain", 3 + 24), ("sequential", 3)]
     assert chooser.rates["plain"] == pytest.approx(300.0)
+
+
+def test_kept_plain_finds_drafts_accepted_again_within_one_keep():
+    """Traffic whose drafts were never accepted keeps plain; once they are (new traffic), the
+    window of the fastest speculating mode after the current keep finds it, and it is kept."""
+    chooser = ModeChooser(_cfg(pipeline="auto"))
+    rates = {"sequential": 60.0, "ahead": 50.0, "plain": 150.0}
+    chosen = _run(chooser, rates, 9 + 24 + 3 + 48, num_running=1)
+    assert _windows(chosen[9:]) == [("plain", 24), ("sequential", 3), ("plain", 48)]
+    rates |= {"sequential": 300.0, "ahead": 320.0}
+    chosen = _run(chooser, rates, 3 + 24, num_running=1)
+    assert chosen == ["sequential"] * (3 + 24)   # its window, then its keep
 
 
 def test_candidates_far_below_the_fastest_are_measured_only_every_fourth_time():
