@@ -294,7 +294,7 @@ class AheadChainGraphs(HeadGraphs):
 
         if self.pool is None:
             self.pool = torch.cuda.graph_pool_handle()
-        self._captured[key] = (static, flat, capture_graph(body, self.pool, self.device), tuple(outs))
+        self._captured[key] = (static, flat, capture_graph(body, self.pool, self.device, warmup=1), tuple(outs))
 
 
 def outcome_trees(packed: torch.Tensor, chains: list[list[int]], num_draft_tokens: int) -> list[dict]:

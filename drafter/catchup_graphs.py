@@ -145,4 +145,4 @@ class CatchUpGraphs(HeadGraphs):
 
         if self.pool is None:
             self.pool = torch.cuda.graph_pool_handle()
-        self._captured[key] = (static, capture_graph(body, self.pool, self.device))
+        self._captured[key] = (static, capture_graph(body, self.pool, self.device, warmup=1))

@@ -241,7 +241,9 @@ def chain_forward(head, cache: PagedKVCache, inp: ChainInputs) -> tuple[torch.Te
 
 class HeadGraphs:
     """What the head's graph families share: the head and its cache, graphs or the same padded
-    computation eagerly (`graph=False`, the CPU path), batch buckets and one memory pool."""
+    computation eagerly (`graph=False`, the CPU path), batch buckets and one memory pool. Their
+    graphs are many (one per batch, span and catch-up bucket; start-up captures them all), so a
+    capture runs its pass once before capturing it, for the lazy initialisation, not twice."""
 
     def __init__(self, head, cache: PagedKVCache, graph: bool = True,
                  batch_buckets: tuple[int, ...] = BATCH_BUCKETS):
@@ -424,7 +426,7 @@ class ChainGraphs(HeadGraphs):
 
         if self.pool is None:
             self.pool = torch.cuda.graph_pool_handle()
-        self._captured[key] = (static, flat, capture_graph(body, self.pool, self.device), outs)
+        self._captured[key] = (static, flat, capture_graph(body, self.pool, self.device, warmup=1), outs)
 
 
 def _rows_into(static: torch.Tensor, parts: list[torch.Tensor]) -> None:
