@@ -40,9 +40,12 @@ def build_engine(config: EngineConfig, target=None, context: int | None = None,
     config = _sized_config(config, target, context, progress)
     proposer = _proposer(config, target, context)
     if config.gpu.cuda_graphs:
-        t0 = time.perf_counter()
+        import torch
+
+        t0, before = time.perf_counter(), torch.cuda.memory_reserved(config.device)
         if captured := proposer.warm_up(config.max_slots, progress):
-            progress(f"{captured} CUDA graphs captured in {time.perf_counter() - t0:.1f} s")
+            grown = (torch.cuda.memory_reserved(config.device) - before) / 2**30
+            progress(f"{captured} CUDA graphs captured in {time.perf_counter() - t0:.1f} s ({grown:.2f} GiB)")
     if spec.benchmark_acceptance_rate is not None:
         proposer = _controlled(proposer, spec.benchmark_acceptance_rate, target)
     return DrafterEngine(proposer, spec), context
