@@ -261,8 +261,7 @@ class HeadGraphs:
         """Captures the graph of every key in `keys` not captured yet, from inputs that are all
         padding (`padding_inputs`), reporting "capturing <what> graphs: i/total" to `progress`
         -> the number captured. The largest shapes first: the memory a capture frees in the
-        shared pool is reused by the smaller ones after it, where captures in ascending order
-        would each add a larger segment (ascending, the 8B-shaped pair's graph pools reached 12.8 GiB)."""
+        shared pool is then reused by the smaller ones after it."""
         todo = [key for key in dict.fromkeys(keys) if key not in self._captured]
         todo.sort(key=math.prod, reverse=True)
         for i, key in enumerate(todo, 1):
