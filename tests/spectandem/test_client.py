@@ -70,7 +70,10 @@ class FakeGeneration(generation_pb2_grpc.GenerationServicer):
                     await asyncio.sleep(step[1])
                 else:
                     await context.abort(step[1], step[2])
-        except asyncio.CancelledError:
+        except (asyncio.CancelledError, GeneratorExit):
+            # A client that leaves: grpc.aio cancels the handler where it awaits inside this
+            # generator (CancelledError), or closes the generator where the cancel lands while a
+            # chunk is being written (GeneratorExit at the yield).
             self.cancelled.set()
             raise
 
