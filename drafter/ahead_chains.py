@@ -262,8 +262,7 @@ class AheadChainGraphs(HeadGraphs):
         """The keys of the draft aheads a drafter of at most `max_batch` requests runs over `spans`
         for full chains of `num_steps` drafts and `width` outcomes: from a catch-up already run or
         after a hit's catch-up (`PAIR_BUCKETS`)."""
-        top = batch_bucket(max_batch, self.batch_buckets) or self.batch_buckets[-1]
-        return [(rows, span, num_steps, num_steps, width, pairs) for rows in self.batch_buckets if rows <= top
+        return [(rows, span, num_steps, num_steps, width, pairs) for rows in self._warm_rows(max_batch)
                 for span in spans for pairs in (0, *self.pair_buckets)]
 
     def padding_inputs(self, key: tuple) -> AheadInputs:

@@ -113,10 +113,8 @@ class CatchUpGraphs(HeadGraphs):
         """The keys of the catch-ups a drafter of at most `max_batch` requests runs over `spans`:
         a round's (`PAIR_BUCKETS`) and prefills' (the larger pair buckets, within
         PREFILL_PAIR_ROWS, at spans holding such a prompt)."""
-        top = batch_bucket(max_batch, self.batch_buckets) or self.batch_buckets[-1]
-        return [(rows, pairs, span) for rows in self.batch_buckets if rows <= top for span in spans
-                for pairs in self.pair_buckets
-                if pair_bucket(rows, pairs, self.pair_buckets) == pairs and (pairs in PAIR_BUCKETS or 2 * span > pairs)]
+        return [(rows, pairs, span) for rows in self._warm_rows(max_batch) for span in spans
+                for pairs in self._warm_pairs(rows, span)]
 
     def padding_inputs(self, key: tuple) -> CatchUpInputs:
         rows, pairs, span = key

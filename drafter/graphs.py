@@ -274,6 +274,17 @@ class HeadGraphs:
         """Inputs of `key`'s shapes, every row padding (what `_capture` starts from)."""
         raise NotImplementedError
 
+    def _warm_rows(self, max_batch: int) -> list[int]:
+        """The batch buckets of a drafter of at most `max_batch` requests."""
+        top = batch_bucket(max_batch, self.batch_buckets) or self.batch_buckets[-1]
+        return [rows for rows in self.batch_buckets if rows <= top]
+
+    def _warm_pairs(self, rows: int, span: int) -> list[int]:
+        """The catch-up pair buckets a graph of `rows` rows over `span` entries takes: a round's
+        (`PAIR_BUCKETS`), and a prefill's within PREFILL_PAIR_ROWS where the span holds it."""
+        return [pairs for pairs in self.pair_buckets if pair_bucket(rows, pairs, self.pair_buckets) == pairs
+                and (pairs <= PAIR_BUCKETS[-1] or 2 * span > pairs)]
+
     def _output(self, name: str, shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
         """An output buffer that every graph of this family writing `name` at `shape` shares: a run
         reads (or copies) its outputs before the next replay, so one per shape is enough, and
@@ -391,14 +402,12 @@ class ChainGraphs(HeadGraphs):
         of `steps` from a catch-up already run or after a round's catch-up (`PAIR_BUCKETS`), and
         the first chain of `steps[0]` after a prefill (the larger pair buckets, within
         PREFILL_PAIR_ROWS, at spans holding such a prompt)."""
-        top = batch_bucket(max_batch, self.batch_buckets) or self.batch_buckets[-1]
         keys = []
-        for rows in (b for b in self.batch_buckets if b <= top):
+        for rows in self._warm_rows(max_batch):
             for span in spans:
-                for n in steps:
-                    keys += [(rows, span, n, pairs) for pairs in (0, *PAIR_BUCKETS) if pairs in (0, *self.pair_buckets)]
-                keys += [(rows, span, steps[0], pairs) for pairs in self.pair_buckets if pairs > PAIR_BUCKETS[-1]
-                         and pair_bucket(rows, pairs, self.pair_buckets) == pairs and 2 * span > pairs]
+                pairs = self._warm_pairs(rows, span)
+                keys += [(rows, span, n, p) for n in steps for p in [0] + pairs if p <= PAIR_BUCKETS[-1]]
+                keys += [(rows, span, steps[0], p) for p in pairs if p > PAIR_BUCKETS[-1]]
         return keys
 
     def padding_inputs(self, key: tuple) -> ChainInputs:
