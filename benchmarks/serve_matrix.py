@@ -23,6 +23,13 @@ whether every output equals the plain greedy output of the same prompt (the `--m
 server of the same backend).
 
 Output: `--out` JSON, {"gpu", "command", "records": [...], "engine_reference": [...]}, and a table.
+
+One matrix may take longer than one sitting allows (the device's per-command limit): `--append`
+adds this invocation's records to those already in `--out` (a record of the same backend,
+method, rate and concurrency is replaced; the engine reference is kept unless this invocation
+measures one; `command` lists every invocation), and `--plain-outputs FILE` keeps each
+backend's plain greedy outputs, so a speculating server measured in a later invocation is still
+compared with them (`exact`).
 """
 
 from __future__ import annotations
@@ -274,8 +281,9 @@ def run_matrix(args) -> dict:
         methods = [("none", None), ("eagle3", None)]
 
     records, failures = [], []
+    stored = _load_plain(args.plain_outputs)
     for backend in backends:
-        plain: dict[int, list[int]] = {}
+        plain: dict[int, list[int]] = dict(stored.get(backend, {}))
         for method, rate in methods:
             argv = model + ["--backend", backend, "--method", method, "--http-port", "0", "--metrics-port", "0"] + (["--device", args.device] if args.device else [])
             if args.drafter_device and method != "none" and backend != "ray":   # Ray places its actors itself
@@ -321,12 +329,17 @@ def run_matrix(args) -> dict:
                     outs = outputs_of(result)
                     if method == "none":
                         plain.update(outs)
+                        stored[backend] = plain
+                        _save_plain(args.plain_outputs, stored)
                     exact = all(plain.get(i) == ids for i, ids in outs.items()) if plain else None
                     rec = served_record(backend, method, rate, c, result, exact, args.serve_args)
                     records.append(rec)
                     if args.out:   # what is measured so far, should a later step fail
-                        Path(args.out).write_text(json.dumps({"partial": True, "records": records, "failures": failures,
-                                                              "engine_reference": reference}, indent=1) + "\n")
+                        partial = {"partial": True, "gpu": None, "command": None, "records": records,
+                                   "failures": failures, "engine_reference": reference}
+                        if args.previous is not None:
+                            partial = dict(appended(args.previous, partial), partial=True)
+                        Path(args.out).write_text(json.dumps(partial, indent=1) + "\n")
                     say(f"  c={c}: {rec['output_tokens_per_s']:.1f} tok/s, accept {rec['accept_length']}, "
                         f"exact {exact}")
             finally:
@@ -337,6 +350,34 @@ def run_matrix(args) -> dict:
     return {"gpu": gpu, "command": shlex.join([Path(sys.argv[0]).as_posix()] + sys.argv[1:]),
             "drafter_device": args.drafter_device, "pair": args.pair, "scale": args.scale if args.pair == "llama8b" else None,
             "max_tokens": args.max_tokens, "records": records, "failures": failures, "engine_reference": reference}
+
+
+def _load_plain(path: str | None) -> dict[str, dict[int, list[int]]]:
+    """--plain-outputs: backend -> prompt index -> plain greedy output ids ({} when absent)."""
+    if not path or not Path(path).exists():
+        return {}
+    return {b: {int(i): ids for i, ids in outs.items()} for b, outs in json.loads(Path(path).read_text()).items()}
+
+
+def _save_plain(path: str | None, stored: dict[str, dict[int, list[int]]]) -> None:
+    if path:
+        Path(path).write_text(json.dumps({b: {str(i): ids for i, ids in outs.items()} for b, outs in stored.items()}))
+
+
+def appended(previous: dict, new: dict) -> dict:
+    """`new`'s records added to `previous`'s (same backend, method, rate, concurrency: new wins),
+    the engine reference of whichever measured one (new first), every invocation's command."""
+    key = lambda r: (r["backend"], r["method"], r["acceptance_rate"], r["concurrency"])
+    fresh = {key(r) for r in new["records"]}
+    merged = dict(new, gpu=new["gpu"] or previous.get("gpu"))
+    merged.pop("partial", None)
+    merged["records"] = [r for r in previous.get("records", []) if key(r) not in fresh] + new["records"]
+    merged["engine_reference"] = new["engine_reference"] or previous.get("engine_reference", [])
+    merged["failures"] = previous.get("failures", []) + new["failures"]
+    merged["command"] = "\n".join(c for c in (previous.get("command"), new["command"]) if c)
+    if previous.get("gpu") and new["gpu"] and previous["gpu"] != new["gpu"]:
+        raise ValueError(f"--append: {previous['gpu']!r} measured the records in --out, this machine is {new['gpu']!r}")
+    return merged
 
 
 def table(results: dict) -> str:
@@ -389,10 +430,19 @@ def main() -> int:
     p.add_argument("--start-timeout", type=float, default=600.0, help="seconds a server may take to start")
     p.add_argument("--no-plain", action="store_true", help="llama8b: the controlled rates only, no --method none server")
     p.add_argument("--skip-engine-reference", action="store_true", help="serve only")
+    p.add_argument("--append", action="store_true",
+                   help="add to the records already in --out instead of replacing them (see above)")
+    p.add_argument("--plain-outputs", default=None, metavar="FILE",
+                   help="JSON of each backend's plain greedy outputs: written when plain runs, read otherwise "
+                        "(default: none kept)")
     p.add_argument("--out", required=True, help="the JSON written")
     args = p.parse_args()
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
+    args.previous = previous = (json.loads(Path(args.out).read_text()) if args.append and Path(args.out).exists()
+                                else None)
     results = run_matrix(args)
+    if previous is not None:
+        results = appended(previous, results)
     Path(args.out).write_text(json.dumps(results, indent=1) + "\n")
     print(table(results))
     return 1 if results["failures"] else 0

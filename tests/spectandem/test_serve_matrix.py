@@ -1,0 +1,44 @@
+"""benchmarks/serve_matrix.py's --append and --plain-outputs: one matrix measured over several
+invocations."""
+
+from __future__ import annotations
+
+import pytest
+
+from benchmarks.serve_matrix import _load_plain, _save_plain, appended
+
+
+def _rec(backend, method, rate, conc, tps):
+    return {"backend": backend, "method": method, "acceptance_rate": rate, "concurrency": conc,
+            "output_tokens_per_s": tps}
+
+
+def test_append_replaces_the_same_cell_and_keeps_the_rest():
+    first = {"gpu": "H100", "command": "serve_matrix.py --backends local", "failures": [{"backend": "ray"}],
+             "records": [_rec("local", "none", None, 1, 100.0), _rec("local", "eagle3", 0.8, 1, 200.0)],
+             "engine_reference": [{"method": "none", "acceptance_rate": None, "batch_size": 1, "tokens_per_s": 110.0}]}
+    second = {"gpu": "H100", "command": "serve_matrix.py --backends local,grpc --append", "failures": [],
+              "records": [_rec("local", "eagle3", 0.8, 1, 210.0), _rec("grpc", "eagle3", 0.8, 1, 150.0)],
+              "engine_reference": []}
+    merged = appended(first, second)
+    assert [(r["backend"], r["method"], r["output_tokens_per_s"]) for r in merged["records"]] == [
+        ("local", "none", 100.0), ("local", "eagle3", 210.0), ("grpc", "eagle3", 150.0)]
+    assert merged["engine_reference"] == first["engine_reference"]   # none measured this time: kept
+    assert merged["command"].splitlines() == [first["command"], second["command"]]
+    assert merged["failures"] == [{"backend": "ray"}]
+    fresh_reference = [{"method": "none", "acceptance_rate": None, "batch_size": 1, "tokens_per_s": 120.0}]
+    assert appended(first, dict(second, engine_reference=fresh_reference))["engine_reference"] == fresh_reference
+
+
+def test_append_refuses_another_machine():
+    with pytest.raises(ValueError, match="H200"):
+        appended({"gpu": "H200", "records": []},
+                 {"gpu": "H100", "command": "x", "records": [], "failures": [], "engine_reference": []})
+
+
+def test_plain_outputs_round_trip(tmp_path):
+    path = tmp_path / "plain.json"
+    assert _load_plain(str(path)) == {} and _load_plain(None) == {}
+    stored = {"local": {0: [5, 6, 7], 12: [1]}, "grpc": {3: [9]}}
+    _save_plain(str(path), stored)
+    assert _load_plain(str(path)) == stored
