@@ -344,12 +344,19 @@ def run_matrix(args) -> dict:
                         f"exact {exact}")
             finally:
                 server.stop()
-    gpu = torch.cuda.get_device_name(0) if device.startswith("cuda") else f"cpu ({os.cpu_count()} cores)"
-    if device.startswith("cuda") and torch.cuda.device_count() > 1:
-        gpu = f"{torch.cuda.device_count()} x {gpu}"
-    return {"gpu": gpu, "command": shlex.join([Path(sys.argv[0]).as_posix()] + sys.argv[1:]),
+    return {"gpu": machine(device), "command": shlex.join([Path(sys.argv[0]).as_posix()] + sys.argv[1:]),
             "drafter_device": args.drafter_device, "pair": args.pair, "scale": args.scale if args.pair == "llama8b" else None,
             "max_tokens": args.max_tokens, "records": records, "failures": failures, "engine_reference": reference}
+
+
+def machine(device: str) -> str:
+    """The results' "gpu": the GPU's name (with their count where several), or the CPU's cores."""
+    import torch
+
+    if not device.startswith("cuda"):
+        return f"cpu ({os.cpu_count()} cores)"
+    name = torch.cuda.get_device_name(0)
+    return f"{torch.cuda.device_count()} x {name}" if torch.cuda.device_count() > 1 else name
 
 
 def _load_plain(path: str | None) -> dict[str, dict[int, list[int]]]:
@@ -375,9 +382,14 @@ def appended(previous: dict, new: dict) -> dict:
     merged["engine_reference"] = new["engine_reference"] or previous.get("engine_reference", [])
     merged["failures"] = previous.get("failures", []) + new["failures"]
     merged["command"] = "\n".join(c for c in (previous.get("command"), new["command"]) if c)
-    if previous.get("gpu") and new["gpu"] and previous["gpu"] != new["gpu"]:
-        raise ValueError(f"--append: {previous['gpu']!r} measured the records in --out, this machine is {new['gpu']!r}")
+    check_machine(previous, new["gpu"])
     return merged
+
+
+def check_machine(previous: dict, gpu: str | None) -> None:
+    """--append: refuses records of another machine than `previous`'s (None: not known yet)."""
+    if previous.get("gpu") and gpu and previous["gpu"] != gpu:
+        raise ValueError(f"--append: {previous['gpu']!r} measured the records in --out, this machine is {gpu!r}")
 
 
 def table(results: dict) -> str:
@@ -440,6 +452,10 @@ def main() -> int:
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     args.previous = previous = (json.loads(Path(args.out).read_text()) if args.append and Path(args.out).exists()
                                 else None)
+    if previous is not None:   # before measuring: records of another machine are never merged
+        import torch
+
+        check_machine(previous, machine(args.device or ("cuda" if torch.cuda.is_available() else "cpu")))
     results = run_matrix(args)
     if previous is not None:
         results = appended(previous, results)

@@ -288,10 +288,12 @@ class HeadGraphs:
     def _output(self, name: str, shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
         """An output buffer that every graph of this family writing `name` at `shape` shares: a run
         reads (or copies) its outputs before the next replay, so one per shape is enough, and
-        the buffers live outside the graphs' pool (a later capture may reuse the pool's memory)."""
+        the buffers live outside the graphs' pool (a later capture may reuse the pool's memory).
+        Zeros when made: the features input is one such buffer, and the all-padding passes that
+        warm-up and capture run read it before any run has written it."""
         key = (name, shape, dtype)
         if key not in self._shared:
-            self._shared[key] = torch.empty(shape, dtype=dtype, device=self.device)
+            self._shared[key] = torch.zeros(shape, dtype=dtype, device=self.device)
         return self._shared[key]
 
     def _features(self, rows: int, pairs: int, like: torch.Tensor) -> torch.Tensor:

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 
-from benchmarks.serve_matrix import _load_plain, _save_plain, appended
+from benchmarks.serve_matrix import _load_plain, _save_plain, appended, check_machine
 
 
 def _rec(backend, method, rate, conc, tps):
@@ -34,6 +34,10 @@ def test_append_refuses_another_machine():
     with pytest.raises(ValueError, match="H200"):
         appended({"gpu": "H200", "records": []},
                  {"gpu": "H100", "command": "x", "records": [], "failures": [], "engine_reference": []})
+    with pytest.raises(ValueError, match="this machine is 'H100'"):   # what main checks before measuring
+        check_machine({"gpu": "H200"}, "H100")
+    check_machine({"gpu": "H200"}, "H200")
+    check_machine({"gpu": "H200"}, None)   # a partial write: the machine not named yet
 
 
 def test_plain_outputs_round_trip(tmp_path):
