@@ -135,8 +135,8 @@ def _nth_other(n: int, vocab_size: int, avoid: set[int]) -> int:
 class TruthBook:
     """Truths learned while serving: the committed tokens (prompt + output) of greedy requests
     that ended. A request whose tokens are a proper prefix of a recorded truth gets that truth's
-    plan at `rate` (`prefix_plan`), drawn once per truth. Truths are looked up by their first
-    tokens (each truth is indexed under its prefixes of 1 to `key_len` tokens, a request by its
+    plan at `rate` (`prefix_plan`), drawn once per truth, when it is recorded. Truths are looked
+    up by their first tokens (each truth is indexed under its prefixes of 1 to `key_len` tokens, a request by its
     first `key_len` tokens or all of them), then checked. A truth that a recorded one extends is not kept; at
     most `capacity` truths are, the least recently used going first."""
 
@@ -146,7 +146,7 @@ class TruthBook:
         if capacity < 1 or key_len < 1:
             raise ValueError(f"capacity and key_len must be >= 1, got {capacity}, {key_len}")
         self.rate, self.vocab_size, self.capacity, self.key_len = rate, vocab_size, capacity, key_len
-        self._truths: OrderedDict[tuple[int, ...], DraftPlan | None] = OrderedDict()   # truth -> its plan once drawn
+        self._truths: OrderedDict[tuple[int, ...], DraftPlan] = OrderedDict()   # truth -> its plan
         self._by_key: dict[tuple[int, ...], dict[tuple[int, ...], None]] = {}   # prefix -> truths (an ordered set)
 
     def __len__(self) -> int:
@@ -169,7 +169,10 @@ class TruthBook:
         shorter = [truth[:k] for k in range(1, min(len(truth), self.key_len)) if truth[:k] in self._truths]
         for t in shorter + [t for t in bucket if truth[: len(t)] == t]:   # the truths it extends
             self._drop(t)
-        self._truths[truth] = None
+        # Its plan is drawn now, when the request that taught it ends, not by the first request
+        # that drafts from it: drawing hashes every token, and a served benchmark's measured pass
+        # would pay for it in its rounds.
+        self._truths[truth] = prefix_plan(list(truth), self.rate, self.vocab_size)
         for key in self._keys(truth):
             self._by_key.setdefault(key, {})[truth] = None
         while len(self._truths) > self.capacity:
@@ -189,8 +192,6 @@ class TruthBook:
         for t in self._by_key.get(tokens[: self.key_len], ()):
             if len(t) > len(tokens) and t[: len(tokens)] == tokens:
                 plan = self._truths[t]
-                if plan is None:
-                    plan = self._truths[t] = prefix_plan(list(t), self.rate, self.vocab_size)
                 self._truths.move_to_end(t)
                 return plan
         return None

@@ -2,9 +2,12 @@
 
 One turn of the loop (`_loop`): `_settle` (release what ended, and what an engine that answers
 still holds for the router), `_schedule` (carry out router/scheduler.py's plan: fail what can
-never fit, preempt, admit: prefill on the verifier, stream the first token, prefill on the
-drafter), then `_round`: re-prefill the drafter with the requests it does not hold (`_resync`)
-and run one round in the mode router/pipeline.py chooses:
+never fit, preempt, pick the requests to admit), then `_round`: admit (`_admit`: prefill on the
+verifier, stream the first token, prefill on the drafter), re-prefill the drafter with the
+requests it does not hold (`_resync`) and run one round in the mode router/pipeline.py chooses.
+A sequential round admits while the drafter drafts for the running requests: the verifier
+prefills the new requests meanwhile, they join the round's verify as plain rows, and their
+drafter prefill runs while the verifier verifies (`_admits_beside_draft`). The modes:
 - sequential (`_sequential_round`): `_draft` (a tree for the requests the drafter holds, after
   their catch-up with the last round's verdict, in one drafter call; the others decode
   plainly), `_verify` (one batched verify of drafted and plain rows) and `_apply` (commit and
@@ -245,8 +248,7 @@ class Router:
             try:
                 await self._let_arrivals_land()
                 await self._settle()
-                await self._schedule()
-                await self._round()
+                await self._round(await self._schedule())
             except asyncio.CancelledError:
                 raise
             except Exception as exc:  # a bug must not leave clients waiting forever
@@ -276,9 +278,10 @@ class Router:
             self.running = [r for r in self.running if not r.done]
             await self._release(finished)
 
-    async def _schedule(self) -> None:
+    async def _schedule(self) -> list[ServedRequest]:
         """Carries out the scheduler's plan (router/scheduler.py): fails the requests that can
-        never fit, preempts until the next round fits both KV pools, admits."""
+        never fit, preempts until the next round fits both KV pools; returns the requests to
+        admit, taken off the queue (`_round` admits them)."""
         await self._release_finished()
         cancelled = [r for r in self.waiting if r.status is RequestStatus.CANCELLED]
         await self._forget_kept(cancelled)
@@ -294,10 +297,9 @@ class Router:
             self._finish_failure(r, Failure("RESOURCE_EXHAUSTED", why))
             await self._forget_kept([r])
         await self._make_room(plan)
-        if batch:
-            for r in batch:
-                self.waiting.remove(r)
-            await self._admit(batch)
+        for r in batch:
+            self.waiting.remove(r)
+        return batch
 
     async def _make_room(self, plan=None) -> None:
         """Carries out the plan's preemptions and its failure of a request that alone outgrows the
@@ -328,9 +330,11 @@ class Router:
         log.info("preempted %s at committed length %d (epoch %d)", victim.request_id, victim.committed_len,
                  victim.epoch)
 
-    async def _admit(self, batch: list[ServedRequest]) -> None:
+    async def _admit(self, batch: list[ServedRequest], drafter_later: bool = False):
         """Prefills the planned requests on the verifier, streams their first tokens (resumed
-        ones commit nothing new) and prefills them on the drafter."""
+        ones commit nothing new) and prefills them on the drafter. `drafter_later`: returns the
+        drafter's prefill (the requests, their features) for the caller to send, None when there
+        is none, instead of sending it."""
         resumed = {r.request_id for r in batch if r.resuming}
         # "auto" settled on plain at this batch size: admit without the drafter (router/pipeline.py).
         detach = (self.drafter is not None and not self.cfg.drafter_learns_outputs
@@ -341,7 +345,7 @@ class Router:
                      "without" if detach else "with", len(self.running) + len(batch))
         batch, results = await self._prefill_verifier(batch, self.cfg.want_features and not detach, resumed)
         if not batch:
-            return
+            return None
         for r in batch:
             r.detached = detach
         if detach:
@@ -364,9 +368,14 @@ class Router:
             elif self._commit(r, [res.first_token_id]):
                 features[r.request_id] = res.features
         live = [r for r in batch if not r.done]
+        later = None
         if self.drafter_up and live and not detach:
-            await self._drafter_prefill(live, [features[r.request_id] for r in live])
+            later = (live, [features[r.request_id] for r in live])
+            if not drafter_later:
+                await self._drafter_prefill(*later)
+                later = None
         await self._release([r for r in batch if r.done])
+        return later
 
     async def _prefill_verifier(self, batch: list[ServedRequest], want_features: bool, resumed: set[str]):
         """-> (the requests the verifier took, its results in their order); `resumed`: the ids of
@@ -423,20 +432,34 @@ class Router:
 
     # ---------------------------------------------------------------- rounds
 
-    async def _round(self) -> None:
+    async def _round(self, admit: list[ServedRequest] = ()) -> None:
+        """Admits `admit` (the scheduler's plan for this turn) and runs one round. A round of the
+        sequential kind admits while the drafter drafts for the running requests
+        (`_admits_beside_draft`); otherwise admission comes first."""
+        admit = list(admit)
+        if admit and not self._admits_beside_draft(admit):
+            await self._admit(admit)
+            admit = []
         await self._release_finished()   # requests that ended during admission
         await self._make_room()
         if not self.running:
             return
         await self._resync()
-        mode = self._mode = self._modes.choose(len(self.running), self.drafter_up)
-        t0, before, request_rounds = time.perf_counter(), self._tokens_committed, len(self.running)
+        mode = self._mode = self._modes.choose(len(self.running) + len(admit), self.drafter_up)
+        if admit and mode in ("ahead", "pingpong"):   # their drafter calls go with the verify
+            await self._admit(admit)
+            admit = []
+            await self._release_finished()
+            await self._make_room()
+            if not self.running:
+                return
+        t0, before, request_rounds = time.perf_counter(), self._tokens_committed, len(self.running) + len(admit)
         self._capped_plain = self._drafted_any = False
         self._draft_failed = frozenset()
         if mode == "pingpong":
             await self._pingpong_round()
         else:
-            await self._sequential_round(ahead=mode == "ahead")
+            await self._sequential_round(ahead=mode == "ahead", admit=admit)
         if any(len(r.backlog) >= BACKLOG_ROUNDS for r in self.running):   # long plain stretches
             await self._flush_backlog([r for r in self.running if r.backlog])
         # A plain round whose steps were cut by the requests' ends decodes fewer tokens than the
@@ -446,16 +469,46 @@ class Router:
         if not self._capped_plain and (mode == "plain" or not detached_only):
             self._modes.record(mode, self._tokens_committed - before, time.perf_counter() - t0, request_rounds)
 
-    async def _sequential_round(self, ahead: bool = False) -> None:
+    def _admits_beside_draft(self, batch: list[ServedRequest]) -> bool:
+        """Whether this turn's admission may run while the drafter drafts for the running requests:
+        the drafter is up and holds some of them, no admitted request resumes (a resume takes back
+        the drafter's kept tree), and the running requests fit the next round beside the new ones
+        (their first tokens included) without a preemption. The new requests then join the round's
+        verify as plain rows, and their drafter prefill runs while the verifier verifies."""
+        if (not self.cfg.admit_beside_draft or not (self.drafter_up and any(r.on_drafter for r in self.running))
+                or any(r.resuming for r in batch)):
+            return False
+        after = ([Running(r.request_id, r.committed_len, r.admit_seq) for r in self.running]
+                 + [Running(r.request_id, r.committed_len + 1, self._admitted + 1 + i) for i, r in enumerate(batch)])
+        plan = self.scheduler.plan(after, [])
+        return not plan.preempt and not plan.fail_running
+
+    async def _sequential_round(self, ahead: bool = False, admit: list[ServedRequest] = ()) -> None:
         """Draft (with the last round's catch-up), verify, hold this round's catch-up back for the
         next drafter call. `ahead`: while the verifier verifies, the drafter prepares the
         next trees for the likeliest outcomes; on a hit the next draft call returns at once and
-        the catch-up with the real features runs while the verifier is busy again."""
-        draft, drafted = await self._draft(self.running)
+        the catch-up with the real features runs while the verifier is busy again. `admit`
+        (not with `ahead`): requests prefilled on the verifier while the drafter drafts, verified
+        plainly in this round and prefilled on the drafter while the verifier verifies."""
+        later = None
+        if admit:
+            draft_task = asyncio.ensure_future(self._draft(list(self.running)))
+            await asyncio.sleep(0)   # the draft call goes out first: it is the longer of the two
+            try:
+                later = await self._admit(admit, drafter_later=True)
+            finally:
+                draft, drafted = await draft_task
+            if not self.running:   # the verifier failed during admission
+                return
+        else:
+            draft, drafted = await self._draft(self.running)
+        group = [r for r in self.running if r.on_verifier]   # not those that ended at their first token
         # The drafter's turn comes once the verify forward is queued.
         launched = asyncio.get_running_loop().create_future() if ahead and drafted else None
-        verify = asyncio.ensure_future(self._verify(draft, drafted, self.running, launched))
+        verify = asyncio.ensure_future(self._verify(draft, drafted, group, launched))
         try:
+            if later is not None and self.drafter_up:
+                await self._drafter_prefill(*later)
             if launched is not None:
                 await asyncio.wait([launched, verify], return_when=asyncio.FIRST_COMPLETED)
             cached = [r for r in drafted if self._cached(r, ahead)]
@@ -464,7 +517,7 @@ class Router:
         finally:
             results = await verify
         if results is not None:
-            extend = self._apply(results, drafted, self.running)
+            extend = self._apply(results, drafted, group)
             ready = {r.request_id for r in drafted if r.next_tree is not None}
             if extend and (not ahead or all(i.tag.request_id in ready for i in extend)):
                 # Held back: the next round's drafter call carries it (sequential: its draft;

@@ -33,19 +33,25 @@ def span_bucket(span: int, max_len: int) -> int:
 
 
 _CAPTURE_LOCK = threading.Lock()
-_SIDE_STREAMS: dict = {}   # device -> the stream every capture on it runs on
+_SIDE_STREAMS: dict = {}   # (device, graph pool) -> the stream every capture into that pool runs on
 
 
-def _side_stream(device: torch.device) -> "torch.cuda.Stream":
-    """One capture stream per device: the caching allocator reuses a freed block only on the
-    stream it was freed on, so captures on a new stream each would each grow the graphs' shared
-    pool (1,608 drafter graphs of the 8B-shaped head took 9.6 GiB that way)."""
+def _side_stream(device: torch.device, pool) -> "torch.cuda.Stream":
+    """One capture stream per (device, graph pool). Per pool, not per capture: the caching
+    allocator reuses a freed block only on the stream it was freed on, so captures on a new
+    stream each would each grow the pool (1,608 drafter graphs of the 8B-shaped head took 9.6
+    GiB that way). Per pool, not per device: a captured cuBLAS call keeps the workspace of its
+    capture stream (PyTorch keys cuBLAS workspaces by stream), so graphs captured on one stream
+    share one workspace, and two of them replayed at once on two streams (the verifier's and
+    the drafter's graphs of `serve --backend local` on one GPU) would both write it. Each
+    engine's graphs live in pools of their own and replay on that engine's stream, one at a
+    time."""
     key = torch.device(device)
     if key.index is None:
         key = torch.device(key.type, torch.cuda.current_device())
-    if key not in _SIDE_STREAMS:
-        _SIDE_STREAMS[key] = torch.cuda.Stream(key)
-    return _SIDE_STREAMS[key]
+    if (key, pool) not in _SIDE_STREAMS:
+        _SIDE_STREAMS[key, pool] = torch.cuda.Stream(key)
+    return _SIDE_STREAMS[key, pool]
 
 
 def capture_graph(fn: Callable[[], None], pool, device: torch.device, warmup: int = 2) -> "torch.cuda.CUDAGraph":
@@ -53,12 +59,13 @@ def capture_graph(fn: Callable[[], None], pool, device: torch.device, warmup: in
     on a side stream first, so lazy initialisation (cuBLAS handles, workspaces) happens outside
     the capture.
 
-    The capture runs on that side stream, made on `device` once (`_side_stream`): torch.cuda.graph's default capture
-    stream is one per process, made on whichever device captured first, so a drafter capturing
-    on cuda:1 after a verifier on cuda:0 would capture nothing (seen on the H200). Captures are
+    The capture runs on that side stream, made on `device` once per pool (`_side_stream`):
+    torch.cuda.graph's default capture stream is one per process, made on whichever device
+    captured first, so a drafter capturing on cuda:1 after a verifier on cuda:0 would capture
+    nothing (seen on the H200), and its graphs would share one cuBLAS workspace. Captures are
     serialized across the process's threads (the two engines of `serve --backend local`)."""
     with _CAPTURE_LOCK, torch.cuda.device(device), torch.no_grad():
-        side = _side_stream(device)
+        side = _side_stream(device, pool)
         side.wait_stream(torch.cuda.current_stream())
         with torch.cuda.stream(side):
             for _ in range(warmup):

@@ -82,13 +82,18 @@ class VerifierEngine:
                 self.runner.release(slot)
                 self.free_slots.append(slot)
             raise
+        # The greedy rows' first tokens with one wait for the device (to_host), not one per request.
+        argmax = None
+        if any(p.greedy and not r for p, r in zip(params, resume)):
+            (picked,) = to_host(greedy(logits))
+            argmax = picked.tolist()
         outs = []
         for i, rid in enumerate(request_ids):
             req = _Request(slots[i], list(prompts[i]), params[i], seeds[i], epochs[i] if epochs else 0)
             if resume[i]:
                 first = req.token_ids[-1]
             else:
-                first = self._sample_one(logits[i], req, len(prompts[i]))
+                first = argmax[i] if req.params.greedy else self._sample_one(logits[i], req, len(prompts[i]))
                 req.token_ids.append(first)
             self.requests[rid] = req
             outs.append(PrefillOutput(rid, first, None if feats is None else feats[i]))

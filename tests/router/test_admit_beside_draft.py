@@ -1,0 +1,225 @@
+"""Admission beside the draft (router/loop.py `_admits_beside_draft`): requests that arrive while
+others run are prefilled on the verifier while the drafter drafts for the running ones, join
+that round's verify as plain rows, and are prefilled on the drafter while the verifier verifies.
+Fake engines (tests/router/fakes.py): the drafter's draft takes a little while, and the verifier
+notes whether a draft was in flight at each prefill; then the real demo pair."""
+
+from __future__ import annotations
+
+import asyncio
+
+from router.links_local import LocalDrafterLink, LocalVerifierLink
+from router.local import LocalSpeculator
+from router.loop import Router
+from router.requests import Failure, RouterConfig
+from spectandem.config import SamplingParams, SpecConfig
+from spectandem.demo import demo_paths
+from tests.e2e.conftest import PROMPT_TEXTS
+from tests.router.fakes import OracleVerifier, ScriptedDrafter, Tokenizer, reference
+from tests.router.link_harness import collect as collect_one, drained
+from tests.router.test_router_fakes import GREEDY, assert_clean, collect, config, run
+
+EARLY = [[5, 9, 2], [1, 1, 4, 7, 3]]
+LATE = [[60, 2], [8, 8, 8, 8], [33], [12, 40, 3, 9, 9, 1]]
+
+
+class SlowDrafter(ScriptedDrafter):
+    """Drafts take `delay` seconds; `drafting` says whether one is in flight."""
+
+    def __init__(self, delay: float = 0.003, **kw):
+        super().__init__(**kw)
+        self.delay, self.drafting = delay, False
+
+    async def draft(self, tags, num_steps=None, extend=()):
+        self.drafting = True
+        try:
+            await asyncio.sleep(self.delay)
+            return await super().draft(tags, num_steps, extend)
+        finally:
+            self.drafting = False
+
+
+class WatchingVerifier(OracleVerifier):
+    """Prefills take a millisecond; records, per prefill, whether the drafter was drafting then; `fail_prefill_beside_draft`: the
+    first prefill made while the drafter drafts finds the verifier down."""
+
+    def __init__(self, drafter: SlowDrafter, fail_prefill_beside_draft: bool = False):
+        super().__init__()
+        self.drafter, self.fail = drafter, fail_prefill_beside_draft
+        self.prefills: list[tuple[list[str], bool]] = []   # (request ids, a draft was in flight)
+
+    async def prefill(self, items, want_features):
+        await asyncio.sleep(0.001)   # in flight a while, as a real prefill is
+        beside = self.drafter.drafting
+        self.prefills.append(([i.tag.request_id for i in items], beside))
+        if beside and self.fail:
+            self.down = True
+        return await super().prefill(items, want_features)
+
+
+async def _serve_staggered(verifier, drafter, cfg, late_params=GREEDY):
+    """EARLY first; LATE once the early ones have run a few rounds. -> (router, early outs, late outs)."""
+    router = Router(verifier, drafter, Tokenizer(), cfg)
+    router.start()
+    try:
+        early = [router.submit(p, GREEDY, f"early-{i}") for i, p in enumerate(EARLY)]
+        while router.counters.rounds < 3:
+            await asyncio.sleep(0.001)
+        late = [router.submit(p, late_params, f"late-{i}") for i, p in enumerate(LATE)]
+        outs = await asyncio.gather(*(collect(r) for r in early + late))
+        for _ in range(50):
+            await asyncio.sleep(0)
+    finally:
+        await router.stop()
+    return router, outs[: len(early)], outs[len(early):]
+
+
+def _late_prefills(verifier) -> list[bool]:
+    return [beside for ids, beside in verifier.prefills if any(i.startswith("late-") for i in ids)]
+
+
+def test_late_requests_prefill_while_the_drafter_drafts_and_stay_exact():
+    drafter = SlowDrafter()
+    verifier = WatchingVerifier(drafter)
+    router, early, late = run(_serve_staggered(verifier, drafter, config(admit_beside_draft=True)))
+    for (tokens, _, reason), p in zip(early + late, EARLY + LATE):
+        assert tokens == reference(p, 40) and reason == "length", p
+    assert _late_prefills(verifier) and all(_late_prefills(verifier))
+    assert router.counters.draft_tokens > 0
+    assert_clean(verifier, drafter)
+
+
+def test_without_admit_beside_draft_admission_comes_first():
+    """Negative control: the same run with the setting off never prefills beside a draft."""
+    drafter = SlowDrafter()
+    verifier = WatchingVerifier(drafter)
+    _, early, late = run(_serve_staggered(verifier, drafter, config(admit_beside_draft=False)))
+    for (tokens, _, _), p in zip(early + late, EARLY + LATE):
+        assert tokens == reference(p, 40), p
+    assert _late_prefills(verifier) and not any(_late_prefills(verifier))
+    assert_clean(verifier, drafter)
+
+
+def test_a_request_that_ends_at_its_first_token_beside_a_draft():
+    """max_tokens=1: the request ends at admission, is released, and is not in the round's verify."""
+    drafter = SlowDrafter()
+    verifier = WatchingVerifier(drafter)
+    _, early, late = run(_serve_staggered(verifier, drafter, config(admit_beside_draft=True),
+                                        SamplingParams(max_tokens=1, ignore_eos=True)))
+    for (tokens, _, _), p in zip(early, EARLY):
+        assert tokens == reference(p, 40)
+    for (tokens, _, reason), p in zip(late, LATE):
+        assert tokens == reference(p, 1) and reason == "length", p
+    assert any(_late_prefills(verifier))
+    assert_clean(verifier, drafter)
+
+
+def test_the_verifier_failing_at_a_prefill_beside_a_draft_fails_every_request():
+    drafter = SlowDrafter()
+    verifier = WatchingVerifier(drafter, fail_prefill_beside_draft=True)
+    router, early, late = run(_serve_staggered(verifier, drafter, config(admit_beside_draft=True)))
+    for _, _, reason in early + late:
+        assert isinstance(reason, Failure) and reason.code == "UNAVAILABLE"
+    assert not router.serving and router.running == [] and router.waiting == []
+    assert drafter.errors == [] and verifier.errors == []
+
+
+def test_the_drafter_failing_during_the_draft_leaves_the_new_requests_plain_and_exact():
+    """The draft beside the admission times out: the round goes on without drafts, the new
+    requests are not prefilled on the drafter then, and every output is still the target's."""
+    drafter = SlowDrafter()
+    verifier = WatchingVerifier(drafter)
+
+    async def go():
+        router = Router(verifier, drafter, Tokenizer(), config(admit_beside_draft=True))
+        router.start()
+        try:
+            early = [router.submit(p, GREEDY, f"early-{i}") for i, p in enumerate(EARLY)]
+            while router.counters.rounds < 3:
+                await asyncio.sleep(0.001)
+            drafter.delay = 1.0   # past drafter_timeout (0.05 s)
+            late = [router.submit(p, GREEDY, f"late-{i}") for i, p in enumerate(LATE)]
+            while router.drafter_up:
+                await asyncio.sleep(0.001)
+            drafter.delay = 0.003
+            outs = await asyncio.gather(*(collect(r) for r in early + late))
+            for _ in range(50):
+                await asyncio.sleep(0)
+        finally:
+            await router.stop()
+        return router, outs
+
+    router, outs = run(go())
+    for (tokens, _, reason), p in zip(outs, EARLY + LATE):
+        assert tokens == reference(p, 40) and reason == "length", p
+    assert router.counters.drafter_outages >= 1
+    assert any(_late_prefills(verifier))
+    assert drafter.errors == [] and verifier.errors == []
+
+
+class _DraftWatch(LocalDrafterLink):
+    def __init__(self, engine):
+        super().__init__(engine)
+        self.drafting = self.started = 0
+
+    async def draft(self, tags, num_steps=None, extend=()):
+        self.drafting += 1
+        self.started += 1
+        try:
+            return await super().draft(tags, num_steps, extend)
+        finally:
+            self.drafting -= 1
+
+
+class _PrefillWatch(LocalVerifierLink):
+    def __init__(self, engine, drafter: _DraftWatch):
+        super().__init__(engine)
+        self.drafter, self.beside = drafter, []
+
+    async def prefill(self, items, want_features):
+        """Records whether a draft was in flight at some time during the prefill."""
+        drafting, started = self.drafter.drafting, self.drafter.started
+        try:
+            return await super().prefill(items, want_features)
+        finally:
+            self.beside.append(drafting > 0 or self.drafter.started > started)
+
+
+def test_real_engines_admitted_beside_drafts_equal_the_target_alone():
+    """Demo EAGLE-3 pair (CPU, fp32) behind in-process links: requests arriving while others
+    speculate are prefilled beside the drafts, and every output equals plain greedy decoding,
+    token for token."""
+    spec = LocalSpeculator(*demo_paths("eagle3"), SpecConfig(method="eagle3"), max_slots=8, max_len=256)
+    plain = LocalSpeculator(*demo_paths("none"), SpecConfig(method="none"), max_slots=8, max_len=256)
+    prompts = [spec.tokenizer.encode(x).ids for x in PROMPT_TEXTS[:6]]
+    params = [SamplingParams(max_tokens=24 + 5 * i, ignore_eos=True) for i in range(6)]
+    expected = [c.token_ids for c in plain.generate(prompts, params)]
+
+    async def main():
+        dlink = _DraftWatch(spec.drafter)
+        vlink = _PrefillWatch(spec.verifier, dlink)
+        r = Router(vlink, dlink, spec.tokenizer, RouterConfig(
+            max_len=256, eos_token_ids=spec.eos_token_ids, lookahead=spec.lookahead, want_features=True,
+            pipeline="sequential", adaptive_window=0, admit_beside_draft=True))
+        r.start()
+        try:
+            first = [asyncio.ensure_future(collect_one(r, p, sp)) for p, sp in zip(prompts[:2], params[:2])]
+            while r.counters.rounds < 2:
+                await asyncio.sleep(0.001)
+            rest = []
+            for p, sp in zip(prompts[2:], params[2:]):   # one at a time, each while others run
+                rest.append(asyncio.ensure_future(collect_one(r, p, sp)))
+                seen = r.counters.rounds
+                while r.counters.rounds < seen + 2:
+                    await asyncio.sleep(0.001)
+            done = await asyncio.gather(*first, *rest)
+            await drained(spec)
+            return done, vlink, r.counters
+        finally:
+            await r.stop()
+
+    done, vlink, c = asyncio.run(main())
+    assert [toks for toks, _ in done] == expected
+    assert vlink.beside[0] is False and sum(vlink.beside) >= 3
+    assert c.draft_tokens > 0
+    assert not spec.verifier.requests and not spec.drafter.requests
