@@ -59,6 +59,10 @@ def add_serve(sub) -> None:
                    help="tokens per request a plain round (no drafts: --method none, or speculation switched off) "
                         "decodes in one verifier call when every request in it is greedy; the steps are chained "
                         "on the GPU without the host waiting between them. 1: one token per round")
+    p.add_argument("--overlap-admission", action=argparse.BooleanOptionalAction, default=False,
+                   help="sequential rounds: new requests are prefilled on the verifier while the drafter drafts "
+                        "for the running ones, join that round's verify as plain rows, and are prefilled on the "
+                        "drafter while the verifier verifies (default: off: admission before the round)")
     p.add_argument("--drafter-timeout", type=float, default=10.0,
                    help="seconds a drafter call may take before rounds go on without it")
     p.add_argument("--feature-channel", nargs="?", const="auto", default=None, metavar="tcp://HOST:PORT|auto|off",
@@ -500,6 +504,7 @@ async def serve_async(args, ready_message=True, stop_event: asyncio.Event | None
                                                                 drafter_timeout=args.drafter_timeout,
                                                       pipeline=args.pipeline, plain_steps=args.plain_steps,
                                                       drafter_learns_outputs=cfg.benchmark_acceptance_rate is not None,
+                                                      admit_beside_draft=args.overlap_admission,
                                                       draft_sampling_min_temperature=cfg.draft_sampling_min_temperature,
                                                       kv_blocks=vinfo.kv.get("num_blocks", 0),
                                                       kv_block_size=vinfo.kv.get("block_size", 16) or 16,

@@ -7,6 +7,8 @@ notes whether a draft was in flight at each prefill; then the real demo pair."""
 from __future__ import annotations
 
 import asyncio
+import threading
+import time
 
 from router.links_local import LocalDrafterLink, LocalVerifierLink
 from router.local import LocalSpeculator
@@ -223,3 +225,37 @@ def test_real_engines_admitted_beside_drafts_equal_the_target_alone():
     assert vlink.beside[0] is False and sum(vlink.beside) >= 3
     assert c.draft_tokens > 0
     assert not spec.verifier.requests and not spec.drafter.requests
+
+
+def test_serve_overlap_admission_flag_reaches_the_router_and_stays_exact():
+    """`serve --overlap-admission` (local backend, CPU): the router admits beside the draft, and
+    requests sent while others run get the reference's greedy tokens over the public gRPC API."""
+    from tests.router.conftest import Served, collect as collect_rpc, request
+
+    reference = LocalSpeculator(*demo_paths("eagle3"), SpecConfig(method="eagle3"), max_slots=8, max_len=512)
+    prompts = [reference.tokenizer.encode(t).ids for t in PROMPT_TEXTS[:6]]
+    expected = [c.token_ids for c in reference.generate(prompts, [SamplingParams(max_tokens=32)] * 6)]
+    server = Served(["--backend", "local", "--max-len", "512", "--pipeline", "sequential",
+                     "--overlap-admission"]).wait_ready()
+    try:
+        assert server.state["router"].cfg.admit_beside_draft is True
+        got: dict[int, list[int]] = {}
+
+        def one(i):
+            got[i] = collect_rpc(server.stub, request(ids=prompts[i], max_tokens=32))[0]
+
+        threads = []
+        for i in range(len(prompts)):   # staggered: each arrives while the earlier ones run
+            threads.append(threading.Thread(target=one, args=(i,)))
+            threads[-1].start()
+            time.sleep(0.03)
+        for t in threads:
+            t.join(120)
+        assert [got.get(i) for i in range(len(prompts))] == expected
+    finally:
+        server.close()
+    plain = Served(["--backend", "local", "--max-len", "512"]).wait_ready()
+    try:
+        assert plain.state["router"].cfg.admit_beside_draft is False   # off unless asked for
+    finally:
+        plain.close()
