@@ -45,11 +45,13 @@ def _side_stream(device: torch.device, pool) -> "torch.cuda.Stream":
     share one workspace, and two of them replayed at once on two streams (the verifier's and
     the drafter's graphs of `serve --backend local` on one GPU) would both write it. Each
     engine's graphs live in pools of their own and replay on that engine's stream, one at a
-    time."""
+    time. A new stream first hands back the blocks the earlier streams' warm-ups left cached
+    (empty_cache): the new one could not reuse them."""
     key = torch.device(device)
     if key.index is None:
         key = torch.device(key.type, torch.cuda.current_device())
     if (key, pool) not in _SIDE_STREAMS:
+        torch.cuda.empty_cache()
         _SIDE_STREAMS[key, pool] = torch.cuda.Stream(key)
     return _SIDE_STREAMS[key, pool]
 
