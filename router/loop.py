@@ -474,7 +474,8 @@ class Router:
         the drafter is up and holds some of them, no admitted request resumes (a resume takes back
         the drafter's kept tree), and the running requests fit the next round beside the new ones
         (their first tokens included) without a preemption. The new requests then join the round's
-        verify as plain rows, and their drafter prefill runs while the verifier verifies."""
+        verify as plain rows (those whose drafts are sampled wait for the next round, their first
+        drafted one), and their drafter prefill runs while the verifier verifies."""
         if (not self.cfg.admit_beside_draft or not (self.drafter_up and any(r.on_drafter for r in self.running))
                 or any(r.resuming for r in batch)):
             return False
@@ -502,7 +503,10 @@ class Router:
                 return
         else:
             draft, drafted = await self._draft(self.running)
-        group = [r for r in self.running if r.on_verifier]   # not those that ended at their first token
+        # Not those that ended at their first token; nor, this round, new requests whose drafts are
+        # sampled: a plain row would draw other seeded tokens than their first drafted round.
+        wait = {id(r) for r in admit if not self._invisible_when_plain(r)}
+        group = [r for r in self.running if r.on_verifier and id(r) not in wait]
         # The drafter's turn comes once the verify forward is queued.
         launched = asyncio.get_running_loop().create_future() if ahead and drafted else None
         verify = asyncio.ensure_future(self._verify(draft, drafted, group, launched))

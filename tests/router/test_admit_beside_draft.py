@@ -187,15 +187,21 @@ class _PrefillWatch(LocalVerifierLink):
             self.beside.append(drafting > 0 or self.drafter.started > started)
 
 
-def test_real_engines_admitted_beside_drafts_equal_the_target_alone():
-    """Demo EAGLE-3 pair (CPU, fp32) behind in-process links: requests arriving while others
-    speculate are prefilled beside the drafts, and every output equals plain greedy decoding,
-    token for token."""
+def _real_engines_staggered(sampled: bool):
+    """The demo EAGLE-3 pair (CPU, fp32) behind in-process links, admitting beside drafts: two
+    greedy requests first, then four more one at a time while others run (greedy, or sampled with
+    seeds) -> (expected tokens, served tokens, whether each prefill ran beside a draft, counters).
+    Expected: plain greedy decoding, or the reference loop's seeded tokens (drafted every round)."""
     spec = LocalSpeculator(*demo_paths("eagle3"), SpecConfig(method="eagle3"), max_slots=8, max_len=256)
-    plain = LocalSpeculator(*demo_paths("none"), SpecConfig(method="none"), max_slots=8, max_len=256)
     prompts = [spec.tokenizer.encode(x).ids for x in PROMPT_TEXTS[:6]]
     params = [SamplingParams(max_tokens=24 + 5 * i, ignore_eos=True) for i in range(6)]
-    expected = [c.token_ids for c in plain.generate(prompts, params)]
+    if sampled:
+        params[2:] = [SamplingParams(max_tokens=24 + 5 * i, ignore_eos=True, temperature=0.9, seed=40 + i)
+                      for i in range(2, 6)]
+        expected = [c.token_ids for c in spec.generate(prompts, params)]
+    else:
+        plain = LocalSpeculator(*demo_paths("none"), SpecConfig(method="none"), max_slots=8, max_len=256)
+        expected = [c.token_ids for c in plain.generate(prompts, params)]
 
     async def main():
         dlink = _DraftWatch(spec.drafter)
@@ -221,10 +227,25 @@ def test_real_engines_admitted_beside_drafts_equal_the_target_alone():
             await r.stop()
 
     done, vlink, c = asyncio.run(main())
-    assert [toks for toks, _ in done] == expected
-    assert vlink.beside[0] is False and sum(vlink.beside) >= 3
-    assert c.draft_tokens > 0
     assert not spec.verifier.requests and not spec.drafter.requests
+    return expected, [toks for toks, _ in done], vlink.beside, c
+
+
+def test_real_engines_admitted_beside_drafts_equal_the_target_alone():
+    """Greedy requests arriving while others speculate are prefilled beside the drafts, and every
+    output equals plain greedy decoding, token for token."""
+    expected, got, beside, c = _real_engines_staggered(sampled=False)
+    assert got == expected
+    assert beside[0] is False and sum(beside) >= 3
+    assert c.draft_tokens > 0
+
+
+def test_real_engines_sampled_requests_admitted_beside_drafts_keep_their_seeded_tokens():
+    """Sampled requests admitted beside a draft skip that round's verify (a plain row would draw
+    other seeded tokens): each one's tokens are those of its seed alone."""
+    expected, got, beside, _ = _real_engines_staggered(sampled=True)
+    assert got == expected
+    assert sum(beside) >= 3
 
 
 def test_serve_overlap_admission_flag_reaches_the_router_and_stays_exact():
