@@ -918,36 +918,42 @@ class Router:
                 self._drafter_failed(exc)
 
     async def _release(self, reqs: list[ServedRequest], keep_draft: bool = False) -> None:
-        """Frees the requests on both sides; keep_draft (preemption): the drafter keeps each
-        one's ready next tree for its resume. An engine that does not answer gets them again
-        once it does (`_release_v`, `_release_d`)."""
-        if keep_draft or self.cfg.drafter_learns_outputs:   # in step first: a preempted request's
-            await self._flush_backlog([r for r in reqs if r.on_drafter])   # drafter keeps its next tree
+        """Frees the requests on both sides, the two engines' calls at once; keep_draft
+        (preemption): the drafter keeps each one's ready next tree for its resume. An engine that
+        does not answer gets them again once it does (`_release_v`, `_release_d`)."""
         ids_v = [r.request_id for r in reqs if r.on_verifier]
-        ids_d = [r.request_id for r in reqs if r.on_drafter]
         for r in reqs:
-            r.drafter_kept = keep_draft and r.on_drafter and self.drafter_up
-            r.on_verifier = r.on_drafter = False
-            r.backlog.clear()
-            r.ahead_trees = r.next_tree = None
+            r.on_verifier = False
         # Pending until confirmed, so that a call that fails, times out or is cancelled (stop)
         # leaves them to be released again; a kept tree is released when its request ends.
         self._release_v.update(ids_v)
-        if ids_d and not (keep_draft and self.drafter_up):
-            self._release_d.update(ids_d)
-        if ids_v and self.serving:
+        await asyncio.gather(self._release_on_verifier(ids_v), self._release_on_drafter(reqs, keep_draft))
+
+    async def _release_on_verifier(self, ids: list[str]) -> None:
+        if ids and self.serving:
             try:
-                await asyncio.wait_for(self.verifier.release(ids_v), self.cfg.probe_interval * 5)
-                self._release_v.difference_update(ids_v)
+                await asyncio.wait_for(self.verifier.release(ids), self.cfg.probe_interval * 5)
+                self._release_v.difference_update(ids)
             except (EngineUnavailable, asyncio.TimeoutError):
                 pass   # released by `_settle`, or by the watcher once the verifier answers
-        if not ids_d:
+
+    async def _release_on_drafter(self, reqs: list[ServedRequest], keep_draft: bool) -> None:
+        if keep_draft or self.cfg.drafter_learns_outputs:   # in step first: a preempted request's
+            await self._flush_backlog([r for r in reqs if r.on_drafter])   # drafter keeps its next tree
+        ids_d = [r.request_id for r in reqs if r.on_drafter]
+        for r in reqs:
+            r.drafter_kept = keep_draft and r.on_drafter and self.drafter_up
+            r.on_drafter = False
+            r.backlog.clear()
+            r.ahead_trees = r.next_tree = None
+        if ids_d and not (keep_draft and self.drafter_up):
+            self._release_d.update(ids_d)
+        if not ids_d or not self.drafter_up:
             return
-        if self.drafter_up:
-            try:
-                await asyncio.wait_for(self.drafter.release(ids_d, keep_draft), self.cfg.drafter_timeout)
-                self._release_d.difference_update(ids_d)
-            except (EngineUnavailable, asyncio.TimeoutError) as exc:
-                self._release_d.update(ids_d)
-                self._drafter_failed(exc)
+        try:
+            await asyncio.wait_for(self.drafter.release(ids_d, keep_draft), self.cfg.drafter_timeout)
+            self._release_d.difference_update(ids_d)
+        except (EngineUnavailable, asyncio.TimeoutError) as exc:
+            self._release_d.update(ids_d)
+            self._drafter_failed(exc)
 
