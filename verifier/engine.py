@@ -51,9 +51,8 @@ class VerifierEngine:
         return self.runner.max_len
 
     def _sample_one(self, logits: torch.Tensor, req: _Request, position: int) -> int:
-        """The token at `position` from logits [V]: argmax, or a keyed draw from the target."""
-        if req.params.greedy:
-            return int(greedy(logits))
+        """A sampled request's token at `position` from logits [V]: a keyed draw from the target
+        (greedy requests' tokens are read in one batch: `prefill`)."""
         probs = logits_to_probs(logits[None], req.params.temperature, req.params.top_k, req.params.top_p)
         u = torch.tensor([rng.uniform(req.seed, position, rng.STREAM_TARGET)], dtype=torch.float64)
         return int(sample_from_probs(probs, u)[0])
