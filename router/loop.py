@@ -5,9 +5,10 @@ still holds for the router), `_schedule` (carry out router/scheduler.py's plan: 
 never fit, preempt, pick the requests to admit), then `_round`: admit (`_admit`: prefill on the
 verifier, stream the first token, prefill on the drafter), re-prefill the drafter with the
 requests it does not hold (`_resync`) and run one round in the mode router/pipeline.py chooses.
-A sequential round admits while the drafter drafts for the running requests: the verifier
-prefills the new requests meanwhile, they join the round's verify as plain rows, and their
-drafter prefill runs while the verifier verifies (`_admits_beside_draft`). The modes:
+With RouterConfig.admit_beside_draft (serve --overlap-admission), a sequential round admits
+while the drafter drafts for the running requests: the verifier prefills the new requests
+meanwhile, they join the round's verify as plain rows, and their drafter prefill runs while the
+verifier verifies (`_admits_beside_draft`). The modes:
 - sequential (`_sequential_round`): `_draft` (a tree for the requests the drafter holds, after
   their catch-up with the last round's verdict, in one drafter call; the others decode
   plainly), `_verify` (one batched verify of drafted and plain rows) and `_apply` (commit and
@@ -437,20 +438,21 @@ class Router:
         sequential kind admits while the drafter drafts for the running requests
         (`_admits_beside_draft`); otherwise admission comes first."""
         admit = list(admit)
-        if admit and not self._admits_beside_draft(admit):
-            await self._admit(admit)
+        if not (admit and self._admits_beside_draft(admit)):
+            await self._admit_first(admit)
             admit = []
-        await self._release_finished()   # requests that ended during admission
-        await self._make_room()
+        else:
+            await self._admit_first([])
+            if not self.running:   # the running requests ended meanwhile: nothing to draft beside
+                await self._admit_first(admit)
+                admit = []
         if not self.running:
             return
         await self._resync()
         mode = self._mode = self._modes.choose(len(self.running) + len(admit), self.drafter_up)
         if admit and mode in ("ahead", "pingpong"):   # their drafter calls go with the verify
-            await self._admit(admit)
+            await self._admit_first(admit)
             admit = []
-            await self._release_finished()
-            await self._make_room()
             if not self.running:
                 return
         t0, before, request_rounds = time.perf_counter(), self._tokens_committed, len(self.running) + len(admit)
@@ -468,6 +470,14 @@ class Router:
         detached_only = not self._drafted_any and any(r.detached for r in self.running)
         if not self._capped_plain and (mode == "plain" or not detached_only):
             self._modes.record(mode, self._tokens_committed - before, time.perf_counter() - t0, request_rounds)
+
+    async def _admit_first(self, batch: list[ServedRequest]) -> None:
+        """Admits `batch` now, then releases what ended (during admission too) and makes room for
+        the round."""
+        if batch:
+            await self._admit(batch)
+        await self._release_finished()
+        await self._make_room()
 
     def _admits_beside_draft(self, batch: list[ServedRequest]) -> bool:
         """Whether this turn's admission may run while the drafter drafts for the running requests:

@@ -280,3 +280,32 @@ def test_serve_overlap_admission_flag_reaches_the_router_and_stays_exact():
         assert plain.state["router"].cfg.admit_beside_draft is False   # off unless asked for
     finally:
         plain.close()
+
+
+def test_a_batch_planned_beside_a_draft_is_admitted_when_the_running_requests_end_first():
+    """The only running request is cancelled after the scheduler planned the new one beside its
+    draft: with nothing left to draft beside, the new request is admitted before the round, and
+    runs to the end (driven turn by turn, without the loop)."""
+    drafter = SlowDrafter()
+    verifier = WatchingVerifier(drafter)
+
+    async def go():
+        router = Router(verifier, drafter, Tokenizer(), config(admit_beside_draft=True))
+        first = router.submit(EARLY[0], GREEDY, "first")
+        await router._round(await router._schedule())
+        second = router.submit(LATE[0], GREEDY, "second")
+        batch = await router._schedule()
+        assert [r.request_id for r in batch] == ["second"] and router._admits_beside_draft(batch)
+        router.cancel(first)
+        await router._round(batch)
+        for _ in range(100):
+            if second.done:
+                break
+            await router._settle()
+            await router._round(await router._schedule())
+        await router._settle()
+        return second, await collect(second)
+
+    second, (tokens, _, reason) = run(go())
+    assert tokens == reference(LATE[0], 40) and reason == "length"
+    assert_clean(verifier, drafter)
