@@ -373,14 +373,18 @@ def _save_plain(path: str | None, stored: dict[str, dict[int, list[int]]]) -> No
 
 def appended(previous: dict, new: dict) -> dict:
     """`new`'s records added to `previous`'s (same backend, method, rate, concurrency: new wins),
-    the engine reference of whichever measured one (new first), every invocation's command."""
+    the engine reference of whichever measured one (new first), the failures of servers not run
+    again plus `new`'s, every invocation's command."""
     key = lambda r: (r["backend"], r["method"], r["acceptance_rate"], r["concurrency"])
     fresh = {key(r) for r in new["records"]}
     merged = dict(new, gpu=new["gpu"] or previous.get("gpu"))
     merged.pop("partial", None)
     merged["records"] = [r for r in previous.get("records", []) if key(r) not in fresh] + new["records"]
     merged["engine_reference"] = new["engine_reference"] or previous.get("engine_reference", [])
-    merged["failures"] = previous.get("failures", []) + new["failures"]
+    # A server this invocation ran again takes its earlier failures with it.
+    server = lambda r: (r.get("backend"), r.get("method"), r.get("acceptance_rate"))
+    rerun = {server(r) for r in new["records"] + new["failures"]}
+    merged["failures"] = [f for f in previous.get("failures", []) if server(f) not in rerun] + new["failures"]
     merged["command"] = "\n".join(c for c in (previous.get("command"), new["command"]) if c)
     check_machine(previous, new["gpu"])
     return merged

@@ -26,6 +26,10 @@ def test_append_replaces_the_same_cell_and_keeps_the_rest():
     assert merged["engine_reference"] == first["engine_reference"]   # none measured this time: kept
     assert merged["command"].splitlines() == [first["command"], second["command"]]
     assert merged["failures"] == [{"backend": "ray"}]
+    # A server that failed before and ran again this time: its old failure goes.
+    failed = dict(first, failures=[{"backend": "grpc", "method": "eagle3", "acceptance_rate": 0.8,
+                                    "concurrency": 1, "error": "x"}, {"backend": "ray"}])
+    assert appended(failed, second)["failures"] == [{"backend": "ray"}]
     fresh_reference = [{"method": "none", "acceptance_rate": None, "batch_size": 1, "tokens_per_s": 120.0}]
     assert appended(first, dict(second, engine_reference=fresh_reference))["engine_reference"] == fresh_reference
 
