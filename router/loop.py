@@ -5,7 +5,7 @@ still holds for the router), `_schedule` (carry out router/scheduler.py's plan: 
 never fit, preempt, pick the requests to admit), then `_round`: admit (`_admit`: prefill on the
 verifier, stream the first token, prefill on the drafter), re-prefill the drafter with the
 requests it does not hold (`_resync`) and run one round in the mode router/pipeline.py chooses.
-With RouterConfig.admit_beside_draft (serve --overlap-admission), a sequential round admits
+With RouterConfig.admit_beside_draft (serve --overlap-admission, on by default), a sequential round admits
 while the drafter drafts for the running requests: the verifier prefills the new requests
 meanwhile, they join the round's verify as plain rows, and their drafter prefill runs while the
 verifier verifies (`_admits_beside_draft`). The modes:

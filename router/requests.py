@@ -176,9 +176,9 @@ class RouterConfig:
     # held-back catch-ups reach it before its release.
     drafter_learns_outputs: bool = False
     # A sequential round admits new requests while the drafter drafts for the running ones (the
-    # verifier prefills meanwhile: router/loop.py `_admits_beside_draft`; serve --overlap-admission).
-    # Off: admission comes first.
-    admit_beside_draft: bool = False
+    # verifier prefills meanwhile: router/loop.py `_admits_beside_draft`; serve --overlap-admission,
+    # on by default). Off: admission comes first.
+    admit_beside_draft: bool = True
 
     def __post_init__(self):
         if self.pipeline not in PIPELINES:

@@ -59,10 +59,10 @@ def add_serve(sub) -> None:
                    help="tokens per request a plain round (no drafts: --method none, or speculation switched off) "
                         "decodes in one verifier call when every request in it is greedy; the steps are chained "
                         "on the GPU without the host waiting between them. 1: one token per round")
-    p.add_argument("--overlap-admission", action=argparse.BooleanOptionalAction, default=False,
+    p.add_argument("--overlap-admission", action=argparse.BooleanOptionalAction, default=True,
                    help="sequential rounds: new requests are prefilled on the verifier while the drafter drafts "
                         "for the running ones, join that round's verify as plain rows, and are prefilled on the "
-                        "drafter while the verifier verifies (default: off: admission before the round)")
+                        "drafter while the verifier verifies (default: on; --no-overlap-admission: admission before the round)")
     p.add_argument("--drafter-timeout", type=float, default=10.0,
                    help="seconds a drafter call may take before rounds go on without it")
     p.add_argument("--feature-channel", nargs="?", const="auto", default=None, metavar="tcp://HOST:PORT|auto|off",

@@ -275,11 +275,16 @@ def test_serve_overlap_admission_flag_reaches_the_router_and_stays_exact():
         assert [got.get(i) for i in range(len(prompts))] == expected
     finally:
         server.close()
-    plain = Served(["--backend", "local", "--max-len", "512"]).wait_ready()
+    default = Served(["--backend", "local", "--max-len", "512"]).wait_ready()
     try:
-        assert plain.state["router"].cfg.admit_beside_draft is False   # off unless asked for
+        assert default.state["router"].cfg.admit_beside_draft is True   # on by default
     finally:
-        plain.close()
+        default.close()
+    off = Served(["--backend", "local", "--max-len", "512", "--no-overlap-admission"]).wait_ready()
+    try:
+        assert off.state["router"].cfg.admit_beside_draft is False
+    finally:
+        off.close()
 
 
 def test_a_batch_planned_beside_a_draft_is_admitted_when_the_running_requests_end_first():
