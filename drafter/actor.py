@@ -73,8 +73,9 @@ class DrafterActor:
         """Catch-up; returns the ids this drafter does not hold (it restarted)."""
         return drafter_extend(self.engine, _resolve_features(items), self.receiver)
 
-    def release(self, request_ids: list[str], keep_draft: bool = False) -> None:
-        drafter_release(self.engine, request_ids, keep_draft)
+    def release(self, request_ids: list[str], keep_draft: bool = False,
+                outputs: dict[str, list[int]] | None = None) -> None:
+        drafter_release(self.engine, request_ids, keep_draft, outputs)
 
     def info(self) -> EngineInfo:
         info = drafter_info(self.engine, self.model_name)

@@ -18,14 +18,15 @@ Glossary:
 drafting cost is real), then the proposed chain's tokens are replaced by the planned drafts.
 Greedy verification keeps the output exactly the target's greedy output.
 
-Served (`truths` given): a greedy request that ends (finished, cancelled or preempted: the
-engine's `request_ended`) leaves its committed tokens in the `TruthBook`; a later greedy request
+Served (`truths` given): a greedy request that ends (finished, cancelled or preempted) leaves its
+prompt and committed tokens in the `TruthBook`: the router sends them with its release
+(`learn_output`), whether this drafter held the request or not, and the engine's
+`request_ended` records what the drafter itself caught up on; a later greedy request
 whose tokens are a prefix of a recorded truth drafts that truth's plan, drawn at rate a from
 digests of the truth's tokens (`prefix_plan`: every process draws the same plan). Positions
 past the truth, requests with no truth, sampled requests and requests whose committed tokens
 leave their truth keep the inner proposer's drafts, row by row and position by position: one
-batch mixes them. A request's truth ends where its drafter last caught up, before its last
-round: a warm-up pass needs a few more tokens than the pass it prepares.
+batch mixes them.
 
 Draft ahead (drafter/ahead.py: while a round is verified, the drafter drafts the next round for
 its likeliest outcomes) needs the drafter's ranking of the tokens at a position, not only its
@@ -247,6 +248,12 @@ class ControlledProposer(Proposer):
         tokens as a truth (drafter/engine.py calls this before `remove`)."""
         if self.truths is not None and req.params.greedy:
             self.truths.record(req.token_ids)
+
+    def learn_output(self, token_ids) -> None:
+        """Served: a greedy request's whole output, sent with its release (it may never have
+        been on this drafter: admitted without it, or its last rounds never caught up)."""
+        if self.truths is not None:
+            self.truths.record(token_ids)
 
     def catch_up(self, reqs, num_new, features):
         self.inner.catch_up(reqs, num_new, features)

@@ -86,6 +86,11 @@ class Proposer:
         """Called by the engine just before `remove` of a request that ended, with its
         committed tokens (the controlled proposer records them, drafter/controlled.py)."""
 
+    def learn_output(self, token_ids: list[int]) -> None:
+        """A served request's prompt and committed tokens, sent with its release by a router in
+        benchmark mode (`drafter_release`): the controlled proposer records them; others have
+        nothing to learn."""
+
     def stage_features(self, features: torch.Tensor) -> torch.Tensor:
         """A deferred catch-up's features moved to where the proposer computes."""
         return features

@@ -84,7 +84,8 @@ class DrafterServicer(engines_pb2_grpc.DrafterServicer):
         return engines_pb2.DrafterReply(unknown_request_ids=drafter_extend(self.engine, items, self.receiver))
 
     def _release(self, request: engines_pb2.ReleaseRequest) -> engines_pb2.ReleaseReply:
-        known = drafter_release(self.engine, list(request.request_ids), request.keep_draft)
+        outputs = {o.request_id: list(o.token_ids) for o in request.outputs}
+        known = drafter_release(self.engine, list(request.request_ids), request.keep_draft, outputs)
         return engines_pb2.ReleaseReply(released=known)
 
     def _info(self) -> engines_pb2.EngineInfo:

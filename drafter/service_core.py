@@ -90,8 +90,13 @@ def drafter_draft_ahead(engine, tags: list[Tag], extend: list[ExtendItem] = (),
     return AheadReply([h for h, _ in per], [tr for _, tr in per], unknown)
 
 
-def drafter_release(engine, request_ids: list[str], keep_draft: bool = False) -> int:
-    """Frees the requests (idempotent); returns how many were known."""
+def drafter_release(engine, request_ids: list[str], keep_draft: bool = False,
+                    outputs: dict[str, list[int]] | None = None) -> int:
+    """Frees the requests (idempotent); returns how many were known. `outputs` (benchmark mode):
+    the committed tokens of greedy requests that ended, held or not, for the proposer to learn
+    (`Proposer.learn_output`)."""
+    for token_ids in (outputs or {}).values():
+        engine.proposer.learn_output(list(token_ids))
     known = sum(r in engine.requests for r in request_ids)
     for r in request_ids:
         engine.remove(r, keep_draft=keep_draft)

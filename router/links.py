@@ -76,8 +76,11 @@ class DrafterLink(Protocol):
     async def extend(self, items: list[ExtendItem]) -> list[str]:
         """Returns the request ids the drafter does not know (it restarted): re-prefill them."""
 
-    async def release(self, request_ids: list[str], keep_draft: bool = False) -> None:
-        """keep_draft: keep each request's next tree for its re-prefill (preemption)."""
+    async def release(self, request_ids: list[str], keep_draft: bool = False,
+                      outputs: dict[str, list[int]] | None = None) -> None:
+        """keep_draft: keep each request's next tree for its re-prefill (preemption). `outputs`
+        (benchmark mode: RouterConfig.drafter_learns_outputs): request id -> its prompt and
+        committed tokens, for greedy requests that ended, held by the drafter or not."""
 
     async def info(self) -> EngineInfo: ...
 

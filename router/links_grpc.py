@@ -135,8 +135,11 @@ class GrpcDrafterLink(_GrpcLink):
         request = engines_pb2.ExtendRequest(items=[codec.extend_item_to_msg(i) for i in items])
         return list((await self._call(self.stub.Extend, request)).unknown_request_ids)
 
-    async def release(self, request_ids: list[str], keep_draft: bool = False) -> None:
-        await self._call(self.stub.Release, engines_pb2.ReleaseRequest(request_ids=request_ids, keep_draft=keep_draft))
+    async def release(self, request_ids: list[str], keep_draft: bool = False,
+                      outputs: dict[str, list[int]] | None = None) -> None:
+        ended = [engines_pb2.EndedOutput(request_id=rid, token_ids=ids) for rid, ids in (outputs or {}).items()]
+        await self._call(self.stub.Release, engines_pb2.ReleaseRequest(request_ids=request_ids, keep_draft=keep_draft,
+                                                                       outputs=ended))
 
     async def info(self) -> EngineInfo:
         return codec.engine_info_from_msg(await self._call(self.stub.GetInfo, engines_pb2.EngineInfoRequest()))

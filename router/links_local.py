@@ -75,10 +75,10 @@ class LocalDrafterLink(_LocalLink):
 
         return await self._run("extend", drafter_extend, self.engine, list(items))
 
-    async def release(self, request_ids, keep_draft=False):
+    async def release(self, request_ids, keep_draft=False, outputs=None):
         from drafter.service_core import drafter_release
 
-        await self._run("release", drafter_release, self.engine, list(request_ids), keep_draft)
+        await self._run("release", drafter_release, self.engine, list(request_ids), keep_draft, outputs)
 
     async def info(self):
         from drafter.service_core import drafter_info

@@ -163,8 +163,9 @@ class RayDrafterLink:
     async def extend(self, items: list[ExtendItem]) -> list[str]:
         return await self._call(self.actor.extend.remote(items))
 
-    async def release(self, request_ids: list[str], keep_draft: bool = False) -> None:
-        await self._call(self.actor.release.remote(list(request_ids), keep_draft))
+    async def release(self, request_ids: list[str], keep_draft: bool = False,
+                      outputs: dict[str, list[int]] | None = None) -> None:
+        await self._call(self.actor.release.remote(list(request_ids), keep_draft, outputs))
 
     async def info(self) -> EngineInfo:
         return await self._call(self.actor.info.remote())

@@ -338,8 +338,7 @@ class Router:
         is none, instead of sending it."""
         resumed = {r.request_id for r in batch if r.resuming}
         # "auto" settled on plain at this batch size: admit without the drafter (router/pipeline.py).
-        detach = (self.drafter is not None and not self.cfg.drafter_learns_outputs
-                  and self._modes.settled_plain(len(self.running) + len(batch)))
+        detach = self.drafter is not None and self._modes.settled_plain(len(self.running) + len(batch))
         if detach != self._detaching:
             self._detaching = detach
             log.info("auto pipeline: new requests are admitted %s the drafter (%d running)",
@@ -948,8 +947,12 @@ class Router:
                 pass   # released by `_settle`, or by the watcher once the verifier answers
 
     async def _release_on_drafter(self, reqs: list[ServedRequest], keep_draft: bool) -> None:
-        if keep_draft or self.cfg.drafter_learns_outputs:   # in step first: a preempted request's
-            await self._flush_backlog([r for r in reqs if r.on_drafter])   # drafter keeps its next tree
+        if keep_draft:   # in step first: a preempted request's drafter keeps its next tree
+            await self._flush_backlog([r for r in reqs if r.on_drafter])
+        # Benchmark mode: each greedy request's output goes with its release, whether the drafter
+        # holds the request or not, for the drafter to learn (drafter/controlled.py).
+        outputs = ({r.request_id: r.prompt_ids + r.tokens for r in reqs if r.params.greedy}
+                   if self.cfg.drafter_learns_outputs and self.drafter is not None else None)
         ids_d = [r.request_id for r in reqs if r.on_drafter]
         for r in reqs:
             r.drafter_kept = keep_draft and r.on_drafter and self.drafter_up
@@ -958,10 +961,10 @@ class Router:
             r.ahead_trees = r.next_tree = None
         if ids_d and not (keep_draft and self.drafter_up):
             self._release_d.update(ids_d)
-        if not ids_d or not self.drafter_up:
+        if not (ids_d or outputs) or not self.drafter_up:
             return
         try:
-            await asyncio.wait_for(self.drafter.release(ids_d, keep_draft), self.cfg.drafter_timeout)
+            await asyncio.wait_for(self.drafter.release(ids_d, keep_draft, outputs), self.cfg.drafter_timeout)
             self._release_d.difference_update(ids_d)
         except (EngineUnavailable, asyncio.TimeoutError) as exc:
             self._release_d.update(ids_d)

@@ -172,8 +172,8 @@ class RouterConfig:
     # context; tokens stream in chunks of this many, and new requests join between rounds.
     plain_steps: int = 1
     # Benchmark mode (serve --benchmark-acceptance-rate): the drafter learns each request's output
-    # (drafter/controlled.py), so every request stays on it (never admitted detached) and its
-    # held-back catch-ups reach it before its release.
+    # (drafter/controlled.py): a greedy request's prompt and committed tokens go with its release
+    # (router/loop.py `_release_on_drafter`), whether the drafter holds it or not.
     drafter_learns_outputs: bool = False
     # A sequential round admits new requests while the drafter drafts for the running ones (the
     # verifier prefills meanwhile: router/loop.py `_admits_beside_draft`; serve --overlap-admission,

@@ -126,12 +126,22 @@ class FeaturesReply(_message.Message):
     def __init__(self, features: _Optional[_Union[_common_pb2.Tensor, _Mapping]] = ...) -> None: ...
 
 class ReleaseRequest(_message.Message):
-    __slots__ = ("request_ids", "keep_draft")
+    __slots__ = ("request_ids", "keep_draft", "outputs")
     REQUEST_IDS_FIELD_NUMBER: _ClassVar[int]
     KEEP_DRAFT_FIELD_NUMBER: _ClassVar[int]
+    OUTPUTS_FIELD_NUMBER: _ClassVar[int]
     request_ids: _containers.RepeatedScalarFieldContainer[str]
     keep_draft: bool
-    def __init__(self, request_ids: _Optional[_Iterable[str]] = ..., keep_draft: _Optional[bool] = ...) -> None: ...
+    outputs: _containers.RepeatedCompositeFieldContainer[EndedOutput]
+    def __init__(self, request_ids: _Optional[_Iterable[str]] = ..., keep_draft: _Optional[bool] = ..., outputs: _Optional[_Iterable[_Union[EndedOutput, _Mapping]]] = ...) -> None: ...
+
+class EndedOutput(_message.Message):
+    __slots__ = ("request_id", "token_ids")
+    REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
+    TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
+    request_id: str
+    token_ids: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, request_id: _Optional[str] = ..., token_ids: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class ReleaseReply(_message.Message):
     __slots__ = ("released",)

@@ -103,3 +103,54 @@ def test_engine_records_truths_of_ended_greedy_requests():
     # The next request with that prompt drafts the recorded output.
     engine.add("b", list(range(10, 15)), 15, SamplingParams(), 0, None)
     assert engine.draft(["b"]).token_ids[0].tolist() == [15, 16, 17, 18]
+
+
+def test_a_released_output_is_learned_whether_the_drafter_held_the_request_or_not():
+    """Benchmark mode: the router sends each ended greedy request's whole output with its release
+    (drafter/service_core.py `drafter_release`); the drafter learns it even for a request it never
+    held (admitted without the drafter), and beyond the tokens it last caught up on."""
+    from drafter.service_core import drafter_release
+
+    book = TruthBook(1.0, VOCAB)
+    engine = DrafterEngine(ControlledProposer(_Inner(), truths=book), CFG)
+    engine.add("held", list(range(10, 15)), 15, SamplingParams(), 0, None)
+    known = drafter_release(engine, ["held", "never-held"], outputs={"held": list(range(10, 30)),
+                                                                    "never-held": list(range(40, 60))})
+    assert known == 1 and "held" not in engine.requests
+    assert book.plan(list(range(10, 15))).truth == tuple(range(10, 30))
+    assert book.plan(list(range(40, 45))).truth == tuple(range(40, 60))
+    drafter_release(engine, ["other"])   # negative control: a release without outputs teaches nothing
+    assert len(book) == 2
+
+
+def test_outputs_cross_the_grpc_release():
+    """The drafter's gRPC service takes the outputs of a release (ReleaseRequest.outputs) to the
+    proposer: a real server on a free port, driven by the router's link."""
+    import asyncio
+    import threading
+
+    from drafter.service import start_drafter_server
+    from router.links_grpc import GrpcDrafterLink
+
+    book = TruthBook(1.0, VOCAB)
+    engine = DrafterEngine(ControlledProposer(_Inner(), truths=book), CFG)
+    loop = asyncio.new_event_loop()
+    thread = threading.Thread(target=loop.run_forever, daemon=True)
+    thread.start()
+    run = lambda coro: asyncio.run_coroutine_threadsafe(coro, loop).result(30)
+    server = run(start_drafter_server(engine, "127.0.0.1", 0, max_slots=4, max_len=64))
+
+    async def release():
+        link = GrpcDrafterLink(f"127.0.0.1:{server.port}", 10.0)
+        try:
+            await link.release(["gone"], outputs={"gone": list(range(20, 33))})
+        finally:
+            await link.close()
+
+    try:
+        run(release())
+        assert book.plan(list(range(20, 25))).truth == tuple(range(20, 33))
+    finally:
+        run(server.stop(0))
+        loop.call_soon_threadsafe(loop.stop)
+        thread.join(10)

@@ -214,7 +214,7 @@ class ScriptedDrafter:
         await self._gate("extend")
         return await self._absorb(items)
 
-    async def release(self, request_ids, keep_draft=False):
+    async def release(self, request_ids, keep_draft=False, outputs=None):
         await self._gate("release")
         for rid in request_ids:
             self.ctx.pop(rid, None)

@@ -16,7 +16,7 @@ from tests.router.conftest import Served, collect, request
 
 NUM_STEPS = 4                # the demo tree at --topk 1: chains of 4 drafts
 MEASURED = 96                # 1 + 19 rounds of 5 tokens at rate 1
-WARM = MEASURED + 16         # the drafter learns a request's tokens up to its last round
+WARM = MEASURED + 16         # truths past every position the measured pass drafts
 
 
 def _served(rate, *flags, backend="local", pipeline="sequential") -> Served:

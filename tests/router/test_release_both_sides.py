@@ -1,6 +1,5 @@
 """Releases go to both engines at once (router/loop.py `_release`): a finished request's
-verifier release does not wait for the drafter's (nor for the catch-up a benchmark-mode drafter
-gets first), and both engines end up holding nothing. Fake engines (tests/router/fakes.py)."""
+verifier release does not wait for the drafter's, and both engines end up holding nothing. Fake engines (tests/router/fakes.py)."""
 
 from __future__ import annotations
 
@@ -16,11 +15,11 @@ class _SlowReleases(ScriptedDrafter):
         super().__init__()
         self.releasing = 0
 
-    async def release(self, request_ids, keep_draft=False):
+    async def release(self, request_ids, keep_draft=False, outputs=None):
         self.releasing += 1
         try:
             await asyncio.sleep(0.002)
-            return await super().release(request_ids, keep_draft)
+            return await super().release(request_ids, keep_draft, outputs)
         finally:
             self.releasing -= 1
 

@@ -293,41 +293,40 @@ def test_oracle_is_not_trivial():
 
 
 class RecordingDrafter(ScriptedDrafter):
-    """Records the context it holds for each request when the router releases it: what a
-    drafter that learns outputs (drafter/controlled.py) can learn."""
+    """Records the outputs the router sends with its releases: what a drafter that learns
+    outputs (drafter/controlled.py) learns."""
 
     def __init__(self, propose=None):
         super().__init__(propose)
-        self.learned: dict[int, list[int]] = {}
+        self.learned: list[list[int]] = []
 
-    async def release(self, request_ids, keep_draft=False):
-        for rid in request_ids:
-            if rid in self.ctx and not keep_draft:
-                self.learned[len(self.learned)] = list(self.ctx[rid])
-        await super().release(request_ids, keep_draft)
+    async def release(self, request_ids, keep_draft=False, outputs=None):
+        self.learned += [list(ids) for ids in (outputs or {}).values()]
+        await super().release(request_ids, keep_draft, outputs)
 
 
 @pytest.mark.parametrize("learns", [True, False])
-def test_a_drafter_that_learns_outputs_sees_them_whole_before_release(learns):
+def test_a_drafter_that_learns_outputs_gets_them_whole_with_the_release(learns):
     """Benchmark mode (drafter_learns_outputs): rejected drafts switch speculation off, so most
-    rounds are plain and hold their catch-ups back; those reach the drafter before each release,
-    so it holds the whole output but the last round's. Without the mode (negative control) the
-    held-back catch-ups are dropped at release (the router sends them every BACKLOG_ROUNDS
-    rounds: up to that many are missing)."""
+    rounds are plain and hold their catch-ups back; each request's whole output (prompt and every
+    committed token) goes with its release, while the held-back catch-ups are dropped as in
+    production. Without the mode (negative control) no output goes with a release."""
     v, d = OracleVerifier(), RecordingDrafter(wrong)
     cfg = config(pipeline="sequential", drafter_learns_outputs=learns, adaptive_window=12, adaptive_off_rounds=1000)
     router, outs = run(serve(v, d, PROMPTS, cfg=cfg))
     assert_exact(outs)
     assert router.counters.plain_rounds > 0
-    whole = {tuple(p + reference(p, 40)) for p in PROMPTS}
-    assert len(d.learned) == len(PROMPTS)
-    for ctx in d.learned.values():
-        assert any(w[: len(ctx)] == tuple(ctx) for w in whole)   # a prefix of its request's output
-    short_by = [min(len(w) - len(ctx) for w in whole if w[: len(ctx)] == tuple(ctx)) for ctx in d.learned.values()]
-    if learns:   # all but the last round's token
-        assert max(short_by) <= 1, short_by
-    else:
-        assert max(short_by) > 1, short_by
+    whole = sorted(p + reference(p, 40) for p in PROMPTS)
+    assert sorted(d.learned) == (whole if learns else [])
+
+
+def test_sampled_requests_send_no_output_to_learn():
+    """Only greedy outputs are truths (drafter/controlled.py plans greedy requests only)."""
+    v, d = OracleVerifier(), RecordingDrafter()
+    cfg = config(pipeline="sequential", drafter_learns_outputs=True)
+    router, outs = run(serve(v, d, PROMPTS, SamplingParams(max_tokens=20, temperature=0.8, seed=7, ignore_eos=True), cfg=cfg))
+    assert [len(tokens) for tokens, _, _ in outs] == [20] * len(PROMPTS)
+    assert d.learned == []
 
 
 def test_a_drafter_that_forgot_its_requests_reports_them_with_the_draft_and_they_are_prefilled_again():
