@@ -23,7 +23,7 @@ from router.links import EngineUnavailable
 from spectandem.protocol import (AheadReply, DraftHandle, DrafterPrefillItem, EngineInfo, ExtendItem, PlainItem,
                                  Tag, Verdict, VerifierPrefillItem, VerifierPrefillResult)
 from spectandem import codec
-from spectandem.grpc_server import CHANNEL_OPTIONS
+from spectandem.grpc_server import CHANNEL_OPTIONS, MAX_MESSAGE_BYTES, PREFILL_CALL_BYTES
 from spectandem.messages import DraftTree, StaleMessage
 from spectandem.v1 import engines_pb2, engines_pb2_grpc
 
@@ -49,6 +49,9 @@ class _GrpcLink:
                 raise StaleMessage(details) from None
             if code == grpc.StatusCode.INVALID_ARGUMENT:
                 raise ValueError(f"{self.role}: {details}") from None   # may reach a client: no address
+            if code == grpc.StatusCode.RESOURCE_EXHAUSTED and "larger than max" in details:
+                # The same call would fail again: refused, not an engine that is down.
+                raise ValueError(f"{self.role}: message over the engine link's limit: {details}") from None
             raise EngineUnavailable(f"{self.role} at {self.address}: {code.name}: {details}") from exc
 
     async def wait_ready(self, timeout_s: float) -> None:
@@ -101,13 +104,33 @@ class GrpcDrafterLink(_GrpcLink):
     role = "drafter"
 
     def __init__(self, address: str, timeout_s: float | None = 30.0,
-                 credentials: grpc.ChannelCredentials | None = None):
+                 credentials: grpc.ChannelCredentials | None = None, call_bytes: int = PREFILL_CALL_BYTES,
+                 max_message_bytes: int = MAX_MESSAGE_BYTES):
+        """`call_bytes`: a prefill whose items (their features inline) come to more goes in
+        several calls, each at most this size where its items allow; `max_message_bytes`: the
+        channel's limit, over which an item is refused before anything is sent."""
         super().__init__(address, timeout_s, credentials)
         self.stub = engines_pb2_grpc.DrafterStub(self.channel)
+        self.call_bytes, self.max_message_bytes = call_bytes, max_message_bytes
 
     async def prefill(self, items: list[DrafterPrefillItem]) -> list[str]:
-        request = engines_pb2.DrafterPrefillRequest(items=[codec.drafter_prefill_item_to_msg(i) for i in items])
-        return list((await self._call(self.stub.Prefill, request)).unknown_request_ids)
+        msgs = [codec.drafter_prefill_item_to_msg(i) for i in items]
+        sizes = [m.ByteSize() for m in msgs]
+        for item, size in zip(items, sizes):
+            if size > self.max_message_bytes - 1024:
+                raise ValueError(f"drafter prefill of request {item.tag.request_id}: {size} bytes, over the engine "
+                                 f"link's limit of {self.max_message_bytes} (use a feature channel)")
+        unknown: list[str] = []
+        start = 0
+        while start < len(msgs):   # consecutive items up to call_bytes (at least one a call)
+            end, total = start + 1, sizes[start]
+            while end < len(msgs) and total + sizes[end] <= self.call_bytes:
+                total += sizes[end]
+                end += 1
+            request = engines_pb2.DrafterPrefillRequest(items=msgs[start:end])
+            unknown += (await self._call(self.stub.Prefill, request)).unknown_request_ids
+            start = end
+        return unknown
 
     async def draft(self, tags: list[Tag], num_steps: list[int | None] | None = None,
                     extend: list[ExtendItem] = ()) -> DraftHandle:

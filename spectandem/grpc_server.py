@@ -23,8 +23,13 @@ from spectandem.messages import StaleMessage
 
 log = logging.getLogger("spectandem.grpc")
 
-# Features of long prompts are large: a 2k-token EAGLE-3 prefill of an 8B model is 48 MiB.
-MAX_MESSAGE_BYTES = 64 * 1024 * 1024
+# The engine links carry target features inline wherever no feature channel does (the drafter's
+# re-prefill of requests it does not hold, a catch-up backlog): 24 KiB a token for EAGLE-3 on an
+# 8B target, so a re-prefill of 30 requests of 300 tokens is over 200 MiB. The router and its
+# engines trust each other; the public API has limits of its own (router/server.py).
+MAX_MESSAGE_BYTES = 1024 * 1024 * 1024
+# A drafter prefill goes in calls of at most this many bytes each (router/links_grpc.py).
+PREFILL_CALL_BYTES = 128 * 1024 * 1024
 CHANNEL_OPTIONS = [("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
                    ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES)]
 
