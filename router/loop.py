@@ -83,6 +83,12 @@ log = logging.getLogger("spectandem.router")
 # them. Features that travel over the feature channel wait for the drafter in a mailbox that
 # keeps the last 32 messages, one a verifier call (spectandem/channel/receiver.py).
 BACKLOG_ROUNDS = 8
+# A detached request rejoins the drafter once fewer than LARGE_BATCH run only while it may still
+# generate this many tokens: a rejoin recomputes the target features of its whole context (a
+# target forward, verifier/engine.py `features`) and prefills the drafter with them while the
+# batch waits, which a request near its end does not win back (at the tail of a batch of 64
+# requests of 128 tokens on the H100, such rejoins halved the gRPC backend's throughput).
+REJOIN_MIN_TOKENS = 128
 # Clients send concurrent requests as a wave whose calls land a little apart. While they are still
 # landing (the last came less than ARRIVAL_GAP_S ago), admission waits for the rest, at most
 # ARRIVAL_WAIT_S, so that one prefill takes the wave instead of its first call alone followed,
@@ -752,8 +758,9 @@ class Router:
         if not self.drafter_up:
             return
         large = len(self.running) >= LARGE_BATCH   # detached requests rejoin below it
+        left = lambda r: min(r.params.max_tokens - len(r.tokens), self.cfg.max_len - r.committed_len)
         stale = [r for r in self.running if not r.on_drafter and not r.done and not r.drafter_refused
-                 and not (r.detached and large)]
+                 and not (r.detached and (large or left(r) < REJOIN_MIN_TOKENS))]
         for r in stale:
             r.detached = False
         if not stale:

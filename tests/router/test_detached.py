@@ -1,7 +1,7 @@
 """Router logic: once "auto" has settled on plain decoding at a large batch, new requests are
 admitted without the drafter (no target features, no drafter prefill: "detached") and decode
-plainly; they rejoin the drafter (a resync) once fewer than LARGE_BATCH run, and speculate from
-there. Real engines (demo EAGLE-3 pair, CPU, fp32) behind in-process links that record what they
+plainly; they rejoin the drafter (a resync) once fewer than LARGE_BATCH run, if they may still
+generate REJOIN_MIN_TOKENS tokens, and speculate from there. Real engines (demo EAGLE-3 pair, CPU, fp32) behind in-process links that record what they
 are asked; LARGE_BATCH lowered to 4 and the chooser's verdict forced, so a small batch shows it.
 Greedy tokens must equal plain decoding's throughout."""
 
@@ -46,8 +46,9 @@ class CountingDrafter(LocalDrafterLink):
         return await super().prefill(items)
 
 
-def test_detached_requests_decode_plainly_then_rejoin(monkeypatch):
+def _serve_detached(monkeypatch, rejoin_min_tokens: int):
     monkeypatch.setattr(router.loop, "LARGE_BATCH", 4)
+    monkeypatch.setattr(router.loop, "REJOIN_MIN_TOKENS", rejoin_min_tokens)
     t, d = demo_paths("eagle3")
     spec = LocalSpeculator(t, d, SpecConfig(method="eagle3"), max_slots=8, max_len=256)
     plain = LocalSpeculator(*demo_paths("none"), SpecConfig(method="none"), max_slots=8, max_len=256)
@@ -74,6 +75,13 @@ def test_detached_requests_decode_plainly_then_rejoin(monkeypatch):
     done, vlink, dlink, c = asyncio.run(main())
     assert [toks for toks, _ in done] == expected
     assert c.detached_admissions == 6 and vlink.prefill_features == [False]
+    assert not spec.drafter.requests and spec.drafter.proposer.kv_stats()["used_blocks"] == 0
+    assert not spec.verifier.requests
+    return done, vlink, dlink
+
+
+def test_detached_requests_decode_plainly_then_rejoin(monkeypatch):
+    done, vlink, dlink = _serve_detached(monkeypatch, rejoin_min_tokens=16)
     long_req = done[-1][1]
     # The long request rejoined the drafter once it ran alone (a resync: its first drafter prefill)
     # and speculated from there; the short ones never reached the drafter.
@@ -82,8 +90,14 @@ def test_detached_requests_decode_plainly_then_rejoin(monkeypatch):
     # While every running request was detached, no round asked for features.
     first_drafted = vlink.verify_features.index(True)
     assert first_drafted > 0 and not any(vlink.verify_features[:first_drafted])
-    assert not spec.drafter.requests and spec.drafter.proposer.kv_stats()["used_blocks"] == 0
-    assert not spec.verifier.requests
+
+
+def test_a_detached_request_near_its_end_does_not_rejoin(monkeypatch):
+    """The long request has fewer than REJOIN_MIN_TOKENS (here 64) tokens left when it runs
+    alone: it ends plainly, with no drafter prefill and no features asked for."""
+    done, vlink, dlink = _serve_detached(monkeypatch, rejoin_min_tokens=64)
+    assert dlink.prefilled == [] and all(req.draft_tokens == 0 for _, req in done)
+    assert not any(vlink.verify_features)
 
 
 def test_settled_plain_needs_a_second_keep_of_plain_at_a_large_batch():
