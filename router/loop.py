@@ -765,14 +765,17 @@ class Router:
             r.detached = False
         if not stale:
             return
-        feats = []
-        try:
-            for r in stale:
-                feats.append(await self.verifier.features(r.tag()) if self.cfg.want_features else None)
-        except EngineUnavailable as exc:
-            self._verifier_failed(list(self.running), exc)
-            self.running = []
-            return
+        feats = [None] * len(stale)
+        if self.cfg.want_features:   # asked for at once: over a network link, one reply's transfer
+            feats = await asyncio.gather(*(self.verifier.features(r.tag()) for r in stale),   # overlaps
+                                         return_exceptions=True)                             # the next's compute
+            failed = next((f for f in feats if isinstance(f, BaseException)), None)
+            if isinstance(failed, EngineUnavailable):
+                self._verifier_failed(list(self.running), failed)
+                self.running = []
+                return
+            if failed is not None:
+                raise failed
         await self._drafter_prefill(stale, feats)
 
     # ---------------------------------------------------------------- streaming
