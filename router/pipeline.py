@@ -37,7 +37,8 @@ requests are admitted without the drafter (no target features, no drafter prefil
 keeping them ready to speculate cost plain rounds 2-3% at batch 64 on the H200. They decode
 plainly; a speculating round with no request on the drafter is not a measurement, so measuring a
 speculating mode again waits for requests admitted with the drafter. Detached requests rejoin
-the drafter (a resync) once fewer than LARGE_BATCH run.
+the drafter (a resync) once fewer than LARGE_BATCH run, those that may still generate
+REJOIN_MIN_TOKENS tokens (router/loop.py).
 A speculating mode must measure PLAIN_EDGE (5%) faster than plain to be kept over it, and
 PLAIN_EDGE_LARGE (15%) from LARGE_BATCH (32) running requests: near a tie, speculation's rounds
 commit different counts per request, so a closed batch ends in a tail of nearly empty rounds that
