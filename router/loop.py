@@ -674,7 +674,7 @@ class Router:
         if k <= 1 or not all(r.params.greedy for r in group):
             return 1
         for r in group:
-            k = min(k, r.params.max_tokens - len(r.tokens), self.cfg.max_len - r.committed_len + 1)
+            k = min(k, r.tokens_left(self.cfg.max_len))
         self._capped_plain = self._capped_plain or k < self.cfg.plain_steps
         return max(k, 1)
 
@@ -758,9 +758,8 @@ class Router:
         if not self.drafter_up:
             return
         large = len(self.running) >= LARGE_BATCH   # detached requests rejoin below it
-        left = lambda r: min(r.params.max_tokens - len(r.tokens), self.cfg.max_len - r.committed_len)
         stale = [r for r in self.running if not r.on_drafter and not r.done and not r.drafter_refused
-                 and not (r.detached and (large or left(r) < REJOIN_MIN_TOKENS))]
+                 and not (r.detached and (large or r.tokens_left(self.cfg.max_len) < REJOIN_MIN_TOKENS))]
         for r in stale:
             r.detached = False
         if not stale:

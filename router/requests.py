@@ -93,6 +93,10 @@ class ServedRequest:
     def tag(self) -> Tag:
         return Tag(self.request_id, self.epoch, self.committed_len)
 
+    def tokens_left(self, max_len: int) -> int:
+        """How many tokens it may still generate: its max_tokens, and a context of max_len."""
+        return min(self.params.max_tokens - len(self.tokens), max_len - self.committed_len + 1)
+
     def stats(self) -> dict:
         al = (self.accepted_tokens + self.num_rounds) / self.num_rounds if self.num_rounds else 0.0
         return {"num_rounds": self.num_rounds, "draft_tokens": self.draft_tokens,
