@@ -31,13 +31,23 @@ __all__ = ["FeatureSpec", "HFRunner", "NativeRunner", "load_runner"]
 
 
 # With CUDA graphs, prompts of at most GRAPHED_PREFILL_MAX tokens prefill through a graph of the
-# verify forward (one chain per prompt, padded to a power of two nodes) where the batch bucket
+# verify forward (one chain per prompt, padded to PREFILL_NODE_BUCKETS nodes) where the batch bucket
 # times the chain length is at most GRAPHED_PREFILL_ROWS (the tokens of one forward; its features
 # buffer: 2,048 x 12,288 bf16 for an 8B EAGLE-3 target, 48 MiB); longer prompts (and resumes past
 # it) and larger batches prefill eagerly. On an H100 the 8B-shaped target prefills one prompt of
 # 128 tokens in 8 ms graphed and 34 ms eagerly (benchmarks/prefill_timing.py).
 GRAPHED_PREFILL_MAX = 512
 GRAPHED_PREFILL_ROWS = 2048
+# The chain lengths of prefill graphs: powers of two and 1.5 times them, so that a prompt pads by
+# at most half its length (a prefill of a few prompts is compute-bound: the padding costs what
+# tokens do; 129 tokens padded to 256 took the time of 256).
+PREFILL_NODE_BUCKETS = (8, 16, 32, 48, 64, 96, 128, 192, 256, 384, 512)
+
+
+def prefill_nodes(length: int) -> int:
+    """The chain a prompt of `length` tokens pads to in a graphed prefill; 0 past the largest
+    bucket (eager)."""
+    return next((n for n in PREFILL_NODE_BUCKETS if n >= length and n <= GRAPHED_PREFILL_MAX), 0)
 
 
 class NativeRunner:
@@ -104,17 +114,19 @@ class NativeRunner:
 
     def prefill_graph_shapes(self) -> list[tuple]:
         """The prefill graphs this runner replays (`_graphed_prefill_nodes`): chains of 8 to
-        GRAPHED_PREFILL_MAX nodes at every batch bucket up to max_slots's where the bucket times
-        the chain is at most GRAPHED_PREFILL_ROWS, with the runner's features."""
+        GRAPHED_PREFILL_MAX nodes (PREFILL_NODE_BUCKETS) at every batch bucket up to max_slots's
+        where the bucket times the chain is at most GRAPHED_PREFILL_ROWS, with the runner's
+        features."""
         if self.graphs is None:
             return []
         top = batch_bucket(self.max_slots, self.graphs.batch_buckets)
         rows = [r for r in self.graphs.batch_buckets if top is None or r <= top]
-        shapes, n = [], 8
-        while n <= min(GRAPHED_PREFILL_MAX, self.max_len):   # cache length 0: one span
+        shapes = []
+        for n in PREFILL_NODE_BUCKETS:
+            if n > min(GRAPHED_PREFILL_MAX, self.max_len):   # cache length 0: one span
+                break
             span = None if self.triton_attention else span_bucket(n, self.max_len)
             shapes += [(r, n, span, self.feature_layers) for r in rows if r * n <= GRAPHED_PREFILL_ROWS]
-            n *= 2
         return shapes
 
     def warm_up(self, widths: list[int], progress=None) -> None:
@@ -178,14 +190,14 @@ class NativeRunner:
         return logits[:, 0], per_req
 
     def _graphed_prefill_nodes(self, prompts: list[list[int]]) -> int:
-        """The chain length a graphed prefill of these prompts pads to (a power of two, at least
-        8), or 0 where they prefill eagerly: a prompt past GRAPHED_PREFILL_MAX tokens, a chain
-        past the cache's length, or a graph whose logits would hold more than
+        """The chain length a graphed prefill of these prompts pads to (`prefill_nodes` of the
+        longest), or 0 where they prefill eagerly: a prompt past GRAPHED_PREFILL_MAX tokens, a
+        chain past the cache's length, or a graph whose logits would hold more than
         GRAPHED_PREFILL_ROWS rows (its static buffers stay)."""
         longest = max(len(p) for p in prompts)
         rows = batch_bucket(len(prompts), self.graphs.batch_buckets)
-        n = max(8, 1 << (longest - 1).bit_length())
-        fits = longest <= GRAPHED_PREFILL_MAX and n <= self.cache.max_len
+        n = prefill_nodes(longest)
+        fits = n > 0 and n <= self.cache.max_len
         return n if fits and rows is not None and rows * n <= GRAPHED_PREFILL_ROWS else 0
 
     def _padding_fits(self, slots: list[int], n: int) -> bool:
@@ -197,7 +209,7 @@ class NativeRunner:
 
     def _prefill_graphed(self, slots: list[int], prompts: list[list[int]]):
         """`prefill` as one chain per prompt at cache length 0 through a prefill graph
-        (VerifyGraphs.prefill), padded to a power of two nodes (the padding nodes invalid): node
+        (VerifyGraphs.prefill), padded to `prefill_nodes` nodes (the padding nodes invalid): node
         j is the prompt's token j at position j, seeing tokens 0..j, its K/V written at entry j,
         as the eager prefill does; the padding's entries lie past the prompt, where the next
         verify writes. One captured graph per (batch bucket, node bucket) instead of an eager
@@ -345,15 +357,14 @@ class NativeRunner:
 
 def prefill_groups(lens: list[int], batch_buckets: tuple[int, ...]) -> list[list[int]]:
     """The prompts of a graphed prefill (their lengths) in groups, as indices: one group per
-    padded length (8 to GRAPHED_PREFILL_MAX, powers of two), each cut into runs of at most the
+    padded length (`prefill_nodes`), each cut into runs of at most the
     largest batch bucket whose rows at that length stay within GRAPHED_PREFILL_ROWS; the prompts
     past GRAPHED_PREFILL_MAX in one group (eager). A batch of mixed lengths pads each prompt to
     its own group's length instead of the longest's, and each group fits one prefill graph.
     Example: lens [100, 20, 300, 120], buckets (1, 2, 4, 8) -> [[1], [0, 3], [2]]."""
     by_n: dict[int, list[int]] = {}
     for i, m in enumerate(lens):
-        n = max(8, 1 << (m - 1).bit_length()) if m <= GRAPHED_PREFILL_MAX else 0
-        by_n.setdefault(n, []).append(i)
+        by_n.setdefault(prefill_nodes(m), []).append(i)
     groups = []
     for n in sorted(by_n, key=lambda n: n or float("inf")):
         idx = by_n[n]

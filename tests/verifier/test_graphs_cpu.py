@@ -17,7 +17,7 @@ from spectandem.modeling.llama import load_llama
 from tests.verifier.random_trees import accepted_paths, random_trees
 from spectandem.cuda_graphs import batch_bucket, span_bucket
 from verifier.graphs import VerifyGraphs
-from verifier.runner import NativeRunner, load_runner, prefill_groups
+from verifier.runner import PREFILL_NODE_BUCKETS, NativeRunner, load_runner, prefill_groups, prefill_nodes
 
 DEMO = Path(__file__).resolve().parents[2] / "models" / "demo" / "target"
 AUX = (2, 4, 5)
@@ -133,7 +133,7 @@ def test_cuda_graphs_need_cuda_and_the_native_runner(model):
         load_runner(DEMO, None, max_slots=1, max_len=32, force_hf=True, cuda_graphs=True)
 
 
-@pytest.mark.parametrize("lens", [(1,), (8, 9), (64, 3, 30), (150, 2)], ids=["1", "8-9", "64-3-30", "150-2"])
+@pytest.mark.parametrize("lens", [(1,), (8, 9), (40,), (64, 3, 30), (150, 2)], ids=["1", "8-9", "40", "64-3-30", "150-2"])
 def test_prefill_through_the_verify_step_equals_eager(model, lens):
     """With graphs, short prompts prefill as one chain each through the verify step (here its
     static shape run eagerly): the last logits and every position's features as the eager
@@ -144,7 +144,7 @@ def test_prefill_through_the_verify_step_equals_eager(model, lens):
     prompts = [torch.randint(1, 4096, (m,), generator=g).tolist() for m in lens]
     slots = list(range(len(prompts)))
     (le, fe), (ls, fs) = eager.prefill(slots, prompts), static.prefill(slots, prompts)
-    n = max(8, 1 << (max(lens) - 1).bit_length())
+    n = min(b for b in PREFILL_NODE_BUCKETS if b >= max(lens))
     assert static._graphed_prefill_nodes(prompts) == (0 if n > MAX_LEN else n)
     assert ls.shape == le.shape and [f.shape for f in fs] == [f.shape for f in fe]
     torch.testing.assert_close(ls, le, **ULPS)
@@ -158,7 +158,17 @@ def test_prefill_through_the_verify_step_equals_eager(model, lens):
 def test_prefill_groups_pad_each_prompt_to_its_own_length():
     assert prefill_groups([100, 20, 300, 120], (1, 2, 4, 8)) == [[1], [0, 3], [2]]
     assert prefill_groups([600, 20, 700], (1, 2, 4, 8)) == [[1], [0, 2]]   # past GRAPHED_PREFILL_MAX: eager
-    assert [len(g) for g in prefill_groups([130] * 40, (1, 2, 4, 8, 16, 32, 64))] == [8] * 5   # 8 x 256 rows
+    assert [len(g) for g in prefill_groups([130] * 40, (1, 2, 4, 8, 16, 32, 64))] == [8] * 5   # 8 x 192 rows
+    # Chains of 1.5 times a power of two: 129 and 192 tokens share one group, 193 pads to 256.
+    assert prefill_groups([129, 193, 192, 33], (1, 2, 4, 8)) == [[3], [0, 2], [1]]
+
+
+def test_prefill_nodes_pad_by_at_most_half():
+    assert [prefill_nodes(m) for m in (1, 8, 9, 33, 48, 49, 129, 192, 193, 385, 512)] == \
+        [8, 8, 16, 48, 48, 64, 192, 192, 256, 512, 512]
+    assert prefill_nodes(513) == 0   # past GRAPHED_PREFILL_MAX: eager
+    assert all(b < 2 * a for a, b in zip(PREFILL_NODE_BUCKETS[2:], PREFILL_NODE_BUCKETS[3:]))
+    assert all(prefill_nodes(m) <= 1.5 * m for m in range(32, 513))
 
 
 def test_prefill_past_the_rows_limit_is_cut_into_groups_that_fit(model, monkeypatch):
@@ -179,23 +189,23 @@ def test_prefill_past_the_rows_limit_is_cut_into_groups_that_fit(model, monkeypa
 
 
 def test_prefill_whose_padding_the_pool_cannot_hold_runs_eagerly(model):
-    """A pool of 3 blocks of 16 holds a 40-token prompt but not its 64-node padded chain: that
+    """A pool of 5 blocks of 16 holds a 65-token prompt but not its 96-node padded chain: that
     prefill runs eagerly, with the eager prefill's logits and features, and leaves the prompt's
     blocks alone held; with room for the chain the graphed prefill returns the padding's blocks."""
     g = torch.Generator().manual_seed(6)
-    prompt = torch.randint(1, 4096, (40,), generator=g).tolist()
-    eager = NativeRunner(model, AUX, max_slots=2, max_len=MAX_LEN, kv_blocks=3)
-    static = NativeRunner(model, AUX, max_slots=2, max_len=MAX_LEN, kv_blocks=3)
+    prompt = torch.randint(1, 4096, (65,), generator=g).tolist()
+    eager = NativeRunner(model, AUX, max_slots=2, max_len=MAX_LEN, kv_blocks=5)
+    static = NativeRunner(model, AUX, max_slots=2, max_len=MAX_LEN, kv_blocks=5)
     static.graphs = VerifyGraphs(model, static.cache, graph=False)
-    assert static._graphed_prefill_nodes([prompt]) == 64 and not static._padding_fits([0], 64)
+    assert static._graphed_prefill_nodes([prompt]) == 96 and not static._padding_fits([0], 96)
     (le, fe), (ls, fs) = eager.prefill([0], [prompt]), static.prefill([0], [prompt])
     assert torch.equal(ls, le) and torch.equal(fs[0], fe[0])
-    assert static.cache.blocks.num_used == 3
+    assert static.cache.blocks.num_used == 5
     roomy = NativeRunner(model, AUX, max_slots=2, max_len=MAX_LEN, kv_blocks=8)
     roomy.graphs = VerifyGraphs(model, roomy.cache, graph=False)
     (lr, fr) = roomy.prefill([0], [prompt])
     torch.testing.assert_close(lr, le, **ULPS)
-    assert roomy.cache.blocks.num_used == 3
+    assert roomy.cache.blocks.num_used == 5
 
 
 def test_prefill_chain_longer_than_the_cache_runs_eagerly(model):
