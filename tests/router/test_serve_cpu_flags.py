@@ -52,12 +52,16 @@ def test_grpc_serve_on_the_cpu_with_explicit_no_gpu_flags():
     assert rc == 0 and "spectandem stopped" in out, (rc, out)
 
 
-def test_engine_threads_follow_the_flag_else_omp_num_threads_else_the_cores_less_one():
+def test_engine_threads_follow_the_flag_else_omp_num_threads_else_the_cores_by_backend():
     from router.serve import engine_threads
 
-    assert engine_threads(2, "3") == 2
-    assert engine_threads(None, "3") == 3
-    assert engine_threads(None, None) == engine_threads(None, "") == max(1, len(os.sched_getaffinity(0)) - 1)
+    cores = len(os.sched_getaffinity(0))
+    for backend in ("local", "grpc", "ray"):
+        assert engine_threads(2, "3", backend) == 2
+        assert engine_threads(None, "3", backend) == 3
+    # In-process engines leave a core to the router; engine processes of their own take turns.
+    assert engine_threads(None, None, "local") == engine_threads(None, "", "local") == max(1, cores - 1)
+    assert engine_threads(None, None, "grpc") == engine_threads(None, None, "ray") == cores
     for bad in ("0", "two"):
         with pytest.raises(ValueError, match="OMP_NUM_THREADS must be a positive integer"):
             engine_threads(None, bad)
