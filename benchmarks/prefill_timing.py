@@ -6,8 +6,9 @@ verify at batch 16 for scale. Each figure is the median of `--iters` calls, sync
 
     python benchmarks/prefill_timing.py [--lengths 64,128,256] [--batches 1,2,4] [--iters 10]
 
-Which path serve takes is `NativeRunner._graphed_prefill_nodes`: graphed up to
-GRAPHED_PREFILL_MAX tokens and GRAPHED_PREFILL_ROWS rows (batch bucket x padded length).
+Which path serve takes (the last column) is `NativeRunner._graphed_prefill_nodes`: graphed up to
+GRAPHED_PREFILL_MAX tokens and GRAPHED_PREFILL_ROWS rows (batch bucket x padded length), past
+GRAPHED_PREFILL_FREE_ROWS rows only where the padding is at most PREFILL_PAD_SHARE of the tokens.
 """
 
 from __future__ import annotations
@@ -56,17 +57,19 @@ def main() -> int:
         slots = list(range(b))
         return lambda: (runner.prefill(slots, prompts), [runner.cache.free(s) for s in slots])
 
-    print(f"{'batch':>5} {'tokens':>6} {'eager ms':>9} {'graphed ms':>10}")
+    print(f"{'batch':>5} {'tokens':>6} {'eager ms':>9} {'graphed ms':>10}  serve takes")
+    saved = vr.GRAPHED_PREFILL_MAX, vr.GRAPHED_PREFILL_ROWS, vr.GRAPHED_PREFILL_FREE_ROWS
     for b in batches:
         for n in lengths:
-            vr.GRAPHED_PREFILL_MAX, saved_rows = 0, vr.GRAPHED_PREFILL_ROWS
+            vr.GRAPHED_PREFILL_MAX = 0
             eager = _timed(prefill(b, n), a.iters)
-            vr.GRAPHED_PREFILL_MAX, vr.GRAPHED_PREFILL_ROWS = 1 << 20, 1 << 20
+            vr.GRAPHED_PREFILL_MAX = vr.GRAPHED_PREFILL_ROWS = vr.GRAPHED_PREFILL_FREE_ROWS = 1 << 20
             fn = prefill(b, n)
             fn()   # its graph captured
             graphed = _timed(fn, a.iters)
-            vr.GRAPHED_PREFILL_ROWS = saved_rows
-            print(f"{b:5d} {n:6d} {eager:9.2f} {graphed:10.2f}", flush=True)
+            vr.GRAPHED_PREFILL_MAX, vr.GRAPHED_PREFILL_ROWS, vr.GRAPHED_PREFILL_FREE_ROWS = saved
+            path = "graphed" if runner._graphed_prefill_nodes([[0] * n] * b) else "eager"
+            print(f"{b:5d} {n:6d} {eager:9.2f} {graphed:10.2f}  {path}", flush=True)
 
     slots = list(range(16))
     for s in slots:

@@ -42,6 +42,20 @@ GRAPHED_PREFILL_ROWS = 2048
 # at most half its length (a prefill of a few prompts is compute-bound: the padding costs what
 # tokens do; 129 tokens padded to 256 took the time of 256).
 PREFILL_NODE_BUCKETS = (8, 16, 32, 48, 64, 96, 128, 192, 256, 384, 512)
+# A graphed prefill of at most GRAPHED_PREFILL_FREE_ROWS rows (batch bucket x chain) beats the
+# eager one however much of it is padding: the eager forward's kernel launches cost more than that
+# much compute. Past it the prefill is compute-bound, and graphed only where the padding (of the
+# chains and of the batch bucket) adds at most PREFILL_PAD_SHARE to the prompts' tokens: on an
+# H100, 8 prompts of 133 tokens took 39 ms as 8 chains of 192 nodes and 34 ms eagerly; 4 of 133,
+# 20 ms graphed (768 rows) and 27 ms eagerly (benchmarks/prefill_timing.py).
+GRAPHED_PREFILL_FREE_ROWS = 1024
+PREFILL_PAD_SHARE = 0.25
+
+
+def graphed_prefill_pays(rows: int, tokens: int) -> bool:
+    """Whether a graphed prefill of `rows` padded rows for prompts of `tokens` tokens in all
+    beats the eager prefill of those prompts."""
+    return rows <= GRAPHED_PREFILL_FREE_ROWS or rows <= (1 + PREFILL_PAD_SHARE) * tokens
 
 
 def prefill_nodes(length: int) -> int:
@@ -192,13 +206,14 @@ class NativeRunner:
     def _graphed_prefill_nodes(self, prompts: list[list[int]]) -> int:
         """The chain length a graphed prefill of these prompts pads to (`prefill_nodes` of the
         longest), or 0 where they prefill eagerly: a prompt past GRAPHED_PREFILL_MAX tokens, a
-        chain past the cache's length, or a graph whose logits would hold more than
-        GRAPHED_PREFILL_ROWS rows (its static buffers stay)."""
+        chain past the cache's length, a graph whose logits would hold more than
+        GRAPHED_PREFILL_ROWS rows (its static buffers stay), or one whose padding costs more than
+        the eager forward's launches save (`graphed_prefill_pays`)."""
         longest = max(len(p) for p in prompts)
         rows = batch_bucket(len(prompts), self.graphs.batch_buckets)
         n = prefill_nodes(longest)
-        fits = n > 0 and n <= self.cache.max_len
-        return n if fits and rows is not None and rows * n <= GRAPHED_PREFILL_ROWS else 0
+        fits = n > 0 and n <= self.cache.max_len and rows is not None and rows * n <= GRAPHED_PREFILL_ROWS
+        return n if fits and graphed_prefill_pays(rows * n, sum(len(p) for p in prompts)) else 0
 
     def _padding_fits(self, slots: list[int], n: int) -> bool:
         """Whether the pool holds `n` entries for each slot now (a graphed prefill's chains,

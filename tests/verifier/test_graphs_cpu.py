@@ -171,6 +171,29 @@ def test_prefill_nodes_pad_by_at_most_half():
     assert all(prefill_nodes(m) <= 1.5 * m for m in range(32, 513))
 
 
+def test_large_prefills_run_graphed_only_where_the_padding_is_small(model, monkeypatch):
+    """Up to GRAPHED_PREFILL_FREE_ROWS padded rows a prefill is graphed whatever its padding;
+    past it only where chains and batch bucket pad the prompts' tokens by at most
+    PREFILL_PAD_SHARE, else eagerly (with the eager prefill's logits)."""
+    import verifier.runner as runner_module
+
+    assert runner_module.graphed_prefill_pays(1024, 8) and runner_module.graphed_prefill_pays(2048, 2048)
+    assert not runner_module.graphed_prefill_pays(8 * 192, 8 * 133)   # 44% padding past 1024 rows
+    assert runner_module.graphed_prefill_pays(8 * 192, 8 * 160)
+    monkeypatch.setattr(runner_module, "GRAPHED_PREFILL_FREE_ROWS", 256)
+    eager, static = _runners(model, AUX)
+    g = torch.Generator().manual_seed(8)
+    prompts = lambda b, m: [torch.randint(1, 4096, (m,), generator=g).tolist() for _ in range(b)]
+    assert static._graphed_prefill_nodes(prompts(4, 40)) == 48     # 192 rows: free
+    assert static._graphed_prefill_nodes(prompts(8, 45)) == 48     # 384 rows for 360 tokens
+    assert static._graphed_prefill_nodes(prompts(8, 33)) == 0      # 384 rows for 264 tokens
+    assert static._graphed_prefill_nodes(prompts(5, 48)) == 0      # a batch bucket of 8 for 5 prompts
+    batch = prompts(8, 33)
+    slots = list(range(8))
+    (le, fe), (ls, fs) = eager.prefill(slots, batch), static.prefill(slots, batch)
+    assert torch.equal(ls, le) and all(torch.equal(a, b) for a, b in zip(fs, fe))
+
+
 def test_prefill_past_the_rows_limit_is_cut_into_groups_that_fit(model, monkeypatch):
     """Under a limit of 128 rows, three prompts that pad to 64 nodes prefill as a graphed group
     of two and one of one, with the eager prefill's logits and features."""
