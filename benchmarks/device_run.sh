@@ -5,4 +5,4 @@ python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upg
 export PYTHONPATH=/tmp/site:$PWD
 [ -f .device/setup.sh ] && source .device/setup.sh
 export PYTHONPATH=$PYTHONPATH:$PWD
-"$@"
+exec "$@"   # the command in this process: a timeout's signal reaches it
