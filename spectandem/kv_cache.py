@@ -25,7 +25,7 @@ import numpy as np
 import torch
 
 from spectandem.devices import to_device
-from spectandem.kernels.attention import launch_split_len, paged_tree_attention, split_len_for
+from spectandem.kernels.attention import launch_split_len, paged_tree_attention, pool_rows, split_len_for
 from spectandem.modeling.layers import masked_attention
 
 
@@ -300,7 +300,7 @@ class PagedCacheBatch:
         k, v = self.cache.k[layer], self.cache.v[layer]
         k[self.write_rows] = k_new.transpose(1, 2).to(k.dtype)
         v[self.write_rows] = v_new.transpose(1, 2).to(v.dtype)
-        return k[self.read_rows].transpose(1, 2), v[self.read_rows].transpose(1, 2)
+        return pool_rows(k, self.read_rows).transpose(1, 2), pool_rows(v, self.read_rows).transpose(1, 2)
 
     def attend(self, layer: int, q: torch.Tensor, k_new: torch.Tensor, v_new: torch.Tensor, mask: torch.Tensor,
                scale: float) -> torch.Tensor:

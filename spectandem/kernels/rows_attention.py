@@ -39,7 +39,7 @@ import torch
 from spectandem.checks import describe_placed, is_integer
 from spectandem.kernels import HAVE_TRITON
 from spectandem.kernels.attention import (_BLOCK_M, _NUM_WARPS, _block_n, check_query_and_pools, combine_splits,
-                                         split_len_for)
+                                         pool_rows, split_len_for)
 from spectandem.modeling.layers import masked_attention
 
 if HAVE_TRITON:
@@ -126,7 +126,8 @@ def rows_attention_ref(q, k_pool, v_pool, read_rows, mask, scale) -> torch.Tenso
     """The torch code: gather the rows, masked_attention (PagedCacheBatch.update's read, then the
     head's attention)."""
     _check(q, k_pool, v_pool, read_rows, mask)
-    return masked_attention(q, k_pool[read_rows].transpose(1, 2), v_pool[read_rows].transpose(1, 2), mask, scale)
+    return masked_attention(q, pool_rows(k_pool, read_rows).transpose(1, 2), pool_rows(v_pool, read_rows).transpose(1, 2),
+                            mask, scale)
 
 
 def rows_attention_triton(q, k_pool, v_pool, read_rows, mask, scale, capacity: int | None = None) -> torch.Tensor:
