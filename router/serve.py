@@ -95,9 +95,10 @@ def add_serve(sub) -> None:
                    default=None, help="logging level (default: $SPECTANDEM_LOG_LEVEL, else WARNING)")
     p.add_argument("--engine-threads", type=positive_int, default=None, metavar="N",
                    help="torch CPU threads of each engine, in this process (--backend local) or in the engine "
-                        "processes serve starts (default: $OMP_NUM_THREADS where set; else, --backend local, the cores "
-                        "this process may use less one, at least 1: a core stays with the router and the gRPC "
-                        "server; --backend grpc or ray, every core: the two engines take turns in a round)")
+                        "processes serve starts (default: $OMP_NUM_THREADS where set; else the cores this process "
+                        "may use less one, a core staying with the router and the gRPC server, shared evenly among "
+                        "the processes that run engines, at least 1 each: this one for --backend local, one per "
+                        "engine and replica for grpc and ray)")
     add_ops_flags(p)
     p.set_defaults(func=_serve)
 
@@ -121,15 +122,16 @@ def _spec(args):
     return spec_from_flags(args)
 
 
-def engine_threads(flag: int | None, omp_num_threads: str | None, backend: str = "local") -> int:
+def engine_threads(flag: int | None, omp_num_threads: str | None, processes: int = 1) -> int:
     """Torch threads of each engine (--engine-threads): the flag, else OMP_NUM_THREADS where set,
-    else by backend. In one process (local), the cores this process may run on less one, at
-    least 1: on the 2-core CPU the demo pair served with EAGLE-3 at 165 tokens/s with one thread
-    and 137 with two (the router, the gRPC server and the engines' threads contend for both
-    cores). In engine processes of their own (grpc, ray), every core: a round's drafter and
-    verifier calls take turns, each process leaving the cores to the other while it waits, and
-    on the 2-core CPU two threads each served 1.2-1.4x as fast as one (gRPC: 138 against 105
-    tokens/s with EAGLE-3, 107 against 76-86 plain; Ray: 122 against 98, 99 against 83)."""
+    else the cores this process may run on less one (the router's and its gRPC server's), shared
+    evenly among the `processes` that run engines on them, at least 1 each: 1 for in-process
+    engines (local), one per engine and replica for engine processes of their own (grpc, ray).
+    More threads than cores makes each torch op wait for threads the other processes hold (a
+    parallel op ends at a barrier of all its threads): on the 2-core CPU the demo pair served
+    over gRPC at 185-214 tokens/s with EAGLE-3 and one thread per engine process against 144-154
+    with two, plain decoding 142 against 97-110 (Ray: 178-189 against 120-135, 137-151 against
+    121-135); in one process, 165 against 137."""
     if flag is not None:
         return flag
     if omp_num_threads:
@@ -140,8 +142,18 @@ def engine_threads(flag: int | None, omp_num_threads: str | None, backend: str =
         if n < 1:
             raise ValueError(f"OMP_NUM_THREADS must be a positive integer, got {omp_num_threads!r}")
         return n
+    if processes < 1:
+        raise ValueError(f"engine processes must be >= 1, got {processes}")
     cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
-    return max(1, cores - 1) if backend == "local" else cores
+    return max(1, (cores - 1) // processes)
+
+
+def engine_processes(args) -> int:
+    """How many processes run serve's engines on this machine: this one (--backend local), else
+    one per engine (the drafter's unless --method none) of each replica."""
+    if args.backend == "local":
+        return 1
+    return _num_replicas(args) * (1 if args.method == "none" else 2)
 
 
 def free_port() -> int:
@@ -653,7 +665,7 @@ def _serve(args) -> int:
         logging.basicConfig(level=level, format="%(asctime)s %(levelname)s %(name)s %(message)s")
     if args.api_key is None:
         args.api_key = os.environ.get("SPECTANDEM_API_KEY") or None
-    args.engine_threads = engine_threads(args.engine_threads, os.environ.get("OMP_NUM_THREADS"), args.backend)
+    args.engine_threads = engine_threads(args.engine_threads, os.environ.get("OMP_NUM_THREADS"), engine_processes(args))
     if args.backend == "local":   # the engines run in this process
         from spectandem.devices import set_cpu_threads
 

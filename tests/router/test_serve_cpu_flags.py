@@ -52,16 +52,36 @@ def test_grpc_serve_on_the_cpu_with_explicit_no_gpu_flags():
     assert rc == 0 and "spectandem stopped" in out, (rc, out)
 
 
-def test_engine_threads_follow_the_flag_else_omp_num_threads_else_the_cores_by_backend():
+def test_engine_threads_follow_the_flag_else_omp_num_threads_else_the_cores_shared_by_the_engine_processes():
     from router.serve import engine_threads
 
     cores = len(os.sched_getaffinity(0))
-    for backend in ("local", "grpc", "ray"):
-        assert engine_threads(2, "3", backend) == 2
-        assert engine_threads(None, "3", backend) == 3
-    # In-process engines leave a core to the router; engine processes of their own take turns.
-    assert engine_threads(None, None, "local") == engine_threads(None, "", "local") == max(1, cores - 1)
-    assert engine_threads(None, None, "grpc") == engine_threads(None, None, "ray") == cores
+    for processes in (1, 2, 8):
+        assert engine_threads(2, "3", processes) == 2
+        assert engine_threads(None, "3", processes) == 3
+    # A core stays with the router; the rest is shared, never oversubscribed past one thread each.
+    assert engine_threads(None, None, 1) == engine_threads(None, "", 1) == max(1, cores - 1)
+    assert engine_threads(None, None, 2) == max(1, (cores - 1) // 2)
+    assert engine_threads(None, None, 10 * cores) == 1
     for bad in ("0", "two"):
         with pytest.raises(ValueError, match="OMP_NUM_THREADS must be a positive integer"):
             engine_threads(None, bad)
+    with pytest.raises(ValueError, match="engine processes must be >= 1"):
+        engine_threads(None, None, 0)
+
+
+def test_engine_processes_count_each_engine_of_each_replica_outside_this_process():
+    from argparse import Namespace
+
+    from router.serve import engine_processes
+
+    def args(**kw):
+        base = dict(backend="grpc", method="eagle3", replicas=None, verifier_address=None, drafter_address=None)
+        return Namespace(**{**base, **kw})
+
+    assert engine_processes(args(backend="local")) == 1
+    assert engine_processes(args(backend="local", replicas=4)) == 1
+    assert engine_processes(args()) == 2
+    assert engine_processes(args(method="none")) == 1
+    assert engine_processes(args(backend="ray", replicas=4)) == 8
+    assert engine_processes(args(backend="ray", replicas=3, method="none")) == 3
