@@ -149,11 +149,16 @@ def engine_threads(flag: int | None, omp_num_threads: str | None, processes: int
 
 
 def engine_processes(args) -> int:
-    """How many processes run serve's engines on this machine: this one (--backend local), else
-    one per engine (the drafter's unless --method none) of each replica."""
+    """How many processes share the cores an engine runs on: this one (--backend local), else one
+    per engine (the drafter's unless --method none) of each replica started on this machine; on a
+    Ray cluster joined with --ray-address, those of one replica (its placement group keeps a pair
+    on one node; where the other replicas go is Ray's choice)."""
     if args.backend == "local":
         return 1
-    return _num_replicas(args) * (1 if args.method == "none" else 2)
+    pair = 1 if args.method == "none" else 2
+    if args.backend == "ray" and getattr(args, "ray_address", None):
+        return pair
+    return _num_replicas(args) * pair
 
 
 def free_port() -> int:

@@ -76,7 +76,8 @@ def test_engine_processes_count_each_engine_of_each_replica_outside_this_process
     from router.serve import engine_processes
 
     def args(**kw):
-        base = dict(backend="grpc", method="eagle3", replicas=None, verifier_address=None, drafter_address=None)
+        base = dict(backend="grpc", method="eagle3", replicas=None, verifier_address=None, drafter_address=None,
+                    ray_address=None)
         return Namespace(**{**base, **kw})
 
     assert engine_processes(args(backend="local")) == 1
@@ -85,3 +86,5 @@ def test_engine_processes_count_each_engine_of_each_replica_outside_this_process
     assert engine_processes(args(method="none")) == 1
     assert engine_processes(args(backend="ray", replicas=4)) == 8
     assert engine_processes(args(backend="ray", replicas=3, method="none")) == 3
+    # Joining a cluster: a replica's pair shares a node; the replicas' nodes are Ray's choice.
+    assert engine_processes(args(backend="ray", replicas=4, ray_address="auto")) == 2
