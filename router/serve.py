@@ -125,13 +125,9 @@ def _spec(args):
 def engine_threads(flag: int | None, omp_num_threads: str | None, processes: int = 1) -> int:
     """Torch threads of each engine (--engine-threads): the flag, else OMP_NUM_THREADS where set,
     else the cores this process may run on less one (the router's and its gRPC server's), shared
-    evenly among the `processes` that run engines on them, at least 1 each: 1 for in-process
-    engines (local), one per engine and replica for engine processes of their own (grpc, ray).
-    More threads than cores makes each torch op wait for threads the other processes hold (a
-    parallel op ends at a barrier of all its threads): on the 2-core CPU the demo pair served
-    over gRPC at 185-214 tokens/s with EAGLE-3 and one thread per engine process against 144-154
-    with two, plain decoding 142 against 97-110 (Ray: 178-189 against 120-135, 137-151 against
-    121-135); in one process, 165 against 137."""
+    evenly among the `processes` that run engines on them (`engine_processes`), at least 1 each.
+    A torch op ends at a barrier of all its threads, so threads beyond the free cores wait for
+    those another process holds (benchmarks/results/RESULTS.md, serve-cpu-2core)."""
     if flag is not None:
         return flag
     if omp_num_threads:
@@ -156,7 +152,7 @@ def engine_processes(args) -> int:
     if args.backend == "local":
         return 1
     pair = 1 if args.method == "none" else 2
-    if args.backend == "ray" and getattr(args, "ray_address", None):
+    if args.backend == "ray" and args.ray_address:
         return pair
     return _num_replicas(args) * pair
 
