@@ -4,7 +4,13 @@ length: the eager forward against the graphed one (the prefill run as a verify o
 prompt, verifier/runner.py `_prefill_graphed`), with a plain decode step and a 5-node chain
 verify at batch 16 for scale. Each figure is the median of `--iters` calls, synchronized.
 
-    python benchmarks/prefill_timing.py [--lengths 64,128,256] [--batches 1,2,4] [--iters 10]
+    python benchmarks/prefill_timing.py [--lengths 64,128,256] [--batches 1,2,4] [--iters 10] [--waves 16,64]
+
+`--waves`: prompts of the lengths `bench serve`'s default dataset gives (the first W of
+benchmarks/data/heldout-prompts.jsonl under the demo tokenizer, the 8B-shaped pair's), prefilled
+at once as a wave of W requests arriving together does: in groups of one padded length
+(`prefill_groups`, each graphed or eager), back to back in packed forwards (`_prefill_packed`),
+and the path serve takes (`packed_prefill_plan`).
 
 Which path serve takes (the last column) is `NativeRunner._graphed_prefill_nodes`: graphed up to
 GRAPHED_PREFILL_MAX tokens and GRAPHED_PREFILL_ROWS rows (batch bucket x padded length), past
@@ -36,6 +42,7 @@ def main() -> int:
     ap.add_argument("--lengths", default="64,128,256", help="prompt tokens (default: %(default)s)")
     ap.add_argument("--batches", default="1,2,4", help="prompts per call (default: %(default)s)")
     ap.add_argument("--iters", type=int, default=10, help="calls timed per figure (default: %(default)s)")
+    ap.add_argument("--waves", default="16,64", help="prompts per wave of dataset prompts, 0 for none (default: %(default)s)")
     a = ap.parse_args()
 
     import verifier.runner as vr
@@ -47,8 +54,9 @@ def main() -> int:
     layers = aux_layers_from_config({}, spec.num_layers)
     lengths = [int(x) for x in a.lengths.split(",")]
     batches = [int(x) for x in a.batches.split(",")]
-    max_slots = max(16, max(batches))
-    runner = vr.NativeRunner(model, layers, max_slots=max_slots, max_len=max(lengths) + 64, cuda_graphs=True,
+    waves = [int(x) for x in a.waves.split(",") if int(x)]
+    max_slots = max([16, *batches, *waves])
+    runner = vr.NativeRunner(model, layers, max_slots=max_slots, max_len=max(lengths + [256]) + 64, cuda_graphs=True,
                              triton_attention=True)
     g = torch.Generator().manual_seed(0)
 
@@ -81,7 +89,45 @@ def main() -> int:
         step = lambda: runner.verify(slots, [128] * 16, toks, parents, valid)
         step()
         print(f"verify batch 16, {n}-node chain at 128 tokens: {_timed(step, a.iters):.2f} ms")
+    for s in slots:
+        runner.cache.free(s)
+    if waves:
+        _waves(runner, waves, a.iters)
     return 0
+
+
+def _waves(runner, waves: list[int], iters: int) -> None:
+    import verifier.runner as vr
+    from benchmarks.bench.datasets import DEFAULT_DATASET, _demo_tokenizer, load_prompts
+
+    tok = _demo_tokenizer()
+    texts = [p.text for p in load_prompts(DEFAULT_DATASET)]
+    print(f"{'wave':>5} {'tokens':>6} {'groups':>6} {'groups ms':>9} {'packed runs':>11} {'packed ms':>9}  serve takes")
+    for w in waves:
+        prompts = [tok.encode(t).ids for t in texts[:w]]
+        lens = [len(p) for p in prompts]
+        slots = list(range(w))
+        groups = vr.prefill_groups(lens, runner.graphs.batch_buckets)
+        runs = vr.packed_prefill_plan(lens, groups, runner.graphs.batch_buckets, runner.cache.max_len)
+
+        def call(fn):
+            return lambda: (fn(), [runner.cache.free(s) for s in slots])
+
+        plan = vr.packed_prefill_plan
+        vr.packed_prefill_plan = lambda *args: None
+        call(lambda: runner.prefill(slots, prompts))()   # the groups' graphs captured
+        grouped = _timed(call(lambda: runner.prefill(slots, prompts)), iters)
+        vr.packed_prefill_plan = plan
+        all_runs = vr.packed_runs(lens)
+
+        def packed():
+            for run in all_runs:
+                runner._prefill_packed([slots[i] for i in run], [prompts[i] for i in run])
+        call(packed)()
+        packed_ms = _timed(call(packed), iters)
+        path = "packed" if runs else "groups"
+        print(f"{w:5d} {sum(lens):6d} {len(groups):6d} {grouped:9.2f} {len(all_runs):11d} {packed_ms:9.2f}  {path}",
+              flush=True)
 
 
 if __name__ == "__main__":

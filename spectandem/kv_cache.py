@@ -14,7 +14,8 @@ entries are committed); this module moves tensors. A forward sees the cache thro
 per step, whose `attend(layer, q, k_new, v_new, mask, scale)` writes the step's K/V and attends:
 `CacheBatch` / `PagedCacheBatch` gather the span and apply the caller's dense mask;
 `PagedTreeBatch` (NativeRunner's triton_attention) reads the pool in place through the block
-tables with the tree mask it carries.
+tables with the tree mask it carries; `PackedPrefillBatch` takes several prompts' tokens back to
+back in one row and attends each prompt over its own entries.
 """
 
 from __future__ import annotations
@@ -330,6 +331,63 @@ class PagedCacheBatch:
 
         return rows_attention(q, self.cache.k[layer], self.cache.v[layer], self.read_rows, mask, scale,
                               capacity=self.cache.max_len)
+
+
+@dataclass
+class PackedPrefillBatch:
+    """A prefill of several prompts whose tokens lie back to back in one row of the forward
+    (`[1, T]`, T their tokens in all, no padding), so its GEMMs take no padded rows: each token's
+    K/V is written at its own slot's entry, and each prompt attends causally over its own entries
+    through the paged attention (spectandem/kernels/attention.py: the Triton kernel on CUDA, its
+    torch reference otherwise) in a padded `[P, L]` layout, P prompts, L the longest: the
+    attention alone sees padding rows, whose outputs are dropped.
+
+    Example: prompts of 2 and 3 tokens -> T = 5; `gather` [[0, 1, 0], [2, 3, 4]] (the first
+    prompt's padding row reads its token 0), `scatter` [0, 1, 3, 4, 5] (the real rows of the
+    flattened [2 * 3] output)."""
+
+    cache: PagedKVCache
+    write_rows: torch.Tensor     # [1, T] physical rows of every token's entry
+    block_tables: torch.Tensor   # [P, max_blocks] the prompts' slots' tables
+    gather: torch.Tensor         # [P, L] each prompt's tokens (indices into T), padded with its first
+    scatter: torch.Tensor        # [T] where each token's row lies in the flattened [P * L] layout
+
+    @classmethod
+    def of(cls, cache: PagedKVCache, slots: list[int], lens: list[int]) -> "PackedPrefillBatch":
+        """The view of prompts of `lens` tokens in `slots`, each prefilled from entry 0 (the
+        slots reserve their entries first)."""
+        longest, starts = max(lens), np.cumsum([0] + lens[:-1])
+        slot_of = np.repeat(np.asarray(slots, dtype=np.int64), lens)
+        entry = np.concatenate([np.arange(m) for m in lens])
+        rows = cache.rows_in_tables_np(cache.host_tables_np[slot_of], entry[:, None])[:, 0]
+        ar = np.arange(longest)
+        real = ar[None, :] < np.asarray(lens)[:, None]                                    # [P, L]
+        gather = np.where(real, starts[:, None] + ar[None, :], starts[:, None])
+        scatter = (np.arange(len(lens))[:, None] * longest + ar[None, :])[real]
+        dev = cache.k[0].device
+        return cls(cache, to_device(torch.from_numpy(rows)[None], dev),
+                   cache.block_tables(to_device(torch.tensor(slots, dtype=torch.long), dev)),
+                   to_device(torch.from_numpy(gather), dev), to_device(torch.from_numpy(scatter), dev))
+
+    def attend(self, layer: int, q: torch.Tensor, k_new: torch.Tensor, v_new: torch.Tensor, mask: None,
+               scale: float) -> torch.Tensor:
+        """Writes `k_new, v_new [1, nkv, T, hd]`, then attends `q [1, nh, T, hd]` of each prompt over
+        its own entries -> [1, T, nh * hd]. `mask` must be None: the view masks each prompt itself."""
+        assert mask is None, "a PackedPrefillBatch masks each prompt itself; the forward's mask must be None"
+        k, v = self.cache.k[layer], self.cache.v[layer]
+        k[self.write_rows] = k_new.transpose(1, 2).to(k.dtype)
+        v[self.write_rows] = v_new.transpose(1, 2).to(v.dtype)
+        q_p = q[0][:, self.gather].transpose(0, 1)                                         # [P, nh, L, hd]
+        prefix = torch.zeros(q_p.shape[0], dtype=torch.long, device=q_p.device)
+        split_len = launch_split_len(q_p, k.shape[1], self.cache.attention_split_len)
+        out = paged_tree_attention(q_p, k, v, self.block_tables, prefix, None, scale, self.cache.block_size,
+                                   split_len=split_len)                                   # [P, L, nh * hd]
+        return out.reshape(-1, out.shape[-1])[self.scatter][None]
+
+    def attend_rotary(self, layer: int, q: torch.Tensor, k_new: torch.Tensor, v_new: torch.Tensor,
+                      cos: torch.Tensor, sin: torch.Tensor, mask: None, scale: float) -> torch.Tensor:
+        """`attend` of q and k_new rotated by the rotary kernel (`cos, sin [1, T, hd]`)."""
+        return _rotated_attend(self, layer, q, k_new, v_new, cos, sin, mask, scale)
 
 
 def _rotated_attend(view, layer, q, k_new, v_new, cos, sin, mask, scale) -> torch.Tensor:

@@ -19,7 +19,8 @@ import numpy as np
 import torch
 
 from spectandem.cuda_graphs import batch_bucket, span_bucket
-from spectandem.kv_cache import KVCache, PagedKVCache
+from spectandem.devices import to_device
+from spectandem.kv_cache import KVCache, PackedPrefillBatch, PagedKVCache
 from spectandem.modeling.llama import InvariantBatch, LlamaModel
 from spectandem.modeling.ops import FUSED_OPS, INVARIANT_OPS
 from spectandem.modeling.target import inspect_target, load_target
@@ -50,6 +51,17 @@ PREFILL_NODE_BUCKETS = (8, 16, 32, 48, 64, 96, 128, 192, 256, 384, 512)
 # 20 ms graphed (768 rows) and 27 ms eagerly (benchmarks/prefill_timing.py).
 GRAPHED_PREFILL_FREE_ROWS = 1024
 PREFILL_PAD_SHARE = 0.25
+# Prompts that would prefill as several groups (of several padded lengths, or past the largest
+# group) may instead prefill back to back in one eager forward (`_prefill_packed`), no padded row in
+# its GEMMs, at most PACKED_PREFILL_TOKENS tokens a forward, where that costs less
+# (`packed_prefill_plan`). Costs are in graphed rows: a graphed prefill of r rows costs
+# PREFILL_GRAPH_ROWS + r (the fixed part is the weights' read: on an H100 the 8B-shaped target's
+# graphed prefill took about 6.5 ms + 23 us a row), an eager or packed forward of r rows
+# PREFILL_GRAPH_ROWS + max(r, PREFILL_EAGER_ROWS) (its launches: 34 to 38 ms for a few prompts).
+# Example: 16 prompts of 32 to 249 tokens (2,287 in all) make 6 groups costing 4,224 rows, packed 2,543.
+PACKED_PREFILL_TOKENS = 4096
+PREFILL_GRAPH_ROWS = 256
+PREFILL_EAGER_ROWS = 1280
 
 
 def graphed_prefill_pays(rows: int, tokens: int) -> bool:
@@ -164,15 +176,35 @@ class NativeRunner:
         each as one chain per prompt through a prefill graph (`_prefill_graphed`) where it fits,
         else eagerly; without, in one eager forward."""
         if self.graphs is not None and not self.batch_invariant and len(prompts) > 1:
-            groups = prefill_groups([len(p) for p in prompts], self.graphs.batch_buckets)
-            if len(groups) > 1:
+            lens = [len(p) for p in prompts]
+            groups = prefill_groups(lens, self.graphs.batch_buckets)
+            packed = packed_prefill_plan(lens, groups, self.graphs.batch_buckets, self.cache.max_len)
+            if len(groups) > 1 or packed:
                 logits, feats = [None] * len(prompts), [None] * len(prompts)
-                for idx in groups:
-                    lg, fs = self._prefill_one_group([slots[i] for i in idx], [prompts[i] for i in idx])
+                plan = [(self._prefill_packed, idx) for idx in packed] if packed else \
+                    [(self._prefill_one_group, idx) for idx in groups]
+                for run, idx in plan:
+                    lg, fs = run([slots[i] for i in idx], [prompts[i] for i in idx])
                     for j, i in enumerate(idx):
                         logits[i], feats[i] = lg[j], None if fs is None else fs[j]
                 return torch.stack(logits), None if self.feature_layers is None else feats
         return self._prefill_one_group(slots, prompts)
+
+    def _prefill_packed(self, slots: list[int], prompts: list[list[int]]):
+        """`prefill` of the prompts back to back in one eager forward (kv_cache.PackedPrefillBatch):
+        every GEMM over their tokens alone, each prompt attending over its own entries."""
+        lens = [len(p) for p in prompts]
+        for slot, m in zip(slots, lens):
+            self.cache.reserve(slot, m)
+        view = PackedPrefillBatch.of(self.cache, slots, lens)
+        toks = to_device(torch.tensor([t for p in prompts for t in p], dtype=torch.long)[None], self.device)
+        positions = to_device(torch.from_numpy(np.concatenate([np.arange(m) for m in lens]))[None], self.device)
+        hidden, aux = self.model(toks, positions, view, None, self._capture())
+        ends = np.cumsum(lens)
+        last = hidden[0].index_select(0, to_device(torch.from_numpy(ends - 1), self.device))
+        feats = self._features(hidden, aux)
+        per_req = None if feats is None else [feats[0, e - m: e] for e, m in zip(ends.tolist(), lens)]
+        return self.model.logits(last[:, None])[:, 0], per_req
 
     def _prefill_one_group(self, slots: list[int], prompts: list[list[int]]):
         if self.graphs is not None and not self.batch_invariant and self._padding_fits(
@@ -204,16 +236,8 @@ class NativeRunner:
         return logits[:, 0], per_req
 
     def _graphed_prefill_nodes(self, prompts: list[list[int]]) -> int:
-        """The chain length a graphed prefill of these prompts pads to (`prefill_nodes` of the
-        longest), or 0 where they prefill eagerly: a prompt past GRAPHED_PREFILL_MAX tokens, a
-        chain past the cache's length, a graph whose logits would hold more than
-        GRAPHED_PREFILL_ROWS rows (its static buffers stay), or one whose padding costs more than
-        the eager forward's launches save (`graphed_prefill_pays`)."""
-        longest = max(len(p) for p in prompts)
-        rows = batch_bucket(len(prompts), self.graphs.batch_buckets)
-        n = prefill_nodes(longest)
-        fits = n > 0 and n <= self.cache.max_len and rows is not None and rows * n <= GRAPHED_PREFILL_ROWS
-        return n if fits and graphed_prefill_pays(rows * n, sum(len(p) for p in prompts)) else 0
+        """`graphed_prefill_chain` of these prompts on this runner's graphs and cache."""
+        return graphed_prefill_chain([len(p) for p in prompts], self.graphs.batch_buckets, self.cache.max_len)
 
     def _padding_fits(self, slots: list[int], n: int) -> bool:
         """Whether the pool holds `n` entries for each slot now (a graphed prefill's chains,
@@ -387,6 +411,52 @@ def prefill_groups(lens: list[int], batch_buckets: tuple[int, ...]) -> list[list
         size = max(fit) if n and fit else len(idx)
         groups += [idx[k: k + size] for k in range(0, len(idx), size)]
     return groups
+
+
+def graphed_prefill_chain(lens: list[int], batch_buckets: tuple[int, ...], max_len: int) -> int:
+    """The chain length a graphed prefill of prompts of `lens` tokens pads to (`prefill_nodes` of
+    the longest), or 0 where they prefill eagerly: a prompt past GRAPHED_PREFILL_MAX tokens, a chain
+    past the cache's length `max_len`, a graph whose logits would hold more than
+    GRAPHED_PREFILL_ROWS rows (its static buffers stay), or one whose padding costs more than the
+    eager forward's launches save (`graphed_prefill_pays`)."""
+    n, rows = prefill_nodes(max(lens)), batch_bucket(len(lens), batch_buckets)
+    fits = n > 0 and n <= max_len and rows is not None and rows * n <= GRAPHED_PREFILL_ROWS
+    return n if fits and graphed_prefill_pays(rows * n, sum(lens)) else 0
+
+
+def packed_runs(lens: list[int]) -> list[list[int]]:
+    """Prompts of `lens` tokens in order, as the fewest runs of at most PACKED_PREFILL_TOKENS tokens
+    (a longer prompt alone) with about even shares of the tokens. Example: 64 prompts of 133
+    tokens -> runs of 22, 22 and 20."""
+    total = sum(lens)
+    share = -(-total // -(-total // PACKED_PREFILL_TOKENS))   # the tokens of each of the fewest runs, evened
+    runs, tokens = [[]], 0
+    for i, m in enumerate(lens):
+        if runs[-1] and (tokens >= share or tokens + m > PACKED_PREFILL_TOKENS):
+            runs.append([])
+            tokens = 0
+        runs[-1].append(i)
+        tokens += m
+    return runs
+
+
+def packed_prefill_plan(lens: list[int], groups: list[list[int]], batch_buckets: tuple[int, ...],
+                        max_len: int) -> list[list[int]] | None:
+    """The prompts of a graphed runner's prefill (their lengths) in `packed_runs`, one packed forward
+    each, where these cost less than `groups` (`prefill_groups`, each graphed or eager as
+    `graphed_prefill_chain` says); None where the groups cost less. Costs: PACKED_PREFILL_TOKENS'
+    comment. Examples: lens [248, 226, 42, 162, 135,
+    244] (3 groups, 2,224 rows with their fixed parts) -> [[0, 1, 2, 3, 4, 5]] (1,536 rows); 64
+    prompts of 133 tokens (8 eager groups, 12,288 rows) -> runs of 22, 22 and 20 (9,280 rows)."""
+    def group_cost(idx: list[int]) -> int:
+        group = [lens[i] for i in idx]
+        n = graphed_prefill_chain(group, batch_buckets, max_len)
+        rows = batch_bucket(len(group), batch_buckets) * n if n else len(group) * max(group)
+        return PREFILL_GRAPH_ROWS + (rows if n else max(PREFILL_EAGER_ROWS, rows))
+
+    runs = packed_runs(lens)
+    packed = sum(PREFILL_GRAPH_ROWS + max(PREFILL_EAGER_ROWS, sum(lens[i] for i in run)) for run in runs)
+    return runs if packed < sum(group_cost(g) for g in groups) else None
 
 
 def _check_batch_invariant(device: torch.device, cuda_graphs: bool) -> None:

@@ -96,6 +96,38 @@ def test_graphed_prefill_equals_eager(dtype, lens):
         assert torch.equal(lv[valid].argmax(-1), la[valid].argmax(-1))
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+@pytest.mark.parametrize("lens", [(1, 9), (64, 3, 30, 200), (248, 226, 42, 162, 135, 244, 154, 181)],
+                         ids=["1-9", "64-3-30-200", "wave-8"])
+def test_packed_prefill_equals_eager(dtype, lens):
+    """Prompts back to back in one forward on the fast path (fused ops, NativeRunner._prefill_packed):
+    the last logits and every position's features as the eager prefill's, and a verify after it
+    (reading the prefill's K/V) as well; `prefill` takes it for the wave of 8."""
+    from verifier.runner import packed_prefill_plan, prefill_groups
+
+    model = load_llama(demo_paths("none")[0], dtype, "cuda")
+    eager = NativeRunner(model, AUX, max_slots=8, max_len=MAX_LEN)
+    packed = NativeRunner(model, AUX, max_slots=8, max_len=MAX_LEN, cuda_graphs=True, triton_attention=True)
+    g = torch.Generator().manual_seed(sum(lens))
+    prompts = [torch.randint(1, 4096, (m,), generator=g).tolist() for m in lens]
+    slots = list(range(len(prompts)))[::-1]
+    (le, fe), (lp, fp) = eager.prefill(slots, prompts), packed._prefill_packed(slots, prompts)
+    assert lp.shape == le.shape and [f.shape for f in fp] == [f.shape for f in fe]
+    torch.testing.assert_close(lp, le, **TOLERANCE[dtype])
+    for a, b in zip(fp, fe):
+        torch.testing.assert_close(a, b, **TOLERANCE[dtype])
+    if dtype == torch.float32:
+        assert torch.equal(lp.argmax(-1), le.argmax(-1))
+    tokens, parents, valid = random_trees(g, len(prompts), 5)
+    (la, fa), (lv, fv) = [r.verify(slots, list(lens), tokens, parents, valid) for r in (eager, packed)]
+    torch.testing.assert_close(lv[valid], la[valid], **TOLERANCE[dtype])
+    if dtype == torch.float32:
+        assert torch.equal(lv[valid].argmax(-1), la[valid].argmax(-1))
+    buckets = packed.graphs.batch_buckets
+    assert (packed_prefill_plan(list(lens), prefill_groups(list(lens), buckets), buckets, MAX_LEN) is not None) == \
+        (len(lens) == 8)
+
+
 @pytest.mark.parametrize("kind", ["eagle3", "eagle"])
 @pytest.mark.parametrize("b", [1, 3])
 def test_graphed_chain_equals_eager(kind, b):

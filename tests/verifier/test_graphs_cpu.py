@@ -240,3 +240,70 @@ def test_prefill_chain_longer_than_the_cache_runs_eagerly(model):
     assert static._graphed_prefill_nodes([prompt]) == 0
     (le, _), (ls, _) = eager.prefill([0], [prompt]), static.prefill([0], [prompt])
     assert torch.equal(ls, le)
+
+
+@pytest.mark.parametrize("features", [AUX, "final", None], ids=["aux", "final", "none"])
+@pytest.mark.parametrize("lens", [(1,), (8, 9), (64, 3, 30), (150, 2, 40, 17)], ids=["1", "8-9", "64-3-30", "150-2-40-17"])
+def test_packed_prefill_equals_eager(model, features, lens):
+    """Prompts back to back in one forward (NativeRunner._prefill_packed): the last logits, every
+    position's features and the K/V a verify then reads as the eager prefill's, each slot holding
+    the blocks of its own prompt."""
+    g = torch.Generator().manual_seed(sum(lens) + 1)
+    eager, packed = _runners(model, features)
+    prompts = [torch.randint(1, 4096, (m,), generator=g).tolist() for m in lens]
+    slots = [3, 0, 5, 1][: len(prompts)]
+    (le, fe), (lp, fp) = eager.prefill(slots, prompts), packed._prefill_packed(slots, prompts)
+    assert lp.shape == le.shape
+    torch.testing.assert_close(lp, le, **ULPS)
+    assert torch.equal(lp.argmax(-1), le.argmax(-1))
+    if features is None:
+        assert fp is None and fe is None
+    else:
+        assert [f.shape for f in fp] == [f.shape for f in fe]
+        for a, b in zip(fp, fe):
+            torch.testing.assert_close(a, b, **ULPS)
+    assert packed.cache.blocks.num_used == eager.cache.blocks.num_used
+    tokens, parents, valid = random_trees(g, len(prompts), 5)   # reads the prefill's K/V
+    _compare(*[r.verify(slots, list(lens), tokens, parents, valid) for r in (eager, packed)], valid)
+
+
+def test_packed_prefill_plan_packs_where_the_groups_cost_more():
+    """Prompts of many padded lengths, or more than a graphed group takes, go packed in runs of
+    about even shares of at most PACKED_PREFILL_TOKENS tokens; a few short prompts, or one group
+    that runs graphed, stay in their groups."""
+    from verifier.runner import PACKED_PREFILL_TOKENS, packed_prefill_plan
+
+    buckets = (1, 2, 4, 8, 16, 32, 64)
+    plan = lambda lens, max_len=2048: packed_prefill_plan(lens, prefill_groups(lens, buckets), buckets, max_len)
+    wave = [248, 226, 42, 162, 135, 244, 154, 181, 87, 67, 32, 47, 85, 110, 218, 249]
+    assert len(prefill_groups(wave, buckets)) == 6 and plan(wave) == [list(range(16))]
+    assert plan([248, 226, 42, 162, 135, 244]) == [list(range(6))]
+    runs = plan([133] * 64)
+    assert [len(r) for r in runs] == [22, 22, 20] and [i for r in runs for i in r] == list(range(64))
+    assert all(133 * len(r) <= PACKED_PREFILL_TOKENS for r in runs)
+    assert plan([32, 48]) is None             # two small graphed prefills cost less than one eager forward
+    assert plan([130] * 8) is None            # one graphed group of 8 x 192
+    assert plan([100] * 3) is None
+    assert plan([5000, 5000], max_len=8192) is None   # past the runs' limit each: one eager forward each either way
+
+
+def test_prompts_of_several_groups_prefill_packed(model, monkeypatch):
+    """Through `prefill`: prompts whose groups cost more run packed (no prefill graph used), with
+    the eager prefill's logits and features, in the order given."""
+    import verifier.runner as runner_module
+
+    monkeypatch.setattr(runner_module, "GRAPHED_PREFILL_FREE_ROWS", 64)
+    monkeypatch.setattr(runner_module, "PREFILL_GRAPH_ROWS", 64)
+    g = torch.Generator().manual_seed(11)
+    lens = [40, 7, 100, 18, 60]
+    prompts = [torch.randint(1, 4096, (m,), generator=g).tolist() for m in lens]
+    eager, static = _runners(model, AUX)
+    groups = prefill_groups(lens, static.graphs.batch_buckets)
+    assert len(groups) == 5
+    assert runner_module.packed_prefill_plan(lens, groups, static.graphs.batch_buckets, MAX_LEN) == [[0, 1, 2, 3, 4]]
+    slots = [4, 2, 0, 1, 3]
+    (le, fe), (ls, fs) = eager.prefill(slots, prompts), static.prefill(slots, prompts)
+    assert not static.graphs._prefills
+    torch.testing.assert_close(ls, le, **ULPS)
+    for a, b in zip(fs, fe):
+        torch.testing.assert_close(a, b, **ULPS)
