@@ -471,9 +471,11 @@ class Router:
             await self._flush_backlog([r for r in self.running if r.backlog])
         # A plain round whose steps were cut by the requests' ends decodes fewer tokens than the
         # mode does: the batch's tail, not plain decoding's rate. It does not count as a measurement,
-        # nor does a speculating round that drafted for no request (all detached: router/pipeline.py).
-        detached_only = not self._drafted_any and any(r.detached for r in self.running)
-        if not self._capped_plain and (mode == "plain" or not detached_only):
+        # nor does a speculating round that drafted for no request (the acceptance switch had
+        # speculation off, every request detached, the drafter away): it decoded plainly, at plain
+        # decoding's rate, and counted as the mode's would keep "auto" from the mode once drafts
+        # are accepted again (router/pipeline.py).
+        if not self._capped_plain and (mode == "plain" or self._drafted_any):
             self._modes.record(mode, self._tokens_committed - before, time.perf_counter() - t0, request_rounds)
 
     async def _admit_first(self, batch: list[ServedRequest]) -> None:

@@ -35,8 +35,9 @@ short drafts and plain win at large batches where verifying trees costs more tha
 Once plain is kept twice in a row from LARGE_BATCH running requests (`settled_plain`), new
 requests are admitted without the drafter (no target features, no drafter prefill: "detached"):
 keeping them ready to speculate cost plain rounds 2-3% at batch 64 on the H200. They decode
-plainly; a speculating round with no request on the drafter is not a measurement, so measuring a
-speculating mode again waits for requests admitted with the drafter. Detached requests rejoin
+plainly; a speculating round that drafts for no request (every request detached, or the
+acceptance switch below has speculation off) is not a measurement, so measuring a speculating
+mode again waits for requests admitted with the drafter, or for the switch to turn back on. Detached requests rejoin
 the drafter (a resync) once fewer than LARGE_BATCH run, those that may still generate
 REJOIN_MIN_TOKENS tokens (router/loop.py).
 A speculating mode must measure PLAIN_EDGE (5%) faster than plain to be kept over it, and
