@@ -57,7 +57,14 @@ request-rounds rather than rounds, one window of a large batch (many texts at on
 enough: when drafts start to be accepted (new traffic) while plain is kept, the first window of
 speculation between keeps shows it; at a small batch, a window that commits over YIELD_CHANGE
 times more (or less) per request-round than the pooled rounds restarts the pool (the traffic
-changed: a text where drafts were never accepted, then one where they are). The second leaves out the slowest eighth of the window's
+changed: a text where drafts were never accepted, then one where they are). Such a change in one
+drafting kind, at any batch, also forgets the other drafting kinds' pools, and so does a window
+that a pool of another kind contradicts (a deeper kind committing less than a shallower one, by
+DEPTH_SLACK): their modes are measured again at once. After a keep of plain only the fastest
+speculating mode by the old rates is measured, often a short one; without this, sequential
+would keep the rate of the text where drafts were rejected until its turn came FAR_EVERY keeps
+later (at 16 running on the H100, plain kept through a whole bench run at 1,729-1,837 tok/s
+where sequential served 2,698). The second leaves out the slowest eighth of the window's
 rounds: a round that captured a CUDA graph or waited on a stall is not the mode's cost.
 
 `SpeculationSwitch`: when drafts are almost never accepted, drafting only costs time; the router
@@ -83,6 +90,15 @@ LARGE_BATCH = 32
 # request-rounds: 16 windows at one running request, one window from 16 on.
 YIELD_REQUEST_ROUNDS = 128
 YIELD_CHANGE = 2.0        # a window committing this many times more (or less) a request-round than the pool restarts it
+# Deeper trees commit at least what shallower ones do per request-round (full trees hold each
+# short:N tree): a pool of one drafting kind that this much contradicts a window of another is out
+# of date (its rounds saw other text) and is forgotten.
+DEPTH_SLACK = 1.25
+
+
+def _depth(kind: str) -> float:
+    """How deep a drafting kind's trees go: short:N N, full without a cap."""
+    return math.inf if kind == "full" else int(kind.split(":")[1])
 
 
 def draft_kind(mode: str) -> str:
@@ -116,6 +132,7 @@ class _ClassState:
     acc: dict[str, list[tuple[float, int]]] = field(default_factory=dict)
     # draft kind -> recent rounds, each (tokens, request-rounds): what the kind commits per request-round
     yields: dict[str, deque] = field(default_factory=dict)
+    prior: float | None = None   # what the phase's kind committed per request-round when the phase began
 
     @property
     def rates(self) -> dict[str, float]:
@@ -132,11 +149,18 @@ class _ClassState:
     def start(self, phase: str, mode: str, rounds: int) -> None:
         self.phase, self.mode, self.left, self.length, self.fresh = phase, mode, rounds, rounds, True
         self.elapsed, self.pooled = 0.0, [0, 0, 0]
+        pool = self.yields.get(draft_kind(mode))
+        self.prior = _pool_yield(pool) if pool else None
 
     def end(self) -> None:
         """The phase is over: its mode's speed is that of the rounds it measured. Where what its
-        rounds committed per request-round is over twice or under half what the older rounds of
-        its kind did, the traffic changed: the pool keeps the phase's rounds alone."""
+        rounds committed per request-round is over twice or under half what its kind's pool held
+        when it began, the traffic changed: the pool keeps the phase's rounds alone, and where the
+        phase drafted, the other drafting kinds' pools are out of date too. So is one that
+        contradicts the phase's by more than DEPTH_SLACK (a deeper kind committing less, a
+        shallower one more). Out-of-date pools are forgotten, so that their modes are measured
+        again: a kept plain is followed by one speculating mode only, and without this the others
+        would keep the old text's rates until their turn came, FAR_EVERY keeps later."""
         self.left = 0
         speed = _speed(self.acc.pop(self.mode, []))
         if speed is not None:
@@ -144,14 +168,22 @@ class _ClassState:
         log.debug("auto pipeline: %s of %s over %d rounds in %.1f ms: %s request-rounds/s", self.phase, self.mode,
                   self.length, self.elapsed * 1e3, "-" if speed is None else f"{speed:.1f}")
         tokens, request_rounds, rounds = self.pooled
-        pool = self.yields.get(draft_kind(self.mode))
-        if not request_rounds or not pool or len(pool) <= rounds:
+        kind = draft_kind(self.mode)
+        pool = self.yields.get(kind)
+        if not request_rounds or not pool:
             return
-        older = list(pool)[: len(pool) - rounds]
-        mine, theirs = tokens / request_rounds, sum(t for t, _ in older) / sum(r for _, r in older)
-        if mine > YIELD_CHANGE * theirs or mine * YIELD_CHANGE < theirs:
-            for _ in older:
+        mine = tokens / request_rounds
+        changed = self.prior is not None and (mine > YIELD_CHANGE * self.prior or mine * YIELD_CHANGE < self.prior)
+        if changed:
+            while len(pool) > rounds:
                 pool.popleft()
+        if kind == "plain":
+            return
+        for other in [k for k in self.yields if k not in (kind, "plain")]:
+            theirs = _pool_yield(self.yields[other])
+            deeper, shallower = _depth(other) > _depth(kind), _depth(other) < _depth(kind)
+            if changed or (deeper and theirs * DEPTH_SLACK < mine) or (shallower and theirs > DEPTH_SLACK * mine):
+                del self.yields[other]
 
 
 class ModeChooser:
@@ -311,6 +343,11 @@ class ModeChooser:
             s.pooled[2] = min(s.pooled[2], len(pool))
         if s.left == 0:
             s.end()
+
+
+def _pool_yield(pool) -> float:
+    """Tokens per request-round of a yields pool's rounds."""
+    return sum(t for t, _ in pool) / max(1, sum(r for _, r in pool))
 
 
 def _speed(rounds: list[tuple[float, int]]) -> float | None:

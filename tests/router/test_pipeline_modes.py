@@ -342,3 +342,51 @@ def test_at_one_request_a_window_far_from_the_pool_restarts_it():
     varied = ModeChooser(_cfg(pipeline="auto"))   # the control: text within YIELD_CHANGE pools
     _chosen_with_text(varied, 9 + 24 + 3, lambda i: 2.5 if (i // 3) % 2 else 3.5, times)
     assert len(varied._state.yields["full"]) > 3
+
+
+def test_once_drafts_are_accepted_a_shallow_windows_yield_sends_the_deeper_modes_to_be_measured_again():
+    """At 16 running (one window is a whole pool), drafts first never accepted: every drafting
+    kind commits a token a request-round, plain (four chained steps a round) four in rounds twice
+    sequential's, so plain is kept. Then drafts are accepted: full trees commit 3.2 a
+    request-round, short:2 2.4, short:1 1.8; sequential is then 1.6 times plain. After plain's
+    keep the fastest speculating mode by the old rates is short:1 (the shortest rounds): its window
+    commits 1.8 against full trees' stale 1.0, which a deeper kind cannot be (DEPTH_SLACK), so full
+    trees and short:2 are measured again and sequential is kept, within a few windows of that
+    keep, not FAR_EVERY keeps later."""
+    n = 16
+    chooser = ModeChooser(_cfg(pipeline="auto"))
+    times = {"sequential": 1.0, "pingpong": 1.6, "short:1": 0.8, "short:2": 0.9, "plain": 2.0}
+    accepted = {"sequential": 3.2, "pingpong": 3.2, "short:1": 1.8, "short:2": 2.4}
+    change = 15 + 24
+    chosen = []
+    for i in range(change + 24 * 3 + 60):
+        mode = chooser.choose(num_running=n, drafter_up=True)
+        chosen.append(mode)
+        per = 4.0 if mode == "plain" else (1.0 if i < change else accepted[mode])
+        chooser.record(mode, tokens=round(per * n), seconds=times[mode], request_rounds=n)
+    assert chosen[change - 1] == "plain"
+    after = _windows(chosen[change:])
+    assert after[0] == ("short:1", 3)
+    assert after[1] == ("sequential", 3), after      # measured again at once
+    assert chosen[-100:] == ["sequential"] * 100, after
+
+
+def test_a_traffic_change_in_full_trees_sends_the_short_drafts_to_be_measured_again():
+    """At 16 running, a window of full trees that commits over YIELD_CHANGE times what their pool
+    held forgets the short drafts' pools too: they are measured again (one window each) before
+    the next keep, instead of keeping the old text's rates."""
+    from router.pipeline import YIELD_CHANGE
+
+    n = 16
+    chooser = ModeChooser(_cfg(pipeline="auto"))
+    times = {"sequential": 1.0, "pingpong": 1.6, "short:1": 0.8, "short:2": 0.9, "plain": 0.5}
+    for i in range(15):   # the first sweep, drafts never accepted
+        mode = chooser.choose(num_running=n, drafter_up=True)
+        chooser.record(mode, tokens=n, seconds=times[mode], request_rounds=n)
+    assert set(chooser.rates) == set(times)
+    chooser._state.start("explore", "sequential", 3)
+    assert 3.0 > YIELD_CHANGE * 1.0
+    for _ in range(3):    # drafts accepted from here
+        chooser.record("sequential", tokens=3 * n, seconds=1.0, request_rounds=n)
+    assert set(chooser.rates) == {"sequential", "pingpong", "plain"}
+    assert chooser.choose(num_running=n, drafter_up=True) == "short:1"   # measured again, the first of them
