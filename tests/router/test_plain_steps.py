@@ -76,6 +76,8 @@ def test_multi_step_plain_rounds_equal_one_step_decoding(plain):
     vlink = CountingVerifier(plain.verifier)
     router = Router(vlink, None, plain.tokenizer, RouterConfig(max_len=256, eos_token_ids=plain.eos_token_ids,
                                                                lookahead=1, want_features=False, plain_steps=4))
+    # "auto" keeping plain (a router without a drafter measures no mode: nothing to choose between).
+    router._modes.choose = lambda num_running, drafter_up: "plain"
     recorded, record = [], router._modes.record
     router._modes.record = lambda mode, tokens, *rest: (recorded.append(tokens), record(mode, tokens, *rest))
     got = _serve(router, prompts, params, [plain.verifier])
