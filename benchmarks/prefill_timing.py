@@ -42,7 +42,8 @@ def main() -> int:
     ap.add_argument("--lengths", default="64,128,256", help="prompt tokens (default: %(default)s)")
     ap.add_argument("--batches", default="1,2,4", help="prompts per call (default: %(default)s)")
     ap.add_argument("--iters", type=int, default=10, help="calls timed per figure (default: %(default)s)")
-    ap.add_argument("--waves", default="16,64", help="prompts per wave of dataset prompts, 0 for none (default: %(default)s)")
+    ap.add_argument("--waves", default="16,64",
+                    help="prompts per wave of dataset prompts, 0 for none (default: %(default)s)")
     a = ap.parse_args()
 
     import verifier.runner as vr

@@ -37,7 +37,8 @@ requests are admitted without the drafter (no target features, no drafter prefil
 keeping them ready to speculate cost plain rounds 2-3% at batch 64 on the H200. They decode
 plainly; a speculating round that drafts for no request (every request detached, or the
 acceptance switch below has speculation off) is not a measurement, so measuring a speculating
-mode again waits for requests admitted with the drafter, or for the switch to turn back on. Detached requests rejoin
+mode again waits for requests admitted with the drafter, or for the switch to turn back on.
+Detached requests rejoin
 the drafter (a resync) once fewer than LARGE_BATCH run, those that may still generate
 REJOIN_MIN_TOKENS tokens (router/loop.py).
 A speculating mode must measure PLAIN_EDGE (5%) faster than plain to be kept over it, and

@@ -174,7 +174,8 @@ class NativeRunner:
         """-> (logits after each prompt [B, V], features per request [[P_b, F]] or None).
         With CUDA graphs, the prompts prefill in groups of one padded length (`prefill_groups`),
         each as one chain per prompt through a prefill graph (`_prefill_graphed`) where it fits,
-        else eagerly; without, in one eager forward."""
+        else eagerly, or back to back in packed forwards (`_prefill_packed`) where those cost less
+        (`packed_prefill_plan`); without, in one eager forward."""
         if self.graphs is not None and not self.batch_invariant and len(prompts) > 1:
             lens = [len(p) for p in prompts]
             groups = prefill_groups(lens, self.graphs.batch_buckets)
@@ -445,9 +446,9 @@ def packed_prefill_plan(lens: list[int], groups: list[list[int]], batch_buckets:
     """The prompts of a graphed runner's prefill (their lengths) in `packed_runs`, one packed forward
     each, where these cost less than `groups` (`prefill_groups`, each graphed or eager as
     `graphed_prefill_chain` says); None where the groups cost less. Costs: PACKED_PREFILL_TOKENS'
-    comment. Examples: lens [248, 226, 42, 162, 135,
-    244] (3 groups, 2,224 rows with their fixed parts) -> [[0, 1, 2, 3, 4, 5]] (1,536 rows); 64
-    prompts of 133 tokens (8 eager groups, 12,288 rows) -> runs of 22, 22 and 20 (9,280 rows)."""
+    comment. Examples: lens [248, 226, 42, 162, 135, 244] (3 groups, 2,224 rows with their fixed
+    parts) -> [[0, 1, 2, 3, 4, 5]] (1,536 rows); 64 prompts of 133 tokens (8 eager groups, 12,288
+    rows) -> runs of 22, 22 and 20 (9,280 rows)."""
     def group_cost(idx: list[int]) -> int:
         group = [lens[i] for i in idx]
         n = graphed_prefill_chain(group, batch_buckets, max_len)

@@ -243,7 +243,8 @@ def test_prefill_chain_longer_than_the_cache_runs_eagerly(model):
 
 
 @pytest.mark.parametrize("features", [AUX, "final", None], ids=["aux", "final", "none"])
-@pytest.mark.parametrize("lens", [(1,), (8, 9), (64, 3, 30), (150, 2, 40, 17)], ids=["1", "8-9", "64-3-30", "150-2-40-17"])
+@pytest.mark.parametrize("lens", [(1,), (8, 9), (64, 3, 30), (150, 2, 40, 17)],
+                         ids=["1", "8-9", "64-3-30", "150-2-40-17"])
 def test_packed_prefill_equals_eager(model, features, lens):
     """Prompts back to back in one forward (NativeRunner._prefill_packed): the last logits, every
     position's features and the K/V a verify then reads as the eager prefill's, each slot holding
