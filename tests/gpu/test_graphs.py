@@ -81,16 +81,26 @@ def test_graphed_prefill_equals_eager(dtype, lens):
     g = torch.Generator().manual_seed(sum(lens))
     prompts = [torch.randint(1, 4096, (m,), generator=g).tolist() for m in lens]
     slots = list(range(len(prompts)))
-    (le, fe), (lg, fg) = eager.prefill(slots, prompts), graphed.prefill(slots, prompts)
+    _same_prefill(eager.prefill(slots, prompts), graphed.prefill(slots, prompts), dtype)
     assert graphed.graphs._prefills and not graphed.graphs._captured   # a prefill graph, no verify step
-    assert lg.shape == le.shape and [f.shape for f in fg] == [f.shape for f in fe]
-    torch.testing.assert_close(lg, le, **TOLERANCE[dtype])
-    for a, b in zip(fg, fe):
+    _same_verify(eager, graphed, slots, lens, g, dtype)
+
+
+def _same_prefill(eager, other, dtype) -> None:
+    """Two prefills' (logits, features) equal within the dtype's tolerance, argmaxes equal in fp32."""
+    (le, fe), (lo, fo) = eager, other
+    assert lo.shape == le.shape and [f.shape for f in fo] == [f.shape for f in fe]
+    torch.testing.assert_close(lo, le, **TOLERANCE[dtype])
+    for a, b in zip(fo, fe):
         torch.testing.assert_close(a, b, **TOLERANCE[dtype])
     if dtype == torch.float32:
-        assert torch.equal(lg.argmax(-1), le.argmax(-1))
-    tokens, parents, valid = random_trees(g, len(prompts), 5)
-    (la, fa), (lv, fv) = [r.verify(slots, list(lens), tokens, parents, valid) for r in (eager, graphed)]
+        assert torch.equal(lo.argmax(-1), le.argmax(-1))
+
+
+def _same_verify(eager, other, slots, lens, g, dtype) -> None:
+    """A verify of random trees after the prefills (reading their K/V): the same logits on both."""
+    tokens, parents, valid = random_trees(g, len(slots), 5)
+    (la, _), (lv, _) = [r.verify(slots, list(lens), tokens, parents, valid) for r in (eager, other)]
     torch.testing.assert_close(lv[valid], la[valid], **TOLERANCE[dtype])
     if dtype == torch.float32:
         assert torch.equal(lv[valid].argmax(-1), la[valid].argmax(-1))
@@ -111,18 +121,8 @@ def test_packed_prefill_equals_eager(dtype, lens):
     g = torch.Generator().manual_seed(sum(lens))
     prompts = [torch.randint(1, 4096, (m,), generator=g).tolist() for m in lens]
     slots = list(range(len(prompts)))[::-1]
-    (le, fe), (lp, fp) = eager.prefill(slots, prompts), packed._prefill_packed(slots, prompts)
-    assert lp.shape == le.shape and [f.shape for f in fp] == [f.shape for f in fe]
-    torch.testing.assert_close(lp, le, **TOLERANCE[dtype])
-    for a, b in zip(fp, fe):
-        torch.testing.assert_close(a, b, **TOLERANCE[dtype])
-    if dtype == torch.float32:
-        assert torch.equal(lp.argmax(-1), le.argmax(-1))
-    tokens, parents, valid = random_trees(g, len(prompts), 5)
-    (la, fa), (lv, fv) = [r.verify(slots, list(lens), tokens, parents, valid) for r in (eager, packed)]
-    torch.testing.assert_close(lv[valid], la[valid], **TOLERANCE[dtype])
-    if dtype == torch.float32:
-        assert torch.equal(lv[valid].argmax(-1), la[valid].argmax(-1))
+    _same_prefill(eager.prefill(slots, prompts), packed._prefill_packed(slots, prompts), dtype)
+    _same_verify(eager, packed, slots, lens, g, dtype)
     buckets = packed.graphs.batch_buckets
     assert (packed_prefill_plan(list(lens), prefill_groups(list(lens), buckets), buckets, MAX_LEN) is not None) == \
         (len(lens) == 8)
