@@ -141,10 +141,9 @@ class _ClassState:
         request-round now."""
         out = {}
         for mode, speed in self.speeds.items():
-            recent = self.yields.get(draft_kind(mode), ())
-            rr = sum(r for _, r in recent)
-            if rr:
-                out[mode] = sum(t for t, _ in recent) / rr * speed
+            recent = self.yields.get(draft_kind(mode))
+            if recent:   # every pooled round holds request-rounds (`ModeChooser.record`)
+                out[mode] = _pool_yield(recent) * speed
         return out
 
     def start(self, phase: str, mode: str, rounds: int) -> None:

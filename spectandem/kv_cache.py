@@ -290,6 +290,16 @@ class PagedKVCache:
         self.free(slot)
 
 
+def write_rows_kv(cache: "PagedKVCache", layer: int, rows: torch.Tensor, k_new: torch.Tensor,
+                  v_new: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Writes a step's `k_new, v_new [B, nkv, T, hd]` at the physical `rows [B, T]` of `layer`'s
+    pools -> the pools (k, v)."""
+    k, v = cache.k[layer], cache.v[layer]
+    k[rows] = k_new.transpose(1, 2).to(k.dtype)
+    v[rows] = v_new.transpose(1, 2).to(v.dtype)
+    return k, v
+
+
 @dataclass
 class PagedCacheBatch:
     cache: PagedKVCache
@@ -298,9 +308,7 @@ class PagedCacheBatch:
 
     def update(self, layer: int, k_new: torch.Tensor, v_new: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Writes `k_new, v_new [B, nkv, T, hd]`, returns `k, v [B, nkv, span, hd]`."""
-        k, v = self.cache.k[layer], self.cache.v[layer]
-        k[self.write_rows] = k_new.transpose(1, 2).to(k.dtype)
-        v[self.write_rows] = v_new.transpose(1, 2).to(v.dtype)
+        k, v = write_rows_kv(self.cache, layer, self.write_rows, k_new, v_new)
         return pool_rows(k, self.read_rows).transpose(1, 2), pool_rows(v, self.read_rows).transpose(1, 2)
 
     def attend(self, layer: int, q: torch.Tensor, k_new: torch.Tensor, v_new: torch.Tensor, mask: torch.Tensor,
@@ -348,7 +356,7 @@ class PackedPrefillBatch:
 
     cache: PagedKVCache
     write_rows: torch.Tensor     # [1, T] physical rows of every token's entry
-    block_tables: torch.Tensor   # [P, max_blocks] the prompts' slots' tables
+    prompts: "PagedTreeBatch"    # the [P, L] layout's attention: the slots' tables, prefixes 0, causal
     gather: torch.Tensor         # [P, L] each prompt's tokens (indices into T), padded with its first
     scatter: torch.Tensor        # [T] where each token's row lies in the flattened [P * L] layout
 
@@ -365,8 +373,10 @@ class PackedPrefillBatch:
         gather = np.where(real, starts[:, None] + ar[None, :], starts[:, None])
         scatter = (np.arange(len(lens))[:, None] * longest + ar[None, :])[real]
         dev = cache.k[0].device
-        return cls(cache, to_device(torch.from_numpy(rows)[None], dev),
-                   cache.block_tables(to_device(torch.tensor(slots, dtype=torch.long), dev)),
+        tables = cache.block_tables(to_device(torch.tensor(slots, dtype=torch.long), dev))
+        prompts = PagedTreeBatch(cache, to_device(torch.from_numpy(rows[gather]), dev), tables,
+                                 torch.zeros(len(lens), dtype=torch.long, device=dev), None)
+        return cls(cache, to_device(torch.from_numpy(rows)[None], dev), prompts,
                    to_device(torch.from_numpy(gather), dev), to_device(torch.from_numpy(scatter), dev))
 
     def attend(self, layer: int, q: torch.Tensor, k_new: torch.Tensor, v_new: torch.Tensor, mask: None,
@@ -374,14 +384,8 @@ class PackedPrefillBatch:
         """Writes `k_new, v_new [1, nkv, T, hd]`, then attends `q [1, nh, T, hd]` of each prompt over
         its own entries -> [1, T, nh * hd]. `mask` must be None: the view masks each prompt itself."""
         assert mask is None, "a PackedPrefillBatch masks each prompt itself; the forward's mask must be None"
-        k, v = self.cache.k[layer], self.cache.v[layer]
-        k[self.write_rows] = k_new.transpose(1, 2).to(k.dtype)
-        v[self.write_rows] = v_new.transpose(1, 2).to(v.dtype)
-        q_p = q[0][:, self.gather].transpose(0, 1)                                         # [P, nh, L, hd]
-        prefix = torch.zeros(q_p.shape[0], dtype=torch.long, device=q_p.device)
-        split_len = launch_split_len(q_p, k.shape[1], self.cache.attention_split_len)
-        out = paged_tree_attention(q_p, k, v, self.block_tables, prefix, None, scale, self.cache.block_size,
-                                   split_len=split_len)                                   # [P, L, nh * hd]
+        write_rows_kv(self.cache, layer, self.write_rows, k_new, v_new)
+        out = self.prompts.attend_pool(layer, q[0][:, self.gather].transpose(0, 1), scale)   # [P, L, nh * hd]
         return out.reshape(-1, out.shape[-1])[self.scatter][None]
 
     def attend_rotary(self, layer: int, q: torch.Tensor, k_new: torch.Tensor, v_new: torch.Tensor,
@@ -417,17 +421,16 @@ class PagedTreeBatch:
     write_rows: torch.Tensor    # [B, T] physical rows of logical entries prefix_lens + 0..T-1
     block_tables: torch.Tensor  # [B, max_blocks] physical block ids, -1 where none
     prefix_lens: torch.Tensor   # [B] committed entries, visible to every round token
-    tree_mask: torch.Tensor     # [B, T, T] bool: token t may see round entry j (itself and its ancestors)
+    tree_mask: torch.Tensor | None   # [B, T, T] bool: token t may see round entry j (itself and its ancestors);
+    #                                  None: causal (PackedPrefillBatch's prompts)
 
     def attend(self, layer: int, q: torch.Tensor, k_new: torch.Tensor, v_new: torch.Tensor, mask: None,
                scale: float) -> torch.Tensor:
         """Writes `k_new, v_new [B, nkv, T, hd]`, then attends `q [B, nh, T, hd]` -> [B, T, nh * hd].
         `mask` must be None: this batch carries its own (prefix_lens and tree_mask)."""
         assert mask is None, "a PagedTreeBatch masks through prefix_lens and tree_mask; the forward's mask must be None"
-        k, v = self.cache.k[layer], self.cache.v[layer]
-        k[self.write_rows] = k_new.transpose(1, 2).to(k.dtype)
-        v[self.write_rows] = v_new.transpose(1, 2).to(v.dtype)
-        return self._attend_pool(layer, q, scale)
+        write_rows_kv(self.cache, layer, self.write_rows, k_new, v_new)
+        return self.attend_pool(layer, q, scale)
 
     def attend_rotary(self, layer: int, q: torch.Tensor, k_new: torch.Tensor, v_new: torch.Tensor,
                       cos: torch.Tensor, sin: torch.Tensor, mask: None, scale: float) -> torch.Tensor:
@@ -437,9 +440,10 @@ class PagedTreeBatch:
 
         assert mask is None, "a PagedTreeBatch masks through prefix_lens and tree_mask; the forward's mask must be None"
         q = rotary_write(q, k_new, v_new, cos, sin, self.cache.k[layer], self.cache.v[layer], self.write_rows)
-        return self._attend_pool(layer, q, scale)
+        return self.attend_pool(layer, q, scale)
 
-    def _attend_pool(self, layer: int, q: torch.Tensor, scale: float) -> torch.Tensor:
+    def attend_pool(self, layer: int, q: torch.Tensor, scale: float) -> torch.Tensor:
+        """`q [B, nh, T, hd]` over the pool as it is (the round's K/V already written) -> [B, T, nh * hd]."""
         k, v = self.cache.k[layer], self.cache.v[layer]
         split_len = launch_split_len(q, k.shape[1], self.cache.attention_split_len)
         return paged_tree_attention(q, k, v, self.block_tables, self.prefix_lens, self.tree_mask, scale,
