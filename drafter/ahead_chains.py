@@ -242,7 +242,7 @@ class AheadChainGraphs(HeadGraphs):
             packed, hidden, logits = ahead_forward(self.head, self.cache, inp, self.target_to_draft)
         else:
             if key not in self._captured:
-                self._capture(key, inp)
+                self._capture_on_first_use(key, inp)
             static, flat, graph, (packed, hidden, logits) = self._captured[key]
             # The index inputs packed on the host straight into pinned memory, in one copy into
             # the graph's buffer (its fields are views of it); then the features or the start.

@@ -100,7 +100,7 @@ class CatchUpGraphs(HeadGraphs):
             return hidden[:b], logits[:b]
         key = (rows, pairs, span)
         if key not in self._captured:
-            self._capture(key, inp)
+            self._capture_on_first_use(key, inp)
         static, graph = self._captured[key]
         static.copy_(inp)
         self.cache.sync_device_tables()   # the graph maps its rows through the device block tables

@@ -24,7 +24,8 @@ import numpy as np
 import torch
 
 from drafter.tree import DraftNodes, chain_tree
-from spectandem.cuda_graphs import BATCH_BUCKETS, MIN_SPAN, batch_bucket, capture_graph, span_bucket
+from spectandem.cuda_graphs import (BATCH_BUCKETS, MIN_SPAN, batch_bucket, capture_graph, captured_while_serving,
+                                     span_bucket)
 from spectandem.devices import to_device
 from spectandem.kv_cache import PagedCacheBatch, PagedKVCache
 
@@ -254,6 +255,7 @@ class HeadGraphs:
             raise ValueError(f"CUDA graphs need a CUDA device, the draft cache is on {self.device}")
         self.batch_buckets = tuple(sorted(batch_buckets))
         self.pool = None
+        self.warmed = False       # warm_up ran: a capture after it is logged (captured_while_serving)
         self._captured: dict[tuple, tuple] = {}
         self._shared: dict[tuple, torch.Tensor] = {}
 
@@ -268,7 +270,14 @@ class HeadGraphs:
             self._capture(key, self.padding_inputs(key))
             if progress is not None and (i == len(todo) or i % 100 == 0):
                 progress(f"capturing {what} graphs: {i}/{len(todo)}")
+        self.warmed = True
         return len(todo)
+
+    def _capture_on_first_use(self, key: tuple, like) -> None:
+        """Captures `key`'s graph for a step that needs it now (logged once warm_up has run)."""
+        if self.warmed:
+            captured_while_serving(type(self).__name__, key)
+        self._capture(key, like)
 
     def padding_inputs(self, key: tuple):
         """Inputs of `key`'s shapes, every row padding (what `_capture` starts from)."""
@@ -380,7 +389,7 @@ class ChainGraphs(HeadGraphs):
             toks, hidden, logits = chain_forward(self.head, self.cache, inp)
         else:
             if key not in self._captured:
-                self._capture(key, inp)
+                self._capture_on_first_use(key, inp)
             static, flat, graph, (toks, hidden, logits) = self._captured[key]
             # The index inputs packed on the host straight into pinned memory, in one copy into
             # the graph's buffer (its fields are views of it); then the features or the start.

@@ -6,14 +6,21 @@ entries runs over S >= span columns (`span_bucket`: a power of two, at most the 
 The verify step (verifier/graphs.py) and the head's catch-ups and chains (drafter/graphs.py,
 drafter/catchup_graphs.py, drafter/ahead_chains.py) capture one graph per such shape; the
 hazards of replaying them are in verifier/graphs.py's docstring.
+
+Start-up captures every shape serving is expected to meet; a shape it did not cover is captured
+on first use, and the batch that met it waits for the capture. `captured_while_serving` logs each
+such capture as a warning, so that a stall of that kind shows in the server's log.
 """
 
 from __future__ import annotations
 
+import logging
 import threading
 from typing import Callable
 
 import torch
+
+log = logging.getLogger("spectandem.graphs")
 
 BATCH_BUCKETS = (1, 2, 4, 8, 16, 32, 64)
 MIN_SPAN = 32
@@ -30,6 +37,13 @@ def span_bucket(span: int, max_len: int) -> int:
     if not 1 <= span <= max_len:
         raise ValueError(f"span must be in [1, {max_len}] (the cache's max_len), got {span}")
     return min(max(MIN_SPAN, 1 << (span - 1).bit_length()), max_len)
+
+
+def captured_while_serving(family: str, key: tuple) -> None:
+    """Logs the capture of `family`'s graph of shape `key` after its warm-up: a shape the warm-up
+    did not cover, met while serving (its batch waits for the capture)."""
+    log.warning("%s: capturing the CUDA graph of shape %s while serving (start-up did not capture it); "
+                "its batch waits for the capture", family, key)
 
 
 _CAPTURE_LOCK = threading.Lock()

@@ -41,7 +41,7 @@ from dataclasses import dataclass
 
 import torch
 
-from spectandem.cuda_graphs import BATCH_BUCKETS, batch_bucket, capture_graph, span_bucket
+from spectandem.cuda_graphs import BATCH_BUCKETS, batch_bucket, capture_graph, captured_while_serving, span_bucket
 from spectandem.devices import to_device
 from spectandem.kv_cache import PagedCacheBatch, PagedKVCache
 from spectandem.tree import tree_shape
@@ -178,6 +178,7 @@ class VerifyGraphs:
             raise ValueError(f"CUDA graphs need a CUDA device, the cache is on {self.device}")
         self.batch_buckets = tuple(sorted(batch_buckets))
         self.pool = None                                   # one memory pool, made at the first capture
+        self.warmed = False                                # warm_up ran: later captures are logged
         self._captured: dict[tuple, _Captured] = {}
         self._outputs: dict[tuple, VerifyStep] = {}        # (Bc, N, feature spec) -> static outputs
         self._prefills: dict[tuple, _Captured] = {}        # (Bc, N, S, feature spec) -> a prefill's graph
@@ -197,6 +198,7 @@ class VerifyGraphs:
             capture(*key)
             if progress is not None and (i == len(todo) or i % 10 == 0):
                 progress(f"capturing CUDA graphs: {i}/{len(todo)}")
+        self.warmed = True
 
     def run(self, slots: list[int], cache_lens: list[int], token_ids: torch.Tensor, parents: torch.Tensor,
             node_valid: torch.Tensor, feature_layers: FeatureSpec,
@@ -219,6 +221,8 @@ class VerifyGraphs:
             return VerifyStep(logits, feats, logits.argmax(-1)).rows(b)
         step = self._captured.get((rows, n, span, feature_layers))
         if step is None:
+            if self.warmed:
+                captured_while_serving("VerifyGraphs", (rows, n, span, feature_layers))
             step = self._capture(rows, n, span, feature_layers)
         if inp is None:
             step.flat.copy_(flat, non_blocking=True)   # the step's inputs, in one copy
@@ -250,6 +254,8 @@ class VerifyGraphs:
             return logits[:b], None if feats is None else feats[:b]
         step = self._prefills.get((rows, n, span, feature_layers))
         if step is None:
+            if self.warmed:
+                captured_while_serving("VerifyGraphs prefill", (rows, n, span, feature_layers))
             step = self._capture_prefill(rows, n, span, feature_layers)
         if inp is None:
             step.flat.copy_(flat, non_blocking=True)

@@ -5,6 +5,8 @@ speculative decoding with graphs on equals plain decoding on 24 prompts (fp32)."
 
 from __future__ import annotations
 
+import logging
+
 import pytest
 import torch
 
@@ -67,6 +69,29 @@ def test_graphed_verify_equals_eager(dtype, b, n):
         cache_lens = [c + int((a >= 0).sum()) for c, a in zip(cache_lens, accepted)]
     assert graphed.graphs._captured, "nothing was captured"
 
+
+
+def test_a_capture_after_warm_up_is_logged(caplog):
+    """Once warm-up has run, a verify of a shape it did not capture is captured on first use and
+    logged as a warning naming the shape; replays of captured shapes log nothing."""
+    model = load_llama(demo_paths("none")[0], torch.float32, "cuda")
+    runner = NativeRunner(model, AUX, max_slots=8, max_len=MAX_LEN, cuda_graphs=True)
+    g = torch.Generator().manual_seed(7)
+    slots = [0, 1, 2]
+    prompts = [torch.randint(1, 4096, (9 + i,), generator=g).tolist() for i in range(3)]
+    runner.prefill(slots, prompts)
+    lens = [len(p) for p in prompts]
+    caplog.set_level(logging.WARNING, logger="spectandem.graphs")
+    tokens, parents, valid = random_trees(g, 1, 5)
+    runner.verify(slots[:1], lens[:1], tokens, parents, valid)        # before warm-up: not logged
+    assert not caplog.records
+    runner.graphs.warm_up([])
+    runner.verify(slots[:1], lens[:1], tokens, parents, valid)        # a replay
+    assert not caplog.records
+    tokens, parents, valid = random_trees(g, 3, 5)
+    runner.verify(slots, lens, tokens, parents, valid)                # batch bucket 4: not captured
+    assert len(caplog.records) == 1
+    assert "while serving" in caplog.records[0].getMessage() and "(4, 5," in caplog.records[0].getMessage()
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
 @pytest.mark.parametrize("lens", [(1,), (8, 9), (64, 3, 30), (65, 2), (300, 7, 130)],
