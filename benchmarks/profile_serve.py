@@ -27,6 +27,7 @@ drafter learn each prompt's greedy continuation, as benchmarks/serve_matrix.py d
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 import tempfile
 import threading
@@ -189,11 +190,13 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--out", help="write the report here too")
     a = ap.parse_args(ours)
 
+    from router.serve import configure_process
     from tests.router.conftest import Served
 
     concurrency = [int(x) for x in a.concurrency.split(",") if x]
     work = Path(tempfile.mkdtemp(prefix="profile-serve-"))
-    served = Served(serve_args).wait_ready(600)
+    # The process-wide settings `spectandem serve` makes (engine threads, switch interval).
+    served = Served(serve_args, lambda args: configure_process(args, os.environ.get("OMP_NUM_THREADS"))).wait_ready(600)
     router = served.state["router"]
     sampler = StackSampler(a.interval_ms / 1000, lambda: router.num_active > 0)
     steps = _time_router(router)

@@ -647,6 +647,19 @@ async def _first_request(address: str, prompt: str, api_key: str | None = None, 
         print(f"first request failed: {exc}", flush=True)
 
 
+def configure_process(args, omp_num_threads: str | None) -> None:
+    """The process-wide settings serve makes before any engine loads: each engine's torch
+    threads (`engine_threads`, into args.engine_threads), and with --backend local, where the
+    engines run in this process, those threads and the interpreter's switch interval."""
+    args.engine_threads = engine_threads(args.engine_threads, omp_num_threads, engine_processes(args))
+    if args.backend == "local":
+        from router.local_base import shorten_switch_interval
+        from spectandem.devices import set_cpu_threads
+
+        set_cpu_threads(args.engine_threads)
+        shorten_switch_interval(switch_interval_s(args))
+
+
 def _serve(args) -> int:
     import faulthandler
 
@@ -666,15 +679,7 @@ def _serve(args) -> int:
         logging.basicConfig(level=level, format="%(asctime)s %(levelname)s %(name)s %(message)s")
     if args.api_key is None:
         args.api_key = os.environ.get("SPECTANDEM_API_KEY") or None
-    args.engine_threads = engine_threads(args.engine_threads, os.environ.get("OMP_NUM_THREADS"), engine_processes(args))
-    if args.backend == "local":   # the engines run in this process
-        from spectandem.devices import set_cpu_threads
-
-        set_cpu_threads(args.engine_threads)
-    if args.backend == "local":   # engines and router share this process: the whole process's setting
-        from router.local_base import shorten_switch_interval
-
-        shorten_switch_interval(switch_interval_s(args))
+    configure_process(args, os.environ.get("OMP_NUM_THREADS"))
     try:
         asyncio.run(serve_async(args))
     except EngineStartError as exc:   # an engine that failed to start, or a verifier that stayed down

@@ -21,7 +21,10 @@ RAY_CLUSTERS = pytest.mark.xdist_group("ray")
 
 
 class Served:
-    def __init__(self, argv: list[str]):
+    def __init__(self, argv: list[str], configure=None):
+        """`configure(args)`, when given, runs on the parsed flags before the server starts: a
+        benchmark in this process passes serve's process-wide settings (router/serve.py
+        configure_process) there, as `spectandem serve` makes them; tests leave the process as it is."""
         from router.serve import serve_async
         from spectandem.cli import build_parser
 
@@ -29,6 +32,8 @@ class Served:
         # collide between concurrent test runs); later flags in argv win.
         self.args = build_parser().parse_args(["serve", "--port", "0", "--http-port", "0", "--metrics-port", "0",
                                                *argv])
+        if configure is not None:
+            configure(self.args)
         self.state: dict = {}
         self.loop = asyncio.new_event_loop()
         self.stop = None
