@@ -467,8 +467,10 @@ class Router:
             await self._pingpong_round()
         else:
             await self._sequential_round(ahead=mode == "ahead", admit=admit)
+        upkeep = time.perf_counter()
         if any(len(r.backlog) >= BACKLOG_ROUNDS for r in self.running):   # long plain stretches
             await self._flush_backlog([r for r in self.running if r.backlog])
+        upkeep = time.perf_counter() - upkeep
         # A plain round whose steps were cut by the requests' ends decodes fewer tokens than the
         # mode does: the batch's tail, not plain decoding's rate. It does not count as a measurement,
         # nor does a speculating round that drafted for no request (the acceptance switch had
@@ -476,7 +478,7 @@ class Router:
         # decoding's rate, and counted as the mode's would keep "auto" from the mode once drafts
         # are accepted again (router/pipeline.py).
         if not self._capped_plain and (mode == "plain" or self._drafted_any):
-            self._modes.record(mode, self._tokens_committed - before, time.perf_counter() - t0, request_rounds)
+            self._modes.record(mode, self._tokens_committed - before, time.perf_counter() - t0, request_rounds, upkeep)
 
     async def _admit_first(self, batch: list[ServedRequest]) -> None:
         """Admits `batch` now, then releases what ended (during admission too) and makes room for

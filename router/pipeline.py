@@ -66,7 +66,12 @@ speculating mode by the old rates is measured, often a short one; without this, 
 would keep the rate of the text where drafts were rejected until its turn came FAR_EVERY keeps
 later (at 16 running on the H100, plain kept through a whole bench run at 1,729-1,837 tok/s
 where sequential served 2,698). The second leaves out the slowest eighth of the window's
-rounds: a round that captured a CUDA graph or waited on a stall is not the mode's cost.
+rounds: a round that captured a CUDA graph or waited on a stall is not the mode's cost. The
+catch-ups that plain rounds hold back for requests still on the drafter and send every
+BACKLOG_ROUNDS rounds are plain decoding's cost, spread over the window instead (`record`'s
+upkeep): left out with the slowest eighth, as they were, a keep of plain at 64 running on the
+H100 measured 6,870 committed tokens/s while the server served 4,029-4,284 (sequential there:
+4,748), and plain stayed kept.
 
 `SpeculationSwitch`: when drafts are almost never accepted, drafting only costs time; the router
 then decodes plainly for a number of rounds and tries again.
@@ -320,11 +325,13 @@ class ModeChooser:
         s.near_turn += 1
         return near[(s.near_turn - 1) % len(near)]
 
-    def record(self, mode: str, tokens: int, seconds: float, request_rounds: int = 1) -> None:
-        """One round of `mode` that committed `tokens` for `request_rounds` requests: every phase
-        measures its mode (a keep re-measures the fastest), its first round left out when the
-        phase has others: it pays for the previous mode's leftovers (a pending catch-up, a second
-        micro-batch), not its own."""
+    def record(self, mode: str, tokens: int, seconds: float, request_rounds: int = 1, upkeep: float = 0.0) -> None:
+        """One round of `mode` that committed `tokens` for `request_rounds` requests in `seconds`,
+        `upkeep` of them work the mode's rounds owe in turn (the catch-ups plain rounds hold back
+        for drafter-attached requests, sent every BACKLOG_ROUNDS rounds: router/loop.py): every
+        phase measures its mode (a keep re-measures the fastest), its first round left out when
+        the phase has others: it pays for the previous mode's leftovers (a pending catch-up, a
+        second micro-batch), not its own."""
         s = self._state
         if s.mode != mode or s.left <= 0:
             return
@@ -332,7 +339,7 @@ class ModeChooser:
         s.left -= 1
         s.elapsed += seconds
         if not (first and s.length > 1) and request_rounds > 0:
-            s.acc.setdefault(mode, []).append((seconds, request_rounds))
+            s.acc.setdefault(mode, []).append((seconds - upkeep, request_rounds, upkeep))
             kind = draft_kind(mode)
             pool = s.yields.setdefault(kind, deque())
             pool.append((tokens, request_rounds))
@@ -350,12 +357,17 @@ def _pool_yield(pool) -> float:
     return sum(t for t, _ in pool) / max(1, sum(r for _, r in pool))
 
 
-def _speed(rounds: list[tuple[float, int]]) -> float | None:
-    """Request-rounds per second of a window's rounds [(seconds, request-rounds)], the slowest
-    eighth of them (per request-round) left out."""
+def _speed(rounds: list[tuple[float, int, float]]) -> float | None:
+    """Request-rounds per second of a window's rounds [(seconds, request-rounds, upkeep seconds)],
+    the slowest eighth of them (per request-round, upkeep aside) left out, and the window's
+    upkeep spread over its request-rounds: the catch-ups a plain round sends every eighth round
+    are plain decoding's cost while requests stay on the drafter, not a stall that the slowest
+    eighth leaves out."""
     kept = sorted(rounds, key=lambda x: x[0] / x[1])[: len(rounds) - len(rounds) // 8]
-    seconds = sum(sec for sec, _ in kept)
-    return sum(r for _, r in kept) / seconds if kept and seconds > 0 else None
+    request_rounds = sum(r for _, r, _ in kept)
+    upkeep = sum(u for _, _, u in rounds) * request_rounds / max(1, sum(r for _, r, _ in rounds))
+    seconds = sum(sec for sec, _, _ in kept) + upkeep
+    return request_rounds / seconds if kept and seconds > 0 else None
 
 
 class SpeculationSwitch:
