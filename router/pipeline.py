@@ -69,9 +69,7 @@ where sequential served 2,698). The second leaves out the slowest eighth of the 
 rounds: a round that captured a CUDA graph or waited on a stall is not the mode's cost. The
 catch-ups that plain rounds hold back for requests still on the drafter and send every
 BACKLOG_ROUNDS rounds are plain decoding's cost, spread over the window instead (`record`'s
-upkeep): left out with the slowest eighth, as they were, a keep of plain at 64 running on the
-H100 measured 6,870 committed tokens/s while the server served 4,029-4,284 (sequential there:
-4,748), and plain stayed kept.
+upkeep): they fall on every eighth round, which the slowest eighth would leave out of a keep.
 
 `SpeculationSwitch`: when drafts are almost never accepted, drafting only costs time; the router
 then decodes plainly for a number of rounds and tries again.
