@@ -8,6 +8,7 @@ import json
 import socket
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -126,7 +127,16 @@ def _serve_start_stderr(*flags: str) -> str:
         assert ready.startswith("spectandem serving"), ready
     finally:
         proc.send_signal(signal.SIGINT)
-        _, err = proc.communicate(timeout=120)
+        try:
+            _, err = proc.communicate(timeout=120)
+        except subprocess.TimeoutExpired:
+            # Still up two minutes after Ctrl-C: every thread's stack (serve's SIGUSR2 handler)
+            # goes with the failure.
+            proc.send_signal(signal.SIGUSR2)
+            time.sleep(2)
+            proc.kill()
+            _, err = proc.communicate()
+            raise AssertionError(f"serve did not stop within 120 s of SIGINT; its stderr:\n{err[-20000:]}") from None
     return err
 
 
