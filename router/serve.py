@@ -560,6 +560,15 @@ async def serve_async(args, ready_message=True, stop_event: asyncio.Event | None
         # 64 on the H200 one such collection takes longer than a round).
         gc.collect()
         gc.freeze()
+        # Ctrl-C and SIGTERM stop the server from before it says it serves: one sent on that line
+        # must not be lost (a process started with SIGINT ignored, as a child of a process that
+        # ignores it, would otherwise ignore it until here).
+        loop = asyncio.get_running_loop()
+        for sig in (signal.SIGINT, signal.SIGTERM):
+            try:
+                loop.add_signal_handler(sig, stop.set)
+            except (NotImplementedError, RuntimeError):
+                pass
         if state is not None:
             state.update(router=router, verifier=v, drafter=d, port=port, procs=procs, pairs=pairs,
                          http_port=fronts.http_port, metrics_port=fronts.metrics_port)
@@ -574,12 +583,6 @@ async def serve_async(args, ready_message=True, stop_event: asyncio.Event | None
         if args.first_request:
             asyncio.get_running_loop().create_task(_first_request(f"localhost:{port}", args.first_request,
                                                                   ops.api_key, ops.public_tls is not None))
-        loop = asyncio.get_running_loop()
-        for sig in (signal.SIGINT, signal.SIGTERM):
-            try:
-                loop.add_signal_handler(sig, stop.set)
-            except (NotImplementedError, RuntimeError):
-                pass
         await stop.wait()
     finally:
         # Every step is bounded: one that hangs must not keep the process (or a test) from ending.
