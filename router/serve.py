@@ -561,8 +561,9 @@ async def serve_async(args, ready_message=True, stop_event: asyncio.Event | None
         gc.collect()
         gc.freeze()
         # Ctrl-C and SIGTERM stop the server from before it says it serves: one sent on that line
-        # must not be lost (a process started with SIGINT ignored, as a child of a process that
-        # ignores it, would otherwise ignore it until here).
+        # must not be lost. Installed after it, a SIGINT caught by asyncio.run's own handler just
+        # before add_signal_handler replaced it could be dispatched to the new no-op handler while
+        # the loop's wakeup fd was not set yet, and the server kept serving.
         loop = asyncio.get_running_loop()
         for sig in (signal.SIGINT, signal.SIGTERM):
             try:
