@@ -17,6 +17,10 @@ Arguments after `--` are serve's. Per concurrency it prints bench serve's figure
 - router: the wall time inside each of the router's steps (router/loop.py: `_round`, `_draft`,
   `_verify`, `_apply`, `_admit`, ...), as a share of the measured run; nested steps count in
   their callers too, and an await's time includes the wait for the event loop to resume it;
+- idle: for the in-process backend, the measured run's time in which neither engine was inside
+  a call (the GPU waits for the host there: every call ends with its stream done), split by
+  the innermost router step running at the time ("between steps" where none was), with the
+  number of such gaps of 1 ms or more;
 - `--gpu-trace S`: on CUDA, S seconds of the measured run traced by torch.profiler (device
   activity only) and summarized by benchmarks/gpu_gaps.py: how busy the GPU was.
 
@@ -27,6 +31,7 @@ drafter learn each prompt's greedy continuation, as benchmarks/serve_matrix.py d
 from __future__ import annotations
 
 import argparse
+import bisect
 import os
 import sys
 import tempfile
@@ -119,13 +124,33 @@ ROUTER_STEPS = ("_let_arrivals_land", "_settle", "_schedule", "_admit", "_prefil
                 "_commit")
 
 
-def _time_router(router) -> dict[str, float]:
+class Timeline:
+    """(name, start, end) of every router step and engine call while `on`; cleared by the caller."""
+
+    def __init__(self):
+        self.on = False
+        self.steps: list[tuple[str, float, float]] = []
+        self.calls: list[tuple[str, float, float]] = []
+
+    def clear(self) -> None:
+        self.steps, self.calls = [], []
+
+
+def _time_router(router, timeline: Timeline) -> dict[str, float]:
     """Wraps the router's steps (ROUTER_STEPS) on each replica's Router with timers -> their
-    accumulated seconds, by name (cleared by the caller)."""
+    accumulated seconds, by name (cleared by the caller); each step's interval goes to
+    `timeline` while it is on."""
     import asyncio
     import functools
 
     acc: dict[str, float] = dict.fromkeys(ROUTER_STEPS, 0.0)
+
+    def done(name: str, t0: float) -> None:
+        t1 = time.perf_counter()
+        acc[name] += t1 - t0
+        if timeline.on:
+            timeline.steps.append((name, t0, t1))
+
     for r in getattr(router, "replicas", [router]):
         for name in ROUTER_STEPS:
             fn = getattr(r, name)
@@ -135,16 +160,68 @@ def _time_router(router) -> dict[str, float]:
                     try:
                         return await _fn(*args, **kw)
                     finally:
-                        acc[_name] += time.perf_counter() - t0
+                        done(_name, t0)
             else:
                 def timed(*args, _fn=fn, _name=name, **kw):
                     t0 = time.perf_counter()
                     try:
                         return _fn(*args, **kw)
                     finally:
-                        acc[_name] += time.perf_counter() - t0
+                        done(_name, t0)
             setattr(r, name, functools.wraps(fn)(timed))
     return acc
+
+
+def _time_engine_calls(state: dict, timeline: Timeline) -> None:
+    """Records each in-process engine call (router/local_base.py `_call`: from its start in the
+    worker thread until its stream is done) on `timeline` while it is on."""
+    for role in ("verifier", "drafter"):
+        link = state.get(role)
+        if link is None or not hasattr(link, "_call"):
+            continue
+
+        def call(kind, fn, *args, _inner=link._call, _role=role):
+            t0 = time.perf_counter()
+            try:
+                return _inner(kind, fn, *args)
+            finally:
+                if timeline.on:
+                    timeline.calls.append((f"{_role}.{kind}", t0, time.perf_counter()))
+        link._call = call
+
+
+def idle_report(timeline: Timeline, start: float, end: float, top: int) -> str:
+    """The time in [start, end] outside every engine call, by the innermost router step running
+    then (the one that started last), and how many such gaps last 1 ms or more."""
+    calls = sorted((t0, t1) for _, t0, t1 in timeline.calls if t1 > start and t0 < end)
+    gaps, cur = [], start
+    for t0, t1 in calls:
+        if t0 > cur:
+            gaps.append((cur, min(t0, end)))
+        cur = max(cur, t1)
+    if cur < end:
+        gaps.append((cur, end))
+    steps = sorted(timeline.steps, key=lambda s: s[1])
+    starts = [s0 for _, s0, _ in steps]
+    longest = max((s1 - s0 for _, s0, s1 in steps), default=0.0)
+    by: Counter = Counter()
+    for g0, g1 in gaps:
+        # The steps that overlap the gap; the gap split at their boundaries, each piece going to
+        # the innermost step running then.
+        near = [s for s in steps[bisect.bisect_left(starts, g0 - longest): bisect.bisect_right(starts, g1)]
+                if s[2] > g0]
+        cuts = sorted({g0, g1, *(t for _, s0, s1 in near for t in (s0, s1) if g0 < t < g1)})
+        for a, b in zip(cuts, cuts[1:]):
+            mid = (a + b) / 2
+            inner = max((s for s in near if s[1] <= mid < s[2]), key=lambda s: s[1], default=None)
+            by[inner[0].lstrip("_") if inner else "between steps"] += b - a
+    wall = end - start
+    idle = sum(b - a for a, b in gaps)
+    long = [b - a for a, b in gaps if b - a >= 1e-3]
+    lines = [f"  idle (no engine call) {100 * idle / wall:.1f}% of the wall: {len(long)} gaps of 1 ms or more, "
+             f"{1e3 * sum(long):.0f} ms in all" + (f", the longest {1e3 * max(long):.1f} ms" if long else "")]
+    lines += [f"    {100 * v / wall:5.1f}%  {k}" for k, v in by.most_common(top)]
+    return "\n".join(lines)
 
 
 def _busy(state: dict) -> dict:
@@ -199,7 +276,9 @@ def main(argv: list[str] | None = None) -> int:
     served = Served(serve_args, lambda args: configure_process(args, os.environ.get("OMP_NUM_THREADS"))).wait_ready(600)
     router = served.state["router"]
     sampler = StackSampler(a.interval_ms / 1000, lambda: router.num_active > 0)
-    steps = _time_router(router)
+    timeline = Timeline()
+    steps = _time_router(router, timeline)
+    _time_engine_calls(served.state, timeline)
     port = served.state["port"]
     report = [f"serve {' '.join(serve_args)}"]
     try:
@@ -214,7 +293,10 @@ def main(argv: list[str] | None = None) -> int:
                       if a.gpu_trace > 0 else None)
             sampler.start()
             steps.update(dict.fromkeys(steps, 0.0))
+            timeline.clear()
+            timeline.on = True
             res = _bench(port, c, n, a.max_tokens, work / f"c{c}.json", during)
+            timeline.on = False
             wall = res["duration_s"]
             sampler.pause()
             busy1 = _busy(served.state)
@@ -228,6 +310,9 @@ def main(argv: list[str] | None = None) -> int:
                               ", ".join(f"{k} {100 * v / wall:.1f}%" for k, v in sorted(parts.items(), key=lambda kv: -kv[1])))
             report.append("  router: " + ", ".join(f"{k.lstrip('_')} {100 * v / wall:.1f}%" for k, v in steps.items()
                                                    if v > 0))
+            if timeline.calls:   # the measured run: from the first engine call to the last one's end
+                report.append(idle_report(timeline, min(t0 for _, t0, _ in timeline.calls),
+                                          max(t1 for _, _, t1 in timeline.calls), a.top))
             report.append(sampler.report(a.top))
             report += gpu
             print("\n".join(report[-4:]), flush=True)

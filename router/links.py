@@ -45,6 +45,15 @@ class VerifierLink(Protocol):
         then, which in-process engines (one Python lock) would otherwise make the verifier wait
         for. Links to other processes call it at once."""
 
+    async def verify_prefill(self, draft: DraftHandle | None, plain: list[PlainItem], want_features: bool,
+                             items: list[VerifierPrefillItem], prefill_features: bool,
+                             on_launch: Callable[[], None] | None = None
+                             ) -> tuple[list[Verdict], list[VerifierPrefillResult]]:
+        """`verify` with `items` prefilled in the same step where the verifier carries them
+        (else before it, as `prefill` would) -> (the verdicts, the prefill results in the items'
+        order, with features where `prefill_features`). A refused item refuses the whole call
+        (ValueError) before anything runs."""
+
     async def features(self, tag: Tag) -> Any:
         """Features of every committed position but the last (to rebuild a drafter's state)."""
 

@@ -81,13 +81,21 @@ class GrpcVerifierLink(_GrpcLink):
 
     async def verify(self, draft: DraftHandle | None, plain: list[PlainItem], want_features: bool,
                      on_launch=None) -> list[Verdict]:
+        return (await self.verify_prefill(draft, plain, want_features, [], False, on_launch))[0]
+
+    async def verify_prefill(self, draft: DraftHandle | None, plain: list[PlainItem], want_features: bool,
+                             items: list[VerifierPrefillItem], prefill_features: bool,
+                             on_launch=None) -> tuple[list[Verdict], list[VerifierPrefillResult]]:
         if on_launch is not None:
             on_launch()   # the verifier is another process: nothing here to wait for
         request = engines_pb2.VerifyRequest(tree=draft.payload if draft is not None else None,
                                             plain=[codec.plain_item_to_msg(p) for p in plain],
-                                            want_features=want_features)
+                                            want_features=want_features,
+                                            prefill=[codec.verifier_prefill_item_to_msg(i) for i in items],
+                                            prefill_features=prefill_features)
         reply = await self._call(self.stub.Verify, request)
-        return [codec.verdict_from_msg(r) for r in reply.results]
+        return ([codec.verdict_from_msg(r) for r in reply.results],
+                [codec.verifier_prefill_result_from_msg(r) for r in reply.prefilled])
 
     async def features(self, tag: Tag):
         reply = await self._call(self.stub.Features, engines_pb2.FeaturesRequest(tag=codec.tag_to_msg(tag)))

@@ -26,6 +26,13 @@ class LocalVerifierLink(_LocalLink):
         return await self._run("verify", verifier_verify, self.engine, draft.payload if draft else None,
                                list(draft.tags) if draft else [], plain, want_features, None, on_launch)
 
+    async def verify_prefill(self, draft, plain, want_features, items, prefill_features, on_launch=None):
+        from verifier.service_core import verifier_verify_prefill
+
+        return await self._run("verify", verifier_verify_prefill, self.engine, draft.payload if draft else None,
+                               list(draft.tags) if draft else [], plain, want_features, list(items),
+                               prefill_features, None, on_launch)
+
     async def features(self, tag):
         from verifier.service_core import verifier_features
 

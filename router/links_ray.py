@@ -122,6 +122,15 @@ class RayVerifierLink:
         tree_ref, tags = (draft.payload, list(draft.tags)) if draft is not None else (None, [])
         return await self._call(self.actor.verify.remote(tree_ref, tags, plain, want_features))
 
+    async def verify_prefill(self, draft: DraftHandle | None, plain: list[PlainItem], want_features: bool,
+                             items: list[VerifierPrefillItem], prefill_features: bool,
+                             on_launch=None) -> tuple[list[Verdict], list[VerifierPrefillResult]]:
+        if on_launch is not None:
+            on_launch()
+        tree_ref, tags = (draft.payload, list(draft.tags)) if draft is not None else (None, [])
+        return await self._call(self.actor.verify_prefill.remote(tree_ref, tags, plain, want_features, list(items),
+                                                                 prefill_features))
+
     async def features(self, tag: Tag):
         return await self._call(self.actor.features.remote(tag))
 

@@ -343,13 +343,25 @@ class Router:
         drafter's prefill (the requests, their features) for the caller to send, None when there
         is none, instead of sending it."""
         resumed = {r.request_id for r in batch if r.resuming}
-        # "auto" settled on plain at this batch size: admit without the drafter (router/pipeline.py).
+        detach = self._detach(batch)
+        batch, results = await self._prefill_verifier(batch, self.cfg.want_features and not detach, resumed)
+        return await self._after_prefill(batch, results, detach, resumed, drafter_later)
+
+    def _detach(self, batch: list[ServedRequest]) -> bool:
+        """Whether `batch` is admitted without the drafter: "auto" settled on plain at this batch
+        size (router/pipeline.py)."""
         detach = self.drafter is not None and self._modes.settled_plain(len(self.running) + len(batch))
         if detach != self._detaching:
             self._detaching = detach
             log.info("auto pipeline: new requests are admitted %s the drafter (%d running)",
                      "without" if detach else "with", len(self.running) + len(batch))
-        batch, results = await self._prefill_verifier(batch, self.cfg.want_features and not detach, resumed)
+        return detach
+
+    async def _after_prefill(self, batch: list[ServedRequest], results, detach: bool, resumed: set[str],
+                        drafter_later: bool = False):
+        """`_admit` once the verifier has prefilled `batch` (`results` in its order): the
+        requests join the running batch, their first tokens stream, and they are prefilled on
+        the drafter (or that prefill is returned: `_admit`'s `drafter_later`)."""
         if not batch:
             return None
         for r in batch:
@@ -383,22 +395,24 @@ class Router:
         await self._release([r for r in batch if r.done])
         return later
 
+    @staticmethod
+    def _prefill_item(r: ServedRequest, resume: bool) -> VerifierPrefillItem:
+        tag = Tag(r.request_id, r.epoch, r.committed_len if resume else len(r.prompt_ids))
+        return VerifierPrefillItem(tag, r.prompt_ids + r.tokens if resume else r.prompt_ids, r.params,
+                                   r.seed, resume=resume)
+
     async def _prefill_verifier(self, batch: list[ServedRequest], want_features: bool, resumed: set[str]):
         """-> (the requests the verifier took, its results in their order); `resumed`: the ids of
         preempted requests, prefilled with their committed tokens. A refusal (ValueError)
         of the batch is retried request by request, so that only the refused ones fail; an
         unavailable verifier fails them all (and everything waiting)."""
-        def item(r: ServedRequest) -> VerifierPrefillItem:
-            resume = r.request_id in resumed
-            tag = Tag(r.request_id, r.epoch, r.committed_len if resume else len(r.prompt_ids))
-            return VerifierPrefillItem(tag, r.prompt_ids + r.tokens if resume else r.prompt_ids, r.params,
-                                       r.seed, resume=resume)
         groups = [batch]
         taken, results = [], []
         while groups:
             group = groups.pop(0)
             try:
-                out = await self.verifier.prefill([item(r) for r in group], want_features)
+                out = await self.verifier.prefill([self._prefill_item(r, r.request_id in resumed) for r in group],
+                                                  want_features)
             except EngineUnavailable as exc:
                 self._release_v.update(r.request_id for r in group + taken)   # it may hold some
                 self._verifier_failed(self.running + group + [r for g in groups for r in g], exc)
@@ -442,7 +456,9 @@ class Router:
         """Admits `admit` (the scheduler's plan for this turn) and runs one round. A round of the
         sequential kind admits while the drafter drafts for the running requests
         (`_admits_beside_draft`); otherwise admission comes first."""
-        admit = list(admit)
+        admit, mixed = list(admit), []
+        if admit and self._mixes(admit):
+            mixed, admit = admit, []
         if not (admit and self._admits_beside_draft(admit)):
             await self._admit_first(admit)
             admit = []
@@ -451,22 +467,26 @@ class Router:
             if not self.running:   # the running requests ended meanwhile: nothing to draft beside
                 await self._admit_first(admit)
                 admit = []
+        if mixed and not self.running:   # nothing left to ride on
+            await self._admit_first(mixed)
+            mixed = []
         if not self.running:
             return
         await self._resync()
-        mode = self._mode = self._modes.choose(len(self.running) + len(admit), self.drafter_up)
-        if admit and mode in ("ahead", "pingpong"):   # their drafter calls go with the verify
-            await self._admit_first(admit)
-            admit = []
+        mode = self._mode = self._modes.choose(len(self.running) + len(admit) + len(mixed), self.drafter_up)
+        if (admit or mixed) and mode in ("ahead", "pingpong"):   # their drafter calls go with the verify
+            await self._admit_first(admit + mixed)
+            admit = mixed = []
             if not self.running:
                 return
-        t0, before, request_rounds = time.perf_counter(), self._tokens_committed, len(self.running) + len(admit)
+        t0, before = time.perf_counter(), self._tokens_committed
+        request_rounds = len(self.running) + len(admit) + len(mixed)
         self._capped_plain = self._drafted_any = False
         self._draft_failed = frozenset()
         if mode == "pingpong":
             await self._pingpong_round()
         else:
-            await self._sequential_round(ahead=mode == "ahead", admit=admit)
+            await self._sequential_round(ahead=mode == "ahead", admit=admit, mixed=mixed)
         upkeep = time.perf_counter()
         if any(len(r.backlog) >= BACKLOG_ROUNDS for r in self.running):   # long plain stretches
             await self._flush_backlog([r for r in self.running if r.backlog])
@@ -488,6 +508,19 @@ class Router:
         await self._release_finished()
         await self._make_room()
 
+    def _mixes(self, batch: list[ServedRequest]) -> bool:
+        """Whether this turn's new requests are prefilled in the round's verify step
+        (VerifierLink.verify_prefill; serve --mixed-prefill): none resumes, some requests are
+        running, and they fit the next round beside the new ones (their first tokens included)
+        without a preemption. The new requests join the running batch after that verify, their
+        first tokens its results."""
+        if not self.cfg.mixed_prefill or not self.running or any(r.resuming for r in batch):
+            return False
+        after = ([Running(r.request_id, r.committed_len, r.admit_seq) for r in self.running]
+                 + [Running(r.request_id, r.committed_len + 1, self._admitted + 1 + i) for i, r in enumerate(batch)])
+        plan = self.scheduler.plan(after, [])
+        return not plan.preempt and not plan.fail_running
+
     def _admits_beside_draft(self, batch: list[ServedRequest]) -> bool:
         """Whether this turn's admission may run while the drafter drafts for the running requests:
         the drafter is up and holds some of them, no admitted request resumes (a resume takes back
@@ -503,13 +536,16 @@ class Router:
         plan = self.scheduler.plan(after, [])
         return not plan.preempt and not plan.fail_running
 
-    async def _sequential_round(self, ahead: bool = False, admit: list[ServedRequest] = ()) -> None:
+    async def _sequential_round(self, ahead: bool = False, admit: list[ServedRequest] = (),
+                                mixed: list[ServedRequest] = ()) -> None:
         """Draft (with the last round's catch-up), verify, hold this round's catch-up back for the
         next drafter call. `ahead`: while the verifier verifies, the drafter prepares the
         next trees for the likeliest outcomes; on a hit the next draft call returns at once and
         the catch-up with the real features runs while the verifier is busy again. `admit`
         (not with `ahead`): requests prefilled on the verifier while the drafter drafts, verified
-        plainly in this round and prefilled on the drafter while the verifier verifies."""
+        plainly in this round and prefilled on the drafter while the verifier verifies. `mixed`
+        (not with `ahead`): requests prefilled in the round's verify step (`_mixes`), then on
+        the drafter."""
         later = None
         if admit:
             draft_task = asyncio.ensure_future(self._draft(list(self.running)))
@@ -528,7 +564,8 @@ class Router:
         group = [r for r in self.running if r.on_verifier and id(r) not in wait]
         # The drafter's turn comes once the verify forward is queued.
         launched = asyncio.get_running_loop().create_future() if ahead and drafted else None
-        verify = asyncio.ensure_future(self._verify(draft, drafted, group, launched))
+        verify = asyncio.ensure_future(self._verify(draft, drafted, group, launched) if not mixed else
+                                       self._verify_with_prefill(draft, drafted, group, list(mixed)))
         try:
             if later is not None and self.drafter_up:
                 await self._drafter_prefill(*later)
@@ -539,8 +576,13 @@ class Router:
                 await self._draft_ahead(cached, self._take_backlog(cached))
         finally:
             results = await verify
+        admitted = None
+        if mixed:
+            results, admitted = results
         if results is not None:
             extend = self._apply(results, drafted, group)
+            if admitted is not None:   # after the round's results: they join, then go to the drafter
+                await self._after_prefill(*admitted)
             ready = {r.request_id for r in drafted if r.next_tree is not None}
             if extend and (not ahead or all(i.tag.request_id in ready for i in extend)):
                 # Held back: the next round's drafter call carries it (sequential: its draft;
@@ -669,6 +711,36 @@ class Router:
             self._verifier_failed(list(self.running), exc)
             self.running = []
             return None
+
+    async def _verify_with_prefill(self, draft, drafted: list[ServedRequest], group: list[ServedRequest],
+                                   mixed: list[ServedRequest]):
+        """`_verify` with `mixed` prefilled in the same step -> (its results or None, `_admitted`'s
+        arguments for the requests the verifier took, or None). A refusal (ValueError) of the
+        prefill verifies without it and admits `mixed` as `_admit` does, whose retries fail only
+        the refused requests."""
+        steps = self._plain_steps(group) if not drafted else 1
+        plain = [PlainItem(r.tag(), r.tokens[-1], steps) for r in group if r not in drafted]
+        want = self.cfg.want_features and (any(r.on_drafter for r in group) or not any(r.detached for r in group))
+        detach = self._detach(mixed)
+        items = [self._prefill_item(r, False) for r in mixed]
+        self._verified = True
+        try:
+            results, prefilled = await self.verifier.verify_prefill(draft, plain, want, items,
+                                                                    self.cfg.want_features and not detach)
+        except EngineUnavailable as exc:
+            self._release_v.update(r.request_id for r in mixed)   # it may hold some
+            self._verifier_failed(list(self.running) + mixed, exc)
+            self.running = []
+            return None, None
+        except ValueError as exc:
+            log.warning("the verifier refused a verify with %d prefills (%s): verifying, then admitting, apart",
+                        len(mixed), exc)
+            results = await self._verify(draft, drafted, group)
+            if results is not None:
+                await self._admit(mixed)
+            return results, None
+        self.counters.mixed_prefills += len(mixed)
+        return results, (mixed, prefilled, detach, set())
 
     def _plain_steps(self, group: list[ServedRequest]) -> int:
         """Tokens per request of a round without drafts: cfg.plain_steps when every request is

@@ -9,7 +9,7 @@ Two sources, one registry (a private `CollectorRegistry`, so nothing process-glo
                spectandem:num_rounds, num_preemptions, num_resumes, num_fallback_rounds (drafter
                unavailable), num_plain_rounds (speculation switched off), num_drafter_outages,
                num_stale_replies_dropped, num_draft_ahead_{hits,misses}, num_ready_trees,
-               num_detached_admissions,
+               num_detached_admissions, num_mixed_prefills,
                num_requests_{admitted,finished,failed,cancelled}
                (exposed with the `_total` suffix)
     gauges     spectandem:num_requests_running, num_requests_waiting,
@@ -70,6 +70,7 @@ ROUTER_COUNTERS = (
     ("num_ready_trees", "ready_trees", "Trees drafted ahead that the router verified without a draft call"),
     ("num_detached_admissions", "detached_admissions",
      "Requests admitted without the drafter while auto had settled on plain decoding"),
+    ("num_mixed_prefills", "mixed_prefills", "Requests prefilled in the step of a round's verify"),
     ("num_requests_admitted", "requests_admitted", "Requests admitted to the running batch"),
     ("num_requests_finished", "requests_finished", "Requests finished (stop or length)"),
     ("num_requests_failed", "requests_failed", "Requests ended by an error"),

@@ -127,6 +127,7 @@ class RouterCounters:
     draft_ahead_misses: int = 0
     ready_trees: int = 0             # request-rounds verified with a tree the router held (no draft call)
     detached_admissions: int = 0     # requests admitted without the drafter ("auto" settled on plain)
+    mixed_prefills: int = 0          # requests prefilled in a round's verify step (RouterConfig.mixed_prefill)
     requests_admitted: int = 0
     requests_finished: int = 0
     requests_failed: int = 0
@@ -183,6 +184,10 @@ class RouterConfig:
     # verifier prefills meanwhile: router/loop.py `_admits_beside_draft`; serve --overlap-admission,
     # on by default). Off: admission comes first.
     admit_beside_draft: bool = True
+    # New requests are prefilled in the step of the round's verify, their prompts' tokens beside
+    # the running requests' (router/loop.py `_mixes`; serve --mixed-prefill, on by default); where
+    # the verifier cannot carry them all, it prefills the rest on its own. Off: a prefill of their own.
+    mixed_prefill: bool = True
 
     def __post_init__(self):
         if self.pipeline not in PIPELINES:

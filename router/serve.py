@@ -63,6 +63,11 @@ def add_serve(sub) -> None:
                    help="sequential rounds: new requests are prefilled on the verifier while the drafter drafts "
                         "for the running ones, join that round's verify as plain rows, and are prefilled on the "
                         "drafter while the verifier verifies (default: on; --no-overlap-admission: admission before the round)")
+    p.add_argument("--mixed-prefill", action=argparse.BooleanOptionalAction, default=True,
+                   help="new requests are prefilled in the step of the round's verify, their prompts' tokens "
+                        "beside the running requests' (as vLLM's chunked prefill mixes prefills into decode "
+                        "batches), where the verifier carries them; the rest prefill on their own (default: on; "
+                        "--no-mixed-prefill: every prefill a forward of its own)")
     p.add_argument("--drafter-timeout", type=float, default=10.0,
                    help="seconds a drafter call may take before rounds go on without it")
     p.add_argument("--feature-channel", nargs="?", const="auto", default=None, metavar="tcp://HOST:PORT|auto|off",
@@ -523,6 +528,7 @@ async def serve_async(args, ready_message=True, stop_event: asyncio.Event | None
                                                       pipeline=args.pipeline, plain_steps=args.plain_steps,
                                                       drafter_learns_outputs=cfg.benchmark_acceptance_rate is not None,
                                                       admit_beside_draft=args.overlap_admission,
+                                                      mixed_prefill=args.mixed_prefill,
                                                       draft_sampling_min_temperature=cfg.draft_sampling_min_temperature,
                                                       kv_blocks=vinfo.kv.get("num_blocks", 0),
                                                       kv_block_size=vinfo.kv.get("block_size", 16) or 16,

@@ -22,7 +22,8 @@ from spectandem.channel import FeatureSender
 from spectandem.config import EngineConfig
 from verifier.factory import build_engine
 from verifier.runner import FeatureSpec
-from verifier.service_core import verifier_features, verifier_info, verifier_prefill, verifier_verify
+from verifier.service_core import (verifier_features, verifier_info, verifier_prefill, verifier_verify,
+                                   verifier_verify_prefill)
 
 
 def _put(features):
@@ -84,6 +85,17 @@ class VerifierActor:
         self._check_held([t.request_id for t in tags] + [p.tag.request_id for p in plain])
         outs = verifier_verify(self.engine, draft_payload, tags, plain, want_features, self.sender)
         return [replace(r, features=_put(r.features)) for r in outs]
+
+    def verify_prefill(self, draft_payload, tags: list[Tag], plain: list[PlainItem], want_features: bool,
+                       items: list[VerifierPrefillItem],
+                       prefill_features: bool) -> tuple[list[Verdict], list[VerifierPrefillResult]]:
+        """`verify` with `items` prefilled in the same step (VerifierEngine.verify_with_prefill):
+        (its results, the prefill's, their features ObjectRefs as `prefill`'s)."""
+        self._check_held([t.request_id for t in tags] + [p.tag.request_id for p in plain])
+        outs, prefilled = verifier_verify_prefill(self.engine, draft_payload, tags, plain, want_features, items,
+                                                  prefill_features, self.sender)
+        return ([replace(r, features=_put(r.features)) for r in outs],
+                [replace(r, features=_put(r.features)) for r in prefilled])
 
     def features(self, tag: Tag) -> ray.ObjectRef | None:
         """An ObjectRef of the features of every committed position but the last."""

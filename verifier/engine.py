@@ -39,6 +39,27 @@ class _Request:
         return len(self.token_ids)
 
 
+@dataclass
+class NewRequests:
+    """What `VerifierEngine.prefill` takes, for a verify or decode that prefills them too."""
+    request_ids: list[str]
+    prompts: list[list[int]]
+    params: list[SamplingParams]
+    seeds: list[int]
+    epochs: list[int] | None = None
+    resume: list[bool] | None = None
+
+    def __post_init__(self):
+        self.resume = list(self.resume) if self.resume is not None else [False] * len(self.request_ids)
+
+    def inputs(self) -> list[list[int]]:
+        """The tokens whose KV the prefill writes: the prompt; a resumed request's all but the last."""
+        return [p[:-1] if r else p for p, r in zip(self.prompts, self.resume)]
+
+    def prefill_args(self) -> tuple:
+        return self.request_ids, self.prompts, self.params, self.seeds, self.epochs, self.resume
+
+
 class VerifierEngine:
     def __init__(self, runner, max_slots: int, vocab_size: int = 0):
         self.runner = runner
@@ -63,40 +84,72 @@ class VerifierEngine:
         """New requests: KV for the prompt, then the first token is sampled. Resumed requests
         (after preemption): `prompts` holds every committed token; KV is rebuilt for all but the
         last (the next round's root) and nothing is sampled."""
-        resume = resume or [False] * len(request_ids)
-        for rid, p, r in zip(request_ids, prompts, resume):
+        new = NewRequests(request_ids, prompts, params, seeds, epochs, resume)
+        slots = self._take_slots(new)
+        try:
+            logits, feats = self.runner.prefill(slots, new.inputs())
+        except Exception:
+            self._give_back(slots)
+            raise
+        return self._prefilled(new, slots, logits, feats)
+
+    def _take_slots(self, new: "NewRequests") -> list[int]:
+        """Checks the new requests and takes a slot for each."""
+        for rid, p, r in zip(new.request_ids, new.prompts, new.resume):
             if rid in self.requests:
                 raise ValueError(f"request id {rid!r} is already active")
             if not p:
                 raise ValueError(f"request {rid!r}: prompt is empty")
             if len(p) - int(r) >= self.max_len:
                 raise ValueError(f"request {rid!r}: prompt has {len(p)} tokens; the context holds {self.max_len}")
-        if len(request_ids) > len(self.free_slots):
-            raise RuntimeError(f"verifier has {len(self.free_slots)} free slots, {len(request_ids)} requested")
-        slots = [self.free_slots.pop() for _ in request_ids]
-        try:
-            logits, feats = self.runner.prefill(slots, [p[:-1] if r else p for p, r in zip(prompts, resume)])
-        except Exception:
-            for slot in slots:
-                self.runner.release(slot)
-                self.free_slots.append(slot)
-            raise
+        if len(set(new.request_ids)) != len(new.request_ids):
+            raise ValueError("a request id appears twice in one prefill")
+        if len(new.request_ids) > len(self.free_slots):
+            raise RuntimeError(f"verifier has {len(self.free_slots)} free slots, {len(new.request_ids)} requested")
+        return [self.free_slots.pop() for _ in new.request_ids]
+
+    def _give_back(self, slots: list[int]) -> None:
+        for slot in slots:
+            self.runner.release(slot)
+            self.free_slots.append(slot)
+
+    def _prefilled(self, new: "NewRequests", slots: list[int], logits: torch.Tensor, feats) -> list[PrefillOutput]:
+        """Registers the prefilled requests; samples each new one's first token from logits [P, V]."""
         # The greedy rows' first tokens with one wait for the device (to_host), not one per request.
         argmax = None
-        if any(p.greedy and not r for p, r in zip(params, resume)):
+        if any(p.greedy and not r for p, r in zip(new.params, new.resume)):
             (picked,) = to_host(greedy(logits))
             argmax = picked.tolist()
         outs = []
-        for i, rid in enumerate(request_ids):
-            req = _Request(slots[i], list(prompts[i]), params[i], seeds[i], epochs[i] if epochs else 0)
-            if resume[i]:
+        for i, rid in enumerate(new.request_ids):
+            req = _Request(slots[i], list(new.prompts[i]), new.params[i], new.seeds[i],
+                           new.epochs[i] if new.epochs else 0)
+            if new.resume[i]:
                 first = req.token_ids[-1]
             else:
-                first = argmax[i] if req.params.greedy else self._sample_one(logits[i], req, len(prompts[i]))
+                first = argmax[i] if req.params.greedy else self._sample_one(logits[i], req, len(new.prompts[i]))
                 req.token_ids.append(first)
             self.requests[rid] = req
             outs.append(PrefillOutput(rid, first, None if feats is None else feats[i]))
         return outs
+
+    def _prefill_with(self, new: "NewRequests", step) -> tuple[object, list[PrefillOutput]]:
+        """Runs `step(slots, inputs)` -> (its own result, how many prompts it prefilled (k), logits
+        after each [k, V], their features or None), prefills the prompts it left, and registers
+        them all -> (the step's result, the prefill outputs)."""
+        slots = self._take_slots(new)
+        inputs = new.inputs()
+        try:
+            result, k, logits, feats = step(slots, inputs)
+            if k < len(inputs):
+                rest_logits, rest_feats = self.runner.prefill(slots[k:], inputs[k:])
+                logits = rest_logits if k == 0 else torch.cat([logits, rest_logits])
+                if rest_feats is not None:
+                    feats = list(rest_feats) if k == 0 else list(feats) + list(rest_feats)
+        except Exception:
+            self._give_back(slots)
+            raise
+        return result, self._prefilled(new, slots, logits, feats)
 
     def verify(self, tree: DraftTree, on_launch=None) -> list[Verdict]:
         """`on_launch()`, if given, is called once the forward is queued on the device, before
@@ -104,6 +157,33 @@ class VerifierEngine:
         reqs, logits, feats = self._launch(tree)
         if on_launch is not None:
             on_launch()
+        return self._verdicts(tree, reqs, logits, feats)
+
+    def verify_with_prefill(self, tree: DraftTree, new: "NewRequests",
+                            on_launch=None) -> tuple[list[Verdict], list[PrefillOutput]]:
+        """`verify` of the tree and `prefill` of the new requests, in one forward where the
+        runner carries them (NativeRunner.verify_and_prefill; the prompts it leaves are
+        prefilled after it) -> (the verdicts, the prefill outputs). The tree's requests are
+        checked before anything runs."""
+        mixed = getattr(self.runner, "verify_and_prefill", None)
+        if mixed is None:   # the prefill first: a refused prompt refuses the call before anything runs
+            self._check_tree(tree)
+            outs = self.prefill(*new.prefill_args())
+            return self.verify(tree, on_launch), outs
+        reqs = self._check_tree(tree)
+
+        def step(slots, inputs):
+            logits, feats, k, first, per = mixed([r.slot for r in reqs], [r.committed_len - 1 for r in reqs],
+                                                 tree.token_ids, tree.parents, tree.node_valid, slots, inputs)
+            if on_launch is not None:
+                on_launch()
+            return (logits, feats), k, first, per
+
+        (logits, feats), outs = self._prefill_with(new, step)
+        return self._verdicts(tree, reqs, logits, feats), outs
+
+    def _verdicts(self, tree: DraftTree, reqs: list["_Request"], logits, feats) -> list[Verdict]:
+        """The verdicts of a launched verify: acceptance, then the commit."""
         result, picked = self._accept(tree, reqs, logits, feats)
         # Per request from whole-batch host lists (one conversion each, not one per request).
         tokens = result.token_lists()
@@ -117,6 +197,14 @@ class VerifierEngine:
 
     def _launch(self, tree: DraftTree):
         """Checks the tree's tags and queues its forward -> (requests, logits, features)."""
+        reqs = self._check_tree(tree)
+        slots = [r.slot for r in reqs]
+        cache_lens = [r.committed_len - 1 for r in reqs]
+        logits, feats = self.runner.verify(slots, cache_lens, tree.token_ids, tree.parents, tree.node_valid)
+        return reqs, logits, feats
+
+    def _check_tree(self, tree: DraftTree) -> list["_Request"]:
+        """The tree's requests, each checked at its tag and for the room its tree takes."""
         reqs = [self.requests[rid] for rid in tree.request_ids]
         for rid, req, tag in zip(tree.request_ids, reqs, tree.committed_lens):
             if tag != req.committed_len:
@@ -125,19 +213,23 @@ class VerifierEngine:
             if req.committed_len - 1 + tree.num_nodes > self.max_len:
                 raise ValueError(f"request {rid!r}: a tree of {tree.num_nodes} nodes at committed length "
                                  f"{req.committed_len} exceeds the context of {self.max_len}")
-        slots = [r.slot for r in reqs]
-        cache_lens = [r.committed_len - 1 for r in reqs]
-        logits, feats = self.runner.verify(slots, cache_lens, tree.token_ids, tree.parents, tree.node_valid)
-        return reqs, logits, feats
+        return reqs
 
     def decode(self, request_ids: list[str], committed_lens: list[int], steps: int,
                features: bool = True) -> list[Verdict]:
+        return self.decode_with_prefill(request_ids, committed_lens, steps, None, features)[0]
+
+    def decode_with_prefill(self, request_ids: list[str], committed_lens: list[int], steps: int,
+                            new: "NewRequests | None", features: bool = True) -> tuple[list[Verdict], list[PrefillOutput]]:
         """Plain greedy decoding of `steps` tokens for each request (temperature 0 only), in one
         call: the tokens `steps` plain rounds would commit, with the host never waiting between
         steps where the runner can chain them on the device (`NativeRunner.decode_greedy`).
         committed_lens: the caller's view of each request (as a tree's tags). Features per
         request: [steps, F], those of each step's input (a plain round's, concatenated); with
-        `features` False none are captured (a round no drafter catches up on)."""
+        `features` False none are captured (a round no drafter catches up on).
+        `new`: requests prefilled in the first step where the runner carries them
+        (NativeRunner.decode_greedy's `prompts`), else before it -> (the verdicts, the new
+        requests' prefill outputs)."""
         if steps < 1:
             raise ValueError(f"steps must be >= 1, got {steps}")
         reqs = [self.requests[rid] for rid in request_ids]
@@ -152,16 +244,24 @@ class VerifierEngine:
                 raise ValueError(f"request {rid!r}: {steps} steps at committed length {req.committed_len} "
                                  f"exceed the context of {self.max_len}")
         if not self.runner.chains_decode:   # a runner without the device chain: one plain verify per step
-            return self._decode_by_rounds(request_ids, steps)
-        tokens, feats = self.runner.decode_greedy([r.slot for r in reqs], [r.committed_len - 1 for r in reqs],
-                                                  [r.token_ids[-1] for r in reqs], steps, features)
+            outs = self.prefill(*new.prefill_args()) if new is not None else []
+            return self._decode_by_rounds(request_ids, steps), outs
+        args = ([r.slot for r in reqs], [r.committed_len - 1 for r in reqs], [r.token_ids[-1] for r in reqs], steps,
+                features)
+        if new is None:
+            (tokens, feats), outs = self.runner.decode_greedy(*args), []
+        else:
+            def step(slots, inputs):
+                tokens, feats, k, first, per = self.runner.decode_greedy(*args, slots, inputs)
+                return (tokens, feats), k, first, per
+            (tokens, feats), outs = self._prefill_with(new, step)
         rows = to_host(tokens)[0].tolist()     # the only wait for the device
         for req, toks in zip(reqs, rows):
             req.token_ids.extend(toks)
         per = [None] * len(reqs) if feats is None else feats.unbind(0)   # one call, not one index per request
         return [Verdict(Tag(rid, req.epoch, req.committed_len), token_ids=toks, num_accepted=0,
                         num_draft_tokens=0, features=f)
-                for rid, req, toks, f in zip(request_ids, reqs, rows, per)]
+                for rid, req, toks, f in zip(request_ids, reqs, rows, per)], outs
 
     def _decode_by_rounds(self, request_ids: list[str], steps: int) -> list[Verdict]:
         rounds = []

@@ -171,12 +171,16 @@ class VerifyGraphs:
     logits) and of one Bc x N (the features)."""
 
     def __init__(self, model, cache: PagedKVCache, graph: bool = True,
-                 batch_buckets: tuple[int, ...] = BATCH_BUCKETS, tree_attention: bool = False):
+                 batch_buckets: tuple[int, ...] = BATCH_BUCKETS, tree_attention: bool = False,
+                 mixed_buckets: tuple[int, ...] = ()):
+        """`mixed_buckets`: row buckets past `batch_buckets` that only steps carrying prompts
+        (`run(mixed=True)`, NativeRunner.verify_and_prefill) take."""
         self.model, self.cache, self.graph, self.tree_attention = model, cache, graph, tree_attention
         self.device = cache.k[0].device
         if graph and self.device.type != "cuda":
             raise ValueError(f"CUDA graphs need a CUDA device, the cache is on {self.device}")
         self.batch_buckets = tuple(sorted(batch_buckets))
+        self.mixed_buckets = tuple(sorted(set(mixed_buckets) | set(batch_buckets)))
         self.pool = None                                   # one memory pool, made at the first capture
         self.warmed = False                                # warm_up ran: later captures are logged
         self._captured: dict[tuple, _Captured] = {}
@@ -185,8 +189,11 @@ class VerifyGraphs:
         self._prefill_logits: dict[int, torch.Tensor] = {}           # Bc -> [Bc, V]
         self._prefill_features: dict[tuple, torch.Tensor] = {}       # (Bc * N, feature spec) -> flat
 
-    def supports(self, batch: int) -> bool:
-        return batch_bucket(batch, self.batch_buckets) is not None
+    def buckets(self, mixed: bool = False) -> tuple[int, ...]:
+        return self.mixed_buckets if mixed else self.batch_buckets
+
+    def supports(self, batch: int, mixed: bool = False) -> bool:
+        return batch_bucket(batch, self.buckets(mixed)) is not None
 
     def warm_up(self, shapes: list[tuple], progress=None, prefill_shapes: list[tuple] = ()) -> None:
         """Captures the graph of every (Bc, N, S, feature spec) in `shapes` (verify steps,
@@ -202,13 +209,14 @@ class VerifyGraphs:
 
     def run(self, slots: list[int], cache_lens: list[int], token_ids: torch.Tensor, parents: torch.Tensor,
             node_valid: torch.Tensor, feature_layers: FeatureSpec,
-            device_tokens: torch.Tensor | None = None) -> VerifyStep:
+            device_tokens: torch.Tensor | None = None, mixed: bool = False) -> VerifyStep:
         """The step for B <= max bucket requests (arguments as `NativeRunner.verify`; slots
         already reserved) -> its first B rows. `device_tokens` [B, N] on the device, when given,
         replaces token_ids in the step's inputs without the host reading it (multi-step decoding
-        feeds each step the previous step's argmax this way)."""
+        feeds each step the previous step's argmax this way). `mixed`: a step that carries
+        prompts, which may take the mixed buckets."""
         b, n = token_ids.shape
-        rows = batch_bucket(b, self.batch_buckets)
+        rows = batch_bucket(b, self.buckets(mixed))
         assert rows is not None, f"batch {b} is past the largest bucket {self.batch_buckets[-1]}"
         # The tree attention reads each row's length on the device: no span bucket.
         span, flat, inp = self._inputs(slots, cache_lens, token_ids, parents, node_valid, rows)

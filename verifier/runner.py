@@ -50,6 +50,16 @@ PREFILL_NODE_BUCKETS = (8, 16, 32, 48, 64, 96, 128, 192, 256, 384, 512)
 # H100, 8 prompts of 133 tokens took 39 ms as 8 chains of 192 nodes and 34 ms eagerly; 4 of 133,
 # 20 ms graphed (768 rows) and 27 ms eagerly (benchmarks/prefill_timing.py).
 GRAPHED_PREFILL_FREE_ROWS = 1024
+# A verify or plain decode step may carry new requests' prompts (`verify_and_prefill`,
+# `decode_greedy`'s `prefill`), at most MIXED_PREFILL_TOKENS tokens of them (`mixed_count`): each
+# prompt as rows of the step's width N at cache lengths 0, N, 2N, ... of its slot (`prompt_rows`).
+# Every layer writes the step's K/V before its attention reads the pool, so a chunk's row sees the
+# earlier chunks of its prompt as committed entries, and the prompts' tokens share the step's
+# weight reads instead of paying a forward of their own (a graphed prefill of one 133-token
+# prompt of the 8B-shaped target took about as long as a verify at batch 16 on an H100). With
+# CUDA graphs, such steps replay graphs of MIXED_ROW_BUCKETS rows past the batch buckets.
+MIXED_PREFILL_TOKENS = 256
+MIXED_ROW_BUCKETS = (96, 128, 192, 256, 320, 384)
 PREFILL_PAD_SHARE = 0.25
 # Prompts that would prefill as several groups (of several padded lengths, or past the largest
 # group) may instead prefill back to back in one eager forward (`_prefill_packed`), no padded row in
@@ -74,6 +84,37 @@ def prefill_nodes(length: int) -> int:
     """The chain a prompt of `length` tokens pads to in a graphed prefill; 0 past the largest
     bucket (eager)."""
     return next((n for n in PREFILL_NODE_BUCKETS if n >= length and n <= GRAPHED_PREFILL_MAX), 0)
+
+
+def prompt_rows(prompts: list[list[int]], n: int):
+    """The prompts as rows of width `n` (`MIXED_PREFILL_TOKENS`): row r holds tokens
+    [k n, (k + 1) n) of prompt `owner[r]` as a chain at cache length k n, its nodes past the
+    prompt invalid. -> (owner [R], cache length [R], token_ids, parents, node_valid [R, N]).
+    Example: prompts of 3 and 5 tokens, n 4 -> owners [0, 1, 1], cache lengths [0, 0, 4]."""
+    owner, base = [], []
+    for i, p in enumerate(prompts):
+        for k in range(0, len(p), n):
+            owner.append(i)
+            base.append(k)
+    tokens = torch.zeros(len(owner), n, dtype=torch.long)
+    valid = torch.zeros(len(owner), n, dtype=torch.bool)
+    for r, (i, k) in enumerate(zip(owner, base)):
+        chunk = prompts[i][k: k + n]
+        tokens[r, : len(chunk)] = torch.tensor(chunk, dtype=torch.long)
+        valid[r, : len(chunk)] = True
+    parents = torch.arange(-1, n - 1).expand(len(owner), n).clone()
+    return owner, base, tokens, parents, valid
+
+
+def mixed_count(lens: list[int], n: int) -> int:
+    """How many of these prompts, in order, one step of width `n` carries: as many as keep their
+    rows' nodes within MIXED_PREFILL_TOKENS."""
+    used = 0
+    for i, m in enumerate(lens):
+        used += -(-m // n) * n
+        if used > MIXED_PREFILL_TOKENS:
+            return i
+    return len(lens)
 
 
 class NativeRunner:
@@ -121,8 +162,8 @@ class NativeRunner:
         self.cache = self.graphs = None   # the old pool goes before the new one is allocated
         self.cache = PagedKVCache(s.num_layers, self.max_slots, s.num_kv_heads, self.max_len, s.head_dim, self.dtype,
                                   self.device, num_blocks=kv_blocks, block_size=block_size)
-        self.graphs = (VerifyGraphs(self.model, self.cache, tree_attention=self.triton_attention)
-                       if cuda_graphs else None)
+        self.graphs = (VerifyGraphs(self.model, self.cache, tree_attention=self.triton_attention,
+                                    mixed_buckets=MIXED_ROW_BUCKETS) if cuda_graphs else None)
 
     def kv_stats(self) -> dict:
         return self.cache.stats()
@@ -135,8 +176,27 @@ class NativeRunner:
         if self.graphs is None:
             return []
         feats = [None] + ([self.feature_layers] if self.feature_layers is not None else [])
-        return verify_graph_shapes(self.max_slots, list(widths) + [1], self.max_len, feats, self.triton_attention,
-                                   self.graphs.batch_buckets)
+        shapes = verify_graph_shapes(self.max_slots, list(widths) + [1], self.max_len, feats, self.triton_attention,
+                                     self.graphs.batch_buckets)
+        return shapes + [k for k in self.mixed_graph_shapes(widths) if k not in set(shapes)]
+
+    def mixed_graph_shapes(self, widths: list[int]) -> list[tuple]:
+        """The graphs of steps that carry prompts (`verify_and_prefill`, `decode_greedy`), for
+        plain steps and the widest tree of `widths`: every bucket of rows up to max_slots plus
+        the rows of MIXED_PREFILL_TOKENS, with the runner's features."""
+        if self.graphs is None:
+            return []
+        buckets = self.graphs.buckets(mixed=True)
+        shapes = []
+        for n in sorted({1, max(widths, default=1)}):
+            if n > self.max_len:
+                continue
+            top = batch_bucket(self.max_slots + -(-MIXED_PREFILL_TOKENS // n), buckets) or buckets[-1]
+            spans = [None] if self.triton_attention else sorted(
+                {span_bucket(min(1 << k, self.max_len), self.max_len) for k in range(self.max_len.bit_length() + 1)})
+            shapes += [(r, n, sp, self.feature_layers) for r in buckets if r <= top for sp in spans
+                       if sp is None or sp >= n]
+        return shapes
 
     def prefill_graph_shapes(self) -> list[tuple]:
         """The prefill graphs this runner replays (`_graphed_prefill_nodes`): chains of 8 to
@@ -281,19 +341,89 @@ class NativeRunner:
         logits, feats, _ = self._step(slots, cache_lens, token_ids, parents, node_valid)
         return logits, feats
 
-    def _step(self, slots, cache_lens, token_ids, parents, node_valid, device_tokens=None, features: bool = True):
+    def _mixable(self, b: int, n: int, prompt_slots: list[int], prompts: list[list[int]]) -> int:
+        """How many of the prompts (in order) a step of b rows of width n carries: within
+        MIXED_PREFILL_TOKENS, within a graph bucket (with CUDA graphs), and where the pool holds
+        their rows' entries (the last chunk's padding included, until `_trim_prompts`). The
+        step's own rows must be reserved already."""
+        if self.batch_invariant or not prompts:
+            return 0
+        k = mixed_count([len(p) for p in prompts], n)
+        k = next((i for i, p in enumerate(prompts[:k]) if -(-len(p) // n) * n > self.max_len), k)
+        blocks = self.cache.blocks
+        while k:
+            rows = b + sum(-(-len(p) // n) for p in prompts[:k])
+            need = sum(blocks.missing(s, -(-len(p) // n) * n) for s, p in zip(prompt_slots[:k], prompts[:k]))
+            if (self.graphs is None or self.graphs.supports(rows, mixed=True)) and need <= len(blocks.free):
+                return k
+            k -= 1
+        return 0
+
+    def _mixed_step(self, slots, cache_lens, token_ids, parents, node_valid, prompt_slots, prompts,
+                    device_tokens=None, features: bool = True):
+        """`_step` of the rows with the prompts' rows (`prompt_rows`) after them -> (logits,
+        features, argmax of the step's own rows; logits after each prompt [P, V]; features per
+        prompt [[len, F]] or None). The slots of the step's rows must be reserved."""
+        b, n = token_ids.shape
+        owner, base, toks, pars, valid = prompt_rows(prompts, n)
+        for slot, p in zip(prompt_slots, prompts):
+            self.cache.reserve(slot, -(-len(p) // n) * n)
+        rows = b + len(owner)
+        if device_tokens is not None:   # the step's own rows read the device's tokens; the prompts' the host's
+            device_tokens = torch.cat([device_tokens, to_device(toks, self.device)])
+        logits, feats, argmax = self._step(list(slots) + [prompt_slots[i] for i in owner], list(cache_lens) + base,
+                                           torch.cat([token_ids, toks]), torch.cat([parents, pars]),
+                                           torch.cat([node_valid.bool(), valid]), device_tokens, features, rows)
+        last_row = np.cumsum([-(-len(p) // n) for p in prompts]) - 1 + b
+        last_node = [(len(p) - 1) % n for p in prompts]
+        dev = logits.device
+        first = logits[to_device(last_row.tolist(), dev), to_device(last_node, dev)]
+        per = None
+        if feats is not None:
+            flat = feats[b:].reshape(-1, feats.shape[-1])
+            starts = np.concatenate([[0], np.cumsum([-(-len(p) // n) * n for p in prompts])[:-1]]).tolist()
+            per = [flat[st: st + len(p)] for st, p in zip(starts, prompts)]
+        for slot, p in zip(prompt_slots, prompts):   # the last chunk's padding back to the pool
+            self.cache.trim(slot, len(p))
+        return logits[:b], None if feats is None else feats[:b], argmax[:b], first, per
+
+    @torch.no_grad()
+    def verify_and_prefill(self, slots: list[int], cache_lens: list[int], token_ids: torch.Tensor,
+                           parents: torch.Tensor, node_valid: torch.Tensor, prompt_slots: list[int],
+                           prompts: list[list[int]]):
+        """`verify` with new requests' prompts in the same forward, as many of them as it carries
+        (`_mixable`, in order) -> (logits [B, N, V], features [B, N, F] or None, how many prompts
+        it prefilled (k), logits after each of them [k, V], their features [[len, F]] or None).
+        The caller prefills the rest. Each prompt's slot is empty; its KV afterwards is as after
+        `prefill`."""
+        b, n = token_ids.shape
+        for slot, c in zip(slots, cache_lens):
+            self.cache.reserve(slot, c + n)
+        k = self._mixable(b, n, prompt_slots, prompts)
+        if k == 0:
+            logits, feats, _ = self._step(slots, cache_lens, token_ids, parents, node_valid)
+            return logits, feats, 0, None, None
+        logits, feats, _, first, per = self._mixed_step(slots, cache_lens, token_ids, parents, node_valid,
+                                                        prompt_slots[:k], prompts[:k])
+        return logits, feats, k, first, per
+
+    def _step(self, slots, cache_lens, token_ids, parents, node_valid, device_tokens=None, features: bool = True,
+              mixed_rows: int = 0):
         """The verify forward on the runner's path (slots reserved) -> (logits, features, argmax
         [B, N] on the device). `device_tokens` [B, N] on the device (decode_greedy's previous
         step's argmax) replaces token_ids, read there without the host waiting for it.
-        `features` False: none captured (the same logits; graphs of their own)."""
+        `features` False: none captured (the same logits; graphs of their own). `mixed_rows`: a
+        step that carries prompts (`_mixed_step`), of that many rows: it may take the graphs'
+        mixed buckets."""
         b, n = token_ids.shape
         layers = self.feature_layers if features else None
         if self.batch_invariant:
             toks = token_ids if device_tokens is None else device_tokens
             logits, feats = self._verify_invariant(slots, cache_lens, toks, parents, node_valid)
             return logits, feats if features else None, logits.argmax(-1)
-        if self.graphs is not None and self.graphs.supports(b):
-            step = self.graphs.run(slots, cache_lens, token_ids, parents, node_valid, layers, device_tokens)
+        if self.graphs is not None and self.graphs.supports(b, mixed=mixed_rows > 0):
+            step = self.graphs.run(slots, cache_lens, token_ids, parents, node_valid, layers, device_tokens,
+                                   mixed=mixed_rows > 0)
             return step.logits, step.features, step.argmax
         # Eagerly: the static-shape step without padding (rows = B; dense: span = max(cache_len) + N).
         if self.triton_attention:
@@ -308,7 +438,7 @@ class NativeRunner:
 
     @torch.no_grad()
     def decode_greedy(self, slots: list[int], cache_lens: list[int], last_tokens: list[int], steps: int,
-                      features: bool = True):
+                      features: bool = True, prompt_slots: list[int] = (), prompts: list[list[int]] = ()):
         """Plain greedy decoding of `steps` tokens per request, each step a one-node verify whose
         token is the previous step's argmax, fed on the device: the host prepares step s + 1
         while the device runs step s, and waits only for the caller's read of the result.
@@ -317,7 +447,11 @@ class NativeRunner:
         step's input, the last output excluded, as after `steps` verify/commit rounds.
         -> (tokens [B, steps] int64 on the device, features [B, steps, F] or None: step s's
         features are those of its input, as a verify's are of its accepted path; None as well
-        with `features` False, when no caller wants them)."""
+        with `features` False, when no caller wants them).
+        `prompts` (new requests' prompts, their empty slots `prompt_slots`): the first step
+        carries as many of them as it can (`_mixable`, in order), as `verify_and_prefill`
+        does; then the result has three more entries: how many it prefilled (k), the logits
+        after each of them [k, V] and their features ([[len, F]] or None)."""
         b = len(slots)
         for slot, c in zip(slots, cache_lens):
             self.cache.reserve(slot, c + steps)
@@ -325,14 +459,24 @@ class NativeRunner:
         valid = torch.ones(b, 1, dtype=torch.bool)
         placeholder = torch.zeros(b, 1, dtype=torch.long)
         cur = torch.tensor(last_tokens, dtype=torch.long).view(b, 1).to(self.device, non_blocking=True)
+        k = self._mixable(b, 1, list(prompt_slots), list(prompts)) if prompts else 0
+        first = per = None
         tokens, feats = [], []
         for s in range(steps):
-            _, f, argmax = self._step(slots, [c + s for c in cache_lens], placeholder, parents, valid, cur, features)
+            lens = [c + s for c in cache_lens]
+            if s == 0 and k:   # the prompts' features are wanted whether the step's are or not
+                _, f, argmax, first, per = self._mixed_step(slots, lens, placeholder, parents, valid,
+                                                            prompt_slots[:k], prompts[:k], cur,
+                                                            features or self.feature_layers is not None)
+                f = f if features else None
+            else:
+                _, f, argmax = self._step(slots, lens, placeholder, parents, valid, cur, features)
             cur = argmax                 # graphs: a copy of the step's output; eager: its own
             tokens.append(cur)
             feats.append(f)
         out = torch.cat(tokens, dim=1)
-        return out, (None if feats[0] is None else torch.cat(feats, dim=1))
+        feats = None if feats[0] is None else torch.cat(feats, dim=1)
+        return (out, feats, k, first, per) if prompts else (out, feats)
 
     def _prefill_keys(self, slot_t: torch.Tensor, write: torch.Tensor, real: torch.Tensor) -> InvariantBatch:
         """Prompt token t reads entries 0..t (itself included) through the table: the keys it

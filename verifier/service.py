@@ -27,7 +27,7 @@ from spectandem.tls import ServerTls, server_tls_from_args
 from spectandem.v1 import engines_pb2, engines_pb2_grpc
 from verifier.engine import VerifierEngine
 from verifier.factory import build_engine
-from verifier.service_core import verifier_features, verifier_info, verifier_prefill, verifier_verify
+from verifier.service_core import verifier_features, verifier_info, verifier_prefill, verifier_verify_prefill
 
 SERVICE_NAME = engines_pb2.DESCRIPTOR.services_by_name["Verifier"].full_name
 
@@ -65,8 +65,11 @@ class VerifierServicer(engines_pb2_grpc.VerifierServicer):
         plain = [codec.plain_item_from_msg(m) for m in request.plain]
         if tree is None and not plain:
             raise ValueError("verify request has neither a tree nor plain items")
-        results = verifier_verify(self.engine, tree, tags, plain, request.want_features, self.sender)
-        return engines_pb2.VerifyReply(results=[codec.verdict_to_msg(r) for r in results])
+        items = [codec.verifier_prefill_item_from_msg(m) for m in request.prefill]
+        results, prefilled = verifier_verify_prefill(self.engine, tree, tags, plain, request.want_features, items,
+                                                     request.prefill_features, self.sender)
+        return engines_pb2.VerifyReply(results=[codec.verdict_to_msg(r) for r in results],
+                                       prefilled=[codec.verifier_prefill_result_to_msg(r) for r in prefilled])
 
     def _features(self, request: engines_pb2.FeaturesRequest) -> engines_pb2.FeaturesReply:
         feats = verifier_features(self.engine, codec.tag_from_msg(request.tag))

@@ -11,6 +11,7 @@ from dataclasses import replace
 from spectandem.protocol import EngineInfo, PlainItem, Tag, Verdict, VerifierPrefillItem, VerifierPrefillResult
 from spectandem.channel import FeatureSender
 from spectandem.messages import DraftTree, concat_trees, root_only_tree
+from verifier.engine import NewRequests
 
 
 def _handles(sender: FeatureSender | None, features: list) -> list:
@@ -21,9 +22,17 @@ def _handles(sender: FeatureSender | None, features: list) -> list:
 
 def verifier_prefill(engine, items: list[VerifierPrefillItem], want_features: bool,
                      sender: FeatureSender | None = None) -> list[VerifierPrefillResult]:
-    outs = engine.prefill([i.tag.request_id for i in items], [i.prompt_ids for i in items],
-                          [i.params for i in items], [i.seed for i in items], [i.tag.epoch for i in items],
-                          [i.resume for i in items])
+    outs = engine.prefill(*_new_requests(items).prefill_args())
+    return _prefill_results(items, outs, want_features, sender)
+
+
+def _new_requests(items: list[VerifierPrefillItem]) -> NewRequests:
+    return NewRequests([i.tag.request_id for i in items], [i.prompt_ids for i in items], [i.params for i in items],
+                       [i.seed for i in items], [i.tag.epoch for i in items], [i.resume for i in items])
+
+
+def _prefill_results(items: list[VerifierPrefillItem], outs, want_features: bool,
+                     sender: FeatureSender | None) -> list[VerifierPrefillResult]:
     features = _handles(sender, [o.features if want_features else None for o in outs])
     return [VerifierPrefillResult(Tag(i.tag.request_id, i.tag.epoch, len(i.prompt_ids) + (0 if i.resume else 1)),
                                   o.first_token_id, f)
@@ -33,19 +42,39 @@ def verifier_prefill(engine, items: list[VerifierPrefillItem], want_features: bo
 def verifier_verify(engine, tree: DraftTree | None, tags: list[Tag], plain: list[PlainItem],
                     want_features: bool, sender: FeatureSender | None = None, on_launch=None) -> list[Verdict]:
     """`on_launch`: VerifierEngine.verify's (in-process links)."""
+    return verifier_verify_prefill(engine, tree, tags, plain, want_features, [], False, sender, on_launch)[0]
+
+
+def verifier_verify_prefill(engine, tree: DraftTree | None, tags: list[Tag], plain: list[PlainItem],
+                            want_features: bool, items: list[VerifierPrefillItem], prefill_features: bool,
+                            sender: FeatureSender | None = None,
+                            on_launch=None) -> tuple[list[Verdict], list[VerifierPrefillResult]]:
+    """`verifier_verify` with `items` prefilled in the same step where the engine carries them
+    (VerifierEngine.verify_with_prefill, decode_with_prefill) -> (the verdicts, the prefill
+    results, with features where `prefill_features`). Every tag is checked before anything runs."""
     for t in tags + [p.tag for p in plain]:
         engine.check_tag(t.request_id, t.epoch, t.committed_len)
+    new = _new_requests(items) if items else None
     steps = {p.steps for p in plain}
     if steps - {1}:
         if tree is not None or len(steps) > 1:
             raise ValueError(f"plain steps must be 1 in a verify with drafts, and alike for every plain item; "
                              f"got {sorted(steps)}{' with a tree' if tree is not None else ''}")
-        return _decode(engine, plain, steps.pop(), want_features, sender)
-    rows = root_only_tree([p.tag.request_id for p in plain], [p.tag.committed_len for p in plain],
-                          [p.last_token_id for p in plain]) if plain else None
-    merged = tree if rows is None else (rows if tree is None else concat_trees(tree, rows))
-    outs = engine.verify(merged) if on_launch is None else engine.verify(merged, on_launch)
-    return handed_on(outs, want_features, sender)
+        outs, prefilled = engine.decode_with_prefill([p.tag.request_id for p in plain],
+                                                     [p.tag.committed_len for p in plain], steps.pop(), new,
+                                                     features=want_features)
+    else:
+        rows = root_only_tree([p.tag.request_id for p in plain], [p.tag.committed_len for p in plain],
+                              [p.last_token_id for p in plain]) if plain else None
+        merged = tree if rows is None else (rows if tree is None else concat_trees(tree, rows))
+        if merged is None:   # nothing to verify: the prefill alone
+            outs, prefilled = [], (engine.prefill(*new.prefill_args()) if new is not None else [])
+        elif new is None:
+            outs, prefilled = (engine.verify(merged) if on_launch is None else engine.verify(merged, on_launch)), []
+        else:
+            outs, prefilled = engine.verify_with_prefill(merged, new, on_launch)
+    results = _prefill_results(items, prefilled, prefill_features, sender) if items else []
+    return handed_on(outs, want_features, sender), results
 
 
 def handed_on(verdicts: list[Verdict], want_features: bool, sender: FeatureSender | None = None) -> list[Verdict]:
@@ -53,14 +82,6 @@ def handed_on(verdicts: list[Verdict], want_features: bool, sender: FeatureSende
     tensors in-process, ChannelRefs through the feature channel), or None where not wanted."""
     features = _handles(sender, [v.features if want_features else None for v in verdicts])
     return [replace(v, features=f) for v, f in zip(verdicts, features)]
-
-
-def _decode(engine, plain: list[PlainItem], steps: int, want_features: bool,
-            sender: FeatureSender | None) -> list[Verdict]:
-    """A round without drafts whose items decode `steps` tokens each (VerifierEngine.decode)."""
-    outs = engine.decode([p.tag.request_id for p in plain], [p.tag.committed_len for p in plain], steps,
-                         features=want_features)
-    return handed_on(outs, want_features, sender)
 
 
 def verifier_features(engine, tag: Tag):

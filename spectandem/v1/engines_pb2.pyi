@@ -82,14 +82,18 @@ class PlainItem(_message.Message):
     def __init__(self, tag: _Optional[_Union[_common_pb2.RequestTag, _Mapping]] = ..., last_token_id: _Optional[int] = ..., steps: _Optional[int] = ...) -> None: ...
 
 class VerifyRequest(_message.Message):
-    __slots__ = ("tree", "want_features", "plain")
+    __slots__ = ("tree", "want_features", "plain", "prefill", "prefill_features")
     TREE_FIELD_NUMBER: _ClassVar[int]
     WANT_FEATURES_FIELD_NUMBER: _ClassVar[int]
     PLAIN_FIELD_NUMBER: _ClassVar[int]
+    PREFILL_FIELD_NUMBER: _ClassVar[int]
+    PREFILL_FEATURES_FIELD_NUMBER: _ClassVar[int]
     tree: DraftTreeMsg
     want_features: bool
     plain: _containers.RepeatedCompositeFieldContainer[PlainItem]
-    def __init__(self, tree: _Optional[_Union[DraftTreeMsg, _Mapping]] = ..., want_features: _Optional[bool] = ..., plain: _Optional[_Iterable[_Union[PlainItem, _Mapping]]] = ...) -> None: ...
+    prefill: _containers.RepeatedCompositeFieldContainer[VerifierPrefillItem]
+    prefill_features: bool
+    def __init__(self, tree: _Optional[_Union[DraftTreeMsg, _Mapping]] = ..., want_features: _Optional[bool] = ..., plain: _Optional[_Iterable[_Union[PlainItem, _Mapping]]] = ..., prefill: _Optional[_Iterable[_Union[VerifierPrefillItem, _Mapping]]] = ..., prefill_features: _Optional[bool] = ...) -> None: ...
 
 class VerifyResultMsg(_message.Message):
     __slots__ = ("tag", "token_ids", "num_accepted", "num_draft_tokens", "features", "feature_ref")
@@ -108,10 +112,12 @@ class VerifyResultMsg(_message.Message):
     def __init__(self, tag: _Optional[_Union[_common_pb2.RequestTag, _Mapping]] = ..., token_ids: _Optional[_Iterable[int]] = ..., num_accepted: _Optional[int] = ..., num_draft_tokens: _Optional[int] = ..., features: _Optional[_Union[_common_pb2.Tensor, _Mapping]] = ..., feature_ref: _Optional[_Union[ChannelRef, _Mapping]] = ...) -> None: ...
 
 class VerifyReply(_message.Message):
-    __slots__ = ("results",)
+    __slots__ = ("results", "prefilled")
     RESULTS_FIELD_NUMBER: _ClassVar[int]
+    PREFILLED_FIELD_NUMBER: _ClassVar[int]
     results: _containers.RepeatedCompositeFieldContainer[VerifyResultMsg]
-    def __init__(self, results: _Optional[_Iterable[_Union[VerifyResultMsg, _Mapping]]] = ...) -> None: ...
+    prefilled: _containers.RepeatedCompositeFieldContainer[VerifierPrefillResult]
+    def __init__(self, results: _Optional[_Iterable[_Union[VerifyResultMsg, _Mapping]]] = ..., prefilled: _Optional[_Iterable[_Union[VerifierPrefillResult, _Mapping]]] = ...) -> None: ...
 
 class FeaturesRequest(_message.Message):
     __slots__ = ("tag",)

@@ -94,7 +94,7 @@ class KvUsage(_message.Message):
     def __init__(self, num_blocks: _Optional[int] = ..., used_blocks: _Optional[int] = ..., block_size: _Optional[int] = ...) -> None: ...
 
 class ServerStats(_message.Message):
-    __slots__ = ("rounds", "num_drafts", "draft_tokens", "accepted_tokens", "accepted_per_pos", "preemptions", "resumes", "stale_dropped", "draft_ahead_hits", "draft_ahead_misses", "fallback_rounds", "requests_admitted", "requests_finished", "requests_failed", "requests_cancelled", "running", "waiting", "verifier_kv", "drafter_kv", "ready_trees", "detached_admissions", "plain_rounds", "drafter_outages")
+    __slots__ = ("rounds", "num_drafts", "draft_tokens", "accepted_tokens", "accepted_per_pos", "preemptions", "resumes", "stale_dropped", "draft_ahead_hits", "draft_ahead_misses", "fallback_rounds", "requests_admitted", "requests_finished", "requests_failed", "requests_cancelled", "running", "waiting", "verifier_kv", "drafter_kv", "ready_trees", "detached_admissions", "plain_rounds", "drafter_outages", "mixed_prefills")
     ROUNDS_FIELD_NUMBER: _ClassVar[int]
     NUM_DRAFTS_FIELD_NUMBER: _ClassVar[int]
     DRAFT_TOKENS_FIELD_NUMBER: _ClassVar[int]
@@ -118,6 +118,7 @@ class ServerStats(_message.Message):
     DETACHED_ADMISSIONS_FIELD_NUMBER: _ClassVar[int]
     PLAIN_ROUNDS_FIELD_NUMBER: _ClassVar[int]
     DRAFTER_OUTAGES_FIELD_NUMBER: _ClassVar[int]
+    MIXED_PREFILLS_FIELD_NUMBER: _ClassVar[int]
     rounds: int
     num_drafts: int
     draft_tokens: int
@@ -141,4 +142,5 @@ class ServerStats(_message.Message):
     detached_admissions: int
     plain_rounds: int
     drafter_outages: int
-    def __init__(self, rounds: _Optional[int] = ..., num_drafts: _Optional[int] = ..., draft_tokens: _Optional[int] = ..., accepted_tokens: _Optional[int] = ..., accepted_per_pos: _Optional[_Iterable[int]] = ..., preemptions: _Optional[int] = ..., resumes: _Optional[int] = ..., stale_dropped: _Optional[int] = ..., draft_ahead_hits: _Optional[int] = ..., draft_ahead_misses: _Optional[int] = ..., fallback_rounds: _Optional[int] = ..., requests_admitted: _Optional[int] = ..., requests_finished: _Optional[int] = ..., requests_failed: _Optional[int] = ..., requests_cancelled: _Optional[int] = ..., running: _Optional[int] = ..., waiting: _Optional[int] = ..., verifier_kv: _Optional[_Union[KvUsage, _Mapping]] = ..., drafter_kv: _Optional[_Union[KvUsage, _Mapping]] = ..., ready_trees: _Optional[int] = ..., detached_admissions: _Optional[int] = ..., plain_rounds: _Optional[int] = ..., drafter_outages: _Optional[int] = ...) -> None: ...
+    mixed_prefills: int
+    def __init__(self, rounds: _Optional[int] = ..., num_drafts: _Optional[int] = ..., draft_tokens: _Optional[int] = ..., accepted_tokens: _Optional[int] = ..., accepted_per_pos: _Optional[_Iterable[int]] = ..., preemptions: _Optional[int] = ..., resumes: _Optional[int] = ..., stale_dropped: _Optional[int] = ..., draft_ahead_hits: _Optional[int] = ..., draft_ahead_misses: _Optional[int] = ..., fallback_rounds: _Optional[int] = ..., requests_admitted: _Optional[int] = ..., requests_finished: _Optional[int] = ..., requests_failed: _Optional[int] = ..., requests_cancelled: _Optional[int] = ..., running: _Optional[int] = ..., waiting: _Optional[int] = ..., verifier_kv: _Optional[_Union[KvUsage, _Mapping]] = ..., drafter_kv: _Optional[_Union[KvUsage, _Mapping]] = ..., ready_trees: _Optional[int] = ..., detached_admissions: _Optional[int] = ..., plain_rounds: _Optional[int] = ..., drafter_outages: _Optional[int] = ..., mixed_prefills: _Optional[int] = ...) -> None: ...

@@ -69,6 +69,7 @@ class OracleVerifier:
         self.errors: list[str] = []
         self.verifies = 0
         self.hold = None                         # a callable: verify waits while it returns True
+        self.mixed: list[list[str]] = []         # the request ids of each verify_prefill
 
     def _check(self) -> None:
         if self.down:
@@ -125,6 +126,12 @@ class OracleVerifier:
         out += [self._round(item.tag, [], item.steps, want_features) for item in plain]
         await asyncio.sleep(0)
         return out
+
+    async def verify_prefill(self, draft, plain, want_features, items, prefill_features, on_launch=None):
+        """`prefill` of the items, then `verify`, as one call (a verifier carrying prefills in its step)."""
+        self.mixed.append([i.tag.request_id for i in items])
+        prefilled = await self.prefill(items, prefill_features)
+        return await self.verify(draft, plain, want_features, on_launch), prefilled
 
     async def features(self, tag):
         self._check()

@@ -1,6 +1,7 @@
 """Admission beside the draft (router/loop.py `_admits_beside_draft`): requests that arrive while
 others run are prefilled on the verifier while the drafter drafts for the running ones, join
 that round's verify as plain rows, and are prefilled on the drafter while the verifier verifies.
+Mixed prefill (tests/router/test_mixed_prefill.py) is off here: it would take those requests.
 Fake engines (tests/router/fakes.py): the drafter's draft takes a little while, and the verifier
 notes whether a draft was in flight at each prefill; then the real demo pair."""
 
@@ -83,7 +84,7 @@ def _late_prefills(verifier) -> list[bool]:
 def test_late_requests_prefill_while_the_drafter_drafts_and_stay_exact():
     drafter = SlowDrafter()
     verifier = WatchingVerifier(drafter)
-    router, early, late = run(_serve_staggered(verifier, drafter, config(admit_beside_draft=True)))
+    router, early, late = run(_serve_staggered(verifier, drafter, config(admit_beside_draft=True, mixed_prefill=False)))
     for (tokens, _, reason), p in zip(early + late, EARLY + LATE):
         assert tokens == reference(p, 40) and reason == "length", p
     assert _late_prefills(verifier) and all(_late_prefills(verifier))
@@ -95,7 +96,7 @@ def test_without_admit_beside_draft_admission_comes_first():
     """Negative control: the same run with the setting off never prefills beside a draft."""
     drafter = SlowDrafter()
     verifier = WatchingVerifier(drafter)
-    _, early, late = run(_serve_staggered(verifier, drafter, config(admit_beside_draft=False)))
+    _, early, late = run(_serve_staggered(verifier, drafter, config(admit_beside_draft=False, mixed_prefill=False)))
     for (tokens, _, _), p in zip(early + late, EARLY + LATE):
         assert tokens == reference(p, 40), p
     assert _late_prefills(verifier) and not any(_late_prefills(verifier))
@@ -106,7 +107,7 @@ def test_a_request_that_ends_at_its_first_token_beside_a_draft():
     """max_tokens=1: the request ends at admission, is released, and is not in the round's verify."""
     drafter = SlowDrafter()
     verifier = WatchingVerifier(drafter)
-    _, early, late = run(_serve_staggered(verifier, drafter, config(admit_beside_draft=True),
+    _, early, late = run(_serve_staggered(verifier, drafter, config(admit_beside_draft=True, mixed_prefill=False),
                                         SamplingParams(max_tokens=1, ignore_eos=True)))
     for (tokens, _, _), p in zip(early, EARLY):
         assert tokens == reference(p, 40)
@@ -119,7 +120,7 @@ def test_a_request_that_ends_at_its_first_token_beside_a_draft():
 def test_the_verifier_failing_at_a_prefill_beside_a_draft_fails_every_request():
     drafter = SlowDrafter()
     verifier = WatchingVerifier(drafter, fail_prefill_beside_draft=True)
-    router, early, late = run(_serve_staggered(verifier, drafter, config(admit_beside_draft=True)))
+    router, early, late = run(_serve_staggered(verifier, drafter, config(admit_beside_draft=True, mixed_prefill=False)))
     for _, _, reason in early + late:
         assert isinstance(reason, Failure) and reason.code == "UNAVAILABLE"
     assert not router.serving and router.running == [] and router.waiting == []
@@ -133,7 +134,7 @@ def test_the_drafter_failing_during_the_draft_leaves_the_new_requests_plain_and_
     verifier = WatchingVerifier(drafter)
 
     async def go():
-        router = Router(verifier, drafter, Tokenizer(), config(admit_beside_draft=True))
+        router = Router(verifier, drafter, Tokenizer(), config(admit_beside_draft=True, mixed_prefill=False))
         router.start()
         try:
             early = [router.submit(p, GREEDY, f"early-{i}") for i, p in enumerate(EARLY)]
@@ -208,7 +209,7 @@ def _real_engines_staggered(sampled: bool):
         vlink = _PrefillWatch(spec.verifier, dlink)
         r = Router(vlink, dlink, spec.tokenizer, RouterConfig(
             max_len=256, eos_token_ids=spec.eos_token_ids, lookahead=spec.lookahead, want_features=True,
-            pipeline="sequential", adaptive_window=0, admit_beside_draft=True))
+            pipeline="sequential", adaptive_window=0, admit_beside_draft=True, mixed_prefill=False))
         r.start()
         try:
             first = [asyncio.ensure_future(collect_one(r, p, sp)) for p, sp in zip(prompts[:2], params[:2])]
@@ -257,7 +258,7 @@ def test_serve_overlap_admission_flag_reaches_the_router_and_stays_exact():
     prompts = [reference.tokenizer.encode(t).ids for t in PROMPT_TEXTS[:6]]
     expected = [c.token_ids for c in reference.generate(prompts, [SamplingParams(max_tokens=32)] * 6)]
     server = Served(["--backend", "local", "--max-len", "512", "--pipeline", "sequential",
-                     "--overlap-admission"]).wait_ready()
+                     "--overlap-admission", "--no-mixed-prefill"]).wait_ready()
     try:
         assert server.state["router"].cfg.admit_beside_draft is True
         got: dict[int, list[int]] = {}
@@ -295,7 +296,7 @@ def test_a_batch_planned_beside_a_draft_is_admitted_when_the_running_requests_en
     verifier = WatchingVerifier(drafter)
 
     async def go():
-        router = Router(verifier, drafter, Tokenizer(), config(admit_beside_draft=True))
+        router = Router(verifier, drafter, Tokenizer(), config(admit_beside_draft=True, mixed_prefill=False))
         first = router.submit(EARLY[0], GREEDY, "first")
         await router._round(await router._schedule())
         second = router.submit(LATE[0], GREEDY, "second")

@@ -1,0 +1,126 @@
+"""Mixed prefill (router/loop.py `_mixes`, `_verify_with_prefill`; serve --mixed-prefill, on by
+default): requests that arrive while others run are prefilled in the step of the round's verify
+(VerifierLink.verify_prefill) and join the running batch after it. Fake engines first
+(tests/router/fakes.py: the verifier's verify_prefill is its prefill then its verify), then
+`spectandem serve` on the demo pair with each backend, over the public gRPC API."""
+
+from __future__ import annotations
+
+import threading
+import time
+
+import pytest
+
+from router.requests import Failure
+from spectandem.config import SamplingParams, SpecConfig
+from spectandem.demo import demo_paths
+from router.local import LocalSpeculator
+from tests.e2e.conftest import PROMPT_TEXTS
+from tests.router.fakes import OracleVerifier, reference
+from tests.router.test_admit_beside_draft import EARLY, LATE, SlowDrafter, _serve_staggered
+from tests.router.test_router_fakes import assert_clean, config, run
+from tests.router.conftest import RAY_CLUSTERS, Served, collect as collect_rpc, request
+
+
+def _late_mixed(verifier) -> list[str]:
+    return [rid for ids in verifier.mixed for rid in ids if rid.startswith("late-")]
+
+
+@pytest.mark.parametrize("drafter", [SlowDrafter, None], ids=["speculating", "plain"])
+def test_late_requests_prefill_in_the_verify_step_and_stay_exact(drafter):
+    drafter = drafter() if drafter else None
+    verifier = OracleVerifier()
+    router, early, late = run(_serve_staggered(verifier, drafter, config(mixed_prefill=True, plain_steps=3)))
+    for (tokens, _, reason), p in zip(early + late, EARLY + LATE):
+        assert tokens == reference(p, 40) and reason == "length", p
+    assert sorted(_late_mixed(verifier)) == sorted(f"late-{i}" for i in range(len(LATE)))
+    assert router.counters.mixed_prefills == len(LATE)
+    assert not any(rid.startswith("early-") for ids in verifier.mixed for rid in ids)   # nothing ran to ride on
+    assert_clean(verifier, drafter)
+
+
+def test_without_mixed_prefill_no_verify_carries_a_prefill():
+    """Negative control: the same run with the setting off."""
+    drafter, verifier = SlowDrafter(), OracleVerifier()
+    router, early, late = run(_serve_staggered(verifier, drafter, config(mixed_prefill=False)))
+    for (tokens, _, _), p in zip(early + late, EARLY + LATE):
+        assert tokens == reference(p, 40), p
+    assert verifier.mixed == [] and router.counters.mixed_prefills == 0
+    assert_clean(verifier, drafter)
+
+
+def test_a_refused_prompt_fails_alone():
+    """The verifier refuses one new request: the round is verified without the prefill, the new
+    requests are admitted on their own (only the refused one fails), the rest are exact."""
+    drafter, verifier = SlowDrafter(), OracleVerifier()
+    verifier.refuse = {"late-1"}
+    _, early, late = run(_serve_staggered(verifier, drafter, config(mixed_prefill=True)))
+    for (tokens, _, reason), p in zip(early, EARLY):
+        assert tokens == reference(p, 40) and reason == "length"
+    for i, ((tokens, _, reason), p) in enumerate(zip(late, LATE)):
+        if i == 1:
+            assert isinstance(reason, Failure) and reason.code == "INVALID_ARGUMENT" and tokens == []
+        else:
+            assert tokens == reference(p, 40) and reason == "length", p
+    assert_clean(verifier, drafter)
+
+
+def test_the_verifier_failing_in_a_mixed_step_fails_every_request():
+    drafter, verifier = SlowDrafter(), OracleVerifier()
+    prefill = verifier.prefill
+
+    async def failing(items, want_features):
+        if any(i.tag.request_id.startswith("late-") for i in items):
+            verifier.down = True
+        return await prefill(items, want_features)
+
+    verifier.prefill = failing
+    router, early, late = run(_serve_staggered(verifier, drafter, config(mixed_prefill=True)))
+    assert verifier.mixed
+    for _, _, reason in early + late:
+        assert isinstance(reason, Failure) and reason.code == "UNAVAILABLE"
+    assert not router.serving and router.running == [] and router.waiting == []
+    assert drafter.errors == [] and verifier.errors == []
+
+
+def _staggered(server, prompts, params):
+    got: dict[int, list[int]] = {}
+
+    def one(i):
+        got[i] = collect_rpc(server.stub, request(ids=prompts[i], **params[i]))[0]
+
+    threads = []
+    for i in range(len(prompts)):   # each arrives while the earlier ones run
+        threads.append(threading.Thread(target=one, args=(i,)))
+        threads[-1].start()
+        time.sleep(0.05)
+    for t in threads:
+        t.join(180)
+    return [got.get(i) for i in range(len(prompts))]
+
+
+@pytest.mark.parametrize("backend", ["local", "grpc", pytest.param("ray", marks=RAY_CLUSTERS)])
+def test_serve_prefills_in_the_verify_step_with_every_backend(backend):
+    """`spectandem serve` (CPU, demo pair, default flags): requests arriving while others run are
+    prefilled in verify steps; greedy outputs equal plain greedy decoding of the target, sampled
+    ones their seed's tokens, over the public gRPC API; `--no-mixed-prefill` turns it off."""
+    spec = LocalSpeculator(*demo_paths("eagle3"), SpecConfig(method="eagle3"), max_slots=8, max_len=512)
+    plain = LocalSpeculator(*demo_paths("none"), SpecConfig(method="none"), max_slots=8, max_len=512)
+    prompts = [spec.tokenizer.encode(t).ids for t in PROMPT_TEXTS[:6]]
+    params = [dict(max_tokens=40, ignore_eos=True) if i % 3 else
+              dict(max_tokens=40, ignore_eos=True, temperature=0.8, seed=50 + i) for i in range(6)]
+    sp = [SamplingParams(**p) for p in params]
+    expected = [(plain if s.greedy else spec).generate([p], [s])[0].token_ids for p, s in zip(prompts, sp)]
+    server = Served(["--backend", backend, "--max-len", "512"]).wait_ready(300)
+    try:
+        assert _staggered(server, prompts, params) == expected
+        assert server.state["router"].counters.mixed_prefills > 0
+    finally:
+        server.close()
+    if backend == "local":
+        off = Served(["--backend", "local", "--max-len", "512", "--no-mixed-prefill"]).wait_ready()
+        try:
+            assert _staggered(off, prompts, params) == expected
+            assert off.state["router"].counters.mixed_prefills == 0
+        finally:
+            off.close()
