@@ -120,7 +120,7 @@ def _thread_kind(name: str) -> str:
 
 
 ROUTER_STEPS = ("_let_arrivals_land", "_settle", "_schedule", "_admit", "_prefill_verifier", "_drafter_prefill",
-                "_round", "_resync", "_draft", "_verify", "_apply", "_extend", "_draft_ahead", "_release",
+                "_round", "_resync", "_draft", "_verify", "_verify_with_prefill", "_after_prefill", "_apply", "_extend", "_draft_ahead", "_release",
                 "_commit")
 
 
@@ -293,6 +293,8 @@ def main(argv: list[str] | None = None) -> int:
                       if a.gpu_trace > 0 else None)
             sampler.start()
             steps.update(dict.fromkeys(steps, 0.0))
+            counters = [r.counters for r in getattr(router, "replicas", [router])]
+            mixed0, admitted0 = (sum(c.mixed_prefills for c in counters), sum(c.requests_admitted for c in counters))
             timeline.clear()
             timeline.on = True
             res = _bench(port, c, n, a.max_tokens, work / f"c{c}.json", during)
@@ -308,6 +310,8 @@ def main(argv: list[str] | None = None) -> int:
                 parts = {k: after[k] - before.get(k, 0.0) for k in after if after[k] - before.get(k, 0.0) > 0}
                 report.append(f"  {role} busy {100 * sum(parts.values()) / wall:.1f}% of the wall: " +
                               ", ".join(f"{k} {100 * v / wall:.1f}%" for k, v in sorted(parts.items(), key=lambda kv: -kv[1])))
+            report.append(f"  admitted {sum(c.requests_admitted for c in counters) - admitted0}, of which prefilled in a "
+                          f"verify step {sum(c.mixed_prefills for c in counters) - mixed0}")
             report.append("  router: " + ", ".join(f"{k.lstrip('_')} {100 * v / wall:.1f}%" for k, v in steps.items()
                                                    if v > 0))
             if timeline.calls:   # the measured run: from the first engine call to the last one's end
@@ -315,7 +319,7 @@ def main(argv: list[str] | None = None) -> int:
                                           max(t1 for _, _, t1 in timeline.calls), a.top))
             report.append(sampler.report(a.top))
             report += gpu
-            print("\n".join(report[-4:]), flush=True)
+            print("\n".join(report[-5:]), flush=True)
     finally:
         sampler.close()
         served.close()
