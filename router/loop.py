@@ -131,7 +131,7 @@ class Router:
         self._capped_plain = False       # this round's plain steps were cut by the requests' ends
         self._drafted_any = False        # this round drafted for some request
         self._draft_failed = frozenset()   # ids whose draft this round came back unusable (stale)
-        self._joining = frozenset()        # ids admitted beside this round's draft: their plain row is no choice
+        self._joining = frozenset()        # ids admitted beside this round's draft (their plain row: a plain round)
         # Listeners get (event, request, data): "admitted", "tokens" (data: number of new tokens,
         # the first time also {"first": True}), "finished" (data: finish reason),
         # "failed" (data: status code name), "cancelled". Metrics and logs hook in here.
@@ -567,7 +567,7 @@ class Router:
         # Not those that ended at their first token; nor, this round, new requests whose drafts are
         # sampled: a plain row would draw other seeded tokens than their first drafted round.
         wait = {id(r) for r in admit if not self._invisible_when_plain(r)}
-        self._joining = frozenset(r.request_id for r in admit)   # their plain row is no choice of plain
+        self._joining = frozenset(r.request_id for r in admit)   # their plain row: a plain round, never a fallback
         group = [r for r in self.running if r.on_verifier and id(r) not in wait]
         # The drafter's turn comes once the verify forward is queued.
         launched = asyncio.get_running_loop().create_future() if ahead and drafted else None
@@ -783,8 +783,11 @@ class Router:
                 c.accepted_tokens += res.num_accepted
                 c.add_accepted(res.num_accepted)
                 self._switch.observe(res.num_accepted, c.rounds)
-            if r not in drafted and self.drafter is not None and r.request_id not in self._joining:
-                if self.drafter_up and (r.on_drafter or r.detached) and r.request_id not in self._draft_failed:
+            if r not in drafted and self.drafter is not None:
+                # A request that joined beside this round's draft is verified plainly by choice,
+                # whether its drafter prefill has landed yet or not.
+                if r.request_id in self._joining or (self.drafter_up and (r.on_drafter or r.detached)
+                                                     and r.request_id not in self._draft_failed):
                     r.plain_rounds += 1
                     c.plain_rounds += 1
                 else:

@@ -62,7 +62,7 @@ ROUTER_COUNTERS = (
      "Request-rounds decoded without a draft because the drafter was unavailable"),
     ("num_plain_rounds", "plain_rounds",
      "Request-rounds decoded without a draft because speculation was switched off (auto chose plain, "
-     "low acceptance, admitted without the drafter)"),
+     "low acceptance, admitted without the drafter) or the request joined beside that round's draft"),
     ("num_drafter_outages", "drafter_outages", "Times the drafter became unavailable"),
     ("num_stale_replies_dropped", "stale_dropped", "Engine replies of an old epoch or length, dropped unapplied"),
     ("num_draft_ahead_hits", "draft_ahead_hits", "Trees drafted ahead (pipelined) that were used"),

@@ -117,7 +117,8 @@ class RouterCounters:
     # was unavailable (absent, failing, too slow, or it refused the request) ...
     fallback_rounds: int = 0
     # ... or speculation was switched off: "auto" chose plain, the acceptance switch, a request
-    # admitted without the drafter, a tree that does not fit the context.
+    # admitted without the drafter, a tree that does not fit the context; or the request joined
+    # beside the round's draft (router/loop.py `_admits_beside_draft`).
     plain_rounds: int = 0
     drafter_outages: int = 0         # times the drafter became unavailable
     preemptions: int = 0

@@ -82,13 +82,15 @@ def reference():
 @pytest.fixture(scope="module")
 def deployed():
     """A verifier and a drafter of their own, and serve in front of them (sequential rounds, one
-    token per plain round, so that every round asks the drafter)."""
+    token per plain round, so that every round asks the drafter; no admission beside the draft,
+    whose new requests' first round is a plain one)."""
     engines = [Engine("verifier"), Engine("drafter")]
     server = None
     try:
         server = Served(["--backend", "grpc", "--verifier-address", engines[0].address, "--drafter-address",
                          engines[1].address, "--max-len", str(MAX_LEN), "--max-running", str(SLOTS),
-                         "--drafter-timeout", "2", "--pipeline", "sequential", "--plain-steps", "1"]).wait_ready(240)
+                         "--drafter-timeout", "2", "--pipeline", "sequential", "--plain-steps", "1",
+                         "--no-overlap-admission"]).wait_ready(240)
         yield server, engines[0], engines[1]
     finally:
         if server is not None:
