@@ -60,6 +60,10 @@ GRAPHED_PREFILL_FREE_ROWS = 1024
 # CUDA graphs, such steps replay graphs of MIXED_ROW_BUCKETS rows past the batch buckets.
 MIXED_PREFILL_TOKENS = 256
 MIXED_ROW_BUCKETS = (96, 128, 192, 256, 320, 384)
+# Graphs past the batch buckets are captured for a width only while their rows times the width
+# stay within MIXED_GRAPH_TOKENS: each holds logits of rows x width x vocabulary (float32), and a
+# wide tree at full batch carries few prompt rows anyway (its prompts then prefill on their own).
+MIXED_GRAPH_TOKENS = 2048
 PREFILL_PAD_SHARE = 0.25
 # Prompts that would prefill as several groups (of several padded lengths, or past the largest
 # group) may instead prefill back to back in one eager forward (`_prefill_packed`), no padded row in
@@ -152,6 +156,7 @@ class NativeRunner:
         if batch_invariant:
             _check_batch_invariant(self.device, cuda_graphs)
         self.triton_attention = triton_attention
+        self._mixed_widths: set[int] = set()   # widths with graphs past the batch buckets (`mixed_graph_shapes`)
         self.set_cache(kv_blocks, block_size, cuda_graphs)
 
     def set_cache(self, kv_blocks: int | None, block_size: int, cuda_graphs: bool) -> None:
@@ -183,20 +188,29 @@ class NativeRunner:
     def mixed_graph_shapes(self, widths: list[int]) -> list[tuple]:
         """The graphs of steps that carry prompts (`verify_and_prefill`, `decode_greedy`), for
         plain steps and the widest tree of `widths`: every bucket of rows up to max_slots plus
-        the rows of MIXED_PREFILL_TOKENS, with the runner's features."""
+        the rows of MIXED_PREFILL_TOKENS (`_mixed_top`), with the runner's features."""
         if self.graphs is None:
             return []
         buckets = self.graphs.buckets(mixed=True)
         shapes = []
-        for n in sorted({1, max(widths, default=1)}):
-            if n > self.max_len:
-                continue
-            top = batch_bucket(self.max_slots + -(-MIXED_PREFILL_TOKENS // n), buckets) or buckets[-1]
+        self._mixed_widths = {n for n in {1, max(widths, default=1)} if n <= self.max_len}
+        for n in sorted(self._mixed_widths):
             spans = [None] if self.triton_attention else sorted(
                 {span_bucket(min(1 << k, self.max_len), self.max_len) for k in range(self.max_len.bit_length() + 1)})
-            shapes += [(r, n, sp, self.feature_layers) for r in buckets if r <= top for sp in spans
+            shapes += [(r, n, sp, self.feature_layers) for r in buckets if r <= self._mixed_top(n) for sp in spans
                        if sp is None or sp >= n]
         return shapes
+
+    def _mixed_top(self, n: int) -> int:
+        """The most rows a step of width n that carries prompts runs in graphs warm-up captured:
+        the batch buckets' top for max_slots, and for the widths of `mixed_graph_shapes` the
+        bucket of max_slots plus MIXED_PREFILL_TOKENS' rows where within MIXED_GRAPH_TOKENS."""
+        top = batch_bucket(self.max_slots, self.graphs.batch_buckets) or self.graphs.batch_buckets[-1]
+        if n in self._mixed_widths:
+            mixed = batch_bucket(self.max_slots + -(-MIXED_PREFILL_TOKENS // n), self.graphs.buckets(mixed=True))
+            top = max([top] + [b for b in self.graphs.buckets(mixed=True)
+                               if b <= (mixed or 0) and b * n <= MIXED_GRAPH_TOKENS])
+        return top
 
     def prefill_graph_shapes(self) -> list[tuple]:
         """The prefill graphs this runner replays (`_graphed_prefill_nodes`): chains of 8 to
@@ -343,9 +357,9 @@ class NativeRunner:
 
     def _mixable(self, b: int, n: int, prompt_slots: list[int], prompts: list[list[int]]) -> int:
         """How many of the prompts (in order) a step of b rows of width n carries: within
-        MIXED_PREFILL_TOKENS, within a graph bucket (with CUDA graphs), and where the pool holds
-        their rows' entries (the last chunk's padding included, until `_trim_prompts`). The
-        step's own rows must be reserved already."""
+        MIXED_PREFILL_TOKENS, within a graph bucket that warm-up captured (with CUDA graphs),
+        and where the pool holds their rows' entries (the last chunk's padding included, until
+        `_mixed_step` trims it). The step's own rows must be reserved already."""
         if self.batch_invariant or not prompts:
             return 0
         k = mixed_count([len(p) for p in prompts], n)
@@ -354,7 +368,9 @@ class NativeRunner:
         while k:
             rows = b + sum(-(-len(p) // n) for p in prompts[:k])
             need = sum(blocks.missing(s, -(-len(p) // n) * n) for s, p in zip(prompt_slots[:k], prompts[:k]))
-            if (self.graphs is None or self.graphs.supports(rows, mixed=True)) and need <= len(blocks.free):
+            graphed = self.graphs is None or (self.graphs.supports(rows, mixed=True) and (
+                not self.graphs.warmed or rows <= self._mixed_top(n)))   # after warm-up: only what it captured
+            if graphed and need <= len(blocks.free):
                 return k
             k -= 1
         return 0

@@ -64,6 +64,45 @@ def test_every_key_run_asks_for_is_warmed_up(feature_layers, monkeypatch):
     assert asked and set(asked) <= shapes, sorted(set(asked) - shapes)
 
 
+@pytest.mark.parametrize("max_slots", [3, 40])
+def test_every_mixed_step_after_warm_up_takes_a_warmed_graph(max_slots, monkeypatch):
+    """Verifies and plain decodes that carry prompts (verify_and_prefill, decode_greedy) take only
+    graphs warm-up captured (NativeRunner.mixed_graph_shapes); a step past them leaves its prompts
+    to a prefill of their own instead of capturing while serving. A wide tree gets no graphs past
+    the batch buckets (MIXED_GRAPH_TOKENS)."""
+    from verifier import runner as runner_module
+
+    monkeypatch.setattr(runner_module, "MIXED_GRAPH_TOKENS", 400)
+    max_len, widths = 512, [1, 2, 5, 9]
+    runner, model = load_runner(demo_paths("eagle3")[0], "final", max_slots + 8, max_len)
+    runner.max_slots = max_slots      # the pool has room for the prompts' slots past max_slots
+    runner.graphs = VerifyGraphs(model, runner.cache, graph=False, mixed_buckets=runner_module.MIXED_ROW_BUCKETS)
+    shapes = set(runner.graph_shapes(widths))
+    assert any(k[0] > 64 and k[1] == 1 for k in shapes) and not any(k[0] > 64 and k[1] == 9 for k in shapes)
+    runner.graphs.graph = runner.graphs.warmed = True
+    asked = []
+
+    def capture(self, rows, n, span, layers):
+        asked.append((rows, n, span, layers))
+        raise _Asked
+
+    monkeypatch.setattr(VerifyGraphs, "_capture", capture)
+    g = torch.Generator().manual_seed(1)
+    for b, n, lens in ((max_slots, 1, [133, 100]), (max_slots, 5, [133, 60]), (max_slots, 9, [200]),
+                       (2, 9, [133]), (max_slots, 2, [90])):
+        slots = list(range(b))
+        for s in slots:
+            runner.cache.reserve(s, 20)
+        prompts = [torch.randint(1, 100, (m,), generator=g).tolist() for m in lens]
+        with pytest.raises(_Asked):
+            runner.verify_and_prefill(slots, [20] * b, torch.ones(b, n, dtype=torch.long),
+                                      torch.arange(-1, n - 1).expand(b, n).clone(), torch.ones(b, n, dtype=torch.bool),
+                                      list(range(b, b + len(lens))), prompts)
+        for s in range(max_slots + 8):
+            runner.release(s)
+    assert asked and set(asked) <= shapes, sorted(set(asked) - shapes)
+
+
 def test_warm_up_on_the_cpu_captures_nothing():
     runner, model = load_runner(demo_paths("eagle3")[0], "final", 2, 64)
     runner.graphs = VerifyGraphs(model, runner.cache, graph=False)   # the CPU's static eager path
