@@ -703,10 +703,7 @@ class Router:
         """One batched verify of the group (drafted rows, then plain rows); None if the verifier
         failed. `launched` (a future): resolved once the verifier's forward is queued (VerifierLink.verify's
         on_launch)."""
-        steps = self._plain_steps(group) if not drafted else 1
-        plain = [PlainItem(r.tag(), r.tokens[-1], steps) for r in group if r not in drafted]
-        # No features for a round of detached requests only: no drafter will catch up on them.
-        want = self.cfg.want_features and (any(r.on_drafter for r in group) or not any(r.detached for r in group))
+        plain, want = self._verify_rows(drafted, group)
         self._verified = True
         try:
             if launched is not None:
@@ -719,15 +716,21 @@ class Router:
             self.running = []
             return None
 
+    def _verify_rows(self, drafted: list[ServedRequest], group: list[ServedRequest]) -> tuple[list[PlainItem], bool]:
+        """A verify's plain rows (the group's requests without a draft) and whether it wants
+        features: not for a round of detached requests only, on which no drafter catches up."""
+        steps = self._plain_steps(group) if not drafted else 1
+        plain = [PlainItem(r.tag(), r.tokens[-1], steps) for r in group if r not in drafted]
+        want = self.cfg.want_features and (any(r.on_drafter for r in group) or not any(r.detached for r in group))
+        return plain, want
+
     async def _verify_with_prefill(self, draft, drafted: list[ServedRequest], group: list[ServedRequest],
                                    mixed: list[ServedRequest]):
         """`_verify` with `mixed` prefilled in the same step -> (its results or None, `_admitted`'s
         arguments for the requests the verifier took, or None). A refusal (ValueError) of the
         prefill verifies without it and admits `mixed` as `_admit` does, whose retries fail only
         the refused requests."""
-        steps = self._plain_steps(group) if not drafted else 1
-        plain = [PlainItem(r.tag(), r.tokens[-1], steps) for r in group if r not in drafted]
-        want = self.cfg.want_features and (any(r.on_drafter for r in group) or not any(r.detached for r in group))
+        plain, want = self._verify_rows(drafted, group)
         detach = self._detach(mixed)
         items = [self._prefill_item(r, False) for r in mixed]
         self._verified = True
