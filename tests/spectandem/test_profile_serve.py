@@ -1,0 +1,28 @@
+"""benchmarks/profile_serve.py's idle line: the time no engine call is in progress, split by the
+innermost router step running then."""
+
+from benchmarks.profile_serve import Timeline, idle_report
+
+
+def test_idle_time_goes_to_the_innermost_step_running_then():
+    t = Timeline()
+    # Engine calls cover [0, 10] and [14, 20] ms; [10, 14] and [20, 25] are idle.
+    t.calls = [("verifier.verify", 0.000, 0.010), ("drafter.draft", 0.014, 0.020)]
+    # _round spans all; _apply [10, 12] inside it; _release [21, 23] inside it; [23, 25] outside every step.
+    t.steps = [("_round", 0.0, 0.023), ("_apply", 0.010, 0.012), ("_release", 0.021, 0.023)]
+    report = idle_report(t, 0.0, 0.025, top=5)
+    lines = report.splitlines()
+    assert lines[0].startswith("  idle (no engine call) 36.0% of the wall: 2 gaps of 1 ms or more, 9 ms in all, "
+                               "the longest 5.0 ms"), lines[0]
+    shares = {line.split()[-1]: float(line.split()[0].rstrip("%")) for line in lines[1:]}
+    # apply 2 ms, round 2 (12-14) + 1 (20-21) ms, release 2 ms, outside every step 2 ms; of 25 ms.
+    assert shares == {"apply": 8.0, "round": 12.0, "release": 8.0, "steps": 8.0}, shares
+    assert "between steps" in report
+
+
+def test_no_idle_time_when_the_calls_cover_the_run():
+    t = Timeline()
+    t.calls = [("verifier.verify", 0.0, 0.006), ("drafter.draft", 0.005, 0.010)]   # overlapping calls
+    t.steps = [("_round", 0.0, 0.010)]
+    assert idle_report(t, 0.0, 0.010, top=3).splitlines()[0].startswith(
+        "  idle (no engine call) 0.0% of the wall: 0 gaps of 1 ms or more, 0 ms in all")
