@@ -310,7 +310,7 @@ def main(argv: list[str] | None = None) -> int:
                 parts = {k: after[k] - before.get(k, 0.0) for k in after if after[k] - before.get(k, 0.0) > 0}
                 report.append(f"  {role} busy {100 * sum(parts.values()) / wall:.1f}% of the wall: " +
                               ", ".join(f"{k} {100 * v / wall:.1f}%" for k, v in sorted(parts.items(), key=lambda kv: -kv[1])))
-            report.append(f"  admitted {sum(c.requests_admitted for c in counters) - admitted0}, of which prefilled in a "
+            report.append(f"  admitted {sum(c.requests_admitted for c in counters) - admitted0}, of which sent with a "
                           f"verify step {sum(c.mixed_prefills for c in counters) - mixed0}")
             report.append("  router: " + ", ".join(f"{k.lstrip('_')} {100 * v / wall:.1f}%" for k, v in steps.items()
                                                    if v > 0))

@@ -359,7 +359,7 @@ class Router:
         return detach
 
     async def _after_prefill(self, batch: list[ServedRequest], results, detach: bool, resumed: set[str],
-                        drafter_later: bool = False):
+                             drafter_later: bool = False):
         """`_admit` once the verifier has prefilled `batch` (`results` in its order): the
         requests join the running batch, their first tokens stream, and they are prefilled on
         the drafter (or that prefill is returned: `_admit`'s `drafter_later`)."""
@@ -458,12 +458,13 @@ class Router:
         sequential kind admits while the drafter drafts for the running requests
         (`_admits_beside_draft`); otherwise admission comes first."""
         admit, mixed = list(admit), []
+        beside = bool(admit) and self._admits_beside_draft(admit)
         # While speculation runs, a prefill beside the draft overlaps it (on one GPU too: the
         # draft's small kernels leave room); otherwise the prompts ride in the verify step.
         speculating = self._mode not in (None, "plain")
-        if admit and self._mixes(admit) and not (speculating and self._admits_beside_draft(admit)):
-            mixed, admit = admit, []
-        if not (admit and self._admits_beside_draft(admit)):
+        if admit and not (speculating and beside) and self._mixes(admit):
+            mixed, admit, beside = admit, [], False
+        if not beside:
             await self._admit_first(admit)
             admit = []
         else:
@@ -522,6 +523,11 @@ class Router:
         sequential) a prefill beside the draft cost the round no more than one in the verify step."""
         if not self.cfg.mixed_prefill or not self.running or any(r.resuming for r in batch):
             return False
+        return self._fits_beside(batch)
+
+    def _fits_beside(self, batch: list[ServedRequest]) -> bool:
+        """Whether the running requests fit the next round beside `batch` (their first tokens
+        included) without a preemption or a failure."""
         after = ([Running(r.request_id, r.committed_len, r.admit_seq) for r in self.running]
                  + [Running(r.request_id, r.committed_len + 1, self._admitted + 1 + i) for i, r in enumerate(batch)])
         plan = self.scheduler.plan(after, [])
@@ -537,10 +543,7 @@ class Router:
         if (not self.cfg.admit_beside_draft or not (self.drafter_up and any(r.on_drafter for r in self.running))
                 or any(r.resuming for r in batch)):
             return False
-        after = ([Running(r.request_id, r.committed_len, r.admit_seq) for r in self.running]
-                 + [Running(r.request_id, r.committed_len + 1, self._admitted + 1 + i) for i, r in enumerate(batch)])
-        plan = self.scheduler.plan(after, [])
-        return not plan.preempt and not plan.fail_running
+        return self._fits_beside(batch)
 
     async def _sequential_round(self, ahead: bool = False, admit: list[ServedRequest] = (),
                                 mixed: list[ServedRequest] = ()) -> None:
@@ -726,7 +729,7 @@ class Router:
 
     async def _verify_with_prefill(self, draft, drafted: list[ServedRequest], group: list[ServedRequest],
                                    mixed: list[ServedRequest]):
-        """`_verify` with `mixed` prefilled in the same step -> (its results or None, `_admitted`'s
+        """`_verify` with `mixed` prefilled in the same step -> (its results or None, `_after_prefill`'s
         arguments for the requests the verifier took, or None). A refusal (ValueError) of the
         prefill verifies without it and admits `mixed` as `_admit` does, whose retries fail only
         the refused requests."""

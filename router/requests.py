@@ -128,7 +128,7 @@ class RouterCounters:
     draft_ahead_misses: int = 0
     ready_trees: int = 0             # request-rounds verified with a tree the router held (no draft call)
     detached_admissions: int = 0     # requests admitted without the drafter ("auto" settled on plain)
-    mixed_prefills: int = 0          # requests prefilled in a round's verify step (RouterConfig.mixed_prefill)
+    mixed_prefills: int = 0          # requests sent with a round's verify to be prefilled in its step (RouterConfig.mixed_prefill)
     requests_admitted: int = 0
     requests_finished: int = 0
     requests_failed: int = 0

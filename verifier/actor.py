@@ -22,8 +22,7 @@ from spectandem.channel import FeatureSender
 from spectandem.config import EngineConfig
 from verifier.factory import build_engine
 from verifier.runner import FeatureSpec
-from verifier.service_core import (verifier_features, verifier_info, verifier_prefill, verifier_verify,
-                                   verifier_verify_prefill)
+from verifier.service_core import verifier_features, verifier_info, verifier_prefill, verifier_verify_prefill
 
 
 def _put(features):
@@ -82,9 +81,7 @@ class VerifierActor:
         """`draft_payload`: the drafter's DraftTree (Ray resolves the ref passed at top level) or
         None. Results in the order tags then plain; `features` an ObjectRef of
         [num_accepted + 1, F] (or None)."""
-        self._check_held([t.request_id for t in tags] + [p.tag.request_id for p in plain])
-        outs = verifier_verify(self.engine, draft_payload, tags, plain, want_features, self.sender)
-        return [replace(r, features=_put(r.features)) for r in outs]
+        return self.verify_prefill(draft_payload, tags, plain, want_features, [], False)[0]
 
     def verify_prefill(self, draft_payload, tags: list[Tag], plain: list[PlainItem], want_features: bool,
                        items: list[VerifierPrefillItem],

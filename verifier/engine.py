@@ -162,19 +162,15 @@ class VerifierEngine:
     def verify_with_prefill(self, tree: DraftTree, new: "NewRequests",
                             on_launch=None) -> tuple[list[Verdict], list[PrefillOutput]]:
         """`verify` of the tree and `prefill` of the new requests, in one forward where the
-        runner carries them (NativeRunner.verify_and_prefill; the prompts it leaves are
-        prefilled after it) -> (the verdicts, the prefill outputs). The tree's requests are
-        checked before anything runs."""
-        mixed = getattr(self.runner, "verify_and_prefill", None)
-        if mixed is None:   # the prefill first: a refused prompt refuses the call before anything runs
-            self._check_tree(tree)
-            outs = self.prefill(*new.prefill_args())
-            return self.verify(tree, on_launch), outs
+        runner carries them (`verify_and_prefill`; the prompts it leaves are prefilled after it)
+        -> (the verdicts, the prefill outputs). The tree's requests and the new ones are checked
+        before anything runs."""
         reqs = self._check_tree(tree)
 
         def step(slots, inputs):
-            logits, feats, k, first, per = mixed([r.slot for r in reqs], [r.committed_len - 1 for r in reqs],
-                                                 tree.token_ids, tree.parents, tree.node_valid, slots, inputs)
+            logits, feats, k, first, per = self.runner.verify_and_prefill(
+                [r.slot for r in reqs], [r.committed_len - 1 for r in reqs], tree.token_ids, tree.parents,
+                tree.node_valid, slots, inputs)
             if on_launch is not None:
                 on_launch()
             return (logits, feats), k, first, per

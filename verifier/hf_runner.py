@@ -75,6 +75,11 @@ class HFRunner:
             feats.append(None if f is None else f[0])
         return torch.stack(logits), (None if self.feature_layers is None else torch.stack(feats))
 
+    def verify_and_prefill(self, slots, cache_lens, token_ids, parents, node_valid, prompt_slots, prompts):
+        """`verify`; it carries none of the prompts (NativeRunner.verify_and_prefill's contract:
+        the caller prefills them)."""
+        return (*self.verify(slots, cache_lens, token_ids, parents, node_valid), 0, None, None)
+
     @torch.no_grad()
     def features(self, tokens: list[int]) -> torch.Tensor | None:
         if self.feature_layers is None:

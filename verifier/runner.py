@@ -24,7 +24,7 @@ from spectandem.kv_cache import KVCache, PackedPrefillBatch, PagedKVCache
 from spectandem.modeling.llama import InvariantBatch, LlamaModel
 from spectandem.modeling.ops import FUSED_OPS, INVARIANT_OPS
 from spectandem.modeling.target import inspect_target, load_target
-from verifier.graphs import VerifyGraphs, verify_forward, verify_inputs
+from verifier.graphs import VerifyGraphs, verify_forward, verify_graph_shapes, verify_inputs
 from verifier.tree_inputs import tree_verify_inputs
 from verifier.hf_runner import FeatureSpec, HFRunner
 
@@ -110,12 +110,17 @@ def prompt_rows(prompts: list[list[int]], n: int):
     return owner, base, tokens, parents, valid
 
 
+def rows_of(length: int, n: int) -> int:
+    """The rows of width n a prompt of `length` tokens takes (`prompt_rows`)."""
+    return -(-length // n)
+
+
 def mixed_count(lens: list[int], n: int) -> int:
     """How many of these prompts, in order, one step of width `n` carries: as many as keep their
     rows' nodes within MIXED_PREFILL_TOKENS."""
     used = 0
     for i, m in enumerate(lens):
-        used += -(-m // n) * n
+        used += rows_of(m, n) * n
         if used > MIXED_PREFILL_TOKENS:
             return i
     return len(lens)
@@ -176,14 +181,13 @@ class NativeRunner:
     def graph_shapes(self, widths: list[int]) -> list[tuple]:
         """The verify graphs this runner replays for trees of N in `widths` (plain steps: 1), with
         and without features."""
-        from verifier.graphs import verify_graph_shapes
-
         if self.graphs is None:
             return []
         feats = [None] + ([self.feature_layers] if self.feature_layers is not None else [])
         shapes = verify_graph_shapes(self.max_slots, list(widths) + [1], self.max_len, feats, self.triton_attention,
                                      self.graphs.batch_buckets)
-        return shapes + [k for k in self.mixed_graph_shapes(widths) if k not in set(shapes)]
+        seen = set(shapes)
+        return shapes + [k for k in self.mixed_graph_shapes(widths) if k not in seen]
 
     def mixed_graph_shapes(self, widths: list[int]) -> list[tuple]:
         """The graphs of steps that carry prompts (`verify_and_prefill`, `decode_greedy`), for
@@ -191,15 +195,10 @@ class NativeRunner:
         the rows of MIXED_PREFILL_TOKENS (`_mixed_top`), with the runner's features."""
         if self.graphs is None:
             return []
-        buckets = self.graphs.buckets(mixed=True)
-        shapes = []
         self._mixed_widths = {n for n in {1, max(widths, default=1)} if n <= self.max_len}
-        for n in sorted(self._mixed_widths):
-            spans = [None] if self.triton_attention else sorted(
-                {span_bucket(min(1 << k, self.max_len), self.max_len) for k in range(self.max_len.bit_length() + 1)})
-            shapes += [(r, n, sp, self.feature_layers) for r in buckets if r <= self._mixed_top(n) for sp in spans
-                       if sp is None or sp >= n]
-        return shapes
+        return [key for n in sorted(self._mixed_widths)
+                for key in verify_graph_shapes(self._mixed_top(n), [n], self.max_len, [self.feature_layers],
+                                               self.triton_attention, self.graphs.buckets(mixed=True))]
 
     def _mixed_top(self, n: int) -> int:
         """The most rows a step of width n that carries prompts runs in graphs warm-up captured:
@@ -363,11 +362,11 @@ class NativeRunner:
         if self.batch_invariant or not prompts:
             return 0
         k = mixed_count([len(p) for p in prompts], n)
-        k = next((i for i, p in enumerate(prompts[:k]) if -(-len(p) // n) * n > self.max_len), k)
+        k = next((i for i, p in enumerate(prompts[:k]) if rows_of(len(p), n) * n > self.max_len), k)
         blocks = self.cache.blocks
         while k:
-            rows = b + sum(-(-len(p) // n) for p in prompts[:k])
-            need = sum(blocks.missing(s, -(-len(p) // n) * n) for s, p in zip(prompt_slots[:k], prompts[:k]))
+            rows = b + sum(rows_of(len(p), n) for p in prompts[:k])
+            need = sum(blocks.missing(s, rows_of(len(p), n) * n) for s, p in zip(prompt_slots[:k], prompts[:k]))
             graphed = self.graphs is None or (self.graphs.supports(rows, mixed=True) and (
                 not self.graphs.warmed or rows <= self._mixed_top(n)))   # after warm-up: only what it captured
             if graphed and need <= len(blocks.free):
@@ -383,21 +382,20 @@ class NativeRunner:
         b, n = token_ids.shape
         owner, base, toks, pars, valid = prompt_rows(prompts, n)
         for slot, p in zip(prompt_slots, prompts):
-            self.cache.reserve(slot, -(-len(p) // n) * n)
-        rows = b + len(owner)
+            self.cache.reserve(slot, rows_of(len(p), n) * n)
         if device_tokens is not None:   # the step's own rows read the device's tokens; the prompts' the host's
             device_tokens = torch.cat([device_tokens, to_device(toks, self.device)])
         logits, feats, argmax = self._step(list(slots) + [prompt_slots[i] for i in owner], list(cache_lens) + base,
                                            torch.cat([token_ids, toks]), torch.cat([parents, pars]),
-                                           torch.cat([node_valid.bool(), valid]), device_tokens, features, rows)
-        last_row = np.cumsum([-(-len(p) // n) for p in prompts]) - 1 + b
+                                           torch.cat([node_valid.bool(), valid]), device_tokens, features, mixed=True)
+        last_row = np.cumsum([rows_of(len(p), n) for p in prompts]) - 1 + b
         last_node = [(len(p) - 1) % n for p in prompts]
         dev = logits.device
         first = logits[to_device(last_row.tolist(), dev), to_device(last_node, dev)]
         per = None
         if feats is not None:
             flat = feats[b:].reshape(-1, feats.shape[-1])
-            starts = np.concatenate([[0], np.cumsum([-(-len(p) // n) * n for p in prompts])[:-1]]).tolist()
+            starts = np.concatenate([[0], np.cumsum([rows_of(len(p), n) * n for p in prompts])[:-1]]).tolist()
             per = [flat[st: st + len(p)] for st, p in zip(starts, prompts)]
         for slot, p in zip(prompt_slots, prompts):   # the last chunk's padding back to the pool
             self.cache.trim(slot, len(p))
@@ -424,22 +422,20 @@ class NativeRunner:
         return logits, feats, k, first, per
 
     def _step(self, slots, cache_lens, token_ids, parents, node_valid, device_tokens=None, features: bool = True,
-              mixed_rows: int = 0):
+              mixed: bool = False):
         """The verify forward on the runner's path (slots reserved) -> (logits, features, argmax
         [B, N] on the device). `device_tokens` [B, N] on the device (decode_greedy's previous
         step's argmax) replaces token_ids, read there without the host waiting for it.
-        `features` False: none captured (the same logits; graphs of their own). `mixed_rows`: a
-        step that carries prompts (`_mixed_step`), of that many rows: it may take the graphs'
-        mixed buckets."""
+        `features` False: none captured (the same logits; graphs of their own). `mixed`: a step
+        that carries prompts (`_mixed_step`): it may take the graphs' mixed buckets."""
         b, n = token_ids.shape
         layers = self.feature_layers if features else None
         if self.batch_invariant:
             toks = token_ids if device_tokens is None else device_tokens
             logits, feats = self._verify_invariant(slots, cache_lens, toks, parents, node_valid)
             return logits, feats if features else None, logits.argmax(-1)
-        if self.graphs is not None and self.graphs.supports(b, mixed=mixed_rows > 0):
-            step = self.graphs.run(slots, cache_lens, token_ids, parents, node_valid, layers, device_tokens,
-                                   mixed=mixed_rows > 0)
+        if self.graphs is not None and self.graphs.supports(b, mixed=mixed):
+            step = self.graphs.run(slots, cache_lens, token_ids, parents, node_valid, layers, device_tokens, mixed)
             return step.logits, step.features, step.argmax
         # Eagerly: the static-shape step without padding (rows = B; dense: span = max(cache_len) + N).
         if self.triton_attention:

@@ -174,3 +174,23 @@ def test_a_refused_prompt_refuses_the_call_before_anything_runs():
         with pytest.raises(ValueError):
             mixed.decode_with_prefill(["a", "b"], [8, 13], 2, bad)
     assert {k: r.token_ids for k, r in mixed.requests.items()} == before and mixed.free_slots == free
+
+
+def test_engine_on_the_transformers_runner_prefills_apart_with_the_same_results():
+    """The transformers runner carries no prompts in its verify (verify_and_prefill leaves them
+    all): the engine prefills them in the same call, with the results of a prefill then a verify."""
+    engines = []
+    for _ in range(2):
+        runner, model = load_runner(demo_paths("eagle3")[0], FEATURES, 6, 256, force_hf=True)
+        engine = VerifierEngine(runner, 6, model.config.vocab_size)
+        engine.prefill(["a", "b"], RUNNING, [SamplingParams()] * 2, [1, 2])
+        engines.append(engine)
+    mixed, apart = engines
+    toks, parents, valid = _chain(2, 3, 8)
+    tree = DraftTree(request_ids=["a", "b"], committed_lens=[8, 13], token_ids=toks, parents=parents,
+                     node_valid=valid, scores=torch.zeros(2, 3))
+    verdicts, outs = mixed.verify_with_prefill(tree, _new(["x", "y", "z"]))
+    ref_outs = apart.prefill(*_new(["x", "y", "z"]).prefill_args())
+    ref = apart.verify(tree)
+    assert [o.first_token_id for o in outs] == [o.first_token_id for o in ref_outs]
+    assert [(v.tag, v.token_ids) for v in verdicts] == [(v.tag, v.token_ids) for v in ref]
