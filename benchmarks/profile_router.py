@@ -136,6 +136,11 @@ class Timers:
                     self._add(label, t0)
         setattr(owner, fn_name, timed)
         self._patched.append((owner, fn_name, inner))
+        if inspect.ismodule(owner):   # a function: the modules that imported it by name too
+            for mod in list(sys.modules.values()):
+                if mod is not owner and getattr(mod, fn_name, None) is inner:
+                    setattr(mod, fn_name, timed)
+                    self._patched.append((mod, fn_name, inner))
 
     def table(self, rounds: int) -> str:
         rows = [f"   {'function':46s} {'calls':>6s} {'ms/round':>9s}"]

@@ -190,6 +190,60 @@ def _time_engine_calls(state: dict, timeline: Timeline) -> None:
         link._call = call
 
 
+class CallProfiles:
+    """cProfile of the measured run, one profile per place: each in-process engine's calls (in the
+    worker thread that runs each call; a role's calls never overlap) and the event loop's thread."""
+
+    def __init__(self, state: dict, loop):
+        self.on, self.loop = False, loop
+        self.clear()
+        for role in ("verifier", "drafter"):
+            link = state.get(role)
+            if link is None or not hasattr(link, "_call"):
+                continue
+
+            def call(kind, fn, *args, _inner=link._call, _role=role):
+                if not self.on:
+                    return _inner(kind, fn, *args)
+                _prof = self.profiles[_role]
+                _prof.enable()
+                try:
+                    return _inner(kind, fn, *args)
+                finally:
+                    _prof.disable()
+            link._call = call
+
+    def clear(self) -> None:
+        import cProfile
+
+        self.profiles = {name: cProfile.Profile() for name in ("verifier", "drafter", "event loop")}
+
+    def start(self) -> None:
+        self.on = True
+        self.loop.call_soon_threadsafe(self.profiles["event loop"].enable)
+
+    def stop(self) -> None:
+        self.on = False
+        done = threading.Event()
+        self.loop.call_soon_threadsafe(lambda: (self.profiles["event loop"].disable(), done.set()))
+        done.wait(10)
+
+    def report(self, top: int) -> str:
+        import io
+        import pstats
+
+        out = []
+        for name, prof in self.profiles.items():
+            buf = io.StringIO()
+            try:
+                pstats.Stats(prof, stream=buf).sort_stats("tottime").print_stats(top)
+            except TypeError:   # nothing was recorded
+                continue
+            out.append(f"  cProfile, {name} (by own time):\n" + "\n".join(
+                "    " + line for line in buf.getvalue().splitlines() if line.strip()))
+        return "\n".join(out)
+
+
 def idle_report(timeline: Timeline, start: float, end: float, top: int) -> str:
     """The time in [start, end] outside every engine call, by the innermost router step running
     then (the one that started last), and how many such gaps last 1 ms or more."""
@@ -222,6 +276,18 @@ def idle_report(timeline: Timeline, start: float, end: float, top: int) -> str:
              f"{1e3 * sum(long):.0f} ms in all" + (f", the longest {1e3 * max(long):.1f} ms" if long else "")]
     lines += [f"    {100 * v / wall:5.1f}%  {k}" for k, v in by.most_common(top)]
     return "\n".join(lines)
+
+
+def calls_report(timeline: Timeline) -> str:
+    """Each kind of engine call on `timeline`: how many, and their mean and median length."""
+    by: dict[str, list[float]] = {}
+    for name, t0, t1 in timeline.calls:
+        by.setdefault(name, []).append(t1 - t0)
+    parts = []
+    for name, d in sorted(by.items(), key=lambda kv: -sum(kv[1])):
+        d = sorted(d)
+        parts.append(f"{name} {len(d)} x {1e3 * sum(d) / len(d):.2f} ms (p50 {1e3 * d[len(d) // 2]:.2f})")
+    return "  engine calls: " + ", ".join(parts)
 
 
 def _busy(state: dict) -> dict:
@@ -264,6 +330,10 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--top", type=int, default=12, help="entries per thread (default: %(default)s)")
     ap.add_argument("--learn", action="store_true", help="one unmeasured pass first (controlled acceptance)")
     ap.add_argument("--gpu-trace", type=float, default=0.0, help="seconds of device trace per run (default: none)")
+    ap.add_argument("--time", default="", metavar="FUNCS",
+                    help="comma-separated module:qualname functions to time during the measured runs")
+    ap.add_argument("--cprofile", action="store_true",
+                    help="cProfile the engines' calls and the event loop during the measured runs")
     ap.add_argument("--out", help="write the report here too")
     a = ap.parse_args(ours)
 
@@ -279,6 +349,11 @@ def main(argv: list[str] | None = None) -> int:
     timeline = Timeline()
     steps = _time_router(router, timeline)
     _time_engine_calls(served.state, timeline)
+    profiles = CallProfiles(served.state, served.loop) if a.cprofile else None
+    timers = None
+    if a.time:
+        from benchmarks.profile_router import Timers
+        timers = Timers(tuple(f for f in a.time.split(",") if f))
     port = served.state["port"]
     report = [f"serve {' '.join(serve_args)}"]
     try:
@@ -297,8 +372,18 @@ def main(argv: list[str] | None = None) -> int:
             mixed0, admitted0 = (sum(c.mixed_prefills for c in counters), sum(c.requests_admitted for c in counters))
             timeline.clear()
             timeline.on = True
+            if profiles:
+                profiles.start()
+            if timers:
+                timers.ms.clear()
+                timers.calls.clear()
+                timers.on = True
             res = _bench(port, c, n, a.max_tokens, work / f"c{c}.json", during)
             timeline.on = False
+            if profiles:
+                profiles.stop()
+            if timers:
+                timers.on = False
             wall = res["duration_s"]
             sampler.pause()
             busy1 = _busy(served.state)
@@ -315,10 +400,18 @@ def main(argv: list[str] | None = None) -> int:
             report.append("  router: " + ", ".join(f"{k.lstrip('_')} {100 * v / wall:.1f}%" for k, v in steps.items()
                                                    if v > 0))
             if timeline.calls:   # the measured run: from the first engine call to the last one's end
+                report.append(calls_report(timeline))
                 report.append(idle_report(timeline, min(t0 for _, t0, _ in timeline.calls),
                                           max(t1 for _, _, t1 in timeline.calls), a.top))
             report.append(sampler.report(a.top))
             report += gpu
+            if timers:
+                rounds = sum(name == "verifier.verify" for name, _, _ in timeline.calls)
+                report.append(f"  timed functions (inclusive wall time, no device synchronization; per verify call, "
+                              f"{rounds} of them):\n" + timers.table(max(1, rounds)))
+            if profiles:
+                report.append(profiles.report(a.top))
+                profiles.clear()
             print("\n".join(report[-5:]), flush=True)
     finally:
         sampler.close()

@@ -237,18 +237,20 @@ class DrafterEngine:
             ready, r.ready = r.ready, None
             if ready is not None and ready[0] == r.committed_len:
                 drafts[i] = ready[1:]
+        # Groups of one kind of draft (sampled or not, depth); deterministic drafts whose requests
+        # have a deferred catch-up with its features form groups of their own, which run it in the
+        # same pass (`catch_up_propose`). Every other deferred catch-up runs first. (A request
+        # without one, say just prefilled, thus never makes the whole batch catch up apart.)
+        fuses = self.proposer.has_catch_up_propose
         parts: dict[tuple, list[int]] = {}
         for i, r in enumerate(reqs):
             if i not in drafts:
-                parts.setdefault((r.sample_drafts, steps[i] or self.cfg.num_steps), []).append(i)
-        # A group of deterministic drafts whose every request has a deferred catch-up runs it in
-        # the same pass (`catch_up_propose`); every other deferred catch-up runs first.
-        inside = {key for key, idx in parts.items() if self.proposer.has_catch_up_propose and not key[0]
-                  and self._all_deferred([reqs[i].request_id for i in idx])}
-        self.flush_deferred([reqs[i].request_id for key, idx in parts.items() if key not in inside for i in idx])
+                inside = fuses and not r.sample_drafts and r.deferred is not None and r.deferred[1] is not None
+                parts.setdefault((r.sample_drafts, steps[i] or self.cfg.num_steps, inside), []).append(i)
+        self.flush_deferred([reqs[i].request_id for key, idx in parts.items() if not key[2] for i in idx])
         for key, idx in parts.items():
             group = [reqs[i] for i in idx]
-            if key in inside:
+            if key[2]:
                 pending = [self._take_deferred(r) for r in group]
                 tree = self.proposer.catch_up_propose(group, [n for n, _ in pending], [f for _, f in pending], key[1])
             else:

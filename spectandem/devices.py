@@ -58,6 +58,8 @@ def to_device_all(tensors: list[torch.Tensor], device, dtype: torch.dtype | None
     """`to_device` of each tensor [n_i, ...]; host tensors of one trailing shape cross in one copy
     (concatenated on the host, split on the device into views)."""
     device = torch.device(device)
+    if all(t.device == device and (dtype is None or t.dtype == dtype) for t in tensors):
+        return list(tensors)   # already there (features from an engine on the same device)
     same = len({t.shape[1:] for t in tensors}) == 1
     if device.type != "cuda" or len(tensors) < 2 or not same or any(t.device.type != "cpu" for t in tensors):
         return [to_device(t, device, dtype) for t in tensors]

@@ -76,3 +76,28 @@ def test_shifted_features_are_caught():
     shift = lambda feats: [f.roll(1, 0) if f.shape[0] > 1 else -f for f in feats]
     _, used, differ = _lockstep("eagle3", dict(num_steps=4, topk=1, num_draft_tokens=5), 6, PROMPT_TEXTS[:1], shift)
     assert used >= 1 and differ == 1, (used, differ)
+
+
+def test_a_request_without_a_deferred_catch_up_leaves_the_others_one_pass():
+    """A batch where one request's catch-up already ran (a request just prefilled whose catch-up
+    could not wait, say): the others still catch up inside their draft, in one pass of their own,
+    the first drafts alone; the trees are those of the engine that catches up in extend."""
+    tree = dict(num_steps=4, topk=1, num_draft_tokens=5)
+    fused, split = _spec("eagle3", **tree), _spec("eagle3", **tree)
+    split.drafter.proposer.has_catch_up_propose = False
+    rids = prefilled((fused, split), PROMPT_TEXTS[:3])
+    chain = fused.drafter.proposer.chain
+    real, batches = chain.propose_caught_up, []
+
+    def counted(slots, *rest):
+        batches.append(len(slots))
+        return real(slots, *rest)
+
+    chain.propose_caught_up = counted
+    for _ in range(3):
+        fused.drafter.flush_deferred([rids[0]])   # its catch-up now, on its own
+        trees = [spec.drafter.draft(rids) for spec in (fused, split)]
+        assert trees[0].token_ids.tolist() == trees[1].token_ids.tolist()
+        assert_same_head_state(fused, split, rids)
+        verify_and_extend(fused, split, trees)
+    assert batches == [2, 2, 2], batches   # never the whole batch caught up apart

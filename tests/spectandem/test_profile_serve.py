@@ -1,7 +1,7 @@
 """benchmarks/profile_serve.py's idle line: the time no engine call is in progress, split by the
 innermost router step running then."""
 
-from benchmarks.profile_serve import Timeline, idle_report
+from benchmarks.profile_serve import Timeline, calls_report, idle_report
 
 
 def test_idle_time_goes_to_the_innermost_step_running_then():
@@ -26,3 +26,33 @@ def test_no_idle_time_when_the_calls_cover_the_run():
     t.steps = [("_round", 0.0, 0.010)]
     assert idle_report(t, 0.0, 0.010, top=3).splitlines()[0].startswith(
         "  idle (no engine call) 0.0% of the wall: 0 gaps of 1 ms or more, 0 ms in all")
+
+
+def test_engine_calls_are_counted_and_timed_by_kind():
+    t = Timeline()
+    t.calls = [("verifier.verify", 0.0, 0.010), ("verifier.verify", 0.012, 0.016), ("verifier.verify", 0.020, 0.026),
+               ("drafter.draft", 0.010, 0.012)]
+    assert calls_report(t) == ("  engine calls: verifier.verify 3 x 6.67 ms (p50 6.00), "
+                               "drafter.draft 1 x 2.00 ms (p50 2.00)")
+
+
+def test_timers_wrap_methods_and_the_names_that_imported_a_function():
+    import torch
+
+    import drafter.engine as engine
+    import spectandem.devices as devices
+    from benchmarks.profile_router import Timers
+
+    original = devices.to_host
+    timers = Timers(("spectandem.devices:to_host", "drafter.engine:DrafterEngine.flush_deferred"))
+    try:
+        assert engine.to_host is devices.to_host is not original   # the importer's name too
+        engine.to_host(torch.zeros(2))           # off: not counted
+        timers.on = True
+        engine.to_host(torch.zeros(2))
+        devices.to_host(torch.zeros(2))
+        assert timers.calls["to_host"] == 2
+        assert "to_host" in timers.table(2)
+    finally:
+        timers.restore()
+    assert engine.to_host is devices.to_host is original
