@@ -21,6 +21,9 @@ Arguments after `--` are serve's. Per concurrency it prints bench serve's figure
   a call (the GPU waits for the host there: every call ends with its stream done), split by
   the innermost router step running at the time ("between steps" where none was), with the
   number of such gaps of 1 ms or more;
+- engine calls: for the in-process backend, each kind of call's count and mean and median length;
+- `--time module:qualname,...`: wall time inside those functions (benchmarks/profile_router.py
+  `Timers`, no device synchronization), per verify call;
 - `--gpu-trace S`: on CUDA, S seconds of the measured run traced by torch.profiler (device
   activity only) and summarized by benchmarks/gpu_gaps.py: how busy the GPU was.
 
@@ -190,60 +193,6 @@ def _time_engine_calls(state: dict, timeline: Timeline) -> None:
         link._call = call
 
 
-class CallProfiles:
-    """cProfile of the measured run, one profile per place: each in-process engine's calls (in the
-    worker thread that runs each call; a role's calls never overlap) and the event loop's thread."""
-
-    def __init__(self, state: dict, loop):
-        self.on, self.loop = False, loop
-        self.clear()
-        for role in ("verifier", "drafter"):
-            link = state.get(role)
-            if link is None or not hasattr(link, "_call"):
-                continue
-
-            def call(kind, fn, *args, _inner=link._call, _role=role):
-                if not self.on:
-                    return _inner(kind, fn, *args)
-                _prof = self.profiles[_role]
-                _prof.enable()
-                try:
-                    return _inner(kind, fn, *args)
-                finally:
-                    _prof.disable()
-            link._call = call
-
-    def clear(self) -> None:
-        import cProfile
-
-        self.profiles = {name: cProfile.Profile() for name in ("verifier", "drafter", "event loop")}
-
-    def start(self) -> None:
-        self.on = True
-        self.loop.call_soon_threadsafe(self.profiles["event loop"].enable)
-
-    def stop(self) -> None:
-        self.on = False
-        done = threading.Event()
-        self.loop.call_soon_threadsafe(lambda: (self.profiles["event loop"].disable(), done.set()))
-        done.wait(10)
-
-    def report(self, top: int) -> str:
-        import io
-        import pstats
-
-        out = []
-        for name, prof in self.profiles.items():
-            buf = io.StringIO()
-            try:
-                pstats.Stats(prof, stream=buf).sort_stats("tottime").print_stats(top)
-            except TypeError:   # nothing was recorded
-                continue
-            out.append(f"  cProfile, {name} (by own time):\n" + "\n".join(
-                "    " + line for line in buf.getvalue().splitlines() if line.strip()))
-        return "\n".join(out)
-
-
 def idle_report(timeline: Timeline, start: float, end: float, top: int) -> str:
     """The time in [start, end] outside every engine call, by the innermost router step running
     then (the one that started last), and how many such gaps last 1 ms or more."""
@@ -332,8 +281,6 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--gpu-trace", type=float, default=0.0, help="seconds of device trace per run (default: none)")
     ap.add_argument("--time", default="", metavar="FUNCS",
                     help="comma-separated module:qualname functions to time during the measured runs")
-    ap.add_argument("--cprofile", action="store_true",
-                    help="cProfile the engines' calls and the event loop during the measured runs")
     ap.add_argument("--out", help="write the report here too")
     a = ap.parse_args(ours)
 
@@ -349,7 +296,6 @@ def main(argv: list[str] | None = None) -> int:
     timeline = Timeline()
     steps = _time_router(router, timeline)
     _time_engine_calls(served.state, timeline)
-    profiles = CallProfiles(served.state, served.loop) if a.cprofile else None
     timers = None
     if a.time:
         from benchmarks.profile_router import Timers
@@ -372,16 +318,12 @@ def main(argv: list[str] | None = None) -> int:
             mixed0, admitted0 = (sum(c.mixed_prefills for c in counters), sum(c.requests_admitted for c in counters))
             timeline.clear()
             timeline.on = True
-            if profiles:
-                profiles.start()
             if timers:
                 timers.ms.clear()
                 timers.calls.clear()
                 timers.on = True
             res = _bench(port, c, n, a.max_tokens, work / f"c{c}.json", during)
             timeline.on = False
-            if profiles:
-                profiles.stop()
             if timers:
                 timers.on = False
             wall = res["duration_s"]
@@ -409,9 +351,6 @@ def main(argv: list[str] | None = None) -> int:
                 rounds = sum(name == "verifier.verify" for name, _, _ in timeline.calls)
                 report.append(f"  timed functions (inclusive wall time, no device synchronization; per verify call, "
                               f"{rounds} of them):\n" + timers.table(max(1, rounds)))
-            if profiles:
-                report.append(profiles.report(a.top))
-                profiles.clear()
             print("\n".join(report[-5:]), flush=True)
     finally:
         sampler.close()
