@@ -284,6 +284,9 @@ class ControlledProposer(Proposer):
     def fuses_catch_up(self, num_new):
         return self.inner.fuses_catch_up(num_new)
 
+    def catch_up_group(self, num_new):
+        return self.inner.catch_up_group(num_new)
+
     def catch_up_propose(self, reqs, num_new, features, num_steps=None):
         """`catch_up` then `propose`, in the inner proposer's one pass when it has one
         (`EagleProposer.catch_up_propose`): the plan's drafts, the real cost."""

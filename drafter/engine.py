@@ -162,7 +162,11 @@ class DrafterEngine:
             if req.committed_len + len(out.token_ids) != out.committed_len:
                 raise StaleMessage(f"{out.request_id!r}: verdict for committed length {out.committed_len} "
                                    f"does not follow the drafter's {req.committed_len}")
-        self.flush_deferred([out.request_id for out in outputs])
+        # A catch-up still deferred (a prompt's, waiting for the request's first draft) and this
+        # verdict's, where both can wait for the next draft: one catch-up of both inside it,
+        # rather than the first one apart now.
+        merged = {out.request_id for out, req in zip(outputs, reqs) if self._merges(req, out)}
+        self.flush_deferred([out.request_id for out in outputs if out.request_id not in merged])
         now = []
         for out, req in zip(outputs, reqs):
             self.store.drop(out.request_id)  # the round's verdict is in: its q rows are spent
@@ -181,12 +185,24 @@ class DrafterEngine:
                     if hit_rows is not None:
                         req.in_flight = _in_flight(out.committed_len, hit_rows)
             req.token_ids.extend(out.token_ids)
-            if req.ready is not None or (out.features is not None and self._drafts_caught_up(req)):
+            if out.request_id in merged:
+                n, feats = req.deferred
+                req.deferred = (n + len(out.token_ids), torch.cat([feats, self._stage(out.features)]))
+            elif req.ready is not None or (out.features is not None and self._drafts_caught_up(req)):
                 req.deferred = (len(out.token_ids), self._stage(out.features))
             else:
                 now.append((req, len(out.token_ids), out.features))
         if now:
             self.proposer.catch_up([r for r, _, _ in now], [n for _, n, _ in now], [f for _, _, f in now])
+
+    def _merges(self, req: HeldRequest, out: Verdict) -> bool:
+        """Whether the request's deferred catch-up and this verdict's run as one inside its next
+        draft: both have their features, no draft ahead is involved, and the one pass takes the
+        pairs of both."""
+        d = req.deferred
+        return (d is not None and d[1] is not None and out.features is not None and req.ready is None
+                and req.outcomes is None and self._drafts_caught_up(req)
+                and self.proposer.fuses_catch_up(d[0] + len(out.token_ids)))
 
     def _drafts_caught_up(self, req: DraftRequest) -> bool:
         """Whether a verdict without a ready tree (a miss, or no draft ahead) defers its catch-up
@@ -238,19 +254,22 @@ class DrafterEngine:
             if ready is not None and ready[0] == r.committed_len:
                 drafts[i] = ready[1:]
         # Groups of one kind of draft (sampled or not, depth); deterministic drafts whose requests
-        # have a deferred catch-up with its features form groups of their own, which run it in the
-        # same pass (`catch_up_propose`). Every other deferred catch-up runs first. (A request
-        # without one, say just prefilled, thus never makes the whole batch catch up apart.)
+        # have a deferred catch-up with its features form groups of their own, by the kind of pass
+        # their catch-ups take (`Proposer.catch_up_group`: a round's pairs, a prompt's), which run
+        # it in the same pass (`catch_up_propose`). Every other deferred catch-up runs first. (A
+        # request without one, or with a prompt's, thus never makes the batch catch up apart.)
         fuses = self.proposer.has_catch_up_propose
         parts: dict[tuple, list[int]] = {}
         for i, r in enumerate(reqs):
             if i not in drafts:
-                inside = fuses and not r.sample_drafts and r.deferred is not None and r.deferred[1] is not None
+                d = r.deferred
+                inside = (self.proposer.catch_up_group(d[0])
+                          if fuses and not r.sample_drafts and d is not None and d[1] is not None else None)
                 parts.setdefault((r.sample_drafts, steps[i] or self.cfg.num_steps, inside), []).append(i)
-        self.flush_deferred([reqs[i].request_id for key, idx in parts.items() if not key[2] for i in idx])
+        self.flush_deferred([reqs[i].request_id for key, idx in parts.items() if key[2] is None for i in idx])
         for key, idx in parts.items():
             group = [reqs[i] for i in idx]
-            if key[2]:
+            if key[2] is not None:
                 pending = [self._take_deferred(r) for r in group]
                 tree = self.proposer.catch_up_propose(group, [n for n, _ in pending], [f for _, f in pending], key[1])
             else:

@@ -15,7 +15,7 @@ import torch
 
 from drafter.ahead_chains import AheadChainGraphs, outcome_trees, scratch_entries
 from drafter.catchup_graphs import CatchUpGraphs, catch_up_forward, catch_up_inputs
-from drafter.graphs import WARM_MAX_SPAN, ChainGraphs, warm_spans
+from drafter.graphs import PAIR_BUCKETS, WARM_MAX_SPAN, ChainGraphs, warm_spans
 from drafter.heads import DraftHead
 from drafter.tree import DraftNodes, draft_tree
 from spectandem.config import SamplingParams, SpecConfig
@@ -103,6 +103,11 @@ class Proposer:
     def catch_up_propose(self, reqs: list[DraftRequest], num_new: list[int], features: list, num_steps=None):
         """`catch_up` then `propose` in one pass (where `has_catch_up_propose`)."""
         raise NotImplementedError
+
+    def catch_up_group(self, num_new: int) -> int:
+        """Which one pass (`catch_up_propose`) a catch-up of `num_new` pairs takes: requests of one
+        group draft together (a round's few pairs and a prompt's many pad to different graphs)."""
+        return 0
 
     def ahead_fork(self, src_id: str, dst_id: str) -> None:
         """A new request state `dst_id`, a copy of `src_id`'s (its cache shared, not copied)."""
@@ -405,6 +410,9 @@ class EagleProposer(Proposer):
         """Whether one request's catch-up of `num_new` pairs runs inside its next chain's graph
         (`catch_up_propose`)."""
         return self.chain is not None and self.chain.supports(1, self.cfg.topk, False, self.cfg.num_steps, num_new)
+
+    def catch_up_group(self, num_new):
+        return 0 if num_new <= PAIR_BUCKETS[-1] else 1
 
     def catch_up_propose(self, reqs, num_new, features, num_steps=None):
         """`catch_up(reqs, num_new, features)` then `propose(reqs, num_steps)`, in one pass on the

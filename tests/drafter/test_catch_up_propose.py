@@ -101,3 +101,48 @@ def test_a_request_without_a_deferred_catch_up_leaves_the_others_one_pass():
         assert_same_head_state(fused, split, rids)
         verify_and_extend(fused, split, trees)
     assert batches == [2, 2, 2], batches   # never the whole batch caught up apart
+
+
+def test_a_prompt_catch_up_and_a_plain_round_after_it_run_inside_the_first_draft():
+    """A request admitted beside a draft: its prompt's catch-up is deferred at the prefill, and the
+    verdict of its plain round comes before its first draft. Both catch-ups wait for that draft and
+    run in its one pass (nothing caught up apart); the trees are those of the engine that catches
+    up in extend. Control: features of the plain round shifted make them differ."""
+    from spectandem.messages import root_only_tree
+
+    for shifted in (False, True):
+        tree = dict(num_steps=4, topk=1, num_draft_tokens=5)
+        fused, split = _spec("eagle3", **tree), _spec("eagle3", **tree)
+        split.drafter.proposer.has_catch_up_propose = False
+        rids = prefilled((fused, split), PROMPT_TEXTS[:2])
+        prompt_pairs = [fused.drafter.requests[r].deferred[0] for r in rids]
+        proposer, chain = fused.drafter.proposer, fused.drafter.proposer.chain
+        apart, passes = [], []
+        real_catch_up, real_pass = proposer.catch_up, chain.propose_caught_up
+        proposer.catch_up = lambda reqs, *a: (apart.append(len(reqs)), real_catch_up(reqs, *a))[1]
+
+        def one_pass(slots, base, token_ids, features, *rest):
+            passes.append([len(t) for t in token_ids])
+            return real_pass(slots, base, token_ids, features, *rest)
+
+        chain.propose_caught_up = one_pass
+        plain = []
+        for spec in (fused, split):
+            held = [spec.drafter.requests[r] for r in rids]
+            verdicts = spec.verifier.verify(root_only_tree(rids, [h.committed_len for h in held],
+                                                           [h.token_ids[-1] for h in held]))
+            plain.append(verdicts)
+        if shifted:
+            for v in plain[0]:
+                v.features = -v.features
+        fused.drafter.extend(plain[0])
+        split.drafter.extend(plain[1])
+        assert [fused.drafter.requests[r].deferred[0] for r in rids] == [n + 1 for n in prompt_pairs]
+        trees = [spec.drafter.draft(rids) for spec in (fused, split)]
+        assert apart == [] and passes == [[n + 1 for n in prompt_pairs]], (apart, passes)
+        same = trees[0].token_ids.tolist() == trees[1].token_ids.tolist()
+        if shifted:
+            assert not same
+            continue
+        assert same
+        assert_same_head_state(fused, split, rids)
