@@ -123,6 +123,9 @@ class Router:
         # timed out, requests ended by a failure): released once that engine answers.
         self._release_v: set[str] = set()
         self._release_d: set[str] = set()
+        # Ended requests whose release runs in the background (`_release_soon`), and those calls.
+        self._ending: list[ServedRequest] = []
+        self._releasing: set[asyncio.Task] = set()
         self.counters = RouterCounters()
         self.kv = KvBudget(cfg, drafter is not None)
         self.scheduler = Scheduler(self.kv, cfg.max_running)
@@ -161,6 +164,7 @@ class Router:
         for r in self.waiting + self.running:
             self._finish_failure(r, Failure("UNAVAILABLE", "the server is shutting down"))
         try:
+            await asyncio.wait_for(self._releases_landed(), self.cfg.probe_interval * 5)
             await asyncio.wait_for(self._forget_kept(self.waiting), self.cfg.probe_interval * 5)
             # A dying or restarting engine must not hold shutdown: the engines go away next anyway.
             await asyncio.wait_for(self._release([r for r in self.running if r.on_verifier or r.on_drafter]),
@@ -207,7 +211,7 @@ class Router:
                         break
                 if r.status is not RequestStatus.FINISHED:
                     raise RuntimeError(f"a warm-up request did not finish ({r.status.value}): serving would fail too")
-        while self.running or self._releases_due():   # the engines that answer let the last ones go
+        while self.running or self._releasing or self._releases_due():   # the engines let the last ones go
             await asyncio.sleep(0.005)
         self._modes.forget_text()   # the engines' speeds stay; what the warm-up's drafts committed goes
         self._switch = SpeculationSwitch(self.cfg)   # the warm-up's drafts say nothing of a client's
@@ -281,10 +285,40 @@ class Router:
             await asyncio.sleep(ARRIVAL_GAP_S / 4)
 
     async def _release_finished(self) -> None:
+        """Releases the requests that ended: in the background where the next round fits both KV
+        pools with them still held (`_release_soon`), else now."""
         finished = [r for r in self.running if r.done]
-        if finished:
-            self.running = [r for r in self.running if not r.done]
+        if not finished:
+            return
+        self.running = [r for r in self.running if not r.done]
+        if self.kv.fits([r.committed_len for r in self.running + self._ending + finished]):
+            self._release_soon(finished)
+        else:
             await self._release(finished)
+
+    def _release_soon(self, reqs: list[ServedRequest]) -> None:
+        """Releases `reqs` (ended) without waiting: the calls go with the round's first engine call
+        rather than before it, where the GPU would wait for them and for whatever else the event
+        loop runs meanwhile (the streams that the last commit woke). Their ids count as held at
+        once (no new request takes one before it is released: `_schedule`); whatever prefills
+        waits for the calls first (`_releases_landed`)."""
+        self._release_v.update(r.request_id for r in reqs if r.on_verifier)
+        self._ending += reqs
+        task = asyncio.ensure_future(self._release(reqs))
+        self._releasing.add(task)
+
+        def landed(t: asyncio.Task) -> None:
+            self._releasing.discard(t)
+            self._ending = [r for r in self._ending if r not in reqs]
+            if not t.cancelled() and t.exception() is not None:
+                log.error("releasing %d ended requests failed: %r", len(reqs), t.exception())
+        task.add_done_callback(landed)
+
+    async def _releases_landed(self) -> None:
+        """Waits for the background releases (`_release_soon`): before a prefill, so that the KV
+        and the slots of ended requests are free on both sides, and before shutdown."""
+        while self._releasing:
+            await asyncio.gather(*list(self._releasing), return_exceptions=True)
 
     async def _schedule(self) -> list[ServedRequest]:
         """Carries out the scheduler's plan (router/scheduler.py): fails the requests that can
@@ -328,6 +362,7 @@ class Router:
         """Frees the request's KV on both sides (the drafter keeps its ready next tree), keeps its
         committed tokens and requeues it ahead of new requests, under a new epoch."""
         self.running.remove(victim)
+        await self._releases_landed()   # the resume's re-prefill needs what they free
         await self._release([victim], keep_draft=True)
         victim.epoch += 1
         if not victim.done:
@@ -407,6 +442,7 @@ class Router:
         preempted requests, prefilled with their committed tokens. A refusal (ValueError)
         of the batch is retried request by request, so that only the refused ones fail; an
         unavailable verifier fails them all (and everything waiting)."""
+        await self._releases_landed()
         groups = [batch]
         taken, results = [], []
         while groups:
@@ -434,6 +470,7 @@ class Router:
         return taken, results
 
     async def _drafter_prefill(self, reqs: list[ServedRequest], features: list) -> None:
+        await self._releases_landed()
         items = [DrafterPrefillItem(r.tag(), r.prompt_ids + r.tokens[:-1], r.tokens[-1], r.params, r.seed, f)
                  for r, f in zip(reqs, features)]
         try:
@@ -479,6 +516,8 @@ class Router:
             return
         await self._resync()
         mode = self._mode = self._modes.choose(len(self.running) + len(admit) + len(mixed), self.drafter_up)
+        if mode in ("ahead", "pingpong"):   # draft ahead forks requests on the drafter: its slots free first
+            await self._releases_landed()
         if (admit or mixed) and mode in ("ahead", "pingpong"):   # their drafter calls go with the verify
             await self._admit_first(admit + mixed)
             admit = mixed = []
@@ -738,6 +777,7 @@ class Router:
         items = [self._prefill_item(r, False) for r in mixed]
         self._verified = True
         try:
+            await self._releases_landed()
             results, prefilled = await self.verifier.verify_prefill(draft, plain, want, items,
                                                                     self.cfg.want_features and not detach)
         except EngineUnavailable as exc:
@@ -945,22 +985,24 @@ class Router:
 
     def _releases_due(self) -> bool:
         """Whether an engine that answers still holds ids the router let go of."""
-        return bool((self._release_v and self.serving) or (self._release_d and self.drafter_up))
+        ending = {r.request_id for r in self._ending}   # their release is under way
+        return bool(((self._release_v - ending) and self.serving) or ((self._release_d - ending) and self.drafter_up))
 
     async def _settle(self) -> None:
         """Before admission: finished requests are released on both sides (a new request may reuse
         an id), and what an engine that answers still holds for the router is let go of."""
         await self._release_finished()
-        if self._release_v and self.serving:
-            ids = sorted(self._release_v)
+        ending = {r.request_id for r in self._ending}   # their release is under way
+        ids = sorted(self._release_v - ending)
+        if ids and self.serving:
             try:
                 await asyncio.wait_for(self.verifier.release(ids), self.cfg.probe_interval * 5)
                 self._release_v.difference_update(ids)
             except (EngineUnavailable, asyncio.TimeoutError) as exc:
                 self._verifier_failed(self.running, exc)
                 self.running = []
-        if self._release_d and self.drafter_up:
-            ids = sorted(self._release_d)
+        ids = sorted(self._release_d - ending)
+        if ids and self.drafter_up:
             try:
                 await asyncio.wait_for(self.drafter.release(ids), self.cfg.drafter_timeout)
                 self._release_d.difference_update(ids)

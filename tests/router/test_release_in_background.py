@@ -1,0 +1,123 @@
+"""Ended requests are released without holding up the next round (router/loop.py
+`_release_finished`, `_release_soon`): where the next round fits both KV pools with them still
+held, the round's draft goes first and the releases run beside it; a prefill waits for them; where
+the pools are too tight, they come first, as before. Fake engines (tests/router/fakes.py)."""
+
+from __future__ import annotations
+
+import asyncio
+
+from router.loop import Router
+from spectandem.config import SamplingParams
+from tests.router.fakes import OracleVerifier, ScriptedDrafter, Tokenizer, reference
+from tests.router.test_router_fakes import assert_clean, collect, config, run
+
+SHORT, LONG = SamplingParams(max_tokens=6, ignore_eos=True), SamplingParams(max_tokens=40, ignore_eos=True)
+
+
+class _Drafter(ScriptedDrafter):
+    def __init__(self, log):
+        super().__init__()
+        self.log = log
+
+    async def draft(self, tags, num_steps=None, extend=()):
+        self.log.append(("draft", tuple(t.request_id for t in tags)))
+        return await super().draft(tags, num_steps, extend)
+
+    async def release(self, request_ids, keep_draft=False, outputs=None):
+        self.log.append(("drafter release", tuple(request_ids)))
+        await asyncio.sleep(0.002)
+        return await super().release(request_ids, keep_draft, outputs)
+
+
+class _Verifier(OracleVerifier):
+    def __init__(self, log):
+        super().__init__()
+        self.log = log
+
+    async def prefill(self, items, want_features):
+        self.log.append(("prefill", tuple(i.tag.request_id for i in items)))
+        # An id the verifier still holds, or a prefill while a release is under way, is an error.
+        return await super().prefill(items, want_features)
+
+    async def verify(self, draft, plain, want_features, on_launch=None):
+        ids = (tuple(draft.tags) if draft is not None else ()) + tuple(i.tag for i in plain)
+        self.log.append(("verify", tuple(t.request_id for t in ids)))
+        return await super().verify(draft, plain, want_features, on_launch)
+
+    async def release(self, request_ids):
+        self.log.append(("verifier release", tuple(request_ids)))
+        await asyncio.sleep(0.002)
+        return await super().release(request_ids)
+
+
+def _serve(tight: bool = False, more: bool = False):
+    """Serves a short request beside a long one (and, with `more`, a third whose prompt arrives
+    once the short one has ended) -> (the call log, the outputs, the engines)."""
+    log: list = []
+    verifier, drafter = _Verifier(log), _Drafter(log)
+
+    async def go():
+        router = Router(verifier, drafter, Tokenizer(), config())
+        if tight:   # pools that cannot hold an ended request beside the running ones
+            fits, release_finished = router.kv.fits, router._release_finished
+
+            def no_room(*args):   # the check of `_release_finished`, once
+                router.kv.fits = fits
+                return False
+
+            async def tight_release_finished():
+                if any(r.done for r in router.running):
+                    router.kv.fits = no_room
+                await release_finished()
+                router.kv.fits = fits
+            router._release_finished = tight_release_finished
+        router.start()
+        try:
+            short = router.submit([5, 9, 2], SHORT, "short")
+            long = router.submit([1, 1, 4, 7, 3], LONG, "long")
+            outs = [asyncio.ensure_future(collect(r)) for r in (short, long)]
+            await outs[0]
+            if more:
+                outs.append(asyncio.ensure_future(collect(router.submit([60, 2], SHORT, "short"))))   # its id again
+            outs = await asyncio.gather(*outs)
+            for _ in range(50):
+                await asyncio.sleep(0.001)
+        finally:
+            await router.stop()
+        return outs
+
+    return log, run(go()), verifier, drafter
+
+
+def _after_last_verify_of(log, rid):
+    last = max(i for i, (what, ids) in enumerate(log) if what == "verify" and rid in ids)
+    return log[last + 1:]
+
+
+def test_the_next_draft_goes_before_the_release_of_an_ended_request():
+    log, outs, verifier, drafter = _serve()
+    assert [o[0] for o in outs] == [reference([5, 9, 2], 6), reference([1, 1, 4, 7, 3], 40)]
+    after = _after_last_verify_of(log, "short")
+    assert after[0] == ("draft", ("long",)), after[:4]
+    assert ("verifier release", ("short",)) in after and ("drafter release", ("short",)) in after
+    assert_clean(verifier, drafter)
+
+
+def test_a_prefill_waits_for_the_releases_and_an_id_waits_for_its_own():
+    log, outs, verifier, drafter = _serve(more=True)
+    assert [o[0] for o in outs] == [reference([5, 9, 2], 6), reference([1, 1, 4, 7, 3], 40), reference([60, 2], 6)]
+    i = log.index(("prefill", ("short",)), 1)   # the second request named "short"
+    before = log[:i]
+    assert ("verifier release", ("short",)) in before and ("drafter release", ("short",)) in before
+    assert verifier.errors == [] and drafter.errors == []
+    assert_clean(verifier, drafter)
+
+
+def test_pools_too_tight_to_hold_an_ended_request_release_it_first():
+    log, outs, verifier, drafter = _serve(tight=True)
+    assert [o[0] for o in outs] == [reference([5, 9, 2], 6), reference([1, 1, 4, 7, 3], 40)]
+    after = _after_last_verify_of(log, "short")
+    assert {after[0], after[1]} == {("verifier release", ("short",)), ("drafter release", ("short",))}, after[:4]
+    assert after[2] == ("draft", ("long",)), after[:4]
+    assert_clean(verifier, drafter)
