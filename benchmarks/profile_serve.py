@@ -316,6 +316,7 @@ def main(argv: list[str] | None = None) -> int:
             steps.update(dict.fromkeys(steps, 0.0))
             counters = [r.counters for r in getattr(router, "replicas", [router])]
             mixed0, admitted0 = (sum(c.mixed_prefills for c in counters), sum(c.requests_admitted for c in counters))
+            modes0 = [dict(c.mode_rounds) for c in counters]
             timeline.clear()
             timeline.on = True
             if timers:
@@ -339,6 +340,10 @@ def main(argv: list[str] | None = None) -> int:
                               ", ".join(f"{k} {100 * v / wall:.1f}%" for k, v in sorted(parts.items(), key=lambda kv: -kv[1])))
             report.append(f"  admitted {sum(c.requests_admitted for c in counters) - admitted0}, of which sent with a "
                           f"verify step {sum(c.mixed_prefills for c in counters) - mixed0}")
+            modes = Counter()
+            for c, m0 in zip(counters, modes0):
+                modes.update({m: n - m0.get(m, 0) for m, n in c.mode_rounds.items()})
+            report.append("  rounds by pipeline mode: " + ", ".join(f"{m} {n}" for m, n in modes.most_common() if n))
             report.append("  router: " + ", ".join(f"{k.lstrip('_')} {100 * v / wall:.1f}%" for k, v in steps.items()
                                                    if v > 0))
             if timeline.calls:   # the measured run: from the first engine call to the last one's end

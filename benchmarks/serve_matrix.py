@@ -234,7 +234,9 @@ def served_record(backend: str, method: str, rate, concurrency: int, result: dic
             "ttft_ms_p50": result["p50_ttft_ms"], "tpot_ms_p50": result["p50_tpot_ms"],
             "itl_ms_p50": result["p50_itl_ms"], "itl_ms_p99": result["p99_itl_ms"],
             "accept_length": result.get("acceptance_length"), "exact": exact,
-            "completed": result.get("completed"), "failed": result.get("failed"), "serve_args": serve_args}
+            "completed": result.get("completed"), "failed": result.get("failed"), "serve_args": serve_args,
+            # verify rounds by the pipeline mode that ran them (what `--pipeline auto` chose)
+            "mode_rounds": (result.get("server_counters") or {}).get("mode_rounds")}
 
 
 def run_matrix(args) -> dict:

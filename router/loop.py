@@ -523,14 +523,19 @@ class Router:
             admit = mixed = []
             if not self.running:
                 return
-        t0, before = time.perf_counter(), self._tokens_committed
+        t0, before, rounds = time.perf_counter(), self._tokens_committed, self.counters.rounds
         request_rounds = len(self.running) + len(admit) + len(mixed)
         self._capped_plain = self._drafted_any = False
         self._draft_failed = self._joining = frozenset()
-        if mode == "pingpong":
-            await self._pingpong_round()
-        else:
-            await self._sequential_round(ahead=mode == "ahead", admit=admit, mixed=mixed)
+        try:
+            if mode == "pingpong":
+                await self._pingpong_round()
+            else:
+                await self._sequential_round(ahead=mode == "ahead", admit=admit, mixed=mixed)
+        finally:   # the verifies this round ran (ping-pong: two), by its mode
+            by_mode = self.counters.mode_rounds
+            if self.counters.rounds > rounds:
+                by_mode[mode] = by_mode.get(mode, 0) + self.counters.rounds - rounds
         upkeep = time.perf_counter()
         if any(len(r.backlog) >= BACKLOG_ROUNDS for r in self.running):   # long plain stretches
             await self._flush_backlog([r for r in self.running if r.backlog])

@@ -6,7 +6,7 @@ Two sources, one registry (a private `CollectorRegistry`, so nothing process-glo
   time*, so /metrics can never drift from what the router (and GetServerStats) reports.
     counters   spectandem:spec_decode_num_drafts, _num_draft_tokens, _num_accepted_tokens,
                _num_accepted_tokens_per_pos{position} (position 0 = the first draft token),
-               spectandem:num_rounds, num_preemptions, num_resumes, num_fallback_rounds (drafter
+               spectandem:num_rounds, num_rounds_by_mode{mode} (the pipeline mode that ran them), num_preemptions, num_resumes, num_fallback_rounds (drafter
                unavailable), num_plain_rounds (speculation switched off), num_drafter_outages,
                num_stale_replies_dropped, num_draft_ahead_{hits,misses}, num_ready_trees,
                num_detached_admissions, num_mixed_prefills,
@@ -119,6 +119,11 @@ class RouterCollector:
         for i in range(max(self.positions, len(accepted))):
             per_pos.add_metric([str(i)], accepted[i] if i < len(accepted) else 0)
         yield per_pos
+        by_mode = CounterMetricFamily(PREFIX + "num_rounds_by_mode",
+                                      "Verification rounds by the pipeline mode that ran them", labels=["mode"])
+        for mode, n in sorted(c.mode_rounds.items()):
+            by_mode.add_metric([mode], n)
+        yield by_mode
         yield GaugeMetricFamily(PREFIX + "num_requests_running", "Requests in the running batch",
                                 value=len(self.router.running))
         yield GaugeMetricFamily(PREFIX + "num_requests_waiting", "Requests waiting for admission",

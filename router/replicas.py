@@ -96,6 +96,9 @@ class ReplicaSet:
                     mine.extend([0] * (len(theirs) - len(mine)))
                     for i, v in enumerate(theirs):
                         mine[i] += v
+                elif isinstance(mine, dict):     # per key (pipeline mode)
+                    for k, v in theirs.items():
+                        mine[k] = mine.get(k, 0) + v
                 else:
                     setattr(total, f.name, mine + theirs)
         return total

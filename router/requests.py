@@ -129,6 +129,8 @@ class RouterCounters:
     ready_trees: int = 0             # request-rounds verified with a tree the router held (no draft call)
     detached_admissions: int = 0     # requests admitted without the drafter ("auto" settled on plain)
     mixed_prefills: int = 0          # requests sent with a round's verify to be prefilled in its step (RouterConfig.mixed_prefill)
+    # Verification rounds by the pipeline mode that ran them (router/pipeline.py); they add up to `rounds`.
+    mode_rounds: dict[str, int] = field(default_factory=dict)
     requests_admitted: int = 0
     requests_finished: int = 0
     requests_failed: int = 0

@@ -153,6 +153,7 @@ def _stats(args) -> int:
     print(f"rounds {stats.rounds}  drafts {stats.num_drafts}  draft tokens {stats.draft_tokens}  "
           f"accepted {stats.accepted_tokens}  accept length {al:.2f}")
     print(f"accepted per position {list(stats.accepted_per_pos)}")
+    print("rounds by pipeline mode " + ("  ".join(f"{m} {n}" for m, n in sorted(stats.mode_rounds.items())) or "-"))
     print(f"preemptions {stats.preemptions}  resumes {stats.resumes}  stale dropped {stats.stale_dropped}  "
           f"fallback rounds {stats.fallback_rounds} (drafter unavailable; outages {stats.drafter_outages})  "
           f"plain rounds {stats.plain_rounds} (speculation off)  draft-ahead hits/misses {stats.draft_ahead_hits}/"

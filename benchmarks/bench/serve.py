@@ -456,6 +456,8 @@ def _counters(before, after, duration: float) -> dict | None:
     if before is None:
         return None
     out = {f: getattr(after, f) - getattr(before, f) for f in COUNTERS}
+    modes = {m: n - before.mode_rounds.get(m, 0) for m, n in after.mode_rounds.items()}   # by pipeline mode
+    out["mode_rounds"] = {m: n for m, n in sorted(modes.items()) if n}
     looked = out["draft_ahead_hits"] + out["draft_ahead_misses"]
     out["rounds_per_s"] = round(out["rounds"] / duration, 4)
     out["draft_ahead_hit_share"] = round(out["draft_ahead_hits"] / looked, 4) if looked else None

@@ -79,6 +79,9 @@ def test_counters_move_and_equal_the_routers(server):
     assert value(after, "spec_decode_num_drafts_total") == c.num_drafts
     assert value(after, "spec_decode_num_accepted_tokens_total") == c.accepted_tokens
     assert value(after, "num_rounds_total") == c.rounds
+    # Rounds by the pipeline mode that ran them: they add up to the rounds.
+    assert c.mode_rounds and sum(c.mode_rounds.values()) == c.rounds
+    assert {m: value(after, "num_rounds_by_mode_total", mode=m) for m in c.mode_rounds} == c.mode_rounds
     assert value(after, "num_fallback_rounds_total") == c.fallback_rounds
     for name in ("num_preemptions_total", "num_stale_replies_dropped_total", "num_requests_failed_total"):
         assert (P + name, ()) in after

@@ -447,3 +447,22 @@ def test_plain_rounds_pay_for_the_catch_ups_they_hold_back():
     keeps = lambda chosen: {m for m, n in _windows(chosen[200:]) if n > 8}
     assert keeps(_attached_plain_run(declared=True)) == {"sequential"}
     assert keeps(_attached_plain_run(declared=False)) == {"plain"}
+
+
+@pytest.mark.parametrize("pipeline", ["sequential", "pingpong", "ahead", "auto"])
+def test_rounds_are_counted_by_the_mode_that_ran_them(pipeline):
+    """RouterCounters.mode_rounds (GetServerStats, /metrics): every verify counted once, under the
+    mode of its round (a ping-pong round verifies twice); a fixed pipeline runs only its own mode."""
+    from tests.router.fakes import OracleVerifier, ScriptedDrafter
+    from tests.router.test_router_fakes import PROMPTS, config, run, serve
+
+    from spectandem.config import SamplingParams
+
+    long = SamplingParams(max_tokens=200, ignore_eos=True)   # enough rounds for auto to measure several modes
+    router, outs = run(serve(OracleVerifier(), ScriptedDrafter(), PROMPTS, long, cfg=config(pipeline=pipeline)))
+    c = router.counters
+    assert c.rounds > 0 and sum(c.mode_rounds.values()) == c.rounds, c.mode_rounds
+    if pipeline != "auto":
+        assert set(c.mode_rounds) == {pipeline}
+    else:
+        assert len(c.mode_rounds) > 1   # auto measured more than one mode

@@ -173,9 +173,11 @@ def test_stats_command(small_verifier_pool):
     assert out.returncode == 0, out.stderr
     d = json.loads(out.stdout)
     assert d["rounds"] > 0 and d["verifier_kv"]["num_blocks"] == 20 and "accepted_per_pos" in d
+    assert sum(d["mode_rounds"].values()) == d["rounds"]
     text = subprocess.run([sys.executable, "-m", "spectandem.cli", "stats", "--address", small_verifier_pool.address],
                           capture_output=True, text=True, timeout=60)
     assert "preemptions" in text.stdout and "verifier KV blocks" in text.stdout
+    assert "rounds by pipeline mode " in text.stdout and "rounds by pipeline mode -" not in text.stdout
 
 
 # ---------------------------------------------------------------- stale replies (router logic, faked delivery)

@@ -76,8 +76,10 @@ def test_counters_summed_listeners_shared_serving_aggregated():
     a, b = FakeRouter("a"), FakeRouter("b")
     a.counters.rounds, a.counters.accepted_per_pos = 3, [5, 2]
     b.counters.rounds, b.counters.accepted_per_pos = 4, [1, 1, 1]
+    a.counters.mode_rounds, b.counters.mode_rounds = {"sequential": 3}, {"sequential": 1, "plain": 3}
     rs = ReplicaSet([a, b])
     assert rs.counters.rounds == 7 and rs.counters.accepted_per_pos == [6, 3, 1]
+    assert rs.counters.mode_rounds == {"sequential": 4, "plain": 3}
     assert a.counters.rounds == 3                            # the replicas' own counters untouched
     heard = []
     rs.listeners.append(lambda event, req, data: heard.append(event))

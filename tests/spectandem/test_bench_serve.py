@@ -74,6 +74,8 @@ def test_grpc_run_writes_every_field_and_the_sdks_tokens(server, tmp_path):
     assert res["total_input_tokens"] == sum(q["prompt_tokens"] for q in res["requests"]) > 0
     # warm-ups were sent (7 requests finished on the server) but only the 5 measured ones count
     assert _finished(server) - before == 7 and res["server_counters"]["requests_finished"] == 5
+    modes = res["server_counters"]["mode_rounds"]   # the measured rounds, by pipeline mode
+    assert modes and sum(modes.values()) == res["server_counters"]["rounds"], modes
     assert (res["warmups"], res["warmup_failed"]) == (2, 0)
     assert res["acceptance_source"] == "grpc-stream-stats" and res["acceptance_length"] >= 1
     assert res["server_acceptance_length"] == res["acceptance_length"]   # no other client meanwhile
