@@ -17,8 +17,11 @@ pair small enough for a CPU (a check of the script, not a measurement).
 Every server runs with serve's defaults apart from the model and the port. Where acceptance is
 controlled, one pass over every prompt (longer than the measured ones) first lets the drafter
 learn each prompt's greedy continuation, and a second, unmeasured, lets `--pipeline auto` see
-drafts that are accepted before the measured runs. Each bench run then sends one wave of warm-up requests
-at its concurrency (not measured) and measures. Each record's `exact` says
+drafts that are accepted before the measured runs. A speculating server then runs each
+concurrency's prompts once unmeasured before measuring them: `--pipeline auto` measures its
+candidate modes per batch size (router/pipeline.py), and a server that has served such a load
+before has done so, where a first visit spends many of a short run's rounds on modes that lose.
+Each bench run sends one wave of warm-up requests at its concurrency (not measured) and measures. Each record's `exact` says
 whether every output equals the plain greedy output of the same prompt (the `--method none`
 server of the same backend).
 
@@ -321,6 +324,9 @@ def run_matrix(args) -> dict:
                 for c in concurrency:
                     n = max(args.min_prompts, args.prompts_per_slot * c)
                     try:
+                        if method != "none":   # auto's first measurements of this batch size, unmeasured
+                            bench_serve(server.port, c, n, args.max_tokens, 0, args.dataset,
+                                        logs / f"bench-{label}-settle-c{c}.json")
                         result = bench_serve(server.port, c, n, args.max_tokens, c, args.dataset,
                                              logs / f"bench-{label}-c{c}.json")
                     except (RuntimeError, subprocess.TimeoutExpired) as e:

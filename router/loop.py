@@ -532,10 +532,10 @@ class Router:
                 await self._pingpong_round()
             else:
                 await self._sequential_round(ahead=mode == "ahead", admit=admit, mixed=mixed)
-        finally:   # the verifies this round ran (ping-pong: two), by its mode
-            by_mode = self.counters.mode_rounds
+        finally:   # the verifies this round ran (ping-pong: two), by its mode (plain without a drafter)
+            by_mode, key = self.counters.mode_rounds, mode if self.drafter is not None else "plain"
             if self.counters.rounds > rounds:
-                by_mode[mode] = by_mode.get(mode, 0) + self.counters.rounds - rounds
+                by_mode[key] = by_mode.get(key, 0) + self.counters.rounds - rounds
         upkeep = time.perf_counter()
         if any(len(r.backlog) >= BACKLOG_ROUNDS for r in self.running):   # long plain stretches
             await self._flush_backlog([r for r in self.running if r.backlog])

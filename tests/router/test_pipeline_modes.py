@@ -466,3 +466,6 @@ def test_rounds_are_counted_by_the_mode_that_ran_them(pipeline):
         assert set(c.mode_rounds) == {pipeline}
     else:
         assert len(c.mode_rounds) > 1   # auto measured more than one mode
+    # Without a drafter every round is plain decoding, whatever the pipeline.
+    router, _ = run(serve(OracleVerifier(), None, PROMPTS, long, cfg=config(pipeline=pipeline, want_features=False)))
+    assert router.counters.mode_rounds == {"plain": router.counters.rounds} and router.counters.rounds > 0
