@@ -516,13 +516,13 @@ class Router:
             return
         await self._resync()
         mode = self._mode = self._modes.choose(len(self.running) + len(admit) + len(mixed), self.drafter_up)
-        if mode in ("ahead", "pingpong"):   # draft ahead forks requests on the drafter: its slots free first
-            await self._releases_landed()
-        if (admit or mixed) and mode in ("ahead", "pingpong"):   # their drafter calls go with the verify
-            await self._admit_first(admit + mixed)
-            admit = mixed = []
-            if not self.running:
-                return
+        if mode in ("ahead", "pingpong"):
+            await self._releases_landed()   # draft ahead forks requests on the drafter: its slots free first
+            if admit or mixed:   # their drafter calls go with the verify
+                await self._admit_first(admit + mixed)
+                admit = mixed = []
+                if not self.running:
+                    return
         t0, before, rounds = time.perf_counter(), self._tokens_committed, self.counters.rounds
         request_rounds = len(self.running) + len(admit) + len(mixed)
         self._capped_plain = self._drafted_any = False
@@ -990,14 +990,18 @@ class Router:
 
     def _releases_due(self) -> bool:
         """Whether an engine that answers still holds ids the router let go of."""
-        ending = {r.request_id for r in self._ending}   # their release is under way
+        ending = self._ending_ids()
         return bool(((self._release_v - ending) and self.serving) or ((self._release_d - ending) and self.drafter_up))
+
+    def _ending_ids(self) -> set[str]:
+        """Ids whose release is under way in the background (`_release_soon`): not released again."""
+        return {r.request_id for r in self._ending}
 
     async def _settle(self) -> None:
         """Before admission: finished requests are released on both sides (a new request may reuse
         an id), and what an engine that answers still holds for the router is let go of."""
         await self._release_finished()
-        ending = {r.request_id for r in self._ending}   # their release is under way
+        ending = self._ending_ids()
         ids = sorted(self._release_v - ending)
         if ids and self.serving:
             try:

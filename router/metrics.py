@@ -6,8 +6,9 @@ Two sources, one registry (a private `CollectorRegistry`, so nothing process-glo
   time*, so /metrics can never drift from what the router (and GetServerStats) reports.
     counters   spectandem:spec_decode_num_drafts, _num_draft_tokens, _num_accepted_tokens,
                _num_accepted_tokens_per_pos{position} (position 0 = the first draft token),
-               spectandem:num_rounds, num_rounds_by_mode{mode} (the pipeline mode that ran them), num_preemptions, num_resumes, num_fallback_rounds (drafter
-               unavailable), num_plain_rounds (speculation switched off), num_drafter_outages,
+               spectandem:num_rounds, num_rounds_by_mode{mode} (the pipeline mode that ran them),
+               num_preemptions, num_resumes, num_fallback_rounds (drafter unavailable),
+               num_plain_rounds (speculation switched off), num_drafter_outages,
                num_stale_replies_dropped, num_draft_ahead_{hits,misses}, num_ready_trees,
                num_detached_admissions, num_mixed_prefills,
                num_requests_{admitted,finished,failed,cancelled}

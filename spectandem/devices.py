@@ -21,6 +21,8 @@ def to_device(data, device, dtype: torch.dtype | None = None) -> torch.Tensor:
     """`torch.tensor(data, dtype=dtype, device=device)` (or a CPU tensor moved there), without a
     stream synchronization on CUDA."""
     device = torch.device(device)
+    if isinstance(data, torch.Tensor) and data.device == device and (dtype is None or data.dtype == dtype):
+        return data   # already there (say, features from an engine on the same device)
     t = data if isinstance(data, torch.Tensor) else torch.tensor(data, dtype=dtype)
     if dtype is not None and t.dtype != dtype:
         t = t.to(dtype)
@@ -59,7 +61,7 @@ def to_device_all(tensors: list[torch.Tensor], device, dtype: torch.dtype | None
     (concatenated on the host, split on the device into views)."""
     device = torch.device(device)
     if all(t.device == device and (dtype is None or t.dtype == dtype) for t in tensors):
-        return list(tensors)   # already there (features from an engine on the same device)
+        return list(tensors)   # already there, as `to_device` would find each
     same = len({t.shape[1:] for t in tensors}) == 1
     if device.type != "cuda" or len(tensors) < 2 or not same or any(t.device.type != "cpu" for t in tensors):
         return [to_device(t, device, dtype) for t in tensors]
