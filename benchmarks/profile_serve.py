@@ -253,16 +253,18 @@ def _bench(port: int, concurrency: int, num_prompts: int, max_tokens: int, out: 
     return bench_serve(port, concurrency, num_prompts, max_tokens, 0, None, out, during)
 
 
-def _device_trace(router, seconds: float, path: Path) -> str:
-    """A torch.profiler trace of the device only, `seconds` long from the first active request,
-    summarized by benchmarks/gpu_gaps.py."""
+def _device_trace(router, seconds: float, path: Path, host: bool = False) -> str:
+    """A torch.profiler trace of the device (`host`: and of the host's torch calls with their
+    Python stacks), `seconds` long from the first active request, summarized by
+    benchmarks/gpu_gaps.py."""
     import torch
 
     from benchmarks.gpu_gaps import summarize
 
+    acts = [torch.profiler.ProfilerActivity.CUDA] + ([torch.profiler.ProfilerActivity.CPU] if host else [])
     while router.num_active == 0:
         time.sleep(0.001)
-    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
+    with torch.profiler.profile(activities=acts, with_stack=host) as prof:
         time.sleep(seconds)
     prof.export_chrome_trace(str(path))
     return summarize(str(path), top=8)
@@ -279,6 +281,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--top", type=int, default=12, help="entries per thread (default: %(default)s)")
     ap.add_argument("--learn", action="store_true", help="one unmeasured pass first (controlled acceptance)")
     ap.add_argument("--gpu-trace", type=float, default=0.0, help="seconds of device trace per run (default: none)")
+    ap.add_argument("--trace-host", action="store_true",
+                    help="the device trace also records the host's torch calls with their Python stacks")
+    ap.add_argument("--trace-dir", default=None, help="where the device traces are kept (default: a temporary folder)")
     ap.add_argument("--time", default="", metavar="FUNCS",
                     help="comma-separated module:qualname functions to time during the measured runs")
     ap.add_argument("--out", help="write the report here too")
@@ -310,7 +315,8 @@ def main(argv: list[str] | None = None) -> int:
             _bench(port, c, c, a.max_tokens, work / f"warm-c{c}.json")   # graphs, auto's first picks
             busy0 = _busy(served.state)
             gpu = []
-            during = (lambda: gpu.append(_device_trace(router, a.gpu_trace, work / f"trace-c{c}.json"))
+            trace_dir = Path(a.trace_dir) if a.trace_dir else work
+            during = (lambda: gpu.append(_device_trace(router, a.gpu_trace, trace_dir / f"trace-c{c}.json", a.trace_host))
                       if a.gpu_trace > 0 else None)
             sampler.start()
             steps.update(dict.fromkeys(steps, 0.0))
