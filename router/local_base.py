@@ -38,7 +38,12 @@ class _LocalLink:
     since construction, each timed in the worker thread from the call's start until its stream
     is done: for a verify, the host's preparation, the forward, acceptance and the results on
     the host; not the wait for the lock or the thread. Calls of one link run one after another,
-    so the calls that start and end within an interval are busy for at most its length."""
+    so the calls that start and end within an interval are busy for at most its length.
+
+    An engine with an `after_call` (VerifierEngine: the decode ahead) gets it once a call that
+    wants it (`ahead_wanted`) has returned its results: it runs in the worker thread while the
+    caller goes on, queues its device work without waiting for it, and the link's next call
+    starts after it."""
 
     role = "engine"
 
@@ -47,6 +52,7 @@ class _LocalLink:
         self._lock = asyncio.Lock()
         self.busy_s: dict[str, float] = {}
         self._stream = engine_stream(engine)
+        self._after: asyncio.Future | None = None   # the engine's after_call, under way
 
     def _call(self, kind: str, fn, *args):
         t0 = time.perf_counter()
@@ -58,11 +64,25 @@ class _LocalLink:
         finally:
             self.busy_s[kind] = self.busy_s.get(kind, 0.0) + time.perf_counter() - t0
 
+    def _call_after(self) -> None:
+        """The engine's after_call on its stream, not waited for on the device."""
+        t0 = time.perf_counter()
+        try:
+            on_stream(self._stream, self.engine.after_call)
+        finally:
+            self.busy_s["after_call"] = self.busy_s.get("after_call", 0.0) + time.perf_counter() - t0
+
     async def _run(self, kind: str, fn, *args):
         async with self._lock:
             try:
-                return await asyncio.to_thread(self._call, kind, fn, *args)
+                if self._after is not None:
+                    after, self._after = self._after, None
+                    await after
+                out = await asyncio.to_thread(self._call, kind, fn, *args)
             except (ValueError, KeyError):  # bad input or a stale tag: the caller's to handle
                 raise
             except Exception as exc:  # the engine itself failed: the router treats it as gone
                 raise EngineUnavailable(f"{self.role} failed: {exc}") from exc
+            if getattr(self.engine, "ahead_wanted", False):
+                self._after = asyncio.ensure_future(asyncio.to_thread(self._call_after))
+            return out

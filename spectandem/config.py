@@ -175,11 +175,16 @@ class GpuPaths:
     tokens of bf16 plain decoding. It runs eagerly: the target's graphs are off with it.
     triton_attention: the target's verify steps attend through the Triton paged tree attention
     (spectandem/kernels/attention.py) instead of gathering the span and masking it densely; eager
-    or graphed. Not with batch_invariant, which attends through its own kernel."""
+    or graphed. Not with batch_invariant, which attends through its own kernel.
+    decode_ahead: after each plain multi-step decode the verifier queues the next one on the
+    device, so that it runs while the router commits, streams and prepares its next turn
+    (verifier/engine.py). The one path the CPU takes too when asked (it gains nothing there: the
+    host computes it)."""
 
     cuda_graphs: bool = False
     batch_invariant: bool = False
     triton_attention: bool = False
+    decode_ahead: bool = False
 
     def __post_init__(self):
         if self.triton_attention and self.batch_invariant:
@@ -190,14 +195,16 @@ class GpuPaths:
         """The paths as the flags give them (a flag left at None counts as off: see `resolve`)."""
         return GpuPaths(cuda_graphs=bool(getattr(args, "cuda_graphs", False)),
                         batch_invariant=bool(getattr(args, "batch_invariant", False)),
-                        triton_attention=bool(getattr(args, "triton_attention", False)))
+                        triton_attention=bool(getattr(args, "triton_attention", False)),
+                        decode_ahead=bool(getattr(args, "decode_ahead", False)))
 
     @staticmethod
     def resolve(args, device: str, platform: Platform) -> "GpuPaths":
         """The paths for `device` (resolved) from the flags: --cuda-graphs and --triton-attention
         left unset (None) are on on CUDA for a native target (Triton attention also needs Triton,
         and is off with --batch-invariant), off otherwise; --enforce-eager turns CUDA graphs off.
-        Asking for a path on the CPU, or for contradicting ones, is refused."""
+        Asking for a path on the CPU, or for contradicting ones, is refused; --decode-ahead, on by
+        default where the graphs are, may be asked for anywhere."""
         graphs, triton = getattr(args, "cuda_graphs", None), getattr(args, "triton_attention", None)
         invariant = bool(getattr(args, "batch_invariant", False))
         if getattr(args, "enforce_eager", False):
@@ -214,12 +221,17 @@ class GpuPaths:
             graphs = cuda
         if triton is None:
             triton = cuda and platform.triton and not invariant
-        return GpuPaths(cuda_graphs=bool(graphs), batch_invariant=invariant, triton_attention=bool(triton))
+        ahead = getattr(args, "decode_ahead", None)
+        if ahead is None:
+            ahead = cuda
+        return GpuPaths(cuda_graphs=bool(graphs), batch_invariant=invariant, triton_attention=bool(triton),
+                        decode_ahead=bool(ahead))
 
     def flags(self) -> list[str]:
         """Command-line flags that give an engine process the same paths, every one explicit."""
         return (["--cuda-graphs" if self.cuda_graphs else "--no-cuda-graphs",
-                 "--triton-attention" if self.triton_attention else "--no-triton-attention"]
+                 "--triton-attention" if self.triton_attention else "--no-triton-attention",
+                 "--decode-ahead" if self.decode_ahead else "--no-decode-ahead"]
                 + (["--batch-invariant"] if self.batch_invariant else []))
 
     def describe(self, role: str = "verifier") -> str:
@@ -227,7 +239,8 @@ class GpuPaths:
         if role == "verifier":
             names = [name for name, on in (("CUDA graphs", self.runner_kwargs()["cuda_graphs"]),
                                            ("Triton attention", self.triton_attention),
-                                           ("batch-invariant kernels", self.batch_invariant)) if on]
+                                           ("batch-invariant kernels", self.batch_invariant),
+                                           ("decode ahead", self.decode_ahead)) if on]
         else:
             names = ["CUDA graphs"] if self.cuda_graphs else []
         return ", ".join(names) or "eager"
@@ -255,6 +268,7 @@ def resolve_model_flags(args, platform: Platform):
     out.device, out.dtype = device, dtype
     out.cuda_graphs, out.triton_attention, out.batch_invariant = (paths.cuda_graphs, paths.triton_attention,
                                                                   paths.batch_invariant)
+    out.decode_ahead = paths.decode_ahead
     out.enforce_eager = False
     drafter_device = getattr(args, "drafter_device", None)
     if drafter_device not in (None, "auto"):

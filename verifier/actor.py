@@ -91,8 +91,10 @@ class VerifierActor:
         self._check_held([t.request_id for t in tags] + [p.tag.request_id for p in plain])
         outs, prefilled = verifier_verify_prefill(self.engine, draft_payload, tags, plain, want_features, items,
                                                   prefill_features, self.sender)
-        return ([replace(r, features=_put(r.features)) for r in outs],
-                [replace(r, features=_put(r.features)) for r in prefilled])
+        reply = ([replace(r, features=_put(r.features)) for r in outs],
+                 [replace(r, features=_put(r.features)) for r in prefilled])
+        self.engine.after_call()   # the features are in the object store: the decode ahead may go (verifier/engine.py)
+        return reply
 
     def features(self, tag: Tag) -> ray.ObjectRef | None:
         """An ObjectRef of the features of every committed position but the last."""

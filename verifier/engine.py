@@ -8,6 +8,17 @@ request in a verify batch it picks the acceptance rule:
 - sampled drafts with their probabilities: recursive rejection sampling (`verify_rejection`).
 Uniforms come from `spectandem.rng`, keyed by (seed, position, stream, index): a result never
 depends on what else is in the batch, and the global RNG is never touched.
+
+Decoding ahead (`decode_ahead`, serve --decode-ahead, on by default on CUDA): after a plain
+multi-step decode, the adapter that called it (router/local_base.py, verifier/service.py,
+verifier/actor.py) calls `after_call`, which queues on the device the next decode of the same
+requests, from the tokens just committed, before anyone asks for it. While the router commits and
+streams this call's tokens and prepares its next turn, the device decodes the next chunk. A next
+decode for those requests (all of them or some) at their committed lengths, with the same steps,
+takes its tokens from there; any other call first forgets it: its KV entries lie past the
+committed ones (scratch, written over later) and their blocks go back to the pool. The tokens are
+those the asked-for decode would compute from the same state: the same requests, or more of them
+in the batch, as a wider round would have it.
 """
 
 from __future__ import annotations
@@ -17,6 +28,7 @@ from dataclasses import dataclass
 import torch
 
 from spectandem import rng
+from spectandem.block_manager import KVCacheFull
 from spectandem.config import SamplingParams
 from spectandem.devices import to_device, to_host
 from spectandem.messages import DraftTree, PrefillOutput, StaleMessage, root_only_tree
@@ -60,12 +72,102 @@ class NewRequests:
         return self.request_ids, self.prompts, self.params, self.seeds, self.epochs, self.resume
 
 
+@dataclass
+class _DecodeAhead:
+    """A plain decode queued before anyone asked for it (`VerifierEngine.after_call`): the next
+    `steps` greedy tokens of each request in `rows` (request id -> (its row, the committed length
+    the decode starts from)), on the device."""
+    rows: dict[str, tuple[int, int]]
+    steps: int
+    features: bool
+    tokens: torch.Tensor            # [B, steps]
+    feats: torch.Tensor | None      # [B, steps, F] where `features`
+
+
 class VerifierEngine:
-    def __init__(self, runner, max_slots: int, vocab_size: int = 0):
+    def __init__(self, runner, max_slots: int, vocab_size: int = 0, decode_ahead: bool = False):
+        """`decode_ahead`: queue the next plain decode after each one (module docstring); only
+        for a runner that chains decode steps on the device (NativeRunner)."""
         self.runner = runner
         self.vocab_size = vocab_size
         self.requests: dict[str, _Request] = {}
         self.free_slots = list(range(max_slots - 1, -1, -1))
+        self.decode_ahead = decode_ahead and runner.chains_decode
+        self._ahead: _DecodeAhead | None = None
+        self._next: tuple[list[str], int, bool] | None = None   # what `after_call` queues
+        self.ahead_used = 0       # decodes whose tokens came from a decode ahead
+        self.ahead_dropped = 0    # decodes ahead forgotten unused
+
+    @property
+    def ahead_wanted(self) -> bool:
+        """Whether `after_call` has a decode to queue (the last call was a plain decode)."""
+        return self._next is not None
+
+    def after_call(self) -> None:
+        """Queues the decode ahead that the last call, a plain decode, asks for: the same steps
+        for the same requests (and those it prefilled), from their committed tokens. Adapters call
+        it once that call's results are complete and on their way (it does not wait for the
+        device). Nothing is queued where a request ended meanwhile, the context or the KV pool
+        has no room, or another call came first."""
+        nxt, self._next = self._next, None
+        if nxt is None or self._ahead is not None:
+            return
+        ids, steps, features = nxt
+        reqs = [self.requests.get(rid) for rid in ids]
+        if not reqs or any(r is None or r.committed_len - 1 + steps > self.max_len for r in reqs):
+            return
+        try:
+            tokens, feats = self.runner.decode_greedy([r.slot for r in reqs], [r.committed_len - 1 for r in reqs],
+                                                      [r.token_ids[-1] for r in reqs], steps, features)
+        except KVCacheFull:
+            for r in reqs:
+                self.runner.trim(r.slot, r.committed_len - 1)
+            return
+        self._ahead = _DecodeAhead({rid: (b, r.committed_len) for b, (rid, r) in enumerate(zip(ids, reqs))},
+                                   steps, features, tokens, feats)
+
+    def _take_ahead(self, request_ids: list[str], committed_lens: list[int], steps: int, features: bool):
+        """The decode ahead's tokens and features for this decode -> (tokens [B, steps], features
+        or None) on the device, or None where it was not this decode. Its other rows' KV goes, and
+        so do the entries past `steps` of a decode ahead of more steps (its first steps are this
+        decode's: the router cut the chunk at a request's end)."""
+        ahead, self._ahead = self._ahead, None
+        if ahead is None:
+            return None
+        rows = [ahead.rows.get(rid) for rid in request_ids]
+        if (steps > ahead.steps or (features and not ahead.features)
+                or any(r is None or r[1] != c for r, c in zip(rows, committed_lens))):
+            self._forget(ahead, set())
+            return None
+        self._forget(ahead, set(request_ids))
+        self.ahead_used += 1
+        tokens, feats = ahead.tokens, ahead.feats if features else None
+        if steps < ahead.steps:
+            for rid, c in zip(request_ids, committed_lens):
+                self.runner.trim(self.requests[rid].slot, c - 1 + steps)
+            tokens, feats = tokens[:, :steps], None if feats is None else feats[:, :steps]
+        index = [r[0] for r in rows]
+        if index != list(range(tokens.shape[0])):   # some of its requests: their rows, in this order
+            sel = to_device(index, tokens.device)
+            tokens, feats = tokens.index_select(0, sel), None if feats is None else feats.index_select(0, sel)
+        return tokens, feats
+
+    def _forget(self, ahead: _DecodeAhead, keep: set[str]) -> None:
+        """The KV that the decode ahead reserved past the committed entries goes back to the pool,
+        except for the requests in `keep` (whose decode it is)."""
+        for rid, (_, committed) in ahead.rows.items():
+            req = self.requests.get(rid)
+            if rid not in keep and req is not None:
+                self.runner.trim(req.slot, committed - 1)
+        if not keep:
+            self.ahead_dropped += 1
+
+    def _drop_ahead(self) -> None:
+        """Before any call but the decode ahead's own: forget it and what was to be queued."""
+        self._next = None
+        ahead, self._ahead = self._ahead, None
+        if ahead is not None:
+            self._forget(ahead, set())
 
     @property
     def max_len(self) -> int:
@@ -84,6 +186,7 @@ class VerifierEngine:
         """New requests: KV for the prompt, then the first token is sampled. Resumed requests
         (after preemption): `prompts` holds every committed token; KV is rebuilt for all but the
         last (the next round's root) and nothing is sampled."""
+        self._drop_ahead()
         new = NewRequests(request_ids, prompts, params, seeds, epochs, resume)
         slots = self._take_slots(new)
         try:
@@ -154,6 +257,7 @@ class VerifierEngine:
     def verify(self, tree: DraftTree, on_launch=None) -> list[Verdict]:
         """`on_launch()`, if given, is called once the forward is queued on the device, before
         the host waits for it (the router starts the drafter's work then: router/loop.py)."""
+        self._drop_ahead()
         reqs, logits, feats = self._launch(tree)
         if on_launch is not None:
             on_launch()
@@ -165,6 +269,7 @@ class VerifierEngine:
         runner carries them (`verify_and_prefill`; the prompts it leaves are prefilled after it)
         -> (the verdicts, the prefill outputs). The tree's requests and the new ones are checked
         before anything runs."""
+        self._drop_ahead()
         reqs = self._check_tree(tree)
 
         def step(slots, inputs):
@@ -242,9 +347,14 @@ class VerifierEngine:
         if not self.runner.chains_decode:   # a runner without the device chain: one plain verify per step
             outs = self.prefill(*new.prefill_args()) if new is not None else []
             return self._decode_by_rounds(request_ids, steps), outs
+        ahead = self._take_ahead(request_ids, committed_lens, steps, features) if new is None else None
+        if new is not None:
+            self._drop_ahead()
         args = ([r.slot for r in reqs], [r.committed_len - 1 for r in reqs], [r.token_ids[-1] for r in reqs], steps,
                 features)
-        if new is None:
+        if ahead is not None:
+            (tokens, feats), outs = ahead, []
+        elif new is None:
             (tokens, feats), outs = self.runner.decode_greedy(*args), []
         else:
             def step(slots, inputs):
@@ -254,6 +364,8 @@ class VerifierEngine:
         rows = to_host(tokens)[0].tolist()     # the only wait for the device
         for req, toks in zip(reqs, rows):
             req.token_ids.extend(toks)
+        if self.decode_ahead and (new is None or all(p.greedy for p in new.params)):
+            self._next = (list(request_ids) + ([] if new is None else list(new.request_ids)), steps, features)
         per = [None] * len(reqs) if feats is None else feats.unbind(0)   # one call, not one index per request
         return [Verdict(Tag(rid, req.epoch, req.committed_len), token_ids=toks, num_accepted=0,
                         num_draft_tokens=0, features=f)
@@ -278,6 +390,7 @@ class VerifierEngine:
         indices in order, -1 after it; the runner keeps those nodes' KV. token_ids[b]: the tokens
         the round commits for request b (accepted drafts, then the bonus). `verify` ends here, and
         so does the fused graph round (verifier/fused.py), which reaches its verdict on the device."""
+        self._drop_ahead()
         reqs = [self.requests[rid] for rid in request_ids]
         self.runner.commit([r.slot for r in reqs], [r.committed_len - 1 for r in reqs], accepted_nodes)
         for req, toks in zip(reqs, token_ids):
@@ -353,6 +466,10 @@ class VerifierEngine:
                               for d in range(width)] for b in idx], dtype=torch.float64)
 
     def release(self, request_id: str) -> None:
+        """Frees the request's slot and KV. A decode ahead keeps the other requests' rows: the
+        next decode of the rest still takes its tokens from there."""
+        if self._ahead is not None:
+            self._ahead.rows.pop(request_id, None)
         req = self.requests.pop(request_id, None)
         if req is not None:
             self.runner.release(req.slot)

@@ -48,7 +48,7 @@ def build_engine(config: EngineConfig, feature_layers=None, progress=_progress, 
         _size_pool(runner, config, vocab, memory.allocated_bytes(config.device) - before, progress)
     if on_cpu and isinstance(runner, NativeRunner):
         _size_cpu_pool(runner, config, progress)
-    engine = VerifierEngine(runner, config.max_slots, vocab)
+    engine = VerifierEngine(runner, config.max_slots, vocab, decode_ahead=config.gpu.decode_ahead)
     if warm_up:
         warm_up_engine(engine, config, progress)
     return engine

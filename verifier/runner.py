@@ -547,6 +547,11 @@ class NativeRunner:
         for slot, c, k in zip(slots, cache_lens, kept):
             self.cache.trim(slot, c + k)
 
+    def trim(self, slot: int, num_entries: int) -> None:
+        """The slot's blocks past its first `num_entries` entries go back to the pool (a decode
+        ahead that nobody took: verifier/engine.py)."""
+        self.cache.trim(slot, num_entries)
+
     def release(self, slot: int) -> None:
         self.cache.free(slot)
 

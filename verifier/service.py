@@ -68,8 +68,10 @@ class VerifierServicer(engines_pb2_grpc.VerifierServicer):
         items = [codec.verifier_prefill_item_from_msg(m) for m in request.prefill]
         results, prefilled = verifier_verify_prefill(self.engine, tree, tags, plain, request.want_features, items,
                                                      request.prefill_features, self.sender)
-        return engines_pb2.VerifyReply(results=[codec.verdict_to_msg(r) for r in results],
-                                       prefilled=[codec.verifier_prefill_result_to_msg(r) for r in prefilled])
+        reply = engines_pb2.VerifyReply(results=[codec.verdict_to_msg(r) for r in results],
+                                        prefilled=[codec.verifier_prefill_result_to_msg(r) for r in prefilled])
+        self.engine.after_call()   # the reply holds the results: the decode ahead may go (verifier/engine.py)
+        return reply
 
     def _features(self, request: engines_pb2.FeaturesRequest) -> engines_pb2.FeaturesReply:
         feats = verifier_features(self.engine, codec.tag_from_msg(request.tag))

@@ -1,0 +1,143 @@
+"""The router's plain multi-step rounds against a verifier that decodes ahead (serve
+--decode-ahead: verifier/engine.py), behind the in-process link (router/local_base.py runs the
+engine's after_call once a call has returned) and behind a real gRPC verifier service in this
+process (verifier/service.py calls it once the reply is built). Real demo target, fp32 on the
+CPU: tokens, text and finish reasons equal one-step plain decoding's (LocalSpeculator), with
+max_tokens, eos and stop strings falling inside a chunk, requests of several lengths ending while
+the others go on; the decodes ahead were taken (not only queued), and once every request has
+ended the verifier holds no request and no KV block."""
+
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+
+from router.links_local import LocalVerifierLink
+from router.loop import Router
+from router.requests import RouterConfig
+from spectandem.config import SamplingParams, SpecConfig
+from spectandem.demo import demo_paths
+from router.local import LocalSpeculator
+from tests.e2e.conftest import PROMPT_TEXTS
+from tests.router.test_links_grpc import _LoopThread
+from verifier.engine import VerifierEngine
+
+MAX_LEN = 256
+
+
+@pytest.fixture(scope="module")
+def plain():
+    return LocalSpeculator(*demo_paths("none"), SpecConfig(method="none"), max_slots=8, max_len=MAX_LEN)
+
+
+def _workload(plain):
+    prompts = [plain.tokenizer.encode(x).ids for x in PROMPT_TEXTS[:7]]
+    params = ([SamplingParams(max_tokens=m) for m in (5, 13, 40, 1, 22)]
+              + [SamplingParams(max_tokens=40, stop=["(self"]), SamplingParams(max_tokens=31)])
+    plain_ones = [0, 1, 2, 3, 4, 6]
+    want = [(c.token_ids, c.finish_reason) for c in plain.generate([prompts[i] for i in plain_ones],
+                                                                      [params[i] for i in plain_ones])]
+    reference = plain.generate([prompts[5]], [SamplingParams(max_tokens=40)])[0]
+    full = plain.tokenizer.decode(reference.token_ids)
+    assert "(self" in full, "the stop-string case needs a continuation that contains it"
+    return prompts, params, want, full[: full.index("(self")]
+
+
+def _run(router: Router, prompts, params):
+    async def main():
+        router.start()
+
+        async def one(prompt, p):
+            req = router.submit(prompt, p)
+            toks, text = [], ""
+            while True:
+                ev = await req.events.get()
+                toks += ev.token_ids
+                text += ev.text
+                if ev.finish_reason:
+                    return toks, text, ev.finish_reason
+        try:
+            return await asyncio.gather(*(one(x, p) for x, p in zip(prompts, params)))
+        finally:
+            await router.stop()
+    return asyncio.run(main())
+
+
+def _router(link, plain) -> Router:
+    router = Router(link, None, plain.tokenizer, RouterConfig(max_len=MAX_LEN, eos_token_ids=plain.eos_token_ids,
+                                                              lookahead=1, want_features=False, plain_steps=4))
+    router._modes.choose = lambda num_running, drafter_up: "plain"
+    return router
+
+
+def _check(got, want, stopped, plain, engine):
+    others = got[:5] + got[6:]
+    assert [(t, r) for t, _, r in others] == want
+    for (toks, text, _), (wt, _) in zip(others, want):
+        assert text == plain.tokenizer.decode(wt)
+    assert got[5][2] == "stop" and got[5][1] == stopped
+    assert engine.ahead_used >= 5, (engine.ahead_used, engine.ahead_dropped)
+    assert not engine.requests and engine.kv_stats()["used_blocks"] == 0
+
+
+def _ahead_engine(plain) -> VerifierEngine:
+    """A verifier engine on the reference's runner (its KV pool; the reference holds nothing) that decodes ahead."""
+    assert not plain.verifier.requests
+    return VerifierEngine(plain.verifier.runner, 8, plain.verifier.vocab_size, decode_ahead=True)
+
+
+def test_in_process_link(plain):
+    prompts, params, want, stopped = _workload(plain)
+    engine = _ahead_engine(plain)
+    got = _run(_router(LocalVerifierLink(engine), plain), prompts, params)
+    _check(got, want, stopped, plain, engine)
+
+
+def test_grpc_verifier_service(plain):
+    from router.links_grpc import GrpcVerifierLink
+    from verifier.service import start_verifier_server
+
+    prompts, params, want, stopped = _workload(plain)
+    engine = _ahead_engine(plain)
+    bg = _LoopThread()
+    server = bg.run(start_verifier_server(engine, "127.0.0.1", 0))
+    try:
+        async def main():
+            link = GrpcVerifierLink(f"127.0.0.1:{server.port}")
+            try:
+                router = _router(link, plain)
+                router.start()
+
+                async def one(prompt, p):
+                    req = router.submit(prompt, p)
+                    toks, text = [], ""
+                    while True:
+                        ev = await req.events.get()
+                        toks += ev.token_ids
+                        text += ev.text
+                        if ev.finish_reason:
+                            return toks, text, ev.finish_reason
+                try:
+                    return await asyncio.gather(*(one(x, p) for x, p in zip(prompts, params)))
+                finally:
+                    await router.stop()
+            finally:
+                await link.close()
+        got = asyncio.run(main())
+    finally:
+        bg.run(server.stop(0))
+        bg.close()
+    _check(got, want, stopped, plain, engine)
+
+
+def test_negative_control_without_decoding_ahead(plain):
+    """The same run on an engine that does not decode ahead takes none: `_check`'s count of
+    decodes taken from ahead is the feature's, not the workload's."""
+    prompts, params, want, stopped = _workload(plain)
+    engine = VerifierEngine(plain.verifier.runner, 8, plain.verifier.vocab_size)
+    got = _run(_router(LocalVerifierLink(engine), plain), prompts, params)
+    assert [(t, r) for t, _, r in got[:5] + got[6:]] == want
+    assert engine.ahead_used == 0
+    with pytest.raises(AssertionError):
+        _check(got, want, stopped, plain, engine)
