@@ -767,9 +767,25 @@ class Router:
         """A verify's plain rows (the group's requests without a draft) and whether it wants
         features: not for a round of detached requests only, on which no drafter catches up."""
         steps = self._plain_steps(group) if not drafted else 1
-        plain = [PlainItem(r.tag(), r.tokens[-1], steps) for r in group if r not in drafted]
+        rows = [r for r in group if r not in drafted]
+        # What each may generate after this call; the next call decodes the least of it (one
+        # step: a verify, which a decode ahead does not serve).
+        after = [r.tokens_left(self.cfg.max_len) - steps for r in rows]
+        again = steps > 1 and min((a for a in after if a > 0), default=0) > 1 and self._next_turn_alike()
+        plain = [PlainItem(r.tag(), r.tokens[-1], steps, again and a > 0) for r, a in zip(rows, after)]
         want = self.cfg.want_features and (any(r.on_drafter for r in group) or not any(r.detached for r in group))
         return plain, want
+
+    def _next_turn_alike(self) -> bool:
+        """Whether the next turn is expected to decode the same requests plainly again (what a
+        plain item's `again` tells a verifier that decodes ahead): no request waits to be admitted
+        (or none could be), and the next round runs in this round's mode, whose rows are plain
+        (router/pipeline.py `continues`; the acceptance switch stays off where it made them so)."""
+        if self.waiting and len(self.running) < self.cfg.max_running:
+            return False
+        if not self.drafter_up or self._mode == "plain":
+            return self._modes.continues(self.drafter_up)
+        return self._modes.continues(self.drafter_up) and self._switch.off(self.counters.rounds + 1)
 
     async def _verify_with_prefill(self, draft, drafted: list[ServedRequest], group: list[ServedRequest],
                                    mixed: list[ServedRequest]):

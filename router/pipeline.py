@@ -282,6 +282,15 @@ class ModeChooser:
                     "tokens/s: %s)", s.mode, num_running, {k: round(v, 1) for k, v in rates.items()})
         return s.mode
 
+    def continues(self, drafter_up: bool) -> bool:
+        """Whether the round after this one (being run) is expected in this one's mode: always
+        with a fixed pipeline or without a drafter; in "auto", while the phase under way has
+        rounds left after this one (the batch staying in its class)."""
+        if not drafter_up or self.cfg.pipeline != "auto":
+            return True
+        s = self._state
+        return s.left > 1 and not (s.phase == "keep" and s.elapsed >= self.cfg.max_keep_seconds)
+
     def forget_text(self) -> None:
         """Keeps what the rounds so far say of the engines and forgets what they say of the text
         (serve's warm-up, router/loop.py): each batch class keeps its modes' speeds (request-rounds

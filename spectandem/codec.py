@@ -269,11 +269,11 @@ def verifier_prefill_result_from_msg(msg: engines_pb2.VerifierPrefillResult) -> 
 
 
 def plain_item_to_msg(p: PlainItem) -> engines_pb2.PlainItem:
-    return engines_pb2.PlainItem(tag=tag_to_msg(p.tag), last_token_id=p.last_token_id, steps=p.steps)
+    return engines_pb2.PlainItem(tag=tag_to_msg(p.tag), last_token_id=p.last_token_id, steps=p.steps, again=p.again)
 
 
 def plain_item_from_msg(msg: engines_pb2.PlainItem) -> PlainItem:
-    return PlainItem(tag_from_msg(msg.tag), msg.last_token_id, max(1, msg.steps))
+    return PlainItem(tag_from_msg(msg.tag), msg.last_token_id, max(1, msg.steps), msg.again)
 
 
 def verdict_to_msg(r: Verdict) -> engines_pb2.VerifyResultMsg:

@@ -176,10 +176,10 @@ class GpuPaths:
     triton_attention: the target's verify steps attend through the Triton paged tree attention
     (spectandem/kernels/attention.py) instead of gathering the span and masking it densely; eager
     or graphed. Not with batch_invariant, which attends through its own kernel.
-    decode_ahead: after each plain multi-step decode the verifier queues the next one on the
-    device, so that it runs while the router commits, streams and prepares its next turn
-    (verifier/engine.py). The one path the CPU takes too when asked (it gains nothing there: the
-    host computes it)."""
+    decode_ahead: after a plain multi-step decode the verifier queues the next one on the device
+    where the router expects to ask for it (PlainItem.again), so that it runs while the router
+    commits, streams and prepares its next turn (verifier/engine.py). Off unless asked for, on
+    any device (on the CPU it gains nothing: the host computes it)."""
 
     cuda_graphs: bool = False
     batch_invariant: bool = False
@@ -203,8 +203,8 @@ class GpuPaths:
         """The paths for `device` (resolved) from the flags: --cuda-graphs and --triton-attention
         left unset (None) are on on CUDA for a native target (Triton attention also needs Triton,
         and is off with --batch-invariant), off otherwise; --enforce-eager turns CUDA graphs off.
-        Asking for a path on the CPU, or for contradicting ones, is refused; --decode-ahead, on by
-        default where the graphs are, may be asked for anywhere."""
+        Asking for a path on the CPU, or for contradicting ones, is refused; --decode-ahead, off
+        unless given, may be asked for anywhere."""
         graphs, triton = getattr(args, "cuda_graphs", None), getattr(args, "triton_attention", None)
         invariant = bool(getattr(args, "batch_invariant", False))
         if getattr(args, "enforce_eager", False):
@@ -221,11 +221,8 @@ class GpuPaths:
             graphs = cuda
         if triton is None:
             triton = cuda and platform.triton and not invariant
-        ahead = getattr(args, "decode_ahead", None)
-        if ahead is None:
-            ahead = cuda
         return GpuPaths(cuda_graphs=bool(graphs), batch_invariant=invariant, triton_attention=bool(triton),
-                        decode_ahead=bool(ahead))
+                        decode_ahead=bool(getattr(args, "decode_ahead", False)))
 
     def flags(self) -> list[str]:
         """Command-line flags that give an engine process the same paths, every one explicit."""

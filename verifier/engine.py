@@ -9,13 +9,14 @@ request in a verify batch it picks the acceptance rule:
 Uniforms come from `spectandem.rng`, keyed by (seed, position, stream, index): a result never
 depends on what else is in the batch, and the global RNG is never touched.
 
-Decoding ahead (`decode_ahead`, serve --decode-ahead, on by default on CUDA): after a plain
-multi-step decode, the adapter that called it (router/local_base.py, verifier/service.py,
-verifier/actor.py) calls `after_call`, which queues on the device the next decode of the same
-requests, from the tokens just committed, before anyone asks for it. While the router commits and
+Decoding ahead (`decode_ahead`, serve --decode-ahead): after a plain multi-step decode, the
+adapter that called it (router/local_base.py, verifier/service.py, verifier/actor.py) calls
+`after_call`, which queues on the device the next decode of the requests the router expects to
+ask for again (PlainItem.again: no request waiting to be admitted, the same mode, the request not
+ending), from the tokens just committed, before anyone asks for it. While the router commits and
 streams this call's tokens and prepares its next turn, the device decodes the next chunk. A next
-decode for those requests (all of them or some) at their committed lengths, with the same steps,
-takes its tokens from there; any other call first forgets it: its KV entries lie past the
+decode for those requests (all of them or some) at their committed lengths, with as many steps or
+fewer, takes its tokens from there; any other call first forgets it: its KV entries lie past the
 committed ones (scratch, written over later) and their blocks go back to the pool. The tokens are
 those the asked-for decode would compute from the same state: the same requests, or more of them
 in the batch, as a wider round would have it.
@@ -105,7 +106,7 @@ class VerifierEngine:
 
     def after_call(self) -> None:
         """Queues the decode ahead that the last call, a plain decode, asks for: the same steps
-        for the same requests (and those it prefilled), from their committed tokens. Adapters call
+        for its requests marked `again` (and those it prefilled), from their committed tokens. Adapters call
         it once that call's results are complete and on their way (it does not wait for the
         device). Nothing is queued where a request ended meanwhile, the context or the KV pool
         has no room, or another call came first."""
@@ -317,11 +318,12 @@ class VerifierEngine:
         return reqs
 
     def decode(self, request_ids: list[str], committed_lens: list[int], steps: int,
-               features: bool = True) -> list[Verdict]:
-        return self.decode_with_prefill(request_ids, committed_lens, steps, None, features)[0]
+               features: bool = True, again: list[str] | None = None) -> list[Verdict]:
+        return self.decode_with_prefill(request_ids, committed_lens, steps, None, features, again)[0]
 
     def decode_with_prefill(self, request_ids: list[str], committed_lens: list[int], steps: int,
-                            new: "NewRequests | None", features: bool = True) -> tuple[list[Verdict], list[PrefillOutput]]:
+                            new: "NewRequests | None", features: bool = True,
+                            again: list[str] | None = None) -> tuple[list[Verdict], list[PrefillOutput]]:
         """Plain greedy decoding of `steps` tokens for each request (temperature 0 only), in one
         call: the tokens `steps` plain rounds would commit, with the host never waiting between
         steps where the runner can chain them on the device (`NativeRunner.decode_greedy`).
@@ -330,7 +332,9 @@ class VerifierEngine:
         `features` False none are captured (a round no drafter catches up on).
         `new`: requests prefilled in the first step where the runner carries them
         (NativeRunner.decode_greedy's `prompts`), else before it -> (the verdicts, the new
-        requests' prefill outputs)."""
+        requests' prefill outputs). `again`: the requests whose next decode the caller expects
+        to ask for next (PlainItem.again; None: all of them): with `decode_ahead`, `after_call`
+        queues it for them, and for the new requests when there are any."""
         if steps < 1:
             raise ValueError(f"steps must be >= 1, got {steps}")
         reqs = [self.requests[rid] for rid in request_ids]
@@ -364,8 +368,10 @@ class VerifierEngine:
         rows = to_host(tokens)[0].tolist()     # the only wait for the device
         for req, toks in zip(reqs, rows):
             req.token_ids.extend(toks)
-        if self.decode_ahead and (new is None or all(p.greedy for p in new.params)):
-            self._next = (list(request_ids) + ([] if new is None else list(new.request_ids)), steps, features)
+        wanted = set(request_ids if again is None else again)
+        queued = [rid for rid in request_ids if rid in wanted]
+        if self.decode_ahead and queued and (new is None or all(p.greedy for p in new.params)):
+            self._next = (queued + ([] if new is None else list(new.request_ids)), steps, features)
         per = [None] * len(reqs) if feats is None else feats.unbind(0)   # one call, not one index per request
         return [Verdict(Tag(rid, req.epoch, req.committed_len), token_ids=toks, num_accepted=0,
                         num_draft_tokens=0, features=f)

@@ -62,7 +62,8 @@ def verifier_verify_prefill(engine, tree: DraftTree | None, tags: list[Tag], pla
                              f"got {sorted(steps)}{' with a tree' if tree is not None else ''}")
         outs, prefilled = engine.decode_with_prefill([p.tag.request_id for p in plain],
                                                      [p.tag.committed_len for p in plain], steps.pop(), new,
-                                                     features=want_features)
+                                                     features=want_features,
+                                                     again=[p.tag.request_id for p in plain if p.again])
     else:
         rows = root_only_tree([p.tag.request_id for p in plain], [p.tag.committed_len for p in plain],
                               [p.last_token_id for p in plain]) if plain else None

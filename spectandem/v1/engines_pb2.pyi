@@ -72,14 +72,16 @@ class DraftTreeMsg(_message.Message):
     def __init__(self, tags: _Optional[_Iterable[_Union[_common_pb2.RequestTag, _Mapping]]] = ..., token_ids: _Optional[_Union[_common_pb2.Tensor, _Mapping]] = ..., parents: _Optional[_Union[_common_pb2.Tensor, _Mapping]] = ..., node_valid: _Optional[_Union[_common_pb2.Tensor, _Mapping]] = ..., scores: _Optional[_Union[_common_pb2.Tensor, _Mapping]] = ..., draft_probs: _Optional[_Union[_common_pb2.Tensor, _Mapping]] = ..., sampled: _Optional[_Iterable[bool]] = ...) -> None: ...
 
 class PlainItem(_message.Message):
-    __slots__ = ("tag", "last_token_id", "steps")
+    __slots__ = ("tag", "last_token_id", "steps", "again")
     TAG_FIELD_NUMBER: _ClassVar[int]
     LAST_TOKEN_ID_FIELD_NUMBER: _ClassVar[int]
     STEPS_FIELD_NUMBER: _ClassVar[int]
+    AGAIN_FIELD_NUMBER: _ClassVar[int]
     tag: _common_pb2.RequestTag
     last_token_id: int
     steps: int
-    def __init__(self, tag: _Optional[_Union[_common_pb2.RequestTag, _Mapping]] = ..., last_token_id: _Optional[int] = ..., steps: _Optional[int] = ...) -> None: ...
+    again: bool
+    def __init__(self, tag: _Optional[_Union[_common_pb2.RequestTag, _Mapping]] = ..., last_token_id: _Optional[int] = ..., steps: _Optional[int] = ..., again: _Optional[bool] = ...) -> None: ...
 
 class VerifyRequest(_message.Message):
     __slots__ = ("tree", "want_features", "plain", "prefill", "prefill_features")

@@ -5,7 +5,9 @@ process (verifier/service.py calls it once the reply is built). Real demo target
 CPU: tokens, text and finish reasons equal one-step plain decoding's (LocalSpeculator), with
 max_tokens, eos and stop strings falling inside a chunk, requests of several lengths ending while
 the others go on; the decodes ahead were taken (not only queued), and once every request has
-ended the verifier holds no request and no KV block."""
+ended the verifier holds no request and no KV block. And the router's hint (PlainItem.again),
+on its own: a row is marked for the requests that go on alike into the next call, none while
+requests wait to be admitted, before a one-step call, or at the end of an "auto" window."""
 
 from __future__ import annotations
 
@@ -141,3 +143,58 @@ def test_negative_control_without_decoding_ahead(plain):
     assert engine.ahead_used == 0
     with pytest.raises(AssertionError):
         _check(got, want, stopped, plain, engine)
+
+
+# ----------------------------------------------------------------------------------------------
+# The router's hint (PlainItem.again): which plain rows it expects to decode again next call
+
+
+def _rows_router(max_tokens: list[int], generated: int, **cfg) -> Router:
+    from router.detok import Detokenizer
+    from router.requests import RequestStatus, ServedRequest
+    from tests.router.fakes import Tokenizer
+
+    router = Router(None, None, Tokenizer(), RouterConfig(max_len=MAX_LEN, eos_token_ids=(0,), lookahead=1,
+                                                          want_features=False, plain_steps=4, **cfg))
+    for i, m in enumerate(max_tokens):
+        r = ServedRequest(f"r{i}", [5, 6], SamplingParams(max_tokens=m), 0, Detokenizer(Tokenizer()),
+                          status=RequestStatus.RUNNING, on_verifier=True)
+        r.tokens = [7] * generated
+        router.running.append(r)
+    return router
+
+
+def _again(router: Router) -> tuple[int, list[bool]]:
+    items, _ = router._verify_rows([], router.running)
+    return items[0].steps, [p.again for p in items]
+
+
+def test_again_for_requests_that_go_on_alike():
+    # 10 generated: max_tokens 30 and 40 go on for chunks of 4; 14 ends with this call.
+    assert _again(_rows_router([30, 40, 14], 10)) == (4, [True, True, False])
+    # The next call would be one step (a verify: nothing a decode ahead serves).
+    assert _again(_rows_router([30, 15], 10)) == (4, [False, False])
+    # A chunk cut to 3 by a request's end, the rest going on.
+    assert _again(_rows_router([13, 40], 10)) == (3, [False, True])
+
+
+def test_no_again_while_requests_wait_to_be_admitted():
+    router = _rows_router([40, 40, 40], 10)
+    router.waiting.append(router.running.pop())
+    assert _again(router) == (4, [False, False])
+    full = _rows_router([40, 40], 10, max_running=2)      # the running batch is full: none can be admitted
+    full.waiting.append(_rows_router([40], 0).running[0])
+    assert _again(full) == (4, [True, True])
+
+
+def test_no_again_when_auto_ends_its_phase():
+    from router.pipeline import ModeChooser
+
+    router = _rows_router([40, 40], 10)
+    router.drafter_up, router._mode = True, "plain"
+    router._modes = ModeChooser(router.cfg)
+    router._modes.choose(2, True)            # measures its first candidate for a window
+    router._modes._state.left = 2
+    assert _again(router)[1] == [True, True]
+    router._modes._state.left = 1            # this round is the window's last: the next may be another mode
+    assert _again(router)[1] == [False, False]

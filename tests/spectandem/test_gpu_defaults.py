@@ -32,7 +32,7 @@ def _resolved(platform: Platform, *argv: str) -> tuple[str, str, GpuPaths]:
 def test_defaults_are_auto():
     args = _flags()
     assert (args.device, args.dtype, args.cuda_graphs, args.triton_attention, args.batch_invariant,
-            args.enforce_eager, args.decode_ahead) == ("auto", "auto", None, None, False, False, None)
+            args.enforce_eager, args.decode_ahead) == ("auto", "auto", None, None, False, False, False)
 
 
 @pytest.mark.parametrize("device, gpus, want", [("auto", 0, "cpu"), ("auto", 1, "cuda"), ("auto", 4, "cuda"),
@@ -59,25 +59,22 @@ TABLE = [
     (CPU, [], ("cpu", "float32", GpuPaths())),
     (CPU, ["--no-cuda-graphs", "--no-triton-attention", "--enforce-eager"], ("cpu", "float32", GpuPaths())),
     (CPU, ["--dtype", "float64"], ("cpu", "float64", GpuPaths())),
-    (ONE_GPU, [], ("cuda", "bfloat16", GpuPaths(cuda_graphs=True, triton_attention=True, decode_ahead=True))),
+    (ONE_GPU, [], ("cuda", "bfloat16", GpuPaths(cuda_graphs=True, triton_attention=True))),
     (ONE_GPU, ["--device", "cpu"], ("cpu", "float32", GpuPaths())),
     (ONE_GPU, ["--device", "cuda:0", "--dtype", "float16"],
-     ("cuda:0", "float16", GpuPaths(cuda_graphs=True, triton_attention=True, decode_ahead=True))),
-    (ONE_GPU, ["--no-cuda-graphs"], ("cuda", "bfloat16", GpuPaths(triton_attention=True, decode_ahead=True))),
-    (ONE_GPU, ["--enforce-eager"], ("cuda", "bfloat16", GpuPaths(triton_attention=True, decode_ahead=True))),
-    (ONE_GPU, ["--enforce-eager", "--no-cuda-graphs"],
-     ("cuda", "bfloat16", GpuPaths(triton_attention=True, decode_ahead=True))),
-    (ONE_GPU, ["--no-triton-attention"], ("cuda", "bfloat16", GpuPaths(cuda_graphs=True, decode_ahead=True))),
-    (ONE_GPU, ["--batch-invariant"],
-     ("cuda", "bfloat16", GpuPaths(cuda_graphs=True, batch_invariant=True, decode_ahead=True))),
-    (ONE_GPU, ["--batch-invariant", "--enforce-eager"],
-     ("cuda", "bfloat16", GpuPaths(batch_invariant=True, decode_ahead=True))),
+     ("cuda:0", "float16", GpuPaths(cuda_graphs=True, triton_attention=True))),
+    (ONE_GPU, ["--no-cuda-graphs"], ("cuda", "bfloat16", GpuPaths(triton_attention=True))),
+    (ONE_GPU, ["--enforce-eager"], ("cuda", "bfloat16", GpuPaths(triton_attention=True))),
+    (ONE_GPU, ["--enforce-eager", "--no-cuda-graphs"], ("cuda", "bfloat16", GpuPaths(triton_attention=True))),
+    (ONE_GPU, ["--no-triton-attention"], ("cuda", "bfloat16", GpuPaths(cuda_graphs=True))),
+    (ONE_GPU, ["--batch-invariant"], ("cuda", "bfloat16", GpuPaths(cuda_graphs=True, batch_invariant=True))),
+    (ONE_GPU, ["--batch-invariant", "--enforce-eager"], ("cuda", "bfloat16", GpuPaths(batch_invariant=True))),
     (ONE_GPU, ["--batch-invariant", "--no-triton-attention"],
-     ("cuda", "bfloat16", GpuPaths(cuda_graphs=True, batch_invariant=True, decode_ahead=True))),
-    (NO_TRITON, [], ("cuda", "bfloat16", GpuPaths(cuda_graphs=True, decode_ahead=True))),
-    (NO_TRITON, ["--triton-attention"],
+     ("cuda", "bfloat16", GpuPaths(cuda_graphs=True, batch_invariant=True))),
+    (NO_TRITON, [], ("cuda", "bfloat16", GpuPaths(cuda_graphs=True))),
+    (NO_TRITON, ["--triton-attention"], ("cuda", "bfloat16", GpuPaths(cuda_graphs=True, triton_attention=True))),
+    (ONE_GPU, ["--decode-ahead"],
      ("cuda", "bfloat16", GpuPaths(cuda_graphs=True, triton_attention=True, decode_ahead=True))),
-    (ONE_GPU, ["--no-decode-ahead"], ("cuda", "bfloat16", GpuPaths(cuda_graphs=True, triton_attention=True))),
     (CPU, ["--decode-ahead"], ("cpu", "float32", GpuPaths(decode_ahead=True))),   # asked for: the CPU runs it too
     (HF_TARGET, [], ("cuda", "bfloat16", GpuPaths())),
     (HF_TARGET, ["--cuda-graphs"], ("cuda", "bfloat16", GpuPaths(cuda_graphs=True))),   # the runner refuses it
