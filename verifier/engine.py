@@ -106,10 +106,10 @@ class VerifierEngine:
 
     def after_call(self) -> None:
         """Queues the decode ahead that the last call, a plain decode, asks for: the same steps
-        for its requests marked `again` (and those it prefilled), from their committed tokens. Adapters call
-        it once that call's results are complete and on their way (it does not wait for the
-        device). Nothing is queued where a request ended meanwhile, the context or the KV pool
-        has no room, or another call came first."""
+        for its requests marked `again` (and those it prefilled), from their committed tokens.
+        Adapters call it once that call's results are complete and on their way (it does not
+        wait for the device). Nothing is queued where a request ended meanwhile, the context or
+        the KV pool has no room, or another call came first."""
         nxt, self._next = self._next, None
         if nxt is None or self._ahead is not None:
             return
