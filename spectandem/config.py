@@ -227,9 +227,9 @@ class GpuPaths:
     def flags(self) -> list[str]:
         """Command-line flags that give an engine process the same paths, every one explicit."""
         return (["--cuda-graphs" if self.cuda_graphs else "--no-cuda-graphs",
-                 "--triton-attention" if self.triton_attention else "--no-triton-attention",
-                 "--decode-ahead" if self.decode_ahead else "--no-decode-ahead"]
-                + (["--batch-invariant"] if self.batch_invariant else []))
+                 "--triton-attention" if self.triton_attention else "--no-triton-attention"]
+                + (["--batch-invariant"] if self.batch_invariant else [])
+                + (["--decode-ahead"] if self.decode_ahead else []))
 
     def describe(self, role: str = "verifier") -> str:
         """The paths `role` runs, in words ("CUDA graphs, Triton attention"; "eager")."""

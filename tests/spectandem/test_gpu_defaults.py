@@ -159,3 +159,11 @@ def test_drafter_device_is_resolved_with_the_device():
     with pytest.raises(ValueError, match="must both be CUDA or both be the CPU"):
         args.device = "cpu"
         resolve_model_flags(args, Platform(gpus=2))
+
+
+def test_decode_ahead_reaches_engine_processes():
+    """--decode-ahead (off unless given) is handed to the engine processes serve starts."""
+    on, off = GpuPaths.from_args(_flags("--decode-ahead")), GpuPaths.from_args(_flags())
+    assert on.decode_ahead and "--decode-ahead" in on.flags()
+    assert not off.decode_ahead and "--decode-ahead" not in off.flags()
+    assert GpuPaths.from_args(_flags(*on.flags())) == on
