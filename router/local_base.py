@@ -40,10 +40,12 @@ class _LocalLink:
     the host; not the wait for the lock or the thread. Calls of one link run one after another,
     so the calls that start and end within an interval are busy for at most its length.
 
-    An engine with an `after_call` (VerifierEngine: the decode ahead) gets it once a call that
-    wants it (`ahead_wanted`) has returned its results: it runs in the worker thread while the
-    caller goes on, queues its device work without waiting for it, and the link's next call
-    starts after it."""
+    An engine with an `after_call` (VerifierEngine: the decode ahead) gets it after a call that
+    wants it (`ahead_wanted`), once the call's stream is done: in the worker thread, before the
+    results go back, while the event loop waits for them. It queues device work and returns
+    without waiting for it. Run beside the router's handling of the results instead, it shared
+    the interpreter lock with the router's commits and streams: on one H100 at 64 running
+    requests, the queueing took 20.5 ms of wall time a call."""
 
     role = "engine"
 
@@ -52,7 +54,6 @@ class _LocalLink:
         self._lock = asyncio.Lock()
         self.busy_s: dict[str, float] = {}
         self._stream = engine_stream(engine)
-        self._after: asyncio.Future | None = None   # the engine's after_call, under way
 
     def _call(self, kind: str, fn, *args):
         t0 = time.perf_counter()
@@ -60,9 +61,11 @@ class _LocalLink:
             out = on_stream(self._stream, fn, *args)
             if self._stream is not None:
                 self._stream.synchronize()
-            return out
         finally:
             self.busy_s[kind] = self.busy_s.get(kind, 0.0) + time.perf_counter() - t0
+        if getattr(self.engine, "ahead_wanted", False):
+            self._call_after()
+        return out
 
     def _call_after(self) -> None:
         """The engine's after_call on its stream, not waited for on the device."""
@@ -75,14 +78,8 @@ class _LocalLink:
     async def _run(self, kind: str, fn, *args):
         async with self._lock:
             try:
-                if self._after is not None:
-                    after, self._after = self._after, None
-                    await after
-                out = await asyncio.to_thread(self._call, kind, fn, *args)
+                return await asyncio.to_thread(self._call, kind, fn, *args)
             except (ValueError, KeyError):  # bad input or a stale tag: the caller's to handle
                 raise
             except Exception as exc:  # the engine itself failed: the router treats it as gone
                 raise EngineUnavailable(f"{self.role} failed: {exc}") from exc
-            if getattr(self.engine, "ahead_wanted", False):
-                self._after = asyncio.ensure_future(asyncio.to_thread(self._call_after))
-            return out

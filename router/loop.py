@@ -768,11 +768,12 @@ class Router:
         features: not for a round of detached requests only, on which no drafter catches up."""
         steps = self._plain_steps(group) if not drafted else 1
         rows = [r for r in group if r not in drafted]
-        # What each may generate after this call; the next call decodes the least of it (one
-        # step: a verify, which a decode ahead does not serve).
+        # What each may generate after this call. None may end in it (its client is likely to
+        # send another request, which changes the next call), and the next call must decode more
+        # than one step (one step is a verify, which a decode ahead does not serve).
         after = [r.tokens_left(self.cfg.max_len) - steps for r in rows]
-        again = steps > 1 and min((a for a in after if a > 0), default=0) > 1 and self._next_turn_alike()
-        plain = [PlainItem(r.tag(), r.tokens[-1], steps, again and a > 0) for r, a in zip(rows, after)]
+        again = steps > 1 and bool(rows) and min(after) > 1 and self._next_turn_alike()
+        plain = [PlainItem(r.tag(), r.tokens[-1], steps, again) for r in rows]
         want = self.cfg.want_features and (any(r.on_drafter for r in group) or not any(r.detached for r in group))
         return plain, want
 

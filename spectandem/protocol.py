@@ -51,9 +51,9 @@ class PlainItem:
     # Tokens to decode (greedy only; every item of a round without drafts alike): > 1 runs
     # `steps` plain steps in one call (VerifierEngine.decode).
     steps: int = 1
-    # With steps > 1: the router expects to ask for this request's next `steps` tokens in its
-    # next call, nothing else changing (no request to admit, the same mode, the request not
-    # ending in this call); a verifier that decodes ahead queues that decode (verifier/engine.py).
+    # With steps > 1: the router expects to ask for this request's next `steps` tokens (or fewer)
+    # in its next call, nothing else changing (no request to admit or ending, the same mode); a
+    # verifier that decodes ahead queues that decode (verifier/engine.py).
     again: bool = False
 
 

@@ -6,8 +6,9 @@ CPU: tokens, text and finish reasons equal one-step plain decoding's (LocalSpecu
 max_tokens, eos and stop strings falling inside a chunk, requests of several lengths ending while
 the others go on; the decodes ahead were taken (not only queued), and once every request has
 ended the verifier holds no request and no KV block. And the router's hint (PlainItem.again),
-on its own: a row is marked for the requests that go on alike into the next call, none while
-requests wait to be admitted, before a one-step call, or at the end of an "auto" window."""
+on its own: the rows are marked where every request goes on alike into the next call; none
+where a request ends in this call, while requests wait to be admitted, before a one-step call,
+or at the end of an "auto" window."""
 
 from __future__ import annotations
 
@@ -36,7 +37,7 @@ def plain():
 def _workload(plain):
     prompts = [plain.tokenizer.encode(x).ids for x in PROMPT_TEXTS[:7]]
     params = ([SamplingParams(max_tokens=m) for m in (5, 13, 40, 1, 22)]
-              + [SamplingParams(max_tokens=40, stop=["(self"]), SamplingParams(max_tokens=31)])
+              + [SamplingParams(max_tokens=40, stop=["(self"]), SamplingParams(max_tokens=72)])
     plain_ones = [0, 1, 2, 3, 4, 6]
     want = [(c.token_ids, c.finish_reason) for c in plain.generate([prompts[i] for i in plain_ones],
                                                                       [params[i] for i in plain_ones])]
@@ -170,12 +171,15 @@ def _again(router: Router) -> tuple[int, list[bool]]:
 
 
 def test_again_for_requests_that_go_on_alike():
-    # 10 generated: max_tokens 30 and 40 go on for chunks of 4; 14 ends with this call.
-    assert _again(_rows_router([30, 40, 14], 10)) == (4, [True, True, False])
+    # 10 generated: max_tokens 30 and 40 go on for chunks of 4.
+    assert _again(_rows_router([30, 40], 10)) == (4, [True, True])
+    # 14 ends with this call: its client's next request would change the next call.
+    assert _again(_rows_router([30, 40, 14], 10)) == (4, [False, False, False])
+    assert _again(_rows_router([13, 40], 10)) == (3, [False, False])
     # The next call would be one step (a verify: nothing a decode ahead serves).
     assert _again(_rows_router([30, 15], 10)) == (4, [False, False])
-    # A chunk cut to 3 by a request's end, the rest going on.
-    assert _again(_rows_router([13, 40], 10)) == (3, [False, True])
+    # The next call two steps: the first two of a decode ahead of four.
+    assert _again(_rows_router([30, 16], 10)) == (4, [True, True])
 
 
 def test_no_again_while_requests_wait_to_be_admitted():
