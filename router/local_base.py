@@ -43,9 +43,9 @@ class _LocalLink:
     An engine with an `after_call` (VerifierEngine: the decode ahead) gets it after a call that
     wants it (`ahead_wanted`), once the call's stream is done: in the worker thread, before the
     results go back, while the event loop waits for them. It queues device work and returns
-    without waiting for it. Run beside the router's handling of the results instead, it shared
-    the interpreter lock with the router's commits and streams: on one H100 at 64 running
-    requests, the queueing took 20.5 ms of wall time a call."""
+    without waiting for it. Run beside the router's handling of the results instead (sharing
+    the interpreter lock with its commits and streams), the queueing took 20.5 ms of wall time a
+    call on one H100 at 64 running requests; what held it up was not established."""
 
     role = "engine"
 
