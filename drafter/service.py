@@ -12,7 +12,6 @@ channel (spectandem/channel.py) where the router's messages carry ChannelRefs.
 from __future__ import annotations
 
 import argparse
-import asyncio
 import logging
 from pathlib import Path
 
@@ -38,25 +37,25 @@ class DrafterServicer(engines_pb2_grpc.DrafterServicer):
         self.max_slots, self.max_len, self.receiver = max_slots, max_len, receiver
         self.calls = EngineCalls("drafter")
 
-    async def Prefill(self, request, context):
-        return await self.calls.run(context, self._prefill, request)
+    def Prefill(self, request, context):
+        return self.calls.run(context, self._prefill, request)
 
-    async def Draft(self, request, context):
-        return await self.calls.run(context, self._draft, request)
+    def Draft(self, request, context):
+        return self.calls.run(context, self._draft, request)
 
-    async def DraftAhead(self, request, context):
-        return await self.calls.run(context, self._draft_ahead, request)
+    def DraftAhead(self, request, context):
+        return self.calls.run(context, self._draft_ahead, request)
 
-    async def Extend(self, request, context):
-        return await self.calls.run(context, self._extend, request)
+    def Extend(self, request, context):
+        return self.calls.run(context, self._extend, request)
 
-    async def Release(self, request, context):
-        return await self.calls.run(context, self._release, request)
+    def Release(self, request, context):
+        return self.calls.run(context, self._release, request)
 
-    async def GetInfo(self, request, context):
-        return await self.calls.peek(context, self._info)
+    def GetInfo(self, request, context):
+        return self.calls.peek(context, self._info)
 
-    # The bodies run in the worker thread, one at a time (_info inline: it only reads counters).
+    # The bodies run one at a time (_info beside them: it only reads counters).
 
     def _prefill(self, request: engines_pb2.DrafterPrefillRequest) -> engines_pb2.DrafterReply:
         items = [codec.drafter_prefill_item_from_msg(m) for m in request.items]
@@ -101,15 +100,15 @@ class DrafterServicer(engines_pb2_grpc.DrafterServicer):
 # Building the engine and serving it
 
 
-async def start_drafter_server(engine: DrafterEngine, host: str = "127.0.0.1", port: int = 0,
-                               model_name: str = "draft", device: str = "cpu", max_slots: int = 0,
-                               max_len: int = 0, tls: ServerTls | None = None,
-                               receiver: FeatureReceiver | None = None) -> EngineServer:
-    """Serves `engine` from the running event loop; returns the started server (port 0: a free one).
+def start_drafter_server(engine: DrafterEngine, host: str = "127.0.0.1", port: int = 0,
+                         model_name: str = "draft", device: str = "cpu", max_slots: int = 0,
+                         max_len: int = 0, tls: ServerTls | None = None,
+                         receiver: FeatureReceiver | None = None) -> EngineServer:
+    """Serves `engine` on the server's threads; returns the started server (port 0: a free one).
     `tls`: TLS or mTLS on the port (None: plaintext); `receiver`: the feature channel's end."""
     servicer = DrafterServicer(engine, model_name, device, max_slots, max_len, receiver)
-    return await EngineServer.start(lambda s: engines_pb2_grpc.add_DrafterServicer_to_server(servicer, s),
-                                    SERVICE_NAME, host, port, tls.grpc_credentials() if tls else None)
+    return EngineServer.start(lambda s: engines_pb2_grpc.add_DrafterServicer_to_server(servicer, s),
+                              SERVICE_NAME, host, port, tls.grpc_credentials() if tls else None)
 
 
 def serve_drafter(config: EngineConfig, host: str = "0.0.0.0", port: int = 50053, tls: ServerTls | None = None,
@@ -124,15 +123,11 @@ def serve_drafter(config: EngineConfig, host: str = "0.0.0.0", port: int = 50053
     engine, context = build_engine(config)
     name = Path(draft_dir).name if draft_dir is not None else cfg.method
 
-    async def main():
-        server = await start_drafter_server(engine, host, port, name, device, max_slots, context, tls=tls,
-                                            receiver=receiver)
+    try:
+        server = start_drafter_server(engine, host, port, name, device, max_slots, context, tls=tls, receiver=receiver)
         print(f"spectandem drafter: {cfg.method} {name}, features "
               f"{codec.feature_layers_to_str(engine.feature_layers)}, listening on {host}:{server.port}", flush=True)
-        await server.serve_until_signal()
-
-    try:
-        asyncio.run(main())
+        server.serve_until_signal()
     finally:
         if receiver is not None:
             receiver.close()

@@ -13,7 +13,6 @@ there) and the replies carry ChannelRefs; until it is up, or once it broke, they
 from __future__ import annotations
 
 import argparse
-import asyncio
 import logging
 from pathlib import Path
 
@@ -38,22 +37,22 @@ class VerifierServicer(engines_pb2_grpc.VerifierServicer):
         self.engine, self.model_name, self.device, self.sender = engine, model_name, device, sender
         self.calls = EngineCalls("verifier")
 
-    async def Prefill(self, request, context):
-        return await self.calls.run(context, self._prefill, request)
+    def Prefill(self, request, context):
+        return self.calls.run(context, self._prefill, request)
 
-    async def Verify(self, request, context):
-        return await self.calls.run(context, self._verify, request)
+    def Verify(self, request, context):
+        return self.calls.run(context, self._verify, request)
 
-    async def Features(self, request, context):
-        return await self.calls.run(context, self._features, request)
+    def Features(self, request, context):
+        return self.calls.run(context, self._features, request)
 
-    async def Release(self, request, context):
-        return await self.calls.run(context, self._release, request)
+    def Release(self, request, context):
+        return self.calls.run(context, self._release, request)
 
-    async def GetInfo(self, request, context):
-        return await self.calls.peek(context, self._info)
+    def GetInfo(self, request, context):
+        return self.calls.peek(context, self._info)
 
-    # The bodies run in the worker thread, one at a time (_info inline: it only reads counters).
+    # The bodies run one at a time (_info beside them: it only reads counters).
 
     def _prefill(self, request: engines_pb2.VerifierPrefillRequest) -> engines_pb2.VerifierPrefillReply:
         items = [codec.verifier_prefill_item_from_msg(m) for m in request.items]
@@ -95,16 +94,14 @@ class VerifierServicer(engines_pb2_grpc.VerifierServicer):
 # Building the engine and serving it
 
 
-
-
-async def start_verifier_server(engine: VerifierEngine, host: str = "127.0.0.1", port: int = 0,
-                                model_name: str = "target", device: str = "cpu",
-                                tls: ServerTls | None = None, sender: FeatureSender | None = None) -> EngineServer:
-    """Serves `engine` from the running event loop; returns the started server (port 0: a free one).
+def start_verifier_server(engine: VerifierEngine, host: str = "127.0.0.1", port: int = 0,
+                          model_name: str = "target", device: str = "cpu",
+                          tls: ServerTls | None = None, sender: FeatureSender | None = None) -> EngineServer:
+    """Serves `engine` on the server's threads; returns the started server (port 0: a free one).
     `tls`: TLS or mTLS on the port (None: plaintext); `sender`: the feature channel's end."""
     servicer = VerifierServicer(engine, model_name, device, sender)
-    return await EngineServer.start(lambda s: engines_pb2_grpc.add_VerifierServicer_to_server(servicer, s),
-                                    SERVICE_NAME, host, port, tls.grpc_credentials() if tls else None)
+    return EngineServer.start(lambda s: engines_pb2_grpc.add_VerifierServicer_to_server(servicer, s),
+                              SERVICE_NAME, host, port, tls.grpc_credentials() if tls else None)
 
 
 def serve_verifier(config: EngineConfig, feature_layers: str | None = None, host: str = "0.0.0.0", port: int = 50052,
@@ -118,15 +115,11 @@ def serve_verifier(config: EngineConfig, feature_layers: str | None = None, host
     sender = FeatureSender(feature_channel, device) if feature_channel else None
     engine = build_engine(config, layers)
 
-    async def main():
-        server = await start_verifier_server(engine, host, port, Path(target_dir).name, device, tls=tls,
-                                             sender=sender)
+    try:
+        server = start_verifier_server(engine, host, port, Path(target_dir).name, device, tls=tls, sender=sender)
         print(f"spectandem verifier: {Path(target_dir).name}, features {codec.feature_layers_to_str(layers)}, "
               f"listening on {host}:{server.port}", flush=True)
-        await server.serve_until_signal()
-
-    try:
-        asyncio.run(main())
+        server.serve_until_signal()
     finally:
         if sender is not None:
             sender.close()

@@ -127,18 +127,13 @@ def test_outputs_cross_the_grpc_release():
     """The drafter's gRPC service takes the outputs of a release (ReleaseRequest.outputs) to the
     proposer: a real server on a free port, driven by the router's link."""
     import asyncio
-    import threading
 
     from drafter.service import start_drafter_server
     from router.links_grpc import GrpcDrafterLink
 
     book = TruthBook(1.0, VOCAB)
     engine = DrafterEngine(ControlledProposer(_Inner(), truths=book), CFG)
-    loop = asyncio.new_event_loop()
-    thread = threading.Thread(target=loop.run_forever, daemon=True)
-    thread.start()
-    run = lambda coro: asyncio.run_coroutine_threadsafe(coro, loop).result(30)
-    server = run(start_drafter_server(engine, "127.0.0.1", 0, max_slots=4, max_len=64))
+    server = start_drafter_server(engine, "127.0.0.1", 0, max_slots=4, max_len=64)
 
     async def release():
         link = GrpcDrafterLink(f"127.0.0.1:{server.port}", 10.0)
@@ -148,9 +143,7 @@ def test_outputs_cross_the_grpc_release():
             await link.close()
 
     try:
-        run(release())
+        asyncio.run(release())
         assert book.plan(list(range(20, 25))).truth == tuple(range(20, 33))
     finally:
-        run(server.stop(0))
-        loop.call_soon_threadsafe(loop.stop)
-        thread.join(10)
+        server.stop(0)

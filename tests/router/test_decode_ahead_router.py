@@ -23,7 +23,6 @@ from spectandem.config import SamplingParams, SpecConfig
 from spectandem.demo import demo_paths
 from router.local import LocalSpeculator
 from tests.e2e.conftest import PROMPT_TEXTS
-from tests.router.test_links_grpc import _LoopThread
 from verifier.engine import VerifierEngine
 
 MAX_LEN = 256
@@ -103,8 +102,7 @@ def test_grpc_verifier_service(plain):
 
     prompts, params, want, stopped = _workload(plain)
     engine = _ahead_engine(plain)
-    bg = _LoopThread()
-    server = bg.run(start_verifier_server(engine, "127.0.0.1", 0))
+    server = start_verifier_server(engine, "127.0.0.1", 0)
     try:
         async def main():
             link = GrpcVerifierLink(f"127.0.0.1:{server.port}")
@@ -129,8 +127,7 @@ def test_grpc_verifier_service(plain):
                 await link.close()
         got = asyncio.run(main())
     finally:
-        bg.run(server.stop(0))
-        bg.close()
+        server.stop(0)
     _check(got, want, stopped, plain, engine)
 
 

@@ -1,7 +1,7 @@
 """The engines as gRPC services, driven through GrpcVerifierLink + GrpcDrafterLink.
 
-- real servers on free localhost ports with the demo pair, run (a) in this process on a
-  background event loop and (b) as `python -m verifier` / `python -m drafter` subprocesses;
+- real servers on free localhost ports with the demo pair, run (a) in this process (on the
+  servers' own threads) and (b) as `python -m verifier` / `python -m drafter` subprocesses;
   the round protocol over the links (prefill -> draft -> verify -> extend,
   tests/router/link_harness.py) gives exactly the greedy tokens and acceptance counts of the
   in-process LocalSpeculator;
@@ -14,7 +14,6 @@ The wire codec has its own tests: tests/spectandem/test_codec.py.
 from __future__ import annotations
 
 import asyncio
-import threading
 import time
 
 import grpc
@@ -32,21 +31,7 @@ from tests.router.link_harness import (MAX_LEN, TREE, _assert_same, _greedy, _lo
 
 
 # ----------------------------------------------------------------------------------------------
-# Servers in this process, on a background event loop
-
-
-class _LoopThread:
-    def __init__(self):
-        self.loop = asyncio.new_event_loop()
-        self.thread = threading.Thread(target=self.loop.run_forever, daemon=True)
-        self.thread.start()
-
-    def run(self, coro, timeout: float = 60):
-        return asyncio.run_coroutine_threadsafe(coro, self.loop).result(timeout)
-
-    def close(self):
-        self.loop.call_soon_threadsafe(self.loop.stop)
-        self.thread.join(10)
+# Servers in this process
 
 
 @pytest.fixture(scope="module")
@@ -64,13 +49,11 @@ def ngram_servers():
     layers = resolve_feature_layers(None, "ngram", None, target)
     verifier = build_verifier(EngineConfig(target_dir=target, spec=cfg, max_slots=4, max_len=MAX_LEN), layers)
     drafter, _ = build_drafter(EngineConfig(target_dir=target, spec=cfg, max_slots=4, max_len=MAX_LEN))
-    bg = _LoopThread()
-    servers = [bg.run(start_verifier_server(verifier, "127.0.0.1", 0)),
-               bg.run(start_drafter_server(drafter, "127.0.0.1", 0, max_slots=4, max_len=MAX_LEN))]
+    servers = [start_verifier_server(verifier, "127.0.0.1", 0),
+               start_drafter_server(drafter, "127.0.0.1", 0, max_slots=4, max_len=MAX_LEN)]
     yield tuple(f"127.0.0.1:{s.port}" for s in servers)
     for s in servers:
-        bg.run(s.stop(0))
-    bg.close()
+        s.stop(0)
 
 
 def _links(addresses, timeout_s: float = 30.0):
