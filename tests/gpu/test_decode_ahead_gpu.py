@@ -7,8 +7,6 @@ tokens of the same router on an engine without it, the decodes ahead taken."""
 
 from __future__ import annotations
 
-import asyncio
-
 import pytest
 import torch
 
@@ -20,6 +18,7 @@ from spectandem.config import SamplingParams
 from spectandem.demo import demo_paths
 from spectandem.modeling.llama import load_llama
 from tests.e2e.conftest import PROMPT_TEXTS
+from tests.router.test_plain_steps import _serve
 from verifier.engine import VerifierEngine
 from verifier.runner import NativeRunner
 
@@ -77,23 +76,7 @@ def test_router_plain_rounds_over_the_link(target):
                         RouterConfig(max_len=MAX_LEN, eos_token_ids=(), lookahead=1, want_features=False,
                                      plain_steps=4))
         router._modes.choose = lambda num_running, drafter_up: "plain"
-
-        async def main():
-            router.start()
-
-            async def one(prompt, p):
-                req = router.submit(prompt, p)
-                toks = []
-                while True:
-                    ev = await req.events.get()
-                    toks += ev.token_ids
-                    if ev.finish_reason:
-                        return toks
-            try:
-                return await asyncio.gather(*(one(x, p) for x, p in zip(prompts, params)))
-            finally:
-                await router.stop()
-        return asyncio.run(main())
+        return [toks for toks, _, _ in _serve(router, prompts, params, [engine])]
 
     ahead, plain = _engine(model, True), _engine(model, False)
     got, want = run(ahead), run(plain)

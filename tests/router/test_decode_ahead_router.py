@@ -23,6 +23,7 @@ from spectandem.config import SamplingParams, SpecConfig
 from spectandem.demo import demo_paths
 from router.local import LocalSpeculator
 from tests.e2e.conftest import PROMPT_TEXTS
+from tests.router.test_plain_steps import _serve, served
 from verifier.engine import VerifierEngine
 
 MAX_LEN = 256
@@ -44,26 +45,6 @@ def _workload(plain):
     full = plain.tokenizer.decode(reference.token_ids)
     assert "(self" in full, "the stop-string case needs a continuation that contains it"
     return prompts, params, want, full[: full.index("(self")]
-
-
-def _run(router: Router, prompts, params):
-    async def main():
-        router.start()
-
-        async def one(prompt, p):
-            req = router.submit(prompt, p)
-            toks, text = [], ""
-            while True:
-                ev = await req.events.get()
-                toks += ev.token_ids
-                text += ev.text
-                if ev.finish_reason:
-                    return toks, text, ev.finish_reason
-        try:
-            return await asyncio.gather(*(one(x, p) for x, p in zip(prompts, params)))
-        finally:
-            await router.stop()
-    return asyncio.run(main())
 
 
 def _router(link, plain) -> Router:
@@ -92,7 +73,7 @@ def _ahead_engine(plain) -> VerifierEngine:
 def test_in_process_link(plain):
     prompts, params, want, stopped = _workload(plain)
     engine = _ahead_engine(plain)
-    got = _run(_router(LocalVerifierLink(engine), plain), prompts, params)
+    got = _serve(_router(LocalVerifierLink(engine), plain), prompts, params, [engine])
     _check(got, want, stopped, plain, engine)
 
 
@@ -103,28 +84,14 @@ def test_grpc_verifier_service(plain):
     prompts, params, want, stopped = _workload(plain)
     engine = _ahead_engine(plain)
     server = start_verifier_server(engine, "127.0.0.1", 0)
-    try:
-        async def main():
-            link = GrpcVerifierLink(f"127.0.0.1:{server.port}")
-            try:
-                router = _router(link, plain)
-                router.start()
 
-                async def one(prompt, p):
-                    req = router.submit(prompt, p)
-                    toks, text = [], ""
-                    while True:
-                        ev = await req.events.get()
-                        toks += ev.token_ids
-                        text += ev.text
-                        if ev.finish_reason:
-                            return toks, text, ev.finish_reason
-                try:
-                    return await asyncio.gather(*(one(x, p) for x, p in zip(prompts, params)))
-                finally:
-                    await router.stop()
-            finally:
-                await link.close()
+    async def main():
+        link = GrpcVerifierLink(f"127.0.0.1:{server.port}")   # a grpc.aio channel: made in this loop
+        try:
+            return await served(_router(link, plain), prompts, params, [engine])
+        finally:
+            await link.close()
+    try:
         got = asyncio.run(main())
     finally:
         server.stop(0)
@@ -136,7 +103,7 @@ def test_negative_control_without_decoding_ahead(plain):
     decodes taken from ahead is the feature's, not the workload's."""
     prompts, params, want, stopped = _workload(plain)
     engine = VerifierEngine(plain.verifier.runner, 8, plain.verifier.vocab_size)
-    got = _run(_router(LocalVerifierLink(engine), plain), prompts, params)
+    got = _serve(_router(LocalVerifierLink(engine), plain), prompts, params, [engine])
     assert [(t, r) for t, _, r in got[:5] + got[6:]] == want
     assert engine.ahead_used == 0
     with pytest.raises(AssertionError):

@@ -38,30 +38,34 @@ def plain():
     return LocalSpeculator(*demo_paths("none"), SpecConfig(method="none"), max_slots=8, max_len=256)
 
 
-def _serve(router: Router, prompts, params, engines=()) -> list[tuple[list[int], str, str]]:
-    """Each request's (tokens, text, finish reason); then waits (up to 1 s) until `engines` hold nothing."""
-    async def main():
-        router.start()
+async def served(router: Router, prompts, params, engines=()) -> list[tuple[list[int], str, str]]:
+    """Each request's (tokens, text, finish reason), the router started and stopped in the running
+    event loop; then waits (up to 1 s) until `engines` hold nothing."""
+    router.start()
 
-        async def run(prompt, p):
-            req = router.submit(prompt, p)
-            toks, text = [], ""
-            while True:
-                ev = await req.events.get()
-                toks += ev.token_ids
-                text += ev.text
-                if ev.finish_reason:
-                    return toks, text, ev.finish_reason
-        try:
-            got = await asyncio.gather(*(run(x, p) for x, p in zip(prompts, params)))
-            for _ in range(50):
-                if not any(e.requests for e in engines):
-                    break
-                await asyncio.sleep(0.02)
-            return got
-        finally:
-            await router.stop()
-    return asyncio.run(main())
+    async def run(prompt, p):
+        req = router.submit(prompt, p)
+        toks, text = [], ""
+        while True:
+            ev = await req.events.get()
+            toks += ev.token_ids
+            text += ev.text
+            if ev.finish_reason:
+                return toks, text, ev.finish_reason
+    try:
+        got = await asyncio.gather(*(run(x, p) for x, p in zip(prompts, params)))
+        for _ in range(50):
+            if not any(e.requests for e in engines):
+                break
+            await asyncio.sleep(0.02)
+        return got
+    finally:
+        await router.stop()
+
+
+def _serve(router: Router, prompts, params, engines=()) -> list[tuple[list[int], str, str]]:
+    """`served` in an event loop of its own."""
+    return asyncio.run(served(router, prompts, params, engines))
 
 
 def _expected(spec: LocalSpeculator, prompts, params):

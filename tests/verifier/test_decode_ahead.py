@@ -30,14 +30,7 @@ PROMPTS = [[482, 288, 1550, 270, 1161, 495, 8, 78, 309, 199], [775, 653, 199, 77
            [259, 379, 274, 310, 1723, 8, 537, 8]]
 IDS = ["a", "b", "c"]
 GREEDY = SamplingParams(max_tokens=64)
-
-
-@pytest.fixture(scope="module", autouse=True)
-def _one_thread():
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
+pytestmark = pytest.mark.usefixtures("single_thread")   # tests/verifier/conftest.py
 
 
 @pytest.fixture(scope="module")
