@@ -22,6 +22,8 @@ Arguments after `--` are serve's. Per concurrency it prints bench serve's figure
   the innermost router step running at the time ("between steps" where none was), with the
   number of such gaps of 1 ms or more;
 - engine calls: for the in-process backend, each kind of call's count and mean and median length;
+- decode ahead: with `--decode-ahead` on the in-process backend, how many decodes took a queued
+  one and how many queued ones were forgotten unused (verifier/engine.py);
 - `--time module:qualname,...`: wall time inside those functions (benchmarks/profile_router.py
   `Timers`, no device synchronization), per verify call;
 - `--gpu-trace S`: on CUDA, S seconds of the measured run traced by torch.profiler (device
@@ -248,6 +250,15 @@ def _busy(state: dict) -> dict:
     return out
 
 
+def _ahead_counts(state: dict) -> tuple[int, int] | None:
+    """The in-process verifier's decodes taken from a decode ahead and those forgotten unused
+    (verifier/engine.py), or None (no such engine here)."""
+    engine = getattr(state.get("verifier"), "engine", None)
+    if engine is None or not getattr(engine, "decode_ahead", False):
+        return None
+    return engine.ahead_used, engine.ahead_dropped
+
+
 def _bench(port: int, concurrency: int, num_prompts: int, max_tokens: int, out: Path, during=None) -> dict:
     """One `spectandem bench serve` run (benchmarks/serve_matrix.py), no warm-up requests."""
     return bench_serve(port, concurrency, num_prompts, max_tokens, 0, None, out, during)
@@ -314,6 +325,7 @@ def main(argv: list[str] | None = None) -> int:
             n = a.prompts_per_slot * c
             _bench(port, c, c, a.max_tokens, work / f"warm-c{c}.json")   # graphs, auto's first picks
             busy0 = _busy(served.state)
+            ahead0 = _ahead_counts(served.state)
             gpu = []
             trace_dir = Path(a.trace_dir) if a.trace_dir else work
             during = (lambda: gpu.append(_device_trace(router, a.gpu_trace, trace_dir / f"trace-c{c}.json", a.trace_host))
@@ -344,6 +356,10 @@ def main(argv: list[str] | None = None) -> int:
                 parts = {k: after[k] - before.get(k, 0.0) for k in after if after[k] - before.get(k, 0.0) > 0}
                 report.append(f"  {role} busy {100 * sum(parts.values()) / wall:.1f}% of the wall: " +
                               ", ".join(f"{k} {100 * v / wall:.1f}%" for k, v in sorted(parts.items(), key=lambda kv: -kv[1])))
+            ahead1 = _ahead_counts(served.state)
+            if ahead0 is not None and ahead1 is not None:
+                report.append(f"  decode ahead: {ahead1[0] - ahead0[0]} decodes took a queued one, "
+                              f"{ahead1[1] - ahead0[1]} queued ones were forgotten unused")
             report.append(f"  admitted {sum(c.requests_admitted for c in counters) - admitted0}, of which sent with a "
                           f"verify step {sum(c.mixed_prefills for c in counters) - mixed0}")
             modes = Counter()
