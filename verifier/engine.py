@@ -16,8 +16,9 @@ ask for again (PlainItem.again: no request waiting to be admitted, the same mode
 ending), from the tokens just committed, before anyone asks for it. While the router commits and
 streams this call's tokens and prepares its next turn, the device decodes the next chunk. A next
 decode for those requests (all of them or some) at their committed lengths, with as many steps or
-fewer, takes its tokens from there; any other call first forgets it: its KV entries lie past the
-committed ones (scratch, written over later) and their blocks go back to the pool. The tokens are
+fewer, takes its tokens from there (with new requests to prefill in its first step, they are
+prefilled apart); any other call first forgets it: its KV entries lie past the committed ones
+(scratch, written over later) and their blocks go back to the pool. The tokens are
 those the asked-for decode would compute from the same state: the same requests, or more of them
 in the batch, as a wider round would have it.
 """
@@ -351,13 +352,11 @@ class VerifierEngine:
         if not self.runner.chains_decode:   # a runner without the device chain: one plain verify per step
             outs = self.prefill(*new.prefill_args()) if new is not None else []
             return self._decode_by_rounds(request_ids, steps), outs
-        ahead = self._take_ahead(request_ids, committed_lens, steps, features) if new is None else None
-        if new is not None:
-            self._drop_ahead()
+        ahead = self._take_ahead(request_ids, committed_lens, steps, features)
         args = ([r.slot for r in reqs], [r.committed_len - 1 for r in reqs], [r.token_ids[-1] for r in reqs], steps,
                 features)
-        if ahead is not None:
-            (tokens, feats), outs = ahead, []
+        if ahead is not None:   # the new requests, if any, prefilled apart: the decode is queued already
+            (tokens, feats), outs = ahead, (self.prefill(*new.prefill_args()) if new is not None else [])
         elif new is None:
             (tokens, feats), outs = self.runner.decode_greedy(*args), []
         else:
