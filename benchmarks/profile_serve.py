@@ -27,7 +27,11 @@ Arguments after `--` are serve's. Per concurrency it prints bench serve's figure
 - `--time module:qualname,...`: wall time inside those functions (benchmarks/profile_router.py
   `Timers`, no device synchronization), per verify call;
 - `--gpu-trace S`: on CUDA, S seconds of the measured run traced by torch.profiler (device
-  activity only) and summarized by benchmarks/gpu_gaps.py: how busy the GPU was.
+  activity only) and summarized by benchmarks/gpu_gaps.py: how busy the GPU was. With
+  `--trace-host` the trace also records the host's torch calls with their Python stacks, which
+  slows the host: on one H100 at 64 running requests the served rate halved (2,239 tok/s at
+  a = 0.8 sequential, 2,707 plain), so its gaps say where the host held the GPU up, not for how
+  long.
 
 With `--learn` (controlled acceptance), one unmeasured pass over the prompts first lets the
 drafter learn each prompt's greedy continuation, as benchmarks/serve_matrix.py does.
