@@ -768,11 +768,11 @@ class Router:
         features: not for a round of detached requests only, on which no drafter catches up."""
         steps = self._plain_steps(group) if not drafted else 1
         rows = [r for r in group if r not in drafted]
-        # What each may generate after this call. None may end in it (its client is likely to
-        # send another request, which changes the next call), and the next call must decode more
-        # than one step (one step is a verify, which a decode ahead does not serve).
-        after = [r.tokens_left(self.cfg.max_len) - steps for r in rows]
-        again = steps > 1 and bool(rows) and min(after) > 1 and self._next_turn_alike()
+        # None may end in this call (its client is likely to send another request, which changes
+        # the next call), and the next call must decode more than one step (one step is a verify,
+        # which a decode ahead does not serve).
+        again = (steps > 1 and bool(rows) and self._next_turn_alike()
+                 and min(r.tokens_left(self.cfg.max_len) for r in rows) - steps > 1)
         plain = [PlainItem(r.tag(), r.tokens[-1], steps, again) for r in rows]
         want = self.cfg.want_features and (any(r.on_drafter for r in group) or not any(r.detached for r in group))
         return plain, want
@@ -784,9 +784,10 @@ class Router:
         (router/pipeline.py `continues`; the acceptance switch stays off where it made them so)."""
         if self.waiting and len(self.running) < self.cfg.max_running:
             return False
-        if not self.drafter_up or self._mode == "plain":
-            return self._modes.continues(self.drafter_up)
-        return self._modes.continues(self.drafter_up) and self._switch.off(self.counters.rounds + 1)
+        if not self._modes.continues(self.drafter_up):
+            return False
+        # A speculating mode's rows are plain while the acceptance switch keeps drafts off.
+        return not self.drafter_up or self._mode == "plain" or self._switch.off(self.counters.rounds + 1)
 
     async def _verify_with_prefill(self, draft, drafted: list[ServedRequest], group: list[ServedRequest],
                                    mixed: list[ServedRequest]):

@@ -140,6 +140,7 @@ class VerifierEngine:
         if (steps > ahead.steps or (features and not ahead.features)
                 or any(r is None or r[1] != c for r, c in zip(rows, committed_lens))):
             self._forget(ahead, set())
+            self.ahead_dropped += 1
             return None
         self._forget(ahead, set(request_ids))
         self.ahead_used += 1
@@ -161,8 +162,6 @@ class VerifierEngine:
             req = self.requests.get(rid)
             if rid not in keep and req is not None:
                 self.runner.trim(req.slot, committed - 1)
-        if not keep:
-            self.ahead_dropped += 1
 
     def _drop_ahead(self) -> None:
         """Before any call but the decode ahead's own: forget it and what was to be queued."""
@@ -170,6 +169,7 @@ class VerifierEngine:
         ahead, self._ahead = self._ahead, None
         if ahead is not None:
             self._forget(ahead, set())
+            self.ahead_dropped += 1
 
     @property
     def max_len(self) -> int:
