@@ -29,9 +29,11 @@ class Served:
         from spectandem.cli import build_parser
 
         # The HTTP front and metrics are off unless a test asks (their fixed default ports would
-        # collide between concurrent test runs); later flags in argv win.
-        self.args = build_parser().parse_args(["serve", "--port", "0", "--http-port", "0", "--metrics-port", "0",
-                                               *argv])
+        # collide between concurrent test runs); later flags in argv win. IPv4 only: "localhost"
+        # binds 127.0.0.1 and ::1 at one port where both are free, and where another test's server
+        # holds the port on one of them, a client of "localhost" could reach that server instead.
+        self.args = build_parser().parse_args(["serve", "--host", "127.0.0.1", "--port", "0", "--http-port", "0",
+                                               "--metrics-port", "0", *argv])
         if configure is not None:
             configure(self.args)
         self.state: dict = {}
@@ -59,7 +61,7 @@ class Served:
             if time.monotonic() > deadline:
                 raise TimeoutError("server did not come up")
             time.sleep(0.1)
-        self.address = f"localhost:{self.state['port']}"
+        self.address = f"{self.args.host}:{self.state['port']}"
         self.channel = grpc.insecure_channel(self.address)
         self.stub = generation_pb2_grpc.GenerationStub(self.channel)
         return self
