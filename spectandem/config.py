@@ -178,8 +178,8 @@ class GpuPaths:
     or graphed. Not with batch_invariant, which attends through its own kernel.
     decode_ahead: after a plain multi-step decode the verifier queues the next one on the device
     where the router expects to ask for it (PlainItem.again), so that it runs while the router
-    commits, streams and prepares its next turn (verifier/engine.py). Off unless asked for, on
-    any device (on the CPU it gains nothing: the host computes it)."""
+    commits, streams and prepares its next turn (verifier/engine.py). On by default on CUDA; off
+    by default on the CPU, where it gains nothing (the host computes it), but allowed there."""
 
     cuda_graphs: bool = False
     batch_invariant: bool = False
@@ -203,8 +203,9 @@ class GpuPaths:
         """The paths for `device` (resolved) from the flags: --cuda-graphs and --triton-attention
         left unset (None) are on on CUDA for a native target (Triton attention also needs Triton,
         and is off with --batch-invariant), off otherwise; --enforce-eager turns CUDA graphs off.
-        Asking for a path on the CPU, or for contradicting ones, is refused; --decode-ahead, off
-        unless given, may be asked for anywhere."""
+        Asking for a path on the CPU, or for contradicting ones, is refused; --decode-ahead left
+        unset is on on CUDA for a native target (whose runner chains decodes) and off otherwise,
+        and may be asked for anywhere."""
         graphs, triton = getattr(args, "cuda_graphs", None), getattr(args, "triton_attention", None)
         invariant = bool(getattr(args, "batch_invariant", False))
         if getattr(args, "enforce_eager", False):
@@ -221,15 +222,18 @@ class GpuPaths:
             graphs = cuda
         if triton is None:
             triton = cuda and platform.triton and not invariant
+        ahead = getattr(args, "decode_ahead", None)
+        if ahead is None:
+            ahead = cuda
         return GpuPaths(cuda_graphs=bool(graphs), batch_invariant=invariant, triton_attention=bool(triton),
-                        decode_ahead=bool(getattr(args, "decode_ahead", False)))
+                        decode_ahead=bool(ahead))
 
     def flags(self) -> list[str]:
         """Command-line flags that give an engine process the same paths, every one explicit."""
         return (["--cuda-graphs" if self.cuda_graphs else "--no-cuda-graphs",
                  "--triton-attention" if self.triton_attention else "--no-triton-attention"]
                 + (["--batch-invariant"] if self.batch_invariant else [])
-                + (["--decode-ahead"] if self.decode_ahead else []))
+                + ["--decode-ahead" if self.decode_ahead else "--no-decode-ahead"])
 
     def describe(self, role: str = "verifier") -> str:
         """The paths `role` runs, in words ("CUDA graphs, Triton attention"; "eager")."""

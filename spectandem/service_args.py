@@ -64,11 +64,11 @@ def add_gpu_path_flags(p: argparse.ArgumentParser) -> None:
                    help="the target's verify attends through the Triton paged tree attention, eager or with "
                         "CUDA graphs (CUDA + Triton; default: on on CUDA with Triton installed, off on the CPU and "
                         "with --batch-invariant)")
-    p.add_argument("--decode-ahead", action=argparse.BooleanOptionalAction, default=False,
+    p.add_argument("--decode-ahead", action=argparse.BooleanOptionalAction, default=None,
                    help="after a plain multi-step decode the verifier queues the next one on the device where the "
                         "router expects to ask for it, so that it runs while the router commits and streams the "
                         "last (in the manner of vLLM's async scheduling and SGLang's overlap scheduler; the same "
-                        "tokens; default: off)")
+                        "tokens; default: on on CUDA, off on the CPU, where the host computes it and nothing overlaps)")
     p.add_argument("--batch-invariant", action="store_true",
                    help="batch-invariant target kernels: bf16 speculation gives plain decoding's exact tokens "
                         "(CUDA + Triton; the target then runs without CUDA graphs; default: off)")

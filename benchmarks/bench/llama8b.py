@@ -340,7 +340,8 @@ def bench_controlled(runs: ControlledRuns, rates: list[float], batch_sizes: list
     the ideal accept_length / (one chain verify forward)."""
     for b in batch_sizes:   # each batch size's graphs captured (and allocator grown) before any timing
         runs.run(b, None, f"warm-plain-b{b}")
-        runs.run(b, rates[0], f"warm-spec-b{b}")
+        if rates:
+            runs.run(b, rates[0], f"warm-spec-b{b}")
     base = dict(section="controlled", workload="llama8b")
     records, plain_tps = [], {}
     for b in batch_sizes:

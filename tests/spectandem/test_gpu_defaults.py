@@ -32,7 +32,7 @@ def _resolved(platform: Platform, *argv: str) -> tuple[str, str, GpuPaths]:
 def test_defaults_are_auto():
     args = _flags()
     assert (args.device, args.dtype, args.cuda_graphs, args.triton_attention, args.batch_invariant,
-            args.enforce_eager, args.decode_ahead) == ("auto", "auto", None, None, False, False, False)
+            args.enforce_eager, args.decode_ahead) == ("auto", "auto", None, None, False, False, None)
 
 
 @pytest.mark.parametrize("device, gpus, want", [("auto", 0, "cpu"), ("auto", 1, "cuda"), ("auto", 4, "cuda"),
@@ -59,24 +59,27 @@ TABLE = [
     (CPU, [], ("cpu", "float32", GpuPaths())),
     (CPU, ["--no-cuda-graphs", "--no-triton-attention", "--enforce-eager"], ("cpu", "float32", GpuPaths())),
     (CPU, ["--dtype", "float64"], ("cpu", "float64", GpuPaths())),
-    (ONE_GPU, [], ("cuda", "bfloat16", GpuPaths(cuda_graphs=True, triton_attention=True))),
+    (ONE_GPU, [], ("cuda", "bfloat16", GpuPaths(cuda_graphs=True, triton_attention=True, decode_ahead=True))),
     (ONE_GPU, ["--device", "cpu"], ("cpu", "float32", GpuPaths())),
     (ONE_GPU, ["--device", "cuda:0", "--dtype", "float16"],
-     ("cuda:0", "float16", GpuPaths(cuda_graphs=True, triton_attention=True))),
-    (ONE_GPU, ["--no-cuda-graphs"], ("cuda", "bfloat16", GpuPaths(triton_attention=True))),
-    (ONE_GPU, ["--enforce-eager"], ("cuda", "bfloat16", GpuPaths(triton_attention=True))),
-    (ONE_GPU, ["--enforce-eager", "--no-cuda-graphs"], ("cuda", "bfloat16", GpuPaths(triton_attention=True))),
-    (ONE_GPU, ["--no-triton-attention"], ("cuda", "bfloat16", GpuPaths(cuda_graphs=True))),
-    (ONE_GPU, ["--batch-invariant"], ("cuda", "bfloat16", GpuPaths(cuda_graphs=True, batch_invariant=True))),
-    (ONE_GPU, ["--batch-invariant", "--enforce-eager"], ("cuda", "bfloat16", GpuPaths(batch_invariant=True))),
+     ("cuda:0", "float16", GpuPaths(cuda_graphs=True, triton_attention=True, decode_ahead=True))),
+    (ONE_GPU, ["--no-cuda-graphs"], ("cuda", "bfloat16", GpuPaths(triton_attention=True, decode_ahead=True))),
+    (ONE_GPU, ["--enforce-eager"], ("cuda", "bfloat16", GpuPaths(triton_attention=True, decode_ahead=True))),
+    (ONE_GPU, ["--enforce-eager", "--no-cuda-graphs"],
+     ("cuda", "bfloat16", GpuPaths(triton_attention=True, decode_ahead=True))),
+    (ONE_GPU, ["--no-triton-attention"], ("cuda", "bfloat16", GpuPaths(cuda_graphs=True, decode_ahead=True))),
+    (ONE_GPU, ["--batch-invariant"],
+     ("cuda", "bfloat16", GpuPaths(cuda_graphs=True, batch_invariant=True, decode_ahead=True))),
+    (ONE_GPU, ["--batch-invariant", "--enforce-eager"],
+     ("cuda", "bfloat16", GpuPaths(batch_invariant=True, decode_ahead=True))),
     (ONE_GPU, ["--batch-invariant", "--no-triton-attention"],
-     ("cuda", "bfloat16", GpuPaths(cuda_graphs=True, batch_invariant=True))),
-    (NO_TRITON, [], ("cuda", "bfloat16", GpuPaths(cuda_graphs=True))),
-    (NO_TRITON, ["--triton-attention"], ("cuda", "bfloat16", GpuPaths(cuda_graphs=True, triton_attention=True))),
-    (ONE_GPU, ["--decode-ahead"],
+     ("cuda", "bfloat16", GpuPaths(cuda_graphs=True, batch_invariant=True, decode_ahead=True))),
+    (NO_TRITON, [], ("cuda", "bfloat16", GpuPaths(cuda_graphs=True, decode_ahead=True))),
+    (NO_TRITON, ["--triton-attention"],
      ("cuda", "bfloat16", GpuPaths(cuda_graphs=True, triton_attention=True, decode_ahead=True))),
+    (ONE_GPU, ["--no-decode-ahead"], ("cuda", "bfloat16", GpuPaths(cuda_graphs=True, triton_attention=True))),
     (CPU, ["--decode-ahead"], ("cpu", "float32", GpuPaths(decode_ahead=True))),   # asked for: the CPU runs it too
-    (HF_TARGET, [], ("cuda", "bfloat16", GpuPaths())),
+    (HF_TARGET, [], ("cuda", "bfloat16", GpuPaths())),   # its runner decodes step by step: nothing to queue
     (HF_TARGET, ["--cuda-graphs"], ("cuda", "bfloat16", GpuPaths(cuda_graphs=True))),   # the runner refuses it
 ]
 
@@ -162,8 +165,9 @@ def test_drafter_device_is_resolved_with_the_device():
 
 
 def test_decode_ahead_reaches_engine_processes():
-    """--decode-ahead (off unless given) is handed to the engine processes serve starts."""
+    """--decode-ahead, on or off, is handed explicitly to the engine processes serve starts."""
     on, off = GpuPaths.from_args(_flags("--decode-ahead")), GpuPaths.from_args(_flags())
     assert on.decode_ahead and "--decode-ahead" in on.flags()
-    assert not off.decode_ahead and "--decode-ahead" not in off.flags()
+    assert not off.decode_ahead and "--no-decode-ahead" in off.flags()
+    assert GpuPaths.from_args(_flags(*off.flags())) == off
     assert GpuPaths.from_args(_flags(*on.flags())) == on
