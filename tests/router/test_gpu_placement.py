@@ -41,16 +41,21 @@ def _line(argv, platform):
 @pytest.mark.parametrize("argv, platform, want", [
     (["--backend", "grpc"], Platform(gpus=0), "verifier on cpu (float32, eager); drafter on cpu (float32, eager)"),
     (["--backend", "grpc"], Platform(gpus=1, triton=True),
-     "verifier on cuda:0 (bfloat16, CUDA graphs, Triton attention); drafter on cuda:0 (bfloat16, CUDA graphs)"),
+     "verifier on cuda:0 (bfloat16, CUDA graphs, Triton attention, decode ahead); drafter on cuda:0 (bfloat16, "
+     "CUDA graphs)"),
     (["--backend", "local", "--enforce-eager"], Platform(gpus=2, triton=True),
-     "verifier on cuda:0 (bfloat16, Triton attention); drafter on cuda:1 (bfloat16, eager)"),
+     "verifier on cuda:0 (bfloat16, Triton attention, decode ahead); drafter on cuda:1 (bfloat16, eager)"),
     (["--backend", "ray", "--batch-invariant"], Platform(gpus=1, triton=True),
-     "verifier on 0.5 of a shared GPU (bfloat16, batch-invariant kernels); drafter on 0.5 of a shared GPU "
+     "verifier on 0.5 of a shared GPU (bfloat16, batch-invariant kernels, decode ahead); drafter on 0.5 of a "
+     "shared GPU "
      "(bfloat16, CUDA graphs)"),
     (["--backend", "ray", "--no-triton-attention"], Platform(gpus=2, triton=True),
-     "verifier on a GPU of its own (bfloat16, CUDA graphs); drafter on a GPU of its own (bfloat16, CUDA graphs)"),
+     "verifier on a GPU of its own (bfloat16, CUDA graphs, decode ahead); drafter on a GPU of its own (bfloat16, "
+     "CUDA graphs)"),
     (["--backend", "ray", "--method", "none"], Platform(gpus=1, triton=False),
-     "verifier on a GPU of its own (bfloat16, CUDA graphs)"),
+     "verifier on a GPU of its own (bfloat16, CUDA graphs, decode ahead)"),
+    (["--backend", "local", "--method", "none", "--no-decode-ahead"], Platform(gpus=1, triton=True),
+     "verifier on cuda:0 (bfloat16, CUDA graphs, Triton attention)"),
 ])
 def test_placement_line(argv, platform, want):
     assert _line(argv, platform) == want

@@ -142,7 +142,7 @@ def test_flag_and_gpu_paths():
     add_model_flags(p)
     paths = GpuPaths.from_args(p.parse_args(["--cuda-graphs", "--triton-attention"]))
     assert paths == GpuPaths(cuda_graphs=True, triton_attention=True)
-    assert paths.flags() == ["--cuda-graphs", "--triton-attention"]
+    assert paths.flags() == ["--cuda-graphs", "--triton-attention", "--no-decode-ahead"]
     assert paths.runner_kwargs() == {"cuda_graphs": True, "batch_invariant": False, "triton_attention": True}
     assert not GpuPaths.from_args(p.parse_args([])).runner_kwargs()["triton_attention"]
     with pytest.raises(ValueError, match="choose one"):
