@@ -13,6 +13,9 @@ Two sources, one registry (a private `CollectorRegistry`, so nothing process-glo
                num_detached_admissions, num_mixed_prefills,
                num_requests_{admitted,finished,failed,cancelled}
                (exposed with the `_total` suffix)
+               spectandem:num_decode_ahead_taken, num_decode_ahead_forgotten (summed over the
+               verifiers that decode ahead, read from their info: the plain decodes that took the
+               chunk queued after the last call, and the queued chunks forgotten unused)
     gauges     spectandem:num_requests_running, num_requests_waiting,
                spectandem:kv_cache_usage_perc{side="verifier"|"drafter"} (0..1)
 - `RequestTimings`, a router listener, observes latencies from request events:
@@ -91,10 +94,12 @@ class RouterCollector:
     def __init__(self, router, links: dict, positions: int = 0, default_slots: int = 0):
         self.router, self.links, self.positions, self.default_slots = router, links, positions, default_slots
         self._kv_usage: dict[str, float] = {}
+        self._ahead: dict[str, int] = {"taken": 0, "forgotten": 0}
 
     async def refresh(self) -> None:
-        """Polls the engines' slot use (async, so before the synchronous collect)."""
-        usage = {}
+        """Polls the engines' slot use and the verifiers' decode-ahead counts (async, so before
+        the synchronous collect)."""
+        usage, ahead = {}, {"taken": 0, "forgotten": 0}
         for side, links in self.links.items():
             used = total = 0
             for link in links:
@@ -105,9 +110,11 @@ class RouterCollector:
                     continue
                 u, t = kv_usage(info, self.default_slots)
                 used, total = used + u, total + t
+                for key in ahead:
+                    ahead[key] += int((getattr(info, "decode_ahead", None) or {}).get(key, 0))
             if total > 0:
                 usage[side] = used / total
-        self._kv_usage = usage
+        self._kv_usage, self._ahead = usage, ahead
 
     def collect(self):
         c = self.router.counters
@@ -125,6 +132,11 @@ class RouterCollector:
         for mode, n in sorted(c.mode_rounds.items()):
             by_mode.add_metric([mode], n)
         yield by_mode
+        yield CounterMetricFamily(PREFIX + "num_decode_ahead_taken",
+                                  "Plain decodes whose tokens the verifier had queued after the last call (decode ahead)",
+                                  value=self._ahead["taken"])
+        yield CounterMetricFamily(PREFIX + "num_decode_ahead_forgotten",
+                                  "Decodes the verifier queued ahead and forgot unused", value=self._ahead["forgotten"])
         yield GaugeMetricFamily(PREFIX + "num_requests_running", "Requests in the running batch",
                                 value=len(self.router.running))
         yield GaugeMetricFamily(PREFIX + "num_requests_waiting", "Requests waiting for admission",

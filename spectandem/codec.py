@@ -317,7 +317,10 @@ def engine_info_to_msg(info: EngineInfo) -> engines_pb2.EngineInfo:
                                   device=str(info.extra.get("device", "")),
                                   kv_blocks=info.kv.get("num_blocks", 0), kv_block_size=info.kv.get("block_size", 0),
                                   kv_used_blocks=info.kv.get("used_blocks", 0),
-                                  feature_channel=str(info.extra.get("feature_channel", "")))
+                                  feature_channel=str(info.extra.get("feature_channel", "")),
+                                  decode_ahead=bool(info.decode_ahead),
+                                  decode_ahead_taken=info.decode_ahead.get("taken", 0),
+                                  decode_ahead_forgotten=info.decode_ahead.get("forgotten", 0))
 
 
 def engine_info_from_msg(msg: engines_pb2.EngineInfo) -> EngineInfo:
@@ -326,4 +329,6 @@ def engine_info_from_msg(msg: engines_pb2.EngineInfo) -> EngineInfo:
                       feature_layers=feature_layers_from_str(msg.feature_layers),
                       extra={k: v for k, v in (("device", msg.device), ("feature_channel", msg.feature_channel)) if v},
                       kv={"num_blocks": msg.kv_blocks, "block_size": msg.kv_block_size,
-                          "used_blocks": msg.kv_used_blocks} if msg.kv_blocks else {})
+                          "used_blocks": msg.kv_used_blocks} if msg.kv_blocks else {},
+                      decode_ahead={"taken": msg.decode_ahead_taken,
+                                    "forgotten": msg.decode_ahead_forgotten} if msg.decode_ahead else {})

@@ -133,3 +133,6 @@ class EngineInfo:
     feature_layers: Any = None
     extra: dict = field(default_factory=dict)
     kv: dict = field(default_factory=dict)   # num_blocks, block_size, used_blocks (paged caches)
+    # A verifier that decodes ahead: {"taken": decodes that took a queued chunk, "forgotten":
+    # queued chunks forgotten unused}; empty otherwise.
+    decode_ahead: dict = field(default_factory=dict)

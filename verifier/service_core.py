@@ -95,4 +95,6 @@ def verifier_info(engine, model_name: str) -> EngineInfo:
     return EngineInfo(role="verifier", model=model_name, kind=type(runner).__name__,
                       vocab_size=engine.vocab_size, max_len=engine.max_len,
                       max_slots=len(engine.free_slots) + len(engine.requests), used_slots=len(engine.requests),
-                      feature_layers=runner.feature_layers, kv=engine.kv_stats())
+                      feature_layers=runner.feature_layers, kv=engine.kv_stats(),
+                      decode_ahead={"taken": engine.ahead_used, "forgotten": engine.ahead_dropped}
+                      if engine.decode_ahead else {})

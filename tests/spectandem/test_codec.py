@@ -157,3 +157,17 @@ def test_ahead_reply_rejects_trees_the_verifier_could_not_take(bad, match):
     with pytest.raises(ValueError, match="2 outcome_trees for 1 tags"):
         codec.ahead_reply_from_msg(engines_pb2.DraftAheadReply(cache_hits=[1], outcome_trees=[
             engines_pb2.OutcomeTrees(), engines_pb2.OutcomeTrees()]))
+
+
+@pytest.mark.parametrize("ahead", [{}, {"taken": 0, "forgotten": 0}, {"taken": 17, "forgotten": 3}], ids=str)
+def test_engine_info_round_trip(ahead):
+    """A verifier's info crosses the wire whole: its KV pool, its device and its decode-ahead
+    counts (none for an engine that does not decode ahead, zeros for one that has not yet)."""
+    from spectandem.protocol import EngineInfo
+
+    info = EngineInfo(role="verifier", model="target", kind="NativeRunner", vocab_size=4096, max_len=256,
+                      max_slots=8, used_slots=2, feature_layers=(2, 4, 5), extra={"device": "cpu"},
+                      kv={"num_blocks": 64, "block_size": 16, "used_blocks": 9}, decode_ahead=ahead)
+    back = codec.engine_info_from_msg(engines_pb2.EngineInfo.FromString(
+        codec.engine_info_to_msg(info).SerializeToString()))
+    assert back == info
