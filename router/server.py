@@ -276,26 +276,32 @@ def add_generation_service(servicer: GenerationServicer, server) -> None:
 
 
 async def server_stats(router) -> generation_pb2.ServerStats:
-    """The router's counters, its queues and both sides' KV usage (from the engines' info)."""
+    """The router's counters, its queues, both sides' KV usage and the verifiers' decode-ahead
+    counts (from the engines' info)."""
     from dataclasses import asdict
 
     counters = asdict(router.counters)
     out = generation_pb2.ServerStats(**counters, running=len(router.running), waiting=len(router.waiting))
 
-    async def kv(link):
+    async def info(link):
         if link is None:
-            return {}
+            return None
         try:
-            return (await asyncio.wait_for(link.info(), 5)).kv
-        except Exception:  # an engine that does not answer reports no usage
-            return {}
+            return await asyncio.wait_for(link.info(), 5)
+        except Exception:  # an engine that does not answer reports nothing
+            return None
     routers = getattr(router, "replicas", None) or [router]  # a ReplicaSet sums its pairs
     for field_name, side in (("verifier_kv", "verifier"), ("drafter_kv", "drafter")):
-        usages = [await kv(getattr(r, side)) for r in routers]
+        infos = [i for i in [await info(getattr(r, side)) for r in routers] if i is not None]
+        usages = [i.kv for i in infos]
         getattr(out, field_name).CopyFrom(generation_pb2.KvUsage(
             num_blocks=sum(u.get("num_blocks", 0) for u in usages),
             used_blocks=sum(u.get("used_blocks", 0) for u in usages),
             block_size=max((u.get("block_size", 0) for u in usages), default=0)))
+        if side == "verifier":
+            ahead = [getattr(i, "decode_ahead", None) or {} for i in infos]
+            out.decode_ahead_taken = sum(a.get("taken", 0) for a in ahead)
+            out.decode_ahead_forgotten = sum(a.get("forgotten", 0) for a in ahead)
     return out
 
 

@@ -2,8 +2,8 @@
 in-process, as gRPC engine processes, as actors on a local Ray cluster), demo target, fp32 on the
 CPU: greedy requests of several lengths at once give, token for token, what plain decoding gives
 them alone (LocalSpeculator), and the verifier's decode-ahead counts reach the router the way a
-user reads them, in its engine info and in /metrics (spectandem:num_decode_ahead_taken_total),
-non-zero: the chunks queued after each call were taken. Without the flag (the CPU's default) the
+user reads them, in its engine info, in GetServerStats (`spectandem stats`) and in /metrics
+(spectandem:num_decode_ahead_taken_total), non-zero: the chunks queued after each call were taken. Without the flag (the CPU's default) the
 verifier reports no decode ahead and the metric stays at 0."""
 
 from __future__ import annotations
@@ -19,6 +19,7 @@ from router.serve import free_port
 from spectandem.config import SamplingParams, SpecConfig
 from spectandem.demo import demo_paths
 from tests.e2e.conftest import PROMPT_TEXTS
+from spectandem.v1 import generation_pb2
 from tests.router.conftest import RAY_CLUSTERS, Served, collect, request
 
 MAX_TOKENS = (40, 23, 33, 40, 17, 29)
@@ -42,7 +43,8 @@ def _metric(server, name: str) -> float:
 
 
 def _run(backend: str, expected, *flags: str) -> tuple[dict, float]:
-    """Serves the requests at once -> (the verifier's decode_ahead info, the taken counter)."""
+    """Serves the requests at once -> (the verifier's decode_ahead info, the taken counter of
+    /metrics), once GetServerStats has been checked to agree with the info."""
     prompts, want = expected
     server = Served(["--backend", backend, "--method", "none", "--max-len", "256", "--max-running", "8",
                      "--plain-steps", "4", "--metrics-port", str(free_port()), *flags]).wait_ready(300)
@@ -59,6 +61,9 @@ def _run(backend: str, expected, *flags: str) -> tuple[dict, float]:
             th.join(180)
         assert [got.get(i) for i in range(len(prompts))] == want
         info = server.run(server.state["verifier"].info())
+        stats = server.stub.GetServerStats(generation_pb2.GetServerStatsRequest(), timeout=30)
+        assert (stats.decode_ahead_taken, stats.decode_ahead_forgotten) == (info.decode_ahead.get("taken", 0),
+                                                                           info.decode_ahead.get("forgotten", 0))
         return info.decode_ahead, _metric(server, "num_decode_ahead_taken_total")
     finally:
         server.close()

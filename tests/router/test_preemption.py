@@ -168,6 +168,10 @@ def test_drafter_pool_runs_out_first(reference):
 
 
 def test_stats_command(small_verifier_pool):
+    # Its own request first: under xdist this test may be the first of the module on its worker
+    # (the module's server fresh, no rounds yet).
+    toks, _, reason, _ = collect(small_verifier_pool.stub, request(text="def f():", max_tokens=8))
+    assert len(toks) == 8 and reason == "length"
     out = subprocess.run([sys.executable, "-m", "spectandem.cli", "stats", "--address", small_verifier_pool.address,
                           "--json"], capture_output=True, text=True, timeout=60)
     assert out.returncode == 0, out.stderr
@@ -178,6 +182,7 @@ def test_stats_command(small_verifier_pool):
                           capture_output=True, text=True, timeout=60)
     assert "preemptions" in text.stdout and "verifier KV blocks" in text.stdout
     assert "rounds by pipeline mode " in text.stdout and "rounds by pipeline mode -" not in text.stdout
+    assert "decode ahead taken/forgotten 0/0" in text.stdout and d["decode_ahead_taken"] == 0   # off on the CPU
 
 
 # ---------------------------------------------------------------- stale replies (router logic, faked delivery)
