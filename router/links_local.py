@@ -1,5 +1,6 @@
 """The in-process links of router/links.py: the engines of this process, each call run in a
-worker thread so the event loop keeps streaming while a forward runs. What both share (a worker
+worker thread (each engine's own, or one both share on the CPU) so the event loop keeps
+streaming while a forward runs. What both share (a worker
 thread, a CUDA stream, busy time) is router/local_base.py."""
 
 from __future__ import annotations
@@ -11,8 +12,8 @@ from router.local_base import _LocalLink
 class LocalVerifierLink(_LocalLink):
     role = "verifier"
 
-    def __init__(self, engine, model_name: str = "target"):
-        super().__init__(engine, model_name)
+    def __init__(self, engine, model_name: str = "target", thread=None):
+        super().__init__(engine, model_name, thread)
 
     async def prefill(self, items, want_features):
         from verifier.service_core import verifier_prefill
@@ -47,14 +48,14 @@ class LocalVerifierLink(_LocalLink):
         return verifier_info(self.engine, self.model_name)
 
     async def close(self):
-        return None
+        self.close_thread()
 
 
 class LocalDrafterLink(_LocalLink):
     role = "drafter"
 
-    def __init__(self, engine, model_name: str = "draft"):
-        super().__init__(engine, model_name)
+    def __init__(self, engine, model_name: str = "draft", thread=None):
+        super().__init__(engine, model_name, thread)
 
     async def prefill(self, items):
         from drafter.service_core import drafter_prefill
@@ -93,4 +94,4 @@ class LocalDrafterLink(_LocalLink):
         return drafter_info(self.engine, self.model_name)
 
     async def close(self):
-        return None
+        self.close_thread()

@@ -1,11 +1,13 @@
 """The in-process links' common part (router/links_local.py): an engine of this process whose
-calls run one at a time in a worker thread, on a CUDA stream of its own on a GPU, timed per kind."""
+calls run one at a time in a worker thread of its own, on a CUDA stream of its own on a GPU,
+timed per kind."""
 
 from __future__ import annotations
 
 import asyncio
 import sys
 import time
+from concurrent.futures import ThreadPoolExecutor
 
 from router.links import EngineUnavailable
 from spectandem.devices import engine_stream, on_stream
@@ -27,8 +29,29 @@ def shorten_switch_interval(seconds: float) -> None:
         sys.setswitchinterval(seconds)
 
 
+def cpu_engine_thread(num_threads: int) -> ThreadPoolExecutor:
+    """The one worker thread both engines of this process run their calls on when they run on
+    the CPU, with `num_threads` torch threads: the process's only OpenMP team of more than one
+    thread. libgomp counts the threads of every team alive in the process, and where they
+    outnumber the cores its threads barely spin before sleeping, so each op waits to wake them:
+    with one idle team of two threads beside it, the demo pair's engine loop with two threads
+    decoded plainly at 67-70 tok/s instead of 214-234 (2-core CPU). Engine calls on the CPU gain
+    nothing from running at once (they share the cores), so they take turns on this thread."""
+    def init():
+        import torch
+
+        torch.set_num_threads(num_threads)
+        torch.ones(1 << 17).sum()   # a parallel region now: this thread's team and thread count are set
+
+    return ThreadPoolExecutor(max_workers=1, thread_name_prefix="spectandem-engines", initializer=init)
+
+
 class _LocalLink:
-    """One engine of this process: calls run one at a time in a worker thread.
+    """One engine of this process: calls run one at a time in a worker thread of its own, the
+    same thread every call. On the CPU each thread that runs torch ops leads its own team of
+    OpenMP threads; with calls spread over a pool's threads (asyncio.to_thread), an engine with
+    two torch threads had two teams, one still spinning while the other worked, and on two cores
+    served plain decoding at 0.6x its speed with one thread (91.7-101.9 against 155.9-160.8 tok/s).
 
     On a GPU each engine works on a CUDA stream of its own, and a call returns only once its
     stream is done (what it hands on is complete). The two engines' calls run concurrently; on
@@ -49,11 +72,19 @@ class _LocalLink:
 
     role = "engine"
 
-    def __init__(self, engine, model_name: str):
+    def __init__(self, engine, model_name: str, thread: ThreadPoolExecutor | None = None):
+        """`thread`: a one-worker executor this link shares with the other engine's
+        (`cpu_engine_thread`); by default one of its own."""
         self.engine, self.model_name = engine, model_name
         self._lock = asyncio.Lock()
         self.busy_s: dict[str, float] = {}
         self._stream = engine_stream(engine)
+        self._own_thread = thread is None
+        self._thread = thread or ThreadPoolExecutor(max_workers=1, thread_name_prefix=f"spectandem-{self.role}")
+
+    def close_thread(self) -> None:
+        if self._own_thread:
+            self._thread.shutdown(wait=False)
 
     def _call(self, kind: str, fn, *args):
         t0 = time.perf_counter()
@@ -78,7 +109,7 @@ class _LocalLink:
     async def _run(self, kind: str, fn, *args):
         async with self._lock:
             try:
-                return await asyncio.to_thread(self._call, kind, fn, *args)
+                return await asyncio.get_running_loop().run_in_executor(self._thread, self._call, kind, fn, *args)
             except (ValueError, KeyError):  # bad input or a stale tag: the caller's to handle
                 raise
             except Exception as exc:  # the engine itself failed: the router treats it as gone

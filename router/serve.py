@@ -16,7 +16,7 @@ import time
 from pathlib import Path
 
 from router.links import EngineStartError
-from spectandem.config import EngineConfig, GpuPaths, benchmark_warning, engine_devices, resolve_model_flags
+from spectandem.config import EngineConfig, GpuPaths, benchmark_warning, engine_devices, is_cuda, resolve_model_flags
 from router.ops import OpsConfig, add_ops_flags
 from spectandem.memory import engine_memory_flags, kv_capacity_line
 from spectandem.service_args import add_benchmark_flag, add_memory_flags, add_model_flags, model_dtype, positive_int
@@ -102,8 +102,9 @@ def add_serve(sub) -> None:
                    help="torch CPU threads of each engine, in this process (--backend local) or in the engine "
                         "processes serve starts (default: $OMP_NUM_THREADS where set; else the cores this process "
                         "may use less one, a core staying with the router and the gRPC server, shared evenly among "
-                        "the processes that run engines, at least 1 each: this one for --backend local, one per "
-                        "engine and replica for grpc and ray)")
+                        "the processes that run engines, at least 1 each: one per engine and replica for grpc and "
+                        "ray; --backend local on the CPU, whose engines take turns on one thread while the router "
+                        "waits for them: every core)")
     add_ops_flags(p)
     p.set_defaults(func=_serve)
 
@@ -127,12 +128,14 @@ def _spec(args):
     return spec_from_flags(args)
 
 
-def engine_threads(flag: int | None, omp_num_threads: str | None, processes: int = 1) -> int:
+def engine_threads(flag: int | None, omp_num_threads: str | None, processes: int = 1,
+                   router_core: bool = True) -> int:
     """Torch threads of each engine (--engine-threads): the flag, else OMP_NUM_THREADS where set,
-    else the cores this process may run on less one (the router's and its gRPC server's), shared
-    evenly among the `processes` that run engines on them (`engine_processes`), at least 1 each.
-    A torch op ends at a barrier of all its threads, so threads beyond the free cores wait for
-    those another process holds (benchmarks/results/RESULTS.md, serve-cpu-2core)."""
+    else the cores this process may run on less one (the router's and its gRPC server's;
+    `router_core` False: all of them), shared evenly among the `processes` that run engines on
+    them (`engine_processes`), at least 1 each. A torch op ends at a barrier of all its threads,
+    so threads beyond the free cores wait for those another process holds
+    (benchmarks/results/RESULTS.md, serve-cpu-2core)."""
     if flag is not None:
         return flag
     if omp_num_threads:
@@ -146,7 +149,7 @@ def engine_threads(flag: int | None, omp_num_threads: str | None, processes: int
     if processes < 1:
         raise ValueError(f"engine processes must be >= 1, got {processes}")
     cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
-    return max(1, (cores - 1) // processes)
+    return max(1, (cores - router_core) // processes)
 
 
 def engine_processes(args) -> int:
@@ -308,11 +311,17 @@ async def _build_links(args, cfg, target, draft, index: int = 0, supervisor=None
         config = dataclasses.replace(config, device=verifier_device)
         say(_loading("loading", cfg, target, draft) + " in this process")
         spec = LocalSpeculator.from_config(config, drafter_device=drafter_device)
-        v = LocalVerifierLink(spec.verifier, Path(target).name)
-        d = LocalDrafterLink(spec.drafter, Path(draft).name if draft else "") if spec.drafter else None
+        thread = None
+        if not is_cuda(verifier_device) and not is_cuda(drafter_device or verifier_device):
+            from router.local_base import cpu_engine_thread
+
+            thread = cpu_engine_thread(args.engine_threads or 1)
+        v = LocalVerifierLink(spec.verifier, Path(target).name, thread)
+        d = LocalDrafterLink(spec.drafter, Path(draft).name if draft else "", thread) if spec.drafter else None
 
         async def cleanup():
-            return None
+            if thread is not None:
+                thread.shutdown(wait=False)
         return v, d, cleanup, {}
     if args.backend == "ray":
         import ray
@@ -657,16 +666,31 @@ async def _first_request(address: str, prompt: str, api_key: str | None = None, 
         print(f"first request failed: {exc}", flush=True)
 
 
+def _engines_on_cpu(device: str) -> bool:
+    """Whether --device (resolved or not: "auto" is the CPU where no GPU is visible) is the CPU."""
+    if device == "auto":
+        import torch
+
+        return torch.cuda.device_count() == 0
+    return not is_cuda(device)
+
+
 def configure_process(args, omp_num_threads: str | None) -> None:
     """The process-wide settings serve makes before any engine loads: each engine's torch
     threads (`engine_threads`, into args.engine_threads), and with --backend local, where the
     engines run in this process, those threads and the interpreter's switch interval."""
-    args.engine_threads = engine_threads(args.engine_threads, omp_num_threads, engine_processes(args))
+    # --backend local on the CPU: the engines take turns on one thread (router/local_base.py
+    # cpu_engine_thread) while the router waits for them, so by default they take every core.
+    on_cpu_here = args.backend == "local" and _engines_on_cpu(args.device)
+    args.engine_threads = engine_threads(args.engine_threads, omp_num_threads, engine_processes(args),
+                                         router_core=not on_cpu_here)
     if args.backend == "local":
         from router.local_base import shorten_switch_interval
         from spectandem.devices import set_cpu_threads
 
-        set_cpu_threads(args.engine_threads)
+        # This thread loads the engines with one torch thread, so that the engine thread's team
+        # (--engine-threads) is the process's only OpenMP team of more than one thread.
+        set_cpu_threads(1 if on_cpu_here else args.engine_threads)
         shorten_switch_interval(switch_interval_s(args))
 
 

@@ -63,6 +63,9 @@ def test_engine_threads_follow_the_flag_else_omp_num_threads_else_the_cores_shar
     assert engine_threads(None, None, 1) == engine_threads(None, "", 1) == max(1, cores - 1)
     assert engine_threads(None, None, 2) == max(1, (cores - 1) // 2)
     assert engine_threads(None, None, 10 * cores) == 1
+    # --backend local on the CPU: the router waits while the engines compute on every core.
+    assert engine_threads(None, None, 1, router_core=False) == cores
+    assert engine_threads(3, None, 1, router_core=False) == 3
     for bad in ("0", "two"):
         with pytest.raises(ValueError, match="OMP_NUM_THREADS must be a positive integer"):
             engine_threads(None, bad)
@@ -88,3 +91,37 @@ def test_engine_processes_count_each_engine_of_each_replica_outside_this_process
     assert engine_processes(args(backend="ray", replicas=3, method="none")) == 3
     # Joining a cluster: a replica's pair shares a node; the replicas' nodes are Ray's choice.
     assert engine_processes(args(backend="ray", replicas=4, ray_address="auto")) == 2
+
+
+def test_local_engines_on_the_cpu_take_turns_on_one_thread_with_its_own_torch_threads():
+    """serve --backend local --device cpu: both links run their calls on one shared thread whose
+    torch threads are --engine-threads, while the process's own stay at one (so the engine
+    thread's OpenMP team is the only one of more than one thread); the served tokens are plain
+    decoding's. In a subprocess: configure_process sets the process's torch threads."""
+    code = r"""
+import asyncio, threading, torch
+from router.serve import _build_links, _spec, configure_process, resolve_serve_flags
+from spectandem.cli import build_parser
+from spectandem.config import Platform, SamplingParams
+args = build_parser().parse_args(["serve", "--backend", "local", "--device", "cpu", "--engine-threads", "2",
+                                  "--max-len", "128", "--max-running", "2"])
+configure_process(args, None)
+assert args.engine_threads == 2 and torch.get_num_threads() == 1
+args = resolve_serve_flags(args, Platform(gpus=0))
+async def main():
+    cfg, target, draft = _spec(args)
+    v, d, cleanup, _ = await _build_links(args, cfg, target, draft)
+    try:
+        assert v._thread is d._thread
+        seen = await asyncio.gather(*(link._run("probe", lambda: (threading.current_thread().name,
+                                                                 torch.get_num_threads())) for link in (v, d)))
+        assert seen[0] == seen[1] and seen[0][0].startswith("spectandem-engines") and seen[0][1] == 2, seen
+    finally:
+        await cleanup()
+asyncio.run(main())
+assert torch.get_num_threads() == 1
+print("ok")
+"""
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300,
+                         cwd=os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
+    assert out.returncode == 0 and out.stdout.strip().endswith("ok"), out.stderr[-3000:]
