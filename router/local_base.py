@@ -10,7 +10,7 @@ import time
 from concurrent.futures import ThreadPoolExecutor
 
 from router.links import EngineUnavailable
-from spectandem.devices import engine_stream, on_stream
+from spectandem.devices import engine_stream, on_stream, own_cpu_threads
 
 # The switch interval the entry points that run everything in one process set (serve --backend
 # local, the bench's router sections): a thread back from the GPU waits at most this for the lock.
@@ -37,13 +37,8 @@ def cpu_engine_thread(num_threads: int) -> ThreadPoolExecutor:
     with one idle team of two threads beside it, the demo pair's engine loop with two threads
     decoded plainly at 67-70 tok/s instead of 214-234 (2-core CPU). Engine calls on the CPU gain
     nothing from running at once (they share the cores), so they take turns on this thread."""
-    def init():
-        import torch
-
-        torch.set_num_threads(num_threads)
-        torch.ones(1 << 17).sum()   # a parallel region now: this thread's team and thread count are set
-
-    return ThreadPoolExecutor(max_workers=1, thread_name_prefix="spectandem-engines", initializer=init)
+    return ThreadPoolExecutor(max_workers=1, thread_name_prefix="spectandem-engines", initializer=own_cpu_threads,
+                              initargs=(num_threads,))
 
 
 class _LocalLink:

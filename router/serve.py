@@ -669,9 +669,9 @@ async def _first_request(address: str, prompt: str, api_key: str | None = None, 
 def _engines_on_cpu(device: str) -> bool:
     """Whether --device (resolved or not: "auto" is the CPU where no GPU is visible) is the CPU."""
     if device == "auto":
-        import torch
+        from spectandem.devices import cuda_gpus
 
-        return torch.cuda.device_count() == 0
+        return cuda_gpus() == 0
     return not is_cuda(device)
 
 

@@ -101,6 +101,19 @@ def set_cpu_threads(n: int | None) -> None:
         torch.set_num_threads(n)
 
 
+def own_cpu_threads(n: int) -> None:
+    """torch's CPU threads for the calling thread, its OpenMP team made now (a parallel region),
+    so that the thread keeps them whatever later calls set for the process. For a thread that
+    runs engine calls (router/local_base.py cpu_engine_thread)."""
+    torch.set_num_threads(n)
+    torch.ones(1 << 17).sum()
+
+
+def cuda_gpus() -> int:
+    """The CUDA GPUs visible to this process."""
+    return torch.cuda.device_count() if torch.cuda.is_available() else 0
+
+
 def probe_platform(target_dir=None, gpus: int | None = None):
     """What this machine offers the `auto` model flags (spectandem.config.Platform): the CUDA
     GPUs visible (or `gpus`, counted elsewhere: a Ray cluster's), whether Triton is installed,
