@@ -22,6 +22,7 @@ from drafter.service_core import (drafter_draft_ahead, drafter_extend, drafter_e
 from spectandem import codec
 from spectandem.channel import FeatureReceiver
 from spectandem.config import EngineConfig
+from spectandem.devices import engine_process_thread
 from spectandem.service_args import add_drafter_args  # noqa: F401 (re-exported)
 from spectandem.grpc_server import EngineCalls, EngineServer
 from spectandem.tls import ServerTls, server_tls_from_args
@@ -32,10 +33,10 @@ SERVICE_NAME = engines_pb2.DESCRIPTOR.services_by_name["Drafter"].full_name
 
 class DrafterServicer(engines_pb2_grpc.DrafterServicer):
     def __init__(self, engine: DrafterEngine, model_name: str = "draft", device: str = "cpu",
-                 max_slots: int = 0, max_len: int = 0, receiver: FeatureReceiver | None = None):
+                 max_slots: int = 0, max_len: int = 0, receiver: FeatureReceiver | None = None, thread=None):
         self.engine, self.model_name, self.device = engine, model_name, device
         self.max_slots, self.max_len, self.receiver = max_slots, max_len, receiver
-        self.calls = EngineCalls("drafter")
+        self.calls = EngineCalls("drafter", thread)
 
     def Prefill(self, request, context):
         return self.calls.run(context, self._prefill, request)
@@ -103,10 +104,11 @@ class DrafterServicer(engines_pb2_grpc.DrafterServicer):
 def start_drafter_server(engine: DrafterEngine, host: str = "127.0.0.1", port: int = 0,
                          model_name: str = "draft", device: str = "cpu", max_slots: int = 0,
                          max_len: int = 0, tls: ServerTls | None = None,
-                         receiver: FeatureReceiver | None = None) -> EngineServer:
+                         receiver: FeatureReceiver | None = None, thread=None) -> EngineServer:
     """Serves `engine` on the server's threads; returns the started server (port 0: a free one).
-    `tls`: TLS or mTLS on the port (None: plaintext); `receiver`: the feature channel's end."""
-    servicer = DrafterServicer(engine, model_name, device, max_slots, max_len, receiver)
+    `tls`: TLS or mTLS on the port (None: plaintext); `receiver`: the feature channel's end;
+    `thread`: the one thread that runs its calls (EngineCalls)."""
+    servicer = DrafterServicer(engine, model_name, device, max_slots, max_len, receiver, thread)
     return EngineServer.start(lambda s: engines_pb2_grpc.add_DrafterServicer_to_server(servicer, s),
                               SERVICE_NAME, host, port, tls.grpc_credentials() if tls else None)
 
@@ -120,11 +122,13 @@ def serve_drafter(config: EngineConfig, host: str = "0.0.0.0", port: int = 50053
         raise ValueError("fused mode runs verify and extend in one process; it cannot be served as a drafter")
     # Connecting runs in the background, while the model loads.
     receiver = FeatureReceiver(feature_channel, device) if feature_channel else None
+    thread = engine_process_thread(device)
     engine, context = build_engine(config)
     name = Path(draft_dir).name if draft_dir is not None else cfg.method
 
     try:
-        server = start_drafter_server(engine, host, port, name, device, max_slots, context, tls=tls, receiver=receiver)
+        server = start_drafter_server(engine, host, port, name, device, max_slots, context, tls=tls, receiver=receiver,
+                                      thread=thread)
         print(f"spectandem drafter: {cfg.method} {name}, features "
               f"{codec.feature_layers_to_str(engine.feature_layers)}, listening on {host}:{server.port}", flush=True)
         server.serve_until_signal()

@@ -10,7 +10,7 @@ import time
 from concurrent.futures import ThreadPoolExecutor
 
 from router.links import EngineUnavailable
-from spectandem.devices import engine_stream, on_stream, own_cpu_threads
+from spectandem.devices import engine_stream, on_stream
 
 # The switch interval the entry points that run everything in one process set (serve --backend
 # local, the bench's router sections): a thread back from the GPU waits at most this for the lock.
@@ -29,24 +29,10 @@ def shorten_switch_interval(seconds: float) -> None:
         sys.setswitchinterval(seconds)
 
 
-def cpu_engine_thread(num_threads: int) -> ThreadPoolExecutor:
-    """The one worker thread both engines of this process run their calls on when they run on
-    the CPU, with `num_threads` torch threads: the process's only OpenMP team of more than one
-    thread. libgomp counts the threads of every team alive in the process, and where they
-    outnumber the cores its threads barely spin before sleeping, so each op waits to wake them:
-    with one idle team of two threads beside it, the demo pair's engine loop with two threads
-    decoded plainly at 67-70 tok/s instead of 214-234 (2-core CPU). Engine calls on the CPU gain
-    nothing from running at once (they share the cores), so they take turns on this thread."""
-    return ThreadPoolExecutor(max_workers=1, thread_name_prefix="spectandem-engines", initializer=own_cpu_threads,
-                              initargs=(num_threads,))
-
-
 class _LocalLink:
     """One engine of this process: calls run one at a time in a worker thread of its own, the
-    same thread every call. On the CPU each thread that runs torch ops leads its own team of
-    OpenMP threads; with calls spread over a pool's threads (asyncio.to_thread), an engine with
-    two torch threads had two teams, one still spinning while the other worked, and on two cores
-    served plain decoding at 0.6x its speed with one thread (91.7-101.9 against 155.9-160.8 tok/s).
+    same thread every call (on the CPU both engines share one: spectandem/devices.py
+    cpu_engine_thread, the process's only OpenMP team).
 
     On a GPU each engine works on a CUDA stream of its own, and a call returns only once its
     stream is done (what it hands on is complete). The two engines' calls run concurrently; on

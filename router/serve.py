@@ -313,7 +313,7 @@ async def _build_links(args, cfg, target, draft, index: int = 0, supervisor=None
         spec = LocalSpeculator.from_config(config, drafter_device=drafter_device)
         thread = None
         if not is_cuda(verifier_device) and not is_cuda(drafter_device or verifier_device):
-            from router.local_base import cpu_engine_thread
+            from spectandem.devices import cpu_engine_thread
 
             thread = cpu_engine_thread(args.engine_threads or 1)
         v = LocalVerifierLink(spec.verifier, Path(target).name, thread)
@@ -679,7 +679,7 @@ def configure_process(args, omp_num_threads: str | None) -> None:
     """The process-wide settings serve makes before any engine loads: each engine's torch
     threads (`engine_threads`, into args.engine_threads), and with --backend local, where the
     engines run in this process, those threads and the interpreter's switch interval."""
-    # --backend local on the CPU: the engines take turns on one thread (router/local_base.py
+    # --backend local on the CPU: the engines take turns on one thread (spectandem/devices.py
     # cpu_engine_thread) while the router waits for them, so by default they take every core.
     on_cpu_here = args.backend == "local" and _engines_on_cpu(args.device)
     args.engine_threads = engine_threads(args.engine_threads, omp_num_threads, engine_processes(args),

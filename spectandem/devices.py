@@ -109,6 +109,32 @@ def own_cpu_threads(n: int) -> None:
     torch.ones(1 << 17).sum()
 
 
+def cpu_engine_thread(num_threads: int):
+    """The one worker thread that runs an engine's calls on the CPU (both engines' in `serve
+    --backend local`; one engine process's otherwise), with `num_threads` torch threads: the
+    process's only OpenMP team of more than one thread. libgomp counts the threads of every team
+    alive in the process, and where they outnumber the cores its threads barely spin before
+    sleeping, so each op waits to wake them: with one idle team of two threads beside it, the demo
+    pair's engine loop with two threads decoded plainly at 67-70 tok/s instead of 214-234 (2-core
+    CPU). The thread that loads the engines keeps one torch thread."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    return ThreadPoolExecutor(max_workers=1, thread_name_prefix="spectandem-engines", initializer=own_cpu_threads,
+                              initargs=(num_threads,))
+
+
+def engine_process_thread(device: str):
+    """For an engine process (gRPC service) on `device`: where it computes on the CPU with more
+    than one torch thread, this thread drops to one and a `cpu_engine_thread` with the others is
+    returned for its calls (which otherwise run on whichever gRPC handler thread received them,
+    each its own OpenMP team); else None (calls run on the handler threads)."""
+    n = torch.get_num_threads()
+    if str(device).startswith("cuda") or n <= 1:
+        return None
+    torch.set_num_threads(1)
+    return cpu_engine_thread(n)
+
+
 def cuda_gpus() -> int:
     """The CUDA GPUs visible to this process."""
     return torch.cuda.device_count() if torch.cuda.is_available() else 0

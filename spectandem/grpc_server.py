@@ -44,8 +44,11 @@ class EngineCalls:
     one the server's other calls need. A call whose deadline passes while it runs still runs to
     the end, and the next call waits for it."""
 
-    def __init__(self, role: str):
-        self.role = role
+    def __init__(self, role: str, thread=None):
+        """`thread`: a one-worker executor that runs the calls instead of the handler threads
+        (an engine on the CPU with several torch threads: spectandem/devices.py
+        engine_process_thread)."""
+        self.role, self._thread = role, thread
         self._lock = threading.Lock()
 
     def run(self, context: grpc.ServicerContext, fn: Callable, *args):
@@ -57,6 +60,8 @@ class EngineCalls:
             context.abort(grpc.StatusCode.DEADLINE_EXCEEDED,
                           f"{self.role}: the engine call in flight did not end before this call's deadline")
         try:
+            if self._thread is not None:
+                return self._thread.submit(self._mapped, context, fn, *args).result()
             return self._mapped(context, fn, *args)
         finally:
             self._lock.release()

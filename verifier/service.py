@@ -19,6 +19,7 @@ from pathlib import Path
 from spectandem import codec
 from spectandem.channel import FeatureSender
 from spectandem.config import EngineConfig, SpecConfig
+from spectandem.devices import engine_process_thread
 from spectandem.feature_layers import resolve_feature_layers
 from spectandem.service_args import add_verifier_args  # noqa: F401 (re-exported)
 from spectandem.grpc_server import EngineCalls, EngineServer
@@ -33,9 +34,9 @@ SERVICE_NAME = engines_pb2.DESCRIPTOR.services_by_name["Verifier"].full_name
 
 class VerifierServicer(engines_pb2_grpc.VerifierServicer):
     def __init__(self, engine: VerifierEngine, model_name: str = "target", device: str = "cpu",
-                 sender: FeatureSender | None = None):
+                 sender: FeatureSender | None = None, thread=None):
         self.engine, self.model_name, self.device, self.sender = engine, model_name, device, sender
-        self.calls = EngineCalls("verifier")
+        self.calls = EngineCalls("verifier", thread)
 
     def Prefill(self, request, context):
         return self.calls.run(context, self._prefill, request)
@@ -96,10 +97,12 @@ class VerifierServicer(engines_pb2_grpc.VerifierServicer):
 
 def start_verifier_server(engine: VerifierEngine, host: str = "127.0.0.1", port: int = 0,
                           model_name: str = "target", device: str = "cpu",
-                          tls: ServerTls | None = None, sender: FeatureSender | None = None) -> EngineServer:
+                          tls: ServerTls | None = None, sender: FeatureSender | None = None,
+                          thread=None) -> EngineServer:
     """Serves `engine` on the server's threads; returns the started server (port 0: a free one).
-    `tls`: TLS or mTLS on the port (None: plaintext); `sender`: the feature channel's end."""
-    servicer = VerifierServicer(engine, model_name, device, sender)
+    `tls`: TLS or mTLS on the port (None: plaintext); `sender`: the feature channel's end;
+    `thread`: the one thread that runs its calls (EngineCalls)."""
+    servicer = VerifierServicer(engine, model_name, device, sender, thread)
     return EngineServer.start(lambda s: engines_pb2_grpc.add_VerifierServicer_to_server(servicer, s),
                               SERVICE_NAME, host, port, tls.grpc_credentials() if tls else None)
 
@@ -113,10 +116,12 @@ def serve_verifier(config: EngineConfig, feature_layers: str | None = None, host
     layers = resolve_feature_layers(feature_layers, config.spec.method, config.draft_dir, target_dir)
     # Connecting runs in the background, while the model loads.
     sender = FeatureSender(feature_channel, device) if feature_channel else None
+    thread = engine_process_thread(device)
     engine = build_engine(config, layers)
 
     try:
-        server = start_verifier_server(engine, host, port, Path(target_dir).name, device, tls=tls, sender=sender)
+        server = start_verifier_server(engine, host, port, Path(target_dir).name, device, tls=tls, sender=sender,
+                                       thread=thread)
         print(f"spectandem verifier: {Path(target_dir).name}, features {codec.feature_layers_to_str(layers)}, "
               f"listening on {host}:{server.port}", flush=True)
         server.serve_until_signal()

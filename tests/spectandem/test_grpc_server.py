@@ -6,6 +6,7 @@ a scripted service (raw bytes in and out), no model."""
 from __future__ import annotations
 
 import threading
+from concurrent.futures import ThreadPoolExecutor
 
 import grpc
 import pytest
@@ -22,13 +23,15 @@ class _Scripted:
     "stale"/"bad"/"boom" raise; every word that ran is in `ran`, in order. `Peek` reads `ran`
     through EngineCalls.peek."""
 
-    def __init__(self):
-        self.calls = EngineCalls("scripted")
+    def __init__(self, thread=None):
+        self.calls = EngineCalls("scripted", thread)
         self.ran: list[str] = []
+        self.threads: set[str] = set()   # the threads the bodies ran on
         self.entered, self.unblock = threading.Event(), threading.Event()
 
     def _body(self, word: str) -> bytes:
         self.ran.append(word)
+        self.threads.add(threading.current_thread().name)
         if word == "block":
             self.entered.set()
             assert self.unblock.wait(30)
@@ -51,10 +54,13 @@ class _Scripted:
         server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler(SERVICE, handlers),))
 
 
-@pytest.fixture
-def scripted():
-    """(the service, a sync channel to its server, the server)."""
-    service = _Scripted()
+@pytest.fixture(params=["handler threads", "one engine thread"])
+def scripted(request):
+    """(the service, a sync channel to its server, the server): calls run on the server's handler
+    threads, or on one thread of their own (an engine on the CPU with several torch threads)."""
+    own = request.param == "one engine thread"
+    thread = ThreadPoolExecutor(max_workers=1, thread_name_prefix="engine") if own else None
+    service = _Scripted(thread)
     server = EngineServer.start(service.register, SERVICE, "127.0.0.1", 0)
     channel = grpc.insecure_channel(f"127.0.0.1:{server.port}", options=CHANNEL_OPTIONS)
     try:
@@ -63,6 +69,8 @@ def scripted():
         service.unblock.set()
         channel.close()
         server.stop(0)
+        if thread is not None:
+            thread.shutdown(wait=True)
 
 
 def _call(channel, word: str, timeout: float | None = 10.0) -> bytes:
@@ -133,3 +141,48 @@ def test_a_taken_port_is_refused(scripted):
     _, _, server = scripted
     with pytest.raises(ValueError, match=f"cannot listen on 127.0.0.1:{server.port}"):
         EngineServer.start(lambda s: None, SERVICE, "127.0.0.1", server.port)
+
+
+def test_calls_given_a_thread_all_run_on_it():
+    """EngineCalls with a one-worker executor: calls arriving on several handler threads at once
+    run one after another on that one thread (the engine's OpenMP team stays the only one)."""
+    thread = ThreadPoolExecutor(max_workers=1, thread_name_prefix="engine")
+    service = _Scripted(thread)
+    server = EngineServer.start(service.register, SERVICE, "127.0.0.1", 0)
+    channel = grpc.insecure_channel(f"127.0.0.1:{server.port}", options=CHANNEL_OPTIONS)
+    try:
+        callers = [threading.Thread(target=_call, args=(channel, f"w{i}")) for i in range(8)]
+        for t in callers:
+            t.start()
+        for t in callers:
+            t.join(20)
+        assert sorted(service.ran) == sorted(f"w{i}" for i in range(8))
+        assert len(service.threads) == 1 and next(iter(service.threads)).startswith("engine")
+    finally:
+        channel.close()
+        server.stop(0)
+        thread.shutdown(wait=True)
+
+
+def test_engine_process_thread_only_for_several_cpu_threads():
+    """spectandem/devices.py engine_process_thread: on the CPU with several torch threads the
+    process drops to one and its calls get a thread with the others; with one thread, or on
+    CUDA, none. In a subprocess: it sets the process's torch threads."""
+    import subprocess
+    import sys
+
+    code = """
+import threading, torch
+from spectandem.devices import engine_process_thread
+torch.set_num_threads(1)
+assert engine_process_thread("cpu") is None and torch.get_num_threads() == 1
+torch.set_num_threads(2)
+assert engine_process_thread("cuda:0") is None and torch.get_num_threads() == 2
+ex = engine_process_thread("cpu")
+assert ex is not None and torch.get_num_threads() == 1
+name, n = ex.submit(lambda: (threading.current_thread().name, torch.get_num_threads())).result()
+assert name.startswith("spectandem-engines") and n == 2, (name, n)
+print("ok")
+"""
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0 and out.stdout.strip() == "ok", out.stderr[-2000:]
