@@ -425,7 +425,8 @@ def placement_line(args, cfg) -> str:
     """Where each engine runs, in its dtype, with its fast paths: "verifier on cuda:0 (bfloat16,
     CUDA graphs, Triton attention); drafter on cuda:1 (bfloat16, CUDA graphs)". Ray actors: the
     GPU, or share of one, that Ray gives each (router/links_ray.py bundle_plan). On the CPU, with
-    --engine-threads resolved: the torch threads of each, "verifier on cpu (float32, eager, 1 thread)"."""
+    --engine-threads resolved: the torch threads of each, "verifier on cpu (float32, eager, 1 thread)";
+    with --backend local, where both engines take turns on one thread, ", taking turns" after the drafter's."""
     paths = GpuPaths.from_args(args)
     verifier, drafter = args.engine_devices
     threads = ""
@@ -439,7 +440,8 @@ def placement_line(args, cfg) -> str:
         verifier = drafter = "a GPU of its own" if share == 1 else f"{share:g} of a shared GPU"
     line = f"verifier on {verifier} ({args.dtype}, {paths.describe('verifier')}{threads})"
     if cfg.method != "none":
-        line += f"; drafter on {drafter} ({args.dtype}, {paths.describe('drafter')}{threads})"
+        turns = ", taking turns" if threads and args.backend == "local" and drafter == "cpu" else ""
+        line += f"; drafter on {drafter} ({args.dtype}, {paths.describe('drafter')}{threads}){turns}"
     return line
 
 

@@ -100,7 +100,7 @@ def test_local_engines_on_the_cpu_take_turns_on_one_thread_with_its_own_torch_th
     decoding's. In a subprocess: configure_process sets the process's torch threads."""
     code = r"""
 import asyncio, threading, torch
-from router.serve import _build_links, _spec, configure_process, resolve_serve_flags
+from router.serve import _build_links, _spec, configure_process, placement_line, resolve_serve_flags
 from spectandem.cli import build_parser
 from spectandem.config import Platform, SamplingParams
 args = build_parser().parse_args(["serve", "--backend", "local", "--device", "cpu", "--engine-threads", "2",
@@ -108,6 +108,9 @@ args = build_parser().parse_args(["serve", "--backend", "local", "--device", "cp
 configure_process(args, None)
 assert args.engine_threads == 2 and torch.get_num_threads() == 1
 args = resolve_serve_flags(args, Platform(gpus=0))
+line = placement_line(args, _spec(args)[0])
+assert line == ("verifier on cpu (float32, eager, 2 threads); drafter on cpu (float32, eager, 2 threads), "
+                "taking turns"), line
 async def main():
     cfg, target, draft = _spec(args)
     v, d, cleanup, _ = await _build_links(args, cfg, target, draft)
