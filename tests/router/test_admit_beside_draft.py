@@ -106,6 +106,40 @@ def test_without_admit_beside_draft_admission_comes_first():
     assert_clean(verifier, drafter)
 
 
+async def _serve_behind(verifier, drafter, cfg, running: int):
+    """`running` requests first (longer ones, so they still run), LATE once they ran a few rounds."""
+    router = Router(verifier, drafter, Tokenizer(), cfg)
+    router.start()
+    long = SamplingParams(max_tokens=60, ignore_eos=True)
+    try:
+        early = [router.submit([3 + i % 50, 7, 1 + i % 9], long, f"early-{i}") for i in range(running)]
+        while router.counters.rounds < 3:
+            await asyncio.sleep(0.001)
+        late = [router.submit(p, GREEDY, f"late-{i}") for i, p in enumerate(LATE)]
+        outs = await asyncio.gather(*(collect(r) for r in early + late))
+    finally:
+        await router.stop()
+    return router, outs[len(early):]
+
+
+def test_from_a_large_batch_new_requests_ride_in_the_verify_step_instead():
+    """From LARGE_BATCH running requests on, admission goes into the round's verify step (mixed
+    prefill), never beside a draft; below it (control) the same late requests are admitted beside
+    drafts. Outputs stay exact either way."""
+    from router.pipeline import LARGE_BATCH
+
+    for running, beside in ((LARGE_BATCH, False), (LARGE_BATCH // 4, True)):
+        drafter = SlowDrafter()
+        verifier = WatchingVerifier(drafter)
+        router, late = run(_serve_behind(verifier, drafter, config(admit_beside_draft=True, mixed_prefill=True),
+                                         running))
+        for (tokens, _, reason), p in zip(late, LATE):
+            assert tokens == reference(p, 40) and reason == "length", p
+        assert bool(router.counters.mixed_prefills) is not beside, running
+        assert any(_late_prefills(verifier)) is beside, running
+        assert_clean(verifier, drafter)
+
+
 def test_a_request_that_ends_at_its_first_token_beside_a_draft():
     """max_tokens=1: the request ends at admission, is released, and is not in the round's verify."""
     drafter = SlowDrafter()
