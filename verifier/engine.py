@@ -294,10 +294,9 @@ class VerifierEngine:
             picked = _gather_path(feats, result.accepted_nodes[:, :max(len(t) for t in tokens)])
         self.commit(tree.request_ids, result.accepted_nodes, tokens)
         num_acc, num_drafts = result.num_accepted.tolist(), tree.num_draft_tokens()
-        feats = [None] * len(tokens) if picked is None else _path_views(picked[: len(tokens)], tokens)
         return [Verdict(Tag(rid, req.epoch, req.committed_len), token_ids=toks, num_accepted=k, num_draft_tokens=d,
-                        features=f)
-                for rid, req, toks, k, d, f in zip(tree.request_ids, reqs, tokens, num_acc, num_drafts, feats)]
+                        features=None if picked is None else picked[b, : len(toks)])
+                for b, (rid, req, toks, k, d) in enumerate(zip(tree.request_ids, reqs, tokens, num_acc, num_drafts))]
 
     def _launch(self, tree: DraftTree):
         """Checks the tree's tags and queues its forward -> (requests, logits, features)."""
@@ -501,15 +500,6 @@ class VerifierEngine:
         recomputed without touching the request's KV (to rebuild a drafter's state)."""
         req = self.requests[request_id]
         return self.runner.features(req.token_ids[:-1])
-
-
-def _path_views(picked: torch.Tensor, tokens: list[list[int]]) -> list[torch.Tensor]:
-    """Row b's first len(tokens[b]) entries of picked [B, W, F], as views made in one call (a
-    split of the rows flattened) rather than one slice per request: in a serving process each
-    tensor call is a turn at the interpreter lock."""
-    width = picked.shape[1]
-    sizes = [s for t in tokens for s in (len(t), width - len(t))]
-    return list(picked.reshape(-1, picked.shape[-1]).split(sizes)[0::2])
 
 
 def _gather_path(feats: torch.Tensor, accepted_nodes: torch.Tensor) -> torch.Tensor:

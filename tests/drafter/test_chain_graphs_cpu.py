@@ -54,31 +54,3 @@ def test_chain_graphs_take_only_argmax_chains(head):
     assert not chain.supports(65, topk=1, sampled=False, num_steps=4)
     with pytest.raises(ValueError, match="CUDA graphs need a CUDA device"):
         EagleProposer(head, SpecConfig(method=head.spec.kind), 1, 32, cuda_graphs=True)
-
-
-@pytest.mark.parametrize("lens,shape", [([3, 1, 4], (5, 4, 6)), ([1, 1], (4, 1, 3)), ([], (2, 3, 2)),
-                                        ([2, 0, 3], (3, 3, 2))])
-def test_rows_into_pads_like_row_by_row_copies(lens, shape):
-    """`_rows_into`'s one indexed copy leaves the static input as zeroing it and copying part i to
-    the head of row i does, over stale contents; for [R, W] inputs too (one [W] part a row)."""
-    from drafter.graphs import _rows_into
-
-    g = torch.Generator().manual_seed(len(lens) + shape[0])
-    parts = [torch.randn(n, *shape[2:], generator=g) for n in lens]
-    static = torch.randn(shape, generator=g)
-    expected = torch.zeros(shape)
-    for i, p in enumerate(parts):
-        expected[i, : p.shape[0]] = p
-    _rows_into(static, parts)
-    assert torch.equal(static, expected)
-    flat = torch.randn(shape[0], shape[1], generator=g)
-    rows = [torch.randn(shape[1], generator=g) for _ in range(shape[0] - 1)]
-    _rows_into(flat, rows)
-    assert torch.equal(flat[: len(rows)], torch.stack(rows)) and not flat[len(rows):].any()
-
-
-def test_rows_into_refuses_a_part_longer_than_a_row():
-    from drafter.graphs import _rows_into
-
-    with pytest.raises(AssertionError):
-        _rows_into(torch.zeros(2, 3, 4), [torch.ones(4, 4)])
