@@ -589,8 +589,9 @@ class Router:
         Not from LARGE_BATCH running requests on: there arrivals come in larger groups, whose
         prefill is a long forward of its own that the running requests wait for (the draft beside
         it is short), while in the verify step the prompts share one pass over the weights with
-        the round. On one H100 (8B-shaped pair, a = 0.8, 64 running, pipeline sequential) serving
-        went from 4,561 to 5,036 tok/s (benchmarks/profile_serve.py, ITL p99 158 to 92 ms)."""
+        the round. On one H100 (8B-shaped pair, a = 0.8, concurrency 64, pipeline sequential, back to
+        back) serving went from 4,937 to 5,663 tok/s, ITL p99 from 111 to 78 ms
+        (benchmarks/results/serve-h100-sequential.txt)."""
         if (not self.cfg.admit_beside_draft or len(self.running) >= LARGE_BATCH
                 or not (self.drafter_up and any(r.on_drafter for r in self.running))
                 or any(r.resuming for r in batch)):
