@@ -34,7 +34,9 @@ Arguments after `--` are serve's. Per concurrency it prints bench serve's figure
   long.
 
 With `--learn` (controlled acceptance), one unmeasured pass over the prompts first lets the
-drafter learn each prompt's greedy continuation, as benchmarks/serve_matrix.py does.
+drafter learn each prompt's greedy continuation, and a second one, and each concurrency's prompts
+once before they are measured, let `--pipeline auto` measure its modes with drafts that are
+accepted, as benchmarks/serve_matrix.py does.
 """
 
 from __future__ import annotations
@@ -324,10 +326,14 @@ def main(argv: list[str] | None = None) -> int:
     report = [f"serve {' '.join(serve_args)}"]
     try:
         if a.learn:
-            _bench(port, max(concurrency), a.prompts_per_slot * max(concurrency), a.max_tokens + 16, work / "learn.json")
+            n = a.prompts_per_slot * max(concurrency)
+            _bench(port, max(concurrency), n, a.max_tokens + 16, work / "learn.json")
+            # Once more, as benchmarks/serve_matrix.py does: `auto` measured its modes while no draft
+            # was accepted yet, and a measured run straight after would see it unlearn that.
+            _bench(port, max(concurrency), n, a.max_tokens, work / "settle.json")
         for c in concurrency:
             n = a.prompts_per_slot * c
-            _bench(port, c, c, a.max_tokens, work / f"warm-c{c}.json")   # graphs, auto's first picks
+            _bench(port, c, n if a.learn else c, a.max_tokens, work / f"warm-c{c}.json")   # graphs, auto's first picks
             busy0 = _busy(served.state)
             ahead0 = _ahead_counts(served.state)
             gpu = []
