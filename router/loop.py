@@ -96,6 +96,19 @@ REJOIN_MIN_TOKENS = 128
 # a round later, by the others.
 ARRIVAL_GAP_S = 0.002
 ARRIVAL_WAIT_S = 0.010
+
+
+async def _within(call, seconds: float | None):
+    """`asyncio.wait_for(call, seconds)`, the call sent before this task yields. On Python 3.11
+    `wait_for` runs the call in a task of its own, which starts only after the callbacks already
+    queued: a round's drafter call went out after the streams that the last commit woke had
+    written to their clients, and the drafter idled meanwhile (1 ms a round on 2 CPU cores, the
+    demo pair in-process). `asyncio.timeout` runs it in this task, as 3.12's `wait_for` does."""
+    timeout = getattr(asyncio, "timeout", None)
+    if timeout is None:   # Python 3.10
+        return await asyncio.wait_for(call, seconds)
+    async with timeout(seconds):
+        return await call
 AHEAD_UNANSWERED_ROUNDS = 3   # "ahead" rounds in a row without a hit or miss: the drafter does not draft ahead
 
 
@@ -475,7 +488,7 @@ class Router:
         items = [DrafterPrefillItem(r.tag(), r.prompt_ids + r.tokens[:-1], r.tokens[-1], r.params, r.seed, f)
                  for r, f in zip(reqs, features)]
         try:
-            untaken = await asyncio.wait_for(self.drafter.prefill(items), self.cfg.drafter_timeout)
+            untaken = await _within(self.drafter.prefill(items), self.cfg.drafter_timeout)
             for r in reqs:
                 r.on_drafter = r.request_id not in untaken   # untaken: resynced before the next draft
                 r.drafter_kept = False   # the prefill took the kept tree back, or dropped it
@@ -665,8 +678,8 @@ class Router:
     async def _draft_ahead(self, reqs: list[ServedRequest], extend: list[ExtendItem] = ()) -> None:
         """Draft ahead for `reqs`, after the catch-up `extend` (held back by the last round)."""
         try:
-            reply = await asyncio.wait_for(self.drafter.draft_ahead([r.tag() for r in reqs], extend),
-                                           self.cfg.drafter_timeout)
+            reply = await _within(self.drafter.draft_ahead([r.tag() for r in reqs], extend),
+                                  self.cfg.drafter_timeout)
         except (EngineUnavailable, asyncio.TimeoutError, StaleMessage) as exc:
             self._drafter_failed(exc)
             return
@@ -739,8 +752,8 @@ class Router:
         # absorbs them first, in the same call.
         backlog = self._take_backlog(drafted)
         try:
-            draft = await asyncio.wait_for(self.drafter.draft([r.tag() for r in drafted], steps, backlog),
-                                           self.cfg.drafter_timeout)
+            draft = await _within(self.drafter.draft([r.tag() for r in drafted], steps, backlog),
+                                  self.cfg.drafter_timeout)
         except (EngineUnavailable, asyncio.TimeoutError, StaleMessage) as exc:
             self._drafter_failed(exc)
             return None, []
@@ -889,7 +902,7 @@ class Router:
 
     async def _extend(self, items: list[ExtendItem]) -> None:
         try:
-            unknown = await asyncio.wait_for(self.drafter.extend(items), self.cfg.drafter_timeout)
+            unknown = await _within(self.drafter.extend(items), self.cfg.drafter_timeout)
         except (EngineUnavailable, asyncio.TimeoutError, StaleMessage) as exc:
             self._drafter_failed(exc)
             return
