@@ -96,6 +96,7 @@ REJOIN_MIN_TOKENS = 128
 # a round later, by the others.
 ARRIVAL_GAP_S = 0.002
 ARRIVAL_WAIT_S = 0.010
+AHEAD_UNANSWERED_ROUNDS = 3   # "ahead" rounds in a row without a hit or miss: the drafter does not draft ahead
 
 
 async def _within(call, seconds: float | None):
@@ -109,7 +110,6 @@ async def _within(call, seconds: float | None):
         return await asyncio.wait_for(call, seconds)
     async with timeout(seconds):
         return await call
-AHEAD_UNANSWERED_ROUNDS = 3   # "ahead" rounds in a row without a hit or miss: the drafter does not draft ahead
 
 
 class Router:

@@ -83,6 +83,15 @@ ROUTER_COUNTERS = (
 )
 
 
+def decode_ahead_sums(infos) -> dict[str, int]:
+    """The verifiers' decode-ahead counts (EngineInfo.decode_ahead) summed: {"taken", "forgotten"}."""
+    sums = {"taken": 0, "forgotten": 0}
+    for info in infos:
+        for key in sums:
+            sums[key] += int((getattr(info, "decode_ahead", None) or {}).get(key, 0))
+    return sums
+
+
 class RouterCollector:
     """Counters and gauges read from the router when scraped.
 
@@ -99,7 +108,7 @@ class RouterCollector:
     async def refresh(self) -> None:
         """Polls the engines' slot use and the verifiers' decode-ahead counts (async, so before
         the synchronous collect)."""
-        usage, ahead = {}, {"taken": 0, "forgotten": 0}
+        usage, infos = {}, []
         for side, links in self.links.items():
             used = total = 0
             for link in links:
@@ -110,11 +119,10 @@ class RouterCollector:
                     continue
                 u, t = kv_usage(info, self.default_slots)
                 used, total = used + u, total + t
-                for key in ahead:
-                    ahead[key] += int((getattr(info, "decode_ahead", None) or {}).get(key, 0))
+                infos.append(info)
             if total > 0:
                 usage[side] = used / total
-        self._kv_usage, self._ahead = usage, ahead
+        self._kv_usage, self._ahead = usage, decode_ahead_sums(infos)
 
     def collect(self):
         c = self.router.counters

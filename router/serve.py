@@ -671,12 +671,15 @@ async def _first_request(address: str, prompt: str, api_key: str | None = None, 
 
 
 def _engines_on_cpu(device: str) -> bool:
-    """Whether --device (resolved or not: "auto" is the CPU where no GPU is visible) is the CPU."""
-    if device == "auto":
-        from spectandem.devices import cuda_gpus
+    """Whether --device (resolved or not) is the CPU, by resolve_device's rule; a CUDA device where
+    no GPU is visible is not (the engines' start refuses it)."""
+    from spectandem.config import resolve_device
+    from spectandem.devices import cuda_gpus
 
-        return cuda_gpus() == 0
-    return not is_cuda(device)
+    try:
+        return not is_cuda(resolve_device(device, cuda_gpus()))
+    except ValueError:
+        return False
 
 
 def configure_process(args, omp_num_threads: str | None) -> None:

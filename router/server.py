@@ -299,9 +299,10 @@ async def server_stats(router) -> generation_pb2.ServerStats:
             used_blocks=sum(u.get("used_blocks", 0) for u in usages),
             block_size=max((u.get("block_size", 0) for u in usages), default=0)))
         if side == "verifier":
-            ahead = [getattr(i, "decode_ahead", None) or {} for i in infos]
-            out.decode_ahead_taken = sum(a.get("taken", 0) for a in ahead)
-            out.decode_ahead_forgotten = sum(a.get("forgotten", 0) for a in ahead)
+            from router.metrics import decode_ahead_sums
+
+            ahead = decode_ahead_sums(infos)
+            out.decode_ahead_taken, out.decode_ahead_forgotten = ahead["taken"], ahead["forgotten"]
     return out
 
 

@@ -128,8 +128,10 @@ def engine_process_thread(device: str):
     than one torch thread, this thread drops to one and a `cpu_engine_thread` with the others is
     returned for its calls (which otherwise run on whichever gRPC handler thread received them,
     each its own OpenMP team); else None (calls run on the handler threads)."""
+    from spectandem.config import is_cuda
+
     n = torch.get_num_threads()
-    if str(device).startswith("cuda") or n <= 1:
+    if is_cuda(str(device)) or n <= 1:
         return None
     torch.set_num_threads(1)
     return cpu_engine_thread(n)
