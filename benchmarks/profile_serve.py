@@ -186,9 +186,11 @@ def _time_router(router, timeline: Timeline) -> dict[str, float]:
 def _time_engine_calls(state: dict, timeline: Timeline) -> None:
     """Records each in-process engine call (router/local_base.py `_call`: from its start in the
     worker thread until its stream is done) on `timeline` while it is on."""
+    from router.local_base import _LocalLink
+
     for role in ("verifier", "drafter"):
         link = state.get(role)
-        if link is None or not hasattr(link, "_call"):
+        if not isinstance(link, _LocalLink):   # another backend's links have no engine calls here
             continue
 
         def call(kind, fn, *args, _inner=link._call, _role=role):

@@ -271,18 +271,24 @@ class Router:
                 if self._stopping:
                     return
             self._verified = False
+            admit: list[ServedRequest] = []
             try:
                 await self._let_arrivals_land()
                 await self._settle()
-                await self._round(await self._schedule())
+                admit = await self._schedule()
+                await self._round(admit)
             except asyncio.CancelledError:
                 raise
             except Exception as exc:  # a bug must not leave clients waiting forever
                 log.exception("round failed")
-                for r in self.running + self.waiting:
+                # Those being admitted are off the queue and may not have joined the running batch.
+                running, failed = self.running, {id(r): r for r in self.running + self.waiting + admit}
+                self.running, self.waiting = [], []   # before the release: requests may arrive meanwhile
+                for r in failed.values():
                     self._finish_failure(r, Failure("INTERNAL", f"round failed: {exc}"))
-                await self._release(self.running)
-                self.running, self.waiting = [], []
+                joined = {id(r) for r in running}
+                self._release_v.update(r.request_id for r in admit if id(r) not in joined)   # it may hold some
+                await self._release(running)
             # A turn that verified yielded while the verifier worked. No yield here: where the next
             # turn calls no engine before its verify, the streams this turn's commits woke write
             # to their clients while that verify is in flight, not before it is sent. A turn

@@ -396,3 +396,36 @@ def test_a_wave_of_requests_landing_a_little_apart_is_prefilled_at_once(gap_s):
         assert v.prefills == [len(PROMPTS)], v.prefills
     else:
         assert len(v.prefills) == len(PROMPTS), v.prefills
+
+
+def test_a_bug_during_admission_fails_the_requests_being_admitted_instead_of_losing_them():
+    """An unexpected exception in the verifier's prefill (a bug, not an engine failure) ends the
+    round: the requests being admitted, already off the queue, fail with INTERNAL like the
+    others, rather than waiting forever; the router then serves new requests."""
+
+    async def main():
+        verifier, drafter = OracleVerifier(), ScriptedDrafter()
+        inner = verifier.prefill
+        broken = {"on": True}
+
+        async def prefill(items, want_features):
+            if broken["on"]:
+                broken["on"] = False
+                raise TypeError("a bug in prefill")
+            return await inner(items, want_features)
+
+        verifier.prefill = prefill
+        router = Router(verifier, drafter, Tokenizer(), config())
+        router.start()
+        try:
+            first = router.submit(PROMPTS[0], GREEDY)
+            tokens, _, reason = await collect(first)
+            assert isinstance(reason, Failure) and reason.code == "INTERNAL", reason
+            assert tokens == []
+            again = router.submit(PROMPTS[1], GREEDY)
+            tokens, _, reason = await collect(again)
+            assert reason == "length" and tokens == reference(PROMPTS[1], GREEDY.max_tokens)
+        finally:
+            await router.stop()
+
+    run(main())
