@@ -149,6 +149,8 @@ class Router:
         self._drafted_any = False        # this round drafted for some request
         self._draft_failed = frozenset()   # ids whose draft this round came back unusable (stale)
         self._joining = frozenset()        # ids admitted beside this round's draft (their plain row: a plain round)
+        # Stream events of committed tokens not yet handed to their streams (`_deliver`).
+        self._outbox: list[tuple] = []
         # Listeners get (event, request, data): "admitted", "tokens" (data: number of new tokens,
         # the first time also {"first": True}), "finished" (data: finish reason),
         # "failed" (data: status code name), "cancelled". Metrics and logs hook in here.
@@ -175,6 +177,7 @@ class Router:
                 await self._task
             except asyncio.CancelledError:
                 pass
+        self._deliver()
         for r in self.waiting + self.running:
             self._finish_failure(r, Failure("UNAVAILABLE", "the server is shutting down"))
         try:
@@ -254,6 +257,7 @@ class Router:
             self.counters.requests_cancelled += 1
             self._emit("cancelled", req)
             self._ended(req, RequestStatus.CANCELLED)
+            self._deliver()   # the tokens it committed come first
             req.events.put_nowait(StreamEvent([], "", finish_reason="abort", stats=req.stats()))
             self._wake.set()
 
@@ -266,6 +270,7 @@ class Router:
     async def _loop(self) -> None:
         while not self._stopping:
             if not self.waiting and not self.running and not self._releases_due():
+                self._deliver()
                 self._wake.clear()
                 await self._wake.wait()
                 if self._stopping:
@@ -294,6 +299,7 @@ class Router:
             # to their clients while that verify is in flight, not before it is sent. A turn
             # without a verify may not have yielded at all.
             if not self._verified:
+                self._deliver()
                 await asyncio.sleep(0)
 
     async def _let_arrivals_land(self) -> None:
@@ -301,6 +307,8 @@ class Router:
         if not self.waiting:
             return
         start = time.monotonic()
+        if time.monotonic() - self._last_arrival < ARRIVAL_GAP_S:
+            self._deliver()   # nothing runs on the engines meanwhile
         while time.monotonic() - self._last_arrival < ARRIVAL_GAP_S and time.monotonic() - start < ARRIVAL_WAIT_S:
             await asyncio.sleep(ARRIVAL_GAP_S / 4)
 
@@ -468,8 +476,10 @@ class Router:
         while groups:
             group = groups.pop(0)
             try:
-                out = await self.verifier.prefill([self._prefill_item(r, r.request_id in resumed) for r in group],
-                                                  want_features)
+                call = self.verifier.prefill([self._prefill_item(r, r.request_id in resumed) for r in group],
+                                             want_features)
+                self._deliver()   # while the prefill runs
+                out = await call
             except EngineUnavailable as exc:
                 self._release_v.update(r.request_id for r in group + taken)   # it may hold some
                 self._verifier_failed(self.running + group + [r for g in groups for r in g], exc)
@@ -781,15 +791,27 @@ class Router:
         plain, want = self._verify_rows(drafted, group)
         self._verified = True
         try:
-            if launched is not None:
-                loop = asyncio.get_running_loop()
-                done = lambda: loop.call_soon_threadsafe(lambda: launched.done() or launched.set_result(None))
-                return await self.verifier.verify(draft, plain, want, on_launch=done)
-            return await self.verifier.verify(draft, plain, want)
+            return await self.verifier.verify(draft, plain, want, on_launch=self._on_launch(launched))
         except EngineUnavailable as exc:
             self._verifier_failed(list(self.running), exc)
             self.running = []
             return None
+        finally:
+            self._deliver()   # a link that never said the forward was queued
+
+    def _on_launch(self, launched=None):
+        """A verify's `on_launch`: called by the link once the forward is queued (from an in-process
+        engine's worker thread, or as the call goes out to another process). The tokens committed
+        since the last one then go to their streams (`_deliver`) while the device works, and
+        `launched`, if given, is resolved."""
+        loop = asyncio.get_running_loop()
+
+        def launched_now():
+            self._deliver()
+            if launched is not None and not launched.done():
+                launched.set_result(None)
+
+        return lambda: loop.call_soon_threadsafe(launched_now)
 
     def _verify_rows(self, drafted: list[ServedRequest], group: list[ServedRequest]) -> tuple[list[PlainItem], bool]:
         """A verify's plain rows (the group's requests without a draft) and whether it wants
@@ -830,7 +852,8 @@ class Router:
         try:
             await self._releases_landed()
             results, prefilled = await self.verifier.verify_prefill(draft, plain, want, items,
-                                                                    self.cfg.want_features and not detach)
+                                                                    self.cfg.want_features and not detach,
+                                                                    on_launch=self._on_launch())
         except EngineUnavailable as exc:
             self._release_v.update(r.request_id for r in mixed)   # it may hold some
             self._verifier_failed(list(self.running) + mixed, exc)
@@ -843,6 +866,8 @@ class Router:
             if results is not None:
                 await self._admit(mixed)
             return results, None
+        finally:
+            self._deliver()   # a link that never said the forward was queued
         self.counters.mixed_prefills += len(mixed)
         return results, (mixed, prefilled, detach, set())
 
@@ -963,7 +988,8 @@ class Router:
     # ---------------------------------------------------------------- streaming
 
     def _commit(self, r: ServedRequest, tokens: list[int]) -> bool:
-        """Streams a round's tokens; returns True while the request goes on."""
+        """Commits a round's tokens and queues their stream event (`_deliver` hands it on; a
+        request's first tokens go at once); returns True while the request goes on."""
         if r.done:
             return False
         n, reason = take_tokens(len(r.tokens), tokens, r.params, self.cfg.eos_token_ids,
@@ -971,23 +997,47 @@ class Router:
         new = tokens[:n]
         r.tokens.extend(new)
         self._tokens_committed += len(new)
-        text = r.detok.push(new)
-        if r.detok.stopped and reason is None:
-            reason = "stop"
+        text = None   # decoded on delivery, unless a stop string may end the request here
+        if r.detok.stop:
+            text = r.detok.push(new)
+            if r.detok.stopped and reason is None:
+                reason = "stop"
         first = r.num_rounds == 0 and len(r.tokens) == len(new)
         self._emit("tokens", r, {"count": len(new), "first": first})
-        if reason is None:
-            r.events.put_nowait(StreamEvent(new, text, prompt_tokens=len(r.prompt_ids) if first else 0))
-            return True
-        text += r.detok.flush()
-        self._ended(r, RequestStatus.FINISHED)
-        self.counters.requests_finished += 1
-        self._emit("finished", r, reason)
-        r.events.put_nowait(StreamEvent(new, text, finish_reason=reason, stats=r.stats(),
-                                  prompt_tokens=len(r.prompt_ids) if first else 0))
-        return False
+        stats = None
+        if reason is not None:
+            self._ended(r, RequestStatus.FINISHED)
+            self.counters.requests_finished += 1
+            self._emit("finished", r, reason)
+            stats = r.stats()
+        event = (r, new, text, reason, stats, len(r.prompt_ids) if first else 0)
+        if first:   # its stream's first event: nothing of it waits in the outbox
+            self._hand_on(*event)
+        else:
+            self._outbox.append(event)
+        return reason is None
+
+    def _deliver(self) -> None:
+        """Hands the queued stream events to their streams, decoding the text of those that wait
+        for it. A round's tokens are delivered once the next verify's forward is queued (or when
+        the loop has nothing else to do): the clients' streams and the text decoding then run on
+        the event loop while the device works, rather than beside the drafter's host code, which
+        they would slow down (in one process the threads take turns at the Python lock)."""
+        box, self._outbox = self._outbox, []
+        for event in box:
+            self._hand_on(*event)
+
+    @staticmethod
+    def _hand_on(r: ServedRequest, new: list[int], text: str | None, reason: str | None, stats: dict | None,
+                 prompt_tokens: int) -> None:
+        if text is None:
+            text = r.detok.push(new)
+        if reason is not None:
+            text += r.detok.flush()
+        r.events.put_nowait(StreamEvent(new, text, finish_reason=reason, stats=stats, prompt_tokens=prompt_tokens))
 
     def _finish_failure(self, r: ServedRequest, failure: Failure) -> None:
+        self._deliver()   # the tokens it committed come first
         if not r.done:
             self.counters.requests_failed += 1
             self._emit("failed", r, failure.code)

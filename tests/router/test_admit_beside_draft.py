@@ -347,6 +347,7 @@ def test_a_batch_planned_beside_a_draft_is_admitted_when_the_running_requests_en
             await router._settle()
             await router._round(await router._schedule())
         await router._settle()
+        router._deliver()   # what the loop does once it has nothing left to run
         return second, await collect(second)
 
     second, (tokens, _, reason) = run(go())

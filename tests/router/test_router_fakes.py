@@ -429,3 +429,41 @@ def test_a_bug_during_admission_fails_the_requests_being_admitted_instead_of_los
             await router.stop()
 
     run(main())
+
+
+def test_a_rounds_tokens_reach_their_stream_once_the_next_verify_is_launched():
+    """The tokens a round commits wait in the router while the next round's draft runs (in one
+    process the drafter's host code then has the Python lock to itself) and go to their stream
+    once that round's verify is launched; the first token goes at once, the last ones when the
+    loop has nothing left to run. What the client receives is unchanged."""
+    queued_at_draft = []
+
+    class CountingDrafter(ScriptedDrafter):
+        async def draft(self, tags, num_steps=None, extend=()):
+            queued_at_draft.append(req.events.qsize())   # nothing reads the stream until the end
+            return await super().draft(tags, num_steps, extend)
+
+    params = SamplingParams(max_tokens=12, ignore_eos=True)
+
+    async def main():
+        nonlocal req
+        router = Router(OracleVerifier(), CountingDrafter(), Tokenizer(), config())
+        router.start()
+        try:
+            req = router.submit(PROMPTS[0], params)
+            while not req.done:
+                await asyncio.sleep(0.001)
+            await asyncio.sleep(0.01)
+            return await collect(req)
+        finally:
+            await router.stop()
+
+    req = None
+    tokens, text, reason = run(main())
+    assert reason == "length" and tokens == reference(PROMPTS[0], 12)
+    assert text == Tokenizer().decode(tokens)
+    # Draft k + 1 (k >= 1) sees the first token's event and those of rounds 1 to k - 1, each
+    # delivered when the next round's verify was launched; round k's is held back.
+    n = len(queued_at_draft)
+    assert n >= 3
+    assert queued_at_draft == [1] + list(range(1, n)), queued_at_draft
