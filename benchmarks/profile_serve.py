@@ -250,11 +250,29 @@ def calls_report(timeline: Timeline) -> str:
 
 
 def _busy(state: dict) -> dict:
+    """{role: {kind: seconds inside such calls}} of the in-process engines."""
     out = {}
     for role in ("verifier", "drafter"):
         link = state.get(role)
         if link is not None and hasattr(link, "busy_s"):
             out[role] = dict(link.busy_s)
+    return out
+
+
+def _service_calls(state: dict) -> dict:
+    """{role: (busy seconds by kind, calls by kind)} of engines in processes of their own, as
+    their services report them (EngineInfo.calls: spectandem/call_clock.py)."""
+    import asyncio
+
+    out = {}
+    loop = state["router"]._task.get_loop()
+    for role in ("verifier", "drafter"):
+        link = state.get(role)
+        if link is None or hasattr(link, "busy_s"):
+            continue
+        info = asyncio.run_coroutine_threadsafe(link.info(), loop).result(30)
+        if info.calls:
+            out[role] = (dict(info.calls["busy_s"]), dict(info.calls["count"]))
     return out
 
 
@@ -337,6 +355,7 @@ def main(argv: list[str] | None = None) -> int:
             n = a.prompts_per_slot * c
             _bench(port, c, n if a.learn else c, a.max_tokens, work / f"warm-c{c}.json")   # graphs, auto's first picks
             busy0 = _busy(served.state)
+            remote0 = _service_calls(served.state)
             ahead0 = _ahead_counts(served.state)
             gpu = []
             trace_dir = Path(a.trace_dir) if a.trace_dir else work
@@ -368,6 +387,12 @@ def main(argv: list[str] | None = None) -> int:
                 parts = {k: after[k] - before.get(k, 0.0) for k in after if after[k] - before.get(k, 0.0) > 0}
                 report.append(f"  {role} busy {100 * sum(parts.values()) / wall:.1f}% of the wall: " +
                               ", ".join(f"{k} {100 * v / wall:.1f}%" for k, v in sorted(parts.items(), key=lambda kv: -kv[1])))
+            for role, (busy, count) in _service_calls(served.state).items():
+                b0, n0 = remote0.get(role, ({}, {}))
+                kinds = sorted(busy, key=lambda k: -(busy[k] - b0.get(k, 0.0)))
+                report.append(f"  {role} (a process of its own), inside its calls: " + ", ".join(
+                    f"{k} {count[k] - n0.get(k, 0)} x {1000 * (busy[k] - b0.get(k, 0.0)) / (count[k] - n0.get(k, 0)):.2f} ms"
+                    for k in kinds if count[k] > n0.get(k, 0)))
             ahead1 = _ahead_counts(served.state)
             if ahead0 is not None and ahead1 is not None:
                 report.append(f"  decode ahead: {ahead1[0] - ahead0[0]} decodes took a queued one, "

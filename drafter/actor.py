@@ -28,6 +28,7 @@ from drafter.service_core import (drafter_draft_ahead, drafter_extend, drafter_e
                                   drafter_prefill, drafter_release)
 from spectandem.protocol import AheadReply, DrafterPrefillItem, EngineInfo, ExtendItem, Tag
 from spectandem.channel import FeatureReceiver
+from spectandem.call_clock import CallClock
 from spectandem.config import EngineConfig
 from spectandem.messages import DraftTree
 
@@ -46,6 +47,7 @@ class DrafterActor:
         self.engine, _ = build_engine(config)
         self.model_name, self.device = model_name, config.device
         self.receiver: FeatureReceiver | None = None
+        self.clock = CallClock()   # EngineInfo.calls
 
     def open_feature_channel(self, address: str) -> None:
         """Starts the drafter's end of the verifier's feature channel; connecting runs in the background."""
@@ -54,7 +56,8 @@ class DrafterActor:
         self.receiver = FeatureReceiver(address, self.device)
 
     def prefill(self, items: list[DrafterPrefillItem]) -> list[str]:
-        return drafter_prefill(self.engine, _resolve_features(items), self.receiver)
+        with self.clock.timing("prefill"):
+            return drafter_prefill(self.engine, _resolve_features(items), self.receiver)
 
     @ray.method(num_returns=2)
     def draft(self, tags: list[Tag], num_steps: list[int | None] | None = None,
@@ -62,16 +65,19 @@ class DrafterActor:
         """`extend` first, then (the round's trees, (the tags they are for, the unknown ids)): the
         caller awaits the second, which raises as the call failed, and forwards the tree's ref
         without fetching it."""
-        tree, known, unknown = drafter_extend_and_draft(self.engine, tags, num_steps, _resolve_features(list(extend)),
-                                                        self.receiver)
+        with self.clock.timing("draft"):
+            tree, known, unknown = drafter_extend_and_draft(self.engine, tags, num_steps,
+                                                            _resolve_features(list(extend)), self.receiver)
         return tree, (known, unknown)
 
     def draft_ahead(self, tags: list[Tag], extend: list[ExtendItem] = ()) -> AheadReply:
-        return drafter_draft_ahead(self.engine, tags, _resolve_features(list(extend)), self.receiver)
+        with self.clock.timing("draft_ahead"):
+            return drafter_draft_ahead(self.engine, tags, _resolve_features(list(extend)), self.receiver)
 
     def extend(self, items: list[ExtendItem]) -> list[str]:
         """Catch-up; returns the ids this drafter does not hold (it restarted)."""
-        return drafter_extend(self.engine, _resolve_features(items), self.receiver)
+        with self.clock.timing("extend"):
+            return drafter_extend(self.engine, _resolve_features(items), self.receiver)
 
     def release(self, request_ids: list[str], keep_draft: bool = False,
                 outputs: dict[str, list[int]] | None = None) -> None:
@@ -83,6 +89,7 @@ class DrafterActor:
         info.extra.update(pid=os.getpid(), node_id=ctx.get_node_id(), placement_group_id=ctx.get_placement_group_id())
         if self.receiver is not None:
             info.extra["feature_channel"] = self.receiver.state
+        info.calls = self.clock.stats()
         return info
 
     def ping(self) -> bool:

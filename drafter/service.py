@@ -94,6 +94,7 @@ class DrafterServicer(engines_pb2_grpc.DrafterServicer):
         info.extra["device"] = self.device
         if self.receiver is not None:
             info.extra["feature_channel"] = self.receiver.state
+        info.calls = self.calls.clock.stats()
         return codec.engine_info_to_msg(info)
 
 

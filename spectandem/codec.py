@@ -320,7 +320,8 @@ def engine_info_to_msg(info: EngineInfo) -> engines_pb2.EngineInfo:
                                   feature_channel=str(info.extra.get("feature_channel", "")),
                                   decode_ahead=bool(info.decode_ahead),
                                   decode_ahead_taken=info.decode_ahead.get("taken", 0),
-                                  decode_ahead_forgotten=info.decode_ahead.get("forgotten", 0))
+                                  decode_ahead_forgotten=info.decode_ahead.get("forgotten", 0),
+                                  busy_s=info.calls.get("busy_s", {}), calls=info.calls.get("count", {}))
 
 
 def engine_info_from_msg(msg: engines_pb2.EngineInfo) -> EngineInfo:
@@ -331,4 +332,5 @@ def engine_info_from_msg(msg: engines_pb2.EngineInfo) -> EngineInfo:
                       kv={"num_blocks": msg.kv_blocks, "block_size": msg.kv_block_size,
                           "used_blocks": msg.kv_used_blocks} if msg.kv_blocks else {},
                       decode_ahead={"taken": msg.decode_ahead_taken,
-                                    "forgotten": msg.decode_ahead_forgotten} if msg.decode_ahead else {})
+                                    "forgotten": msg.decode_ahead_forgotten} if msg.decode_ahead else {},
+                      calls={"busy_s": dict(msg.busy_s), "count": dict(msg.calls)} if msg.calls else {})

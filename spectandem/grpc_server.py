@@ -20,6 +20,7 @@ import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
+from spectandem.call_clock import CallClock
 from spectandem.messages import StaleMessage
 
 log = logging.getLogger("spectandem.grpc")
@@ -50,6 +51,9 @@ class EngineCalls:
         engine_process_thread)."""
         self.role, self._thread = role, thread
         self._lock = threading.Lock()
+        # Per kind of call (its body's name): the seconds from the engine taken to the reply
+        # encoded, and how many (EngineInfo.calls).
+        self.clock = CallClock()
 
     def run(self, context: grpc.ServicerContext, fn: Callable, *args):
         """fn(*args) decodes the request, calls the engine and encodes the reply, so a malformed
@@ -60,9 +64,10 @@ class EngineCalls:
             context.abort(grpc.StatusCode.DEADLINE_EXCEEDED,
                           f"{self.role}: the engine call in flight did not end before this call's deadline")
         try:
-            if self._thread is not None:
-                return self._thread.submit(self._mapped, context, fn, *args).result()
-            return self._mapped(context, fn, *args)
+            with self.clock.timing(getattr(fn, "__name__", "call").lstrip("_")):
+                if self._thread is not None:
+                    return self._thread.submit(self._mapped, context, fn, *args).result()
+                return self._mapped(context, fn, *args)
         finally:
             self._lock.release()
 

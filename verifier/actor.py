@@ -18,6 +18,7 @@ import ray
 import torch
 
 from spectandem.protocol import EngineInfo, PlainItem, Tag, Verdict, VerifierPrefillItem, VerifierPrefillResult
+from spectandem.call_clock import CallClock
 from spectandem.channel import FeatureSender
 from spectandem.config import EngineConfig
 from verifier.factory import build_engine
@@ -47,6 +48,7 @@ class VerifierActor:
         # Ray restarted this actor (max_restarts): the KV of every request the router had here is
         # gone, so a call about a request this instance never prefilled is an outage, not a stale reply.
         self.restarted = ray.get_runtime_context().was_current_actor_reconstructed
+        self.clock = CallClock()   # EngineInfo.calls
 
     def _check_held(self, request_ids) -> None:
         missing = sorted({r for r in request_ids if r not in self.engine.requests})
@@ -74,8 +76,9 @@ class VerifierActor:
 
     def prefill(self, items: list[VerifierPrefillItem], want_features: bool) -> list[VerifierPrefillResult]:
         """Results whose `features` is an ObjectRef of the prompt's features [prompt_len, F] (or None)."""
-        return [replace(r, features=_put(r.features))
-                for r in verifier_prefill(self.engine, items, want_features, self.sender)]
+        with self.clock.timing("prefill"):
+            return [replace(r, features=_put(r.features))
+                    for r in verifier_prefill(self.engine, items, want_features, self.sender)]
 
     def verify(self, draft_payload, tags: list[Tag], plain: list[PlainItem], want_features: bool) -> list[Verdict]:
         """`draft_payload`: the drafter's DraftTree (Ray resolves the ref passed at top level) or
@@ -89,10 +92,11 @@ class VerifierActor:
         """`verify` with `items` prefilled in the same step (VerifierEngine.verify_with_prefill):
         (its results, the prefill's, their features ObjectRefs as `prefill`'s)."""
         self._check_held([t.request_id for t in tags] + [p.tag.request_id for p in plain])
-        outs, prefilled = verifier_verify_prefill(self.engine, draft_payload, tags, plain, want_features, items,
-                                                  prefill_features, self.sender)
-        reply = ([replace(r, features=_put(r.features)) for r in outs],
-                 [replace(r, features=_put(r.features)) for r in prefilled])
+        with self.clock.timing("verify"):
+            outs, prefilled = verifier_verify_prefill(self.engine, draft_payload, tags, plain, want_features, items,
+                                                      prefill_features, self.sender)
+            reply = ([replace(r, features=_put(r.features)) for r in outs],
+                     [replace(r, features=_put(r.features)) for r in prefilled])
         self.engine.after_call()   # the features are in the object store: the decode ahead may go (verifier/engine.py)
         return reply
 
@@ -111,6 +115,7 @@ class VerifierActor:
         info.extra.update(pid=os.getpid(), restarted=self.restarted, node_id=ctx.get_node_id(), placement_group_id=ctx.get_placement_group_id())
         if self.sender is not None:
             info.extra["feature_channel"] = self.sender.state
+        info.calls = self.clock.stats()
         return info
 
     def ping(self) -> bool:

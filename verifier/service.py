@@ -88,6 +88,7 @@ class VerifierServicer(engines_pb2_grpc.VerifierServicer):
         info.extra["device"] = self.device
         if self.sender is not None:
             info.extra["feature_channel"] = self.sender.state
+        info.calls = self.calls.clock.stats()
         return codec.engine_info_to_msg(info)
 
 

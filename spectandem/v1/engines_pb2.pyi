@@ -262,7 +262,21 @@ class EngineInfoRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class EngineInfo(_message.Message):
-    __slots__ = ("role", "model", "kind", "vocab_size", "max_len", "max_slots", "used_slots", "feature_layers", "device", "kv_blocks", "kv_block_size", "kv_used_blocks", "feature_channel", "decode_ahead", "decode_ahead_taken", "decode_ahead_forgotten")
+    __slots__ = ("role", "model", "kind", "vocab_size", "max_len", "max_slots", "used_slots", "feature_layers", "device", "kv_blocks", "kv_block_size", "kv_used_blocks", "feature_channel", "decode_ahead", "decode_ahead_taken", "decode_ahead_forgotten", "busy_s", "calls")
+    class BusySEntry(_message.Message):
+        __slots__ = ("key", "value")
+        KEY_FIELD_NUMBER: _ClassVar[int]
+        VALUE_FIELD_NUMBER: _ClassVar[int]
+        key: str
+        value: float
+        def __init__(self, key: _Optional[str] = ..., value: _Optional[float] = ...) -> None: ...
+    class CallsEntry(_message.Message):
+        __slots__ = ("key", "value")
+        KEY_FIELD_NUMBER: _ClassVar[int]
+        VALUE_FIELD_NUMBER: _ClassVar[int]
+        key: str
+        value: int
+        def __init__(self, key: _Optional[str] = ..., value: _Optional[int] = ...) -> None: ...
     ROLE_FIELD_NUMBER: _ClassVar[int]
     MODEL_FIELD_NUMBER: _ClassVar[int]
     KIND_FIELD_NUMBER: _ClassVar[int]
@@ -279,6 +293,8 @@ class EngineInfo(_message.Message):
     DECODE_AHEAD_FIELD_NUMBER: _ClassVar[int]
     DECODE_AHEAD_TAKEN_FIELD_NUMBER: _ClassVar[int]
     DECODE_AHEAD_FORGOTTEN_FIELD_NUMBER: _ClassVar[int]
+    BUSY_S_FIELD_NUMBER: _ClassVar[int]
+    CALLS_FIELD_NUMBER: _ClassVar[int]
     role: str
     model: str
     kind: str
@@ -295,4 +311,6 @@ class EngineInfo(_message.Message):
     decode_ahead: bool
     decode_ahead_taken: int
     decode_ahead_forgotten: int
-    def __init__(self, role: _Optional[str] = ..., model: _Optional[str] = ..., kind: _Optional[str] = ..., vocab_size: _Optional[int] = ..., max_len: _Optional[int] = ..., max_slots: _Optional[int] = ..., used_slots: _Optional[int] = ..., feature_layers: _Optional[str] = ..., device: _Optional[str] = ..., kv_blocks: _Optional[int] = ..., kv_block_size: _Optional[int] = ..., kv_used_blocks: _Optional[int] = ..., feature_channel: _Optional[str] = ..., decode_ahead: _Optional[bool] = ..., decode_ahead_taken: _Optional[int] = ..., decode_ahead_forgotten: _Optional[int] = ...) -> None: ...
+    busy_s: _containers.ScalarMap[str, float]
+    calls: _containers.ScalarMap[str, int]
+    def __init__(self, role: _Optional[str] = ..., model: _Optional[str] = ..., kind: _Optional[str] = ..., vocab_size: _Optional[int] = ..., max_len: _Optional[int] = ..., max_slots: _Optional[int] = ..., used_slots: _Optional[int] = ..., feature_layers: _Optional[str] = ..., device: _Optional[str] = ..., kv_blocks: _Optional[int] = ..., kv_block_size: _Optional[int] = ..., kv_used_blocks: _Optional[int] = ..., feature_channel: _Optional[str] = ..., decode_ahead: _Optional[bool] = ..., decode_ahead_taken: _Optional[int] = ..., decode_ahead_forgotten: _Optional[int] = ..., busy_s: _Optional[_Mapping[str, float]] = ..., calls: _Optional[_Mapping[str, int]] = ...) -> None: ...

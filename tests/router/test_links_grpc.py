@@ -71,7 +71,12 @@ def test_ngram_in_process_servers_match_local(ngram_servers, prompts):
             # Every other round, request 1 decodes as a plain row in the same verify batch.
             mixed = await speculate(v, d, prompts, _greedy(len(prompts)), eos, lookahead,
                                     plain_rounds=lambda rid, n: rid == "req-1" and n % 2 == 1)
-            assert (await v.info()).used_slots == 0 and (await d.info()).used_slots == 0
+            vi, di = await v.info(), await d.info()
+            assert vi.used_slots == 0 and di.used_slots == 0
+            # Each service reports the calls it ran and the time inside them (EngineInfo.calls).
+            for info, kinds in ((vi, {"prefill", "verify", "release"}), (di, {"prefill", "draft", "release"})):
+                assert kinds <= set(info.calls["count"]), info.calls
+                assert all(info.calls["count"][k] > 0 and info.calls["busy_s"][k] > 0 for k in kinds), info.calls
             return got, mixed
         finally:
             await v.close()

@@ -219,6 +219,10 @@ def test_draft_ahead_through_ray_equals_local(engines, local, prompts):
     assert seen.merged > 0  # ... and their catch-up went with that round's DraftAhead
     infos = asyncio.run(_infos(verifier, drafter))
     assert infos[1].used_slots == 0 and infos[1].kv["used_blocks"] == 0
+    # Each actor reports the calls it ran and the time inside them (spectandem/call_clock.py).
+    for info, kinds in zip(infos, ({"prefill", "verify"}, {"prefill", "draft_ahead"})):
+        assert kinds <= set(info.calls["count"]), info.calls
+        assert all(info.calls["count"][k] > 0 and info.calls["busy_s"][k] > 0 for k in kinds), info.calls
 
 
 async def _infos(verifier, drafter):

@@ -1,0 +1,36 @@
+"""How long an engine service spends in each kind of call: what its GetInfo (gRPC) or info (Ray)
+reports as EngineInfo.calls, so that a caller can tell the engine's own time from the
+transport's (benchmarks/profile_serve.py)."""
+
+from __future__ import annotations
+
+import threading
+import time
+from contextlib import contextmanager
+
+
+class CallClock:
+    """Seconds inside, and the number of, each kind of call ("verify", "draft", ...)."""
+
+    def __init__(self):
+        self.busy_s: dict[str, float] = {}
+        self.count: dict[str, int] = {}
+        self._lock = threading.Lock()   # info may read while a call ends on another thread
+
+    def add(self, kind: str, seconds: float) -> None:
+        with self._lock:
+            self.busy_s[kind] = self.busy_s.get(kind, 0.0) + seconds
+            self.count[kind] = self.count.get(kind, 0) + 1
+
+    @contextmanager
+    def timing(self, kind: str):
+        t0 = time.perf_counter()
+        try:
+            yield
+        finally:
+            self.add(kind, time.perf_counter() - t0)
+
+    def stats(self) -> dict:
+        """{"busy_s": {kind: seconds}, "count": {kind: calls}} (EngineInfo.calls)."""
+        with self._lock:
+            return {"busy_s": dict(self.busy_s), "count": dict(self.count)}
