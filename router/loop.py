@@ -5,11 +5,11 @@ still holds for the router), `_schedule` (carry out router/scheduler.py's plan: 
 never fit, preempt, pick the requests to admit), then `_round`: admit (`_admit`: prefill on the
 verifier, stream the first token, prefill on the drafter), re-prefill the drafter with the
 requests it does not hold (`_resync`) and run one round in the mode router/pipeline.py chooses.
-With RouterConfig.admit_beside_draft (serve --overlap-admission, on by default), a sequential round
+By default new requests are prefilled in the round's verify step (`_mixes`). With
+RouterConfig.admit_beside_draft (serve --overlap-admission, off by default), a sequential round
 below LARGE_BATCH running requests admits while the drafter drafts for the running requests: the
 verifier prefills the new requests meanwhile, they join the round's verify as plain rows, and
-their drafter prefill runs while the verifier verifies (`_admits_beside_draft`). From LARGE_BATCH
-on, new requests are prefilled in the round's verify step instead (`_mixes`). The modes:
+their drafter prefill runs while the verifier verifies (`_admits_beside_draft`). The modes:
 - sequential (`_sequential_round`): `_draft` (a tree for the requests the drafter holds, after
   their catch-up with the last round's verdict, in one drafter call; the others decode
   plainly), `_verify` (one batched verify of drafted and plain rows) and `_apply` (commit and
@@ -620,7 +620,11 @@ class Router:
         it is short), while in the verify step the prompts share one pass over the weights with
         the round. On one H100 (8B-shaped pair, a = 0.8, concurrency 64, pipeline sequential, back to
         back) serving went from 4,937 to 5,663 tok/s, ITL p99 from 111 to 78 ms
-        (benchmarks/results/serve-h100-sequential.txt)."""
+        (benchmarks/results/serve-h100-sequential.txt). Below it too, once a round's tokens stream
+        during the next verify (`_deliver`), the verify step served more: at 8 and 16 running
+        (a = 0.8, alternated) 2,079 and 2,135 against 2,071 and 1,964 tok/s, 3,327 and 3,514
+        against 3,064 and 3,195, ITL p99 over p50 2.2-2.4 against 3.2-3.9
+        (benchmarks/results/serve-h100-admission.txt): off by default."""
         if (not self.cfg.admit_beside_draft or len(self.running) >= LARGE_BATCH
                 or not (self.drafter_up and any(r.on_drafter for r in self.running))
                 or any(r.resuming for r in batch)):

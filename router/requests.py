@@ -185,8 +185,9 @@ class RouterConfig:
     drafter_learns_outputs: bool = False
     # A sequential round admits new requests while the drafter drafts for the running ones (the
     # verifier prefills meanwhile: router/loop.py `_admits_beside_draft`; serve --overlap-admission,
-    # on by default). Off: admission comes first.
-    admit_beside_draft: bool = True
+    # off by default). Off: they ride in the round's verify step (`mixed_prefill`), else admission
+    # comes first.
+    admit_beside_draft: bool = False
     # New requests are prefilled in the step of the round's verify, their prompts' tokens beside
     # the running requests' (router/loop.py `_mixes`; serve --mixed-prefill, on by default); where
     # the verifier cannot carry them all, it prefills the rest on its own. Off: a prefill of their own.

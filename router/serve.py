@@ -59,12 +59,12 @@ def add_serve(sub) -> None:
                    help="tokens per request a plain round (no drafts: --method none, or speculation switched off) "
                         "decodes in one verifier call when every request in it is greedy; the steps are chained "
                         "on the GPU without the host waiting between them. 1: one token per round")
-    p.add_argument("--overlap-admission", action=argparse.BooleanOptionalAction, default=True,
+    p.add_argument("--overlap-admission", action=argparse.BooleanOptionalAction, default=False,
                    help="sequential rounds below 32 running requests: new requests are prefilled on the verifier "
                         "while the drafter drafts for the running ones, join that round's verify as plain rows, and "
                         "are prefilled on the drafter while the verifier verifies; from 32 on they are prefilled in "
-                        "the round's verify step (--mixed-prefill) (default: on; --no-overlap-admission: admission "
-                        "before the round, or in the verify step)")
+                        "the round's verify step (--mixed-prefill) (default: off: new requests are prefilled in the "
+                        "round's verify step, or before the round)")
     p.add_argument("--mixed-prefill", action=argparse.BooleanOptionalAction, default=True,
                    help="new requests are prefilled in the step of the round's verify, their prompts' tokens "
                         "beside the running requests' (as vLLM's chunked prefill mixes prefills into decode "

@@ -315,10 +315,10 @@ def test_serve_overlap_admission_flag_reaches_the_router_and_stays_exact():
         server.close()
     default = Served(["--backend", "local", "--max-len", "512"]).wait_ready()
     try:
-        assert default.state["router"].cfg.admit_beside_draft is True   # on by default
+        assert default.state["router"].cfg.admit_beside_draft is False   # off by default
     finally:
         default.close()
-    off = Served(["--backend", "local", "--max-len", "512", "--no-overlap-admission"]).wait_ready()
+    off = Served(["--backend", "local", "--max-len", "512", "--no-overlap-admission"]).wait_ready()   # as the default
     try:
         assert off.state["router"].cfg.admit_beside_draft is False
     finally:
