@@ -143,8 +143,9 @@ class Timers:
                     self._patched.append((mod, fn_name, inner))
 
     def table(self, rounds: int) -> str:
-        rows = [f"   {'function':46s} {'calls':>6s} {'ms/round':>9s}"]
-        rows += [f"   {k:46s} {self.calls[k]:6d} {v / rounds:9.3f}" for k, v in
+        """Per function: calls, ms per round (the total over `rounds`) and ms per call."""
+        rows = [f"   {'function':46s} {'calls':>6s} {'ms/round':>9s} {'ms/call':>8s}"]
+        rows += [f"   {k:46s} {self.calls[k]:6d} {v / rounds:9.3f} {v / max(1, self.calls[k]):8.3f}" for k, v in
                  sorted(self.ms.items(), key=lambda kv: -kv[1])]
         return "\n".join(rows)
 

@@ -366,6 +366,7 @@ def main(argv: list[str] | None = None) -> int:
             counters = [r.counters for r in getattr(router, "replicas", [router])]
             mixed0, admitted0 = (sum(c.mixed_prefills for c in counters), sum(c.requests_admitted for c in counters))
             modes0 = [dict(c.mode_rounds) for c in counters]
+            rounds0 = sum(c.rounds for c in counters)
             timeline.clear()
             timeline.on = True
             if timers:
@@ -412,9 +413,11 @@ def main(argv: list[str] | None = None) -> int:
             report.append(sampler.report(a.top))
             report += gpu
             if timers:
-                rounds = sum(name == "verifier.verify" for name, _, _ in timeline.calls)
-                report.append(f"  timed functions (inclusive wall time, no device synchronization; per verify call, "
-                              f"{rounds} of them):\n" + timers.table(max(1, rounds)))
+                # Rounds: the in-process verifier's verify calls, else the router's (engines elsewhere).
+                rounds = (sum(name == "verifier.verify" for name, _, _ in timeline.calls)
+                          or sum(c.rounds for c in counters) - rounds0)
+                report.append(f"  timed functions (inclusive wall time, no device synchronization; per round, "
+                              f"{rounds} of them, and per call):\n" + timers.table(max(1, rounds)))
             print("\n".join(report[-5:]), flush=True)
     finally:
         sampler.close()

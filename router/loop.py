@@ -224,7 +224,7 @@ class Router:
             for r in reqs:
                 while True:
                     ev = await r.events.get()
-                    if ev.finish_reason is not None:
+                    if isinstance(ev, Failure) or ev.finish_reason is not None:
                         break
                 if r.status is not RequestStatus.FINISHED:
                     raise RuntimeError(f"a warm-up request did not finish ({r.status.value}): serving would fail too")

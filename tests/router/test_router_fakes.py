@@ -467,3 +467,25 @@ def test_a_rounds_tokens_reach_their_stream_once_the_next_verify_is_launched():
     n = len(queued_at_draft)
     assert n >= 3
     assert queued_at_draft == [1] + list(range(1, n)), queued_at_draft
+
+
+def test_a_warm_up_whose_requests_fail_says_so():
+    """A warm-up request that fails (the verifier went away) ends the warm-up with an error that
+    names it, instead of an AttributeError on the failure event."""
+
+    async def main():
+        verifier = OracleVerifier()
+        router = Router(verifier, ScriptedDrafter(), Tokenizer(), config())
+        router.start()
+
+        async def broken(*args, **kwargs):
+            raise EngineUnavailable("the verifier went away")
+
+        verifier.verify = broken
+        try:
+            with pytest.raises(RuntimeError, match="a warm-up request did not finish"):
+                await router.warm_up([2], VOCAB, max_tokens=8)
+        finally:
+            await router.stop()
+
+    run(main())
