@@ -227,7 +227,8 @@ class Router:
                     if isinstance(ev, Failure) or ev.finish_reason is not None:
                         break
                 if r.status is not RequestStatus.FINISHED:
-                    raise RuntimeError(f"a warm-up request did not finish ({r.status.value}): serving would fail too")
+                    why = f": {ev.code}: {ev.message}" if isinstance(ev, Failure) else ""
+                    raise RuntimeError(f"a warm-up request did not finish ({r.status.value}{why})")
         while self.running or self._releasing or self._releases_due():   # the engines let the last ones go
             await asyncio.sleep(0.005)
         self._modes.forget_text()   # the engines' speeds stay; what the warm-up's drafts committed goes
