@@ -522,13 +522,15 @@ class Router:
     # ---------------------------------------------------------------- rounds
 
     async def _round(self, admit: list[ServedRequest] = ()) -> None:
-        """Admits `admit` (the scheduler's plan for this turn) and runs one round. A round of the
-        sequential kind admits while the drafter drafts for the running requests
-        (`_admits_beside_draft`); otherwise admission comes first."""
+        """Admits `admit` (the scheduler's plan for this turn) and runs one round. New requests
+        ride in the round's verify step where they can (`_mixes`); with
+        RouterConfig.admit_beside_draft a round of the sequential kind admits them while the
+        drafter drafts for the running requests instead (`_admits_beside_draft`); otherwise
+        admission comes first."""
         admit, mixed = list(admit), []
         beside = bool(admit) and self._admits_beside_draft(admit)
-        # While speculation runs, a prefill beside the draft overlaps it (on one GPU too: the
-        # draft's small kernels leave room); otherwise the prompts ride in the verify step.
+        # Beside the draft (where asked for and speculation runs), a prefill overlaps it;
+        # otherwise the prompts ride in the verify step.
         speculating = self._mode not in (None, "plain")
         if admit and not (speculating and beside) and self._mixes(admit):
             mixed, admit, beside = admit, [], False
@@ -593,9 +595,9 @@ class Router:
         (VerifierLink.verify_prefill; serve --mixed-prefill): none resumes, some requests are
         running, and they fit the next round beside the new ones (their first tokens included)
         without a preemption. The new requests join the running batch after that verify, their
-        first tokens its results. `_round` takes admission beside the draft instead where the
-        last round speculated and that is possible: on one H100 (8B-shaped pair, a = 0.8,
-        sequential) a prefill beside the draft cost the round no more than one in the verify step."""
+        first tokens its results. With RouterConfig.admit_beside_draft, `_round` takes admission
+        beside the draft instead where the round speculates and that is possible
+        (`_admits_beside_draft`)."""
         if not self.cfg.mixed_prefill or not self.running or any(r.resuming for r in batch):
             return False
         return self._fits_beside(batch)
