@@ -1,7 +1,8 @@
 """The served system with the engines in separate processes: gRPC services and Ray actors.
 Exactness against the reference loop, and faults: the drafter killed mid-stream (every request
 completes by fallback with the same greedy tokens), the verifier killed (UNAVAILABLE, none
-hangs, NOT_SERVING), and `spectandem serve` started as a user would."""
+hangs, NOT_SERVING), either Ray actor killed as serve's warm-up begins, and `spectandem serve`
+started as a user would."""
 
 from __future__ import annotations
 
@@ -224,3 +225,46 @@ def test_ray_backend_64_streams_cancel_and_deadline(reference):
             time.sleep(0.1)
     finally:
         server.close()
+
+
+def _kill_at_warm_up(monkeypatch, role: str):
+    """Serve's warm-up starts by killing the `role` actor's process (Ray restarts it): a real
+    SIGKILL-like death (ray.kill) while the first warm-up requests go out."""
+    import ray
+
+    from router.loop import Router
+
+    warm_up = Router.warm_up
+
+    async def killing(self, *args, **kwargs):
+        ray.kill(getattr(self, role).actor, no_restart=False)
+        return await warm_up(self, *args, **kwargs)
+
+    monkeypatch.setattr(Router, "warm_up", killing)
+
+
+def test_ray_drafter_killed_during_warm_up_serve_still_comes_up(reference, monkeypatch):
+    """The drafter actor dies as warm-up begins: the warm-up's requests decode without it, the
+    restarted actor is picked up, and the server comes up and serves the reference's tokens."""
+    _kill_at_warm_up(monkeypatch, "drafter")
+    server = Served(["--backend", "ray", "--max-len", MAX_LEN, "--max-running", "4", "--warm-up",
+                     "--drafter-timeout", "5", "--pipeline", "sequential"]).wait_ready(300)
+    try:
+        prompts = _prompts(reference, 2)
+        greedy = reference.generate(prompts, [SamplingParams(max_tokens=20)] * 2)
+        for i, p in enumerate(prompts):
+            assert collect(server.stub, request(ids=p, max_tokens=20))[0] == greedy[i].token_ids
+    finally:
+        server.close()
+
+
+def test_ray_verifier_killed_during_warm_up_serve_says_why(monkeypatch):
+    """The verifier actor dies as warm-up begins: serve ends at once with an error that says the
+    warm-up's requests failed and why, rather than hanging or failing on something else."""
+    _kill_at_warm_up(monkeypatch, "verifier")
+    server = Served(["--backend", "ray", "--max-len", MAX_LEN, "--max-running", "4", "--warm-up",
+                     "--pipeline", "sequential"])
+    with pytest.raises(RuntimeError, match=r"a warm-up request did not finish \(failed: UNAVAILABLE: "):
+        server.wait_ready(300)
+    server.thread.join(120)
+    assert not server.thread.is_alive()
