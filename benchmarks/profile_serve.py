@@ -251,12 +251,10 @@ def calls_report(timeline: Timeline) -> str:
 
 def _busy(state: dict) -> dict:
     """{role: {kind: seconds inside such calls}} of the in-process engines."""
-    out = {}
-    for role in ("verifier", "drafter"):
-        link = state.get(role)
-        if link is not None and hasattr(link, "busy_s"):
-            out[role] = dict(link.busy_s)
-    return out
+    from router.local_base import _LocalLink
+
+    return {role: dict(link.busy_s) for role in ("verifier", "drafter")
+            if isinstance(link := state.get(role), _LocalLink)}
 
 
 def _service_calls(state: dict) -> dict:
@@ -264,11 +262,13 @@ def _service_calls(state: dict) -> dict:
     their services report them (EngineInfo.calls: spectandem/call_clock.py)."""
     import asyncio
 
+    from router.local_base import _LocalLink
+
     out = {}
     loop = state["router"]._task.get_loop()
     for role in ("verifier", "drafter"):
         link = state.get(role)
-        if link is None or hasattr(link, "busy_s"):
+        if link is None or isinstance(link, _LocalLink):   # in-process: `_busy` and the timeline
             continue
         info = asyncio.run_coroutine_threadsafe(link.info(), loop).result(30)
         if info.calls:

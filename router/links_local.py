@@ -45,7 +45,9 @@ class LocalVerifierLink(_LocalLink):
     async def info(self):
         from verifier.service_core import verifier_info
 
-        return verifier_info(self.engine, self.model_name)
+        info = verifier_info(self.engine, self.model_name)
+        info.calls = self.clock.stats()
+        return info
 
     async def close(self):
         self.close_thread()
@@ -91,7 +93,9 @@ class LocalDrafterLink(_LocalLink):
     async def info(self):
         from drafter.service_core import drafter_info
 
-        return drafter_info(self.engine, self.model_name)
+        info = drafter_info(self.engine, self.model_name)
+        info.calls = self.clock.stats()
+        return info
 
     async def close(self):
         self.close_thread()

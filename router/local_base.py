@@ -10,6 +10,7 @@ import time
 from concurrent.futures import ThreadPoolExecutor
 
 from router.links import EngineUnavailable
+from spectandem.call_clock import CallClock
 from spectandem.devices import engine_stream, on_stream
 
 # The switch interval the entry points that run everything in one process set (serve --backend
@@ -58,10 +59,14 @@ class _LocalLink:
         (`cpu_engine_thread`); by default one of its own."""
         self.engine, self.model_name = engine, model_name
         self._lock = asyncio.Lock()
-        self.busy_s: dict[str, float] = {}
+        self.clock = CallClock()   # busy_s, and EngineInfo.calls as the engine services report them
         self._stream = engine_stream(engine)
         self._own_thread = thread is None
         self._thread = thread or ThreadPoolExecutor(max_workers=1, thread_name_prefix=f"spectandem-{self.role}")
+
+    @property
+    def busy_s(self) -> dict[str, float]:
+        return self.clock.busy_s
 
     def close_thread(self) -> None:
         if self._own_thread:
@@ -74,7 +79,7 @@ class _LocalLink:
             if self._stream is not None:
                 self._stream.synchronize()
         finally:
-            self.busy_s[kind] = self.busy_s.get(kind, 0.0) + time.perf_counter() - t0
+            self.clock.add(kind, time.perf_counter() - t0)
         if getattr(self.engine, "ahead_wanted", False):
             self._call_after()
         return out
@@ -85,7 +90,7 @@ class _LocalLink:
         try:
             on_stream(self._stream, self.engine.after_call)
         finally:
-            self.busy_s["after_call"] = self.busy_s.get("after_call", 0.0) + time.perf_counter() - t0
+            self.clock.add("after_call", time.perf_counter() - t0)
 
     async def _run(self, kind: str, fn, *args):
         async with self._lock:

@@ -1,6 +1,6 @@
-"""How long an engine service spends in each kind of call: what its GetInfo (gRPC) or info (Ray)
-reports as EngineInfo.calls, so that a caller can tell the engine's own time from the
-transport's (benchmarks/profile_serve.py)."""
+"""How long an engine spends in each kind of call: what its link's info reports as
+EngineInfo.calls (a gRPC service's GetInfo, a Ray actor's info, an in-process link's info), so
+that a caller can tell the engine's own time from the transport's (benchmarks/profile_serve.py)."""
 
 from __future__ import annotations
 

@@ -136,6 +136,6 @@ class EngineInfo:
     # A verifier that decodes ahead: {"taken": decodes that took a queued chunk, "forgotten":
     # queued chunks forgotten unused}; empty otherwise.
     decode_ahead: dict = field(default_factory=dict)
-    # An engine service's calls: {"busy_s": {kind: seconds inside}, "count": {kind: how many}}
-    # (spectandem/grpc_server.py EngineCalls); empty where nothing counts them.
+    # The engine's calls: {"busy_s": {kind: seconds inside}, "count": {kind: how many}}
+    # (spectandem/call_clock.py, kept by each link's engine side); empty where nothing counts them.
     calls: dict = field(default_factory=dict)

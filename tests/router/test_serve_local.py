@@ -42,6 +42,12 @@ def test_greedy_and_seeded_equal_reference(local_server, reference):
         got = collect(local_server.stub, request(ids=p, max_tokens=24, temperature=0.9, top_p=0.95, seed=7 + i))
         assert got[0] == s.token_ids
         assert got[2] == s.finish_reason and got[3].num_rounds == s.stats.num_rounds
+    # The in-process links report their engines' calls as the engine services do (EngineInfo.calls).
+    vinfo = local_server.run(local_server.state["verifier"].info())
+    dinfo = local_server.run(local_server.state["drafter"].info())
+    for info, kinds in ((vinfo, {"prefill", "verify"}), (dinfo, {"prefill", "draft"})):
+        assert kinds <= set(info.calls["count"]), info.calls
+        assert all(info.calls["count"][k] > 0 and info.calls["busy_s"][k] > 0 for k in kinds), info.calls
 
 
 def test_64_concurrent_streams(local_server, reference):
