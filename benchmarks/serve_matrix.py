@@ -238,8 +238,10 @@ def served_record(backend: str, method: str, rate, concurrency: int, result: dic
             "itl_ms_p50": result["p50_itl_ms"], "itl_ms_p99": result["p99_itl_ms"],
             "accept_length": result.get("acceptance_length"), "exact": exact,
             "completed": result.get("completed"), "failed": result.get("failed"), "serve_args": serve_args,
-            # verify rounds by the pipeline mode that ran them (what `--pipeline auto` chose)
-            "mode_rounds": (result.get("server_counters") or {}).get("mode_rounds")}
+            # verify rounds by the pipeline mode that ran them (what `--pipeline auto` chose), and
+            # request-rounds whose trees went drafter -> verifier over the tree channel
+            "mode_rounds": (result.get("server_counters") or {}).get("mode_rounds"),
+            "posted_trees": (result.get("server_counters") or {}).get("posted_trees")}
 
 
 def run_matrix(args) -> dict:

@@ -12,7 +12,9 @@ the requests it does not hold and the router re-prefills them.
 With a direct feature channel open (`open_feature_channel`, spectandem/channel.py) features
 arrive as ChannelRefs and are taken from it. A restarted actor has no channel: it reports the
 requests of such items as unknown, and the verifier's sender, its peer gone, soon goes back to
-object refs.
+object refs. With a tree channel open (`open_tree_channel`, spectandem/channel/trees.py) a draft
+with a round to post sends its trees to the verifier actor there; a restarted actor has none,
+and the router's rounds find that out from its replies (nothing posted).
 """
 
 from __future__ import annotations
@@ -24,10 +26,10 @@ import ray
 import torch
 
 from drafter.factory import build_engine
-from drafter.service_core import (drafter_draft_ahead, drafter_extend, drafter_extend_and_draft, drafter_info,
-                                  drafter_prefill, drafter_release)
+from drafter.service_core import (drafter_draft_ahead, drafter_draft_posted, drafter_extend, drafter_extend_and_draft,
+                                  drafter_info, drafter_prefill, drafter_release)
 from spectandem.protocol import AheadReply, DrafterPrefillItem, EngineInfo, ExtendItem, Tag
-from spectandem.channel import FeatureReceiver
+from spectandem.channel import FeatureReceiver, TreePoster
 from spectandem.call_clock import CallClock
 from spectandem.config import EngineConfig
 from spectandem.messages import DraftTree
@@ -47,6 +49,7 @@ class DrafterActor:
         self.engine, _ = build_engine(config)
         self.model_name, self.device = model_name, config.device
         self.receiver: FeatureReceiver | None = None
+        self.poster: TreePoster | None = None
         self.clock = CallClock()   # EngineInfo.calls
 
     def open_feature_channel(self, address: str) -> None:
@@ -55,20 +58,32 @@ class DrafterActor:
             self.receiver.close()
         self.receiver = FeatureReceiver(address, self.device)
 
+    def open_tree_channel(self, address: str) -> None:
+        """Starts the drafter's end of the verifier's tree channel; connecting runs in the background."""
+        if self.poster is not None:
+            self.poster.close()
+        self.poster = TreePoster(address)
+
     def prefill(self, items: list[DrafterPrefillItem]) -> list[str]:
         with self.clock.timing("prefill"):
             return drafter_prefill(self.engine, _resolve_features(items), self.receiver)
 
     @ray.method(num_returns=2)
-    def draft(self, tags: list[Tag], num_steps: list[int | None] | None = None,
-              extend: list[ExtendItem] = ()) -> tuple[DraftTree | None, tuple[list[Tag], list[str]]]:
-        """`extend` first, then (the round's trees, (the tags they are for, the unknown ids)): the
-        caller awaits the second, which raises as the call failed, and forwards the tree's ref
-        without fetching it."""
+    def draft(self, tags: list[Tag], num_steps: list[int | None] | None = None, extend: list[ExtendItem] = (),
+              post_round: int = 0) -> tuple[DraftTree | None, tuple[list[Tag], list[str], bool]]:
+        """`extend` first, then (the round's trees, (the tags they are for, the unknown ids, whether
+        the trees went to the verifier over the tree channel as round `post_round`, 0: not asked)):
+        the caller awaits the second, which raises as the call failed, and forwards the tree's ref
+        without fetching it (None once posted)."""
         with self.clock.timing("draft"):
-            tree, known, unknown = drafter_extend_and_draft(self.engine, tags, num_steps,
-                                                            _resolve_features(list(extend)), self.receiver)
-        return tree, (known, unknown)
+            extend = _resolve_features(list(extend))
+            if post_round:
+                tree, known, unknown, posted = drafter_draft_posted(self.engine, tags, num_steps, extend, self.receiver,
+                                                                    self.poster, post_round)
+            else:
+                (tree, known, unknown), posted = drafter_extend_and_draft(self.engine, tags, num_steps, extend,
+                                                                          self.receiver), False
+        return tree, (known, unknown, posted)
 
     def draft_ahead(self, tags: list[Tag], extend: list[ExtendItem] = ()) -> AheadReply:
         with self.clock.timing("draft_ahead"):
@@ -89,6 +104,8 @@ class DrafterActor:
         info.extra.update(pid=os.getpid(), node_id=ctx.get_node_id(), placement_group_id=ctx.get_placement_group_id())
         if self.receiver is not None:
             info.extra["feature_channel"] = self.receiver.state
+        if self.poster is not None:
+            info.extra["tree_channel"] = self.poster.state
         info.calls = self.clock.stats()
         return info
 

@@ -6,7 +6,9 @@ protobuf messages, calls drafter/service_core.py on a DrafterEngine and encodes 
 EAGLE heads take their embeddings and lm_head from the target, so this process loads the target
 model too (its weights only; the verifier owns the target's KV). n-gram drafting needs no model.
 With --feature-channel tcp://HOST:PORT (the verifier's) target features come over a direct
-channel (spectandem/channel.py) where the router's messages carry ChannelRefs.
+channel (spectandem/channel.py) where the router's messages carry ChannelRefs. With
+--tree-channel tcp://HOST:PORT (the verifier's) a Draft with a `post_round` sends its trees there
+(spectandem/channel/trees.py) rather than in the reply.
 """
 
 from __future__ import annotations
@@ -17,10 +19,10 @@ from pathlib import Path
 
 from drafter.engine import DrafterEngine
 from drafter.factory import build_engine
-from drafter.service_core import (drafter_draft_ahead, drafter_extend, drafter_extend_and_draft, drafter_info,
-                                  drafter_prefill, drafter_release)
+from drafter.service_core import (drafter_draft_ahead, drafter_draft_posted, drafter_extend, drafter_extend_and_draft,
+                                  drafter_info, drafter_prefill, drafter_release)
 from spectandem import codec
-from spectandem.channel import FeatureReceiver
+from spectandem.channel import FeatureReceiver, TreePoster
 from spectandem.config import EngineConfig
 from spectandem.devices import engine_process_thread
 from spectandem.service_args import add_drafter_args  # noqa: F401 (re-exported)
@@ -33,9 +35,10 @@ SERVICE_NAME = engines_pb2.DESCRIPTOR.services_by_name["Drafter"].full_name
 
 class DrafterServicer(engines_pb2_grpc.DrafterServicer):
     def __init__(self, engine: DrafterEngine, model_name: str = "draft", device: str = "cpu",
-                 max_slots: int = 0, max_len: int = 0, receiver: FeatureReceiver | None = None, thread=None):
+                 max_slots: int = 0, max_len: int = 0, receiver: FeatureReceiver | None = None, thread=None,
+                 poster: TreePoster | None = None):
         self.engine, self.model_name, self.device = engine, model_name, device
-        self.max_slots, self.max_len, self.receiver = max_slots, max_len, receiver
+        self.max_slots, self.max_len, self.receiver, self.poster = max_slots, max_len, receiver, poster
         self.calls = EngineCalls("drafter", thread)
 
     def Prefill(self, request, context):
@@ -66,9 +69,16 @@ class DrafterServicer(engines_pb2_grpc.DrafterServicer):
         tags = [codec.tag_from_msg(t) for t in request.tags]
         if not tags:
             raise ValueError("draft request has no requests")
-        tree, known, unknown = drafter_extend_and_draft(
-            self.engine, tags, list(request.num_steps) or None,
-            [codec.extend_item_from_msg(m) for m in request.extend], self.receiver)
+        extend = [codec.extend_item_from_msg(m) for m in request.extend]
+        if request.post_round:
+            tree, known, unknown, posted = drafter_draft_posted(self.engine, tags, list(request.num_steps) or None,
+                                                                extend, self.receiver, self.poster, request.post_round)
+            if posted:
+                return engines_pb2.DraftReply(posted=True, posted_tags=[codec.tag_to_msg(t) for t in known],
+                                              unknown_request_ids=unknown)
+        else:
+            tree, known, unknown = drafter_extend_and_draft(self.engine, tags, list(request.num_steps) or None,
+                                                            extend, self.receiver)
         if tree is None:
             return engines_pb2.DraftReply(unknown_request_ids=unknown)
         return engines_pb2.DraftReply(tree=codec.draft_tree_to_msg(tree, [t.epoch for t in known]),
@@ -94,6 +104,8 @@ class DrafterServicer(engines_pb2_grpc.DrafterServicer):
         info.extra["device"] = self.device
         if self.receiver is not None:
             info.extra["feature_channel"] = self.receiver.state
+        if self.poster is not None:
+            info.extra["tree_channel"] = self.poster.state
         info.calls = self.calls.clock.stats()
         return codec.engine_info_to_msg(info)
 
@@ -105,37 +117,42 @@ class DrafterServicer(engines_pb2_grpc.DrafterServicer):
 def start_drafter_server(engine: DrafterEngine, host: str = "127.0.0.1", port: int = 0,
                          model_name: str = "draft", device: str = "cpu", max_slots: int = 0,
                          max_len: int = 0, tls: ServerTls | None = None,
-                         receiver: FeatureReceiver | None = None, thread=None) -> EngineServer:
+                         receiver: FeatureReceiver | None = None, thread=None,
+                         poster: TreePoster | None = None) -> EngineServer:
     """Serves `engine` on the server's threads; returns the started server (port 0: a free one).
     `tls`: TLS or mTLS on the port (None: plaintext); `receiver`: the feature channel's end;
-    `thread`: the one thread that runs its calls (EngineCalls)."""
-    servicer = DrafterServicer(engine, model_name, device, max_slots, max_len, receiver, thread)
+    `thread`: the one thread that runs its calls (EngineCalls); `poster`: the tree channel's end."""
+    servicer = DrafterServicer(engine, model_name, device, max_slots, max_len, receiver, thread, poster)
     return EngineServer.start(lambda s: engines_pb2_grpc.add_DrafterServicer_to_server(servicer, s),
                               SERVICE_NAME, host, port, tls.grpc_credentials() if tls else None)
 
 
 def serve_drafter(config: EngineConfig, host: str = "0.0.0.0", port: int = 50053, tls: ServerTls | None = None,
-                  feature_channel: str | None = None) -> None:
+                  feature_channel: str | None = None, tree_channel: str | None = None) -> None:
     """Loads the drafter (drafter/factory.py), serves it until SIGTERM/SIGINT. `feature_channel`:
-    tcp://HOST:PORT of the verifier's direct feature channel (None: features come inline)."""
+    tcp://HOST:PORT of the verifier's direct feature channel (None: features come inline);
+    `tree_channel`: tcp://HOST:PORT of the verifier's tree channel (None: trees in the replies)."""
     cfg, draft_dir, device, max_slots = config.spec, config.draft_dir, config.device, config.max_slots
     if cfg.fused:
         raise ValueError("fused mode runs verify and extend in one process; it cannot be served as a drafter")
     # Connecting runs in the background, while the model loads.
     receiver = FeatureReceiver(feature_channel, device) if feature_channel else None
+    poster = TreePoster(tree_channel) if tree_channel else None
     thread = engine_process_thread(device)
     engine, context = build_engine(config)
     name = Path(draft_dir).name if draft_dir is not None else cfg.method
 
     try:
         server = start_drafter_server(engine, host, port, name, device, max_slots, context, tls=tls, receiver=receiver,
-                                      thread=thread)
+                                      thread=thread, poster=poster)
         print(f"spectandem drafter: {cfg.method} {name}, features "
               f"{codec.feature_layers_to_str(engine.feature_layers)}, listening on {host}:{server.port}", flush=True)
         server.serve_until_signal()
     finally:
         if receiver is not None:
             receiver.close()
+        if poster is not None:
+            poster.close()
 
 
 # ----------------------------------------------------------------------------------------------
@@ -155,5 +172,6 @@ def run_drafter(args: argparse.Namespace) -> int:
     config = EngineConfig.from_args(args, cfg, target, draft, args.max_slots)
     tls = server_tls_from_args(args)  # flag and file errors before the model loads
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
-    serve_drafter(config, args.host, args.port, tls=tls, feature_channel=args.feature_channel)
+    serve_drafter(config, args.host, args.port, tls=tls, feature_channel=args.feature_channel,
+                  tree_channel=args.tree_channel)
     return 0

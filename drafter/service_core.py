@@ -4,7 +4,10 @@ link messages of router/links.py into engine calls and back. No model logic here
 `receiver`: the drafter's end of the direct feature channel (spectandem/channel.py), or None.
 Items whose features are a ChannelRef take them from it; when they do not come (late, dropped,
 no channel here), the request is reported as one this drafter does not hold, and the router
-re-prefills it with features from the verifier's Features call."""
+re-prefills it with features from the verifier's Features call.
+
+`poster`: the drafter's end of the tree channel (spectandem/channel/trees.py), or None: a draft
+call with a round to post sends its trees to the verifier there (`drafter_draft_posted`)."""
 
 from __future__ import annotations
 
@@ -12,8 +15,9 @@ import logging
 import time
 from dataclasses import replace
 
+from spectandem import codec
 from spectandem.protocol import AheadReply, DrafterPrefillItem, EngineInfo, ExtendItem, Tag, Verdict
-from spectandem.channel import ChannelRef, FeatureChannelError, FeatureReceiver
+from spectandem.channel import ChannelRef, FeatureChannelError, FeatureReceiver, TreePoster
 from spectandem.messages import DraftTree, StaleMessage
 
 log = logging.getLogger("spectandem.drafter")
@@ -73,6 +77,29 @@ def drafter_extend_and_draft(engine, tags: list[Tag], num_steps: list[int | None
         return None, [], unknown
     steps = [num_steps[i] for i in keep] if num_steps else None
     return drafter_draft(engine, known, steps), known, unknown
+
+
+def drafter_draft_posted(engine, tags: list[Tag], num_steps: list[int | None] | None, extend: list[ExtendItem],
+                         receiver: FeatureReceiver | None, poster: TreePoster | None,
+                         round_id: int) -> tuple[DraftTree | None, list[Tag], list[str], bool]:
+    """`drafter_extend_and_draft`, its trees sent to the verifier over the tree channel as round
+    `round_id` -> (the trees where they were not sent, else None; the tags they are for; the
+    unknown ids; whether the verifier was told). A round with no tree left, and a draft that
+    fails (before it raises), send word of that, so the verifier does not wait for them. Where
+    the channel is not up nothing is sent: the verifier, without a drafter connected, does not
+    wait either, and the caller gets the trees back."""
+    try:
+        tree, known, unknown = drafter_extend_and_draft(engine, tags, num_steps, extend, receiver)
+    except BaseException as exc:
+        if poster is not None:
+            poster.post(round_id, None, f"the draft failed: {type(exc).__name__}: {exc}")
+        raise
+    if poster is None:
+        return tree, known, unknown, False
+    if tree is None:
+        return None, known, unknown, poster.post(round_id, None, "no request left to draft for")
+    posted = poster.post(round_id, codec.draft_tree_to_bytes(tree, known))
+    return (None if posted else tree), known, unknown, posted
 
 
 def drafter_draft_ahead(engine, tags: list[Tag], extend: list[ExtendItem] = (),

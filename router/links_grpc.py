@@ -21,7 +21,7 @@ import grpc
 
 from router.links import EngineUnavailable
 from spectandem.protocol import (AheadReply, DraftHandle, DrafterPrefillItem, EngineInfo, ExtendItem, PlainItem,
-                                 Tag, Verdict, VerifierPrefillItem, VerifierPrefillResult)
+                                 Tag, TreeRoute, Verdict, VerifierPrefillItem, VerifierPrefillResult)
 from spectandem import codec
 from spectandem.grpc_server import CHANNEL_OPTIONS, MAX_MESSAGE_BYTES, PREFILL_CALL_BYTES
 from spectandem.messages import DraftTree, StaleMessage
@@ -88,11 +88,14 @@ class GrpcVerifierLink(_GrpcLink):
                              on_launch=None) -> tuple[list[Verdict], list[VerifierPrefillResult]]:
         if on_launch is not None:
             on_launch()   # the verifier is another process: nothing here to wait for
-        request = engines_pb2.VerifyRequest(tree=draft.payload if draft is not None else None,
+        route = draft.payload if draft is not None and isinstance(draft.payload, TreeRoute) else None
+        request = engines_pb2.VerifyRequest(tree=draft.payload if draft is not None and route is None else None,
                                             plain=[codec.plain_item_to_msg(p) for p in plain],
                                             want_features=want_features,
                                             prefill=[codec.verifier_prefill_item_to_msg(i) for i in items],
                                             prefill_features=prefill_features)
+        if route is not None:   # the trees come over the tree channel
+            request.tree_round, request.tree_wait_ms = route.round_id, max(1, round(route.wait_s * 1000))
         reply = await self._call(self.stub.Verify, request)
         return ([codec.verdict_from_msg(r) for r in reply.results],
                 [codec.verifier_prefill_result_from_msg(r) for r in reply.prefilled])
@@ -141,12 +144,14 @@ class GrpcDrafterLink(_GrpcLink):
         return unknown
 
     async def draft(self, tags: list[Tag], num_steps: list[int | None] | None = None,
-                    extend: list[ExtendItem] = ()) -> DraftHandle:
+                    extend: list[ExtendItem] = (), post_round: int = 0) -> DraftHandle:
         request = engines_pb2.DraftRequest(tags=[codec.tag_to_msg(t) for t in tags],
                                            num_steps=[n or 0 for n in num_steps] if num_steps else [],
-                                           extend=[codec.extend_item_to_msg(i) for i in extend])
+                                           extend=[codec.extend_item_to_msg(i) for i in extend], post_round=post_round)
         reply = await self._call(self.stub.Draft, request)
         unknown = list(reply.unknown_request_ids)
+        if reply.posted:
+            return DraftHandle([codec.tag_from_msg(t) for t in reply.posted_tags], None, unknown, posted=True)
         if not reply.HasField("tree"):
             return DraftHandle([], None, unknown)
         return DraftHandle([codec.tag_from_msg(t) for t in reply.tree.tags], reply.tree, unknown)

@@ -1,7 +1,8 @@
 """The router's links to a verifier actor and a drafter actor on a Ray cluster.
 
 Handles are object refs: a DraftHandle's payload is the ref of the drafter's DraftTree, passed
-unresolved to the verifier's `verify` (Ray resolves it there); every `features` the verifier
+unresolved to the verifier's `verify` (Ray resolves it there), or a TreeRoute when the trees go
+actor to actor over the tree channel (spectandem/channel/trees.py); every `features` the verifier
 returns is the ref of a tensor in the object store, passed on inside the drafter's items (or,
 with a direct feature channel, a ChannelRef: spectandem/channel.py). The router awaits only
 small results (ids, tokens, counts, refs).
@@ -158,10 +159,10 @@ class RayDrafterLink:
         return await self._call(self.actor.prefill.remote(items))
 
     async def draft(self, tags: list[Tag], num_steps: list[int | None] | None = None,
-                    extend: list[ExtendItem] = ()) -> DraftHandle:
-        tree_ref, done = self.actor.draft.remote(list(tags), num_steps, list(extend))
-        known, unknown = await self._call(done)  # raises as the draft failed; the tree itself stays in Ray
-        return DraftHandle(list(known), tree_ref if known else None, list(unknown))
+                    extend: list[ExtendItem] = (), post_round: int = 0) -> DraftHandle:
+        tree_ref, done = self.actor.draft.remote(list(tags), num_steps, list(extend), post_round)
+        known, unknown, posted = await self._call(done)  # raises as the draft failed; the tree itself stays in Ray
+        return DraftHandle(list(known), tree_ref if known and not posted else None, list(unknown), posted)
 
     async def draft_ahead(self, tags: list[Tag], extend: list[ExtendItem] = ()) -> AheadReply:
         return await self._call(self.actor.draft_ahead.remote(list(tags), list(extend)))
@@ -235,7 +236,7 @@ def start_engines(target_dir: str | Path, draft_dir: str | Path | None, cfg: Spe
                   startup_timeout_s: float = 300.0, num_threads: int = 1, kv_blocks: int | None = None,
                   draft_kv_blocks: int | None = None, block_size: int = 16, gpu: GpuPaths | None = None,
                   gpu_memory_utilization: float = 0.9, cpu_kv_cache_gib: float | None = None,
-                  feature_channel: str | None = None,
+                  feature_channel: str | None = None, tree_channel: bool = False,
                   ) -> tuple[RayVerifierLink, RayDrafterLink | None, Callable[[], None]]:
     """Places a verifier actor (and a drafter actor unless cfg.method is "none") in one
     placement group, one bundle each, and waits until they are built.
@@ -245,7 +246,8 @@ def start_engines(target_dir: str | Path, draft_dir: str | Path | None, cfg: Spe
     and frees the placement group. Ray must be initialized (ray_init).
 
     feature_channel: "auto" (a free port on the verifier's node) or tcp://HOST:PORT opens the
-    direct feature channel between the two actors once both are built (None: object refs)."""
+    direct feature channel between the two actors once both are built (None: object refs).
+    tree_channel: also open the tree channel between them (a free port of the verifier's node)."""
     if not ray.is_initialized():
         raise ValueError("Ray is not initialized: call ray_init(address) first")
     if device not in ("auto", "cpu", "cuda"):
@@ -299,6 +301,9 @@ def start_engines(target_dir: str | Path, draft_dir: str | Path | None, cfg: Spe
                 address = ray.get(verifier.open_feature_channel.remote(
                     None if feature_channel == "auto" else feature_channel), timeout=startup_timeout_s)
                 ray.get(drafter.open_feature_channel.remote(address), timeout=startup_timeout_s)
+            if tree_channel:
+                address = ray.get(verifier.open_tree_channel.remote(), timeout=startup_timeout_s)
+                ray.get(drafter.open_tree_channel.remote(address), timeout=startup_timeout_s)
         role = "verifier"
         ray.get(verifier.ping.remote(), timeout=startup_timeout_s)
     except ray.exceptions.RayActorError as exc:

@@ -13,7 +13,10 @@ their drafter prefill runs while the verifier verifies (`_admits_beside_draft`).
 - sequential (`_sequential_round`): `_draft` (a tree for the requests the drafter holds, after
   their catch-up with the last round's verdict, in one drafter call; the others decode
   plainly), `_verify` (one batched verify of drafted and plain rows) and `_apply` (commit and
-  stream each verdict, drop stale ones, hold the drafter's catch-up back for the next call);
+  stream each verdict, drop stale ones, hold the drafter's catch-up back for the next call).
+  With a tree channel between engines in other processes (RouterConfig.tree_channel) the draft
+  call and the verify go out together and the drafter sends the trees to the verifier itself
+  (`_posts_trees`): the round waits on one crossing to an engine process, not two in a row;
 - ahead (`_sequential_round(ahead=True)`): the same, while the verifier verifies the drafter
   fills its outcome cache (`_draft_ahead`), so a hit's next tree is ready with the verdict;
 - ping-pong (`_pingpong_round`): two halves, the drafter on one while the verifier verifies the
@@ -27,7 +30,10 @@ Invariants:
 - a request's committed length only grows; tokens are streamed once, in order, never taken back;
 - drafts are provisional until a verdict for their (epoch, committed length) arrives;
 - the verifier is never made to wait on a missing draft: a request without one decodes plainly
-  (its tree is just the root) in the same verify batch;
+  (its tree is just the root) in the same verify batch. The exception is a round whose trees go
+  drafter -> verifier over the tree channel (RouterConfig.tree_channel): there the verify waits
+  for the trees the drafter is drafting, at most `drafter_timeout` (and not at all once the
+  drafter is gone), and the requests of trees that did not come get no verdict that round;
 - every admitted request ends in exactly one terminal event (finish or failure), and is released
   on both sides;
 - a reply whose (epoch, committed length) is not the request's own is dropped and counted, never
@@ -63,6 +69,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import random
 import time
 import uuid
 
@@ -74,7 +81,8 @@ from router.requests import (Failure, StreamEvent, RequestStatus, RouterConfig, 
                              ServedRequest)
 from router.scheduler import Running, Scheduler, Waiting
 from spectandem.config import SamplingParams
-from spectandem.protocol import DrafterPrefillItem, ExtendItem, PlainItem, Tag, VerifierPrefillItem
+from spectandem.protocol import (DraftHandle, DrafterPrefillItem, ExtendItem, PlainItem, Tag, TreeRoute,
+                                 VerifierPrefillItem)
 from spectandem.messages import StaleMessage, trees_from_ready
 from spectandem.reference import take_tokens
 
@@ -97,6 +105,12 @@ REJOIN_MIN_TOKENS = 128
 ARRIVAL_GAP_S = 0.002
 ARRIVAL_WAIT_S = 0.010
 AHEAD_UNANSWERED_ROUNDS = 3   # "ahead" rounds in a row without a hit or miss: the drafter does not draft ahead
+# A round whose trees go over the tree channel: the verifier waits for them this much longer than
+# the router waits for the drafter's reply (the trees leave the drafter before its reply).
+TREE_WAIT_MARGIN_S = 2.0
+# Rounds without the tree channel after a drafter said it could not post (its channel is down,
+# say after a restart), before its info is asked whether its end is up again.
+TREE_RETRY_ROUNDS = 256
 
 
 async def _within(call, seconds: float | None):
@@ -149,6 +163,10 @@ class Router:
         self._drafted_any = False        # this round drafted for some request
         self._draft_failed = frozenset()   # ids whose draft this round came back unusable (stale)
         self._joining = frozenset()        # ids admitted beside this round's draft (their plain row: a plain round)
+        # Tree channel rounds (`_posts_trees`): the next round id (unique to this router), and the
+        # round from which the channel is tried again after a drafter could not post.
+        self._tree_round = random.randrange(1, 1 << 62)
+        self._trees_off_until = 0
         # Stream events of committed tokens not yet handed to their streams (`_deliver`).
         self._outbox: list[tuple] = []
         # Listeners get (event, request, data): "admitted", "tokens" (data: number of new tokens,
@@ -654,8 +672,17 @@ class Router:
                 draft, drafted = await draft_task
             if not self.running:   # the verifier failed during admission
                 return
-        else:
-            draft, drafted = await self._draft(self.running)
+        posting = None
+        if not admit:
+            drafted, draft = self._to_draft(self.running)
+            if drafted and draft is None:
+                if await self._posts_trees():   # the trees go drafter -> verifier while the verify goes out
+                    self._tree_round += 1
+                    draft = DraftHandle([r.tag() for r in drafted],
+                                        TreeRoute(self._tree_round, self.cfg.drafter_timeout + TREE_WAIT_MARGIN_S))
+                    posting = asyncio.ensure_future(self._draft_call(drafted, self._tree_round))
+                else:
+                    draft, drafted = await self._draft_call(drafted)
         # Not those that ended at their first token; nor, this round, new requests whose drafts are
         # sampled: a plain row would draw other seeded tokens than their first drafted round.
         wait = {id(r) for r in admit if not self._invisible_when_plain(r)}
@@ -666,6 +693,8 @@ class Router:
         verify = asyncio.ensure_future(self._verify(draft, drafted, group, launched) if not mixed else
                                        self._verify_with_prefill(draft, drafted, group, list(mixed)))
         try:
+            if posting is not None:   # from here on, the requests whose trees went (the others get no verdict)
+                drafted = (await posting)[1]
             if later is not None and self.drafter_up:
                 await self._drafter_prefill(*later)
             if launched is not None:
@@ -749,6 +778,14 @@ class Router:
 
     async def _draft(self, group: list[ServedRequest]):
         """-> (draft handle or None, the requests it covers). Requests not covered decode plainly."""
+        drafted, ready = self._to_draft(group)
+        if ready is not None or not drafted:
+            return ready, drafted
+        return await self._draft_call(drafted)
+
+    def _to_draft(self, group: list[ServedRequest]) -> tuple[list[ServedRequest], DraftHandle | None]:
+        """-> (the requests of `group` this round drafts for, the handle of their trees where the
+        router holds every one of them, else None). The trees the requests held are taken."""
         fits = lambda r: r.committed_len - 1 + self.cfg.lookahead <= self.cfg.max_len
         spec_off = self._switch.off(self.counters.rounds) or self._mode == "plain"
         drafted = [r for r in group if self.drafter_up and r.on_drafter and fits(r)
@@ -763,9 +800,14 @@ class Router:
                                     [t[1] for t in ready])
             self.counters.ready_trees += len(drafted)
             self._drafted_any = True
-            return self.drafter.ready_handle(tree, [r.tag() for r in drafted]), drafted
-        if not drafted:
-            return None, []
+            return drafted, self.drafter.ready_handle(tree, [r.tag() for r in drafted])
+        return drafted, None
+
+    async def _draft_call(self, drafted: list[ServedRequest], post_round: int = 0):
+        """The drafter call for `drafted` -> (draft handle or None, the requests it covers).
+        `post_round`: the drafter sends the trees to the verifier over the tree channel as that
+        round; the handle then says which requests they cover, and where it could not send them,
+        none are covered (the verify of that round finds no trees)."""
         self._drafted_any = True
         steps = None
         if self._mode.startswith("short:"):   # shorter trees where the tree does not decide the tokens
@@ -774,9 +816,11 @@ class Router:
         # With the held-back catch-ups (the last round's, plain rounds', a hit's): the drafter
         # absorbs them first, in the same call.
         backlog = self._take_backlog(drafted)
+        tags = [r.tag() for r in drafted]
+        call = (self.drafter.draft(tags, steps, backlog, post_round=post_round) if post_round
+                else self.drafter.draft(tags, steps, backlog))
         try:
-            draft = await _within(self.drafter.draft([r.tag() for r in drafted], steps, backlog),
-                                  self.cfg.drafter_timeout)
+            draft = await _within(call, self.cfg.drafter_timeout)
         except (EngineUnavailable, asyncio.TimeoutError, StaleMessage) as exc:
             self._drafter_failed(exc)
             return None, []
@@ -785,11 +829,37 @@ class Router:
             drafted = [r for r in drafted if r.on_drafter]
             if not drafted:
                 return None, []
+        if post_round and not draft.posted:
+            self._trees_off_until = self.counters.rounds + TREE_RETRY_ROUNDS
+            log.warning("the drafter could not send its trees over the tree channel: trees go through the "
+                        "router until it can (asked every %d rounds)", TREE_RETRY_ROUNDS)
+            return None, []
         if list(draft.tags) != [r.tag() for r in drafted]:
             self.counters.stale_dropped += 1   # a draft of another epoch or length: never verified
             self._draft_failed = self._draft_failed | {r.request_id for r in drafted}
             return None, []
+        if post_round:
+            self.counters.posted_trees += len(drafted)
         return draft, drafted
+
+    async def _posts_trees(self) -> bool:
+        """Whether this round's trees go drafter -> verifier over the tree channel. After a pause
+        (a drafter that could not post), only once the drafter's info says its end is up again
+        (a drafter process started again connects by itself; a Ray drafter actor that restarted
+        has no channel, and its pauses go on)."""
+        if not self.cfg.tree_channel or self.counters.rounds < self._trees_off_until:
+            return False
+        if self._trees_off_until:
+            try:
+                state = (await _within(self.drafter.info(), self.cfg.drafter_timeout)).extra.get("tree_channel")
+            except (EngineUnavailable, asyncio.TimeoutError) as exc:
+                state = f"unknown ({exc or type(exc).__name__})"
+            if state != "up":
+                self._trees_off_until = self.counters.rounds + TREE_RETRY_ROUNDS
+                return False
+            self._trees_off_until = 0
+            log.info("the drafter's tree channel is up again: trees go drafter -> verifier")
+        return True
 
     async def _verify(self, draft, drafted: list[ServedRequest], group: list[ServedRequest], launched=None):
         """One batched verify of the group (drafted rows, then plain rows); None if the verifier

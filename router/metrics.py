@@ -9,7 +9,7 @@ Two sources, one registry (a private `CollectorRegistry`, so nothing process-glo
                spectandem:num_rounds, num_rounds_by_mode{mode} (the pipeline mode that ran them),
                num_preemptions, num_resumes, num_fallback_rounds (drafter unavailable),
                num_plain_rounds (speculation switched off), num_drafter_outages,
-               num_stale_replies_dropped, num_draft_ahead_{hits,misses}, num_ready_trees,
+               num_stale_replies_dropped, num_draft_ahead_{hits,misses}, num_ready_trees, num_posted_trees,
                num_detached_admissions, num_mixed_prefills,
                num_requests_{admitted,finished,failed,cancelled}
                (exposed with the `_total` suffix)
@@ -72,6 +72,8 @@ ROUTER_COUNTERS = (
     ("num_draft_ahead_hits", "draft_ahead_hits", "Trees drafted ahead (pipelined) that were used"),
     ("num_draft_ahead_misses", "draft_ahead_misses", "Trees drafted ahead (pipelined) that were discarded"),
     ("num_ready_trees", "ready_trees", "Trees drafted ahead that the router verified without a draft call"),
+    ("num_posted_trees", "posted_trees",
+     "Request-rounds whose trees went from the drafter to the verifier over the tree channel"),
     ("num_detached_admissions", "detached_admissions",
      "Requests admitted without the drafter while auto had settled on plain decoding"),
     ("num_mixed_prefills", "mixed_prefills",

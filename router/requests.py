@@ -127,6 +127,7 @@ class RouterCounters:
     draft_ahead_hits: int = 0
     draft_ahead_misses: int = 0
     ready_trees: int = 0             # request-rounds verified with a tree the router held (no draft call)
+    posted_trees: int = 0            # request-rounds whose trees went drafter -> verifier (the tree channel)
     detached_admissions: int = 0     # requests admitted without the drafter ("auto" settled on plain)
     mixed_prefills: int = 0          # requests sent with a round's verify to be prefilled in its step (RouterConfig.mixed_prefill)
     # Verification rounds by the pipeline mode that ran them (router/pipeline.py); they add up to `rounds`.
@@ -192,6 +193,10 @@ class RouterConfig:
     # the running requests' (router/loop.py `_mixes`; serve --mixed-prefill, on by default); where
     # the verifier cannot carry them all, it prefills the rest on its own. Off: a prefill of their own.
     mixed_prefill: bool = True
+    # The drafter sends a sequential round's trees straight to the verifier over the tree channel
+    # (spectandem/channel/trees.py), so the round's draft and verify calls go out together
+    # (router/loop.py `_sequential_round`). Serve turns it on where it opened the channel.
+    tree_channel: bool = False
 
     def __post_init__(self):
         if self.pipeline not in PIPELINES:

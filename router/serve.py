@@ -80,6 +80,11 @@ def add_serve(sub) -> None:
                         "address; 'off': through the router. If it cannot come up, features go through the router")
     p.add_argument("--no-feature-channel", dest="feature_channel", action="store_const", const="off",
                    help="target features go through the router (--feature-channel off)")
+    p.add_argument("--tree-channel", action=argparse.BooleanOptionalAction, default=None,
+                   help="a round's draft trees go drafter -> verifier over a socket between the two engines, and "
+                        "the round's draft and verify calls go out together, so that a round waits on one call to "
+                        "the engines, not two in a row (default: on when this command starts both engines, "
+                        "--backend grpc or ray, and speculates; --no-tree-channel: trees through the router)")
     p.add_argument("--engine-restarts", type=int, default=5,
                    help="--backend grpc: restarts of an engine process started here within "
                         "--engine-restart-window, after which it stays down (a verifier that stays down ends "
@@ -189,6 +194,18 @@ def feature_channel(args) -> str | None:
     return value
 
 
+def tree_channel(args) -> bool:
+    """Whether serve opens the tree channel between the engines of each pair: --tree-channel, by
+    default where this command starts both engines (--backend grpc or ray, no
+    --verifier-address/--drafter-address)."""
+    started_here = args.backend in ("grpc", "ray") and not args.verifier_address and not args.drafter_address
+    value = getattr(args, "tree_channel", None)
+    if value and not started_here:
+        raise ValueError("--tree-channel connects engines this command starts (--backend grpc or ray); give "
+                         "separately deployed services their own --tree-channel")
+    return started_here if value is None else value
+
+
 def _num_replicas(args) -> int:
     counts = {flag: len(addrs) for flag, addrs in (("--verifier-address", args.verifier_address),
                                                    ("--drafter-address", args.drafter_address)) if addrs}
@@ -234,11 +251,12 @@ async def _build_replicas(args, cfg, target, draft, supervisor=None, say=_quiet)
 
 def engine_commands(args, cfg, target: str, draft: str | None, verifier_port: int | None,
                     drafter_port: int | None, feature_channel: str | None = None,
-                    devices: tuple[str, str] | None = None) -> dict[str, list[str]]:
+                    devices: tuple[str, str] | None = None, tree_channel: str | None = None) -> dict[str, list[str]]:
     """The command lines (`python -m verifier|drafter ...`) of the engine processes serve starts for
     --backend grpc, by role; a role whose port is None is not started. `args`: resolved model flags
     (resolve_model_flags), passed on explicitly, so that an engine never resolves `auto` itself.
-    `devices`: (verifier's, drafter's) torch device (engine_devices; None: --device for both). The
+    `devices`: (verifier's, drafter's) torch device (engine_devices; None: --device for both);
+    `feature_channel`, `tree_channel`: the addresses of the channels between the two. The
     engines see every GPU and are told which to use (--device cuda:N), with no CUDA_VISIBLE_DEVICES."""
     unresolved = [flag for flag, value in (("--device", args.device), ("--dtype", args.dtype),
                                            ("--cuda-graphs", args.cuda_graphs),
@@ -257,6 +275,8 @@ def engine_commands(args, cfg, target: str, draft: str | None, verifier_port: in
         common += ["--cpu-kv-cache-gib", repr(args.cpu_kv_cache_gib)]
     if feature_channel:
         common += ["--feature-channel", feature_channel]
+    if tree_channel:
+        common += ["--tree-channel", tree_channel]
     # Both engines on one device: the drafter's share of its memory and the verifier's rest;
     # on devices of their own, each sizes its pool from its device alone.
     mem_v, mem_d = engine_memory_flags(EngineConfig.from_args(args, cfg, target, draft, args.max_running))
@@ -304,6 +324,7 @@ async def _build_links(args, cfg, target, draft, index: int = 0, supervisor=None
         raise ValueError(f"--feature-channel {channel_flag} is one pair's address; with "
                          f"{_num_replicas(args)} replicas give --feature-channel without a value")
     wanted_channel = feature_channel(args)
+    tree_channel(args)   # refused here before a model loads
     if args.backend == "local":
         from router.links_local import LocalDrafterLink, LocalVerifierLink
         from router.local import LocalSpeculator
@@ -337,6 +358,7 @@ async def _build_links(args, cfg, target, draft, index: int = 0, supervisor=None
                                    device=args.engine_devices[0], dtype=model_dtype(args), kv_blocks=args.kv_blocks,
                                    draft_kv_blocks=args.draft_kv_blocks, block_size=args.block_size,
                                    gpu=GpuPaths.from_args(args), feature_channel=wanted_channel,
+                                   tree_channel=tree_channel(args),
                                    gpu_memory_utilization=args.gpu_memory_utilization,
                                    cpu_kv_cache_gib=args.cpu_kv_cache_gib,
                                    num_threads=args.engine_threads or 1)   # (None: serve_async without _serve)
@@ -357,11 +379,13 @@ async def _build_links(args, cfg, target, draft, index: int = 0, supervisor=None
     ops = OpsConfig.from_args(args)
     verifier_address = args.verifier_address[index] if args.verifier_address else None
     drafter_address = args.drafter_address[index] if args.drafter_address else None
-    channel = None
+    channel = trees = None
     if wanted_channel and cfg.method != "none":
         channel = f"tcp://127.0.0.1:{free_port()}" if wanted_channel == "auto" else wanted_channel
+    if tree_channel(args) and cfg.method != "none":
+        trees = f"tcp://127.0.0.1:{free_port()}"
     commands = engine_commands(args, cfg, target, draft, None if verifier_address else free_port(),
-                               None if drafter_address else free_port(), channel, args.engine_devices)
+                               None if drafter_address else free_port(), channel, args.engine_devices, trees)
     if commands and supervisor is None:
         raise ValueError("engine processes need a supervisor")
     procs = {}
@@ -476,6 +500,17 @@ async def _wait_channel(link, timeout: float = 120.0) -> None:
         log.warning("the feature channel is %r: target features go through the router", state or "absent")
 
 
+async def _trees_up(verifier, timeout: float = 30.0) -> bool:
+    """Waits until the verifier's end of the tree channel has its drafter connected; False (with a
+    warning: trees then go through the router) if that does not happen within `timeout`."""
+    deadline = time.monotonic() + timeout
+    while (state := (await verifier.info()).extra.get("tree_channel", "")) != "up" and time.monotonic() < deadline:
+        await asyncio.sleep(0.1)
+    if state != "up":
+        log.warning("the tree channel is %r: draft trees go through the router", state or "absent")
+    return state == "up"
+
+
 async def serve_async(args, ready_message=True, stop_event: asyncio.Event | None = None,
                       state: dict | None = None) -> None:
     """Runs until SIGINT/SIGTERM (or `stop_event`). `state`, when given, receives the router,
@@ -532,6 +567,7 @@ async def serve_async(args, ready_message=True, stop_event: asyncio.Event | None
             dinfo = await _wait_ready(d, "drafter", process=procs.get(f"drafter{suffix}")) if d else None
             if feature_channel(args) and d is not None:
                 await _wait_channel(v)
+            trees = tree_channel(args) and d is not None and await _trees_up(v)
             want = dinfo is not None and dinfo.feature_layers not in (None, "none")
             lookahead = 1 if d is None else max(cfg.max_draft_nodes + 1, (cfg.num_steps - 1) * cfg.topk + 1)
             routers.append(Router(v, d, tokenizer, RouterConfig(max_len=vinfo.max_len, eos_token_ids=eos_ids,
@@ -541,7 +577,7 @@ async def serve_async(args, ready_message=True, stop_event: asyncio.Event | None
                                                       pipeline=args.pipeline, plain_steps=args.plain_steps,
                                                       drafter_learns_outputs=cfg.benchmark_acceptance_rate is not None,
                                                       admit_beside_draft=args.overlap_admission,
-                                                      mixed_prefill=args.mixed_prefill,
+                                                      mixed_prefill=args.mixed_prefill, tree_channel=trees,
                                                       draft_sampling_min_temperature=cfg.draft_sampling_min_temperature,
                                                       kv_blocks=vinfo.kv.get("num_blocks", 0),
                                                       kv_block_size=vinfo.kv.get("block_size", 16) or 16,

@@ -194,6 +194,15 @@ def draft_tree_from_msg(msg: engines_pb2.DraftTreeMsg) -> tuple[DraftTree, list[
     return tree, tags
 
 
+def draft_tree_to_bytes(tree: DraftTree, tags) -> bytes:
+    """A round's trees as the tree channel carries them (a serialized DraftTreeMsg)."""
+    return draft_tree_to_msg(tree, [t.epoch for t in tags]).SerializeToString()
+
+
+def draft_tree_from_bytes(data: bytes) -> tuple[DraftTree, list[Tag]]:
+    return draft_tree_from_msg(engines_pb2.DraftTreeMsg.FromString(data))
+
+
 def ahead_reply_to_msg(reply: AheadReply) -> engines_pb2.DraftAheadReply:
     return engines_pb2.DraftAheadReply(
         cache_hits=[-1 if h is None else int(h) for h in reply.hits],
@@ -318,6 +327,7 @@ def engine_info_to_msg(info: EngineInfo) -> engines_pb2.EngineInfo:
                                   kv_blocks=info.kv.get("num_blocks", 0), kv_block_size=info.kv.get("block_size", 0),
                                   kv_used_blocks=info.kv.get("used_blocks", 0),
                                   feature_channel=str(info.extra.get("feature_channel", "")),
+                                  tree_channel=str(info.extra.get("tree_channel", "")),
                                   decode_ahead=bool(info.decode_ahead),
                                   decode_ahead_taken=info.decode_ahead.get("taken", 0),
                                   decode_ahead_forgotten=info.decode_ahead.get("forgotten", 0),
@@ -328,7 +338,8 @@ def engine_info_from_msg(msg: engines_pb2.EngineInfo) -> EngineInfo:
     return EngineInfo(role=msg.role, model=msg.model, kind=msg.kind, vocab_size=msg.vocab_size, max_len=msg.max_len,
                       max_slots=msg.max_slots, used_slots=msg.used_slots,
                       feature_layers=feature_layers_from_str(msg.feature_layers),
-                      extra={k: v for k, v in (("device", msg.device), ("feature_channel", msg.feature_channel)) if v},
+                      extra={k: v for k, v in (("device", msg.device), ("feature_channel", msg.feature_channel),
+                                               ("tree_channel", msg.tree_channel)) if v},
                       kv={"num_blocks": msg.kv_blocks, "block_size": msg.kv_block_size,
                           "used_blocks": msg.kv_used_blocks} if msg.kv_blocks else {},
                       decode_ahead={"taken": msg.decode_ahead_taken,

@@ -101,11 +101,24 @@ class ExtendItem:
 @dataclass
 class DraftHandle:
     """A round's trees for `tags` (opaque `payload`; None with no tags). `unknown`: ids of the
-    draft call's catch-up the drafter does not hold (no tree for them: re-prefill them)."""
+    draft call's catch-up the drafter does not hold (no tree for them: re-prefill them).
+    `posted`: the drafter sent the trees to the verifier over the tree channel (the draft call's
+    `post_round`), and `payload` is None."""
 
     tags: list[Tag]
     payload: Any
     unknown: list[str] = field(default_factory=list)
+    posted: bool = False
+
+
+@dataclass(frozen=True)
+class TreeRoute:
+    """A verify's `DraftHandle.payload` when the round's trees come over the tree channel
+    (spectandem/channel/trees.py): those the drafter posts as round `round_id`, waited for at
+    most `wait_s` seconds."""
+
+    round_id: int
+    wait_s: float
 
 
 @dataclass

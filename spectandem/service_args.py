@@ -148,6 +148,9 @@ def add_verifier_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--feature-channel", default=None, metavar="tcp://HOST:PORT",
                    help="send target features to the drafter over a direct NCCL (CUDA) or gloo (CPU) channel; this "
                         "verifier listens at HOST:PORT for it (the drafter gets the same address)")
+    p.add_argument("--tree-channel", default=None, metavar="tcp://HOST:PORT",
+                   help="take a round's draft trees from the drafter over a direct socket, where the router's "
+                        "verify asks for them (this verifier listens at HOST:PORT; the drafter gets the same address)")
     add_server_tls_flags(p, "the Verifier service")
 
 
@@ -162,6 +165,9 @@ def add_drafter_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--feature-channel", default=None, metavar="tcp://HOST:PORT",
                    help="take target features from the verifier's direct channel at this address (its "
                         "--feature-channel)")
+    p.add_argument("--tree-channel", default=None, metavar="tcp://HOST:PORT",
+                   help="send a round's draft trees to the verifier's socket at this address (its --tree-channel) "
+                        "where the router's draft call asks for it")
     add_server_tls_flags(p, "the Drafter service")
 
 

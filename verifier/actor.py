@@ -5,7 +5,9 @@ Features leave this actor only as object refs: each request's feature tensor is 
 in the verifier's object store, and the results carry the refs. The router holds and forwards
 the refs; the drafter actor fetches the tensors (directly from the object store, never through
 the router). With a direct feature channel open (`open_feature_channel`, spectandem/channel.py)
-they go over it instead and the results carry ChannelRefs.
+they go over it instead and the results carry ChannelRefs. With a tree channel open
+(`open_tree_channel`, spectandem/channel/trees.py) a verify whose draft payload is a TreeRoute
+takes the round's trees from the drafter actor there.
 """
 
 from __future__ import annotations
@@ -17,13 +19,15 @@ from dataclasses import replace
 import ray
 import torch
 
-from spectandem.protocol import EngineInfo, PlainItem, Tag, Verdict, VerifierPrefillItem, VerifierPrefillResult
+from spectandem.protocol import (EngineInfo, PlainItem, Tag, TreeRoute, Verdict, VerifierPrefillItem,
+                                 VerifierPrefillResult)
 from spectandem.call_clock import CallClock
-from spectandem.channel import FeatureSender
+from spectandem.channel import FeatureSender, TreeMailbox
 from spectandem.config import EngineConfig
 from verifier.factory import build_engine
 from verifier.runner import FeatureSpec
-from verifier.service_core import verifier_features, verifier_info, verifier_prefill, verifier_verify_prefill
+from verifier.service_core import (tree_from_channel, verifier_features, verifier_info, verifier_prefill,
+                                   verifier_verify_prefill)
 
 
 def _put(features):
@@ -45,6 +49,7 @@ class VerifierActor:
         self.engine = build_engine(config, feature_layers)
         self.model_name, self.device = model_name, config.device
         self.sender: FeatureSender | None = None
+        self.trees: TreeMailbox | None = None
         # Ray restarted this actor (max_restarts): the KV of every request the router had here is
         # gone, so a call about a request this instance never prefilled is an outage, not a stale reply.
         self.restarted = ray.get_runtime_context().was_current_actor_reconstructed
@@ -67,6 +72,14 @@ class VerifierActor:
         self.sender = FeatureSender(address, self.device)
         return address
 
+    def open_tree_channel(self) -> str:
+        """Starts the verifier's end of the tree channel on a free port of this node; returns its
+        address (the drafter actor's `open_tree_channel` connects there)."""
+        if self.trees is not None:
+            self.trees.close()
+        self.trees = TreeMailbox(f"tcp://{ray.util.get_node_ip_address()}:0")
+        return self.trees.address
+
     def set_feature_layers(self, feature_layers: FeatureSpec) -> None:
         """Which target features to return: the drafter's head decides (its info says), so a
         verifier built alongside its drafter learns them after both have loaded."""
@@ -81,8 +94,9 @@ class VerifierActor:
                     for r in verifier_prefill(self.engine, items, want_features, self.sender)]
 
     def verify(self, draft_payload, tags: list[Tag], plain: list[PlainItem], want_features: bool) -> list[Verdict]:
-        """`draft_payload`: the drafter's DraftTree (Ray resolves the ref passed at top level) or
-        None. Results in the order tags then plain; `features` an ObjectRef of
+        """`draft_payload`: the drafter's DraftTree (Ray resolves the ref passed at top level), a
+        TreeRoute (the trees come over the tree channel; the requests of trees that do not come
+        get no result) or None. Results in the order tags then plain; `features` an ObjectRef of
         [num_accepted + 1, F] (or None)."""
         return self.verify_prefill(draft_payload, tags, plain, want_features, [], False)[0]
 
@@ -91,8 +105,11 @@ class VerifierActor:
                        prefill_features: bool) -> tuple[list[Verdict], list[VerifierPrefillResult]]:
         """`verify` with `items` prefilled in the same step (VerifierEngine.verify_with_prefill):
         (its results, the prefill's, their features ObjectRefs as `prefill`'s)."""
-        self._check_held([t.request_id for t in tags] + [p.tag.request_id for p in plain])
         with self.clock.timing("verify"):
+            if isinstance(draft_payload, TreeRoute):
+                with self.clock.timing("tree_wait"):   # inside "verify"'s time, told apart
+                    draft_payload, tags = tree_from_channel(self.trees, draft_payload.round_id, draft_payload.wait_s)
+            self._check_held([t.request_id for t in tags] + [p.tag.request_id for p in plain])
             outs, prefilled = verifier_verify_prefill(self.engine, draft_payload, tags, plain, want_features, items,
                                                       prefill_features, self.sender)
             reply = ([replace(r, features=_put(r.features)) for r in outs],
@@ -115,6 +132,8 @@ class VerifierActor:
         info.extra.update(pid=os.getpid(), restarted=self.restarted, node_id=ctx.get_node_id(), placement_group_id=ctx.get_placement_group_id())
         if self.sender is not None:
             info.extra["feature_channel"] = self.sender.state
+        if self.trees is not None:
+            info.extra["tree_channel"] = self.trees.state
         info.calls = self.clock.stats()
         return info
 

@@ -8,6 +8,8 @@ The verifier returns the target features the drafter reads, so it must know whic
 derived from --method and the draft head's config.json. With --feature-channel tcp://HOST:PORT
 they go to the drafter over a direct channel (spectandem/channel.py; this process listens
 there) and the replies carry ChannelRefs; until it is up, or once it broke, they go inline.
+With --tree-channel tcp://HOST:PORT this process listens there for its drafter's trees
+(spectandem/channel/trees.py): a Verify whose `tree_round` is set takes that round's trees from it.
 """
 
 from __future__ import annotations
@@ -17,7 +19,7 @@ import logging
 from pathlib import Path
 
 from spectandem import codec
-from spectandem.channel import FeatureSender
+from spectandem.channel import FeatureSender, TreeMailbox
 from spectandem.config import EngineConfig, SpecConfig
 from spectandem.devices import engine_process_thread
 from spectandem.feature_layers import resolve_feature_layers
@@ -27,15 +29,17 @@ from spectandem.tls import ServerTls, server_tls_from_args
 from spectandem.v1 import engines_pb2, engines_pb2_grpc
 from verifier.engine import VerifierEngine
 from verifier.factory import build_engine
-from verifier.service_core import verifier_features, verifier_info, verifier_prefill, verifier_verify_prefill
+from verifier.service_core import (tree_from_channel, verifier_features, verifier_info, verifier_prefill,
+                                   verifier_verify_prefill)
 
 SERVICE_NAME = engines_pb2.DESCRIPTOR.services_by_name["Verifier"].full_name
 
 
 class VerifierServicer(engines_pb2_grpc.VerifierServicer):
     def __init__(self, engine: VerifierEngine, model_name: str = "target", device: str = "cpu",
-                 sender: FeatureSender | None = None, thread=None):
+                 sender: FeatureSender | None = None, thread=None, trees: TreeMailbox | None = None):
         self.engine, self.model_name, self.device, self.sender = engine, model_name, device, sender
+        self.trees = trees
         self.calls = EngineCalls("verifier", thread)
 
     def Prefill(self, request, context):
@@ -61,10 +65,16 @@ class VerifierServicer(engines_pb2_grpc.VerifierServicer):
         return engines_pb2.VerifierPrefillReply(results=[codec.verifier_prefill_result_to_msg(r) for r in results])
 
     def _verify(self, request: engines_pb2.VerifyRequest) -> engines_pb2.VerifyReply:
-        tree, tags = codec.draft_tree_from_msg(request.tree) if request.HasField("tree") else (None, [])
         plain = [codec.plain_item_from_msg(m) for m in request.plain]
-        if tree is None and not plain:
-            raise ValueError("verify request has neither a tree nor plain items")
+        if request.tree_round:
+            if request.HasField("tree"):
+                raise ValueError("verify request has both a tree and a tree_round")
+            with self.calls.clock.timing("tree_wait"):   # inside "verify"'s time, told apart
+                tree, tags = tree_from_channel(self.trees, request.tree_round, request.tree_wait_ms / 1000)
+        else:
+            tree, tags = codec.draft_tree_from_msg(request.tree) if request.HasField("tree") else (None, [])
+            if tree is None and not plain:
+                raise ValueError("verify request has neither a tree nor plain items")
         items = [codec.verifier_prefill_item_from_msg(m) for m in request.prefill]
         results, prefilled = verifier_verify_prefill(self.engine, tree, tags, plain, request.want_features, items,
                                                      request.prefill_features, self.sender)
@@ -88,6 +98,8 @@ class VerifierServicer(engines_pb2_grpc.VerifierServicer):
         info.extra["device"] = self.device
         if self.sender is not None:
             info.extra["feature_channel"] = self.sender.state
+        if self.trees is not None:
+            info.extra["tree_channel"] = self.trees.state
         info.calls = self.calls.clock.stats()
         return codec.engine_info_to_msg(info)
 
@@ -99,36 +111,42 @@ class VerifierServicer(engines_pb2_grpc.VerifierServicer):
 def start_verifier_server(engine: VerifierEngine, host: str = "127.0.0.1", port: int = 0,
                           model_name: str = "target", device: str = "cpu",
                           tls: ServerTls | None = None, sender: FeatureSender | None = None,
-                          thread=None) -> EngineServer:
+                          thread=None, trees: TreeMailbox | None = None) -> EngineServer:
     """Serves `engine` on the server's threads; returns the started server (port 0: a free one).
     `tls`: TLS or mTLS on the port (None: plaintext); `sender`: the feature channel's end;
-    `thread`: the one thread that runs its calls (EngineCalls)."""
-    servicer = VerifierServicer(engine, model_name, device, sender, thread)
+    `thread`: the one thread that runs its calls (EngineCalls); `trees`: the tree channel's end."""
+    servicer = VerifierServicer(engine, model_name, device, sender, thread, trees)
     return EngineServer.start(lambda s: engines_pb2_grpc.add_VerifierServicer_to_server(servicer, s),
                               SERVICE_NAME, host, port, tls.grpc_credentials() if tls else None)
 
 
 def serve_verifier(config: EngineConfig, feature_layers: str | None = None, host: str = "0.0.0.0", port: int = 50052,
-                   tls: ServerTls | None = None, feature_channel: str | None = None) -> None:
+                   tls: ServerTls | None = None, feature_channel: str | None = None,
+                   tree_channel: str | None = None) -> None:
     """Loads the target (verifier/factory.py), serves it until SIGTERM/SIGINT. `config.draft_dir`
     is read only for the feature layers (see resolve_feature_layers). `feature_channel`:
-    tcp://HOST:PORT of the direct channel to the drafter (None: features go inline)."""
+    tcp://HOST:PORT of the direct channel to the drafter (None: features go inline);
+    `tree_channel`: tcp://HOST:PORT where this process takes its drafter's trees (None: in the
+    Verify requests only)."""
     target_dir, device = config.target_dir, config.device
     layers = resolve_feature_layers(feature_layers, config.spec.method, config.draft_dir, target_dir)
     # Connecting runs in the background, while the model loads.
     sender = FeatureSender(feature_channel, device) if feature_channel else None
+    trees = TreeMailbox(tree_channel) if tree_channel else None
     thread = engine_process_thread(device)
     engine = build_engine(config, layers)
 
     try:
         server = start_verifier_server(engine, host, port, Path(target_dir).name, device, tls=tls, sender=sender,
-                                       thread=thread)
+                                       thread=thread, trees=trees)
         print(f"spectandem verifier: {Path(target_dir).name}, features {codec.feature_layers_to_str(layers)}, "
               f"listening on {host}:{server.port}", flush=True)
         server.serve_until_signal()
     finally:
         if sender is not None:
             sender.close()
+        if trees is not None:
+            trees.close()
 
 
 # ----------------------------------------------------------------------------------------------
@@ -149,5 +167,6 @@ def run_verifier(args: argparse.Namespace) -> int:
     config = EngineConfig.from_args(args, SpecConfig(method=args.method), target, draft, args.max_slots)
     tls = server_tls_from_args(args)  # flag and file errors before the model loads
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
-    serve_verifier(config, args.feature_layers, args.host, args.port, tls=tls, feature_channel=args.feature_channel)
+    serve_verifier(config, args.feature_layers, args.host, args.port, tls=tls, feature_channel=args.feature_channel,
+                   tree_channel=args.tree_channel)
     return 0

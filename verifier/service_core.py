@@ -2,14 +2,16 @@
 link messages of router/links.py into engine calls and back. No model logic here.
 
 `sender`: the verifier's end of the direct feature channel (spectandem/channel.py), or None.
-While it is up, the results carry ChannelRefs in place of feature tensors; otherwise tensors."""
+While it is up, the results carry ChannelRefs in place of feature tensors; otherwise tensors.
+A verify whose trees come over the tree channel takes them with `tree_from_channel`."""
 
 from __future__ import annotations
 
 from dataclasses import replace
 
+from spectandem import codec
 from spectandem.protocol import EngineInfo, PlainItem, Tag, Verdict, VerifierPrefillItem, VerifierPrefillResult
-from spectandem.channel import FeatureSender
+from spectandem.channel import FeatureSender, TreeMailbox
 from spectandem.messages import DraftTree, concat_trees, root_only_tree
 from verifier.engine import NewRequests
 
@@ -37,6 +39,13 @@ def _prefill_results(items: list[VerifierPrefillItem], outs, want_features: bool
     return [VerifierPrefillResult(Tag(i.tag.request_id, i.tag.epoch, len(i.prompt_ids) + (0 if i.resume else 1)),
                                   o.first_token_id, f)
             for i, o, f in zip(items, outs, features)]
+
+
+def tree_from_channel(trees: TreeMailbox | None, round_id: int, wait_s: float) -> tuple[DraftTree | None, list[Tag]]:
+    """The trees the drafter posted for `round_id` and their tags; (None, []) where none came
+    (TreeMailbox.take): the verify goes on with its other rows."""
+    data = trees.take(round_id, wait_s) if trees is not None else None
+    return codec.draft_tree_from_bytes(data) if data is not None else (None, [])
 
 
 def verifier_verify(engine, tree: DraftTree | None, tags: list[Tag], plain: list[PlainItem],

@@ -84,18 +84,22 @@ class PlainItem(_message.Message):
     def __init__(self, tag: _Optional[_Union[_common_pb2.RequestTag, _Mapping]] = ..., last_token_id: _Optional[int] = ..., steps: _Optional[int] = ..., again: _Optional[bool] = ...) -> None: ...
 
 class VerifyRequest(_message.Message):
-    __slots__ = ("tree", "want_features", "plain", "prefill", "prefill_features")
+    __slots__ = ("tree", "want_features", "plain", "prefill", "prefill_features", "tree_round", "tree_wait_ms")
     TREE_FIELD_NUMBER: _ClassVar[int]
     WANT_FEATURES_FIELD_NUMBER: _ClassVar[int]
     PLAIN_FIELD_NUMBER: _ClassVar[int]
     PREFILL_FIELD_NUMBER: _ClassVar[int]
     PREFILL_FEATURES_FIELD_NUMBER: _ClassVar[int]
+    TREE_ROUND_FIELD_NUMBER: _ClassVar[int]
+    TREE_WAIT_MS_FIELD_NUMBER: _ClassVar[int]
     tree: DraftTreeMsg
     want_features: bool
     plain: _containers.RepeatedCompositeFieldContainer[PlainItem]
     prefill: _containers.RepeatedCompositeFieldContainer[VerifierPrefillItem]
     prefill_features: bool
-    def __init__(self, tree: _Optional[_Union[DraftTreeMsg, _Mapping]] = ..., want_features: _Optional[bool] = ..., plain: _Optional[_Iterable[_Union[PlainItem, _Mapping]]] = ..., prefill: _Optional[_Iterable[_Union[VerifierPrefillItem, _Mapping]]] = ..., prefill_features: _Optional[bool] = ...) -> None: ...
+    tree_round: int
+    tree_wait_ms: int
+    def __init__(self, tree: _Optional[_Union[DraftTreeMsg, _Mapping]] = ..., want_features: _Optional[bool] = ..., plain: _Optional[_Iterable[_Union[PlainItem, _Mapping]]] = ..., prefill: _Optional[_Iterable[_Union[VerifierPrefillItem, _Mapping]]] = ..., prefill_features: _Optional[bool] = ..., tree_round: _Optional[int] = ..., tree_wait_ms: _Optional[int] = ...) -> None: ...
 
 class VerifyResultMsg(_message.Message):
     __slots__ = ("tag", "token_ids", "num_accepted", "num_draft_tokens", "features", "feature_ref")
@@ -180,14 +184,16 @@ class DrafterPrefillRequest(_message.Message):
     def __init__(self, items: _Optional[_Iterable[_Union[DrafterPrefillItem, _Mapping]]] = ...) -> None: ...
 
 class DraftRequest(_message.Message):
-    __slots__ = ("tags", "num_steps", "extend")
+    __slots__ = ("tags", "num_steps", "extend", "post_round")
     TAGS_FIELD_NUMBER: _ClassVar[int]
     NUM_STEPS_FIELD_NUMBER: _ClassVar[int]
     EXTEND_FIELD_NUMBER: _ClassVar[int]
+    POST_ROUND_FIELD_NUMBER: _ClassVar[int]
     tags: _containers.RepeatedCompositeFieldContainer[_common_pb2.RequestTag]
     num_steps: _containers.RepeatedScalarFieldContainer[int]
     extend: _containers.RepeatedCompositeFieldContainer[ExtendItem]
-    def __init__(self, tags: _Optional[_Iterable[_Union[_common_pb2.RequestTag, _Mapping]]] = ..., num_steps: _Optional[_Iterable[int]] = ..., extend: _Optional[_Iterable[_Union[ExtendItem, _Mapping]]] = ...) -> None: ...
+    post_round: int
+    def __init__(self, tags: _Optional[_Iterable[_Union[_common_pb2.RequestTag, _Mapping]]] = ..., num_steps: _Optional[_Iterable[int]] = ..., extend: _Optional[_Iterable[_Union[ExtendItem, _Mapping]]] = ..., post_round: _Optional[int] = ...) -> None: ...
 
 class DraftAheadRequest(_message.Message):
     __slots__ = ("tags", "extend")
@@ -226,12 +232,16 @@ class OutcomeTree(_message.Message):
     def __init__(self, outcome: _Optional[_Iterable[int]] = ..., token_ids: _Optional[_Iterable[int]] = ..., parents: _Optional[_Iterable[int]] = ..., scores: _Optional[_Iterable[float]] = ...) -> None: ...
 
 class DraftReply(_message.Message):
-    __slots__ = ("tree", "unknown_request_ids")
+    __slots__ = ("tree", "unknown_request_ids", "posted", "posted_tags")
     TREE_FIELD_NUMBER: _ClassVar[int]
     UNKNOWN_REQUEST_IDS_FIELD_NUMBER: _ClassVar[int]
+    POSTED_FIELD_NUMBER: _ClassVar[int]
+    POSTED_TAGS_FIELD_NUMBER: _ClassVar[int]
     tree: DraftTreeMsg
     unknown_request_ids: _containers.RepeatedScalarFieldContainer[str]
-    def __init__(self, tree: _Optional[_Union[DraftTreeMsg, _Mapping]] = ..., unknown_request_ids: _Optional[_Iterable[str]] = ...) -> None: ...
+    posted: bool
+    posted_tags: _containers.RepeatedCompositeFieldContainer[_common_pb2.RequestTag]
+    def __init__(self, tree: _Optional[_Union[DraftTreeMsg, _Mapping]] = ..., unknown_request_ids: _Optional[_Iterable[str]] = ..., posted: _Optional[bool] = ..., posted_tags: _Optional[_Iterable[_Union[_common_pb2.RequestTag, _Mapping]]] = ...) -> None: ...
 
 class ExtendItem(_message.Message):
     __slots__ = ("tag", "token_ids", "features", "feature_ref")
@@ -262,7 +272,7 @@ class EngineInfoRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class EngineInfo(_message.Message):
-    __slots__ = ("role", "model", "kind", "vocab_size", "max_len", "max_slots", "used_slots", "feature_layers", "device", "kv_blocks", "kv_block_size", "kv_used_blocks", "feature_channel", "decode_ahead", "decode_ahead_taken", "decode_ahead_forgotten", "busy_s", "calls")
+    __slots__ = ("role", "model", "kind", "vocab_size", "max_len", "max_slots", "used_slots", "feature_layers", "device", "kv_blocks", "kv_block_size", "kv_used_blocks", "feature_channel", "decode_ahead", "decode_ahead_taken", "decode_ahead_forgotten", "busy_s", "calls", "tree_channel")
     class BusySEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
@@ -295,6 +305,7 @@ class EngineInfo(_message.Message):
     DECODE_AHEAD_FORGOTTEN_FIELD_NUMBER: _ClassVar[int]
     BUSY_S_FIELD_NUMBER: _ClassVar[int]
     CALLS_FIELD_NUMBER: _ClassVar[int]
+    TREE_CHANNEL_FIELD_NUMBER: _ClassVar[int]
     role: str
     model: str
     kind: str
@@ -313,4 +324,5 @@ class EngineInfo(_message.Message):
     decode_ahead_forgotten: int
     busy_s: _containers.ScalarMap[str, float]
     calls: _containers.ScalarMap[str, int]
-    def __init__(self, role: _Optional[str] = ..., model: _Optional[str] = ..., kind: _Optional[str] = ..., vocab_size: _Optional[int] = ..., max_len: _Optional[int] = ..., max_slots: _Optional[int] = ..., used_slots: _Optional[int] = ..., feature_layers: _Optional[str] = ..., device: _Optional[str] = ..., kv_blocks: _Optional[int] = ..., kv_block_size: _Optional[int] = ..., kv_used_blocks: _Optional[int] = ..., feature_channel: _Optional[str] = ..., decode_ahead: _Optional[bool] = ..., decode_ahead_taken: _Optional[int] = ..., decode_ahead_forgotten: _Optional[int] = ..., busy_s: _Optional[_Mapping[str, float]] = ..., calls: _Optional[_Mapping[str, int]] = ...) -> None: ...
+    tree_channel: str
+    def __init__(self, role: _Optional[str] = ..., model: _Optional[str] = ..., kind: _Optional[str] = ..., vocab_size: _Optional[int] = ..., max_len: _Optional[int] = ..., max_slots: _Optional[int] = ..., used_slots: _Optional[int] = ..., feature_layers: _Optional[str] = ..., device: _Optional[str] = ..., kv_blocks: _Optional[int] = ..., kv_block_size: _Optional[int] = ..., kv_used_blocks: _Optional[int] = ..., feature_channel: _Optional[str] = ..., decode_ahead: _Optional[bool] = ..., decode_ahead_taken: _Optional[int] = ..., decode_ahead_forgotten: _Optional[int] = ..., busy_s: _Optional[_Mapping[str, float]] = ..., calls: _Optional[_Mapping[str, int]] = ..., tree_channel: _Optional[str] = ...) -> None: ...

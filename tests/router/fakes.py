@@ -12,6 +12,11 @@ what `propose(context, depth)` says; `mode` makes every call answer ("ok"), rais
 EngineUnavailable ("fail") or never return ("hang"). Both fakes record what went out of step
 (`errors`): a draft or catch-up for a context the router has not committed, a verify of a tag
 that is not the request's.
+
+`TreeBox` stands for the tree channel between them (spectandem/channel/trees.py): a drafter
+given one posts the trees of a draft call with a `post_round` there (None on failure, as the
+real drafter's NONE frame), and the verifier takes them for a verify whose payload is a
+TreeRoute, waiting at most its `wait_s` (not at all when the box is `down`: no drafter connected).
 """
 
 from __future__ import annotations
@@ -19,7 +24,7 @@ from __future__ import annotations
 import asyncio
 
 from router.links import EngineUnavailable
-from spectandem.protocol import AheadReply, DraftHandle, EngineInfo, Tag, Verdict, VerifierPrefillResult
+from spectandem.protocol import AheadReply, DraftHandle, EngineInfo, Tag, TreeRoute, Verdict, VerifierPrefillResult
 
 VOCAB = 64
 
@@ -60,8 +65,39 @@ class Tokenizer:
         return "".join(chr(ord("a") + i % 26) for i in ids)
 
 
-class OracleVerifier:
+class TreeBox:
     def __init__(self):
+        self.trees: dict[int, object] = {}   # round -> (tags, chains), or None: no tree
+        self.down = False                    # no drafter connected: takes do not wait, posts fail
+        self.taken: list[int] = []           # rounds whose trees a verify took
+        self._posted = asyncio.Event()
+
+    def post(self, round_id: int, tree) -> bool:
+        if self.down:
+            return False
+        self.trees[round_id] = tree
+        self._posted.set()
+        return True
+
+    async def take(self, route: TreeRoute):
+        """-> (tags, chains) or None."""
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + route.wait_s
+        while route.round_id not in self.trees and not self.down and loop.time() < deadline:
+            self._posted.clear()
+            try:
+                await asyncio.wait_for(self._posted.wait(), max(0.0, deadline - loop.time()))
+            except asyncio.TimeoutError:
+                break
+        tree = self.trees.get(route.round_id)
+        if tree is not None:
+            self.taken.append(route.round_id)
+        return tree
+
+
+class OracleVerifier:
+    def __init__(self, trees: TreeBox | None = None):
+        self.trees = trees
         self.ctx: dict[str, list[int]] = {}      # request id -> its committed tokens (KV) here
         self.epoch: dict[str, int] = {}
         self.down = False                        # every call raises EngineUnavailable
@@ -121,6 +157,9 @@ class OracleVerifier:
         if on_launch is not None:
             on_launch()
         out = []
+        if draft is not None and isinstance(draft.payload, TreeRoute):
+            tree = await self.trees.take(draft.payload) if self.trees is not None else None
+            draft = None if tree is None else DraftHandle(*tree)
         if draft is not None:
             out += [self._round(tag, draft.payload[tag.request_id], 1, want_features) for tag in draft.tags]
         out += [self._round(item.tag, [], item.steps, want_features) for item in plain]
@@ -151,7 +190,8 @@ class OracleVerifier:
 
 
 class ScriptedDrafter:
-    def __init__(self, propose=None, depth: int = 4):
+    def __init__(self, propose=None, depth: int = 4, trees: TreeBox | None = None):
+        self.trees = trees
         # propose(context, depth) -> the draft chain; by default the oracle's own tokens (all accepted)
         self.propose = propose or continuation
         self.depth = depth
@@ -181,8 +221,21 @@ class ScriptedDrafter:
             self._in_step(it.tag, "prefill")
         return []
 
-    async def draft(self, tags, num_steps=None, extend=()):
-        await self._gate("draft")
+    async def draft(self, tags, num_steps=None, extend=(), post_round=0):
+        try:
+            await self._gate("draft")
+        except EngineUnavailable:
+            if post_round and self.trees is not None:
+                self.trees.post(post_round, None)   # the draft failed: no tree for that round
+            raise
+        handle = await self._draft(tags, num_steps, extend)
+        if not post_round:
+            return handle
+        if self.trees is None or not self.trees.post(post_round, (handle.tags, handle.payload) if handle.tags else None):
+            return handle
+        return DraftHandle(handle.tags, None, handle.unknown, posted=True)
+
+    async def _draft(self, tags, num_steps, extend):
         unknown = await self._absorb(extend)
         keep = [i for i, t in enumerate(tags) if t.request_id not in unknown]
         tags, num_steps = [tags[i] for i in keep], [num_steps[i] for i in keep] if num_steps else None
@@ -228,7 +281,8 @@ class ScriptedDrafter:
 
     async def info(self):
         await self._gate("info")
-        return EngineInfo("drafter", "scripted", "fake", VOCAB, 4096, 64, len(self.ctx))
+        extra = {"tree_channel": "connecting" if self.trees.down else "up"} if self.trees is not None else {}
+        return EngineInfo("drafter", "scripted", "fake", VOCAB, 4096, 64, len(self.ctx), extra=extra)
 
     async def close(self):
         pass

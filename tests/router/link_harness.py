@@ -16,7 +16,8 @@ import time
 from collections.abc import Iterator, Sequence
 from pathlib import Path
 
-from spectandem.protocol import DrafterPrefillItem, ExtendItem, PlainItem, Tag, VerifierPrefillItem
+from spectandem.protocol import (DraftHandle, DrafterPrefillItem, ExtendItem, PlainItem, Tag, TreeRoute,
+                                 VerifierPrefillItem)
 from spectandem.config import SamplingParams, SpecConfig
 from spectandem.demo import demo_paths
 from spectandem.messages import trees_from_ready
@@ -77,7 +78,8 @@ async def drained(spec, tries: int = 50) -> None:
 
 async def speculate(vlink, dlink, prompts, params, eos: tuple[int, ...], lookahead: int,
                     plain_rounds=lambda rid, n: False, ahead: list | None = None,
-                    ready: list | None = None, with_draft: bool = False) -> list[LocalCompletion]:
+                    ready: list | None = None, with_draft: bool = False,
+                    posted: list | None = None) -> list[LocalCompletion]:
     """prefill -> (draft -> verify -> extend)* for a batch, as spectandem.reference.generate does.
     `plain_rounds(request_id, round)` True sends that request as a plain row (no draft).
     `ahead` (a list): DraftAhead on each round's trees, overlapped with their verify; the hit
@@ -85,7 +87,10 @@ async def speculate(vlink, dlink, prompts, params, eos: tuple[int, ...], lookahe
     outcome trees DraftAhead returned (`ready_handle`, no Draft call), as the router does; the
     number of such rounds is appended to `ready` (a list) if given. `with_draft`: a round's
     catch-up is held back and goes with the next Draft call (as the router's sequential rounds
-    send it) instead of its own Extend call."""
+    send it) instead of its own Extend call. `posted` (a list; not with `ahead`): each round's
+    Draft and Verify go out together, the trees over the tree channel (the Draft's `post_round`,
+    the verify's TreeRoute), as the router's rounds send them with one; the tags of each
+    round's posted trees are appended to it."""
     max_len = (await vlink.info()).max_len
     ids = [f"req-{i}" for i in range(len(prompts))]
     seeds = [p.resolved_seed() for p in params]
@@ -101,6 +106,7 @@ async def speculate(vlink, dlink, prompts, params, eos: tuple[int, ...], lookahe
             absorb.append(DrafterPrefillItem(r.tag, p, r.first_token_id, sp[rid], seed, r.features))
     assert await dlink.prefill(absorb) == []
     active = [i.tag for i in absorb]
+    pending = None            # a posting round's Draft call, sent with its Verify
     next_trees: dict = {}     # request -> (committed_len, ReadyTree) from the last DraftAhead
     catch_up: list = []       # an all-hit verdict's catch-up, held back for the next DraftAhead
     n = 0
@@ -119,9 +125,13 @@ async def speculate(vlink, dlink, prompts, params, eos: tuple[int, ...], lookahe
             if catch_up and not (with_draft and drafted):   # the drafter must be in step before it drafts
                 assert await dlink.extend(catch_up) == []
                 catch_up = []
-            draft = await dlink.draft(drafted, None, catch_up) if drafted else None
-            if draft is not None:
-                assert draft.unknown == [] and draft.tags == drafted
+            if posted is not None and drafted:
+                pending = dlink.draft(drafted, None, catch_up, post_round=1000 + n)
+                draft = DraftHandle(list(drafted), TreeRoute(1000 + n, 60.0))
+            else:
+                draft = await dlink.draft(drafted, None, catch_up) if drafted else None
+                if draft is not None:
+                    assert draft.unknown == [] and draft.tags == drafted
             catch_up = []
         next_trees = {}
         tables = {}
@@ -133,8 +143,13 @@ async def speculate(vlink, dlink, prompts, params, eos: tuple[int, ...], lookahe
             catch_up = []
             ahead += reply.hits
             tables = {t.request_id: trees for t, trees in zip(drafted, reply.trees) if trees}
+        elif pending is not None:
+            reply, outs = await asyncio.gather(pending, vlink.verify(draft, plain, want_features=True))
+            assert reply.posted and reply.payload is None and reply.unknown == [] and reply.tags == drafted
+            posted.append(reply.tags)
         else:
             outs = await vlink.verify(draft, plain, want_features=True)
+        pending = None
         for o in outs:
             hit = tables.get(o.tag.request_id, {}).get(tuple(o.token_ids))
             if hit is not None:

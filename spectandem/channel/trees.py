@@ -1,0 +1,276 @@
+"""The drafter -> verifier tree channel: a round's draft trees go straight to the verifier, so the
+router sends a round's draft call and its verify call together and the trees never cross it
+(router/loop.py `_sequential_round`). Each round then waits on one call to an engine process
+where it waited on two, one after the other.
+
+    router:  Draft(tags, post_round=R) ----> drafter: drafts, post(R, tree) --.
+             Verify(tree_round=R) ---------> verifier: take(R) waits  <-------'  (one TCP connection)
+                                                       verifies, replies
+
+Wire: frames of a header <QBI (round, kind, length) and `length` bytes. kind TREE: a serialized
+DraftTreeMsg (proto/spectandem/v1/engines.proto, spectandem/codec.py); kind NONE: no tree for
+this round (the draft failed or drafted nothing), the bytes the reason in UTF-8. The verifier
+listens (TreeMailbox) and the drafter connects (TreePoster), again whenever the connection
+breaks: a restarted verifier, listening at the same address, gets its drafter back. The mailbox
+takes one drafter at a time (it greets the connection it takes with one byte and closes any
+other), so a restarted drafter connects once the old one's connection has ended, which its
+process's exit does.
+
+Failure model: `take` never waits for a tree that cannot come. It returns None (no tree: the
+verify goes on with its other rows, and the requests of the missing trees get no verdict this
+round) when no drafter is connected as it starts, when the connection breaks while it waits,
+when the drafter posts NONE, or after its timeout (a hung drafter). A tree stays in the mailbox
+until a later round is taken, so a verify the router sends again for the same round finds it.
+"""
+
+from __future__ import annotations
+
+import errno
+import logging
+import socket
+import struct
+import threading
+import time
+
+from spectandem.channel.wire import parse_address
+
+log = logging.getLogger("spectandem.channel")
+
+_HEADER = struct.Struct("<QBI")
+TREE, NONE = 1, 0
+_WELCOME = b"\x01"         # the mailbox's one byte to a connection it takes (it closes the others)
+_KEEP = 16                 # rounds the mailbox holds at most (the latest)
+MAX_FRAME_BYTES = 1 << 30  # a frame claiming more is a broken peer
+
+
+def _read_exact(sock: socket.socket, n: int) -> bytes | None:
+    """`n` bytes, or None at the end of the stream."""
+    buf = bytearray(n)
+    view, got = memoryview(buf), 0
+    while got < n:
+        k = sock.recv_into(view[got:])
+        if k == 0:
+            return None
+        got += k
+    return bytes(buf)
+
+
+def _tune(sock: socket.socket) -> None:
+    sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+
+
+class TreeMailbox:
+    """The verifier's end: listens at `address` (tcp://HOST:PORT; port 0: a free one, see
+    `address`) and keeps the trees its drafter posts, by round."""
+
+    def __init__(self, address: str):
+        host, port = parse_address(address)
+        self._listener = _listen(host, port)
+        self.address = f"tcp://{host}:{self._listener.getsockname()[1]}"
+        self._cond = threading.Condition()
+        self._box: dict[int, tuple[int, bytes]] = {}
+        self._conn: socket.socket | None = None
+        self._closed = False
+        self.trees_taken = self.trees_missed = 0
+        threading.Thread(target=self._accept, name="tree-mailbox", daemon=True).start()
+
+    @property
+    def state(self) -> str:
+        """"up" (a drafter is connected), "waiting" (none is) or "closed"."""
+        with self._cond:
+            return "closed" if self._closed else ("up" if self._conn is not None else "waiting")
+
+    def _accept(self) -> None:
+        while True:
+            try:
+                conn, _ = self._listener.accept()
+            except OSError:
+                return   # closed
+            _tune(conn)
+            with self._cond:
+                if self._closed:
+                    conn.close()
+                    return
+                busy = self._conn is not None
+                if not busy:
+                    self._conn = conn
+                    self._cond.notify_all()
+            if busy:   # one drafter at a time: another may connect once this one's connection ends
+                _shut(conn)
+                continue
+            try:
+                conn.sendall(_WELCOME)
+            except OSError:
+                pass   # the reader finds the connection broken
+            log.info("tree channel: a drafter connected at %s", self.address)
+            threading.Thread(target=self._read, args=(conn,), name="tree-reader", daemon=True).start()
+
+    def _read(self, conn: socket.socket) -> None:
+        why = "the drafter closed the connection"
+        try:
+            while True:
+                head = _read_exact(conn, _HEADER.size)
+                if head is None:
+                    break
+                round_id, kind, length = _HEADER.unpack(head)
+                if length > MAX_FRAME_BYTES or kind not in (TREE, NONE):
+                    why = f"a malformed frame (kind {kind}, {length} bytes)"
+                    break
+                body = _read_exact(conn, length) if length else b""
+                if body is None:
+                    break
+                with self._cond:
+                    self._box[round_id] = (kind, body)
+                    while len(self._box) > _KEEP:
+                        del self._box[min(self._box)]
+                    self._cond.notify_all()
+        except OSError as exc:
+            why = f"{type(exc).__name__}: {exc}"
+        with self._cond:
+            if self._conn is conn:
+                self._conn = None
+                log.warning("tree channel: lost its drafter (%s)", why)
+            self._cond.notify_all()
+        _shut(conn)
+
+    def take(self, round_id: int, timeout_s: float) -> bytes | None:
+        """The tree posted for `round_id` (a serialized DraftTreeMsg), or None: no drafter is
+        connected, it went away or posted none for this round, or nothing came within `timeout_s`."""
+        deadline = time.monotonic() + timeout_s
+        with self._cond:
+            conn = self._conn
+            while round_id not in self._box:
+                left = deadline - time.monotonic()
+                if self._conn is None or self._conn is not conn or self._closed or left <= 0:
+                    self.trees_missed += 1
+                    why = ("no drafter is connected" if conn is None else
+                           "its drafter went away" if self._conn is not conn or self._closed else
+                           f"nothing came within {timeout_s:.1f} s")
+                    log.warning("tree channel: no tree for round %d (%s)", round_id, why)
+                    return None
+                self._cond.wait(left)
+            kind, body = self._box[round_id]
+            for r in [r for r in self._box if r < round_id]:   # earlier rounds are done with
+                del self._box[r]
+        if kind == NONE:
+            self.trees_missed += 1
+            log.info("tree channel: the drafter has no tree for round %d (%s)", round_id,
+                     body.decode("utf-8", "replace"))
+            return None
+        self.trees_taken += 1
+        return body
+
+    def close(self) -> None:
+        with self._cond:
+            self._closed = True
+            conn, self._conn = self._conn, None
+            self._cond.notify_all()
+        try:
+            self._listener.close()
+        except OSError:
+            pass
+        if conn is not None:
+            _shut(conn)
+
+
+class TreePoster:
+    """The drafter's end: connects to the verifier's mailbox at `address` in the background (its
+    model may still be loading there), and again after the connection breaks."""
+
+    def __init__(self, address: str, retry_s: float = 0.2):
+        self.host, self.port = parse_address(address)
+        self.address, self.retry_s = address, retry_s
+        self._lock = threading.Lock()
+        self._sock: socket.socket | None = None
+        self._closed = False
+        self.trees_posted = 0
+        threading.Thread(target=self._connect, name="tree-poster", daemon=True).start()
+
+    @property
+    def state(self) -> str:
+        """"up", "connecting" or "closed"."""
+        with self._lock:
+            return "closed" if self._closed else ("up" if self._sock is not None else "connecting")
+
+    def _connect(self) -> None:
+        while True:
+            with self._lock:
+                if self._closed:
+                    return
+            try:
+                sock = socket.create_connection((self.host, self.port), timeout=5.0)
+                _tune(sock)
+                # A connection to itself (the port free, and picked as this end's own) is none.
+                taken = sock.getsockname() != sock.getpeername() and sock.recv(1) == _WELCOME
+                sock.settimeout(None)
+            except OSError:
+                taken, sock = False, None
+            if not taken:
+                if sock is not None:
+                    sock.close()
+                time.sleep(self.retry_s)
+                continue
+            with self._lock:
+                if self._closed:
+                    sock.close()
+                    return
+                self._sock = sock
+            log.info("tree channel: connected to the verifier at %s", self.address)
+            try:   # the verifier sends nothing: this returns when it goes (or `post` or `close` shut the socket)
+                sock.recv(1)
+            except OSError:
+                pass
+            with self._lock:
+                if self._sock is sock:
+                    self._sock = None
+                    log.warning("tree channel: the verifier at %s went away; connecting again", self.address)
+            _shut(sock)
+
+    def post(self, round_id: int, tree: bytes | None, reason: str = "") -> bool:
+        """Sends round `round_id`'s tree (None: a NONE frame carrying `reason`); False when the
+        channel is not up (the caller returns the tree inline) or the send failed."""
+        kind, body = (TREE, tree) if tree is not None else (NONE, reason.encode("utf-8"))
+        with self._lock:
+            sock = self._sock
+            if sock is None:
+                return False
+            try:
+                sock.sendall(_HEADER.pack(round_id, kind, len(body)) + body)
+            except OSError as exc:
+                log.warning("tree channel: sending to the verifier failed (%s: %s); connecting again",
+                            type(exc).__name__, exc)
+                self._sock = None
+                _shut(sock)   # the connecting thread connects again
+                return False
+            if kind == TREE:
+                self.trees_posted += 1
+            return True
+
+    def close(self) -> None:
+        with self._lock:
+            self._closed = True
+            sock, self._sock = self._sock, None
+        if sock is not None:
+            _shut(sock)
+
+
+def _listen(host: str, port: int, wait_s: float = 10.0) -> socket.socket:
+    """A listening socket at (host, port). A verifier started again binds its old port, which its
+    drafter's attempts to connect may hold for an instant (a connection to itself, which it then
+    drops): that is waited out, up to `wait_s`."""
+    deadline = time.monotonic() + wait_s
+    while True:
+        try:
+            return socket.create_server((host, port))
+        except OSError as exc:
+            if exc.errno != errno.EADDRINUSE or port == 0 or time.monotonic() > deadline:
+                raise
+            time.sleep(0.05)
+
+
+def _shut(sock: socket.socket) -> None:
+    try:
+        sock.shutdown(socket.SHUT_RDWR)
+    except OSError:
+        pass
+    sock.close()
