@@ -151,9 +151,11 @@ class Router:
         # timed out, requests ended by a failure): released once that engine answers.
         self._release_v: set[str] = set()
         self._release_d: set[str] = set()
-        # Ended requests whose release runs in the background (`_release_soon`), and those calls.
+        # Ended requests whose release runs in the background (`_release_soon`), and those calls:
+        # each release as a whole, and its call to each engine ("verifier", "drafter").
         self._ending: list[ServedRequest] = []
         self._releasing: set[asyncio.Task] = set()
+        self._releasing_on: dict[str, set[asyncio.Task]] = {"verifier": set(), "drafter": set()}
         self.counters = RouterCounters()
         self.kv = KvBudget(cfg, drafter is not None)
         self.scheduler = Scheduler(self.kv, cfg.max_running)
@@ -348,11 +350,21 @@ class Router:
         rather than before it, where the GPU would wait for them and for whatever else the event
         loop runs meanwhile (the streams that the last commit woke). Their ids count as held at
         once (no new request takes one before it is released: `_schedule`); whatever prefills
-        waits for the calls first (`_releases_landed`)."""
-        self._release_v.update(r.request_id for r in reqs if r.on_verifier)
+        waits for the calls first, on the engine it prefills on (`_releases_landed`): a verify
+        that carries prefills need not wait for the drafter's release, which queues behind the
+        round's draft call there."""
+        ids_v = [r.request_id for r in reqs if r.on_verifier]
+        for r in reqs:
+            r.on_verifier = False
+        self._release_v.update(ids_v)   # pending until confirmed (`_release`)
         self._ending += reqs
-        task = asyncio.ensure_future(self._release(reqs))
+        on_v = asyncio.ensure_future(self._release_on_verifier(ids_v))
+        on_d = asyncio.ensure_future(self._release_on_drafter(reqs, False))
+        task = asyncio.ensure_future(asyncio.gather(on_v, on_d))
         self._releasing.add(task)
+        for side, t in (("verifier", on_v), ("drafter", on_d)):
+            self._releasing_on[side].add(t)
+            t.add_done_callback(self._releasing_on[side].discard)
 
         def landed(t: asyncio.Task) -> None:
             self._releasing.discard(t)
@@ -361,11 +373,13 @@ class Router:
                 log.error("releasing %d ended requests failed: %r", len(reqs), t.exception())
         task.add_done_callback(landed)
 
-    async def _releases_landed(self) -> None:
-        """Waits for the background releases (`_release_soon`): before a prefill, so that the KV
-        and the slots of ended requests are free on both sides, and before shutdown."""
-        while self._releasing:
-            await asyncio.gather(*list(self._releasing), return_exceptions=True)
+    async def _releases_landed(self, engine: str | None = None) -> None:
+        """Waits for the background releases (`_release_soon`) on `engine` ("verifier" or
+        "drafter"; None: both): before a prefill there, so that the KV and the slots of ended
+        requests are free, and before shutdown."""
+        pending = self._releasing if engine is None else self._releasing_on[engine]
+        while pending:
+            await asyncio.gather(*list(pending), return_exceptions=True)
 
     async def _schedule(self) -> list[ServedRequest]:
         """Carries out the scheduler's plan (router/scheduler.py): fails the requests that can
@@ -489,7 +503,7 @@ class Router:
         preempted requests, prefilled with their committed tokens. A refusal (ValueError)
         of the batch is retried request by request, so that only the refused ones fail; an
         unavailable verifier fails them all (and everything waiting)."""
-        await self._releases_landed()
+        await self._releases_landed("verifier")
         groups = [batch]
         taken, results = [], []
         while groups:
@@ -519,7 +533,7 @@ class Router:
         return taken, results
 
     async def _drafter_prefill(self, reqs: list[ServedRequest], features: list) -> None:
-        await self._releases_landed()
+        await self._releases_landed("drafter")
         items = [DrafterPrefillItem(r.tag(), r.prompt_ids + r.tokens[:-1], r.tokens[-1], r.params, r.seed, f)
                  for r, f in zip(reqs, features)]
         try:
@@ -568,7 +582,7 @@ class Router:
         await self._resync()
         mode = self._mode = self._modes.choose(len(self.running) + len(admit) + len(mixed), self.drafter_up)
         if mode in ("ahead", "pingpong"):
-            await self._releases_landed()   # draft ahead forks requests on the drafter: its slots free first
+            await self._releases_landed("drafter")   # draft ahead forks requests on the drafter: its slots free first
             if admit or mixed:   # their drafter calls go with the verify
                 await self._admit_first(admit + mixed)
                 admit = mixed = []
@@ -927,7 +941,7 @@ class Router:
         items = [self._prefill_item(r, False) for r in mixed]
         self._verified = True
         try:
-            await self._releases_landed()
+            await self._releases_landed("verifier")   # the drafter's prefill waits for its own (`_drafter_prefill`)
             results, prefilled = await self.verifier.verify_prefill(draft, plain, want, items,
                                                                     self.cfg.want_features and not detach,
                                                                     on_launch=self._on_launch())

@@ -121,3 +121,48 @@ def test_pools_too_tight_to_hold_an_ended_request_release_it_first():
     assert {after[0], after[1]} == {("verifier release", ("short",)), ("drafter release", ("short",))}, after[:4]
     assert after[2] == ("draft", ("long",)), after[:4]
     assert_clean(verifier, drafter)
+
+
+def test_a_verify_carrying_prefills_waits_for_the_verifiers_releases_only():
+    """The drafter's release of an ended request queues behind the round's draft on the drafter;
+    a verify that prefills a new request needs only the verifier's KV freed. The drafter's own
+    prefill of the new request still waits for the drafter's release."""
+    log: list = []
+
+    class SlowReleasingDrafter(_Drafter):
+        async def release(self, request_ids, keep_draft=False, outputs=None):
+            self.log.append(("drafter release", tuple(request_ids)))
+            await asyncio.sleep(0.02)   # within config()'s drafter_timeout
+            self.log.append(("drafter released", tuple(request_ids)))
+            return await ScriptedDrafter.release(self, request_ids, keep_draft, outputs)
+
+        async def prefill(self, items):
+            self.log.append(("drafter prefill", tuple(i.tag.request_id for i in items)))
+            return await super().prefill(items)
+
+    verifier, drafter = _Verifier(log), SlowReleasingDrafter(log)
+
+    async def go():
+        router = Router(verifier, drafter, Tokenizer(), config())
+        router.start()
+        try:
+            short = router.submit([5, 9, 2], SHORT, "short")
+            long = router.submit([1, 1, 4, 7, 3], LONG, "long")
+            outs = [asyncio.ensure_future(collect(r)) for r in (short, long)]
+            await outs[0]
+            while ("drafter release", ("short",)) not in log:
+                await asyncio.sleep(0.001)
+            outs.append(asyncio.ensure_future(collect(router.submit([60, 2], LONG, "third"))))
+            outs = await asyncio.gather(*outs)
+            await router._releases_landed()
+        finally:
+            await router.stop()
+        return outs
+
+    outs = run(go())
+    assert [o[0] for o in outs] == [reference([5, 9, 2], 6), reference([1, 1, 4, 7, 3], 40), reference([60, 2], 40)]
+    prefilled = log.index(("prefill", ("third",)))          # in the verify step (mixed prefill)
+    released = log.index(("drafter released", ("short",)))
+    assert log.index(("verifier release", ("short",))) < prefilled < released, log
+    assert released < log.index(("drafter prefill", ("third",))), log
+    assert_clean(verifier, drafter)
