@@ -79,10 +79,10 @@ class DrafterActor:
             extend = _resolve_features(list(extend))
             if post_round:
                 tree, known, unknown, posted = drafter_draft_posted(self.engine, tags, num_steps, extend, self.receiver,
-                                                                    self.poster, post_round)
+                                                                    self.poster, post_round, self.clock)
             else:
                 (tree, known, unknown), posted = drafter_extend_and_draft(self.engine, tags, num_steps, extend,
-                                                                          self.receiver), False
+                                                                          self.receiver, self.clock), False
         return tree, (known, unknown, posted)
 
     def draft_ahead(self, tags: list[Tag], extend: list[ExtendItem] = ()) -> AheadReply:

@@ -13,9 +13,11 @@ from __future__ import annotations
 
 import logging
 import time
+from contextlib import nullcontext
 from dataclasses import replace
 
 from spectandem import codec
+from spectandem.call_clock import CallClock
 from spectandem.protocol import AheadReply, DrafterPrefillItem, EngineInfo, ExtendItem, Tag, Verdict
 from spectandem.channel import ChannelRef, FeatureChannelError, FeatureReceiver, TreePoster
 from spectandem.messages import DraftTree, StaleMessage
@@ -67,21 +69,30 @@ def drafter_draft(engine, tags: list[Tag], num_steps: list[int | None] | None = 
 
 
 def drafter_extend_and_draft(engine, tags: list[Tag], num_steps: list[int | None] | None, extend: list[ExtendItem],
-                             receiver: FeatureReceiver | None = None) -> tuple[DraftTree | None, list[Tag], list[str]]:
+                             receiver: FeatureReceiver | None = None, clock: CallClock | None = None,
+                             ) -> tuple[DraftTree | None, list[Tag], list[str]]:
     """`extend` first (drafter_extend), then the trees of the tags it did not report unknown:
-    (the trees or None when no tag is left, the tags they are for, the unknown ids)."""
-    unknown = drafter_extend(engine, list(extend), receiver) if extend else []
+    (the trees or None when no tag is left, the tags they are for, the unknown ids). `clock`: the
+    catch-up is timed as "draft.catch_up" (its features taken from the channel also as
+    "draft.features"), the trees as "draft.engine" (a service's EngineInfo.calls)."""
+    with _timing(clock, "draft.catch_up"):
+        unknown = drafter_extend(engine, list(extend), receiver, clock) if extend else []
     keep = [i for i, t in enumerate(tags) if t.request_id not in unknown]
     known = [tags[i] for i in keep]
     if not known:
         return None, [], unknown
     steps = [num_steps[i] for i in keep] if num_steps else None
-    return drafter_draft(engine, known, steps), known, unknown
+    with _timing(clock, "draft.engine"):
+        return drafter_draft(engine, known, steps), known, unknown
+
+
+def _timing(clock: CallClock | None, kind: str):
+    return clock.timing(kind) if clock is not None else nullcontext()
 
 
 def drafter_draft_posted(engine, tags: list[Tag], num_steps: list[int | None] | None, extend: list[ExtendItem],
-                         receiver: FeatureReceiver | None, poster: TreePoster | None,
-                         round_id: int) -> tuple[DraftTree | None, list[Tag], list[str], bool]:
+                         receiver: FeatureReceiver | None, poster: TreePoster | None, round_id: int,
+                         clock: CallClock | None = None) -> tuple[DraftTree | None, list[Tag], list[str], bool]:
     """`drafter_extend_and_draft`, its trees sent to the verifier over the tree channel as round
     `round_id` -> (the trees where they were not sent, else None; the tags they are for; the
     unknown ids; whether the verifier was told). A round with no tree left, and a draft that
@@ -89,7 +100,7 @@ def drafter_draft_posted(engine, tags: list[Tag], num_steps: list[int | None] | 
     the channel is not up nothing is sent: the verifier, without a drafter connected, does not
     wait either, and the caller gets the trees back."""
     try:
-        tree, known, unknown = drafter_extend_and_draft(engine, tags, num_steps, extend, receiver)
+        tree, known, unknown = drafter_extend_and_draft(engine, tags, num_steps, extend, receiver, clock)
     except BaseException as exc:
         if poster is not None:
             poster.post(round_id, None, f"the draft failed: {type(exc).__name__}: {exc}")
@@ -98,7 +109,8 @@ def drafter_draft_posted(engine, tags: list[Tag], num_steps: list[int | None] | 
         return tree, known, unknown, False
     if tree is None:
         return None, known, unknown, poster.post(round_id, None, "no request left to draft for")
-    posted = poster.post(round_id, codec.draft_tree_to_bytes(tree, known))
+    with _timing(clock, "draft.post"):
+        posted = poster.post(round_id, codec.draft_tree_to_bytes(tree, known))
     return (None if posted else tree), known, unknown, posted
 
 
@@ -130,7 +142,8 @@ def drafter_release(engine, request_ids: list[str], keep_draft: bool = False,
     return known
 
 
-def drafter_extend(engine, items: list[ExtendItem], receiver: FeatureReceiver | None = None) -> list[str]:
+def drafter_extend(engine, items: list[ExtendItem], receiver: FeatureReceiver | None = None,
+                   clock: CallClock | None = None) -> list[str]:
     """Catch-up; returns the ids this drafter does not hold (it restarted, or the round's
     features did not come over the channel: re-prefill them)."""
     unknown = [i.tag.request_id for i in items if i.tag.request_id not in engine.requests]
@@ -144,7 +157,8 @@ def drafter_extend(engine, items: list[ExtendItem], receiver: FeatureReceiver | 
         if rid not in follows:
             engine.check_tag(rid, i.tag.epoch, start)
         follows[rid] = i.tag.committed_len
-    known, missing = _take_features(receiver, known)
+    with _timing(clock, "draft.features"):
+        known, missing = _take_features(receiver, known)
     for rid in missing:  # forgotten, so that "unknown" is true and the re-prefill starts clean
         engine.remove(rid)
     if missing:   # with the request's other rounds of this call, those whose features did come

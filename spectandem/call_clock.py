@@ -10,7 +10,9 @@ from contextlib import contextmanager
 
 
 class CallClock:
-    """Seconds inside, and the number of, each kind of call ("verify", "draft", ...)."""
+    """Seconds inside, and the number of, each kind of call ("verify", "draft", ...). The engine
+    services also time parts of a call, as "kind.part" ("verify.engine", "verify.tree_wait",
+    "draft.catch_up", ...): that time is inside the call's own too."""
 
     def __init__(self):
         self.busy_s: dict[str, float] = {}

@@ -107,11 +107,11 @@ class VerifierActor:
         (its results, the prefill's, their features ObjectRefs as `prefill`'s)."""
         with self.clock.timing("verify"):
             if isinstance(draft_payload, TreeRoute):
-                with self.clock.timing("tree_wait"):   # inside "verify"'s time, told apart
+                with self.clock.timing("verify.tree_wait"):   # inside "verify"'s time, told apart
                     draft_payload, tags = tree_from_channel(self.trees, draft_payload.round_id, draft_payload.wait_s)
             self._check_held([t.request_id for t in tags] + [p.tag.request_id for p in plain])
             outs, prefilled = verifier_verify_prefill(self.engine, draft_payload, tags, plain, want_features, items,
-                                                      prefill_features, self.sender)
+                                                      prefill_features, self.sender, clock=self.clock)
             reply = ([replace(r, features=_put(r.features)) for r in outs],
                      [replace(r, features=_put(r.features)) for r in prefilled])
         self.engine.after_call()   # the features are in the object store: the decode ahead may go (verifier/engine.py)

@@ -7,10 +7,12 @@ A verify whose trees come over the tree channel takes them with `tree_from_chann
 
 from __future__ import annotations
 
+from contextlib import nullcontext
 from dataclasses import replace
 
 from spectandem import codec
 from spectandem.protocol import EngineInfo, PlainItem, Tag, Verdict, VerifierPrefillItem, VerifierPrefillResult
+from spectandem.call_clock import CallClock
 from spectandem.channel import FeatureSender, TreeMailbox
 from spectandem.messages import DraftTree, concat_trees, root_only_tree
 from verifier.engine import NewRequests
@@ -56,11 +58,25 @@ def verifier_verify(engine, tree: DraftTree | None, tags: list[Tag], plain: list
 
 def verifier_verify_prefill(engine, tree: DraftTree | None, tags: list[Tag], plain: list[PlainItem],
                             want_features: bool, items: list[VerifierPrefillItem], prefill_features: bool,
-                            sender: FeatureSender | None = None,
-                            on_launch=None) -> tuple[list[Verdict], list[VerifierPrefillResult]]:
+                            sender: FeatureSender | None = None, on_launch=None,
+                            clock: CallClock | None = None) -> tuple[list[Verdict], list[VerifierPrefillResult]]:
     """`verifier_verify` with `items` prefilled in the same step where the engine carries them
     (VerifierEngine.verify_with_prefill, decode_with_prefill) -> (the verdicts, the prefill
-    results, with features where `prefill_features`). Every tag is checked before anything runs."""
+    results, with features where `prefill_features`). Every tag is checked before anything runs.
+    `clock`: the engine's part is timed as "verify.engine", the features' hand-off as
+    "verify.features" (a service's EngineInfo.calls)."""
+    with _timing(clock, "verify.engine"):
+        outs, prefilled = _verify_on_engine(engine, tree, tags, plain, want_features, items, on_launch)
+    with _timing(clock, "verify.features"):
+        results = _prefill_results(items, prefilled, prefill_features, sender) if items else []
+        return handed_on(outs, want_features, sender), results
+
+
+def _timing(clock: CallClock | None, kind: str):
+    return clock.timing(kind) if clock is not None else nullcontext()
+
+
+def _verify_on_engine(engine, tree, tags, plain, want_features, items, on_launch):
     for t in tags + [p.tag for p in plain]:
         engine.check_tag(t.request_id, t.epoch, t.committed_len)
     new = _new_requests(items) if items else None
@@ -83,8 +99,7 @@ def verifier_verify_prefill(engine, tree: DraftTree | None, tags: list[Tag], pla
             outs, prefilled = (engine.verify(merged) if on_launch is None else engine.verify(merged, on_launch)), []
         else:
             outs, prefilled = engine.verify_with_prefill(merged, new, on_launch)
-    results = _prefill_results(items, prefilled, prefill_features, sender) if items else []
-    return handed_on(outs, want_features, sender), results
+    return outs, prefilled
 
 
 def handed_on(verdicts: list[Verdict], want_features: bool, sender: FeatureSender | None = None) -> list[Verdict]:
