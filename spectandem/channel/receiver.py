@@ -27,12 +27,18 @@ class _Message:
     shapes: list[tuple[int, ...]]
     dtype: torch.dtype
     taken: set = field(default_factory=set)
+    streams: set = field(default_factory=set)   # CUDA streams the payload's use was recorded on
+
+    def __post_init__(self):
+        # Each item's start (in elements) once, and the payload as its dtype: taking an item of
+        # a message of 64 is then one slice and one view.
+        self.typed = self.payload.view(self.dtype)
+        self.starts = [0]
+        for s in self.shapes:
+            self.starts.append(self.starts[-1] + math.prod(s))
 
     def item(self, index: int) -> torch.Tensor:
-        size = torch.empty((), dtype=self.dtype).element_size()
-        start = sum(math.prod(s) for s in self.shapes[:index]) * size
-        shape = self.shapes[index]
-        return self.payload[start:start + math.prod(shape) * size].view(self.dtype).view(shape)
+        return self.typed[self.starts[index]:self.starts[index + 1]].view(self.shapes[index])
 
 
 class FeatureReceiver:
@@ -102,8 +108,12 @@ class FeatureReceiver:
         out = msg.item(ref.index)
         if out.is_cuda:
             # The payload was allocated on the receiver's stream: keep its memory from being
-            # reused there while the taker's stream still reads it.
-            out.record_stream(torch.cuda.current_stream(out.device))
+            # reused there while the taker's stream still reads it (once per stream: the items
+            # share the payload's memory).
+            stream = torch.cuda.current_stream(out.device)
+            if stream not in msg.streams:
+                out.record_stream(stream)
+                msg.streams.add(stream)
         msg.taken.add(ref.index)
         if len(msg.taken) == len(msg.shapes):
             del self._mail[ref.seq]
