@@ -500,15 +500,20 @@ async def _wait_channel(link, timeout: float = 120.0) -> None:
         log.warning("the feature channel is %r: target features go through the router", state or "absent")
 
 
-async def _trees_up(verifier, timeout: float = 30.0) -> bool:
-    """Waits until the verifier's end of the tree channel has its drafter connected; False (with a
-    warning: trees then go through the router) if that does not happen within `timeout`."""
+async def _trees_up(verifier, drafter, timeout: float = 30.0) -> bool:
+    """Waits until both ends of the tree channel say "up" (the verifier's once its drafter is
+    connected, the drafter's once the verifier took its connection); False (with a warning: trees
+    then go through the router) if that does not happen within `timeout`."""
     deadline = time.monotonic() + timeout
-    while (state := (await verifier.info()).extra.get("tree_channel", "")) != "up" and time.monotonic() < deadline:
+    states: tuple = ()
+    while time.monotonic() < deadline:
+        states = tuple([(await link.info()).extra.get("tree_channel", "") for link in (verifier, drafter)])
+        if states == ("up", "up"):
+            return True
         await asyncio.sleep(0.1)
-    if state != "up":
-        log.warning("the tree channel is %r: draft trees go through the router", state or "absent")
-    return state == "up"
+    log.warning("the tree channel is %r at the verifier and %r at the drafter: draft trees go through the router",
+                states[0] or "absent", states[1] or "absent")
+    return False
 
 
 async def serve_async(args, ready_message=True, stop_event: asyncio.Event | None = None,
@@ -567,7 +572,7 @@ async def serve_async(args, ready_message=True, stop_event: asyncio.Event | None
             dinfo = await _wait_ready(d, "drafter", process=procs.get(f"drafter{suffix}")) if d else None
             if feature_channel(args) and d is not None:
                 await _wait_channel(v)
-            trees = tree_channel(args) and d is not None and await _trees_up(v)
+            trees = tree_channel(args) and d is not None and await _trees_up(v, d)
             want = dinfo is not None and dinfo.feature_layers not in (None, "none")
             lookahead = 1 if d is None else max(cfg.max_draft_nodes + 1, (cfg.num_steps - 1) * cfg.topk + 1)
             routers.append(Router(v, d, tokenizer, RouterConfig(max_len=vinfo.max_len, eos_token_ids=eos_ids,

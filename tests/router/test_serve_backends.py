@@ -1,5 +1,5 @@
-"""The served system with the engines in separate processes: gRPC services and Ray actors.
-Exactness against the reference loop, and faults: the drafter killed mid-stream (every request
+"""The served system with the engines in separate processes: gRPC services and Ray actors, with
+serve's defaults (the feature and tree channels on). Exactness against the reference loop, and faults: the drafter killed mid-stream (every request
 completes by fallback with the same greedy tokens), the verifier killed (UNAVAILABLE, none
 hangs, NOT_SERVING), either Ray actor killed as serve's warm-up begins, and `spectandem serve`
 started as a user would."""
@@ -84,6 +84,8 @@ def test_grpc_backend_exact_and_drafter_killed(reference):
         for i, p in enumerate(prompts):
             assert collect(server.stub, request(ids=p, max_tokens=20))[0] == greedy[i].token_ids
             assert collect(server.stub, request(ids=p, max_tokens=20, temperature=0.9, seed=i))[0] == sampled[i].token_ids
+        # Serve's default: the rounds' trees went drafter -> verifier over the tree channel.
+        assert server.state["router"].counters.posted_trees > 0
 
         long = reference.generate(prompts, [SamplingParams(max_tokens=120, ignore_eos=True)] * 6)
         drafter = server.state["procs"]["drafter"]
@@ -135,6 +137,8 @@ def test_ray_backend_exact_and_drafter_killed(reference):
         for i, p in enumerate(prompts):
             assert collect(server.stub, request(ids=p, max_tokens=20))[0] == greedy[i].token_ids
             assert collect(server.stub, request(ids=p, max_tokens=20, temperature=0.9, seed=i))[0] == sampled[i].token_ids
+        # Serve's default: the rounds' trees went drafter -> verifier over the tree channel.
+        assert server.state["router"].counters.posted_trees > 0
 
         long = reference.generate(prompts, [SamplingParams(max_tokens=120, ignore_eos=True)] * 4)
         actor = server.state["drafter"].actor
