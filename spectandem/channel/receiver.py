@@ -193,8 +193,8 @@ class FeatureReceiver:
                 old_seq, old = self._mail.popitem(last=False)
                 self._bytes -= old.payload.numel()
                 self.dropped += 1
-                # Items of requests that finished in their round are never taken: routine.
-                level = logging.INFO if not old.taken else logging.DEBUG
-                log.log(level, "feature mailbox full: dropped message %d (%d of %d items untaken)", old_seq,
-                        len(old.shapes) - len(old.taken), len(old.shapes))
+                # Routine: the last round's features of requests that ended are never taken. A
+                # drop that matters shows where its features are taken (a warning, and a resync).
+                log.debug("feature mailbox full: dropped message %d (%d of %d items untaken)", old_seq,
+                          len(old.shapes) - len(old.taken), len(old.shapes))
             self._cond.notify_all()
