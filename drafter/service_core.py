@@ -13,11 +13,10 @@ from __future__ import annotations
 
 import logging
 import time
-from contextlib import nullcontext
 from dataclasses import replace
 
 from spectandem import codec
-from spectandem.call_clock import CallClock
+from spectandem.call_clock import CallClock, timed
 from spectandem.protocol import AheadReply, DrafterPrefillItem, EngineInfo, ExtendItem, Tag, Verdict
 from spectandem.channel import ChannelRef, FeatureChannelError, FeatureReceiver, TreePoster
 from spectandem.messages import DraftTree, StaleMessage
@@ -75,19 +74,15 @@ def drafter_extend_and_draft(engine, tags: list[Tag], num_steps: list[int | None
     (the trees or None when no tag is left, the tags they are for, the unknown ids). `clock`: the
     catch-up is timed as "draft.catch_up" (its features taken from the channel also as
     "draft.features"), the trees as "draft.engine" (a service's EngineInfo.calls)."""
-    with _timing(clock, "draft.catch_up"):
+    with timed(clock, "draft.catch_up"):
         unknown = drafter_extend(engine, list(extend), receiver, clock) if extend else []
     keep = [i for i, t in enumerate(tags) if t.request_id not in unknown]
     known = [tags[i] for i in keep]
     if not known:
         return None, [], unknown
     steps = [num_steps[i] for i in keep] if num_steps else None
-    with _timing(clock, "draft.engine"):
+    with timed(clock, "draft.engine"):
         return drafter_draft(engine, known, steps), known, unknown
-
-
-def _timing(clock: CallClock | None, kind: str):
-    return clock.timing(kind) if clock is not None else nullcontext()
 
 
 def drafter_draft_posted(engine, tags: list[Tag], num_steps: list[int | None] | None, extend: list[ExtendItem],
@@ -109,7 +104,7 @@ def drafter_draft_posted(engine, tags: list[Tag], num_steps: list[int | None] | 
         return tree, known, unknown, False
     if tree is None:
         return None, known, unknown, poster.post(round_id, None, "no request left to draft for")
-    with _timing(clock, "draft.post"):
+    with timed(clock, "draft.post"):
         posted = poster.post(round_id, codec.draft_tree_to_bytes(tree, known))
     return (None if posted else tree), known, unknown, posted
 
@@ -157,7 +152,7 @@ def drafter_extend(engine, items: list[ExtendItem], receiver: FeatureReceiver | 
         if rid not in follows:
             engine.check_tag(rid, i.tag.epoch, start)
         follows[rid] = i.tag.committed_len
-    with _timing(clock, "draft.features"):
+    with timed(clock, "draft.features"):
         known, missing = _take_features(receiver, known)
     for rid in missing:  # forgotten, so that "unknown" is true and the re-prefill starts clean
         engine.remove(rid)

@@ -40,7 +40,9 @@ class VerifierLink(Protocol):
     async def verify(self, draft: DraftHandle | None, plain: list[PlainItem], want_features: bool,
                      on_launch: Callable[[], None] | None = None) -> list[Verdict]:
         """Verifies the drafted trees and the plain rows in one batch; results in the order
-        draft.tags then plain. `on_launch()` (from any thread) once the verifier's host work
+        draft.tags then plain. A `draft.payload` that is a spectandem.protocol.TreeRoute (links to other processes):
+        the trees are those the drafter posts over the tree channel for that round, and the
+        requests of trees that do not come get no result. `on_launch()` (from any thread) once the verifier's host work
         before the forward is done: the router starts the drafter's work of an "ahead" round
         then, which in-process engines (one Python lock) would otherwise make the verifier wait
         for. Links to other processes call it at once."""
@@ -69,10 +71,13 @@ class DrafterLink(Protocol):
         """Returns the ids it did not take (none normally)."""
 
     async def draft(self, tags: list[Tag], num_steps: list[int | None] | None = None,
-                    extend: list[ExtendItem] = ()) -> DraftHandle:
+                    extend: list[ExtendItem] = (), post_round: int = 0) -> DraftHandle:
         """The round's trees; per tag, a new one at most `num_steps[i]` deep (None: as configured).
         `extend` first (as `extend` would): the handle leaves out the tags of the ids it reports
-        unknown (`DraftHandle.unknown`), and has no payload when no tag is left."""
+        unknown (`DraftHandle.unknown`), and has no payload when no tag is left. `post_round`
+        (nonzero; links to engines with a tree channel, spectandem/channel/trees.py): the drafter
+        sends the trees to the verifier as that round instead (`DraftHandle.posted`, no payload),
+        or says it could not (`posted` False, the trees in the payload)."""
 
     async def draft_ahead(self, tags: list[Tag], extend: list[ExtendItem] = ()) -> AheadReply:
         """Called while the trees of `tags` are verified: fill the outcome cache for them, after

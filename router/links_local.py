@@ -64,10 +64,12 @@ class LocalDrafterLink(_LocalLink):
 
         return await self._run("prefill", drafter_prefill, self.engine, items)
 
-    async def draft(self, tags, num_steps=None, extend=()):
+    async def draft(self, tags, num_steps=None, extend=(), post_round=0):
         """`extend` and the trees in one worker call."""
         from drafter.service_core import drafter_extend_and_draft
 
+        if post_round:
+            raise ValueError("the in-process drafter has no tree channel: its trees go with the handle")
         tree, known, unknown = await self._run("draft", drafter_extend_and_draft, self.engine, list(tags), num_steps,
                                                list(extend))
         return DraftHandle(known, tree, unknown)

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import threading
 import time
-from contextlib import contextmanager
+from contextlib import contextmanager, nullcontext
 
 
 class CallClock:
@@ -36,3 +36,9 @@ class CallClock:
         """{"busy_s": {kind: seconds}, "count": {kind: calls}} (EngineInfo.calls)."""
         with self._lock:
             return {"busy_s": dict(self.busy_s), "count": dict(self.count)}
+
+
+def timed(clock: CallClock | None, kind: str):
+    """`clock.timing(kind)`, or nothing where there is no clock (the in-process links time whole
+    calls only)."""
+    return clock.timing(kind) if clock is not None else nullcontext()

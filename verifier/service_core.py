@@ -7,12 +7,11 @@ A verify whose trees come over the tree channel takes them with `tree_from_chann
 
 from __future__ import annotations
 
-from contextlib import nullcontext
 from dataclasses import replace
 
 from spectandem import codec
 from spectandem.protocol import EngineInfo, PlainItem, Tag, Verdict, VerifierPrefillItem, VerifierPrefillResult
-from spectandem.call_clock import CallClock
+from spectandem.call_clock import CallClock, timed
 from spectandem.channel import FeatureSender, TreeMailbox
 from spectandem.messages import DraftTree, concat_trees, root_only_tree
 from verifier.engine import NewRequests
@@ -65,15 +64,11 @@ def verifier_verify_prefill(engine, tree: DraftTree | None, tags: list[Tag], pla
     results, with features where `prefill_features`). Every tag is checked before anything runs.
     `clock`: the engine's part is timed as "verify.engine", the features' hand-off as
     "verify.features" (a service's EngineInfo.calls)."""
-    with _timing(clock, "verify.engine"):
+    with timed(clock, "verify.engine"):
         outs, prefilled = _verify_on_engine(engine, tree, tags, plain, want_features, items, on_launch)
-    with _timing(clock, "verify.features"):
+    with timed(clock, "verify.features"):
         results = _prefill_results(items, prefilled, prefill_features, sender) if items else []
         return handed_on(outs, want_features, sender), results
-
-
-def _timing(clock: CallClock | None, kind: str):
-    return clock.timing(kind) if clock is not None else nullcontext()
 
 
 def _verify_on_engine(engine, tree, tags, plain, want_features, items, on_launch):
