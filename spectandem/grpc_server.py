@@ -20,6 +20,7 @@ import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
+from spectandem.after_reply import AfterReply
 from spectandem.call_clock import CallClock
 from spectandem.messages import StaleMessage
 
@@ -45,15 +46,18 @@ class EngineCalls:
     one the server's other calls need. A call whose deadline passes while it runs still runs to
     the end, and the next call waits for it."""
 
-    def __init__(self, role: str, thread=None):
+    def __init__(self, role: str, thread=None, after: AfterReply | None = None):
         """`thread`: a one-worker executor that runs the calls instead of the handler threads
         (an engine on the CPU with several torch threads: spectandem/devices.py
-        engine_process_thread)."""
-        self.role, self._thread = role, thread
+        engine_process_thread). `after`: the work the calls leave for after their replies
+        (spectandem/after_reply.py): each call waits for the last one's first."""
+        self.role, self._thread, self.after = role, thread, after
         self._lock = threading.Lock()
         # Per kind of call (its body's name): the seconds from the engine taken to the reply
         # encoded, and how many (EngineInfo.calls).
         self.clock = CallClock()
+        if after is not None and after.clock is None:
+            after.clock = self.clock
 
     def run(self, context: grpc.ServicerContext, fn: Callable, *args):
         """fn(*args) decodes the request, calls the engine and encodes the reply, so a malformed
@@ -64,11 +68,15 @@ class EngineCalls:
             context.abort(grpc.StatusCode.DEADLINE_EXCEEDED,
                           f"{self.role}: the engine call in flight did not end before this call's deadline")
         try:
+            if self.after is not None:
+                self.after.settle()
             with self.clock.timing(getattr(fn, "__name__", "call").lstrip("_")):
                 if self._thread is not None:
                     return self._thread.submit(self._mapped, context, fn, *args).result()
                 return self._mapped(context, fn, *args)
         finally:
+            if self.after is not None:
+                self.after.flush()
             self._lock.release()
 
     def peek(self, context: grpc.ServicerContext, fn: Callable, *args):

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import os
 import socket
+from contextlib import contextmanager
 from dataclasses import replace
 
 import ray
@@ -21,6 +22,7 @@ import torch
 
 from spectandem.protocol import (EngineInfo, PlainItem, Tag, TreeRoute, Verdict, VerifierPrefillItem,
                                  VerifierPrefillResult)
+from spectandem.after_reply import AfterReply
 from spectandem.call_clock import CallClock
 from spectandem.channel import FeatureSender, TreeMailbox
 from spectandem.config import EngineConfig
@@ -54,6 +56,9 @@ class VerifierActor:
         # gone, so a call about a request this instance never prefilled is an outage, not a stale reply.
         self.restarted = ray.get_runtime_context().was_current_actor_reconstructed
         self.clock = CallClock()   # EngineInfo.calls
+        # What a call leaves for after its reply (spectandem/after_reply.py): the decode ahead and
+        # the feature channel's copies. Every call that uses the engine waits for it first.
+        self.after = AfterReply(device=config.device, clock=self.clock)
 
     def _check_held(self, request_ids) -> None:
         missing = sorted({r for r in request_ids if r not in self.engine.requests})
@@ -69,7 +74,8 @@ class VerifierActor:
                 address = f"tcp://{ray.util.get_node_ip_address()}:{s.getsockname()[1]}"
         if self.sender is not None:
             self.sender.close()
-        self.sender = FeatureSender(address, self.device)
+        self.after.settle()   # the old sender's copies are done
+        self.sender = FeatureSender(address, self.device, later=self.after.later)
         return address
 
     def open_tree_channel(self) -> str:
@@ -83,13 +89,24 @@ class VerifierActor:
     def set_feature_layers(self, feature_layers: FeatureSpec) -> None:
         """Which target features to return: the drafter's head decides (its info says), so a
         verifier built alongside its drafter learns them after both have loaded."""
+        self.after.settle()
         if self.engine.requests:
             raise ValueError(f"cannot change the feature layers with {len(self.engine.requests)} requests active")
         self.engine.runner.feature_layers = feature_layers
 
+    @contextmanager
+    def _engine_call(self):
+        """Around every call that uses the engine: the last call's work after its reply is done
+        first; this call's starts once it returns (AfterReply)."""
+        self.after.settle()
+        try:
+            yield
+        finally:
+            self.after.flush()
+
     def prefill(self, items: list[VerifierPrefillItem], want_features: bool) -> list[VerifierPrefillResult]:
         """Results whose `features` is an ObjectRef of the prompt's features [prompt_len, F] (or None)."""
-        with self.clock.timing("prefill"):
+        with self._engine_call(), self.clock.timing("prefill"):
             return [replace(r, features=_put(r.features))
                     for r in verifier_prefill(self.engine, items, want_features, self.sender)]
 
@@ -105,7 +122,7 @@ class VerifierActor:
                        prefill_features: bool) -> tuple[list[Verdict], list[VerifierPrefillResult]]:
         """`verify` with `items` prefilled in the same step (VerifierEngine.verify_with_prefill):
         (its results, the prefill's, their features ObjectRefs as `prefill`'s)."""
-        with self.clock.timing("verify"):
+        with self._engine_call(), self.clock.timing("verify"):
             if isinstance(draft_payload, TreeRoute):
                 with self.clock.timing("verify.tree_wait"):   # inside "verify"'s time, told apart
                     draft_payload, tags = tree_from_channel(self.trees, draft_payload.round_id, draft_payload.wait_s)
@@ -114,17 +131,21 @@ class VerifierActor:
                                                       prefill_features, self.sender, clock=self.clock)
             reply = ([replace(r, features=_put(r.features)) for r in outs],
                      [replace(r, features=_put(r.features)) for r in prefilled])
-        self.engine.after_call()   # the features are in the object store: the decode ahead may go (verifier/engine.py)
+            # The features are in the object store or queued for the channel: the decode ahead
+            # may go (verifier/engine.py), once the reply is on its way.
+            self.after.later(self.engine.after_call)
         return reply
 
     def features(self, tag: Tag) -> ray.ObjectRef | None:
         """An ObjectRef of the features of every committed position but the last."""
-        self._check_held([tag.request_id])
-        return _put(verifier_features(self.engine, tag))
+        with self._engine_call():
+            self._check_held([tag.request_id])
+            return _put(verifier_features(self.engine, tag))
 
     def release(self, request_ids: list[str]) -> None:
-        for rid in request_ids:
-            self.engine.release(rid)
+        with self._engine_call():
+            for rid in request_ids:
+                self.engine.release(rid)
 
     def info(self) -> EngineInfo:
         info = verifier_info(self.engine, self.model_name)

@@ -19,6 +19,7 @@ import logging
 from pathlib import Path
 
 from spectandem import codec
+from spectandem.after_reply import AfterReply
 from spectandem.channel import FeatureSender, TreeMailbox
 from spectandem.config import EngineConfig, SpecConfig
 from spectandem.devices import engine_process_thread
@@ -37,10 +38,13 @@ SERVICE_NAME = engines_pb2.DESCRIPTOR.services_by_name["Verifier"].full_name
 
 class VerifierServicer(engines_pb2_grpc.VerifierServicer):
     def __init__(self, engine: VerifierEngine, model_name: str = "target", device: str = "cpu",
-                 sender: FeatureSender | None = None, thread=None, trees: TreeMailbox | None = None):
+                 sender: FeatureSender | None = None, thread=None, trees: TreeMailbox | None = None,
+                 after: AfterReply | None = None):
+        """`after`: where a call leaves the work its reply does not wait for (the decode ahead; the
+        feature channel's copies where `sender` was made with its `later`); None: one of its own."""
         self.engine, self.model_name, self.device, self.sender = engine, model_name, device, sender
         self.trees = trees
-        self.calls = EngineCalls("verifier", thread)
+        self.calls = EngineCalls("verifier", thread, after if after is not None else AfterReply(thread, device))
 
     def Prefill(self, request, context):
         return self.calls.run(context, self._prefill, request)
@@ -84,7 +88,8 @@ class VerifierServicer(engines_pb2_grpc.VerifierServicer):
         with clock.timing("verify.encode"):
             reply = engines_pb2.VerifyReply(results=[codec.verdict_to_msg(r) for r in results],
                                             prefilled=[codec.verifier_prefill_result_to_msg(r) for r in prefilled])
-        self.engine.after_call()   # the reply holds the results: the decode ahead may go (verifier/engine.py)
+        # The reply holds the results: the decode ahead may go (verifier/engine.py), once it is on its way.
+        self.calls.after.later(self.engine.after_call)
         return reply
 
     def _features(self, request: engines_pb2.FeaturesRequest) -> engines_pb2.FeaturesReply:
@@ -115,11 +120,13 @@ class VerifierServicer(engines_pb2_grpc.VerifierServicer):
 def start_verifier_server(engine: VerifierEngine, host: str = "127.0.0.1", port: int = 0,
                           model_name: str = "target", device: str = "cpu",
                           tls: ServerTls | None = None, sender: FeatureSender | None = None,
-                          thread=None, trees: TreeMailbox | None = None) -> EngineServer:
+                          thread=None, trees: TreeMailbox | None = None,
+                          after: AfterReply | None = None) -> EngineServer:
     """Serves `engine` on the server's threads; returns the started server (port 0: a free one).
     `tls`: TLS or mTLS on the port (None: plaintext); `sender`: the feature channel's end;
-    `thread`: the one thread that runs its calls (EngineCalls); `trees`: the tree channel's end."""
-    servicer = VerifierServicer(engine, model_name, device, sender, thread, trees)
+    `thread`: the one thread that runs its calls (EngineCalls); `trees`: the tree channel's end;
+    `after`: the calls' work after their replies (VerifierServicer)."""
+    servicer = VerifierServicer(engine, model_name, device, sender, thread, trees, after)
     return EngineServer.start(lambda s: engines_pb2_grpc.add_VerifierServicer_to_server(servicer, s),
                               SERVICE_NAME, host, port, tls.grpc_credentials() if tls else None)
 
@@ -134,19 +141,22 @@ def serve_verifier(config: EngineConfig, feature_layers: str | None = None, host
     Verify requests only)."""
     target_dir, device = config.target_dir, config.device
     layers = resolve_feature_layers(feature_layers, config.spec.method, config.draft_dir, target_dir)
-    # Connecting runs in the background, while the model loads.
-    sender = FeatureSender(feature_channel, device) if feature_channel else None
-    trees = TreeMailbox(tree_channel) if tree_channel else None
     thread = engine_process_thread(device)
+    # A verify's features go into the channel after its reply (spectandem/after_reply.py).
+    after = AfterReply(thread, device)
+    # Connecting runs in the background, while the model loads.
+    sender = FeatureSender(feature_channel, device, later=after.later) if feature_channel else None
+    trees = TreeMailbox(tree_channel) if tree_channel else None
     engine = build_engine(config, layers)
 
     try:
         server = start_verifier_server(engine, host, port, Path(target_dir).name, device, tls=tls, sender=sender,
-                                       thread=thread, trees=trees)
+                                       thread=thread, trees=trees, after=after)
         print(f"spectandem verifier: {Path(target_dir).name}, features {codec.feature_layers_to_str(layers)}, "
               f"listening on {host}:{server.port}", flush=True)
         server.serve_until_signal()
     finally:
+        after.close()
         if sender is not None:
             sender.close()
         if trees is not None:

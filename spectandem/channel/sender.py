@@ -7,6 +7,7 @@ import queue
 import threading
 import time
 from dataclasses import dataclass
+from typing import Callable
 
 import torch
 
@@ -35,13 +36,14 @@ class FeatureSender:
 
     def __init__(self, address: str, device: str | torch.device, *, connect_timeout_s: float = 600.0,
                  send_timeout_s: float = 5.0, max_queued: int = 256, ring_slots: int = 4,
-                 slot_bytes: int = 16 << 20):
+                 slot_bytes: int = 16 << 20, later: Callable[[Callable[[], None]], None] | None = None):
         parse_address(address)
         if send_timeout_s <= 0 or max_queued < 1:
             raise ValueError(f"send_timeout_s must be > 0 and max_queued >= 1, got {send_timeout_s}, {max_queued}")
         if ring_slots < 0 or slot_bytes < 1:
             raise ValueError(f"ring_slots must be >= 0 and slot_bytes >= 1, got {ring_slots}, {slot_bytes}")
         self.ring_slots, self.slot_bytes = ring_slots, slot_bytes
+        self.later = later
         self.address, self.device = address, _device(device)
         self.connect_timeout_s, self.send_timeout_s, self.max_queued = connect_timeout_s, send_timeout_s, max_queued
         self.state = "connecting"        # -> "up" -> "broken" | "closed"
@@ -80,23 +82,35 @@ class FeatureSender:
             raise ValueError(f"{items[0].dim()}-D items do not fit the channel's header of {HEADER_LEN}")
         ring = self._group.ring
         refs: list[ChannelRef | None] = [None] * len(features)
+        messages: list[tuple[int, list[torch.Tensor]]] = []
         start = 0
         for chunk in _chunks(items, per_message, ring.slot_bytes if ring is not None else 0):
-            # Under the lock: messages enter the queue (and the ring) in seq order.
             with self._lock:
                 self._seq += 1
                 seq = self._seq
-                # The items may be views of buffers the next forward overwrites (CUDA graph
-                # outputs): both paths copy them now, in the serving thread's stream order.
-                if ring is not None and ring.fits(_nbytes(chunk)) and ring.free() > 0:
-                    msg = _Outgoing(_header(seq, chunk, ring.write(seq, [t.detach() for t in chunk])), None, None)
-                else:
-                    msg = self._snapshot(seq, chunk)
-                self._queue.put(msg)
+            messages.append((seq, [t.detach() for t in chunk]))
             for j in range(len(chunk)):
                 refs[present[start + j]] = ChannelRef(seq, j)
             start += len(chunk)
+        if self.later is not None:
+            self.later(lambda: self._write(messages))
+        else:
+            self._write(messages)
         return refs
+
+    def _write(self, messages: list[tuple[int, list[torch.Tensor]]]) -> None:
+        """Copies each message's items into a ring slot, or a snapshot of its own, and queues it,
+        in seq order. The items may be views of buffers the next forward overwrites (CUDA graph
+        outputs): this runs before that forward is queued, in the same stream (`later`: the
+        service's AfterReply, whose next call waits for it)."""
+        ring = self._group.ring
+        for seq, chunk in messages:
+            with self._lock:   # messages enter the queue (and the ring) in seq order
+                if ring is not None and ring.fits(_nbytes(chunk)) and ring.free() > 0:
+                    msg = _Outgoing(_header(seq, chunk, ring.write(seq, chunk)), None, None)
+                else:
+                    msg = self._snapshot(seq, chunk)
+                self._queue.put(msg)
 
     def _snapshot(self, seq: int, chunk: list[torch.Tensor]) -> _Outgoing:
         payload = torch.cat([t.detach().reshape(-1) for t in chunk]).to(self.device).view(torch.uint8)

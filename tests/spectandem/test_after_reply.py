@@ -1,0 +1,113 @@
+"""Work an engine service leaves for after its reply (spectandem/after_reply.py): the jobs run in
+order once flushed, a failing one is logged and the rest go on, and `settle` waits for them. Behind
+a real gRPC verifier service (the demo target, fp32 on the CPU, decoding ahead), each verify's
+reply reaches the router while the decode ahead it asked for is still being queued, no engine call
+starts before that is done, and the output equals plain decoding's."""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+import time
+
+from spectandem.after_reply import AfterReply
+from spectandem.call_clock import CallClock
+
+
+def test_jobs_run_in_order_after_flush_and_settle_waits():
+    after = AfterReply(clock=CallClock())
+    done: list[str] = []
+    gate = threading.Event()
+    after.later(lambda: (gate.wait(5), done.append("a")))
+    after.later(lambda: done.append("b"))
+    time.sleep(0.05)
+    assert done == []                      # nothing runs before the flush
+    after.flush()
+    after.later(lambda: done.append("c"))  # queued for the next flush
+    time.sleep(0.05)
+    assert done == []                      # "a" waits on the gate
+    gate.set()
+    after.settle()
+    assert done == ["a", "b"]
+    after.flush()
+    after.settle()
+    assert done == ["a", "b", "c"]
+    assert after.clock.stats()["count"]["after_reply"] == 2
+    after.close()
+
+
+def test_a_failing_job_is_logged_and_the_others_run(caplog):
+    after = AfterReply()
+    done: list[int] = []
+
+    def boom():
+        raise RuntimeError("boom")
+
+    for job in (lambda: done.append(1), boom, lambda: done.append(2)):
+        after.later(job)
+    after.flush()
+    after.settle()                          # does not raise
+    assert done == [1, 2] and after.failed == 1
+    assert any("boom" in r.getMessage() or (r.exc_info and "boom" in str(r.exc_info[1])) for r in caplog.records)
+    after.close()
+
+
+def test_grpc_verifier_replies_before_its_decode_ahead_is_queued():
+    from router.links_grpc import GrpcVerifierLink
+    from router.local import LocalSpeculator
+    from spectandem.config import SpecConfig
+    from spectandem.demo import demo_paths
+    from tests.router.test_decode_ahead_router import MAX_LEN, _ahead_engine, _check, _router, _workload
+    from tests.router.test_plain_steps import served
+    from verifier.service import start_verifier_server
+
+    plain = LocalSpeculator(*demo_paths("none"), SpecConfig(method="none"), max_slots=8, max_len=MAX_LEN)
+    prompts, params, want, stopped = _workload(plain)
+    engine = _ahead_engine(plain)
+    intervals: list[tuple[float, float]] = []
+    starts: list[float] = []
+    replies: list[float] = []
+
+    queue_ahead = engine.after_call
+
+    def slow_after_call():
+        t0 = time.monotonic()
+        time.sleep(0.1)
+        queue_ahead()
+        intervals.append((t0, time.monotonic()))
+
+    engine.after_call = slow_after_call
+    for name in ("verify", "verify_with_prefill", "decode_with_prefill", "prefill", "release"):
+        method = getattr(engine, name)
+
+        def stamped(*args, _method=method, **kwargs):
+            starts.append(time.monotonic())
+            return _method(*args, **kwargs)
+
+        setattr(engine, name, stamped)
+    server = start_verifier_server(engine, "127.0.0.1", 0)
+
+    async def main():
+        link = GrpcVerifierLink(f"127.0.0.1:{server.port}")
+        call = link.verify_prefill
+
+        async def timed_call(*args, **kwargs):
+            out = await call(*args, **kwargs)
+            replies.append(time.monotonic())
+            return out
+
+        link.verify_prefill = timed_call
+        try:
+            return await served(_router(link, plain), prompts, params, [engine])
+        finally:
+            await link.close()
+    try:
+        got = asyncio.run(main())
+    finally:
+        server.stop(0)
+    _check(got, want, stopped, plain, engine)
+    # One after_call per verify call, in order: each reply came back while its after_call ran.
+    assert len(intervals) == len(replies) > 5
+    assert all(r < end for r, (_, end) in zip(replies, intervals)), list(zip(replies, intervals))
+    # No engine call started while an after_call ran.
+    assert not [t for t in starts for t0, t1 in intervals if t0 < t < t1]
