@@ -77,24 +77,32 @@ def test_in_process_link(plain):
     _check(got, want, stopped, plain, engine)
 
 
-def test_grpc_verifier_service(plain):
+def served_over_grpc(engine: VerifierEngine, plain, prompts, params, on_link=None):
+    """The workload's requests through the router to `engine` behind a real gRPC verifier service
+    in this process; `on_link(link)` may wrap the link's methods first."""
     from router.links_grpc import GrpcVerifierLink
     from verifier.service import start_verifier_server
 
-    prompts, params, want, stopped = _workload(plain)
-    engine = _ahead_engine(plain)
     server = start_verifier_server(engine, "127.0.0.1", 0)
 
     async def main():
         link = GrpcVerifierLink(f"127.0.0.1:{server.port}")   # a grpc.aio channel: made in this loop
+        if on_link is not None:
+            on_link(link)
         try:
             return await served(_router(link, plain), prompts, params, [engine])
         finally:
             await link.close()
     try:
-        got = asyncio.run(main())
+        return asyncio.run(main())
     finally:
         server.stop(0)
+
+
+def test_grpc_verifier_service(plain):
+    prompts, params, want, stopped = _workload(plain)
+    engine = _ahead_engine(plain)
+    got = served_over_grpc(engine, plain, prompts, params)
     _check(got, want, stopped, plain, engine)
 
 

@@ -6,7 +6,6 @@ starts before that is done, and the output equals plain decoding's."""
 
 from __future__ import annotations
 
-import asyncio
 import threading
 import time
 
@@ -53,13 +52,10 @@ def test_a_failing_job_is_logged_and_the_others_run(caplog):
 
 
 def test_grpc_verifier_replies_before_its_decode_ahead_is_queued():
-    from router.links_grpc import GrpcVerifierLink
     from router.local import LocalSpeculator
     from spectandem.config import SpecConfig
     from spectandem.demo import demo_paths
-    from tests.router.test_decode_ahead_router import MAX_LEN, _ahead_engine, _check, _router, _workload
-    from tests.router.test_plain_steps import served
-    from verifier.service import start_verifier_server
+    from tests.router.test_decode_ahead_router import MAX_LEN, _ahead_engine, _check, _workload, served_over_grpc
 
     plain = LocalSpeculator(*demo_paths("none"), SpecConfig(method="none"), max_slots=8, max_len=MAX_LEN)
     prompts, params, want, stopped = _workload(plain)
@@ -85,10 +81,8 @@ def test_grpc_verifier_replies_before_its_decode_ahead_is_queued():
             return _method(*args, **kwargs)
 
         setattr(engine, name, stamped)
-    server = start_verifier_server(engine, "127.0.0.1", 0)
 
-    async def main():
-        link = GrpcVerifierLink(f"127.0.0.1:{server.port}")
+    def stamp_replies(link):
         call = link.verify_prefill
 
         async def timed_call(*args, **kwargs):
@@ -97,14 +91,8 @@ def test_grpc_verifier_replies_before_its_decode_ahead_is_queued():
             return out
 
         link.verify_prefill = timed_call
-        try:
-            return await served(_router(link, plain), prompts, params, [engine])
-        finally:
-            await link.close()
-    try:
-        got = asyncio.run(main())
-    finally:
-        server.stop(0)
+
+    got = served_over_grpc(engine, plain, prompts, params, stamp_replies)
     _check(got, want, stopped, plain, engine)
     # One after_call per verify call, in order: each reply came back while its after_call ran.
     assert len(intervals) == len(replies) > 5
