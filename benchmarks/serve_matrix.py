@@ -183,13 +183,21 @@ class Server:
                                      start_new_session=True)
         deadline = time.monotonic() + timeout
         t0 = time.monotonic()
-        while "spectandem serving" not in log.read_text():
-            if self.proc.poll() is not None:
-                raise RuntimeError(f"serve exited with {self.proc.returncode}:\n{log.read_text()[-3000:]}")
-            if time.monotonic() > deadline:
-                self.stop()
-                raise RuntimeError(f"serve did not come up in {timeout:.0f} s:\n{log.read_text()[-3000:]}")
-            time.sleep(0.5)
+        try:
+            while "spectandem serving" not in log.read_text():
+                if self.proc.poll() is not None:
+                    raise RuntimeError(f"serve exited with {self.proc.returncode}:\n{log.read_text()[-3000:]}")
+                if time.monotonic() > deadline:
+                    raise RuntimeError(f"serve did not come up in {timeout:.0f} s:\n{log.read_text()[-3000:]}")
+                time.sleep(0.5)
+        except BaseException as exc:
+            # Not up: the server goes (its own session: nothing else would stop it) and, where this
+            # process was told to end meanwhile (SIGTERM: SystemExit), its log's end is printed.
+            self.stop()
+            if not isinstance(exc, RuntimeError):
+                print(f"[serve_matrix] serve was starting for {time.monotonic() - t0:.0f} s; its log ends:\n"
+                      f"{log.read_text()[-3000:]}", file=sys.stderr, flush=True)
+            raise
         self.start_s = time.monotonic() - t0
 
     def stop(self) -> None:

@@ -225,14 +225,17 @@ class Router:
         self._wake.set()
         return req
 
-    async def warm_up(self, batch_sizes: list[int], vocab_size: int, max_tokens: int = 128, say=None) -> None:
+    async def warm_up(self, batch_sizes: list[int], vocab_size: int, max_tokens: int = 128, say=None,
+                      stop: asyncio.Event | None = None) -> None:
         """Runs greedy requests at each batch size in turn (prompts of several lengths), so that the
         engines capture the graphs of every batch bucket and "auto" meets each of its modes once
         before the first client does; then forgets what the warm-up's text told "auto" (it keeps each
         mode's speed: ModeChooser.forget_text) and the counters. Serving's start (router/serve.py),
-        before the port opens."""
+        before the port opens. Once `stop` is set no further batch size starts (serve told to end)."""
         lengths = (16, 48, 96, 200)
         for i, b in enumerate(batch_sizes, 1):
+            if stop is not None and stop.is_set():
+                break
             if say is not None:
                 say(f"warming up: {b} requests at once ({i}/{len(batch_sizes)})")
             reqs = []

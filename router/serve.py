@@ -516,6 +516,40 @@ async def _trees_up(verifier, drafter, timeout: float = 30.0) -> bool:
     return False
 
 
+class StartStopped(Exception):
+    """serve was told to end (SIGINT, SIGTERM, `stop_event`) before it served."""
+
+
+class _StopSignals:
+    """SIGINT and SIGTERM set `stop` (where the loop can take signals: its main thread) and, while
+    serve is still starting, cancel the start's task too: a step may wait on something that never
+    comes (an engine that does not start). `install` again after whatever replaced the handlers
+    meanwhile (Ray's start); a signal that came in between is still taken, from the loop's
+    wakeup fd."""
+
+    def __init__(self, stop: asyncio.Event):
+        self.stop, self.task, self.starting = stop, asyncio.current_task(), True
+
+    def install(self) -> None:
+        loop = asyncio.get_running_loop()
+        for sig in (signal.SIGINT, signal.SIGTERM):
+            try:
+                loop.add_signal_handler(sig, self._on_signal)
+            except (NotImplementedError, RuntimeError, ValueError):
+                pass
+
+    def _on_signal(self) -> None:
+        self.stop.set()
+        if self.starting and self.task is not None:
+            self.task.cancel()
+
+
+def _starting(stop: asyncio.Event) -> None:
+    """Between the start's steps: StartStopped once serve was told to end."""
+    if stop.is_set():
+        raise StartStopped()
+
+
 async def serve_async(args, ready_message=True, stop_event: asyncio.Event | None = None,
                       state: dict | None = None) -> None:
     """Runs until SIGINT/SIGTERM (or `stop_event`). `state`, when given, receives the router,
@@ -534,7 +568,16 @@ async def serve_async(args, ready_message=True, stop_event: asyncio.Event | None
             check_port_free(args.host, port, flag)
     cfg, target, draft = _spec(args)
     say = _progress if ready_message else _quiet
+    stop = stop_event or asyncio.Event()
+    # Ctrl-C and SIGTERM end the start too, however far it got: the step that awaits is cancelled,
+    # and the start goes no further than the step it is in (`_starting`). Installed again after
+    # Ray's start, which puts handlers of its own on them (a SIGTERM there ended the process with
+    # a stack dump, a SIGINT was lost and the server came up).
+    signals = _StopSignals(stop)
+    signals.install()
     platform, ray_started_here = _platform(args, target, say)
+    signals.install()
+    _starting(stop)
     args = resolve_serve_flags(args, platform)
     args.ray_started_here = ray_started_here
     if not (args.verifier_address and (args.drafter_address or cfg.method == "none")):
@@ -547,7 +590,6 @@ async def serve_async(args, ready_message=True, stop_event: asyncio.Event | None
     tokenizer = load_tokenizer(target)
     tcfg = read_config(target)
     eos_ids = eos_token_ids(tcfg)
-    stop = stop_event or asyncio.Event()
     fatal: list[str] = []
 
     def gave_up(role: str) -> None:
@@ -559,16 +601,19 @@ async def serve_async(args, ready_message=True, stop_event: asyncio.Event | None
 
     supervisor = EngineSupervisor(restart_policy(args), on_give_up=gave_up)
     pairs, cleanup, procs = await _build_replicas(args, cfg, target, draft, supervisor, say)
+    signals.install()
     server = None
     router = None
     fronts = None
     try:
+        _starting(stop)
         routers = []
         if procs:
             say("waiting for the engine processes to load")
         for i, (v, d) in enumerate(pairs):
             suffix = "" if i == 0 else f"-{i}"
             vinfo = await _wait_ready(v, "verifier", process=procs.get(f"verifier{suffix}"))
+            _starting(stop)
             dinfo = await _wait_ready(d, "drafter", process=procs.get(f"drafter{suffix}")) if d else None
             if feature_channel(args) and d is not None:
                 await _wait_channel(v)
@@ -597,7 +642,8 @@ async def serve_async(args, ready_message=True, stop_event: asyncio.Event | None
         if warm_up_wanted(args):
             sizes = [b for b in WARM_UP_BATCHES if b <= args.max_running]
             for r in routers:
-                await r.warm_up(sizes, int(tcfg["vocab_size"]), min(128, vinfo.max_len // 4), say)
+                await r.warm_up(sizes, int(tcfg["vocab_size"]), min(128, vinfo.max_len // 4), say, stop)
+        _starting(stop)
         limits = Limits(max_context=vinfo.max_len, vocab_size=int(tcfg["vocab_size"]),
                         max_prompt_chars=prompt_char_limit(tokenizer, vinfo.max_len))
         info = dict(target_model=Path(target).name, draft_model=Path(draft).name if draft else "",
@@ -620,16 +666,8 @@ async def serve_async(args, ready_message=True, stop_event: asyncio.Event | None
         # 64 on the H200 one such collection takes longer than a round).
         gc.collect()
         gc.freeze()
-        # Ctrl-C and SIGTERM stop the server from before it says it serves: one sent on that line
-        # must not be lost. Installed after it, a SIGINT caught by asyncio.run's own handler just
-        # before add_signal_handler replaced it could be dispatched to the new no-op handler while
-        # the loop's wakeup fd was not set yet, and the server kept serving.
-        loop = asyncio.get_running_loop()
-        for sig in (signal.SIGINT, signal.SIGTERM):
-            try:
-                loop.add_signal_handler(sig, stop.set)
-            except (NotImplementedError, RuntimeError):
-                pass
+        signals.starting = False   # from here a signal ends serving (stop), cancelling nothing
+        _starting(stop)   # a signal during the last start steps: the server never says it serves
         if state is not None:
             state.update(router=router, verifier=v, drafter=d, port=port, procs=procs, pairs=pairs,
                          http_port=fronts.http_port, metrics_port=fronts.metrics_port)
@@ -764,6 +802,8 @@ def _serve(args) -> int:
     configure_process(args, os.environ.get("OMP_NUM_THREADS"))
     try:
         asyncio.run(serve_async(args))
+    except (StartStopped, asyncio.CancelledError):   # told to end while it started: it cleaned up
+        pass
     except EngineStartError as exc:   # an engine that failed to start, or a verifier that stayed down
         print(f"spectandem serve: error: {exc}", file=sys.stderr, flush=True)
         return 1

@@ -208,6 +208,58 @@ def test_spectandem_serve_as_a_user_would(tmp_path, stop):
     assert "did not stop within" not in log and took < 60, (took, log)
 
 
+@pytest.mark.parametrize("backend,stop", [("ray", "sigterm"), ("ray", "ctrl-c"), ("grpc", "ctrl-c"),
+                                          ("grpc", "sigterm")])
+def test_stopped_while_it_starts(backend, stop):
+    """`spectandem serve` told to stop while it starts (a SIGTERM to the process, or Ctrl-C to its
+    process group), once its log says the engines are loading: it does not come up, says it
+    stopped, exits 0, soon, and leaves no process of its group behind (gRPC: the engine
+    processes it started; Ray: its local cluster). A SIGTERM there once ended the Ray server with
+    a stack dump from Ray's own handler, and a Ctrl-C was lost: the server came up and stayed."""
+    marker = "starting the engine actors" if backend == "ray" else "waiting for the engine processes to load"
+    fronts = ["--http-port", str(free_port()), "--metrics-port", str(free_port())]
+    proc = subprocess.Popen([sys.executable, "-m", "spectandem.cli", "serve", "--backend", backend,
+                             "--port", str(free_port()), *fronts],
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                            env=dict(os.environ, OMP_NUM_THREADS="1"), start_new_session=True)
+    lines = []
+    try:
+        for line in proc.stdout:
+            lines.append(line)
+            if marker in line:
+                break
+        assert any(marker in line for line in lines), "".join(lines)
+        t0 = time.monotonic()
+        if stop == "sigterm":
+            proc.send_signal(signal.SIGTERM)
+        else:
+            os.killpg(proc.pid, signal.SIGINT)
+        try:
+            rc = proc.wait(90)
+        except subprocess.TimeoutExpired:
+            rc = None
+        took = time.monotonic() - t0
+        log = "".join(lines) + proc.stdout.read() if rc is not None else "".join(lines)
+        assert rc == 0, (rc, log)
+        assert "spectandem serving" not in log and "spectandem stopped" in log, log
+        assert took < 60, (took, log)
+        deadline = time.monotonic() + 30
+        while time.monotonic() < deadline:
+            try:
+                os.killpg(proc.pid, 0)
+            except ProcessLookupError:
+                break
+            time.sleep(0.5)
+        else:
+            left = subprocess.run(["ps", "-o", "pid,args", "-g", str(proc.pid)], capture_output=True, text=True)
+            pytest.fail(f"processes of serve's group still run 30 s after it exited:\n{left.stdout}")
+    finally:
+        try:
+            os.killpg(proc.pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+
+
 def test_ray_backend_64_streams_cancel_and_deadline(reference):
     server = Served(["--backend", "ray", "--max-len", MAX_LEN, "--max-running", "64"]).wait_ready(300)
     try:
