@@ -53,18 +53,24 @@ log = logging.getLogger("spectandem.router")
 
 def ray_init(address: str | None, num_cpus: int | None = None) -> None:
     """Joins the cluster at `address` ("auto": the one this node belongs to), or starts a local
-    one when None. Does nothing when Ray is already initialized."""
+    one when None. Does nothing when Ray is already initialized. A local cluster gets the CUDA
+    GPUs this process sees, counted here rather than by Ray's own probe: serve places the engines
+    by the cluster's count, and a count of 0 would put the target on the CPU."""
     if ray.is_initialized():
         return
     if address:
         ray.init(address=address)
     else:
+        from spectandem.devices import cuda_gpus
+
+        gpus = cuda_gpus() or None   # none: Ray's probe (CUDA_VISIBLE_DEVICES, NVML) decides
         # "local" explicitly: never join whatever RAY_ADDRESS the environment happens to name.
         # A GCS that never writes its port file fails ray.init (seen now and then in the test suite
         # on a 2-core machine; the cause is not known): the start is tried once more.
         for attempt in (1, 2):
             try:
-                ray.init(address="local", num_cpus=num_cpus, include_dashboard=False, log_to_driver=False)
+                ray.init(address="local", num_cpus=num_cpus, num_gpus=gpus, include_dashboard=False,
+                         log_to_driver=False)
                 return
             except RuntimeError as exc:
                 if attempt == 2 or "Timed out waiting for file" not in str(exc):

@@ -1,4 +1,5 @@
-"""router/links_ray.ray_init: a local cluster whose GCS never comes up is started once more."""
+"""router/links_ray.ray_init: a local cluster whose GCS never comes up is started once more; a
+local cluster is given the CUDA GPUs this process sees."""
 
 import pytest
 import ray
@@ -11,6 +12,7 @@ def _fake_ray(monkeypatch, errors):
 
     def init(**kwargs):
         calls["init"] += 1
+        calls["kwargs"] = kwargs
         if errors:
             raise errors.pop(0)
 
@@ -23,7 +25,7 @@ def _fake_ray(monkeypatch, errors):
 def test_gcs_timeout_starts_the_local_cluster_once_more(monkeypatch):
     calls = _fake_ray(monkeypatch, [RuntimeError("Timed out waiting for file /tmp/ray/session_x/gcs_server_port_y")])
     links_ray.ray_init(None, num_cpus=2)
-    assert calls == {"init": 2, "shutdown": 1}
+    assert (calls["init"], calls["shutdown"]) == (2, 1)
 
 
 def test_a_second_timeout_or_another_error_is_raised(monkeypatch):
@@ -35,4 +37,17 @@ def test_a_second_timeout_or_another_error_is_raised(monkeypatch):
     calls = _fake_ray(monkeypatch, [RuntimeError("something else")])
     with pytest.raises(RuntimeError, match="something else"):
         links_ray.ray_init(None)
-    assert calls == {"init": 1, "shutdown": 0}
+    assert (calls["init"], calls["shutdown"]) == (1, 0)
+
+
+@pytest.mark.parametrize("visible", [0, 2])
+def test_a_local_cluster_gets_the_gpus_this_process_sees(monkeypatch, visible):
+    from spectandem import devices
+
+    monkeypatch.setattr(devices, "cuda_gpus", lambda: visible)
+    calls = _fake_ray(monkeypatch, [])
+    links_ray.ray_init(None, num_cpus=2)
+    assert calls["kwargs"]["num_gpus"] == (visible or None)   # none visible: Ray's own probe
+    calls = _fake_ray(monkeypatch, [])
+    links_ray.ray_init("auto")   # a cluster joined keeps its own resources
+    assert calls["kwargs"] == {"address": "auto"}
