@@ -552,8 +552,10 @@ def _starting(stop: asyncio.Event) -> None:
 
 async def serve_async(args, ready_message=True, stop_event: asyncio.Event | None = None,
                       state: dict | None = None) -> None:
-    """Runs until SIGINT/SIGTERM (or `stop_event`). `state`, when given, receives the router,
-    the links and the bound port once serving (for tests and embedding)."""
+    """Runs until SIGINT/SIGTERM (or `stop_event`), which also end its start: what started is
+    stopped and it returns without serving (StartStopped or CancelledError where the start had not
+    yet built its engines). `state`, when given, receives the router, the links and the bound
+    port once serving (for tests and embedding)."""
     from router.openai_protocol import ChatTemplate
     from router.ops import start_fronts
     from router.replicas import ReplicaSet
@@ -683,6 +685,8 @@ async def serve_async(args, ready_message=True, stop_event: asyncio.Event | None
             asyncio.get_running_loop().create_task(_first_request(f"localhost:{port}", args.first_request,
                                                                   ops.api_key, ops.public_tls is not None))
         await stop.wait()
+    except StartStopped:   # told to end before it served: what started is cleaned up below
+        pass
     finally:
         # Every step is bounded: one that hangs must not keep the process (or a test) from ending.
         supervisor.stop_restarting()
