@@ -72,9 +72,9 @@ class VerifierActor:
             with socket.socket() as s:
                 s.bind(("", 0))
                 address = f"tcp://{ray.util.get_node_ip_address()}:{s.getsockname()[1]}"
+        self.after.settle()   # the old sender's copies are done before it closes
         if self.sender is not None:
             self.sender.close()
-        self.after.settle()   # the old sender's copies are done
         self.sender = FeatureSender(address, self.device, later=self.after.later)
         return address
 
