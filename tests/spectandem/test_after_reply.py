@@ -1,7 +1,7 @@
 """Work an engine service leaves for after its reply (spectandem/after_reply.py): the jobs run in
 order once flushed, a failing one is logged and the rest go on, and `settle` waits for them. Behind
 a real gRPC verifier service (the demo target, fp32 on the CPU, decoding ahead), each verify's
-reply reaches the router while the decode ahead it asked for is still being queued, no engine call
+reply reaches the router while the decode ahead it asked for waits to be queued, no engine call
 starts before that is done, and the output equals plain decoding's."""
 
 from __future__ import annotations
@@ -63,16 +63,23 @@ def test_grpc_verifier_replies_before_its_decode_ahead_is_queued():
     intervals: list[tuple[float, float]] = []
     starts: list[float] = []
     replies: list[float] = []
+    replied = threading.Condition()
+    missed: list[int] = []   # after_calls whose call's reply had not reached the router while they ran
 
     queue_ahead = engine.after_call
 
-    def slow_after_call():
+    def after_call_once_replied():
+        # Call k's after_call holds until the router has k replies: it can only get them where
+        # the reply left before its after_call ran (a wait of 5 s otherwise, then recorded).
         t0 = time.monotonic()
-        time.sleep(0.1)
+        k = len(intervals) + 1
+        with replied:
+            if not missed and not replied.wait_for(lambda: len(replies) >= k, timeout=5):
+                missed.append(k)
         queue_ahead()
         intervals.append((t0, time.monotonic()))
 
-    engine.after_call = slow_after_call
+    engine.after_call = after_call_once_replied
     for name in ("verify", "verify_with_prefill", "decode_with_prefill", "prefill", "release"):
         method = getattr(engine, name)
 
@@ -87,7 +94,9 @@ def test_grpc_verifier_replies_before_its_decode_ahead_is_queued():
 
         async def timed_call(*args, **kwargs):
             out = await call(*args, **kwargs)
-            replies.append(time.monotonic())
+            with replied:
+                replies.append(time.monotonic())
+                replied.notify_all()
             return out
 
         link.verify_prefill = timed_call
@@ -96,6 +105,6 @@ def test_grpc_verifier_replies_before_its_decode_ahead_is_queued():
     _check(got, want, stopped, plain, engine)
     # One after_call per verify call, in order: each reply came back while its after_call ran.
     assert len(intervals) == len(replies) > 5
-    assert all(r < end for r, (_, end) in zip(replies, intervals)), list(zip(replies, intervals))
+    assert not missed, f"after_call {missed[0]} ran before its call's reply reached the router"
     # No engine call started while an after_call ran.
     assert not [t for t in starts for t0, t1 in intervals if t0 < t < t1]
