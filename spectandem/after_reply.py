@@ -10,11 +10,10 @@ request's way in, which run in other processes.
 
     after = AfterReply()
     def handle(request):
-        after.settle()                      # the last call's work is done
-        reply = compute(request)
-        after.later(engine.after_call)      # queued in call order
-        return reply
-    ...then after.flush() once the reply is built: the jobs start on the worker.
+        with after.call():                      # the last call's work is done first
+            reply = compute(request)
+            after.later(engine.after_call)      # queued in call order
+            return reply                        # on the way out the jobs start on the worker
 
 The jobs run on one worker thread, one call's after another, in the order queued. An engine
 call waits (`settle`) for those of the call before it: they may read device buffers the next
@@ -27,6 +26,7 @@ from __future__ import annotations
 import logging
 import threading
 import time
+from contextlib import contextmanager
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Callable
 
@@ -57,6 +57,16 @@ class AfterReply:
         self._pending: Future | None = None
         self._lock = threading.Lock()
         self.failed = 0   # jobs that raised (logged; the next call goes on)
+
+    @contextmanager
+    def call(self):
+        """Around an engine call: the work of the calls before it done first (`settle`), the jobs
+        it queued started once it ends (`flush`), whether it returned or raised."""
+        self.settle()
+        try:
+            yield
+        finally:
+            self.flush()
 
     def later(self, job: Callable[[], None]) -> None:
         """Queues `job` to run after this call's reply (`flush`)."""

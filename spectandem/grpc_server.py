@@ -14,6 +14,7 @@ import logging
 import signal
 import threading
 from concurrent import futures
+from contextlib import nullcontext
 from typing import Callable
 
 import grpc
@@ -68,15 +69,12 @@ class EngineCalls:
             context.abort(grpc.StatusCode.DEADLINE_EXCEEDED,
                           f"{self.role}: the engine call in flight did not end before this call's deadline")
         try:
-            if self.after is not None:
-                self.after.settle()
-            with self.clock.timing(getattr(fn, "__name__", "call").lstrip("_")):
+            with self.after.call() if self.after is not None else nullcontext(), \
+                    self.clock.timing(getattr(fn, "__name__", "call").lstrip("_")):
                 if self._thread is not None:
                     return self._thread.submit(self._mapped, context, fn, *args).result()
                 return self._mapped(context, fn, *args)
         finally:
-            if self.after is not None:
-                self.after.flush()
             self._lock.release()
 
     def peek(self, context: grpc.ServicerContext, fn: Callable, *args):

@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import os
 import socket
-from contextlib import contextmanager
 from dataclasses import replace
 
 import ray
@@ -94,19 +93,9 @@ class VerifierActor:
             raise ValueError(f"cannot change the feature layers with {len(self.engine.requests)} requests active")
         self.engine.runner.feature_layers = feature_layers
 
-    @contextmanager
-    def _engine_call(self):
-        """Around every call that uses the engine: the last call's work after its reply is done
-        first; this call's starts once it returns (AfterReply)."""
-        self.after.settle()
-        try:
-            yield
-        finally:
-            self.after.flush()
-
     def prefill(self, items: list[VerifierPrefillItem], want_features: bool) -> list[VerifierPrefillResult]:
         """Results whose `features` is an ObjectRef of the prompt's features [prompt_len, F] (or None)."""
-        with self._engine_call(), self.clock.timing("prefill"):
+        with self.after.call(), self.clock.timing("prefill"):
             return [replace(r, features=_put(r.features))
                     for r in verifier_prefill(self.engine, items, want_features, self.sender)]
 
@@ -122,7 +111,7 @@ class VerifierActor:
                        prefill_features: bool) -> tuple[list[Verdict], list[VerifierPrefillResult]]:
         """`verify` with `items` prefilled in the same step (VerifierEngine.verify_with_prefill):
         (its results, the prefill's, their features ObjectRefs as `prefill`'s)."""
-        with self._engine_call(), self.clock.timing("verify"):
+        with self.after.call(), self.clock.timing("verify"):
             if isinstance(draft_payload, TreeRoute):
                 with self.clock.timing("verify.tree_wait"):   # inside "verify"'s time, told apart
                     draft_payload, tags = tree_from_channel(self.trees, draft_payload.round_id, draft_payload.wait_s)
@@ -138,12 +127,12 @@ class VerifierActor:
 
     def features(self, tag: Tag) -> ray.ObjectRef | None:
         """An ObjectRef of the features of every committed position but the last."""
-        with self._engine_call():
+        with self.after.call():
             self._check_held([tag.request_id])
             return _put(verifier_features(self.engine, tag))
 
     def release(self, request_ids: list[str]) -> None:
-        with self._engine_call():
+        with self.after.call():
             for rid in request_ids:
                 self.engine.release(rid)
 

@@ -82,13 +82,13 @@ class FeatureSender:
             raise ValueError(f"{items[0].dim()}-D items do not fit the channel's header of {HEADER_LEN}")
         ring = self._group.ring
         refs: list[ChannelRef | None] = [None] * len(features)
-        messages: list[tuple[int, list[torch.Tensor]]] = []
+        chunks = _chunks(items, per_message, ring.slot_bytes if ring is not None else 0)
+        with self._lock:   # the messages' seqs, in a row
+            first = self._seq + 1
+            self._seq += len(chunks)
+        messages = [(first + m, [t.detach() for t in chunk]) for m, chunk in enumerate(chunks)]
         start = 0
-        for chunk in _chunks(items, per_message, ring.slot_bytes if ring is not None else 0):
-            with self._lock:
-                self._seq += 1
-                seq = self._seq
-            messages.append((seq, [t.detach() for t in chunk]))
+        for seq, chunk in messages:
             for j in range(len(chunk)):
                 refs[present[start + j]] = ChannelRef(seq, j)
             start += len(chunk)
