@@ -258,6 +258,8 @@ def run_matrix(args) -> dict:
     device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
     concurrency = _numbers(args.concurrency, int)
     rates = _numbers(args.rates, float)
+    if args.no_plain and args.plain_only:
+        raise SystemExit("serve_matrix: --no-plain and --plain-only leave no server to run")
     backends = [b for b in args.backends.split(",") if b]
     workdir = Path(args.workdir or tempfile.mkdtemp(prefix="spectandem-matrix-"))
     workdir.mkdir(parents=True, exist_ok=True)
@@ -277,7 +279,7 @@ def run_matrix(args) -> dict:
         if device.startswith("cuda"):
             torch.cuda.empty_cache()
         model = ["--target", str(tdir), "--draft", str(hdir)]
-        methods = ([] if args.no_plain else [("none", None)]) + [("eagle3", a) for a in rates]
+        methods = ([] if args.no_plain else [("none", None)]) + ([] if args.plain_only else [("eagle3", a) for a in rates])
     else:
         from spectandem.demo import demo_paths
 
@@ -451,7 +453,9 @@ def main() -> int:
     p.add_argument("--rates", default="0.6,0.8,0.9", help="llama8b: controlled acceptance rates (default: 0.6,0.8,0.9)")
     p.add_argument("--concurrency", default="1,16,64", help="bench serve --max-concurrency values (default: 1,16,64)")
     p.add_argument("--max-tokens", type=int, default=128, help="output tokens per request (default: 128)")
-    p.add_argument("--prompts-per-slot", type=int, default=2, help="prompts per unit of concurrency (default: 2)")
+    p.add_argument("--prompts-per-slot", type=int, default=4,
+                   help="prompts per unit of concurrency (default: 4: the first wave's prefill and the last one's "
+                        "drain are a quarter of a row's requests)")
     p.add_argument("--min-prompts", type=int, default=8, help="prompts per run at least (default: 8)")
     p.add_argument("--dataset", default=None, help="bench serve --dataset (default: bench serve's)")
     p.add_argument("--device", default=None, help="serve --device (default: serve's own default)")
@@ -463,6 +467,8 @@ def main() -> int:
     p.add_argument("--workdir", default=None, help="where the pair and the logs go (default: a temporary folder)")
     p.add_argument("--start-timeout", type=float, default=600.0, help="seconds a server may take to start")
     p.add_argument("--no-plain", action="store_true", help="llama8b: the controlled rates only, no --method none server")
+    p.add_argument("--plain-only", action="store_true",
+                   help="llama8b: the --method none server only (the engine loop reference still runs each rate)")
     p.add_argument("--skip-engine-reference", action="store_true", help="serve only")
     p.add_argument("--append", action="store_true",
                    help="add to the records already in --out instead of replacing them (see above)")
