@@ -967,15 +967,21 @@ class Router:
 
     def _plain_steps(self, group: list[ServedRequest]) -> int:
         """Tokens per request of a round without drafts: cfg.plain_steps when every request is
-        greedy, at most what each may still generate (max_tokens, the context). Sets
-        `_capped_plain` when the requests' ends cut it."""
+        greedy, no more than the request that may generate the most still wants (max_tokens) and
+        no step past any request's context. A request whose max_tokens falls inside the steps
+        decodes them all and keeps its tokens up to its end (`_commit`): its row costs little
+        beside the batch's, where cutting every request's steps at the nearest end would make
+        most rounds of a continuous batch short (some request ends in most of them), each round
+        paying the call's host work again. Sets `_capped_plain` when the steps were cut (the
+        batch's tail, or the context)."""
         k = self.cfg.plain_steps
         if k <= 1 or not all(r.params.greedy for r in group):
             return 1
-        for r in group:
-            k = min(k, r.tokens_left(self.cfg.max_len))
-        self._capped_plain = self._capped_plain or k < self.cfg.plain_steps
-        return max(k, 1)
+        room = min(self.cfg.max_len - r.committed_len + 1 for r in group)
+        wanted = max(r.tokens_left(self.cfg.max_len) for r in group)
+        steps = max(1, min(k, room, wanted))
+        self._capped_plain = self._capped_plain or steps < k
+        return steps
 
     def _apply(self, results, drafted: list[ServedRequest], group: list[ServedRequest]) -> list[ExtendItem]:
         """Commits a verify's results (dropping stale ones); returns the drafter catch-up items."""

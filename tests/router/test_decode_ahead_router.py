@@ -147,7 +147,10 @@ def test_again_for_requests_that_go_on_alike():
     assert _again(_rows_router([30, 40], 10)) == (4, [True, True])
     # 14 ends with this call: its client's next request would change the next call.
     assert _again(_rows_router([30, 40, 14], 10)) == (4, [False, False, False])
-    assert _again(_rows_router([13, 40], 10)) == (3, [False, False])
+    # 13 ends inside this call's steps (it keeps 3 of the 4): the others' steps are not cut.
+    assert _again(_rows_router([13, 40], 10)) == (4, [False, False])
+    # Every request ends within the steps: the call decodes what the longest still wants.
+    assert _again(_rows_router([12, 13], 10)) == (3, [False, False])
     # The next call would be one step (a verify: nothing a decode ahead serves).
     assert _again(_rows_router([30, 15], 10)) == (4, [False, False])
     # The next call two steps: the first two of a decode ahead of four.

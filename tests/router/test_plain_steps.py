@@ -2,7 +2,8 @@
 all greedy decodes up to plain_steps tokens each in one verifier call (VerifierEngine.decode).
 Real demo engines behind in-process links; tokens, finish reasons and text must equal plain
 decoding's one step at a time (LocalSpeculator), with max_tokens, eos and stop strings falling
-inside a call's steps (such cut rounds are not measurements for "auto"); a sampled request in
+inside a call's steps; a request whose max_tokens ends inside the steps does not cut the others'
+(only the batch's tail is cut, and such rounds are not measurements for "auto"); a sampled request in
 the round makes it one step; with a drafter whose
 speculation is switched off, the multi-token catch-ups reach it and tokens stay exact. The
 steps cross the gRPC codec; a verify that mixes steps with drafts is refused."""
@@ -98,6 +99,26 @@ def test_multi_step_plain_rounds_equal_one_step_decoding(plain):
     # Rounds cut short by the requests' ends are not measurements of the mode's rate.
     full = [s for s in vlink.steps if min(s) == 4]
     assert 0 < len(full) < len(vlink.steps) and len(recorded) == len(full)
+    assert not plain.verifier.requests
+
+
+def test_a_request_ending_inside_the_steps_leaves_the_others_full_steps(plain):
+    # The first request has 2 tokens left when both have 25 or 2: the call still decodes 4 steps
+    # for both (the first keeps 2 of them and ends) instead of cutting both to 2; the second's
+    # last call, alone, is cut to the 1 token it still wants.
+    prompts = [plain.tokenizer.encode(x).ids for x in PROMPT_TEXTS[:2]]
+    params = [SamplingParams(max_tokens=7, ignore_eos=True), SamplingParams(max_tokens=30, ignore_eos=True)]
+    want = _expected(plain, prompts, params)
+    vlink = CountingVerifier(plain.verifier)
+    router = Router(vlink, None, plain.tokenizer, RouterConfig(max_len=256, eos_token_ids=plain.eos_token_ids,
+                                                               lookahead=1, want_features=False, plain_steps=4))
+    router._modes.choose = lambda num_running, drafter_up: "plain"
+    got = _serve(router, prompts, params, [plain.verifier])
+    assert [(t, r) for t, _, r in got] == want
+    assert [len(t) for t, _, _ in got] == [7, 30]
+    both = [s for s in vlink.steps if len(s) == 2]
+    assert len(both) == 2 and all(s == (4, 4) for s in both), vlink.steps
+    assert vlink.steps[-1] == (1,) and all(s == (4,) for s in vlink.steps[2:-1]), vlink.steps
     assert not plain.verifier.requests
 
 
