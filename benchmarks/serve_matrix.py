@@ -260,6 +260,9 @@ def run_matrix(args) -> dict:
     rates = _numbers(args.rates, float)
     if args.no_plain and args.plain_only:
         raise SystemExit("serve_matrix: --no-plain and --plain-only leave no server to run")
+    if args.pair == "demo" and (args.no_plain or args.plain_only):
+        raise SystemExit("serve_matrix: --no-plain and --plain-only are for --pair llama8b (the demo pair "
+                         "always serves --method none and eagle3)")
     backends = [b for b in args.backends.split(",") if b]
     workdir = Path(args.workdir or tempfile.mkdtemp(prefix="spectandem-matrix-"))
     workdir.mkdir(parents=True, exist_ok=True)

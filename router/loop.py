@@ -977,7 +977,7 @@ class Router:
         k = self.cfg.plain_steps
         if k <= 1 or not all(r.params.greedy for r in group):
             return 1
-        room = min(self.cfg.max_len - r.committed_len + 1 for r in group)
+        room = min(r.context_left(self.cfg.max_len) for r in group)
         wanted = max(r.tokens_left(self.cfg.max_len) for r in group)
         steps = max(1, min(k, room, wanted))
         self._capped_plain = self._capped_plain or steps < k

@@ -93,9 +93,13 @@ class ServedRequest:
     def tag(self) -> Tag:
         return Tag(self.request_id, self.epoch, self.committed_len)
 
+    def context_left(self, max_len: int) -> int:
+        """How many tokens a context of max_len still holds for it."""
+        return max_len - self.committed_len + 1
+
     def tokens_left(self, max_len: int) -> int:
         """How many tokens it may still generate: its max_tokens, and a context of max_len."""
-        return min(self.params.max_tokens - len(self.tokens), max_len - self.committed_len + 1)
+        return min(self.params.max_tokens - len(self.tokens), self.context_left(max_len))
 
     def stats(self) -> dict:
         al = (self.accepted_tokens + self.num_rounds) / self.num_rounds if self.num_rounds else 0.0
