@@ -23,7 +23,9 @@ candidate modes per batch size (router/pipeline.py), and a server that has serve
 before has done so, where a first visit spends many of a short run's rounds on modes that lose.
 Each bench run sends one wave of warm-up requests at its concurrency (not measured) and measures. Each record's `exact` says
 whether every output equals the plain greedy output of the same prompt (the `--method none`
-server of the same backend).
+server of the same backend); null where the plain outputs at hand lack some of its prompts. A
+server that does not come up within `--start-timeout` writes every thread's stack to its log
+(serve's SIGUSR2) before it is stopped.
 
 Output: `--out` JSON, {"gpu", "command", "records": [...], "engine_reference": [...]}, and a table.
 
@@ -188,7 +190,8 @@ class Server:
                 if self.proc.poll() is not None:
                     raise RuntimeError(f"serve exited with {self.proc.returncode}:\n{log.read_text()[-3000:]}")
                 if time.monotonic() > deadline:
-                    raise RuntimeError(f"serve did not come up in {timeout:.0f} s:\n{log.read_text()[-3000:]}")
+                    self._dump_stacks()
+                    raise RuntimeError(f"serve did not come up in {timeout:.0f} s:\n{log.read_text()[-6000:]}")
                 time.sleep(0.5)
         except BaseException as exc:
             # Not up: the server goes (its own session: nothing else would stop it) and, where this
@@ -199,6 +202,13 @@ class Server:
                       f"{log.read_text()[-3000:]}", file=sys.stderr, flush=True)
             raise
         self.start_s = time.monotonic() - t0
+
+    def _dump_stacks(self) -> None:
+        """Has a server that did not come up write every thread's stack to its log (serve's
+        faulthandler on SIGUSR2), so that the log says where it was."""
+        if self.proc.poll() is None:
+            os.kill(self.proc.pid, signal.SIGUSR2)
+            time.sleep(2)
 
     def stop(self) -> None:
         if self.proc.poll() is None:
@@ -237,6 +247,14 @@ def bench_serve(port: int, concurrency: int, num_prompts: int, max_tokens: int, 
 def outputs_of(result: dict) -> dict[int, list[int]]:
     """Prompt index -> output token ids of a bench serve result with saved outputs."""
     return {o["prompt_index"]: o["output_token_ids"] for o in result["requests"] if o.get("ok")}
+
+
+def matches_plain(outs: dict[int, list[int]], plain: dict[int, list[int]]) -> bool | None:
+    """Whether every output equals the plain greedy output of its prompt; None (unknown) where
+    the plain outputs lack one of the prompts."""
+    if not outs or any(i not in plain for i in outs):
+        return None
+    return all(plain[i] == ids for i, ids in outs.items())
 
 
 def served_record(backend: str, method: str, rate, concurrency: int, result: dict, exact, serve_args: str = "") -> dict:
@@ -354,7 +372,7 @@ def run_matrix(args) -> dict:
                         plain.update(outs)
                         stored[backend] = plain
                         _save_plain(args.plain_outputs, stored)
-                    exact = all(plain.get(i) == ids for i, ids in outs.items()) if plain else None
+                    exact = matches_plain(outs, plain)
                     rec = served_record(backend, method, rate, c, result, exact, args.serve_args)
                     records.append(rec)
                     if args.out:   # what is measured so far, should a later step fail

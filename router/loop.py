@@ -584,6 +584,11 @@ class Router:
             return
         await self._resync()
         mode = self._mode = self._modes.choose(len(self.running) + len(admit) + len(mixed), self.drafter_up)
+        # The round's measurement for "auto" starts here: the admission a mode makes apart (ahead
+        # and ping-pong prefill new requests before the round, where sequential and plain carry
+        # them in the verify step) is that mode's cost, as the prompts in a verify step are.
+        t0, before, rounds = time.perf_counter(), self._tokens_committed, self.counters.rounds
+        request_rounds = len(self.running) + len(admit) + len(mixed)
         if mode in ("ahead", "pingpong"):
             await self._releases_landed("drafter")   # draft ahead forks requests on the drafter: its slots free first
             if admit or mixed:   # their drafter calls go with the verify
@@ -591,8 +596,6 @@ class Router:
                 admit = mixed = []
                 if not self.running:
                     return
-        t0, before, rounds = time.perf_counter(), self._tokens_committed, self.counters.rounds
-        request_rounds = len(self.running) + len(admit) + len(mixed)
         self._capped_plain = self._drafted_any = False
         self._draft_failed = self._joining = frozenset()
         try:

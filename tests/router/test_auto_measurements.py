@@ -1,7 +1,9 @@
 """Router logic: what "auto" counts as a measurement of a pipeline mode. A speculating round that
 drafted for no request (here: the acceptance switch has speculation off) decoded plainly; counted
 as the speculating mode's, plain decoding's rate would stand for that mode, and "auto" would keep
-plain decoding once drafts are accepted again. Real engines (demo EAGLE-3 pair, CPU, fp32) behind
+plain decoding once drafts are accepted again. And a mode that prefills new requests apart
+(ping-pong, ahead) pays for that prefill in its measurement, as sequential and plain pay for the
+prompts they carry in the verify step. Real engines (demo EAGLE-3 pair, CPU, fp32) behind
 in-process links; greedy tokens must equal plain decoding's throughout."""
 
 from __future__ import annotations
@@ -59,3 +61,61 @@ def test_rounds_with_drafts_measure_their_mode():
     """The control: with the switch left alone, speculating rounds are measurements."""
     measured, drafts = _serve(speculation_off=False)
     assert drafts > 0 and set(measured) - {"plain"}
+
+
+PREFILL_DELAY_S = 0.5
+
+
+def _admission_measured(mode: str) -> tuple[list[tuple[str, float]], int]:
+    """Two greedy requests running in `mode` (chosen by "auto" every round), a third arriving
+    while they run, every verifier prefill taking PREFILL_DELAY_S longer -> (the (mode, seconds)
+    of the rounds "auto" was given as measurements, how many prefills the verifier ran).
+    Greedy tokens must equal plain decoding's."""
+    spec = LocalSpeculator(*demo_paths("eagle3"), SpecConfig(method="eagle3"), max_slots=8, max_len=256)
+    plain = LocalSpeculator(*demo_paths("none"), SpecConfig(method="none"), max_slots=8, max_len=256)
+    prompts = [spec.tokenizer.encode(x).ids for x in PROMPT_TEXTS[:3]]
+    params = [SamplingParams(max_tokens=40, ignore_eos=True)] * 3
+    expected = [c.token_ids for c in plain.generate(prompts, params)]
+
+    async def main():
+        link = LocalVerifierLink(spec.verifier)
+        prefill, prefills = link.prefill, []
+
+        async def slow_prefill(*args, **kwargs):
+            prefills.append(1)
+            await asyncio.sleep(PREFILL_DELAY_S)
+            return await prefill(*args, **kwargs)
+
+        link.prefill = slow_prefill
+        r = Router(link, LocalDrafterLink(spec.drafter), spec.tokenizer, RouterConfig(
+            max_len=256, eos_token_ids=spec.eos_token_ids, lookahead=spec.lookahead, want_features=True,
+            pipeline="auto"))
+        r._modes.choose = lambda num_running, drafter_up: mode
+        measured, record = [], r._modes.record
+        r._modes.record = lambda m, tokens, seconds, *rest: (measured.append((m, seconds)),
+                                                             record(m, tokens, seconds, *rest))
+        r.start()
+        try:
+            first = [asyncio.ensure_future(collect(r, p, sp)) for p, sp in zip(prompts[:2], params[:2])]
+            while r.counters.rounds < 3:   # the two run; the third arrives among their rounds
+                await asyncio.sleep(0.005)
+            done = await asyncio.gather(*first, collect(r, prompts[2], params[2]))
+            await drained(spec)
+            return [toks for toks, _ in done], measured, len(prefills)
+        finally:
+            await r.stop()
+
+    got, measured, prefills = asyncio.run(main())
+    assert got == expected
+    return measured, prefills
+
+
+def test_a_pingpong_round_measures_the_admission_it_makes_apart():
+    """Ping-pong prefills a request that arrives among its rounds before the round (sequential
+    carries it in the verify step, inside its measurement): that round's measurement includes
+    the prefill, so "auto" does not take ping-pong for faster by what it leaves out."""
+    measured, prefills = _admission_measured("pingpong")
+    assert prefills == 2   # the first two together, then the third
+    assert measured and {m for m, _ in measured} == {"pingpong"}
+    assert sum(s >= PREFILL_DELAY_S for _, s in measured) == 1   # the round that admitted the third
+

@@ -1,11 +1,11 @@
-"""benchmarks/serve_matrix.py's --append and --plain-outputs: one matrix measured over several
-invocations."""
+"""benchmarks/serve_matrix.py's --append and --plain-outputs (one matrix measured over several
+invocations), its `exact` against the plain outputs, and a server that does not come up."""
 
 from __future__ import annotations
 
 import pytest
 
-from benchmarks.serve_matrix import _load_plain, _save_plain, appended, check_machine
+from benchmarks.serve_matrix import Server, _load_plain, _save_plain, appended, check_machine, matches_plain
 
 
 def _rec(backend, method, rate, conc, tps):
@@ -50,3 +50,23 @@ def test_plain_outputs_round_trip(tmp_path):
     stored = {"local": {0: [5, 6, 7], 12: [1]}, "grpc": {3: [9]}}
     _save_plain(str(path), stored)
     assert _load_plain(str(path)) == stored
+
+
+def test_exact_is_unknown_where_the_plain_outputs_lack_a_prompt():
+    plain = {0: [5, 6, 7], 1: [8, 9]}
+    assert matches_plain({0: [5, 6, 7], 1: [8, 9]}, plain) is True
+    assert matches_plain({0: [5, 6, 7], 1: [8, 10]}, plain) is False
+    assert matches_plain({0: [5, 6, 7], 2: [1]}, plain) is None   # prompt 2 has no plain output
+    assert matches_plain({}, plain) is None
+
+
+def test_a_server_that_does_not_come_up_leaves_its_stacks_in_its_log(tmp_path):
+    """serve on the CPU warming up 64 requests at once takes far longer than the start timeout:
+    the server is stopped, and its log holds every thread's stack from the moment it was given up."""
+    log = tmp_path / "serve.log"
+    with pytest.raises(RuntimeError, match="did not come up"):
+        Server(["--backend", "local", "--http-port", "0", "--metrics-port", "0", "--max-running", "64",
+                "--warm-up"], log, timeout=12)
+    text = log.read_text()
+    assert "warming up" in text                  # it was up to its warm-up, not still importing
+    assert "most recent call first" in text      # faulthandler's dump of the threads
