@@ -614,6 +614,11 @@ async def serve_async(args, ready_message=True, stop_event: asyncio.Event | None
             say("waiting for the engine processes to load")
         for i, (v, d) in enumerate(pairs):
             suffix = "" if i == 0 else f"-{i}"
+            apart = [f"the {role} at {link.address}" for role, link, given in
+                     (("verifier", v, args.verifier_address), ("drafter", d, args.drafter_address))
+                     if given and link is not None]   # services deployed apart: nothing else says so
+            if apart:
+                say("waiting for " + " and ".join(apart))
             vinfo = await _wait_ready(v, "verifier", process=procs.get(f"verifier{suffix}"))
             _starting(stop)
             dinfo = await _wait_ready(d, "drafter", process=procs.get(f"drafter{suffix}")) if d else None

@@ -20,28 +20,42 @@ from tests.e2e.conftest import PROMPT_TEXTS
 from tests.router.link_harness import collect, drained
 
 
-def _serve(speculation_off: bool):
-    """Four greedy requests through an "auto" router; -> (their tokens, plain decoding's, the
-    modes of the rounds "auto" was given as measurements, whether any round drafted)."""
+def _pair(n: int):
+    """The demo EAGLE-3 pair, n greedy requests of 40 tokens -> (the pair, prompts, params, plain
+    decoding's tokens of each)."""
     spec = LocalSpeculator(*demo_paths("eagle3"), SpecConfig(method="eagle3"), max_slots=8, max_len=256)
     plain = LocalSpeculator(*demo_paths("none"), SpecConfig(method="none"), max_slots=8, max_len=256)
-    prompts = [spec.tokenizer.encode(x).ids for x in PROMPT_TEXTS[:4]]
-    params = [SamplingParams(max_tokens=40, ignore_eos=True)] * 4
-    expected = [c.token_ids for c in plain.generate(prompts, params)]
+    prompts = [spec.tokenizer.encode(x).ids for x in PROMPT_TEXTS[:n]]
+    params = [SamplingParams(max_tokens=40, ignore_eos=True)] * n
+    return spec, prompts, params, [c.token_ids for c in plain.generate(prompts, params)]
+
+
+def _auto_router(spec, verifier_link) -> tuple[Router, list[tuple[str, float]]]:
+    """An "auto" router over the pair -> (it, the (mode, seconds) of each round it gives "auto"
+    as a measurement, appended as they come)."""
+    r = Router(verifier_link, LocalDrafterLink(spec.drafter), spec.tokenizer, RouterConfig(
+        max_len=256, eos_token_ids=spec.eos_token_ids, lookahead=spec.lookahead, want_features=True,
+        pipeline="auto"))
+    measured, record = [], r._modes.record
+    r._modes.record = lambda mode, tokens, seconds, *rest: (measured.append((mode, seconds)),
+                                                            record(mode, tokens, seconds, *rest))
+    return r, measured
+
+
+def _serve(speculation_off: bool):
+    """Four greedy requests through an "auto" router; -> (the modes of the rounds "auto" was
+    given as measurements, whether any round drafted). Their tokens must equal plain decoding's."""
+    spec, prompts, params, expected = _pair(4)
 
     async def main():
-        r = Router(LocalVerifierLink(spec.verifier), LocalDrafterLink(spec.drafter), spec.tokenizer, RouterConfig(
-            max_len=256, eos_token_ids=spec.eos_token_ids, lookahead=spec.lookahead, want_features=True,
-            pipeline="auto"))
+        r, measured = _auto_router(spec, LocalVerifierLink(spec.verifier))
         if speculation_off:
             r._switch.off = lambda round_number: True
-        measured, record = [], r._modes.record
-        r._modes.record = lambda mode, *rest: (measured.append(mode), record(mode, *rest))
         r.start()
         try:
             done = await asyncio.gather(*(collect(r, p, sp) for p, sp in zip(prompts, params)))
             await drained(spec)
-            return [toks for toks, _ in done], measured, r.counters.num_drafts
+            return [toks for toks, _ in done], [m for m, _ in measured], r.counters.num_drafts
         finally:
             await r.stop()
 
@@ -71,11 +85,7 @@ def _admission_measured(mode: str) -> tuple[list[tuple[str, float]], int]:
     while they run, every verifier prefill taking PREFILL_DELAY_S longer -> (the (mode, seconds)
     of the rounds "auto" was given as measurements, how many prefills the verifier ran).
     Greedy tokens must equal plain decoding's."""
-    spec = LocalSpeculator(*demo_paths("eagle3"), SpecConfig(method="eagle3"), max_slots=8, max_len=256)
-    plain = LocalSpeculator(*demo_paths("none"), SpecConfig(method="none"), max_slots=8, max_len=256)
-    prompts = [spec.tokenizer.encode(x).ids for x in PROMPT_TEXTS[:3]]
-    params = [SamplingParams(max_tokens=40, ignore_eos=True)] * 3
-    expected = [c.token_ids for c in plain.generate(prompts, params)]
+    spec, prompts, params, expected = _pair(3)
 
     async def main():
         link = LocalVerifierLink(spec.verifier)
@@ -87,13 +97,8 @@ def _admission_measured(mode: str) -> tuple[list[tuple[str, float]], int]:
             return await prefill(*args, **kwargs)
 
         link.prefill = slow_prefill
-        r = Router(link, LocalDrafterLink(spec.drafter), spec.tokenizer, RouterConfig(
-            max_len=256, eos_token_ids=spec.eos_token_ids, lookahead=spec.lookahead, want_features=True,
-            pipeline="auto"))
+        r, measured = _auto_router(spec, link)
         r._modes.choose = lambda num_running, drafter_up: mode
-        measured, record = [], r._modes.record
-        r._modes.record = lambda m, tokens, seconds, *rest: (measured.append((m, seconds)),
-                                                             record(m, tokens, seconds, *rest))
         r.start()
         try:
             first = [asyncio.ensure_future(collect(r, p, sp)) for p, sp in zip(prompts[:2], params[:2])]
