@@ -102,7 +102,8 @@ def add_serve(sub) -> None:
     p.add_argument("--warm-up", action=argparse.BooleanOptionalAction, default=None,
                    help="before serving, run greedy requests at each batch size up to --max-running (1, 2, 4, ... "
                         "64), so that every CUDA graph of those batches is captured and the pipeline modes are met "
-                        "before the first client (default: on when the verifier runs on a GPU)")
+                        "before the first client; a batch size still running after 180 s writes every thread's "
+                        "stack to stderr (default: on when the verifier runs on a GPU)")
     p.add_argument("--log-level", type=str.upper, choices=["DEBUG", "INFO", "WARNING", "ERROR", "CRITICAL"],
                    default=None, help="logging level (default: $SPECTANDEM_LOG_LEVEL, else WARNING)")
     p.add_argument("--engine-threads", type=positive_int, default=None, metavar="N",
@@ -648,8 +649,12 @@ async def serve_async(args, ready_message=True, stop_event: asyncio.Event | None
         router.start()
         if warm_up_wanted(args):
             sizes = [b for b in WARM_UP_BATCHES if b <= args.max_running]
-            for r in routers:
-                await r.warm_up(sizes, int(tcfg["vocab_size"]), min(128, vinfo.max_len // 4), say, stop)
+            stage = StallDump(say)
+            try:
+                for r in routers:
+                    await r.warm_up(sizes, int(tcfg["vocab_size"]), min(128, vinfo.max_len // 4), stage, stop)
+            finally:
+                stage.close()
         _starting(stop)
         limits = Limits(max_context=vinfo.max_len, vocab_size=int(tcfg["vocab_size"]),
                         max_prompt_chars=prompt_char_limit(tokenizer, vinfo.max_len))
@@ -711,6 +716,30 @@ async def serve_async(args, ready_message=True, stop_event: asyncio.Event | None
 
 
 WARM_UP_BATCHES = (1, 2, 4, 8, 16, 32, 64)   # the engines' CUDA graph batch buckets (spectandem/cuda_graphs.py)
+# A warm-up stage (one batch size) that has not ended after this long has every thread's stack
+# written to stderr, once: a start that stalls says where (on one H100 a stage takes seconds).
+WARM_UP_STALL_S = 180.0
+
+
+class StallDump:
+    """`say` for the warm-up's stages that also arms faulthandler to write every thread's stack
+    to stderr if the stage just announced has not ended `seconds` later (each stage re-arms it;
+    `close` disarms it)."""
+
+    def __init__(self, say, seconds: float = WARM_UP_STALL_S):
+        self.say, self.seconds = say, seconds
+
+    def __call__(self, text: str) -> None:
+        import faulthandler
+
+        self.say(text)
+        faulthandler.dump_traceback_later(self.seconds, exit=False)
+
+    @staticmethod
+    def close() -> None:
+        import faulthandler
+
+        faulthandler.cancel_dump_traceback_later()
 
 
 def warm_up_wanted(args) -> bool:

@@ -22,3 +22,26 @@ def test_warm_up_runs_each_batch_size_before_serving_and_leaves_clean_counters()
         assert server.stub.GetServerStats(generation_pb2.GetServerStatsRequest()).requests_finished == 1
     finally:
         server.close()
+
+
+def test_a_warm_up_stage_that_stalls_writes_every_threads_stack_once():
+    """StallDump: a stage that has not ended after its time has the threads' stacks written to
+    stderr; a stage that ends in time (the next one announced, or close) writes none."""
+    import subprocess
+    import sys
+
+    code = """
+import time
+from router.serve import StallDump
+said = []
+stage = StallDump(said.append, 0.5)
+stage("stage 1"); time.sleep(1.2)                # stalls: one dump
+stage("stage 2"); time.sleep(0.2)                # ends in time
+stage("stage 3"); time.sleep(0.2); stage.close()
+time.sleep(0.8)                                  # disarmed: none
+print(said)
+"""
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.strip() == "['stage 1', 'stage 2', 'stage 3']"
+    assert out.stderr.count("Timeout (") == 1 and "most recent call first" in out.stderr
