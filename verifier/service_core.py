@@ -85,8 +85,12 @@ def _verify_on_engine(engine, tree, tags, plain, want_features, items, on_launch
                                                      features=want_features,
                                                      again=[p.tag.request_id for p in plain if p.again])
     else:
-        rows = root_only_tree([p.tag.request_id for p in plain], [p.tag.committed_len for p in plain],
-                              [p.last_token_id for p in plain]) if plain else None
+        # A plain row rides in the tree's verify padded to its width; one within that many tokens
+        # of its context's end (a request that runs to it) has no room for the padding and is
+        # verified on its own after it.
+        edge = [p for p in plain if tree is not None and p.tag.committed_len - 1 + tree.num_nodes > engine.max_len]
+        inner = [p for p in plain if p not in edge]
+        rows = _root_rows(inner)
         merged = tree if rows is None else (rows if tree is None else concat_trees(tree, rows))
         if merged is None:   # nothing to verify: the prefill alone
             outs, prefilled = [], (engine.prefill(*new.prefill_args()) if new is not None else [])
@@ -94,7 +98,17 @@ def _verify_on_engine(engine, tree, tags, plain, want_features, items, on_launch
             outs, prefilled = (engine.verify(merged) if on_launch is None else engine.verify(merged, on_launch)), []
         else:
             outs, prefilled = engine.verify_with_prefill(merged, new, on_launch)
+        if edge:
+            outs = outs + engine.verify(_root_rows(edge))
     return outs, prefilled
+
+
+def _root_rows(plain: list[PlainItem]) -> DraftTree | None:
+    """The plain items as one-node rows of a verify (None for none)."""
+    if not plain:
+        return None
+    return root_only_tree([p.tag.request_id for p in plain], [p.tag.committed_len for p in plain],
+                          [p.last_token_id for p in plain])
 
 
 def handed_on(verdicts: list[Verdict], want_features: bool, sender: FeatureSender | None = None) -> list[Verdict]:
