@@ -88,8 +88,9 @@ def _verify_on_engine(engine, tree, tags, plain, want_features, items, on_launch
         # A plain row rides in the tree's verify padded to its width; one within that many tokens
         # of its context's end (a request that runs to it) has no room for the padding and is
         # verified on its own after it.
-        edge = [p for p in plain if tree is not None and p.tag.committed_len - 1 + tree.num_nodes > engine.max_len]
-        inner = [p for p in plain if p not in edge]
+        room = engine.max_len - (tree.num_nodes - 1 if tree is not None else 0)
+        inner = [p for p in plain if p.tag.committed_len <= room]
+        edge = [p for p in plain if p.tag.committed_len > room]
         rows = _root_rows(inner)
         merged = tree if rows is None else (rows if tree is None else concat_trees(tree, rows))
         if merged is None:   # nothing to verify: the prefill alone
