@@ -382,7 +382,14 @@ class Router:
         requests are free, and before shutdown."""
         pending = self._releasing if engine is None else self._releasing_on[engine]
         while pending:
-            await asyncio.gather(*list(pending), return_exceptions=True)
+            live = [t for t in pending if not t.done()]
+            if live:
+                await asyncio.gather(*live, return_exceptions=True)
+            else:
+                # Done, their done callbacks (which take them out of `pending`) still queued: a
+                # gather of done tasks returns without yielding to the event loop, so those
+                # callbacks would never run and this loop would hold the thread for good.
+                await asyncio.sleep(0)
 
     async def _schedule(self) -> list[ServedRequest]:
         """Carries out the scheduler's plan (router/scheduler.py): fails the requests that can

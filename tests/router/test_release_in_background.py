@@ -166,3 +166,61 @@ def test_a_verify_carrying_prefills_waits_for_the_verifiers_releases_only():
     assert log.index(("verifier release", ("short",))) < prefilled < released, log
     assert released < log.index(("drafter prefill", ("third",))), log
     assert_clean(verifier, drafter)
+
+
+_LANDED_WAIT = """
+import asyncio
+import sys
+from router.loop import Router
+from tests.router.fakes import OracleVerifier, ScriptedDrafter, Tokenizer
+from tests.router.test_router_fakes import config
+
+if sys.version_info < (3, 12):
+    # Python 3.12's gather: where every child is done, the outer future is done at once, so that
+    # awaiting it does not yield to the event loop. Before 3.12 it always yielded.
+    plain_gather = asyncio.gather
+
+    def gather(*children, return_exceptions=False):
+        if children and all(isinstance(c, asyncio.Future) and c.done() for c in children):
+            outer = asyncio.get_running_loop().create_future()
+            outer.set_result([c.exception() or c.result() if return_exceptions else c.result() for c in children])
+            return outer
+        return plain_gather(*children, return_exceptions=return_exceptions)
+
+    asyncio.gather = gather
+
+async def go():
+    router = Router(OracleVerifier(), ScriptedDrafter(), Tokenizer(), config())
+    loop = asyncio.get_running_loop()
+    for side in ("verifier", "drafter", None):
+        pending = router._releasing if side is None else router._releasing_on[side]
+        landed = loop.create_future()
+        pending.add(landed)
+        landed.add_done_callback(pending.discard)
+        landed.set_result(None)   # landed; the callback that takes it out of `pending` is still queued
+        await router._releases_landed(side)
+        assert not pending, (side, pending)
+    print("returned")
+
+asyncio.run(go())
+"""
+
+
+def test_waiting_for_releases_returns_when_they_landed_but_their_callbacks_are_queued():
+    """A prefill waits for the releases under way on its engine (`_releases_landed`). A release
+    that has just landed stays in the set until its done callback runs on the event loop; the
+    wait must let that callback run rather than wait again on the done task, which returns
+    without yielding to the loop and so would spin for good (a served GPU once stopped this way in
+    its warm-up, every thread idle but the loop's). In a process of its own, bounded in time, with
+    Python 3.12's gather on older Pythons."""
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[2]
+    try:
+        done = subprocess.run([sys.executable, "-c", _LANDED_WAIT], cwd=root, capture_output=True, text=True,
+                              timeout=30)
+    except subprocess.TimeoutExpired:
+        raise AssertionError("the wait for landed releases never returned") from None
+    assert done.returncode == 0 and done.stdout.strip() == "returned", done.stderr[-2000:]
