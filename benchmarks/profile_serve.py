@@ -359,6 +359,7 @@ def main(argv: list[str] | None = None) -> int:
             ahead0 = _ahead_counts(served.state)
             gpu = []
             trace_dir = Path(a.trace_dir) if a.trace_dir else work
+            trace_dir.mkdir(parents=True, exist_ok=True)
             during = (lambda: gpu.append(_device_trace(router, a.gpu_trace, trace_dir / f"trace-c{c}.json", a.trace_host))
                       if a.gpu_trace > 0 else None)
             sampler.start()
