@@ -1,19 +1,48 @@
 """The in-process links of router/links.py: the engines of this process, each call run in a
 worker thread (each engine's own, or one both share on the CPU) so the event loop keeps
 streaming while a forward runs. What both share (a worker
-thread, a CUDA stream, busy time) is router/local_base.py."""
+thread, a CUDA stream, busy time) is router/local_base.py.
+
+Where each engine has a worker thread of its own (on GPUs), the two links can share a
+TreeHandOff (spectandem/channel/trees.py), the tree channel of one process: a draft call with a
+round to post hands its trees to the verifier's thread as soon as its stream is done, and a
+verify whose handle is that round's TreeRoute takes them there, so a sequential round sends its
+draft and its verify together and the verify starts without a turn of the event loop between
+them."""
 
 from __future__ import annotations
 
-from spectandem.protocol import DraftHandle
+from spectandem.protocol import DraftHandle, TreeRoute
 from router.local_base import _LocalLink
+
+
+def _check_trees(trees, thread) -> None:
+    if trees is not None and thread is not None:
+        raise ValueError("a tree hand-off needs a worker thread for each engine: a verify waiting for its trees "
+                         "on a shared thread would keep the draft that posts them from running")
 
 
 class LocalVerifierLink(_LocalLink):
     role = "verifier"
 
-    def __init__(self, engine, model_name: str = "target", thread=None):
+    def __init__(self, engine, model_name: str = "target", thread=None, trees=None):
+        """`trees`: the TreeHandOff this link's verifies take a TreeRoute's trees from (None: a
+        TreeRoute finds no trees)."""
+        _check_trees(trees, thread)
         super().__init__(engine, model_name, thread)
+        self.trees = trees
+
+    def _routed(self, fn):
+        """`fn(engine, tree, tags, *rest)` for the worker thread, whose tree and tags, where the
+        handle is a TreeRoute, are those the drafter hands off for its round (none: the verify
+        goes on with its plain rows)."""
+        def run(engine, tree, tags, *rest):
+            if isinstance(tree, TreeRoute):
+                with self.clock.timing("verify.tree_wait"):
+                    taken = self.trees.take(tree.round_id, tree.wait_s) if self.trees is not None else None
+                tree, tags = taken if taken is not None else (None, [])
+            return fn(engine, tree, tags, *rest)
+        return run
 
     async def prefill(self, items, want_features):
         from verifier.service_core import verifier_prefill
@@ -24,13 +53,14 @@ class LocalVerifierLink(_LocalLink):
         """`on_launch()`: from the worker thread, once the forward is queued (VerifierEngine.verify)."""
         from verifier.service_core import verifier_verify
 
-        return await self._run("verify", verifier_verify, self.engine, draft.payload if draft else None,
+        return await self._run("verify", self._routed(verifier_verify), self.engine, draft.payload if draft else None,
                                list(draft.tags) if draft else [], plain, want_features, None, on_launch)
 
     async def verify_prefill(self, draft, plain, want_features, items, prefill_features, on_launch=None):
         from verifier.service_core import verifier_verify_prefill
 
-        return await self._run("verify", verifier_verify_prefill, self.engine, draft.payload if draft else None,
+        return await self._run("verify", self._routed(verifier_verify_prefill), self.engine,
+                               draft.payload if draft else None,
                                list(draft.tags) if draft else [], plain, want_features, list(items),
                                prefill_features, None, on_launch)
 
@@ -46,6 +76,8 @@ class LocalVerifierLink(_LocalLink):
         from verifier.service_core import verifier_info
 
         info = verifier_info(self.engine, self.model_name)
+        if self.trees is not None:
+            info.extra["tree_channel"] = self.trees.state
         info.calls = self.clock.stats()
         return info
 
@@ -56,8 +88,11 @@ class LocalVerifierLink(_LocalLink):
 class LocalDrafterLink(_LocalLink):
     role = "drafter"
 
-    def __init__(self, engine, model_name: str = "draft", thread=None):
+    def __init__(self, engine, model_name: str = "draft", thread=None, trees=None):
+        """`trees`: the TreeHandOff a draft with a round to post hands its trees to."""
+        _check_trees(trees, thread)
         super().__init__(engine, model_name, thread)
+        self.trees = trees
 
     async def prefill(self, items):
         from drafter.service_core import drafter_prefill
@@ -65,14 +100,33 @@ class LocalDrafterLink(_LocalLink):
         return await self._run("prefill", drafter_prefill, self.engine, items)
 
     async def draft(self, tags, num_steps=None, extend=(), post_round=0):
-        """`extend` and the trees in one worker call."""
+        """`extend` and the trees in one worker call; with `post_round`, the trees handed to the
+        verifier's thread as that round once this engine's stream is done (the handle then carries
+        none)."""
         from drafter.service_core import drafter_extend_and_draft
 
-        if post_round:
-            raise ValueError("the in-process drafter has no tree channel: its trees go with the handle")
-        tree, known, unknown = await self._run("draft", drafter_extend_and_draft, self.engine, list(tags), num_steps,
-                                               list(extend))
-        return DraftHandle(known, tree, unknown)
+        if not post_round:
+            tree, known, unknown = await self._run("draft", drafter_extend_and_draft, self.engine, list(tags),
+                                                   num_steps, list(extend))
+            return DraftHandle(known, tree, unknown)
+        if self.trees is None:
+            return DraftHandle([], None, [], False)   # nothing to post through: the router drafts without it
+
+        def drafted_and_handed(engine, tags, num_steps, extend):
+            try:
+                tree, known, unknown = drafter_extend_and_draft(engine, tags, num_steps, extend)
+                if self._stream is not None:
+                    self._stream.synchronize()   # the trees are complete before the verifier reads them
+            except BaseException as exc:
+                self.trees.post(post_round, None, reason=f"the draft failed: {type(exc).__name__}: {exc}")
+                raise
+            if tree is None:
+                return known, unknown, self.trees.post(post_round, None, reason="no request left to draft for")
+            return known, unknown, self.trees.post(post_round, tree, known)
+
+        known, unknown, posted = await self._run("draft", drafted_and_handed, self.engine, list(tags), num_steps,
+                                                 list(extend))
+        return DraftHandle(known, None, unknown, posted)
 
     async def draft_ahead(self, tags, extend=()):
         from drafter.service_core import drafter_draft_ahead
@@ -96,6 +150,8 @@ class LocalDrafterLink(_LocalLink):
         from drafter.service_core import drafter_info
 
         info = drafter_info(self.engine, self.model_name)
+        if self.trees is not None:
+            info.extra["tree_channel"] = self.trees.state
         info.calls = self.clock.stats()
         return info
 

@@ -84,7 +84,9 @@ def add_serve(sub) -> None:
                    help="a round's draft trees go drafter -> verifier over a socket between the two engines, and "
                         "the round's draft and verify calls go out together, so that a round waits on one call to "
                         "the engines, not two in a row (default: on when this command starts both engines, "
-                        "--backend grpc or ray, and speculates; --no-tree-channel: trees through the router)")
+                        "--backend grpc or ray, and speculates, and with --backend local where an engine is on a "
+                        "GPU, each engine then having a worker thread of its own, the trees handed between the "
+                        "two in this process; --no-tree-channel: trees through the router)")
     p.add_argument("--engine-restarts", type=int, default=5,
                    help="--backend grpc: restarts of an engine process started here within "
                         "--engine-restart-window, after which it stays down (a verifier that stays down ends "
@@ -197,14 +199,27 @@ def feature_channel(args) -> str | None:
 
 def tree_channel(args) -> bool:
     """Whether serve opens the tree channel between the engines of each pair: --tree-channel, by
-    default where this command starts both engines (--backend grpc or ray, no
-    --verifier-address/--drafter-address)."""
+    default where this command starts both engines in other processes (--backend grpc or ray, no
+    --verifier-address/--drafter-address) or in this one with a worker thread each (--backend
+    local with an engine on a GPU: `_own_threads`; on the CPU both engines share one thread)."""
     started_here = args.backend in ("grpc", "ray") and not args.verifier_address and not args.drafter_address
+    local = args.backend == "local" and _own_threads(args)
     value = getattr(args, "tree_channel", None)
-    if value and not started_here:
-        raise ValueError("--tree-channel connects engines this command starts (--backend grpc or ray); give "
+    if value and args.backend == "local" and not local:
+        raise ValueError("--tree-channel with --backend local needs an engine on a GPU: on the CPU both engines "
+                         "share one worker thread, where a verify waiting for its trees would keep the draft from "
+                         "running")
+    if value and not (started_here or local):
+        raise ValueError("--tree-channel connects engines this command starts (--backend grpc, ray or local); give "
                          "separately deployed services their own --tree-channel")
-    return started_here if value is None else value
+    return (started_here or local) if value is None else value
+
+
+def _own_threads(args) -> bool:
+    """--backend local: whether each engine gets a worker thread of its own (one of them on a GPU;
+    on the CPU both share one, spectandem/devices.py cpu_engine_thread)."""
+    verifier_device, drafter_device = args.engine_devices
+    return is_cuda(verifier_device) or is_cuda(drafter_device or verifier_device)
 
 
 def _num_replicas(args) -> int:
@@ -335,13 +350,17 @@ async def _build_links(args, cfg, target, draft, index: int = 0, supervisor=None
         config = dataclasses.replace(config, device=verifier_device)
         say(_loading("loading", cfg, target, draft) + " in this process")
         spec = LocalSpeculator.from_config(config, drafter_device=drafter_device)
-        thread = None
-        if not is_cuda(verifier_device) and not is_cuda(drafter_device or verifier_device):
+        thread = trees = None
+        if not _own_threads(args):
             from spectandem.devices import cpu_engine_thread
 
             thread = cpu_engine_thread(args.engine_threads or 1)
-        v = LocalVerifierLink(spec.verifier, Path(target).name, thread)
-        d = LocalDrafterLink(spec.drafter, Path(draft).name if draft else "", thread) if spec.drafter else None
+        elif spec.drafter is not None and tree_channel(args):
+            from spectandem.channel import TreeHandOff
+
+            trees = TreeHandOff()
+        v = LocalVerifierLink(spec.verifier, Path(target).name, thread, trees)
+        d = LocalDrafterLink(spec.drafter, Path(draft).name if draft else "", thread, trees) if spec.drafter else None
 
         async def cleanup():
             if thread is not None:

@@ -42,14 +42,14 @@ ordinary Features call. A restarted drafter does not rejoin (the verifier's send
 
 Modules: wire.py (header, references, the two-rank group), ring.py (the payload ring),
 sender.py, receiver.py; trees.py, the channel of the other direction: a round's draft trees,
-drafter -> verifier, over a socket of their own.
+drafter -> verifier, over a socket of their own (TreeHandOff: between two engines of one process).
 """
 
 from spectandem.channel.receiver import FeatureReceiver
 from spectandem.channel.sender import FeatureSender
-from spectandem.channel.trees import TreeMailbox, TreePoster
+from spectandem.channel.trees import TreeHandOff, TreeMailbox, TreePoster
 from spectandem.channel.wire import (MAX_ITEMS, NCCL_ERROR_HANDLING, ChannelRef, FeatureChannelError,  # noqa: F401
                                      _Group, parse_address)   # (_Group: tests)
 
 __all__ = ["MAX_ITEMS", "NCCL_ERROR_HANDLING", "ChannelRef", "FeatureChannelError", "FeatureReceiver", "FeatureSender",
-           "TreeMailbox", "TreePoster", "parse_address"]
+           "TreeHandOff", "TreeMailbox", "TreePoster", "parse_address"]

@@ -254,6 +254,58 @@ class TreePoster:
             _shut(sock)
 
 
+
+class TreeHandOff:
+    """The tree channel between two engines of one process (serve --backend local where each
+    engine has a worker thread of its own): the drafter's thread `post`s a round's trees as
+    objects, the verifier's thread `take`s them, waiting on a condition; nothing is serialized
+    and no event loop turn lies between the draft and the verify. The mailbox's rules: a round's
+    trees stay until a later round is taken, at most _KEEP rounds are kept, and `take` returns
+    None where the drafter posted none for the round or nothing came within its timeout. The two
+    ends must not share one worker thread: a verify waiting for its trees would then keep the
+    draft that posts them from running."""
+
+    state = "up"
+
+    def __init__(self):
+        self._cond = threading.Condition()
+        self._box: dict[int, tuple[object, list] | str] = {}
+        self.trees_taken = self.trees_missed = self.trees_posted = 0
+
+    def post(self, round_id: int, tree, tags: list | None = None, reason: str = "") -> bool:
+        """Round `round_id`'s `tree` (a DraftTree on the host or the verifier's device) for `tags`;
+        tree None: none comes this round, for `reason`. Always True (the hand-off is always up)."""
+        with self._cond:
+            self._box[round_id] = (tree, list(tags or ())) if tree is not None else (reason or "no tree")
+            while len(self._box) > _KEEP:
+                del self._box[min(self._box)]
+            if tree is not None:
+                self.trees_posted += 1
+            self._cond.notify_all()
+        return True
+
+    def take(self, round_id: int, timeout_s: float):
+        """(the trees posted for `round_id`, their tags), or None: none was posted for it, or
+        nothing came within `timeout_s`."""
+        deadline = time.monotonic() + timeout_s
+        with self._cond:
+            while round_id not in self._box:
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    self.trees_missed += 1
+                    log.warning("tree hand-off: no tree for round %d (nothing came within %.1f s)", round_id, timeout_s)
+                    return None
+                self._cond.wait(left)
+            entry = self._box[round_id]
+            for r in [r for r in self._box if r < round_id]:   # earlier rounds are done with
+                del self._box[r]
+        if isinstance(entry, str):
+            self.trees_missed += 1
+            log.info("tree hand-off: the drafter has no tree for round %d (%s)", round_id, entry)
+            return None
+        self.trees_taken += 1
+        return entry
+
 def _listen(host: str, port: int, wait_s: float = 10.0) -> socket.socket:
     """A listening socket at (host, port). A verifier started again binds its old port, which its
     drafter's attempts to connect may hold for an instant (a connection to itself, which it then
