@@ -22,7 +22,7 @@ from spectandem.config import SamplingParams, SpecConfig
 from spectandem.devices import to_device, to_device_all
 from spectandem.block_manager import KVCacheFull
 from spectandem.kv_cache import PagedKVCache
-from spectandem.modeling.ops import FUSED_OPS
+from spectandem.modeling.ops import FUSED_OPS, HOST_OPS
 
 
 @dataclass
@@ -235,6 +235,8 @@ class EagleProposer(Proposer):
         self.last_logits: dict[str, torch.Tensor] = {}   # [Vd]
         if cuda_graphs:   # the GPU fast path: fused kernels in the head's steps too
             self.head = head = head.with_ops(FUSED_OPS)
+        elif self.device.type == "cpu":   # fewer, larger ops: on the CPU each op's dispatch counts
+            self.head = head = head.with_ops(HOST_OPS)
         self.chain = ChainGraphs(head, self.cache) if cuda_graphs else None
         self.catch_up_graphs = CatchUpGraphs(head, self.cache) if cuda_graphs else None
         self.ahead_graphs = AheadChainGraphs(head, self.cache, graph=cuda_graphs) if cfg.topk == 1 else None

@@ -9,6 +9,11 @@ that has more than one implementation. Three backends:
   projections as one GEMM each over packed weights, and the projections through `fast_linear`
   (the skinny GEMM at a few rows); the draft head's attention writes its rotated K/V and reads
   them in place on the paged cache. The packed GEMM may differ from separate ones in the last bits.
+- `HOST_OPS`, a draft head's CPU path (EagleProposer on the CPU): the q/k/v and gate/up
+  projections as one GEMM each over packed weights, fp32 RMSNorm as `F.rms_norm` and the
+  attention as one `F.scaled_dot_product_attention`. On the CPU a draft step's ops are small
+  enough that each one's dispatch is much of its time; these take about half of the head's ops
+  away. The drafts may differ in the last bits: exactness does not depend on them.
 - `INVARIANT_OPS`: the batch-invariant kernels of spectandem/kernels/batch_invariant.py, where a
   row's result depends on its own token, position and keys only (the verifier's
   `--batch-invariant`); its cache view is a `spectandem.modeling.llama.InvariantBatch`.
@@ -146,6 +151,34 @@ class FusedOps(ModelOps):
         return self.linear(attn.o_proj, cache.attend_rows(0, q, mask, scale))
 
 
+class HostOps(ModelOps):
+    name = "host"
+    packed = True
+
+    def project(self, module, x):
+        return list(F.linear(x, module.packed_weight, module.packed_bias).split(module.packed_sizes, dim=-1))
+
+    def norm(self, norm, x):
+        if x.dtype == torch.float32 and norm.weight.dtype == torch.float32:   # the reference's statistics are fp32 too
+            return F.rms_norm(x, (x.shape[-1],), norm.weight, norm.eps)
+        return norm(x)
+
+    def query_rows_attention(self, attn, x, cos, sin, rows, cache, mask, scale):
+        b, t, _ = x.shape
+        nh, nkv, hd = attn.num_heads, attn.num_kv_heads, attn.head_dim
+        q, k, v = self.project(attn, x)
+        cos_q, sin_q = (cos, sin) if rows is None else (gather_rows(cos, rows), gather_rows(sin, rows))
+        if rows is not None:
+            q = gather_rows(q, rows)
+        tq = q.shape[1]
+        q = apply_rotary(q.view(b, tq, nh, hd).transpose(1, 2), cos_q, sin_q)
+        k_all, v_all = cache.update(0, apply_rotary(k.view(b, t, nkv, hd).transpose(1, 2), cos, sin),
+                                    v.view(b, t, nkv, hd).transpose(1, 2))
+        out = F.scaled_dot_product_attention(q, k_all, v_all, attn_mask=mask[:, None], scale=scale,
+                                             enable_gqa=nh != nkv)
+        return self.linear(attn.o_proj, out.transpose(1, 2).reshape(b, tq, nh * hd))
+
+
 class InvariantOps(ModelOps):
     name = "invariant"
 
@@ -191,4 +224,5 @@ def _fused():
 
 TORCH_OPS = ModelOps()
 FUSED_OPS = FusedOps()
+HOST_OPS = HostOps()
 INVARIANT_OPS = InvariantOps()

@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from spectandem.kv_cache import KVCache, PagedKVCache
-from spectandem.modeling.ops import FUSED_OPS, TORCH_OPS
+from spectandem.modeling.ops import FUSED_OPS, HOST_OPS, TORCH_OPS
 from tests.drafter.proposer_helpers import _gen
 
 
@@ -71,6 +71,32 @@ def test_fast_path_matches_the_torch_code(head, rows_subset, paged, monkeypatch)
         assert r.shape == g.shape, name
         torch.testing.assert_close(g, r, atol=1e-5, rtol=1e-5, msg=name)
     assert torch.equal(got[1].argmax(-1), ref[1].argmax(-1))
+
+
+@torch.no_grad()
+@pytest.mark.parametrize("paged", [False, True], ids=["contiguous", "paged"])
+@pytest.mark.parametrize("rows_subset", [False, True], ids=["every-row", "query-rows"])
+def test_the_cpu_path_matches_the_torch_code(head, rows_subset, paged):
+    """HOST_OPS (EagleProposer's choice on the CPU): packed q/k/v and gate/up GEMMs, F.rms_norm,
+    one scaled_dot_product_attention; held to the torch code within fp32 ulps, same argmaxes."""
+    host = copy.deepcopy(head).with_ops(HOST_OPS)
+    assert host.ops is HOST_OPS and host.layer.self_attn.packed_weight is not None
+    assert host.layer.mlp.packed_weight is not None
+    ref, got = _run(head, rows_subset, paged), _run(host, rows_subset, paged)
+    for name, r, g in zip(("hidden", "logits", "k", "v"), ref, got):
+        assert r.shape == g.shape, name
+        torch.testing.assert_close(g, r, atol=1e-5, rtol=1e-5, msg=name)
+    assert torch.equal(got[1].argmax(-1), ref[1].argmax(-1))
+
+
+@torch.no_grad()
+def test_the_proposer_drafts_with_the_cpu_path_on_the_cpu(head):
+    from drafter.proposers import EagleProposer
+    from spectandem.config import SpecConfig
+
+    proposer = EagleProposer(head, SpecConfig(method="eagle3"), max_slots=2, max_len=64)
+    assert proposer.head.ops is HOST_OPS and head.ops is TORCH_OPS, "a twin: the head given is unchanged"
+    assert all(a is b for a, b in zip(proposer.head.parameters(), head.parameters())), "the same weights"
 
 
 @torch.no_grad()
