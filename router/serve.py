@@ -112,9 +112,10 @@ def add_serve(sub) -> None:
                    help="torch CPU threads of each engine, in this process (--backend local) or in the engine "
                         "processes serve starts (default: $OMP_NUM_THREADS where set; else the cores this process "
                         "may use less one, a core staying with the router and the gRPC server, shared evenly among "
-                        "the processes that run engines, at least 1 each: one per engine and replica for grpc and "
-                        "ray; --backend local on the CPU, whose engines take turns on one thread while the router "
-                        "waits for them: every core)")
+                        "the processes that run engines, at least 1 each: one per engine and replica for ray, and "
+                        "for grpc on GPUs; --backend local on the CPU, whose engines take turns on one thread while "
+                        "the router waits for them, and --backend grpc on the CPU, whose engine processes take "
+                        "turns: every core of the replica)")
     add_ops_flags(p)
     p.set_defaults(func=_serve)
 
@@ -166,9 +167,12 @@ def engine_processes(args) -> int:
     """How many processes share the cores an engine runs on: this one (--backend local), else one
     per engine (the drafter's unless --method none) of each replica started on this machine; on a
     Ray cluster joined with --ray-address, those of one replica (its placement group keeps a pair
-    on one node; where the other replicas go is Ray's choice)."""
+    on one node; where the other replicas go is Ray's choice). --backend grpc on the CPU: one per
+    replica, whose engine processes take its cores in turn (`cores_per_replica`)."""
     if args.backend == "local":
         return 1
+    if cores_per_replica(args):
+        return _num_replicas(args)
     pair = 1 if args.method == "none" else 2
     if args.backend == "ray" and args.ray_address:
         return pair
@@ -412,7 +416,8 @@ async def _build_links(args, cfg, target, draft, index: int = 0, supervisor=None
     if commands:
         say(_loading(f"starting engine processes ({', '.join(commands)}), loading", cfg, target, draft))
     for role, argv in commands.items():
-        procs[role] = supervisor.start(role if index == 0 else f"{role}-{index}", argv)
+        procs[role] = supervisor.start(role if index == 0 else f"{role}-{index}", argv,
+                                       getattr(args, "engine_env", None))
     if "verifier" in commands:
         verifier_address = f"localhost:{commands['verifier'][4]}"
     if "drafter" in commands:
@@ -818,7 +823,42 @@ def _engines_on_cpu(device: str) -> bool:
         return False
 
 
-def configure_process(args, omp_num_threads: str | None) -> None:
+# How long an idle OpenMP thread of a CPU engine process spins before it sleeps (libgomp's
+# GOMP_SPINCOUNT, in spin iterations) where a pair's two engine processes take turns on the same
+# cores (`cores_per_replica`). libgomp's own default (300,000 where a process has no more threads than cores) keeps the
+# idle engine's threads spinning into the other's turn. On the 2-core CPU (demo pair, gRPC, two
+# torch threads each, concurrency 1) EAGLE-3 served 163.7 tok/s with libgomp's default, 210.5 at
+# 5,000, 231.4 at 30,000 and 266.4 at 100,000, against 170.5 with one thread each
+# (benchmarks/results/engine-threads-cpu-2core.txt).
+PAIR_SPIN_COUNT = 100_000
+
+
+def cores_per_replica(args) -> bool:
+    """Whether the engine processes serve starts take the cores of their replica in turn rather
+    than a share each: --backend grpc on the CPU, neither engine given by address. A pair's two
+    processes take turns (the drafter drafts while the verifier waits for its trees, then the
+    verifier verifies), and a plain replica's one engine leaves the router little to do while it
+    computes. On the 2-core CPU (demo pair, concurrency 1) two torch threads each served plain
+    decoding at 183.3 tok/s against 130.0 with one, and EAGLE-3 at 266.4 against 170.5 with the
+    pair's spinning bounded (`engine_env`). Over Ray the actors keep a share each: there two
+    threads each served EAGLE-3 slower (148.4 against 207.9 tok/s) and plain no faster (152.4
+    against 158.9), Ray's own threads in the actor processes competing for the cores."""
+    return (args.backend == "grpc" and _engines_on_cpu(args.device)
+            and not args.verifier_address and not args.drafter_address)
+
+
+def engine_env(args, environ) -> dict[str, str]:
+    """Environment variables serve adds to the engine processes it starts: GOMP_SPINCOUNT =
+    PAIR_SPIN_COUNT for a speculating pair whose processes take turns on the cores
+    (`cores_per_replica`) with more than one torch thread each, unless `environ` (serve's own environment) sets GOMP_SPINCOUNT or
+    OMP_WAIT_POLICY, which the engines then inherit."""
+    if (cores_per_replica(args) and args.method != "none" and (args.engine_threads or 1) > 1
+            and not environ.get("GOMP_SPINCOUNT") and not environ.get("OMP_WAIT_POLICY")):
+        return {"GOMP_SPINCOUNT": str(PAIR_SPIN_COUNT)}
+    return {}
+
+
+def configure_process(args, omp_num_threads: str | None, environ=None) -> None:
     """The process-wide settings serve makes before any engine loads: each engine's torch
     threads (`engine_threads`, into args.engine_threads), and with --backend local, where the
     engines run in this process, those threads and the interpreter's switch interval."""
@@ -826,7 +866,8 @@ def configure_process(args, omp_num_threads: str | None) -> None:
     # cpu_engine_thread) while the router waits for them, so by default they take every core.
     on_cpu_here = args.backend == "local" and _engines_on_cpu(args.device)
     args.engine_threads = engine_threads(args.engine_threads, omp_num_threads, engine_processes(args),
-                                         router_core=not on_cpu_here)
+                                         router_core=not (on_cpu_here or cores_per_replica(args)))
+    args.engine_env = engine_env(args, environ or {})
     if args.backend == "local":
         from router.local_base import shorten_switch_interval
         from spectandem.devices import set_cpu_threads
@@ -856,7 +897,7 @@ def _serve(args) -> int:
         logging.basicConfig(level=level, format="%(asctime)s %(levelname)s %(name)s %(message)s")
     if args.api_key is None:
         args.api_key = os.environ.get("SPECTANDEM_API_KEY") or None
-    configure_process(args, os.environ.get("OMP_NUM_THREADS"))
+    configure_process(args, os.environ.get("OMP_NUM_THREADS"), os.environ)
     try:
         asyncio.run(serve_async(args))
     except (StartStopped, asyncio.CancelledError):   # told to end while it started: it cleaned up

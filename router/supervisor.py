@@ -20,6 +20,7 @@ from __future__ import annotations
 import asyncio
 import collections
 import logging
+import os
 import signal
 import subprocess
 import sys
@@ -63,8 +64,9 @@ class EngineProcess:
 
     TAIL_LINES = 40
 
-    def __init__(self, role: str, argv: list[str]):
-        self.role, self.argv = role, list(argv)
+    def __init__(self, role: str, argv: list[str], env: dict[str, str] | None = None):
+        """`env`: variables added to this process's environment for the engine (None: its own)."""
+        self.role, self.argv, self.env = role, list(argv), dict(env or {})
         self.popen: subprocess.Popen | None = None
         self.tail: collections.deque[str] = collections.deque(maxlen=self.TAIL_LINES)
         self.restarts: collections.deque[float] = collections.deque()   # times of restarts
@@ -73,7 +75,8 @@ class EngineProcess:
 
     def start(self) -> None:
         self.tail.clear()
-        self.popen = subprocess.Popen(self.argv, stderr=subprocess.PIPE)
+        self.popen = subprocess.Popen(self.argv, stderr=subprocess.PIPE,
+                                      env={**os.environ, **self.env} if self.env else None)
         self._reader = threading.Thread(target=self._pass_stderr, args=(self.popen.stderr,), daemon=True,
                                         name=f"{self.role}-stderr")
         self._reader.start()
@@ -139,8 +142,8 @@ class EngineSupervisor:
         self._task: asyncio.Task | None = None
         self._stopping: asyncio.Event | None = None
 
-    def start(self, role: str, argv: list[str]) -> EngineProcess:
-        e = EngineProcess(role, argv)
+    def start(self, role: str, argv: list[str], env: dict[str, str] | None = None) -> EngineProcess:
+        e = EngineProcess(role, argv, env)
         e.start()
         self.engines[role] = e
         return e

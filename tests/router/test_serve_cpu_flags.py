@@ -80,7 +80,7 @@ def test_engine_processes_count_each_engine_of_each_replica_outside_this_process
 
     def args(**kw):
         base = dict(backend="grpc", method="eagle3", replicas=None, verifier_address=None, drafter_address=None,
-                    ray_address=None)
+                    ray_address=None, device="cuda:0")
         return Namespace(**{**base, **kw})
 
     assert engine_processes(args(backend="local")) == 1
@@ -91,6 +91,49 @@ def test_engine_processes_count_each_engine_of_each_replica_outside_this_process
     assert engine_processes(args(backend="ray", replicas=3, method="none")) == 3
     # Joining a cluster: a replica's pair shares a node; the replicas' nodes are Ray's choice.
     assert engine_processes(args(backend="ray", replicas=4, ray_address="auto")) == 2
+    # gRPC on the CPU: a replica's engine processes take its cores in turn.
+    assert engine_processes(args(device="cpu")) == engine_processes(args(device="cpu", method="none")) == 1
+    assert engine_processes(args(device="cpu", replicas=3)) == 3
+    assert engine_processes(args(device="cpu", backend="ray")) == 2
+    assert engine_processes(args(device="cpu", verifier_address=["h:1"])) == 2
+
+
+def test_a_grpc_pair_on_the_cpu_takes_every_core_and_bounds_its_spinning():
+    from router.serve import PAIR_SPIN_COUNT, configure_process
+    from spectandem.cli import build_parser
+
+    cores = len(os.sched_getaffinity(0))
+
+    def configured(*argv, environ=None, omp=None):
+        args = build_parser().parse_args(["serve", "--device", "cpu", *argv])
+        configure_process(args, omp, environ or {})
+        return args.engine_threads, args.engine_env
+
+    spin = {"GOMP_SPINCOUNT": str(PAIR_SPIN_COUNT)}
+    assert configured("--backend", "grpc") == (cores, spin if cores > 1 else {})
+    assert configured("--backend", "grpc", "--engine-threads", "2") == (2, spin)
+    assert configured("--backend", "grpc", "--engine-threads", "1") == (1, {})
+    assert configured("--backend", "grpc", "--method", "none", "--engine-threads", "2") == (2, {})   # one engine
+    assert configured("--backend", "grpc", "--replicas", "2", "--engine-threads", "2")[1] == spin
+    # The operator's own OpenMP settings win.
+    assert configured("--backend", "grpc", "--engine-threads", "2", environ={"GOMP_SPINCOUNT": "5"}) == (2, {})
+    assert configured("--backend", "grpc", "--engine-threads", "2", environ={"OMP_WAIT_POLICY": "active"}) == (2, {})
+    assert configured("--backend", "grpc", omp="1") == (1, {})
+    # Ray's actors keep a share each, and never get the variable.
+    assert configured("--backend", "ray", "--engine-threads", "2") == (2, {})
+    assert configured("--backend", "ray")[0] == max(1, (cores - 1) // 2)
+
+
+def test_engine_processes_get_the_variables_serve_adds_and_keep_its_environment(tmp_path):
+    from router.supervisor import EngineProcess
+
+    code = "import os, sys; sys.stderr.write(os.environ.get('GOMP_SPINCOUNT', '-') + ' ' + os.environ.get('PATH', '-') + '\\n')"
+    for env, want in (({"GOMP_SPINCOUNT": "100000"}, "100000"), (None, os.environ.get("GOMP_SPINCOUNT", "-"))):
+        e = EngineProcess("probe", [sys.executable, "-c", code], env)
+        e.start()
+        assert e.popen.wait(60) == 0
+        e._reader.join(30)
+        assert e.tail[-1] == f"{want} {os.environ.get('PATH', '-')}", list(e.tail)
 
 
 def test_local_engines_on_the_cpu_take_turns_on_one_thread_with_its_own_torch_threads():
