@@ -195,7 +195,10 @@ def _assert_same(got: list[LocalCompletion], expected: list[LocalCompletion], sa
 
 def _spawn(args: list[str], log: Path) -> tuple[subprocess.Popen, str]:
     """Starts a server on a free port; returns it and its address once it prints it."""
-    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=str(ROOT))
+    # The repository first, then whatever path this process was given (packages installed
+    # outside site-packages, as on the GPU image).
+    path = os.pathsep.join(p for p in (str(ROOT), os.environ.get("PYTHONPATH", "")) if p)
+    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=path)
     with log.open("w") as err:
         proc = subprocess.Popen([sys.executable, *args, "--host", "127.0.0.1", "--port", "0"], cwd=ROOT, env=env,
                                 stdout=subprocess.PIPE, stderr=err, text=True)

@@ -98,9 +98,10 @@ def test_dead_receiver_never_blocks_send():
     """The drafter process dies (SIGKILL): send() keeps returning at once; the sender breaks."""
     address = _address()
     sender = FeatureSender(address, "cpu", send_timeout_s=2.0)
+    path = os.pathsep.join(p for p in (str(ROOT), os.environ.get("PYTHONPATH", "")) if p)
     child = subprocess.Popen([sys.executable, "-c", "import sys, time; from spectandem.channel import "
                               "FeatureReceiver; r = FeatureReceiver(sys.argv[1], 'cpu'); time.sleep(600)", address],
-                             cwd=ROOT, env=dict(os.environ, PYTHONPATH=str(ROOT), OMP_NUM_THREADS="1"))
+                             cwd=ROOT, env=dict(os.environ, PYTHONPATH=path, OMP_NUM_THREADS="1"))
     try:
         _wait(lambda: sender.ready, timeout=60)
         child.kill()
