@@ -127,7 +127,8 @@ def test_a_grpc_pair_on_the_cpu_takes_every_core_and_bounds_its_spinning():
 def test_engine_processes_get_the_variables_serve_adds_and_keep_its_environment(tmp_path):
     from router.supervisor import EngineProcess
 
-    code = "import os, sys; sys.stderr.write(os.environ.get('GOMP_SPINCOUNT', '-') + ' ' + os.environ.get('PATH', '-') + '\\n')"
+    code = ("import os, sys; "
+            "sys.stderr.write(os.environ.get('GOMP_SPINCOUNT', '-') + ' ' + os.environ.get('PATH', '-') + '\\n')")
     for env, want in (({"GOMP_SPINCOUNT": "100000"}, "100000"), (None, os.environ.get("GOMP_SPINCOUNT", "-"))):
         e = EngineProcess("probe", [sys.executable, "-c", code], env)
         e.start()
