@@ -105,12 +105,12 @@ class LocalDrafterLink(_LocalLink):
         none)."""
         from drafter.service_core import drafter_extend_and_draft
 
-        if not post_round:
+        if not post_round or self.trees is None:
+            # Without a hand-off nothing is posted (the router then drafts apart for a while), but the
+            # catch-up is absorbed all the same, as an engine service without its channel does.
             tree, known, unknown = await self._run("draft", drafter_extend_and_draft, self.engine, list(tags),
                                                    num_steps, list(extend))
             return DraftHandle(known, tree, unknown)
-        if self.trees is None:
-            return DraftHandle([], None, [], False)   # nothing to post through: the router drafts without it
 
         def drafted_and_handed(engine, tags, num_steps, extend):
             try:

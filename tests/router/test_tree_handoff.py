@@ -149,6 +149,21 @@ def test_a_route_without_a_hand_off_verifies_the_plain_rows():
     assert [v.tag.request_id for v in verdicts] == ["plain"] and verdicts[0].num_draft_tokens == 0
 
 
+def test_a_drafter_link_without_a_hand_off_absorbs_the_catch_up_and_posts_nothing():
+    """Asked to post without a hand-off, the drafter link drafts as without one: the handle says
+    nothing went (the router then drafts apart for a while) and carries the trees."""
+    import asyncio
+
+    spec = _spec()
+    vlink, dlink = LocalVerifierLink(spec.verifier), LocalDrafterLink(spec.drafter)
+
+    async def go():
+        tag, _ = await _prefilled(vlink, dlink, spec.tokenizer)
+        return tag, await dlink.draft([tag], None, [], post_round=3)
+    tag, handle = asyncio.run(go())
+    assert handle.posted is False and handle.tags == [tag] and handle.payload is not None
+
+
 def test_a_shared_worker_thread_is_refused():
     spec = _spec()
     shared = ThreadPoolExecutor(max_workers=1)
