@@ -847,15 +847,15 @@ def cores_per_replica(args) -> bool:
             and not args.verifier_address and not args.drafter_address)
 
 
-def engine_env(args, environ) -> dict[str, str]:
-    """Environment variables serve adds to the engine processes it starts: GOMP_SPINCOUNT =
-    PAIR_SPIN_COUNT for a speculating pair whose processes take turns on the cores
-    (`cores_per_replica`) with more than one torch thread each, unless `environ` (serve's own
-    environment) sets GOMP_SPINCOUNT or OMP_WAIT_POLICY, which the engines then inherit."""
+def engine_env(args, environ) -> dict[str, str] | None:
+    """The environment of the engine processes serve starts: `environ` (serve's own) with
+    GOMP_SPINCOUNT = PAIR_SPIN_COUNT for a speculating pair whose processes take turns on the
+    cores (`cores_per_replica`) with more than one torch thread each, unless `environ` sets
+    GOMP_SPINCOUNT or OMP_WAIT_POLICY; None (serve's own, inherited) where nothing is added."""
     if (cores_per_replica(args) and args.method != "none" and (args.engine_threads or 1) > 1
             and not environ.get("GOMP_SPINCOUNT") and not environ.get("OMP_WAIT_POLICY")):
-        return {"GOMP_SPINCOUNT": str(PAIR_SPIN_COUNT)}
-    return {}
+        return {**environ, "GOMP_SPINCOUNT": str(PAIR_SPIN_COUNT)}
+    return None
 
 
 def configure_process(args, omp_num_threads: str | None, environ=None) -> None:

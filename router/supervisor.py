@@ -20,7 +20,6 @@ from __future__ import annotations
 import asyncio
 import collections
 import logging
-import os
 import signal
 import subprocess
 import sys
@@ -65,8 +64,8 @@ class EngineProcess:
     TAIL_LINES = 40
 
     def __init__(self, role: str, argv: list[str], env: dict[str, str] | None = None):
-        """`env`: variables added to this process's environment for the engine (None: its own)."""
-        self.role, self.argv, self.env = role, list(argv), dict(env or {})
+        """`env`: the engine's whole environment, made by the entry point (None: this process's)."""
+        self.role, self.argv, self.env = role, list(argv), env
         self.popen: subprocess.Popen | None = None
         self.tail: collections.deque[str] = collections.deque(maxlen=self.TAIL_LINES)
         self.restarts: collections.deque[float] = collections.deque()   # times of restarts
@@ -75,8 +74,7 @@ class EngineProcess:
 
     def start(self) -> None:
         self.tail.clear()
-        self.popen = subprocess.Popen(self.argv, stderr=subprocess.PIPE,
-                                      env={**os.environ, **self.env} if self.env else None)
+        self.popen = subprocess.Popen(self.argv, stderr=subprocess.PIPE, env=self.env)
         self._reader = threading.Thread(target=self._pass_stderr, args=(self.popen.stderr,), daemon=True,
                                         name=f"{self.role}-stderr")
         self._reader.start()

@@ -104,37 +104,42 @@ def test_a_grpc_pair_on_the_cpu_takes_every_core_and_bounds_its_spinning():
 
     cores = len(os.sched_getaffinity(0))
 
-    def configured(*argv, environ=None, omp=None):
+    serve_env = {"PATH": "/usr/bin", "HOME": "/root"}
+
+    def configured(*argv, environ=serve_env, omp=None):
         args = build_parser().parse_args(["serve", "--device", "cpu", *argv])
-        configure_process(args, omp, environ or {})
+        configure_process(args, omp, environ)
         return args.engine_threads, args.engine_env
 
-    spin = {"GOMP_SPINCOUNT": str(PAIR_SPIN_COUNT)}
-    assert configured("--backend", "grpc") == (cores, spin if cores > 1 else {})
+    # The engines' whole environment: serve's own, with the bound added.
+    spin = {**serve_env, "GOMP_SPINCOUNT": str(PAIR_SPIN_COUNT)}
+    assert configured("--backend", "grpc") == (cores, spin if cores > 1 else None)
     assert configured("--backend", "grpc", "--engine-threads", "2") == (2, spin)
-    assert configured("--backend", "grpc", "--engine-threads", "1") == (1, {})
-    assert configured("--backend", "grpc", "--method", "none", "--engine-threads", "2") == (2, {})   # one engine
+    assert configured("--backend", "grpc", "--engine-threads", "1") == (1, None)
+    assert configured("--backend", "grpc", "--method", "none", "--engine-threads", "2") == (2, None)   # one engine
     assert configured("--backend", "grpc", "--replicas", "2", "--engine-threads", "2")[1] == spin
-    # The operator's own OpenMP settings win.
-    assert configured("--backend", "grpc", "--engine-threads", "2", environ={"GOMP_SPINCOUNT": "5"}) == (2, {})
-    assert configured("--backend", "grpc", "--engine-threads", "2", environ={"OMP_WAIT_POLICY": "active"}) == (2, {})
-    assert configured("--backend", "grpc", omp="1") == (1, {})
+    # The operator's own OpenMP settings win: the engines inherit serve's environment as it is.
+    assert configured("--backend", "grpc", "--engine-threads", "2", environ={"GOMP_SPINCOUNT": "5"}) == (2, None)
+    assert configured("--backend", "grpc", "--engine-threads", "2", environ={"OMP_WAIT_POLICY": "active"}) == (2, None)
+    assert configured("--backend", "grpc", omp="1") == (1, None)
     # Ray's actors keep a share each, and never get the variable.
-    assert configured("--backend", "ray", "--engine-threads", "2") == (2, {})
+    assert configured("--backend", "ray", "--engine-threads", "2") == (2, None)
     assert configured("--backend", "ray")[0] == max(1, (cores - 1) // 2)
 
 
-def test_engine_processes_get_the_variables_serve_adds_and_keep_its_environment(tmp_path):
+def test_engine_processes_get_the_environment_serve_made_else_its_own(tmp_path):
     from router.supervisor import EngineProcess
 
     code = ("import os, sys; "
             "sys.stderr.write(os.environ.get('GOMP_SPINCOUNT', '-') + ' ' + os.environ.get('PATH', '-') + '\\n')")
-    for env, want in (({"GOMP_SPINCOUNT": "100000"}, "100000"), (None, os.environ.get("GOMP_SPINCOUNT", "-"))):
+    made = {**os.environ, "GOMP_SPINCOUNT": "100000"}
+    for env, want in ((made, "100000"), (None, os.environ.get("GOMP_SPINCOUNT", "-"))):
         e = EngineProcess("probe", [sys.executable, "-c", code], env)
-        e.start()
-        assert e.popen.wait(60) == 0
-        e._reader.join(30)
-        assert e.tail[-1] == f"{want} {os.environ.get('PATH', '-')}", list(e.tail)
+        for _ in range(2):   # a restart starts it with the same environment
+            e.start()
+            assert e.popen.wait(60) == 0
+            e._reader.join(30)
+            assert e.tail[-1] == f"{want} {os.environ.get('PATH', '-')}", list(e.tail)
 
 
 def test_local_engines_on_the_cpu_take_turns_on_one_thread_with_its_own_torch_threads():
