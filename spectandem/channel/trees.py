@@ -59,7 +59,48 @@ def _tune(sock: socket.socket) -> None:
     sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
 
 
-class TreeMailbox:
+class _Rounds:
+    """A round's entries as the verifier's end of the tree channel keeps them (TreeMailbox,
+    TreeHandOff): at most _KEEP rounds, the latest; a round's entry stays until a later round is
+    taken, so a verify sent again for the same round finds it; a wait gives up once its round's
+    entry cannot come."""
+
+    def __init__(self):
+        self._cond = threading.Condition()
+        self._box: dict[int, object] = {}
+        self.trees_taken = self.trees_missed = 0
+
+    def _put(self, round_id: int, entry) -> None:
+        """Under self._cond."""
+        self._box[round_id] = entry
+        while len(self._box) > _KEEP:
+            del self._box[min(self._box)]
+        self._cond.notify_all()
+
+    def _wait_for(self, round_id: int, timeout_s: float, gone=lambda: None):
+        """`round_id`'s entry once it is in (earlier rounds then go), or None (a miss, logged):
+        `gone()`, asked under the lock, named why it cannot come, or `timeout_s` passed."""
+        deadline = time.monotonic() + timeout_s
+        with self._cond:
+            while round_id not in self._box:
+                left = deadline - time.monotonic()
+                why = gone() or (f"nothing came within {timeout_s:.1f} s" if left <= 0 else None)
+                if why:
+                    self.trees_missed += 1
+                    log.warning("tree channel: no tree for round %d (%s)", round_id, why)
+                    return None
+                self._cond.wait(left)
+            entry = self._box[round_id]
+            for r in [r for r in self._box if r < round_id]:   # earlier rounds are done with
+                del self._box[r]
+        return entry
+
+    def _none_posted(self, round_id: int, reason: str) -> None:
+        self.trees_missed += 1
+        log.info("tree channel: the drafter has no tree for round %d (%s)", round_id, reason)
+
+
+class TreeMailbox(_Rounds):
     """The verifier's end: listens at `address` (tcp://HOST:PORT; port 0: a free one, see
     `address`) and keeps the trees its drafter posts, by round."""
 
@@ -67,11 +108,9 @@ class TreeMailbox:
         host, port = parse_address(address)
         self._listener = _listen(host, port)
         self.address = f"tcp://{host}:{self._listener.getsockname()[1]}"
-        self._cond = threading.Condition()
-        self._box: dict[int, tuple[int, bytes]] = {}
+        super().__init__()   # entries: (kind, body)
         self._conn: socket.socket | None = None
         self._closed = False
-        self.trees_taken = self.trees_missed = 0
         threading.Thread(target=self._accept, name="tree-mailbox", daemon=True).start()
 
     @property
@@ -120,10 +159,7 @@ class TreeMailbox:
                 if body is None:
                     break
                 with self._cond:
-                    self._box[round_id] = (kind, body)
-                    while len(self._box) > _KEEP:
-                        del self._box[min(self._box)]
-                    self._cond.notify_all()
+                    self._put(round_id, (kind, body))
         except OSError as exc:
             why = f"{type(exc).__name__}: {exc}"
         with self._cond:
@@ -136,26 +172,20 @@ class TreeMailbox:
     def take(self, round_id: int, timeout_s: float) -> bytes | None:
         """The tree posted for `round_id` (a serialized DraftTreeMsg), or None: no drafter is
         connected, it went away or posted none for this round, or nothing came within `timeout_s`."""
-        deadline = time.monotonic() + timeout_s
-        with self._cond:
-            conn = self._conn
-            while round_id not in self._box:
-                left = deadline - time.monotonic()
-                if self._conn is None or self._conn is not conn or self._closed or left <= 0:
-                    self.trees_missed += 1
-                    why = ("no drafter is connected" if conn is None else
-                           "its drafter went away" if self._conn is not conn or self._closed else
-                           f"nothing came within {timeout_s:.1f} s")
-                    log.warning("tree channel: no tree for round %d (%s)", round_id, why)
-                    return None
-                self._cond.wait(left)
-            kind, body = self._box[round_id]
-            for r in [r for r in self._box if r < round_id]:   # earlier rounds are done with
-                del self._box[r]
+        first: list = []   # the connection when the wait began (asked first under the lock)
+
+        def gone():
+            if not first:
+                first.append(self._conn)
+            if first[0] is None:
+                return "no drafter is connected"
+            return "its drafter went away" if self._conn is not first[0] or self._closed else None
+        entry = self._wait_for(round_id, timeout_s, gone)
+        if entry is None:
+            return None
+        kind, body = entry
         if kind == NONE:
-            self.trees_missed += 1
-            log.info("tree channel: the drafter has no tree for round %d (%s)", round_id,
-                     body.decode("utf-8", "replace"))
+            self._none_posted(round_id, body.decode("utf-8", "replace"))
             return None
         self.trees_taken += 1
         return body
@@ -255,56 +285,41 @@ class TreePoster:
 
 
 
-class TreeHandOff:
+class TreeHandOff(_Rounds):
     """The tree channel between two engines of one process (serve --backend local where each
     engine has a worker thread of its own): the drafter's thread `post`s a round's trees as
     objects, the verifier's thread `take`s them, waiting on a condition; nothing is serialized
-    and no event loop turn lies between the draft and the verify. The mailbox's rules: a round's
-    trees stay until a later round is taken, at most _KEEP rounds are kept, and `take` returns
-    None where the drafter posted none for the round or nothing came within its timeout. The two
-    ends must not share one worker thread: a verify waiting for its trees would then keep the
-    draft that posts them from running."""
+    and no event loop turn lies between the draft and the verify. The mailbox's rules
+    (`_Rounds`); `take` returns None where the drafter posted none for the round or nothing came
+    within its timeout. The two ends must not share one worker thread: a verify waiting for its
+    trees would then keep the draft that posts them from running."""
 
     state = "up"
 
     def __init__(self):
-        self._cond = threading.Condition()
-        self._box: dict[int, tuple[object, list] | str] = {}
-        self.trees_taken = self.trees_missed = self.trees_posted = 0
+        super().__init__()   # entries: (tree, tags), or the reason none came
+        self.trees_posted = 0
 
     def post(self, round_id: int, tree, tags: list | None = None, reason: str = "") -> bool:
         """Round `round_id`'s `tree` (a DraftTree on the host or the verifier's device) for `tags`;
         tree None: none comes this round, for `reason`. Always True (the hand-off is always up)."""
         with self._cond:
-            self._box[round_id] = (tree, list(tags or ())) if tree is not None else (reason or "no tree")
-            while len(self._box) > _KEEP:
-                del self._box[min(self._box)]
+            self._put(round_id, (tree, list(tags or ())) if tree is not None else (reason or "no tree"))
             if tree is not None:
                 self.trees_posted += 1
-            self._cond.notify_all()
         return True
 
     def take(self, round_id: int, timeout_s: float):
         """(the trees posted for `round_id`, their tags), or None: none was posted for it, or
         nothing came within `timeout_s`."""
-        deadline = time.monotonic() + timeout_s
-        with self._cond:
-            while round_id not in self._box:
-                left = deadline - time.monotonic()
-                if left <= 0:
-                    self.trees_missed += 1
-                    log.warning("tree hand-off: no tree for round %d (nothing came within %.1f s)", round_id, timeout_s)
-                    return None
-                self._cond.wait(left)
-            entry = self._box[round_id]
-            for r in [r for r in self._box if r < round_id]:   # earlier rounds are done with
-                del self._box[r]
+        entry = self._wait_for(round_id, timeout_s)
         if isinstance(entry, str):
-            self.trees_missed += 1
-            log.info("tree hand-off: the drafter has no tree for round %d (%s)", round_id, entry)
+            self._none_posted(round_id, entry)
             return None
-        self.trees_taken += 1
+        if entry is not None:
+            self.trees_taken += 1
         return entry
+
 
 def _listen(host: str, port: int, wait_s: float = 10.0) -> socket.socket:
     """A listening socket at (host, port). A verifier started again binds its old port, which its
