@@ -81,15 +81,25 @@ class ModelOps:
         queries at `rows` [B, Tq] (None: all T in order), mask [B, Tq, span] -> [B, Tq, D].
         Here q of the query rows only, K/V of every row."""
         b, t, _ = x.shape
-        x_q = x if rows is None else gather_rows(x, rows)
         cos_q, sin_q = (cos, sin) if rows is None else (gather_rows(cos, rows), gather_rows(sin, rows))
-        tq, hd = x_q.shape[1], attn.head_dim
-        q = self.linear(attn.q_proj, x_q).view(b, tq, attn.num_heads, hd).transpose(1, 2)
-        k = self.linear(attn.k_proj, x).view(b, t, attn.num_kv_heads, hd).transpose(1, 2)
-        v = self.linear(attn.v_proj, x).view(b, t, attn.num_kv_heads, hd).transpose(1, 2)
+        q, k, v = self.head_qkv(attn, x, rows)
+        tq, hd = q.shape[1], attn.head_dim
+        q = q.view(b, tq, attn.num_heads, hd).transpose(1, 2)
+        k = k.view(b, t, attn.num_kv_heads, hd).transpose(1, 2)
+        v = v.view(b, t, attn.num_kv_heads, hd).transpose(1, 2)
         q, k = apply_rotary(q, cos_q, sin_q), apply_rotary(k, cos, sin)
         k_all, v_all = cache.update(0, k, v)
-        return self.linear(attn.o_proj, masked_attention(q, k_all, v_all, mask, scale))
+        return self.linear(attn.o_proj, self.rows_attention(q, k_all, v_all, mask, scale))
+
+    def head_qkv(self, attn, x: torch.Tensor, rows: torch.Tensor | None):
+        """A draft head's q of the query rows `rows` [B, Tq] (None: every row) and k, v of every
+        row of x [B, T, D], unrotated: here q from the query rows' inputs only."""
+        x_q = x if rows is None else gather_rows(x, rows)
+        return self.linear(attn.q_proj, x_q), self.linear(attn.k_proj, x), self.linear(attn.v_proj, x)
+
+    def rows_attention(self, q, k, v, mask, scale: float) -> torch.Tensor:
+        """q [B, nh, Tq, hd] over k, v [B, nkv, S, hd] under mask [B, Tq, S] -> [B, Tq, nh * hd]."""
+        return masked_attention(q, k, v, mask, scale)
 
     def logits(self, lm_head: nn.Linear, hidden: torch.Tensor) -> torch.Tensor:
         return self.linear(lm_head, hidden).float()
@@ -163,20 +173,15 @@ class HostOps(ModelOps):
             return F.rms_norm(x, (x.shape[-1],), norm.weight, norm.eps)
         return norm(x)
 
-    def query_rows_attention(self, attn, x, cos, sin, rows, cache, mask, scale):
-        b, t, _ = x.shape
-        nh, nkv, hd = attn.num_heads, attn.num_kv_heads, attn.head_dim
+    def head_qkv(self, attn, x, rows):
+        # One GEMM over every row; the query rows' q picked from it.
         q, k, v = self.project(attn, x)
-        cos_q, sin_q = (cos, sin) if rows is None else (gather_rows(cos, rows), gather_rows(sin, rows))
-        if rows is not None:
-            q = gather_rows(q, rows)
-        tq = q.shape[1]
-        q = apply_rotary(q.view(b, tq, nh, hd).transpose(1, 2), cos_q, sin_q)
-        k_all, v_all = cache.update(0, apply_rotary(k.view(b, t, nkv, hd).transpose(1, 2), cos, sin),
-                                    v.view(b, t, nkv, hd).transpose(1, 2))
-        out = F.scaled_dot_product_attention(q, k_all, v_all, attn_mask=mask[:, None], scale=scale,
-                                             enable_gqa=nh != nkv)
-        return self.linear(attn.o_proj, out.transpose(1, 2).reshape(b, tq, nh * hd))
+        return (q if rows is None else gather_rows(q, rows)), k, v
+
+    def rows_attention(self, q, k, v, mask, scale):
+        b, nh, tq, hd = q.shape
+        out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask[:, None], scale=scale, enable_gqa=k.shape[1] != nh)
+        return out.transpose(1, 2).reshape(b, tq, nh * hd)
 
 
 class InvariantOps(ModelOps):
