@@ -45,7 +45,14 @@ class VerifierLink(Protocol):
         requests of trees that do not come get no result. `on_launch()` (from any thread) once the verifier's host work
         before the forward is done: the router starts the drafter's work of an "ahead" round
         then, which in-process engines (one Python lock) would otherwise make the verifier wait
-        for. Links to other processes call it at once."""
+        for. Links to other processes call it at once.
+
+        A link whose `hands_verdicts` is True (in-process engines with a worker thread each,
+        router/links_local.py) also takes `draft_next` (request id -> committed length): the
+        verdicts of those requests go straight to the drafter, which catches up and drafts the
+        next trees of those whose new committed length is below the bound, so the next draft
+        call for the same tags finds them made. The router still sends that call, with the same
+        catch-up, and the drafter leaves out what it already absorbed."""
 
     async def verify_prefill(self, draft: DraftHandle | None, plain: list[PlainItem], want_features: bool,
                              items: list[VerifierPrefillItem], prefill_features: bool,
@@ -54,7 +61,7 @@ class VerifierLink(Protocol):
         """`verify` with `items` prefilled in the same step where the verifier carries them
         (else before it, as `prefill` would) -> (the verdicts, the prefill results in the items'
         order, with features where `prefill_features`). A refused item refuses the whole call
-        (ValueError) before anything runs."""
+        (ValueError) before anything runs. `draft_next` as `verify`'s, where `hands_verdicts`."""
 
     async def features(self, tag: Tag) -> Any:
         """Features of every committed position but the last (to rebuild a drafter's state)."""

@@ -8,11 +8,16 @@ TreeHandOff (spectandem/channel/trees.py), the tree channel of one process: a dr
 round to post hands its trees to the verifier's thread as soon as its stream is done, and a
 verify whose handle is that round's TreeRoute takes them there, so a sequential round sends its
 draft and its verify together and the verify starts without a turn of the event loop between
-them."""
+them.
+
+The other way, a verifier link given its drafter link (`drafter=`) hands a verify's verdicts
+straight to the drafter's thread where the router asks for it (`verify(draft_next=...)`): the
+drafter catches up and drafts the next round's trees while the router commits the round, and the
+next draft call finds them made (drafter/next_trees.py)."""
 
 from __future__ import annotations
 
-from spectandem.protocol import DraftHandle, TreeRoute
+from spectandem.protocol import DraftHandle, ExtendItem, TreeRoute
 from router.local_base import _LocalLink
 
 
@@ -25,12 +30,21 @@ def _check_trees(trees, thread) -> None:
 class LocalVerifierLink(_LocalLink):
     role = "verifier"
 
-    def __init__(self, engine, model_name: str = "target", thread=None, trees=None):
+    def __init__(self, engine, model_name: str = "target", thread=None, trees=None, drafter=None):
         """`trees`: the TreeHandOff this link's verifies take a TreeRoute's trees from (None: a
-        TreeRoute finds no trees)."""
+        TreeRoute finds no trees). `drafter`: the LocalDrafterLink (a thread of its own) that a
+        verify with `draft_next` hands its verdicts to."""
         _check_trees(trees, thread)
+        if drafter is not None and (thread is not None or not drafter._own_thread):
+            raise ValueError("handing verdicts to the drafter needs a worker thread for each engine")
         super().__init__(engine, model_name, thread)
         self.trees = trees
+        self.drafter = drafter
+
+    @property
+    def hands_verdicts(self) -> bool:
+        """Whether `verify` takes `draft_next` (router/links.py VerifierLink)."""
+        return self.drafter is not None
 
     def _routed(self, fn):
         """`fn(engine, tree, tags, *rest)` for the worker thread, whose tree and tags, where the
@@ -49,17 +63,42 @@ class LocalVerifierLink(_LocalLink):
 
         return await self._run("prefill", verifier_prefill, self.engine, items, want_features)
 
-    async def verify(self, draft, plain, want_features, on_launch=None):
-        """`on_launch()`: from the worker thread, once the forward is queued (VerifierEngine.verify)."""
+    async def verify(self, draft, plain, want_features, on_launch=None, draft_next=None):
+        """`on_launch()`: from the worker thread, once the forward is queued (VerifierEngine.verify).
+        `draft_next` (request id -> committed length): the verdicts of these requests go to the
+        drafter from this link's thread as soon as they are on the host; it catches up with them
+        and drafts the next trees of those whose new committed length is below their bound."""
         from verifier.service_core import verifier_verify
 
-        return await self._run("verify", self._routed(verifier_verify), self.engine, draft.payload if draft else None,
+        fn = self._routed(verifier_verify)
+        if draft_next and self.drafter is not None:
+            fn = self._handing_on(fn, dict(draft_next))
+        return await self._run("verify", fn, self.engine, draft.payload if draft else None,
                                list(draft.tags) if draft else [], plain, want_features, None, on_launch)
 
-    async def verify_prefill(self, draft, plain, want_features, items, prefill_features, on_launch=None):
+    def _handing_on(self, fn, bounds: dict[str, int], verdicts_of=lambda out: out):
+        """`fn` (a verify for the worker thread), its verdicts (`verdicts_of` its result) of
+        `bounds`' requests handed to the drafter once this engine's stream is done (their features
+        complete)."""
+        def run(*args):
+            outs = fn(*args)
+            verdicts = [v for v in verdicts_of(outs) if v.tag.request_id in bounds and v.features is not None]
+            if verdicts:
+                if self._stream is not None:
+                    self._stream.synchronize()
+                self.drafter.draft_next(verdicts, bounds)
+            return outs
+        return run
+
+    async def verify_prefill(self, draft, plain, want_features, items, prefill_features, on_launch=None,
+                             draft_next=None):
+        """`verify` with `items` prefilled in the same step (the verdicts handed on as there)."""
         from verifier.service_core import verifier_verify_prefill
 
-        return await self._run("verify", self._routed(verifier_verify_prefill), self.engine,
+        fn = self._routed(verifier_verify_prefill)
+        if draft_next and self.drafter is not None:
+            fn = self._handing_on(fn, dict(draft_next), lambda out: out[0])
+        return await self._run("verify", fn, self.engine,
                                draft.payload if draft else None,
                                list(draft.tags) if draft else [], plain, want_features, list(items),
                                prefill_features, None, on_launch)
@@ -93,28 +132,39 @@ class LocalDrafterLink(_LocalLink):
         _check_trees(trees, thread)
         super().__init__(engine, model_name, thread)
         self.trees = trees
+        from drafter.next_trees import NextTrees
+
+        self.next_trees = NextTrees()   # read and changed in the worker thread only
+
+    def draft_next(self, verdicts, bounds: dict[str, int]) -> None:
+        """From the verifier's worker thread (LocalVerifierLink `draft_next`): queues, in this
+        link's thread, the catch-up of these verdicts and the next trees of the requests whose
+        new committed length is below `bounds[request id]` (drafter/next_trees.py). Returns at once."""
+        items = [ExtendItem(v.tag, list(v.token_ids), v.features) for v in verdicts]
+        self._thread.submit(self._call, "draft_next", self.next_trees.draft_on, self.engine, items, dict(bounds))
 
     async def prefill(self, items):
         from drafter.service_core import drafter_prefill
 
-        return await self._run("prefill", drafter_prefill, self.engine, items)
+        def prefilled(engine, items):
+            self.next_trees.forget([i.tag.request_id for i in items])
+            return drafter_prefill(engine, items)
+        return await self._run("prefill", prefilled, self.engine, items)
 
     async def draft(self, tags, num_steps=None, extend=(), post_round=0):
         """`extend` and the trees in one worker call; with `post_round`, the trees handed to the
         verifier's thread as that round once this engine's stream is done (the handle then carries
         none)."""
-        from drafter.service_core import drafter_extend_and_draft
-
         if not post_round or self.trees is None:
             # Without a hand-off nothing is posted (the router then drafts apart for a while), but the
             # catch-up is absorbed all the same, as an engine service without its channel does.
-            tree, known, unknown = await self._run("draft", drafter_extend_and_draft, self.engine, list(tags),
+            tree, known, unknown = await self._run("draft", self.next_trees.extend_and_draft, self.engine, list(tags),
                                                    num_steps, list(extend))
             return DraftHandle(known, tree, unknown)
 
         def drafted_and_handed(engine, tags, num_steps, extend):
             try:
-                tree, known, unknown = drafter_extend_and_draft(engine, tags, num_steps, extend)
+                tree, known, unknown = self.next_trees.extend_and_draft(engine, tags, num_steps, extend)
                 if self._stream is not None:
                     self._stream.synchronize()   # the trees are complete before the verifier reads them
             except BaseException as exc:
@@ -131,7 +181,8 @@ class LocalDrafterLink(_LocalLink):
     async def draft_ahead(self, tags, extend=()):
         from drafter.service_core import drafter_draft_ahead
 
-        return await self._run("draft_ahead", drafter_draft_ahead, self.engine, list(tags), list(extend))
+        return await self._run("draft_ahead", lambda engine, tags, extend: drafter_draft_ahead(
+            engine, tags, self.next_trees.unabsorbed(extend)), self.engine, list(tags), list(extend))
 
     def ready_handle(self, tree, tags):
         return DraftHandle(list(tags), tree)
@@ -139,12 +190,16 @@ class LocalDrafterLink(_LocalLink):
     async def extend(self, items):
         from drafter.service_core import drafter_extend
 
-        return await self._run("extend", drafter_extend, self.engine, list(items))
+        return await self._run("extend", lambda engine, items: drafter_extend(engine, self.next_trees.unabsorbed(items)),
+                               self.engine, list(items))
 
     async def release(self, request_ids, keep_draft=False, outputs=None):
         from drafter.service_core import drafter_release
 
-        await self._run("release", drafter_release, self.engine, list(request_ids), keep_draft, outputs)
+        def released(engine, request_ids, keep_draft, outputs):
+            self.next_trees.forget(request_ids)
+            return drafter_release(engine, request_ids, keep_draft, outputs)
+        await self._run("release", released, self.engine, list(request_ids), keep_draft, outputs)
 
     async def info(self):
         from drafter.service_core import drafter_info

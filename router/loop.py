@@ -717,8 +717,9 @@ class Router:
         group = [r for r in self.running if r.on_verifier and id(r) not in wait]
         # The drafter's turn comes once the verify forward is queued.
         launched = asyncio.get_running_loop().create_future() if ahead and drafted else None
-        verify = asyncio.ensure_future(self._verify(draft, drafted, group, launched) if not mixed else
-                                       self._verify_with_prefill(draft, drafted, group, list(mixed)))
+        draft_next = self._next_drafts(drafted, ahead)
+        verify = asyncio.ensure_future(self._verify(draft, drafted, group, launched, draft_next) if not mixed else
+                                       self._verify_with_prefill(draft, drafted, group, list(mixed), draft_next))
         try:
             if posting is not None:   # from here on, the requests whose trees went (the others get no verdict)
                 drafted = (await posting)[1]
@@ -888,20 +889,36 @@ class Router:
             log.info("the drafter's tree channel is up again: trees go drafter -> verifier")
         return True
 
-    async def _verify(self, draft, drafted: list[ServedRequest], group: list[ServedRequest], launched=None):
+    async def _verify(self, draft, drafted: list[ServedRequest], group: list[ServedRequest], launched=None,
+                      draft_next: dict[str, int] | None = None):
         """One batched verify of the group (drafted rows, then plain rows); None if the verifier
         failed. `launched` (a future): resolved once the verifier's forward is queued (VerifierLink.verify's
-        on_launch)."""
+        on_launch). `draft_next`: `_next_drafts`."""
         plain, want = self._verify_rows(drafted, group)
         self._verified = True
+        more = {"draft_next": draft_next} if draft_next else {}
         try:
-            return await self.verifier.verify(draft, plain, want, on_launch=self._on_launch(launched))
+            return await self.verifier.verify(draft, plain, want, on_launch=self._on_launch(launched), **more)
         except EngineUnavailable as exc:
             self._verifier_failed(list(self.running), exc)
             self.running = []
             return None
         finally:
             self._deliver()   # a link that never said the forward was queued
+
+    def _next_drafts(self, drafted: list[ServedRequest], ahead: bool) -> dict[str, int] | None:
+        """For a verifier link that hands its verdicts to the drafter (`hands_verdicts`: in-process
+        engines with a thread each): the drafted requests whose next trees the drafter may draft as
+        soon as their verdicts are in, each with the committed length from which it is not drafted
+        again (its max_tokens; the context, the lookahead included, as `_to_draft` has it). None
+        where the next round is not expected to draft them alike: an ahead round (whose drafter
+        work is the draft ahead), a mode other than sequential, or one about to change (router/
+        pipeline.py `continues`), or the acceptance switch turning speculation off."""
+        if (not drafted or ahead or self._mode != "sequential" or not getattr(self.verifier, "hands_verdicts", False)
+                or not self._modes.continues(self.drafter_up) or self._switch.off(self.counters.rounds + 1)):
+            return None
+        fits = self.cfg.max_len - self.cfg.lookahead + 2   # `_to_draft`: committed_len - 1 + lookahead <= max_len
+        return {r.request_id: min(len(r.prompt_ids) + r.params.max_tokens, self.cfg.max_len, fits) for r in drafted}
 
     def _on_launch(self, launched=None):
         """A verify's `on_launch`: called by the link once the forward is queued (from an in-process
@@ -944,20 +961,21 @@ class Router:
         return not self.drafter_up or self._mode == "plain" or self._switch.off(self.counters.rounds + 1)
 
     async def _verify_with_prefill(self, draft, drafted: list[ServedRequest], group: list[ServedRequest],
-                                   mixed: list[ServedRequest]):
+                                   mixed: list[ServedRequest], draft_next: dict[str, int] | None = None):
         """`_verify` with `mixed` prefilled in the same step -> (its results or None, `_after_prefill`'s
         arguments for the requests the verifier took, or None). A refusal (ValueError) of the
         prefill verifies without it and admits `mixed` as `_admit` does, whose retries fail only
-        the refused requests."""
+        the refused requests. `draft_next`: `_next_drafts`."""
         plain, want = self._verify_rows(drafted, group)
         detach = self._detach(mixed)
         items = [self._prefill_item(r, False) for r in mixed]
         self._verified = True
         try:
             await self._releases_landed("verifier")   # the drafter's prefill waits for its own (`_drafter_prefill`)
+            more = {"draft_next": draft_next} if draft_next else {}
             results, prefilled = await self.verifier.verify_prefill(draft, plain, want, items,
                                                                     self.cfg.want_features and not detach,
-                                                                    on_launch=self._on_launch())
+                                                                    on_launch=self._on_launch(), **more)
         except EngineUnavailable as exc:
             self._release_v.update(r.request_id for r in mixed)   # it may hold some
             self._verifier_failed(list(self.running) + mixed, exc)

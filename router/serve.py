@@ -87,6 +87,11 @@ def add_serve(sub) -> None:
                         "--backend grpc or ray, and speculates, and with --backend local where an engine is on a "
                         "GPU, each engine then having a worker thread of its own, the trees handed between the "
                         "two in this process; --no-tree-channel: trees through the router)")
+    p.add_argument("--draft-on-verdict", action=argparse.BooleanOptionalAction, default=None,
+                   help="--backend local with the tree channel: the verifier's worker thread hands a sequential "
+                        "round's verdicts straight to the drafter's, which catches up and drafts the next trees "
+                        "while the router commits the round; the next draft call then finds them made (default: "
+                        "on wherever the in-process tree channel is)")
     p.add_argument("--engine-restarts", type=int, default=5,
                    help="--backend grpc: restarts of an engine process started here within "
                         "--engine-restart-window, after which it stays down (a verifier that stays down ends "
@@ -219,6 +224,19 @@ def tree_channel(args) -> bool:
     return (started_here or local) if value is None else value
 
 
+def draft_on_verdict(args) -> bool:
+    """Whether the verifier hands its verdicts to the drafter in this process (--draft-on-verdict):
+    by default wherever the in-process tree channel is on; refused elsewhere (the engines of other
+    processes get their verdicts through the router)."""
+    local = args.backend == "local" and tree_channel(args)
+    value = getattr(args, "draft_on_verdict", None)
+    if value and not local:
+        raise ValueError("--draft-on-verdict needs --backend local with the tree channel (an engine on a GPU, "
+                         "without --no-tree-channel): the engines of other processes get their verdicts through "
+                         "the router")
+    return local if value is None else value
+
+
 def _own_threads(args) -> bool:
     """--backend local: whether each engine gets a worker thread of its own (one of them on a GPU;
     on the CPU both share one, spectandem/devices.py cpu_engine_thread)."""
@@ -345,6 +363,7 @@ async def _build_links(args, cfg, target, draft, index: int = 0, supervisor=None
                          f"{_num_replicas(args)} replicas give --feature-channel without a value")
     wanted_channel = feature_channel(args)
     tree_channel(args)   # refused here before a model loads
+    draft_on_verdict(args)
     if args.backend == "local":
         from router.links_local import LocalDrafterLink, LocalVerifierLink
         from router.local import LocalSpeculator
@@ -363,8 +382,9 @@ async def _build_links(args, cfg, target, draft, index: int = 0, supervisor=None
             from spectandem.channel import TreeHandOff
 
             trees = TreeHandOff()
-        v = LocalVerifierLink(spec.verifier, Path(target).name, thread, trees)
         d = LocalDrafterLink(spec.drafter, Path(draft).name if draft else "", thread, trees) if spec.drafter else None
+        v = LocalVerifierLink(spec.verifier, Path(target).name, thread, trees,
+                              drafter=d if d is not None and draft_on_verdict(args) else None)
 
         async def cleanup():
             if thread is not None:
