@@ -87,15 +87,19 @@ def drafter_extend_and_draft(engine, tags: list[Tag], num_steps: list[int | None
 
 def drafter_draft_posted(engine, tags: list[Tag], num_steps: list[int | None] | None, extend: list[ExtendItem],
                          receiver: FeatureReceiver | None, poster: TreePoster | None, round_id: int,
-                         clock: CallClock | None = None) -> tuple[DraftTree | None, list[Tag], list[str], bool]:
+                         clock: CallClock | None = None, extend_and_draft=None,
+                         ) -> tuple[DraftTree | None, list[Tag], list[str], bool]:
     """`drafter_extend_and_draft`, its trees sent to the verifier over the tree channel as round
     `round_id` -> (the trees where they were not sent, else None; the tags they are for; the
     unknown ids; whether the verifier was told). A round with no tree left, and a draft that
     fails (before it raises), send word of that, so the verifier does not wait for them. Where
     the channel is not up nothing is sent: the verifier, without a drafter connected, does not
-    wait either, and the caller gets the trees back."""
+    wait either, and the caller gets the trees back. `extend_and_draft`: what makes the trees, with
+    drafter_extend_and_draft's arguments and result (by default that; drafter/next_trees.py
+    NextTrees.extend_and_draft, to take the trees made on the verdicts)."""
+    make = extend_and_draft or drafter_extend_and_draft
     try:
-        tree, known, unknown = drafter_extend_and_draft(engine, tags, num_steps, extend, receiver, clock)
+        tree, known, unknown = make(engine, tags, num_steps, extend, receiver, clock)
     except BaseException as exc:
         if poster is not None:
             poster.post(round_id, None, f"the draft failed: {type(exc).__name__}: {exc}")

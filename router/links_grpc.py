@@ -69,9 +69,12 @@ class GrpcVerifierLink(_GrpcLink):
     role = "verifier"
 
     def __init__(self, address: str, timeout_s: float | None = 30.0,
-                 credentials: grpc.ChannelCredentials | None = None):
+                 credentials: grpc.ChannelCredentials | None = None, hands_verdicts: bool = False):
+        """`hands_verdicts`: the verifier has a tree channel to its drafter, over which it sends
+        the verdicts a verify's `draft_next` names (router/links.py)."""
         super().__init__(address, timeout_s, credentials)
         self.stub = engines_pb2_grpc.VerifierStub(self.channel)
+        self.hands_verdicts = hands_verdicts
 
     async def prefill(self, items: list[VerifierPrefillItem], want_features: bool) -> list[VerifierPrefillResult]:
         request = engines_pb2.VerifierPrefillRequest(items=[codec.verifier_prefill_item_to_msg(i) for i in items],
@@ -80,12 +83,13 @@ class GrpcVerifierLink(_GrpcLink):
         return [codec.verifier_prefill_result_from_msg(r) for r in reply.results]
 
     async def verify(self, draft: DraftHandle | None, plain: list[PlainItem], want_features: bool,
-                     on_launch=None) -> list[Verdict]:
-        return (await self.verify_prefill(draft, plain, want_features, [], False, on_launch))[0]
+                     on_launch=None, draft_next: dict[str, int] | None = None) -> list[Verdict]:
+        return (await self.verify_prefill(draft, plain, want_features, [], False, on_launch, draft_next))[0]
 
     async def verify_prefill(self, draft: DraftHandle | None, plain: list[PlainItem], want_features: bool,
                              items: list[VerifierPrefillItem], prefill_features: bool,
-                             on_launch=None) -> tuple[list[Verdict], list[VerifierPrefillResult]]:
+                             on_launch=None, draft_next: dict[str, int] | None = None,
+                             ) -> tuple[list[Verdict], list[VerifierPrefillResult]]:
         if on_launch is not None:
             on_launch()   # the verifier is another process: nothing here to wait for
         route = draft.payload if draft is not None and isinstance(draft.payload, TreeRoute) else None
@@ -93,7 +97,7 @@ class GrpcVerifierLink(_GrpcLink):
                                             plain=[codec.plain_item_to_msg(p) for p in plain],
                                             want_features=want_features,
                                             prefill=[codec.verifier_prefill_item_to_msg(i) for i in items],
-                                            prefill_features=prefill_features)
+                                            prefill_features=prefill_features, draft_next=draft_next or {})
         if route is not None:   # the trees come over the tree channel
             request.tree_round, request.tree_wait_ms = route.round_id, max(1, round(route.wait_s * 1000))
         reply = await self._call(self.stub.Verify, request)

@@ -207,6 +207,7 @@ class LocalDrafterLink(_LocalLink):
         info = drafter_info(self.engine, self.model_name)
         if self.trees is not None:
             info.extra["tree_channel"] = self.trees.state
+        info.extra.update(next_trees_made=self.next_trees.made, next_trees_taken=self.next_trees.taken)
         info.calls = self.clock.stats()
         return info
 

@@ -113,8 +113,10 @@ async def _awaited(ref):
 
 
 class RayVerifierLink:
-    def __init__(self, actor, call_timeout_s: float | None = 120.0):
-        self.actor, self.call_timeout_s = actor, call_timeout_s
+    def __init__(self, actor, call_timeout_s: float | None = 120.0, hands_verdicts: bool = False):
+        """`hands_verdicts`: the actors have a tree channel, over which the verifier sends the
+        verdicts a verify's `draft_next` names to the drafter (router/links.py)."""
+        self.actor, self.call_timeout_s, self.hands_verdicts = actor, call_timeout_s, hands_verdicts
 
     def _call(self, ref):
         return _call(ref, "verifier", self.call_timeout_s)
@@ -123,20 +125,21 @@ class RayVerifierLink:
         return await self._call(self.actor.prefill.remote(items, want_features))
 
     async def verify(self, draft: DraftHandle | None, plain: list[PlainItem], want_features: bool,
-                     on_launch=None) -> list[Verdict]:
+                     on_launch=None, draft_next: dict[str, int] | None = None) -> list[Verdict]:
         if on_launch is not None:
             on_launch()   # the verifier is another process: nothing here to wait for
         tree_ref, tags = (draft.payload, list(draft.tags)) if draft is not None else (None, [])
-        return await self._call(self.actor.verify.remote(tree_ref, tags, plain, want_features))
+        return await self._call(self.actor.verify.remote(tree_ref, tags, plain, want_features, draft_next))
 
     async def verify_prefill(self, draft: DraftHandle | None, plain: list[PlainItem], want_features: bool,
                              items: list[VerifierPrefillItem], prefill_features: bool,
-                             on_launch=None) -> tuple[list[Verdict], list[VerifierPrefillResult]]:
+                             on_launch=None, draft_next: dict[str, int] | None = None,
+                             ) -> tuple[list[Verdict], list[VerifierPrefillResult]]:
         if on_launch is not None:
             on_launch()
         tree_ref, tags = (draft.payload, list(draft.tags)) if draft is not None else (None, [])
         return await self._call(self.actor.verify_prefill.remote(tree_ref, tags, plain, want_features, list(items),
-                                                                 prefill_features))
+                                                                 prefill_features, draft_next))
 
     async def features(self, tag: Tag):
         return await self._call(self.actor.features.remote(tag))
@@ -242,7 +245,7 @@ def start_engines(target_dir: str | Path, draft_dir: str | Path | None, cfg: Spe
                   startup_timeout_s: float = 300.0, num_threads: int = 1, kv_blocks: int | None = None,
                   draft_kv_blocks: int | None = None, block_size: int = 16, gpu: GpuPaths | None = None,
                   gpu_memory_utilization: float = 0.9, cpu_kv_cache_gib: float | None = None,
-                  feature_channel: str | None = None, tree_channel: bool = False,
+                  feature_channel: str | None = None, tree_channel: bool = False, draft_on_verdict: bool = False,
                   ) -> tuple[RayVerifierLink, RayDrafterLink | None, Callable[[], None]]:
     """Places a verifier actor (and a drafter actor unless cfg.method is "none") in one
     placement group, one bundle each, and waits until they are built.
@@ -253,7 +256,9 @@ def start_engines(target_dir: str | Path, draft_dir: str | Path | None, cfg: Spe
 
     feature_channel: "auto" (a free port on the verifier's node) or tcp://HOST:PORT opens the
     direct feature channel between the two actors once both are built (None: object refs).
-    tree_channel: also open the tree channel between them (a free port of the verifier's node)."""
+    tree_channel: also open the tree channel between them (a free port of the verifier's node);
+    draft_on_verdict: and have the verifier send a round's verdicts to the drafter over it, where
+    the router asks (drafter/next_trees.py)."""
     if not ray.is_initialized():
         raise ValueError("Ray is not initialized: call ray_init(address) first")
     if device not in ("auto", "cpu", "cuda"):
@@ -318,5 +323,6 @@ def start_engines(target_dir: str | Path, draft_dir: str | Path | None, cfg: Spe
     except Exception:
         cleanup()
         raise
-    return (RayVerifierLink(verifier, call_timeout_s),
+    hands = tree_channel and draft_on_verdict and drafter is not None
+    return (RayVerifierLink(verifier, call_timeout_s, hands_verdicts=hands),
             None if drafter is None else RayDrafterLink(drafter, call_timeout_s), cleanup)

@@ -88,10 +88,10 @@ def add_serve(sub) -> None:
                         "GPU, each engine then having a worker thread of its own, the trees handed between the "
                         "two in this process; --no-tree-channel: trees through the router)")
     p.add_argument("--draft-on-verdict", action=argparse.BooleanOptionalAction, default=None,
-                   help="--backend local with the tree channel: the verifier's worker thread hands a sequential "
-                        "round's verdicts straight to the drafter's, which catches up and drafts the next trees "
-                        "while the router commits the round; the next draft call then finds them made (default: "
-                        "on wherever the in-process tree channel is)")
+                   help="the verifier hands a sequential round's verdicts straight to the drafter (over the tree "
+                        "channel; in this process, from thread to thread), which catches up and drafts the next "
+                        "trees while the router commits the round; the next draft call then finds them made "
+                        "(default: on wherever the tree channel is)")
     p.add_argument("--engine-restarts", type=int, default=5,
                    help="--backend grpc: restarts of an engine process started here within "
                         "--engine-restart-window, after which it stays down (a verifier that stays down ends "
@@ -225,16 +225,16 @@ def tree_channel(args) -> bool:
 
 
 def draft_on_verdict(args) -> bool:
-    """Whether the verifier hands its verdicts to the drafter in this process (--draft-on-verdict):
-    by default wherever the in-process tree channel is on; refused elsewhere (the engines of other
-    processes get their verdicts through the router)."""
-    local = args.backend == "local" and tree_channel(args)
+    """Whether the verifier hands a round's verdicts straight to the drafter (--draft-on-verdict;
+    drafter/next_trees.py): by default wherever the tree channel is on, over which they go;
+    refused without it."""
+    trees = tree_channel(args)
     value = getattr(args, "draft_on_verdict", None)
-    if value and not local:
-        raise ValueError("--draft-on-verdict needs --backend local with the tree channel (an engine on a GPU, "
-                         "without --no-tree-channel): the engines of other processes get their verdicts through "
-                         "the router")
-    return local if value is None else value
+    if value and not trees:
+        raise ValueError("--draft-on-verdict needs the tree channel (--backend grpc or ray starting both engines, "
+                         "or --backend local with an engine on a GPU; not with --no-tree-channel): the verdicts go "
+                         "over it")
+    return trees if value is None else value
 
 
 def _own_threads(args) -> bool:
@@ -402,7 +402,7 @@ async def _build_links(args, cfg, target, draft, index: int = 0, supervisor=None
                                    device=args.engine_devices[0], dtype=model_dtype(args), kv_blocks=args.kv_blocks,
                                    draft_kv_blocks=args.draft_kv_blocks, block_size=args.block_size,
                                    gpu=GpuPaths.from_args(args), feature_channel=wanted_channel,
-                                   tree_channel=tree_channel(args),
+                                   tree_channel=tree_channel(args), draft_on_verdict=draft_on_verdict(args),
                                    gpu_memory_utilization=args.gpu_memory_utilization,
                                    cpu_kv_cache_gib=args.cpu_kv_cache_gib,
                                    num_threads=args.engine_threads or 1)   # (None: serve_async without _serve)
@@ -443,7 +443,8 @@ async def _build_links(args, cfg, target, draft, index: int = 0, supervisor=None
     if "drafter" in commands:
         drafter_address = f"localhost:{commands['drafter'][4]}"
     creds = ops.link_credentials()
-    v = GrpcVerifierLink(verifier_address, credentials=creds)
+    v = GrpcVerifierLink(verifier_address, credentials=creds,
+                         hands_verdicts=trees is not None and draft_on_verdict(args))
     d = GrpcDrafterLink(drafter_address, credentials=creds) if drafter_address else None
 
     async def cleanup():

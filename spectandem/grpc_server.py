@@ -77,6 +77,16 @@ class EngineCalls:
         finally:
             self._lock.release()
 
+    def run_internal(self, kind: str, fn: Callable, *args):
+        """fn(*args) in the engine's turn, after the call in flight, for work the server starts
+        itself rather than a caller (drafter/next_trees.py, on the verifier's verdicts); timed as
+        `kind`; its errors are the caller's."""
+        with self._lock:
+            with self.after.call() if self.after is not None else nullcontext(), self.clock.timing(kind):
+                if self._thread is not None:
+                    return self._thread.submit(fn, *args).result()
+                return fn(*args)
+
     def peek(self, context: grpc.ServicerContext, fn: Callable, *args):
         """A cheap read of counters (info), without waiting for a forward in flight."""
         return self._mapped(context, fn, *args)

@@ -27,8 +27,8 @@ from spectandem.channel import FeatureSender, TreeMailbox
 from spectandem.config import EngineConfig
 from verifier.factory import build_engine
 from verifier.runner import FeatureSpec
-from verifier.service_core import (tree_from_channel, verifier_features, verifier_info, verifier_prefill,
-                                   verifier_verify_prefill)
+from verifier.service_core import (tree_from_channel, verdicts_to_drafter, verifier_features, verifier_info,
+                                   verifier_prefill, verifier_verify_prefill)
 
 
 def _put(features):
@@ -99,16 +99,18 @@ class VerifierActor:
             return [replace(r, features=_put(r.features))
                     for r in verifier_prefill(self.engine, items, want_features, self.sender)]
 
-    def verify(self, draft_payload, tags: list[Tag], plain: list[PlainItem], want_features: bool) -> list[Verdict]:
+    def verify(self, draft_payload, tags: list[Tag], plain: list[PlainItem], want_features: bool,
+               draft_next: dict[str, int] | None = None) -> list[Verdict]:
         """`draft_payload`: the drafter's DraftTree (Ray resolves the ref passed at top level), a
         TreeRoute (the trees come over the tree channel; the requests of trees that do not come
         get no result) or None. Results in the order tags then plain; `features` an ObjectRef of
-        [num_accepted + 1, F] (or None)."""
-        return self.verify_prefill(draft_payload, tags, plain, want_features, [], False)[0]
+        [num_accepted + 1, F] (or None). `draft_next`: the requests whose verdicts go to the
+        drafter over the tree channel (verifier/service_core.py verdicts_to_drafter)."""
+        return self.verify_prefill(draft_payload, tags, plain, want_features, [], False, draft_next)[0]
 
     def verify_prefill(self, draft_payload, tags: list[Tag], plain: list[PlainItem], want_features: bool,
-                       items: list[VerifierPrefillItem],
-                       prefill_features: bool) -> tuple[list[Verdict], list[VerifierPrefillResult]]:
+                       items: list[VerifierPrefillItem], prefill_features: bool,
+                       draft_next: dict[str, int] | None = None) -> tuple[list[Verdict], list[VerifierPrefillResult]]:
         """`verify` with `items` prefilled in the same step (VerifierEngine.verify_with_prefill):
         (its results, the prefill's, their features ObjectRefs as `prefill`'s)."""
         with self.after.call(), self.clock.timing("verify"):
@@ -118,6 +120,7 @@ class VerifierActor:
             self._check_held([t.request_id for t in tags] + [p.tag.request_id for p in plain])
             outs, prefilled = verifier_verify_prefill(self.engine, draft_payload, tags, plain, want_features, items,
                                                       prefill_features, self.sender, clock=self.clock)
+            verdicts_to_drafter(self.trees, outs, draft_next, self.clock)
             reply = ([replace(r, features=_put(r.features)) for r in outs],
                      [replace(r, features=_put(r.features)) for r in prefilled])
             # The features are in the object store or queued for the channel: the decode ahead

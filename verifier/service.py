@@ -30,8 +30,8 @@ from spectandem.tls import ServerTls, server_tls_from_args
 from spectandem.v1 import engines_pb2, engines_pb2_grpc
 from verifier.engine import VerifierEngine
 from verifier.factory import build_engine
-from verifier.service_core import (tree_from_channel, verifier_features, verifier_info, verifier_prefill,
-                                   verifier_verify_prefill)
+from verifier.service_core import (tree_from_channel, verdicts_to_drafter, verifier_features, verifier_info,
+                                   verifier_prefill, verifier_verify_prefill)
 
 SERVICE_NAME = engines_pb2.DESCRIPTOR.services_by_name["Verifier"].full_name
 
@@ -85,6 +85,7 @@ class VerifierServicer(engines_pb2_grpc.VerifierServicer):
             raise ValueError("verify request has neither a tree nor plain items")
         results, prefilled = verifier_verify_prefill(self.engine, tree, tags, plain, request.want_features, items,
                                                      request.prefill_features, self.sender, clock=clock)
+        verdicts_to_drafter(self.trees, results, dict(request.draft_next), clock)
         with clock.timing("verify.encode"):
             reply = engines_pb2.VerifyReply(results=[codec.verdict_to_msg(r) for r in results],
                                             prefilled=[codec.verifier_prefill_result_to_msg(r) for r in prefilled])

@@ -13,6 +13,7 @@ from spectandem import codec
 from spectandem.protocol import EngineInfo, PlainItem, Tag, Verdict, VerifierPrefillItem, VerifierPrefillResult
 from spectandem.call_clock import CallClock, timed
 from spectandem.channel import FeatureSender, TreeMailbox
+from spectandem.channel.trees import verdicts_to_bytes
 from spectandem.messages import DraftTree, concat_trees, root_only_tree
 from verifier.engine import NewRequests
 
@@ -47,6 +48,18 @@ def tree_from_channel(trees: TreeMailbox | None, round_id: int, wait_s: float) -
     (TreeMailbox.take): the verify goes on with its other rows."""
     data = trees.take(round_id, wait_s) if trees is not None else None
     return codec.draft_tree_from_bytes(data) if data is not None else (None, [])
+
+
+def verdicts_to_drafter(trees: TreeMailbox | None, verdicts: list[Verdict], bounds: dict[str, int] | None,
+                        clock: CallClock | None = None) -> bool:
+    """Sends the verdicts of the requests `bounds` names (those the router drafts next,
+    drafter/next_trees.py) to the drafter over the tree channel, where it is up and their
+    features went over the feature channel; True where something went."""
+    if not bounds or trees is None:
+        return False
+    with timed(clock, "verify.verdicts"):
+        body = verdicts_to_bytes(verdicts, bounds)
+        return body is not None and trees.send_verdicts(body)
 
 
 def verifier_verify(engine, tree: DraftTree | None, tags: list[Tag], plain: list[PlainItem],

@@ -16,6 +16,12 @@ takes one drafter at a time (it greets the connection it takes with one byte and
 other), so a restarted drafter connects once the old one's connection has ended, which its
 process's exit does.
 
+The other way, on the same connection, the verifier sends VERDICTS frames (drafter/next_trees.py):
+a verify whose request names requests to draft next (`draft_next`) sends those requests'
+verdicts (tag, tokens, a ChannelRef to their features on the feature channel) and bounds as it
+replies; the poster hands each frame's body to its `on_verdicts`. Body: UTF-8 JSON
+{"v": [[request_id, epoch, committed_len, [token ids], seq, index, bound], ...]}.
+
 Failure model: `take` never waits for a tree that cannot come. It returns None (no tree: the
 verify goes on with its other rows, and the requests of the missing trees get no verdict this
 round) when no drafter is connected as it starts, when the connection breaks while it waits,
@@ -26,18 +32,20 @@ until a later round is taken, so a verify the router sends again for the same ro
 from __future__ import annotations
 
 import errno
+import json
 import logging
 import socket
 import struct
 import threading
 import time
 
-from spectandem.channel.wire import parse_address
+from spectandem.channel.wire import ChannelRef, parse_address
+from spectandem.protocol import ExtendItem, Tag
 
 log = logging.getLogger("spectandem.channel")
 
 _HEADER = struct.Struct("<QBI")
-TREE, NONE = 1, 0
+TREE, NONE, VERDICTS = 1, 0, 2
 _WELCOME = b"\x01"         # the mailbox's one byte to a connection it takes (it closes the others)
 _KEEP = 16                 # rounds the mailbox holds at most (the latest)
 MAX_FRAME_BYTES = 1 << 30  # a frame claiming more is a broken peer
@@ -53,6 +61,23 @@ def _read_exact(sock: socket.socket, n: int) -> bytes | None:
             return None
         got += k
     return bytes(buf)
+
+
+def verdicts_to_bytes(verdicts, bounds: dict[str, int]) -> bytes | None:
+    """A VERDICTS body for those of `verdicts` (spectandem.protocol.Verdict) that `bounds` names
+    and whose features went over the feature channel (a ChannelRef); None where none is left."""
+    rows = [[v.tag.request_id, v.tag.epoch, v.tag.committed_len, list(v.token_ids), v.features.seq,
+             v.features.index, bounds[v.tag.request_id]]
+            for v in verdicts if v.tag.request_id in bounds and isinstance(v.features, ChannelRef)]
+    return json.dumps({"v": rows}, separators=(",", ":")).encode("utf-8") if rows else None
+
+
+def verdicts_from_bytes(body: bytes) -> tuple[list[ExtendItem], dict[str, int]]:
+    """A VERDICTS body -> (the catch-up items, as the router's would carry them; the bounds)."""
+    rows = json.loads(body.decode("utf-8"))["v"]
+    items = [ExtendItem(Tag(rid, int(epoch), int(n)), [int(t) for t in tokens], ChannelRef(int(seq), int(index)))
+             for rid, epoch, n, tokens, seq, index, _ in rows]
+    return items, {row[0]: int(row[6]) for row in rows}
 
 
 def _tune(sock: socket.socket) -> None:
@@ -111,6 +136,8 @@ class TreeMailbox(_Rounds):
         super().__init__()   # entries: (kind, body)
         self._conn: socket.socket | None = None
         self._closed = False
+        self._send_lock = threading.Lock()
+        self.verdicts_sent = 0
         threading.Thread(target=self._accept, name="tree-mailbox", daemon=True).start()
 
     @property
@@ -169,6 +196,23 @@ class TreeMailbox(_Rounds):
             self._cond.notify_all()
         _shut(conn)
 
+    def send_verdicts(self, body: bytes) -> bool:
+        """Sends a VERDICTS frame to the connected drafter; False where none is connected or the
+        send failed (the reader then finds the connection broken)."""
+        with self._cond:
+            conn = self._conn
+        if conn is None:
+            return False
+        try:
+            with self._send_lock:
+                conn.sendall(_HEADER.pack(0, VERDICTS, len(body)) + body)
+        except OSError as exc:
+            log.warning("tree channel: sending verdicts to the drafter failed (%s: %s)", type(exc).__name__, exc)
+            _shut(conn)
+            return False
+        self.verdicts_sent += 1
+        return True
+
     def take(self, round_id: int, timeout_s: float) -> bytes | None:
         """The tree posted for `round_id` (a serialized DraftTreeMsg), or None: no drafter is
         connected, it went away or posted none for this round, or nothing came within `timeout_s`."""
@@ -205,15 +249,18 @@ class TreeMailbox(_Rounds):
 
 class TreePoster:
     """The drafter's end: connects to the verifier's mailbox at `address` in the background (its
-    model may still be loading there), and again after the connection breaks."""
+    model may still be loading there), and again after the connection breaks. `on_verdicts(body)`:
+    called, in the connection's reading thread, with each VERDICTS frame's body the verifier
+    sends (None: they are dropped)."""
 
-    def __init__(self, address: str, retry_s: float = 0.2):
+    def __init__(self, address: str, retry_s: float = 0.2, on_verdicts=None):
         self.host, self.port = parse_address(address)
         self.address, self.retry_s = address, retry_s
+        self.on_verdicts = on_verdicts
         self._lock = threading.Lock()
         self._sock: socket.socket | None = None
         self._closed = False
-        self.trees_posted = 0
+        self.trees_posted = self.verdicts_received = 0
         threading.Thread(target=self._connect, name="tree-poster", daemon=True).start()
 
     @property
@@ -246,15 +293,36 @@ class TreePoster:
                     return
                 self._sock = sock
             log.info("tree channel: connected to the verifier at %s", self.address)
-            try:   # the verifier sends nothing: this returns when it goes (or `post` or `close` shut the socket)
-                sock.recv(1)
-            except OSError:
-                pass
+            self._read(sock)   # returns when the verifier goes (or `post` or `close` shut the socket)
             with self._lock:
                 if self._sock is sock:
                     self._sock = None
                     log.warning("tree channel: the verifier at %s went away; connecting again", self.address)
             _shut(sock)
+
+    def _read(self, sock: socket.socket) -> None:
+        """The verifier's VERDICTS frames, each handed to `on_verdicts`, until the connection ends
+        or a frame is malformed."""
+        try:
+            while True:
+                head = _read_exact(sock, _HEADER.size)
+                if head is None:
+                    return
+                _, kind, length = _HEADER.unpack(head)
+                if kind != VERDICTS or length > MAX_FRAME_BYTES:
+                    log.warning("tree channel: a malformed frame from the verifier (kind %d, %d bytes)", kind, length)
+                    return
+                body = _read_exact(sock, length) if length else b""
+                if body is None:
+                    return
+                self.verdicts_received += 1
+                if self.on_verdicts is not None:
+                    try:
+                        self.on_verdicts(body)
+                    except Exception:   # the drafter's own failure: its router calls go on as without it
+                        log.exception("tree channel: drafting on the verifier's verdicts failed")
+        except OSError:
+            return
 
     def post(self, round_id: int, tree: bytes | None, reason: str = "") -> bool:
         """Sends round `round_id`'s tree (None: a NONE frame carrying `reason`); False when the

@@ -84,7 +84,14 @@ class PlainItem(_message.Message):
     def __init__(self, tag: _Optional[_Union[_common_pb2.RequestTag, _Mapping]] = ..., last_token_id: _Optional[int] = ..., steps: _Optional[int] = ..., again: _Optional[bool] = ...) -> None: ...
 
 class VerifyRequest(_message.Message):
-    __slots__ = ("tree", "want_features", "plain", "prefill", "prefill_features", "tree_round", "tree_wait_ms")
+    __slots__ = ("tree", "want_features", "plain", "prefill", "prefill_features", "tree_round", "tree_wait_ms", "draft_next")
+    class DraftNextEntry(_message.Message):
+        __slots__ = ("key", "value")
+        KEY_FIELD_NUMBER: _ClassVar[int]
+        VALUE_FIELD_NUMBER: _ClassVar[int]
+        key: str
+        value: int
+        def __init__(self, key: _Optional[str] = ..., value: _Optional[int] = ...) -> None: ...
     TREE_FIELD_NUMBER: _ClassVar[int]
     WANT_FEATURES_FIELD_NUMBER: _ClassVar[int]
     PLAIN_FIELD_NUMBER: _ClassVar[int]
@@ -92,6 +99,7 @@ class VerifyRequest(_message.Message):
     PREFILL_FEATURES_FIELD_NUMBER: _ClassVar[int]
     TREE_ROUND_FIELD_NUMBER: _ClassVar[int]
     TREE_WAIT_MS_FIELD_NUMBER: _ClassVar[int]
+    DRAFT_NEXT_FIELD_NUMBER: _ClassVar[int]
     tree: DraftTreeMsg
     want_features: bool
     plain: _containers.RepeatedCompositeFieldContainer[PlainItem]
@@ -99,7 +107,8 @@ class VerifyRequest(_message.Message):
     prefill_features: bool
     tree_round: int
     tree_wait_ms: int
-    def __init__(self, tree: _Optional[_Union[DraftTreeMsg, _Mapping]] = ..., want_features: _Optional[bool] = ..., plain: _Optional[_Iterable[_Union[PlainItem, _Mapping]]] = ..., prefill: _Optional[_Iterable[_Union[VerifierPrefillItem, _Mapping]]] = ..., prefill_features: _Optional[bool] = ..., tree_round: _Optional[int] = ..., tree_wait_ms: _Optional[int] = ...) -> None: ...
+    draft_next: _containers.ScalarMap[str, int]
+    def __init__(self, tree: _Optional[_Union[DraftTreeMsg, _Mapping]] = ..., want_features: _Optional[bool] = ..., plain: _Optional[_Iterable[_Union[PlainItem, _Mapping]]] = ..., prefill: _Optional[_Iterable[_Union[VerifierPrefillItem, _Mapping]]] = ..., prefill_features: _Optional[bool] = ..., tree_round: _Optional[int] = ..., tree_wait_ms: _Optional[int] = ..., draft_next: _Optional[_Mapping[str, int]] = ...) -> None: ...
 
 class VerifyResultMsg(_message.Message):
     __slots__ = ("tag", "token_ids", "num_accepted", "num_draft_tokens", "features", "feature_ref")
@@ -272,7 +281,7 @@ class EngineInfoRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class EngineInfo(_message.Message):
-    __slots__ = ("role", "model", "kind", "vocab_size", "max_len", "max_slots", "used_slots", "feature_layers", "device", "kv_blocks", "kv_block_size", "kv_used_blocks", "feature_channel", "decode_ahead", "decode_ahead_taken", "decode_ahead_forgotten", "busy_s", "calls", "tree_channel")
+    __slots__ = ("role", "model", "kind", "vocab_size", "max_len", "max_slots", "used_slots", "feature_layers", "device", "kv_blocks", "kv_block_size", "kv_used_blocks", "feature_channel", "decode_ahead", "decode_ahead_taken", "decode_ahead_forgotten", "busy_s", "calls", "tree_channel", "next_trees_made", "next_trees_taken")
     class BusySEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
@@ -306,6 +315,8 @@ class EngineInfo(_message.Message):
     BUSY_S_FIELD_NUMBER: _ClassVar[int]
     CALLS_FIELD_NUMBER: _ClassVar[int]
     TREE_CHANNEL_FIELD_NUMBER: _ClassVar[int]
+    NEXT_TREES_MADE_FIELD_NUMBER: _ClassVar[int]
+    NEXT_TREES_TAKEN_FIELD_NUMBER: _ClassVar[int]
     role: str
     model: str
     kind: str
@@ -325,4 +336,6 @@ class EngineInfo(_message.Message):
     busy_s: _containers.ScalarMap[str, float]
     calls: _containers.ScalarMap[str, int]
     tree_channel: str
-    def __init__(self, role: _Optional[str] = ..., model: _Optional[str] = ..., kind: _Optional[str] = ..., vocab_size: _Optional[int] = ..., max_len: _Optional[int] = ..., max_slots: _Optional[int] = ..., used_slots: _Optional[int] = ..., feature_layers: _Optional[str] = ..., device: _Optional[str] = ..., kv_blocks: _Optional[int] = ..., kv_block_size: _Optional[int] = ..., kv_used_blocks: _Optional[int] = ..., feature_channel: _Optional[str] = ..., decode_ahead: _Optional[bool] = ..., decode_ahead_taken: _Optional[int] = ..., decode_ahead_forgotten: _Optional[int] = ..., busy_s: _Optional[_Mapping[str, float]] = ..., calls: _Optional[_Mapping[str, int]] = ..., tree_channel: _Optional[str] = ...) -> None: ...
+    next_trees_made: int
+    next_trees_taken: int
+    def __init__(self, role: _Optional[str] = ..., model: _Optional[str] = ..., kind: _Optional[str] = ..., vocab_size: _Optional[int] = ..., max_len: _Optional[int] = ..., max_slots: _Optional[int] = ..., used_slots: _Optional[int] = ..., feature_layers: _Optional[str] = ..., device: _Optional[str] = ..., kv_blocks: _Optional[int] = ..., kv_block_size: _Optional[int] = ..., kv_used_blocks: _Optional[int] = ..., feature_channel: _Optional[str] = ..., decode_ahead: _Optional[bool] = ..., decode_ahead_taken: _Optional[int] = ..., decode_ahead_forgotten: _Optional[int] = ..., busy_s: _Optional[_Mapping[str, float]] = ..., calls: _Optional[_Mapping[str, int]] = ..., tree_channel: _Optional[str] = ..., next_trees_made: _Optional[int] = ..., next_trees_taken: _Optional[int] = ...) -> None: ...

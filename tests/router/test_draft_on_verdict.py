@@ -239,17 +239,20 @@ def _depth(tree, row: int) -> int:
     return max(d for d, ok in zip(depth, valid) if ok)
 
 
-def test_serve_hands_verdicts_on_where_the_in_process_tree_channel_is():
+def test_serve_hands_verdicts_on_wherever_the_tree_channel_is():
     def resolved(gpus, *argv):
         return draft_on_verdict(resolve_serve_flags(build_parser().parse_args(["serve", *argv]), Platform(gpus=gpus)))
 
     assert resolved(1, "--backend", "local") is True
     assert resolved(1, "--backend", "local", "--no-draft-on-verdict") is False
     assert resolved(1, "--backend", "local", "--no-tree-channel") is False
-    assert resolved(0, "--backend", "local") is False
-    for argv in (("--backend", "grpc"), ("--backend", "local", "--no-tree-channel")):
-        with pytest.raises(ValueError, match="--draft-on-verdict needs --backend local"):
-            resolved(1 if "local" in argv else 0, *argv, "--draft-on-verdict")
+    assert resolved(0, "--backend", "local") is False             # the CPU: one shared thread, no channel
+    assert resolved(0, "--backend", "grpc") is True and resolved(0, "--backend", "ray") is True
+    assert resolved(0, "--backend", "grpc", "--no-draft-on-verdict") is False
+    for gpus, argv in ((0, ("--backend", "grpc", "--no-tree-channel")), (1, ("--backend", "local", "--no-tree-channel")),
+                       (0, ("--backend", "local"))):
+        with pytest.raises(ValueError, match="--draft-on-verdict needs the tree channel"):
+            resolved(gpus, *argv, "--draft-on-verdict")
 
 
 def test_a_verifier_link_on_a_shared_thread_cannot_hand_verdicts_on():

@@ -156,3 +156,51 @@ def test_posting_without_a_connection_says_so():
     finally:
         poster.close()
     assert poster.state == "closed"
+
+
+def test_verdicts_go_the_other_way_to_the_poster_while_trees_still_come(box):
+    """The verifier's VERDICTS frames reach the drafter's `on_verdicts` on the same connection,
+    and the trees it posts meanwhile still reach the mailbox; only verdicts whose features went
+    over the feature channel (a ChannelRef) and that the bounds name are sent."""
+    from spectandem.channel import ChannelRef
+    from spectandem.channel.trees import verdicts_from_bytes, verdicts_to_bytes
+    from spectandem.protocol import Tag, Verdict
+
+    got = []
+    poster = TreePoster(box.address, retry_s=0.02, on_verdicts=got.append)
+    _until(lambda: poster.state == "up" and box.state == "up")
+    try:
+        verdicts = [Verdict(Tag("a", 1, 10), [5, 6], num_accepted=1, num_draft_tokens=3, features=ChannelRef(4, 0)),
+                    Verdict(Tag("b", 0, 7), [9], num_accepted=0, num_draft_tokens=3, features=ChannelRef(4, 1)),
+                    Verdict(Tag("c", 0, 8), [2], num_accepted=0, num_draft_tokens=0, features=object()),
+                    Verdict(Tag("d", 0, 9), [3], num_accepted=0, num_draft_tokens=3, features=ChannelRef(4, 3))]
+        body = verdicts_to_bytes(verdicts, {"a": 40, "b": 8, "c": 99})   # "c": inline features; "d": not named
+        assert box.send_verdicts(body)
+        assert verdicts_to_bytes(verdicts[2:3], {"c": 99}) is None
+        threading.Timer(0.05, lambda: poster.post(3, b"tree-3")).start()
+        assert box.take(3, 10.0) == b"tree-3"
+        _until(lambda: len(got) == 1)
+        items, bounds = verdicts_from_bytes(got[0])
+        assert [(i.tag, i.token_ids, i.features) for i in items] == [(Tag("a", 1, 10), [5, 6], ChannelRef(4, 0)),
+                                                                     (Tag("b", 0, 7), [9], ChannelRef(4, 1))]
+        assert bounds == {"a": 40, "b": 8}
+        assert box.verdicts_sent == 1 and poster.verdicts_received == 1
+    finally:
+        poster.close()
+    # No drafter connected: nothing is sent.
+    _until(lambda: box.state == "waiting")
+    assert not box.send_verdicts(body) and box.verdicts_sent == 1
+
+
+def test_a_failing_on_verdicts_leaves_the_connection_up(box):
+    def broken(body):
+        raise RuntimeError("a broken drafter")
+
+    poster = TreePoster(box.address, retry_s=0.02, on_verdicts=broken)
+    _until(lambda: poster.state == "up" and box.state == "up")
+    try:
+        assert box.send_verdicts(b'{"v":[]}') and box.send_verdicts(b'{"v":[]}')
+        _until(lambda: poster.verdicts_received == 2)
+        assert poster.state == "up" and poster.post(1, b"tree-1") and box.take(1, 10.0) == b"tree-1"
+    finally:
+        poster.close()

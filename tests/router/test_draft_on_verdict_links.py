@@ -1,0 +1,146 @@
+"""Drafting on the verdict across processes (drafter/next_trees.py): `python -m verifier` /
+`python -m drafter` processes with a feature channel and a tree channel, and the Ray actors of
+start_engines, driven by the router. A verify that names requests to draft next sends their
+verdicts (features by reference on the feature channel) to the drafter over the tree channel;
+the drafter catches up and drafts while the router commits, and the router's next draft call
+takes the trees made. Greedy tokens equal plain decoding's and seeded ones the in-process
+engines' without the hand-off, token for token; the drafter's info counts the trees it made and
+the draft calls took. Negative control: a verifier link not asked to hand verdicts on sends none."""
+
+from __future__ import annotations
+
+import asyncio
+import socket
+
+import pytest
+
+from router.links_grpc import GrpcDrafterLink, GrpcVerifierLink
+from router.local import LocalSpeculator
+from router.loop import Router
+from router.requests import RouterConfig
+from spectandem.config import SamplingParams, SpecConfig
+from spectandem.demo import demo_paths
+from tests.router.conftest import RAY_CLUSTERS
+from tests.router.link_harness import MAX_LEN, TREE, _spawn, _stop
+from tests.router.test_plain_steps import served
+from tests.router.test_tree_channel_links import _until_up
+
+
+def _address() -> str:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return f"tcp://127.0.0.1:{s.getsockname()[1]}"
+
+
+@pytest.fixture(scope="module")
+def reference():
+    """The demo pair in-process: (plain engine, EAGLE-3 engines) for the expected tokens."""
+    plain = LocalSpeculator(*demo_paths("none"), SpecConfig(method="none"), max_slots=8, max_len=MAX_LEN)
+    spec = LocalSpeculator(*demo_paths("eagle3"), SpecConfig(method="eagle3", **TREE), max_slots=8, max_len=MAX_LEN)
+    return plain, spec
+
+
+def _work(tokenizer):
+    from tests.e2e.conftest import PROMPT_TEXTS
+
+    prompts = [tokenizer.encode(x).ids for x in PROMPT_TEXTS[:4]]
+    greedy = [SamplingParams(max_tokens=m, ignore_eos=True) for m in (40, 9, 33, 26)]
+    seeded = [SamplingParams(max_tokens=30, temperature=0.9, seed=7 + i, ignore_eos=True) for i in range(4)]
+    return prompts, greedy, seeded
+
+
+async def _route(v, d, spec, prompts, params):
+    router = Router(v, d, spec.tokenizer, RouterConfig(
+        max_len=MAX_LEN, eos_token_ids=spec.eos_token_ids, lookahead=spec.lookahead, want_features=True,
+        pipeline="sequential", tree_channel=True))
+    got = await served(router, prompts, params)
+    return [t for t, _, _ in got], router.counters
+
+
+async def _counts(d) -> tuple[int, int]:
+    extra = (await d.info()).extra
+    return int(extra.get("next_trees_made", 0)), int(extra.get("next_trees_taken", 0))
+
+
+@pytest.fixture
+def processes(tmp_path):
+    """(verifier address, drafter address): the demo EAGLE-3 pair with a feature and a tree channel."""
+    features, trees = _address(), _address()
+    tree = ["--num-steps", str(TREE["num_steps"]), "--topk", str(TREE["topk"]),
+            "--num-draft-tokens", str(TREE["num_draft_tokens"])]
+    procs = []
+    try:
+        procs.append(_spawn(["-m", "verifier", "--max-slots", "8", "--max-len", str(MAX_LEN),
+                             "--feature-channel", features, "--tree-channel", trees], tmp_path / "v.log"))
+        procs.append(_spawn(["-m", "drafter", "--max-slots", "8", "--max-len", str(MAX_LEN), *tree,
+                             "--feature-channel", features, "--tree-channel", trees], tmp_path / "d.log"))
+        yield procs[0][1], procs[1][1]
+    finally:
+        for p, _ in procs:
+            _stop(p)
+
+
+@pytest.mark.slow
+def test_grpc_engines_draft_on_the_verdict_and_stay_exact(processes, reference):
+    plain, spec = reference
+    prompts, greedy, seeded = _work(spec.tokenizer)
+    want = [c.token_ids for c in plain.generate(prompts, greedy)]
+    want_seeded = [c.token_ids for c in spec.generate(prompts, seeded)]
+    v_addr, d_addr = processes
+
+    async def main():
+        v, d = GrpcVerifierLink(v_addr, hands_verdicts=True), GrpcDrafterLink(d_addr)
+        control = GrpcVerifierLink(v_addr)   # not asked: no verdict goes
+        try:
+            await _until_up(v, d)
+            got_control, _ = await _route(control, d, spec, prompts, greedy)
+            before = await _counts(d)
+            got, counters = await _route(v, d, spec, prompts, greedy)
+            after = await _counts(d)
+            got_seeded, _ = await _route(v, d, spec, prompts, seeded)
+            return got_control, before, got, counters, after, got_seeded, await _counts(d)
+        finally:
+            for link in (v, d, control):
+                await link.close()
+    got_control, before, got, counters, after, got_seeded, last = asyncio.run(main())
+    assert got_control == want and got == want and got_seeded == want_seeded
+    assert before == (0, 0)                         # the control sent no verdicts
+    made, taken = after
+    assert counters.num_drafts > 0 and counters.stale_dropped == 0 and counters.fallback_rounds == 0
+    # Most drafted request-rounds took a made tree (not each request's first, nor a race the
+    # router's call won); none was made past a request's last round.
+    assert taken > counters.num_drafts // 2 and made <= taken + len(prompts)
+    assert last[1] > taken                          # the seeded requests' rounds too
+
+
+@pytest.mark.slow
+@RAY_CLUSTERS
+def test_ray_actors_draft_on_the_verdict_and_stay_exact(reference):
+    import ray
+
+    from router.links_ray import ray_init, start_engines
+
+    plain, spec = reference
+    prompts, greedy, _ = _work(spec.tokenizer)
+    want = [c.token_ids for c in plain.generate(prompts, greedy)]
+    started_here = not ray.is_initialized()
+    ray_init(None, num_cpus=2)
+    target, draft = demo_paths("eagle3")
+    v, d, cleanup = start_engines(target, draft, SpecConfig(method="eagle3", **TREE), 8, MAX_LEN, device="cpu",
+                                  feature_channel="auto", tree_channel=True, draft_on_verdict=True)
+
+    async def main():
+        await _until_up(v, d)
+        got, counters = await _route(v, d, spec, prompts, greedy)
+        return got, counters, await _counts(d)
+
+    try:
+        assert v.hands_verdicts
+        got, counters, (made, taken) = asyncio.run(main())
+    finally:
+        cleanup()
+        if started_here:
+            ray.shutdown()
+    assert got == want
+    assert counters.num_drafts > 0 and counters.stale_dropped == 0
+    assert taken > counters.num_drafts // 2 and made <= taken + len(prompts)
