@@ -51,12 +51,16 @@ def tree_from_channel(trees: TreeMailbox | None, round_id: int, wait_s: float) -
 
 
 def verdicts_to_drafter(trees: TreeMailbox | None, verdicts: list[Verdict], bounds: dict[str, int] | None,
-                        clock: CallClock | None = None) -> bool:
+                        clock: CallClock | None = None, after=None) -> bool:
     """Sends the verdicts of the requests `bounds` names (those the router drafts next,
     drafter/next_trees.py) to the drafter over the tree channel, where it is up and their
-    features went over the feature channel; True where something went."""
+    features went over the feature channel; True where something went. `after`: the call's
+    AfterReply (spectandem/after_reply.py), whose queued work (the features' copy into the
+    channel) starts now rather than after the reply: the drafter waits for those features."""
     if not bounds or trees is None:
         return False
+    if after is not None:
+        after.flush()
     with timed(clock, "verify.verdicts"):
         body = verdicts_to_bytes(verdicts, bounds)
         return body is not None and trees.send_verdicts(body)
