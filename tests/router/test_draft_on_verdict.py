@@ -239,7 +239,7 @@ def _depth(tree, row: int) -> int:
     return max(d for d, ok in zip(depth, valid) if ok)
 
 
-def test_serve_hands_verdicts_on_wherever_the_tree_channel_is():
+def test_serve_hands_verdicts_on_by_backend_where_the_tree_channel_is():
     def resolved(gpus, *argv):
         return draft_on_verdict(resolve_serve_flags(build_parser().parse_args(["serve", *argv]), Platform(gpus=gpus)))
 
@@ -247,8 +247,8 @@ def test_serve_hands_verdicts_on_wherever_the_tree_channel_is():
     assert resolved(1, "--backend", "local", "--no-draft-on-verdict") is False
     assert resolved(1, "--backend", "local", "--no-tree-channel") is False
     assert resolved(0, "--backend", "local") is False             # the CPU: one shared thread, no channel
-    assert resolved(0, "--backend", "grpc") is True and resolved(0, "--backend", "ray") is True
-    assert resolved(0, "--backend", "grpc", "--no-draft-on-verdict") is False
+    assert resolved(0, "--backend", "ray") is True and resolved(0, "--backend", "ray", "--no-draft-on-verdict") is False
+    assert resolved(0, "--backend", "grpc") is False and resolved(0, "--backend", "grpc", "--draft-on-verdict") is True
     for gpus, argv in ((0, ("--backend", "grpc", "--no-tree-channel")), (1, ("--backend", "local", "--no-tree-channel")),
                        (0, ("--backend", "local"))):
         with pytest.raises(ValueError, match="--draft-on-verdict needs the tree channel"):
