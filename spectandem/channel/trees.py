@@ -80,6 +80,19 @@ def verdicts_from_bytes(body: bytes) -> tuple[list[ExtendItem], dict[str, int]]:
     return items, {row[0]: int(row[6]) for row in rows}
 
 
+def _read_frame(sock: socket.socket, kinds: tuple[int, ...]) -> tuple[int, int, bytes] | str | None:
+    """The next frame, (round, kind, body); None at the end of the stream; a string saying why
+    it is malformed (a kind not in `kinds`, or too long)."""
+    head = _read_exact(sock, _HEADER.size)
+    if head is None:
+        return None
+    round_id, kind, length = _HEADER.unpack(head)
+    if length > MAX_FRAME_BYTES or kind not in kinds:
+        return f"a malformed frame (kind {kind}, {length} bytes)"
+    body = _read_exact(sock, length) if length else b""
+    return None if body is None else (round_id, kind, body)
+
+
 def _tune(sock: socket.socket) -> None:
     sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
 
@@ -175,16 +188,11 @@ class TreeMailbox(_Rounds):
         why = "the drafter closed the connection"
         try:
             while True:
-                head = _read_exact(conn, _HEADER.size)
-                if head is None:
+                frame = _read_frame(conn, (TREE, NONE))
+                if not isinstance(frame, tuple):
+                    why = frame or why
                     break
-                round_id, kind, length = _HEADER.unpack(head)
-                if length > MAX_FRAME_BYTES or kind not in (TREE, NONE):
-                    why = f"a malformed frame (kind {kind}, {length} bytes)"
-                    break
-                body = _read_exact(conn, length) if length else b""
-                if body is None:
-                    break
+                round_id, kind, body = frame
                 with self._cond:
                     self._put(round_id, (kind, body))
         except OSError as exc:
@@ -305,16 +313,12 @@ class TreePoster:
         or a frame is malformed."""
         try:
             while True:
-                head = _read_exact(sock, _HEADER.size)
-                if head is None:
+                frame = _read_frame(sock, (VERDICTS,))
+                if not isinstance(frame, tuple):
+                    if frame:
+                        log.warning("tree channel: %s from the verifier", frame)
                     return
-                _, kind, length = _HEADER.unpack(head)
-                if kind != VERDICTS or length > MAX_FRAME_BYTES:
-                    log.warning("tree channel: a malformed frame from the verifier (kind %d, %d bytes)", kind, length)
-                    return
-                body = _read_exact(sock, length) if length else b""
-                if body is None:
-                    return
+                body = frame[2]
                 self.verdicts_received += 1
                 if self.on_verdicts is not None:
                     try:
