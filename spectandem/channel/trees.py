@@ -34,6 +34,7 @@ from __future__ import annotations
 import errno
 import json
 import logging
+import select
 import socket
 import struct
 import threading
@@ -49,6 +50,7 @@ TREE, NONE, VERDICTS = 1, 0, 2
 _WELCOME = b"\x01"         # the mailbox's one byte to a connection it takes (it closes the others)
 _KEEP = 16                 # rounds the mailbox holds at most (the latest)
 MAX_FRAME_BYTES = 1 << 30  # a frame claiming more is a broken peer
+VERDICT_SEND_S = 0.5       # the longest a verify waits on a drafter that does not read its verdicts
 
 
 def _read_exact(sock: socket.socket, n: int) -> bytes | None:
@@ -91,6 +93,21 @@ def _read_frame(sock: socket.socket, kinds: tuple[int, ...]) -> tuple[int, int, 
         return f"a malformed frame (kind {kind}, {length} bytes)"
     body = _read_exact(sock, length) if length else b""
     return None if body is None else (round_id, kind, body)
+
+
+def _send_within(sock: socket.socket, data: bytes, timeout_s: float) -> None:
+    """`sock.sendall(data)` without blocking past `timeout_s` (TimeoutError), the socket left
+    blocking for its reader."""
+    view, deadline = memoryview(data), time.monotonic() + timeout_s
+    while view:
+        try:
+            view = view[sock.send(view, socket.MSG_DONTWAIT):]
+            continue
+        except BlockingIOError:
+            pass
+        left = deadline - time.monotonic()
+        if left <= 0 or not select.select([], [sock], [], left)[1]:
+            raise TimeoutError(f"{len(view)} of {len(data)} bytes not taken within {timeout_s} s")
 
 
 def _tune(sock: socket.socket) -> None:
@@ -204,18 +221,22 @@ class TreeMailbox(_Rounds):
             self._cond.notify_all()
         _shut(conn)
 
-    def send_verdicts(self, body: bytes) -> bool:
-        """Sends a VERDICTS frame to the connected drafter; False where none is connected or the
-        send failed (the reader then finds the connection broken)."""
+    def send_verdicts(self, body: bytes, timeout_s: float = VERDICT_SEND_S) -> bool:
+        """Sends a VERDICTS frame to the connected drafter; False where none is connected, or the
+        send failed or did not finish within `timeout_s` (a drafter that stopped reading: the
+        verify never waits on it longer). A send that did not finish leaves half a frame in the
+        stream, so the connection is then shut: the reader finds it broken, and the drafter
+        connects again."""
         with self._cond:
             conn = self._conn
         if conn is None:
             return False
         try:
             with self._send_lock:
-                conn.sendall(_HEADER.pack(0, VERDICTS, len(body)) + body)
-        except OSError as exc:
-            log.warning("tree channel: sending verdicts to the drafter failed (%s: %s)", type(exc).__name__, exc)
+                _send_within(conn, _HEADER.pack(0, VERDICTS, len(body)) + body, timeout_s)
+        except OSError as exc:   # TimeoutError included
+            log.warning("tree channel: sending verdicts to the drafter failed (%s: %s); closing its connection",
+                        type(exc).__name__, exc)
             _shut(conn)
             return False
         self.verdicts_sent += 1

@@ -204,3 +204,23 @@ def test_a_failing_on_verdicts_leaves_the_connection_up(box):
         assert poster.state == "up" and poster.post(1, b"tree-1") and box.take(1, 10.0) == b"tree-1"
     finally:
         poster.close()
+
+
+def test_a_drafter_that_stops_reading_never_holds_a_verify(box):
+    """A drafter end that connected but reads nothing (a hung process): once its socket's buffers
+    are full, a send of verdicts gives up within its timeout instead of blocking the verify, and
+    the connection is closed (half a frame may be in it)."""
+    sock = socket.create_connection(("127.0.0.1", int(box.address.rsplit(":", 1)[1])))
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
+    try:
+        assert sock.recv(1) == b"\x01"          # taken, then never read again
+        _until(lambda: box.state == "up")
+        body = b'{"v":[]}' + b" " * (1 << 20)   # 1 MB frames fill the buffers within a few sends
+        t0 = time.monotonic()
+        sent = [box.send_verdicts(body, timeout_s=0.2) for _ in range(64)]
+        assert False in sent and time.monotonic() - t0 < 20.0
+        first_fail = sent.index(False)
+        assert all(sent[:first_fail]) and not any(sent[first_fail:])   # closed, then nobody to send to
+        _until(lambda: box.state == "waiting")
+    finally:
+        sock.close()
