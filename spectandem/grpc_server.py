@@ -69,11 +69,7 @@ class EngineCalls:
             context.abort(grpc.StatusCode.DEADLINE_EXCEEDED,
                           f"{self.role}: the engine call in flight did not end before this call's deadline")
         try:
-            with self.after.call() if self.after is not None else nullcontext(), \
-                    self.clock.timing(getattr(fn, "__name__", "call").lstrip("_")):
-                if self._thread is not None:
-                    return self._thread.submit(self._mapped, context, fn, *args).result()
-                return self._mapped(context, fn, *args)
+            return self._engine_turn(getattr(fn, "__name__", "call").lstrip("_"), self._mapped, context, fn, *args)
         finally:
             self._lock.release()
 
@@ -82,10 +78,15 @@ class EngineCalls:
         itself rather than a caller (drafter/next_trees.py, on the verifier's verdicts); timed as
         `kind`; its errors are the caller's."""
         with self._lock:
-            with self.after.call() if self.after is not None else nullcontext(), self.clock.timing(kind):
-                if self._thread is not None:
-                    return self._thread.submit(fn, *args).result()
-                return fn(*args)
+            return self._engine_turn(kind, fn, *args)
+
+    def _engine_turn(self, kind: str, fn: Callable, *args):
+        """fn(*args) under the lock: after the last call's work after its reply, timed as `kind`,
+        on the engine thread where there is one."""
+        with self.after.call() if self.after is not None else nullcontext(), self.clock.timing(kind):
+            if self._thread is not None:
+                return self._thread.submit(fn, *args).result()
+            return fn(*args)
 
     def peek(self, context: grpc.ServicerContext, fn: Callable, *args):
         """A cheap read of counters (info), without waiting for a forward in flight."""
