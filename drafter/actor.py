@@ -1,5 +1,5 @@
-"""The drafter as a Ray actor: builds the engine from directories, then translates each call
-through drafter/service_core.py. No model logic here.
+"""The drafter as a Ray actor: builds the engine from directories, then makes each call through
+drafter/calls.py. No model logic here.
 
 Features arrive as ObjectRefs inside the items (put by the verifier actor); Ray resolves only
 top-level arguments, so they are fetched here, all of a call's at once. A round's DraftTree
@@ -29,12 +29,9 @@ import ray
 import torch
 
 from drafter.factory import build_engine
-from drafter.next_trees import NextTrees
-from drafter.service_core import (drafter_draft_ahead, drafter_draft_posted, drafter_extend, drafter_info,
-                                  drafter_prefill, drafter_release)
+from drafter.calls import DrafterCalls
 from spectandem.protocol import AheadReply, DrafterPrefillItem, EngineInfo, ExtendItem, Tag
 from spectandem.channel import FeatureReceiver, TreePoster
-from spectandem.channel.trees import verdicts_from_bytes
 from spectandem.call_clock import CallClock
 from spectandem.config import EngineConfig
 from spectandem.messages import DraftTree
@@ -51,36 +48,32 @@ def _resolve_features(items: list):
 class DrafterActor:
     def __init__(self, config: EngineConfig, model_name: str = "draft", num_threads: int = 1):
         torch.set_num_threads(num_threads)   # this actor's own process
-        self.engine, _ = build_engine(config)
+        engine, _ = build_engine(config)
         self.model_name, self.device = model_name, config.device
-        self.receiver: FeatureReceiver | None = None
-        self.poster: TreePoster | None = None
+        self.drafter = DrafterCalls(engine)   # its channels once opened
         self.clock = CallClock()   # EngineInfo.calls
-        self.next_trees = NextTrees()
         self._engine_lock = threading.Lock()   # the actor's calls, and drafting on the verdicts
 
     def open_feature_channel(self, address: str) -> None:
         """Starts the drafter's end of the verifier's feature channel; connecting runs in the background."""
-        if self.receiver is not None:
-            self.receiver.close()
-        self.receiver = FeatureReceiver(address, self.device)
+        if self.drafter.receiver is not None:
+            self.drafter.receiver.close()
+        self.drafter.receiver = FeatureReceiver(address, self.device)
 
     def open_tree_channel(self, address: str) -> None:
         """Starts the drafter's end of the verifier's tree channel; connecting runs in the background."""
-        if self.poster is not None:
-            self.poster.close()
-        self.poster = TreePoster(address, on_verdicts=self._on_verdicts)
+        if self.drafter.poster is not None:
+            self.drafter.poster.close()
+        self.drafter.poster = TreePoster(address, on_verdicts=self._on_verdicts)
 
     def _on_verdicts(self, body: bytes) -> None:
-        items, bounds = verdicts_from_bytes(body)
         with self._engine_lock, self.clock.timing("draft_next"):
-            self.next_trees.draft_on(self.engine, items, bounds, self.receiver, self.clock)
+            self.drafter.draft_on_frame(body, self.clock)
 
     def prefill(self, items: list[DrafterPrefillItem]) -> list[str]:
         items = _resolve_features(items)
         with self._engine_lock, self.clock.timing("prefill"):
-            self.next_trees.forget([i.tag.request_id for i in items])
-            return drafter_prefill(self.engine, items, self.receiver)
+            return self.drafter.prefill(items)
 
     @ray.method(num_returns=2)
     def draft(self, tags: list[Tag], num_steps: list[int | None] | None = None, extend: list[ExtendItem] = (),
@@ -91,41 +84,32 @@ class DrafterActor:
         without fetching it (None once posted)."""
         extend = _resolve_features(list(extend))
         with self._engine_lock, self.clock.timing("draft"):
-            make = self.next_trees.extend_and_draft
             if post_round:
-                tree, known, unknown, posted = drafter_draft_posted(self.engine, tags, num_steps, extend, self.receiver,
-                                                                    self.poster, post_round, self.clock, make)
+                tree, known, unknown, posted = self.drafter.draft_posted(tags, num_steps, extend, post_round, self.clock)
             else:
-                (tree, known, unknown), posted = make(self.engine, tags, num_steps, extend, self.receiver,
-                                                      self.clock), False
+                (tree, known, unknown), posted = self.drafter.draft(tags, num_steps, extend, self.clock), False
         return tree, (known, unknown, posted)
 
     def draft_ahead(self, tags: list[Tag], extend: list[ExtendItem] = ()) -> AheadReply:
         extend = _resolve_features(list(extend))
         with self._engine_lock, self.clock.timing("draft_ahead"):
-            return drafter_draft_ahead(self.engine, tags, self.next_trees.unabsorbed(extend), self.receiver)
+            return self.drafter.draft_ahead(tags, extend)
 
     def extend(self, items: list[ExtendItem]) -> list[str]:
         """Catch-up; returns the ids this drafter does not hold (it restarted)."""
         items = _resolve_features(items)
         with self._engine_lock, self.clock.timing("extend"):
-            return drafter_extend(self.engine, self.next_trees.unabsorbed(items), self.receiver)
+            return self.drafter.extend(items)
 
     def release(self, request_ids: list[str], keep_draft: bool = False,
                 outputs: dict[str, list[int]] | None = None) -> None:
         with self._engine_lock:
-            self.next_trees.forget(request_ids)
-            drafter_release(self.engine, request_ids, keep_draft, outputs)
+            self.drafter.release(request_ids, keep_draft, outputs)
 
     def info(self) -> EngineInfo:
-        info = drafter_info(self.engine, self.model_name)
+        info = self.drafter.info(self.model_name)
         ctx = ray.get_runtime_context()
         info.extra.update(pid=os.getpid(), node_id=ctx.get_node_id(), placement_group_id=ctx.get_placement_group_id())
-        if self.receiver is not None:
-            info.extra["feature_channel"] = self.receiver.state
-        if self.poster is not None:
-            info.extra["tree_channel"] = self.poster.state
-        info.extra.update(next_trees_made=self.next_trees.made, next_trees_taken=self.next_trees.taken)
         info.calls = self.clock.stats()
         return info
 

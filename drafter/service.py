@@ -1,5 +1,5 @@
 """The drafter as a gRPC service (spectandem.v1.Drafter): a thin servicer that decodes the
-protobuf messages, calls drafter/service_core.py on a DrafterEngine and encodes the replies.
+protobuf messages, makes the drafter's calls (drafter/calls.py) and encodes the replies.
 
     python -m drafter --target DIR --draft DIR --method eagle3 --num-steps 4 --port N
 
@@ -19,12 +19,9 @@ from pathlib import Path
 
 from drafter.engine import DrafterEngine
 from drafter.factory import build_engine
-from drafter.next_trees import NextTrees
-from drafter.service_core import (drafter_draft_ahead, drafter_draft_posted, drafter_extend, drafter_info,
-                                  drafter_prefill, drafter_release)
+from drafter.calls import DrafterCalls
 from spectandem import codec
 from spectandem.channel import FeatureReceiver, TreePoster
-from spectandem.channel.trees import verdicts_from_bytes
 from spectandem.config import EngineConfig
 from spectandem.devices import engine_process_thread
 from spectandem.service_args import add_drafter_args  # noqa: F401 (re-exported)
@@ -39,19 +36,16 @@ class DrafterServicer(engines_pb2_grpc.DrafterServicer):
     def __init__(self, engine: DrafterEngine, model_name: str = "draft", device: str = "cpu",
                  max_slots: int = 0, max_len: int = 0, receiver: FeatureReceiver | None = None, thread=None,
                  poster: TreePoster | None = None):
-        self.engine, self.model_name, self.device = engine, model_name, device
-        self.max_slots, self.max_len, self.receiver, self.poster = max_slots, max_len, receiver, poster
+        self.model_name, self.device, self.max_slots, self.max_len = model_name, device, max_slots, max_len
         self.calls = EngineCalls("drafter", thread)
-        self.next_trees = NextTrees()   # changed in the engine's turn only
+        self.drafter = DrafterCalls(engine, receiver, poster)   # called in the engine's turn only
         if poster is not None:
             poster.on_verdicts = self._on_verdicts
 
     def _on_verdicts(self, body: bytes) -> None:
         """A round's verdicts from the verifier (the tree channel's reading thread): caught up with
         and the next trees drafted in the engine's turn (drafter/next_trees.py)."""
-        items, bounds = verdicts_from_bytes(body)
-        self.calls.run_internal("draft_next", self.next_trees.draft_on, self.engine, items, bounds, self.receiver,
-                                self.calls.clock)
+        self.calls.run_internal("draft_next", self.drafter.draft_on_frame, body, self.calls.clock)
 
     def Prefill(self, request, context):
         return self.calls.run(context, self._prefill, request)
@@ -75,8 +69,7 @@ class DrafterServicer(engines_pb2_grpc.DrafterServicer):
 
     def _prefill(self, request: engines_pb2.DrafterPrefillRequest) -> engines_pb2.DrafterReply:
         items = [codec.drafter_prefill_item_from_msg(m) for m in request.items]
-        self.next_trees.forget([i.tag.request_id for i in items])
-        return engines_pb2.DrafterReply(unknown_request_ids=drafter_prefill(self.engine, items, self.receiver))
+        return engines_pb2.DrafterReply(unknown_request_ids=self.drafter.prefill(items))
 
     def _draft(self, request: engines_pb2.DraftRequest) -> engines_pb2.DraftReply:
         tags = [codec.tag_from_msg(t) for t in request.tags]
@@ -87,15 +80,13 @@ class DrafterServicer(engines_pb2_grpc.DrafterServicer):
         with clock.timing("draft.decode"):
             extend = [codec.extend_item_from_msg(m) for m in request.extend]
         if request.post_round:
-            tree, known, unknown, posted = drafter_draft_posted(self.engine, tags, list(request.num_steps) or None,
-                                                                extend, self.receiver, self.poster, request.post_round,
-                                                                clock, self.next_trees.extend_and_draft)
+            tree, known, unknown, posted = self.drafter.draft_posted(tags, list(request.num_steps) or None, extend,
+                                                                     request.post_round, clock)
             if posted:
                 return engines_pb2.DraftReply(posted=True, posted_tags=[codec.tag_to_msg(t) for t in known],
                                               unknown_request_ids=unknown)
         else:
-            tree, known, unknown = self.next_trees.extend_and_draft(
-                self.engine, tags, list(request.num_steps) or None, extend, self.receiver, clock)
+            tree, known, unknown = self.drafter.draft(tags, list(request.num_steps) or None, extend, clock)
         if tree is None:
             return engines_pb2.DraftReply(unknown_request_ids=unknown)
         with clock.timing("draft.encode"):
@@ -103,29 +94,22 @@ class DrafterServicer(engines_pb2_grpc.DrafterServicer):
                                           unknown_request_ids=unknown)
 
     def _draft_ahead(self, request: engines_pb2.DraftAheadRequest) -> engines_pb2.DraftAheadReply:
-        return codec.ahead_reply_to_msg(drafter_draft_ahead(
-            self.engine, [codec.tag_from_msg(t) for t in request.tags],
-            self.next_trees.unabsorbed([codec.extend_item_from_msg(m) for m in request.extend]), self.receiver))
+        return codec.ahead_reply_to_msg(self.drafter.draft_ahead(
+            [codec.tag_from_msg(t) for t in request.tags], [codec.extend_item_from_msg(m) for m in request.extend]))
 
     def _extend(self, request: engines_pb2.ExtendRequest) -> engines_pb2.DrafterReply:
-        items = self.next_trees.unabsorbed([codec.extend_item_from_msg(m) for m in request.items])
-        return engines_pb2.DrafterReply(unknown_request_ids=drafter_extend(self.engine, items, self.receiver))
+        items = [codec.extend_item_from_msg(m) for m in request.items]
+        return engines_pb2.DrafterReply(unknown_request_ids=self.drafter.extend(items))
 
     def _release(self, request: engines_pb2.ReleaseRequest) -> engines_pb2.ReleaseReply:
         outputs = {o.request_id: list(o.token_ids) for o in request.outputs}
-        self.next_trees.forget(request.request_ids)
-        known = drafter_release(self.engine, list(request.request_ids), request.keep_draft, outputs)
+        known = self.drafter.release(list(request.request_ids), request.keep_draft, outputs)
         return engines_pb2.ReleaseReply(released=known)
 
     def _info(self) -> engines_pb2.EngineInfo:
-        info = drafter_info(self.engine, self.model_name)
+        info = self.drafter.info(self.model_name)
         info.max_slots, info.max_len = self.max_slots, self.max_len
         info.extra["device"] = self.device
-        if self.receiver is not None:
-            info.extra["feature_channel"] = self.receiver.state
-        if self.poster is not None:
-            info.extra["tree_channel"] = self.poster.state
-        info.extra.update(next_trees_made=self.next_trees.made, next_trees_taken=self.next_trees.taken)
         info.calls = self.calls.clock.stats()
         return codec.engine_info_to_msg(info)
 

@@ -132,24 +132,19 @@ class LocalDrafterLink(_LocalLink):
         _check_trees(trees, thread)
         super().__init__(engine, model_name, thread)
         self.trees = trees
-        from drafter.next_trees import NextTrees
+        from drafter.calls import DrafterCalls
 
-        self.next_trees = NextTrees()   # read and changed in the worker thread only
+        self.drafter = DrafterCalls(engine)   # called in the worker thread only
 
     def draft_next(self, verdicts, bounds: dict[str, int]) -> None:
         """From the verifier's worker thread (LocalVerifierLink `draft_next`): queues, in this
         link's thread, the catch-up of these verdicts and the next trees of the requests whose
         new committed length is below `bounds[request id]` (drafter/next_trees.py). Returns at once."""
         items = [ExtendItem(v.tag, list(v.token_ids), v.features) for v in verdicts]
-        self._thread.submit(self._call, "draft_next", self.next_trees.draft_on, self.engine, items, dict(bounds))
+        self._thread.submit(self._call, "draft_next", self.drafter.draft_on, items, dict(bounds))
 
     async def prefill(self, items):
-        from drafter.service_core import drafter_prefill
-
-        def prefilled(engine, items):
-            self.next_trees.forget([i.tag.request_id for i in items])
-            return drafter_prefill(engine, items)
-        return await self._run("prefill", prefilled, self.engine, items)
+        return await self._run("prefill", self.drafter.prefill, list(items))
 
     async def draft(self, tags, num_steps=None, extend=(), post_round=0):
         """`extend` and the trees in one worker call; with `post_round`, the trees handed to the
@@ -158,13 +153,12 @@ class LocalDrafterLink(_LocalLink):
         if not post_round or self.trees is None:
             # Without a hand-off nothing is posted (the router then drafts apart for a while), but the
             # catch-up is absorbed all the same, as an engine service without its channel does.
-            tree, known, unknown = await self._run("draft", self.next_trees.extend_and_draft, self.engine, list(tags),
-                                                   num_steps, list(extend))
+            tree, known, unknown = await self._run("draft", self.drafter.draft, list(tags), num_steps, list(extend))
             return DraftHandle(known, tree, unknown)
 
-        def drafted_and_handed(engine, tags, num_steps, extend):
+        def drafted_and_handed(tags, num_steps, extend):
             try:
-                tree, known, unknown = self.next_trees.extend_and_draft(engine, tags, num_steps, extend)
+                tree, known, unknown = self.drafter.draft(tags, num_steps, extend)
                 if self._stream is not None:
                     self._stream.synchronize()   # the trees are complete before the verifier reads them
             except BaseException as exc:
@@ -174,40 +168,25 @@ class LocalDrafterLink(_LocalLink):
                 return known, unknown, self.trees.post(post_round, None, reason="no request left to draft for")
             return known, unknown, self.trees.post(post_round, tree, known)
 
-        known, unknown, posted = await self._run("draft", drafted_and_handed, self.engine, list(tags), num_steps,
-                                                 list(extend))
+        known, unknown, posted = await self._run("draft", drafted_and_handed, list(tags), num_steps, list(extend))
         return DraftHandle(known, None, unknown, posted)
 
     async def draft_ahead(self, tags, extend=()):
-        from drafter.service_core import drafter_draft_ahead
-
-        return await self._run("draft_ahead", lambda engine, tags, extend: drafter_draft_ahead(
-            engine, tags, self.next_trees.unabsorbed(extend)), self.engine, list(tags), list(extend))
+        return await self._run("draft_ahead", self.drafter.draft_ahead, list(tags), list(extend))
 
     def ready_handle(self, tree, tags):
         return DraftHandle(list(tags), tree)
 
     async def extend(self, items):
-        from drafter.service_core import drafter_extend
-
-        return await self._run("extend", lambda engine, items: drafter_extend(engine, self.next_trees.unabsorbed(items)),
-                               self.engine, list(items))
+        return await self._run("extend", self.drafter.extend, list(items))
 
     async def release(self, request_ids, keep_draft=False, outputs=None):
-        from drafter.service_core import drafter_release
-
-        def released(engine, request_ids, keep_draft, outputs):
-            self.next_trees.forget(request_ids)
-            return drafter_release(engine, request_ids, keep_draft, outputs)
-        await self._run("release", released, self.engine, list(request_ids), keep_draft, outputs)
+        await self._run("release", self.drafter.release, list(request_ids), keep_draft, outputs)
 
     async def info(self):
-        from drafter.service_core import drafter_info
-
-        info = drafter_info(self.engine, self.model_name)
+        info = self.drafter.info(self.model_name)
         if self.trees is not None:
             info.extra["tree_channel"] = self.trees.state
-        info.extra.update(next_trees_made=self.next_trees.made, next_trees_taken=self.next_trees.taken)
         info.calls = self.clock.stats()
         return info
 

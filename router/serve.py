@@ -91,7 +91,7 @@ def add_serve(sub) -> None:
                    help="the verifier hands a sequential round's verdicts straight to the drafter (over the tree "
                         "channel; in this process, from thread to thread), which catches up and drafts the next "
                         "trees while the router commits the round; the next draft call then finds them made "
-                        "(default: on with the tree channel for --backend ray and local, off for grpc)")
+                        "(default: on with the tree channel)")
     p.add_argument("--engine-restarts", type=int, default=5,
                    help="--backend grpc: restarts of an engine process started here within "
                         "--engine-restart-window, after which it stays down (a verifier that stays down ends "
@@ -226,19 +226,17 @@ def tree_channel(args) -> bool:
 
 def draft_on_verdict(args) -> bool:
     """Whether the verifier hands a round's verdicts straight to the drafter (--draft-on-verdict;
-    drafter/next_trees.py); refused without the tree channel, over which they go. By default on
-    with it for --backend ray and local, off for grpc: on one H100 (a = 0.8, concurrency 1,
-    benchmarks/results/serve-h100-draft-on-verdict.txt) a Ray round was shorter with it (ITL p50
-    10.97 against 12.44 ms), while a gRPC drafter waited 1.8 ms a round for the verdict's
-    features to come over the feature channel, where the router's draft call had found them
-    there, and served less (259 and 262 against 278 tok/s)."""
+    drafter/next_trees.py); refused without the tree channel, over which they go, and on by
+    default with it. On one H100 (a = 0.8, concurrency 1, the verdicts telling where their
+    features lie in the feature channel's ring; benchmarks/results/serve-h100-draft-on-verdict.txt)
+    a gRPC round served 299.6 tok/s with it against 274.8 without, a Ray round 287.9 against 243.5."""
     trees = tree_channel(args)
     value = getattr(args, "draft_on_verdict", None)
     if value and not trees:
         raise ValueError("--draft-on-verdict needs the tree channel (--backend grpc or ray starting both engines, "
                          "or --backend local with an engine on a GPU; not with --no-tree-channel): the verdicts go "
                          "over it")
-    return (trees and args.backend != "grpc") if value is None else value
+    return trees if value is None else value
 
 
 def _own_threads(args) -> bool:

@@ -51,19 +51,30 @@ def tree_from_channel(trees: TreeMailbox | None, round_id: int, wait_s: float) -
 
 
 def verdicts_to_drafter(trees: TreeMailbox | None, verdicts: list[Verdict], bounds: dict[str, int] | None,
-                        clock: CallClock | None = None, after=None) -> bool:
+                        clock: CallClock | None = None, after=None, sender: FeatureSender | None = None) -> bool:
     """Sends the verdicts of the requests `bounds` names (those the router drafts next,
     drafter/next_trees.py) to the drafter over the tree channel, where it is up and their
-    features went over the feature channel; True where something went. `after`: the call's
-    AfterReply (spectandem/after_reply.py), whose queued work (the features' copy into the
-    channel) starts now rather than after the reply: the drafter waits for those features."""
-    if not bounds or trees is None:
+    features went over the feature channel; True where some are on their way. `sender`: the
+    feature channel's end; the verdicts carry where their features lie in its payload ring
+    (FeatureSender.placement), so the drafter copies them out without waiting for the messages'
+    headers. `after`: the call's AfterReply (spectandem/after_reply.py), where the features'
+    copies into the channel are queued: the verdicts go on its worker right after those copies,
+    started now rather than after the reply."""
+    if not bounds or trees is None or not any(v.tag.request_id in bounds for v in verdicts):
         return False
-    if after is not None:
+
+    def send() -> None:
+        with timed(clock, "verify.verdicts"):
+            body = verdicts_to_bytes(verdicts, bounds, sender.placement if sender is not None else None)
+            if body is not None:
+                trees.send_verdicts(body)
+
+    if after is None:
+        send()
+    else:
+        after.later(send)
         after.flush()
-    with timed(clock, "verify.verdicts"):
-        body = verdicts_to_bytes(verdicts, bounds)
-        return body is not None and trees.send_verdicts(body)
+    return True
 
 
 def verifier_verify(engine, tree: DraftTree | None, tags: list[Tag], plain: list[PlainItem],

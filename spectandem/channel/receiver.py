@@ -59,6 +59,13 @@ class FeatureReceiver:
         self._mail: OrderedDict[int, _Message] = OrderedDict()
         self._bytes = 0
         self._last_seq = 0
+        # Messages whose ring slots the drafter was told ahead of their headers (`expect`), and
+        # those of them `take` already copied out (their headers then only release the slots).
+        self._placed: OrderedDict[int, tuple[int, torch.dtype, list[tuple[int, ...]]]] = OrderedDict()
+        # seq -> None while `take` copies it out, then the event its copy completes at (None
+        # on the CPU, or True): the header waits for it before releasing the slot.
+        self._early: dict[int, object] = {}
+        self.early_reads = 0             # messages copied out of the ring by `take` itself
         self._cond = threading.Condition()
         self._group: _Group | None = None
         self._thread = threading.Thread(target=self._run, name="feature-receiver", daemon=True)
@@ -67,6 +74,20 @@ class FeatureReceiver:
     @property
     def ready(self) -> bool:
         return self.state == "up"
+
+    def expect(self, placements: dict[int, tuple[int, int, list[tuple[int, ...]]]]) -> None:
+        """Where messages lie in the payload ring, told ahead of their headers (a round's verdicts
+        over the tree channel; FeatureSender.placement): seq -> (slot, dtype code, item shapes).
+        `take` of such a message, not yet here, copies it straight out of its slot rather than
+        waiting for this end's thread to receive its header. Without a ring, nothing changes."""
+        if self.state != "up" or self._group is None or self._group.ring is None:
+            return
+        with self._cond:
+            for seq, (slot, code, shapes) in placements.items():
+                if seq > self._last_seq and seq not in self._mail:
+                    self._placed[seq] = (slot, _DTYPES[code], [tuple(s) for s in shapes])
+            while len(self._placed) > self.capacity:
+                self._placed.popitem(last=False)
 
     def take(self, ref: ChannelRef, timeout_s: float | None = None) -> torch.Tensor:
         """The features behind `ref` (a view of the message's payload, on this side's device);
@@ -83,11 +104,40 @@ class FeatureReceiver:
                                               f"ring or already taken")
                 if self.state in ("broken", "closed"):
                     raise FeatureChannelError(f"the feature channel is {self.state}; message {ref.seq} never came")
+                placed = self._placed.pop(ref.seq, None)
+                if placed is not None:
+                    self._early[ref.seq] = None    # copying it out: its header waits for that
+                    break
                 remaining = deadline - time.monotonic()
                 if remaining <= 0:
                     raise FeatureChannelError(f"features of channel message {ref.seq} did not arrive within "
                                               f"{self.take_timeout_s if timeout_s is None else timeout_s} s")
                 self._cond.wait(remaining)
+        msg, done = self._read_early(ref.seq, *placed)
+        with self._cond:
+            if msg is None:                 # no longer in its slot: the header's copy is the one
+                del self._early[ref.seq]
+                self._cond.notify_all()
+            else:
+                self._early[ref.seq] = True if done is None else done
+                self.early_reads += 1
+                self._keep(ref.seq, msg)
+                self._cond.notify_all()
+                return self._hand_out(ref, msg)
+        return self.take(ref, max(0.0, deadline - time.monotonic()))
+
+    def _read_early(self, seq: int, slot: int, dtype: torch.dtype, shapes: list[tuple[int, ...]]):
+        """Message `seq` copied out of its ring slot by the taker, ahead of its header, queued on
+        the taker's stream -> (the message, the copy's event or None); (None, None) where the
+        slot no longer holds it. This end's thread releases the slot, in order, once the header
+        has come and the copy is done."""
+        nbytes = sum(math.prod(s) for s in shapes) * torch.empty((), dtype=dtype).element_size()
+        try:
+            payload, done = self._group.ring.read_queued(seq, slot, nbytes)
+        except FeatureChannelError as exc:
+            log.debug("feature channel: early read of message %d: %s", seq, exc)
+            return None, None
+        return _Message(payload, shapes, dtype), done
 
     def close(self) -> None:
         """Stops taking messages. The thread ends with the next header (or the process): gloo
@@ -132,6 +182,8 @@ class FeatureReceiver:
                     seq, num_items, ndim, code, slot = header[:SHAPES_AT]
                     if num_items == _CLOSE or self.state == "closed":
                         break
+                    if self._read_already(seq, slot):
+                        continue
                     shapes = [tuple(header[SHAPES_AT + i * ndim:SHAPES_AT + (i + 1) * ndim]) for i in range(num_items)]
                     dtype = _DTYPES[code]
                     nbytes = sum(math.prod(s) for s in shapes) * torch.empty((), dtype=dtype).element_size()
@@ -183,18 +235,42 @@ class FeatureReceiver:
                 self.state = state
             self._cond.notify_all()
 
+    def _read_already(self, seq: int, slot: int) -> bool:
+        """For the header of message `seq`: whether `take` copied it out of its slot ahead of the
+        header (then, once that copy is done, the slot is released here, in the ring's order,
+        and the message kept as it is). No `take` starts copying it once this has run."""
+        with self._cond:
+            self._placed.pop(seq, None)
+            while seq in self._early and self._early[seq] is None:   # a take is copying it out
+                self._cond.wait()
+            if seq not in self._early:
+                return False
+            done = self._early.pop(seq)
+            self._last_seq = max(self._last_seq, seq)
+            self._cond.notify_all()
+        if slot != NO_SLOT:
+            if done is not True:
+                done.synchronize()
+            self._group.ring.release()
+        return True
+
     def _store(self, seq: int, msg: _Message) -> None:
         with self._cond:
-            self._mail[seq] = msg
-            self._bytes += msg.payload.numel()
             self._last_seq = seq
-            # Bounded: the oldest go first, the newest message always stays.
-            while len(self._mail) > self.capacity or (self._bytes > self.max_bytes and len(self._mail) > 1):
-                old_seq, old = self._mail.popitem(last=False)
-                self._bytes -= old.payload.numel()
-                self.dropped += 1
-                # Routine: the last round's features of requests that ended are never taken. A
-                # drop that matters shows where its features are taken (a warning, and a resync).
-                log.debug("feature mailbox full: dropped message %d (%d of %d items untaken)", old_seq,
-                          len(old.shapes) - len(old.taken), len(old.shapes))
+            if seq not in self._mail:   # else `take` copied it out early: that copy stays
+                self._keep(seq, msg)
             self._cond.notify_all()
+
+    def _keep(self, seq: int, msg: _Message) -> None:
+        """Into the mailbox (the caller holds the lock). Bounded: the oldest go first, the newest
+        message always stays."""
+        self._mail[seq] = msg
+        self._bytes += msg.payload.numel()
+        while len(self._mail) > self.capacity or (self._bytes > self.max_bytes and len(self._mail) > 1):
+            old_seq, old = self._mail.popitem(last=False)
+            self._bytes -= old.payload.numel()
+            self.dropped += 1
+            # Routine: the last round's features of requests that ended are never taken. A
+            # drop that matters shows where its features are taken (a warning, and a resync).
+            log.debug("feature mailbox full: dropped message %d (%d of %d items untaken)", old_seq,
+                      len(old.shapes) - len(old.taken), len(old.shapes))

@@ -196,6 +196,28 @@ class PayloadRing:
         self._check_tag(seq, slot)
         return out
 
+    def read_queued(self, seq: int, slot: int, nbytes: int):
+        """A copy of the first `nbytes` of `slot`, which holds message `seq` and whose write has
+        been recorded, queued on the caller's stream (CUDA: no wait here; the caller's later work
+        on that stream sees the bytes) -> (the copy, an event recorded after it; None on the
+        CPU, where the copy is done). FeatureChannelError if the slot holds another message. The
+        slot must not be released before the event completes."""
+        if not 0 <= slot < self.slots or nbytes > self.slot_bytes:
+            raise FeatureChannelError(f"ring slot {slot} of {self.slots} ({nbytes} bytes) is out of range")
+        self._check_tag(seq, slot)
+        start = slot * self.slot_bytes
+        if self.device.type != "cuda":
+            out = self.data[start:start + nbytes].clone()
+            self._check_tag(seq, slot)
+            return out, None
+        stream = torch.cuda.current_stream(self.device)
+        stream.wait_event(self.events[slot])
+        out = torch.empty(nbytes, dtype=torch.uint8, device=self.device)
+        out.copy_(self.data[start:start + nbytes])
+        done = torch.cuda.Event(blocking=True)   # waited for off the taker's path, without spinning a core
+        done.record(stream)
+        return out, done
+
     def release(self) -> None:
         """The oldest unreleased slot may be written again."""
         self.read_count += 1

@@ -6,6 +6,7 @@ import logging
 import queue
 import threading
 import time
+from collections import OrderedDict
 from dataclasses import dataclass
 from typing import Callable
 
@@ -15,6 +16,8 @@ from spectandem.channel.wire import (_CLOSE, _DTYPES, HEADER_LEN, MAX_ITEMS, NO_
                                      FeatureChannelError, _device, _Group, _header, parse_address)
 
 log = logging.getLogger("spectandem.channel")
+
+PLACED_KEPT = 256   # ring placements the sender remembers (`placement`)
 
 # ----------------------------------------------------------------------------------------------
 # Sender (the verifier)
@@ -54,6 +57,8 @@ class FeatureSender:
         self._group: _Group | None = None
         self._in_flight: list[tuple[float, object, torch.Tensor]] = []  # NCCL: (posted at, work, payload)
         self._blocked_since: float | None = None   # the thread is in a gloo wait since then
+        # Where the last ring messages lie (seq -> slot, dtype code, item shapes), for `placement`.
+        self._placed: OrderedDict[int, tuple[int, int, list[tuple[int, ...]]]] = OrderedDict()
         self._thread = threading.Thread(target=self._run, name="feature-sender", daemon=True)
         self._thread.start()
 
@@ -107,10 +112,22 @@ class FeatureSender:
         for seq, chunk in messages:
             with self._lock:   # messages enter the queue (and the ring) in seq order
                 if ring is not None and ring.fits(_nbytes(chunk)) and ring.free() > 0:
-                    msg = _Outgoing(_header(seq, chunk, ring.write(seq, chunk)), None, None)
+                    slot = ring.write(seq, chunk)
+                    msg = _Outgoing(_header(seq, chunk, slot), None, None)
+                    self._placed[seq] = (slot, _DTYPES.index(chunk[0].dtype), [tuple(t.shape) for t in chunk])
+                    while len(self._placed) > PLACED_KEPT:
+                        self._placed.popitem(last=False)
                 else:
                     msg = self._snapshot(seq, chunk)
                 self._queue.put(msg)
+
+    def placement(self, seq: int) -> tuple[int, int, list[tuple[int, ...]]] | None:
+        """Where message `seq` was written in the payload ring: (its slot, the items' dtype code,
+        their shapes); None where it went over the group, is not yet written or is long past.
+        The drafter, told this ahead of the message's header (a verdict on the tree channel),
+        copies the features straight out of the slot (FeatureReceiver.expect)."""
+        with self._lock:
+            return self._placed.get(seq)
 
     def _snapshot(self, seq: int, chunk: list[torch.Tensor]) -> _Outgoing:
         payload = torch.cat([t.detach().reshape(-1) for t in chunk]).to(self.device).view(torch.uint8)

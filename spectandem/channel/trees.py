@@ -65,21 +65,35 @@ def _read_exact(sock: socket.socket, n: int) -> bytes | None:
     return bytes(buf)
 
 
-def verdicts_to_bytes(verdicts, bounds: dict[str, int]) -> bytes | None:
+def verdicts_to_bytes(verdicts, bounds: dict[str, int], placement=None) -> bytes | None:
     """A VERDICTS body for those of `verdicts` (spectandem.protocol.Verdict) that `bounds` names
-    and whose features went over the feature channel (a ChannelRef); None where none is left."""
+    and whose features went over the feature channel (a ChannelRef); None where none is left.
+    `placement`: FeatureSender.placement, where their messages lie in the payload ring, sent
+    along so the drafter copies the features out without waiting for the messages' headers."""
     rows = [[v.tag.request_id, v.tag.epoch, v.tag.committed_len, list(v.token_ids), v.features.seq,
              v.features.index, bounds[v.tag.request_id]]
             for v in verdicts if v.tag.request_id in bounds and isinstance(v.features, ChannelRef)]
-    return json.dumps({"v": rows}, separators=(",", ":")).encode("utf-8") if rows else None
+    if not rows:
+        return None
+    at = {}
+    for seq in dict.fromkeys(row[4] for row in rows):
+        where = placement(seq) if placement is not None else None
+        if where is not None:
+            slot, code, shapes = where
+            at[str(seq)] = [slot, code, [list(s) for s in shapes]]
+    return json.dumps({"v": rows, "at": at}, separators=(",", ":")).encode("utf-8")
 
 
-def verdicts_from_bytes(body: bytes) -> tuple[list[ExtendItem], dict[str, int]]:
-    """A VERDICTS body -> (the catch-up items, as the router's would carry them; the bounds)."""
-    rows = json.loads(body.decode("utf-8"))["v"]
+def verdicts_from_bytes(body: bytes) -> tuple[list[ExtendItem], dict[str, int], dict[int, tuple]]:
+    """A VERDICTS body -> (the catch-up items, as the router's would carry them; the bounds; where
+    their feature messages lie in the payload ring, for FeatureReceiver.expect)."""
+    msg = json.loads(body.decode("utf-8"))
+    rows = msg["v"]
     items = [ExtendItem(Tag(rid, int(epoch), int(n)), [int(t) for t in tokens], ChannelRef(int(seq), int(index)))
              for rid, epoch, n, tokens, seq, index, _ in rows]
-    return items, {row[0]: int(row[6]) for row in rows}
+    placements = {int(seq): (int(slot), int(code), [tuple(int(d) for d in s) for s in shapes])
+                  for seq, (slot, code, shapes) in msg.get("at", {}).items()}
+    return items, {row[0]: int(row[6]) for row in rows}, placements
 
 
 def _read_frame(sock: socket.socket, kinds: tuple[int, ...]) -> tuple[int, int, bytes] | str | None:

@@ -62,14 +62,14 @@ def test_rounds_drafted_on_the_verdict_give_the_targets_tokens(plain, pipeline):
     c = router.counters
     assert c.num_drafts > 0 and c.stale_dropped == 0 and c.fallback_rounds == 0
     # The drafter made next trees on the verdicts, and the draft calls took them.
-    assert dlink.next_trees.made > 0 and dlink.next_trees.taken > 0
+    assert dlink.drafter.next_trees.made > 0 and dlink.drafter.next_trees.taken > 0
     if pipeline == "sequential":
         # Every drafted request-round but each request's first drafted one took a made tree, less
         # the requests that joined or left between two rounds (a request's last round makes none).
-        assert dlink.next_trees.taken >= c.num_drafts - 3 * len(prompts)
+        assert dlink.drafter.next_trees.taken >= c.num_drafts - 3 * len(prompts)
     assert dlink.clock.stats()["count"].get("draft_next", 0) > 0
     assert not spec.verifier.requests and not spec.drafter.requests
-    assert dlink.next_trees.empty   # released with their requests
+    assert dlink.drafter.next_trees.empty   # released with their requests
 
 
 def test_sampled_requests_draw_the_same_tokens_with_and_without_the_hand_off():
@@ -84,7 +84,7 @@ def test_sampled_requests_draw_the_same_tokens_with_and_without_the_hand_off():
                   for i in range(len(prompts))]
         router, _, dlink = _router(spec, hand_verdicts=hand)
         outs.append([t for t, _, _ in _serve(router, prompts, params, engines=(spec.verifier, spec.drafter))])
-        assert (dlink.next_trees.taken > 0) == hand
+        assert (dlink.drafter.next_trees.taken > 0) == hand
         assert router.counters.num_drafts > 0
     assert outs[0] == outs[1]
 
@@ -101,7 +101,7 @@ def test_a_request_ends_where_its_bound_says_and_no_tree_is_made_past_it(plain):
     router, _, dlink = _router(spec, max_len=max_len)
     got = _serve(router, prompts, params, engines=(spec.verifier, spec.drafter))
     assert [(t, r) for t, _, r in got] == want
-    assert dlink.next_trees.made <= dlink.next_trees.taken + len(prompts)   # at most one unused per request (a stop)
+    assert dlink.drafter.next_trees.made <= dlink.drafter.next_trees.taken + len(prompts)   # at most one unused per request (a stop)
 
 
 def test_a_round_that_prefills_new_requests_in_its_verify_hands_its_verdicts_on(plain):
@@ -129,7 +129,7 @@ def test_a_round_that_prefills_new_requests_in_its_verify_hands_its_verdicts_on(
         async def one(i):
             if i >= 2:   # the later ones arrive while the first two run
                 deadline = time.monotonic() + 10.0
-                while dlink.next_trees.taken < 2 * i and time.monotonic() < deadline:
+                while dlink.drafter.next_trees.taken < 2 * i and time.monotonic() < deadline:
                     await asyncio.sleep(0.001)
             req = router.submit(prompts[i], params[i])
             toks = []
@@ -145,7 +145,7 @@ def test_a_round_that_prefills_new_requests_in_its_verify_hands_its_verdicts_on(
     got = asyncio.run(go())
     assert got == want
     assert router.counters.mixed_prefills > 0 and any(handed)
-    assert router.counters.stale_dropped == 0 and dlink.next_trees.taken > 0
+    assert router.counters.stale_dropped == 0 and dlink.drafter.next_trees.taken > 0
 
 
 async def _prefilled(vlink, dlink, tokenizer, request_id, text):
@@ -195,8 +195,8 @@ def test_made_trees_are_the_draft_calls_and_other_asks_are_drafted_again():
     assert drafts0 == [["a", "b"]] and drafts1 == []        # made on the verdict, not drafted again
     assert second1.tags == second0.tags and second1.unknown == []
     _same_trees(second1.payload, second0.payload)
-    assert dlink.next_trees.made == 2 and dlink.next_trees.taken == 2
-    assert not dlink.next_trees._absorbed                               # the call's catch-up was left out
+    assert dlink.drafter.next_trees.made == 2 and dlink.drafter.next_trees.taken == 2
+    assert not dlink.drafter.next_trees._absorbed                               # the call's catch-up was left out
 
     # Another round: a depth cap for "a" drafts it again (its catch-up, absorbed on the verdict,
     # left out), while "b" takes its made tree, of the configured depth.
@@ -215,7 +215,7 @@ def test_made_trees_are_the_draft_calls_and_other_asks_are_drafted_again():
     assert capped.tags == [v.tag for v in out2] and capped.payload.request_ids == ["a", "b"]
     assert capped.payload.committed_lens == [v.tag.committed_len for v in out2]
     assert _depth(capped.payload, 0) == 2 and _depth(capped.payload, 1) == spec.drafter.cfg.num_steps
-    assert dlink.next_trees.made == 4 and dlink.next_trees.taken == 3 and not dlink.next_trees._absorbed
+    assert dlink.drafter.next_trees.made == 4 and dlink.drafter.next_trees.taken == 3 and not dlink.drafter.next_trees._absorbed
 
     # A catch-up absorbed on the verdict and carried again by extend or draft_ahead is left out.
     async def third():
@@ -225,7 +225,7 @@ def test_made_trees_are_the_draft_calls_and_other_asks_are_drafted_again():
         reply = await dlink.draft_ahead([items[1].tag], items[1:])
         return out, reply
     out3, reply = asyncio.run(third())
-    assert reply.unknown == [] and not dlink.next_trees._absorbed
+    assert reply.unknown == [] and not dlink.drafter.next_trees._absorbed
     for v in out3:
         spec.drafter.check_tag(v.tag.request_id, v.tag.epoch, v.tag.committed_len)
 
@@ -239,7 +239,7 @@ def _depth(tree, row: int) -> int:
     return max(d for d, ok in zip(depth, valid) if ok)
 
 
-def test_serve_hands_verdicts_on_by_backend_where_the_tree_channel_is():
+def test_serve_hands_verdicts_on_where_the_tree_channel_is():
     def resolved(gpus, *argv):
         return draft_on_verdict(resolve_serve_flags(build_parser().parse_args(["serve", *argv]), Platform(gpus=gpus)))
 
@@ -248,7 +248,7 @@ def test_serve_hands_verdicts_on_by_backend_where_the_tree_channel_is():
     assert resolved(1, "--backend", "local", "--no-tree-channel") is False
     assert resolved(0, "--backend", "local") is False             # the CPU: one shared thread, no channel
     assert resolved(0, "--backend", "ray") is True and resolved(0, "--backend", "ray", "--no-draft-on-verdict") is False
-    assert resolved(0, "--backend", "grpc") is False and resolved(0, "--backend", "grpc", "--draft-on-verdict") is True
+    assert resolved(0, "--backend", "grpc") is True and resolved(0, "--backend", "grpc", "--no-draft-on-verdict") is False
     for gpus, argv in ((0, ("--backend", "grpc", "--no-tree-channel")), (1, ("--backend", "local", "--no-tree-channel")),
                        (0, ("--backend", "local"))):
         with pytest.raises(ValueError, match="--draft-on-verdict needs the tree channel"):

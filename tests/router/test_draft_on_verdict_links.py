@@ -62,6 +62,12 @@ async def _counts(d) -> tuple[int, int]:
     return int(extra.get("next_trees_made", 0)), int(extra.get("next_trees_taken", 0))
 
 
+async def _early_reads(d) -> int:
+    """The drafter's feature messages copied out of the payload ring where a verdict told where
+    they lie, ahead of their headers."""
+    return int((await d.info()).extra.get("feature_early_reads", 0))
+
+
 @pytest.fixture
 def processes(tmp_path):
     """(verifier address, drafter address): the demo EAGLE-3 pair with a feature and a tree channel."""
@@ -94,9 +100,9 @@ def test_grpc_engines_draft_on_the_verdict_and_stay_exact(processes, reference):
         try:
             await _until_up(v, d)
             got_control, _ = await _route(control, d, spec, prompts, greedy)
-            before = await _counts(d)
+            before = await _counts(d), await _early_reads(d)
             got, counters = await _route(v, d, spec, prompts, greedy)
-            after = await _counts(d)
+            after = await _counts(d), await _early_reads(d)
             got_seeded, _ = await _route(v, d, spec, prompts, seeded)
             return got_control, before, got, counters, after, got_seeded, await _counts(d)
         finally:
@@ -104,8 +110,9 @@ def test_grpc_engines_draft_on_the_verdict_and_stay_exact(processes, reference):
                 await link.close()
     got_control, before, got, counters, after, got_seeded, last = asyncio.run(main())
     assert got_control == want and got == want and got_seeded == want_seeded
-    assert before == (0, 0)                         # the control sent no verdicts
-    made, taken = after
+    assert before == ((0, 0), 0)                    # the control sent no verdicts
+    (made, taken), early = after
+    assert early > 0                                # the verdicts' features, copied out ahead of their headers
     assert counters.num_drafts > 0 and counters.stale_dropped == 0 and counters.fallback_rounds == 0
     # Most drafted request-rounds took a made tree (not each request's first, nor a race the
     # router's call won); none was made past a request's last round.
@@ -132,15 +139,15 @@ def test_ray_actors_draft_on_the_verdict_and_stay_exact(reference):
     async def main():
         await _until_up(v, d)
         got, counters = await _route(v, d, spec, prompts, greedy)
-        return got, counters, await _counts(d)
+        return got, counters, await _counts(d), await _early_reads(d)
 
     try:
         assert v.hands_verdicts
-        got, counters, (made, taken) = asyncio.run(main())
+        got, counters, (made, taken), early = asyncio.run(main())
     finally:
         cleanup()
         if started_here:
             ray.shutdown()
     assert got == want
     assert counters.num_drafts > 0 and counters.stale_dropped == 0
-    assert taken > counters.num_drafts // 2 and made <= taken + len(prompts)
+    assert taken > counters.num_drafts // 2 and made <= taken + len(prompts) and early > 0

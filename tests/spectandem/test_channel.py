@@ -10,6 +10,7 @@ import os
 import socket
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 
@@ -92,6 +93,58 @@ def test_mailbox_is_bounded_and_late_messages_time_out(pair):
     assert 0.3 <= time.monotonic() - start < 2.0
     with pytest.raises(FeatureChannelError, match="has 1 items"):
         receiver.take(ChannelRef(refs[4].seq, 1))
+
+
+def _held_headers(sender: FeatureSender):
+    """The sender's headers held back until the returned event is set (payloads still go into
+    the ring at `send`)."""
+    gate = threading.Event()
+    group = sender._group
+    send_header = group.send_header
+    group.send_header = lambda values: (gate.wait(30), send_header(values))[1]
+    return gate
+
+
+def test_a_message_told_where_it_lies_is_taken_before_its_header(pair):
+    """A round's verdicts tell the drafter where their features lie in the payload ring
+    (FeatureSender.placement -> FeatureReceiver.expect): `take` copies them out at once, while
+    the header is still on its way; the header then only releases the slot, and the ring goes
+    on. Without being told, the same take waits for the header (the control)."""
+    sender, receiver = pair
+    gate = _held_headers(sender)
+    f, g = torch.randn(3, 8), torch.randn(2, 8)
+    refs = sender.send([f, g])
+    placement = sender.placement(refs[0].seq)
+    assert placement is not None and placement[2] == [(3, 8), (2, 8)]
+    with pytest.raises(FeatureChannelError, match="did not arrive"):   # the control: not told, the header held
+        receiver.take(refs[0], timeout_s=0.3)
+    receiver.expect({refs[0].seq: placement})
+    assert torch.equal(receiver.take(refs[0], timeout_s=1.0), f) and receiver.early_reads == 1
+    gate.set()
+    assert torch.equal(receiver.take(refs[1]), g)      # the rest of the message, after its header
+    with pytest.raises(FeatureChannelError, match="already taken"):
+        receiver.take(refs[0])
+    # The header released the slot: many more messages through the ring's four slots, all whole.
+    for i in range(12):
+        t = torch.full((2, 8), float(i))
+        assert torch.equal(receiver.take(sender.send([t])[0]), t)
+    _wait(lambda: sender._group.ring.free() == sender._group.ring.slots)
+    assert receiver.dropped == 0 and receiver.lost == 0
+
+
+def test_a_placement_that_no_longer_holds_waits_for_the_header(pair):
+    """Told a slot that holds another message (the ring's tag says so), `take` copies nothing
+    out of it and waits for the header's copy, which is the right one."""
+    sender, receiver = pair
+    gate = _held_headers(sender)
+    f = torch.randn(4, 8)
+    ref = sender.send([f])[0]
+    slot, code, shapes = sender.placement(ref.seq)
+    receiver.expect({ref.seq: ((slot + 1) % sender._group.ring.slots, code, shapes)})
+    threading.Timer(0.3, gate.set).start()
+    start = time.monotonic()
+    assert torch.equal(receiver.take(ref, timeout_s=5.0), f)
+    assert time.monotonic() - start >= 0.25 and receiver.early_reads == 0
 
 
 def test_dead_receiver_never_blocks_send():

@@ -174,16 +174,19 @@ def test_verdicts_go_the_other_way_to_the_poster_while_trees_still_come(box):
                     Verdict(Tag("b", 0, 7), [9], num_accepted=0, num_draft_tokens=3, features=ChannelRef(4, 1)),
                     Verdict(Tag("c", 0, 8), [2], num_accepted=0, num_draft_tokens=0, features=object()),
                     Verdict(Tag("d", 0, 9), [3], num_accepted=0, num_draft_tokens=3, features=ChannelRef(4, 3))]
-        body = verdicts_to_bytes(verdicts, {"a": 40, "b": 8, "c": 99})   # "c": inline features; "d": not named
+        placed = {4: (2, 1, [(2, 8), (1, 8), (1, 8), (1, 8)])}   # message 4 in ring slot 2
+        body = verdicts_to_bytes(verdicts, {"a": 40, "b": 8, "c": 99}, placed.get)   # "c": inline; "d": not named
         assert box.send_verdicts(body)
         assert verdicts_to_bytes(verdicts[2:3], {"c": 99}) is None
         threading.Timer(0.05, lambda: poster.post(3, b"tree-3")).start()
         assert box.take(3, 10.0) == b"tree-3"
         _until(lambda: len(got) == 1)
-        items, bounds = verdicts_from_bytes(got[0])
+        items, bounds, placements = verdicts_from_bytes(got[0])
         assert [(i.tag, i.token_ids, i.features) for i in items] == [(Tag("a", 1, 10), [5, 6], ChannelRef(4, 0)),
                                                                      (Tag("b", 0, 7), [9], ChannelRef(4, 1))]
-        assert bounds == {"a": 40, "b": 8}
+        assert bounds == {"a": 40, "b": 8} and placements == placed
+        # Where the sender knows no placement (the message went over the group), none is told.
+        assert verdicts_from_bytes(verdicts_to_bytes(verdicts, {"a": 40}, {}.get))[2] == {}
         assert box.verdicts_sent == 1 and poster.verdicts_received == 1
     finally:
         poster.close()
