@@ -184,10 +184,32 @@ def engine_processes(args) -> int:
     return _num_replicas(args) * pair
 
 
+# Where `free_port` looks first: below the ports the OS hands out to outgoing connections.
+PICKED_PORTS = (20000, 32768)
+
+
 def free_port() -> int:
-    """A TCP port on 127.0.0.1 that is free now."""
+    """A TCP port on 127.0.0.1 that is free now, for an engine process to listen on once it
+    starts. Picked below the OS's range for outgoing connections (Linux's ip_local_port_range,
+    32768-60999 by default) where that range is known: a port of that range, free when picked
+    and bound only seconds later, can meanwhile become the local port of some connection (a
+    verifier then failed to listen, under parallel tests). Falls back to a port the OS picks."""
+    import random
     import socket
 
+    low, high = PICKED_PORTS
+    try:
+        with open("/proc/sys/net/ipv4/ip_local_port_range") as f:
+            high = min(high, int(f.read().split()[0]))
+    except (OSError, ValueError, IndexError):
+        high = low   # unknown: the OS's pick
+    for port in random.sample(range(low, high), min(32, max(high - low, 0))):
+        with socket.socket() as s:
+            try:
+                s.bind(("127.0.0.1", port))
+            except OSError:
+                continue
+            return port
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]

@@ -54,12 +54,12 @@ def verdicts_to_drafter(trees: TreeMailbox | None, verdicts: list[Verdict], boun
                         clock: CallClock | None = None, after=None, sender: FeatureSender | None = None) -> bool:
     """Sends the verdicts of the requests `bounds` names (those the router drafts next,
     drafter/next_trees.py) to the drafter over the tree channel, where it is up and their
-    features went over the feature channel; True where some are on their way. `sender`: the
-    feature channel's end; the verdicts carry where their features lie in its payload ring
-    (FeatureSender.placement), so the drafter copies them out without waiting for the messages'
-    headers. `after`: the call's AfterReply (spectandem/after_reply.py), where the features'
-    copies into the channel are queued: the verdicts go on its worker right after those copies,
-    started now rather than after the reply."""
+    features went over the feature channel. `sender`: the feature channel's end; the verdicts
+    carry where their features lie in its payload ring (FeatureSender.placement), so the drafter
+    copies them out without waiting for the messages' headers. `after`: the call's AfterReply
+    (spectandem/after_reply.py), where the features' copies into the channel are queued: the
+    verdicts go on its worker right after those copies, started now rather than after the
+    reply. -> whether `bounds` names any of `verdicts` (their sending then under way)."""
     if not bounds or trees is None or not any(v.tag.request_id in bounds for v in verdicts):
         return False
 

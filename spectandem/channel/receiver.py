@@ -62,8 +62,8 @@ class FeatureReceiver:
         # Messages whose ring slots the drafter was told ahead of their headers (`expect`), and
         # those of them `take` already copied out (their headers then only release the slots).
         self._placed: OrderedDict[int, tuple[int, torch.dtype, list[tuple[int, ...]]]] = OrderedDict()
-        # seq -> None while `take` copies it out, then the event its copy completes at (None
-        # on the CPU, or True): the header waits for it before releasing the slot.
+        # seq -> None while `take` copies it out, then what says the copy is done (on CUDA the
+        # event recorded after it, on the CPU True): the header waits for it before releasing the slot.
         self._early: dict[int, object] = {}
         self.early_reads = 0             # messages copied out of the ring by `take` itself
         self._cond = threading.Condition()
@@ -257,8 +257,7 @@ class FeatureReceiver:
     def _store(self, seq: int, msg: _Message) -> None:
         with self._cond:
             self._last_seq = seq
-            if seq not in self._mail:   # else `take` copied it out early: that copy stays
-                self._keep(seq, msg)
+            self._keep(seq, msg)
             self._cond.notify_all()
 
     def _keep(self, seq: int, msg: _Message) -> None:

@@ -231,3 +231,26 @@ def test_ray_engines_restart_after_sigkill():
         assert stats.draft_tokens > 0, stats   # the restarted verifier returns the drafter's features
     finally:
         server.close()
+
+
+def test_engine_ports_are_picked_below_the_range_of_outgoing_connections(monkeypatch):
+    """serve's ports for the engine processes (router/serve.py free_port) are free and lie below
+    the OS's range for outgoing connections, so no connection takes one before its engine
+    listens; where none of those is free it falls back to a port the OS picks."""
+    import socket
+
+    import router.serve
+
+    with open("/proc/sys/net/ipv4/ip_local_port_range") as f:
+        outgoing_low = int(f.read().split()[0])
+    ports = {free_port() for _ in range(20)}
+    assert all(router.serve.PICKED_PORTS[0] <= p < min(outgoing_low, router.serve.PICKED_PORTS[1]) for p in ports)
+    for p in ports:
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", p))   # free
+    with socket.socket() as held:
+        taken = free_port()
+        held.bind(("127.0.0.1", taken))
+        monkeypatch.setattr(router.serve, "PICKED_PORTS", (taken, taken + 1))   # the only candidate is in use
+        fallback = free_port()
+        assert fallback != taken and fallback >= outgoing_low
