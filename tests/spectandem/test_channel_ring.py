@@ -14,6 +14,7 @@ from __future__ import annotations
 import multiprocessing
 import os
 import socket
+import threading
 import time
 
 import pytest
@@ -185,6 +186,10 @@ def test_a_message_finding_every_slot_unread_goes_over_gloo():
                 peer.ring.release()
             assert torch.equal(payload.view(torch.float32).view(2, 4), f)
         _wait(lambda: sender._group.ring.free() == 2)
+        closing = threading.Thread(target=peer.recv_header, daemon=True)   # the sender's close, taken
+        closing.start()
+        sender.close()
+        closing.join(10)
     finally:
         sender.close()
         peer.abort()
