@@ -85,7 +85,7 @@ class FeatureReceiver:
         with self._cond:
             for seq, (slot, code, shapes) in placements.items():
                 if seq > self._last_seq and seq not in self._mail:
-                    self._placed[seq] = (slot, _DTYPES[code], [tuple(s) for s in shapes])
+                    self._placed[seq] = (slot, _DTYPES[code], shapes)
             while len(self._placed) > self.capacity:
                 self._placed.popitem(last=False)
 
@@ -131,7 +131,7 @@ class FeatureReceiver:
         the taker's stream -> (the message, the copy's event or None); (None, None) where the
         slot no longer holds it. This end's thread releases the slot, in order, once the header
         has come and the copy is done."""
-        nbytes = sum(math.prod(s) for s in shapes) * torch.empty((), dtype=dtype).element_size()
+        nbytes = _nbytes(shapes, dtype)
         try:
             payload, done = self._group.ring.read_queued(seq, slot, nbytes)
         except FeatureChannelError as exc:
@@ -186,7 +186,7 @@ class FeatureReceiver:
                         continue
                     shapes = [tuple(header[SHAPES_AT + i * ndim:SHAPES_AT + (i + 1) * ndim]) for i in range(num_items)]
                     dtype = _DTYPES[code]
-                    nbytes = sum(math.prod(s) for s in shapes) * torch.empty((), dtype=dtype).element_size()
+                    nbytes = _nbytes(shapes, dtype)
                     if slot != NO_SLOT:
                         payload = self._from_ring(seq, slot, nbytes)
                         if payload is None:
@@ -273,3 +273,8 @@ class FeatureReceiver:
             # drop that matters shows where its features are taken (a warning, and a resync).
             log.debug("feature mailbox full: dropped message %d (%d of %d items untaken)", old_seq,
                       len(old.shapes) - len(old.taken), len(old.shapes))
+
+
+def _nbytes(shapes: list[tuple[int, ...]], dtype: torch.dtype) -> int:
+    """A message's payload size: its items' elements, of `dtype`."""
+    return sum(math.prod(s) for s in shapes) * torch.empty((), dtype=dtype).element_size()

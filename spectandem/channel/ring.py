@@ -21,6 +21,7 @@ Protocol:
 from __future__ import annotations
 
 import base64
+import contextlib
 import json
 import mmap
 import os
@@ -177,23 +178,15 @@ class PayloadRing:
     # --- the reader ---------------------------------------------------------------------------
 
     def read(self, seq: int, slot: int, nbytes: int) -> torch.Tensor:
-        """A copy of the first `nbytes` of `slot`, which holds message `seq`; FeatureChannelError
-        if the slot holds another message (before or during the copy). Does not release the slot."""
-        if not 0 <= slot < self.slots or nbytes > self.slot_bytes:
-            raise FeatureChannelError(f"ring slot {slot} of {self.slots} ({nbytes} bytes) is out of range")
-        self._check_tag(seq, slot)
-        start = slot * self.slot_bytes
-        if self.stream is None:
-            out = self.data[start:start + nbytes].clone()
-        else:
-            with torch.cuda.stream(self.stream):
-                self.stream.wait_event(self.events[slot])
-                out = torch.empty(nbytes, dtype=torch.uint8, device=self.device)
-                out.copy_(self.data[start:start + nbytes])
-                done = torch.cuda.Event(blocking=True)   # waits without spinning a CPU core
-                done.record(self.stream)
-                done.synchronize()
-        self._check_tag(seq, slot)
+        """A copy of the first `nbytes` of `slot`, which holds message `seq`, complete when this
+        returns (`read_queued` on the reader's own stream, waited for without spinning a CPU
+        core); FeatureChannelError if the slot holds another message (before or during the
+        copy). Does not release the slot."""
+        with torch.cuda.stream(self.stream) if self.stream is not None else contextlib.nullcontext():
+            out, done = self.read_queued(seq, slot, nbytes)
+        if done is not None:
+            done.synchronize()
+            self._check_tag(seq, slot)
         return out
 
     def read_queued(self, seq: int, slot: int, nbytes: int):
