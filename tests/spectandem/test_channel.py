@@ -142,9 +142,8 @@ def test_a_placement_that_no_longer_holds_waits_for_the_header(pair):
     slot, code, shapes = sender.placement(ref.seq)
     receiver.expect({ref.seq: ((slot + 1) % sender._group.ring.slots, code, shapes)})
     threading.Timer(0.3, gate.set).start()
-    start = time.monotonic()
     assert torch.equal(receiver.take(ref, timeout_s=5.0), f)
-    assert time.monotonic() - start >= 0.25 and receiver.early_reads == 0
+    assert gate.is_set() and receiver.early_reads == 0   # it came with the header, let go only then
 
 
 def test_dead_receiver_never_blocks_send():
