@@ -91,7 +91,7 @@ def add_serve(sub) -> None:
                    help="the verifier hands a sequential round's verdicts straight to the drafter (over the tree "
                         "channel; in this process, from thread to thread), which catches up and drafts the next "
                         "trees while the router commits the round; the next draft call then finds them made "
-                        "(default: on with the tree channel)")
+                        "(default: on with the tree channel for --backend grpc and ray, off in-process)")
     p.add_argument("--engine-restarts", type=int, default=5,
                    help="--backend grpc: restarts of an engine process started here within "
                         "--engine-restart-window, after which it stays down (a verifier that stays down ends "
@@ -248,17 +248,20 @@ def tree_channel(args) -> bool:
 
 def draft_on_verdict(args) -> bool:
     """Whether the verifier hands a round's verdicts straight to the drafter (--draft-on-verdict;
-    drafter/next_trees.py); refused without the tree channel, over which they go, and on by
-    default with it. On one H100 (a = 0.8, concurrency 1, the verdicts telling where their
-    features lie in the feature channel's ring; benchmarks/results/serve-h100-draft-on-verdict.txt)
-    a gRPC round served 299.6 tok/s with it against 274.8 without, a Ray round 287.9 against 243.5."""
+    drafter/next_trees.py); refused without the tree channel, over which they go. On by default
+    with it where the engines are processes of their own (--backend grpc, ray), off in-process.
+    On one H100 (a = 0.8, the verdicts telling where their features lie in the feature channel's
+    ring; benchmarks/results/serve-h100-draft-on-verdict.txt) a gRPC round served 299.6 tok/s with
+    it against 274.8 without at concurrency 1, a Ray round 287.9 against 243.5; in-process, where
+    the router's draft call reaches the drafter's thread at once, it gained nothing (325.1 / 3,240.0
+    tok/s at 1 / 16 without it against 319.5 / 3,038.2 with it)."""
     trees = tree_channel(args)
     value = getattr(args, "draft_on_verdict", None)
     if value and not trees:
         raise ValueError("--draft-on-verdict needs the tree channel (--backend grpc or ray starting both engines, "
                          "or --backend local with an engine on a GPU; not with --no-tree-channel): the verdicts go "
                          "over it")
-    return trees if value is None else value
+    return (trees and args.backend != "local") if value is None else value
 
 
 def _own_threads(args) -> bool:

@@ -75,13 +75,17 @@ def test_seeded_sampled_drafts_from_the_cache_are_batch_invariant():
     assert again == together
 
 
-def _second_token_counts(spec, prompt, n, ahead, temperature=1.0):
+def _second_token_counts(spec, prompt, n, ahead, temperature=1.0, per_call=16):
+    """Counts of the first three tokens over seeds 0..n-1, `per_call` seeded requests of the
+    prompt at once (each request's tokens depend on its own seed alone, not on its batch)."""
     counts: dict[int, int] = {}
     hits = spec.drafter.ahead_hits
-    for seed in range(n):
-        c = spec.generate([prompt], [SamplingParams(max_tokens=3, temperature=temperature, seed=seed,
-                                                     ignore_eos=True)], ahead=ahead)[0]
-        counts[tuple(c.token_ids[:3])] = counts.get(tuple(c.token_ids[:3]), 0) + 1
+    for first in range(0, n, per_call):
+        seeds = range(first, min(n, first + per_call))
+        outs = spec.generate([prompt] * len(seeds), [SamplingParams(max_tokens=3, temperature=temperature, seed=s,
+                                                                    ignore_eos=True) for s in seeds], ahead=ahead)
+        for c in outs:
+            counts[tuple(c.token_ids[:3])] = counts.get(tuple(c.token_ids[:3]), 0) + 1
     return counts, spec.drafter.ahead_hits - hits
 
 
@@ -94,7 +98,7 @@ def test_cached_sampled_trees_keep_the_target_distribution():
 
     t, dr = demo_paths("eagle3")
     spec = LocalSpeculator(t, dr, SpecConfig(method="eagle3", num_steps=1, topk=1, num_draft_tokens=2,
-                                            ahead_width=8), max_slots=2, max_len=64)
+                                            ahead_width=8), max_slots=16, max_len=64)
     prompt = spec.tokenizer.encode("def __init__(self").ids
     n, temp = 900, 0.7
     counts, hits = _second_token_counts(spec, prompt, n, ahead=True, temperature=temp)

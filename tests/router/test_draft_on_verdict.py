@@ -243,7 +243,8 @@ def test_serve_hands_verdicts_on_where_the_tree_channel_is():
     def resolved(gpus, *argv):
         return draft_on_verdict(resolve_serve_flags(build_parser().parse_args(["serve", *argv]), Platform(gpus=gpus)))
 
-    assert resolved(1, "--backend", "local") is True
+    assert resolved(1, "--backend", "local") is False             # in-process: off unless asked for
+    assert resolved(1, "--backend", "local", "--draft-on-verdict") is True
     assert resolved(1, "--backend", "local", "--no-draft-on-verdict") is False
     assert resolved(1, "--backend", "local", "--no-tree-channel") is False
     assert resolved(0, "--backend", "local") is False             # the CPU: one shared thread, no channel
