@@ -22,6 +22,13 @@ from spectandem.protocol import (AheadReply, DraftHandle, DrafterPrefillItem, En
                                  Tag, Verdict, VerifierPrefillItem, VerifierPrefillResult)
 
 
+# The deadline of every call the router makes to an engine process, unless serve's
+# --engine-call-timeout says otherwise: a verifier that does not answer within it fails the
+# requests it holds. Ray's is longer: an actor call also waits for Ray's own scheduling.
+GRPC_CALL_TIMEOUT_S = 30.0
+RAY_CALL_TIMEOUT_S = 120.0
+
+
 class EngineUnavailable(Exception):
     """The engine behind a link is unreachable or failed."""
 

@@ -19,7 +19,7 @@ import asyncio
 
 import grpc
 
-from router.links import EngineUnavailable
+from router.links import GRPC_CALL_TIMEOUT_S, EngineUnavailable
 from spectandem.protocol import (AheadReply, DraftHandle, DrafterPrefillItem, EngineInfo, ExtendItem, PlainItem,
                                  Tag, TreeRoute, Verdict, VerifierPrefillItem, VerifierPrefillResult)
 from spectandem import codec
@@ -31,7 +31,7 @@ from spectandem.v1 import engines_pb2, engines_pb2_grpc
 class _GrpcLink:
     role = "engine"
 
-    def __init__(self, address: str, timeout_s: float | None = 30.0,
+    def __init__(self, address: str, timeout_s: float | None = GRPC_CALL_TIMEOUT_S,
                  credentials: grpc.ChannelCredentials | None = None):
         """`address` is host:port; `timeout_s` the deadline of every call (None: none);
         `credentials` TLS (spectandem/tls.py; None: plaintext). Construct links inside the event
@@ -68,7 +68,7 @@ class _GrpcLink:
 class GrpcVerifierLink(_GrpcLink):
     role = "verifier"
 
-    def __init__(self, address: str, timeout_s: float | None = 30.0,
+    def __init__(self, address: str, timeout_s: float | None = GRPC_CALL_TIMEOUT_S,
                  credentials: grpc.ChannelCredentials | None = None, hands_verdicts: bool = False):
         """`hands_verdicts`: the verifier has a tree channel to its drafter, over which it sends
         the verdicts a verify's `draft_next` names (router/links.py)."""
@@ -118,7 +118,7 @@ class GrpcVerifierLink(_GrpcLink):
 class GrpcDrafterLink(_GrpcLink):
     role = "drafter"
 
-    def __init__(self, address: str, timeout_s: float | None = 30.0,
+    def __init__(self, address: str, timeout_s: float | None = GRPC_CALL_TIMEOUT_S,
                  credentials: grpc.ChannelCredentials | None = None, call_bytes: int = PREFILL_CALL_BYTES,
                  max_message_bytes: int = MAX_MESSAGE_BYTES):
         """`call_bytes`: a prefill whose items (their features inline) come to more goes in

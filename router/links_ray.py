@@ -38,7 +38,7 @@ from ray.util.placement_group import placement_group, remove_placement_group
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
 from drafter.actor import DrafterActor
-from router.links import EngineStartError, EngineUnavailable
+from router.links import RAY_CALL_TIMEOUT_S, EngineStartError, EngineUnavailable
 from spectandem.config import EngineConfig, GpuPaths, SpecConfig
 from spectandem.channel import NCCL_ERROR_HANDLING
 from spectandem.memory import shared_gpu_configs
@@ -113,7 +113,7 @@ async def _awaited(ref):
 
 
 class RayVerifierLink:
-    def __init__(self, actor, call_timeout_s: float | None = 120.0, hands_verdicts: bool = False):
+    def __init__(self, actor, call_timeout_s: float | None = RAY_CALL_TIMEOUT_S, hands_verdicts: bool = False):
         """`hands_verdicts`: the actors have a tree channel, over which the verifier sends the
         verdicts a verify's `draft_next` names to the drafter (router/links.py)."""
         self.actor, self.call_timeout_s, self.hands_verdicts = actor, call_timeout_s, hands_verdicts
@@ -158,7 +158,7 @@ class RayVerifierLink:
 
 
 class RayDrafterLink:
-    def __init__(self, actor, call_timeout_s: float | None = 120.0):
+    def __init__(self, actor, call_timeout_s: float | None = RAY_CALL_TIMEOUT_S):
         self.actor, self.call_timeout_s = actor, call_timeout_s
 
     def _call(self, ref):
@@ -241,7 +241,7 @@ _EXCEPTION_LINE = re.compile(r"^(?:[A-Za-z_][\w.]*\.)?([A-Za-z_]\w*(?:Error|Exce
 
 def start_engines(target_dir: str | Path, draft_dir: str | Path | None, cfg: SpecConfig, max_slots: int,
                   max_len: int | None, device: str = "auto", *, dtype=DEFAULT_DTYPE,
-                  force_hf_target: bool = False, call_timeout_s: float | None = 120.0,
+                  force_hf_target: bool = False, call_timeout_s: float | None = RAY_CALL_TIMEOUT_S,
                   startup_timeout_s: float = 300.0, num_threads: int = 1, kv_blocks: int | None = None,
                   draft_kv_blocks: int | None = None, block_size: int = 16, gpu: GpuPaths | None = None,
                   gpu_memory_utilization: float = 0.9, cpu_kv_cache_gib: float | None = None,

@@ -15,7 +15,7 @@ import threading
 import time
 from pathlib import Path
 
-from router.links import EngineStartError
+from router.links import GRPC_CALL_TIMEOUT_S, RAY_CALL_TIMEOUT_S, EngineStartError
 from spectandem.config import EngineConfig, GpuPaths, benchmark_warning, engine_devices, is_cuda, resolve_model_flags
 from router.ops import OpsConfig, add_ops_flags
 from spectandem.memory import engine_memory_flags, kv_capacity_line
@@ -72,6 +72,11 @@ def add_serve(sub) -> None:
                         "--no-mixed-prefill: every prefill a forward of its own)")
     p.add_argument("--drafter-timeout", type=float, default=10.0,
                    help="seconds a drafter call may take before rounds go on without it")
+    p.add_argument("--engine-call-timeout", type=float, default=None, metavar="SECONDS",
+                   help="--backend grpc and ray: the deadline of every call to an engine process; a verifier "
+                        "that does not answer within it fails the requests it holds (UNAVAILABLE) and serve "
+                        "waits for it to come back (default: %g s for grpc, %g s for ray)"
+                        % (GRPC_CALL_TIMEOUT_S, RAY_CALL_TIMEOUT_S))
     p.add_argument("--feature-channel", nargs="?", const="auto", default=None, metavar="tcp://HOST:PORT|auto|off",
                    help="target features go verifier -> drafter over a direct channel instead of through the "
                         "router: a CUDA IPC ring when both engines share a GPU, NCCL between two GPUs, shared "
@@ -123,6 +128,20 @@ def add_serve(sub) -> None:
                         "turns: every core of the replica)")
     add_ops_flags(p)
     p.set_defaults(func=_serve)
+
+
+def engine_call_timeout_s(args) -> float:
+    """--engine-call-timeout in seconds (the backend's default unless given); refused with
+    --backend local, whose engines run in this process."""
+    value = getattr(args, "engine_call_timeout", None)
+    if value is not None and args.backend == "local":
+        raise ValueError("--engine-call-timeout applies to --backend grpc and ray (engine processes), not --backend "
+                         "local, whose engines run in this process")
+    if value is not None and not 0 < value < float("inf"):
+        raise ValueError(f"--engine-call-timeout must be a number of seconds > 0, got {value}")
+    if value is not None:
+        return value
+    return RAY_CALL_TIMEOUT_S if args.backend == "ray" else GRPC_CALL_TIMEOUT_S
 
 
 def switch_interval_s(args) -> float:
@@ -431,7 +450,7 @@ async def _build_links(args, cfg, target, draft, index: int = 0, supervisor=None
                                    gpu=GpuPaths.from_args(args), feature_channel=wanted_channel,
                                    tree_channel=tree_channel(args), draft_on_verdict=draft_on_verdict(args),
                                    gpu_memory_utilization=args.gpu_memory_utilization,
-                                   cpu_kv_cache_gib=args.cpu_kv_cache_gib,
+                                   cpu_kv_cache_gib=args.cpu_kv_cache_gib, call_timeout_s=engine_call_timeout_s(args),
                                    num_threads=args.engine_threads or 1)   # (None: serve_async without _serve)
 
         async def cleanup():
@@ -470,9 +489,10 @@ async def _build_links(args, cfg, target, draft, index: int = 0, supervisor=None
     if "drafter" in commands:
         drafter_address = f"localhost:{commands['drafter'][4]}"
     creds = ops.link_credentials()
-    v = GrpcVerifierLink(verifier_address, credentials=creds,
+    deadline = engine_call_timeout_s(args)
+    v = GrpcVerifierLink(verifier_address, deadline, credentials=creds,
                          hands_verdicts=trees is not None and draft_on_verdict(args))
-    d = GrpcDrafterLink(drafter_address, credentials=creds) if drafter_address else None
+    d = GrpcDrafterLink(drafter_address, deadline, credentials=creds) if drafter_address else None
 
     async def cleanup():
         await v.close()
@@ -638,6 +658,7 @@ async def serve_async(args, ready_message=True, stop_event: asyncio.Event | None
 
     ops = OpsConfig.from_args(args)  # flag errors before any model loads
     switch_interval_s(args)
+    engine_call_timeout_s(args)
     for flag, port in (("--port", args.port), ("--http-port", ops.http_port), ("--metrics-port", ops.metrics_port)):
         if port:   # a port in use, before the models load
             check_port_free(args.host, port, flag)

@@ -22,7 +22,7 @@ from spectandem.channel import TreeHandOff
 from spectandem.cli import build_parser
 from spectandem.config import Platform, SamplingParams, SpecConfig
 from spectandem.demo import demo_paths
-from spectandem.protocol import DrafterPrefillItem, ExtendItem, PlainItem, Tag, VerifierPrefillItem
+from spectandem.protocol import DrafterPrefillItem, ExtendItem, Tag, VerifierPrefillItem
 from tests.e2e.conftest import PROMPT_TEXTS
 from tests.router.test_plain_steps import _serve
 

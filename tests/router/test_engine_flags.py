@@ -133,3 +133,20 @@ def test_feature_channel_is_on_by_default_where_serve_starts_both_engines():
     assert resolved("--backend", "local") is None
     assert resolved("--backend", "grpc", "--verifier-address", "h:1") is None
     assert resolved("--backend", "grpc", "--drafter-address", "h:2") is None
+
+
+def test_engine_call_timeout_is_each_split_backends_deadline_and_refused_in_process():
+    from router.links import GRPC_CALL_TIMEOUT_S, RAY_CALL_TIMEOUT_S
+    from router.serve import engine_call_timeout_s
+
+    parse = build_parser().parse_args
+    assert engine_call_timeout_s(parse(["serve", "--backend", "grpc"])) == GRPC_CALL_TIMEOUT_S
+    assert engine_call_timeout_s(parse(["serve", "--backend", "ray"])) == RAY_CALL_TIMEOUT_S
+    assert engine_call_timeout_s(parse(["serve", "--backend", "local"])) == GRPC_CALL_TIMEOUT_S   # unused there
+    for backend in ("grpc", "ray"):
+        assert engine_call_timeout_s(parse(["serve", "--backend", backend, "--engine-call-timeout", "2.5"])) == 2.5
+    with pytest.raises(ValueError, match="--engine-call-timeout applies to --backend grpc and ray"):
+        engine_call_timeout_s(parse(["serve", "--backend", "local", "--engine-call-timeout", "5"]))
+    for bad in ("0", "-1", "inf", "nan"):
+        with pytest.raises(ValueError, match="--engine-call-timeout must be a number of seconds > 0"):
+            engine_call_timeout_s(parse(["serve", "--backend", "grpc", "--engine-call-timeout", bad]))

@@ -31,12 +31,14 @@ from spectandem.config import SamplingParams, SpecConfig
 from spectandem.demo import demo_paths
 from router.local import LocalSpeculator
 from spectandem.v1 import generation_pb2
+from router.links import GRPC_CALL_TIMEOUT_S
 from router.serve import free_port
 from tests.e2e.conftest import PROMPT_TEXTS
 from tests.router.conftest import Served, collect, request
 
 MAX_LEN = 256
 SLOTS = 16
+CALL_TIMEOUT_S = 8.0   # serve's --engine-call-timeout here: well under the gRPC default it must replace
 pytestmark = pytest.mark.slow
 
 
@@ -89,7 +91,8 @@ def deployed():
     try:
         server = Served(["--backend", "grpc", "--verifier-address", engines[0].address, "--drafter-address",
                          engines[1].address, "--max-len", str(MAX_LEN), "--max-running", str(SLOTS),
-                         "--drafter-timeout", "2", "--pipeline", "sequential", "--plain-steps", "1",
+                         "--drafter-timeout", "2", "--engine-call-timeout", str(CALL_TIMEOUT_S),
+                         "--pipeline", "sequential", "--plain-steps", "1",
                          "--no-overlap-admission"]).wait_ready(240)
         yield server, engines[0], engines[1]
     finally:
@@ -190,11 +193,19 @@ def test_verifier_stopped_then_continued_releases_what_it_held(deployed, referen
     server, verifier, _ = deployed
     _wait(lambda: _health(server) == health_pb2.HealthCheckResponse.SERVING, 120, "SERVING")
     prompts = _prompts(reference, 6)
-    # A stopped verifier answers nothing: its calls fail at their deadline (30 s), then its
-    # requests end UNAVAILABLE; it still holds their state when it continues.
+    # A stopped verifier answers nothing: its calls fail at their deadline (--engine-call-timeout),
+    # then its requests end UNAVAILABLE; it still holds their state when it continues.
+    stopped = []
+
+    def stop():
+        verifier.signal(signal.SIGSTOP)
+        stopped.append(time.monotonic())
+
     res = _streams(server, [request(ids=p, max_tokens=200, ignore_eos=True) for p in prompts], timeout=120,
-                   on_first_chunk=lambda: verifier.signal(signal.SIGSTOP))
+                   on_first_chunk=stop)
+    failed_after = time.monotonic() - stopped[0]
     try:
+        assert CALL_TIMEOUT_S - 1 <= failed_after < GRPC_CALL_TIMEOUT_S, failed_after   # the flag's deadline, not the default's
         for r in res:
             assert isinstance(r, grpc.RpcError) and r.code() == grpc.StatusCode.UNAVAILABLE, r
         assert _health(server) == health_pb2.HealthCheckResponse.NOT_SERVING
