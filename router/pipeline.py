@@ -69,11 +69,16 @@ DEPTH_SLACK): their modes are measured again at once. After a keep of plain only
 speculating mode by the old rates is measured, often a short one; without this, sequential
 would keep the rate of the text where drafts were rejected until its turn came FAR_EVERY keeps
 later (at 16 running on the H100, plain kept through a whole bench run at 1,729-1,837 tok/s
-where sequential served 2,698). The second leaves out the slowest eighth of the window's
-rounds: a round that captured a CUDA graph or waited on a stall is not the mode's cost. The
-catch-ups that plain rounds hold back for requests still on the drafter and send every
-BACKLOG_ROUNDS rounds are plain decoding's cost, spread over the window instead (`record`'s
-upkeep): they fall on every eighth round, which the slowest eighth would leave out of a keep.
+where sequential served 2,698). The second leaves out the window's stalls, the rounds that took
+over STALL_FACTOR times the window's median per request-round: a round that captured a CUDA graph
+or waited on a stall is not the mode's cost. Every other round counts, so that a mode whose rounds
+differ by nature (ahead: a hit's round does not draft, a miss's does) is judged by their mean, and
+a short window of one mode and a keep of another by the same rule (leaving out a fixed share of
+the slowest rounds, a keep of ahead lost its misses, where a window of 8 lost nothing, and ahead
+stayed kept against faster sequential rounds). The catch-ups
+that plain rounds hold back for requests still on the drafter and send every BACKLOG_ROUNDS rounds
+are plain decoding's cost, spread over the window instead (`record`'s upkeep), however long the
+rounds that send them.
 
 `SpeculationSwitch`: when drafts are almost never accepted, drafting only costs time; the router
 then decodes plainly for a number of rounds and tries again.
@@ -102,6 +107,9 @@ YIELD_CHANGE = 2.0        # a window committing this many times more (or less) a
 # short:N tree): a pool of one drafting kind that this much contradicts a window of another is out
 # of date (its rounds saw other text) and is forgotten.
 DEPTH_SLACK = 1.25
+# A round that took over this many times the median round of its window (per request-round, upkeep
+# aside) stalled (a CUDA graph's capture, a pause of the host) and is left out of the mode's speed.
+STALL_FACTOR = 3.0
 
 
 def _depth(kind: str) -> float:
@@ -374,15 +382,19 @@ def _pool_yield(pool) -> float:
 
 def _speed(rounds: list[tuple[float, int, float]]) -> float | None:
     """Request-rounds per second of a window's rounds [(seconds, request-rounds, upkeep seconds)],
-    the slowest eighth of them (per request-round, upkeep aside) left out, and the window's
-    upkeep spread over its request-rounds: the catch-ups a plain round sends every eighth round
-    are plain decoding's cost while requests stay on the drafter, not a stall that the slowest
-    eighth leaves out."""
-    kept = sorted(rounds, key=lambda x: x[0] / x[1])[: len(rounds) - len(rounds) // 8]
-    request_rounds = sum(r for _, r, _ in kept)
+    its stalls left out (rounds over STALL_FACTOR times the median per request-round, upkeep
+    aside), and the window's upkeep spread over its request-rounds: the catch-ups a plain round
+    sends every BACKLOG_ROUNDS rounds are plain decoding's cost while requests stay on the
+    drafter, not a stall."""
+    if not rounds:
+        return None
+    per = sorted(sec / r for sec, r, _ in rounds)
+    median = per[len(per) // 2]
+    kept = [(sec, r) for sec, r, _ in rounds if sec / r <= STALL_FACTOR * median]
+    request_rounds = sum(r for _, r in kept)
     upkeep = sum(u for _, _, u in rounds) * request_rounds / max(1, sum(r for _, r, _ in rounds))
-    seconds = sum(sec for sec, _, _ in kept) + upkeep
-    return request_rounds / seconds if kept and seconds > 0 else None
+    seconds = sum(sec for sec, _ in kept) + upkeep
+    return request_rounds / seconds if seconds > 0 else None
 
 
 class SpeculationSwitch:

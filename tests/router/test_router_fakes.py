@@ -5,6 +5,7 @@ cancellation, EOS and stop strings. No model: each test runs in milliseconds."""
 from __future__ import annotations
 
 import asyncio
+import time
 
 import pytest
 
@@ -381,18 +382,26 @@ def test_a_wave_of_requests_landing_a_little_apart_is_prefilled_at_once(gap_s):
         router = Router(v, d, Tokenizer(), config())
         router.start()
         try:
-            reqs = []
+            reqs, gaps = [], []
             for p in PROMPTS:
                 reqs.append(router.submit(p, GREEDY))
+                t0 = time.monotonic()
                 await asyncio.sleep(gap_s)
+                gaps.append(time.monotonic() - t0)
             outs = await asyncio.gather(*(collect(r) for r in reqs))
         finally:
             await router.stop()
-        return v, outs
+        return v, outs, max(gaps[:-1])
 
-    v, outs = run(main())
-    assert_exact(outs)
+    # A loaded machine may oversleep the short gap past ARRIVAL_GAP_S, which makes it another
+    # wave: such a try does not count, and one of three must land as a wave.
+    for _ in range(3):
+        v, outs, widest = run(main())
+        assert_exact(outs)
+        if gap_s > ARRIVAL_GAP_S or widest < ARRIVAL_GAP_S:
+            break
     if gap_s < ARRIVAL_GAP_S:
+        assert widest < ARRIVAL_GAP_S, f"every try's gaps were wider than {ARRIVAL_GAP_S} s on this machine"
         assert v.prefills == [len(PROMPTS)], v.prefills
     else:
         assert len(v.prefills) == len(PROMPTS), v.prefills
