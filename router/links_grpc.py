@@ -23,7 +23,7 @@ from router.links import GRPC_CALL_TIMEOUT_S, EngineUnavailable
 from spectandem.protocol import (AheadReply, DraftHandle, DrafterPrefillItem, EngineInfo, ExtendItem, PlainItem,
                                  Tag, TreeRoute, Verdict, VerifierPrefillItem, VerifierPrefillResult)
 from spectandem import codec
-from spectandem.grpc_server import CHANNEL_OPTIONS, MAX_MESSAGE_BYTES, PREFILL_CALL_BYTES
+from spectandem.grpc_server import LINK_CHANNEL_OPTIONS, MAX_MESSAGE_BYTES, PREFILL_CALL_BYTES
 from spectandem.messages import DraftTree, StaleMessage
 from spectandem.v1 import engines_pb2, engines_pb2_grpc
 
@@ -37,8 +37,8 @@ class _GrpcLink:
         `credentials` TLS (spectandem/tls.py; None: plaintext). Construct links inside the event
         loop that uses them (grpc.aio channels belong to one loop)."""
         self.address, self.timeout_s = address, timeout_s
-        self.channel = (grpc.aio.secure_channel(address, credentials, options=CHANNEL_OPTIONS) if credentials
-                        else grpc.aio.insecure_channel(address, options=CHANNEL_OPTIONS))
+        self.channel = (grpc.aio.secure_channel(address, credentials, options=LINK_CHANNEL_OPTIONS) if credentials
+                        else grpc.aio.insecure_channel(address, options=LINK_CHANNEL_OPTIONS))
 
     async def _call(self, method, request):
         try:

@@ -578,7 +578,7 @@ async def _wait_ready(link, what: str, timeout: float = 300.0, process=None):
                 process.check()
             if time.monotonic() > deadline:
                 raise RuntimeError(f"the {what} did not come up in {timeout:.0f} s: {exc}") from None
-            await asyncio.sleep(0.5)
+            await asyncio.sleep(0.1)
 
 
 async def _wait_channel(link, timeout: float = 120.0) -> None:

@@ -34,7 +34,7 @@ from spectandem.errors import (  # noqa: F401 (re-exported: the SDK's public exc
     AlreadyExists, Cancelled, DeadlineExceeded, InternalError, InvalidArgument, ResourceExhausted, SpectandemError,
     Unauthenticated, Unavailable, error_from_rpc)
 from spectandem.client_wire import (  # noqa: F401 (Chunk, Completion, Prompt: the SDK's public types)
-    Chunk, Completion, Prompt, _ChunkReader, _model_info_dict, build_request)
+    RECONNECT_OPTIONS, Chunk, Completion, Prompt, _ChunkReader, _model_info_dict, build_request)
 from spectandem.v1 import generation_pb2, generation_pb2_grpc
 
 __all__ = [
@@ -89,7 +89,8 @@ class _Base:
         self.timeout = timeout
         self.max_retries = max_retries
         self._credentials = _channel_credentials(tls)
-        self._options = list(options)
+        given = {key for key, _ in options}   # the caller's options win over the SDK's reconnect pacing
+        self._options = [o for o in RECONNECT_OPTIONS if o[0] not in given] + list(options)
         # Sent with every call but health checks (which servers leave open).
         self._metadata = (("authorization", f"Bearer {api_key}"),) if api_key else None
 

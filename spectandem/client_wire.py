@@ -14,6 +14,13 @@ from spectandem.config import SamplingParams
 from spectandem.errors import InternalError
 from spectandem.v1 import common_pb2, generation_pb2
 
+# How soon a channel tries again to connect to a server it could not reach: gRPC's own backoff
+# (1 s, growing 1.6x a try up to 120 s) noticed a server that came up after 7 s about 1.8 s late,
+# and after a long outage it waits up to two minutes between tries. A server that starts (an
+# engine loading its model) or comes back is seen within 0.1-1 s.
+RECONNECT_OPTIONS = [("grpc.initial_reconnect_backoff_ms", 100), ("grpc.min_reconnect_backoff_ms", 100),
+                     ("grpc.max_reconnect_backoff_ms", 1000)]
+
 Prompt = str | Sequence[int]
 
 

@@ -23,6 +23,7 @@ from grpc_reflection.v1alpha import reflection
 
 from spectandem.after_reply import AfterReply
 from spectandem.call_clock import CallClock
+from spectandem.client_wire import RECONNECT_OPTIONS
 from spectandem.messages import StaleMessage
 
 log = logging.getLogger("spectandem.grpc")
@@ -36,6 +37,8 @@ MAX_MESSAGE_BYTES = 1024 * 1024 * 1024
 PREFILL_CALL_BYTES = 128 * 1024 * 1024
 CHANNEL_OPTIONS = [("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
                    ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES)]
+# The router's channels to its engines: those limits, and trying again to connect within a second.
+LINK_CHANNEL_OPTIONS = CHANNEL_OPTIONS + RECONNECT_OPTIONS
 
 
 class EngineCalls:
