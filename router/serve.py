@@ -48,7 +48,8 @@ def add_serve(sub) -> None:
                         "(default: 1, or one per --verifier-address)")
     p.add_argument("--host", default="localhost", help="address of the public gRPC API (and the HTTP fronts)")
     p.add_argument("--port", type=int, default=50051, help="port of the public gRPC API (0: a free one, printed)")
-    p.add_argument("--max-running", type=int, default=64, help="requests in the running batch (engine slots)")
+    p.add_argument("--max-running", "--max-num-seqs", type=int, default=64,
+                   help="requests in the running batch (engine slots; --max-num-seqs as in vLLM)")
     p.add_argument("--first-request", default=None, metavar="PROMPT",
                    help="once serving, send this prompt through the client SDK and print the completion")
     p.add_argument("--pipeline", choices=["auto", "sequential", "pingpong", "ahead"], default="auto",

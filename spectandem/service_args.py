@@ -137,7 +137,8 @@ def add_verifier_args(p: argparse.ArgumentParser) -> None:
                    help='features the drafter reads: "none", "final" or comma-separated HF hidden-state indices '
                         "(default: from --method and --draft)")
     add_device_flags(p)
-    p.add_argument("--max-len", type=int, default=None, help="context length (default: the target's)")
+    p.add_argument("--max-len", "--max-model-len", type=int, default=None,
+                   help="context length (default: the target's; --max-model-len as in vLLM)")
     p.add_argument("--max-slots", type=int, default=8, help="requests held at once")
     p.add_argument("--kv-blocks", type=int, default=None, help="KV pool in blocks (default: every slot at full context)")
     p.add_argument("--block-size", type=int, default=16, help="cache entries per KV block")
@@ -187,7 +188,8 @@ def add_model_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("--ahead-width", type=int, default=4,
                    help="draft ahead: outcomes of a round prepared while it is verified (0: never)")
     add_device_flags(p)
-    p.add_argument("--max-len", type=int, default=None, help="context length (default: the target's)")
+    p.add_argument("--max-len", "--max-model-len", type=int, default=None,
+                   help="context length (default: the target's; --max-model-len as in vLLM)")
     p.add_argument("--kv-blocks", type=int, default=None,
                    help="verifier KV pool in blocks (default: every slot at full context)")
     p.add_argument("--draft-kv-blocks", type=int, default=None,

@@ -150,3 +150,14 @@ def test_engine_call_timeout_is_each_split_backends_deadline_and_refused_in_proc
     for bad in ("0", "-1", "inf", "nan"):
         with pytest.raises(ValueError, match="--engine-call-timeout must be a number of seconds > 0"):
             engine_call_timeout_s(parse(["serve", "--backend", "grpc", "--engine-call-timeout", bad]))
+
+
+def test_vllm_flag_names_are_the_same_settings():
+    parse = build_parser().parse_args
+    args = parse(["serve", "--max-num-seqs", "12", "--max-model-len", "512"])
+    assert args.max_running == 12 and args.max_len == 512
+    assert parse(["serve", "--max-running", "12", "--max-len", "512"]).max_running == 12
+    for role_args in (add_verifier_args, add_drafter_args):
+        p = argparse.ArgumentParser()
+        role_args(p)
+        assert p.parse_args(["--max-model-len", "300"]).max_len == 300
