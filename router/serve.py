@@ -135,14 +135,14 @@ def engine_call_timeout_s(args) -> float:
     """--engine-call-timeout in seconds (the backend's default unless given); refused with
     --backend local, whose engines run in this process."""
     value = getattr(args, "engine_call_timeout", None)
-    if value is not None and args.backend == "local":
+    if value is None:
+        return RAY_CALL_TIMEOUT_S if args.backend == "ray" else GRPC_CALL_TIMEOUT_S
+    if args.backend == "local":
         raise ValueError("--engine-call-timeout applies to --backend grpc and ray (engine processes), not --backend "
                          "local, whose engines run in this process")
-    if value is not None and not 0 < value < float("inf"):
+    if not 0 < value < float("inf"):
         raise ValueError(f"--engine-call-timeout must be a number of seconds > 0, got {value}")
-    if value is not None:
-        return value
-    return RAY_CALL_TIMEOUT_S if args.backend == "ray" else GRPC_CALL_TIMEOUT_S
+    return value
 
 
 def switch_interval_s(args) -> float:

@@ -277,4 +277,4 @@ class FeatureReceiver:
 
 def _nbytes(shapes: list[tuple[int, ...]], dtype: torch.dtype) -> int:
     """A message's payload size: its items' elements, of `dtype`."""
-    return sum(math.prod(s) for s in shapes) * torch.empty((), dtype=dtype).element_size()
+    return sum(math.prod(s) for s in shapes) * dtype.itemsize
