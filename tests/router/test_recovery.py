@@ -205,7 +205,9 @@ def test_verifier_stopped_then_continued_releases_what_it_held(deployed, referen
                    on_first_chunk=stop)
     failed_after = time.monotonic() - stopped[0]
     try:
-        assert CALL_TIMEOUT_S - 1 <= failed_after < GRPC_CALL_TIMEOUT_S, failed_after   # the flag's deadline, not the default's
+        # The flag's deadline failed them, not gRPC's default (which would take about 30 s); no
+        # tighter bound: how long the call in flight had run when the verifier stopped varies.
+        assert failed_after < GRPC_CALL_TIMEOUT_S / 2, failed_after
         for r in res:
             assert isinstance(r, grpc.RpcError) and r.code() == grpc.StatusCode.UNAVAILABLE, r
         assert _health(server) == health_pb2.HealthCheckResponse.NOT_SERVING
