@@ -1,8 +1,8 @@
 """Microseconds per paged tree attention call (one layer) on Llama-3.1-8B attention shapes (32 heads,
 8 kv heads, head_dim 128, block_size 16, bf16): the one-pass kernel (split_len None) against the
 split-KV pair at the split_len PagedKVCache picks (`split_len_for` of its capacity; the cache here
-holds context + 64 entries per request), at B in {1, 4, 16, 64}, T in {1, 16} (a chain), context in
-{512, 2048}. CUDA only.
+holds context + 64 entries per request), at B in {1, 4, 16, 64}, T in {1, 5, 16} (a chain; 5 is
+serve's default tree of 4 drafts and its root), context in {256, 512, 2048}. CUDA only.
 
     python benchmarks/attention_timing.py [--iters 50] [--layers 32] [--split-lens 64,256]
 
@@ -82,9 +82,9 @@ def main() -> int:
           f"{NUM_KV_HEADS} kv heads, hd {HEAD_DIM}, block_size {BLOCK_SIZE}, {args.layers} layers per graph")
     header = f"{'context':>7} {'B':>3} {'T':>3} {'one-pass us':>11} {'split_len':>9} {'split us':>9} {'speed-up':>8}"
     print(header + "".join(f" {f'split {s} us':>13}" for s in extra))
-    for context in (512, 2048):
+    for context in (256, 512, 2048):
         for batch in (1, 4, 16, 64):
-            for num_tokens in (1, 16):
+            for num_tokens in (1, 5, 16):
                 inputs = attention_inputs(batch, num_tokens, context, args.layers)
                 chosen = split_len_for(inputs["capacity"], HEAD_DIM)
                 one_pass = call_us(inputs, None, args.iters)

@@ -28,11 +28,19 @@ The torch reference has no such guarantee (its matmul tiling follows the shapes)
 in the last bits: plain decoding and verification must both go through the kernel. tree_mask=None
 is turned into a causal mask tensor so that both run the one compiled kernel.
 
-Split-KV (`split_len`, "flash-decoding"). One program per (request, kv head, block of BLOCK_M rows)
-walks the whole span: at batch 1 and T = 1 that is nkv programs per layer, a few percent of the GPU.
+Row blocks and programs. The T * GROUP query rows of a (request, kv head) are cut into row blocks of
+BLOCK_M (a tile). Where the launch has row blocks enough to fill the GPU several times over, a
+program computes two of them, 2p and 2p + 1 (`tiles_per_program`; a tree of 5 nodes with GROUP 4
+has 20 rows, two blocks): its chunk loop loads each chunk of block table, K and V once and runs
+both tiles over it, where one program per block loads the request's whole context once per block.
+Each tile goes through the same operations in the same order (attention_kernels.py `_tile_step`),
+so which program, and which of its tiles, holds a row leaves the row's arithmetic as it is.
+
+Split-KV (`split_len`, "flash-decoding"). One program per (request, kv head, row blocks) walks the
+whole span: at batch 1 and T = 1 that is nkv programs per layer, a few percent of the GPU.
 With split_len set, the logical entries are cut into segments [s * split_len, (s + 1) * split_len)
-from entry 0 and a first kernel runs one program per (request, kv head, row block, segment),
-grid (B * nkv, cdiv(T * GROUP, BLOCK_M), num_splits): the same chunk loop over that segment alone,
+from entry 0 and a first kernel runs one program per (request, kv head, row blocks, segment),
+grid (B * nkv, cdiv(row blocks, tiles), num_splits): the same chunk loop over that segment alone,
 leaving per (row, segment) the running max m, sum l and un-normalised accumulator acc in fp32. A
 second kernel, grid (B * nkv, row blocks), combines a row's segments s = 0, 1, ... in that order:
 M = max_s m_s, then l = sum_s exp2(m_s - M) * l_s and acc likewise, out = acc / l. Example
@@ -79,8 +87,9 @@ from spectandem.kernels import HAVE_TRITON
 from spectandem.modeling.layers import masked_attention
 
 _FLOAT_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
-_BLOCK_M = 16   # query rows per program; fixed so a row's arithmetic never depends on T
+_BLOCK_M = 16   # query rows per tile; fixed so a row's arithmetic never depends on T
 _NUM_WARPS = 4
+_PAIR_FILL = 4  # tiles_per_program: row blocks per multiprocessor from which a program computes two
 _MAX_SPLITS = 32  # split_len_for: segments per row at most (bounds the partials and the combine's loop)
 
 if HAVE_TRITON:
@@ -162,7 +171,8 @@ def paged_tree_attention_triton(
     if split_len is not None:
         _launch_split(q, k_pool, v_pool, block_tables, prefix_lens, mask, out, scale, block_size, split_len, grid)
         return out
-    _paged_tree_attention_kernel[grid](
+    tiles = tiles_per_program(q, num_kv_heads)
+    _paged_tree_attention_kernel[(grid[0], triton.cdiv(grid[1], tiles))](
         q, k_pool, v_pool, block_tables, prefix_lens, mask, out,
         scale * math.log2(math.e), num_tokens * group, num_tokens, block_tables.shape[1],
         q.stride(0), q.stride(1), q.stride(2),
@@ -172,10 +182,27 @@ def paged_tree_attention_triton(
         out.stride(0), out.stride(1),
         NUM_KV_HEADS=num_kv_heads, GROUP=group, HEAD_DIM=head_dim,
         BLOCK_D=max(16, triton.next_power_of_2(head_dim)), PAGE=block_size,
-        BLOCK_M=_BLOCK_M, BLOCK_N=_block_n(head_dim),
+        BLOCK_M=_BLOCK_M, BLOCK_N=_block_n(head_dim), TILES=tiles,
         num_warps=_NUM_WARPS,
     )
     return out
+
+
+def tiles_per_program(q: torch.Tensor, num_kv_heads: int) -> int:
+    """Row blocks a program of the attention kernels computes for `q [B, nh, T, hd]` (module
+    docstring): two where a (request, kv head) has more than one and the row blocks of the launch
+    fill the GPU _PAIR_FILL times over, else one. Two halve the loads of K and V but make each
+    program's work twice as long, which pays only where programs wait for the GPU anyway: on an H100
+    (8B shapes, context 512, benchmarks/attention_timing.py), T = 5 took 113 against 129 µs at B = 64
+    (1,024 row blocks) and 53 against 36 µs at B = 16 (256). Off CUDA (Triton's interpreter): two
+    wherever there are two. A function of the shapes alone, so it is fixed within a CUDA graph."""
+    batch_size, num_heads, num_tokens, _ = q.shape
+    row_blocks = -(-num_tokens * (num_heads // num_kv_heads) // _BLOCK_M)
+    if row_blocks < 2:
+        return 1
+    if not q.is_cuda:
+        return 2
+    return 2 if batch_size * num_kv_heads * row_blocks >= _PAIR_FILL * _multiprocessors(q.device) else 1
 
 
 def _launch_split(q, k_pool, v_pool, block_tables, prefix_lens, mask, out, scale, block_size, split_len,
@@ -196,7 +223,8 @@ def _launch_split(q, k_pool, v_pool, block_tables, prefix_lens, mask, out, scale
                       device=q.device)  # [B * nkv, num_splits, T * GROUP, hd]
     shapes = dict(NUM_KV_HEADS=num_kv_heads, GROUP=group, HEAD_DIM=head_dim,
                   BLOCK_D=max(16, triton.next_power_of_2(head_dim)), BLOCK_M=_BLOCK_M, SPLIT=split_len)
-    _paged_tree_attention_split_kernel[(*grid, num_splits)](
+    tiles = tiles_per_program(q, num_kv_heads)
+    _paged_tree_attention_split_kernel[(grid[0], triton.cdiv(grid[1], tiles), num_splits)](
         q, k_pool, v_pool, block_tables, prefix_lens, mask, stats, acc,
         scale * math.log2(math.e), num_rows, num_tokens, block_tables.shape[1], num_splits,
         q.stride(0), q.stride(1), q.stride(2),
@@ -205,7 +233,7 @@ def _launch_split(q, k_pool, v_pool, block_tables, prefix_lens, mask, out, scale
         mask.stride(0), mask.stride(1),
         stats.stride(0), stats.stride(1),
         acc.stride(0), acc.stride(1), acc.stride(2),
-        PAGE=block_size, BLOCK_N=_block_n(head_dim), **shapes,
+        PAGE=block_size, BLOCK_N=_block_n(head_dim), TILES=tiles, **shapes,
         num_warps=_NUM_WARPS,
     )
     combine_splits(prefix_lens, stats, acc, out, num_tokens, grid, shapes)
@@ -227,8 +255,8 @@ def combine_splits(prefix_lens, stats, acc, out, num_tokens, grid, shapes) -> No
 
 
 def launch_split_len(q: torch.Tensor, num_kv_heads: int, split_len: int) -> int | None:
-    """`split_len` when the one-pass grid for `q [B, nh, T, hd]` has fewer programs than the
-    device has multiprocessors (the split pays there), else None (one pass). A function of the
+    """`split_len` when `q [B, nh, T, hd]` has fewer row blocks over its requests and kv heads
+    than the device has multiprocessors (the split pays there), else None (one pass). A function of the
     launch's shapes alone, so it is fixed within a captured CUDA graph. Off CUDA: split_len."""
     if not q.is_cuda:
         return split_len

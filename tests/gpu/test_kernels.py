@@ -21,6 +21,7 @@ from spectandem.kernels import (
     paged_tree_attention_ref,
     paged_tree_attention_triton,
 )
+from spectandem.kernels import attention
 from spectandem.kv_cache import PagedKVCache
 from spectandem.modeling.layers import masked_attention
 from spectandem.tree import ancestor_mask
@@ -164,6 +165,28 @@ def check_attention_batch_invariance(device, dtype, num_heads: int, num_kv_heads
     assert torch.equal(other[1, keep], together[1, keep])
 
 
+def check_paired_tiles_equal_single(device, dtype, monkeypatch, seed: int) -> None:
+    """Bitwise: a program computing two row blocks (each chunk of K/V loaded once for both) gives
+    every row exactly what one program per row block gives, in one pass and split, for trees of
+    20 and 36 rows per kv head (2 and 3 row blocks: the last program's second block is empty)."""
+    gen = torch.Generator().manual_seed(seed)
+    batch, num_heads, num_kv_heads, head_dim = 3, 8, 2, 64
+    for num_tokens in (5, 9):
+        prefix = torch.tensor([70, 3, 130])
+        k_pool, v_pool, tables = random_paged_kv(gen, batch, num_kv_heads, head_dim, (prefix + num_tokens).tolist(),
+                                                 dtype, device)
+        q = torch.randn(batch, num_heads, num_tokens, head_dim, generator=gen).to(device=device, dtype=dtype)
+        _, parents, valid = random_tree(gen, batch, num_tokens, 4, "cpu")
+        mask = ancestor_mask(parents, valid).to(device)
+        args = (q, k_pool, v_pool, tables, prefix.to(device), mask, head_dim ** -0.5, BLOCK_SIZE)
+        for split_len in (None, 64):
+            outs = {}
+            for tiles in (1, 2):
+                monkeypatch.setattr(attention, "tiles_per_program", lambda q, nkv, tiles=tiles: tiles)
+                outs[tiles] = paged_tree_attention_triton(*args, split_len=split_len)
+            assert torch.equal(outs[1], outs[2]), f"T = {num_tokens}, split_len {split_len}: paired tiles differ"
+
+
 def check_accept_matches_reference(device, batch: int, num_nodes: int, seed: int) -> None:
     gen = torch.Generator().manual_seed(seed)
     tokens, parents, valid = random_tree(gen, batch, num_nodes, 3, device)
@@ -268,6 +291,22 @@ def test_attention_matches_paged_cache(dtype):
 @pytest.mark.parametrize("heads", [(8, 2, 128), (4, 4, 64)], ids=["gqa4-128", "mha-64"])
 def test_attention_batch_invariance(dtype, heads):
     check_attention_batch_invariance("cuda", dtype, *heads, seed=1)
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=DTYPE_IDS)
+def test_paired_tiles_equal_single(dtype, monkeypatch):
+    check_paired_tiles_equal_single("cuda", dtype, monkeypatch, seed=4)
+
+
+def test_tiles_per_program_pairs_only_a_full_launch():
+    """Two row blocks a program only where there are two and the launch's row blocks fill the GPU
+    at least four times over."""
+    sms = torch.cuda.get_device_properties(0).multi_processor_count
+    q = lambda b, t: torch.empty(b, 32, t, 128, device="cuda", dtype=torch.bfloat16)  # noqa: E731
+    assert attention.tiles_per_program(q(1024, 1), 8) == 1          # one row block each
+    full = -(-4 * sms // 16)                                         # 8 kv heads x 2 blocks x full >= 4 x sms
+    assert attention.tiles_per_program(q(full, 5), 8) == 2
+    assert attention.tiles_per_program(q(full - 1, 5), 8) == 1
 
 
 @pytest.mark.parametrize("batch,num_nodes", [(1, 1), (4, 5), (16, 16), (8, 64), (3, 37)])

@@ -29,6 +29,7 @@ from tests.gpu.test_kernels import (  # noqa: E402  (after the skips: the helper
     check_attention_matches_reference,
     check_compact_matches_paged_cache,
     check_compact_random_overlaps,
+    check_paired_tiles_equal_single,
 )
 
 DTYPES = [torch.float32, torch.bfloat16]
@@ -55,6 +56,11 @@ def test_attention_matches_reference(dtype, num_tokens, heads, tree):
 @pytest.mark.parametrize("dtype", ATTENTION_DTYPES, ids=ATTENTION_DTYPE_IDS)
 def test_attention_matches_paged_cache(dtype):
     check_attention_matches_paged_cache("cpu", dtype, seed=0)
+
+
+@pytest.mark.parametrize("dtype", ATTENTION_DTYPES + [torch.bfloat16], ids=ATTENTION_DTYPE_IDS + ["bf16"])
+def test_paired_tiles_equal_single(dtype, monkeypatch):
+    check_paired_tiles_equal_single("cpu", dtype, monkeypatch, seed=4)
 
 
 @pytest.mark.parametrize("dtype", ATTENTION_DTYPES + [torch.bfloat16], ids=ATTENTION_DTYPE_IDS + ["bf16"])
