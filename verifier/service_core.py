@@ -11,6 +11,7 @@ from dataclasses import replace
 
 from spectandem import codec
 from spectandem.protocol import EngineInfo, PlainItem, Tag, Verdict, VerifierPrefillItem, VerifierPrefillResult
+from spectandem.after_reply import AfterReply
 from spectandem.call_clock import CallClock, timed
 from spectandem.channel import FeatureSender, TreeMailbox
 from spectandem.channel.trees import verdicts_to_bytes
@@ -51,7 +52,7 @@ def tree_from_channel(trees: TreeMailbox | None, round_id: int, wait_s: float) -
 
 
 def verdicts_to_drafter(trees: TreeMailbox | None, verdicts: list[Verdict], bounds: dict[str, int] | None,
-                        clock: CallClock | None = None, after=None, sender: FeatureSender | None = None) -> bool:
+                        clock: CallClock | None, after: AfterReply, sender: FeatureSender | None = None) -> bool:
     """Sends the verdicts of the requests `bounds` names (those the router drafts next,
     drafter/next_trees.py) to the drafter over the tree channel, where it is up and their
     features went over the feature channel. `sender`: the feature channel's end; the verdicts
@@ -69,11 +70,8 @@ def verdicts_to_drafter(trees: TreeMailbox | None, verdicts: list[Verdict], boun
             if body is not None:
                 trees.send_verdicts(body)
 
-    if after is None:
-        send()
-    else:
-        after.later(send)
-        after.flush()
+    after.later(send)
+    after.flush()
     return True
 
 
