@@ -142,6 +142,7 @@ if HAVE_TRITON:
         d = tl.arange(0, BLOCK_D)
         d_ok = d < HEAD_DIM
         first = tl.program_id(1) * TILES
+        # With one tile, tile b is tile a again and goes unused (TILES is a constant of the compile).
         r_a, tok_a, head_a, row_ok_a, q_a = _query_tile(q_ptr, b, kv_head, first, num_rows, d, d_ok,
                                                         stride_qb, stride_qh, stride_qt, GROUP, BLOCK_M)
         r_b, tok_b, head_b, row_ok_b, q_b = _query_tile(q_ptr, b, kv_head, first + TILES - 1, num_rows, d, d_ok,
