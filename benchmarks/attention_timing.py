@@ -4,7 +4,8 @@ split-KV pair at the split_len PagedKVCache picks (`split_len_for` of its capaci
 holds context + 64 entries per request), at B in {1, 4, 16, 64}, T in {1, 5, 16} (a chain; 5 is
 serve's default tree of 4 drafts and its root), context in {256, 512, 2048}. CUDA only.
 
-    python benchmarks/attention_timing.py [--iters 50] [--layers 32] [--split-lens 64,256]
+    python benchmarks/attention_timing.py [--iters 50] [--layers 32] [--split-lens 64,256] \
+        [--contexts 256,512,2048] [--batches 1,4,16,64] [--tokens 1,5,16]
 
 One CUDA graph replays a call on each of --layers layers (distinct pools, as in a forward, so K/V do
 not stay in L2 from one call to the next); a number is the median over --iters replays, each timed
@@ -69,11 +70,18 @@ def call_us(inputs: dict, split_len: int | None, iters: int) -> float:
     return 1000 * sorted(times)[len(times) // 2] / len(inputs["pools"])
 
 
+def _ints(text: str) -> list[int]:
+    return [int(v) for v in text.split(",") if v]
+
+
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--iters", type=int, default=50)
     p.add_argument("--layers", type=int, default=32)
     p.add_argument("--split-lens", default="", help="comma-separated extra split_len columns, e.g. 64,256")
+    p.add_argument("--contexts", default="256,512,2048", help="committed entries per request, comma-separated")
+    p.add_argument("--batches", default="1,4,16,64", help="requests per call, comma-separated")
+    p.add_argument("--tokens", default="1,5,16", help="query tokens per request (T), comma-separated")
     args = p.parse_args()
     if not torch.cuda.is_available():
         raise SystemExit("attention_timing needs a CUDA device")
@@ -82,9 +90,9 @@ def main() -> int:
           f"{NUM_KV_HEADS} kv heads, hd {HEAD_DIM}, block_size {BLOCK_SIZE}, {args.layers} layers per graph")
     header = f"{'context':>7} {'B':>3} {'T':>3} {'one-pass us':>11} {'split_len':>9} {'split us':>9} {'speed-up':>8}"
     print(header + "".join(f" {f'split {s} us':>13}" for s in extra))
-    for context in (256, 512, 2048):
-        for batch in (1, 4, 16, 64):
-            for num_tokens in (1, 5, 16):
+    for context in _ints(args.contexts):
+        for batch in _ints(args.batches):
+            for num_tokens in _ints(args.tokens):
                 inputs = attention_inputs(batch, num_tokens, context, args.layers)
                 chosen = split_len_for(inputs["capacity"], HEAD_DIM)
                 one_pass = call_us(inputs, None, args.iters)
