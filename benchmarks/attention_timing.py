@@ -1,7 +1,7 @@
 """Microseconds per paged tree attention call (one layer) on Llama-3.1-8B attention shapes (32 heads,
 8 kv heads, head_dim 128, block_size 16, bf16): the one-pass kernel (split_len None) against the
 split-KV pair at the split_len PagedKVCache picks (`split_len_for` of its capacity; the cache here
-holds context + 64 entries per request), at B in {1, 4, 16, 64}, T in {1, 5, 16} (a chain; 5 is
+holds context + 64 entries per request), by default at B in {1, 4, 16, 64}, T in {1, 5, 16} (a chain; 5 is
 serve's default tree of 4 drafts and its root), context in {256, 512, 2048}. CUDA only.
 
     python benchmarks/attention_timing.py [--iters 50] [--layers 32] [--split-lens 64,256] \
