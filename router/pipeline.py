@@ -73,12 +73,11 @@ where sequential served 2,698). The second leaves out the window's stalls, the r
 over STALL_FACTOR times the window's median per request-round: a round that captured a CUDA graph
 or waited on a stall is not the mode's cost. Every other round counts, so that a mode whose rounds
 differ by nature (ahead: a hit's round does not draft, a miss's does) is judged by their mean, and
-a short window of one mode and a keep of another by the same rule (leaving out a fixed share of
-the slowest rounds, a keep of ahead lost its misses, where a window of 8 lost nothing, and ahead
-stayed kept against faster sequential rounds). The catch-ups
-that plain rounds hold back for requests still on the drafter and send every BACKLOG_ROUNDS rounds
-are plain decoding's cost, spread over the window instead (`record`'s upkeep), however long the
-rounds that send them.
+a short window of one mode and a long keep of another by the same rule: a fixed share of the
+slowest rounds left out would take a keep of ahead's misses away, and none of a short window's
+rounds. The catch-ups that plain rounds hold back for requests still on the drafter and send every
+BACKLOG_ROUNDS rounds are plain decoding's cost, spread over the window instead (`record`'s
+upkeep), however long the rounds that send them.
 
 `SpeculationSwitch`: when drafts are almost never accepted, drafting only costs time; the router
 then decodes plainly for a number of rounds and tries again.
