@@ -147,7 +147,8 @@ class PagedKVCache:
         self.host_tables_np = self.host_tables.numpy()     # the same memory, without a call per read
         self._device_tables = torch.full(tuple(self.host_tables.shape), -1, dtype=torch.long, device=device)
         self._stale: set[int] = set()     # slots whose device row lags the host row
-        self._mapped = [0] * num_slots    # blocks of each slot's table already in host_tables
+        self._mapped = [0] * num_slots    # blocks of each slot's table in host_tables (-1 past them)
+        self._device_width = [0] * num_slots   # the same for the device copy
         # The tree attention's segment length (kernels/attention.py, split-KV): from the capacity per
         # request, a constant of the cache, so every split launch segments a row's entries alike
         # (PagedTreeBatch splits only where the one-pass grid would leave the GPU idle).
@@ -164,10 +165,15 @@ class PagedKVCache:
         """Brings the device tables up to date with the host's: one copy for every slot changed
         since the last sync (nothing when none)."""
         if self._stale:
-            idx = torch.tensor(sorted(self._stale), dtype=torch.long)
+            stale = sorted(self._stale)
             self._stale.clear()
+            # Only the columns mapped on either side: past them both rows hold -1 already.
+            width = max(1, max(max(self._mapped[s], self._device_width[s]) for s in stale))
+            for s in stale:
+                self._device_width[s] = self._mapped[s]
+            idx = torch.tensor(stale, dtype=torch.long)
             dev = self._device_tables.device
-            self._device_tables[to_device(idx, dev)] = to_device(self.host_tables[idx], dev)
+            self._device_tables[:, :width][to_device(idx, dev)] = to_device(self.host_tables[idx, :width], dev)
 
     def reserve(self, slot: int, num_entries: int) -> None:
         if num_entries > self.max_len:
@@ -186,7 +192,7 @@ class PagedKVCache:
     def _unmap(self, slot: int, keep: int) -> None:
         """Marks the slot's table past `keep` blocks as unmapped (-1)."""
         if self._mapped[slot] > keep:
-            self.host_tables_np[slot, keep:] = -1
+            self.host_tables_np[slot, keep: self._mapped[slot]] = -1
             self._stale.add(slot)
         self._mapped[slot] = min(self._mapped[slot], keep)
 
@@ -252,8 +258,13 @@ class PagedKVCache:
 
     def host_rows_np(self, slots: list[int], index: np.ndarray) -> np.ndarray:
         """`host_rows` in numpy (index [B, T] int64): a verify step's inputs are built on the host
-        every round, where numpy's per-call cost is a fraction of torch's."""
-        return self.rows_in_tables_np(self.host_tables_np[slots], index)
+        every round, where numpy's per-call cost is a fraction of torch's. Reads only the table
+        entries `index` falls in: a table is as wide as max_len, a round's entries a few."""
+        bs = self.block_size
+        page = np.clip(index // bs, 0, self.host_tables_np.shape[1] - 1)
+        block = self.host_tables_np[np.asarray(slots, dtype=np.int64).reshape(-1, 1), page]
+        ok = (block >= 0) & (index >= 0) & (index < self.max_len)
+        return np.where(ok, block * bs + index % bs, self._trash_row)
 
     def rows_in_tables_np(self, tables: np.ndarray, index: np.ndarray) -> np.ndarray:
         """`host_rows_np` given the slots' block tables [B, max_blocks] (a copy the caller
@@ -261,7 +272,7 @@ class PagedKVCache:
         is held or the index is out of range."""
         bs = self.block_size
         block = tables[np.arange(tables.shape[0])[:, None], np.clip(index // bs, 0, tables.shape[1] - 1)]
-        ok = (block >= 0) & (index >= 0) & (index < self.max_len)
+        ok = (block >= 0) & (index >= 0) & (index < min(self.max_len, tables.shape[1] * bs))
         return np.where(ok, block * bs + index % bs, self._trash_row)
 
     def block_tables(self, slots: torch.Tensor) -> torch.Tensor:
@@ -367,7 +378,7 @@ class PackedPrefillBatch:
         longest, starts = max(lens), np.cumsum([0] + lens[:-1])
         slot_of = np.repeat(np.asarray(slots, dtype=np.int64), lens)
         entry = np.concatenate([np.arange(m) for m in lens])
-        rows = cache.rows_in_tables_np(cache.host_tables_np[slot_of], entry[:, None])[:, 0]
+        rows = cache.host_rows_np(slot_of, entry[:, None])[:, 0]
         ar = np.arange(longest)
         real = ar[None, :] < np.asarray(lens)[:, None]                                    # [P, L]
         gather = np.where(real, starts[:, None] + ar[None, :], starts[:, None])

@@ -45,7 +45,8 @@ from spectandem.cuda_graphs import BATCH_BUCKETS, batch_bucket, capture_graph, c
 from spectandem.devices import to_device
 from spectandem.kv_cache import PagedCacheBatch, PagedKVCache
 from spectandem.tree import tree_shape
-from verifier.tree_inputs import TreeVerifyInputs, copy_fields, host_tree_inputs, padding_tree_flat, tree_inputs_on
+from verifier.tree_inputs import (TreeVerifyInputs, copy_fields, copy_tree_inputs, host_tree_inputs, padding_tree_flat,
+                                  tree_inputs_on)
 
 FeatureSpec = None | str | tuple[int, ...]
 
@@ -222,7 +223,7 @@ class VerifyGraphs:
         span, flat, inp = self._inputs(slots, cache_lens, token_ids, parents, node_valid, rows)
         if not self.graph:
             if inp is None:
-                inp = tree_inputs_on(flat.to(self.device, non_blocking=True), rows, n, self.cache.host_tables.shape[1])
+                inp = tree_inputs_on(flat.to(self.device, non_blocking=True), rows, n)
             if device_tokens is not None:
                 inp.token_ids[:b].copy_(device_tokens)
             logits, feats = verify_forward(self.model, self.cache, feature_layers, inp)
@@ -233,7 +234,7 @@ class VerifyGraphs:
                 captured_while_serving("VerifyGraphs", (rows, n, span, feature_layers))
             step = self._capture(rows, n, span, feature_layers)
         if inp is None:
-            step.flat.copy_(flat, non_blocking=True)   # the step's inputs, in one copy
+            copy_tree_inputs(step.flat, step.inputs, flat)   # the step's inputs: one copy, and one of the tables
         else:
             step.inputs.copy_(inp)
         if device_tokens is not None:
@@ -257,7 +258,7 @@ class VerifyGraphs:
         span, flat, inp = self._inputs(slots, [0] * b, token_ids, parents, valid, rows)
         if not self.graph:
             if inp is None:
-                inp = tree_inputs_on(flat.to(self.device), rows, n, self.cache.host_tables.shape[1])
+                inp = tree_inputs_on(flat.to(self.device), rows, n)
             logits, feats = prefill_forward(self.model, self.cache, feature_layers, inp, last.to(self.device))
             return logits[:b], None if feats is None else feats[:b]
         step = self._prefills.get((rows, n, span, feature_layers))
@@ -266,7 +267,7 @@ class VerifyGraphs:
                 captured_while_serving("VerifyGraphs prefill", (rows, n, span, feature_layers))
             step = self._capture_prefill(rows, n, span, feature_layers)
         if inp is None:
-            step.flat.copy_(flat, non_blocking=True)
+            copy_tree_inputs(step.flat, step.inputs, flat)
         else:
             step.inputs.copy_(inp)
         step.last.copy_(last, non_blocking=True)
@@ -288,7 +289,7 @@ class VerifyGraphs:
         """(padding inputs, their packed buffer or None) of a (Bc, N, S) graph."""
         if span is None:
             flat = padding_tree_flat(self.cache, rows, n)
-            return tree_inputs_on(flat, rows, n, self.cache.host_tables.shape[1]), flat
+            return tree_inputs_on(flat, rows, n), flat
         return padding_inputs(self.cache, rows, n, span), None
 
     def _feature_width(self, feature_layers: FeatureSpec) -> int:

@@ -4,12 +4,12 @@ in one copy (`host_tree_inputs`), for a whole batch and for padding."""
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass, fields
 
 import numpy as np
 import torch
 
+from spectandem.block_manager import blocks_for
 from spectandem.kv_cache import PagedKVCache, PagedTreeBatch
 from spectandem.tree import tril_mask, tree_shape_np
 
@@ -32,7 +32,11 @@ class TreeVerifyInputs:
     tree_mask: torch.Tensor     # [Bc, N, N] bool ancestor mask (padding rows: identity)
 
     def copy_(self, other: "TreeVerifyInputs") -> None:
-        copy_fields(self, other)
+        """`other`'s fields into these; its block tables may be narrower (`host_tree_inputs`):
+        they go into the first columns, the rest keep what they held (no row reads past its own)."""
+        for f in fields(self):
+            src = getattr(other, f.name)
+            getattr(self, f.name)[..., : src.shape[-1]].copy_(src)
 
     def forward_args(self, cache: PagedKVCache) -> tuple[PagedTreeBatch, None]:
         """(cache view, mask) for LlamaModel.forward: the view carries the mask."""
@@ -40,39 +44,63 @@ class TreeVerifyInputs:
 
 
 
-def tree_inputs_nbytes(rows: int, n: int, max_blocks: int) -> int:
-    """Bytes of one packed TreeVerifyInputs (`tree_inputs_on`)."""
-    return 8 * rows * (3 * n + max_blocks + 1) + rows * n * n
+def _fixed_nbytes(rows: int, n: int) -> int:
+    """Bytes of a packed TreeVerifyInputs before its block tables (`tree_inputs_on`)."""
+    return 8 * rows * (3 * n + 1) + 8 * -(-rows * n * n // 8)
 
 
-def tree_inputs_on(flat: torch.Tensor, rows: int, n: int, max_blocks: int) -> TreeVerifyInputs:
-    """TreeVerifyInputs whose fields are views of one buffer `flat [tree_inputs_nbytes] uint8`, so
-    a step's inputs cross to the device in one copy. Layout: the int64 fields in their order
-    (token_ids, positions, write_rows [Bc, N], block_tables [Bc, max_blocks], prefix_lens [Bc]),
-    then tree_mask [Bc, N, N] bool; every int64 field starts at a multiple of 8 bytes."""
-    assert flat.dtype == torch.uint8 and flat.numel() == tree_inputs_nbytes(rows, n, max_blocks), flat.shape
-    views, offset = [], 0
-    for shape in ((rows, n), (rows, n), (rows, n), (rows, max_blocks), (rows,)):
-        count = 8 * math.prod(shape)
-        views.append(flat[offset: offset + count].view(torch.int64).view(shape))
-        offset += count
-    views.append(flat[offset:].view(torch.bool).view(rows, n, n))
-    return TreeVerifyInputs(*views)
+def tree_inputs_nbytes(rows: int, n: int, width: int) -> int:
+    """Bytes of one packed TreeVerifyInputs whose block tables are `width` blocks wide."""
+    return _fixed_nbytes(rows, n) + 8 * rows * width
 
 
-def _tree_fields_np(flat: torch.Tensor, rows: int, n: int, max_blocks: int) -> tuple[np.ndarray, ...]:
+def tree_inputs_on(flat: torch.Tensor, rows: int, n: int) -> TreeVerifyInputs:
+    """TreeVerifyInputs whose fields are views of one buffer `flat` uint8, so a step's inputs
+    cross to the device in one copy. Layout: the int64 fields token_ids, positions, write_rows
+    [Bc, N] and prefix_lens [Bc], then tree_mask [Bc, N, N] bool (padded to a multiple of 8 bytes),
+    then block_tables [Bc, width] int64, width = what the buffer's size leaves for them. The tables
+    last: a round's inputs need the blocks its rows reach, a graph's buffer holds max_blocks, and
+    `copy_tree_inputs` moves the one into the other."""
+    fixed = _fixed_nbytes(rows, n)
+    width, rest = divmod(flat.numel() - fixed, 8 * rows)
+    assert flat.dtype == torch.uint8 and width >= 1 and rest == 0, (flat.shape, rows, n)
+    ints = flat[: 8 * rows * (3 * n + 1)].view(torch.int64)
+    rn = rows * n
+    return TreeVerifyInputs(ints[:rn].view(rows, n), ints[rn: 2 * rn].view(rows, n), ints[2 * rn: 3 * rn].view(rows, n),
+                            flat[fixed:].view(torch.int64).view(rows, width), ints[3 * rn:],
+                            flat[8 * rows * (3 * n + 1): 8 * rows * (3 * n + 1) + rn * n].view(torch.bool)
+                            .view(rows, n, n))
+
+
+def copy_tree_inputs(flat: torch.Tensor, inputs: TreeVerifyInputs, src: torch.Tensor) -> None:
+    """A round's packed inputs `src` (host, `host_tree_inputs`) into a graph's `flat` (whose fields
+    are `inputs`, as wide as the cache's tables): everything before the tables in one copy, the
+    tables into their first columns. Columns past them keep what earlier rounds left: the kernel
+    reads a row's table only as far as its prefix and nodes reach."""
+    rows, n = inputs.token_ids.shape
+    fixed = _fixed_nbytes(rows, n)
+    if src.numel() == flat.numel():
+        flat.copy_(src, non_blocking=True)
+        return
+    width = (src.numel() - fixed) // (8 * rows)
+    flat[:fixed].copy_(src[:fixed], non_blocking=True)
+    inputs.block_tables[:, :width].copy_(src[fixed:].view(torch.int64).view(rows, width), non_blocking=True)
+
+
+def _tree_fields_np(flat: torch.Tensor, rows: int, n: int, width: int) -> tuple[np.ndarray, ...]:
     """`tree_inputs_on`'s fields as numpy views of a host `flat`: (token_ids, positions,
     write_rows, block_tables, prefix_lens, tree_mask)."""
     buf = flat.numpy()
-    ints = buf[: 8 * rows * (3 * n + max_blocks + 1)].view(np.int64)
-    return (ints[: rows * n].reshape(rows, n), ints[rows * n: 2 * rows * n].reshape(rows, n),
-            ints[2 * rows * n: 3 * rows * n].reshape(rows, n),
-            ints[3 * rows * n: 3 * rows * n + rows * max_blocks].reshape(rows, max_blocks),
-            ints[3 * rows * n + rows * max_blocks:], buf[8 * rows * (3 * n + max_blocks + 1):].view(np.bool_).reshape(rows, n, n))
+    rn, ints_end = rows * n, 8 * rows * (3 * n + 1)
+    ints = buf[:ints_end].view(np.int64)
+    return (ints[:rn].reshape(rows, n), ints[rn: 2 * rn].reshape(rows, n), ints[2 * rn: 3 * rn].reshape(rows, n),
+            buf[_fixed_nbytes(rows, n):].view(np.int64).reshape(rows, width), ints[3 * rn:],
+            buf[ints_end: ints_end + rn * n].view(np.bool_).reshape(rows, n, n))
 
 
 def host_tree_inputs(cache: PagedKVCache, slots: list[int], cache_lens: list[int], token_ids: torch.Tensor,
-                     parents: torch.Tensor, node_valid: torch.Tensor, rows: int) -> torch.Tensor:
+                     parents: torch.Tensor, node_valid: torch.Tensor, rows: int, width: int | None = None,
+                     ) -> torch.Tensor:
     """The packed inputs (`tree_inputs_on`) of a verify through the tree attention, built on the
     host from the cache's host block tables: token_ids, parents, node_valid [B, N] tensors,
     padded to `rows` >= B rows -> flat [nbytes] uint8 (in pinned memory when the cache is on CUDA,
@@ -82,13 +110,15 @@ def host_tree_inputs(cache: PagedKVCache, slots: list[int], cache_lens: list[int
     written to the trash row, prefix 0, no blocks, each node seeing only itself (the kernel loads
     nothing for such a row). Built in numpy on views of the one buffer: this runs every round
     while the GPU waits (a chained verify's launch, too), and torch's per-call cost is several
-    times numpy's."""
+    times numpy's. `width`: of the block tables, in blocks (default: as far as the longest row
+    reaches, so the work and the copy grow with the context held, not with max_len)."""
     b, n = token_ids.shape
     assert rows >= b and (not cache_lens or max(cache_lens) + n <= cache.max_len), (rows, b, cache_lens, n)
-    max_blocks = cache.host_tables.shape[1]
+    if width is None:   # as far as the longest row reaches (its prefix and nodes), not max_len's width
+        width = blocks_for(max(cache_lens) + n, cache.block_size) if b else 1
     pinned = cache.k[0].device.type == "cuda"
-    flat = torch.empty(tree_inputs_nbytes(rows, n, max_blocks), dtype=torch.uint8, pin_memory=pinned)
-    tok, pos, write, tables, prefix, mask = _tree_fields_np(flat, rows, n, max_blocks)
+    flat = torch.empty(tree_inputs_nbytes(rows, n, width), dtype=torch.uint8, pin_memory=pinned)
+    tok, pos, write, tables, prefix, mask = _tree_fields_np(flat, rows, n, width)
     if b < rows:
         tok[b:], pos[b:], write[b:], tables[b:], prefix[b:] = 0, 0, cache.trash_row, -1, 0
         mask[b:] = np.eye(n, dtype=bool)
@@ -103,7 +133,7 @@ def host_tree_inputs(cache: PagedKVCache, slots: list[int], cache_lens: list[int
             depth, tree = tree_shape_np(par, valid)
             np.add(base[:, None], depth, out=pos[:b])
             mask[:b] = tree
-        tables[:b] = cache.host_tables_np[slots]
+        tables[:b] = cache.host_tables_np[slots, :width]
         write[:b] = cache.rows_in_tables_np(tables[:b], base[:, None] + np.arange(n))
         prefix[:b] = base
     return flat
@@ -114,14 +144,15 @@ def tree_verify_inputs(cache: PagedKVCache, slots: list[int], cache_lens: list[i
     """`host_tree_inputs` on the cache's device (one copy): `verify_inputs` for the tree attention."""
     b, n = token_ids.shape
     flat = host_tree_inputs(cache, slots, cache_lens, token_ids, parents, node_valid, rows)
-    return tree_inputs_on(flat.to(cache.k[0].device, non_blocking=True), rows, n, cache.host_tables.shape[1])
+    return tree_inputs_on(flat.to(cache.k[0].device, non_blocking=True), rows, n)
 
 
 def padding_tree_flat(cache: PagedKVCache, rows: int, n: int) -> torch.Tensor:
     """Packed tree inputs with every row padding (what warm-up and capture run on), on the device."""
     empty = torch.zeros(0, n, dtype=torch.long)
-    return host_tree_inputs(cache, [], [], empty, empty, empty.bool(), rows).to(cache.k[0].device)
+    return host_tree_inputs(cache, [], [], empty, empty, empty.bool(), rows, cache.host_tables.shape[1]
+                            ).to(cache.k[0].device)
 
 
 def padding_tree_inputs(cache: PagedKVCache, rows: int, n: int) -> TreeVerifyInputs:
-    return tree_inputs_on(padding_tree_flat(cache, rows, n), rows, n, cache.host_tables.shape[1])
+    return tree_inputs_on(padding_tree_flat(cache, rows, n), rows, n)
