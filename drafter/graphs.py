@@ -454,7 +454,18 @@ class ChainGraphs(HeadGraphs):
 
 def _rows_into(static: torch.Tensor, parts: list[torch.Tensor]) -> None:
     """A graph's static input as `chain_inputs` pads it: zeros, then part i at the head of row i
-    (a request's [n_i, ...] rows; one [1, ...] row each for the start)."""
+    (a request's [n_i, ...] rows; one [1, ...] row each for the start). A few device calls for the
+    whole batch: parts of one length in one stacked copy, else concatenated and scattered by row."""
     static.zero_()
-    for i, part in enumerate(parts):
-        static[i, : part.shape[0]].copy_(part)
+    if not parts:
+        return
+    lens = [p.shape[0] for p in parts]
+    if min(lens) == max(lens):
+        static[: len(parts), : lens[0]].copy_(torch.stack(parts))
+        return
+    lens_np = np.asarray(lens, dtype=np.int64)
+    starts = np.cumsum(lens_np) - lens_np
+    row_starts = np.arange(len(lens)) * static.shape[1]
+    index = np.arange(int(lens_np.sum())) + np.repeat(row_starts - starts, lens_np)   # part i's row j: i * Tc + j
+    flat = static.view(-1, *static.shape[2:])
+    flat.index_copy_(0, to_device(torch.from_numpy(index), static.device), torch.cat(parts).to(static.dtype))

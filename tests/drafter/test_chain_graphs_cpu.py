@@ -54,3 +54,23 @@ def test_chain_graphs_take_only_argmax_chains(head):
     assert not chain.supports(65, topk=1, sampled=False, num_steps=4)
     with pytest.raises(ValueError, match="CUDA graphs need a CUDA device"):
         EagleProposer(head, SpecConfig(method=head.spec.kind), 1, 32, cuda_graphs=True)
+
+
+@pytest.mark.parametrize("lens", [[3, 1, 4, 2], [2, 2, 2], [5], [1, 1]])
+def test_rows_into_pads_each_part_into_its_row(lens):
+    """A graph's static input as `chain_inputs` pads it: zeros, part i at the head of row i; the
+    parts of one length (one stacked copy) and of several (one scatter), over stale contents."""
+    from drafter.graphs import _rows_into
+
+    g = torch.Generator().manual_seed(len(lens))
+    parts = [torch.randn(n, 3, generator=g) for n in lens]
+    static = torch.full((len(lens) + 2, max(lens) + 1, 3), 9.0)
+    _rows_into(static, parts)
+    want = torch.zeros_like(static)
+    for i, part in enumerate(parts):
+        want[i, : part.shape[0]] = part
+    assert torch.equal(static, want)
+    rows = torch.randn(len(lens), 5, generator=g)   # one row per request (a start's logits)
+    flat = torch.full((len(lens) + 1, 5), 9.0)
+    _rows_into(flat, list(rows))
+    assert torch.equal(flat[: len(lens)], rows) and not flat[len(lens):].any()
