@@ -411,14 +411,15 @@ class ChainGraphs(HeadGraphs):
     def warm_keys(self, max_batch: int, steps: list[int], spans: list[int]) -> list[tuple]:
         """The keys of the chains a drafter of at most `max_batch` requests runs over `spans`: each
         of `steps` from a catch-up already run or after a round's catch-up (`PAIR_BUCKETS`), and
-        the first chain of `steps[0]` after a prefill (the larger pair buckets, within
-        PREFILL_PAIR_ROWS, at spans holding such a prompt)."""
+        the first chain after a prefill (the larger pair buckets, within PREFILL_PAIR_ROWS, at
+        spans holding such a prompt), of each of `steps` too: a request admitted while the
+        pipeline drafts short chains starts with one."""
         keys = []
         for rows in self._warm_rows(max_batch):
             for span in spans:
                 pairs = self._warm_pairs(rows, span)
                 keys += [(rows, span, n, p) for n in steps for p in [0] + pairs if p <= PAIR_BUCKETS[-1]]
-                keys += [(rows, span, steps[0], p) for p in pairs if p > PAIR_BUCKETS[-1]]
+                keys += [(rows, span, n, p) for n in steps for p in pairs if p > PAIR_BUCKETS[-1]]
         return keys
 
     def padding_inputs(self, key: tuple) -> ChainInputs:

@@ -32,15 +32,14 @@ def _proposer(head, **cfg):
 
 def test_chain_keys_cover_every_served_chain(head):
     """Every (batch, catch-up pairs, committed entries) a chain of num_steps or of short:2 takes:
-    the key `ChainGraphs._run` looks up is among the warm keys; a prefill's (larger pairs) for
-    the full chain."""
+    the key `ChainGraphs._run` looks up is among the warm keys, a prefill's (larger pairs) too."""
     p = _proposer(head, num_steps=4, num_draft_tokens=5)
     graphs = ChainGraphs(head, p.cache, graph=False)
     keys = set(graphs.warm_keys(8, [4, 2], warm_spans(MAX_LEN, 4096)))
     for b in range(1, 9):
         rows = batch_bucket(b, graphs.batch_buckets)
         for steps in (4, 2):
-            for new in [0, *range(1, PAIR_BUCKETS[-1] + 1)] + ([33, 100, 200] if steps == 4 else []):
+            for new in [0, *range(1, PAIR_BUCKETS[-1] + 1), 33, 100, 200]:
                 pairs = 0 if new == 0 else pair_bucket(rows, new, graphs.pair_buckets)
                 if pairs is None:   # past every bucket: eager
                     continue
