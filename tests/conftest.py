@@ -39,6 +39,7 @@ def pytest_xdist_auto_num_workers(config) -> int:
     return SUITE_WORKERS
 
 
+@pytest.hookimpl(tryfirst=True)   # before xdist's own hook, which reads the groups into the node ids
 def pytest_collection_modifyitems(config, items):
     """Under `--dist loadgroup` each test module is one unit of work (its module fixtures, such
     as served routers, start once), unless it names its own `xdist_group`: modules that share a
@@ -50,10 +51,9 @@ def pytest_collection_modifyitems(config, items):
     it alone at the end."""
     for item in items:
         if item.get_closest_marker("xdist_group") is None:
-            item.add_marker(pytest.mark.xdist_group(item.module.__name__ if item.module else item.nodeid))
-    ray_modules = {item.module.__name__ for item in items
-                   if item.module and item.get_closest_marker("xdist_group").args[:1] == ("ray",)}
-    items.sort(key=lambda item: not (item.module and item.module.__name__ in ray_modules))   # stable
+            item.add_marker(pytest.mark.xdist_group(item.nodeid.split("::")[0]))   # its file
+    ray_files = {item.nodeid.split("::")[0] for item in items if item.get_closest_marker("xdist_group").args[:1] == ("ray",)}
+    items.sort(key=lambda item: item.nodeid.split("::")[0] not in ray_files)   # stable
 
 
 @pytest.fixture
