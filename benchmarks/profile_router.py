@@ -26,8 +26,7 @@ The head line (rate, ms per round, busy ms) and the functions' table are of the 
 cProfile, which slows every Python function (on one H100 at batch 64, a = 0.8, sequential, the
 drafter's calls took 9.4 ms a round there against 4.1 ms in the engine loop and 6.1 ms served
 with only timers and a 20 ms stack sampler on): compare them with each other, and take rates from
-`--clean N`, which adds N
-unprofiled batches' wall and busy time first.
+`--clean N`, which adds N unprofiled batches' wall and busy time first.
 
 `--trace N` adds a batch with the timers on and no profiler, and prints N of its rounds as a
 timeline: every timed call's start and end, by thread. `--kineto PATH` adds a batch under
