@@ -266,15 +266,6 @@ class PagedKVCache:
         ok = (block >= 0) & (index >= 0) & (index < self.max_len)
         return np.where(ok, block * bs + index % bs, self._trash_row)
 
-    def rows_in_tables_np(self, tables: np.ndarray, index: np.ndarray) -> np.ndarray:
-        """`host_rows_np` given the slots' block tables [B, max_blocks] (a copy the caller
-        already holds): the physical row of each logical entry, the trash row where no block
-        is held or the index is out of range."""
-        bs = self.block_size
-        block = tables[np.arange(tables.shape[0])[:, None], np.clip(index // bs, 0, tables.shape[1] - 1)]
-        ok = (block >= 0) & (index >= 0) & (index < min(self.max_len, tables.shape[1] * bs))
-        return np.where(ok, block * bs + index % bs, self._trash_row)
-
     def block_tables(self, slots: torch.Tensor) -> torch.Tensor:
         """[B, max_blocks] physical block ids of `slots [B]`, -1 where none (a copy)."""
         return self._tables[slots]

@@ -79,9 +79,6 @@ def copy_tree_inputs(flat: torch.Tensor, inputs: TreeVerifyInputs, src: torch.Te
     reads a row's table only as far as its prefix and nodes reach."""
     rows, n = inputs.token_ids.shape
     fixed = _fixed_nbytes(rows, n)
-    if src.numel() == flat.numel():
-        flat.copy_(src, non_blocking=True)
-        return
     width = (src.numel() - fixed) // (8 * rows)
     flat[:fixed].copy_(src[:fixed], non_blocking=True)
     inputs.block_tables[:, :width].copy_(src[fixed:].view(torch.int64).view(rows, width), non_blocking=True)
@@ -134,7 +131,7 @@ def host_tree_inputs(cache: PagedKVCache, slots: list[int], cache_lens: list[int
             np.add(base[:, None], depth, out=pos[:b])
             mask[:b] = tree
         tables[:b] = cache.host_tables_np[slots, :width]
-        write[:b] = cache.rows_in_tables_np(tables[:b], base[:, None] + np.arange(n))
+        write[:b] = cache.host_rows_np(slots, base[:, None] + np.arange(n))
         prefix[:b] = base
     return flat
 
