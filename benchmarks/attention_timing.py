@@ -1,11 +1,11 @@
 """Microseconds per paged tree attention call (one layer) on Llama-3.1-8B attention shapes (32 heads,
 8 kv heads, head_dim 128, block_size 16, bf16): the one-pass kernel (split_len None) against the
-split-KV pair at the split_len PagedKVCache picks (`split_len_for` of its capacity; the cache here
-holds context + 64 entries per request), by default at B in {1, 4, 16, 64}, T in {1, 5, 16} (a chain; 5 is
-serve's default tree of 4 drafts and its root), context in {256, 512, 2048}. CUDA only.
+split-KV pair at the split_len PagedKVCache picks (`split_len_for`), by default at B in {1, 4, 16, 64},
+T in {1, 5, 16} (a chain; 5 is serve's default tree of 4 drafts and its root), context in {256, 512,
+2048}, tables as wide as a cache of context + 64 entries per request or of --capacity entries. CUDA only.
 
     python benchmarks/attention_timing.py [--iters 50] [--layers 32] [--split-lens 64,256] \
-        [--contexts 256,512,2048] [--batches 1,4,16,64] [--tokens 1,5,16]
+        [--contexts 256,512,2048] [--batches 1,4,16,64] [--tokens 1,5,16] [--capacity 131072]
 
 One CUDA graph replays a call on each of --layers layers (distinct pools, as in a forward, so K/V do
 not stay in L2 from one call to the next); a number is the median over --iters replays, each timed
@@ -25,11 +25,12 @@ from spectandem.kernels.attention import paged_tree_attention_triton, split_len_
 NUM_HEADS, NUM_KV_HEADS, HEAD_DIM, BLOCK_SIZE = 32, 8, 128, 16
 
 
-def attention_inputs(batch: int, num_tokens: int, context: int, layers: int) -> dict:
+def attention_inputs(batch: int, num_tokens: int, context: int, layers: int, capacity: int | None = None) -> dict:
     """Request b holds `context` committed entries and T round entries on shuffled blocks; tables
-    [B, width] as wide as the cache's (context + 64 entries per request), -1 past the span."""
+    [B, width] as wide as the cache's (`capacity`, else context + 64 entries per request), -1 past
+    the span."""
     gen = torch.Generator(device="cuda").manual_seed(0)
-    width = blocks_for(context + 64 + 1, BLOCK_SIZE)
+    width = blocks_for((capacity or context + 64) + 1, BLOCK_SIZE)
     used = blocks_for(context + num_tokens, BLOCK_SIZE)
     order = torch.randperm(batch * used, generator=gen, device="cuda")
     tables = torch.full((batch, width), -1, dtype=torch.long, device="cuda")
@@ -39,7 +40,7 @@ def attention_inputs(batch: int, num_tokens: int, context: int, layers: int) -> 
                    for _ in range(2)) for _ in range(layers)]
     q = torch.randn(batch, NUM_HEADS, num_tokens, HEAD_DIM, generator=gen, device="cuda", dtype=torch.bfloat16)
     prefix = torch.full((batch,), context, dtype=torch.long, device="cuda")
-    return dict(q=q, pools=pools, tables=tables, prefix=prefix, capacity=width * BLOCK_SIZE)
+    return dict(q=q, pools=pools, tables=tables, prefix=prefix)
 
 
 def call_us(inputs: dict, split_len: int | None, iters: int) -> float:
@@ -82,19 +83,23 @@ def main() -> int:
     p.add_argument("--contexts", default="256,512,2048", help="committed entries per request, comma-separated")
     p.add_argument("--batches", default="1,4,16,64", help="requests per call, comma-separated")
     p.add_argument("--tokens", default="1,5,16", help="query tokens per request (T), comma-separated")
+    p.add_argument("--capacity", type=int, default=None,
+                   help="entries per request of the cache whose tables are timed (default: context + 64; "
+                        "serve's default for the 8B-shaped target: 131072)")
     args = p.parse_args()
     if not torch.cuda.is_available():
         raise SystemExit("attention_timing needs a CUDA device")
     extra = [int(s) for s in args.split_lens.split(",") if s]
     print(f"device {torch.cuda.get_device_name()}, torch {torch.__version__}, bf16, {NUM_HEADS} heads, "
-          f"{NUM_KV_HEADS} kv heads, hd {HEAD_DIM}, block_size {BLOCK_SIZE}, {args.layers} layers per graph")
+          f"{NUM_KV_HEADS} kv heads, hd {HEAD_DIM}, block_size {BLOCK_SIZE}, {args.layers} layers per graph, "
+          f"capacity {args.capacity or 'context + 64'}")
     header = f"{'context':>7} {'B':>3} {'T':>3} {'one-pass us':>11} {'split_len':>9} {'split us':>9} {'speed-up':>8}"
     print(header + "".join(f" {f'split {s} us':>13}" for s in extra))
     for context in _ints(args.contexts):
         for batch in _ints(args.batches):
             for num_tokens in _ints(args.tokens):
-                inputs = attention_inputs(batch, num_tokens, context, args.layers)
-                chosen = split_len_for(inputs["capacity"], HEAD_DIM)
+                inputs = attention_inputs(batch, num_tokens, context, args.layers, args.capacity)
+                chosen = split_len_for(HEAD_DIM)
                 one_pass = call_us(inputs, None, args.iters)
                 split = call_us(inputs, chosen, args.iters)
                 row = (f"{context:>7} {batch:>3} {num_tokens:>3} {one_pass:>11.2f} {chosen:>9} {split:>9.2f} "

@@ -149,10 +149,10 @@ class PagedKVCache:
         self._stale: set[int] = set()     # slots whose device row lags the host row
         self._mapped = [0] * num_slots    # blocks of each slot's table in host_tables (-1 past them)
         self._device_width = [0] * num_slots   # the same for the device copy
-        # The tree attention's segment length (kernels/attention.py, split-KV): from the capacity per
-        # request, a constant of the cache, so every split launch segments a row's entries alike
-        # (PagedTreeBatch splits only where the one-pass grid would leave the GPU idle).
-        self.attention_split_len = split_len_for(self.host_tables.shape[1] * block_size, head_dim)
+        # The tree attention's segment length (kernels/attention.py, split-KV), a constant of the
+        # cache, so every split launch segments a row's entries alike (PagedTreeBatch splits only
+        # where the one-pass grid would leave the GPU idle).
+        self.attention_split_len = split_len_for(head_dim)
 
     @property
     def _tables(self) -> torch.Tensor:
@@ -339,8 +339,7 @@ class PagedCacheBatch:
         reading the pool in place (spectandem/kernels/rows_attention.py) where `update` gathers."""
         from spectandem.kernels.rows_attention import rows_attention
 
-        return rows_attention(q, self.cache.k[layer], self.cache.v[layer], self.read_rows, mask, scale,
-                              capacity=self.cache.max_len)
+        return rows_attention(q, self.cache.k[layer], self.cache.v[layer], self.read_rows, mask, scale)
 
 
 @dataclass

@@ -39,28 +39,35 @@ so which program, and which of its tiles, holds a row leaves the row's arithmeti
 Split-KV (`split_len`, "flash-decoding"). One program per (request, kv head, row blocks) walks the
 whole span: at batch 1 and T = 1 that is nkv programs per layer, a few percent of the GPU.
 With split_len set, the logical entries are cut into segments [s * split_len, (s + 1) * split_len)
-from entry 0 and a first kernel runs one program per (request, kv head, row blocks, segment),
-grid (B * nkv, cdiv(row blocks, tiles), num_splits): the same chunk loop over that segment alone,
-leaving per (row, segment) the running max m, sum l and un-normalised accumulator acc in fp32. A
-second kernel, grid (B * nkv, row blocks), combines a row's segments s = 0, 1, ... in that order:
-M = max_s m_s, then l = sum_s exp2(m_s - M) * l_s and acc likewise, out = acc / l. Example
-(split_len 64, prefix_len 100, T = 3): span 103, segments 0 (entries 0..63) and 1 (64..102) are
-computed and combined; segments 2.. start past the span, their programs exit at once and the combine
-does not read them. num_splits = cdiv(max_blocks * block_size, split_len) comes from the table's
-width on the host (the grid never depends on prefix_lens); `split_len_for` picks split_len from the
-cache's capacity so that num_splits <= 32. The partials are allocated per call:
-B * nh * T * num_splits * (hd + 2) * 4 bytes, e.g. 0.16 MiB at B = 1, T = 1, 32 heads of 128 and 10
-segments; 520 MiB at B = 64, T = 16 and 32 segments (the caching allocator and a CUDA graph pool
-reuse it layer after layer).
+from entry 0, and the segments are dealt to num_splits lanes: segment s to lane s % num_splits. A
+first kernel runs one program per (request, kv head, row blocks, lane), grid (B * nkv, cdiv(row
+blocks, tiles), num_splits): the same chunk loop over the lane's segments in increasing order, one
+running state over all of them, leaving per (row, lane) the running max m, sum l and un-normalised
+accumulator acc in fp32. A second kernel, grid (B * nkv, row blocks), combines a row's lanes l = 0,
+1, ... in that order: M = max_l m_l, then l = sum_l exp2(m_l - M) * l_l and acc likewise, out =
+acc / l. Example (split_len 64, 32 lanes, prefix_len 100, T = 3): span 103, lanes 0 (entries
+0..63) and 1 (64..102) are computed and combined; lanes 2.. start past the span, their programs exit
+at once and the combine does not read them. With prefix_len 2100 lane 0 also takes segment 32
+(entries 2048..2111) after segment 0. num_splits = min(_MAX_SPLITS, cdiv(max_blocks * block_size,
+split_len)) comes from the table's width on the host (the grid never depends on prefix_lens).
+split_len is BLOCK_N (`split_len_for`), whatever the cache's capacity: a context of a few hundred
+entries is spread over as many lanes as it has chunks, and a long one over _MAX_SPLITS lanes. The
+partials are allocated per call: B * nh * T * num_splits * (hd + 2) * 4 bytes, e.g. 0.16 MiB at
+B = 1, T = 1, 32 heads of 128 and 10 lanes; 520 MiB at B = 64, T = 16 and 32 lanes (the caching
+allocator and a CUDA graph pool reuse it layer after layer).
 
 Batch invariance holds for a fixed split_len by the same argument: split_len is a multiple of
-BLOCK_N, so a segment's chunks are the one-pass kernel's chunks and start where they do; a segment
-is a function of the logical entry index alone; within a segment the chunk loop is the one above
-(same tile shapes, invisible chunks change nothing); and the combine visits segments in a fixed
-order, where a segment a row cannot see (m = -inf, l = 0, acc = 0: past its last visible entry but
-inside the span of a longer T) adds exact zeros and leaves the max alone. So the token verified
-alone and node t of a chain, or a row in batches of 1 and 64, still agree bit for bit, given the same
-split_len. Split and one-pass results differ in the last bits (another summation order).
+BLOCK_N, so a segment's chunks are the one-pass kernel's chunks and start where they do; the lane of
+a segment is a function of the segment and the row's span alone (a row of span S has each of its
+cdiv(S, split_len) segments in a lane of its own wherever that count fits in num_splits, and a table
+too narrow for _MAX_SPLITS lanes holds no span past num_splits segments, so past that count
+num_splits is _MAX_SPLITS in every launch); within a lane the chunks run in increasing order through
+the chunk loop above (same tile shapes, invisible chunks change nothing); and the combine visits
+lanes in a fixed order, where a lane a row cannot see (m = -inf, l = 0, acc = 0: past its last
+visible entry but inside the span of a longer T) adds exact zeros and leaves the max alone. So the
+token verified alone and node t of a chain, or a row in batches of 1 and 64, or under a wider table,
+still agree bit for bit, given the same split_len. Split and one-pass results differ in the last bits
+(another summation order).
 
 When the cache splits (`launch_split_len`). Splitting pays where the one-pass grid leaves the GPU
 idle and costs where it does not: on the H200 (8B shapes, context 512, benchmarks/attention_timing.py)
@@ -90,7 +97,7 @@ _FLOAT_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 _BLOCK_M = 16   # query rows per tile; fixed so a row's arithmetic never depends on T
 _NUM_WARPS = 4
 _PAIR_FILL = 4  # tiles_per_program: row blocks per multiprocessor from which a program computes two
-_MAX_SPLITS = 32  # split_len_for: segments per row at most (bounds the partials and the combine's loop)
+_MAX_SPLITS = 32  # lanes per row at most (bounds the partials and the combine's loop)
 
 if HAVE_TRITON:
     import triton
@@ -214,9 +221,9 @@ def _launch_split(q, k_pool, v_pool, block_tables, prefix_lens, mask, out, scale
     group = num_heads // num_kv_heads
     num_rows = num_tokens * group
     # From the table's width, never from prefix_lens: the launch stays capturable (module docstring).
-    num_splits = triton.cdiv(block_tables.shape[1] * block_size, split_len)
+    num_splits = split_lanes(block_tables.shape[1] * block_size, split_len)
     # fp32 partials, B * nh * T * num_splits * (hd + 2) * 4 bytes in all (module docstring). Slots
-    # of segments past a row's span stay unwritten and unread.
+    # of lanes past a row's span stay unwritten and unread.
     stats = torch.empty(batch_size * num_kv_heads, num_splits, 2, num_rows, dtype=torch.float32,
                         device=q.device)  # [B * nkv, num_splits, (m, l), T * GROUP]
     acc = torch.empty(batch_size * num_kv_heads, num_splits, num_rows, head_dim, dtype=torch.float32,
@@ -275,16 +282,17 @@ def _multiprocessors(device: torch.device) -> int:
 _SM_COUNT: dict[int, int] = {}
 
 
-def split_len_for(capacity: int, head_dim: int) -> int:
-    """The split_len for a cache of `capacity` entries per request (its block-table width times
-    block_size, a constant of the cache, so every call segments alike): the smallest power of two
-    >= BLOCK_N that cuts `capacity` into at most _MAX_SPLITS segments. Examples (head_dim 128,
-    BLOCK_N 64): capacity 592 (37 blocks of 16) -> ceil(592 / 32) = 19 -> 64, 10 segments;
-    capacity 4112 (257 blocks) -> 129 -> 256, 17 segments."""
-    if not isinstance(capacity, int) or capacity < 1:
-        raise ValueError(f"capacity must be a positive int, got {capacity!r}")
-    per_split = -(-capacity // _MAX_SPLITS)
-    return max(_block_n(head_dim), 1 << (per_split - 1).bit_length())
+def split_len_for(head_dim: int) -> int:
+    """The split_len of the split-KV path: BLOCK_N, one chunk a segment (module docstring). Not a
+    function of the cache's capacity: the lanes (`split_lanes`) bound a long context's partials,
+    so a short context gets one lane per chunk in a cache of any size (64 for head_dim <= 128)."""
+    return _block_n(head_dim)
+
+
+def split_lanes(entries: int, split_len: int) -> int:
+    """The lanes of a split launch over tables of `entries` (width * block_size) entries per
+    request: one per segment, at most _MAX_SPLITS."""
+    return min(_MAX_SPLITS, -(-entries // split_len))
 
 
 def paged_tree_attention_ref(

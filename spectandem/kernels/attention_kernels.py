@@ -1,5 +1,5 @@
 """The Triton kernels of the paged tree attention: the one-pass kernel, the split-KV kernel and
-the combine of its segments, around one chunk loop (`_attend_entries`). Their semantics, the
+the combine of its lanes, around one chunk loop (`_attend_entries`). Their semantics, the
 reduction order that makes them batch-invariant and when each runs are in
 spectandem/kernels/attention.py, which launches them."""
 
@@ -43,6 +43,7 @@ if HAVE_TRITON:
     def _attend_entries(
         q_a, q_b,  # [BLOCK_M, BLOCK_D] the program's query tiles (q_b unused unless TILES == 2)
         lo, hi,  # logical entries [lo, hi) in chunks of BLOCK_N from lo
+        m_a, l_a, acc_a, m_b, l_b, acc_b,  # the tiles' running state so far (`_empty_state` at first)
         b, kv_head, prefix, span, tok_a, row_ok_a, tok_b, row_ok_b, d, d_ok,
         k_ptr, v_ptr, tables_ptr, mask_ptr, qk_scale, max_blocks,
         stride_kr, stride_kh, stride_tb, stride_mb, stride_mt,
@@ -52,16 +53,10 @@ if HAVE_TRITON:
         BLOCK_D: tl.constexpr,
         TILES: tl.constexpr,  # 1 or 2 tiles of BLOCK_M rows, sharing each chunk's K/V load
     ):
-        """Online softmax of one or two tiles of query rows over entries [lo, hi): per tile (m, l,
-        acc) as `_tile_step` keeps them; m = -inf, l = 0, acc = 0 where a row saw nothing. The
-        tiles share the chunk loop and its loads of the block table, K and V. Both kernels run
-        their chunks through here."""
-        m_a = tl.full([BLOCK_M], float("-inf"), tl.float32)
-        l_a = tl.zeros([BLOCK_M], tl.float32)
-        acc_a = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
-        m_b = tl.full([BLOCK_M], float("-inf"), tl.float32)
-        l_b = tl.zeros([BLOCK_M], tl.float32)
-        acc_b = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
+        """Online softmax of one or two tiles of query rows over entries [lo, hi), from the state
+        given: per tile (m, l, acc) as `_tile_step` keeps them; m = -inf, l = 0, acc = 0 where a
+        row saw nothing. The tiles share the chunk loop and its loads of the block table, K and V.
+        Both kernels run their chunks through here."""
         for start in range(lo, hi, BLOCK_N):
             n = start + tl.arange(0, BLOCK_N)  # logical entries
             page = n // PAGE
@@ -77,6 +72,12 @@ if HAVE_TRITON:
                 m_b, l_b, acc_b = _tile_step(q_b, k, v, m_b, l_b, acc_b, n, b, prefix, span, tok_b, row_ok_b,
                                              mask_ptr, qk_scale, stride_mb, stride_mt)
         return m_a, l_a, acc_a, m_b, l_b, acc_b
+
+    @triton.jit
+    def _empty_state(BLOCK_M: tl.constexpr, BLOCK_D: tl.constexpr):
+        """A tile's online-softmax state before any entry: m = -inf, l = 0, acc = 0."""
+        return (tl.full([BLOCK_M], float("-inf"), tl.float32), tl.zeros([BLOCK_M], tl.float32),
+                tl.zeros([BLOCK_M, BLOCK_D], tl.float32))
 
     @triton.jit
     def _query_tile(q_ptr, b, kv_head, row_block, num_rows, d, d_ok, stride_qb, stride_qh, stride_qt,
@@ -104,7 +105,7 @@ if HAVE_TRITON:
     @triton.jit
     def _store_partials(stats_ptr, acc_ptr, pid, split, r, row_ok, d, d_ok, m_i, l_i, acc, num_rows,
                         stride_sp, stride_ss, stride_ap, stride_as, stride_ar):
-        """A tile's partials of segment `split`: m and l into stats, acc as it is."""
+        """A tile's partials of lane `split`: m and l into stats, acc as it is."""
         stats = stats_ptr + pid.to(tl.int64) * stride_sp + split * stride_ss + r
         tl.store(stats, m_i, mask=row_ok)
         tl.store(stats + num_rows, l_i, mask=row_ok)
@@ -151,8 +152,10 @@ if HAVE_TRITON:
         span = prefix + num_tokens
 
         # Chunks start at entry 0 for every row: the fixed reduction order of the docstring.
+        m_a, l_a, acc_a = _empty_state(BLOCK_M, BLOCK_D)
+        m_b, l_b, acc_b = _empty_state(BLOCK_M, BLOCK_D)
         m_a, l_a, acc_a, m_b, l_b, acc_b = _attend_entries(
-            q_a, q_b, 0, span, b, kv_head, prefix, span, tok_a, row_ok_a, tok_b, row_ok_b, d, d_ok,
+            q_a, q_b, 0, span, m_a, l_a, acc_a, m_b, l_b, acc_b, b, kv_head, prefix, span, tok_a, row_ok_a, tok_b, row_ok_b, d, d_ok,
             k_ptr, v_ptr, tables_ptr, mask_ptr, qk_scale, max_blocks,
             stride_kr, stride_kh, stride_tb, stride_mb, stride_mt,
             PAGE, BLOCK_M, BLOCK_N, BLOCK_D, TILES)
@@ -167,8 +170,8 @@ if HAVE_TRITON:
         tables_ptr,  # [B, max_blocks] physical block ids, -1 where none
         prefix_ptr,  # [B] entries visible to every row
         mask_ptr,  # [B, T, T] uint8: the bool tree mask
-        stats_ptr,  # [B * nkv, num_splits, 2, T * GROUP] fp32: m (base 2), then l, per (segment, row)
-        acc_ptr,  # [B * nkv, num_splits, T * GROUP, hd] fp32: un-normalised accumulator per (segment, row)
+        stats_ptr,  # [B * nkv, num_splits, 2, T * GROUP] fp32: m (base 2), then l, per (lane, row)
+        acc_ptr,  # [B * nkv, num_splits, T * GROUP, hd] fp32: un-normalised accumulator per (lane, row)
         qk_scale,
         num_rows,  # T * GROUP
         num_tokens,  # T
@@ -178,8 +181,8 @@ if HAVE_TRITON:
         stride_kr, stride_kh,
         stride_tb,
         stride_mb, stride_mt,
-        stride_sp, stride_ss,  # stats: per (request, kv head), per segment (its l follows at + num_rows)
-        stride_ap, stride_as, stride_ar,  # acc: per (request, kv head), per segment, per row
+        stride_sp, stride_ss,  # stats: per (request, kv head), per lane (its l follows at + num_rows)
+        stride_ap, stride_as, stride_ar,  # acc: per (request, kv head), per lane, per row
         NUM_KV_HEADS: tl.constexpr,
         GROUP: tl.constexpr,
         HEAD_DIM: tl.constexpr,
@@ -187,17 +190,17 @@ if HAVE_TRITON:
         PAGE: tl.constexpr,
         BLOCK_M: tl.constexpr,
         BLOCK_N: tl.constexpr,
-        SPLIT: tl.constexpr,  # split_len: segment `split` holds logical entries [split * SPLIT, (split + 1) * SPLIT)
+        SPLIT: tl.constexpr,  # split_len: segment s holds logical entries [s * SPLIT, (s + 1) * SPLIT)
         TILES: tl.constexpr,  # row blocks per program, as in the one-pass kernel
     ):
         pid = tl.program_id(0)
-        split = tl.program_id(2)
+        split = tl.program_id(2)  # the lane: segments split, split + num_splits, split + 2 * num_splits, ...
         b = pid // NUM_KV_HEADS
         prefix = tl.load(prefix_ptr + b).to(tl.int32)
         span = prefix + num_tokens
         lo = split * SPLIT
-        # A segment at or past the span holds nothing: the program writes nothing and the combine,
-        # which reads segments [0, cdiv(span, SPLIT)) only, never looks at its slot.
+        # A lane whose first segment starts at or past the span holds nothing: the program writes
+        # nothing and the combine, which reads lanes [0, cdiv(span, SPLIT)) only, never looks at its slot.
         if lo < span:
             kv_head = pid % NUM_KV_HEADS
             d = tl.arange(0, BLOCK_D)
@@ -207,10 +210,15 @@ if HAVE_TRITON:
                                                             stride_qb, stride_qh, stride_qt, GROUP, BLOCK_M)
             r_b, tok_b, head_b, row_ok_b, q_b = _query_tile(q_ptr, b, kv_head, first + TILES - 1, num_rows, d,
                                                             d_ok, stride_qb, stride_qh, stride_qt, GROUP, BLOCK_M)
-            m_a, l_a, acc_a, m_b, l_b, acc_b = _attend_entries(
-                q_a, q_b, lo, tl.minimum(lo + SPLIT, span), b, kv_head, prefix, span, tok_a, row_ok_a, tok_b,
-                row_ok_b, d, d_ok, k_ptr, v_ptr, tables_ptr, mask_ptr, qk_scale, max_blocks,
-                stride_kr, stride_kh, stride_tb, stride_mb, stride_mt, PAGE, BLOCK_M, BLOCK_N, BLOCK_D, TILES)
+            m_a, l_a, acc_a = _empty_state(BLOCK_M, BLOCK_D)
+            m_b, l_b, acc_b = _empty_state(BLOCK_M, BLOCK_D)
+            # The lane's segments in increasing order, one running state over all of them.
+            for seg in range(lo, span, num_splits * SPLIT):
+                m_a, l_a, acc_a, m_b, l_b, acc_b = _attend_entries(
+                    q_a, q_b, seg, tl.minimum(seg + SPLIT, span), m_a, l_a, acc_a, m_b, l_b, acc_b, b, kv_head,
+                    prefix, span, tok_a, row_ok_a, tok_b, row_ok_b, d, d_ok, k_ptr, v_ptr, tables_ptr, mask_ptr,
+                    qk_scale, max_blocks, stride_kr, stride_kh, stride_tb, stride_mb, stride_mt, PAGE, BLOCK_M,
+                    BLOCK_N, BLOCK_D, TILES)
             _store_partials(stats_ptr, acc_ptr, pid, split, r_a, row_ok_a, d, d_ok, m_a, l_a, acc_a, num_rows,
                             stride_sp, stride_ss, stride_ap, stride_as, stride_ar)
             if TILES == 2:
@@ -246,14 +254,13 @@ if HAVE_TRITON:
         d = tl.arange(0, BLOCK_D)
         d_ok = d < HEAD_DIM
         span = tl.load(prefix_ptr + b).to(tl.int32) + num_tokens
-        # The segments the split kernel wrote (span <= num_splits * SPLIT for well-formed tables; the
-        # minimum only keeps an ill-formed one inside the buffer).
+        # The lanes the split kernel wrote: those whose first segment starts inside the span.
         num_live = tl.minimum(tl.cdiv(span, SPLIT), num_splits)
         stats = stats_ptr + pid.to(tl.int64) * stride_sp + r
         accs = acc_ptr + pid.to(tl.int64) * stride_ap + r[:, None] * stride_ar + d[None, :]
 
-        # Segments in the fixed order 0, 1, ...: the global max first, then the rescaled sums. A
-        # segment a row cannot see (m = -inf, l = 0, acc = 0) adds exact zeros.
+        # Lanes in the fixed order 0, 1, ...: the global max first, then the rescaled sums. A lane a
+        # row cannot see (m = -inf, l = 0, acc = 0) adds exact zeros.
         m_max = tl.full([BLOCK_M], float("-inf"), tl.float32)
         for split in range(0, num_live):
             m_max = tl.maximum(m_max, tl.load(stats + split * stride_ss, mask=row_ok, other=float("-inf")))

@@ -18,9 +18,10 @@ verifier's paged tree attention does (spectandem/kernels/attention.py), whose co
 (its chunk loop is written out here: sharing the Triton helpers too would change the verifier's
 kernels, and that wants a GPU run to confirm their bits).
 
-Launch. Split-KV always: one program per (request, kv head, block of BLOCK_M query rows, segment
-of `split_len_for(span)` entries), each leaving its segment's running max, sum and un-normalised
-accumulator in fp32; then the combine adds the segments in order. The GROUP query heads of a kv
+Launch. Split-KV always, as the verifier's split path deals chunks to lanes: one program per
+(request, kv head, block of BLOCK_M query rows, lane), lane l taking the chunks of BLOCK_N entries
+l, l + lanes, l + 2 * lanes, ... (`split_lanes(span, BLOCK_N)` lanes, at most 32), each leaving its
+running max, sum and un-normalised accumulator in fp32; then the combine adds the lanes in order. The GROUP query heads of a kv
 head are packed into the rows (row r is token r // GROUP of head kv_head * GROUP + r % GROUP), so a
 chunk of K/V is loaded once per kv head. A row whose mask is all False gets zeros (masked_attention
 gives finite garbage there; callers never read such rows). Lengths and the grid come from shapes
@@ -39,14 +40,14 @@ import torch
 from spectandem.checks import describe_placed, is_integer
 from spectandem.kernels import HAVE_TRITON
 from spectandem.kernels.attention import (_BLOCK_M, _NUM_WARPS, _block_n, check_query_and_pools, combine_splits,
-                                         pool_rows, split_len_for)
+                                         pool_rows, split_lanes)
 from spectandem.modeling.layers import masked_attention
 
 if HAVE_TRITON:
     import triton
     import triton.language as tl
 
-    @triton.jit(do_not_specialize=["num_rows", "span"])
+    @triton.jit(do_not_specialize=["num_rows", "span", "num_splits"])
     def _rows_attention_split_kernel(
         q_ptr, k_ptr, v_ptr,  # q [B, nh, T, hd]; k, v [R, nkv, hd]
         rows_ptr,  # [B, span] physical row of each logical entry
@@ -56,6 +57,7 @@ if HAVE_TRITON:
         qk_scale,  # scale * log2(e)
         num_rows,  # T * GROUP
         span,
+        num_splits,  # lanes
         stride_qb, stride_qh, stride_qt,
         stride_kr, stride_kh,
         stride_rb,
@@ -68,14 +70,12 @@ if HAVE_TRITON:
         BLOCK_D: tl.constexpr,
         BLOCK_M: tl.constexpr,
         BLOCK_N: tl.constexpr,
-        SPLIT: tl.constexpr,
+        SPLIT: tl.constexpr,  # BLOCK_N: a lane's segments are chunks
     ):
         pid = tl.program_id(0)
-        split = tl.program_id(2)
+        split = tl.program_id(2)  # the lane: chunks split, split + num_splits, ...
         b = pid // NUM_KV_HEADS
         kv_head = pid % NUM_KV_HEADS
-        lo = split * SPLIT
-        hi = tl.minimum(lo + SPLIT, span)
         r = tl.program_id(1) * BLOCK_M + tl.arange(0, BLOCK_M)
         tok = r // GROUP
         head = kv_head * GROUP + r % GROUP
@@ -87,9 +87,9 @@ if HAVE_TRITON:
         m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
         l_i = tl.zeros([BLOCK_M], tl.float32)
         acc = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
-        for start in range(lo, hi, BLOCK_N):
+        for start in range(split * BLOCK_N, span, num_splits * BLOCK_N):
             n = start + tl.arange(0, BLOCK_N)
-            n_ok = n < hi
+            n_ok = n < span
             phys = tl.load(rows_ptr + b * stride_rb + n, mask=n_ok, other=0).to(tl.int64)
             kv_offs = phys[:, None] * stride_kr + kv_head * stride_kh + d[None, :]
             kv_mask = n_ok[:, None] & d_ok[None, :]
@@ -114,11 +114,10 @@ if HAVE_TRITON:
 
 
 def rows_attention(q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor, read_rows: torch.Tensor,
-                   mask: torch.Tensor, scale: float, capacity: int | None = None) -> torch.Tensor:
-    """The kernel for CUDA tensors when Triton is installed, the torch reference otherwise.
-    `capacity`: rows_attention_triton's."""
+                   mask: torch.Tensor, scale: float) -> torch.Tensor:
+    """The kernel for CUDA tensors when Triton is installed, the torch reference otherwise."""
     if q.is_cuda and HAVE_TRITON:
-        return rows_attention_triton(q, k_pool, v_pool, read_rows, mask, scale, capacity)
+        return rows_attention_triton(q, k_pool, v_pool, read_rows, mask, scale)
     return rows_attention_ref(q, k_pool, v_pool, read_rows, mask, scale)
 
 
@@ -130,11 +129,9 @@ def rows_attention_ref(q, k_pool, v_pool, read_rows, mask, scale) -> torch.Tenso
                             mask, scale)
 
 
-def rows_attention_triton(q, k_pool, v_pool, read_rows, mask, scale, capacity: int | None = None) -> torch.Tensor:
-    """`capacity`: the most entries a request of the calling cache holds. The split length, a
-    compile-time constant of the kernel, is a function of it alone (split_len_for), so a cache's
-    calls of every span share one compiled kernel; without it, of the span (a compile for each
-    new power of two the spans reach, while serving)."""
+def rows_attention_triton(q, k_pool, v_pool, read_rows, mask, scale) -> torch.Tensor:
+    """The lanes' segment, a compile-time constant of the kernel, is BLOCK_N whatever the span:
+    one compile serves every span."""
     if not HAVE_TRITON:
         raise RuntimeError("rows_attention_triton needs the triton package")
     _check(q, k_pool, v_pool, read_rows, mask)
@@ -154,8 +151,8 @@ def rows_attention_triton(q, k_pool, v_pool, read_rows, mask, scale, capacity: i
     if mask.stride(-1) != 1:
         mask = mask.contiguous()
     mask8 = mask.view(torch.uint8)  # same storage: the kernel loads bytes
-    split_len = split_len_for(max(span, capacity or 0), head_dim)
-    num_splits = triton.cdiv(span, split_len)
+    split_len = _block_n(head_dim)
+    num_splits = split_lanes(span, split_len)
     stats = torch.empty(batch_size * num_kv_heads, num_splits, 2, num_rows, dtype=torch.float32, device=q.device)
     acc = torch.empty(batch_size * num_kv_heads, num_splits, num_rows, head_dim, dtype=torch.float32,
                       device=q.device)
@@ -164,7 +161,7 @@ def rows_attention_triton(q, k_pool, v_pool, read_rows, mask, scale, capacity: i
                   BLOCK_D=max(16, triton.next_power_of_2(head_dim)), BLOCK_M=_BLOCK_M, SPLIT=split_len)
     _rows_attention_split_kernel[(*grid, num_splits)](
         q, k_pool, v_pool, read_rows, mask8, stats, acc,
-        scale * math.log2(math.e), num_rows, span,
+        scale * math.log2(math.e), num_rows, span, num_splits,
         q.stride(0), q.stride(1), q.stride(2),
         k_pool.stride(0), k_pool.stride(1),
         read_rows.stride(0),

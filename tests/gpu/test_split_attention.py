@@ -9,6 +9,8 @@ GPU (run with `python -m pytest -m gpu tests/gpu/test_split_attention.py`):
 - batch invariance for a fixed split_len, bit for bit: a row alone, in a batch of 3, with its
   neighbours redrawn, with a wider table (more segments); node t of a chain against the same token
   verified alone with t more committed entries, across segment boundaries;
+- spans of more segments than lanes (a lane takes several), against the reference and bit for bit
+  alone, beside shorter rows and under wider or narrower tables;
 - Llama-3.1-8B attention shapes (32 heads, 8 kv heads, hd 128, prefix 512, block_size 16) in bf16;
 - a captured split launch replayed with new lengths and trees equals the eager launch.
 
@@ -157,6 +159,44 @@ def check_split_batch_invariance(device, dtype, heads: tuple, split_len: int, bl
     assert torch.equal(attend(redrawn, tables, prefix_d)[1, keep], together[1, keep])
 
 
+def check_split_lanes_wrap(device, dtype, heads: tuple, split_len: int, block_size: int, seed: int,
+                           tolerance: dict | None) -> None:
+    """Spans past _MAX_SPLITS (32) segments, so a lane takes several (segment s in lane s % 32):
+    the result against the reference (where `tolerance` is given), and bit for bit the same rows
+    alone, as chain rows against the token verified alone, and under a wider table; a span of
+    fewer segments in the same launch is unchanged by its neighbour's wrap. Example (split_len
+    64): prefix 2100 + T 3 -> 34 segments, lanes 0 and 1 take two each."""
+    gen = torch.Generator().manual_seed(seed)
+    num_heads, num_kv_heads, head_dim = heads
+    chain = 3
+    wrap = 32 * split_len
+    prefix = torch.tensor([wrap + split_len + 52 - chain, wrap - 1, 40])  # 34 segments; 32 + 1 (its last
+    # chain row ends one entry past 32 segments); 1
+    k_pool, v_pool, tables = paged_kv(gen, (prefix + chain).tolist(), block_size, num_kv_heads, head_dim, dtype,
+                                      device)
+    batch = len(prefix)
+    q = torch.randn(batch, num_heads, chain, head_dim, generator=gen).to(device=device, dtype=dtype)
+    scale, prefix_d = head_dim ** -0.5, prefix.to(device)
+
+    def attend(q_, tables_, prefix_):
+        return paged_tree_attention_triton(q_, k_pool, v_pool, tables_, prefix_, None, scale, block_size,
+                                           split_len=split_len)
+
+    together = attend(q, tables, prefix_d)
+    if tolerance is not None:
+        torch.testing.assert_close(together, paged_tree_attention_ref(q, k_pool, v_pool, tables, prefix_d, None,
+                                                                      scale, block_size), **tolerance)
+    for b in range(batch):
+        for t in range(chain):
+            alone = attend(q[b: b + 1, :, t: t + 1].contiguous(), tables[b: b + 1], prefix_d[b: b + 1] + t)
+            assert torch.equal(alone[0, 0], together[b, t]), f"request {b}, chain row {t} differs alone"
+    short = tables[2:, : blocks_for(int(prefix[2]) + chain, block_size)]   # a table of 1 lane
+    assert torch.equal(attend(q[2:], short.contiguous(), prefix_d[2:]), together[2:])
+    wider = torch.cat([tables, torch.full((batch, 3 * split_len // block_size), -1, dtype=tables.dtype,
+                                          device=device)], dim=1)
+    assert torch.equal(attend(q, wider, prefix_d), together), "a wider table changed the rows"
+
+
 def check_bad_split_len(device) -> None:
     """split_len must be a positive multiple of BLOCK_N (64 for head_dim <= 128, 32 above), on the
     kernel's wrapper as on the reference."""
@@ -228,19 +268,26 @@ def test_split_batch_invariance(dtype, heads, split_len, block_size):
     check_split_batch_invariance("cuda", dtype, heads, split_len, block_size, seed=1)
 
 
+@pytest.mark.parametrize("dtype", DTYPES, ids=DTYPE_IDS)
+@pytest.mark.parametrize("split_len,block_size", [(64, 16), (128, 24)], ids=["64-b16", "128-b24"])
+def test_split_lanes_wrap(dtype, split_len, block_size):
+    check_split_lanes_wrap("cuda", dtype, (8, 2, 128), split_len, block_size, seed=4, tolerance=TOLERANCE[dtype])
+
+
 def test_bad_split_len():
     check_bad_split_len("cuda")
 
 
 @pytest.mark.parametrize("batch", [1, 4])
 @pytest.mark.parametrize("num_tokens", [1, 16])
-@pytest.mark.parametrize("split", ["chosen", "64"])
+@pytest.mark.parametrize("split", ["chosen", "4096"])
 def test_llama8b_shapes(batch, num_tokens, split):
-    """32 heads, 8 kv heads, hd 128, prefix 512, block_size 16, bf16, a cache of 4096 entries per
-    request (257 table columns); split_len as PagedKVCache picks it (256) and the smallest (64)."""
-    block_size, width = 16, blocks_for(4096 + 1, 16)
-    split_len = split_len_for(width * block_size, 128) if split == "chosen" else 64
-    assert split != "chosen" or split_len == 256
+    """32 heads, 8 kv heads, hd 128, prefix 512, block_size 16, bf16, a cache of 131,072 entries per
+    request (8,193 table columns); split_len as PagedKVCache picks it (64, 32 lanes) and 4,096 (one
+    lane a segment, 33 lanes' worth of table)."""
+    block_size, width = 16, blocks_for(131072 + 1, 16)
+    split_len = split_len_for(128) if split == "chosen" else 4096
+    assert split != "chosen" or split_len == 64
     gen = torch.Generator().manual_seed(batch * 100 + num_tokens)
     prefix = torch.tensor([512] + [512 - 37 * i for i in range(1, batch)])
     k_pool, v_pool, tables = paged_kv(gen, (prefix + num_tokens).tolist(), block_size, 8, 128, torch.bfloat16,

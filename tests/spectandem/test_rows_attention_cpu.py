@@ -46,39 +46,20 @@ def test_interpreted_dispatch_and_errors():
 
 
 @interpreter
-def test_a_caches_calls_of_every_span_share_one_split_length(monkeypatch):
-    """The split length is a compile-time constant of the kernel: from the cache's capacity, every
-    span of the same cache gets the same one (one compile, none while serving); from the span,
-    each new power of two would compile anew. Results match the reference either way."""
+def test_spans_past_the_lanes_wrap(monkeypatch):
+    """Every span shares one compiled kernel (its segment is BLOCK_N, whatever the span), and a
+    span of more chunks than lanes deals them round the 32 lanes: 2,100 entries are 33 chunks,
+    lane 0 takes two. Against the reference either way."""
     import spectandem.kernels.rows_attention as ra
 
-    seen = []
-    real = ra.split_len_for
-    monkeypatch.setattr(ra, "split_len_for", lambda capacity, hd: seen.append(real(capacity, hd)) or seen[-1])
+    lanes = []
+    real = ra.split_lanes
+    monkeypatch.setattr(ra, "split_lanes", lambda entries, split_len: lanes.append((real(entries, split_len),
+                                                                                    split_len)) or lanes[-1][0])
     for span in (1, 70, 2100):
         q, k, v, read_rows, mask = make_inputs("cpu", torch.float32, 1, 4, 2, 16, 2, span, 0)
-        got = ra.rows_attention_triton(q, k, v, read_rows, mask, 0.25, capacity=8192)
+        got = ra.rows_attention_triton(q, k, v, read_rows, mask, 0.25)
         ref = rows_attention_ref(q, k, v, read_rows, mask, 0.25)
         rows = mask.any(-1)
         torch.testing.assert_close(got[rows], ref[rows], atol=2e-5, rtol=1e-5)
-    assert len(seen) == 3 and len(set(seen)) == 1, seen
-    seen.clear()
-    for span in (70, 2100):   # the control: from the span (64 and 128 here)
-        q, k, v, read_rows, mask = make_inputs("cpu", torch.float32, 1, 4, 2, 16, 2, span, 0)
-        ra.rows_attention_triton(q, k, v, read_rows, mask, 0.25)
-    assert len(set(seen)) == 2, seen
-
-
-def test_the_paged_cache_gives_its_capacity(monkeypatch):
-    """PagedCacheBatch.attend_rows passes the cache's max_len as the capacity."""
-    import spectandem.kernels.rows_attention as ra
-    from spectandem.kv_cache import PagedKVCache
-
-    cache = PagedKVCache(1, 2, 2, 300, 16, torch.float32, num_blocks=40, block_size=16)
-    got = {}
-    monkeypatch.setattr(ra, "rows_attention", lambda *a, capacity=None: got.setdefault("capacity", capacity))
-    for slot in (0, 1):
-        cache.reserve(slot, 20)
-    batch = cache.batch(torch.tensor([0, 1]), torch.tensor([[3], [5]]), 20)
-    batch.attend_rows(0, torch.zeros(2, 4, 1, 16), torch.ones(2, 1, 20, dtype=torch.bool), 0.25)
-    assert got["capacity"] == 300
+    assert lanes == [(1, 64), (2, 64), (32, 64)], lanes

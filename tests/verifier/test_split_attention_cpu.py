@@ -1,5 +1,5 @@
 """The split-KV path of the paged tree attention (`split_len`, spectandem/kernels/attention.py) on the
-CPU: `split_len_for` and the cache's choice, the checks on split_len (everywhere), and the kernels
+CPU: `split_len_for`, `split_lanes` and the cache's choice, the checks on split_len (everywhere), and the kernels
 themselves through Triton's interpreter (the checks of tests/gpu/test_split_attention.py at small
 sizes; against the reference in fp32 only, as the interpreter casts fp32 to bf16 by truncation;
 bit-for-bit batch invariance in bf16 too, through tests/conftest.py's mend of its bf16 tl.dot):
@@ -13,15 +13,15 @@ from __future__ import annotations
 import pytest
 import torch
 
-from spectandem.block_manager import blocks_for
 from spectandem.kernels import paged_tree_attention, paged_tree_attention_ref
-from spectandem.kernels.attention import split_len_for
+from spectandem.kernels.attention import split_lanes, split_len_for
 from spectandem.kv_cache import PagedKVCache
 from tests.gpu.test_split_attention import (
     boundary_prefixes,
     check_bad_split_len,
     check_split_batch_invariance,
     check_split_matches_reference,
+    check_split_lanes_wrap,
     check_split_padding_rows,
     paged_kv,
 )
@@ -31,27 +31,18 @@ from tests.interpreter import interpreter
 TIGHT = dict(atol=1e-5, rtol=1e-5)
 
 
-def test_split_len_for():
-    assert split_len_for(592, 128) == 64  # 37 blocks of 16: ceil(592 / 32) = 19 -> BLOCK_N
-    assert split_len_for(4112, 128) == 256  # 257 blocks: 129 -> 256, 17 segments
-    assert split_len_for(2048, 128) == 64 and split_len_for(2049, 128) == 128
-    assert split_len_for(1, 128) == 64 and split_len_for(1, 256) == 32  # BLOCK_N is 32 past head_dim 128
-    for capacity in range(1, 20000, 37):
-        for head_dim in (64, 128, 256):
-            split_len = split_len_for(capacity, head_dim)
-            assert split_len & (split_len - 1) == 0 and split_len >= (64 if head_dim <= 128 else 32)
-            assert -(-capacity // split_len) <= 32
-            assert split_len == (64 if head_dim <= 128 else 32) or -(-capacity // (split_len // 2)) > 32
-    for bad in (0, -5, 12.0):
-        with pytest.raises(ValueError, match="capacity must be a positive int"):
-            split_len_for(bad, 128)
+def test_split_len_for_and_lanes():
+    assert split_len_for(128) == 64 and split_len_for(64) == 64 and split_len_for(256) == 32  # BLOCK_N
+    assert split_lanes(300, 64) == 5 and split_lanes(2048, 64) == 32 and split_lanes(2049, 64) == 32
+    assert split_lanes(131088, 64) == 32 and split_lanes(1, 64) == 1
 
 
-def test_cache_picks_split_len_from_its_capacity():
-    for max_len, block_size, head_dim in ((575, 16, 128), (4096, 16, 128), (100, 24, 32), (8191, 32, 256)):
-        cache = PagedKVCache(1, 2, 1, max_len, head_dim, torch.float32, block_size=block_size)
-        capacity = blocks_for(max_len + 1, block_size) * block_size
-        assert cache.attention_split_len == split_len_for(capacity, head_dim)
+def test_cache_picks_split_len_from_its_head_dim_alone():
+    """Not from the capacity: a cache of 2,048 entries and one of the 8B target's 131,072 split a
+    short context alike."""
+    for max_len, block_size, head_dim in ((575, 16, 128), (131072, 16, 128), (100, 24, 32), (8191, 32, 256)):
+        cache = PagedKVCache(1, 2, 1, max_len, head_dim, torch.float32, block_size=block_size, num_blocks=8)
+        assert cache.attention_split_len == split_len_for(head_dim)
 
 
 def test_bad_split_len_on_the_reference():
@@ -108,6 +99,15 @@ def test_interpreted_split_batch_invariance(dtype):
 
 
 @interpreter
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+def test_interpreted_split_lanes_wrap(dtype):
+    """Spans of 34 and 33 segments (lanes 0 and 1 take two, lane 0 two) beside one of 1: against
+    the reference in fp32; bit for bit alone, as chain rows and under wider and narrower tables."""
+    check_split_lanes_wrap("cpu", dtype, (2, 1, 16), split_len=64, block_size=16, seed=4,
+                           tolerance=TIGHT if dtype == torch.float32 else None)
+
+
+@interpreter
 def test_interpreted_bad_split_len():
     check_bad_split_len("cpu")
 
@@ -131,7 +131,7 @@ def test_interpreted_split_through_the_cache(monkeypatch):
     gen = torch.Generator().manual_seed(2)
     num_heads, num_kv_heads, head_dim, n = 4, 2, 32, 5
     cache = PagedKVCache(1, 3, num_kv_heads, 3000, head_dim, torch.float32, block_size=16)
-    assert cache.attention_split_len == 128  # 188 blocks of 16: ceil(3008 / 32) = 94 -> 128
+    assert cache.attention_split_len == 64
     for t in (cache.k[0], cache.v[0]):
         t.copy_(torch.randn(t.shape, generator=gen))
     slots, cache_lens = torch.tensor([2, 0]), torch.tensor([130, 9])
@@ -144,7 +144,7 @@ def test_interpreted_split_through_the_cache(monkeypatch):
     q = torch.randn(2, num_heads, n, head_dim, generator=gen)
     k_new, v_new = (torch.randn(2, num_kv_heads, n, head_dim, generator=gen) for _ in range(2))
     out = view.attend(0, q, k_new, v_new, None, head_dim ** -0.5)
-    assert calls == [128]
+    assert calls == [64]
     expected = paged_tree_attention_ref(q, cache.k[0], cache.v[0], cache.block_tables(slots), cache_lens, mask,
                                         head_dim ** -0.5, 16)
     torch.testing.assert_close(out, expected, **TIGHT)
