@@ -126,7 +126,7 @@ def add_serve(sub) -> None:
                         "the processes that run engines, at least 1 each: one per engine and replica for ray, and "
                         "for grpc on GPUs; --backend local on the CPU, whose engines take turns on one thread while "
                         "the router waits for them, and --backend grpc on the CPU, whose engine processes take "
-                        "turns: every core of the replica)")
+                        "turns: every core of the replica, the drafter's a core fewer, at least 1)")
     add_ops_flags(p)
     p.set_defaults(func=_serve)
 
@@ -379,8 +379,11 @@ def engine_commands(args, cfg, target: str, draft: str | None, verifier_port: in
         out["verifier"] = ([sys.executable, "-m", "verifier", "--port", str(verifier_port), "--device", verifier_device]
                            + common + pool_v)
     if drafter_port is not None and cfg.method != "none":
-        out["drafter"] = ([sys.executable, "-m", "drafter", "--port", str(drafter_port), "--device", drafter_device]
-                          + common + tree + pool_d)
+        drafter = [sys.executable, "-m", "drafter", "--port", str(drafter_port), "--device", drafter_device] + common
+        threads = getattr(args, "drafter_threads", None)
+        if threads is not None and threads != args.engine_threads:
+            drafter[drafter.index("--threads") + 1] = str(threads)
+        out["drafter"] = drafter + tree + pool_d
     return out
 
 
@@ -549,9 +552,12 @@ def placement_line(args, cfg) -> str:
     with --backend local, where both engines take turns on one thread, ", taking turns" after the drafter's."""
     paths = GpuPaths.from_args(args)
     verifier, drafter = args.engine_devices
-    threads = ""
+    threads = drafting = ""
     if verifier == "cpu" and args.engine_threads:
         threads = f", {args.engine_threads} thread{'s' if args.engine_threads > 1 else ''}"
+    if drafter == "cpu" and args.engine_threads:
+        n = getattr(args, "drafter_threads", None) or args.engine_threads
+        drafting = f", {n} thread{'s' if n > 1 else ''}"
     if args.backend == "ray" and verifier == "cuda":
         from router.links_ray import bundle_plan
 
@@ -561,7 +567,7 @@ def placement_line(args, cfg) -> str:
     line = f"verifier on {verifier} ({args.dtype}, {paths.describe('verifier')}{threads})"
     if cfg.method != "none":
         turns = ", taking turns" if threads and args.backend == "local" and drafter == "cpu" else ""
-        line += f"; drafter on {drafter} ({args.dtype}, {paths.describe('drafter')}{threads}){turns}"
+        line += f"; drafter on {drafter} ({args.dtype}, {paths.describe('drafter')}{drafting}){turns}"
     return line
 
 
@@ -917,6 +923,20 @@ def cores_per_replica(args) -> bool:
             and not args.verifier_address and not args.drafter_address)
 
 
+def drafter_threads(args, chosen: bool) -> int | None:
+    """The drafter process's torch threads: args.engine_threads, but for a pair taking turns on
+    the CPU (`cores_per_replica`) whose threads no flag or OMP_NUM_THREADS chose, a core fewer
+    (at least one). The verifier's work after its reply (the features into the channel, the
+    verdicts to the drafter) and the router's commit run beside the draft, and a drafter team on
+    every core made them wait for it: on the 2-core CPU (demo pair, gRPC, concurrency 1) EAGLE-3
+    served 144.4 and 156.9 tok/s with one drafter thread against 132.5 and 150.4 with two, alternated,
+    the draft's engine 8.2 / 7.7 ms a call against 9.3 / 8.6 and the verifier's work after its
+    reply 0.8 against 1.1 ms (benchmarks/results/engine-threads-cpu-2core.txt)."""
+    if args.engine_threads is None or chosen or args.method == "none" or not cores_per_replica(args):
+        return args.engine_threads
+    return max(1, args.engine_threads - 1)
+
+
 def engine_env(args, environ) -> dict[str, str] | None:
     """The environment of the engine processes serve starts: `environ` (serve's own) with
     GOMP_SPINCOUNT = PAIR_SPIN_COUNT for a speculating pair whose processes take turns on the
@@ -935,8 +955,10 @@ def configure_process(args, omp_num_threads: str | None, environ=None) -> None:
     # --backend local on the CPU: the engines take turns on one thread (spectandem/devices.py
     # cpu_engine_thread) while the router waits for them, so by default they take every core.
     on_cpu_here = args.backend == "local" and _engines_on_cpu(args.device)
+    chosen = args.engine_threads is not None or bool(omp_num_threads)
     args.engine_threads = engine_threads(args.engine_threads, omp_num_threads, engine_processes(args),
                                          router_core=not (on_cpu_here or cores_per_replica(args)))
+    args.drafter_threads = drafter_threads(args, chosen)
     args.engine_env = engine_env(args, environ or {})
     if args.backend == "local":
         from router.local_base import shorten_switch_interval

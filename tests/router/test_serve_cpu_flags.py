@@ -127,6 +127,41 @@ def test_a_grpc_pair_on_the_cpu_takes_every_core_and_bounds_its_spinning():
     assert configured("--backend", "ray")[0] == max(1, (cores - 1) // 2)
 
 
+def test_a_grpc_pairs_drafter_on_the_cpu_leaves_a_core_unless_told():
+    """serve's own choice for a gRPC pair on the CPU: the verifier every core of the replica, the
+    drafter one fewer (at least one), on its command line and in the placement line; a count
+    the flag or OMP_NUM_THREADS chose goes to both; Ray and local keep one count."""
+    from router.serve import configure_process, engine_commands, placement_line, resolve_serve_flags
+    from spectandem.cli import build_parser
+    from spectandem.config import Platform
+    from spectandem.service_args import spec_from_flags
+
+    cores = len(os.sched_getaffinity(0))
+
+    def configured(*argv, omp=None):
+        args = build_parser().parse_args(["serve", "--device", "cpu", *argv])
+        configure_process(args, omp, {})
+        return args
+
+    args = configured("--backend", "grpc")
+    assert (args.engine_threads, args.drafter_threads) == (cores, max(1, cores - 1))
+    assert configured("--backend", "grpc", "--engine-threads", "2").drafter_threads == 2
+    assert configured("--backend", "grpc", omp="2").drafter_threads == 2
+    assert configured("--backend", "grpc", "--method", "none").drafter_threads == cores
+    assert configured("--backend", "grpc", "--replicas", "2").drafter_threads == max(1, cores // 2 - 1)
+    ray = configured("--backend", "ray")
+    assert ray.drafter_threads == ray.engine_threads
+
+    resolved = resolve_serve_flags(args, Platform(gpus=0, triton=False))
+    resolved.engine_threads, resolved.drafter_threads = 2, 1
+    cfg, target, draft = spec_from_flags(resolved)
+    cmds = engine_commands(resolved, cfg, target, draft, 7001, 7002)
+    threads = {role: cmd[cmd.index("--threads") + 1] for role, cmd in cmds.items()}
+    assert threads == {"verifier": "2", "drafter": "1"}
+    line = placement_line(resolved, cfg)
+    assert "verifier on cpu (float32, eager, 2 threads)" in line and "drafter on cpu (float32, eager, 1 thread)" in line, line
+
+
 def test_engine_processes_get_the_environment_serve_made_else_its_own(tmp_path):
     from router.supervisor import EngineProcess
 
