@@ -155,8 +155,8 @@ if HAVE_TRITON:
         m_a, l_a, acc_a = _empty_state(BLOCK_M, BLOCK_D)
         m_b, l_b, acc_b = _empty_state(BLOCK_M, BLOCK_D)
         m_a, l_a, acc_a, m_b, l_b, acc_b = _attend_entries(
-            q_a, q_b, 0, span, m_a, l_a, acc_a, m_b, l_b, acc_b, b, kv_head, prefix, span, tok_a, row_ok_a, tok_b, row_ok_b, d, d_ok,
-            k_ptr, v_ptr, tables_ptr, mask_ptr, qk_scale, max_blocks,
+            q_a, q_b, 0, span, m_a, l_a, acc_a, m_b, l_b, acc_b, b, kv_head, prefix, span, tok_a, row_ok_a, tok_b,
+            row_ok_b, d, d_ok, k_ptr, v_ptr, tables_ptr, mask_ptr, qk_scale, max_blocks,
             stride_kr, stride_kh, stride_tb, stride_mb, stride_mt,
             PAGE, BLOCK_M, BLOCK_N, BLOCK_D, TILES)
         _store_tile(out_ptr, b, tok_a, head_a, row_ok_a, d, d_ok, l_a, acc_a, stride_ob, stride_ot, HEAD_DIM)

@@ -21,11 +21,11 @@ kernels, and that wants a GPU run to confirm their bits).
 Launch. Split-KV always, as the verifier's split path deals chunks to lanes: one program per
 (request, kv head, block of BLOCK_M query rows, lane), lane l taking the chunks of BLOCK_N entries
 l, l + lanes, l + 2 * lanes, ... (`split_lanes(span, BLOCK_N)` lanes, at most 32), each leaving its
-running max, sum and un-normalised accumulator in fp32; then the combine adds the lanes in order. The GROUP query heads of a kv
-head are packed into the rows (row r is token r // GROUP of head kv_head * GROUP + r % GROUP), so a
-chunk of K/V is loaded once per kv head. A row whose mask is all False gets zeros (masked_attention
-gives finite garbage there; callers never read such rows). Lengths and the grid come from shapes
-alone, so the launch can be captured in a CUDA graph.
+running max, sum and un-normalised accumulator in fp32; then the combine adds the lanes in order.
+The GROUP query heads of a kv head are packed into the rows (row r is token r // GROUP of head
+kv_head * GROUP + r % GROUP), so a chunk of K/V is loaded once per kv head. A row whose mask is
+all False gets zeros (masked_attention gives finite garbage there; callers never read such rows).
+Lengths and the grid come from shapes alone, so the launch can be captured in a CUDA graph.
 
 Numerics: another summation order than the torch code's, so bf16 results differ in the last bits;
 the drafts may change there, exactness does not depend on them. Rows do not interact.
