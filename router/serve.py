@@ -354,8 +354,6 @@ def engine_commands(args, cfg, target: str, draft: str | None, verifier_port: in
               ["--max-len", str(args.max_len)] if args.max_len else []) + ["--block-size", str(args.block_size)]
     # Engines started here serve this router only: loopback, and the internal TLS when asked.
     common += ["--host", "127.0.0.1"] + OpsConfig.from_args(args).engine_flags() + GpuPaths.from_args(args).flags()
-    if args.engine_threads:
-        common += ["--threads", str(args.engine_threads)]
     if args.cpu_kv_cache_gib is not None:
         common += ["--cpu-kv-cache-gib", repr(args.cpu_kv_cache_gib)]
     if feature_channel:
@@ -374,16 +372,17 @@ def engine_commands(args, cfg, target: str, draft: str | None, verifier_port: in
             "--ahead-width", str(cfg.ahead_width)]
     if cfg.benchmark_acceptance_rate is not None:
         tree += ["--benchmark-acceptance-rate", repr(cfg.benchmark_acceptance_rate)]
+    def threads(n: int | None) -> list[str]:
+        return ["--threads", str(n)] if n else []
+
     out = {}
     if verifier_port is not None:
         out["verifier"] = ([sys.executable, "-m", "verifier", "--port", str(verifier_port), "--device", verifier_device]
-                           + common + pool_v)
+                           + common + threads(args.engine_threads) + pool_v)
     if drafter_port is not None and cfg.method != "none":
-        drafter = [sys.executable, "-m", "drafter", "--port", str(drafter_port), "--device", drafter_device] + common
-        threads = getattr(args, "drafter_threads", None)
-        if threads is not None and threads != args.engine_threads:
-            drafter[drafter.index("--threads") + 1] = str(threads)
-        out["drafter"] = drafter + tree + pool_d
+        out["drafter"] = ([sys.executable, "-m", "drafter", "--port", str(drafter_port), "--device", drafter_device]
+                          + common + threads(getattr(args, "drafter_threads", None) or args.engine_threads) + tree
+                          + pool_d)
     return out
 
 

@@ -49,11 +49,14 @@ def pytest_collection_modifyitems(config, items):
     clusters, about a third of the suite's time in one unit) go first, whole: units go out to the
     workers in collection order, and a long unit handed out late would leave one worker running
     it alone at the end."""
+    def file_of(item) -> str:
+        return item.nodeid.split("::")[0]
+
     for item in items:
         if item.get_closest_marker("xdist_group") is None:
-            item.add_marker(pytest.mark.xdist_group(item.nodeid.split("::")[0]))   # its file
-    ray_files = {item.nodeid.split("::")[0] for item in items if item.get_closest_marker("xdist_group").args[:1] == ("ray",)}
-    items.sort(key=lambda item: item.nodeid.split("::")[0] not in ray_files)   # stable
+            item.add_marker(pytest.mark.xdist_group(file_of(item)))
+    ray_files = {file_of(item) for item in items if item.get_closest_marker("xdist_group").args[:1] == ("ray",)}
+    items.sort(key=lambda item: file_of(item) not in ray_files)   # stable
 
 
 @pytest.fixture
