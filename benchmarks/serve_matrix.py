@@ -146,12 +146,16 @@ def engine_reference_demo(device: str, batch_sizes: list[int], max_tokens: int,
     from spectandem.checkpoint import load_tokenizer
     from spectandem.config import EngineConfig, SamplingParams, SpecConfig
     from spectandem.demo import demo_paths
+    from spectandem.service_args import tree_defaults
 
     out = []
     for method in ("none", "eagle3"):
         t, d = demo_paths(method)
+        steps, nodes = tree_defaults(method, str(d) if d else None)   # the tree serve drafts by default
         spec = LocalSpeculator.from_config(EngineConfig(target_dir=str(t), draft_dir=str(d) if d else None,
-                                                        spec=SpecConfig(method=method), max_slots=max(batch_sizes),
+                                                        spec=SpecConfig(method=method, num_steps=steps,
+                                                                        num_draft_tokens=nodes),
+                                                        max_slots=max(batch_sizes),
                                                         max_len=2048, device=device))
         tok = load_tokenizer(t)
         params = SamplingParams(max_tokens=max_tokens, ignore_eos=True)

@@ -264,14 +264,16 @@ def load_head(directory: str | Path, target: "TargetTensors | LlamaModel", kind:
     return head.eval()
 
 
-def save_head(head: DraftHead, directory: str | Path) -> None:
+def save_head(head: DraftHead, directory: str | Path, draft_length: int | None = None) -> None:
     """Writes `head` in its public format: config.json + model.safetensors, without the
     tensors taken from the target (embeddings, unless the head is narrower or wider than the
     target and so cannot share them; EAGLE-1 lm_head). EAGLE-3 uses the official
     `midlayer.` names, bf16 weights, int64 `d2t` and bool `t2d`; EAGLE-1 uses `layers.0.`.
     The config states `hidden_act`, and `norm_before_residual` / `norm_output` (SpecForge's
     meaning) where they differ from the defaults; a head with normed feedback has no field in
-    this format and is refused."""
+    this format and is refused. `draft_length`: the draft tokens per round the config states
+    (speculators' `speculators_config.proposal_methods[0].speculative_tokens`), which serve then
+    drafts by default; None states none."""
     import json
 
     from safetensors.torch import save_file
@@ -323,4 +325,7 @@ def save_head(head: DraftHead, directory: str | Path) -> None:
             cfg["norm_before_residual"] = True
         if not spec.final_norm:
             cfg["norm_output"] = False
+    if draft_length is not None:   # the depth serve drafts with by default (spectandem/checkpoint.py)
+        cfg["speculators_config"] = {"proposal_methods": [{"proposal_type": "greedy",
+                                                           "speculative_tokens": int(draft_length)}]}
     (directory / "config.json").write_text(json.dumps(cfg, indent=2) + "\n")

@@ -46,6 +46,7 @@ class TrainConfig:
     ttt_steps: int = 3
     draft_vocab_size: int = 2048
     seed: int = 0
+    draft_length: int | None = None   # stated in the head's config (save_head): serve's default depth
 
     def __post_init__(self):
         if self.arch not in HEAD_CLASSES:
@@ -53,6 +54,8 @@ class TrainConfig:
         for name in ("steps", "batch", "ttt_steps", "draft_vocab_size"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
+        if self.draft_length is not None and self.draft_length < 1:
+            raise ValueError(f"draft_length must be >= 1, got {self.draft_length}")
         if self.seq_len < self.ttt_steps + 2:
             raise ValueError(f"seq_len must be >= ttt_steps + 2 = {self.ttt_steps + 2}, got {self.seq_len}")
 
@@ -213,7 +216,7 @@ def train_draft(target_dir: str, corpus: str, out_dir: str, cfg: TrainConfig,
         starts = [i * cfg.seq_len for i in range(n) if (i + 1) * cfg.seq_len <= held_ids.numel()]
         _, held_accs = loss_and_acc(batch_from(held_ids, starts)) if starts else (None, [])
     log(f"held-out top-1 agreement with the target per TTT step: {[round(a, 3) for a in held_accs]}")
-    save_head(head.float().cpu(), out_dir)
+    save_head(head.float().cpu(), out_dir, cfg.draft_length)
     report = {"config": cfg.__dict__, "held_out_top1_per_step": held_accs,
               "train_tokens": train_ids.numel(), "seconds": round(time.time() - t0, 1)}
     (Path(out_dir) / "train_report.json").write_text(json.dumps(report, indent=2) + "\n")

@@ -11,7 +11,7 @@ Steps (each writes under --out, default models/demo):
     python models/recipe.py lm --corpus CORPUS.txt.xz --which target    # GPU: ~3 min on one H200
     python models/recipe.py lm --corpus CORPUS.txt.xz --which draft-lm
     spectandem train-draft --target models/demo/target --corpus CORPUS.txt.xz \
-        --out models/demo/eagle3 --arch eagle3
+        --out models/demo/eagle3 --arch eagle3 --draft-length 5
     spectandem train-draft --target models/demo/target --corpus CORPUS.txt.xz \
         --out models/demo/eagle --arch eagle
 

@@ -396,6 +396,8 @@ def restart_policy(args):
 
 def _loading(what: str, cfg, target, draft) -> str:
     models = f"target {target}" + (f" and {cfg.method} draft {draft}" if draft and cfg.method != "none" else "")
+    if cfg.method != "none":   # the tree each round drafts (the flags', or as the head's config says)
+        models += f" (tree depth {cfg.num_steps}, topk {cfg.topk}, {cfg.num_draft_tokens} nodes verified a round)"
     return f"{what} {models}"
 
 

@@ -28,6 +28,25 @@ def read_config(directory: str | Path) -> dict:
         raise CheckpointError(f"{path}: not valid JSON ({exc})") from None
 
 
+def declared_draft_length(config: dict, source: str = "config.json") -> int | None:
+    """The draft tokens per round a draft head's config states, as the speculators format states
+    them (`speculators_config.proposal_methods[0].speculative_tokens`, the number vLLM serves
+    such a head with unless told otherwise); None where the config states none. A stated value
+    that is not a positive integer is refused, with the field named."""
+    methods = (config.get("speculators_config") or {}).get("proposal_methods")
+    if not methods:
+        return None
+    if not isinstance(methods, list) or not isinstance(methods[0], dict):
+        raise CheckpointError(f"{source}: speculators_config.proposal_methods must be a list of objects")
+    value = methods[0].get("speculative_tokens")
+    if value is None:
+        return None
+    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        raise CheckpointError(f"{source}: speculators_config.proposal_methods[0].speculative_tokens must be an "
+                              f"integer >= 1, got {value!r}")
+    return value
+
+
 def eos_token_ids(config: dict) -> tuple[int, ...]:
     """A checkpoint config's `eos_token_id` (one id, a list of them, or none) as a tuple."""
     eos = config.get("eos_token_id")

@@ -21,6 +21,9 @@ def _add_train_draft(sub) -> None:
     p.add_argument("--draft-vocab-size", type=int, default=2048,
                    help="EAGLE-3: the head predicts this many tokens, the corpus's most frequent")
     p.add_argument("--seed", type=int, default=0, help="seed of the head's initialisation and the batches")
+    p.add_argument("--draft-length", type=int, default=None,
+                   help="draft tokens per round the head's config states (speculators' speculative_tokens), which "
+                        "serve drafts by default (default: none stated; serve then drafts 4)")
     p.add_argument("--device", default=None, help="cpu or cuda (default: cuda when available)")
     p.set_defaults(func=_train_draft)
 
@@ -29,7 +32,8 @@ def _train_draft(args) -> int:
     from drafter.train import TrainConfig, train_draft
 
     cfg = TrainConfig(arch=args.arch, steps=args.steps, batch=args.batch, seq_len=args.seq_len, lr=args.lr,
-                      ttt_steps=args.ttt_steps, draft_vocab_size=args.draft_vocab_size, seed=args.seed)
+                      ttt_steps=args.ttt_steps, draft_vocab_size=args.draft_vocab_size, seed=args.seed,
+                      draft_length=args.draft_length)
     train_draft(args.target, args.corpus, args.out, cfg, device=args.device,
                 log=lambda m: print(m, flush=True))
     return 0

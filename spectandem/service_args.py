@@ -43,6 +43,9 @@ DEVICE_HELP = "torch device of the engine(s): auto = cuda when a CUDA GPU is vis
 DTYPE_HELP = ("auto = bfloat16 on CUDA, float32 on the CPU; float64: CPU reference runs (their rounding almost never "
               "flips seeded draws)")
 DTYPE_CHOICES = ["auto", "float32", "bfloat16", "float16", "float64"]
+# The tree flags' defaults where neither the flags nor the draft head's config say (tree_defaults).
+DEFAULT_NUM_STEPS = 4
+DEFAULT_TREE_DRAFT_TOKENS = 5   # with --topk above 1
 
 
 def add_device_flags(p: argparse.ArgumentParser) -> None:
@@ -179,9 +182,13 @@ def add_model_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("--method", choices=["eagle", "eagle3", "draft-model", "ngram", "none"], default="eagle3",
                    help="how drafts are made: an EAGLE-1 or EAGLE-3 head, a small draft model, prompt-lookup "
                         "n-grams, or none (plain decoding)")
-    p.add_argument("--num-steps", type=int, default=4, help="tree depth")
+    p.add_argument("--num-steps", type=int, default=None,
+                   help="tree depth (default: the draft tokens an EAGLE head's config.json states, as speculators' "
+                        f"speculative_tokens, else {DEFAULT_NUM_STEPS})")
     p.add_argument("--topk", type=int, default=1, help="children expanded per node")
-    p.add_argument("--num-draft-tokens", type=int, default=5, help="verified nodes per round, root included")
+    p.add_argument("--num-draft-tokens", type=int, default=None,
+                   help="verified nodes per round, root included (default: 2 with --fused, --num-steps + 1 with "
+                        f"--topk 1, else {DEFAULT_TREE_DRAFT_TOKENS})")
     p.add_argument("--fused", action="store_true", help="one draft token per round, verify+extend fused")
     p.add_argument("--draft-sampling-min-temperature", type=float, default=0.5,
                    help="below this temperature drafts are deterministic and verified without q")
@@ -202,15 +209,35 @@ def spec_from_flags(args):
     from spectandem.config import SpecConfig
     from spectandem.demo import demo_paths
 
-    cfg = SpecConfig(method=args.method, num_steps=args.num_steps, topk=args.topk,
-                     num_draft_tokens=args.num_draft_tokens, fused=args.fused,
-                     draft_sampling_min_temperature=args.draft_sampling_min_temperature,
-                     ahead_width=args.ahead_width,
-                     benchmark_acceptance_rate=getattr(args, "benchmark_acceptance_rate", None))
     target, draft = args.target, args.draft
     if target is None:
         demo_target, demo_draft = demo_paths(args.method)
         target, draft = str(demo_target), (draft or (str(demo_draft) if demo_draft else None))
     elif draft is None and args.method in ("eagle", "eagle3", "draft-model"):
         raise ValueError(f"--method {args.method} with --target needs --draft")
+    num_steps, num_draft_tokens = tree_defaults(args.method, draft, args.num_steps, args.topk, args.num_draft_tokens,
+                                                args.fused)
+    cfg = SpecConfig(method=args.method, num_steps=num_steps, topk=args.topk,
+                     num_draft_tokens=num_draft_tokens, fused=args.fused,
+                     draft_sampling_min_temperature=args.draft_sampling_min_temperature,
+                     ahead_width=args.ahead_width,
+                     benchmark_acceptance_rate=getattr(args, "benchmark_acceptance_rate", None))
     return cfg, target, draft
+
+
+def tree_defaults(method: str, draft: str | None, num_steps: int | None = None, topk: int = 1,
+                  num_draft_tokens: int | None = None, fused: bool = False) -> tuple[int, int]:
+    """(num_steps, num_draft_tokens): those given (the flags). Otherwise the depth an EAGLE head's
+    config.json states (spectandem/checkpoint.py `declared_draft_length`, as vLLM reads a
+    speculators checkpoint), else DEFAULT_NUM_STEPS; and the verified nodes SGLang takes for
+    chains (depth + 1, with --topk 1), 2 for --fused, DEFAULT_TREE_DRAFT_TOKENS for wider trees."""
+    from spectandem.checkpoint import declared_draft_length, read_config
+
+    if num_steps is None:
+        stated = None
+        if draft is not None and method in ("eagle", "eagle3"):
+            stated = declared_draft_length(read_config(draft), f"{draft}/config.json")
+        num_steps = stated or DEFAULT_NUM_STEPS
+    if num_draft_tokens is None:
+        num_draft_tokens = 2 if fused else (num_steps + 1 if topk == 1 else DEFAULT_TREE_DRAFT_TOKENS)
+    return num_steps, num_draft_tokens

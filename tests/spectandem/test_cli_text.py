@@ -150,7 +150,7 @@ def test_serve_reports_its_start():
 
 def test_serve_prints_both_kv_capacities():
     """On the CPU too: one start-up line with each side's KV pool (the verifier's: every slot at
-    full context, 2 x blocks_for(129, 16) = 18 blocks)."""
+    full context, 2 x blocks_for(129, 16) = 18 blocks); and the tree it drafts."""
     import re
 
     err = _serve_start_stderr("--method", "eagle3", "--max-running", "2")
@@ -158,3 +158,5 @@ def test_serve_prints_both_kv_capacities():
                      r"drafter KV cache: (\d+) tokens \((\d+) blocks of 16\)\n", err)
     assert line is not None, err
     assert int(line[1]) == 16 * int(line[2]) and int(line[2]) >= 18
+    # The demo EAGLE-3 head's config states 5 draft tokens a round: serve drafts that deep unless told.
+    assert "(tree depth 5, topk 1, 6 nodes verified a round)" in err, err

@@ -60,3 +60,19 @@ def test_save_head_refuses_normed_feedback(tmp_path, target):
     head = load_head(write(tmp_path / "src", cfg, t), target)
     with pytest.raises(ValueError, match="norm_output"):
         save_head(head, tmp_path / "saved")
+
+
+def test_save_head_states_its_draft_length(tmp_path, target):
+    """`draft_length` goes into the config as speculators state it; the head loads as before, and
+    serve's default depth is then that length (spectandem/service_args.py tree_defaults)."""
+    from spectandem.checkpoint import declared_draft_length, read_config
+    from spectandem.service_args import tree_defaults
+
+    cfg, t = eagle3_checkpoint(23, head_dim=16)
+    head = load_head(write(tmp_path / "src", cfg, _bf16_exact(t)), target)
+    save_head(head, tmp_path / "plain")
+    save_head(head, tmp_path / "stated", draft_length=6)
+    assert declared_draft_length(read_config(tmp_path / "plain")) is None
+    assert declared_draft_length(read_config(tmp_path / "stated")) == 6
+    assert load_head(tmp_path / "stated", target).spec == head.spec
+    assert tree_defaults("eagle3", str(tmp_path / "stated")) == (6, 7)
