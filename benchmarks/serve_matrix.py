@@ -144,10 +144,12 @@ def engine_reference_demo(device: str, batch_sizes: list[int], max_tokens: int,
     prompts the served run at concurrency b measures) in batches of b, after one warm-up batch."""
     from router.local import LocalSpeculator
     from spectandem.checkpoint import load_tokenizer
-    from spectandem.config import EngineConfig, SamplingParams, SpecConfig
+    from spectandem.config import EngineConfig, GpuPaths, SamplingParams, SpecConfig
     from spectandem.demo import demo_paths
     from spectandem.service_args import tree_defaults
 
+    # On CUDA, serve's defaults: bfloat16, CUDA graphs and the Triton attention.
+    gpu = dict(dtype="bfloat16", gpu=GpuPaths(cuda_graphs=True, triton_attention=True)) if "cuda" in device else {}
     out = []
     for method in ("none", "eagle3"):
         t, d = demo_paths(method)
@@ -156,7 +158,7 @@ def engine_reference_demo(device: str, batch_sizes: list[int], max_tokens: int,
                                                         spec=SpecConfig(method=method, num_steps=steps,
                                                                         num_draft_tokens=nodes),
                                                         max_slots=max(batch_sizes),
-                                                        max_len=2048, device=device))
+                                                        max_len=2048, device=device, **gpu))
         tok = load_tokenizer(t)
         params = SamplingParams(max_tokens=max_tokens, ignore_eos=True)
         for b in batch_sizes:

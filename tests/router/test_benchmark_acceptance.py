@@ -11,10 +11,11 @@ import threading
 
 import pytest
 
+from spectandem.demo import demo_spec
 from spectandem.v1 import generation_pb2
 from tests.router.conftest import Served, collect, request
 
-NUM_STEPS = 4                # the demo tree at --topk 1: chains of 4 drafts
+NUM_STEPS = demo_spec("eagle3").num_steps   # the demo tree at --topk 1: chains as deep as its head states
 MEASURED = 96                # 1 + 19 rounds of 5 tokens at rate 1
 WARM = MEASURED + 16         # truths past every position the measured pass drafts
 
