@@ -69,8 +69,7 @@ if HAVE_TRITON:
         HEAD_DIM: tl.constexpr,
         BLOCK_D: tl.constexpr,
         BLOCK_M: tl.constexpr,
-        BLOCK_N: tl.constexpr,
-        SPLIT: tl.constexpr,  # BLOCK_N: a lane's segments are chunks
+        BLOCK_N: tl.constexpr,  # a lane's segments are chunks: the combine's SPLIT
     ):
         pid = tl.program_id(0)
         split = tl.program_id(2)  # the lane: chunks split, split + num_splits, ...
@@ -158,7 +157,7 @@ def rows_attention_triton(q, k_pool, v_pool, read_rows, mask, scale) -> torch.Te
                       device=q.device)
     grid = (batch_size * num_kv_heads, triton.cdiv(num_rows, _BLOCK_M))
     shapes = dict(NUM_KV_HEADS=num_kv_heads, GROUP=group, HEAD_DIM=head_dim,
-                  BLOCK_D=max(16, triton.next_power_of_2(head_dim)), BLOCK_M=_BLOCK_M, SPLIT=split_len)
+                  BLOCK_D=max(16, triton.next_power_of_2(head_dim)), BLOCK_M=_BLOCK_M)
     _rows_attention_split_kernel[(*grid, num_splits)](
         q, k_pool, v_pool, read_rows, mask8, stats, acc,
         scale * math.log2(math.e), num_rows, span, num_splits,
@@ -168,12 +167,12 @@ def rows_attention_triton(q, k_pool, v_pool, read_rows, mask, scale) -> torch.Te
         mask8.stride(0), mask8.stride(1),
         stats.stride(0), stats.stride(1),
         acc.stride(0), acc.stride(1), acc.stride(2),
-        BLOCK_N=_block_n(head_dim), **shapes,
+        BLOCK_N=split_len, **shapes,
         num_warps=_NUM_WARPS,
     )
     # The combine reads a request's span as prefix_lens[b] + T: every request here has `span`.
     prefix = torch.full((batch_size,), span - num_tokens, dtype=torch.int32, device=q.device)
-    combine_splits(prefix, stats, acc, out, num_tokens, grid, shapes)
+    combine_splits(prefix, stats, acc, out, num_tokens, grid, dict(shapes, SPLIT=split_len))
     return out
 
 
