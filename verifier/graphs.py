@@ -37,7 +37,7 @@ shapes: a step whose B fills its bucket is the eager step bit for bit.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
 
 import torch
 
@@ -45,7 +45,7 @@ from spectandem.cuda_graphs import BATCH_BUCKETS, batch_bucket, capture_graph, c
 from spectandem.devices import to_device
 from spectandem.kv_cache import PagedCacheBatch, PagedKVCache
 from spectandem.tree import tree_shape
-from verifier.tree_inputs import (TreeVerifyInputs, copy_fields, copy_tree_inputs, host_tree_inputs, padding_tree_flat,
+from verifier.tree_inputs import (TreeVerifyInputs, copy_tree_inputs, host_tree_inputs, padding_tree_flat,
                                   tree_inputs_on)
 
 FeatureSpec = None | str | tuple[int, ...]
@@ -62,7 +62,9 @@ class VerifyInputs:
     mask: torch.Tensor         # [Bc, N, S] bool: node i may attend to column j
 
     def copy_(self, other: "VerifyInputs") -> None:
-        copy_fields(self, other)
+        """`other`'s fields into these (the same shapes: a graph's static inputs)."""
+        for f in fields(self):
+            getattr(self, f.name).copy_(getattr(other, f.name))
 
     def forward_args(self, cache: PagedKVCache) -> tuple[PagedCacheBatch, torch.Tensor]:
         """(cache view, mask) for LlamaModel.forward."""

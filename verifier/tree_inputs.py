@@ -14,12 +14,6 @@ from spectandem.kv_cache import PagedKVCache, PagedTreeBatch
 from spectandem.tree import tril_mask, tree_shape_np
 
 
-def copy_fields(dst, src) -> None:
-    """Copies every tensor field of a static-inputs dataclass from `src` into `dst`."""
-    for f in fields(dst):
-        getattr(dst, f.name).copy_(getattr(src, f.name))
-
-
 @dataclass
 class TreeVerifyInputs:
     """The same step for the Triton tree attention (PagedTreeBatch): Bc rows, N nodes, no columns."""
