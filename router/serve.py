@@ -381,7 +381,7 @@ def engine_commands(args, cfg, target: str, draft: str | None, verifier_port: in
                            + common + threads(args.engine_threads) + pool_v)
     if drafter_port is not None and cfg.method != "none":
         out["drafter"] = ([sys.executable, "-m", "drafter", "--port", str(drafter_port), "--device", drafter_device]
-                          + common + threads(getattr(args, "drafter_threads", None) or args.engine_threads) + tree
+                          + common + threads(_drafter_threads_of(args)) + tree
                           + pool_d)
     return out
 
@@ -553,12 +553,11 @@ def placement_line(args, cfg) -> str:
     with --backend local, where both engines take turns on one thread, ", taking turns" after the drafter's."""
     paths = GpuPaths.from_args(args)
     verifier, drafter = args.engine_devices
-    threads = drafting = ""
-    if verifier == "cpu" and args.engine_threads:
-        threads = f", {args.engine_threads} thread{'s' if args.engine_threads > 1 else ''}"
-    if drafter == "cpu" and args.engine_threads:
-        n = getattr(args, "drafter_threads", None) or args.engine_threads
-        drafting = f", {n} thread{'s' if n > 1 else ''}"
+    def count(n: int) -> str:
+        return f", {n} thread{'s' if n > 1 else ''}"
+
+    threads = count(args.engine_threads) if verifier == "cpu" and args.engine_threads else ""
+    drafting = count(_drafter_threads_of(args)) if drafter == "cpu" and args.engine_threads else ""
     if args.backend == "ray" and verifier == "cuda":
         from router.links_ray import bundle_plan
 
@@ -922,6 +921,11 @@ def cores_per_replica(args) -> bool:
     against 158.9), Ray's own threads in the actor processes competing for the cores."""
     return (args.backend == "grpc" and _engines_on_cpu(args.device)
             and not args.verifier_address and not args.drafter_address)
+
+
+def _drafter_threads_of(args) -> int | None:
+    """The drafter's threads `configure_process` settled (`drafter_threads`), else the engines'."""
+    return getattr(args, "drafter_threads", None) or args.engine_threads
 
 
 def drafter_threads(args, chosen: bool) -> int | None:
