@@ -24,6 +24,8 @@ Arguments after `--` are serve's. Per concurrency it prints bench serve's figure
 - engine calls: for the in-process backend, each kind of call's count and mean and median length;
 - decode ahead: with `--decode-ahead` on the in-process backend, how many decodes took a queued
   one and how many queued ones were forgotten unused (verifier/engine.py);
+- CPU: each kind of thread's CPU time over the measured run, as a share of one core (`thread_cpu`):
+  how much of the time the event loop's thread, the engines' workers and the rest ran;
 - `--time module:qualname,...`: wall time inside those functions (benchmarks/profile_router.py
   `Timers`, no device synchronization), per verify call;
 - `--gpu-trace S`: on CUDA, S seconds of the measured run traced by torch.profiler (device
@@ -42,6 +44,7 @@ accepted, as benchmarks/serve_matrix.py does.
 from __future__ import annotations
 
 import argparse
+import asyncio
 import bisect
 import os
 import sys
@@ -125,6 +128,32 @@ class StackSampler:
         return "\n".join(lines)
 
 
+def thread_cpu() -> dict[str, float]:
+    """CPU seconds (user and system) each kind of thread of this process has used so far: Python
+    threads by `_thread_kind` of their name, every other thread (gRPC's core, PyTorch's, ...) as
+    "threads without Python". A thread running Python holds the interpreter lock, so a Python
+    thread's CPU time bounds its turns at the lock from above (a call that lets the lock go, a
+    device synchronize spinning say, counts too)."""
+    tick = os.sysconf("SC_CLK_TCK")
+    python = {t.native_id: _thread_kind(t.name) for t in threading.enumerate()}
+    out: dict[str, float] = {}
+    for tid in os.listdir("/proc/self/task"):
+        try:
+            stat = Path(f"/proc/self/task/{tid}/stat").read_text()
+        except OSError:   # the thread ended meanwhile
+            continue
+        fields = stat[stat.rindex(")") + 2:].split()   # after the name, which may hold spaces
+        kind = python.get(int(tid), "threads without Python")
+        out[kind] = out.get(kind, 0.0) + (int(fields[11]) + int(fields[12])) / tick
+    return out
+
+
+def cpu_report(before: dict[str, float], after: dict[str, float], wall: float) -> str:
+    used = {k: after[k] - before.get(k, 0.0) for k in after}
+    return "  CPU per thread kind, share of one core over the measured run: " + ", ".join(
+        f"{k} {100 * v / wall:.1f}%" for k, v in sorted(used.items(), key=lambda kv: -kv[1]) if v > 0)
+
+
 def _thread_kind(name: str) -> str:
     """A thread's name with pool indices dropped, so a pool's threads add up."""
     return name.rstrip("0123456789").rstrip("_-") or name
@@ -151,7 +180,6 @@ def _time_router(router, timeline: Timeline) -> dict[str, float]:
     """Wraps the router's steps (ROUTER_STEPS) on each replica's Router with timers -> their
     accumulated seconds, by name (cleared by the caller); each step's interval goes to
     `timeline` while it is on."""
-    import asyncio
     import functools
 
     acc: dict[str, float] = dict.fromkeys(ROUTER_STEPS, 0.0)
@@ -260,7 +288,6 @@ def _busy(state: dict) -> dict:
 def _service_calls(state: dict) -> dict:
     """{role: (busy seconds by kind, calls by kind)} of engines in processes of their own, as
     their services report them (EngineInfo.calls: spectandem/call_clock.py)."""
-    import asyncio
 
     from router.local_base import _LocalLink
 
@@ -288,6 +315,67 @@ def _ahead_counts(state: dict) -> tuple[int, int] | None:
 def _bench(port: int, concurrency: int, num_prompts: int, max_tokens: int, out: Path, during=None) -> dict:
     """One `spectandem bench serve` run (benchmarks/serve_matrix.py), no warm-up requests."""
     return bench_serve(port, concurrency, num_prompts, max_tokens, 0, None, out, during)
+
+
+class InProcessClient:
+    """bench serve's requests (its prompts, seeds, timers and summary) submitted to the served
+    router on its own event loop, as the public servicers submit them, with no gRPC between: what
+    the public API's servicing costs the serving process is the difference from a gRPC run."""
+
+    def __init__(self, router):
+        self.router = router
+
+    async def start(self) -> str:
+        return "in-process"
+
+    async def send(self, text: str, seed: int, result) -> None:
+        from benchmarks.bench.serve import _Timer
+        from router.server import encode_text
+        from spectandem.config import SamplingParams
+        from router.requests import Failure
+
+        ids = await asyncio.to_thread(encode_text, self.router.tokenizer, text)
+        req = self.router.submit(ids, SamplingParams(max_tokens=self.max_tokens, seed=seed, ignore_eos=True), None)
+        timer = _Timer(result)
+        while True:
+            ev = await req.events.get()
+            if isinstance(ev, Failure):
+                raise RuntimeError(f"{ev.code}: {ev.message}")
+            timer.tokens(ev.token_ids)
+            if ev.finish_reason is not None:
+                result.spec, result.prompt_tokens = ev.stats, len(ids)
+                break
+        timer.done()
+
+    async def close(self) -> None:
+        pass
+
+    def run(self, concurrency: int, num_prompts: int, max_tokens: int, during=None) -> dict:
+        """One run like `_bench`'s, on the served loop -> bench serve's summary."""
+        from benchmarks.bench.datasets import DEFAULT_DATASET, load_prompts
+        from benchmarks.bench.serve import ServeBenchConfig, _acceptance, _drive, _jobs, _Progress, summarize
+
+        config = ServeBenchConfig(num_prompts=num_prompts, max_concurrency=concurrency, max_tokens=max_tokens,
+                                  ignore_eos=True, num_warmups=0, progress=False)
+        self.max_tokens = max_tokens
+        prompts = load_prompts(DEFAULT_DATASET, seed=config.seed)
+        jobs = _jobs(config, [p.text for p in prompts])
+
+        async def drive():
+            t0 = time.perf_counter()
+            results = await _drive(self, jobs, config, None, _Progress(len(jobs), False, "bench"))
+            return results, time.perf_counter() - t0
+
+        future = asyncio.run_coroutine_threadsafe(drive(), self.router._task.get_loop())
+        if during is not None:
+            during()
+        results, duration = future.result(1800)
+        failed = [r for r in results if not r.ok]
+        if failed:
+            raise RuntimeError(f"{len(failed)} in-process requests failed; the first: {failed[0].error}")
+        out = summarize(config, results, duration, "in-process", prompts)
+        out.update(_acceptance(config, results, None, None))
+        return out
 
 
 def _device_trace(router, seconds: float, path: Path, host: bool = False) -> str:
@@ -323,6 +411,10 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--trace-dir", default=None, help="where the device traces are kept (default: a temporary folder)")
     ap.add_argument("--time", default="", metavar="FUNCS",
                     help="comma-separated module:qualname functions to time during the measured runs")
+    ap.add_argument("--client", choices=("grpc", "in-process"), default="grpc",
+                    help="grpc: `spectandem bench serve` in a process of its own; in-process: the same requests "
+                         "submitted to the router on the serving event loop, without the public API "
+                         "(InProcessClient) (default: %(default)s)")
     ap.add_argument("--out", help="write the report here too")
     a = ap.parse_args(ours)
 
@@ -343,17 +435,21 @@ def main(argv: list[str] | None = None) -> int:
         from benchmarks.profile_router import Timers
         timers = Timers(tuple(f for f in a.time.split(",") if f))
     port = served.state["port"]
-    report = [f"serve {' '.join(serve_args)}"]
+    bench = _bench
+    if a.client == "in-process":
+        client = InProcessClient(router)
+        bench = lambda port, c, n, max_tokens, out, during=None: client.run(c, n, max_tokens, during)  # noqa: E731
+    report = [f"--client {a.client}; serve {' '.join(serve_args)}"]
     try:
         if a.learn:
             n = a.prompts_per_slot * max(concurrency)
-            _bench(port, max(concurrency), n, a.max_tokens + 16, work / "learn.json")
+            bench(port, max(concurrency), n, a.max_tokens + 16, work / "learn.json")
             # Once more, as benchmarks/serve_matrix.py does: `auto` measured its modes while no draft
             # was accepted yet, and a measured run straight after would see it unlearn that.
-            _bench(port, max(concurrency), n, a.max_tokens, work / "settle.json")
+            bench(port, max(concurrency), n, a.max_tokens, work / "settle.json")
         for c in concurrency:
             n = a.prompts_per_slot * c
-            _bench(port, c, n if a.learn else c, a.max_tokens, work / f"warm-c{c}.json")   # graphs, auto's first picks
+            bench(port, c, n if a.learn else c, a.max_tokens, work / f"warm-c{c}.json")   # graphs, auto's first picks
             busy0 = _busy(served.state)
             remote0 = _service_calls(served.state)
             ahead0 = _ahead_counts(served.state)
@@ -363,6 +459,7 @@ def main(argv: list[str] | None = None) -> int:
             during = (lambda: gpu.append(_device_trace(router, a.gpu_trace, trace_dir / f"trace-c{c}.json", a.trace_host))
                       if a.gpu_trace > 0 else None)
             sampler.start()
+            cpu0 = thread_cpu()
             steps.update(dict.fromkeys(steps, 0.0))
             counters = [r.counters for r in getattr(router, "replicas", [router])]
             mixed0, admitted0 = (sum(c.mixed_prefills for c in counters), sum(c.requests_admitted for c in counters))
@@ -374,11 +471,12 @@ def main(argv: list[str] | None = None) -> int:
                 timers.ms.clear()
                 timers.calls.clear()
                 timers.on = True
-            res = _bench(port, c, n, a.max_tokens, work / f"c{c}.json", during)
+            res = bench(port, c, n, a.max_tokens, work / f"c{c}.json", during)
             timeline.on = False
             if timers:
                 timers.on = False
             wall = res["duration_s"]
+            cpu1 = thread_cpu()
             sampler.pause()
             busy1 = _busy(served.state)
             report.append(f"\n== concurrency {c}: {res['output_throughput']:.1f} tok/s, ttft p50 {res['p50_ttft_ms']:.1f} ms, "
@@ -411,6 +509,7 @@ def main(argv: list[str] | None = None) -> int:
                 report.append(calls_report(timeline))
                 report.append(idle_report(timeline, min(t0 for _, t0, _ in timeline.calls),
                                           max(t1 for _, _, t1 in timeline.calls), a.top))
+            report.append(cpu_report(cpu0, cpu1, wall))
             report.append(sampler.report(a.top))
             report += gpu
             if timers:

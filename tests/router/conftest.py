@@ -50,7 +50,7 @@ class Served:
             except BaseException as exc:  # surfaced by wait_ready
                 self.error = exc
 
-        self.thread = threading.Thread(target=run, daemon=True)
+        self.thread = threading.Thread(target=run, name="served-event-loop", daemon=True)
         self.thread.start()
 
     def wait_ready(self, timeout: float = 180.0) -> "Served":
