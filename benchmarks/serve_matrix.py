@@ -305,13 +305,13 @@ def run_matrix(args) -> dict:
         del target, head
         if device.startswith("cuda"):
             torch.cuda.empty_cache()
-        model = ["--target", str(tdir), "--draft", str(hdir)]
+        model, draft = ["--target", str(tdir)], ["--draft", str(hdir)]
         methods = ([] if args.no_plain else [("none", None)]) + ([] if args.plain_only else [("eagle3", a) for a in rates])
     else:
         from spectandem.demo import demo_paths
 
         t, d = demo_paths("eagle3")
-        model = ["--target", str(t), "--draft", str(d)]
+        model, draft = ["--target", str(t)], ["--draft", str(d)]
         reference = []
         if not args.skip_engine_reference:
             from benchmarks.bench.datasets import DEFAULT_DATASET
@@ -329,12 +329,14 @@ def run_matrix(args) -> dict:
     for backend in backends:
         plain: dict[int, list[int]] = dict(stored.get(backend, {}))
         for method, rate in methods:
-            argv = model + ["--backend", backend, "--method", method, "--http-port", "0", "--metrics-port", "0"] + (["--device", args.device] if args.device else [])
+            argv = (model + ([] if method == "none" else draft)
+                    + ["--backend", backend, "--method", method, "--http-port", "0", "--metrics-port", "0"]
+                    + (["--device", args.device] if args.device else []))
             if args.drafter_device and method != "none" and backend != "ray":   # Ray places its actors itself
                 argv += ["--drafter-device", args.drafter_device]
             if rate is not None:
                 argv += ["--benchmark-acceptance-rate", str(rate)]
-            argv += shlex.split(args.serve_args)
+            argv += shlex.split(args.serve_args) + ([] if method == "none" else shlex.split(args.spec_serve_args))
             label = f"{backend}-{method}" + (f"-a{rate}" if rate is not None else "")
             say(f"serve {label}")
             try:
@@ -490,6 +492,9 @@ def main() -> int:
                    help="the drafter's device in the engine loop and, for --backend local and grpc, serve's "
                         "--drafter-device (default: the verifier's in the engine loop, serve's choice in serve)")
     p.add_argument("--serve-args", default="", help="more serve flags, one string (default: none)")
+    p.add_argument("--spec-serve-args", default="",
+                   help="more serve flags for the speculating servers only (tree flags, which --method none "
+                        "refuses), one string (default: none)")
     p.add_argument("--seed", type=int, default=0, help="the random weights' seed (default: 0)")
     p.add_argument("--workdir", default=None, help="where the pair and the logs go (default: a temporary folder)")
     p.add_argument("--start-timeout", type=float, default=600.0, help="seconds a server may take to start")

@@ -209,6 +209,8 @@ def spec_from_flags(args):
     from spectandem.config import SpecConfig
     from spectandem.demo import demo_paths
 
+    if args.method == "none":
+        refuse_tree_flags(args)
     target, draft = args.target, args.draft
     if target is None:
         demo_target, demo_draft = demo_paths(args.method)
@@ -223,6 +225,17 @@ def spec_from_flags(args):
                      ahead_width=args.ahead_width,
                      benchmark_acceptance_rate=getattr(args, "benchmark_acceptance_rate", None))
     return cfg, target, draft
+
+
+def refuse_tree_flags(args) -> None:
+    """ValueError naming the draft flags given with --method none, which drafts nothing: a flag
+    that would change nothing is refused rather than ignored."""
+    given = [flag for flag, on in (("--draft", args.draft is not None), ("--num-steps", args.num_steps is not None),
+                                   ("--topk", args.topk != 1), ("--num-draft-tokens", args.num_draft_tokens is not None),
+                                   ("--fused", args.fused)) if on]
+    if given:
+        raise ValueError(f"{', '.join(given)}: --method none decodes plainly, with no draft model or tree; "
+                         f"drop {'it' if len(given) == 1 else 'them'} or choose a drafting --method")
 
 
 def tree_defaults(method: str, draft: str | None, num_steps: int | None = None, topk: int = 1,

@@ -54,11 +54,11 @@ def test_every_engine_command_line_serve_builds_parses(tmp_path, tls):
     for gpu, method, sizes, other, platform in itertools.product(GPU, METHODS, SIZES, OTHER, PLATFORMS):
         argv = ["serve", "--backend", "grpc", *gpu, *method, *sizes, *other, *extra_tls]
         raw = serve_p.parse_args(argv)
-        cfg, target, draft = spec_from_flags(raw)
         try:
+            cfg, target, draft = spec_from_flags(raw)
             args = resolve_serve_flags(raw, platform)
-        except ValueError:   # a GPU path or device asked for where there is no GPU, or contradicting ones
-            refused += 1
+        except ValueError:   # a GPU path or device asked for where there is no GPU, contradicting ones, or
+            refused += 1     # tree flags with --method none
             continue
         serve_paths = GpuPaths.from_args(args)
         channel = "tcp://127.0.0.1:5999" if feature_channel(args) and cfg.method != "none" else None

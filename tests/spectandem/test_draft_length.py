@@ -80,3 +80,27 @@ def test_serve_flags_take_the_demo_heads_stated_length():
     assert (cfg.num_steps, cfg.num_draft_tokens) == (DEFAULT_NUM_STEPS, DEFAULT_NUM_STEPS + 1)
     cfg, _, _ = spec_from_flags(parser.parse_args(["serve", "--fused", "--num-steps", "1"]))
     assert (cfg.num_steps, cfg.num_draft_tokens, cfg.fused) == (1, 2, True)
+
+
+@pytest.mark.parametrize("flags, named", [
+    (["--num-steps", "3"], "--num-steps"),
+    (["--num-draft-tokens", "4"], "--num-draft-tokens"),
+    (["--topk", "2"], "--topk"),
+    (["--fused"], "--fused"),
+    (["--draft", "head"], "--draft"),
+    (["--num-steps", "3", "--fused"], "--num-steps, --fused"),
+])
+@pytest.mark.parametrize("command", ["serve", "generate"])
+def test_method_none_refuses_the_draft_flags(command, flags, named):
+    """Plain decoding drafts nothing: a draft flag given with it is refused, naming the flag."""
+    extra = ["hi"] if command == "generate" else []
+    args = build_parser().parse_args([command, *extra, "--method", "none", *flags])
+    with pytest.raises(ValueError, match=f"^{named}: --method none decodes plainly"):
+        spec_from_flags(args)
+
+
+def test_method_none_without_draft_flags_is_plain():
+    for command, extra in (("serve", []), ("generate", ["hi"])):
+        cfg, target, draft = spec_from_flags(build_parser().parse_args([command, *extra, "--method", "none"]))
+        assert cfg.method == "none" and draft is None and cfg.max_draft_nodes == 0
+        assert target == str(demo_paths("none")[0])
