@@ -146,17 +146,15 @@ def engine_reference_demo(device: str, batch_sizes: list[int], max_tokens: int,
     from spectandem.checkpoint import load_tokenizer
     from spectandem.config import EngineConfig, GpuPaths, SamplingParams, SpecConfig
     from spectandem.demo import demo_paths
-    from spectandem.service_args import tree_defaults
 
     # On CUDA, serve's defaults: bfloat16, CUDA graphs and the Triton attention.
     gpu = dict(dtype="bfloat16", gpu=GpuPaths(cuda_graphs=True, triton_attention=True)) if "cuda" in device else {}
     out = []
     for method in ("none", "eagle3"):
         t, d = demo_paths(method)
-        steps, nodes = tree_defaults(method, str(d) if d else None)   # the tree serve drafts by default
+        # Without tree fields, the tree serve drafts by default (the head's stated depth).
         spec = LocalSpeculator.from_config(EngineConfig(target_dir=str(t), draft_dir=str(d) if d else None,
-                                                        spec=SpecConfig(method=method, num_steps=steps,
-                                                                        num_draft_tokens=nodes),
+                                                        spec=SpecConfig(method=method),
                                                         max_slots=max(batch_sizes),
                                                         max_len=2048, device=device, **gpu))
         tok = load_tokenizer(t)

@@ -4,21 +4,29 @@ from __future__ import annotations
 
 import math
 import os
-from dataclasses import dataclass
+from dataclasses import dataclass, field, replace
 
 METHODS = ("eagle", "eagle3", "draft-model", "ngram", "none")
+# The tree's defaults where neither the caller nor the draft head's config say (SpecConfig).
+DEFAULT_NUM_STEPS = 4
+DEFAULT_TREE_DRAFT_TOKENS = 5   # with topk above 1
 
 
 @dataclass(frozen=True, kw_only=True)
 class SpecConfig:
     """How drafts are made. `num_steps`, `topk`, `num_draft_tokens` have SGLang's meaning:
     tree depth, children expanded per node, and verified tokens per request per round
-    including the root (so at most `num_draft_tokens - 1` draft nodes)."""
+    including the root (so at most `num_draft_tokens - 1` draft nodes).
+
+    Not given (None), the depth is DEFAULT_NUM_STEPS until `for_draft` takes the one an EAGLE
+    head's config.json states (as vLLM serves a speculators checkpoint; the engines' builders,
+    EngineConfig and LocalSpeculator, call it), and the verified nodes follow the depth: SGLang's
+    depth + 1 for chains (topk 1), 2 for `fused`, DEFAULT_TREE_DRAFT_TOKENS for wider trees."""
 
     method: str = "eagle3"
-    num_steps: int = 4
+    num_steps: int | None = None
     topk: int = 1
-    num_draft_tokens: int = 5
+    num_draft_tokens: int | None = None
     # Requests sampled below this temperature use deterministic drafts verified without
     # draft probabilities (target-only tree sampling); at or above it, drafts are sampled
     # and verified with their probabilities q by rejection sampling.
@@ -32,8 +40,17 @@ class SpecConfig:
     # Benchmarks only (drafter/controlled.py): the drafter drafts the outputs of greedy requests
     # seen before, each draft right with this probability; None (always outside benchmarks): off.
     benchmark_acceptance_rate: float | None = None
+    # Which of (num_steps, num_draft_tokens) the caller gave: `for_draft` leaves those.
+    given: tuple[bool, bool] = field(init=False, repr=False, compare=False, default=(True, True))
 
     def __post_init__(self):
+        given = (self.num_steps is not None, self.num_draft_tokens is not None)
+        object.__setattr__(self, "given", given)
+        if not given[0]:
+            object.__setattr__(self, "num_steps", DEFAULT_NUM_STEPS)
+        if not given[1]:
+            nodes = 2 if self.fused else (self.num_steps + 1 if self.topk == 1 else DEFAULT_TREE_DRAFT_TOKENS)
+            object.__setattr__(self, "num_draft_tokens", nodes)
         if self.method not in METHODS:
             raise ValueError(f"method must be one of {', '.join(METHODS)}; got {self.method!r}")
         if self.num_steps < 1:
@@ -53,6 +70,19 @@ class SpecConfig:
             raise ValueError(f"draft_sampling_min_temperature must be >= 0, got {self.draft_sampling_min_temperature}")
         if self.benchmark_acceptance_rate is not None:
             self._check_benchmark_rate()
+
+    def for_draft(self, draft_dir) -> "SpecConfig":
+        """This config with the depth the EAGLE head in `draft_dir` states in its config.json
+        (spectandem/checkpoint.py `declared_draft_length`), where the caller gave none; the
+        verified nodes follow it unless given. Itself where nothing changes."""
+        if self.given[0] or draft_dir is None or self.method not in ("eagle", "eagle3"):
+            return self
+        from spectandem.checkpoint import declared_draft_length, read_config
+
+        stated = declared_draft_length(read_config(draft_dir), f"{draft_dir}/config.json")
+        if stated is None or stated == self.num_steps:
+            return self
+        return replace(self, num_steps=stated, num_draft_tokens=self.num_draft_tokens if self.given[1] else None)
 
     def _check_benchmark_rate(self) -> None:
         rate = self.benchmark_acceptance_rate
@@ -358,6 +388,8 @@ class EngineConfig:
 
     def __post_init__(self):
         from spectandem.memory import check_cpu_kv_space, check_utilization
+
+        object.__setattr__(self, "spec", self.spec.for_draft(self.draft_dir))   # the head's stated depth
 
         if self.cpu_kv_cache_gib is not None:
             check_cpu_kv_space(self.cpu_kv_cache_gib)

@@ -27,11 +27,8 @@ def demo_paths(method: str) -> tuple[Path, Path | None]:
 
 def demo_spec(method: str, **fields):
     """The SpecConfig `spectandem serve --method METHOD` drafts the demo pair with when no tree
-    flag is given (the depth the demo head's config states: spectandem/service_args.py
-    tree_defaults), with `fields` over it."""
+    flag is given (the depth the demo head's config states: SpecConfig.for_draft), with `fields`
+    over it."""
     from spectandem.config import SpecConfig
-    from spectandem.service_args import tree_defaults
 
-    draft = demo_paths(method)[1]
-    num_steps, num_draft_tokens = tree_defaults(method, str(draft) if draft else None)
-    return SpecConfig(**{"method": method, "num_steps": num_steps, "num_draft_tokens": num_draft_tokens, **fields})
+    return SpecConfig(method=method, **fields).for_draft(demo_paths(method)[1])

@@ -7,6 +7,7 @@ from __future__ import annotations
 import argparse
 
 from spectandem.tls import add_server_tls_flags
+from spectandem.config import DEFAULT_NUM_STEPS, DEFAULT_TREE_DRAFT_TOKENS
 from spectandem.memory import DEFAULT_CPU_KV_CACHE_GIB
 
 
@@ -43,9 +44,6 @@ DEVICE_HELP = "torch device of the engine(s): auto = cuda when a CUDA GPU is vis
 DTYPE_HELP = ("auto = bfloat16 on CUDA, float32 on the CPU; float64: CPU reference runs (their rounding almost never "
               "flips seeded draws)")
 DTYPE_CHOICES = ["auto", "float32", "bfloat16", "float16", "float64"]
-# The tree flags' defaults where neither the flags nor the draft head's config say (tree_defaults).
-DEFAULT_NUM_STEPS = 4
-DEFAULT_TREE_DRAFT_TOKENS = 5   # with --topk above 1
 
 
 def add_device_flags(p: argparse.ArgumentParser) -> None:
@@ -217,13 +215,13 @@ def spec_from_flags(args):
         target, draft = str(demo_target), (draft or (str(demo_draft) if demo_draft else None))
     elif draft is None and args.method in ("eagle", "eagle3", "draft-model"):
         raise ValueError(f"--method {args.method} with --target needs --draft")
-    num_steps, num_draft_tokens = tree_defaults(args.method, draft, args.num_steps, args.topk, args.num_draft_tokens,
-                                                args.fused)
-    cfg = SpecConfig(method=args.method, num_steps=num_steps, topk=args.topk,
-                     num_draft_tokens=num_draft_tokens, fused=args.fused,
+    # Without --num-steps, the depth the head's config states (SpecConfig.for_draft); the engine
+    # processes serve starts get the resolved tree on their command lines.
+    cfg = SpecConfig(method=args.method, num_steps=args.num_steps, topk=args.topk,
+                     num_draft_tokens=args.num_draft_tokens, fused=args.fused,
                      draft_sampling_min_temperature=args.draft_sampling_min_temperature,
                      ahead_width=args.ahead_width,
-                     benchmark_acceptance_rate=getattr(args, "benchmark_acceptance_rate", None))
+                     benchmark_acceptance_rate=getattr(args, "benchmark_acceptance_rate", None)).for_draft(draft)
     return cfg, target, draft
 
 
@@ -237,20 +235,3 @@ def refuse_tree_flags(args) -> None:
         raise ValueError(f"{', '.join(given)}: --method none decodes plainly, with no draft model or tree; "
                          f"drop {'it' if len(given) == 1 else 'them'} or choose a drafting --method")
 
-
-def tree_defaults(method: str, draft: str | None, num_steps: int | None = None, topk: int = 1,
-                  num_draft_tokens: int | None = None, fused: bool = False) -> tuple[int, int]:
-    """(num_steps, num_draft_tokens): those given (the flags). Otherwise the depth an EAGLE head's
-    config.json states (spectandem/checkpoint.py `declared_draft_length`, as vLLM reads a
-    speculators checkpoint), else DEFAULT_NUM_STEPS; and the verified nodes SGLang takes for
-    chains (depth + 1, with --topk 1), 2 for --fused, DEFAULT_TREE_DRAFT_TOKENS for wider trees."""
-    from spectandem.checkpoint import declared_draft_length, read_config
-
-    if num_steps is None:
-        stated = None
-        if draft is not None and method in ("eagle", "eagle3"):
-            stated = declared_draft_length(read_config(draft), f"{draft}/config.json")
-        num_steps = stated or DEFAULT_NUM_STEPS
-    if num_draft_tokens is None:
-        num_draft_tokens = 2 if fused else (num_steps + 1 if topk == 1 else DEFAULT_TREE_DRAFT_TOKENS)
-    return num_steps, num_draft_tokens

@@ -9,8 +9,8 @@ from drafter.data import EOS
 from drafter.train import TrainConfig
 from spectandem.checkpoint import declared_draft_length, read_config
 from spectandem.cli import main
+from spectandem.config import SpecConfig
 from spectandem.demo import demo_paths
-from spectandem.service_args import tree_defaults
 
 
 def test_train_draft_writes_the_stated_length(tmp_path):
@@ -23,7 +23,8 @@ def test_train_draft_writes_the_stated_length(tmp_path):
                "--draft-length", "3"])
     assert rc == 0
     assert declared_draft_length(read_config(out)) == 3
-    assert tree_defaults("eagle3", str(out)) == (3, 4)
+    cfg = SpecConfig(method="eagle3").for_draft(str(out))
+    assert (cfg.num_steps, cfg.num_draft_tokens) == (3, 4)
 
 
 def test_train_config_refuses_a_draft_length_below_one():

@@ -10,8 +10,13 @@ import pytest
 
 from spectandem.checkpoint import CheckpointError, declared_draft_length, read_config
 from spectandem.cli import build_parser
+from spectandem.config import DEFAULT_NUM_STEPS, EngineConfig, SpecConfig
 from spectandem.demo import demo_paths
-from spectandem.service_args import DEFAULT_NUM_STEPS, spec_from_flags, tree_defaults
+from spectandem.service_args import spec_from_flags
+
+
+def _tree(cfg) -> tuple[int, int]:
+    return cfg.num_steps, cfg.num_draft_tokens
 
 
 def _stating(value) -> dict:
@@ -45,24 +50,24 @@ def test_declared_draft_length_refuses_proposal_methods_that_are_no_list_of_obje
 
 def test_tree_defaults_follow_the_head_then_the_fallback(tmp_path):
     stating, silent = _head_dir(tmp_path / "a", _stating(6)), _head_dir(tmp_path / "b", {})
-    assert tree_defaults("eagle3", stating) == (6, 7)
-    assert tree_defaults("eagle", stating) == (6, 7)
-    assert tree_defaults("eagle3", silent) == (DEFAULT_NUM_STEPS, DEFAULT_NUM_STEPS + 1)
+    assert _tree(SpecConfig(method="eagle3").for_draft(stating)) == (6, 7)
+    assert _tree(SpecConfig(method="eagle").for_draft(stating)) == (6, 7)
+    assert _tree(SpecConfig(method="eagle3").for_draft(silent)) == (DEFAULT_NUM_STEPS, DEFAULT_NUM_STEPS + 1)
     # Methods without an EAGLE head never read one; a draft model's config is no head's.
-    assert tree_defaults("draft-model", stating) == (DEFAULT_NUM_STEPS, DEFAULT_NUM_STEPS + 1)
-    assert tree_defaults("ngram", None) == (DEFAULT_NUM_STEPS, DEFAULT_NUM_STEPS + 1)
+    assert _tree(SpecConfig(method="draft-model").for_draft(stating)) == (DEFAULT_NUM_STEPS, DEFAULT_NUM_STEPS + 1)
+    assert _tree(SpecConfig(method="ngram").for_draft(None)) == (DEFAULT_NUM_STEPS, DEFAULT_NUM_STEPS + 1)
     # The flags win; the node count follows the depth for chains, is 2 for fused, 5 for wider trees.
-    assert tree_defaults("eagle3", stating, num_steps=3) == (3, 4)
-    assert tree_defaults("eagle3", stating, num_draft_tokens=4) == (6, 4)
-    assert tree_defaults("eagle3", stating, fused=True) == (6, 2)
-    assert tree_defaults("eagle3", stating, topk=2) == (6, 5)
+    assert _tree(SpecConfig(method="eagle3", num_steps=3).for_draft(stating)) == (3, 4)
+    assert _tree(SpecConfig(method="eagle3", num_draft_tokens=4).for_draft(stating)) == (6, 4)
+    assert _tree(SpecConfig(method="eagle3", fused=True).for_draft(stating)) == (6, 2)
+    assert _tree(SpecConfig(method="eagle3", topk=2).for_draft(stating)) == (6, 5)
 
 
 def test_a_bad_stated_length_is_refused_at_start_unless_the_flag_decides(tmp_path):
     head = _head_dir(tmp_path, _stating(0))
     with pytest.raises(CheckpointError, match="speculative_tokens must be an integer >= 1"):
-        tree_defaults("eagle3", head)
-    assert tree_defaults("eagle3", head, num_steps=4) == (4, 5)
+        _tree(SpecConfig(method="eagle3").for_draft(head))
+    assert _tree(SpecConfig(method="eagle3", num_steps=4).for_draft(head)) == (4, 5)
 
 
 def test_serve_flags_take_the_demo_heads_stated_length():
@@ -104,3 +109,26 @@ def test_method_none_without_draft_flags_is_plain():
         cfg, target, draft = spec_from_flags(build_parser().parse_args([command, *extra, "--method", "none"]))
         assert cfg.method == "none" and draft is None and cfg.max_draft_nodes == 0
         assert target == str(demo_paths("none")[0])
+
+
+def test_the_python_api_drafts_as_deep_as_serve():
+    """An engine built in Python (EngineConfig, which LocalSpeculator builds too) takes the depth the
+    head states where the SpecConfig gives none, as serve does; a given depth stays."""
+    target, head = (str(p) for p in demo_paths("eagle3"))
+    served, _, _ = spec_from_flags(build_parser().parse_args(["serve"]))
+    built = EngineConfig(target_dir=target, draft_dir=head, spec=SpecConfig(method="eagle3")).spec
+    assert _tree(built) == _tree(served) == (5, 6)
+    assert built == served
+    kept = EngineConfig(target_dir=target, draft_dir=head, spec=SpecConfig(method="eagle3", num_steps=3)).spec
+    assert _tree(kept) == (3, 4)
+    # Without a head to read, the fallback; the nodes follow the depth, fused verifies 2.
+    assert _tree(SpecConfig()) == (DEFAULT_NUM_STEPS, DEFAULT_NUM_STEPS + 1)
+    assert _tree(SpecConfig(fused=True)) == (DEFAULT_NUM_STEPS, 2)
+    assert _tree(SpecConfig(topk=3)) == (DEFAULT_NUM_STEPS, 5)
+
+
+def test_local_speculator_drafts_the_heads_stated_depth():
+    from router.local import LocalSpeculator
+
+    spec = LocalSpeculator(*demo_paths("eagle3"), SpecConfig(method="eagle3"), max_slots=2, max_len=128)
+    assert _tree(spec.cfg) == (5, 6)

@@ -64,9 +64,9 @@ def test_save_head_refuses_normed_feedback(tmp_path, target):
 
 def test_save_head_states_its_draft_length(tmp_path, target):
     """`draft_length` goes into the config as speculators state it; the head loads as before, and
-    serve's default depth is then that length (spectandem/service_args.py tree_defaults)."""
+    serve's default depth is then that length (spectandem/config.py SpecConfig.for_draft)."""
     from spectandem.checkpoint import declared_draft_length, read_config
-    from spectandem.service_args import tree_defaults
+    from spectandem.config import SpecConfig
 
     cfg, t = eagle3_checkpoint(23, head_dim=16)
     head = load_head(write(tmp_path / "src", cfg, _bf16_exact(t)), target)
@@ -75,4 +75,5 @@ def test_save_head_states_its_draft_length(tmp_path, target):
     assert declared_draft_length(read_config(tmp_path / "plain")) is None
     assert declared_draft_length(read_config(tmp_path / "stated")) == 6
     assert load_head(tmp_path / "stated", target).spec == head.spec
-    assert tree_defaults("eagle3", str(tmp_path / "stated")) == (6, 7)
+    cfg = SpecConfig(method="eagle3").for_draft(str(tmp_path / "stated"))
+    assert (cfg.num_steps, cfg.num_draft_tokens) == (6, 7)
