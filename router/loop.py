@@ -593,9 +593,10 @@ class Router:
         mode = self._mode = self._modes.choose(len(self.running) + len(admit) + len(mixed), self.drafter_up)
         # The round's measurement for "auto" starts here: the admission a mode makes apart (ahead
         # and ping-pong prefill new requests before the round, where sequential and plain carry
-        # them in the verify step) is that mode's cost, as the prompts in a verify step are.
+        # them in the verify step) falls in its round, as the prompts in a verify step do; "auto"
+        # times a window by its rounds that admitted none where it has enough (router/pipeline.py).
         t0, before, rounds = time.perf_counter(), self._tokens_committed, self.counters.rounds
-        request_rounds = len(self.running) + len(admit) + len(mixed)
+        request_rounds, admitted = len(self.running) + len(admit) + len(mixed), len(admit) + len(mixed)
         if mode in ("ahead", "pingpong"):
             await self._releases_landed("drafter")   # draft ahead forks requests on the drafter: its slots free first
             if admit or mixed:   # their drafter calls go with the verify
@@ -625,7 +626,8 @@ class Router:
         # decoding's rate, and counted as the mode's would keep "auto" from the mode once drafts
         # are accepted again (router/pipeline.py).
         if not self._capped_plain and (mode == "plain" or self._drafted_any):
-            self._modes.record(mode, self._tokens_committed - before, time.perf_counter() - t0, request_rounds, upkeep)
+            self._modes.record(mode, self._tokens_committed - before, time.perf_counter() - t0, request_rounds, upkeep,
+                               admitted)
 
     async def _admit_first(self, batch: list[ServedRequest]) -> None:
         """Admits `batch` now, then releases what ended (during admission too) and makes room for

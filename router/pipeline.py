@@ -19,8 +19,9 @@ its replies, router/loop.py); from there, sequential, ping-pong, each short draf
 plain. It measures each over a window of rounds (its first round left out) and keeps the fastest
 for eight windows, measuring it again as it runs; between keeps it measures one other candidate
 (in turn) for a window, so a change of the fastest is found at the cost of one window. A
-round's measurement includes the prefill of the requests it admits: in its verify step
-(sequential, plain) or before it (ahead and ping-pong admit apart, router/loop.py `_round`).
+round's time includes the prefill of the requests it admits: in its verify step (sequential,
+plain) or before it (ahead and ping-pong admit apart, router/loop.py `_round`); a window times
+its mode by the rounds that admitted none where it has enough of them (below).
 While the same mode stays the fastest, each keep is twice as long as the one before (up to 32
 windows, and at most `max_keep_seconds` (RouterConfig, 4 s), so that a change of traffic is seen within seconds at any
 batch): a settled choice spends about 3% of its rounds measuring the others. Candidates that
@@ -71,7 +72,15 @@ would keep the rate of the text where drafts were rejected until its turn came F
 later (at 16 running on the H100, plain kept through a whole bench run at 1,729-1,837 tok/s
 where sequential served 2,698). The second leaves out the window's stalls, the rounds that took
 over STALL_FACTOR times the window's median per request-round: a round that captured a CUDA graph
-or waited on a stall is not the mode's cost. Every other round counts, so that a mode whose rounds
+or waited on a stall is not the mode's cost. Nor are the prompts of the requests a round admits
+(prefilled in its verify step, or before it): the same work whichever mode runs, that lands in
+whichever window the arrivals fall in. A window with ADMISSION_FREE_ROUNDS rounds that admitted
+none is timed by those alone; one with fewer (requests arriving in most rounds, every mode's
+windows alike) by all of them. Without this, the window that took a wave of arrivals measured
+its mode at a fraction of its speed (the demo pair on 2 CPU cores at 16 running: plain's window
+took five rounds of the next requests' prompts, 3.6 s for 8 rounds against 72-76 ms for each
+round that admitted none, and plain, measured at a quarter of its speed, was not measured again
+in that run). Every other round counts, so that a mode whose rounds
 differ by nature (ahead: a hit's round does not draft, a miss's does) is judged by their mean, and
 a short window of one mode and a long keep of another by the same rule: a fixed share of the
 slowest rounds left out would take a keep of ahead's misses away, and none of a short window's
@@ -109,6 +118,9 @@ DEPTH_SLACK = 1.25
 # A round that took over this many times the median round of its window (per request-round, upkeep
 # aside) stalled (a CUDA graph's capture, a pause of the host) and is left out of the mode's speed.
 STALL_FACTOR = 3.0
+# A window with at least this many rounds that admitted no request is timed by those alone (the
+# prompts' prefill is no mode's cost).
+ADMISSION_FREE_ROUNDS = 2
 
 
 def _depth(kind: str) -> float:
@@ -147,8 +159,8 @@ class _ClassState:
     elapsed: float = 0.0        # seconds of the phase's rounds so far
     pooled: list[int] = field(default_factory=lambda: [0, 0, 0])   # the phase's tokens, request-rounds, rounds in `yields`
     speeds: dict[str, float] = field(default_factory=dict)   # mode -> request-rounds/s its last window ran
-    # mode -> its phase's rounds so far, each (seconds, request-rounds)
-    acc: dict[str, list[tuple[float, int]]] = field(default_factory=dict)
+    # mode -> its phase's rounds so far, each (seconds, request-rounds, upkeep seconds, admitted any)
+    acc: dict[str, list[tuple[float, int, float, bool]]] = field(default_factory=dict)
     # draft kind -> recent rounds, each (tokens, request-rounds): what the kind commits per request-round
     yields: dict[str, deque] = field(default_factory=dict)
     prior: float | None = None   # what the phase's kind committed per request-round when the phase began
@@ -347,10 +359,12 @@ class ModeChooser:
         s.near_turn += 1
         return near[(s.near_turn - 1) % len(near)]
 
-    def record(self, mode: str, tokens: int, seconds: float, request_rounds: int = 1, upkeep: float = 0.0) -> None:
+    def record(self, mode: str, tokens: int, seconds: float, request_rounds: int = 1, upkeep: float = 0.0,
+               admitted: int = 0) -> None:
         """One round of `mode` that committed `tokens` for `request_rounds` requests in `seconds`,
         `upkeep` of them work the mode's rounds owe in turn (the catch-ups plain rounds hold back
-        for drafter-attached requests, sent every BACKLOG_ROUNDS rounds: router/loop.py): every
+        for drafter-attached requests, sent every BACKLOG_ROUNDS rounds: router/loop.py), and
+        admitted `admitted` new requests (their prefill inside `seconds`; `_speed`): every
         phase measures its mode (a keep re-measures the fastest), its first round left out when
         the phase has others: it pays for the previous mode's leftovers (a pending catch-up, a
         second micro-batch), not its own."""
@@ -361,7 +375,7 @@ class ModeChooser:
         s.left -= 1
         s.elapsed += seconds
         if not (first and s.length > 1) and request_rounds > 0:
-            s.acc.setdefault(mode, []).append((seconds - upkeep, request_rounds, upkeep))
+            s.acc.setdefault(mode, []).append((seconds - upkeep, request_rounds, upkeep, admitted > 0))
             kind = draft_kind(mode)
             pool = s.yields.setdefault(kind, deque())
             pool.append((tokens, request_rounds))
@@ -379,19 +393,22 @@ def _pool_yield(pool) -> float:
     return sum(t for t, _ in pool) / max(1, sum(r for _, r in pool))
 
 
-def _speed(rounds: list[tuple[float, int, float]]) -> float | None:
-    """Request-rounds per second of a window's rounds [(seconds, request-rounds, upkeep seconds)],
-    its stalls left out (rounds over STALL_FACTOR times the median per request-round, upkeep
-    aside), and the window's upkeep spread over its request-rounds: the catch-ups a plain round
-    sends every BACKLOG_ROUNDS rounds are plain decoding's cost while requests stay on the
+def _speed(rounds: list[tuple[float, int, float, bool]]) -> float | None:
+    """Request-rounds per second of a window's rounds [(seconds, request-rounds, upkeep seconds,
+    admitted any)]: those that admitted no request where ADMISSION_FREE_ROUNDS of them did not,
+    else all; their stalls left out (rounds over STALL_FACTOR times the median per request-round,
+    upkeep aside), and the window's upkeep spread over its request-rounds: the catch-ups a plain
+    round sends every BACKLOG_ROUNDS rounds are plain decoding's cost while requests stay on the
     drafter, not a stall."""
     if not rounds:
         return None
-    per = sorted(sec / r for sec, r, _ in rounds)
+    free = [x for x in rounds if not x[3]]
+    timed = free if len(free) >= ADMISSION_FREE_ROUNDS else rounds
+    per = sorted(sec / r for sec, r, _, _ in timed)
     median = per[len(per) // 2]
-    kept = [(sec, r) for sec, r, _ in rounds if sec / r <= STALL_FACTOR * median]
+    kept = [(sec, r) for sec, r, _, _ in timed if sec / r <= STALL_FACTOR * median]
     request_rounds = sum(r for _, r in kept)
-    upkeep = sum(u for _, _, u in rounds) * request_rounds / max(1, sum(r for _, r, _ in rounds))
+    upkeep = sum(u for _, _, u, _ in rounds) * request_rounds / max(1, sum(r for _, r, _, _ in rounds))
     seconds = sum(sec for sec, _ in kept) + upkeep
     return request_rounds / seconds if seconds > 0 else None
 

@@ -501,3 +501,34 @@ def test_a_kept_mode_is_judged_with_its_slow_rounds_as_the_others_are():
 
     assert share(_ahead_against_sequential(2.5), "sequential") > 0.75
     assert share(_ahead_against_sequential(1.5), "ahead") > 0.75
+
+
+def test_a_wave_of_arrivals_is_not_charged_to_the_window_it_lands_in():
+    """The prompts a round admits are the same work in every mode: a window with enough rounds
+    that admitted none is timed by those. Here plain's window takes a wave of arrivals (five slow
+    rounds, each admitting); timed by all its rounds plain would measure at a sixth of
+    sequential's rate and lose, timed by its two free rounds it is the faster and is kept."""
+    chooser = ModeChooser(_cfg(pipeline="auto", mode_window=8))
+    tokens, seconds = {"sequential": 3, "ahead": 3, "plain": 4}, {"sequential": 1.0, "ahead": 1.2, "plain": 0.8}
+    plain_rounds = 0
+    for _ in range(3 * 8):
+        mode = chooser.choose(num_running=1, drafter_up=True)
+        admitted = 0
+        if mode == "plain":
+            plain_rounds += 1
+            admitted = 3 if plain_rounds in (2, 3, 5, 6, 7) else 0   # the first round is left out anyway
+        chooser.record(mode, tokens=tokens[mode], seconds=seconds[mode] + (6.0 if admitted else 0.0),
+                       admitted=admitted)
+    assert chooser.rates_for(1)["plain"] == pytest.approx(4 / 0.8)
+    assert chooser.choose(num_running=1, drafter_up=True) == "plain"
+
+
+def test_arrivals_in_most_rounds_time_the_window_by_all_of_them():
+    """Fewer than two rounds free of arrivals: the window is timed by every round (stalls aside),
+    as every mode's windows are under such traffic."""
+    chooser = ModeChooser(_cfg(pipeline="auto", mode_window=4))
+    for i in range(4):
+        mode = chooser.choose(num_running=4, drafter_up=True)
+        assert mode == "sequential"
+        chooser.record(mode, tokens=8, seconds=1.0 if i == 3 else 1.5, request_rounds=4, admitted=0 if i == 3 else 1)
+    assert chooser.rates_for(4)["sequential"] == pytest.approx(24 / 4.0)
