@@ -75,8 +75,11 @@ over STALL_FACTOR times the window's median per request-round: a round that capt
 or waited on a stall is not the mode's cost. Nor are the prompts of the requests a round admits
 (prefilled in its verify step, or before it): the same work whichever mode runs, that lands in
 whichever window the arrivals fall in. A window with ADMISSION_FREE_ROUNDS rounds that admitted
-none is timed by those alone; one with fewer (requests arriving in most rounds, every mode's
-windows alike) by all of them. Without this, the window that took a wave of arrivals measured
+none is timed by those alone. A window of measure or explore with fewer runs on round by round
+until it has them, for up to EXTEND_ROUNDS times its length (the ends of a wave of 64 requests
+spread over a dozen rounds, each admitting some); one that still has fewer (requests arriving in
+most rounds, every mode's windows alike) is timed by all of them. A keep is long enough as it
+is. Without this, the window that took a wave of arrivals measured
 its mode at a fraction of its speed (the demo pair on 2 CPU cores at 16 running: plain's window
 took five rounds of the next requests' prompts, 3.6 s for 8 rounds against 72-76 ms for each
 round that admitted none, and plain, measured at a quarter of its speed, was not measured again
@@ -121,6 +124,8 @@ STALL_FACTOR = 3.0
 # A window with at least this many rounds that admitted no request is timed by those alone (the
 # prompts' prefill is no mode's cost).
 ADMISSION_FREE_ROUNDS = 2
+# A measuring window with fewer runs on, round by round, for up to this many times its length.
+EXTEND_ROUNDS = 3
 
 
 def _depth(kind: str) -> float:
@@ -151,6 +156,9 @@ class _ClassState:
     left: int = 0               # rounds left in the phase
     length: int = 0             # rounds of the phase
     fresh: bool = False         # the phase's next round is its first
+    free: int = 0               # the phase's measured rounds that admitted no request
+    admitting: int = 0          # ... and those that admitted some
+    extended: int = 0           # rounds the phase ran past its length, waiting for such rounds
     explored: int = 0           # ends of keeps so far: every FAR_EVERY-th explores any other candidate
     near_turn: int = 0          # the next near candidate (within EXPLORE_NEAR of the fastest) in turn
     any_turn: int = 0           # the next other candidate in turn, near or not
@@ -179,6 +187,7 @@ class _ClassState:
     def start(self, phase: str, mode: str, rounds: int) -> None:
         self.phase, self.mode, self.left, self.length, self.fresh = phase, mode, rounds, rounds, True
         self.elapsed, self.pooled = 0.0, [0, 0, 0]
+        self.free = self.admitting = self.extended = 0
         pool = self.yields.get(draft_kind(mode))
         self.prior = _pool_yield(pool) if pool else None
 
@@ -384,6 +393,11 @@ class ModeChooser:
             while held - pool[0][1] >= YIELD_REQUEST_ROUNDS:
                 held -= pool.popleft()[1]
             s.pooled[2] = min(s.pooled[2], len(pool))
+            s.free += not admitted
+            s.admitting += bool(admitted)
+        if (s.left == 0 and s.phase != "keep" and s.admitting and s.free < ADMISSION_FREE_ROUNDS
+                and s.extended < EXTEND_ROUNDS * s.length):
+            s.left, s.extended = 1, s.extended + 1   # arrivals filled the window: on until the rounds without come
         if s.left == 0:
             s.end()
 

@@ -523,12 +523,29 @@ def test_a_wave_of_arrivals_is_not_charged_to_the_window_it_lands_in():
     assert chooser.choose(num_running=1, drafter_up=True) == "plain"
 
 
-def test_arrivals_in_most_rounds_time_the_window_by_all_of_them():
-    """Fewer than two rounds free of arrivals: the window is timed by every round (stalls aside),
-    as every mode's windows are under such traffic."""
+def test_a_window_that_arrivals_filled_runs_on_until_rounds_without_come():
+    """A measuring window whose rounds nearly all admitted (the ends of a wave spread over its
+    rounds) runs on, round by round, until it has two rounds that admitted none, and is timed by
+    those; at most three times its length, then by every round. A keep never runs on."""
     chooser = ModeChooser(_cfg(pipeline="auto", mode_window=4))
-    for i in range(4):
-        mode = chooser.choose(num_running=4, drafter_up=True)
-        assert mode == "sequential"
-        chooser.record(mode, tokens=8, seconds=1.0 if i == 3 else 1.5, request_rounds=4, admitted=0 if i == 3 else 1)
-    assert chooser.rates_for(4)["sequential"] == pytest.approx(24 / 4.0)
+    busy = iter([1, 1, 1, 1, 1, 0, 1, 0])   # the window's rounds, then two more until the second free one
+    chosen = []
+    for _ in range(8):
+        mode = chooser.choose(num_running=1, drafter_up=True)
+        chosen.append(mode)
+        admitted = next(busy)
+        chooser.record(mode, tokens=3, seconds=5.0 if admitted else 1.0, admitted=admitted)
+    assert chosen == ["sequential"] * 8
+    assert chooser.rates_for(1)["sequential"] == pytest.approx(3.0)
+    assert chooser.choose(num_running=1, drafter_up=True) == "ahead"
+
+    # Arrivals in all but one round to the end of its run-on: timed by every round (the first aside).
+    capped = ModeChooser(_cfg(pipeline="auto", mode_window=4))
+    chosen = []
+    for i in range(4 + 12 + 1):
+        mode = capped.choose(num_running=1, drafter_up=True)
+        chosen.append(mode)
+        admitted = 0 if i == 6 else 1
+        capped.record(mode, tokens=3, seconds=5.0 if admitted else 1.0, admitted=admitted)
+    assert chosen == ["sequential"] * 16 + ["ahead"]
+    assert capped.rates_for(1)["sequential"] == pytest.approx(15 * 3 / (14 * 5.0 + 1.0))
