@@ -25,7 +25,8 @@ Each bench run sends one wave of warm-up requests at its concurrency (not measur
 whether every output equals the plain greedy output of the same prompt (the `--method none`
 server of the same backend); null where the plain outputs at hand lack some of its prompts. A
 server that does not come up within `--start-timeout` writes every thread's stack to its log
-(serve's SIGUSR2) before it is stopped.
+(serve's SIGUSR2) before it is stopped. The servers log at INFO (`--workdir`/logs/serve-*.log):
+`--pipeline auto`'s choices, each with the rates it measured for every candidate mode.
 
 Output: `--out` JSON, {"gpu", "command", "records": [...], "engine_reference": [...]}, and a table.
 
@@ -328,7 +329,8 @@ def run_matrix(args) -> dict:
         plain: dict[int, list[int]] = dict(stored.get(backend, {}))
         for method, rate in methods:
             argv = (model + ([] if method == "none" else draft)
-                    + ["--backend", backend, "--method", method, "--http-port", "0", "--metrics-port", "0"]
+                    + ["--backend", backend, "--method", method, "--http-port", "0", "--metrics-port", "0",
+                       "--log-level", "INFO"]
                     + (["--device", args.device] if args.device else []))
             if args.drafter_device and method != "none" and backend != "ray":   # Ray places its actors itself
                 argv += ["--drafter-device", args.drafter_device]
