@@ -79,11 +79,11 @@ none is timed by those alone. A window of measure or explore with fewer runs on 
 until it has them, for up to EXTEND_ROUNDS times its length (the ends of a wave of 64 requests
 spread over a dozen rounds, each admitting some); one that still has fewer (requests arriving in
 most rounds, every mode's windows alike) is timed by all of them. A keep is long enough as it
-is. Without this, the window that took a wave of arrivals measured
-its mode at a fraction of its speed (the demo pair on 2 CPU cores at 16 running: plain's window
-took five rounds of the next requests' prompts, 3.6 s for 8 rounds against 72-76 ms for each
-round that admitted none, and plain, measured at a quarter of its speed, was not measured again
-in that run). Every other round counts, so that a mode whose rounds
+is. Without this, the window that took a wave of arrivals measured its mode at a fraction of
+its speed (the demo pair on 2 CPU cores at 16 running: plain's window took five rounds of the
+next requests' prompts, 3.6 s for 8 rounds against 72-76 ms for each round that admitted none,
+and plain, measured at a quarter of its speed, was not measured again in that run). Every other
+round counts, so that a mode whose rounds
 differ by nature (ahead: a hit's round does not draft, a miss's does) is judged by their mean, and
 a short window of one mode and a long keep of another by the same rule: a fixed share of the
 slowest rounds left out would take a keep of ahead's misses away, and none of a short window's
