@@ -367,9 +367,9 @@ def engine_commands(args, cfg, target: str, draft: str | None, verifier_port: in
         mem_v = mem_d = ["--gpu-memory-utilization", str(args.gpu_memory_utilization)]
     pool_v = (["--kv-blocks", str(args.kv_blocks)] if args.kv_blocks else []) + mem_v
     pool_d = (["--draft-kv-blocks", str(args.draft_kv_blocks)] if args.draft_kv_blocks else []) + mem_d
-    tree = ["--num-steps", str(cfg.num_steps), "--topk", str(cfg.topk), "--num-draft-tokens", str(cfg.num_draft_tokens),
-            "--draft-sampling-min-temperature", str(cfg.draft_sampling_min_temperature),
-            "--ahead-width", str(cfg.ahead_width)]
+    shape = ["--num-steps", str(cfg.num_steps), "--topk", str(cfg.topk), "--num-draft-tokens", str(cfg.num_draft_tokens)]
+    tree = shape + ["--draft-sampling-min-temperature", str(cfg.draft_sampling_min_temperature),
+                    "--ahead-width", str(cfg.ahead_width)]
     if cfg.benchmark_acceptance_rate is not None:
         tree += ["--benchmark-acceptance-rate", repr(cfg.benchmark_acceptance_rate)]
     def threads(n: int | None) -> list[str]:
@@ -378,7 +378,7 @@ def engine_commands(args, cfg, target: str, draft: str | None, verifier_port: in
     out = {}
     if verifier_port is not None:
         out["verifier"] = ([sys.executable, "-m", "verifier", "--port", str(verifier_port), "--device", verifier_device]
-                           + common + threads(args.engine_threads) + pool_v)
+                           + common + threads(args.engine_threads) + pool_v + (shape if cfg.method != "none" else []))
     if drafter_port is not None and cfg.method != "none":
         out["drafter"] = ([sys.executable, "-m", "drafter", "--port", str(drafter_port), "--device", drafter_device]
                           + common + threads(_drafter_threads_of(args)) + tree

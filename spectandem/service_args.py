@@ -137,6 +137,7 @@ def add_verifier_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--feature-layers", default=None,
                    help='features the drafter reads: "none", "final" or comma-separated HF hidden-state indices '
                         "(default: from --method and --draft)")
+    add_tree_flags(p)   # the drafter's: the tree widths whose verify graphs are captured at start
     add_device_flags(p)
     p.add_argument("--max-len", "--max-model-len", type=int, default=None,
                    help="context length (default: the target's; --max-model-len as in vLLM)")
@@ -173,13 +174,8 @@ def add_drafter_args(p: argparse.ArgumentParser) -> None:
     add_server_tls_flags(p, "the Drafter service")
 
 
-def add_model_flags(p: argparse.ArgumentParser) -> None:
-    """Model and tree flags shared by every command that loads models."""
-    p.add_argument("--target", default=None, help="target checkpoint directory (default: the demo target)")
-    p.add_argument("--draft", default=None, help="draft head / draft model directory (default: the demo's)")
-    p.add_argument("--method", choices=["eagle", "eagle3", "draft-model", "ngram", "none"], default="eagle3",
-                   help="how drafts are made: an EAGLE-1 or EAGLE-3 head, a small draft model, prompt-lookup "
-                        "n-grams, or none (plain decoding)")
+def add_tree_flags(p: argparse.ArgumentParser) -> None:
+    """The tree's shape: what the drafter drafts, and what a verifier warms its graphs up for."""
     p.add_argument("--num-steps", type=int, default=None,
                    help="tree depth (default: the draft tokens an EAGLE head's config.json states, as speculators' "
                         f"speculative_tokens, else {DEFAULT_NUM_STEPS})")
@@ -187,6 +183,16 @@ def add_model_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("--num-draft-tokens", type=int, default=None,
                    help="verified nodes per round, root included (default: 2 with --fused, --num-steps + 1 with "
                         f"--topk 1, else {DEFAULT_TREE_DRAFT_TOKENS})")
+
+
+def add_model_flags(p: argparse.ArgumentParser) -> None:
+    """Model and tree flags shared by every command that loads models."""
+    p.add_argument("--target", default=None, help="target checkpoint directory (default: the demo target)")
+    p.add_argument("--draft", default=None, help="draft head / draft model directory (default: the demo's)")
+    p.add_argument("--method", choices=["eagle", "eagle3", "draft-model", "ngram", "none"], default="eagle3",
+                   help="how drafts are made: an EAGLE-1 or EAGLE-3 head, a small draft model, prompt-lookup "
+                        "n-grams, or none (plain decoding)")
+    add_tree_flags(p)
     p.add_argument("--fused", action="store_true", help="one draft token per round, verify+extend fused")
     p.add_argument("--draft-sampling-min-temperature", type=float, default=0.5,
                    help="below this temperature drafts are deterministic and verified without q")
@@ -230,7 +236,7 @@ def refuse_tree_flags(args) -> None:
     that would change nothing is refused rather than ignored."""
     given = [flag for flag, on in (("--draft", args.draft is not None), ("--num-steps", args.num_steps is not None),
                                    ("--topk", args.topk != 1), ("--num-draft-tokens", args.num_draft_tokens is not None),
-                                   ("--fused", args.fused)) if on]
+                                   ("--fused", getattr(args, "fused", False))) if on]
     if given:
         raise ValueError(f"{', '.join(given)}: --method none decodes plainly, with no draft model or tree; "
                          f"drop {'it' if len(given) == 1 else 'them'} or choose a drafting --method")

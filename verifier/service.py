@@ -24,7 +24,7 @@ from spectandem.channel import FeatureSender, TreeMailbox
 from spectandem.config import EngineConfig, SpecConfig
 from spectandem.devices import engine_process_thread
 from spectandem.feature_layers import resolve_feature_layers
-from spectandem.service_args import add_verifier_args  # noqa: F401 (re-exported)
+from spectandem.service_args import add_verifier_args, refuse_tree_flags  # noqa: F401 (add_verifier_args re-exported)
 from spectandem.grpc_server import EngineCalls, EngineServer
 from spectandem.tls import ServerTls, server_tls_from_args
 from spectandem.v1 import engines_pb2, engines_pb2_grpc
@@ -168,9 +168,19 @@ def serve_verifier(config: EngineConfig, feature_layers: str | None = None, host
 # Command line (python -m verifier, spectandem verifier)
 
 
+def verifier_spec(args: argparse.Namespace) -> SpecConfig:
+    """The drafter's method and tree as the verifier's flags give them (the depth the head states
+    where --num-steps is not given: EngineConfig resolves it): the tree widths whose graphs it
+    captures at start."""
+    return SpecConfig(method=args.method, num_steps=args.num_steps, topk=args.topk,
+                      num_draft_tokens=args.num_draft_tokens)
+
+
 def run_verifier(args: argparse.Namespace) -> int:
     from spectandem.demo import demo_paths
 
+    if args.method == "none":
+        refuse_tree_flags(args)
     target, draft = args.target, args.draft
     if target is None:
         target, demo_draft = demo_paths(args.method)
@@ -179,7 +189,7 @@ def run_verifier(args: argparse.Namespace) -> int:
 
     set_cpu_threads(args.threads)
     args = resolve_flags(args, target)
-    config = EngineConfig.from_args(args, SpecConfig(method=args.method), target, draft, args.max_slots)
+    config = EngineConfig.from_args(args, verifier_spec(args), target, draft, args.max_slots)
     tls = server_tls_from_args(args)  # flag and file errors before the model loads
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
     serve_verifier(config, args.feature_layers, args.host, args.port, tls=tls, feature_channel=args.feature_channel,

@@ -82,6 +82,10 @@ def test_every_engine_command_line_serve_builds_parses(tmp_path, tls):
             assert GpuPaths.from_args(engine) == serve_paths, (role, argv, platform)
             for flag in ("max_len", "block_size", "method"):
                 assert getattr(got, flag) == getattr(args, flag), (role, flag, argv)
+            # Both engines know the tree: the verifier captures the graphs of its widths at start.
+            shape = (got.num_steps, got.topk, got.num_draft_tokens)
+            assert shape == ((cfg.num_steps, cfg.topk, cfg.num_draft_tokens) if cfg.method != "none"
+                             else (None, 1, None)), (role, argv)
             assert got.max_slots == args.max_running and got.target == target and got.draft == draft
             assert got.feature_channel == channel
             assert got.threads == args.engine_threads
@@ -161,3 +165,27 @@ def test_vllm_flag_names_are_the_same_settings():
         p = argparse.ArgumentParser()
         role_args(p)
         assert p.parse_args(["--max-model-len", "300"]).max_len == 300
+
+
+@pytest.mark.parametrize("flags, nodes", [([], 5), (["--num-steps", "7"], 7), (["--num-steps", "3", "--num-draft-tokens", "3"], 2)])
+def test_a_verifier_process_warms_up_for_the_tree_it_is_told(flags, nodes):
+    """`python -m verifier` takes the drafter's tree flags (serve passes them on) and builds the
+    tree its graphs are captured for from them, the depth the head states where none is given:
+    the draft nodes a round of the drafter started beside it verifies."""
+    from spectandem.config import EngineConfig
+    from spectandem.demo import demo_paths
+    from verifier.service import verifier_spec
+
+    target, head = (str(p) for p in demo_paths("eagle3"))
+    args = _parser(add_verifier_args).parse_args(["--target", target, "--draft", head, *flags])
+    spec = EngineConfig(target_dir=target, draft_dir=head, spec=verifier_spec(args)).spec
+    drafted, _, _ = spec_from_flags(build_parser().parse_args(["serve", *flags]))
+    assert spec.max_draft_nodes == drafted.max_draft_nodes == nodes
+
+
+def test_a_verifier_process_for_plain_decoding_refuses_tree_flags():
+    from verifier.service import run_verifier
+
+    args = _parser(add_verifier_args).parse_args(["--method", "none", "--num-steps", "3"])
+    with pytest.raises(ValueError, match="^--num-steps: --method none decodes plainly"):
+        run_verifier(args)
