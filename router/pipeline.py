@@ -156,9 +156,7 @@ class _ClassState:
     left: int = 0               # rounds left in the phase
     length: int = 0             # rounds of the phase
     fresh: bool = False         # the phase's next round is its first
-    free: int = 0               # the phase's measured rounds that admitted no request
-    admitting: int = 0          # ... and those that admitted some
-    extended: int = 0           # rounds the phase ran past its length, waiting for such rounds
+    extended: int = 0           # rounds the phase ran past its length, waiting for rounds without admissions
     explored: int = 0           # ends of keeps so far: every FAR_EVERY-th explores any other candidate
     near_turn: int = 0          # the next near candidate (within EXPLORE_NEAR of the fastest) in turn
     any_turn: int = 0           # the next other candidate in turn, near or not
@@ -187,7 +185,7 @@ class _ClassState:
     def start(self, phase: str, mode: str, rounds: int) -> None:
         self.phase, self.mode, self.left, self.length, self.fresh = phase, mode, rounds, rounds, True
         self.elapsed, self.pooled = 0.0, [0, 0, 0]
-        self.free = self.admitting = self.extended = 0
+        self.extended = 0
         pool = self.yields.get(draft_kind(mode))
         self.prior = _pool_yield(pool) if pool else None
 
@@ -393,11 +391,10 @@ class ModeChooser:
             while held - pool[0][1] >= YIELD_REQUEST_ROUNDS:
                 held -= pool.popleft()[1]
             s.pooled[2] = min(s.pooled[2], len(pool))
-            s.free += not admitted
-            s.admitting += bool(admitted)
-        if (s.left == 0 and s.phase != "keep" and s.admitting and s.free < ADMISSION_FREE_ROUNDS
-                and s.extended < EXTEND_ROUNDS * s.length):
-            s.left, s.extended = 1, s.extended + 1   # arrivals filled the window: on until the rounds without come
+        if s.left == 0 and s.phase != "keep" and s.extended < EXTEND_ROUNDS * s.length:
+            admitted_any = [a for *_, a in s.acc.get(mode, [])]
+            if any(admitted_any) and admitted_any.count(False) < ADMISSION_FREE_ROUNDS:
+                s.left, s.extended = 1, s.extended + 1   # arrivals filled the window: on until rounds without come
         if s.left == 0:
             s.end()
 

@@ -24,11 +24,3 @@ def demo_paths(method: str) -> tuple[Path, Path | None]:
     sub = DEMO_DRAFTS.get(method)
     return root / "target", (root / sub if sub else None)
 
-
-def demo_spec(method: str, **fields):
-    """The SpecConfig `spectandem serve --method METHOD` drafts the demo pair with when no tree
-    flag is given (the depth the demo head's config states: SpecConfig.for_draft), with `fields`
-    over it."""
-    from spectandem.config import SpecConfig
-
-    return SpecConfig(method=method, **fields).for_draft(demo_paths(method)[1])

@@ -19,7 +19,8 @@ from router.openai_http import OpenAIFront
 from router.openai_protocol import MAX_JSON_DEPTH, ChatTemplate
 from router.server import Limits, prompt_char_limit, start_server
 from spectandem import Client, SamplingParams
-from spectandem.demo import demo_paths, demo_spec
+from spectandem.config import SpecConfig
+from spectandem.demo import demo_paths
 from router.local import LocalSpeculator
 from spectandem.v1 import common_pb2, generation_pb2, generation_pb2_grpc
 from router.serve import free_port
@@ -284,7 +285,7 @@ def test_json_at_the_depth_limit_is_accepted(server):
 @pytest.fixture(scope="module")
 def reference():
     t, d = demo_paths("eagle3")
-    return LocalSpeculator(t, d, demo_spec("eagle3"), max_slots=4, max_len=MAX_LEN)
+    return LocalSpeculator(t, d, SpecConfig(method="eagle3"), max_slots=4, max_len=MAX_LEN)
 
 
 @pytest.mark.parametrize("seed", [2**64 - 1, 2**63])

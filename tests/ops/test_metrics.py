@@ -67,9 +67,10 @@ def test_counters_move_and_equal_the_routers(server):
     drafted, accepted = delta("spec_decode_num_draft_tokens_total"), delta("spec_decode_num_accepted_tokens_total")
     assert 0 < accepted <= drafted
     # Positions 0..num_steps-1 are always there; each accepted token is counted at its depth.
-    from spectandem.demo import demo_spec
+    from spectandem.config import SpecConfig
+    from spectandem.demo import demo_paths
 
-    depth = demo_spec("eagle3").num_steps   # the server's (default flags, the demo head)
+    depth = SpecConfig(method="eagle3").for_draft(demo_paths("eagle3")[1]).num_steps   # the server's (the demo head's)
     per_pos = [delta("spec_decode_num_accepted_tokens_per_pos_total", position=str(i)) for i in range(depth)]
     assert sum(per_pos) == accepted and per_pos == sorted(per_pos, reverse=True)
     for name in ("time_to_first_token_seconds", "time_per_output_token_seconds", "e2e_request_latency_seconds"):

@@ -11,12 +11,14 @@ import threading
 
 import pytest
 
-from spectandem.demo import demo_spec
+from spectandem.config import SpecConfig
+from spectandem.demo import demo_paths
 from spectandem.v1 import generation_pb2
 from tests.router.conftest import Served, collect, request
 
-NUM_STEPS = demo_spec("eagle3").num_steps   # the demo tree at --topk 1: chains as deep as its head states
-MEASURED = 96                # 1 + 19 rounds of 5 tokens at rate 1
+# The demo tree at --topk 1: chains as deep as its head states.
+NUM_STEPS = SpecConfig(method="eagle3").for_draft(demo_paths("eagle3")[1]).num_steps
+MEASURED = 96                # the first token, then rounds of NUM_STEPS + 1 tokens at rate 1
 WARM = MEASURED + 16         # truths past every position the measured pass drafts
 
 

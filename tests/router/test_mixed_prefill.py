@@ -15,7 +15,7 @@ import pytest
 
 from router.requests import Failure
 from spectandem.config import SamplingParams, SpecConfig
-from spectandem.demo import demo_paths, demo_spec
+from spectandem.demo import demo_paths
 from router.local import LocalSpeculator
 from tests.e2e.conftest import PROMPT_TEXTS
 from tests.router.fakes import OracleVerifier, reference
@@ -120,7 +120,7 @@ def test_serve_prefills_in_the_verify_step_with_every_backend(backend):
     rounds carry the prefills): requests arriving while others run are prefilled in verify
     steps; greedy outputs equal plain greedy decoding of the target, sampled ones their seed's
     tokens, over the public gRPC API."""
-    spec = LocalSpeculator(*demo_paths("eagle3"), demo_spec("eagle3"), max_slots=8, max_len=512)
+    spec = LocalSpeculator(*demo_paths("eagle3"), SpecConfig(method="eagle3"), max_slots=8, max_len=512)
     plain = LocalSpeculator(*demo_paths("none"), SpecConfig(method="none"), max_slots=8, max_len=512)
     prompts = [spec.tokenizer.encode(t).ids for t in PROMPT_TEXTS[:6]]
     params = [dict(max_tokens=40, ignore_eos=True) if i % 3 else

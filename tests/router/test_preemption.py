@@ -15,7 +15,7 @@ import pytest
 import torch
 
 from spectandem.config import SamplingParams, SpecConfig
-from spectandem.demo import demo_paths, demo_spec
+from spectandem.demo import demo_paths
 from router.local import LocalSpeculator
 from spectandem.v1 import generation_pb2
 from tests.e2e.conftest import PROMPT_TEXTS
@@ -27,7 +27,7 @@ MAX_TOKENS = 96
 @pytest.fixture(scope="module")
 def reference():
     t, d = demo_paths("eagle3")
-    return LocalSpeculator(t, d, demo_spec("eagle3"), max_slots=32, max_len=256)
+    return LocalSpeculator(t, d, SpecConfig(method="eagle3"), max_slots=32, max_len=256)
 
 
 @pytest.fixture(scope="module")
@@ -35,7 +35,7 @@ def reference64():
     """The reference loop in float64, for seeded sampled tokens (test_seeded_sampling_with_preemption_equals_alone
     says why)."""
     t, d = demo_paths("eagle3")
-    return LocalSpeculator(t, d, demo_spec("eagle3"), max_slots=32, max_len=256, dtype=torch.float64)
+    return LocalSpeculator(t, d, SpecConfig(method="eagle3"), max_slots=32, max_len=256, dtype=torch.float64)
 
 
 def _prompts(reference, n):

@@ -12,8 +12,8 @@ import pytest
 from router.links import EngineUnavailable
 from router.replicas import ReplicaSet
 from router.loop import RouterCounters
-from spectandem.config import SamplingParams
-from spectandem.demo import demo_paths, demo_spec
+from spectandem.config import SamplingParams, SpecConfig
+from spectandem.demo import demo_paths
 from router.local import LocalSpeculator
 from tests.e2e.conftest import PROMPT_TEXTS
 from tests.router.conftest import RAY_CLUSTERS, Served, collect, request
@@ -122,7 +122,7 @@ def test_one_replica_per_address_pair():
 
 def test_local_backend_two_replicas_spread_and_exact():
     t, d = demo_paths("eagle3")
-    reference = LocalSpeculator(t, d, demo_spec("eagle3"), max_slots=8, max_len=256)
+    reference = LocalSpeculator(t, d, SpecConfig(method="eagle3"), max_slots=8, max_len=256)
     prompts = [reference.tokenizer.encode(PROMPT_TEXTS[i]).ids for i in range(8)]
     params = [SamplingParams(max_tokens=16) if i % 2 == 0 else SamplingParams(max_tokens=16, temperature=0.9, seed=i)
               for i in range(8)]
@@ -163,7 +163,7 @@ def test_ray_backend_two_replicas_each_pair_in_its_own_placement_group():
     from ray.util import placement_group_table
 
     t, d = demo_paths("eagle3")
-    reference = LocalSpeculator(t, d, demo_spec("eagle3"), max_slots=4, max_len=256)
+    reference = LocalSpeculator(t, d, SpecConfig(method="eagle3"), max_slots=4, max_len=256)
     prompts = [reference.tokenizer.encode(PROMPT_TEXTS[i]).ids for i in range(4)]
     expected = reference.generate(prompts, [SamplingParams(max_tokens=12)] * 4)
     server = Served(["--backend", "ray", "--replicas", "2", "--max-len", "256", "--max-running", "4"]).wait_ready(300)

@@ -16,8 +16,8 @@ import time
 import grpc
 import pytest
 
-from spectandem.config import SamplingParams
-from spectandem.demo import demo_paths, demo_spec
+from spectandem.config import SamplingParams, SpecConfig
+from spectandem.demo import demo_paths
 from router.local import LocalSpeculator
 from router.serve import free_port
 from tests.e2e.conftest import PROMPT_TEXTS
@@ -31,7 +31,7 @@ MAX_LEN = "256"
 @pytest.fixture(scope="module")
 def reference():
     t, d = demo_paths("eagle3")
-    return LocalSpeculator(t, d, demo_spec("eagle3"), max_slots=16, max_len=int(MAX_LEN))
+    return LocalSpeculator(t, d, SpecConfig(method="eagle3"), max_slots=16, max_len=int(MAX_LEN))
 
 
 def _prompts(reference, n):
@@ -264,7 +264,7 @@ def test_ray_backend_64_streams_cancel_and_deadline(reference):
     server = Served(["--backend", "ray", "--max-len", MAX_LEN, "--max-running", "64"]).wait_ready(300)
     try:
         prompts = [reference.tokenizer.encode(PROMPT_TEXTS[i % len(PROMPT_TEXTS)]).ids for i in range(64)]
-        expected = LocalSpeculator(*demo_paths("eagle3"), demo_spec("eagle3"), max_slots=64,
+        expected = LocalSpeculator(*demo_paths("eagle3"), SpecConfig(method="eagle3"), max_slots=64,
                                    max_len=int(MAX_LEN)).generate(prompts, [SamplingParams(max_tokens=12)] * 64)
         res = _concurrent(server.stub, [request(ids=p, max_tokens=12) for p in prompts], timeout=300)
         assert [res[i][0] for i in range(64)] == [e.token_ids for e in expected]

@@ -9,8 +9,8 @@ import time
 import grpc
 import pytest
 
-from spectandem.config import SamplingParams
-from spectandem.demo import demo_paths, demo_spec
+from spectandem.config import SamplingParams, SpecConfig
+from spectandem.demo import demo_paths
 from router.local import LocalSpeculator
 from spectandem.v1 import generation_pb2
 from tests.e2e.conftest import PROMPT_TEXTS
@@ -20,7 +20,7 @@ from tests.router.conftest import collect, request
 @pytest.fixture(scope="module")
 def reference():
     t, d = demo_paths("eagle3")
-    return LocalSpeculator(t, d, demo_spec("eagle3"), max_slots=64, max_len=512)
+    return LocalSpeculator(t, d, SpecConfig(method="eagle3"), max_slots=64, max_len=512)
 
 
 def _wait_idle(server, timeout=20.0):
