@@ -75,19 +75,20 @@ over STALL_FACTOR times the window's median per request-round: a round that capt
 or waited on a stall is not the mode's cost. Nor are the prompts of the requests a round admits
 (prefilled in its verify step, or before it): the same work whichever mode runs, that lands in
 whichever window the arrivals fall in. A window with ADMISSION_FREE_ROUNDS rounds that admitted
-none is timed by those alone. A window of measure or explore with fewer runs on round by round
-until it has them, for up to EXTEND_ROUNDS times its length (the ends of a wave of 64 requests
-spread over a dozen rounds, each admitting some); one that still has fewer (requests arriving in
-most rounds, every mode's windows alike) is timed by all of them. A keep is long enough as it
-is. Without this, the window that took a wave of arrivals measured its mode at a fraction of
-its speed (the demo pair on 2 CPU cores at 16 running: plain's window took five rounds of the
-next requests' prompts, 3.6 s for 8 rounds against 72-76 ms for each round that admitted none,
-and plain, measured at a quarter of its speed, was not measured again in that run). Every other
-round counts, so that a mode whose rounds
-differ by nature (ahead: a hit's round does not draft, a miss's does) is judged by their mean, and
-a short window of one mode and a long keep of another by the same rule: a fixed share of the
-slowest rounds left out would take a keep of ahead's misses away, and none of a short window's
-rounds. The catch-ups that plain rounds hold back for requests still on the drafter and send every
+none is timed by those alone. Without this, the window that took a wave of arrivals measured its
+mode at a fraction of its speed (the demo pair on 2 CPU cores at 16 running: plain's window took
+five rounds of the next requests' prompts, 3.6 s for 8 rounds against 72-76 ms for each round
+that admitted none, and plain, measured at a quarter of its speed, was not measured again in that
+run). A window of measure or explore with fewer runs on round by round until it has them, for up
+to EXTEND_ROUNDS times its length (the ends of a wave of 64 requests spread over a dozen rounds,
+each admitting some); a keep is long enough as it is. A window that still has fewer (requests
+arriving in most rounds, every mode's windows alike) is timed by all of them, and measures its
+mode only where the mode has no speed yet: a speed timed without arrivals is not replaced by one
+timed with them. Every other round counts, so that a mode whose rounds differ by nature
+(ahead: a hit's round does not draft, a miss's does) is judged by their mean, and a short window
+of one mode and a long keep of another by the same rule: a fixed share of the slowest rounds left
+out would take a keep of ahead's misses away, and none of a short window's rounds. The
+catch-ups that plain rounds hold back for requests still on the drafter and send every
 BACKLOG_ROUNDS rounds are plain decoding's cost, spread over the window instead (`record`'s
 upkeep), however long the rounds that send them.
 
@@ -199,8 +200,9 @@ class _ClassState:
         again: a kept plain is followed by one speculating mode only, and without this the others
         would keep the old text's rates until their turn came, FAR_EVERY keeps later."""
         self.left = 0
-        speed = _speed(self.acc.pop(self.mode, []))
-        if speed is not None:
+        rounds = self.acc.pop(self.mode, [])
+        speed = _speed(rounds)
+        if speed is not None and (self.mode not in self.speeds or _admission_free(rounds)):
             self.speeds[self.mode] = speed
         log.debug("auto pipeline: %s of %s over %d rounds in %.1f ms: %s request-rounds/s", self.phase, self.mode,
                   self.length, self.elapsed * 1e3, "-" if speed is None else f"{speed:.1f}")
@@ -402,6 +404,12 @@ class ModeChooser:
 def _pool_yield(pool) -> float:
     """Tokens per request-round of a yields pool's rounds."""
     return sum(t for t, _ in pool) / max(1, sum(r for _, r in pool))
+
+
+def _admission_free(rounds: list[tuple[float, int, float, bool]]) -> bool:
+    """Whether a window's rounds time its mode without the prompts it admitted: none admitted, or
+    ADMISSION_FREE_ROUNDS of them did not."""
+    return sum(not x[3] for x in rounds) >= ADMISSION_FREE_ROUNDS or not any(x[3] for x in rounds)
 
 
 def _speed(rounds: list[tuple[float, int, float, bool]]) -> float | None:

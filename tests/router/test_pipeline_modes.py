@@ -64,7 +64,6 @@ def test_forget_text_drops_what_the_drafts_committed():
     """What a drafting mode committed per request-round in the warm-up says nothing of the
     clients' text: with every draft rejected there (plain the fastest), the clients' accepted
     drafts make sequential the fastest at once."""
-    order = ["sequential", "pingpong", "short:1", "short:2", "plain"]
     chooser = ModeChooser(_cfg(pipeline="auto"))
     for _ in range(15 + 24):   # the warm-up: drafts commit 1 token a round, plain 4 in a faster round
         mode = chooser.choose(num_running=8, drafter_up=True)
@@ -549,3 +548,27 @@ def test_a_window_that_arrivals_filled_runs_on_until_rounds_without_come():
         capped.record(mode, tokens=3, seconds=5.0 if admitted else 1.0, admitted=admitted)
     assert chosen == ["sequential"] * 16 + ["ahead"]
     assert capped.rates_for(1)["sequential"] == pytest.approx(15 * 3 / (14 * 5.0 + 1.0))
+
+
+def test_a_speed_timed_without_arrivals_is_not_replaced_by_one_timed_with_them():
+    """A mode measured in a window with rounds that admitted none keeps that speed when a later
+    window of it has arrivals in (nearly) every round: plain, measured at 4 / 0.8 tokens/s, then
+    explored in a window whose every round admitted (6.8 s each), stays at 5.0 and stays kept.
+    Control: a mode without a speed yet takes such a window's (the first test of the run-on)."""
+    chooser = ModeChooser(_cfg(pipeline="auto", mode_window=4))
+    tokens, seconds = {"sequential": 3, "ahead": 3, "plain": 4}, {"sequential": 1.0, "ahead": 1.2, "plain": 0.8}
+    seen, kept_busy, busy = [], [], False
+    for _ in range(600):
+        mode = chooser.choose(num_running=1, drafter_up=True)
+        if chooser.phase == "keep" and mode == "plain":
+            busy = True   # from plain's first keep on, every round of every window admits
+        if busy and chooser.phase == "keep":
+            kept_busy.append(mode)
+        seen.append(mode)
+        chooser.record(mode, tokens=tokens[mode], seconds=seconds[mode] + (6.0 if busy else 0.0),
+                       admitted=1 if busy else 0)
+    assert seen.count("plain") > 300 and seen.count("sequential") > 10   # explored between keeps
+    rates = chooser.rates_for(1)
+    assert rates["plain"] == pytest.approx(4 / 0.8)
+    assert rates["sequential"] == pytest.approx(3 / 1.0)
+    assert set(kept_busy) == {"plain"}
