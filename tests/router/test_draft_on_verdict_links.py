@@ -50,10 +50,10 @@ def _work(tokenizer):
 
 
 class _VerdictFirst:
-    """The drafter link with the router's draft calls held, until one of them has taken a made
-    tree, until the drafter has made trees on the round's verdict. Which reaches the drafter
-    first, the verdict or the draft call, is a race the draft call can win every time on a busy
-    machine; holding it fixes the order, so the test sees the hand-off itself."""
+    """The drafter link, holding each router draft call until the drafter has made trees on the
+    round's verdict; once a call has taken such a tree, the calls go straight through. Which
+    reaches the drafter first, the verdict or the draft call, is a race the draft call can win
+    every time on a busy machine; holding it fixes the order, so the test sees the hand-off."""
 
     def __init__(self, link, wait_s: float = 10.0):
         self.link, self.wait_s = link, wait_s

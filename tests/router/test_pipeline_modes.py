@@ -551,10 +551,11 @@ def test_a_window_that_arrivals_filled_runs_on_until_rounds_without_come():
 
 
 def test_a_speed_timed_without_arrivals_is_not_replaced_by_one_timed_with_them():
-    """A mode measured in a window with rounds that admitted none keeps that speed when a later
-    window of it has arrivals in (nearly) every round: plain, measured at 4 / 0.8 tokens/s, then
-    explored in a window whose every round admitted (6.8 s each), stays at 5.0 and stays kept.
-    Control: a mode without a speed yet takes such a window's (the first test of the run-on)."""
+    """A mode measured in a window with rounds that admitted none keeps that speed when its later
+    windows have arrivals in every round: plain, measured at 4 / 0.8 tokens/s, then kept with
+    every round admitting (6.8 s each), stays at 5.0 and stays kept; so does sequential, explored
+    between keeps. A mode without a speed yet takes such a window's (the capped window of
+    test_a_window_that_arrivals_filled_runs_on_until_rounds_without_come)."""
     chooser = ModeChooser(_cfg(pipeline="auto", mode_window=4))
     tokens, seconds = {"sequential": 3, "ahead": 3, "plain": 4}, {"sequential": 1.0, "ahead": 1.2, "plain": 0.8}
     seen, kept_busy, busy = [], [], False
