@@ -451,30 +451,37 @@ class Router:
         is none, instead of sending it."""
         resumed = {r.request_id for r in batch if r.resuming}
         detach = self._detach(batch)
-        batch, results = await self._prefill_verifier(batch, self.cfg.want_features and not detach, resumed)
+        batch, results = await self._prefill_verifier(batch, self._admission_features(batch, detach), resumed)
         return await self._after_prefill(batch, results, detach, resumed, drafter_later)
 
-    def _detach(self, batch: list[ServedRequest]) -> bool:
-        """Whether `batch` is admitted without the drafter: "auto" settled on plain at this batch
-        size (router/pipeline.py)."""
-        detach = self.drafter is not None and self._modes.settled_plain(len(self.running) + len(batch))
-        if detach != self._detaching:
-            self._detaching = detach
-            log.info("auto pipeline: new requests are admitted %s the drafter (%d running)",
-                     "without" if detach else "with", len(self.running) + len(batch))
-        return detach
+    def _detach(self, batch: list[ServedRequest]) -> set[str]:
+        """The ids of the requests of `batch` admitted without the drafter: where "auto" settled
+        on plain at this batch size (router/pipeline.py), those whose drafts are deterministic.
+        A request whose drafts are sampled is always admitted with it: its seeded tokens follow
+        its drafts, and a plain row would draw others (what a seed gives must not depend on
+        load)."""
+        settled = self.drafter is not None and self._modes.settled_plain(len(self.running) + len(batch))
+        if settled != self._detaching:
+            self._detaching = settled
+            log.info("auto pipeline: new requests whose drafts are deterministic are admitted %s the drafter "
+                     "(%d running)", "without" if settled else "with", len(self.running) + len(batch))
+        return {r.request_id for r in batch if self._invisible_when_plain(r)} if settled else set()
 
-    async def _after_prefill(self, batch: list[ServedRequest], results, detach: bool, resumed: set[str],
+    def _admission_features(self, batch: list[ServedRequest], detach: set[str]) -> bool:
+        """Whether the verifier's prefill of `batch` returns target features: some request of it
+        joins the drafter."""
+        return self.cfg.want_features and any(r.request_id not in detach for r in batch)
+
+    async def _after_prefill(self, batch: list[ServedRequest], results, detach: set[str], resumed: set[str],
                              drafter_later: bool = False):
         """`_admit` once the verifier has prefilled `batch` (`results` in its order): the
-        requests join the running batch, their first tokens stream, and they are prefilled on
-        the drafter (or that prefill is returned: `_admit`'s `drafter_later`)."""
+        requests join the running batch, their first tokens stream, and those not in `detach`
+        are prefilled on the drafter (or that prefill is returned: `_admit`'s `drafter_later`)."""
         if not batch:
             return None
         for r in batch:
-            r.detached = detach
-        if detach:
-            self.counters.detached_admissions += len(batch)
+            r.detached = r.request_id in detach
+        self.counters.detached_admissions += sum(r.detached for r in batch)
         for r in batch:
             r.on_verifier = True
             if r.admit_seq < 0:
@@ -492,9 +499,9 @@ class Router:
                 features[r.request_id] = res.features
             elif self._commit(r, [res.first_token_id]):
                 features[r.request_id] = res.features
-        live = [r for r in batch if not r.done]
+        live = [r for r in batch if not r.done and not r.detached]
         later = None
-        if self.drafter_up and live and not detach:
+        if self.drafter_up and live:
             later = (live, [features[r.request_id] for r in live])
             if not drafter_later:
                 await self._drafter_prefill(*later)
@@ -976,7 +983,7 @@ class Router:
             await self._releases_landed("verifier")   # the drafter's prefill waits for its own (`_drafter_prefill`)
             more = {"draft_next": draft_next} if draft_next else {}
             results, prefilled = await self.verifier.verify_prefill(draft, plain, want, items,
-                                                                    self.cfg.want_features and not detach,
+                                                                    self._admission_features(mixed, detach),
                                                                     on_launch=self._on_launch(), **more)
         except EngineUnavailable as exc:
             self._release_v.update(r.request_id for r in mixed)   # it may hold some

@@ -36,7 +36,9 @@ finish) and survive while the batch is in another class. Ping-pong wins when dra
 verifier have devices of their own and loses when they share cores (`spectandem bench serve`);
 short drafts and plain win at large batches where verifying trees costs more than it saves.
 Once plain is kept twice in a row from LARGE_BATCH running requests (`settled_plain`), new
-requests are admitted without the drafter (no target features, no drafter prefill: "detached"):
+requests whose drafts are deterministic are admitted without the drafter (no target features, no
+drafter prefill: "detached"; those whose drafts are sampled still join it, their seeded tokens
+following their drafts):
 keeping them ready to speculate cost plain rounds 2-3% at batch 64 on the H200. They decode
 plainly; a speculating round that drafts for no request (every request detached, or the
 acceptance switch below has speculation off) is not a measurement, so measuring a speculating
@@ -344,8 +346,8 @@ class ModeChooser:
 
     def settled_plain(self, num_running: int) -> bool:
         """"auto" has settled on plain at LARGE_BATCH or more running: the router then stops
-        keeping new requests ready to speculate (router/loop.py: no target features, no
-        drafter prefill)."""
+        keeping new requests whose drafts are deterministic ready to speculate (router/loop.py:
+        no target features, no drafter prefill)."""
         return self.cfg.pipeline == "auto" and num_running >= LARGE_BATCH and self.settled(num_running) == "plain"
 
     def _explore_pick(self, s: _ClassState) -> str | None:

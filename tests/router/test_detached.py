@@ -1,7 +1,8 @@
 """Router logic: once "auto" has settled on plain decoding at a large batch, new requests are
 admitted without the drafter (no target features, no drafter prefill: "detached") and decode
 plainly; they rejoin the drafter (a resync) once fewer than LARGE_BATCH run, if they may still
-generate REJOIN_MIN_TOKENS tokens, and speculate from there. Real engines (demo EAGLE-3 pair, CPU, fp32) behind in-process links that record what they
+generate REJOIN_MIN_TOKENS tokens, and speculate from there. Requests whose drafts are sampled
+are never detached: their seeded tokens follow their drafts. Real engines (demo EAGLE-3 pair, CPU, fp32) behind in-process links that record what they
 are asked; LARGE_BATCH lowered to 4 and the chooser's verdict forced, so a small batch shows it.
 Greedy tokens must equal plain decoding's throughout."""
 
@@ -119,3 +120,43 @@ def test_settled_plain_needs_a_second_keep_of_plain_at_a_large_batch():
                                      pipeline="sequential"))
     other._states[key] = _ClassState(mode="plain", phase="keep", left=10, keep_windows=2 * KEEP_WINDOWS)
     assert not other.settled_plain(64)              # only "auto" detaches
+
+
+def test_requests_with_sampled_drafts_are_admitted_with_the_drafter(monkeypatch):
+    """Where "auto" has settled on plain, a request whose drafts are sampled (temperature 0.9, at
+    or over draft_sampling_min_temperature) still joins the drafter and speculates: its seeded
+    tokens equal the in-process engines' for the same seed, token for token, as they are when
+    nothing is settled. The greedy requests of the same batch are detached and decode plainly.
+    Detached, the sampled requests drew other tokens from their seeds (a plain row samples the
+    target directly, a speculating one by its drafts)."""
+    monkeypatch.setattr(router.loop, "LARGE_BATCH", 4)
+    t, d = demo_paths("eagle3")
+    spec = LocalSpeculator(t, d, SpecConfig(method="eagle3"), max_slots=8, max_len=256)
+    plain = LocalSpeculator(*demo_paths("none"), SpecConfig(method="none"), max_slots=8, max_len=256)
+    prompts = [spec.tokenizer.encode(x).ids for x in PROMPT_TEXTS[:6]]
+    sampled = [SamplingParams(max_tokens=24, temperature=0.9, seed=11 + i, ignore_eos=True) for i in range(3)]
+    greedy = [SamplingParams(max_tokens=24, ignore_eos=True)] * 3
+    params = [p for pair in zip(sampled, greedy) for p in pair]
+    expected = [c.token_ids for c in spec.generate(prompts[0::2], sampled)]
+    expected_greedy = [c.token_ids for c in plain.generate(prompts[1::2], greedy)]
+
+    async def main():
+        dlink = CountingDrafter(spec.drafter)
+        r = Router(LocalVerifierLink(spec.verifier), dlink, spec.tokenizer, RouterConfig(
+            max_len=256, eos_token_ids=spec.eos_token_ids, lookahead=spec.lookahead, want_features=True,
+            pipeline="auto"))
+        r._modes.settled_plain = lambda num_running: num_running >= 4   # "auto" settled on plain
+        r.start()
+        try:
+            done = await asyncio.gather(*(collect(r, p, sp) for p, sp in zip(prompts, params)))
+            await drained(spec)
+            return done, dlink, r.counters
+        finally:
+            await r.stop()
+
+    done, dlink, c = asyncio.run(main())
+    assert [toks for toks, _ in done[0::2]] == expected
+    assert [toks for toks, _ in done[1::2]] == expected_greedy
+    assert c.detached_admissions == 3
+    ids = {req.request_id for _, req in done[0::2]}
+    assert ids <= set(dlink.prefilled) and all(req.draft_tokens > 0 for _, req in done[0::2])
