@@ -47,6 +47,27 @@ class CountingDrafter(LocalDrafterLink):
         return await super().prefill(items)
 
 
+def _served_settled(spec: LocalSpeculator, prompts, params):
+    """The requests served by a Router over `spec`'s engines with "auto" forced settled on plain
+    from 4 running requests on -> (each (tokens, request), the verifier link, the drafter link,
+    the router's counters)."""
+    async def main():
+        vlink, dlink = Recording(spec.verifier), CountingDrafter(spec.drafter)
+        r = Router(vlink, dlink, spec.tokenizer, RouterConfig(
+            max_len=256, eos_token_ids=spec.eos_token_ids, lookahead=spec.lookahead, want_features=True,
+            pipeline="auto"))
+        r._modes.settled_plain = lambda num_running: num_running >= 4   # "auto" settled on plain
+        r.start()
+        try:
+            done = await asyncio.gather(*(collect(r, p, sp) for p, sp in zip(prompts, params)))
+            await drained(spec)
+            return done, vlink, dlink, r.counters
+        finally:
+            await r.stop()
+
+    return asyncio.run(main())
+
+
 def _serve_detached(monkeypatch, rejoin_min_tokens: int):
     monkeypatch.setattr(router.loop, "LARGE_BATCH", 4)
     monkeypatch.setattr(router.loop, "REJOIN_MIN_TOKENS", rejoin_min_tokens)
@@ -57,23 +78,7 @@ def _serve_detached(monkeypatch, rejoin_min_tokens: int):
     # Five short requests and one long one: the long one ends alone, below LARGE_BATCH.
     params = [SamplingParams(max_tokens=12, ignore_eos=True)] * 5 + [SamplingParams(max_tokens=64, ignore_eos=True)]
     expected = [c.token_ids for c in plain.generate(prompts, params)]
-
-    async def main():
-        vlink, dlink = Recording(spec.verifier), CountingDrafter(spec.drafter)
-        r = Router(vlink, dlink, spec.tokenizer, RouterConfig(
-            max_len=256, eos_token_ids=spec.eos_token_ids, lookahead=spec.lookahead, want_features=True,
-            pipeline="auto"))
-        r._modes.settled_plain = lambda num_running: num_running >= 4   # "auto" settled on plain
-        r.start()
-
-        try:
-            done = await asyncio.gather(*(collect(r, p, sp) for p, sp in zip(prompts, params)))
-            await drained(spec)
-            return done, vlink, dlink, r.counters
-        finally:
-            await r.stop()
-
-    done, vlink, dlink, c = asyncio.run(main())
+    done, vlink, dlink, c = _served_settled(spec, prompts, params)
     assert [toks for toks, _ in done] == expected
     assert c.detached_admissions == 6 and vlink.prefill_features == [False]
     assert not spec.drafter.requests and spec.drafter.proposer.kv_stats()["used_blocks"] == 0
@@ -139,22 +144,7 @@ def test_requests_with_sampled_drafts_are_admitted_with_the_drafter(monkeypatch)
     params = [p for pair in zip(sampled, greedy) for p in pair]
     expected = [c.token_ids for c in spec.generate(prompts[0::2], sampled)]
     expected_greedy = [c.token_ids for c in plain.generate(prompts[1::2], greedy)]
-
-    async def main():
-        dlink = CountingDrafter(spec.drafter)
-        r = Router(LocalVerifierLink(spec.verifier), dlink, spec.tokenizer, RouterConfig(
-            max_len=256, eos_token_ids=spec.eos_token_ids, lookahead=spec.lookahead, want_features=True,
-            pipeline="auto"))
-        r._modes.settled_plain = lambda num_running: num_running >= 4   # "auto" settled on plain
-        r.start()
-        try:
-            done = await asyncio.gather(*(collect(r, p, sp) for p, sp in zip(prompts, params)))
-            await drained(spec)
-            return done, dlink, r.counters
-        finally:
-            await r.stop()
-
-    done, dlink, c = asyncio.run(main())
+    done, _, dlink, c = _served_settled(spec, prompts, params)
     assert [toks for toks, _ in done[0::2]] == expected
     assert [toks for toks, _ in done[1::2]] == expected_greedy
     assert c.detached_admissions == 3
