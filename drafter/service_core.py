@@ -26,22 +26,29 @@ log = logging.getLogger("spectandem.drafter")
 
 def _take_features(receiver: FeatureReceiver | None, items: list) -> tuple[list, list[str]]:
     """(the items with each ChannelRef replaced by its tensor, leaving out those whose features
-    did not come; their ids). The items of one call share one deadline."""
-    if not any(isinstance(i.features, ChannelRef) for i in items):
+    did not come; their ids). The items of one call share one deadline; those of one channel
+    message are taken together (`FeatureReceiver.take_many`), and come or fail together."""
+    by_seq: dict[int, list[int]] = {}
+    for k, i in enumerate(items):
+        if isinstance(i.features, ChannelRef):
+            by_seq.setdefault(i.features.seq, []).append(k)
+    if not by_seq:
         return items, []
     deadline = time.monotonic() + (receiver.take_timeout_s if receiver is not None else 0.0)
-    taken, missing, why = [], [], None
-    for i in items:
-        if not isinstance(i.features, ChannelRef):
-            taken.append(i)
-            continue
+    got: dict[int, object] = {}
+    failed: set[int] = set()
+    why = None
+    for ks in by_seq.values():
         try:
             if receiver is None:
                 raise FeatureChannelError("this drafter has no feature channel")
-            taken.append(replace(i, features=receiver.take(i.features, max(0.0, deadline - time.monotonic()))))
+            got.update(zip(ks, receiver.take_many([items[k].features for k in ks],
+                                                  max(0.0, deadline - time.monotonic()))))
         except FeatureChannelError as exc:
-            missing.append(i.tag.request_id)
+            failed.update(ks)
             why = why or exc
+    taken = [replace(i, features=got[k]) if k in got else i for k, i in enumerate(items) if k not in failed]
+    missing = [items[k].tag.request_id for k in sorted(failed)]
     if missing:
         log.warning("features of %d requests did not come over the channel (%s); resyncing them", len(missing), why)
     return taken, missing

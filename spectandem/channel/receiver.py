@@ -126,6 +126,28 @@ class FeatureReceiver:
                 return self._hand_out(ref, msg)
         return self.take(ref, max(0.0, deadline - time.monotonic()))
 
+    def take_many(self, refs: list[ChannelRef], timeout_s: float | None = None) -> list[torch.Tensor]:
+        """`take` of each of `refs` (the same deadline for all), the lock taken once per message
+        rather than once per item: a round's catch-up of 64 requests is one message. Raises
+        FeatureChannelError where a `take` of one of them would."""
+        deadline = time.monotonic() + (self.take_timeout_s if timeout_s is None else timeout_s)
+        out: list[torch.Tensor | None] = [None] * len(refs)
+        by_seq: dict[int, list[int]] = {}
+        for k, ref in enumerate(refs):
+            by_seq.setdefault(ref.seq, []).append(k)
+        for seq, ks in by_seq.items():
+            out[ks[0]] = self.take(refs[ks[0]], max(0.0, deadline - time.monotonic()))
+            if len(ks) == 1:
+                continue
+            with self._cond:   # the first take waited for the message: the rest are in it
+                msg = self._mail.get(seq)
+                for k in ks[1:]:
+                    if msg is None:
+                        raise FeatureChannelError(f"item {refs[k].index} of channel message {seq}: the message "
+                                                  f"left the mailbox (every item taken, or dropped)")
+                    out[k] = self._hand_out(refs[k], msg)
+        return out
+
     def _read_early(self, seq: int, slot: int, dtype: torch.dtype, shapes: list[tuple[int, ...]]):
         """Message `seq` copied out of its ring slot by the taker, ahead of its header, queued on
         the taker's stream -> (the message, the copy's event or None); (None, None) where the
