@@ -27,7 +27,7 @@ log = logging.getLogger("spectandem.drafter")
 def _take_features(receiver: FeatureReceiver | None, items: list) -> tuple[list, list[str]]:
     """(the items with each ChannelRef replaced by its tensor, leaving out those whose features
     did not come; their ids). The items of one call share one deadline; those of one channel
-    message are taken together (`FeatureReceiver.take_many`), and come or fail together."""
+    message are taken together (`FeatureReceiver.take_message`), and come or fail together."""
     by_seq: dict[int, list[int]] = {}
     for k, i in enumerate(items):
         if isinstance(i.features, ChannelRef):
@@ -42,8 +42,8 @@ def _take_features(receiver: FeatureReceiver | None, items: list) -> tuple[list,
         try:
             if receiver is None:
                 raise FeatureChannelError("this drafter has no feature channel")
-            got.update(zip(ks, receiver.take_many([items[k].features for k in ks],
-                                                  max(0.0, deadline - time.monotonic()))))
+            got.update(zip(ks, receiver.take_message([items[k].features for k in ks],
+                                                     max(0.0, deadline - time.monotonic()))))
         except FeatureChannelError as exc:
             failed.update(ks)
             why = why or exc

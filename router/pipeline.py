@@ -396,9 +396,8 @@ class ModeChooser:
                 held -= pool.popleft()[1]
             s.pooled[2] = min(s.pooled[2], len(pool))
         if s.left == 0 and s.phase != "keep" and s.extended < EXTEND_ROUNDS * s.length:
-            admitted_any = [a for *_, a in s.acc.get(mode, [])]
-            if any(admitted_any) and admitted_any.count(False) < ADMISSION_FREE_ROUNDS:
-                s.left, s.extended = 1, s.extended + 1   # arrivals filled the window: on until rounds without come
+            if not _admission_free(s.acc.get(mode, [])):   # arrivals filled the window: on until rounds without come
+                s.left, s.extended = 1, s.extended + 1
         if s.left == 0:
             s.end()
 
@@ -423,8 +422,7 @@ def _speed(rounds: list[tuple[float, int, float, bool]]) -> float | None:
     drafter, not a stall."""
     if not rounds:
         return None
-    free = [x for x in rounds if not x[3]]
-    timed = free if len(free) >= ADMISSION_FREE_ROUNDS else rounds
+    timed = [x for x in rounds if not x[3]] if _admission_free(rounds) else rounds
     per = sorted(sec / r for sec, r, _, _ in timed)
     median = per[len(per) // 2]
     kept = [(sec, r) for sec, r, _, _ in timed if sec / r <= STALL_FACTOR * median]

@@ -126,26 +126,22 @@ class FeatureReceiver:
                 return self._hand_out(ref, msg)
         return self.take(ref, max(0.0, deadline - time.monotonic()))
 
-    def take_many(self, refs: list[ChannelRef], timeout_s: float | None = None) -> list[torch.Tensor]:
-        """`take` of each of `refs` (the same deadline for all), the lock taken once per message
+    def take_message(self, refs: list[ChannelRef], timeout_s: float | None = None) -> list[torch.Tensor]:
+        """`take` of each of `refs`, all items of one message, the lock taken once for the lot
         rather than once per item: a round's catch-up of 64 requests is one message. Raises
         FeatureChannelError where a `take` of one of them would."""
-        deadline = time.monotonic() + (self.take_timeout_s if timeout_s is None else timeout_s)
-        out: list[torch.Tensor | None] = [None] * len(refs)
-        by_seq: dict[int, list[int]] = {}
-        for k, ref in enumerate(refs):
-            by_seq.setdefault(ref.seq, []).append(k)
-        for seq, ks in by_seq.items():
-            out[ks[0]] = self.take(refs[ks[0]], max(0.0, deadline - time.monotonic()))
-            if len(ks) == 1:
-                continue
-            with self._cond:   # the first take waited for the message: the rest are in it
-                msg = self._mail.get(seq)
-                for k in ks[1:]:
-                    if msg is None:
-                        raise FeatureChannelError(f"item {refs[k].index} of channel message {seq}: the message "
-                                                  f"left the mailbox (every item taken, or dropped)")
-                    out[k] = self._hand_out(refs[k], msg)
+        if len({r.seq for r in refs}) > 1:
+            raise ValueError(f"take_message takes the items of one message, got messages {sorted({r.seq for r in refs})}")
+        if not refs:
+            return []
+        out = [self.take(refs[0], timeout_s)]   # waits for the message: the rest are in it then
+        with self._cond:
+            msg = self._mail.get(refs[0].seq)
+            for ref in refs[1:]:
+                if msg is None:
+                    raise FeatureChannelError(f"item {ref.index} of channel message {ref.seq}: the message left "
+                                              f"the mailbox (every item taken, or dropped)")
+                out.append(self._hand_out(ref, msg))
         return out
 
     def _read_early(self, seq: int, slot: int, dtype: torch.dtype, shapes: list[tuple[int, ...]]):

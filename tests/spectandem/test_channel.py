@@ -77,11 +77,12 @@ def test_a_call_over_max_items_is_split(pair):
     assert all(torch.equal(receiver.take(r), f) for r, f in zip(refs, feats))
 
 
-def test_take_many_hands_out_a_call_of_several_messages(pair):
-    """`take_many` hands out what `take` would, item by item, over items of two messages in any
-    order; a message leaves the mailbox once every item is taken, and a ref taken twice fails.
-    The drafter's catch-up takes its items so, per message: where one message's items fail, the
-    others' still come (drafter/service_core.py `_take_features`)."""
+def test_take_message_hands_out_a_message_s_items_at_once(pair):
+    """`take_message` hands out what `take` would, item by item, over a message's items in any
+    order; the message leaves the mailbox once every item is taken, a ref taken twice fails, and
+    refs of two messages are refused. The drafter's catch-up takes its items so, message by
+    message: where one message's items fail, the others' still come (drafter/service_core.py
+    `_take_features`), over items of two messages in any order."""
     from drafter.service_core import _take_features
     from spectandem.protocol import ExtendItem, Tag
 
@@ -89,18 +90,19 @@ def test_take_many_hands_out_a_call_of_several_messages(pair):
     first = [torch.full((2, 4), float(i)) for i in range(3)]
     second = [torch.full((1, 4), 10.0 + i) for i in range(2)]
     a, b = sender.send(first), sender.send(second)
-    order = [b[1], a[2], a[0], b[0], a[1]]
-    got = receiver.take_many(order)
-    assert all(torch.equal(g, f) for g, f in zip(got, [second[1], first[2], first[0], second[0], first[1]]))
-    assert not receiver._mail                       # every item of both messages taken
+    got = receiver.take_message([a[2], a[0], a[1]])
+    assert all(torch.equal(g, f) for g, f in zip(got, [first[2], first[0], first[1]]))
+    assert a[0].seq not in receiver._mail            # every item of the message taken
     with pytest.raises(FeatureChannelError, match="already taken"):
-        receiver.take_many([a[0]])
-    c = sender.send(first[:2])
-    items = [ExtendItem(Tag(f"r{k}", 0, 5), [1], ref) for k, ref in enumerate([c[0], ChannelRef(99, 0), c[1]])]
+        receiver.take_message([a[0]])
+    with pytest.raises(ValueError, match="one message"):
+        receiver.take_message([b[0], a[1]])
+    items = [ExtendItem(Tag(f"r{k}", 0, 5), [1], ref) for k, ref in enumerate([b[1], ChannelRef(99, 0), b[0]])]
     receiver.take_timeout_s = 0.3
     taken, missing = _take_features(receiver, items)
     assert missing == ["r1"] and [i.tag.request_id for i in taken] == ["r0", "r2"]
-    assert torch.equal(taken[0].features, first[0]) and torch.equal(taken[1].features, first[1])
+    assert torch.equal(taken[0].features, second[1]) and torch.equal(taken[1].features, second[0])
+    assert not receiver._mail
 
 
 def test_mailbox_is_bounded_and_late_messages_time_out(pair):
