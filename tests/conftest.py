@@ -42,13 +42,13 @@ def pytest_xdist_auto_num_workers(config) -> int:
 @pytest.hookimpl(tryfirst=True)   # before xdist's own hook, which reads the groups into the node ids
 def pytest_collection_modifyitems(config, items):
     """Under `--dist loadgroup` each test module is one unit of work (its module fixtures, such
-    as served routers, start once), unless it names its own `xdist_group`: modules that share a
-    group run one after another in one worker.
+    as served routers, start once), less its tests that name an `xdist_group` of their own: the
+    tests of one group run one after another in one worker.
 
     The modules holding tests of the "ray" group (tests/router/conftest.py RAY_CLUSTERS, local Ray
-    clusters, about a third of the suite's time in one unit) go first, whole: units go out to the
-    workers in collection order, and a long unit handed out late would leave one worker running
-    it alone at the end."""
+    clusters, about 30% of the suite's time in one unit) go first: units go out to the workers in
+    collection order, and a long unit handed out late would leave one worker running it alone at
+    the end."""
     def file_of(item) -> str:
         return item.nodeid.split("::")[0]
 

@@ -15,8 +15,10 @@ from spectandem.demo import demo_paths
 from spectandem.v1 import common_pb2, generation_pb2, generation_pb2_grpc
 from tests.router.link_harness import PROMPT_TEXTS
 
-# Modules that start local Ray clusters share one xdist group: they run one after another in one
-# worker, so two clusters never start at once on a 2-core machine.
+# The tests that use Ray (a local cluster, or `spectandem serve` starting one) share one xdist
+# group: they run one after another in one worker, so two clusters never start at once on a
+# 2-core machine. Mark the tests, not their modules: a module's gRPC and in-process tests then run
+# on the other worker meanwhile.
 RAY_CLUSTERS = pytest.mark.xdist_group("ray")
 
 

@@ -30,8 +30,6 @@ from spectandem.demo import demo_paths
 from tests.router.conftest import RAY_CLUSTERS, Served, collect, request
 from tests.router.link_harness import MAX_LEN, TREE, _assert_same, _greedy, _local, _seeded, spawn_pair, speculate
 
-pytestmark = RAY_CLUSTERS
-
 
 def _address() -> str:
     with socket.socket() as s:
@@ -163,6 +161,7 @@ def test_serve_grpc_with_channel_exact_and_drafter_killed(prompts):
 
 
 @pytest.mark.slow
+@RAY_CLUSTERS
 def test_ray_actors_with_channel_match_local(prompts):
     import ray
 

@@ -18,8 +18,6 @@ from router.local import LocalSpeculator
 from tests.e2e.conftest import PROMPT_TEXTS
 from tests.router.conftest import RAY_CLUSTERS, Served, collect, request
 
-pytestmark = RAY_CLUSTERS
-
 
 class FakeRouter:
     """The Router surface ReplicaSet uses; `submit` returns a token object."""
@@ -159,6 +157,7 @@ def test_local_backend_two_replicas_spread_and_exact():
         server.close()
 
 
+@RAY_CLUSTERS
 def test_ray_backend_two_replicas_each_pair_in_its_own_placement_group():
     from ray.util import placement_group_table
 

@@ -23,8 +23,6 @@ from router.serve import free_port
 from tests.e2e.conftest import PROMPT_TEXTS
 from tests.router.conftest import RAY_CLUSTERS, Served, collect, request
 
-pytestmark = RAY_CLUSTERS
-
 MAX_LEN = "256"
 
 
@@ -122,6 +120,7 @@ def test_grpc_backend_verifier_killed():
         server.close()
 
 
+@RAY_CLUSTERS
 def test_ray_backend_exact_and_drafter_killed(reference):
     import ray
 
@@ -159,7 +158,7 @@ def test_ray_backend_exact_and_drafter_killed(reference):
         server.close()
 
 
-
+@RAY_CLUSTERS
 @pytest.mark.parametrize("stop", ["sigterm", "ctrl-c", "group-sigterm"])
 def test_spectandem_serve_as_a_user_would(tmp_path, stop):
     """`spectandem serve` (Ray backend, a local cluster), a request, then a stop: SIGTERM to the
@@ -208,8 +207,9 @@ def test_spectandem_serve_as_a_user_would(tmp_path, stop):
     assert "did not stop within" not in log and took < 60, (took, log)
 
 
-@pytest.mark.parametrize("backend,stop", [("ray", "sigterm"), ("ray", "ctrl-c"), ("grpc", "ctrl-c"),
-                                          ("grpc", "sigterm")])
+@pytest.mark.parametrize("backend,stop", [pytest.param("ray", "sigterm", marks=RAY_CLUSTERS),
+                                          pytest.param("ray", "ctrl-c", marks=RAY_CLUSTERS),
+                                          ("grpc", "ctrl-c"), ("grpc", "sigterm")])
 def test_stopped_while_it_starts(backend, stop):
     """`spectandem serve` told to stop while it starts (a SIGTERM to the process, or Ctrl-C to its
     process group), once its log says the engines are loading: it does not come up, says it
@@ -260,6 +260,7 @@ def test_stopped_while_it_starts(backend, stop):
             pass
 
 
+@RAY_CLUSTERS
 def test_ray_backend_64_streams_cancel_and_deadline(reference):
     server = Served(["--backend", "ray", "--max-len", MAX_LEN, "--max-running", "64"]).wait_ready(300)
     try:
@@ -299,6 +300,7 @@ def _kill_at_warm_up(monkeypatch, role: str):
     monkeypatch.setattr(Router, "warm_up", killing)
 
 
+@RAY_CLUSTERS
 def test_ray_drafter_killed_during_warm_up_serve_still_comes_up(reference, monkeypatch):
     """The drafter actor dies as warm-up begins: the warm-up's requests decode without it, the
     restarted actor is picked up, and the server comes up and serves the reference's tokens."""
@@ -314,6 +316,7 @@ def test_ray_drafter_killed_during_warm_up_serve_still_comes_up(reference, monke
         server.close()
 
 
+@RAY_CLUSTERS
 def test_ray_verifier_killed_during_warm_up_serve_says_why(monkeypatch):
     """The verifier actor dies as warm-up begins: serve ends at once with an error that says the
     warm-up's requests failed and why, rather than hanging or failing on something else."""

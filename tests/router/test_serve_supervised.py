@@ -30,10 +30,8 @@ from router.serve import free_port
 from tests.e2e.conftest import PROMPT_TEXTS
 from tests.router.conftest import RAY_CLUSTERS, Served, collect, request
 
-pytestmark = RAY_CLUSTERS
 
 MAX_LEN = "256"
-
 
 
 def _gone(pid: int) -> bool:
@@ -80,7 +78,7 @@ def broken_target(tmp_path):
     return str(target)
 
 
-@pytest.mark.parametrize("backend", ["grpc", "ray"])
+@pytest.mark.parametrize("backend", ["grpc", pytest.param("ray", marks=RAY_CLUSTERS)])
 def test_engine_that_fails_to_start_ends_serve_with_its_error(broken_target, backend):
     draft = str(demo_paths("eagle3")[1])
     rc, out, took = _run_serve(["--backend", backend, "--port", str(free_port()), "--target", broken_target,
@@ -94,7 +92,7 @@ def test_engine_that_fails_to_start_ends_serve_with_its_error(broken_target, bac
     assert took < 90, took
 
 
-@pytest.mark.parametrize("backend", ["local", "grpc", "ray"])
+@pytest.mark.parametrize("backend", ["local", "grpc", pytest.param("ray", marks=RAY_CLUSTERS)])
 def test_a_kv_pool_that_cannot_hold_one_request_is_one_line_on_every_backend(backend):
     """The verifier refuses a --cpu-kv-cache-gib too small for one request at --max-len: serve
     ends with that one line, not a traceback, whichever process the engine runs in."""
@@ -210,6 +208,7 @@ def test_grpc_verifier_that_stays_down_ends_serve_non_zero():
     assert "spectandem serve: error: the verifier stayed down" in out, out[-3000:]
 
 
+@RAY_CLUSTERS
 def test_ray_engines_restart_after_sigkill():
     server = Served(["--backend", "ray", "--max-len", MAX_LEN, "--max-running", "16", "--drafter-timeout", "5",
                      "--pipeline", "sequential"]).wait_ready(300)
