@@ -415,6 +415,9 @@ def main(argv: list[str] | None = None) -> int:
                     help="grpc: `spectandem bench serve` in a process of its own; in-process: the same requests "
                          "submitted to the router on the serving event loop, without the public API "
                          "(InProcessClient) (default: %(default)s)")
+    ap.add_argument("--mark", default=None, metavar="FILE",
+                    help="a file that exists while each measured run lasts, for samplers in the engine processes "
+                         "to count only then (default: none)")
     ap.add_argument("--out", help="write the report here too")
     a = ap.parse_args(ours)
 
@@ -424,7 +427,7 @@ def main(argv: list[str] | None = None) -> int:
     concurrency = [int(x) for x in a.concurrency.split(",") if x]
     work = Path(tempfile.mkdtemp(prefix="profile-serve-"))
     # The process-wide settings `spectandem serve` makes (engine threads, switch interval).
-    served = Served(serve_args, lambda args: configure_process(args, os.environ.get("OMP_NUM_THREADS"))).wait_ready(600)
+    served = Served(serve_args, lambda args: configure_process(args, os.environ.get("OMP_NUM_THREADS"), os.environ)).wait_ready(600)
     router = served.state["router"]
     sampler = StackSampler(a.interval_ms / 1000, lambda: router.num_active > 0)
     timeline = Timeline()
@@ -471,7 +474,11 @@ def main(argv: list[str] | None = None) -> int:
                 timers.ms.clear()
                 timers.calls.clear()
                 timers.on = True
+            if a.mark:
+                Path(a.mark).write_text(f"concurrency {c}\n")
             res = bench(port, c, n, a.max_tokens, work / f"c{c}.json", during)
+            if a.mark:
+                Path(a.mark).unlink(missing_ok=True)
             timeline.on = False
             if timers:
                 timers.on = False

@@ -316,6 +316,8 @@ class EagleProposer(Proposer):
 
     def stage_features(self, features: torch.Tensor) -> torch.Tensor:
         """Target features on this proposer's device and dtype (what `catch_up` reads)."""
+        if features.device == self.device and features.dtype == self.dtype:
+            return features   # a round's features from the verifier on this GPU, as they come
         return to_device(features, self.device).to(self.dtype)
 
     def ahead_fork(self, src_id, dst_id):

@@ -141,7 +141,8 @@ class FeatureReceiver:
                 if msg is None:
                     raise FeatureChannelError(f"item {ref.index} of channel message {ref.seq}: the message left "
                                               f"the mailbox (every item taken, or dropped)")
-                out.append(self._hand_out(ref, msg))
+                # The taker's stream was recorded on the payload by the first item's take.
+                out.append(self._hand_out(ref, msg, recorded=True))
         return out
 
     def _read_early(self, seq: int, slot: int, dtype: torch.dtype, shapes: list[tuple[int, ...]]):
@@ -168,13 +169,15 @@ class FeatureReceiver:
             self._group.abort()
         self._thread.join(0.5)
 
-    def _hand_out(self, ref: ChannelRef, msg: _Message) -> torch.Tensor:
+    def _hand_out(self, ref: ChannelRef, msg: _Message, recorded: bool = False) -> torch.Tensor:
+        """Item `ref` of `msg`; `recorded`: the payload's use on the current stream is recorded
+        already (an earlier item of the same take)."""
         if not 0 <= ref.index < len(msg.shapes):
             raise FeatureChannelError(f"channel message {ref.seq} has {len(msg.shapes)} items, not {ref.index + 1}")
         if ref.index in msg.taken:
             raise FeatureChannelError(f"item {ref.index} of channel message {ref.seq} was already taken")
         out = msg.item(ref.index)
-        if out.is_cuda:
+        if out.is_cuda and not recorded:
             # The payload was allocated on the receiver's stream: keep its memory from being
             # reused there while the taker's stream still reads it (once per stream: the items
             # share the payload's memory).
