@@ -26,6 +26,9 @@ Arguments after `--` are serve's. Per concurrency it prints bench serve's figure
   one and how many queued ones were forgotten unused (verifier/engine.py);
 - CPU: each kind of thread's CPU time over the measured run, as a share of one core (`thread_cpu`):
   how much of the time the event loop's thread, the engines' workers and the rest ran;
+- `--sample-engines`: the engine processes serve starts (gRPC services, Ray actors) sampled the
+  same way by a thread of their own (benchmarks/engine_sampler), each thread's share of samples
+  and the chains of project frames where they were not waiting;
 - `--time module:qualname,...`: wall time inside those functions (benchmarks/profile_router.py
   `Timers`, no device synchronization), per verify call;
 - `--gpu-trace S`: on CUDA, S seconds of the measured run traced by torch.profiler (device
@@ -126,6 +129,28 @@ class StackSampler:
             for (inner, leaf), n in c.most_common(top):
                 lines.append(f"    {100 * n / total:5.1f}%  {inner}  [{leaf}]")
         return "\n".join(lines)
+
+
+def engine_samples_report(folder: Path, wait_s: float = 2.0) -> str:
+    """What the engine processes' samplers (benchmarks/engine_sampler) wrote for the measured run
+    that just ended: each writes its file once the run's marker is gone. Taken, then removed."""
+    deadline = time.monotonic() + wait_s
+    files = []
+    while time.monotonic() < deadline:
+        time.sleep(0.2)
+        files = sorted(folder.glob("*.txt"))
+        if len(files) >= 2:   # a pair's two processes (a plain server's one: the wait runs out)
+            time.sleep(0.2)
+            files = sorted(folder.glob("*.txt"))
+            break
+    if not files:
+        return "  engine processes: no samples (a process of its own per engine is needed)"
+    lines = []
+    for f in files:
+        lines.append(f"  engine process {f.stem}:")
+        lines += [f"    {line}" for line in f.read_text().splitlines()]
+        f.unlink()
+    return "\n".join(lines)
 
 
 def thread_cpu() -> dict[str, float]:
@@ -415,9 +440,8 @@ def main(argv: list[str] | None = None) -> int:
                     help="grpc: `spectandem bench serve` in a process of its own; in-process: the same requests "
                          "submitted to the router on the serving event loop, without the public API "
                          "(InProcessClient) (default: %(default)s)")
-    ap.add_argument("--mark", default=None, metavar="FILE",
-                    help="a file that exists while each measured run lasts, for samplers in the engine processes "
-                         "to count only then (default: none)")
+    ap.add_argument("--sample-engines", action="store_true",
+                    help="sample the stacks of the engine processes serve starts too (benchmarks/engine_sampler)")
     ap.add_argument("--out", help="write the report here too")
     a = ap.parse_args(ours)
 
@@ -426,6 +450,13 @@ def main(argv: list[str] | None = None) -> int:
 
     concurrency = [int(x) for x in a.concurrency.split(",") if x]
     work = Path(tempfile.mkdtemp(prefix="profile-serve-"))
+    engine_samples = None
+    if a.sample_engines:   # read by the engine processes serve starts, which inherit this environment
+        engine_samples = work / "engine-samples"
+        engine_samples.mkdir()
+        os.environ["PYTHONPATH"] = os.pathsep.join(
+            [str(ROOT / "benchmarks" / "engine_sampler")] + [p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p])
+        os.environ["SPECTANDEM_ENGINE_SAMPLES"] = str(engine_samples)
     # The process-wide settings `spectandem serve` makes (engine threads, switch interval).
     served = Served(serve_args, lambda args: configure_process(args, os.environ.get("OMP_NUM_THREADS"), os.environ)).wait_ready(600)
     router = served.state["router"]
@@ -474,11 +505,11 @@ def main(argv: list[str] | None = None) -> int:
                 timers.ms.clear()
                 timers.calls.clear()
                 timers.on = True
-            if a.mark:
-                Path(a.mark).write_text(f"concurrency {c}\n")
+            if engine_samples is not None:
+                (engine_samples / "on").touch()
             res = bench(port, c, n, a.max_tokens, work / f"c{c}.json", during)
-            if a.mark:
-                Path(a.mark).unlink(missing_ok=True)
+            if engine_samples is not None:
+                (engine_samples / "on").unlink()
             timeline.on = False
             if timers:
                 timers.on = False
@@ -518,6 +549,8 @@ def main(argv: list[str] | None = None) -> int:
                                           max(t1 for _, _, t1 in timeline.calls), a.top))
             report.append(cpu_report(cpu0, cpu1, wall))
             report.append(sampler.report(a.top))
+            if engine_samples is not None:
+                report.append(engine_samples_report(engine_samples))
             report += gpu
             if timers:
                 # Rounds: the in-process verifier's verify calls, else the router's (engines elsewhere).

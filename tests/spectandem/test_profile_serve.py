@@ -1,7 +1,14 @@
 """benchmarks/profile_serve.py's idle line: the time no engine call is in progress, split by the
-innermost router step running then."""
+innermost router step running then; its engine calls and timers; and the stack sampler of the
+engine processes (benchmarks/engine_sampler, `--sample-engines`)."""
 
-from benchmarks.profile_serve import Timeline, calls_report, idle_report
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+from benchmarks.profile_serve import ROOT, Timeline, calls_report, idle_report
 
 
 def test_idle_time_goes_to_the_innermost_step_running_then():
@@ -56,3 +63,47 @@ def test_timers_wrap_methods_and_the_names_that_imported_a_function():
     finally:
         timers.restore()
     assert engine.to_host is devices.to_host is original
+
+
+def _sampled_process(tmp_path, script: str) -> tuple[subprocess.Popen, Path]:
+    """A process started from `script` (a path under tmp_path) with the engine sampler on its
+    PYTHONPATH, as profile_serve --sample-engines starts serve's engines -> (it, its folder)."""
+    path = tmp_path / script
+    path.parent.mkdir(parents=True)
+    path.write_text("import time\n\ndef busy():\n    t = time.monotonic()\n    while time.monotonic() - t < 6:\n"
+                    "        sum(range(1000))\n\nbusy()\n")
+    folder = tmp_path / f"samples-{path.parent.name}"
+    folder.mkdir()
+    hooks = str(ROOT / "benchmarks" / "engine_sampler")
+    env = {**os.environ, "SPECTANDEM_ENGINE_SAMPLES": str(folder),
+           "PYTHONPATH": os.pathsep.join([hooks] + [p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p])}
+    return subprocess.Popen([sys.executable, str(path)], env=env), folder
+
+
+def test_engine_sampler_writes_an_engine_process_s_stacks_while_marked(tmp_path):
+    """benchmarks/engine_sampler in a process run as a drafter's (drafter/__main__.py): the samples
+    taken while the folder's "on" file existed, written when it went, name the function the process
+    was busy in; a process that is no engine's (the negative control) writes nothing."""
+    engine, folder = _sampled_process(tmp_path, "drafter/__main__.py")
+    other, other_folder = _sampled_process(tmp_path, "tool/main.py")
+    try:
+        time.sleep(1.5)   # the sampler looks at the command line after a second
+        for f in (folder, other_folder):
+            (f / "on").touch()
+        time.sleep(1.0)
+        for f in (folder, other_folder):
+            (f / "on").unlink()
+        deadline = time.monotonic() + 5
+        while not list(folder.glob("drafter-*.txt")) and time.monotonic() < deadline:
+            time.sleep(0.1)
+        written = list(folder.glob("drafter-*.txt"))
+        assert len(written) == 1, list(folder.iterdir())
+        text = written[0].read_text()
+        samples = int(text.splitlines()[0].split()[1])
+        assert samples > 100, text
+        assert "thread MainThread:" in text and "drafter/__main__.py:busy:" in text, text
+        assert list(other_folder.iterdir()) == []
+    finally:
+        for p in (engine, other):
+            p.kill()
+            p.wait()

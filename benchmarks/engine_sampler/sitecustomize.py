@@ -1,0 +1,103 @@
+"""A stack sampler for the engine processes `spectandem serve` starts, for
+benchmarks/profile_serve.py --sample-engines: that script puts this folder first on the
+PYTHONPATH the engine processes inherit, and names a folder in SPECTANDEM_ENGINE_SAMPLES. Python
+imports this module at the start of every process; in a drafter's or a verifier's process
+(`python -m drafter` / `python -m verifier`, or a Ray worker, whose actor it cannot tell) a
+thread then samples every other thread's Python stack every millisecond while the folder holds a
+file named "on", and each time that file goes it writes the counts to <folder>/<kind>-<pid>.txt
+(each run's counts on their own), where some thread ran project code (not an idle Ray worker). Nothing here runs in a process started without that variable.
+
+Each sample counts, per thread, its innermost project frame and innermost frame, and the chain of
+its last CHAIN project frames. The sampler needs the interpreter lock to look: a thread that holds
+the lock for long is seen when it lets go, so shares are of the sampler's turns rather than of
+time; a thread that waits without the lock (a device synchronize, a socket read) is seen where it
+waits."""
+
+from __future__ import annotations
+
+import os
+import sys
+import threading
+import time
+from collections import Counter
+
+_FOLDER = os.environ.get("SPECTANDEM_ENGINE_SAMPLES")
+_PROJECT = ("/drafter/", "/verifier/", "/spectandem/", "/router/")
+CHAIN = 6
+INTERVAL_S = 0.001
+
+
+def _kind() -> str | None:
+    """The engine process's kind from its command line (set only after this module runs)."""
+    argv = " ".join(sys.argv)
+    for kind in ("drafter", "verifier"):
+        if f"{kind}/__main__.py" in argv or f"-m {kind}" in argv:
+            return kind
+    return "ray-worker" if "default_worker.py" in argv else None
+
+
+def _where(frame) -> tuple[str, str, str]:
+    """(innermost project frame, innermost frame, the chain of the last CHAIN project frames)."""
+    leaf = f"{os.path.basename(frame.f_code.co_filename)}:{frame.f_code.co_name}"
+    project = []
+    while frame is not None:
+        path = frame.f_code.co_filename
+        if any(part in path for part in _PROJECT):
+            project.append(f"{'/'.join(path.rsplit('/', 2)[-2:])}:{frame.f_code.co_name}:{frame.f_lineno}")
+        frame = frame.f_back
+    inner = project[0] if project else "-"
+    return inner, leaf, " > ".join(reversed(project[:CHAIN]))
+
+
+def _write(path: str, samples: int, counts: Counter, chains: Counter) -> None:
+    per_thread = Counter()
+    for (thread, _, _), n in counts.items():
+        per_thread[thread] += n
+    lines = [f"samples {samples}"]
+    for thread, total in per_thread.most_common():
+        lines.append(f"thread {thread}: {total}")
+        for (t, inner, leaf), n in counts.most_common():
+            if t == thread and n * 200 >= total:   # 0.5% of the thread's samples or more
+                lines.append(f"  {100 * n / total:5.1f}%  {inner}  [{leaf}]")
+    lines.append("chains (outer > inner), every thread, outside waits:")
+    for (thread, chain), n in chains.most_common(60):
+        lines.append(f"  {n:7d}  {thread}: {chain}")
+    with open(path + ".tmp", "w") as f:
+        f.write("\n".join(lines) + "\n")
+    os.replace(path + ".tmp", path)
+
+
+def _run(folder: str) -> None:
+    time.sleep(1.0)   # sys.argv is set after this module runs
+    kind = _kind()
+    if kind is None:
+        return
+    mark, me = os.path.join(folder, "on"), threading.get_ident()
+    out = os.path.join(folder, f"{kind}-{os.getpid()}.txt")
+    counts, chains, samples, on, checked = Counter(), Counter(), 0, False, 0.0
+    while True:
+        time.sleep(INTERVAL_S)
+        now = time.monotonic()
+        if now - checked > 0.02:
+            checked, was = now, on
+            on = os.path.exists(mark)
+            if on and not was:
+                counts, chains, samples = Counter(), Counter(), 0
+            elif was and not on and any(inner != "-" for _, inner, _ in counts):   # not an idle Ray worker
+                _write(out, samples, counts, chains)
+        if not on:
+            continue
+        samples += 1
+        names = {t.ident: t.name for t in threading.enumerate()}
+        for ident, frame in sys._current_frames().items():
+            if ident == me:
+                continue
+            thread = names.get(ident, str(ident))
+            inner, leaf, chain = _where(frame)
+            counts[(thread, inner, leaf)] += 1
+            if chain and not leaf.endswith((":wait", ":_worker", ":recv_header", ":_read_exact", ":_serve")):
+                chains[(thread, chain + f"  [{leaf}]")] += 1
+
+
+if _FOLDER:
+    threading.Thread(target=_run, args=(_FOLDER,), name="engine-sampler", daemon=True).start()
