@@ -15,7 +15,7 @@ from __future__ import annotations
 from drafter.next_trees import NextTrees
 from drafter.service_core import (drafter_draft_ahead, drafter_draft_posted, drafter_extend, drafter_info,
                                   drafter_prefill, drafter_release)
-from spectandem.call_clock import CallClock
+from spectandem.call_clock import CallClock, timed
 from spectandem.channel import FeatureReceiver, TreePoster
 from spectandem.channel.trees import verdicts_from_bytes
 from spectandem.messages import DraftTree
@@ -67,9 +67,10 @@ class DrafterCalls:
         """`draft_on` for a VERDICTS frame of the tree channel (spectandem/channel/trees.py): where
         its features lie in the feature channel's ring is told to the receiver first, which then
         copies them out without waiting for their headers."""
-        items, bounds, placements = verdicts_from_bytes(body)
-        if placements and self.receiver is not None:
-            self.receiver.expect(placements)
+        with timed(clock, "draft_next.decode"):
+            items, bounds, placements = verdicts_from_bytes(body)
+            if placements and self.receiver is not None:
+                self.receiver.expect(placements)
         self.draft_on(items, bounds, clock)
 
     def info(self, model_name: str) -> EngineInfo:

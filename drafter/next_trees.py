@@ -44,8 +44,8 @@ class NextTrees:
         fails, leaves the work to the router's next call."""
         self._made = {}
         try:
-            with timed(clock, "draft_next.catch_up"):
-                unknown = set(drafter_extend(engine, items, receiver))
+            with timed(clock, "draft_next.catch_up"):   # its parts: "draft_next.features", ".absorb"
+                unknown = set(drafter_extend(engine, items, receiver, clock, call="draft_next"))
         except Exception as exc:   # checked before anything changed (drafter_extend)
             log.debug("verdicts not caught up ahead of the draft call: %s", exc)
             return

@@ -79,8 +79,8 @@ def drafter_extend_and_draft(engine, tags: list[Tag], num_steps: list[int | None
                              ) -> tuple[DraftTree | None, list[Tag], list[str]]:
     """`extend` first (drafter_extend), then the trees of the tags it did not report unknown:
     (the trees or None when no tag is left, the tags they are for, the unknown ids). `clock`: the
-    catch-up is timed as "draft.catch_up" (its features taken from the channel also as
-    "draft.features"), the trees as "draft.engine" (a service's EngineInfo.calls)."""
+    catch-up is timed as "draft.catch_up" (its parts also as "draft.features" and "draft.absorb":
+    drafter_extend), the trees as "draft.engine" (a service's EngineInfo.calls)."""
     with timed(clock, "draft.catch_up"):
         unknown = drafter_extend(engine, list(extend), receiver, clock) if extend else []
     keep = [i for i, t in enumerate(tags) if t.request_id not in unknown]
@@ -149,9 +149,11 @@ def drafter_release(engine, request_ids: list[str], keep_draft: bool = False,
 
 
 def drafter_extend(engine, items: list[ExtendItem], receiver: FeatureReceiver | None = None,
-                   clock: CallClock | None = None) -> list[str]:
+                   clock: CallClock | None = None, call: str = "draft") -> list[str]:
     """Catch-up; returns the ids this drafter does not hold (it restarted, or the round's
-    features did not come over the channel: re-prefill them)."""
+    features did not come over the channel: re-prefill them). `clock`: taking the features is
+    timed as "<call>.features", the engine's catch-up (where it runs now rather than inside the
+    next draft) as "<call>.absorb"."""
     unknown = [i.tag.request_id for i in items if i.tag.request_id not in engine.requests]
     known = [i for i in items if i.tag.request_id in engine.requests]
     follows: dict[str, int] = {}   # a request may come with several rounds, in order (router backlog)
@@ -163,15 +165,16 @@ def drafter_extend(engine, items: list[ExtendItem], receiver: FeatureReceiver | 
         if rid not in follows:
             engine.check_tag(rid, i.tag.epoch, start)
         follows[rid] = i.tag.committed_len
-    with timed(clock, "draft.features"):
+    with timed(clock, f"{call}.features"):
         known, missing = _take_features(receiver, known)
     for rid in missing:  # forgotten, so that "unknown" is true and the re-prefill starts clean
         engine.remove(rid)
     if missing:   # with the request's other rounds of this call, those whose features did come
         known = [i for i in known if i.tag.request_id not in missing]
         unknown += list(dict.fromkeys(missing))
-    engine.extend([Verdict(i.tag, list(i.token_ids), num_accepted=len(i.token_ids) - 1, num_draft_tokens=0,
-                           features=i.features) for i in known])
+    with timed(clock, f"{call}.absorb"):
+        engine.extend([Verdict(i.tag, list(i.token_ids), num_accepted=len(i.token_ids) - 1, num_draft_tokens=0,
+                               features=i.features) for i in known])
     return unknown
 
 

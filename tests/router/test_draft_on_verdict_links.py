@@ -136,11 +136,11 @@ def test_grpc_engines_draft_on_the_verdict_and_stay_exact(processes, reference):
             got, counters = await _route(v, d, spec, prompts, greedy)
             after = await _counts(d), await _early_reads(d)
             got_seeded, _ = await _route(v, d, spec, prompts, seeded)
-            return got_control, before, got, counters, after, got_seeded, await _counts(d)
+            return got_control, before, got, counters, after, got_seeded, await _counts(d), (await d.info()).calls
         finally:
             for link in (v, d, control):
                 await link.close()
-    got_control, before, got, counters, after, got_seeded, last = asyncio.run(main())
+    got_control, before, got, counters, after, got_seeded, last, calls = asyncio.run(main())
     assert got_control == want and got == want and got_seeded == want_seeded
     assert before == ((0, 0), 0)                    # the control sent no verdicts
     (made, taken), early = after
@@ -150,6 +150,9 @@ def test_grpc_engines_draft_on_the_verdict_and_stay_exact(processes, reference):
     # past a request's last round.
     assert taken > 0 and made <= taken + len(prompts)
     assert last[1] > taken                          # the seeded requests' rounds too
+    # The work on each verdict is timed by its parts too (EngineInfo.calls: profile_serve's report).
+    parts = ("draft_next.decode", "draft_next.catch_up", "draft_next.features", "draft_next.absorb", "draft_next.engine")
+    assert all(calls["count"].get(k, 0) > 0 for k in parts), calls["count"]
 
 
 @pytest.mark.slow
