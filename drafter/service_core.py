@@ -24,10 +24,12 @@ from spectandem.messages import DraftTree, StaleMessage
 log = logging.getLogger("spectandem.drafter")
 
 
-def _take_features(receiver: FeatureReceiver | None, items: list) -> tuple[list, list[str]]:
+def _take_features(receiver: FeatureReceiver | None, items: list, clock: CallClock | None = None,
+                   kind: str = "features") -> tuple[list, list[str]]:
     """(the items with each ChannelRef replaced by its tensor, leaving out those whose features
     did not come; their ids). The items of one call share one deadline; those of one channel
-    message are taken together (`FeatureReceiver.take_message`), and come or fail together."""
+    message are taken together (`FeatureReceiver.take_message`, its parts timed on `clock` as
+    "<kind>.wait", ".early_read", ".hand_out"), and come or fail together."""
     by_seq: dict[int, list[int]] = {}
     for k, i in enumerate(items):
         if isinstance(i.features, ChannelRef):
@@ -43,7 +45,7 @@ def _take_features(receiver: FeatureReceiver | None, items: list) -> tuple[list,
             if receiver is None:
                 raise FeatureChannelError("this drafter has no feature channel")
             got.update(zip(ks, receiver.take_message([items[k].features for k in ks],
-                                                     max(0.0, deadline - time.monotonic()))))
+                                                     max(0.0, deadline - time.monotonic()), clock, kind)))
         except FeatureChannelError as exc:
             failed.update(ks)
             why = why or exc
@@ -166,7 +168,7 @@ def drafter_extend(engine, items: list[ExtendItem], receiver: FeatureReceiver | 
             engine.check_tag(rid, i.tag.epoch, start)
         follows[rid] = i.tag.committed_len
     with timed(clock, f"{call}.features"):
-        known, missing = _take_features(receiver, known)
+        known, missing = _take_features(receiver, known, clock, f"{call}.features")
     for rid in missing:  # forgotten, so that "unknown" is true and the re-prefill starts clean
         engine.remove(rid)
     if missing:   # with the request's other rounds of this call, those whose features did come

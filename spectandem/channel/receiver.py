@@ -12,6 +12,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from spectandem.call_clock import CallClock, timed
 from spectandem.channel.wire import (_CLOSE, _DTYPES, NO_SLOT, SHAPES_AT, ChannelRef, FeatureChannelError, _device, _Group,
                                      parse_address)
 
@@ -89,9 +90,12 @@ class FeatureReceiver:
             while len(self._placed) > self.capacity:
                 self._placed.popitem(last=False)
 
-    def take(self, ref: ChannelRef, timeout_s: float | None = None) -> torch.Tensor:
+    def take(self, ref: ChannelRef, timeout_s: float | None = None, clock: CallClock | None = None,
+             kind: str = "features") -> torch.Tensor:
         """The features behind `ref` (a view of the message's payload, on this side's device);
-        waits up to `timeout_s` (default take_timeout_s) for a message not yet here."""
+        waits up to `timeout_s` (default take_timeout_s) for a message not yet here. `clock`:
+        the waits for the message are timed as "<kind>.wait", its copy out of the ring ahead of its
+        header as "<kind>.early_read"."""
         deadline = time.monotonic() + (self.take_timeout_s if timeout_s is None else timeout_s)
         with self._cond:
             while True:
@@ -112,8 +116,10 @@ class FeatureReceiver:
                 if remaining <= 0:
                     raise FeatureChannelError(f"features of channel message {ref.seq} did not arrive within "
                                               f"{self.take_timeout_s if timeout_s is None else timeout_s} s")
-                self._cond.wait(remaining)
-        msg, done = self._read_early(ref.seq, *placed)
+                with timed(clock, f"{kind}.wait"):
+                    self._cond.wait(remaining)
+        with timed(clock, f"{kind}.early_read"):
+            msg, done = self._read_early(ref.seq, *placed)
         with self._cond:
             if msg is None:                 # no longer in its slot: the header's copy is the one
                 del self._early[ref.seq]
@@ -124,18 +130,20 @@ class FeatureReceiver:
                 self._keep(ref.seq, msg)
                 self._cond.notify_all()
                 return self._hand_out(ref, msg)
-        return self.take(ref, max(0.0, deadline - time.monotonic()))
+        return self.take(ref, max(0.0, deadline - time.monotonic()), clock, kind)
 
-    def take_message(self, refs: list[ChannelRef], timeout_s: float | None = None) -> list[torch.Tensor]:
+    def take_message(self, refs: list[ChannelRef], timeout_s: float | None = None, clock: CallClock | None = None,
+                     kind: str = "features") -> list[torch.Tensor]:
         """`take` of each of `refs`, all items of one message, the lock taken once for the lot
         rather than once per item: a round's catch-up of 64 requests is one message. Raises
-        FeatureChannelError where a `take` of one of them would."""
+        FeatureChannelError where a `take` of one of them would. `clock`: as `take`'s, and the
+        other items' hand-out as "<kind>.hand_out"."""
         if len({r.seq for r in refs}) > 1:
             raise ValueError(f"take_message takes the items of one message, got messages {sorted({r.seq for r in refs})}")
         if not refs:
             return []
-        out = [self.take(refs[0], timeout_s)]   # waits for the message: the rest are in it then
-        with self._cond:
+        out = [self.take(refs[0], timeout_s, clock, kind)]   # waits for the message: the rest are in it then
+        with timed(clock, f"{kind}.hand_out"), self._cond:
             msg = self._mail.get(refs[0].seq)
             for ref in refs[1:]:
                 if msg is None:

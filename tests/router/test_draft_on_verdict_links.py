@@ -151,7 +151,8 @@ def test_grpc_engines_draft_on_the_verdict_and_stay_exact(processes, reference):
     assert taken > 0 and made <= taken + len(prompts)
     assert last[1] > taken                          # the seeded requests' rounds too
     # The work on each verdict is timed by its parts too (EngineInfo.calls: profile_serve's report).
-    parts = ("draft_next.decode", "draft_next.catch_up", "draft_next.features", "draft_next.absorb", "draft_next.engine")
+    parts = ("draft_next.decode", "draft_next.catch_up", "draft_next.features", "draft_next.features.early_read",
+             "draft_next.features.hand_out", "draft_next.absorb", "draft_next.engine")
     assert all(calls["count"].get(k, 0) > 0 for k in parts), calls["count"]
 
 
