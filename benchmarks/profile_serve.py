@@ -311,8 +311,9 @@ def _busy(state: dict) -> dict:
 
 
 def _service_calls(state: dict) -> dict:
-    """{role: (busy seconds by kind, calls by kind)} of engines in processes of their own, as
-    their services report them (EngineInfo.calls: spectandem/call_clock.py)."""
+    """{role: (busy seconds by kind, calls by kind, counters)} of engines in processes of their
+    own, as their services report them (EngineInfo.calls: spectandem/call_clock.py; the counters:
+    EngineInfo.extra's numbers, such as the feature channel's messages by the way they went)."""
 
     from router.local_base import _LocalLink
 
@@ -324,7 +325,8 @@ def _service_calls(state: dict) -> dict:
             continue
         info = asyncio.run_coroutine_threadsafe(link.info(), loop).result(30)
         if info.calls:
-            out[role] = (dict(info.calls["busy_s"]), dict(info.calls["count"]))
+            counters = {k: v for k, v in info.extra.items() if isinstance(v, int) and not isinstance(v, bool)}
+            out[role] = (dict(info.calls["busy_s"]), dict(info.calls["count"]), counters)
     return out
 
 
@@ -525,12 +527,15 @@ def main(argv: list[str] | None = None) -> int:
                 parts = {k: after[k] - before.get(k, 0.0) for k in after if after[k] - before.get(k, 0.0) > 0}
                 report.append(f"  {role} busy {100 * sum(parts.values()) / wall:.1f}% of the wall: " +
                               ", ".join(f"{k} {100 * v / wall:.1f}%" for k, v in sorted(parts.items(), key=lambda kv: -kv[1])))
-            for role, (busy, count) in _service_calls(served.state).items():
-                b0, n0 = remote0.get(role, ({}, {}))
+            for role, (busy, count, numbers) in _service_calls(served.state).items():
+                b0, n0, m0 = remote0.get(role, ({}, {}, {}))
                 kinds = sorted(busy, key=lambda k: -(busy[k] - b0.get(k, 0.0)))
                 report.append(f"  {role} (a process of its own), inside its calls: " + ", ".join(
                     f"{k} {count[k] - n0.get(k, 0)} x {1000 * (busy[k] - b0.get(k, 0.0)) / (count[k] - n0.get(k, 0)):.2f} ms"
                     for k in kinds if count[k] > n0.get(k, 0)))
+                grown = {k: v - m0.get(k, 0) for k, v in numbers.items() if v != m0.get(k, 0)}
+                if grown:
+                    report.append(f"  {role}'s counters over the run: " + ", ".join(f"{k} +{v}" for k, v in sorted(grown.items())))
             ahead1 = _ahead_counts(served.state)
             if ahead0 is not None and ahead1 is not None:
                 report.append(f"  decode ahead: {ahead1[0] - ahead0[0]} decodes took a queued one, "

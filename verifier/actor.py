@@ -145,6 +145,8 @@ class VerifierActor:
         info.extra.update(pid=os.getpid(), restarted=self.restarted, node_id=ctx.get_node_id(), placement_group_id=ctx.get_placement_group_id())
         if self.sender is not None:
             info.extra["feature_channel"] = self.sender.state
+            info.extra.update(feature_ring_messages=self.sender.ring_messages,
+                              feature_group_messages=self.sender.group_messages)
         if self.trees is not None:
             info.extra["tree_channel"] = self.trees.state
         info.calls = self.clock.stats()

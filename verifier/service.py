@@ -108,6 +108,8 @@ class VerifierServicer(engines_pb2_grpc.VerifierServicer):
         info.extra["device"] = self.device
         if self.sender is not None:
             info.extra["feature_channel"] = self.sender.state
+            info.extra.update(feature_ring_messages=self.sender.ring_messages,
+                              feature_group_messages=self.sender.group_messages)
         if self.trees is not None:
             info.extra["tree_channel"] = self.trees.state
         info.calls = self.calls.clock.stats()

@@ -51,6 +51,9 @@ class FeatureSender:
         self.connect_timeout_s, self.send_timeout_s, self.max_queued = connect_timeout_s, send_timeout_s, max_queued
         self.state = "connecting"        # -> "up" -> "broken" | "closed"
         self.messages_sent = 0
+        # Messages written into a ring slot, and those that went over the group (larger than a
+        # slot, or finding every slot still unread): the verifier's info reports both.
+        self.ring_messages = self.group_messages = 0
         self._seq = 0
         self._lock = threading.Lock()
         self._queue: queue.Queue = queue.Queue()
@@ -114,11 +117,13 @@ class FeatureSender:
                 if ring is not None and ring.fits(_nbytes(chunk)) and ring.free() > 0:
                     slot = ring.write(seq, chunk)
                     msg = _Outgoing(_header(seq, chunk, slot), None, None)
+                    self.ring_messages += 1
                     self._placed[seq] = (slot, _DTYPES.index(chunk[0].dtype), [tuple(t.shape) for t in chunk])
                     while len(self._placed) > PLACED_KEPT:
                         self._placed.popitem(last=False)
                 else:
                     msg = self._snapshot(seq, chunk)
+                    self.group_messages += 1
                 self._queue.put(msg)
 
     def placement(self, seq: int) -> tuple[int, int, list[tuple[int, ...]]] | None:

@@ -136,11 +136,12 @@ def test_grpc_engines_draft_on_the_verdict_and_stay_exact(processes, reference):
             got, counters = await _route(v, d, spec, prompts, greedy)
             after = await _counts(d), await _early_reads(d)
             got_seeded, _ = await _route(v, d, spec, prompts, seeded)
-            return got_control, before, got, counters, after, got_seeded, await _counts(d), (await d.info()).calls
+            ring = (await v.info()).extra
+            return got_control, before, got, counters, after, got_seeded, await _counts(d), (await d.info()).calls, ring
         finally:
             for link in (v, d, control):
                 await link.close()
-    got_control, before, got, counters, after, got_seeded, last, calls = asyncio.run(main())
+    got_control, before, got, counters, after, got_seeded, last, calls, ring = asyncio.run(main())
     assert got_control == want and got == want and got_seeded == want_seeded
     assert before == ((0, 0), 0)                    # the control sent no verdicts
     (made, taken), early = after
@@ -154,6 +155,8 @@ def test_grpc_engines_draft_on_the_verdict_and_stay_exact(processes, reference):
     parts = ("draft_next.decode", "draft_next.catch_up", "draft_next.features", "draft_next.features.early_read",
              "draft_next.features.hand_out", "draft_next.absorb", "draft_next.engine")
     assert all(calls["count"].get(k, 0) > 0 for k in parts), calls["count"]
+    # The verifier's messages went through the payload ring (its info counts them, over gRPC too).
+    assert ring.get("feature_ring_messages", 0) > 0, ring
 
 
 @pytest.mark.slow

@@ -141,11 +141,13 @@ def test_two_processes_share_the_ring_and_fall_back_to_gloo_for_large_messages()
             sent += [feats[0], feats[2]]
             refs += [r[0], r[2]]
         assert ring.written == 12
+        assert (sender.ring_messages, sender.group_messages) == (12, 0)
         large = torch.randn(40, 8, generator=g)          # 1280 bytes: over gloo
         burst = [[torch.full((4, 8), float(i))] for i in range(6)]   # as fast as they come
         for feats in [[large]] + burst:
             refs += sender.send(feats)
             sent += feats
+        assert sender.group_messages >= 1 and sender.ring_messages + sender.group_messages == 12 + 1 + 6
         orders.put([(r.seq, r.index) for r in refs])
         state, got = results.get(timeout=120)
         assert state == "up"
