@@ -16,6 +16,9 @@ Two sources, one registry (a private `CollectorRegistry`, so nothing process-glo
                spectandem:num_decode_ahead_taken, num_decode_ahead_forgotten (summed over the
                verifiers that decode ahead, read from their info: the plain decodes that took the
                chunk queued after the last call, and the queued chunks forgotten unused)
+               spectandem:num_feature_channel_messages{path="ring"|"group"} (summed over the
+               verifiers, read from their info: the feature channel's messages written into the
+               payload ring, and those that went over the channel's group instead, the slower way)
     gauges     spectandem:num_requests_running, num_requests_waiting,
                spectandem:kv_cache_usage_perc{side="verifier"|"drafter"} (0..1)
 - `RequestTimings`, a router listener, observes latencies from request events:
@@ -94,6 +97,17 @@ def decode_ahead_sums(infos) -> dict[str, int]:
     return sums
 
 
+def feature_channel_sums(infos) -> dict[str, int]:
+    """The verifiers' feature-channel messages by the way they went (EngineInfo.extra) summed:
+    {"ring", "group"}."""
+    sums = {"ring": 0, "group": 0}
+    for info in infos:
+        extra = getattr(info, "extra", None) or {}
+        for key in sums:
+            sums[key] += int(extra.get(f"feature_{key}_messages", 0))
+    return sums
+
+
 class RouterCollector:
     """Counters and gauges read from the router when scraped.
 
@@ -106,10 +120,11 @@ class RouterCollector:
         self.router, self.links, self.positions, self.default_slots = router, links, positions, default_slots
         self._kv_usage: dict[str, float] = {}
         self._ahead: dict[str, int] = {"taken": 0, "forgotten": 0}
+        self._channel: dict[str, int] = {"ring": 0, "group": 0}
 
     async def refresh(self) -> None:
-        """Polls the engines' slot use and the verifiers' decode-ahead counts (async, so before
-        the synchronous collect)."""
+        """Polls the engines' slot use and the verifiers' decode-ahead and feature-channel counts
+        (async, so before the synchronous collect)."""
         usage, infos = {}, []
         for side, links in self.links.items():
             used = total = 0
@@ -125,6 +140,7 @@ class RouterCollector:
             if total > 0:
                 usage[side] = used / total
         self._kv_usage, self._ahead = usage, decode_ahead_sums(infos)
+        self._channel = feature_channel_sums([i for i in infos if i.role == "verifier"])
 
     def collect(self):
         c = self.router.counters
@@ -147,6 +163,13 @@ class RouterCollector:
                                   value=self._ahead["taken"])
         yield CounterMetricFamily(PREFIX + "num_decode_ahead_forgotten",
                                   "Decodes the verifier queued ahead and forgot unused", value=self._ahead["forgotten"])
+        channel = CounterMetricFamily(PREFIX + "num_feature_channel_messages",
+                                      "The verifiers' feature-channel messages, by the way they went: into the payload "
+                                      "ring, or over the channel's group (larger than a slot, or every slot unread)",
+                                      labels=["path"])
+        for path, n in sorted(self._channel.items()):
+            channel.add_metric([path], n)
+        yield channel
         yield GaugeMetricFamily(PREFIX + "num_requests_running", "Requests in the running batch",
                                 value=len(self.router.running))
         yield GaugeMetricFamily(PREFIX + "num_requests_waiting", "Requests waiting for admission",

@@ -20,10 +20,13 @@ from __future__ import annotations
 import asyncio
 import signal
 import socket
+import urllib.request
 
 import pytest
+from prometheus_client.parser import text_string_to_metric_families
 
 from router.links_grpc import GrpcDrafterLink, GrpcVerifierLink
+from router.serve import free_port
 from spectandem.channel import ChannelRef
 from spectandem.config import SamplingParams, SpecConfig
 from spectandem.demo import demo_paths
@@ -205,21 +208,32 @@ def _maps_ring(pid: int) -> bool:
         return "spectandem-ring-" in f.read()
 
 
+def _channel_metric(server) -> dict[str, float]:
+    """/metrics' spectandem:num_feature_channel_messages_total by path."""
+    text = urllib.request.urlopen(f"http://127.0.0.1:{server.state['metrics_port']}/metrics", timeout=10).read()
+    return {s.labels["path"]: s.value for family in text_string_to_metric_families(text.decode())
+            for s in family.samples if s.name == "spectandem:num_feature_channel_messages_total"}
+
+
 @pytest.mark.slow
 def test_serve_grpc_opens_the_channel_by_default_and_streams_the_same_tokens_as_without(prompts):
     (greedy,), _, _ = _local("eagle3", prompts, [SamplingParams(max_tokens=20)] * len(prompts))
     got = {}
     for name, flags in (("default", []), ("off", ["--no-feature-channel"])):
-        server = Served(SERVE_FLAGS + flags).wait_ready()
+        server = Served(SERVE_FLAGS + flags + ["--metrics-port", str(free_port())]).wait_ready()
         try:
             state = server.run(_channel_state(server.state["verifier"]))
             drafter_pid = server.state["procs"]["drafter"].pid
-            got[name] = (state, _maps_ring(drafter_pid), _served_greedy(server, prompts))
+            tokens = _served_greedy(server, prompts)
+            got[name] = (state, _maps_ring(drafter_pid), tokens, _channel_metric(server))
         finally:
             server.close()
     assert got["default"][:2] == ("up", True)     # the drafter maps the verifier's payload ring
     assert got["off"][:2] == ("", False)
     assert got["default"][2] == got["off"][2] == [g.token_ids for g in greedy]
+    # /metrics counts the channel's messages by the way they went: the demo pair's fit its slots.
+    assert got["default"][3]["ring"] > 0 and got["default"][3]["group"] == 0, got["default"][3]
+    assert got["off"][3] == {"ring": 0, "group": 0}
 
 
 @pytest.mark.slow
