@@ -316,9 +316,7 @@ class EagleProposer(Proposer):
 
     def stage_features(self, features: torch.Tensor) -> torch.Tensor:
         """Target features on this proposer's device and dtype (what `catch_up` reads)."""
-        if features.device == self.device and features.dtype == self.dtype:
-            return features   # a round's features from the verifier on this GPU, as they come
-        return to_device(features, self.device).to(self.dtype)
+        return to_device(features, self.device, self.dtype)   # as they come where already there
 
     def ahead_fork(self, src_id, dst_id):
         self.cache.fork(self.slots.of[src_id], self.slots.get(dst_id), self.cache_len[src_id])

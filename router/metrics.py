@@ -140,7 +140,7 @@ class RouterCollector:
             if total > 0:
                 usage[side] = used / total
         self._kv_usage, self._ahead = usage, decode_ahead_sums(infos)
-        self._channel = feature_channel_sums([i for i in infos if i.role == "verifier"])
+        self._channel = feature_channel_sums(infos)
 
     def collect(self):
         c = self.router.counters
