@@ -100,7 +100,7 @@ def test_engine_sampler_writes_an_engine_process_s_stacks_while_marked(tmp_path)
         assert len(written) == 1, list(folder.iterdir())
         text = written[0].read_text()
         samples = int(text.splitlines()[0].split()[1])
-        assert samples > 100, text
+        assert samples > 10, text   # about one a millisecond for a second; a loaded machine gives fewer
         assert "thread MainThread:" in text and "drafter/__main__.py:busy:" in text, text
         assert list(other_folder.iterdir()) == []
     finally:
