@@ -165,7 +165,7 @@ class RouterCollector:
                                   "Decodes the verifier queued ahead and forgot unused", value=self._ahead["forgotten"])
         channel = CounterMetricFamily(PREFIX + "num_feature_channel_messages",
                                       "The verifiers' feature-channel messages, by the way they went: into the payload "
-                                      "ring, or over the channel's group (larger than a slot, or every slot unread)",
+                                      "ring, or over the channel's group (larger than a slot)",
                                       labels=["path"])
         for path, n in sorted(self._channel.items()):
             channel.add_metric([path], n)

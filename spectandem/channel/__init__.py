@@ -19,7 +19,8 @@ Glossary:
 - payload transport, chosen when the channel comes up: both ends on one device (one GPU, or
   CPU engines on one host) -> a PayloadRing (ring.py): slots the verifier shared once (CUDA IPC,
   or host shared memory) that it writes and the drafter copies out of and releases; a message
-  larger than a slot, or finding every slot unread, goes over the group. Two GPUs -> NCCL.
+  larger than a slot goes over the group (one finding every slot unread waits in the sender for
+  a freed slot). Two GPUs -> NCCL.
   Otherwise (or when the drafter cannot map the ring) -> gloo.
 - payload: uint8[nbytes], the items' bytes back to back, row-major. Above: 128 bytes, item 0 =
   payload[0:96].view(float32).view(3, 8), item 1 = payload[96:128].view(float32).view(1, 8).

@@ -28,14 +28,17 @@ class _Outgoing:
     header: list[int]                  # [seq, num_items, ndim, dtype code, ring slot, shapes...]
     payload: torch.Tensor | None       # [nbytes] uint8, a snapshot of the items (None: in a ring slot)
     ready: "torch.cuda.Event | None"   # recorded on the verifier's stream after the snapshot
+    for_ring: bool = False             # the snapshot goes into the next ring slot freed (FeatureSender._to_ring)
 
 
 class FeatureSender:
     """The verifier's end. `send` is called from the serving thread and never blocks.
 
     ring_slots, slot_bytes: the payload ring offered when both ends are on one device (ring.py;
-    0 slots: none). A message that fits a free slot goes there; a larger one, or one finding
-    every slot still unread, goes over the group."""
+    0 slots: none). A message that fits a slot goes there: into a free one at once, or, where
+    every slot is still unread (a round carrying many new prompts' features), as a snapshot on
+    its device that this end's thread writes into the next slot the drafter frees. Only a
+    message larger than a slot goes over the group (through host memory on one device)."""
 
     def __init__(self, address: str, device: str | torch.device, *, connect_timeout_s: float = 600.0,
                  send_timeout_s: float = 5.0, max_queued: int = 256, ring_slots: int = 4,
@@ -52,8 +55,10 @@ class FeatureSender:
         self.state = "connecting"        # -> "up" -> "broken" | "closed"
         self.messages_sent = 0
         # Messages written into a ring slot, and those that went over the group (larger than a
-        # slot, or finding every slot still unread): the verifier's info reports both.
+        # slot): the verifier's info reports both.
         self.ring_messages = self.group_messages = 0
+        self._ring_waiting = 0           # snapshots queued for a ring slot: later messages queue behind them
+        self._ring_stream = None         # this end's thread's stream for their writes (CUDA)
         self._seq = 0
         self._lock = threading.Lock()
         self._queue: queue.Queue = queue.Queue()
@@ -114,17 +119,24 @@ class FeatureSender:
         ring = self._group.ring
         for seq, chunk in messages:
             with self._lock:   # messages enter the queue (and the ring) in seq order
-                if ring is not None and ring.fits(_nbytes(chunk)) and ring.free() > 0:
+                fits = ring is not None and ring.fits(_nbytes(chunk))
+                if fits and not self._ring_waiting and ring.free() > 0:
                     slot = ring.write(seq, chunk)
                     msg = _Outgoing(_header(seq, chunk, slot), None, None)
-                    self.ring_messages += 1
-                    self._placed[seq] = (slot, _DTYPES.index(chunk[0].dtype), [tuple(t.shape) for t in chunk])
-                    while len(self._placed) > PLACED_KEPT:
-                        self._placed.popitem(last=False)
+                    self._placed_at(seq, slot, chunk[0].dtype, [tuple(t.shape) for t in chunk])
                 else:
                     msg = self._snapshot(seq, chunk)
-                    self.group_messages += 1
+                    msg.for_ring = fits
+                    self._ring_waiting += fits
+                    self.group_messages += not fits
                 self._queue.put(msg)
+
+    def _placed_at(self, seq: int, slot: int, dtype: torch.dtype, shapes: list[tuple[int, ...]]) -> None:
+        """Message `seq` is written into ring slot `slot` (the caller holds the lock)."""
+        self.ring_messages += 1
+        self._placed[seq] = (slot, _DTYPES.index(dtype), shapes)
+        while len(self._placed) > PLACED_KEPT:
+            self._placed.popitem(last=False)
 
     def placement(self, seq: int) -> tuple[int, int, list[tuple[int, ...]]] | None:
         """Where message `seq` was written in the payload ring: (its slot, the items' dtype code,
@@ -200,6 +212,8 @@ class FeatureSender:
     def _post(self, msg: _Outgoing) -> None:
         group = self._group
         self._blocked_since = time.monotonic()
+        if msg.for_ring:
+            self._to_ring(msg)
         if msg.payload is None:         # in a ring slot: the header names it
             group.send_header(msg.header)
         elif group.nccl is None:
@@ -221,6 +235,35 @@ class FeatureSender:
                     self._in_flight.append((time.monotonic(), work, payload))
         self._blocked_since = None
         self.messages_sent += msg.header[0] > 0
+
+    def _to_ring(self, msg: _Outgoing) -> None:
+        """Writes a snapshot that found every ring slot unread into the next slot the drafter
+        frees (its thread releases each slot once it has copied the message out), on this
+        thread's own stream after the snapshot; the header then names the slot. Waiting longer
+        than send_timeout_s (measured from `_blocked_since`: a drafter no longer reading) breaks
+        the channel, as a send the peer does not take does."""
+        ring = self._group.ring
+        while ring.free() < 1:
+            if self.state != "up" or time.monotonic() - self._blocked_since > self.send_timeout_s:
+                raise FeatureChannelError(f"no ring slot was freed within {self.send_timeout_s} s")
+            time.sleep(0.0001)
+        seq, num_items, ndim, code = msg.header[:SHAPES_AT - 1]
+        shapes = [tuple(msg.header[SHAPES_AT + i * ndim:SHAPES_AT + (i + 1) * ndim]) for i in range(num_items)]
+        with self._lock:
+            if self.device.type == "cuda":
+                if self._ring_stream is None:
+                    self._ring_stream = torch.cuda.Stream(self.device)
+                with torch.cuda.device(self.device), torch.cuda.stream(self._ring_stream):
+                    self._ring_stream.wait_event(msg.ready)
+                    slot = ring.write(seq, [msg.payload])
+                    # The snapshot was allocated on the serving stream: not reused there before this copy.
+                    msg.payload.record_stream(self._ring_stream)
+            else:
+                slot = ring.write(seq, [msg.payload])
+            self._placed_at(seq, slot, _DTYPES[code], shapes)
+            self._ring_waiting -= 1
+        msg.header[SHAPES_AT - 1] = slot
+        msg.payload = msg.ready = None
 
     def _drain(self, wait: bool, timeout_s: float) -> None:
         """Forgets completed NCCL sends; raises when the oldest is late (the peer is gone)."""

@@ -4,7 +4,8 @@
 - the sender on cuda:0 in this process, the receiver on cuda:0 in a spawned process: the channel
   comes up with the CUDA IPC ring; bf16 and fp32 messages arrive whole, each slot reused many
   times; a source tensor overwritten right after `send` (a CUDA graph output) arrives as it was
-  when sent; a message larger than a slot goes through host memory and arrives whole too;
+  when sent, in a burst too (the messages finding every slot unread wait for a freed one, as
+  snapshots); a message larger than a slot goes through host memory and arrives whole too;
 - `python -m verifier` and `python -m drafter` on the same GPU, joined by --feature-channel:
   the drafter maps the ring, every reply carries ChannelRefs, and greedy tokens equal the
   in-process speculator's.
@@ -70,6 +71,11 @@ def test_same_gpu_payloads_go_through_the_cuda_ipc_ring():
             while ring.free() < ring.slots:    # one at a time: each message finds a free slot
                 time.sleep(0.001)
         assert ring.written == 30
+        for k in range(8):   # a burst: those finding every slot unread wait for one, as snapshots
+            source.normal_(generator=g)
+            sent.append(source.float().cpu())
+            refs += sender.send([source])
+            source.fill_(-1.0)
         large = torch.randn(64, 4096, device=DEVICE, generator=g)   # 1 MiB: through host memory
         refs += sender.send([large])
         sent.append(large.cpu())
@@ -79,6 +85,7 @@ def test_same_gpu_payloads_go_through_the_cuda_ipc_ring():
         assert len(got) == len(sent)
         for a, b in zip(got, sent):
             assert torch.equal(a, b)
+        assert (sender.ring_messages, sender.group_messages) == (38, 1)
         orders.put(None)
     finally:
         sender.close()

@@ -3,8 +3,9 @@
 - the ring alone: slots taken in order and reused once released, a full ring refuses a write,
   a slot overwritten before its read raises FeatureChannelError (never another message's bytes);
 - the channel between two real processes (multiprocessing spawn): messages of several dtypes
-  arrive whole through the ring, slots reused many times, messages larger than a slot or sent
-  while every slot is unread go over gloo, both ways in one stream; the ring's file is gone from
+  arrive whole through the ring, slots reused many times, messages sent while every slot is
+  unread wait for a freed slot, messages larger than a slot go over gloo, both ways in one
+  stream; a drafter that stops reading breaks the channel; the ring's file is gone from
   /dev/shm once both ends map it; closing the sender closes the receiver;
 - a drafter that cannot map the ring: payloads go over gloo, the features still right.
 """
@@ -147,7 +148,8 @@ def test_two_processes_share_the_ring_and_fall_back_to_gloo_for_large_messages()
         for feats in [[large]] + burst:
             refs += sender.send(feats)
             sent += feats
-        assert sender.group_messages >= 1 and sender.ring_messages + sender.group_messages == 12 + 1 + 6
+        _wait(lambda: sender.ring_messages == 12 + 6)    # the burst: each into a slot the drafter freed
+        assert sender.group_messages == 1
         orders.put([(r.seq, r.index) for r in refs])
         state, got = results.get(timeout=120)
         assert state == "up"
@@ -162,10 +164,10 @@ def test_two_processes_share_the_ring_and_fall_back_to_gloo_for_large_messages()
             child.kill()
 
 
-def test_a_message_finding_every_slot_unread_goes_over_gloo():
-    """The drafter's end driven by hand: it reads nothing until three messages are sent."""
+def test_a_message_finding_every_slot_unread_waits_for_a_freed_slot():
+    """The drafter's end driven by hand: it reads nothing until three messages are sent. The
+    third waits for the first's slot, then its header names that slot; none goes over gloo."""
     from spectandem.channel import _Group
-    from spectandem.channel.wire import NO_SLOT
 
     address = _address()
     sender = FeatureSender(address, "cpu", ring_slots=2, slot_bytes=1024, send_timeout_s=30.0)
@@ -177,21 +179,41 @@ def test_a_message_finding_every_slot_unread_goes_over_gloo():
         feats = [torch.full((2, 4), float(k)) for k in range(3)]
         refs = [sender.send([f])[0] for f in feats]
         assert [r.seq for r in refs] == [1, 2, 3] and sender._group.ring.free() == 0
+        time.sleep(0.2)
+        assert sender.ring_messages == 2 and sender.placement(3) is None   # the third still waits
         for k, f in enumerate(feats):
             seq, num_items, ndim, code, slot = peer.recv_header()[:5]
-            assert (seq, num_items, ndim, slot) == (k + 1, 1, 2, k if k < 2 else NO_SLOT)
-            if slot == NO_SLOT:
-                payload = torch.empty(32, dtype=torch.uint8)
-                peer.recv_payload(payload)
-            else:
-                payload = peer.ring.read(seq, slot, 32)
-                peer.ring.release()
+            assert (seq, num_items, ndim, slot) == (k + 1, 1, 2, k % 2)
+            payload = peer.ring.read(seq, slot, 32)
+            peer.ring.release()
             assert torch.equal(payload.view(torch.float32).view(2, 4), f)
+        assert (sender.ring_messages, sender.group_messages) == (3, 0) and sender.placement(3)[0] == 0
         _wait(lambda: sender._group.ring.free() == 2)
         closing = threading.Thread(target=peer.recv_header, daemon=True)   # the sender's close, taken
         closing.start()
         sender.close()
         closing.join(10)
+    finally:
+        sender.close()
+        peer.abort()
+        peer.ring.close()
+
+
+def test_a_drafter_that_stops_reading_the_ring_breaks_the_channel():
+    """Its slots never freed, a message waiting for one breaks the channel after send_timeout_s;
+    later sends return None (the features then go inline, through the router)."""
+    from spectandem.channel import _Group
+
+    address = _address()
+    sender = FeatureSender(address, "cpu", ring_slots=2, slot_bytes=1024, send_timeout_s=1.0)
+    peer = _Group(address, 1, CPU, 30.0)
+    try:
+        peer.recv_header()
+        peer.recv_payload(torch.empty(8, dtype=torch.uint8))     # the handshake
+        _wait(lambda: sender.ready)
+        assert all(sender.send([torch.ones(2, 4)]) is not None for _ in range(3))
+        _wait(lambda: not sender.ready, timeout=10)
+        assert sender.state == "broken" and sender.send([torch.ones(2, 4)]) is None
     finally:
         sender.close()
         peer.abort()
