@@ -49,6 +49,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import bisect
+import json
 import os
 import sys
 import tempfile
@@ -153,6 +154,92 @@ def engine_samples_report(folder: Path, wait_s: float = 2.0) -> str:
     return "\n".join(lines)
 
 
+def _engine_events(folder: Path, wait_s: float = 2.0) -> list[tuple[str, float, float]]:
+    """The calls the engine processes recorded over the measured run that just ended
+    (benchmarks/engine_sampler, SPECTANDEM_ENGINE_TIMELINE), merged; taken, then removed."""
+    deadline = time.monotonic() + wait_s
+    files = []
+    while time.monotonic() < deadline:
+        time.sleep(0.2)
+        files = sorted(folder.glob("timeline-*.json"))
+        if len(files) >= 2:
+            time.sleep(0.2)
+            files = sorted(folder.glob("timeline-*.json"))
+            break
+    events = []
+    for f in files:
+        events += [tuple(e) for e in json.loads(f.read_text())]
+        f.unlink()
+    return sorted(events, key=lambda e: e[1])
+
+
+# A round's hand-offs, in the order they happen on a split pair's sequential round, each timed
+# from the end of the last verify's forward (verify.engine): (label, where it is read).
+ROUND_MARKS = (
+    ("the verifier replies (its call ends)", "verifier"),
+    ("the drafter starts on the verdict (draft_next)", "draft_next.t0"),
+    ("the router has the reply (_verify ends)", "router_reply"),
+    ("the router sends the draft call (_draft_call)", "router_draft"),
+    ("the router sends the next verify (_verify)", "router_verify"),
+    ("the drafter is done with the verdict", "draft_next.t1"),
+    ("the drafter starts the draft call", "draft.t0"),
+    ("the drafter has posted the trees (draft.post)", "draft.post.t1"),
+    ("the verifier starts the next verify", "verify.t0"),
+    ("the trees are in (verify.tree_wait ends)", "verify.tree_wait.t1"),
+    ("the next forward starts (verify.engine)", "verify.engine.t0"),
+)
+
+
+def round_timeline_report(events: list[tuple[str, float, float]], steps: list[tuple[str, float, float]]) -> str:
+    """Medians over the rounds of when each hand-off of ROUND_MARKS happens, from the end of the
+    last verify's forward, from the engines' recorded calls (`events`) and the router's steps
+    (`steps`, this process's clock: the same host clock). A round counts where every mark is found."""
+    by: dict[str, list[tuple[float, float]]] = {}
+    for name, t0, t1 in events:
+        by.setdefault(name, []).append((t0, t1))
+    for name, t0, t1 in steps:
+        by.setdefault("router" + name, []).append((t0, t1))
+    engine, calls = by.get("verify.engine", []), by.get("verify", [])
+    if len(engine) < 2:
+        return "  round timeline: fewer than two verify forwards recorded (a split pair's engines are needed)"
+
+    def first(name: str, lo: float, hi: float, end: bool = False):
+        """The first interval of `name` starting (or, `end`, ending) within [lo, hi): its (t0, t1)."""
+        for t0, t1 in by.get(name, []):
+            if lo <= (t1 if end else t0) < hi:
+                return t0, t1
+        return None
+
+    offsets: dict[str, list[float]] = {label: [] for label, _ in ROUND_MARKS}
+    rounds = 0
+    for (_, e_end), (e_next, _) in zip(engine, engine[1:]):
+        call = first("verify", e_end, e_next, end=True)
+        nxt = first("verify", e_end, e_next + 1e-9)
+        dn = first("draft_next", e_end - 1e-3, e_next)
+        dc = first("draft", e_end, e_next)
+        post = first("draft.post", e_end, e_next)
+        reply = first("router_verify", e_end, e_next, end=True) or first("router_verify_with_prefill", e_end, e_next, end=True)
+        rv = first("router_verify", e_end, e_next) or first("router_verify_with_prefill", e_end, e_next)
+        rd = first("router_draft_call", e_end, e_next)
+        tw = first("verify.tree_wait", e_end, e_next)
+        if None in (call, nxt, dn, dc, post, reply, rv, rd, tw):
+            continue
+        rounds += 1
+        marks = {"verifier": call[1], "draft_next.t0": dn[0], "draft_next.t1": dn[1], "router_reply": reply[1],
+                 "router_draft": rd[0], "router_verify": rv[0], "draft.t0": dc[0], "draft.post.t1": post[1],
+                 "verify.t0": nxt[0], "verify.tree_wait.t1": tw[1], "verify.engine.t0": e_next}
+        for label, key in ROUND_MARKS:
+            offsets[label].append(1e3 * (marks[key] - e_end))
+    if not rounds:
+        return "  round timeline: no round with every hand-off recorded (sequential rounds posting trees are needed)"
+    lines = [f"  round timeline, {rounds} of {len(engine) - 1} rounds, ms after the last verify's forward "
+             f"(median, p90):"]
+    for label, _ in ROUND_MARKS:
+        d = sorted(offsets[label])
+        lines.append(f"    {d[len(d) // 2]:7.2f} {d[min(len(d) - 1, len(d) * 9 // 10)]:7.2f}  {label}")
+    return "\n".join(lines)
+
+
 def thread_cpu() -> dict[str, float]:
     """CPU seconds (user and system) each kind of thread of this process has used so far: Python
     threads by `_thread_kind` of their name, every other thread (gRPC's core, PyTorch's, ...) as
@@ -185,7 +272,7 @@ def _thread_kind(name: str) -> str:
 
 
 ROUTER_STEPS = ("_let_arrivals_land", "_settle", "_schedule", "_admit", "_prefill_verifier", "_drafter_prefill",
-                "_round", "_resync", "_draft", "_verify", "_verify_with_prefill", "_after_prefill", "_apply", "_extend", "_draft_ahead", "_release",
+                "_round", "_resync", "_draft", "_draft_call", "_verify", "_verify_with_prefill", "_after_prefill", "_apply", "_extend", "_draft_ahead", "_release",
                 "_commit")
 
 
@@ -444,6 +531,9 @@ def main(argv: list[str] | None = None) -> int:
                          "(InProcessClient) (default: %(default)s)")
     ap.add_argument("--sample-engines", action="store_true",
                     help="sample the stacks of the engine processes serve starts too (benchmarks/engine_sampler)")
+    ap.add_argument("--engine-timeline", action="store_true",
+                    help="record the engine processes' timed calls (benchmarks/engine_sampler) and report when each "
+                         "hand-off of a round happens")
     ap.add_argument("--out", help="write the report here too")
     a = ap.parse_args(ours)
 
@@ -453,12 +543,15 @@ def main(argv: list[str] | None = None) -> int:
     concurrency = [int(x) for x in a.concurrency.split(",") if x]
     work = Path(tempfile.mkdtemp(prefix="profile-serve-"))
     engine_samples = None
-    if a.sample_engines:   # read by the engine processes serve starts, which inherit this environment
+    if a.sample_engines or a.engine_timeline:   # read by the engine processes serve starts, which inherit this environment
         engine_samples = work / "engine-samples"
         engine_samples.mkdir()
         os.environ["PYTHONPATH"] = os.pathsep.join(
             [str(ROOT / "benchmarks" / "engine_sampler")] + [p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p])
-        os.environ["SPECTANDEM_ENGINE_SAMPLES"] = str(engine_samples)
+        if a.sample_engines:
+            os.environ["SPECTANDEM_ENGINE_SAMPLES"] = str(engine_samples)
+        if a.engine_timeline:
+            os.environ["SPECTANDEM_ENGINE_TIMELINE"] = str(engine_samples)
     # The process-wide settings `spectandem serve` makes (engine threads, switch interval).
     served = Served(serve_args, lambda args: configure_process(args, os.environ.get("OMP_NUM_THREADS"), os.environ)).wait_ready(600)
     router = served.state["router"]
@@ -554,7 +647,9 @@ def main(argv: list[str] | None = None) -> int:
                                           max(t1 for _, _, t1 in timeline.calls), a.top))
             report.append(cpu_report(cpu0, cpu1, wall))
             report.append(sampler.report(a.top))
-            if engine_samples is not None:
+            if a.engine_timeline:
+                report.append(round_timeline_report(_engine_events(engine_samples), timeline.steps))
+            if a.sample_engines:
                 report.append(engine_samples_report(engine_samples))
             report += gpu
             if timers:

@@ -11,10 +11,17 @@ Each sample counts, per thread, its innermost project frame and innermost frame,
 its last CHAIN project frames. The sampler needs the interpreter lock to look: a thread that holds
 the lock for long is seen when it lets go, so shares are of the sampler's turns rather than of
 time; a thread that waits without the lock (a device synchronize, a socket read) is seen where it
-waits."""
+waits.
+
+With SPECTANDEM_ENGINE_TIMELINE naming a folder (profile_serve.py --engine-timeline), an engine
+process records instead each call and part of a call its CallClock times (spectandem/call_clock.py:
+"verify", "verify.tree_wait", "draft_next", "draft.post", ...) as (kind, start, end) on the host's
+monotonic clock, which every process shares, while that folder holds "on"; each time the file
+goes it writes them to <folder>/timeline-<kind>-<pid>.json."""
 
 from __future__ import annotations
 
+import json
 import os
 import sys
 import threading
@@ -22,6 +29,7 @@ import time
 from collections import Counter
 
 _FOLDER = os.environ.get("SPECTANDEM_ENGINE_SAMPLES")
+_TIMELINE = os.environ.get("SPECTANDEM_ENGINE_TIMELINE")
 _PROJECT = ("/drafter/", "/verifier/", "/spectandem/", "/router/")
 CHAIN = 6
 INTERVAL_S = 0.001
@@ -99,5 +107,41 @@ def _run(folder: str) -> None:
                 chains[(thread, chain + f"  [{leaf}]")] += 1
 
 
+def _record_calls(folder: str) -> None:
+    """Patches CallClock.add, through which every timed call and part ends, to keep (kind, start,
+    end) while the run's marker is there (time.perf_counter: CLOCK_MONOTONIC on Linux)."""
+    time.sleep(1.0)   # sys.argv is set after this module runs; the engine imports the clock meanwhile
+    kind = _kind()
+    if kind is None:
+        return
+    from spectandem.call_clock import CallClock
+
+    events: list[tuple[str, float, float]] = []
+    state = {"on": False}
+    add = CallClock.add
+
+    def recording_add(self, name: str, seconds: float) -> None:
+        add(self, name, seconds)
+        if state["on"]:
+            end = time.perf_counter()
+            events.append((name, end - seconds, end))
+
+    CallClock.add = recording_add
+    mark = os.path.join(folder, "on")
+    out = os.path.join(folder, f"timeline-{kind}-{os.getpid()}.json")
+    while True:
+        time.sleep(0.02)
+        was, state["on"] = state["on"], os.path.exists(mark)
+        if state["on"] and not was:
+            events.clear()
+        elif was and not state["on"] and events:
+            taken = list(events)
+            with open(out + ".tmp", "w") as f:
+                json.dump(taken, f)
+            os.replace(out + ".tmp", out)
+
+
 if _FOLDER:
     threading.Thread(target=_run, args=(_FOLDER,), name="engine-sampler", daemon=True).start()
+if _TIMELINE:
+    threading.Thread(target=_record_calls, args=(_TIMELINE,), name="engine-timeline", daemon=True).start()

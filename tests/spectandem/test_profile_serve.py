@@ -1,14 +1,16 @@
 """benchmarks/profile_serve.py's idle line: the time no engine call is in progress, split by the
 innermost router step running then; its engine calls and timers; and the stack sampler of the
-engine processes (benchmarks/engine_sampler, `--sample-engines`)."""
+engine processes (benchmarks/engine_sampler, `--sample-engines`); the engines' recorded calls
+(`--engine-timeline`) and the round timeline read from them."""
 
+import json
 import os
 import subprocess
 import sys
 import time
 from pathlib import Path
 
-from benchmarks.profile_serve import ROOT, Timeline, calls_report, idle_report
+from benchmarks.profile_serve import ROOT, Timeline, calls_report, idle_report, round_timeline_report
 
 
 def test_idle_time_goes_to_the_innermost_step_running_then():
@@ -65,18 +67,28 @@ def test_timers_wrap_methods_and_the_names_that_imported_a_function():
     assert engine.to_host is devices.to_host is original
 
 
-def _sampled_process(tmp_path, script: str) -> tuple[subprocess.Popen, Path]:
-    """A process started from `script` (a path under tmp_path) with the engine sampler on its
-    PYTHONPATH, as profile_serve --sample-engines starts serve's engines -> (it, its folder)."""
+BUSY = ("import time\n\ndef busy():\n    t = time.monotonic()\n    while time.monotonic() - t < 6:\n"
+        "        sum(range(1000))\n\nbusy()\n")
+# Times a "verify" call and its "verify.engine" part every 10 ms on a CallClock, for 6 s.
+CLOCKED = ("import time\nfrom spectandem.call_clock import CallClock\n\nclock = CallClock()\n"
+           "t = time.monotonic()\nwhile time.monotonic() - t < 6:\n    with clock.timing('verify'):\n"
+           "        with clock.timing('verify.engine'):\n            time.sleep(0.004)\n        time.sleep(0.001)\n"
+           "    time.sleep(0.005)\n")
+
+
+def _sampled_process(tmp_path, script: str, body: str = BUSY, var: str = "SPECTANDEM_ENGINE_SAMPLES",
+                     ) -> tuple[subprocess.Popen, Path]:
+    """A process started from `script` (a path under tmp_path, running `body`) with the engine
+    sampler on its PYTHONPATH and `var` naming its folder, as profile_serve --sample-engines
+    (--engine-timeline) starts serve's engines -> (it, its folder)."""
     path = tmp_path / script
     path.parent.mkdir(parents=True)
-    path.write_text("import time\n\ndef busy():\n    t = time.monotonic()\n    while time.monotonic() - t < 6:\n"
-                    "        sum(range(1000))\n\nbusy()\n")
+    path.write_text(body)
     folder = tmp_path / f"samples-{path.parent.name}"
     folder.mkdir()
     hooks = str(ROOT / "benchmarks" / "engine_sampler")
-    env = {**os.environ, "SPECTANDEM_ENGINE_SAMPLES": str(folder),
-           "PYTHONPATH": os.pathsep.join([hooks] + [p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p])}
+    env = {**os.environ, var: str(folder),
+           "PYTHONPATH": os.pathsep.join([hooks, str(ROOT)] + [p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p])}
     return subprocess.Popen([sys.executable, str(path)], env=env), folder
 
 
@@ -107,3 +119,75 @@ def test_engine_sampler_writes_an_engine_process_s_stacks_while_marked(tmp_path)
         for p in (engine, other):
             p.kill()
             p.wait()
+
+
+def test_engine_timeline_records_the_clock_s_calls_while_marked(tmp_path):
+    """SPECTANDEM_ENGINE_TIMELINE in a process run as a verifier's: the calls its CallClock timed
+    while "on" existed, with their parts, written when it went, each inside the marked window on
+    the host's clock; a process that is no engine's (the negative control) writes nothing."""
+    engine, folder = _sampled_process(tmp_path, "verifier/__main__.py", CLOCKED, "SPECTANDEM_ENGINE_TIMELINE")
+    other, other_folder = _sampled_process(tmp_path, "tool/main.py", CLOCKED, "SPECTANDEM_ENGINE_TIMELINE")
+    try:
+        time.sleep(1.5)   # the recorder looks at the command line after a second
+        for f in (folder, other_folder):
+            (f / "on").touch()
+        t_on = time.perf_counter()
+        time.sleep(1.0)
+        for f in (folder, other_folder):
+            (f / "on").unlink()
+        t_off = time.perf_counter()
+        deadline = time.monotonic() + 5
+        while not list(folder.glob("timeline-verifier-*.json")) and time.monotonic() < deadline:
+            time.sleep(0.1)
+        written = list(folder.glob("timeline-verifier-*.json"))
+        assert len(written) == 1, list(folder.iterdir())
+        events = json.loads(written[0].read_text())
+        calls = [e for e in events if e[0] == "verify"]
+        parts = [e for e in events if e[0] == "verify.engine"]
+        assert len(calls) > 10 and abs(len(calls) - len(parts)) <= 1, events[:5]   # one part a call
+        for _, t0, t1 in events:   # on this process's clock too, within the window (the recorder polls every 20 ms)
+            assert t_on - 0.05 <= t0 < t1 <= t_off + 0.05
+        for _, t0, t1 in calls:
+            assert 0.004 < t1 - t0 < 0.5
+        assert list(other_folder.iterdir()) == []
+    finally:
+        for p in (engine, other):
+            p.kill()
+            p.wait()
+
+
+def _round(at: float, tree_wait_ms: float) -> list:
+    """The engines' events of one sequential round whose forward ends at `at` + 10 ms (times in
+    seconds): a verify call [at, at + 11 ms] with its tree wait and forward, the drafter's work on
+    the verdict, its draft call and post."""
+    ms = 1e-3
+    start = at + 0.5 * ms
+    wait_end = start + tree_wait_ms * ms
+    return [("verify", at, at + 11 * ms), ("verify.tree_wait", start, wait_end),
+            ("verify.engine", wait_end, at + 10 * ms),
+            ("draft_next", at + 10.5 * ms, at + 13 * ms), ("draft", at + 13.5 * ms, at + 14 * ms),
+            ("draft.post", at + 13.8 * ms, at + 14 * ms)]
+
+
+def test_round_timeline_times_each_hand_off_from_the_last_forward():
+    ms = 1e-3
+    events, steps = [], []
+    # Rounds every 15 ms. The next call starts 12.5 ms after the previous forward's end: its tree
+    # wait lasts until 14.5 ms (1.5 ms wait after the 0.5 ms decode of a call starting at 15 + 0.5).
+    for k in range(4):
+        at = k * 15 * ms
+        events += _round(at, 1.5 if k else 2.0)
+        steps += [("_draft_call", at - 3 * ms, at - 2 * ms), ("_verify", at - 2.5 * ms, at + 11.5 * ms)]
+    report = round_timeline_report(sorted(events, key=lambda e: e[1]), steps)
+    lines = report.splitlines()
+    assert lines[0].startswith("  round timeline, 3 of 3 rounds"), report
+    got = {line[19:].strip(): (float(line[:11]), float(line[11:19])) for line in lines[1:]}
+    expected = {"the verifier replies (its call ends)": 1.0, "the drafter starts on the verdict (draft_next)": 0.5,
+                "the router has the reply (_verify ends)": 1.5, "the router sends the draft call (_draft_call)": 2.0,
+                "the router sends the next verify (_verify)": 2.5, "the drafter is done with the verdict": 3.0,
+                "the drafter starts the draft call": 3.5, "the drafter has posted the trees (draft.post)": 4.0,
+                "the verifier starts the next verify": 5.0, "the trees are in (verify.tree_wait ends)": 7.0,
+                "the next forward starts (verify.engine)": 7.0}
+    assert {k: v[0] for k, v in got.items()} == expected, report
+    # Without the drafter's events (a plain server, or in-process engines) no round counts.
+    assert "no round" in round_timeline_report([e for e in events if not e[0].startswith("draft")], steps)
