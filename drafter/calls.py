@@ -15,6 +15,7 @@ from __future__ import annotations
 from drafter.next_trees import NextTrees
 from drafter.service_core import (drafter_draft_ahead, drafter_draft_posted, drafter_extend, drafter_info,
                                   drafter_prefill, drafter_release)
+from spectandem import codec
 from spectandem.call_clock import CallClock, timed
 from spectandem.channel import FeatureReceiver, TreePoster
 from spectandem.channel.trees import verdicts_from_bytes
@@ -58,20 +59,28 @@ class DrafterCalls:
         self.next_trees.forget(request_ids)
         return drafter_release(self.engine, request_ids, keep_draft, outputs)
 
-    def draft_on(self, items: list[ExtendItem], bounds: dict[str, int], clock: CallClock | None = None) -> None:
+    def draft_on(self, items: list[ExtendItem], bounds: dict[str, int], clock: CallClock | None = None,
+                 post=None) -> None:
         """A round's verdicts, straight from the verifier: caught up with, and the next trees drafted
-        (NextTrees.draft_on)."""
-        self.next_trees.draft_on(self.engine, items, bounds, self.receiver, clock)
+        (NextTrees.draft_on); `post(trees, tags)`: sends them on at once."""
+        self.next_trees.draft_on(self.engine, items, bounds, self.receiver, clock, post)
 
     def draft_on_frame(self, body: bytes, clock: CallClock | None = None) -> None:
         """`draft_on` for a VERDICTS frame of the tree channel (spectandem/channel/trees.py): where
         its features lie in the feature channel's ring is told to the receiver first, which then
-        copies them out without waiting for their headers."""
+        copies them out without waiting for their headers. Where the verify took its trees over
+        the channel as round R, the next trees go to the verifier at once, as early trees after R
+        (timed as "draft_next.post")."""
         with timed(clock, "draft_next.decode"):
-            items, bounds, placements = verdicts_from_bytes(body)
+            items, bounds, placements, round_id = verdicts_from_bytes(body)
             if placements and self.receiver is not None:
                 self.receiver.expect(placements)
-        self.draft_on(items, bounds, clock)
+        post = None
+        if round_id and self.poster is not None:
+            def post(tree: DraftTree, tags: list[Tag]) -> None:
+                with timed(clock, "draft_next.post"):
+                    self.poster.post(round_id, codec.draft_tree_to_bytes(tree, tags), early=True)
+        self.draft_on(items, bounds, clock, post)
 
     def info(self, model_name: str) -> EngineInfo:
         """drafter_info, with the channels' states and the trees made on verdicts and taken."""

@@ -37,11 +37,13 @@ class NextTrees:
         self.made = self.taken = 0
 
     def draft_on(self, engine, items: list[ExtendItem], bounds: dict[str, int], receiver=None,
-                 clock: CallClock | None = None) -> None:
+                 clock: CallClock | None = None, post=None) -> None:
         """Catches up with a round's verdicts (`items`, as the router's catch-up would carry them)
         and drafts the next trees of the requests whose new committed length is below
-        `bounds[request id]`. A verdict that does not follow the drafter's state, or a draft that
-        fails, leaves the work to the router's next call."""
+        `bounds[request id]`; `post(trees, tags)`, if given, sends them on as they are made (the
+        tree channel's early trees: the draft call that takes them hands out the same rows). A
+        verdict that does not follow the drafter's state, or a draft that fails, leaves the work
+        to the router's next call."""
         self._made = {}
         try:
             with timed(clock, "draft_next.catch_up"):   # its parts: "draft_next.features", ".absorb"
@@ -64,6 +66,11 @@ class NextTrees:
             return
         self._made = {t.request_id: (t, tree) for t in tags}
         self.made += len(tags)
+        if post is not None:
+            try:
+                post(tree, tags)
+            except Exception as exc:   # the draft call posts them as ever
+                log.debug("next trees not sent early: %s", exc)
 
     def unabsorbed(self, items) -> list[ExtendItem]:
         """`items` less the verdicts `draft_on` caught up with (each left out once)."""

@@ -100,6 +100,9 @@ class GrpcVerifierLink(_GrpcLink):
                                             prefill_features=prefill_features, draft_next=draft_next or {})
         if route is not None:   # the trees come over the tree channel
             request.tree_round, request.tree_wait_ms = route.round_id, max(1, round(route.wait_s * 1000))
+            if route.early_after:
+                request.early_after = route.early_after
+                request.early_tags.extend(codec.tag_to_msg(t) for t in route.early_tags)
         reply = await self._call(self.stub.Verify, request)
         return ([codec.verdict_from_msg(r) for r in reply.results],
                 [codec.verifier_prefill_result_from_msg(r) for r in reply.prefilled])

@@ -169,6 +169,10 @@ class Router:
         # round from which the channel is tried again after a drafter could not post.
         self._tree_round = random.randrange(1, 1 << 62)
         self._trees_off_until = 0
+        # (tree round, ids) of the last round whose verdicts went to the drafter over the tree
+        # channel, for the next round only (`_early_trees`), and that of the round before this one.
+        self._verdicts_after: tuple[int, frozenset] | None = None
+        self._prev_verdicts: tuple[int, frozenset] | None = None
         # Stream events of committed tokens not yet handed to their streams (`_deliver`).
         self._outbox: list[tuple] = []
         # Listeners get (event, request, data): "admitted", "tokens" (data: number of new tokens,
@@ -576,6 +580,7 @@ class Router:
         RouterConfig.admit_beside_draft a round of the sequential kind admits them while the
         drafter drafts for the running requests instead (`_admits_beside_draft`); otherwise
         admission comes first."""
+        self._prev_verdicts, self._verdicts_after = self._verdicts_after, None
         admit, mixed = list(admit), []
         beside = bool(admit) and self._admits_beside_draft(admit)
         # Beside the draft (where asked for and speculation runs), a prefill overlaps it;
@@ -715,7 +720,8 @@ class Router:
                 if await self._posts_trees():   # the trees go drafter -> verifier while the verify goes out
                     self._tree_round += 1
                     draft = DraftHandle([r.tag() for r in drafted],
-                                        TreeRoute(self._tree_round, self.cfg.drafter_timeout + TREE_WAIT_MARGIN_S))
+                                        TreeRoute(self._tree_round, self.cfg.drafter_timeout + TREE_WAIT_MARGIN_S,
+                                                  *self._early_trees(drafted)))
                     posting = asyncio.ensure_future(self._draft_call(drafted, self._tree_round))
                 else:
                     draft, drafted = await self._draft_call(drafted)
@@ -727,6 +733,8 @@ class Router:
         # The drafter's turn comes once the verify forward is queued.
         launched = asyncio.get_running_loop().create_future() if ahead and drafted else None
         draft_next = self._next_drafts(drafted, ahead)
+        if draft_next and posting is not None:   # its verdicts go to the drafter over the tree channel
+            self._verdicts_after = (self._tree_round, frozenset(draft_next))
         verify = asyncio.ensure_future(self._verify(draft, drafted, group, launched, draft_next) if not mixed else
                                        self._verify_with_prefill(draft, drafted, group, list(mixed), draft_next))
         try:
@@ -878,6 +886,17 @@ class Router:
         if post_round:
             self.counters.posted_trees += len(drafted)
         return draft, drafted
+
+    def _early_trees(self, drafted: list[ServedRequest]) -> tuple[int, tuple]:
+        """A tree-channel round's TreeRoute early_after and early_tags: the trees the drafter
+        posted early on the last round's verdicts serve this round where that round's verdicts
+        went to it for every one of `drafted` and this round's draft call asks no depth cap, as
+        then the draft call takes exactly those trees (drafter/next_trees.py; the verifier checks
+        each tag). (0, ()) otherwise."""
+        prev = self._prev_verdicts
+        if prev is None or self._mode.startswith("short:") or any(r.request_id not in prev[1] for r in drafted):
+            return 0, ()
+        return prev[0], tuple(r.tag() for r in drafted)
 
     async def _posts_trees(self) -> bool:
         """Whether this round's trees go drafter -> verifier over the tree channel. After a pause

@@ -115,10 +115,15 @@ class DraftHandle:
 class TreeRoute:
     """A verify's `DraftHandle.payload` when the round's trees come over the tree channel
     (spectandem/channel/trees.py): those the drafter posts as round `round_id`, waited for at
-    most `wait_s` seconds."""
+    most `wait_s` seconds. `early_after`, `early_tags`: or those it posted early on the verdicts
+    of round `early_after` (its previous tree round), where they hold every one of `early_tags`
+    (the round's requests, in order); 0 and () where the router's draft call may not take
+    exactly those trees."""
 
     round_id: int
     wait_s: float
+    early_after: int = 0
+    early_tags: tuple = ()
 
 
 @dataclass

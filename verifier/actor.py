@@ -114,13 +114,16 @@ class VerifierActor:
         """`verify` with `items` prefilled in the same step (VerifierEngine.verify_with_prefill):
         (its results, the prefill's, their features ObjectRefs as `prefill`'s)."""
         with self.after.call(), self.clock.timing("verify"):
+            tree_round = 0
             if isinstance(draft_payload, TreeRoute):
+                route, tree_round = draft_payload, draft_payload.round_id
                 with self.clock.timing("verify.tree_wait"):   # inside "verify"'s time, told apart
-                    draft_payload, tags = tree_from_channel(self.trees, draft_payload.round_id, draft_payload.wait_s)
+                    draft_payload, tags = tree_from_channel(self.trees, route.round_id, route.wait_s, route.early_after,
+                                                            list(route.early_tags))
             self._check_held([t.request_id for t in tags] + [p.tag.request_id for p in plain])
             outs, prefilled = verifier_verify_prefill(self.engine, draft_payload, tags, plain, want_features, items,
                                                       prefill_features, self.sender, clock=self.clock)
-            verdicts_to_drafter(self.trees, outs, draft_next, self.clock, self.after, self.sender)
+            verdicts_to_drafter(self.trees, outs, draft_next, self.clock, self.after, self.sender, tree_round)
             reply = ([replace(r, features=_put(r.features)) for r in outs],
                      [replace(r, features=_put(r.features)) for r in prefilled])
             # The features are in the object store or queued for the channel: the decode ahead
@@ -148,7 +151,7 @@ class VerifierActor:
             info.extra.update(feature_ring_messages=self.sender.ring_messages,
                               feature_group_messages=self.sender.group_messages)
         if self.trees is not None:
-            info.extra["tree_channel"] = self.trees.state
+            info.extra.update(tree_channel=self.trees.state, early_trees_taken=self.trees.early_taken)
         info.calls = self.clock.stats()
         return info
 

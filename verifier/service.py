@@ -80,12 +80,15 @@ class VerifierServicer(engines_pb2_grpc.VerifierServicer):
             if tree is not None:
                 raise ValueError("verify request has both a tree and a tree_round")
             with clock.timing("verify.tree_wait"):
-                tree, tags = tree_from_channel(self.trees, request.tree_round, request.tree_wait_ms / 1000)
+                tree, tags = tree_from_channel(self.trees, request.tree_round, request.tree_wait_ms / 1000,
+                                               request.early_after,
+                                               [codec.tag_from_msg(t) for t in request.early_tags])
         elif tree is None and not plain:
             raise ValueError("verify request has neither a tree nor plain items")
         results, prefilled = verifier_verify_prefill(self.engine, tree, tags, plain, request.want_features, items,
                                                      request.prefill_features, self.sender, clock=clock)
-        verdicts_to_drafter(self.trees, results, dict(request.draft_next), clock, self.calls.after, self.sender)
+        verdicts_to_drafter(self.trees, results, dict(request.draft_next), clock, self.calls.after, self.sender,
+                            request.tree_round)
         with clock.timing("verify.encode"):
             reply = engines_pb2.VerifyReply(results=[codec.verdict_to_msg(r) for r in results],
                                             prefilled=[codec.verifier_prefill_result_to_msg(r) for r in prefilled])
@@ -111,7 +114,7 @@ class VerifierServicer(engines_pb2_grpc.VerifierServicer):
             info.extra.update(feature_ring_messages=self.sender.ring_messages,
                               feature_group_messages=self.sender.group_messages)
         if self.trees is not None:
-            info.extra["tree_channel"] = self.trees.state
+            info.extra.update(tree_channel=self.trees.state, early_trees_taken=self.trees.early_taken)
         info.calls = self.calls.clock.stats()
         return codec.engine_info_to_msg(info)
 

@@ -44,15 +44,33 @@ def _prefill_results(items: list[VerifierPrefillItem], outs, want_features: bool
             for i, o, f in zip(items, outs, features)]
 
 
-def tree_from_channel(trees: TreeMailbox | None, round_id: int, wait_s: float) -> tuple[DraftTree | None, list[Tag]]:
+def tree_from_channel(trees: TreeMailbox | None, round_id: int, wait_s: float, early_after: int = 0,
+                      early_tags: list[Tag] = ()) -> tuple[DraftTree | None, list[Tag]]:
     """The trees the drafter posted for `round_id` and their tags; (None, []) where none came
-    (TreeMailbox.take): the verify goes on with its other rows."""
-    data = trees.take(round_id, wait_s) if trees is not None else None
+    (TreeMailbox.take): the verify goes on with its other rows. `early_after`, `early_tags`: or
+    the rows of `early_tags`, in their order, of the trees it posted early on the verdicts of
+    round `early_after`, where those hold every one of them (spectandem/channel/trees.py)."""
+    if trees is None:
+        return None, []
+    want = list(early_tags)
+
+    def accept(body: bytes):
+        tree, tags = codec.draft_tree_from_bytes(body)
+        held = {t.request_id: t for t in tags}
+        if any(held.get(t.request_id) != t for t in want):
+            return None
+        ids = [t.request_id for t in want]
+        return (tree if tree.request_ids == ids else tree.select(ids)), want
+
+    data, early = trees.take_or_early(round_id, wait_s, early_after, accept if want else None)
+    if early is not None:
+        return early
     return codec.draft_tree_from_bytes(data) if data is not None else (None, [])
 
 
 def verdicts_to_drafter(trees: TreeMailbox | None, verdicts: list[Verdict], bounds: dict[str, int] | None,
-                        clock: CallClock | None, after: AfterReply, sender: FeatureSender | None = None) -> bool:
+                        clock: CallClock | None, after: AfterReply, sender: FeatureSender | None = None,
+                        round_id: int = 0) -> bool:
     """Sends the verdicts of the requests `bounds` names (those the router drafts next,
     drafter/next_trees.py) to the drafter over the tree channel, where it is up and their
     features went over the feature channel. `sender`: the feature channel's end; the verdicts
@@ -60,13 +78,15 @@ def verdicts_to_drafter(trees: TreeMailbox | None, verdicts: list[Verdict], boun
     copies them out without waiting for the messages' headers. `after`: the call's AfterReply
     (spectandem/after_reply.py), where the features' copies into the channel are queued: the
     verdicts go on its worker right after those copies, started now rather than after the
-    reply. -> whether `bounds` names any of `verdicts` (their sending then under way)."""
+    reply. `round_id`: the verify's tree round (0: its trees did not come over the channel),
+    which the drafter's early trees follow. -> whether `bounds` names any of `verdicts` (their
+    sending then under way)."""
     if not bounds or trees is None or not any(v.tag.request_id in bounds for v in verdicts):
         return False
 
     def send() -> None:
         with timed(clock, "verify.verdicts"):
-            body = verdicts_to_bytes(verdicts, bounds, sender.placement if sender is not None else None)
+            body = verdicts_to_bytes(verdicts, bounds, sender.placement if sender is not None else None, round_id)
             if body is not None:
                 trees.send_verdicts(body)
 

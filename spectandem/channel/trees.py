@@ -20,7 +20,21 @@ The other way, on the same connection, the verifier sends VERDICTS frames (draft
 a verify whose request names requests to draft next (`draft_next`) sends those requests'
 verdicts (tag, tokens, a ChannelRef to their features on the feature channel) and bounds as it
 replies; the poster hands each frame's body to its `on_verdicts`. Body: UTF-8 JSON
-{"v": [[request_id, epoch, committed_len, [token ids], seq, index, bound], ...]}.
+{"v": [[request_id, epoch, committed_len, [token ids], seq, index, bound], ...], "at": {seq:
+[slot, dtype code, shapes]}, "r": the verify's own tree round (0: its trees did not come this way)}.
+
+Early trees: the drafter posts the trees it drafts on the verdicts of round R at once, as an
+EARLY frame of round R, before the router's next draft call asks for them:
+
+    verifier: verify R -- verdicts (r=R) --> drafter: catch up, draft, EARLY(R, trees) --.
+    router:   Draft(post_round=R+1) + Verify(tree_round=R+1, early_after=R, early_tags) |
+    verifier: take(R+1): TREE(R+1), or EARLY(R) where it holds every tag of early_tags <-'
+
+The router offers early_tags (its round's requests, as it tags them) only where its draft call
+would take those very trees (drafter/next_trees.py: the same tags, nothing left to catch up, no
+depth cap), so either frame holds the same rows for them; the verify takes the first that comes,
+and the rows it verifies are early_tags', in their order. The drafter's draft call still posts
+the round's TREE frame.
 
 Failure model: `take` never waits for a tree that cannot come. It returns None (no tree: the
 verify goes on with its other rows, and the requests of the missing trees get no verdict this
@@ -46,7 +60,7 @@ from spectandem.protocol import ExtendItem, Tag
 log = logging.getLogger("spectandem.channel")
 
 _HEADER = struct.Struct("<QBI")
-TREE, NONE, VERDICTS = 1, 0, 2
+TREE, NONE, VERDICTS, EARLY = 1, 0, 2, 3
 _WELCOME = b"\x01"         # the mailbox's one byte to a connection it takes (it closes the others)
 _KEEP = 16                 # rounds the mailbox holds at most (the latest)
 MAX_FRAME_BYTES = 1 << 30  # a frame claiming more is a broken peer
@@ -65,11 +79,12 @@ def _read_exact(sock: socket.socket, n: int) -> bytes | None:
     return bytes(buf)
 
 
-def verdicts_to_bytes(verdicts, bounds: dict[str, int], placement=None) -> bytes | None:
+def verdicts_to_bytes(verdicts, bounds: dict[str, int], placement=None, round_id: int = 0) -> bytes | None:
     """A VERDICTS body for those of `verdicts` (spectandem.protocol.Verdict) that `bounds` names
     and whose features went over the feature channel (a ChannelRef); None where none is left.
     `placement`: FeatureSender.placement, where their messages lie in the payload ring, sent
-    along so the drafter copies the features out without waiting for the messages' headers."""
+    along so the drafter copies the features out without waiting for the messages' headers.
+    `round_id`: the verify's tree round (0: none), the round the drafter's early trees follow."""
     rows = [[v.tag.request_id, v.tag.epoch, v.tag.committed_len, list(v.token_ids), v.features.seq,
              v.features.index, bounds[v.tag.request_id]]
             for v in verdicts if v.tag.request_id in bounds and isinstance(v.features, ChannelRef)]
@@ -81,19 +96,20 @@ def verdicts_to_bytes(verdicts, bounds: dict[str, int], placement=None) -> bytes
         if where is not None:
             slot, code, shapes = where
             at[str(seq)] = [slot, code, [list(s) for s in shapes]]
-    return json.dumps({"v": rows, "at": at}, separators=(",", ":")).encode("utf-8")
+    return json.dumps({"v": rows, "at": at, "r": round_id}, separators=(",", ":")).encode("utf-8")
 
 
-def verdicts_from_bytes(body: bytes) -> tuple[list[ExtendItem], dict[str, int], dict[int, tuple]]:
+def verdicts_from_bytes(body: bytes) -> tuple[list[ExtendItem], dict[str, int], dict[int, tuple], int]:
     """A VERDICTS body -> (the catch-up items, as the router's would carry them; the bounds; where
-    their feature messages lie in the payload ring, for FeatureReceiver.expect)."""
+    their feature messages lie in the payload ring, for FeatureReceiver.expect; the verify's tree
+    round, after which the next trees may go early, 0 for none)."""
     msg = json.loads(body.decode("utf-8"))
     rows = msg["v"]
     items = [ExtendItem(Tag(rid, int(epoch), int(n)), [int(t) for t in tokens], ChannelRef(int(seq), int(index)))
              for rid, epoch, n, tokens, seq, index, _ in rows]
     placements = {int(seq): (int(slot), int(code), [tuple(int(d) for d in s) for s in shapes])
                   for seq, (slot, code, shapes) in msg.get("at", {}).items()}
-    return items, {row[0]: int(row[6]) for row in rows}, placements
+    return items, {row[0]: int(row[6]) for row in rows}, placements, int(msg.get("r", 0))
 
 
 def _read_frame(sock: socket.socket, kinds: tuple[int, ...]) -> tuple[int, int, bytes] | str | None:
@@ -137,7 +153,8 @@ class _Rounds:
     def __init__(self):
         self._cond = threading.Condition()
         self._box: dict[int, object] = {}
-        self.trees_taken = self.trees_missed = 0
+        self._early: dict[int, bytes] = {}   # TreeMailbox: EARLY frames, by the round they follow
+        self.trees_taken = self.trees_missed = self.early_taken = 0
 
     def _put(self, round_id: int, entry) -> None:
         """Under self._cond."""
@@ -146,12 +163,18 @@ class _Rounds:
             del self._box[min(self._box)]
         self._cond.notify_all()
 
-    def _wait_for(self, round_id: int, timeout_s: float, gone=lambda: None):
+    def _wait_for(self, round_id: int, timeout_s: float, gone=lambda: None, early=lambda: None):
         """`round_id`'s entry once it is in (earlier rounds then go), or None (a miss, logged):
-        `gone()`, asked under the lock, named why it cannot come, or `timeout_s` passed."""
+        `gone()`, asked under the lock, named why it cannot come, or `timeout_s` passed. `early()`,
+        asked under the lock while the entry is not in: what to return instead (None: wait on)."""
         deadline = time.monotonic() + timeout_s
         with self._cond:
             while round_id not in self._box:
+                got = early()
+                if got is not None:
+                    for r in [r for r in self._box if r < round_id]:
+                        del self._box[r]
+                    return got
                 left = deadline - time.monotonic()
                 why = gone() or (f"nothing came within {timeout_s:.1f} s" if left <= 0 else None)
                 if why:
@@ -219,13 +242,19 @@ class TreeMailbox(_Rounds):
         why = "the drafter closed the connection"
         try:
             while True:
-                frame = _read_frame(conn, (TREE, NONE))
+                frame = _read_frame(conn, (TREE, NONE, EARLY))
                 if not isinstance(frame, tuple):
                     why = frame or why
                     break
                 round_id, kind, body = frame
                 with self._cond:
-                    self._put(round_id, (kind, body))
+                    if kind == EARLY:
+                        self._early[round_id] = body
+                        while len(self._early) > _KEEP:
+                            del self._early[min(self._early)]
+                        self._cond.notify_all()
+                    else:
+                        self._put(round_id, (kind, body))
         except OSError as exc:
             why = f"{type(exc).__name__}: {exc}"
         with self._cond:
@@ -259,7 +288,20 @@ class TreeMailbox(_Rounds):
     def take(self, round_id: int, timeout_s: float) -> bytes | None:
         """The tree posted for `round_id` (a serialized DraftTreeMsg), or None: no drafter is
         connected, it went away or posted none for this round, or nothing came within `timeout_s`."""
+        return self.take_or_early(round_id, timeout_s)[0]
+
+    def take_or_early(self, round_id: int, timeout_s: float, early_after: int = 0, accept=None):
+        """`take`, or the trees posted early on the verdicts of round `early_after` (EARLY), where
+        `accept(body)` returns what to verify of them (it is None where they do not hold the
+        round's requests, and the wait goes on) -> (`take`'s result, None) or (None, `accept`'s)."""
         first: list = []   # the connection when the wait began (asked first under the lock)
+
+        def early():
+            for r in [r for r in self._early if r < early_after]:   # rounds done with
+                del self._early[r]
+            body = self._early.pop(early_after, None) if early_after and accept is not None else None
+            got = accept(body) if body is not None else None
+            return None if got is None else (EARLY, got)
 
         def gone():
             if not first:
@@ -267,15 +309,18 @@ class TreeMailbox(_Rounds):
             if first[0] is None:
                 return "no drafter is connected"
             return "its drafter went away" if self._conn is not first[0] or self._closed else None
-        entry = self._wait_for(round_id, timeout_s, gone)
+        entry = self._wait_for(round_id, timeout_s, gone, early)
         if entry is None:
-            return None
+            return None, None
         kind, body = entry
         if kind == NONE:
             self._none_posted(round_id, body.decode("utf-8", "replace"))
-            return None
+            return None, None
         self.trees_taken += 1
-        return body
+        if kind == EARLY:
+            self.early_taken += 1
+            return None, body
+        return body, None
 
     def close(self) -> None:
         with self._cond:
@@ -363,10 +408,11 @@ class TreePoster:
         except OSError:
             return
 
-    def post(self, round_id: int, tree: bytes | None, reason: str = "") -> bool:
+    def post(self, round_id: int, tree: bytes | None, reason: str = "", early: bool = False) -> bool:
         """Sends round `round_id`'s tree (None: a NONE frame carrying `reason`); False when the
-        channel is not up (the caller returns the tree inline) or the send failed."""
-        kind, body = (TREE, tree) if tree is not None else (NONE, reason.encode("utf-8"))
+        channel is not up (the caller returns the tree inline) or the send failed. `early`: the
+        trees drafted on the verdicts of round `round_id`, for the round after it (EARLY)."""
+        kind, body = (EARLY if early else TREE, tree) if tree is not None else (NONE, reason.encode("utf-8"))
         with self._lock:
             sock = self._sock
             if sock is None:

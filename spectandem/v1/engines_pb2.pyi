@@ -84,7 +84,7 @@ class PlainItem(_message.Message):
     def __init__(self, tag: _Optional[_Union[_common_pb2.RequestTag, _Mapping]] = ..., last_token_id: _Optional[int] = ..., steps: _Optional[int] = ..., again: _Optional[bool] = ...) -> None: ...
 
 class VerifyRequest(_message.Message):
-    __slots__ = ("tree", "want_features", "plain", "prefill", "prefill_features", "tree_round", "tree_wait_ms", "draft_next")
+    __slots__ = ("tree", "want_features", "plain", "prefill", "prefill_features", "tree_round", "tree_wait_ms", "draft_next", "early_after", "early_tags")
     class DraftNextEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
@@ -100,6 +100,8 @@ class VerifyRequest(_message.Message):
     TREE_ROUND_FIELD_NUMBER: _ClassVar[int]
     TREE_WAIT_MS_FIELD_NUMBER: _ClassVar[int]
     DRAFT_NEXT_FIELD_NUMBER: _ClassVar[int]
+    EARLY_AFTER_FIELD_NUMBER: _ClassVar[int]
+    EARLY_TAGS_FIELD_NUMBER: _ClassVar[int]
     tree: DraftTreeMsg
     want_features: bool
     plain: _containers.RepeatedCompositeFieldContainer[PlainItem]
@@ -108,7 +110,9 @@ class VerifyRequest(_message.Message):
     tree_round: int
     tree_wait_ms: int
     draft_next: _containers.ScalarMap[str, int]
-    def __init__(self, tree: _Optional[_Union[DraftTreeMsg, _Mapping]] = ..., want_features: _Optional[bool] = ..., plain: _Optional[_Iterable[_Union[PlainItem, _Mapping]]] = ..., prefill: _Optional[_Iterable[_Union[VerifierPrefillItem, _Mapping]]] = ..., prefill_features: _Optional[bool] = ..., tree_round: _Optional[int] = ..., tree_wait_ms: _Optional[int] = ..., draft_next: _Optional[_Mapping[str, int]] = ...) -> None: ...
+    early_after: int
+    early_tags: _containers.RepeatedCompositeFieldContainer[_common_pb2.RequestTag]
+    def __init__(self, tree: _Optional[_Union[DraftTreeMsg, _Mapping]] = ..., want_features: _Optional[bool] = ..., plain: _Optional[_Iterable[_Union[PlainItem, _Mapping]]] = ..., prefill: _Optional[_Iterable[_Union[VerifierPrefillItem, _Mapping]]] = ..., prefill_features: _Optional[bool] = ..., tree_round: _Optional[int] = ..., tree_wait_ms: _Optional[int] = ..., draft_next: _Optional[_Mapping[str, int]] = ..., early_after: _Optional[int] = ..., early_tags: _Optional[_Iterable[_Union[_common_pb2.RequestTag, _Mapping]]] = ...) -> None: ...
 
 class VerifyResultMsg(_message.Message):
     __slots__ = ("tag", "token_ids", "num_accepted", "num_draft_tokens", "features", "feature_ref")
@@ -281,7 +285,7 @@ class EngineInfoRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class EngineInfo(_message.Message):
-    __slots__ = ("role", "model", "kind", "vocab_size", "max_len", "max_slots", "used_slots", "feature_layers", "device", "kv_blocks", "kv_block_size", "kv_used_blocks", "feature_channel", "decode_ahead", "decode_ahead_taken", "decode_ahead_forgotten", "busy_s", "calls", "tree_channel", "next_trees_made", "next_trees_taken", "feature_early_reads", "feature_ring_messages", "feature_group_messages")
+    __slots__ = ("role", "model", "kind", "vocab_size", "max_len", "max_slots", "used_slots", "feature_layers", "device", "kv_blocks", "kv_block_size", "kv_used_blocks", "feature_channel", "decode_ahead", "decode_ahead_taken", "decode_ahead_forgotten", "busy_s", "calls", "tree_channel", "next_trees_made", "next_trees_taken", "feature_early_reads", "feature_ring_messages", "feature_group_messages", "early_trees_taken")
     class BusySEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
@@ -320,6 +324,7 @@ class EngineInfo(_message.Message):
     FEATURE_EARLY_READS_FIELD_NUMBER: _ClassVar[int]
     FEATURE_RING_MESSAGES_FIELD_NUMBER: _ClassVar[int]
     FEATURE_GROUP_MESSAGES_FIELD_NUMBER: _ClassVar[int]
+    EARLY_TREES_TAKEN_FIELD_NUMBER: _ClassVar[int]
     role: str
     model: str
     kind: str
@@ -344,4 +349,5 @@ class EngineInfo(_message.Message):
     feature_early_reads: int
     feature_ring_messages: int
     feature_group_messages: int
-    def __init__(self, role: _Optional[str] = ..., model: _Optional[str] = ..., kind: _Optional[str] = ..., vocab_size: _Optional[int] = ..., max_len: _Optional[int] = ..., max_slots: _Optional[int] = ..., used_slots: _Optional[int] = ..., feature_layers: _Optional[str] = ..., device: _Optional[str] = ..., kv_blocks: _Optional[int] = ..., kv_block_size: _Optional[int] = ..., kv_used_blocks: _Optional[int] = ..., feature_channel: _Optional[str] = ..., decode_ahead: _Optional[bool] = ..., decode_ahead_taken: _Optional[int] = ..., decode_ahead_forgotten: _Optional[int] = ..., busy_s: _Optional[_Mapping[str, float]] = ..., calls: _Optional[_Mapping[str, int]] = ..., tree_channel: _Optional[str] = ..., next_trees_made: _Optional[int] = ..., next_trees_taken: _Optional[int] = ..., feature_early_reads: _Optional[int] = ..., feature_ring_messages: _Optional[int] = ..., feature_group_messages: _Optional[int] = ...) -> None: ...
+    early_trees_taken: int
+    def __init__(self, role: _Optional[str] = ..., model: _Optional[str] = ..., kind: _Optional[str] = ..., vocab_size: _Optional[int] = ..., max_len: _Optional[int] = ..., max_slots: _Optional[int] = ..., used_slots: _Optional[int] = ..., feature_layers: _Optional[str] = ..., device: _Optional[str] = ..., kv_blocks: _Optional[int] = ..., kv_block_size: _Optional[int] = ..., kv_used_blocks: _Optional[int] = ..., feature_channel: _Optional[str] = ..., decode_ahead: _Optional[bool] = ..., decode_ahead_taken: _Optional[int] = ..., decode_ahead_forgotten: _Optional[int] = ..., busy_s: _Optional[_Mapping[str, float]] = ..., calls: _Optional[_Mapping[str, int]] = ..., tree_channel: _Optional[str] = ..., next_trees_made: _Optional[int] = ..., next_trees_taken: _Optional[int] = ..., feature_early_reads: _Optional[int] = ..., feature_ring_messages: _Optional[int] = ..., feature_group_messages: _Optional[int] = ..., early_trees_taken: _Optional[int] = ...) -> None: ...

@@ -3,9 +3,11 @@
 start_engines, driven by the router. A verify that names requests to draft next sends their
 verdicts (features by reference on the feature channel) to the drafter over the tree channel;
 the drafter catches up and drafts while the router commits, and the router's next draft call
-takes the trees made. Greedy tokens equal plain decoding's and seeded ones the in-process
+takes the trees made, and the drafter posts them early, which the verifier's next verify takes
+where they hold its requests. Greedy tokens equal plain decoding's and seeded ones the in-process
 engines' without the hand-off, token for token; the drafter's info counts the trees it made and
-the draft calls took. Negative control: a verifier link not asked to hand verdicts on sends none."""
+the draft calls took, the verifier's the verifies that took early trees. Negative control: a
+verifier link not asked to hand verdicts on sends none."""
 
 from __future__ import annotations
 
@@ -153,10 +155,11 @@ def test_grpc_engines_draft_on_the_verdict_and_stay_exact(processes, reference):
     assert last[1] > taken                          # the seeded requests' rounds too
     # The work on each verdict is timed by its parts too (EngineInfo.calls: profile_serve's report).
     parts = ("draft_next.decode", "draft_next.catch_up", "draft_next.features", "draft_next.features.early_read",
-             "draft_next.features.hand_out", "draft_next.absorb", "draft_next.engine")
+             "draft_next.features.hand_out", "draft_next.absorb", "draft_next.engine", "draft_next.post")
     assert all(calls["count"].get(k, 0) > 0 for k in parts), calls["count"]
-    # The verifier's messages went through the payload ring (its info counts them, over gRPC too).
-    assert ring.get("feature_ring_messages", 0) > 0, ring
+    # The verifier's messages went through the payload ring (its info counts them, over gRPC too),
+    # and some of its verifies took the trees posted early.
+    assert ring.get("feature_ring_messages", 0) > 0 and ring.get("early_trees_taken", 0) > 0, ring
 
 
 @pytest.mark.slow
@@ -178,11 +181,11 @@ def test_ray_actors_draft_on_the_verdict_and_stay_exact(reference):
     async def main():
         await _until_up(v, d)
         got, counters = await _route(v, d, spec, prompts, greedy)
-        return got, counters, await _counts(d), await _early_reads(d)
+        return got, counters, await _counts(d), await _early_reads(d), (await v.info()).extra
 
     try:
         assert v.hands_verdicts
-        got, counters, (made, taken), early = asyncio.run(main())
+        got, counters, (made, taken), early, verifier = asyncio.run(main())
     finally:
         cleanup()
         if started_here:
@@ -190,3 +193,4 @@ def test_ray_actors_draft_on_the_verdict_and_stay_exact(reference):
     assert got == want
     assert counters.num_drafts > 0 and counters.stale_dropped == 0
     assert taken > 0 and made <= taken + len(prompts) and early > 0
+    assert verifier.get("early_trees_taken", 0) > 0, verifier

@@ -1,7 +1,9 @@
 """The tree channel (spectandem/channel/trees.py) over real sockets: a posted tree reaches a
 waiting take, NONE and a missing drafter end a take at once, a drafter that goes away ends the
 takes waiting on it, a second drafter connects once the first one's connection ends, a restarted verifier gets
-its drafter back at the same address, and a tree stays takeable until a later round is taken."""
+its drafter back at the same address, and a tree stays takeable until a later round is taken;
+early trees serve a verify only where they hold every one of its tags (their rows then, in the
+verify's order), and otherwise the round's own trees do."""
 
 from __future__ import annotations
 
@@ -181,10 +183,11 @@ def test_verdicts_go_the_other_way_to_the_poster_while_trees_still_come(box):
         threading.Timer(0.05, lambda: poster.post(3, b"tree-3")).start()
         assert box.take(3, 10.0) == b"tree-3"
         _until(lambda: len(got) == 1)
-        items, bounds, placements = verdicts_from_bytes(got[0])
+        items, bounds, placements, round_id = verdicts_from_bytes(got[0])
         assert [(i.tag, i.token_ids, i.features) for i in items] == [(Tag("a", 1, 10), [5, 6], ChannelRef(4, 0)),
                                                                      (Tag("b", 0, 7), [9], ChannelRef(4, 1))]
-        assert bounds == {"a": 40, "b": 8} and placements == placed
+        assert bounds == {"a": 40, "b": 8} and placements == placed and round_id == 0
+        assert verdicts_from_bytes(verdicts_to_bytes(verdicts, {"a": 40}, None, 17))[3] == 17
         # Where the sender knows no placement (the message went over the group), none is told.
         assert verdicts_from_bytes(verdicts_to_bytes(verdicts, {"a": 40}, {}.get))[2] == {}
         assert box.verdicts_sent == 1 and poster.verdicts_received == 1
@@ -227,3 +230,51 @@ def test_a_drafter_that_stops_reading_never_holds_a_verify(box):
         _until(lambda: box.state == "waiting")
     finally:
         sock.close()
+
+
+def _trees(rows: list[tuple[str, int]], first_token: int = 100):
+    """A DraftTree of one chain of 3 nodes per (request id, committed length), distinct tokens."""
+    import torch
+
+    from spectandem.messages import DraftTree
+    from spectandem.protocol import Tag
+
+    b = len(rows)
+    tokens = torch.arange(first_token, first_token + 3 * b, dtype=torch.int64).view(b, 3)
+    tree = DraftTree(request_ids=[r for r, _ in rows], committed_lens=[n for _, n in rows], token_ids=tokens,
+                     parents=torch.tensor([[-1, 0, 1]] * b), node_valid=torch.ones(b, 3, dtype=torch.bool),
+                     scores=torch.zeros(b, 3))
+    return tree, [Tag(r, 0, n) for r, n in rows]
+
+
+def test_early_trees_serve_a_verify_that_holds_all_their_tags(box):
+    """The drafter's EARLY frame after round 4 (trees of a, b, c) serves round 5's verify of c and a
+    (those rows, in that order) at once, without round 5's own trees; a verify naming a tag the
+    early trees do not hold (another committed length, or a request they lack) takes round 5's own
+    trees, posted later; early trees after another round serve nothing."""
+    from spectandem import codec
+    from spectandem.protocol import Tag
+    from verifier.service_core import tree_from_channel
+
+    poster = _connected(box)
+    try:
+        early, tags = _trees([("a", 10), ("b", 20), ("c", 30)])
+        assert poster.post(4, codec.draft_tree_to_bytes(early, tags), early=True)
+        t0 = time.monotonic()
+        tree, got = tree_from_channel(box, 5, 10.0, 4, [Tag("c", 0, 30), Tag("a", 0, 10)])
+        assert time.monotonic() - t0 < 5.0 and box.early_taken == 1
+        assert got == [Tag("c", 0, 30), Tag("a", 0, 10)] and tree.request_ids == ["c", "a"]
+        assert tree.token_ids.tolist() == [early.token_ids[2].tolist(), early.token_ids[0].tolist()]
+
+        own, own_tags = _trees([("a", 11)], first_token=500)
+        # (the round the early trees follow, the round verified, the early round it names, its tags)
+        for posted_after, round_id, named, wanted in ((6, 7, 6, [Tag("a", 0, 11)]),      # "a" at 10 there, not 11
+                                                      (8, 9, 8, [Tag("a", 0, 10), Tag("d", 0, 5)]),   # no "d"
+                                                      (11, 12, 10, [Tag("a", 0, 10)])):   # early after 11, not 10
+            assert poster.post(posted_after, codec.draft_tree_to_bytes(early, tags), early=True)
+            threading.Timer(0.2, lambda r=round_id: poster.post(r, codec.draft_tree_to_bytes(own, own_tags))).start()
+            tree, got = tree_from_channel(box, round_id, 10.0, named, wanted)
+            assert got == own_tags and tree.token_ids.tolist() == own.token_ids.tolist(), (round_id, wanted)
+        assert box.early_taken == 1 and box.trees_taken == 4
+    finally:
+        poster.close()
