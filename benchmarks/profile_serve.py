@@ -199,7 +199,7 @@ def round_timeline_report(events: list[tuple[str, float, float]], steps: list[tu
         by.setdefault(name, []).append((t0, t1))
     for name, t0, t1 in steps:
         by.setdefault("router" + name, []).append((t0, t1))
-    engine, calls = by.get("verify.engine", []), by.get("verify", [])
+    engine = by.get("verify.engine", [])
     if len(engine) < 2:
         return "  round timeline: fewer than two verify forwards recorded (a split pair's engines are needed)"
 

@@ -75,12 +75,10 @@ class DrafterCalls:
             items, bounds, placements, round_id = verdicts_from_bytes(body)
             if placements and self.receiver is not None:
                 self.receiver.expect(placements)
-        post = None
-        if round_id and self.poster is not None:
-            def post(tree: DraftTree, tags: list[Tag]) -> None:
-                with timed(clock, "draft_next.post"):
-                    self.poster.post(round_id, codec.draft_tree_to_bytes(tree, tags), early=True)
-        self.draft_on(items, bounds, clock, post)
+        def post(tree: DraftTree, tags: list[Tag]) -> None:
+            with timed(clock, "draft_next.post"):
+                self.poster.post(round_id, codec.draft_tree_to_bytes(tree, tags), early=True)
+        self.draft_on(items, bounds, clock, post if round_id and self.poster is not None else None)
 
     def info(self, model_name: str) -> EngineInfo:
         """drafter_info, with the channels' states and the trees made on verdicts and taken."""

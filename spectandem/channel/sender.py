@@ -12,7 +12,7 @@ from typing import Callable
 
 import torch
 
-from spectandem.channel.wire import (_CLOSE, _DTYPES, HEADER_LEN, MAX_ITEMS, NO_SLOT, SHAPES_AT, ChannelRef,
+from spectandem.channel.wire import (_CLOSE, _DTYPES, HEADER_LEN, MAX_ITEMS, SHAPES_AT, ChannelRef,
                                      FeatureChannelError, _device, _Group, _header, parse_address)
 
 log = logging.getLogger("spectandem.channel")
