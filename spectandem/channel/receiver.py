@@ -37,9 +37,23 @@ class _Message:
         self.starts = [0]
         for s in self.shapes:
             self.starts.append(self.starts[-1] + math.prod(s))
+        self._rows: tuple[torch.Tensor, ...] | None = None
 
     def item(self, index: int) -> torch.Tensor:
         return self.typed[self.starts[index]:self.starts[index + 1]].view(self.shapes[index])
+
+    def items(self, indices: list[int]) -> list[torch.Tensor]:
+        """`item` of each of `indices`. Where every item is rows of one shape (a round's
+        features: [tokens, width]), the payload is split into them once, in one call, rather than
+        sliced and viewed item by item."""
+        if self._rows is None:
+            rest = {s[1:] for s in self.shapes}
+            row = rest.pop() if len(rest) == 1 and all(self.shapes) else None
+            self._rows = () if row is None or math.prod(row) == 0 or len(self.shapes) < 2 else torch.split(
+                self.typed[:self.starts[-1]].view(-1, *row), [s[0] for s in self.shapes])
+        if not self._rows:
+            return [self.item(i) for i in indices]
+        return [self._rows[i] for i in indices]
 
 
 class FeatureReceiver:
@@ -143,14 +157,26 @@ class FeatureReceiver:
         if not refs:
             return []
         out = [self.take(refs[0], timeout_s, clock, kind)]   # waits for the message: the rest are in it then
+        rest = refs[1:]
+        if not rest:
+            return out
         with timed(clock, f"{kind}.hand_out"), self._cond:
             msg = self._mail.get(refs[0].seq)
-            for ref in refs[1:]:
-                if msg is None:
-                    raise FeatureChannelError(f"item {ref.index} of channel message {ref.seq}: the message left "
-                                              f"the mailbox (every item taken, or dropped)")
-                # The taker's stream was recorded on the payload by the first item's take.
-                out.append(self._hand_out(ref, msg, recorded=True))
+            if msg is None:
+                raise FeatureChannelError(f"item {rest[0].index} of channel message {rest[0].seq}: the message "
+                                          f"left the mailbox (every item taken, or dropped)")
+            indices = [r.index for r in rest]
+            for k, i in enumerate(indices):
+                if not 0 <= i < len(msg.shapes):
+                    raise FeatureChannelError(f"channel message {rest[k].seq} has {len(msg.shapes)} items, not {i + 1}")
+                if i in msg.taken or i in indices[:k]:
+                    raise FeatureChannelError(f"item {i} of channel message {rest[k].seq} was already taken")
+            # The taker's stream was recorded on the payload by the first item's take.
+            out += msg.items(indices)
+            msg.taken.update(indices)
+            if len(msg.taken) == len(msg.shapes):
+                del self._mail[refs[0].seq]
+                self._bytes -= msg.payload.numel()
         return out
 
     def _read_early(self, seq: int, slot: int, dtype: torch.dtype, shapes: list[tuple[int, ...]]):
@@ -177,15 +203,14 @@ class FeatureReceiver:
             self._group.abort()
         self._thread.join(0.5)
 
-    def _hand_out(self, ref: ChannelRef, msg: _Message, recorded: bool = False) -> torch.Tensor:
-        """Item `ref` of `msg`; `recorded`: the payload's use on the current stream is recorded
-        already (an earlier item of the same take)."""
+    def _hand_out(self, ref: ChannelRef, msg: _Message) -> torch.Tensor:
+        """Item `ref` of `msg`."""
         if not 0 <= ref.index < len(msg.shapes):
             raise FeatureChannelError(f"channel message {ref.seq} has {len(msg.shapes)} items, not {ref.index + 1}")
         if ref.index in msg.taken:
             raise FeatureChannelError(f"item {ref.index} of channel message {ref.seq} was already taken")
         out = msg.item(ref.index)
-        if out.is_cuda and not recorded:
+        if out.is_cuda:
             # The payload was allocated on the receiver's stream: keep its memory from being
             # reused there while the taker's stream still reads it (once per stream: the items
             # share the payload's memory).

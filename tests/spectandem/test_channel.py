@@ -97,6 +97,19 @@ def test_take_message_hands_out_a_message_s_items_at_once(pair):
         receiver.take_message([a[0]])
     with pytest.raises(ValueError, match="one message"):
         receiver.take_message([b[0], a[1]])
+    # Items of other shapes: rows of 4, of 3 and of 4 (no one row shape), and of [3, 2, 2],
+    # [1, 2, 2] and [0, 2, 2] (rows of [2, 2]), each as `take` hands it out; one item twice in a
+    # call fails.
+    for feats in ([torch.arange(8.0).view(2, 4), torch.arange(3.0).view(1, 3) + 9, torch.ones(1, 4)],
+                  [torch.arange(12.0).view(3, 2, 2), -torch.ones(1, 2, 2), torch.zeros(0, 2, 2)]):
+        refs = sender.send(feats)
+        got = receiver.take_message([refs[2], refs[0], refs[1]])
+        assert [(g.shape, g.tolist()) for g in got] == [(f.shape, f.tolist()) for f in (feats[2], feats[0], feats[1])]
+        assert all(g.is_contiguous() for g in got)
+    refs = sender.send([torch.ones(1, 4), torch.zeros(1, 4)])
+    with pytest.raises(FeatureChannelError, match="already taken"):
+        receiver.take_message([refs[0], refs[1], refs[1]])
+    assert torch.equal(receiver.take(refs[1]), torch.zeros(1, 4))   # a failed call hands out nothing more
     items = [ExtendItem(Tag(f"r{k}", 0, 5), [1], ref) for k, ref in enumerate([b[1], ChannelRef(99, 0), b[0]])]
     receiver.take_timeout_s = 0.3
     taken, missing = _take_features(receiver, items)
