@@ -34,7 +34,11 @@ class NextTrees:
         # verdict's tag), each left out of the router's next call that carries it again.
         self._made: dict[str, tuple[Tag, DraftTree]] = {}
         self._absorbed: dict[str, Tag] = {}
-        self.made = self.taken = 0
+        # The tags of the trees last posted early (`draft_on`'s `post`), and those of them whose
+        # requests' next verdicts came since: a draft call for exactly those comes late (`late`).
+        self._early: dict[str, Tag] = {}
+        self._verified_early: dict[str, Tag] = {}
+        self.made = self.taken = self.late_calls = 0
 
     def draft_on(self, engine, items: list[ExtendItem], bounds: dict[str, int], receiver=None,
                  clock: CallClock | None = None, post=None) -> None:
@@ -45,6 +49,8 @@ class NextTrees:
         verdict that does not follow the drafter's state, or a draft that fails, leaves the work
         to the router's next call."""
         self._made = {}
+        posted, self._early = self._early, {}
+        self._verified_early = {i.tag.request_id: posted[i.tag.request_id] for i in items if i.tag.request_id in posted}
         try:
             with timed(clock, "draft_next.catch_up"):   # its parts: "draft_next.features", ".absorb"
                 unknown = set(drafter_extend(engine, items, receiver, clock, call="draft_next"))
@@ -71,6 +77,26 @@ class NextTrees:
                 post(tree, tags)
             except Exception as exc:   # the draft call posts them as ever
                 log.debug("next trees not sent early: %s", exc)
+            else:
+                self._early = {t.request_id: t for t in tags}
+
+    def late(self, engine, tags: list[Tag]) -> bool:
+        """Whether a draft call for `tags` comes after the verdicts of the very round it drafts
+        for: the verifier verified the trees posted early for exactly these tags without waiting
+        for the call (spectandem/channel/trees.py), and the drafter has caught up with that round's
+        verdicts since (each request past its tag, at the same epoch). The call's trees went
+        already, and its catch-up was absorbed before them: nothing is left to do. The router's
+        draft call and the verdicts take different ways to the drafter, so either may come first."""
+        if not tags or any(self._verified_early.get(t.request_id) != t for t in tags):
+            return False
+        for t in tags:
+            req = engine.requests.get(t.request_id)
+            if req is None or req.epoch != t.epoch or req.committed_len <= t.committed_len:
+                return False
+        for t in tags:
+            del self._verified_early[t.request_id]
+        self.late_calls += 1
+        return True
 
     def unabsorbed(self, items) -> list[ExtendItem]:
         """`items` less the verdicts `draft_on` caught up with (each left out once)."""
@@ -89,6 +115,8 @@ class NextTrees:
         for rid in request_ids:
             self._made.pop(rid, None)
             self._absorbed.pop(rid, None)
+            self._early.pop(rid, None)
+            self._verified_early.pop(rid, None)
 
     @property
     def empty(self) -> bool:
