@@ -164,18 +164,25 @@ def test_two_processes_share_the_ring_and_fall_back_to_gloo_for_large_messages()
             child.kill()
 
 
-def test_a_message_finding_every_slot_unread_waits_for_a_freed_slot():
-    """The drafter's end driven by hand: it reads nothing until three messages are sent. The
-    third waits for the first's slot, then its header names that slot; none goes over gloo."""
+def _sender_and_peer(send_timeout_s: float):
+    """A sender with a ring of two 1 KiB slots and the drafter's end as a bare group driven by
+    hand, past the handshake."""
     from spectandem.channel import _Group
 
     address = _address()
-    sender = FeatureSender(address, "cpu", ring_slots=2, slot_bytes=1024, send_timeout_s=30.0)
+    sender = FeatureSender(address, "cpu", ring_slots=2, slot_bytes=1024, send_timeout_s=send_timeout_s)
     peer = _Group(address, 1, CPU, 30.0)
+    peer.recv_header()
+    peer.recv_payload(torch.empty(8, dtype=torch.uint8))     # the handshake
+    _wait(lambda: sender.ready)
+    return sender, peer
+
+
+def test_a_message_finding_every_slot_unread_waits_for_a_freed_slot():
+    """The drafter's end driven by hand: it reads nothing until three messages are sent. The
+    third waits for the first's slot, then its header names that slot; none goes over gloo."""
+    sender, peer = _sender_and_peer(send_timeout_s=30.0)
     try:
-        peer.recv_header()
-        peer.recv_payload(torch.empty(8, dtype=torch.uint8))     # the handshake
-        _wait(lambda: sender.ready)
         feats = [torch.full((2, 4), float(k)) for k in range(3)]
         refs = [sender.send([f])[0] for f in feats]
         assert [r.seq for r in refs] == [1, 2, 3] and sender._group.ring.free() == 0
@@ -202,15 +209,8 @@ def test_a_message_finding_every_slot_unread_waits_for_a_freed_slot():
 def test_a_drafter_that_stops_reading_the_ring_breaks_the_channel():
     """Its slots never freed, a message waiting for one breaks the channel after send_timeout_s;
     later sends return None (the features then go inline, through the router)."""
-    from spectandem.channel import _Group
-
-    address = _address()
-    sender = FeatureSender(address, "cpu", ring_slots=2, slot_bytes=1024, send_timeout_s=1.0)
-    peer = _Group(address, 1, CPU, 30.0)
+    sender, peer = _sender_and_peer(send_timeout_s=1.0)
     try:
-        peer.recv_header()
-        peer.recv_payload(torch.empty(8, dtype=torch.uint8))     # the handshake
-        _wait(lambda: sender.ready)
         assert all(sender.send([torch.ones(2, 4)]) is not None for _ in range(3))
         _wait(lambda: not sender.ready, timeout=10)
         assert sender.state == "broken" and sender.send([torch.ones(2, 4)]) is None
