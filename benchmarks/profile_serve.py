@@ -176,6 +176,7 @@ def _engine_events(folder: Path, wait_s: float = 2.0) -> list[tuple[str, float, 
 # A round's hand-offs, in the order they happen on a split pair's sequential round, each timed
 # from the end of the last verify's forward (verify.engine): (label, where it is read).
 ROUND_MARKS = (
+    ("the verifier starts sending the verdicts (verify.verdicts)", "verify.verdicts.t0"),
     ("the verifier replies (its call ends)", "verifier"),
     ("the drafter starts on the verdict (draft_next)", "draft_next.t0"),
     ("the router has the reply (_verify ends)", "router_reply"),
@@ -222,10 +223,11 @@ def round_timeline_report(events: list[tuple[str, float, float]], steps: list[tu
         rv = first("router_verify", e_end, e_next) or first("router_verify_with_prefill", e_end, e_next)
         rd = first("router_draft_call", e_end, e_next)
         tw = first("verify.tree_wait", e_end, e_next)
-        if None in (call, nxt, dn, dc, post, reply, rv, rd, tw):
+        sent = first("verify.verdicts", e_end, e_next, end=True)
+        if None in (call, nxt, dn, dc, post, reply, rv, rd, tw, sent):
             continue
         rounds += 1
-        marks = {"verifier": call[1], "draft_next.t0": dn[0], "draft_next.t1": dn[1], "router_reply": reply[1],
+        marks = {"verify.verdicts.t0": sent[0], "verifier": call[1], "draft_next.t0": dn[0], "draft_next.t1": dn[1], "router_reply": reply[1],
                  "router_draft": rd[0], "router_verify": rv[0], "draft.t0": dc[0], "draft.post.t1": post[1],
                  "verify.t0": nxt[0], "verify.tree_wait.t1": tw[1], "verify.engine.t0": e_next}
         for label, key in ROUND_MARKS:

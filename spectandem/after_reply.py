@@ -80,6 +80,16 @@ class AfterReply:
             if jobs:
                 self._pending = self._executor.submit(self._run, jobs)
 
+    def run_now(self) -> None:
+        """Runs the jobs queued since the last flush in this thread, now, once those already
+        started are done: for a call whose queued work someone waits on sooner than its reply (a
+        round's verdicts, on which the drafter's work starts: verifier/service_core.py)."""
+        with self._lock:
+            jobs, self._jobs = self._jobs, []
+        self.settle()
+        if jobs:
+            self._run(jobs)
+
     def settle(self) -> None:
         """Returns once every job started is done (their errors were logged by then)."""
         pending = self._pending

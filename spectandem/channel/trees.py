@@ -18,7 +18,7 @@ process's exit does.
 
 The other way, on the same connection, the verifier sends VERDICTS frames (drafter/next_trees.py):
 a verify whose request names requests to draft next (`draft_next`) sends those requests'
-verdicts (tag, tokens, a ChannelRef to their features on the feature channel) and bounds as it
+verdicts (tag, tokens, a ChannelRef to their features on the feature channel) and bounds before it
 replies; the poster hands each frame's body to its `on_verdicts`. Body: UTF-8 JSON
 {"v": [[request_id, epoch, committed_len, [token ids], seq, index, bound], ...], "at": {seq:
 [slot, dtype code, shapes]}, "r": the verify's own tree round (0: its trees did not come this way)}.

@@ -1,5 +1,6 @@
 """Work an engine service leaves for after its reply (spectandem/after_reply.py): the jobs run in
-order once flushed, a failing one is logged and the rest go on, and `settle` waits for them. Behind
+order once flushed, a failing one is logged and the rest go on, and `settle` waits for them;
+`run_now` runs the queued ones in the caller's thread once the started ones are done. Behind
 a real gRPC verifier service (the demo target, fp32 on the CPU, decoding ahead), each verify's
 reply reaches the router while the decode ahead it asked for waits to be queued, no engine call
 starts before that is done, and the output equals plain decoding's."""
@@ -33,6 +34,44 @@ def test_jobs_run_in_order_after_flush_and_settle_waits():
     assert done == ["a", "b", "c"]
     assert after.clock.stats()["count"]["after_reply"] == 2
     after.close()
+
+
+def test_run_now_runs_the_queued_jobs_in_this_thread_after_the_started_ones():
+    """A verify that hands its verdicts to the drafter sends them before its reply
+    (verifier/service_core.py verdicts_to_drafter): the jobs queued so far run at once, in the
+    caller's thread, after those a flush started; later jobs wait for the next flush. On a
+    one-thread executor shared with the caller (a CPU engine thread) this does not deadlock."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    after = AfterReply()
+    done: list[tuple[str, str]] = []
+    gate = threading.Event()
+    after.later(lambda: (gate.wait(5), done.append(("a", threading.current_thread().name))))
+    after.flush()
+    after.later(lambda: done.append(("b", threading.current_thread().name)))
+    threading.Timer(0.1, gate.set).start()
+    after.run_now()                        # waits for "a", then runs "b" here
+    me = threading.current_thread().name
+    assert [j for j, _ in done] == ["a", "b"] and done[1][1] == me and done[0][1] != me
+    after.later(lambda: done.append(("c", threading.current_thread().name)))
+    time.sleep(0.05)
+    assert len(done) == 2                  # "c" waits for the next flush
+    after.flush()
+    after.settle()
+    assert [j for j, _ in done] == ["a", "b", "c"]
+    after.close()
+
+    engine = ThreadPoolExecutor(max_workers=1)
+    shared = AfterReply(executor=engine)
+    ran: list[int] = []
+
+    def call():                            # a call on the engine thread queuing work and running it now
+        shared.later(lambda: ran.append(1))
+        shared.run_now()
+        return ran[:]
+    assert engine.submit(call).result(timeout=5) == [1]
+    shared.close()
+    engine.shutdown()
 
 
 def test_a_failing_job_is_logged_and_the_others_run(caplog):

@@ -159,12 +159,12 @@ def test_engine_timeline_records_the_clock_s_calls_while_marked(tmp_path):
 def _round(at: float, tree_wait_ms: float) -> list:
     """The engines' events of one sequential round whose forward ends at `at` + 10 ms (times in
     seconds): a verify call [at, at + 11 ms] with its tree wait and forward, the drafter's work on
-    the verdict, its draft call and post."""
+    the verdict, its draft call and post; the verdicts sent from 0.25 ms after the forward."""
     ms = 1e-3
     start = at + 0.5 * ms
     wait_end = start + tree_wait_ms * ms
     return [("verify", at, at + 11 * ms), ("verify.tree_wait", start, wait_end),
-            ("verify.engine", wait_end, at + 10 * ms),
+            ("verify.engine", wait_end, at + 10 * ms), ("verify.verdicts", at + 10.25 * ms, at + 10.5 * ms),
             ("draft_next", at + 10.5 * ms, at + 13 * ms), ("draft", at + 13.5 * ms, at + 14 * ms),
             ("draft.post", at + 13.8 * ms, at + 14 * ms)]
 
@@ -182,7 +182,7 @@ def test_round_timeline_times_each_hand_off_from_the_last_forward():
     lines = report.splitlines()
     assert lines[0].startswith("  round timeline, 3 of 3 rounds"), report
     got = {line[19:].strip(): (float(line[:11]), float(line[11:19])) for line in lines[1:]}
-    expected = {"the verifier replies (its call ends)": 1.0, "the drafter starts on the verdict (draft_next)": 0.5,
+    expected = {"the verifier starts sending the verdicts (verify.verdicts)": 0.25, "the verifier replies (its call ends)": 1.0, "the drafter starts on the verdict (draft_next)": 0.5,
                 "the router has the reply (_verify ends)": 1.5, "the router sends the draft call (_draft_call)": 2.0,
                 "the router sends the next verify (_verify)": 2.5, "the drafter is done with the verdict": 3.0,
                 "the drafter starts the draft call": 3.5, "the drafter has posted the trees (draft.post)": 4.0,
