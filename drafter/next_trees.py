@@ -34,10 +34,12 @@ class NextTrees:
         # verdict's tag), each left out of the router's next call that carries it again.
         self._made: dict[str, tuple[Tag, DraftTree]] = {}
         self._absorbed: dict[str, Tag] = {}
-        # The tags of the trees last posted early (`draft_on`'s `post`), and those of them whose
-        # requests' next verdicts came since: a draft call for exactly those comes late (`late`).
+        # The tags of the trees last posted early (`draft_on`'s `post`); when the next verdicts
+        # come, those tags, and the ids of the requests among them whose verdicts came: a draft
+        # call for exactly those tags may come after that round's verdicts (`late`).
         self._early: dict[str, Tag] = {}
-        self._verified_early: dict[str, Tag] = {}
+        self._early_before: dict[str, Tag] = {}
+        self._verified_early: set[str] = set()
         self.made = self.taken = self.late_calls = 0
 
     def draft_on(self, engine, items: list[ExtendItem], bounds: dict[str, int], receiver=None,
@@ -49,8 +51,8 @@ class NextTrees:
         verdict that does not follow the drafter's state, or a draft that fails, leaves the work
         to the router's next call."""
         self._made = {}
-        posted, self._early = self._early, {}
-        self._verified_early = {i.tag.request_id: posted[i.tag.request_id] for i in items if i.tag.request_id in posted}
+        self._early_before, self._early = self._early, {}
+        self._verified_early = {i.tag.request_id for i in items if i.tag.request_id in self._early_before}
         try:
             with timed(clock, "draft_next.catch_up"):   # its parts: "draft_next.features", ".absorb"
                 unknown = set(drafter_extend(engine, items, receiver, clock, call="draft_next"))
@@ -82,19 +84,29 @@ class NextTrees:
 
     def late(self, engine, tags: list[Tag]) -> bool:
         """Whether a draft call for `tags` comes after the verdicts of the very round it drafts
-        for: the verifier verified the trees posted early for exactly these tags without waiting
-        for the call (spectandem/channel/trees.py), and the drafter has caught up with that round's
-        verdicts since (each request past its tag, at the same epoch). The call's trees went
-        already, and its catch-up was absorbed before them: nothing is left to do. The router's
-        draft call and the verdicts take different ways to the drafter, so either may come first."""
-        if not tags or any(self._verified_early.get(t.request_id) != t for t in tags):
+        for. The router's draft call and the verdicts take different ways to the drafter, so
+        either may come first; where the verifier verified the trees posted early for exactly
+        these tags (spectandem/channel/trees.py) it did not wait for the call. Such a call: its
+        tags are those of the trees last posted early, the drafter has caught up since with that
+        round's verdict of at least one of them (past its tag, at the same epoch: the round was
+        verified, so on the early trees), and the others are still at their tags (their verdicts
+        came inline, and come in the next call's catch-up). Its trees went already and its
+        catch-up was absorbed before them: nothing is left to do."""
+        if not tags or any(self._early_before.get(t.request_id) != t for t in tags):
             return False
+        past = 0
         for t in tags:
             req = engine.requests.get(t.request_id)
-            if req is None or req.epoch != t.epoch or req.committed_len <= t.committed_len:
+            if req is None or req.epoch != t.epoch or req.committed_len < t.committed_len:
                 return False
+            if req.committed_len > t.committed_len:
+                if t.request_id not in self._verified_early:
+                    return False
+                past += 1
+        if not past:
+            return False
         for t in tags:
-            del self._verified_early[t.request_id]
+            del self._early_before[t.request_id]
         self.late_calls += 1
         return True
 
@@ -116,7 +128,8 @@ class NextTrees:
             self._made.pop(rid, None)
             self._absorbed.pop(rid, None)
             self._early.pop(rid, None)
-            self._verified_early.pop(rid, None)
+            self._early_before.pop(rid, None)
+            self._verified_early.discard(rid)
 
     @property
     def empty(self) -> bool:

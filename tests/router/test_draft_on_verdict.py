@@ -236,13 +236,15 @@ def test_a_draft_call_that_comes_after_its_rounds_verdicts_is_answered_as_posted
     call, and the next round's verdicts may then reach the drafter before that call does (they
     take another way). Real demo engines, the drafter's calls made by hand in that order: the late
     call is answered as posted with its own tags, changing nothing, and the next call takes the
-    trees made on the newest verdicts, the very trees posted early for it. Negative control: where
-    no tree went early, the same late call is a stale message."""
+    trees made on the newest verdicts, the very trees posted early for it. Where only one of the
+    two requests' verdicts came that way (the other's features went inline), the late call is
+    answered so too, and the next call catches the other up. Negative control: where no tree
+    went early, the same late call is a stale message."""
     from drafter.calls import DrafterCalls
     from spectandem.messages import StaleMessage
     from spectandem.protocol import DraftHandle
 
-    def run(post_early: bool):
+    def run(post_early: bool, second_verdicts=("a", "b")):
         spec = _spec()
         vlink, dlink = _links(spec, hand_verdicts=False)
         calls: DrafterCalls = dlink.drafter
@@ -260,9 +262,10 @@ def test_a_draft_call_that_comes_after_its_rounds_verdicts_is_answered_as_posted
             tree2 = made2["a"][1]
             out2 = await vlink.verify(DraftHandle([v.tag for v in out1], tree2), [], True)   # without the call
             items2 = [ExtendItem(v.tag, list(v.token_ids), v.features) for v in out2]
-            calls.draft_on(items2, bounds, post=post)                # round 2's verdicts: round 3's trees
+            handed = [i for i in items2 if i.tag.request_id in second_verdicts]
+            calls.draft_on(handed, bounds, post=post)                # round 2's verdicts: round 3's trees
             late = calls.draft_posted([v.tag for v in out1], None, items1, 7)   # round 2's call, late
-            third = calls.draft([v.tag for v in out2], None, items2)
+            third = calls.draft([v.tag for v in out2], None, [i for i in items2 if i not in handed])
             return out1, out2, late, third
         return spec, calls, posted, asyncio.run(go())
 
@@ -275,6 +278,14 @@ def test_a_draft_call_that_comes_after_its_rounds_verdicts_is_answered_as_posted
     _same_trees(tree3, posted[1][0])                                   # the trees that went early
     assert calls.next_trees.taken == 2 and calls.next_trees.made == 4
     for v in out2:                                                      # the late call changed nothing
+        spec.drafter.check_tag(v.tag.request_id, v.tag.epoch, v.tag.committed_len)
+
+    # Only "a"'s verdict of round 2 came to the drafter; "b"'s comes with round 3's draft call.
+    spec, calls, posted, (out1, out2, late, third) = run(True, second_verdicts=("a",))
+    assert late == (None, [v.tag for v in out1], [], True) and calls.next_trees.late_calls == 1
+    tree3, tags3, unknown = third
+    assert tags3 == [v.tag for v in out2] and unknown == [] and tree3.request_ids == ["a", "b"]
+    for v in out2:
         spec.drafter.check_tag(v.tag.request_id, v.tag.epoch, v.tag.committed_len)
 
     with pytest.raises(StaleMessage):
