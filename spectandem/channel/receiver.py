@@ -14,7 +14,7 @@ import torch
 
 from spectandem.call_clock import CallClock, timed
 from spectandem.channel.wire import (_CLOSE, _DTYPES, NO_SLOT, SHAPES_AT, ChannelRef, FeatureChannelError, _device, _Group,
-                                     parse_address)
+                                     header_shapes, parse_address)
 
 log = logging.getLogger("spectandem.channel")
 
@@ -115,7 +115,7 @@ class FeatureReceiver:
             while True:
                 msg = self._mail.get(ref.seq)
                 if msg is not None:
-                    return self._hand_out(ref, msg)
+                    return self._hand_out([ref], msg)[0]
                 if ref.seq <= self._last_seq:
                     raise FeatureChannelError(f"features of channel message {ref.seq} were dropped (the mailbox "
                                               f"holds {self.capacity} messages), overwritten in the payload "
@@ -143,7 +143,7 @@ class FeatureReceiver:
                 self.early_reads += 1
                 self._keep(ref.seq, msg)
                 self._cond.notify_all()
-                return self._hand_out(ref, msg)
+                return self._hand_out([ref], msg)[0]
         return self.take(ref, max(0.0, deadline - time.monotonic()), clock, kind)
 
     def take_message(self, refs: list[ChannelRef], timeout_s: float | None = None, clock: CallClock | None = None,
@@ -165,18 +165,7 @@ class FeatureReceiver:
             if msg is None:
                 raise FeatureChannelError(f"item {rest[0].index} of channel message {rest[0].seq}: the message "
                                           f"left the mailbox (every item taken, or dropped)")
-            indices = [r.index for r in rest]
-            for k, i in enumerate(indices):
-                if not 0 <= i < len(msg.shapes):
-                    raise FeatureChannelError(f"channel message {rest[k].seq} has {len(msg.shapes)} items, not {i + 1}")
-                if i in msg.taken or i in indices[:k]:
-                    raise FeatureChannelError(f"item {i} of channel message {rest[k].seq} was already taken")
-            # The taker's stream was recorded on the payload by the first item's take.
-            out += msg.items(indices)
-            msg.taken.update(indices)
-            if len(msg.taken) == len(msg.shapes):
-                del self._mail[refs[0].seq]
-                self._bytes -= msg.payload.numel()
+            out += self._hand_out(rest, msg)
         return out
 
     def _read_early(self, seq: int, slot: int, dtype: torch.dtype, shapes: list[tuple[int, ...]]):
@@ -203,24 +192,27 @@ class FeatureReceiver:
             self._group.abort()
         self._thread.join(0.5)
 
-    def _hand_out(self, ref: ChannelRef, msg: _Message) -> torch.Tensor:
-        """Item `ref` of `msg`."""
-        if not 0 <= ref.index < len(msg.shapes):
-            raise FeatureChannelError(f"channel message {ref.seq} has {len(msg.shapes)} items, not {ref.index + 1}")
-        if ref.index in msg.taken:
-            raise FeatureChannelError(f"item {ref.index} of channel message {ref.seq} was already taken")
-        out = msg.item(ref.index)
-        if out.is_cuda:
+    def _hand_out(self, refs: list[ChannelRef], msg: _Message) -> list[torch.Tensor]:
+        """Items `refs` of `msg` (refs of that one message; the caller holds the lock), all or
+        none: an index out of range or taken already (before, or twice here) raises."""
+        indices = [r.index for r in refs]
+        for k, (ref, i) in enumerate(zip(refs, indices)):
+            if not 0 <= i < len(msg.shapes):
+                raise FeatureChannelError(f"channel message {ref.seq} has {len(msg.shapes)} items, not {i + 1}")
+            if i in msg.taken or i in indices[:k]:
+                raise FeatureChannelError(f"item {i} of channel message {ref.seq} was already taken")
+        out = msg.items(indices)
+        if out and out[0].is_cuda:
             # The payload was allocated on the receiver's stream: keep its memory from being
             # reused there while the taker's stream still reads it (once per stream: the items
             # share the payload's memory).
-            stream = torch.cuda.current_stream(out.device)
+            stream = torch.cuda.current_stream(out[0].device)
             if stream not in msg.streams:
-                out.record_stream(stream)
+                out[0].record_stream(stream)
                 msg.streams.add(stream)
-        msg.taken.add(ref.index)
+        msg.taken.update(indices)
         if len(msg.taken) == len(msg.shapes):
-            del self._mail[ref.seq]
+            del self._mail[refs[0].seq]
             self._bytes -= msg.payload.numel()
         return out
 
@@ -238,7 +230,7 @@ class FeatureReceiver:
                         break
                     if self._read_already(seq, slot):
                         continue
-                    shapes = [tuple(header[SHAPES_AT + i * ndim:SHAPES_AT + (i + 1) * ndim]) for i in range(num_items)]
+                    shapes = header_shapes(header)
                     dtype = _DTYPES[code]
                     nbytes = _nbytes(shapes, dtype)
                     if slot != NO_SLOT:

@@ -13,7 +13,7 @@ from typing import Callable
 import torch
 
 from spectandem.channel.wire import (_CLOSE, _DTYPES, HEADER_LEN, MAX_ITEMS, SHAPES_AT, ChannelRef,
-                                     FeatureChannelError, _device, _Group, _header, parse_address)
+                                     FeatureChannelError, _device, _Group, _header, header_shapes, parse_address)
 
 log = logging.getLogger("spectandem.channel")
 
@@ -123,7 +123,7 @@ class FeatureSender:
                 if fits and not self._ring_waiting and ring.free() > 0:
                     slot = ring.write(seq, chunk)
                     msg = _Outgoing(_header(seq, chunk, slot), None, None)
-                    self._placed_at(seq, slot, chunk[0].dtype, [tuple(t.shape) for t in chunk])
+                    self._placed_at(seq, slot, _DTYPES.index(chunk[0].dtype), [tuple(t.shape) for t in chunk])
                 else:
                     msg = self._snapshot(seq, chunk)
                     msg.for_ring = fits
@@ -131,10 +131,11 @@ class FeatureSender:
                     self.group_messages += not fits
                 self._queue.put(msg)
 
-    def _placed_at(self, seq: int, slot: int, dtype: torch.dtype, shapes: list[tuple[int, ...]]) -> None:
-        """Message `seq` is written into ring slot `slot` (the caller holds the lock)."""
+    def _placed_at(self, seq: int, slot: int, code: int, shapes: list[tuple[int, ...]]) -> None:
+        """Message `seq` (items of dtype code `code`) is written into ring slot `slot` (the caller
+        holds the lock)."""
         self.ring_messages += 1
-        self._placed[seq] = (slot, _DTYPES.index(dtype), shapes)
+        self._placed[seq] = (slot, code, shapes)
         while len(self._placed) > PLACED_KEPT:
             self._placed.popitem(last=False)
 
@@ -247,8 +248,7 @@ class FeatureSender:
             if self.state != "up" or time.monotonic() - self._blocked_since > self.send_timeout_s:
                 raise FeatureChannelError(f"no ring slot was freed within {self.send_timeout_s} s")
             time.sleep(0.0001)
-        seq, num_items, ndim, code = msg.header[:SHAPES_AT - 1]
-        shapes = [tuple(msg.header[SHAPES_AT + i * ndim:SHAPES_AT + (i + 1) * ndim]) for i in range(num_items)]
+        seq, code = msg.header[0], msg.header[3]
         with self._lock:
             if self.device.type == "cuda":
                 if self._ring_stream is None:
@@ -260,7 +260,7 @@ class FeatureSender:
                     msg.payload.record_stream(self._ring_stream)
             else:
                 slot = ring.write(seq, [msg.payload])
-            self._placed_at(seq, slot, _DTYPES[code], shapes)
+            self._placed_at(seq, slot, code, header_shapes(msg.header))
             self._ring_waiting -= 1
         msg.header[SHAPES_AT - 1] = slot
         msg.payload = msg.ready = None

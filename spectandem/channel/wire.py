@@ -185,6 +185,12 @@ class _Group:
                     log.debug("feature channel: abort: %s", exc)
 
 
+def header_shapes(header: list[int]) -> list[tuple[int, ...]]:
+    """The items' shapes a header names."""
+    num_items, ndim = header[1], header[2]
+    return [tuple(header[SHAPES_AT + i * ndim:SHAPES_AT + (i + 1) * ndim]) for i in range(num_items)]
+
+
 def _header(seq: int, items: list[torch.Tensor], slot: int = NO_SLOT) -> list[int]:
     ndim = items[0].dim() if items else 0
     return ([seq, len(items), ndim, _DTYPES.index(items[0].dtype) if items else 0, slot]
