@@ -59,14 +59,14 @@ class DrafterCalls:
 
     def release(self, request_ids: list[str], keep_draft: bool = False,
                 outputs: dict[str, list[int]] | None = None) -> int:
-        self.next_trees.forget(request_ids)
+        self.next_trees.released(request_ids)
         return drafter_release(self.engine, request_ids, keep_draft, outputs)
 
     def draft_on(self, items: list[ExtendItem], bounds: dict[str, int], clock: CallClock | None = None,
-                 post=None) -> None:
-        """A round's verdicts, straight from the verifier: caught up with, and the next trees drafted
-        (NextTrees.draft_on); `post(trees, tags)`: sends them on at once."""
-        self.next_trees.draft_on(self.engine, items, bounds, self.receiver, clock, post)
+                 post=None, prefills: list[DrafterPrefillItem] = ()) -> None:
+        """A round's verdicts, straight from the verifier: its prefills taken, caught up with, and
+        the next trees drafted (NextTrees.draft_on); `post(trees, tags)`: sends them on at once."""
+        self.next_trees.draft_on(self.engine, items, bounds, self.receiver, clock, post, prefills)
 
     def draft_on_frame(self, body: bytes, clock: CallClock | None = None) -> None:
         """`draft_on` for a VERDICTS frame of the tree channel (spectandem/channel/trees.py): where
@@ -75,13 +75,13 @@ class DrafterCalls:
         the channel as round R, the next trees go to the verifier at once, as early trees after R
         (timed as "draft_next.post")."""
         with timed(clock, "draft_next.decode"):
-            items, bounds, placements, round_id = verdicts_from_bytes(body)
+            items, bounds, placements, round_id, prefills = verdicts_from_bytes(body)
             if placements and self.receiver is not None:
                 self.receiver.expect(placements)
         def post(tree: DraftTree, tags: list[Tag]) -> None:
             with timed(clock, "draft_next.post"):
                 self.poster.post(round_id, codec.draft_tree_to_bytes(tree, tags), early=True)
-        self.draft_on(items, bounds, clock, post if round_id and self.poster is not None else None)
+        self.draft_on(items, bounds, clock, post if round_id and self.poster is not None else None, prefills)
 
     def info(self, model_name: str) -> EngineInfo:
         """drafter_info, with the channels' states and the trees made on verdicts and taken."""
@@ -90,5 +90,6 @@ class DrafterCalls:
             info.extra.update(feature_channel=self.receiver.state, feature_early_reads=self.receiver.early_reads)
         if self.poster is not None:
             info.extra["tree_channel"] = self.poster.state
-        info.extra.update(next_trees_made=self.next_trees.made, next_trees_taken=self.next_trees.taken)
+        info.extra.update(next_trees_made=self.next_trees.made, next_trees_taken=self.next_trees.taken,
+                          prefills_with_verdicts=self.next_trees.prefilled)
         return info

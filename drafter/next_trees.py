@@ -7,6 +7,11 @@ always with the same catch-up, then finds those trees made:
     verifier: verify R ---- verdicts (tags, tokens, features) ----> drafter: catch up, draft R+1  (made)
               reply R ----> router: commit R, Draft(tags R+1, catch-up R) --> drafter: the made trees
 
+A round that prefilled new requests in its verify step sends their drafter prefills with its
+verdicts (the router names them in `draft_next`): the drafter prefills them first and drafts their
+first trees with the others', so the next round's early trees hold them too, where a prefill call
+of the router's would come once the drafter was done with the verdicts.
+
 Every call of the drafter goes through one NextTrees, in the engine's one-at-a-time order
 (a link's worker thread, a service's engine lock, an actor's lock): the catch-ups it absorbed
 on a verdict are left out of the router's later calls once (`unabsorbed`), and a draft call
@@ -19,12 +24,15 @@ from __future__ import annotations
 
 import logging
 
-from drafter.service_core import drafter_draft, drafter_extend, drafter_extend_and_draft
+from collections import OrderedDict
+
+from drafter.service_core import drafter_draft, drafter_extend, drafter_extend_and_draft, drafter_prefill
 from spectandem.call_clock import CallClock, timed
 from spectandem.messages import DraftTree, concat_trees
-from spectandem.protocol import ExtendItem, Tag
+from spectandem.protocol import DrafterPrefillItem, ExtendItem, Tag
 
 log = logging.getLogger("spectandem.drafter")
+RELEASED_KEEP = 4096   # ids of released requests remembered, that a prefill with a verdict still on its way skips
 
 
 class NextTrees:
@@ -40,30 +48,40 @@ class NextTrees:
         self._early: dict[str, Tag] = {}
         self._early_before: dict[str, Tag] = {}
         self._verified_early: set[str] = set()
-        self.made = self.taken = self.late_calls = 0
+        # The latest released ids (`released`): a drafter prefill that comes with a verdict after
+        # its request was released (it ended at its first token) is not taken.
+        self._released: OrderedDict[str, None] = OrderedDict()
+        self.made = self.taken = self.late_calls = self.prefilled = 0
 
     def draft_on(self, engine, items: list[ExtendItem], bounds: dict[str, int], receiver=None,
-                 clock: CallClock | None = None, post=None) -> None:
-        """Catches up with a round's verdicts (`items`, as the router's catch-up would carry them)
-        and drafts the next trees of the requests whose new committed length is below
-        `bounds[request id]`; `post(trees, tags)`, if given, sends them on as they are made (the
-        tree channel's early trees: the draft call that takes them hands out the same rows). A
-        verdict that does not follow the drafter's state, or a draft that fails, leaves the work
-        to the router's next call."""
+                 clock: CallClock | None = None, post=None, prefills: list[DrafterPrefillItem] = ()) -> None:
+        """Prefills `prefills` (the requests the round prefilled in its verify step, as the router's
+        prefill would carry them), catches up with a round's verdicts (`items`, as the router's
+        catch-up would carry them) and drafts the next trees of the requests whose new committed
+        length is below `bounds[request id]`; `post(trees, tags)`, if given, sends them on as they
+        are made (the tree channel's early trees: the draft call that takes them hands out the same
+        rows). A verdict that does not follow the drafter's state, or a draft that fails, leaves
+        the work to the router's next call; a prefill that fails, or whose request the drafter
+        holds already or released, is not taken (the router's next call finds it unknown, and
+        its resync prefills it)."""
         self._made = {}
         self._early_before, self._early = self._early, {}
         self._verified_early = {i.tag.request_id for i in items if i.tag.request_id in self._early_before}
-        try:
-            with timed(clock, "draft_next.catch_up"):   # its parts: "draft_next.features", ".absorb"
-                unknown = set(drafter_extend(engine, items, receiver, clock, call="draft_next"))
-        except Exception as exc:   # checked before anything changed (drafter_extend)
-            log.debug("verdicts not caught up ahead of the draft call: %s", exc)
-            return
+        new = self._prefill(engine, prefills, receiver, clock) if prefills else []
+        unknown = set()
+        if items:
+            try:
+                with timed(clock, "draft_next.catch_up"):   # its parts: "draft_next.features", ".absorb"
+                    unknown = set(drafter_extend(engine, items, receiver, clock, call="draft_next"))
+            except Exception as exc:   # checked before anything changed (drafter_extend)
+                log.debug("verdicts not caught up ahead of the draft call: %s", exc)
+                items = []
         for i in items:
             if i.tag.request_id not in unknown:
                 self._absorbed[i.tag.request_id] = i.tag
         tags = [i.tag for i in items
                 if i.tag.request_id not in unknown and i.tag.committed_len < bounds.get(i.tag.request_id, 0)]
+        tags += [t for t in new if t.committed_len < bounds.get(t.request_id, 0)]
         if not tags:
             return
         try:
@@ -81,6 +99,34 @@ class NextTrees:
                 log.debug("next trees not sent early: %s", exc)
             else:
                 self._early = {t.request_id: t for t in tags}
+
+    def _prefill(self, engine, prefills: list[DrafterPrefillItem], receiver, clock: CallClock | None) -> list[Tag]:
+        """`draft_on`'s prefills, less those of requests held or released -> the tags taken."""
+        todo = [p for p in prefills if p.tag.request_id not in engine.requests and p.tag.request_id not in self._released]
+        if not todo:
+            return []
+        try:
+            with timed(clock, "draft_next.prefill"):
+                self.forget([p.tag.request_id for p in todo])
+                missing = set(drafter_prefill(engine, todo, receiver))
+        except Exception as exc:
+            log.debug("prefills with the verdicts not taken: %s", exc)
+            for p in todo:   # none half-held
+                engine.remove(p.tag.request_id, keep_draft=False)
+            return []
+        taken = [p.tag for p in todo if p.tag.request_id not in missing]
+        self.prefilled += len(taken)
+        return taken
+
+    def released(self, request_ids) -> None:
+        """The requests were released: `forget` them, and a prefill of theirs with a verdict
+        still on its way is not taken."""
+        self.forget(request_ids)
+        for rid in request_ids:
+            self._released[rid] = None
+            self._released.move_to_end(rid)
+        while len(self._released) > RELEASED_KEEP:
+            self._released.popitem(last=False)
 
     def late(self, engine, tags: list[Tag]) -> bool:
         """Whether a draft call for `tags` comes after the verdicts of the very round it drafts

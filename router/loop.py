@@ -477,10 +477,12 @@ class Router:
         return self.cfg.want_features and any(r.request_id not in detach for r in batch)
 
     async def _after_prefill(self, batch: list[ServedRequest], results, detach: set[str], resumed: set[str],
-                             drafter_later: bool = False):
+                             drafter_later: bool = False, handed: frozenset = frozenset()):
         """`_admit` once the verifier has prefilled `batch` (`results` in its order): the
         requests join the running batch, their first tokens stream, and those not in `detach`
-        are prefilled on the drafter (or that prefill is returned: `_admit`'s `drafter_later`)."""
+        are prefilled on the drafter (or that prefill is returned: `_admit`'s `drafter_later`),
+        but for those in `handed`, whose drafter prefill went with the verify's verdicts
+        (`_sequential_round`): they are on the drafter as after a prefill call of the router's."""
         if not batch:
             return None
         for r in batch:
@@ -504,6 +506,14 @@ class Router:
             elif self._commit(r, [res.first_token_id]):
                 features[r.request_id] = res.features
         live = [r for r in batch if not r.done and not r.detached]
+        if handed and self.drafter_up:
+            # Those that ended at their first token are released on the drafter too (it may
+            # have taken their prefill, or skips it once they are released: drafter/next_trees.py).
+            for r in batch:
+                if r.request_id in handed:
+                    r.on_drafter, r.drafter_kept = True, False
+            self.counters.prefills_with_verdicts += sum(r.request_id in handed for r in live)
+            live = [r for r in live if r.request_id not in handed]
         later = None
         if self.drafter_up and live:
             later = (live, [features[r.request_id] for r in live])
@@ -733,10 +743,17 @@ class Router:
         # The drafter's turn comes once the verify forward is queued.
         launched = asyncio.get_running_loop().create_future() if ahead and drafted else None
         draft_next = self._next_drafts(drafted, ahead)
+        detach, handed = (self._detach(mixed) if mixed else set()), frozenset()
         if draft_next and posting is not None:   # its verdicts go to the drafter over the tree channel
+            # So do the drafter prefills of the requests its step prefills: the drafter takes
+            # them first and drafts their first trees with the others' on the verdicts, so the
+            # next round's early trees hold them as well.
+            handed = frozenset(r.request_id for r in mixed if r.request_id not in detach)
+            draft_next.update((r.request_id, self._draft_bound(r)) for r in mixed if r.request_id in handed)
             self._verdicts_after = (self._tree_round, frozenset(draft_next))
         verify = asyncio.ensure_future(self._verify(draft, drafted, group, launched, draft_next) if not mixed else
-                                       self._verify_with_prefill(draft, drafted, group, list(mixed), draft_next))
+                                       self._verify_with_prefill(draft, drafted, group, list(mixed), draft_next,
+                                                                 detach))
         try:
             if posting is not None:   # from here on, the requests whose trees went (the others get no verdict)
                 drafted = (await posting)[1]
@@ -755,7 +772,7 @@ class Router:
         if results is not None:
             extend = self._apply(results, drafted, group)
             if admitted is not None:   # after the round's results: they join, then go to the drafter
-                await self._after_prefill(*admitted)
+                await self._after_prefill(*admitted, handed=handed)
             ready = {r.request_id for r in drafted if r.next_tree is not None}
             if extend and (not ahead or all(i.tag.request_id in ready for i in extend)):
                 # Held back: the next round's drafter call carries it (sequential: its draft;
@@ -945,8 +962,12 @@ class Router:
         if (not drafted or ahead or self._mode != "sequential" or not getattr(self.verifier, "hands_verdicts", False)
                 or not self._modes.continues(self.drafter_up) or self._switch.off(self.counters.rounds + 1)):
             return None
+        return {r.request_id: self._draft_bound(r) for r in drafted}
+
+    def _draft_bound(self, r: ServedRequest) -> int:
+        """The committed length from which `r` is not drafted again (`_next_drafts`)."""
         fits = self.cfg.max_len - self.cfg.lookahead + 2   # `_to_draft`: committed_len - 1 + lookahead <= max_len
-        return {r.request_id: min(len(r.prompt_ids) + r.params.max_tokens, self.cfg.max_len, fits) for r in drafted}
+        return min(len(r.prompt_ids) + r.params.max_tokens, self.cfg.max_len, fits)
 
     def _on_launch(self, launched=None):
         """A verify's `on_launch`: called by the link once the forward is queued (from an in-process
@@ -989,13 +1010,14 @@ class Router:
         return not self.drafter_up or self._mode == "plain" or self._switch.off(self.counters.rounds + 1)
 
     async def _verify_with_prefill(self, draft, drafted: list[ServedRequest], group: list[ServedRequest],
-                                   mixed: list[ServedRequest], draft_next: dict[str, int] | None = None):
+                                   mixed: list[ServedRequest], draft_next: dict[str, int] | None = None,
+                                   detach: set[str] = frozenset()):
         """`_verify` with `mixed` prefilled in the same step -> (its results or None, `_after_prefill`'s
         arguments for the requests the verifier took, or None). A refusal (ValueError) of the
         prefill verifies without it and admits `mixed` as `_admit` does, whose retries fail only
-        the refused requests. `draft_next`: `_next_drafts`."""
+        the refused requests. `draft_next`: `_next_drafts`, with the requests of `mixed` whose
+        drafter prefill goes with the verdicts; `detach`: `_detach(mixed)`."""
         plain, want = self._verify_rows(drafted, group)
-        detach = self._detach(mixed)
         items = [self._prefill_item(r, False) for r in mixed]
         self._verified = True
         try:

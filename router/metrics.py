@@ -10,7 +10,7 @@ Two sources, one registry (a private `CollectorRegistry`, so nothing process-glo
                num_preemptions, num_resumes, num_fallback_rounds (drafter unavailable),
                num_plain_rounds (speculation switched off), num_drafter_outages,
                num_stale_replies_dropped, num_draft_ahead_{hits,misses}, num_ready_trees, num_posted_trees,
-               num_detached_admissions, num_mixed_prefills,
+               num_detached_admissions, num_mixed_prefills, num_prefills_with_verdicts,
                num_requests_{admitted,finished,failed,cancelled}
                (exposed with the `_total` suffix)
                spectandem:num_decode_ahead_taken, num_decode_ahead_forgotten (summed over the
@@ -81,6 +81,8 @@ ROUTER_COUNTERS = (
      "Requests admitted without the drafter while auto had settled on plain decoding"),
     ("num_mixed_prefills", "mixed_prefills",
      "Requests sent with a round's verify to be prefilled in its step (the rest of a step's budget prefill apart)"),
+    ("num_prefills_with_verdicts", "prefills_with_verdicts",
+     "Requests prefilled in a verify step whose drafter prefill went with that verify's verdicts over the tree channel"),
     ("num_requests_admitted", "requests_admitted", "Requests admitted to the running batch"),
     ("num_requests_finished", "requests_finished", "Requests finished (stop or length)"),
     ("num_requests_failed", "requests_failed", "Requests ended by an error"),

@@ -134,6 +134,9 @@ class RouterCounters:
     posted_trees: int = 0            # request-rounds whose trees went drafter -> verifier (the tree channel)
     detached_admissions: int = 0     # requests admitted without the drafter ("auto" settled on plain)
     mixed_prefills: int = 0          # requests sent with a round's verify to be prefilled in its step (RouterConfig.mixed_prefill)
+    # Those whose drafter prefill went with that verify's verdicts, the verifier to the drafter
+    # over the tree channel, instead of a prefill call (router/loop.py `_sequential_round`).
+    prefills_with_verdicts: int = 0
     # Verification rounds by the pipeline mode that ran them (router/pipeline.py); they add up to `rounds`.
     mode_rounds: dict[str, int] = field(default_factory=dict)
     requests_admitted: int = 0

@@ -123,7 +123,8 @@ class VerifierActor:
             self._check_held([t.request_id for t in tags] + [p.tag.request_id for p in plain])
             outs, prefilled = verifier_verify_prefill(self.engine, draft_payload, tags, plain, want_features, items,
                                                       prefill_features, self.sender, clock=self.clock)
-            verdicts_to_drafter(self.trees, outs, draft_next, self.clock, self.after, self.sender, tree_round)
+            verdicts_to_drafter(self.trees, outs, draft_next, self.clock, self.after, self.sender, tree_round,
+                                list(zip(items, prefilled)))
             reply = ([replace(r, features=_put(r.features)) for r in outs],
                      [replace(r, features=_put(r.features)) for r in prefilled])
             # The features are in the object store or queued for the channel: the decode ahead

@@ -88,7 +88,7 @@ class VerifierServicer(engines_pb2_grpc.VerifierServicer):
         results, prefilled = verifier_verify_prefill(self.engine, tree, tags, plain, request.want_features, items,
                                                      request.prefill_features, self.sender, clock=clock)
         verdicts_to_drafter(self.trees, results, dict(request.draft_next), clock, self.calls.after, self.sender,
-                            request.tree_round)
+                            request.tree_round, list(zip(items, prefilled)))
         with clock.timing("verify.encode"):
             reply = engines_pb2.VerifyReply(results=[codec.verdict_to_msg(r) for r in results],
                                             prefilled=[codec.verifier_prefill_result_to_msg(r) for r in prefilled])

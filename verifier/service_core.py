@@ -70,7 +70,7 @@ def tree_from_channel(trees: TreeMailbox | None, round_id: int, wait_s: float, e
 
 def verdicts_to_drafter(trees: TreeMailbox | None, verdicts: list[Verdict], bounds: dict[str, int] | None,
                         clock: CallClock | None, after: AfterReply, sender: FeatureSender | None = None,
-                        round_id: int = 0) -> bool:
+                        round_id: int = 0, prefills=()) -> bool:
     """Sends the verdicts of the requests `bounds` names (those the router drafts next,
     drafter/next_trees.py) to the drafter over the tree channel, where it is up and their
     features went over the feature channel. `sender`: the feature channel's end; the verdicts
@@ -83,14 +83,18 @@ def verdicts_to_drafter(trees: TreeMailbox | None, verdicts: list[Verdict], boun
     h100.txt). On the after-reply worker they would go only once the reply had: on the 2-core CPU
     they start 0.2 ms after the forward this way against 0.65-0.73 ms there
     (verdicts-first-cpu-2core.txt). `round_id`: the verify's tree round (0: its trees did not
-    come over the channel), which the drafter's early trees follow. -> whether `bounds` names
-    any of `verdicts` (then sent)."""
-    if not bounds or trees is None or not any(v.tag.request_id in bounds for v in verdicts):
+    come over the channel), which the drafter's early trees follow. `prefills`: (item, result) of
+    the requests the verify prefilled in its step, whose drafter prefills go along where `bounds`
+    names them (spectandem/channel/trees.py). -> whether `bounds` names any of `verdicts` or
+    `prefills` (then sent)."""
+    if (not bounds or trees is None or not (any(v.tag.request_id in bounds for v in verdicts)
+                                            or any(r.tag.request_id in bounds for _, r in prefills))):
         return False
 
     def send() -> None:
         with timed(clock, "verify.verdicts"):
-            body = verdicts_to_bytes(verdicts, bounds, sender.placement if sender is not None else None, round_id)
+            body = verdicts_to_bytes(verdicts, bounds, sender.placement if sender is not None else None, round_id,
+                                     prefills)
             if body is not None:
                 trees.send_verdicts(body)
 

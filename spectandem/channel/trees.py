@@ -21,7 +21,10 @@ a verify whose request names requests to draft next (`draft_next`) sends those r
 verdicts (tag, tokens, a ChannelRef to their features on the feature channel) and bounds before it
 replies; the poster hands each frame's body to its `on_verdicts`. Body: UTF-8 JSON
 {"v": [[request_id, epoch, committed_len, [token ids], seq, index, bound], ...], "at": {seq:
-[slot, dtype code, shapes]}, "r": the verify's own tree round (0: its trees did not come this way)}.
+[slot, dtype code, shapes]}, "r": the verify's own tree round (0: its trees did not come this way),
+"p": [[request_id, epoch, committed_len, [prompt ids], first token id, {sampling params}, seed,
+seq, index, bound], ...]}: "p" (absent where empty) holds the drafter prefills of the requests the
+verify prefilled in its step that `draft_next` names, their first tokens and prompt features.
 
 Early trees: the drafter posts the trees it drafts on the verdicts of round R at once, as an
 EARLY frame of round R, before the router's next draft call asks for them:
@@ -55,7 +58,8 @@ import threading
 import time
 
 from spectandem.channel.wire import ChannelRef, parse_address
-from spectandem.protocol import ExtendItem, Tag
+from spectandem.config import SamplingParams
+from spectandem.protocol import DrafterPrefillItem, ExtendItem, Tag
 
 log = logging.getLogger("spectandem.channel")
 
@@ -79,37 +83,69 @@ def _read_exact(sock: socket.socket, n: int) -> bytes | None:
     return bytes(buf)
 
 
-def verdicts_to_bytes(verdicts, bounds: dict[str, int], placement=None, round_id: int = 0) -> bytes | None:
+def verdicts_to_bytes(verdicts, bounds: dict[str, int], placement=None, round_id: int = 0,
+                      prefills=()) -> bytes | None:
     """A VERDICTS body for those of `verdicts` (spectandem.protocol.Verdict) that `bounds` names
     and whose features went over the feature channel (a ChannelRef); None where none is left.
     `placement`: FeatureSender.placement, where their messages lie in the payload ring, sent
     along so the drafter copies the features out without waiting for the messages' headers.
-    `round_id`: the verify's tree round (0: none), the round the drafter's early trees follow."""
+    `round_id`: the verify's tree round (0: none), the round the drafter's early trees follow.
+    `prefills`: (VerifierPrefillItem, VerifierPrefillResult) of the requests the verify prefilled
+    in its step; those `bounds` names whose features went over the channel go as drafter
+    prefills."""
     rows = [[v.tag.request_id, v.tag.epoch, v.tag.committed_len, list(v.token_ids), v.features.seq,
              v.features.index, bounds[v.tag.request_id]]
             for v in verdicts if v.tag.request_id in bounds and isinstance(v.features, ChannelRef)]
-    if not rows:
+    pre = [[res.tag.request_id, res.tag.epoch, res.tag.committed_len, list(item.prompt_ids), res.first_token_id,
+            _params_to_json(item.params), item.seed, res.features.seq, res.features.index, bounds[res.tag.request_id]]
+           for item, res in prefills
+           if res.tag.request_id in bounds and not item.resume and isinstance(res.features, ChannelRef)]
+    if not rows and not pre:
         return None
     at = {}
-    for seq in dict.fromkeys(row[4] for row in rows):
+    for seq in dict.fromkeys([row[4] for row in rows] + [row[7] for row in pre]):
         where = placement(seq) if placement is not None else None
         if where is not None:
             slot, code, shapes = where
             at[str(seq)] = [slot, code, [list(s) for s in shapes]]
-    return json.dumps({"v": rows, "at": at, "r": round_id}, separators=(",", ":")).encode("utf-8")
+    msg = {"v": rows, "at": at, "r": round_id}
+    if pre:
+        msg["p"] = pre
+    return json.dumps(msg, separators=(",", ":")).encode("utf-8")
 
 
-def verdicts_from_bytes(body: bytes) -> tuple[list[ExtendItem], dict[str, int], dict[int, tuple], int]:
-    """A VERDICTS body -> (the catch-up items, as the router's would carry them; the bounds; where
-    their feature messages lie in the payload ring, for FeatureReceiver.expect; the verify's tree
-    round, after which the next trees may go early, 0 for none)."""
+def verdicts_from_bytes(body: bytes) -> tuple[list[ExtendItem], dict[str, int], dict[int, tuple], int,
+                                              list[DrafterPrefillItem]]:
+    """A VERDICTS body -> (the catch-up items, as the router's would carry them; the bounds, of
+    those and of the prefills; where their feature messages lie in the payload ring, for
+    FeatureReceiver.expect; the verify's tree round, after which the next trees may go early, 0
+    for none; the drafter prefills, as the router's would carry them)."""
     msg = json.loads(body.decode("utf-8"))
-    rows = msg["v"]
+    rows, pre = msg["v"], msg.get("p", [])
     items = [ExtendItem(Tag(rid, int(epoch), int(n)), [int(t) for t in tokens], ChannelRef(int(seq), int(index)))
              for rid, epoch, n, tokens, seq, index, _ in rows]
+    prefills = [DrafterPrefillItem(Tag(rid, int(epoch), int(n)), [int(t) for t in prompt], int(first),
+                                   _params_from_json(params), int(seed), ChannelRef(int(seq), int(index)))
+                for rid, epoch, n, prompt, first, params, seed, seq, index, _ in pre]
     placements = {int(seq): (int(slot), int(code), [tuple(int(d) for d in s) for s in shapes])
                   for seq, (slot, code, shapes) in msg.get("at", {}).items()}
-    return items, {row[0]: int(row[6]) for row in rows}, placements, int(msg.get("r", 0))
+    bounds = {row[0]: int(row[6]) for row in rows}
+    bounds.update((row[0], int(row[9])) for row in pre)
+    return items, bounds, placements, int(msg.get("r", 0)), prefills
+
+
+def _params_to_json(p: SamplingParams) -> dict:
+    return {"max_tokens": p.max_tokens, "temperature": p.temperature, "top_p": p.top_p, "top_k": p.top_k,
+            "seed": p.seed, "stop_token_ids": list(p.stop_token_ids), "stop": list(p.stop),
+            "ignore_eos": p.ignore_eos}
+
+
+def _params_from_json(d: dict) -> SamplingParams:
+    return SamplingParams(max_tokens=int(d["max_tokens"]), temperature=float(d["temperature"]),
+                          top_p=float(d["top_p"]), top_k=int(d["top_k"]),
+                          seed=None if d["seed"] is None else int(d["seed"]),
+                          stop_token_ids=tuple(int(t) for t in d["stop_token_ids"]),
+                          stop=tuple(str(x) for x in d["stop"]), ignore_eos=bool(d["ignore_eos"]))
 
 
 def _read_frame(sock: socket.socket, kinds: tuple[int, ...]) -> tuple[int, int, bytes] | str | None:

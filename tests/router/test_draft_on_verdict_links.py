@@ -194,3 +194,77 @@ def test_ray_actors_draft_on_the_verdict_and_stay_exact(reference):
     assert counters.num_drafts > 0 and counters.stale_dropped == 0
     assert taken > 0 and made <= taken + len(prompts) and early > 0
     assert verifier.get("early_trees_taken", 0) > 0, verifier
+
+
+async def _joined(v, d, spec, prompts, first, join):
+    """Serves prompts[0] with `first` and, once it has streamed 8 tokens (rounds whose verdicts
+    went to the drafter), prompts[1] with `join`, which the router then prefills in the step of a
+    round's verify beside it -> (the two requests' tokens, the router's counters, the drafter's
+    prefill calls and prefills taken with verdicts over the run)."""
+    router = Router(v, d, spec.tokenizer, RouterConfig(
+        max_len=MAX_LEN, eos_token_ids=spec.eos_token_ids, lookahead=spec.lookahead, want_features=True,
+        pipeline="sequential", tree_channel=True))
+
+    async def rest(req, toks):
+        while True:
+            ev = await req.events.get()
+            toks += ev.token_ids
+            if ev.finish_reason:
+                return toks
+
+    async def drafter_prefills():
+        info = await d.info()
+        return info.calls.get("count", {}).get("prefill", 0), int(info.extra.get("prefills_with_verdicts", 0))
+
+    before = await drafter_prefills()
+    router.start()
+    try:
+        a, got_a = router.submit(prompts[0], first), []
+        while len(got_a) < 8:
+            ev = await a.events.get()
+            assert not ev.finish_reason
+            got_a += ev.token_ids
+        b = router.submit(prompts[1], join)
+        got = await asyncio.gather(rest(a, got_a), rest(b, []))
+    finally:
+        await router.stop()
+    after = await drafter_prefills()
+    return got, router.counters, (after[0] - before[0], after[1] - before[1])
+
+
+@pytest.mark.slow
+def test_a_request_prefilled_in_a_verify_step_reaches_the_drafter_with_the_verdicts(processes, reference):
+    """A request admitted in the verify step of a running one's round: its drafter prefill goes
+    with that verify's verdicts (the drafter takes it, then drafts its first tree with the running
+    one's), not as a prefill call of the router's. Greedy and seeded, its tokens and the running
+    one's are those without it (the target's, and the in-process engines' seeded draws). Negative
+    control: a verifier link that does not hand verdicts on leaves it to the router's prefill call."""
+    plain, spec = reference
+    prompts, _, _ = _work(spec.tokenizer)
+    first = SamplingParams(max_tokens=60, ignore_eos=True)
+    greedy = SamplingParams(max_tokens=24, ignore_eos=True)
+    seeded = SamplingParams(max_tokens=24, temperature=0.9, seed=11, ignore_eos=True)
+    want = [c.token_ids for c in plain.generate(prompts[:2], [first, greedy])]
+    want_seeded = spec.generate([prompts[1]], [seeded])[0].token_ids
+    v_addr, d_addr = processes
+
+    async def main():
+        v, d = GrpcVerifierLink(v_addr, hands_verdicts=True), GrpcDrafterLink(d_addr)
+        control = GrpcVerifierLink(v_addr)
+        try:
+            await _until_up(v, d)
+            return (await _joined(v, d, spec, prompts, first, greedy), await _joined(v, d, spec, prompts, first, seeded),
+                    await _joined(control, d, spec, prompts, first, greedy))
+        finally:
+            for link in (v, d, control):
+                await link.close()
+
+    (got, counters, calls), (got_seeded, counters_seeded, calls_seeded), (got_control, counters_control,
+                                                                          calls_control) = asyncio.run(main())
+    assert got == want and got_seeded == [want[0], want_seeded] and got_control == want
+    for c in (counters, counters_seeded, counters_control):
+        assert c.mixed_prefills == 1 and c.stale_dropped == 0 and c.fallback_rounds == 0
+    # One prefill call each (the first request's); the joining one's prefill came with the verdicts.
+    assert counters.prefills_with_verdicts == 1 and calls == (1, 1)
+    assert counters_seeded.prefills_with_verdicts == 1 and calls_seeded == (1, 1)
+    assert counters_control.prefills_with_verdicts == 0 and calls_control == (2, 0)

@@ -183,10 +183,10 @@ def test_verdicts_go_the_other_way_to_the_poster_while_trees_still_come(box):
         threading.Timer(0.05, lambda: poster.post(3, b"tree-3")).start()
         assert box.take(3, 10.0) == b"tree-3"
         _until(lambda: len(got) == 1)
-        items, bounds, placements, round_id = verdicts_from_bytes(got[0])
+        items, bounds, placements, round_id, prefills = verdicts_from_bytes(got[0])
         assert [(i.tag, i.token_ids, i.features) for i in items] == [(Tag("a", 1, 10), [5, 6], ChannelRef(4, 0)),
                                                                      (Tag("b", 0, 7), [9], ChannelRef(4, 1))]
-        assert bounds == {"a": 40, "b": 8} and placements == placed and round_id == 0
+        assert bounds == {"a": 40, "b": 8} and placements == placed and round_id == 0 and prefills == []
         assert verdicts_from_bytes(verdicts_to_bytes(verdicts, {"a": 40}, None, 17))[3] == 17
         # Where the sender knows no placement (the message went over the group), none is told.
         assert verdicts_from_bytes(verdicts_to_bytes(verdicts, {"a": 40}, {}.get))[2] == {}
@@ -278,3 +278,41 @@ def test_early_trees_serve_a_verify_that_holds_all_their_tags(box):
         assert box.early_taken == 1 and box.trees_taken == 4
     finally:
         poster.close()
+
+
+def test_the_prefills_of_a_verify_step_go_with_its_verdicts_as_the_routers_prefill_would_carry_them():
+    """The requests a verify prefilled in its step that the bounds name go with its verdicts as
+    drafter prefills: tag, prompt, first token, sampling parameters and seed as the router's
+    prefill call would carry them, the prompt's features by reference, where their message lies,
+    and their bounds. Not those the bounds do not name, a resume, nor features that did not go
+    over the channel; a body of prefills alone is sent too."""
+    from spectandem.channel import ChannelRef
+    from spectandem.channel.trees import verdicts_from_bytes, verdicts_to_bytes
+    from spectandem.config import SamplingParams
+    from spectandem.protocol import DrafterPrefillItem, Tag, Verdict, VerifierPrefillItem, VerifierPrefillResult
+
+    sampled = SamplingParams(max_tokens=30, temperature=0.9, top_p=0.8, top_k=7, seed=11, stop_token_ids=(2, 3),
+                             stop=("\n\n",), ignore_eos=True)
+    greedy = SamplingParams(max_tokens=5)
+    prefills = [(VerifierPrefillItem(Tag("n", 2, 4), [7, 8, 9, 10], sampled, 11),
+                 VerifierPrefillResult(Tag("n", 2, 5), 42, ChannelRef(6, 0))),
+                (VerifierPrefillItem(Tag("g", 0, 2), [1, 2], greedy, 99),
+                 VerifierPrefillResult(Tag("g", 0, 3), 4, ChannelRef(6, 1))),
+                (VerifierPrefillItem(Tag("x", 0, 2), [1, 2], greedy, 5),   # not named
+                 VerifierPrefillResult(Tag("x", 0, 3), 4, ChannelRef(6, 2))),
+                (VerifierPrefillItem(Tag("i", 0, 2), [1, 2], greedy, 5),   # inline features
+                 VerifierPrefillResult(Tag("i", 0, 3), 4, object())),
+                (VerifierPrefillItem(Tag("r", 1, 3), [1, 2, 3], greedy, 5, resume=True),
+                 VerifierPrefillResult(Tag("r", 1, 3), 0, ChannelRef(6, 3)))]
+    verdicts = [Verdict(Tag("a", 1, 10), [5, 6], num_accepted=1, num_draft_tokens=3, features=ChannelRef(4, 0))]
+    placed = {4: (2, 1, [(2, 8)]), 6: (3, 1, [(4, 8), (2, 8), (2, 8), (3, 8)])}
+    bounds = {"a": 40, "n": 34, "g": 7, "i": 9, "r": 9}
+    items, got_bounds, placements, _, got = verdicts_from_bytes(verdicts_to_bytes(verdicts, bounds, placed.get, 3,
+                                                                                  prefills))
+    assert [i.tag for i in items] == [Tag("a", 1, 10)]
+    assert got == [DrafterPrefillItem(Tag("n", 2, 5), [7, 8, 9, 10], 42, sampled, 11, ChannelRef(6, 0)),
+                   DrafterPrefillItem(Tag("g", 0, 3), [1, 2], 4, greedy, 99, ChannelRef(6, 1))]
+    assert got_bounds == {"a": 40, "n": 34, "g": 7} and placements == placed
+    _, only_bounds, only_placed, _, only = verdicts_from_bytes(verdicts_to_bytes([], {"g": 7}, placed.get, 0, prefills))
+    assert [p.tag for p in only] == [Tag("g", 0, 3)] and only_bounds == {"g": 7} and only_placed == {6: placed[6]}
+    assert verdicts_to_bytes([], {"x2": 1}, placed.get, 0, prefills) is None
