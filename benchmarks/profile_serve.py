@@ -594,6 +594,7 @@ def main(argv: list[str] | None = None) -> int:
             steps.update(dict.fromkeys(steps, 0.0))
             counters = [r.counters for r in getattr(router, "replicas", [router])]
             mixed0, admitted0 = (sum(c.mixed_prefills for c in counters), sum(c.requests_admitted for c in counters))
+            handed0 = sum(c.prefills_with_verdicts for c in counters)
             modes0 = [dict(c.mode_rounds) for c in counters]
             rounds0 = sum(c.rounds for c in counters)
             timeline.clear()
@@ -636,7 +637,8 @@ def main(argv: list[str] | None = None) -> int:
                 report.append(f"  decode ahead: {ahead1[0] - ahead0[0]} decodes took a queued one, "
                               f"{ahead1[1] - ahead0[1]} queued ones were forgotten unused")
             report.append(f"  admitted {sum(c.requests_admitted for c in counters) - admitted0}, of which sent with a "
-                          f"verify step {sum(c.mixed_prefills for c in counters) - mixed0}")
+                          f"verify step {sum(c.mixed_prefills for c in counters) - mixed0}, of which prefilled on the "
+                          f"drafter with the verdicts {sum(c.prefills_with_verdicts for c in counters) - handed0}")
             modes = Counter()
             for c, m0 in zip(counters, modes0):
                 modes.update({m: n - m0.get(m, 0) for m, n in c.mode_rounds.items()})

@@ -178,14 +178,18 @@ def test_ray_actors_draft_on_the_verdict_and_stay_exact(reference):
     v, d, cleanup = start_engines(target, draft, SpecConfig(method="eagle3", **TREE), 8, MAX_LEN, device="cpu",
                                   feature_channel="auto", tree_channel=True, draft_on_verdict=True)
 
+    first, join = SamplingParams(max_tokens=60, ignore_eos=True), SamplingParams(max_tokens=24, ignore_eos=True)
+    want_joined = [c.token_ids for c in plain.generate(prompts[:2], [first, join])]
+
     async def main():
         await _until_up(v, d)
         got, counters = await _route(v, d, spec, prompts, greedy)
-        return got, counters, await _counts(d), await _early_reads(d), (await v.info()).extra
+        info = await _counts(d), await _early_reads(d), (await v.info()).extra
+        return got, counters, *info, await _joined(v, d, spec, prompts, first, join)
 
     try:
         assert v.hands_verdicts
-        got, counters, (made, taken), early, verifier = asyncio.run(main())
+        got, counters, (made, taken), early, verifier, joined = asyncio.run(main())
     finally:
         cleanup()
         if started_here:
@@ -194,6 +198,11 @@ def test_ray_actors_draft_on_the_verdict_and_stay_exact(reference):
     assert counters.num_drafts > 0 and counters.stale_dropped == 0
     assert taken > 0 and made <= taken + len(prompts) and early > 0
     assert verifier.get("early_trees_taken", 0) > 0, verifier
+    # A request admitted in a verify step: its drafter prefill went with the verdicts (one
+    # prefill call, the first request's).
+    got_joined, joined_counters, calls = joined
+    assert got_joined == want_joined and joined_counters.mixed_prefills == 1
+    assert joined_counters.prefills_with_verdicts == 1 and calls == (1, 1)
 
 
 async def _joined(v, d, spec, prompts, first, join):
