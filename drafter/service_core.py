@@ -80,11 +80,15 @@ def drafter_extend_and_draft(engine, tags: list[Tag], num_steps: list[int | None
                              receiver: FeatureReceiver | None = None, clock: CallClock | None = None,
                              ) -> tuple[DraftTree | None, list[Tag], list[str]]:
     """`extend` first (drafter_extend), then the trees of the tags it did not report unknown:
-    (the trees or None when no tag is left, the tags they are for, the unknown ids). `clock`: the
-    catch-up is timed as "draft.catch_up" (its parts also as "draft.features" and "draft.absorb":
+    (the trees or None when no tag is left, the tags they are for, the unknown ids: those of
+    `extend` and the tags' requests this drafter does not hold, as after a restart or a prefill
+    with the verdicts that it did not take, drafter/next_trees.py). `clock`: the catch-up is
+    timed as "draft.catch_up" (its parts also as "draft.features" and "draft.absorb":
     drafter_extend), the trees as "draft.engine" (a service's EngineInfo.calls)."""
     with timed(clock, "draft.catch_up"):
         unknown = drafter_extend(engine, list(extend), receiver, clock) if extend else []
+    unknown = list(unknown) + [t.request_id for t in tags if t.request_id not in engine.requests
+                               and t.request_id not in unknown]
     keep = [i for i, t in enumerate(tags) if t.request_id not in unknown]
     known = [tags[i] for i in keep]
     if not known:

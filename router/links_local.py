@@ -17,7 +17,9 @@ next draft call finds them made (drafter/next_trees.py)."""
 
 from __future__ import annotations
 
-from spectandem.protocol import DraftHandle, ExtendItem, TreeRoute
+from dataclasses import replace
+
+from spectandem.protocol import DraftHandle, DrafterPrefillItem, ExtendItem, TreeRoute
 from router.local_base import _LocalLink
 
 
@@ -76,17 +78,22 @@ class LocalVerifierLink(_LocalLink):
         return await self._run("verify", fn, self.engine, draft.payload if draft else None,
                                list(draft.tags) if draft else [], plain, want_features, None, on_launch)
 
-    def _handing_on(self, fn, bounds: dict[str, int], verdicts_of=lambda out: out):
+    def _handing_on(self, fn, bounds: dict[str, int], verdicts_of=lambda out: out, prefills_of=lambda out: []):
         """`fn` (a verify for the worker thread), its verdicts (`verdicts_of` its result) of
         `bounds`' requests handed to the drafter once this engine's stream is done (their features
-        complete)."""
+        complete), with the drafter prefills (`prefills_of` its result) of the requests its step
+        prefilled that `bounds` names."""
         def run(*args):
             outs = fn(*args)
             verdicts = [v for v in verdicts_of(outs) if v.tag.request_id in bounds and v.features is not None]
-            if verdicts:
+            prefills = [p for p in prefills_of(outs) if p.tag.request_id in bounds and p.features is not None]
+            if verdicts or prefills:
                 if self._stream is not None:
                     self._stream.synchronize()
-                self.drafter.draft_next(verdicts, bounds)
+                self.drafter.draft_next(verdicts, bounds, prefills)
+            if prefills:   # a verify step's results: (verdicts, prefill results), the handed ones marked
+                ids = {p.tag.request_id for p in prefills}
+                outs = (outs[0], [replace(r, with_verdicts=True) if r.tag.request_id in ids else r for r in outs[1]])
             return outs
         return run
 
@@ -97,7 +104,10 @@ class LocalVerifierLink(_LocalLink):
 
         fn = self._routed(verifier_verify_prefill)
         if draft_next and self.drafter is not None:
-            fn = self._handing_on(fn, dict(draft_next), lambda out: out[0])
+            def prefills_of(out):   # the drafter prefills, as the router's would carry them
+                return [DrafterPrefillItem(res.tag, list(item.prompt_ids), res.first_token_id, item.params, item.seed,
+                                           res.features) for item, res in zip(items, out[1]) if not item.resume]
+            fn = self._handing_on(fn, dict(draft_next), lambda out: out[0], prefills_of)
         return await self._run("verify", fn, self.engine,
                                draft.payload if draft else None,
                                list(draft.tags) if draft else [], plain, want_features, list(items),
@@ -136,12 +146,14 @@ class LocalDrafterLink(_LocalLink):
 
         self.drafter = DrafterCalls(engine)   # called in the worker thread only
 
-    def draft_next(self, verdicts, bounds: dict[str, int]) -> None:
+    def draft_next(self, verdicts, bounds: dict[str, int], prefills=()) -> None:
         """From the verifier's worker thread (LocalVerifierLink `draft_next`): queues, in this
-        link's thread, the catch-up of these verdicts and the next trees of the requests whose
-        new committed length is below `bounds[request id]` (drafter/next_trees.py). Returns at once."""
+        link's thread, the prefills, the catch-up of these verdicts and the next trees of the
+        requests whose new committed length is below `bounds[request id]` (drafter/next_trees.py).
+        Returns at once."""
         items = [ExtendItem(v.tag, list(v.token_ids), v.features) for v in verdicts]
-        self._thread.submit(self._call, "draft_next", self.drafter.draft_on, items, dict(bounds))
+        self._thread.submit(self._call, "draft_next", self.drafter.draft_on, items, dict(bounds), None, None,
+                            list(prefills))
 
     async def prefill(self, items):
         return await self._run("prefill", self.drafter.prefill, list(items))

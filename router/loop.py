@@ -477,12 +477,12 @@ class Router:
         return self.cfg.want_features and any(r.request_id not in detach for r in batch)
 
     async def _after_prefill(self, batch: list[ServedRequest], results, detach: set[str], resumed: set[str],
-                             drafter_later: bool = False, handed: frozenset = frozenset()):
+                             drafter_later: bool = False):
         """`_admit` once the verifier has prefilled `batch` (`results` in its order): the
         requests join the running batch, their first tokens stream, and those not in `detach`
         are prefilled on the drafter (or that prefill is returned: `_admit`'s `drafter_later`),
-        but for those in `handed`, whose drafter prefill went with the verify's verdicts
-        (`_sequential_round`): they are on the drafter as after a prefill call of the router's."""
+        but for those whose drafter prefill the verifier sent with its verify step's verdicts
+        (`with_verdicts`: `_sequential_round`), which are on the drafter as after a prefill call."""
         if not batch:
             return None
         for r in batch:
@@ -506,6 +506,7 @@ class Router:
             elif self._commit(r, [res.first_token_id]):
                 features[r.request_id] = res.features
         live = [r for r in batch if not r.done and not r.detached]
+        handed = {res.tag.request_id for res in results if res.with_verdicts}
         if handed and self.drafter_up:
             # Those that ended at their first token are released on the drafter too (it may
             # have taken their prefill, or skips it once they are released: drafter/next_trees.py).
@@ -743,13 +744,13 @@ class Router:
         # The drafter's turn comes once the verify forward is queued.
         launched = asyncio.get_running_loop().create_future() if ahead and drafted else None
         draft_next = self._next_drafts(drafted, ahead)
-        detach, handed = (self._detach(mixed) if mixed else set()), frozenset()
+        detach = self._detach(mixed) if mixed else set()
         if draft_next and posting is not None:   # its verdicts go to the drafter over the tree channel
-            # So do the drafter prefills of the requests its step prefills: the drafter takes
-            # them first and drafts their first trees with the others' on the verdicts, so the
-            # next round's early trees hold them as well.
-            handed = frozenset(r.request_id for r in mixed if r.request_id not in detach)
-            draft_next.update((r.request_id, self._draft_bound(r)) for r in mixed if r.request_id in handed)
+            # So do the drafter prefills of the requests its step prefills (the verifier marks
+            # those it sent: `_after_prefill`): the drafter takes them first and drafts their
+            # first trees with the others' on the verdicts, so the next round's early trees hold
+            # them as well.
+            draft_next.update((r.request_id, self._draft_bound(r)) for r in mixed if r.request_id not in detach)
             self._verdicts_after = (self._tree_round, frozenset(draft_next))
         verify = asyncio.ensure_future(self._verify(draft, drafted, group, launched, draft_next) if not mixed else
                                        self._verify_with_prefill(draft, drafted, group, list(mixed), draft_next,
@@ -772,7 +773,7 @@ class Router:
         if results is not None:
             extend = self._apply(results, drafted, group)
             if admitted is not None:   # after the round's results: they join, then go to the drafter
-                await self._after_prefill(*admitted, handed=handed)
+                await self._after_prefill(*admitted)
             ready = {r.request_id for r in drafted if r.next_tree is not None}
             if extend and (not ahead or all(i.tag.request_id in ready for i in extend)):
                 # Held back: the next round's drafter call carries it (sequential: its draft;

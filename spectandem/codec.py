@@ -270,11 +270,12 @@ def verifier_prefill_item_from_msg(msg: engines_pb2.VerifierPrefillItem) -> Veri
 
 def verifier_prefill_result_to_msg(r: VerifierPrefillResult) -> engines_pb2.VerifierPrefillResult:
     return engines_pb2.VerifierPrefillResult(tag=tag_to_msg(r.tag), first_token_id=r.first_token_id,
-                                             **feature_handle(r.features))
+                                             with_verdicts=r.with_verdicts, **feature_handle(r.features))
 
 
 def verifier_prefill_result_from_msg(msg: engines_pb2.VerifierPrefillResult) -> VerifierPrefillResult:
-    return VerifierPrefillResult(tag_from_msg(msg.tag), msg.first_token_id, _features_in(msg, decode=False))
+    return VerifierPrefillResult(tag_from_msg(msg.tag), msg.first_token_id, _features_in(msg, decode=False),
+                                 msg.with_verdicts)
 
 
 def plain_item_to_msg(p: PlainItem) -> engines_pb2.PlainItem:

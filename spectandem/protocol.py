@@ -40,6 +40,7 @@ class VerifierPrefillResult:
     tag: Tag                       # committed_len = prompt length + 1
     first_token_id: int
     features: Any                  # opaque handle for the drafter, or None
+    with_verdicts: bool = False    # its drafter prefill went with the verify's verdicts (verify steps)
 
 
 @dataclass

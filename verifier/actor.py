@@ -28,7 +28,7 @@ from spectandem.config import EngineConfig
 from verifier.factory import build_engine
 from verifier.runner import FeatureSpec
 from verifier.service_core import (tree_from_channel, verdicts_to_drafter, verifier_features, verifier_info,
-                                   verifier_prefill, verifier_verify_prefill)
+                                   verifier_prefill, verifier_verify_prefill, with_prefilled)
 
 
 def _put(features):
@@ -123,8 +123,9 @@ class VerifierActor:
             self._check_held([t.request_id for t in tags] + [p.tag.request_id for p in plain])
             outs, prefilled = verifier_verify_prefill(self.engine, draft_payload, tags, plain, want_features, items,
                                                       prefill_features, self.sender, clock=self.clock)
-            verdicts_to_drafter(self.trees, outs, draft_next, self.clock, self.after, self.sender, tree_round,
-                                list(zip(items, prefilled)))
+            sent = verdicts_to_drafter(self.trees, outs, draft_next, self.clock, self.after, self.sender, tree_round,
+                                       list(zip(items, prefilled)))
+            prefilled = with_prefilled(prefilled, sent)
             reply = ([replace(r, features=_put(r.features)) for r in outs],
                      [replace(r, features=_put(r.features)) for r in prefilled])
             # The features are in the object store or queued for the channel: the decode ahead

@@ -31,7 +31,7 @@ from spectandem.v1 import engines_pb2, engines_pb2_grpc
 from verifier.engine import VerifierEngine
 from verifier.factory import build_engine
 from verifier.service_core import (tree_from_channel, verdicts_to_drafter, verifier_features, verifier_info,
-                                   verifier_prefill, verifier_verify_prefill)
+                                   verifier_prefill, verifier_verify_prefill, with_prefilled)
 
 SERVICE_NAME = engines_pb2.DESCRIPTOR.services_by_name["Verifier"].full_name
 
@@ -87,8 +87,9 @@ class VerifierServicer(engines_pb2_grpc.VerifierServicer):
             raise ValueError("verify request has neither a tree nor plain items")
         results, prefilled = verifier_verify_prefill(self.engine, tree, tags, plain, request.want_features, items,
                                                      request.prefill_features, self.sender, clock=clock)
-        verdicts_to_drafter(self.trees, results, dict(request.draft_next), clock, self.calls.after, self.sender,
-                            request.tree_round, list(zip(items, prefilled)))
+        sent = verdicts_to_drafter(self.trees, results, dict(request.draft_next), clock, self.calls.after,
+                                   self.sender, request.tree_round, list(zip(items, prefilled)))
+        prefilled = with_prefilled(prefilled, sent)
         with clock.timing("verify.encode"):
             reply = engines_pb2.VerifyReply(results=[codec.verdict_to_msg(r) for r in results],
                                             prefilled=[codec.verifier_prefill_result_to_msg(r) for r in prefilled])

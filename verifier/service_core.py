@@ -14,7 +14,7 @@ from spectandem.protocol import EngineInfo, PlainItem, Tag, Verdict, VerifierPre
 from spectandem.after_reply import AfterReply
 from spectandem.call_clock import CallClock, timed
 from spectandem.channel import FeatureSender, TreeMailbox
-from spectandem.channel.trees import verdicts_to_bytes
+from spectandem.channel.trees import sendable_prefills, verdicts_to_bytes
 from spectandem.messages import DraftTree, concat_trees, root_only_tree
 from verifier.engine import NewRequests
 
@@ -70,7 +70,7 @@ def tree_from_channel(trees: TreeMailbox | None, round_id: int, wait_s: float, e
 
 def verdicts_to_drafter(trees: TreeMailbox | None, verdicts: list[Verdict], bounds: dict[str, int] | None,
                         clock: CallClock | None, after: AfterReply, sender: FeatureSender | None = None,
-                        round_id: int = 0, prefills=()) -> bool:
+                        round_id: int = 0, prefills=()) -> set[str]:
     """Sends the verdicts of the requests `bounds` names (those the router drafts next,
     drafter/next_trees.py) to the drafter over the tree channel, where it is up and their
     features went over the feature channel. `sender`: the feature channel's end; the verdicts
@@ -85,22 +85,29 @@ def verdicts_to_drafter(trees: TreeMailbox | None, verdicts: list[Verdict], boun
     (verdicts-first-cpu-2core.txt). `round_id`: the verify's tree round (0: its trees did not
     come over the channel), which the drafter's early trees follow. `prefills`: (item, result) of
     the requests the verify prefilled in its step, whose drafter prefills go along where `bounds`
-    names them (spectandem/channel/trees.py). -> whether `bounds` names any of `verdicts` or
-    `prefills` (then sent)."""
+    names them (spectandem/channel/trees.py). -> the ids of the requests whose drafter prefills
+    went (`with_prefilled` marks their results so)."""
     if (not bounds or trees is None or not (any(v.tag.request_id in bounds for v in verdicts)
                                             or any(r.tag.request_id in bounds for _, r in prefills))):
-        return False
+        return set()
+    sent = set()
 
     def send() -> None:
         with timed(clock, "verify.verdicts"):
             body = verdicts_to_bytes(verdicts, bounds, sender.placement if sender is not None else None, round_id,
                                      prefills)
-            if body is not None:
-                trees.send_verdicts(body)
+            if body is not None and trees.send_verdicts(body):
+                sent.update(res.tag.request_id for _, res in sendable_prefills(prefills, bounds))
 
     after.later(send)
     after.run_now()
-    return True
+    return sent
+
+
+def with_prefilled(prefilled: list[VerifierPrefillResult], sent: set[str]) -> list[VerifierPrefillResult]:
+    """A verify step's prefill results, those whose drafter prefills went with the verdicts
+    (`verdicts_to_drafter`) marked so."""
+    return [replace(r, with_verdicts=True) if r.tag.request_id in sent else r for r in prefilled]
 
 
 def verifier_verify(engine, tree: DraftTree | None, tags: list[Tag], plain: list[PlainItem],

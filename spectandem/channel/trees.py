@@ -98,8 +98,7 @@ def verdicts_to_bytes(verdicts, bounds: dict[str, int], placement=None, round_id
             for v in verdicts if v.tag.request_id in bounds and isinstance(v.features, ChannelRef)]
     pre = [[res.tag.request_id, res.tag.epoch, res.tag.committed_len, list(item.prompt_ids), res.first_token_id,
             _params_to_json(item.params), item.seed, res.features.seq, res.features.index, bounds[res.tag.request_id]]
-           for item, res in prefills
-           if res.tag.request_id in bounds and not item.resume and isinstance(res.features, ChannelRef)]
+           for item, res in sendable_prefills(prefills, bounds)]
     if not rows and not pre:
         return None
     at = {}
@@ -112,6 +111,14 @@ def verdicts_to_bytes(verdicts, bounds: dict[str, int], placement=None, round_id
     if pre:
         msg["p"] = pre
     return json.dumps(msg, separators=(",", ":")).encode("utf-8")
+
+
+def sendable_prefills(prefills, bounds: dict[str, int]) -> list:
+    """Those of `prefills` ((VerifierPrefillItem, VerifierPrefillResult) of a verify step) that
+    go with the verdicts: `bounds` names them, none resumes, and their features went over the
+    feature channel."""
+    return [(item, res) for item, res in prefills
+            if res.tag.request_id in bounds and not item.resume and isinstance(res.features, ChannelRef)]
 
 
 def verdicts_from_bytes(body: bytes) -> tuple[list[ExtendItem], dict[str, int], dict[int, tuple], int,

@@ -28,16 +28,18 @@ class VerifierPrefillRequest(_message.Message):
     def __init__(self, items: _Optional[_Iterable[_Union[VerifierPrefillItem, _Mapping]]] = ..., want_features: _Optional[bool] = ...) -> None: ...
 
 class VerifierPrefillResult(_message.Message):
-    __slots__ = ("tag", "first_token_id", "features", "feature_ref")
+    __slots__ = ("tag", "first_token_id", "features", "feature_ref", "with_verdicts")
     TAG_FIELD_NUMBER: _ClassVar[int]
     FIRST_TOKEN_ID_FIELD_NUMBER: _ClassVar[int]
     FEATURES_FIELD_NUMBER: _ClassVar[int]
     FEATURE_REF_FIELD_NUMBER: _ClassVar[int]
+    WITH_VERDICTS_FIELD_NUMBER: _ClassVar[int]
     tag: _common_pb2.RequestTag
     first_token_id: int
     features: _common_pb2.Tensor
     feature_ref: ChannelRef
-    def __init__(self, tag: _Optional[_Union[_common_pb2.RequestTag, _Mapping]] = ..., first_token_id: _Optional[int] = ..., features: _Optional[_Union[_common_pb2.Tensor, _Mapping]] = ..., feature_ref: _Optional[_Union[ChannelRef, _Mapping]] = ...) -> None: ...
+    with_verdicts: bool
+    def __init__(self, tag: _Optional[_Union[_common_pb2.RequestTag, _Mapping]] = ..., first_token_id: _Optional[int] = ..., features: _Optional[_Union[_common_pb2.Tensor, _Mapping]] = ..., feature_ref: _Optional[_Union[ChannelRef, _Mapping]] = ..., with_verdicts: _Optional[bool] = ...) -> None: ...
 
 class ChannelRef(_message.Message):
     __slots__ = ("seq", "index")

@@ -328,3 +328,64 @@ def test_a_verifier_link_on_a_shared_thread_cannot_hand_verdicts_on():
             LocalVerifierLink(spec.verifier, drafter=LocalDrafterLink(spec.drafter, thread=shared))
     finally:
         shared.shutdown()
+
+
+def test_a_request_prefilled_in_a_verify_step_reaches_the_drafter_with_the_verdicts_in_process():
+    """In one process too: a request admitted in the verify step of a running one's round is
+    prefilled on the drafter with that round's verdicts (no prefill call of the router's), and
+    greedy and seeded tokens are those without the hand-off."""
+    from tests.router.test_draft_on_verdict_links import _joined
+
+    first = SamplingParams(max_tokens=60, ignore_eos=True)
+    joins = [SamplingParams(max_tokens=24, ignore_eos=True),
+             SamplingParams(max_tokens=24, temperature=0.9, seed=11, ignore_eos=True)]
+
+    def run(hand, join):
+        spec = _spec()
+        vlink, dlink = _links(spec, hand)
+        prompts = [spec.tokenizer.encode(x).ids for x in PROMPT_TEXTS[:2]]
+        return asyncio.run(_joined(vlink, dlink, spec, prompts, first, join, max_len=256))
+
+    for join in joins:
+        got, counters, calls = run(True, join)
+        want, control, control_calls = run(False, join)
+        assert got == want
+        assert counters.mixed_prefills == control.mixed_prefills == 1
+        assert counters.prefills_with_verdicts == 1 and calls == (1, 1)
+        assert control.prefills_with_verdicts == 0 and control_calls == (2, 0)
+
+
+def test_a_prefill_with_the_verdicts_that_the_drafter_does_not_take_is_made_again_by_the_router(plain):
+    """The drafter fails to take a joining request's prefill that came with the verdicts: the
+    router's next draft call finds the request unknown there, and its resync prefills it; the
+    tokens are the target's all the same. A prefill with the verdicts of a request released
+    before it came is not taken."""
+    from tests.router.test_draft_on_verdict_links import _joined
+
+    first, join = SamplingParams(max_tokens=60, ignore_eos=True), SamplingParams(max_tokens=24, ignore_eos=True)
+    spec = _spec()
+    prompts = [spec.tokenizer.encode(x).ids for x in PROMPT_TEXTS[:2]]
+    want = [c.token_ids for c in plain.generate(prompts, [first, join])]
+    vlink, dlink = _links(spec)
+    real, calls = spec.drafter.add_many, []
+
+    def add_many(items):
+        calls.append([i[0] for i in items])
+        if len(calls) == 2:   # the first is the running request's prefill call, the second the joining one's
+            raise ValueError("no room")
+        return real(items)
+
+    spec.drafter.add_many = add_many
+    got, counters, (prefill_calls, with_verdicts) = asyncio.run(_joined(vlink, dlink, spec, prompts, first, join,
+                                                                        max_len=256))
+    assert got == want
+    assert counters.prefills_with_verdicts == 1 and with_verdicts == 0   # sent, not taken
+    assert prefill_calls == 2 and len(calls) == 3 and calls[1] == calls[2]   # the resync's
+    assert counters.stale_dropped == 0
+
+    # Released before its prefill came with a verdict: not taken.
+    tree_calls = dlink.drafter
+    tree_calls.release(["gone"])
+    item = DrafterPrefillItem(Tag("gone", 0, 3), [1, 2], 3, join, 5, None)
+    tree_calls.draft_on([], {"gone": 100}, prefills=[item])
+    assert "gone" not in spec.drafter.requests and tree_calls.next_trees.prefilled == 0

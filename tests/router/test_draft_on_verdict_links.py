@@ -205,13 +205,13 @@ def test_ray_actors_draft_on_the_verdict_and_stay_exact(reference):
     assert joined_counters.prefills_with_verdicts == 1 and calls == (1, 1)
 
 
-async def _joined(v, d, spec, prompts, first, join):
+async def _joined(v, d, spec, prompts, first, join, max_len: int = MAX_LEN):
     """Serves prompts[0] with `first` and, once it has streamed 8 tokens (rounds whose verdicts
     went to the drafter), prompts[1] with `join`, which the router then prefills in the step of a
     round's verify beside it -> (the two requests' tokens, the router's counters, the drafter's
     prefill calls and prefills taken with verdicts over the run)."""
     router = Router(v, d, spec.tokenizer, RouterConfig(
-        max_len=MAX_LEN, eos_token_ids=spec.eos_token_ids, lookahead=spec.lookahead, want_features=True,
+        max_len=max_len, eos_token_ids=spec.eos_token_ids, lookahead=spec.lookahead, want_features=True,
         pipeline="sequential", tree_channel=True))
 
     async def rest(req, toks):

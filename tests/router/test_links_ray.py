@@ -246,8 +246,11 @@ def test_errors_map_to_link_errors(engines):
             await verifier.verify(None, [PlainItem(Tag("nobody", 0, 3), 1)], want_features=False)
         assert type(stale.value) is StaleMessage  # the engine's own exception, not Ray's wrapper
         with pytest.raises(StaleMessage, match="not active on the drafter") as stale:
-            await drafter.draft([Tag("nobody", 0, 3)])
+            await drafter.draft_ahead([Tag("nobody", 0, 3)])
         assert type(stale.value) is StaleMessage
+        # A draft for a request the drafter does not hold reports it unknown (the router resyncs it).
+        handle = await drafter.draft([Tag("nobody", 0, 3)])
+        assert handle.unknown == ["nobody"] and handle.tags == [] and handle.payload is None
         with pytest.raises(EngineUnavailable, match="did not answer"):
             await RayVerifierLink(verifier.actor, call_timeout_s=1e-6).info()
 
