@@ -887,7 +887,9 @@ class Router:
         except (EngineUnavailable, asyncio.TimeoutError, StaleMessage) as exc:
             self._drafter_failed(exc)
             return None, []
-        if draft.unknown:   # it restarted: no tree for them, re-prefilled by the next resync
+        # It restarted, or did not take a prefill that came with the verdicts: no tree for them,
+        # re-prefilled by the next resync.
+        if draft.unknown:
             self._off_drafter(draft.unknown)
             drafted = [r for r in drafted if r.on_drafter]
             if not drafted:
