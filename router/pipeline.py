@@ -206,8 +206,13 @@ class _ClassState:
         speed = _speed(rounds)
         if speed is not None and (self.mode not in self.speeds or _admission_free(rounds)):
             self.speeds[self.mode] = speed
-        log.debug("auto pipeline: %s of %s over %d rounds in %.1f ms: %s request-rounds/s", self.phase, self.mode,
-                  self.length, self.elapsed * 1e3, "-" if speed is None else f"{speed:.1f}")
+        if log.isEnabledFor(logging.DEBUG):
+            per = sorted(sec / r * 1e3 for sec, r, _, _ in rounds if r)
+            log.debug("auto pipeline: %s of %s over %d rounds in %.1f ms: %s request-rounds/s; %d rounds recorded, "
+                      "%d of them admitting, ms a request-round min / median / max %s", self.phase, self.mode,
+                      self.length, self.elapsed * 1e3, "-" if speed is None else f"{speed:.1f}", len(rounds),
+                      sum(x[3] for x in rounds),
+                      " / ".join(f"{v:.3f}" for v in (per[0], per[len(per) // 2], per[-1])) if per else "-")
         tokens, request_rounds, rounds = self.pooled
         kind = draft_kind(self.mode)
         pool = self.yields.get(kind)
