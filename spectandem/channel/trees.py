@@ -48,6 +48,7 @@ until a later round is taken, so a verify the router sends again for the same ro
 
 from __future__ import annotations
 
+import dataclasses
 import errno
 import json
 import logging
@@ -142,17 +143,12 @@ def verdicts_from_bytes(body: bytes) -> tuple[list[ExtendItem], dict[str, int], 
 
 
 def _params_to_json(p: SamplingParams) -> dict:
-    return {"max_tokens": p.max_tokens, "temperature": p.temperature, "top_p": p.top_p, "top_k": p.top_k,
-            "seed": p.seed, "stop_token_ids": list(p.stop_token_ids), "stop": list(p.stop),
-            "ignore_eos": p.ignore_eos}
+    """Every field of `p` (tuples as JSON arrays)."""
+    return dataclasses.asdict(p)
 
 
 def _params_from_json(d: dict) -> SamplingParams:
-    return SamplingParams(max_tokens=int(d["max_tokens"]), temperature=float(d["temperature"]),
-                          top_p=float(d["top_p"]), top_k=int(d["top_k"]),
-                          seed=None if d["seed"] is None else int(d["seed"]),
-                          stop_token_ids=tuple(int(t) for t in d["stop_token_ids"]),
-                          stop=tuple(str(x) for x in d["stop"]), ignore_eos=bool(d["ignore_eos"]))
+    return SamplingParams(**{k: tuple(v) if isinstance(v, list) else v for k, v in d.items()})
 
 
 def _read_frame(sock: socket.socket, kinds: tuple[int, ...]) -> tuple[int, int, bytes] | str | None:
