@@ -55,9 +55,12 @@ class _VerdictFirst:
     """The drafter link, holding each router draft call until the drafter has made trees on the
     round's verdict; once a call has taken such a tree, the calls go straight through. Which
     reaches the drafter first, the verdict or the draft call, is a race the draft call can win
-    every time on a busy machine; holding it fixes the order, so the test sees the hand-off."""
+    every time on a busy machine; holding it fixes the order, so the test sees the hand-off.
+    A call is held at most `wait_s`, well inside the router's drafter timeout: where the
+    verifier took the early trees, the draft call takes none (it is answered as posted), and a
+    round whose requests are at their bounds makes none to wait for."""
 
-    def __init__(self, link, wait_s: float = 10.0):
+    def __init__(self, link, wait_s: float = 2.0):
         self.link, self.wait_s = link, wait_s
         self.calls = self.made_before = 0
         self.took = False
@@ -149,10 +152,11 @@ def test_grpc_engines_draft_on_the_verdict_and_stay_exact(processes, reference):
     (made, taken), early = after
     assert early > 0                                # the verdicts' features, copied out ahead of their headers
     assert counters.num_drafts > 0 and counters.stale_dropped == 0 and counters.fallback_rounds == 0
-    # Drafted request-rounds took made trees (the draft calls held until one did); none was made
-    # past a request's last round.
-    assert taken > 0 and made <= taken + len(prompts)
-    assert last[1] > taken                          # the seeded requests' rounds too
+    # Trees were made on the verdicts and served: taken by a draft call (held until the drafter
+    # had made them), or verified early, in which case the call that comes after the round's
+    # verdicts takes none (NextTrees.late). Which of the two a round saw is a race.
+    assert made > 0 and taken + ring.get("early_trees_taken", 0) > 0, (made, taken, ring)
+    assert last[0] > made                           # the seeded requests' rounds too
     # The work on each verdict is timed by its parts too (EngineInfo.calls: profile_serve's report).
     parts = ("draft_next.decode", "draft_next.catch_up", "draft_next.features", "draft_next.features.early_read",
              "draft_next.features.hand_out", "draft_next.absorb", "draft_next.engine", "draft_next.post")
@@ -196,8 +200,8 @@ def test_ray_actors_draft_on_the_verdict_and_stay_exact(reference):
             ray.shutdown()
     assert got == want
     assert counters.num_drafts > 0 and counters.stale_dropped == 0
-    assert taken > 0 and made <= taken + len(prompts) and early > 0
-    assert verifier.get("early_trees_taken", 0) > 0, verifier
+    assert made > 0 and early > 0
+    assert verifier.get("early_trees_taken", 0) > 0, verifier   # made trees that served
     # A request admitted in a verify step: its drafter prefill went with the verdicts (one
     # prefill call, the first request's).
     got_joined, joined_counters, calls = joined
