@@ -17,8 +17,6 @@ next draft call finds them made (drafter/next_trees.py)."""
 
 from __future__ import annotations
 
-from dataclasses import replace
-
 from spectandem.protocol import DraftHandle, DrafterPrefillItem, ExtendItem, TreeRoute
 from router.local_base import _LocalLink
 
@@ -92,8 +90,9 @@ class LocalVerifierLink(_LocalLink):
                     self._stream.synchronize()
                 self.drafter.draft_next(verdicts, bounds, prefills)
             if prefills:   # a verify step's results: (verdicts, prefill results), the handed ones marked
-                ids = {p.tag.request_id for p in prefills}
-                outs = (outs[0], [replace(r, with_verdicts=True) if r.tag.request_id in ids else r for r in outs[1]])
+                from verifier.service_core import with_prefilled
+
+                outs = (outs[0], with_prefilled(outs[1], {p.tag.request_id for p in prefills}))
             return outs
         return run
 

@@ -94,10 +94,11 @@ def verdicts_to_drafter(trees: TreeMailbox | None, verdicts: list[Verdict], boun
 
     def send() -> None:
         with timed(clock, "verify.verdicts"):
+            going = sendable_prefills(prefills, bounds)
             body = verdicts_to_bytes(verdicts, bounds, sender.placement if sender is not None else None, round_id,
-                                     prefills)
+                                     going)
             if body is not None and trees.send_verdicts(body):
-                sent.update(res.tag.request_id for _, res in sendable_prefills(prefills, bounds))
+                sent.update(res.tag.request_id for _, res in going)
 
     after.later(send)
     after.run_now()
