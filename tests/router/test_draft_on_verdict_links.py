@@ -149,8 +149,10 @@ def test_grpc_engines_draft_on_the_verdict_and_stay_exact(processes, reference):
     got_control, before, got, counters, after, got_seeded, last, calls, ring = asyncio.run(main())
     assert got_control == want and got == want and got_seeded == want_seeded
     assert before == ((0, 0), 0)                    # the control sent no verdicts
-    (made, taken), early = after
-    assert early > 0                                # the verdicts' features, copied out ahead of their headers
+    # Whether the drafter copies a verdict's features out of the ring ahead of their message's
+    # header (FeatureReceiver.early_reads) depends on which of the two reaches it first, a race
+    # under load; tests/spectandem/test_channel.py makes both orders.
+    (made, taken), _ = after
     assert counters.num_drafts > 0 and counters.stale_dropped == 0 and counters.fallback_rounds == 0
     # Trees were made on the verdicts and served: taken by a draft call (held until the drafter
     # had made them), or verified early, in which case the call that comes after the round's
@@ -158,8 +160,8 @@ def test_grpc_engines_draft_on_the_verdict_and_stay_exact(processes, reference):
     assert made > 0 and taken + ring.get("early_trees_taken", 0) > 0, (made, taken, ring)
     assert last[0] > made                           # the seeded requests' rounds too
     # The work on each verdict is timed by its parts too (EngineInfo.calls: profile_serve's report).
-    parts = ("draft_next.decode", "draft_next.catch_up", "draft_next.features", "draft_next.features.early_read",
-             "draft_next.features.hand_out", "draft_next.absorb", "draft_next.engine", "draft_next.post")
+    parts = ("draft_next.decode", "draft_next.catch_up", "draft_next.features", "draft_next.features.hand_out",
+             "draft_next.absorb", "draft_next.engine", "draft_next.post")
     assert all(calls["count"].get(k, 0) > 0 for k in parts), calls["count"]
     # The verifier's messages went through the payload ring (its info counts them, over gRPC too),
     # and some of its verifies took the trees posted early.
@@ -200,7 +202,7 @@ def test_ray_actors_draft_on_the_verdict_and_stay_exact(reference):
             ray.shutdown()
     assert got == want
     assert counters.num_drafts > 0 and counters.stale_dropped == 0
-    assert made > 0 and early > 0
+    assert made > 0   # early reads: see the gRPC test
     assert verifier.get("early_trees_taken", 0) > 0, verifier   # made trees that served
     # A request admitted in a verify step: its drafter prefill went with the verdicts (one
     # prefill call, the first request's).
