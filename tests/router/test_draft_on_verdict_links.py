@@ -215,7 +215,11 @@ async def _joined(v, d, spec, prompts, first, join, max_len: int = MAX_LEN):
     """Serves prompts[0] with `first` and, once it has streamed 8 tokens (rounds whose verdicts
     went to the drafter), prompts[1] with `join`, which the router then prefills in the step of a
     round's verify beside it -> (the two requests' tokens, the router's counters, the drafter's
-    prefill calls and prefills taken with verdicts over the run)."""
+    prefill calls and prefills taken with verdicts over the run). The draft calls are held for the
+    verdicts as in `_route`: a draft call that overtakes the verdicts bringing a new request's
+    prefill finds it unknown, and the router's resync prefills it with a call of its own."""
+    if v.hands_verdicts:
+        d = _VerdictFirst(d)
     router = Router(v, d, spec.tokenizer, RouterConfig(
         max_len=max_len, eos_token_ids=spec.eos_token_ids, lookahead=spec.lookahead, want_features=True,
         pipeline="sequential", tree_channel=True))
