@@ -58,10 +58,11 @@ class _VerdictFirst:
     every time on a busy machine; holding it fixes the order, so the test sees the hand-off.
     A call is held at most `wait_s`, well inside the router's drafter timeout: where the
     verifier took the early trees, the draft call takes none (it is answered as posted), and a
-    round whose requests are at their bounds makes none to wait for."""
+    round whose requests are at their bounds makes none to wait for. `every_call`: every call is
+    held, also once one has taken a made tree."""
 
-    def __init__(self, link, wait_s: float = 2.0):
-        self.link, self.wait_s = link, wait_s
+    def __init__(self, link, wait_s: float = 2.0, every_call: bool = False):
+        self.link, self.wait_s, self.every_call = link, wait_s, every_call
         self.calls = self.made_before = 0
         self.took = False
 
@@ -69,7 +70,7 @@ class _VerdictFirst:
         return getattr(self.link, name)
 
     async def draft(self, *args, **kwargs):
-        if self.took:
+        if self.took and not self.every_call:
             return await self.link.draft(*args, **kwargs)
         made, taken = await _counts(self.link)
         if self.calls:   # the first draft call follows a prefill, not a verdict
@@ -215,11 +216,11 @@ async def _joined(v, d, spec, prompts, first, join, max_len: int = MAX_LEN):
     """Serves prompts[0] with `first` and, once it has streamed 8 tokens (rounds whose verdicts
     went to the drafter), prompts[1] with `join`, which the router then prefills in the step of a
     round's verify beside it -> (the two requests' tokens, the router's counters, the drafter's
-    prefill calls and prefills taken with verdicts over the run). The draft calls are held for the
-    verdicts as in `_route`: a draft call that overtakes the verdicts bringing a new request's
+    prefill calls and prefills taken with verdicts over the run). Every draft call is held for the
+    round's verdicts (`_VerdictFirst`): one that overtakes the verdicts bringing a new request's
     prefill finds it unknown, and the router's resync prefills it with a call of its own."""
     if v.hands_verdicts:
-        d = _VerdictFirst(d)
+        d = _VerdictFirst(d, every_call=True)
     router = Router(v, d, spec.tokenizer, RouterConfig(
         max_len=max_len, eos_token_ids=spec.eos_token_ids, lookahead=spec.lookahead, want_features=True,
         pipeline="sequential", tree_channel=True))
