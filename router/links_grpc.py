@@ -41,8 +41,12 @@ class _GrpcLink:
                         else grpc.aio.insecure_channel(address, options=LINK_CHANNEL_OPTIONS))
 
     async def _call(self, method, request):
+        return await self._reply(method(request, timeout=self.timeout_s))
+
+    async def _reply(self, call):
+        """The reply of a started call, its failure as the router's errors."""
         try:
-            return await method(request, timeout=self.timeout_s)
+            return await call
         except grpc.aio.AioRpcError as exc:
             code, details = exc.code(), exc.details() or ""
             if code == grpc.StatusCode.FAILED_PRECONDITION:
@@ -90,8 +94,6 @@ class GrpcVerifierLink(_GrpcLink):
                              items: list[VerifierPrefillItem], prefill_features: bool,
                              on_launch=None, draft_next: dict[str, int] | None = None,
                              ) -> tuple[list[Verdict], list[VerifierPrefillResult]]:
-        if on_launch is not None:
-            on_launch()   # the verifier is another process: nothing here to wait for
         route = draft.payload if draft is not None and isinstance(draft.payload, TreeRoute) else None
         request = engines_pb2.VerifyRequest(tree=draft.payload if draft is not None and route is None else None,
                                             plain=[codec.plain_item_to_msg(p) for p in plain],
@@ -103,7 +105,12 @@ class GrpcVerifierLink(_GrpcLink):
             if route.early_after:
                 request.early_after = route.early_after
                 request.early_tags.extend(codec.tag_to_msg(t) for t in route.early_tags)
-        reply = await self._call(self.stub.Verify, request)
+        call = self.stub.Verify(request, timeout=self.timeout_s)   # its send goes next on the event loop
+        if on_launch is not None:
+            # The verifier is another process: nothing here to wait for. What on_launch hands the
+            # loop (the round's tokens to their streams) comes after the send, never before it.
+            on_launch()
+        reply = await self._reply(call)
         return ([codec.verdict_from_msg(r) for r in reply.results],
                 [codec.verifier_prefill_result_from_msg(r) for r in reply.prefilled])
 

@@ -141,6 +141,9 @@ class Router:
         self._live: dict[str, ServedRequest] = {}   # request id -> the request using it (not yet done)
         self._admitted = 0
         self._last_arrival = float("-inf")   # when the latest request was submitted (time.monotonic)
+        # When the last round ended (time.perf_counter), while the router went straight on to the
+        # next: `_round` times a round from there. None after an idle wait.
+        self._round_ended: float | None = None
         self._tokens_committed = 0
         self._modes = ModeChooser(cfg)
         self._mode = "sequential"
@@ -300,6 +303,7 @@ class Router:
             if not self.waiting and not self.running and not self._releases_due():
                 self._deliver()
                 self._wake.clear()
+                self._round_ended = None
                 await self._wake.wait()
                 if self._stopping:
                     return
@@ -338,6 +342,7 @@ class Router:
         if time.monotonic() - self._last_arrival < ARRIVAL_GAP_S:
             self._deliver()   # nothing runs on the engines meanwhile
         while time.monotonic() - self._last_arrival < ARRIVAL_GAP_S and time.monotonic() - start < ARRIVAL_WAIT_S:
+            self._round_ended = None   # a wait, not a mode's work
             await asyncio.sleep(ARRIVAL_GAP_S / 4)
 
     async def _release_finished(self) -> None:
@@ -592,7 +597,12 @@ class Router:
         drafter drafts for the running requests instead (`_admits_beside_draft`); otherwise
         admission comes first."""
         self._prev_verdicts, self._verdicts_after = self._verdicts_after, None
-        admit, mixed = list(admit), []
+        # "auto" times a round from the end of the one before (where the router went straight on):
+        # the host work between two rounds is every mode's, and a plain round whose decode the
+        # verifier queued ahead (RouterConfig.decode_ahead) would look as fast as that gap is long
+        # if timed from its own start only.
+        ended, self._round_ended = self._round_ended, None
+        admit, mixed, admitted = list(admit), [], len(admit)
         beside = bool(admit) and self._admits_beside_draft(admit)
         # Beside the draft (where asked for and speculation runs), a prefill overlaps it;
         # otherwise the prompts ride in the verify step.
@@ -614,12 +624,12 @@ class Router:
             return
         await self._resync()
         mode = self._mode = self._modes.choose(len(self.running) + len(admit) + len(mixed), self.drafter_up)
-        # The round's measurement for "auto" starts here: the admission a mode makes apart (ahead
-        # and ping-pong prefill new requests before the round, where sequential and plain carry
-        # them in the verify step) falls in its round, as the prompts in a verify step do; "auto"
-        # times a window by its rounds that admitted none where it has enough (router/pipeline.py).
+        # The round's measurement for "auto" takes in the turn's admission, wherever it ran (before
+        # the round, beside its draft, in its verify step); "auto" times a window by its rounds
+        # that admitted none where it has enough (router/pipeline.py).
         t0, before, rounds = time.perf_counter(), self._tokens_committed, self.counters.rounds
-        request_rounds, admitted = len(self.running) + len(admit) + len(mixed), len(admit) + len(mixed)
+        t0 = ended if ended is not None else t0
+        request_rounds = len(self.running) + len(admit) + len(mixed)
         if mode in ("ahead", "pingpong"):
             await self._releases_landed("drafter")   # draft ahead forks requests on the drafter: its slots free first
             if admit or mixed:   # their drafter calls go with the verify
@@ -651,6 +661,7 @@ class Router:
         if not self._capped_plain and (mode == "plain" or self._drafted_any):
             self._modes.record(mode, self._tokens_committed - before, time.perf_counter() - t0, request_rounds, upkeep,
                                admitted)
+        self._round_ended = time.perf_counter()
 
     async def _admit_first(self, batch: list[ServedRequest]) -> None:
         """Admits `batch` now, then releases what ended (during admission too) and makes room for
@@ -733,7 +744,7 @@ class Router:
                     draft = DraftHandle([r.tag() for r in drafted],
                                         TreeRoute(self._tree_round, self.cfg.drafter_timeout + TREE_WAIT_MARGIN_S,
                                                   *self._early_trees(drafted)))
-                    posting = asyncio.ensure_future(self._draft_call(drafted, self._tree_round))
+                    posting = self._draft_call(drafted, self._tree_round)   # started with the verify, below
                 else:
                     draft, drafted = await self._draft_call(drafted)
         # Not those that ended at their first token; nor, this round, new requests whose drafts are
@@ -752,9 +763,16 @@ class Router:
             # them as well.
             draft_next.update((r.request_id, self._draft_bound(r)) for r in mixed if r.request_id not in detach)
             self._verdicts_after = (self._tree_round, frozenset(draft_next))
+        # The draft call goes out first where the drafter drafts this round's trees on it; where the
+        # early trees serve the round, the verify does, its forward waiting for nothing else.
+        early = posting is not None and bool(draft.payload.early_tags)
+        if posting is not None and not early:
+            posting = asyncio.ensure_future(posting)
         verify = asyncio.ensure_future(self._verify(draft, drafted, group, launched, draft_next) if not mixed else
                                        self._verify_with_prefill(draft, drafted, group, list(mixed), draft_next,
                                                                  detach))
+        if early:
+            posting = asyncio.ensure_future(posting)
         try:
             if posting is not None:   # from here on, the requests whose trees went (the others get no verdict)
                 drafted = (await posting)[1]

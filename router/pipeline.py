@@ -19,9 +19,12 @@ its replies, router/loop.py); from there, sequential, ping-pong, each short draf
 plain. It measures each over a window of rounds (its first round left out) and keeps the fastest
 for eight windows, measuring it again as it runs; between keeps it measures one other candidate
 (in turn) for a window, so a change of the fastest is found at the cost of one window. A
-round's time includes the prefill of the requests it admits: in its verify step (sequential,
-plain) or before it (ahead and ping-pong admit apart, router/loop.py `_round`); a window times
-its mode by the rounds that admitted none where it has enough of them (below).
+round's time runs from the end of the round before (where the router went straight on, not
+after a wait for requests), so it holds the host work between the two: a plain round whose
+decode the verifier queued ahead would otherwise look faster by that work. It includes the
+prefill of the requests it admits: in its verify step (sequential, plain) or before it (ahead
+and ping-pong admit apart, router/loop.py `_round`); a window times its mode by the rounds that
+admitted none where it has enough of them (below).
 While the same mode stays the fastest, each keep is twice as long as the one before (up to 32
 windows, and at most `max_keep_seconds` (RouterConfig, 4 s), so that a change of traffic is seen within seconds at any
 batch): a settled choice spends about 3% of its rounds measuring the others. Candidates that

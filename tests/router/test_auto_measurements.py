@@ -124,3 +124,41 @@ def test_a_pingpong_round_measures_the_admission_it_makes_apart():
     assert measured and {m for m, _ in measured} == {"pingpong"}
     assert sum(s >= PREFILL_DELAY_S for _, s in measured) == 1   # the round that admitted the third
 
+
+
+GAP_S = 0.5   # far beyond a round of the demo pair on a loaded CPU
+
+
+def test_a_round_measures_the_host_work_since_the_last_round_but_not_an_idle_wait():
+    """A round is timed from the end of the round before, where the router went straight on: the
+    work between two rounds (here made long once) is in the next round's measurement, as a
+    decode the verifier queued ahead would otherwise hide it. A wait for requests is not."""
+    spec, prompts, params, expected = _pair(2)
+
+    async def main():
+        r, measured = _auto_router(spec, LocalVerifierLink(spec.verifier))
+        r._modes.choose = lambda num_running, drafter_up: "sequential"
+        settle, slowed = r._settle, []
+
+        async def slow_settle():
+            if r.counters.rounds == 4 and not slowed:
+                slowed.append(len(measured))   # the next measurement is of the round after the gap
+                await asyncio.sleep(GAP_S)
+            return await settle()
+
+        r._settle = slow_settle
+        r.start()
+        try:
+            await asyncio.sleep(GAP_S)   # idle: nothing to run
+            done = await asyncio.gather(*(collect(r, p, sp) for p, sp in zip(prompts, params)))
+            await drained(spec)
+            return [toks for toks, _ in done], measured, slowed
+        finally:
+            await r.stop()
+
+    got, measured, slowed = asyncio.run(main())
+    assert got == expected
+    assert slowed and len(measured) > slowed[0] + 1
+    seconds = [s for _, s in measured]
+    assert seconds[slowed[0]] >= GAP_S
+    assert sum(s >= GAP_S for s in seconds) == 1   # neither the idle wait nor any other round

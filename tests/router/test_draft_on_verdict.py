@@ -72,6 +72,44 @@ def test_rounds_drafted_on_the_verdict_give_the_targets_tokens(plain, pipeline):
     assert dlink.drafter.next_trees.empty   # released with their requests
 
 
+def test_a_round_the_early_trees_serve_sends_its_verify_before_its_draft_call(plain):
+    """The order in which a tree-channel round's two calls start: the draft call first where the
+    drafter drafts the round's trees on it, the verify first where the trees it posted on the last
+    round's verdicts serve the round (its forward then waits for nothing the draft call does)."""
+    spec = _spec()
+    prompts = [spec.tokenizer.encode(x).ids for x in PROMPT_TEXTS[:3]]
+    params = [SamplingParams(max_tokens=m, ignore_eos=True) for m in (30, 30, 12)]
+    want = [c.token_ids for c in plain.generate(prompts, params)]
+    router, vlink, dlink = _router(spec)
+    calls = []
+    verify, draft = vlink.verify, dlink.draft
+
+    async def verify_logged(draft_handle, *args, **kw):
+        route = draft_handle.payload if draft_handle is not None else None
+        calls.append(("verify", getattr(route, "round_id", None), bool(getattr(route, "early_tags", ()))))
+        return await verify(draft_handle, *args, **kw)
+
+    async def draft_logged(tags, num_steps=None, extend=(), post_round=0):
+        calls.append(("draft", post_round))
+        return await draft(tags, num_steps, extend, post_round)
+
+    vlink.verify, dlink.draft = verify_logged, draft_logged
+    got = _serve(router, prompts, params, engines=(spec.verifier, spec.drafter))
+    assert [t for t, _, _ in got] == want
+    order = {}
+    for i, call in enumerate(calls):
+        if call[0] == "draft" and call[1]:
+            order.setdefault(call[1], {})["draft"] = i
+        elif call[0] == "verify" and call[1]:
+            order.setdefault(call[1], {})["verify"] = (i, call[2])
+    rounds = [o for o in order.values() if "draft" in o and "verify" in o]
+    early = [o for o in rounds if o["verify"][1]]
+    late = [o for o in rounds if not o["verify"][1]]
+    assert early and late, calls   # each request's first drafted round has no early trees
+    assert all(o["verify"][0] < o["draft"] for o in early), calls
+    assert all(o["draft"] < o["verify"][0] for o in late), calls
+
+
 def test_sampled_requests_draw_the_same_tokens_with_and_without_the_hand_off():
     """Sampled drafts: the made trees carry their own draft probabilities, and every draw is named
     by (seed, position) (spectandem/rng.py), so the same seeds give the same tokens either way."""

@@ -123,6 +123,37 @@ def test_stale_tags_and_bad_input(ngram_servers, prompts):
     asyncio.run(main())
 
 
+def test_a_verify_goes_out_before_on_launch_is_told(ngram_servers, prompts):
+    """`on_launch` (the router's cue to hand the round's tokens to their streams, work queued on
+    the event loop) comes once the verify call is started, so the call's send runs on the loop
+    before that work, not after it."""
+    async def main():
+        v, d = _links(ngram_servers)
+        order = []
+        try:
+            p = prompts[0]
+            (r,) = await v.prefill([VerifierPrefillItem(Tag("o", 0, len(p)), p, SamplingParams(), 1)], False)
+            await d.prefill([DrafterPrefillItem(r.tag, p, r.first_token_id, SamplingParams(), 1, None)])
+            draft = await d.draft([r.tag])
+            start = v.stub.Verify
+
+            def started(request, **kw):
+                order.append("call")
+                return start(request, **kw)
+
+            v.stub.Verify = started
+            (out,) = await v.verify(draft, [], False, on_launch=lambda: order.append("launched"))
+            assert out.tag.request_id == "o"
+            await v.release(["o"])
+            await d.release(["o"])
+        finally:
+            await v.close()
+            await d.close()
+        return order
+
+    assert asyncio.run(main()) == ["call", "launched"]
+
+
 # ----------------------------------------------------------------------------------------------
 # Real entry points in subprocesses
 
