@@ -169,8 +169,9 @@ def run_drafter(args: argparse.Namespace) -> int:
     cfg, target, draft = spec_from_flags(args)
     if args.kv_blocks is not None:
         raise ValueError("--kv-blocks sizes the verifier's KV pool; a drafter's is --draft-kv-blocks")
-    from spectandem.devices import resolve_flags, set_cpu_threads
+    from spectandem.devices import bind_cpu_cores, resolve_flags, set_cpu_threads
 
+    bind_cpu_cores(args.cpu_cores)
     set_cpu_threads(args.threads)
     args = resolve_flags(args, target)
     config = EngineConfig.from_args(args, cfg, target, draft, args.max_slots)

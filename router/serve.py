@@ -19,7 +19,8 @@ from router.links import GRPC_CALL_TIMEOUT_S, RAY_CALL_TIMEOUT_S, EngineStartErr
 from spectandem.config import EngineConfig, GpuPaths, benchmark_warning, engine_devices, is_cuda, resolve_model_flags
 from router.ops import OpsConfig, add_ops_flags
 from spectandem.memory import engine_memory_flags, kv_capacity_line
-from spectandem.service_args import add_benchmark_flag, add_memory_flags, add_model_flags, model_dtype, positive_int
+from spectandem.service_args import (add_benchmark_flag, add_memory_flags, add_model_flags, format_cores, model_dtype,
+                                     positive_int)
 
 log = logging.getLogger("spectandem.serve")
 
@@ -127,6 +128,13 @@ def add_serve(sub) -> None:
                         "for grpc on GPUs; --backend local on the CPU, whose engines take turns on one thread while "
                         "the router waits for them, and --backend grpc on the CPU, whose engine processes take "
                         "turns: every core of the replica, the drafter's a core fewer, at least 1)")
+    p.add_argument("--cpu-bind", choices=["auto", "none"], default="auto",
+                   help="the cores of the engine processes serve starts for a speculating pair on the CPU "
+                        "(--backend grpc, one replica): auto binds the drafter's process to the last quarter of "
+                        "the cores this process may use (at least one) and the verifier's to the others, each "
+                        "with as many torch threads as it has cores unless --engine-threads or OMP_NUM_THREADS "
+                        "says otherwise (their --cpu-cores); none leaves both on every core, taking turns "
+                        "(default: auto)")
     add_ops_flags(p)
     p.set_defaults(func=_serve)
 
@@ -372,16 +380,17 @@ def engine_commands(args, cfg, target: str, draft: str | None, verifier_port: in
                     "--ahead-width", str(cfg.ahead_width)]
     if cfg.benchmark_acceptance_rate is not None:
         tree += ["--benchmark-acceptance-rate", repr(cfg.benchmark_acceptance_rate)]
-    def threads(n: int | None) -> list[str]:
-        return ["--threads", str(n)] if n else []
+    def threads(n: int | None, role: str) -> list[str]:
+        sets = getattr(args, "cpu_sets", None)
+        return (["--threads", str(n)] if n else []) + (["--cpu-cores", format_cores(sets[role])] if sets else [])
 
     out = {}
     if verifier_port is not None:
         out["verifier"] = ([sys.executable, "-m", "verifier", "--port", str(verifier_port), "--device", verifier_device]
-                           + common + threads(args.engine_threads) + pool_v + (shape if cfg.method != "none" else []))
+                           + common + threads(args.engine_threads, "verifier") + pool_v + (shape if cfg.method != "none" else []))
     if drafter_port is not None and cfg.method != "none":
         out["drafter"] = ([sys.executable, "-m", "drafter", "--port", str(drafter_port), "--device", drafter_device]
-                          + common + threads(_drafter_threads_of(args)) + tree
+                          + common + threads(_drafter_threads_of(args), "drafter") + tree
                           + pool_d)
     return out
 
@@ -553,11 +562,14 @@ def placement_line(args, cfg) -> str:
     with --backend local, where both engines take turns on one thread, ", taking turns" after the drafter's."""
     paths = GpuPaths.from_args(args)
     verifier, drafter = args.engine_devices
-    def count(n: int) -> str:
-        return f", {n} thread{'s' if n > 1 else ''}"
+    sets = getattr(args, "cpu_sets", None)
 
-    threads = count(args.engine_threads) if verifier == "cpu" and args.engine_threads else ""
-    drafting = count(_drafter_threads_of(args)) if drafter == "cpu" and args.engine_threads else ""
+    def count(n: int, role: str) -> str:
+        cores = f" on core{'s' if len(sets[role]) > 1 else ''} {format_cores(sets[role])}" if sets else ""
+        return f", {n} thread{'s' if n > 1 else ''}{cores}"
+
+    threads = count(args.engine_threads, "verifier") if verifier == "cpu" and args.engine_threads else ""
+    drafting = count(_drafter_threads_of(args), "drafter") if drafter == "cpu" and args.engine_threads else ""
     if args.backend == "ray" and verifier == "cuda":
         from router.links_ray import bundle_plan
 
@@ -923,6 +935,27 @@ def cores_per_replica(args) -> bool:
             and not args.verifier_address and not args.drafter_address)
 
 
+def cpu_sets(args) -> dict[str, list[int]] | None:
+    """--cpu-bind auto: the cores of each engine process of a speculating pair taking turns on
+    the CPU (`cores_per_replica`, one replica), from the cores this process may use: the drafter
+    the last quarter (at least one), the verifier the rest, the router sharing the verifier's
+    (its work and the verifier's come one after the other, while the drafter drafts). Unbound,
+    the kernel's scheduler often ran both engines on one core while the other had little to do:
+    on the 2-core CPU (demo pair, gRPC, one torch thread each, concurrency 1, alternated) EAGLE-3
+    served 346.4 and 360.8 tok/s bound against 319.7 and 329.5 unbound, the drafter's engine
+    4.3 / 4.1 ms a draft against 4.9 (benchmarks/results/cpu-bind-cpu-2core.txt). None where
+    nothing is bound: --cpu-bind none, another backend, a GPU, one engine, several replicas, a
+    single core."""
+    if (getattr(args, "cpu_bind", "none") != "auto" or args.method == "none" or not cores_per_replica(args)
+            or _num_replicas(args) != 1 or not hasattr(os, "sched_getaffinity")):
+        return None
+    cores = sorted(os.sched_getaffinity(0))
+    if len(cores) < 2:
+        return None
+    drafter = max(1, len(cores) // 4)
+    return {"verifier": cores[:-drafter], "drafter": cores[-drafter:]}
+
+
 def _drafter_threads_of(args) -> int | None:
     """The drafter's threads `configure_process` settled (`drafter_threads`), else the engines'."""
     return getattr(args, "drafter_threads", None) or args.engine_threads
@@ -961,9 +994,14 @@ def configure_process(args, omp_num_threads: str | None, environ=None) -> None:
     # cpu_engine_thread) while the router waits for them, so by default they take every core.
     on_cpu_here = args.backend == "local" and _engines_on_cpu(args.device)
     chosen = args.engine_threads is not None or bool(omp_num_threads)
-    args.engine_threads = engine_threads(args.engine_threads, omp_num_threads, engine_processes(args),
-                                         router_core=not (on_cpu_here or cores_per_replica(args)))
-    args.drafter_threads = drafter_threads(args, chosen)
+    args.cpu_sets = cpu_sets(args)
+    if args.cpu_sets is not None and not chosen:   # as many threads as cores, each engine
+        args.engine_threads = len(args.cpu_sets["verifier"])
+        args.drafter_threads = len(args.cpu_sets["drafter"])
+    else:
+        args.engine_threads = engine_threads(args.engine_threads, omp_num_threads, engine_processes(args),
+                                             router_core=not (on_cpu_here or cores_per_replica(args)))
+        args.drafter_threads = drafter_threads(args, chosen)
     args.engine_env = engine_env(args, environ or {})
     if args.backend == "local":
         from router.local_base import shorten_switch_interval

@@ -11,6 +11,8 @@ the same; PyTorch's pinned-memory allocator keeps the staging buffer until the c
 
 from __future__ import annotations
 
+import os
+
 import torch
 
 # What the engines compute in unless told otherwise (for callers that import no torch themselves).
@@ -92,6 +94,25 @@ def on_stream(stream, fn, *args):
         return fn(*args)
     with torch.cuda.stream(stream):
         return fn(*args)
+
+
+def bind_cpu_cores(cores: list[int] | None) -> None:
+    """Binds this process to `cores` (an engine's --cpu-cores; None: left as it is). Called by the
+    entry points that start engines, first: the threads started later (torch's, gRPC's) run on
+    those cores too. Refused where a core is not one this process may run on, or where the
+    platform cannot bind."""
+    if cores is None:
+        return
+    from spectandem.service_args import format_cores
+
+    if not hasattr(os, "sched_setaffinity"):
+        raise ValueError("--cpu-cores: this platform cannot bind a process to cores")
+    allowed = os.sched_getaffinity(0)
+    outside = sorted(set(cores) - allowed)
+    if outside:
+        raise ValueError(f"--cpu-cores {format_cores(cores)}: core(s) {format_cores(outside)} are not among those "
+                         f"this process may run on ({format_cores(allowed)})")
+    os.sched_setaffinity(0, cores)
 
 
 def set_cpu_threads(n: int | None) -> None:

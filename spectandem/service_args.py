@@ -121,11 +121,40 @@ def positive_int(text: str) -> int:
     return n
 
 
+def cpu_core_list(text: str) -> list[int]:
+    """--cpu-cores: comma-separated cores and ranges ("0", "0-3,8") -> the sorted core numbers."""
+    cores: set[int] = set()
+    try:
+        for part in text.split(","):
+            lo, dash, hi = part.strip().partition("-")
+            first, last = int(lo), int(hi) if dash else int(lo)
+            if first < 0 or last < first:
+                raise ValueError
+            cores.update(range(first, last + 1))
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"must be cores and ranges of cores like 0-3,8, got {text!r}") from None
+    return sorted(cores)
+
+
+def format_cores(cores) -> str:
+    """Sorted core numbers as `cpu_core_list` reads them, ranges joined: [0, 1, 2, 5] -> "0-2,5"."""
+    runs: list[list[int]] = []
+    for c in sorted(cores):
+        if runs and c == runs[-1][1] + 1:
+            runs[-1][1] = c
+        else:
+            runs.append([c, c])
+    return ",".join(f"{a}" if a == b else f"{a}-{b}" for a, b in runs)
+
+
 def add_threads_flag(p: argparse.ArgumentParser) -> None:
-    """--threads of an engine process (`spectandem serve` passes its --engine-threads on)."""
+    """--threads and --cpu-cores of an engine process (`spectandem serve` passes its choices on)."""
     p.add_argument("--threads", type=positive_int, default=None, metavar="N",
                    help="torch CPU threads of this engine (default: torch's own: OMP_NUM_THREADS where set, "
                         "else one per core)")
+    p.add_argument("--cpu-cores", type=cpu_core_list, default=None, metavar="LIST",
+                   help="the CPU cores this engine process and every thread it starts run on, e.g. 0-3,8; each "
+                        "must be one this process may run on (default: those it was started with)")
 
 
 def add_verifier_args(p: argparse.ArgumentParser) -> None:

@@ -191,8 +191,9 @@ def run_verifier(args: argparse.Namespace) -> int:
     if target is None:
         target, demo_draft = demo_paths(args.method)
         draft = draft or demo_draft
-    from spectandem.devices import resolve_flags, set_cpu_threads
+    from spectandem.devices import bind_cpu_cores, resolve_flags, set_cpu_threads
 
+    bind_cpu_cores(args.cpu_cores)
     set_cpu_threads(args.threads)
     args = resolve_flags(args, target)
     config = EngineConfig.from_args(args, verifier_spec(args), target, draft, args.max_slots)

@@ -13,6 +13,8 @@ import threading
 
 import pytest
 
+from spectandem.service_args import format_cores
+
 
 def test_grpc_serve_on_the_cpu_with_explicit_no_gpu_flags():
     env = dict(os.environ, OMP_NUM_THREADS="1")
@@ -45,8 +47,15 @@ def test_grpc_serve_on_the_cpu_with_explicit_no_gpu_flags():
         proc.wait(30)
         reader.join(30)
     out = "".join(lines)
-    assert ("spectandem serve: verifier on cpu (float32, eager, 1 thread); drafter on cpu (float32, eager, 1 thread)"
-            in out), out
+    # One thread each (the flag), on cores of its own (--cpu-bind auto, serve's default).
+    cores = sorted(os.sched_getaffinity(0))
+    if len(cores) > 1:
+        split = len(cores) - max(1, len(cores) // 4)
+        on = [f" on core{'s' if len(c) > 1 else ''} {format_cores(c)}" for c in (cores[:split], cores[split:])]
+    else:
+        on = ["", ""]
+    assert (f"spectandem serve: verifier on cpu (float32, eager, 1 thread{on[0]}); "
+            f"drafter on cpu (float32, eager, 1 thread{on[1]})" in out), out
     assert "spectandem verifier:" in out and "spectandem drafter:" in out, out
     assert "first request failed" not in out and "finish_reason=" in out, out
     assert rc == 0 and "spectandem stopped" in out, (rc, out)
@@ -98,7 +107,7 @@ def test_engine_processes_count_each_engine_of_each_replica_outside_this_process
     assert engine_processes(args(device="cpu", verifier_address=["h:1"])) == 2
 
 
-def test_a_grpc_pair_on_the_cpu_takes_every_core_and_bounds_its_spinning():
+def test_an_unbound_grpc_pair_on_the_cpu_takes_every_core_and_bounds_its_spinning():
     from router.serve import PAIR_SPIN_COUNT, configure_process
     from spectandem.cli import build_parser
 
@@ -107,7 +116,7 @@ def test_a_grpc_pair_on_the_cpu_takes_every_core_and_bounds_its_spinning():
     serve_env = {"PATH": "/usr/bin", "HOME": "/root"}
 
     def configured(*argv, environ=serve_env, omp=None):
-        args = build_parser().parse_args(["serve", "--device", "cpu", *argv])
+        args = build_parser().parse_args(["serve", "--device", "cpu", "--cpu-bind", "none", *argv])
         configure_process(args, omp, environ)
         return args.engine_threads, args.engine_env
 
@@ -128,7 +137,7 @@ def test_a_grpc_pair_on_the_cpu_takes_every_core_and_bounds_its_spinning():
 
 
 def test_a_grpc_pairs_drafter_on_the_cpu_leaves_a_core_unless_told():
-    """serve's own choice for a gRPC pair on the CPU: the verifier every core of the replica, the
+    """serve's own choice for a gRPC pair on the CPU left unbound: the verifier every core of the replica, the
     drafter one fewer (at least one), on its command line and in the placement line; a count
     the flag or OMP_NUM_THREADS chose goes to both; Ray and local keep one count."""
     from router.serve import configure_process, engine_commands, placement_line, resolve_serve_flags
@@ -139,7 +148,7 @@ def test_a_grpc_pairs_drafter_on_the_cpu_leaves_a_core_unless_told():
     cores = len(os.sched_getaffinity(0))
 
     def configured(*argv, omp=None):
-        args = build_parser().parse_args(["serve", "--device", "cpu", *argv])
+        args = build_parser().parse_args(["serve", "--device", "cpu", "--cpu-bind", "none", *argv])
         configure_process(args, omp, {})
         return args
 
@@ -161,6 +170,91 @@ def test_a_grpc_pairs_drafter_on_the_cpu_leaves_a_core_unless_told():
     line = placement_line(resolved, cfg)
     assert "verifier on cpu (float32, eager, 2 threads)" in line, line
     assert "drafter on cpu (float32, eager, 1 thread)" in line, line
+
+
+def test_a_grpc_pair_on_the_cpu_is_bound_to_cores_of_its_own_by_default(monkeypatch):
+    """--cpu-bind auto: the drafter the last quarter of serve's cores (at least one), the verifier
+    the rest, each with a thread a core unless threads were chosen, on their command lines
+    (--cpu-cores) and in the placement line; nothing bound for --cpu-bind none, one engine,
+    another backend, several replicas or a single core."""
+    from router.serve import configure_process, engine_commands, placement_line, resolve_serve_flags
+    from spectandem.cli import build_parser
+    from spectandem.config import Platform
+    from spectandem.service_args import spec_from_flags
+
+    def configured(*argv, cores=(0, 1), omp=None):
+        monkeypatch.setattr(os, "sched_getaffinity", lambda pid: set(cores))
+        args = build_parser().parse_args(["serve", "--device", "cpu", *argv])
+        configure_process(args, omp, {})
+        return args
+
+    two = configured("--backend", "grpc")
+    assert two.cpu_sets == {"verifier": [0], "drafter": [1]}
+    assert (two.engine_threads, two.drafter_threads) == (1, 1)
+    eight = configured("--backend", "grpc", cores=range(8))
+    assert eight.cpu_sets == {"verifier": [0, 1, 2, 3, 4, 5], "drafter": [6, 7]}
+    assert (eight.engine_threads, eight.drafter_threads) == (6, 2)
+    odd = configured("--backend", "grpc", cores=(2, 3, 5))
+    assert odd.cpu_sets == {"verifier": [2, 3], "drafter": [5]}
+    chosen = configured("--backend", "grpc", "--engine-threads", "3", cores=range(8))
+    assert chosen.cpu_sets["drafter"] == [6, 7] and (chosen.engine_threads, chosen.drafter_threads) == (3, 3)
+    assert configured("--backend", "grpc", omp="2", cores=range(8)).drafter_threads == 2
+    for argv, cores in ((("--backend", "grpc", "--cpu-bind", "none"), (0, 1)),
+                        (("--backend", "grpc", "--method", "none"), (0, 1)),
+                        (("--backend", "grpc", "--replicas", "2"), range(8)),
+                        (("--backend", "ray"), (0, 1)), (("--backend", "local"), (0, 1)),
+                        (("--backend", "grpc"), (0,))):
+        assert configured(*argv, cores=cores).cpu_sets is None, argv
+
+    resolved = resolve_serve_flags(eight, Platform(gpus=0, triton=False))
+    cfg, target, draft = spec_from_flags(resolved)
+    cmds = engine_commands(resolved, cfg, target, draft, 7001, 7002)
+    bound = {role: (cmd[cmd.index("--threads") + 1], cmd[cmd.index("--cpu-cores") + 1]) for role, cmd in cmds.items()}
+    assert bound == {"verifier": ("6", "0-5"), "drafter": ("2", "6-7")}
+    line = placement_line(resolved, cfg)
+    assert "verifier on cpu (float32, eager, 6 threads on cores 0-5)" in line, line
+    assert "drafter on cpu (float32, eager, 2 threads on cores 6-7)" in line, line
+    unbound = resolve_serve_flags(configured("--backend", "grpc", "--cpu-bind", "none"), Platform(gpus=0, triton=False))
+    assert all("--cpu-cores" not in cmd for cmd in engine_commands(unbound, cfg, target, draft, 7001, 7002).values())
+
+
+def test_cpu_cores_flag_reads_lists_and_ranges_and_refuses_what_the_process_may_not_use():
+    import argparse
+
+    from spectandem.devices import bind_cpu_cores
+    from spectandem.service_args import cpu_core_list, format_cores
+
+    assert cpu_core_list("0") == [0] and cpu_core_list("3,0-1") == [0, 1, 3] and cpu_core_list("2-2,2") == [2]
+    assert format_cores([0, 1, 2, 5, 7, 8]) == "0-2,5,7-8"
+    for bad in ("", "a", "1-0", "-1", "0-", "1,,2"):
+        with pytest.raises(argparse.ArgumentTypeError, match="cores and ranges"):
+            cpu_core_list(bad)
+    allowed = sorted(os.sched_getaffinity(0))
+    with pytest.raises(ValueError, match=r"--cpu-cores .*not among those this process may run on"):
+        bind_cpu_cores([max(allowed) + 1000])
+    assert sorted(os.sched_getaffinity(0)) == allowed   # nothing changed
+
+
+def test_engine_processes_started_with_cpu_cores_run_on_those_cores_only(tmp_path):
+    """A real `python -m verifier` and `python -m drafter` given --cpu-cores: once serving, every
+    thread of each (torch's and gRPC's included) runs on that core only; a core the process may
+    not use is refused by name."""
+    from tests.router.link_harness import _spawn, _stop
+
+    cores = sorted(os.sched_getaffinity(0))
+    want = cores[-1]
+    for role in ("verifier", "drafter"):
+        proc, _ = _spawn(["-m", role, "--device", "cpu", "--threads", "1", "--cpu-cores", str(want)],
+                         tmp_path / f"{role}.log")
+        try:
+            threads = os.listdir(f"/proc/{proc.pid}/task")
+            assert len(threads) > 1
+            assert {tid: os.sched_getaffinity(int(tid)) for tid in threads} == {tid: {want} for tid in threads}
+        finally:
+            _stop(proc)
+    bad = subprocess.run([sys.executable, "-m", "drafter", "--port", "0", "--device", "cpu",
+                          "--cpu-cores", str(max(cores) + 1000)], capture_output=True, text=True, timeout=120)
+    assert bad.returncode != 0 and "--cpu-cores" in bad.stderr and "not among those" in bad.stderr, bad.stderr[-2000:]
 
 
 def test_engine_processes_get_the_environment_serve_made_else_its_own(tmp_path):
