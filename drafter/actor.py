@@ -34,6 +34,7 @@ from spectandem.protocol import AheadReply, DrafterPrefillItem, EngineInfo, Exte
 from spectandem.channel import FeatureReceiver, TreePoster
 from spectandem.call_clock import CallClock
 from spectandem.config import EngineConfig
+from spectandem.devices import bind_cpu_cores
 from spectandem.messages import DraftTree
 
 
@@ -46,8 +47,10 @@ def _resolve_features(items: list):
 
 @ray.remote
 class DrafterActor:
-    def __init__(self, config: EngineConfig, model_name: str = "draft", num_threads: int = 1):
-        torch.set_num_threads(num_threads)   # this actor's own process
+    def __init__(self, config: EngineConfig, model_name: str = "draft", num_threads: int = 1,
+                 cpu_cores: list[int] | None = None):
+        bind_cpu_cores(cpu_cores, every_thread=True)   # this actor's own process (serve --cpu-bind)
+        torch.set_num_threads(num_threads)
         engine, _ = build_engine(config)
         self.model_name, self.device = model_name, config.device
         self.drafter = DrafterCalls(engine)   # its channels once opened

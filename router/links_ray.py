@@ -246,6 +246,7 @@ def start_engines(target_dir: str | Path, draft_dir: str | Path | None, cfg: Spe
                   draft_kv_blocks: int | None = None, block_size: int = 16, gpu: GpuPaths | None = None,
                   gpu_memory_utilization: float = 0.9, cpu_kv_cache_gib: float | None = None,
                   feature_channel: str | None = None, tree_channel: bool = False, draft_on_verdict: bool = False,
+                  cpu_cores: dict[str, list[int]] | None = None, drafter_threads: int | None = None,
                   ) -> tuple[RayVerifierLink, RayDrafterLink | None, Callable[[], None]]:
     """Places a verifier actor (and a drafter actor unless cfg.method is "none") in one
     placement group, one bundle each, and waits until they are built.
@@ -258,7 +259,10 @@ def start_engines(target_dir: str | Path, draft_dir: str | Path | None, cfg: Spe
     direct feature channel between the two actors once both are built (None: object refs).
     tree_channel: also open the tree channel between them (a free port of the verifier's node);
     draft_on_verdict: and have the verifier send a round's verdicts to the drafter over it, where
-    the router asks (drafter/next_trees.py)."""
+    the router asks (drafter/next_trees.py). cpu_cores: the cores each actor's process is bound
+    to ({"verifier": [...], "drafter": [...]}; serve --cpu-bind), where the actors run on this
+    machine's CPU; None: left to the kernel. drafter_threads: the drafter actor's torch threads
+    (default: num_threads, the verifier's)."""
     if not ray.is_initialized():
         raise ValueError("Ray is not initialized: call ray_init(address) first")
     if device not in ("auto", "cpu", "cuda"):
@@ -267,9 +271,11 @@ def start_engines(target_dir: str | Path, draft_dir: str | Path | None, cfg: Spe
     pg, bundles = _placement(num_actors, device, startup_timeout_s)
     on_gpu = "GPU" in bundles[0]
 
+    threads = [num_threads, drafter_threads or num_threads]   # the verifier's, the drafter's
+
     def options(index: int, max_restarts: int) -> dict:
         return dict(num_cpus=1, num_gpus=bundles[index].get("GPU", 0), max_restarts=max_restarts, max_task_retries=0,
-                    runtime_env={"env_vars": {"OMP_NUM_THREADS": str(num_threads), **NCCL_ERROR_HANDLING}},
+                    runtime_env={"env_vars": {"OMP_NUM_THREADS": str(threads[index]), **NCCL_ERROR_HANDLING}},
                     scheduling_strategy=PlacementGroupSchedulingStrategy(
                         placement_group=pg, placement_group_bundle_index=index))
 
@@ -296,13 +302,15 @@ def start_engines(target_dir: str | Path, draft_dir: str | Path | None, cfg: Spe
         # Both on engine_device: the drafter's share of its memory, the verifier's rest.
         verifier_config, drafter_config = shared_gpu_configs(config)
         verifier = VerifierActor.options(**options(0, -1)).remote(
-            verifier_config, layers, model_name=Path(target_dir).name, num_threads=num_threads)
+            verifier_config, layers, model_name=Path(target_dir).name, num_threads=num_threads,
+            cpu_cores=(cpu_cores or {}).get("verifier"))
         actors.append(verifier)
         drafter = None
         role = "drafter"
         if num_actors == 2:
             drafter = DrafterActor.options(**options(1, -1)).remote(
-                drafter_config, model_name=Path(draft_dir).name if draft_dir else cfg.method, num_threads=num_threads)
+                drafter_config, model_name=Path(draft_dir).name if draft_dir else cfg.method, num_threads=threads[1],
+                cpu_cores=(cpu_cores or {}).get("drafter"))
             actors.append(drafter)
             info = ray.get(drafter.info.remote(), timeout=startup_timeout_s)
             role = "verifier"

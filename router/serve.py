@@ -130,7 +130,8 @@ def add_serve(sub) -> None:
                         "turns: every core of the replica, the drafter's a core fewer, at least 1)")
     p.add_argument("--cpu-bind", choices=["auto", "none"], default="auto",
                    help="the cores of the engine processes serve starts for a speculating pair on the CPU "
-                        "(--backend grpc, one replica): auto binds the drafter's process to the last quarter of "
+                        "(--backend grpc, or ray on a local cluster; one replica): auto binds the drafter's "
+                        "process to the last quarter of "
                         "the cores this process may use (at least one) and the verifier's to the others, each "
                         "with as many torch threads as it has cores unless --engine-threads or OMP_NUM_THREADS "
                         "says otherwise (their --cpu-cores); none leaves both on every core, taking turns "
@@ -465,7 +466,8 @@ async def _build_links(args, cfg, target, draft, index: int = 0, supervisor=None
                                    tree_channel=tree_channel(args), draft_on_verdict=draft_on_verdict(args),
                                    gpu_memory_utilization=args.gpu_memory_utilization,
                                    cpu_kv_cache_gib=args.cpu_kv_cache_gib, call_timeout_s=engine_call_timeout_s(args),
-                                   num_threads=args.engine_threads or 1)   # (None: serve_async without _serve)
+                                   num_threads=args.engine_threads or 1,   # (None: serve_async without _serve)
+                                   drafter_threads=_drafter_threads_of(args), cpu_cores=getattr(args, "cpu_sets", None))
 
         async def cleanup():
             # A signal to the whole process group (`timeout`, systemd) ends a local cluster with
@@ -936,17 +938,20 @@ def cores_per_replica(args) -> bool:
 
 
 def cpu_sets(args) -> dict[str, list[int]] | None:
-    """--cpu-bind auto: the cores of each engine process of a speculating pair taking turns on
-    the CPU (`cores_per_replica`, one replica), from the cores this process may use: the drafter
-    the last quarter (at least one), the verifier the rest, the router sharing the verifier's
-    (its work and the verifier's come one after the other, while the drafter drafts). Unbound,
-    the kernel's scheduler often ran both engines on one core while the other had little to do:
-    on the 2-core CPU (demo pair, gRPC, one torch thread each, concurrency 1, alternated) EAGLE-3
-    served 346.4 and 360.8 tok/s bound against 319.7 and 329.5 unbound, the drafter's engine
-    4.3 / 4.1 ms a draft against 4.9 (benchmarks/results/cpu-bind-cpu-2core.txt). None where
-    nothing is bound: --cpu-bind none, another backend, a GPU, one engine, several replicas, a
-    single core."""
-    if (getattr(args, "cpu_bind", "none") != "auto" or args.method == "none" or not cores_per_replica(args)
+    """--cpu-bind auto: the cores of each engine process of a speculating pair on this machine's
+    CPU (--backend grpc taking turns, `cores_per_replica`; --backend ray on a local cluster), one
+    replica, from the cores this process may use: the drafter the last quarter (at least one),
+    the verifier the rest, the router sharing the verifier's (its work and the verifier's come
+    one after the other, while the drafter drafts). Unbound, the kernel's scheduler often ran
+    both engines on one core while the other had little to do: on the 2-core CPU (demo pair,
+    gRPC, one torch thread each, concurrency 1, alternated) EAGLE-3 served 346.4 and 360.8 tok/s
+    bound against 319.7 and 329.5 unbound, the drafter's engine 4.3 / 4.1 ms a draft against 4.9;
+    over Ray 337.1 and 293.5 against 295.8 and 279.8 (benchmarks/results/cpu-bind-cpu-2core.txt).
+    None where nothing is bound: --cpu-bind none, local, a GPU, engines given by address or on a
+    Ray cluster joined with --ray-address, one engine, several replicas, a single core."""
+    local_ray = args.backend == "ray" and not args.ray_address and _engines_on_cpu(args.device)
+    if (getattr(args, "cpu_bind", "none") != "auto" or args.method == "none"
+            or not (cores_per_replica(args) or local_ray)
             or _num_replicas(args) != 1 or not hasattr(os, "sched_getaffinity")):
         return None
     cores = sorted(os.sched_getaffinity(0))

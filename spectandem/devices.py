@@ -96,11 +96,12 @@ def on_stream(stream, fn, *args):
         return fn(*args)
 
 
-def bind_cpu_cores(cores: list[int] | None) -> None:
+def bind_cpu_cores(cores: list[int] | None, every_thread: bool = False) -> None:
     """Binds this process to `cores` (an engine's --cpu-cores; None: left as it is). Called by the
     entry points that start engines, first: the threads started later (torch's, gRPC's) run on
-    those cores too. Refused where a core is not one this process may run on, or where the
-    platform cannot bind."""
+    those cores too. `every_thread`: the threads already running as well (a Ray actor, whose
+    worker started its own before the actor is built). Refused where a core is not one this
+    process may run on, or where the platform cannot bind."""
     if cores is None:
         return
     from spectandem.service_args import format_cores
@@ -112,6 +113,12 @@ def bind_cpu_cores(cores: list[int] | None) -> None:
     if outside:
         raise ValueError(f"--cpu-cores {format_cores(cores)}: core(s) {format_cores(outside)} are not among those "
                          f"this process may run on ({format_cores(allowed)})")
+    if every_thread:
+        for tid in os.listdir("/proc/self/task"):
+            try:
+                os.sched_setaffinity(int(tid), cores)
+            except ProcessLookupError:   # a thread that ended meanwhile
+                pass
     os.sched_setaffinity(0, cores)
 
 

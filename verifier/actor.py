@@ -25,6 +25,7 @@ from spectandem.after_reply import AfterReply
 from spectandem.call_clock import CallClock
 from spectandem.channel import FeatureSender, TreeMailbox
 from spectandem.config import EngineConfig
+from spectandem.devices import bind_cpu_cores
 from verifier.factory import build_engine
 from verifier.runner import FeatureSpec
 from verifier.service_core import (tree_from_channel, verdicts_to_drafter, verifier_features, verifier_info,
@@ -45,8 +46,9 @@ def _put(features):
 @ray.remote
 class VerifierActor:
     def __init__(self, config: EngineConfig, feature_layers: FeatureSpec, model_name: str = "target",
-                 num_threads: int = 1):
-        torch.set_num_threads(num_threads)   # this actor's own process
+                 num_threads: int = 1, cpu_cores: list[int] | None = None):
+        bind_cpu_cores(cpu_cores, every_thread=True)   # this actor's own process (serve --cpu-bind)
+        torch.set_num_threads(num_threads)
         self.engine = build_engine(config, feature_layers)
         self.model_name, self.device = model_name, config.device
         self.sender: FeatureSender | None = None

@@ -7,6 +7,7 @@ verifier's features resumes generation exactly."""
 from __future__ import annotations
 
 import asyncio
+import os
 import time
 
 import pytest
@@ -26,6 +27,8 @@ from tests.router.conftest import RAY_CLUSTERS
 pytestmark = [pytest.mark.slow, RAY_CLUSTERS]
 
 CFG = SpecConfig(method="eagle3", num_steps=4, topk=1, num_draft_tokens=5)
+_ALLOWED = sorted(os.sched_getaffinity(0))
+CORES = {"verifier": _ALLOWED[:1], "drafter": _ALLOWED[-1:]}   # as serve --cpu-bind binds them (2 cores)
 MAX_SLOTS, MAX_LEN, MAX_TOKENS = 8, 256, 24
 TEXTS = ["def fibonacci(n):\n", "import os\nimport sys\n\n", "class Queue:\n    def __init__(self",
          "    for i in range(len("]
@@ -36,7 +39,8 @@ def engines():
     ray_init(None, num_cpus=4)
     ray_init(None, num_cpus=4)  # idempotent
     target, draft = demo_paths(CFG.method)
-    verifier, drafter, cleanup = start_engines(target, draft, CFG, MAX_SLOTS, MAX_LEN, device="cpu")
+    verifier, drafter, cleanup = start_engines(target, draft, CFG, MAX_SLOTS, MAX_LEN, device="cpu",
+                                               cpu_cores=CORES, drafter_threads=1)
     yield verifier, drafter
     cleanup()
     ray.shutdown()
@@ -236,6 +240,17 @@ def test_both_actors_in_one_placement_group(engines):
     assert pg_id is not None and dinfo.extra["placement_group_id"] == pg_id
     pg = ray.util.placement_group_table()[pg_id]
     assert pg["strategy"] == "PACK" and list(pg["bundles"].values()) == [{"CPU": 1.0}, {"CPU": 1.0}]
+
+
+def test_each_actor_runs_on_the_cores_it_was_given(engines):
+    """start_engines' cpu_cores (serve --cpu-bind): every thread of each actor's process, those
+    Ray started before the actor was built included, runs on its cores only."""
+    vinfo, dinfo = asyncio.run(_infos(*engines))
+    for info, role in ((vinfo, "verifier"), (dinfo, "drafter")):
+        pid = info.extra["pid"]
+        threads = os.listdir(f"/proc/{pid}/task")
+        assert len(threads) > 1
+        assert {t: os.sched_getaffinity(int(t)) for t in threads} == {t: set(CORES[role]) for t in threads}, role
 
 
 def test_errors_map_to_link_errors(engines):

@@ -172,11 +172,11 @@ def test_a_grpc_pairs_drafter_on_the_cpu_leaves_a_core_unless_told():
     assert "drafter on cpu (float32, eager, 1 thread)" in line, line
 
 
-def test_a_grpc_pair_on_the_cpu_is_bound_to_cores_of_its_own_by_default(monkeypatch):
+def test_a_pair_on_the_cpu_is_bound_to_cores_of_its_own_by_default(monkeypatch):
     """--cpu-bind auto: the drafter the last quarter of serve's cores (at least one), the verifier
     the rest, each with a thread a core unless threads were chosen, on their command lines
-    (--cpu-cores) and in the placement line; nothing bound for --cpu-bind none, one engine,
-    another backend, several replicas or a single core."""
+    (--cpu-cores) and in the placement line, Ray's actors on a local cluster alike; nothing bound
+    for --cpu-bind none, one engine, local, a joined Ray cluster, several replicas or a single core."""
     from router.serve import configure_process, engine_commands, placement_line, resolve_serve_flags
     from spectandem.cli import build_parser
     from spectandem.config import Platform
@@ -196,13 +196,16 @@ def test_a_grpc_pair_on_the_cpu_is_bound_to_cores_of_its_own_by_default(monkeypa
     assert (eight.engine_threads, eight.drafter_threads) == (6, 2)
     odd = configured("--backend", "grpc", cores=(2, 3, 5))
     assert odd.cpu_sets == {"verifier": [2, 3], "drafter": [5]}
+    ray = configured("--backend", "ray", cores=range(4))   # a local cluster: its actors on this machine
+    assert ray.cpu_sets == {"verifier": [0, 1, 2], "drafter": [3]} and (ray.engine_threads, ray.drafter_threads) == (3, 1)
     chosen = configured("--backend", "grpc", "--engine-threads", "3", cores=range(8))
     assert chosen.cpu_sets["drafter"] == [6, 7] and (chosen.engine_threads, chosen.drafter_threads) == (3, 3)
     assert configured("--backend", "grpc", omp="2", cores=range(8)).drafter_threads == 2
     for argv, cores in ((("--backend", "grpc", "--cpu-bind", "none"), (0, 1)),
                         (("--backend", "grpc", "--method", "none"), (0, 1)),
                         (("--backend", "grpc", "--replicas", "2"), range(8)),
-                        (("--backend", "ray"), (0, 1)), (("--backend", "local"), (0, 1)),
+                        (("--backend", "ray", "--ray-address", "10.0.0.1:6379"), (0, 1)),
+                        (("--backend", "local"), (0, 1)),
                         (("--backend", "grpc"), (0,))):
         assert configured(*argv, cores=cores).cpu_sets is None, argv
 
