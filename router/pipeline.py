@@ -49,6 +49,8 @@ mode again waits for requests admitted with the drafter, or for the switch to tu
 Detached requests rejoin
 the drafter (a resync) once fewer than LARGE_BATCH run, those that may still generate
 REJOIN_MIN_TOKENS tokens (router/loop.py).
+Ahead must measure AHEAD_EDGE (10%) faster than sequential (and ping-pong) to be kept over
+them: at one running request a near tie is more often the windows' text than the modes.
 A speculating mode must measure PLAIN_EDGE (5%) faster than plain to be kept over it, and
 PLAIN_EDGE_LARGE (15%) from LARGE_BATCH (32) running requests: near a tie, speculation's rounds
 commit different counts per request, so a closed batch ends in a tail of nearly empty rounds that
@@ -115,6 +117,14 @@ EXPLORE_NEAR = 0.85       # candidates measured at this fraction of the fastest 
 FAR_EVERY = 4             # every this many ends of a keep, any candidate may be measured again
 PLAIN_EDGE = 1.05         # a speculating mode is kept over plain only when it measured this much faster
 PLAIN_EDGE_LARGE = 1.15   # ... from LARGE_BATCH running requests on
+# "ahead" is kept over the modes that draft from the verdict's features only when it measured this
+# much faster: at one running request each window sees its own stretch of text, and ahead's trees
+# commit less (`draft_kind`), so a near tie is more often the text than the mode (2 CPU cores,
+# demo pair over Ray, engines bound: windows measured sequential at 258-345 committed tok/s and
+# ahead at 273-287 within seven seconds, where ahead served 267 and 292 tok/s against sequential's
+# 311 and 334 over whole runs: benchmarks/results/RESULTS.md, serve-cpu-2core). Where ahead wins
+# (a drafter on its own GPU, 8B-shaped pair) it wins by 16-58%.
+AHEAD_EDGE = 1.10
 LARGE_BATCH = 32
 # Tokens per request-round are pooled per draft kind over the latest rounds that hold this many
 # request-rounds: 16 windows at one running request, one window from 16 on.
@@ -146,6 +156,17 @@ def draft_kind(mode: str) -> str:
     in), and with a real head commits less (on 2 CPU cores, the demo pair over gRPC: 3.4 tokens a
     round against sequential's 3.9)."""
     return "full" if mode in ("sequential", "pingpong") else mode
+
+
+def _fastest(rates: dict[str, float], edge: float) -> str:
+    """The mode to keep: the fastest, plain given `edge` (`plain_edge`), and ahead kept over the
+    modes of the "full" kind only where it measured AHEAD_EDGE faster than the fastest of them."""
+    weight = lambda m: rates[m] * (edge if m == "plain" else 1.0)   # noqa: E731
+    best = max(rates, key=weight)
+    full = [rates[m] for m in rates if draft_kind(m) == "full"]
+    if best == "ahead" and full and rates["ahead"] < AHEAD_EDGE * max(full):
+        best = max((m for m in rates if m != "ahead"), key=weight)
+    return best
 
 
 def plain_edge(num_running: int) -> float:
@@ -311,8 +332,7 @@ class ModeChooser:
         elif s.phase == "keep" and (pick := self._explore_pick(s)) is not None:
             s.start("explore", pick, window)                      # then, between keeps, one other again
         else:                                                     # keep the fastest so far
-            edge = plain_edge(num_running)
-            best = max(rates, key=lambda m: rates[m] * (edge if m == "plain" else 1.0))
+            best = _fastest(rates, plain_edge(num_running))
             changed = best != s.kept
             s.keep_windows = min(2 * s.keep_windows, MAX_KEEP_WINDOWS) if not changed else KEEP_WINDOWS
             s.kept = best
