@@ -127,7 +127,8 @@ def add_serve(sub) -> None:
                         "the processes that run engines, at least 1 each: one per engine and replica for ray, and "
                         "for grpc on GPUs; --backend local on the CPU, whose engines take turns on one thread while "
                         "the router waits for them, and --backend grpc on the CPU, whose engine processes take "
-                        "turns: every core of the replica, the drafter's a core fewer, at least 1)")
+                        "turns: every core of the replica, the drafter's a core fewer, at least 1; where --cpu-bind "
+                        "binds a pair, one per core of each engine's cores)")
     p.add_argument("--cpu-bind", choices=["auto", "none"], default="auto",
                    help="the cores of the engine processes serve starts for a speculating pair on the CPU "
                         "(--backend grpc, or ray on a local cluster; one replica): auto binds the drafter's "
