@@ -132,11 +132,11 @@ def add_serve(sub) -> None:
     p.add_argument("--cpu-bind", choices=["auto", "none"], default="auto",
                    help="the cores of the engine processes serve starts for a speculating pair on the CPU "
                         "(--backend grpc, or ray on a local cluster; one replica): auto binds the drafter's "
-                        "process to the last quarter of "
-                        "the cores this process may use (at least one) and the verifier's to the others, each "
-                        "with as many torch threads as it has cores unless --engine-threads or OMP_NUM_THREADS "
-                        "says otherwise (their --cpu-cores); none leaves both on every core, taking turns "
-                        "(default: auto)")
+                        "process to the last quarter of the cores this process may use (at least one); over ray "
+                        "the verifier's to the others, over grpc the verifier keeps every core and runs forwards "
+                        f"of up to {ONE_THREAD_UP_TO} tokens on one thread; each with as many torch threads as it "
+                        "has cores unless --engine-threads or OMP_NUM_THREADS says otherwise (their --cpu-cores, "
+                        "--one-thread-up-to); none leaves both on every core, taking turns (default: auto)")
     add_ops_flags(p)
     p.set_defaults(func=_serve)
 
@@ -384,7 +384,10 @@ def engine_commands(args, cfg, target: str, draft: str | None, verifier_port: in
         tree += ["--benchmark-acceptance-rate", repr(cfg.benchmark_acceptance_rate)]
     def threads(n: int | None, role: str) -> list[str]:
         sets = getattr(args, "cpu_sets", None)
-        return (["--threads", str(n)] if n else []) + (["--cpu-cores", format_cores(sets[role])] if sets else [])
+        out = (["--threads", str(n)] if n else []) + (["--cpu-cores", format_cores(sets[role])] if sets else [])
+        if sets and role == "verifier" and (n or 1) > 1:
+            out += ["--one-thread-up-to", str(ONE_THREAD_UP_TO)]
+        return out
 
     out = {}
     if verifier_port is not None:
@@ -569,7 +572,9 @@ def placement_line(args, cfg) -> str:
 
     def count(n: int, role: str) -> str:
         cores = f" on core{'s' if len(sets[role]) > 1 else ''} {format_cores(sets[role])}" if sets else ""
-        return f", {n} thread{'s' if n > 1 else ''}{cores}"
+        small = (f", one for forwards of up to {ONE_THREAD_UP_TO} tokens"
+                 if sets and role == "verifier" and n > 1 and args.backend == "grpc" else "")
+        return f", {n} thread{'s' if n > 1 else ''}{cores}{small}"
 
     threads = count(args.engine_threads, "verifier") if verifier == "cpu" and args.engine_threads else ""
     drafting = count(_drafter_threads_of(args), "drafter") if drafter == "cpu" and args.engine_threads else ""
@@ -938,12 +943,20 @@ def cores_per_replica(args) -> bool:
             and not args.verifier_address and not args.drafter_address)
 
 
+# A gRPC pair's verifier on the CPU whose drafter has cores of its own (`cpu_sets`) runs forwards
+# of at most this many tokens on one torch thread, larger ones on every core's (verifier
+# --one-thread-up-to). On the 2-core CPU (demo pair, concurrency 1, chains of 5 drafts: 6 tokens a
+# verify), a verify took 5.7-6.3 ms on one thread, against 7.3 on two beside the drafter's core;
+# at 64 (384 tokens) 92.5 ms on two, against 153.2 on one (benchmarks/results/cpu-bind-cpu-2core.txt).
+ONE_THREAD_UP_TO = 32
+
+
 def cpu_sets(args) -> dict[str, list[int]] | None:
     """--cpu-bind auto: the cores of each engine process of a speculating pair on this machine's
     CPU (--backend grpc taking turns, `cores_per_replica`; --backend ray on a local cluster), one
-    replica, from the cores this process may use: the drafter the last quarter (at least one),
-    the verifier the rest, the router sharing the verifier's (its work and the verifier's come
-    one after the other, while the drafter drafts). Unbound, the kernel's scheduler often ran
+    replica, from the cores this process may use: the drafter the last quarter (at least one);
+    over gRPC the verifier every core (its small forwards on one thread: ONE_THREAD_UP_TO), over
+    Ray the rest. Unbound, the kernel's scheduler often ran
     both engines on one core while the other had little to do: on the 2-core CPU (demo pair,
     gRPC, one torch thread each, concurrency 1, alternated) EAGLE-3 served 346.4 and 360.8 tok/s
     bound against 319.7 and 329.5 unbound, the drafter's engine 4.3 / 4.1 ms a draft against 4.9;
@@ -959,7 +972,9 @@ def cpu_sets(args) -> dict[str, list[int]] | None:
     if len(cores) < 2:
         return None
     drafter = max(1, len(cores) // 4)
-    return {"verifier": cores[:-drafter], "drafter": cores[-drafter:]}
+    # A gRPC pair's verifier keeps every core, its small forwards on one thread
+    # (ONE_THREAD_UP_TO): bound to the others only, it verified a batch of 64 on one thread.
+    return {"verifier": cores if cores_per_replica(args) else cores[:-drafter], "drafter": cores[-drafter:]}
 
 
 def _drafter_threads_of(args) -> int | None:

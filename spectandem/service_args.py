@@ -111,6 +111,16 @@ def add_benchmark_flag(p: argparse.ArgumentParser) -> None:
                         "get the head's drafts. Needs --method eagle or eagle3 and --topk 1")
 
 
+def non_negative_int(text: str) -> int:
+    try:
+        n = int(text)
+    except ValueError:
+        n = -1
+    if n < 0:
+        raise argparse.ArgumentTypeError(f"must be an integer >= 0, got {text!r}")
+    return n
+
+
 def positive_int(text: str) -> int:
     try:
         n = int(text)
@@ -175,6 +185,10 @@ def add_verifier_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--block-size", type=int, default=16, help="cache entries per KV block")
     add_memory_flags(p)
     add_threads_flag(p)
+    p.add_argument("--one-thread-up-to", type=non_negative_int, default=0, metavar="TOKENS",
+                   help="on the CPU with --threads above one: forwards of at most TOKENS tokens (a verify's tree "
+                        "nodes and plain rows, a prefill's prompt tokens) run on one torch thread, larger ones on "
+                        "--threads (default: 0, every forward on --threads)")
     p.add_argument("--host", default="0.0.0.0", help="address to listen on")
     p.add_argument("--port", type=int, default=50052, help="0 picks a free port (printed)")
     p.add_argument("--feature-channel", default=None, metavar="tcp://HOST:PORT",

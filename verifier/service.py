@@ -18,6 +18,8 @@ import argparse
 import logging
 from pathlib import Path
 
+import torch
+
 from spectandem import codec
 from spectandem.after_reply import AfterReply
 from spectandem.channel import FeatureSender, TreeMailbox
@@ -39,11 +41,15 @@ SERVICE_NAME = engines_pb2.DESCRIPTOR.services_by_name["Verifier"].full_name
 class VerifierServicer(engines_pb2_grpc.VerifierServicer):
     def __init__(self, engine: VerifierEngine, model_name: str = "target", device: str = "cpu",
                  sender: FeatureSender | None = None, thread=None, trees: TreeMailbox | None = None,
-                 after: AfterReply | None = None):
+                 after: AfterReply | None = None, threads: int = 1, one_thread_up_to: int = 0):
         """`after`: where a call leaves the work its reply does not wait for (the decode ahead; the
-        feature channel's copies where `sender` was made with its `later`); None: one of its own."""
+        feature channel's copies where `sender` was made with its `later`); None: one of its own.
+        `threads`: the torch threads of `thread` (the engine's CPU thread); `one_thread_up_to`:
+        forwards of at most that many tokens run on one of them (`_threads_for`)."""
         self.engine, self.model_name, self.device, self.sender = engine, model_name, device, sender
         self.trees = trees
+        self.threads = threads
+        self.one_thread_up_to = one_thread_up_to if thread is not None and threads > 1 else 0
         self.calls = EngineCalls("verifier", thread, after if after is not None else AfterReply(thread, device))
 
     def Prefill(self, request, context):
@@ -63,8 +69,17 @@ class VerifierServicer(engines_pb2_grpc.VerifierServicer):
 
     # The bodies run one at a time (_info beside them: it only reads counters).
 
+    def _threads_for(self, tokens: int) -> None:
+        """On the engine's CPU thread, before a forward of `tokens` tokens: one torch thread where
+        it is small (`one_thread_up_to`), else all of them. A pair on the CPU whose drafter has cores
+        of its own (serve --cpu-bind) gives its verifier every core: a small forward is faster on one
+        thread (the other cores' threads would wait at each op for the drafter's), a large one on all."""
+        if self.one_thread_up_to:
+            torch.set_num_threads(1 if tokens <= self.one_thread_up_to else self.threads)
+
     def _prefill(self, request: engines_pb2.VerifierPrefillRequest) -> engines_pb2.VerifierPrefillReply:
         items = [codec.verifier_prefill_item_from_msg(m) for m in request.items]
+        self._threads_for(sum(len(i.prompt_ids) for i in items))
         results = verifier_prefill(self.engine, items, request.want_features, self.sender)
         return engines_pb2.VerifierPrefillReply(results=[codec.verifier_prefill_result_to_msg(r) for r in results])
 
@@ -85,6 +100,8 @@ class VerifierServicer(engines_pb2_grpc.VerifierServicer):
                                                [codec.tag_from_msg(t) for t in request.early_tags])
         elif tree is None and not plain:
             raise ValueError("verify request has neither a tree nor plain items")
+        self._threads_for((tree.node_valid.numel() if tree is not None else 0) + len(plain)
+                          + sum(len(i.prompt_ids) for i in items))
         results, prefilled = verifier_verify_prefill(self.engine, tree, tags, plain, request.want_features, items,
                                                      request.prefill_features, self.sender, clock=clock)
         sent = verdicts_to_drafter(self.trees, results, dict(request.draft_next), clock, self.calls.after,
@@ -128,26 +145,29 @@ def start_verifier_server(engine: VerifierEngine, host: str = "127.0.0.1", port:
                           model_name: str = "target", device: str = "cpu",
                           tls: ServerTls | None = None, sender: FeatureSender | None = None,
                           thread=None, trees: TreeMailbox | None = None,
-                          after: AfterReply | None = None) -> EngineServer:
+                          after: AfterReply | None = None, threads: int = 1,
+                          one_thread_up_to: int = 0) -> EngineServer:
     """Serves `engine` on the server's threads; returns the started server (port 0: a free one).
     `tls`: TLS or mTLS on the port (None: plaintext); `sender`: the feature channel's end;
-    `thread`: the one thread that runs its calls (EngineCalls); `trees`: the tree channel's end;
-    `after`: the calls' work after their replies (VerifierServicer)."""
-    servicer = VerifierServicer(engine, model_name, device, sender, thread, trees, after)
+    `thread`: the one thread that runs its calls (EngineCalls), `threads` its torch threads;
+    `trees`: the tree channel's end; `after`: the calls' work after their replies;
+    `one_thread_up_to`: VerifierServicer's."""
+    servicer = VerifierServicer(engine, model_name, device, sender, thread, trees, after, threads, one_thread_up_to)
     return EngineServer.start(lambda s: engines_pb2_grpc.add_VerifierServicer_to_server(servicer, s),
                               SERVICE_NAME, host, port, tls.grpc_credentials() if tls else None)
 
 
 def serve_verifier(config: EngineConfig, feature_layers: str | None = None, host: str = "0.0.0.0", port: int = 50052,
                    tls: ServerTls | None = None, feature_channel: str | None = None,
-                   tree_channel: str | None = None) -> None:
+                   tree_channel: str | None = None, one_thread_up_to: int = 0) -> None:
     """Loads the target (verifier/factory.py), serves it until SIGTERM/SIGINT. `config.draft_dir`
     is read only for the feature layers (see resolve_feature_layers). `feature_channel`:
     tcp://HOST:PORT of the direct channel to the drafter (None: features go inline);
     `tree_channel`: tcp://HOST:PORT where this process takes its drafter's trees (None: in the
-    Verify requests only)."""
+    Verify requests only); `one_thread_up_to`: --one-thread-up-to (VerifierServicer)."""
     target_dir, device = config.target_dir, config.device
     layers = resolve_feature_layers(feature_layers, config.spec.method, config.draft_dir, target_dir)
+    threads = torch.get_num_threads()   # the engine thread's (engine_process_thread leaves this one with one)
     thread = engine_process_thread(device)
     # A verify's features go into the channel after its reply (spectandem/after_reply.py).
     after = AfterReply(thread, device)
@@ -158,7 +178,8 @@ def serve_verifier(config: EngineConfig, feature_layers: str | None = None, host
 
     try:
         server = start_verifier_server(engine, host, port, Path(target_dir).name, device, tls=tls, sender=sender,
-                                       thread=thread, trees=trees, after=after)
+                                       thread=thread, trees=trees, after=after, threads=threads,
+                                       one_thread_up_to=one_thread_up_to)
         print(f"spectandem verifier: {Path(target_dir).name}, features {codec.feature_layers_to_str(layers)}, "
               f"listening on {host}:{server.port}", flush=True)
         server.serve_until_signal()
@@ -200,5 +221,5 @@ def run_verifier(args: argparse.Namespace) -> int:
     tls = server_tls_from_args(args)  # flag and file errors before the model loads
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
     serve_verifier(config, args.feature_layers, args.host, args.port, tls=tls, feature_channel=args.feature_channel,
-                   tree_channel=args.tree_channel)
+                   tree_channel=args.tree_channel, one_thread_up_to=args.one_thread_up_to)
     return 0

@@ -47,11 +47,12 @@ def test_grpc_serve_on_the_cpu_with_explicit_no_gpu_flags():
         proc.wait(30)
         reader.join(30)
     out = "".join(lines)
-    # One thread each (the flag), on cores of its own (--cpu-bind auto, serve's default).
+    # One thread each (the flag); the drafter on cores of its own, the verifier on every core
+    # (--cpu-bind auto, serve's default).
     cores = sorted(os.sched_getaffinity(0))
     if len(cores) > 1:
         split = len(cores) - max(1, len(cores) // 4)
-        on = [f" on core{'s' if len(c) > 1 else ''} {format_cores(c)}" for c in (cores[:split], cores[split:])]
+        on = [f" on core{'s' if len(c) > 1 else ''} {format_cores(c)}" for c in (cores, cores[split:])]
     else:
         on = ["", ""]
     assert (f"spectandem serve: verifier on cpu (float32, eager, 1 thread{on[0]}); "
@@ -174,10 +175,11 @@ def test_a_grpc_pairs_drafter_on_the_cpu_leaves_a_core_unless_told():
 
 def test_a_pair_on_the_cpu_is_bound_to_cores_of_its_own_by_default(monkeypatch):
     """--cpu-bind auto: the drafter the last quarter of serve's cores (at least one), the verifier
-    the rest, each with a thread a core unless threads were chosen, on their command lines
+    every core over gRPC (its forwards of up to ONE_THREAD_UP_TO tokens on one thread) and the
+    rest over Ray, each with a thread a core unless threads were chosen, on their command lines
     (--cpu-cores) and in the placement line, Ray's actors on a local cluster alike; nothing bound
     for --cpu-bind none, one engine, local, a joined Ray cluster, several replicas or a single core."""
-    from router.serve import configure_process, engine_commands, placement_line, resolve_serve_flags
+    from router.serve import ONE_THREAD_UP_TO, configure_process, engine_commands, placement_line, resolve_serve_flags
     from spectandem.cli import build_parser
     from spectandem.config import Platform
     from spectandem.service_args import spec_from_flags
@@ -188,14 +190,15 @@ def test_a_pair_on_the_cpu_is_bound_to_cores_of_its_own_by_default(monkeypatch):
         configure_process(args, omp, {})
         return args
 
+    # gRPC: the verifier keeps every core (its small forwards on one thread), the drafter its own.
     two = configured("--backend", "grpc")
-    assert two.cpu_sets == {"verifier": [0], "drafter": [1]}
-    assert (two.engine_threads, two.drafter_threads) == (1, 1)
+    assert two.cpu_sets == {"verifier": [0, 1], "drafter": [1]}
+    assert (two.engine_threads, two.drafter_threads) == (2, 1)
     eight = configured("--backend", "grpc", cores=range(8))
-    assert eight.cpu_sets == {"verifier": [0, 1, 2, 3, 4, 5], "drafter": [6, 7]}
-    assert (eight.engine_threads, eight.drafter_threads) == (6, 2)
+    assert eight.cpu_sets == {"verifier": list(range(8)), "drafter": [6, 7]}
+    assert (eight.engine_threads, eight.drafter_threads) == (8, 2)
     odd = configured("--backend", "grpc", cores=(2, 3, 5))
-    assert odd.cpu_sets == {"verifier": [2, 3], "drafter": [5]}
+    assert odd.cpu_sets == {"verifier": [2, 3, 5], "drafter": [5]}
     ray = configured("--backend", "ray", cores=range(4))   # a local cluster: its actors on this machine
     assert ray.cpu_sets == {"verifier": [0, 1, 2], "drafter": [3]} and (ray.engine_threads, ray.drafter_threads) == (3, 1)
     chosen = configured("--backend", "grpc", "--engine-threads", "3", cores=range(8))
@@ -213,9 +216,13 @@ def test_a_pair_on_the_cpu_is_bound_to_cores_of_its_own_by_default(monkeypatch):
     cfg, target, draft = spec_from_flags(resolved)
     cmds = engine_commands(resolved, cfg, target, draft, 7001, 7002)
     bound = {role: (cmd[cmd.index("--threads") + 1], cmd[cmd.index("--cpu-cores") + 1]) for role, cmd in cmds.items()}
-    assert bound == {"verifier": ("6", "0-5"), "drafter": ("2", "6-7")}
+    assert bound == {"verifier": ("8", "0-7"), "drafter": ("2", "6-7")}
+    verifier = cmds["verifier"]
+    assert verifier[verifier.index("--one-thread-up-to") + 1] == str(ONE_THREAD_UP_TO)
+    assert "--one-thread-up-to" not in cmds["drafter"]
     line = placement_line(resolved, cfg)
-    assert "verifier on cpu (float32, eager, 6 threads on cores 0-5)" in line, line
+    assert (f"verifier on cpu (float32, eager, 8 threads on cores 0-7, one for forwards of up to {ONE_THREAD_UP_TO} "
+            "tokens)") in line, line
     assert "drafter on cpu (float32, eager, 2 threads on cores 6-7)" in line, line
     unbound = resolve_serve_flags(configured("--backend", "grpc", "--cpu-bind", "none"), Platform(gpus=0, triton=False))
     assert all("--cpu-cores" not in cmd for cmd in engine_commands(unbound, cfg, target, draft, 7001, 7002).values())
@@ -236,6 +243,39 @@ def test_cpu_cores_flag_reads_lists_and_ranges_and_refuses_what_the_process_may_
     with pytest.raises(ValueError, match=r"--cpu-cores .*not among those this process may run on"):
         bind_cpu_cores([max(allowed) + 1000])
     assert sorted(os.sched_getaffinity(0)) == allowed   # nothing changed
+
+
+def test_a_verifier_runs_its_small_forwards_on_one_thread_where_told():
+    """--one-thread-up-to: on the engine's CPU thread, a forward of at most that many tokens runs
+    on one torch thread and a larger one on all of them; off without an engine thread of more than
+    one torch thread; a negative count refused."""
+    import argparse
+    from types import SimpleNamespace
+
+    import torch
+
+    from spectandem.service_args import non_negative_int
+    from verifier.service import VerifierServicer
+
+    before = torch.get_num_threads()
+    try:
+        servicer = SimpleNamespace(one_thread_up_to=32, threads=2)
+        VerifierServicer._threads_for(servicer, 6)
+        assert torch.get_num_threads() == 1
+        VerifierServicer._threads_for(servicer, 384)
+        assert torch.get_num_threads() == 2
+        VerifierServicer._threads_for(servicer, 32)
+        assert torch.get_num_threads() == 1
+        VerifierServicer._threads_for(SimpleNamespace(one_thread_up_to=0, threads=2), 384)
+        assert torch.get_num_threads() == 1   # off: left as it was
+    finally:
+        torch.set_num_threads(before)
+    assert VerifierServicer(None, thread=None, threads=2, one_thread_up_to=32).one_thread_up_to == 0
+    assert VerifierServicer(None, thread=object(), threads=1, one_thread_up_to=32).one_thread_up_to == 0
+    assert VerifierServicer(None, thread=object(), threads=2, one_thread_up_to=32).one_thread_up_to == 32
+    assert non_negative_int("0") == 0
+    with pytest.raises(argparse.ArgumentTypeError, match=">= 0"):
+        non_negative_int("-1")
 
 
 def test_engine_processes_started_with_cpu_cores_run_on_those_cores_only(tmp_path):
