@@ -68,6 +68,7 @@ fails that request alone.
 from __future__ import annotations
 
 import asyncio
+import functools
 import logging
 import random
 import time
@@ -744,7 +745,7 @@ class Router:
                     draft = DraftHandle([r.tag() for r in drafted],
                                         TreeRoute(self._tree_round, self.cfg.drafter_timeout + TREE_WAIT_MARGIN_S,
                                                   *self._early_trees(drafted)))
-                    posting = self._draft_call(drafted, self._tree_round)   # started with the verify, below
+                    posting = functools.partial(self._draft_call, drafted, self._tree_round)   # started below
                 else:
                     draft, drafted = await self._draft_call(drafted)
         # Not those that ended at their first token; nor, this round, new requests whose drafts are
@@ -767,12 +768,12 @@ class Router:
         # early trees serve the round, the verify does, its forward waiting for nothing else.
         early = posting is not None and bool(draft.payload.early_tags)
         if posting is not None and not early:
-            posting = asyncio.ensure_future(posting)
+            posting = asyncio.ensure_future(posting())
         verify = asyncio.ensure_future(self._verify(draft, drafted, group, launched, draft_next) if not mixed else
                                        self._verify_with_prefill(draft, drafted, group, list(mixed), draft_next,
                                                                  detach))
         if early:
-            posting = asyncio.ensure_future(posting)
+            posting = asyncio.ensure_future(posting())
         try:
             if posting is not None:   # from here on, the requests whose trees went (the others get no verdict)
                 drafted = (await posting)[1]

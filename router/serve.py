@@ -385,9 +385,8 @@ def engine_commands(args, cfg, target: str, draft: str | None, verifier_port: in
     def threads(n: int | None, role: str) -> list[str]:
         sets = getattr(args, "cpu_sets", None)
         out = (["--threads", str(n)] if n else []) + (["--cpu-cores", format_cores(sets[role])] if sets else [])
-        if sets and role == "verifier" and (n or 1) > 1:
-            out += ["--one-thread-up-to", str(ONE_THREAD_UP_TO)]
-        return out
+        small = one_thread_up_to(args, role, n)
+        return out + (["--one-thread-up-to", str(small)] if small else [])
 
     out = {}
     if verifier_port is not None:
@@ -572,9 +571,8 @@ def placement_line(args, cfg) -> str:
 
     def count(n: int, role: str) -> str:
         cores = f" on core{'s' if len(sets[role]) > 1 else ''} {format_cores(sets[role])}" if sets else ""
-        small = (f", one for forwards of up to {ONE_THREAD_UP_TO} tokens"
-                 if sets and role == "verifier" and n > 1 and args.backend == "grpc" else "")
-        return f", {n} thread{'s' if n > 1 else ''}{cores}{small}"
+        small = one_thread_up_to(args, role, n)
+        return f", {n} thread{'s' if n > 1 else ''}{cores}" + (f", one for forwards of up to {small} tokens" if small else "")
 
     threads = count(args.engine_threads, "verifier") if verifier == "cpu" and args.engine_threads else ""
     drafting = count(_drafter_threads_of(args), "drafter") if drafter == "cpu" and args.engine_threads else ""
@@ -949,6 +947,13 @@ def cores_per_replica(args) -> bool:
 # verify), a verify took 5.7-6.3 ms on one thread, against 7.3 on two beside the drafter's core;
 # at 64 (384 tokens) 92.5 ms on two, against 153.2 on one (benchmarks/results/cpu-bind-cpu-2core.txt).
 ONE_THREAD_UP_TO = 32
+
+
+def one_thread_up_to(args, role: str, threads: int | None) -> int:
+    """The verifier's --one-thread-up-to: ONE_THREAD_UP_TO for a gRPC pair's verifier of more than
+    one thread that `cpu_sets` placed (every core, the drafter on its own), else 0 (off)."""
+    bound = getattr(args, "cpu_sets", None) is not None and args.backend == "grpc"
+    return ONE_THREAD_UP_TO if bound and role == "verifier" and (threads or 1) > 1 else 0
 
 
 def cpu_sets(args) -> dict[str, list[int]] | None:

@@ -113,13 +113,11 @@ def bind_cpu_cores(cores: list[int] | None, every_thread: bool = False) -> None:
     if outside:
         raise ValueError(f"--cpu-cores {format_cores(cores)}: core(s) {format_cores(outside)} are not among those "
                          f"this process may run on ({format_cores(allowed)})")
-    if every_thread:
-        for tid in os.listdir("/proc/self/task"):
-            try:
-                os.sched_setaffinity(int(tid), cores)
-            except ProcessLookupError:   # a thread that ended meanwhile
-                pass
-    os.sched_setaffinity(0, cores)
+    for tid in os.listdir("/proc/self/task") if every_thread else [0]:   # 0: the calling thread
+        try:
+            os.sched_setaffinity(int(tid), cores)
+        except ProcessLookupError:   # a thread that ended meanwhile
+            pass
 
 
 def set_cpu_threads(n: int | None) -> None:

@@ -111,24 +111,22 @@ def add_benchmark_flag(p: argparse.ArgumentParser) -> None:
                         "get the head's drafts. Needs --method eagle or eagle3 and --topk 1")
 
 
-def non_negative_int(text: str) -> int:
+def _int_at_least(text: str, low: int, what: str) -> int:
     try:
         n = int(text)
     except ValueError:
-        n = -1
-    if n < 0:
-        raise argparse.ArgumentTypeError(f"must be an integer >= 0, got {text!r}")
+        n = low - 1
+    if n < low:
+        raise argparse.ArgumentTypeError(f"must be {what}, got {text!r}")
     return n
+
+
+def non_negative_int(text: str) -> int:
+    return _int_at_least(text, 0, "an integer >= 0")
 
 
 def positive_int(text: str) -> int:
-    try:
-        n = int(text)
-    except ValueError:
-        n = 0
-    if n < 1:
-        raise argparse.ArgumentTypeError(f"must be a positive integer, got {text!r}")
-    return n
+    return _int_at_least(text, 1, "a positive integer")
 
 
 def cpu_core_list(text: str) -> list[int]:

@@ -69,17 +69,20 @@ class VerifierServicer(engines_pb2_grpc.VerifierServicer):
 
     # The bodies run one at a time (_info beside them: it only reads counters).
 
-    def _threads_for(self, tokens: int) -> None:
-        """On the engine's CPU thread, before a forward of `tokens` tokens: one torch thread where
-        it is small (`one_thread_up_to`), else all of them. A pair on the CPU whose drafter has cores
-        of its own (serve --cpu-bind) gives its verifier every core: a small forward is faster on one
-        thread (the other cores' threads would wait at each op for the drafter's), a large one on all."""
+    def _threads_for(self, tree, plain: list, items: list) -> None:
+        """On the engine's CPU thread, before a forward of `tree`'s nodes, `plain` rows and `items`'
+        prompts: one torch thread where it is small (`one_thread_up_to` tokens), else all of them.
+        A pair on the CPU whose drafter has cores of its own (serve --cpu-bind) gives its verifier
+        every core: a small forward is faster on one thread (the other cores' threads would wait at
+        each op for the drafter's), a large one on all."""
         if self.one_thread_up_to:
+            tokens = ((tree.node_valid.numel() if tree is not None else 0) + len(plain)
+                      + sum(len(i.prompt_ids) for i in items))
             torch.set_num_threads(1 if tokens <= self.one_thread_up_to else self.threads)
 
     def _prefill(self, request: engines_pb2.VerifierPrefillRequest) -> engines_pb2.VerifierPrefillReply:
         items = [codec.verifier_prefill_item_from_msg(m) for m in request.items]
-        self._threads_for(sum(len(i.prompt_ids) for i in items))
+        self._threads_for(None, [], items)
         results = verifier_prefill(self.engine, items, request.want_features, self.sender)
         return engines_pb2.VerifierPrefillReply(results=[codec.verifier_prefill_result_to_msg(r) for r in results])
 
@@ -100,8 +103,7 @@ class VerifierServicer(engines_pb2_grpc.VerifierServicer):
                                                [codec.tag_from_msg(t) for t in request.early_tags])
         elif tree is None and not plain:
             raise ValueError("verify request has neither a tree nor plain items")
-        self._threads_for((tree.node_valid.numel() if tree is not None else 0) + len(plain)
-                          + sum(len(i.prompt_ids) for i in items))
+        self._threads_for(tree, plain, items)
         results, prefilled = verifier_verify_prefill(self.engine, tree, tags, plain, request.want_features, items,
                                                      request.prefill_features, self.sender, clock=clock)
         sent = verdicts_to_drafter(self.trees, results, dict(request.draft_next), clock, self.calls.after,

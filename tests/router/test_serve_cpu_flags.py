@@ -260,13 +260,13 @@ def test_a_verifier_runs_its_small_forwards_on_one_thread_where_told():
     before = torch.get_num_threads()
     try:
         servicer = SimpleNamespace(one_thread_up_to=32, threads=2)
-        VerifierServicer._threads_for(servicer, 6)
+        VerifierServicer._threads_for(servicer, None, [None] * 6, [])
         assert torch.get_num_threads() == 1
-        VerifierServicer._threads_for(servicer, 384)
+        VerifierServicer._threads_for(servicer, None, [None] * 384, [])
         assert torch.get_num_threads() == 2
-        VerifierServicer._threads_for(servicer, 32)
+        VerifierServicer._threads_for(servicer, None, [None] * 32, [])
         assert torch.get_num_threads() == 1
-        VerifierServicer._threads_for(SimpleNamespace(one_thread_up_to=0, threads=2), 384)
+        VerifierServicer._threads_for(SimpleNamespace(one_thread_up_to=0, threads=2), None, [None] * 384, [])
         assert torch.get_num_threads() == 1   # off: left as it was
     finally:
         torch.set_num_threads(before)
