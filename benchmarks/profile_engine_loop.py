@@ -25,7 +25,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import torch  # noqa: E402  (after the path: run as a script)
 
 from benchmarks.bench.llama8b import SHAPES, ControlledRuns, llama8b_spec, random_eagle3_head, random_target  # noqa: E402
-from benchmarks.profile_router import TIMED, Timers  # noqa: E402
+from benchmarks.profile_router import TIMED, Timers, profile_table, profiled  # noqa: E402
 from spectandem.config import GpuPaths  # noqa: E402
 
 
@@ -38,6 +38,10 @@ def main() -> None:
     ap.add_argument("--max-tokens", type=int, default=128)
     ap.add_argument("--time", default=",".join(TIMED), metavar="FUNCS",
                     help="comma-separated module:qualname (default: profile_router.py's TIMED)")
+    ap.add_argument("--gpu-trace", metavar="PATH", help="trace the timed run with torch.profiler (device and host, "
+                    "with stacks) into PATH and report the drafter's bursts (benchmarks/engine_traces.py)")
+    ap.add_argument("--cprofile", metavar="FUNC", help="module:qualname run under cProfile in the timed run: the "
+                    "functions inside its calls by their own time")
     ap.add_argument("--scale", choices=("full", "tiny"), default="full", help="tiny: a smoke test on the CPU")
     args = ap.parse_args()
     device, dtype = ("cuda", torch.bfloat16) if args.scale == "full" else ("cpu", torch.float32)
@@ -48,8 +52,15 @@ def main() -> None:
                           prompt_len=args.prompt_len, max_tokens=args.max_tokens, num_steps=args.steps, seed=0, gpu=gpu)
     runs.run(args.batch, args.rate, "warm")
     timers = Timers(tuple(f for f in args.time.split(",") if f))
+    profiler = profiled(args.cprofile) if args.cprofile else None
     timers.on = True
-    res = runs.run(args.batch, args.rate, "timed")
+    if args.gpu_trace:
+        acts = [torch.profiler.ProfilerActivity.CPU, torch.profiler.ProfilerActivity.CUDA]
+        with torch.profiler.profile(activities=acts, with_stack=True) as prof:
+            res = runs.run(args.batch, args.rate, "timed")
+        prof.export_chrome_trace(args.gpu_trace)
+    else:
+        res = runs.run(args.batch, args.rate, "timed")
     timers.on = False
     outs = res["completions"]
     rounds = max(o.stats.num_rounds for o in outs)
@@ -58,6 +69,11 @@ def main() -> None:
           f"{res['seconds']:.3f} s, {tokens / res['seconds']:.1f} tok/s, {rounds} rounds, "
           f"{1000 * res['seconds'] / rounds:.2f} ms a round, output equal to the target's: {res['matches_truth']}")
     print(timers.table(rounds))
+    if profiler is not None:
+        print(profile_table(profiler, args.cprofile, rounds))
+    if args.gpu_trace:
+        from benchmarks.engine_traces import loop_report
+        print(loop_report(args.gpu_trace))
 
 
 if __name__ == "__main__":

@@ -81,6 +81,36 @@ TIMED = ("router.loop:Router._schedule", "router.loop:Router._release", "router.
          "drafter.ahead_chains:AheadChainGraphs.run_caught_up")
 
 
+def profiled(name: str):
+    """Wraps `name` (module:qualname) so each call runs under one cProfile.Profile -> it."""
+    module, qual = name.split(":")
+    cls_name, _, fn_name = qual.rpartition(".")
+    owner = getattr(importlib.import_module(module), cls_name) if cls_name else importlib.import_module(module)
+    fn = getattr(owner, fn_name)
+    prof = cProfile.Profile()
+
+    @functools.wraps(fn)
+    def wrapped(*a, **kw):
+        prof.enable()
+        try:
+            return fn(*a, **kw)
+        finally:
+            prof.disable()
+    setattr(owner, fn_name, wrapped)
+    return prof
+
+
+def profile_table(profiler, name: str, rounds: int, top: int = 30) -> str:
+    """`profiled`'s functions by their own time and by their inclusive time, `top` of each."""
+    out = []
+    for order in ("tottime", "cumulative"):
+        text = io.StringIO()
+        pstats.Stats(profiler, stream=text).sort_stats(order).print_stats(top)
+        out.append(f"cProfile inside {name}, over {rounds} rounds, by {order}:")
+        out += [line for line in text.getvalue().splitlines()[4:] if line.strip()]
+    return "\n".join(out)
+
+
 class Timers:
     """Wall time inside each of TIMED (sync and async functions), summed per function."""
 

@@ -511,6 +511,21 @@ def _device_trace(router, seconds: float, path: Path, host: bool = False) -> str
     return summarize(str(path), top=8)
 
 
+def _engine_trace_report(folder: Path, keep: Path, wait_s: float = 30.0) -> str:
+    """benchmarks/engine_traces.py on the traces the engine processes wrote over the run that
+    just ended, then moved to `keep`."""
+    from benchmarks.engine_traces import served_report
+
+    deadline = time.monotonic() + wait_s
+    while time.monotonic() < deadline and not list(folder.glob("trace-drafter-*.json")):
+        time.sleep(0.5)
+    time.sleep(1.0)
+    keep.mkdir(parents=True, exist_ok=True)
+    for f in folder.glob("trace-*.json"):
+        f.rename(keep / f.name)
+    return served_report(keep) + f"\n    (traces in {keep})"
+
+
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     ours, serve_args = (argv[:argv.index("--")], argv[argv.index("--") + 1:]) if "--" in argv else (argv, [])
@@ -527,6 +542,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--trace-dir", default=None, help="where the device traces are kept (default: a temporary folder)")
     ap.add_argument("--time", default="", metavar="FUNCS",
                     help="comma-separated module:qualname functions to time during the measured runs")
+    ap.add_argument("--cprofile", metavar="FUNC", help="module:qualname run under cProfile during the measured runs "
+                    "(in this process): the functions inside its calls by their own time")
     ap.add_argument("--client", choices=("grpc", "in-process"), default="grpc",
                     help="grpc: `spectandem bench serve` in a process of its own; in-process: the same requests "
                          "submitted to the router on the serving event loop, without the public API "
@@ -536,6 +553,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--engine-timeline", action="store_true",
                     help="record the engine processes' timed calls (benchmarks/engine_sampler) and report when each "
                          "hand-off of a round happens")
+    ap.add_argument("--engine-trace", type=float, default=0.0, metavar="S",
+                    help="on CUDA, S seconds of each engine process's device work traced, from a second into the "
+                         "measured run (benchmarks/engine_sampler), reported by benchmarks/engine_traces.py")
     ap.add_argument("--out", help="write the report here too")
     a = ap.parse_args(ours)
 
@@ -545,7 +565,7 @@ def main(argv: list[str] | None = None) -> int:
     concurrency = [int(x) for x in a.concurrency.split(",") if x]
     work = Path(tempfile.mkdtemp(prefix="profile-serve-"))
     engine_samples = None
-    if a.sample_engines or a.engine_timeline:   # read by the engine processes serve starts, which inherit this environment
+    if a.sample_engines or a.engine_timeline or a.engine_trace:   # read by the engine processes serve starts, which inherit this environment
         engine_samples = work / "engine-samples"
         engine_samples.mkdir()
         os.environ["PYTHONPATH"] = os.pathsep.join(
@@ -554,6 +574,8 @@ def main(argv: list[str] | None = None) -> int:
             os.environ["SPECTANDEM_ENGINE_SAMPLES"] = str(engine_samples)
         if a.engine_timeline:
             os.environ["SPECTANDEM_ENGINE_TIMELINE"] = str(engine_samples)
+        if a.engine_trace:
+            os.environ.update(SPECTANDEM_ENGINE_TRACE=str(engine_samples), SPECTANDEM_ENGINE_TRACE_S=str(a.engine_trace))
     # The process-wide settings `spectandem serve` makes (engine threads, switch interval).
     served = Served(serve_args, lambda args: configure_process(args, os.environ.get("OMP_NUM_THREADS"), os.environ)).wait_ready(600)
     router = served.state["router"]
@@ -565,6 +587,10 @@ def main(argv: list[str] | None = None) -> int:
     if a.time:
         from benchmarks.profile_router import Timers
         timers = Timers(tuple(f for f in a.time.split(",") if f))
+    profiler = None
+    if a.cprofile:
+        from benchmarks.profile_router import profiled
+        profiler = profiled(a.cprofile)
     port = served.state["port"]
     bench = _bench
     if a.client == "in-process":
@@ -603,6 +629,8 @@ def main(argv: list[str] | None = None) -> int:
                 timers.ms.clear()
                 timers.calls.clear()
                 timers.on = True
+            if profiler is not None:
+                profiler.clear()
             if engine_samples is not None:
                 (engine_samples / "on").touch()
             res = bench(port, c, n, a.max_tokens, work / f"c{c}.json", during)
@@ -640,8 +668,8 @@ def main(argv: list[str] | None = None) -> int:
                           f"verify step {sum(c.mixed_prefills for c in counters) - mixed0}, of which prefilled on the "
                           f"drafter with the verdicts {sum(c.prefills_with_verdicts for c in counters) - handed0}")
             modes = Counter()
-            for c, m0 in zip(counters, modes0):
-                modes.update({m: n - m0.get(m, 0) for m, n in c.mode_rounds.items()})
+            for cnt, m0 in zip(counters, modes0):
+                modes.update({m: n - m0.get(m, 0) for m, n in cnt.mode_rounds.items()})
             report.append("  rounds by pipeline mode: " + ", ".join(f"{m} {n}" for m, n in modes.most_common() if n))
             report.append("  router: " + ", ".join(f"{k.lstrip('_')} {100 * v / wall:.1f}%" for k, v in steps.items()
                                                    if v > 0))
@@ -655,6 +683,8 @@ def main(argv: list[str] | None = None) -> int:
                 report.append(round_timeline_report(_engine_events(engine_samples), timeline.steps))
             if a.sample_engines:
                 report.append(engine_samples_report(engine_samples))
+            if a.engine_trace:
+                report.append(_engine_trace_report(engine_samples, trace_dir / f"engine-traces-c{c}"))
             report += gpu
             if timers:
                 # Rounds: the in-process verifier's verify calls, else the router's (engines elsewhere).
@@ -662,6 +692,9 @@ def main(argv: list[str] | None = None) -> int:
                           or sum(c.rounds for c in counters) - rounds0)
                 report.append(f"  timed functions (inclusive wall time, no device synchronization; per round, "
                               f"{rounds} of them, and per call):\n" + timers.table(max(1, rounds)))
+            if profiler is not None:
+                from benchmarks.profile_router import profile_table
+                report.append(profile_table(profiler, a.cprofile, sum(cnt.rounds for cnt in counters) - rounds0))
             print("\n".join(report[-5:]), flush=True)
     finally:
         sampler.close()

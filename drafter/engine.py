@@ -16,15 +16,16 @@ from __future__ import annotations
 from dataclasses import dataclass
 from pathlib import Path
 
+import numpy as np
 import torch
 
 from drafter import ahead
 from drafter.lm_proposers import DraftModelProposer, NgramProposer
 from drafter.proposers import DraftRequest, EagleProposer, Proposer
-from drafter.tree import DraftNodes, host_lists, ready_rows
+from drafter.tree import DraftNodes
 from spectandem.config import SamplingParams, SpecConfig
 from spectandem.devices import to_host
-from spectandem.messages import DraftTree, ReadyTree, StaleMessage, trees_from_ready
+from spectandem.messages import DraftTree, ReadyTree, StaleMessage
 from spectandem.protocol import Verdict
 
 
@@ -64,9 +65,11 @@ class HeldRequest(DraftRequest):
     state of its drafts."""
 
     epoch: int = 0
-    # The tree being verified (committed_len, token ids, parents, valid), what draft ahead forks
-    # from; set by `draft` where the engine drafts ahead.
-    in_flight: tuple[int, list[int], list[int], list[bool]] | None = None
+    # The tree being verified, what draft ahead forks from (`in_flight`): set by `draft` where the
+    # engine drafts ahead, as (committed_len, root token, the drafted nodes' token ids and parents
+    # on the host [B, M], row), and read out as lists once draft ahead asks; or, on an outcome
+    # cache hit, as the lists themselves.
+    flight: tuple | None = None
     # The outcome cache draft ahead filled for that tree: (committed_len, {outcome: (DraftNodes,
     # row)}), an outcome being the round's committed tokens.
     outcomes: tuple[int, dict[tuple[int, ...], tuple[DraftNodes, int]]] | None = None
@@ -81,6 +84,16 @@ class HeldRequest(DraftRequest):
     deferred: tuple[int, torch.Tensor | None] | None = None
     # Whether the last verdict hit the outcome cache (None: there was none); draft_ahead's answer.
     last_hit: bool | None = None
+
+    @property
+    def in_flight(self) -> tuple[int, list[int], list[int], list[bool]] | None:
+        """The tree being verified: (committed_len, token ids, parents, valid), root first."""
+        f = self.flight
+        if f is not None and len(f) == 5:
+            committed_len, root, toks, parents, row = f
+            t = [root, *toks[row].tolist()]
+            f = self.flight = (committed_len, t, [-1, *parents[row].tolist()], [x >= 0 for x in t])
+        return f
 
 
 class DrafterEngine:
@@ -171,7 +184,7 @@ class DrafterEngine:
         for out, req in zip(outputs, reqs):
             self.store.drop(out.request_id)  # the round's verdict is in: its q rows are spent
             cache, rows = req.outcomes, req.outcome_rows or {}
-            req.in_flight = req.ready = req.outcomes = req.outcome_rows = None
+            req.flight = req.ready = req.outcomes = req.outcome_rows = None
             if cache is not None and cache[0] == req.committed_len:
                 hit = cache[1].get(tuple(out.token_ids))
                 req.last_hit = hit is not None
@@ -183,7 +196,7 @@ class DrafterEngine:
                     # outcome's rows: `outcome_trees`); draft ahead then forks from it.
                     hit_rows = rows.get(tuple(out.token_ids))
                     if hit_rows is not None:
-                        req.in_flight = _in_flight(out.committed_len, hit_rows)
+                        req.flight = _in_flight(out.committed_len, hit_rows)
             req.token_ids.extend(out.token_ids)
             if out.request_id in merged:
                 n, feats = req.deferred
@@ -276,25 +289,25 @@ class DrafterEngine:
                 tree = self.proposer.propose(group, key[1])
             for row, i in enumerate(idx):
                 drafts[i] = (tree, row)
-        host: dict[int, list] = {}   # each tree's tensors, copied to the host once (one wait per tree)
+        # Each tree's tensors copied to the host once (one wait per tree), as numpy arrays.
+        host: dict[int, tuple] = {}
         for d, _ in drafts.values():
             if id(d) not in host:
-                host[id(d)] = to_host(d.token_ids, d.parents, d.scores, d.node_probs)
-        lists = {k: host_lists(*h[:3]) for k, h in host.items()}
-        rows, probs_rows = [], []
+                t, par, sc, q = to_host(d.token_ids, d.parents, d.scores, d.node_probs)
+                host[id(d)] = (t.numpy(), par.numpy(), sc.float().numpy(), q)
+        roots = [r.token_ids[-1] for r in reqs]
+        tree = _tree_of(list(request_ids), [r.committed_len for r in reqs], roots, drafts, host)
+        probs_rows = [None] * len(reqs)
         for i, r in enumerate(reqs):
-            d, row = drafts[i]
-            rows.append(ready_rows(r.token_ids[-1], lists[id(d)], row))
             if r.sample_drafts:
+                d, row = drafts[i]
                 q = host[id(d)][3][row]                                          # [mi + 1, V]
                 self.store.put(r.request_id, r.committed_len, q)
-                probs_rows.append(q)
-            else:
-                probs_rows.append(None)
-        tree = trees_from_ready(list(request_ids), [r.committed_len for r in reqs], rows)
-        if self._drafts_ahead:   # what draft_ahead forks from; nothing else reads it
-            for r, rt in zip(reqs, rows):
-                r.in_flight = _in_flight(r.committed_len, rt)
+                probs_rows[i] = q
+        if self._drafts_ahead:   # what draft_ahead forks from, read out when it does
+            for i, r in enumerate(reqs):
+                d, row = drafts[i]
+                r.flight = (r.committed_len, roots[i], host[id(d)][0], host[id(d)][1], row)
         if any(q is not None for q in probs_rows):
             b, n = tree.token_ids.shape
             vocab = next(q.shape[-1] for q in probs_rows if q is not None)
@@ -348,6 +361,37 @@ def build_proposer(cfg: SpecConfig, target, draft_dir: str | Path | None, max_sl
 
     head = load_head(draft_dir, target, kind=cfg.method, dtype=dtype, device=device)
     return EagleProposer(head, cfg, max_slots, max_len, kv_blocks, block_size, cuda_graphs)
+
+
+def _tree_of(request_ids: list[str], committed_lens: list[int], roots: list[int],
+             drafts: dict[int, tuple[DraftNodes, int]], host: dict[int, tuple]) -> DraftTree:
+    """The round's DraftTree: request i's row is row drafts[i][1] of the drafted nodes
+    drafts[i][0] (on the host in `host`, by id: token ids, parents, scores), under its root
+    `roots[i]`, padded to the widest (-1 tokens and parents, -inf scores); what `ready_rows` and
+    `trees_from_ready` make of the rows one by one, filled a tree at a time."""
+    b = len(request_ids)
+    n = 1 + max(host[id(d)][0].shape[1] for d, _ in drafts.values())
+    token_ids = np.full((b, n), -1, dtype=np.int64)
+    parents = np.full((b, n), -1, dtype=np.int64)
+    scores = np.full((b, n), float("-inf"), dtype=np.float32)
+    token_ids[:, 0] = roots
+    scores[:, 0] = 0.0
+    by_tree: dict[int, tuple[list[int], list[int]]] = {}
+    for i in range(b):
+        d, row = drafts[i]
+        at, rows = by_tree.setdefault(id(d), ([], []))
+        at.append(i)
+        rows.append(row)
+    for key, (at, rows) in by_tree.items():
+        t, par, sc, _ = host[key]
+        m = t.shape[1]
+        if len(at) == b and rows == list(range(t.shape[0])):   # the whole tree, in order: no gather
+            token_ids[:, 1: m + 1], parents[:, 1: m + 1], scores[:, 1: m + 1] = t, par, sc
+        else:
+            token_ids[at, 1: m + 1], parents[at, 1: m + 1], scores[at, 1: m + 1] = t[rows], par[rows], sc[rows]
+    return DraftTree(request_ids=request_ids, committed_lens=committed_lens, token_ids=torch.from_numpy(token_ids),
+                     parents=torch.from_numpy(parents), node_valid=torch.from_numpy(token_ids >= 0),
+                     scores=torch.from_numpy(scores))
 
 
 def _in_flight(committed_len: int, rt: ReadyTree) -> tuple[int, list[int], list[int], list[bool]]:

@@ -297,10 +297,10 @@ class EagleProposer(Proposer):
     def _record(self, reqs, cache_lens: list[int], hidden: torch.Tensor, logits: torch.Tensor) -> None:
         """A catch-up is in: each request's head-cache length, and the head's hidden [B, H] and
         logits [B, Vd] for its last pair."""
-        for i, r in enumerate(reqs):
-            self.cache_len[r.request_id] = cache_lens[i]
-            self.last_hidden[r.request_id] = hidden[i]
-            self.last_logits[r.request_id] = logits[i]
+        for r, n, h, lg in zip(reqs, cache_lens, hidden.unbind(0), logits.unbind(0)):   # one call for the views
+            self.cache_len[r.request_id] = n
+            self.last_hidden[r.request_id] = h
+            self.last_logits[r.request_id] = lg
 
     def record_catch_up(self, request_id: str, num_new: int, last_hidden: torch.Tensor,
                         last_logits: torch.Tensor) -> None:

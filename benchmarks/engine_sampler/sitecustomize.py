@@ -17,7 +17,12 @@ With SPECTANDEM_ENGINE_TIMELINE naming a folder (profile_serve.py --engine-timel
 process records instead each call and part of a call its CallClock times (spectandem/call_clock.py:
 "verify", "verify.tree_wait", "draft_next", "draft.post", ...) as (kind, start, end) on the host's
 monotonic clock, which every process shares, while that folder holds "on"; each time the file
-goes it writes them to <folder>/timeline-<kind>-<pid>.json."""
+goes it writes them to <folder>/timeline-<kind>-<pid>.json.
+
+With SPECTANDEM_ENGINE_TRACE naming a folder (profile_serve.py --engine-trace S), an engine
+process that has CUDA in use traces its own device work with torch.profiler (CUDA activity only)
+for SPECTANDEM_ENGINE_TRACE_S seconds, starting SPECTANDEM_ENGINE_TRACE_DELAY_S seconds after the
+folder's "on" appears, and writes the trace to <folder>/trace-<kind>-<pid>.json."""
 
 from __future__ import annotations
 
@@ -141,7 +146,34 @@ def _record_calls(folder: str) -> None:
             os.replace(out + ".tmp", out)
 
 
+def _trace(folder: str, seconds: float, delay: float) -> None:
+    """Each time the run's marker appears: `seconds` of this process's device work traced."""
+    time.sleep(1.0)
+    kind = _kind()
+    if kind is None:
+        return
+    mark = os.path.join(folder, "on")
+    out = os.path.join(folder, f"trace-{kind}-{os.getpid()}.json")
+    while True:
+        while not os.path.exists(mark):
+            time.sleep(0.02)
+        torch = sys.modules.get("torch")
+        if torch is not None and torch.cuda.is_available() and torch.cuda.is_initialized():
+            time.sleep(delay)
+            with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
+                time.sleep(seconds)
+            prof.export_chrome_trace(out + ".tmp")
+            os.replace(out + ".tmp", out)
+        while os.path.exists(mark):
+            time.sleep(0.02)
+
+
+_TRACE = os.environ.get("SPECTANDEM_ENGINE_TRACE")
 if _FOLDER:
     threading.Thread(target=_run, args=(_FOLDER,), name="engine-sampler", daemon=True).start()
 if _TIMELINE:
     threading.Thread(target=_record_calls, args=(_TIMELINE,), name="engine-timeline", daemon=True).start()
+if _TRACE:
+    threading.Thread(target=_trace, args=(_TRACE, float(os.environ.get("SPECTANDEM_ENGINE_TRACE_S", "1")),
+                                          float(os.environ.get("SPECTANDEM_ENGINE_TRACE_DELAY_S", "1"))),
+                     name="engine-trace", daemon=True).start()
