@@ -146,3 +146,45 @@ def test_a_prompt_catch_up_and_a_plain_round_after_it_run_inside_the_first_draft
             continue
         assert same
         assert_same_head_state(fused, split, rids)
+
+
+@pytest.mark.parametrize("tampered", [False, True])
+def test_a_long_prompt_is_caught_up_at_prefill_but_its_last_pair_which_drafts_with_the_round(tampered):
+    """A request admitted while another is mid-stream, its prompt longer than a round's pair
+    buckets: the prefill catches up all of its pairs but the last, which waits for the first draft;
+    that draft takes both requests in one pass (the round's pairs and that one pair), and the trees
+    are those of the engine that catches up in extend. Control: the long prompt's features negated
+    on the one-pass engine make its tree differ."""
+    from drafter.graphs import PAIR_BUCKETS
+    from spectandem.config import SamplingParams
+
+    tree = dict(num_steps=4, topk=1, num_draft_tokens=5)
+    fused, split = _spec("eagle3", **tree), _spec("eagle3", **tree)
+    split.drafter.proposer.has_catch_up_propose = False
+    rids = prefilled((fused, split), PROMPT_TEXTS[:1])
+    verify_and_extend(fused, split, [spec.drafter.draft(rids) for spec in (fused, split)])
+    long_text = " ".join(PROMPT_TEXTS[1:6])
+    sp = SamplingParams(max_tokens=400)
+    for spec in (fused, split):
+        ids = spec.tokenizer.encode(long_text).ids
+        assert len(ids) > PAIR_BUCKETS[-1] + 1
+        first = spec.verifier.prefill(["long"], [ids], [sp], [1])[0]
+        feats = -first.features if tampered and spec is fused else first.features
+        spec.drafter.add("long", ids, first.first_token_id, sp, 1, feats)
+    held, proposer = fused.drafter.requests["long"], fused.drafter.proposer
+    assert held.deferred[0] == 1 and proposer.cache_len["long"] == len(ids) - 1
+    rids.append("long")
+    chain = proposer.chain
+    real_pass, passes = chain.propose_caught_up, []
+
+    def one_pass(slots, base, token_ids, features, *rest):
+        passes.append([len(t) for t in token_ids])
+        return real_pass(slots, base, token_ids, features, *rest)
+
+    chain.propose_caught_up = one_pass
+    trees = [spec.drafter.draft(rids) for spec in (fused, split)]
+    assert len(passes) == 1 and passes[0][1] == 1, passes
+    same = trees[0].token_ids.tolist() == trees[1].token_ids.tolist()
+    assert same != tampered, (trees[0].token_ids, trees[1].token_ids)
+    if not tampered:
+        assert_same_head_state(fused, split, rids)
