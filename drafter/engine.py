@@ -132,33 +132,14 @@ class DrafterEngine:
             reqs.append(req)
         # A prompt's catch-up waits for the request's first draft where that draft runs it in
         # the same graph (as a miss's does: `_drafts_caught_up`; the proposer's `fuses_catch_up`):
-        # the prefill returns at once, and the first tree costs one graph on the GPU. A prompt
-        # too long to share that graph with a round's few pairs (`catch_up_group`) is caught up
-        # now but for its last pair, which waits: the first draft then takes the request with
-        # the round's others, in one pass, rather than in a pass of its own.
-        now, head = [], []
+        # the prefill returns at once, and the first tree costs one graph on the GPU.
+        now = []
         for req, it in zip(reqs, items):
-            n = req.committed_len - 1
-            if it[5] is None or req.ready is not None or not self._drafts_caught_up(req) \
-                    or not self.proposer.fuses_catch_up(1):
-                now.append((req, it[5]))
-                continue
-            f = self._stage(it[5])
-            if n > 1 and self.proposer.catch_up_group(n) != self.proposer.catch_up_group(1):
-                head.append((req, f[: n - 1]))
-                req.deferred = (1, f[n - 1:])
-            elif self.proposer.fuses_catch_up(n):
-                req.deferred = (n, f)
+            if (it[5] is not None and req.ready is None
+                    and self._drafts_caught_up(req) and self.proposer.fuses_catch_up(req.committed_len - 1)):
+                req.deferred = (req.committed_len - 1, self._stage(it[5]))
             else:
-                now.append((req, f))
-        if head:   # the prompt's pairs: each ends at the prompt's last token, the first token not yet in
-            firsts = [r.token_ids.pop() for r, _ in head]
-            try:
-                self.proposer.catch_up([r for r, _ in head], [r.committed_len - 1 for r, _ in head],
-                                       [f for _, f in head])
-            finally:
-                for (r, _), t in zip(head, firsts):
-                    r.token_ids.append(t)
+                now.append((req, it[5]))
         if now:
             self.proposer.catch_up([r for r, _ in now], [r.committed_len - 1 for r, _ in now], [f for _, f in now])
 
