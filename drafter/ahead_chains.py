@@ -92,16 +92,15 @@ def ahead_index_np(cache: PagedKVCache, slots: list[int], base: list[int], chain
     trash = cache.trash_index
     logical = [
         np.where(real, base_np[:, None] + np.arange(m), trash),                        # forced steps
-        np.where(real, base_np[:, None] + m + np.arange(num_steps * width), trash),    # outcome steps
-        np.where(real, np.arange(span)[None, :], trash)]                                # read
+        np.where(real, base_np[:, None] + m + np.arange(num_steps * width), trash)]    # outcome steps
     chain_np = np.zeros((rows, m), dtype=np.int64)
     chain_np[:b] = chains
     if pairs:
         new_np, tok_np, pair_entries = catch_up_columns(token_ids, rows, pairs, base_np, trash)
         logical.append(pair_entries)
     phys = cache.host_rows_np(list(slots) + [slots[0]] * (rows - b), np.concatenate(logical, 1))
-    ends = np.cumsum([m, num_steps * width, span])
-    forced, outcome, read, pair_rows = np.split(phys, ends, axis=1)
+    forced, outcome, pair_rows = np.split(phys, np.cumsum([m, num_steps * width]), axis=1)
+    read = cache.host_span_rows_np(list(slots), span, rows)                          # every column, padding trash
     parts = [base_np, chain_np, forced.T, outcome.reshape(rows, num_steps, width).transpose(1, 0, 2), read]
     if pairs:
         parts += [new_np, tok_np, pair_rows]

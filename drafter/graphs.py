@@ -164,14 +164,13 @@ def chain_index_np(cache: PagedKVCache, slots: list[int], base: list[int], num_s
     real = (np.arange(rows) < b)[:, None]
     base_np = np.array(list(base) + [0] * (rows - b), dtype=np.int64)
     trash = cache.trash_index
-    logical = [np.where(real, base_np[:, None] + np.arange(num_steps - 1), trash),   # step i + 1 writes column i
-               np.where(real, np.arange(span)[None, :], trash)]                      # read
+    logical = [np.where(real, base_np[:, None] + np.arange(num_steps - 1), trash)]   # step i + 1 writes column i
     if pairs:
         new_np, tok_np, pair_entries = catch_up_columns(token_ids, rows, pairs, base_np, trash)
         logical.append(pair_entries)
     phys = cache.host_rows_np(list(slots) + [slots[0]] * (rows - b), np.concatenate(logical, 1))
-    write, read = phys[:, : num_steps - 1], phys[:, num_steps - 1: num_steps - 1 + span]
-    parts = [base_np, write.T, read] + ([new_np, tok_np, phys[:, num_steps - 1 + span:]] if pairs else [])
+    read = cache.host_span_rows_np(list(slots), span, rows)                          # every column, padding trash
+    parts = [base_np, phys[:, : num_steps - 1].T, read] + ([new_np, tok_np, phys[:, num_steps - 1:]] if pairs else [])
     return pack_parts(parts, out)
 
 

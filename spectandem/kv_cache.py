@@ -266,6 +266,21 @@ class PagedKVCache:
         ok = (block >= 0) & (index >= 0) & (index < self.max_len)
         return np.where(ok, block * bs + index % bs, self._trash_row)
 
+    def host_span_rows_np(self, slots: list[int], span: int, rows: int | None = None) -> np.ndarray:
+        """`host_rows_np` of every entry 0..span-1 of each of `slots` -> [rows, span] int64 (rows:
+        len(slots) by default; the rows past len(slots), padding, all the trash row), worked out a
+        block at a time: a pass reads every column of its span, and this costs one table read per
+        block rather than one per entry."""
+        bs, b = self.block_size, len(slots)
+        rows = b if rows is None else rows
+        if not 1 <= span <= self.max_len:
+            raise ValueError(f"span must be in [1, {self.max_len}] (the cache's max_len), got {span}")
+        nb = -(-span // bs)
+        out = np.full((rows, nb, bs), self._trash_row, dtype=np.int64)
+        block = self.host_tables_np[np.asarray(slots, dtype=np.int64), :nb]                  # [b, nb]
+        np.copyto(out[:b], block[:, :, None] * bs + np.arange(bs), where=(block >= 0)[:, :, None])
+        return out.reshape(rows, nb * bs)[:, :span]
+
     def block_tables(self, slots: torch.Tensor) -> torch.Tensor:
         """[B, max_blocks] physical block ids of `slots [B]`, -1 where none (a copy)."""
         return self._tables[slots]

@@ -137,3 +137,29 @@ def test_compact_ragged_with_trash_padding() -> None:
         changed[0, [4, 5]] = False
         changed[2, 3] = False
         assert not changed.any(), layer
+
+
+def test_span_rows_equal_the_rows_of_every_entry_of_the_span() -> None:
+    """`host_span_rows_np` (a block at a time) against `host_rows_np` of the indices 0..span-1 per
+    slot, over slots with blocks mapped, trimmed and freed (unmapped pages give the trash row), for
+    spans inside, at and past a block's end; padding rows all the trash row."""
+    import numpy as np
+
+    from spectandem.kv_cache import PagedKVCache
+
+    cache = PagedKVCache(1, 6, 1, 200, 4, torch.float32, "cpu", num_blocks=64, block_size=16)
+    for slot, entries in enumerate([37, 0, 120, 16, 65]):
+        if entries:
+            cache.reserve(slot, entries)
+    cache.trim(2, 40)      # blocks past the third go back to the pool
+    cache.free(3)
+    slots = [4, 2, 0, 1, 3]
+    for span in (1, 15, 16, 17, 64, 130, 200):
+        want = cache.host_rows_np(slots, np.tile(np.arange(span), (len(slots), 1)))
+        got = cache.host_span_rows_np(slots, span)
+        assert got.shape == (len(slots), span) and (got == want).all(), span
+        padded = cache.host_span_rows_np(slots, span, rows=8)
+        assert (padded[:5] == want).all() and (padded[5:] == cache.trash_row).all()
+    assert (cache.host_span_rows_np([0], 40)[0, :37] != cache.trash_row).all()   # a control: mapped rows are real
+    with pytest.raises(ValueError, match="span"):
+        cache.host_span_rows_np(slots, 201)
