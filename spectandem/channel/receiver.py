@@ -196,11 +196,13 @@ class FeatureReceiver:
         """Items `refs` of `msg` (refs of that one message; the caller holds the lock), all or
         none: an index out of range or taken already (before, or twice here) raises."""
         indices = [r.index for r in refs]
-        for k, (ref, i) in enumerate(zip(refs, indices)):
+        seen: set[int] = set()
+        for ref, i in zip(refs, indices):
             if not 0 <= i < len(msg.shapes):
                 raise FeatureChannelError(f"channel message {ref.seq} has {len(msg.shapes)} items, not {i + 1}")
-            if i in msg.taken or i in indices[:k]:
+            if i in msg.taken or i in seen:
                 raise FeatureChannelError(f"item {i} of channel message {ref.seq} was already taken")
+            seen.add(i)
         out = msg.items(indices)
         if out and out[0].is_cuda:
             # The payload was allocated on the receiver's stream: keep its memory from being
