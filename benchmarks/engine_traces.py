@@ -77,7 +77,8 @@ def served_report(folder: str | Path, gap_us: float = 300.0, top: int = 8) -> st
     drafters = sorted(folder.glob("trace-drafter-*.json"))
     verifiers = sorted(folder.glob("trace-verifier-*.json"))
     if not drafters:
-        return f"  engine traces: no drafter trace in {folder}"
+        return (f"  engine traces: no drafter trace in {folder} (a Ray actor's process does not say which engine it "
+                f"hosts: its trace is trace-ray-worker-PID.json)")
     dk = _kernels(_load(str(drafters[0])))
     vk = _kernels(_load(str(verifiers[0]))) if verifiers else []
     bursts = _bursts([(s, e) for s, e, _, _ in dk], gap_us)
