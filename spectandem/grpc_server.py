@@ -67,8 +67,11 @@ class EngineCalls:
         """fn(*args) decodes the request, calls the engine and encodes the reply, so a malformed
         request maps to INVALID_ARGUMENT like any other."""
         wait = context.time_remaining()   # no deadline: None, or beyond what a lock's timeout takes
+        if wait is not None and wait <= 0:   # a handler thread that took it up late: its caller gave up already
+            context.abort(grpc.StatusCode.DEADLINE_EXCEEDED,
+                          f"{self.role}: this call's deadline passed before it reached the engine")
         blocking = wait is None or wait >= threading.TIMEOUT_MAX
-        if not self._lock.acquire(timeout=-1 if blocking else max(0.0, wait)):
+        if not self._lock.acquire(timeout=-1 if blocking else wait):
             context.abort(grpc.StatusCode.DEADLINE_EXCEEDED,
                           f"{self.role}: the engine call in flight did not end before this call's deadline")
         try:
