@@ -41,7 +41,7 @@ def main() -> None:
     ap.add_argument("--gpu-trace", metavar="PATH", help="trace the timed run with torch.profiler (device and host, "
                     "with stacks) into PATH and report the drafter's bursts (benchmarks/engine_traces.py)")
     ap.add_argument("--cprofile", metavar="FUNC", help="module:qualname run under cProfile in the timed run: the "
-                    "functions inside its calls by their own time")
+                    "functions inside its calls by their own time (from Python 3.12, every thread's while it is on)")
     ap.add_argument("--scale", choices=("full", "tiny"), default="full", help="tiny: a smoke test on the CPU")
     args = ap.parse_args()
     device, dtype = ("cuda", torch.bfloat16) if args.scale == "full" else ("cpu", torch.float32)

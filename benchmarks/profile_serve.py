@@ -543,7 +543,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--time", default="", metavar="FUNCS",
                     help="comma-separated module:qualname functions to time during the measured runs")
     ap.add_argument("--cprofile", metavar="FUNC", help="module:qualname run under cProfile during the measured runs "
-                    "(in this process): the functions inside its calls by their own time")
+                    "(in this process): the functions inside its calls by their own time (from Python 3.12 cProfile sees every "
+                         "thread's calls while it is on: other threads' functions show among them)")
     ap.add_argument("--client", choices=("grpc", "in-process"), default="grpc",
                     help="grpc: `spectandem bench serve` in a process of its own; in-process: the same requests "
                          "submitted to the router on the serving event loop, without the public API "
