@@ -81,11 +81,17 @@ TIMED = ("router.loop:Router._schedule", "router.loop:Router._release", "router.
          "drafter.ahead_chains:AheadChainGraphs.run_caught_up")
 
 
-def profiled(name: str):
-    """Wraps `name` (module:qualname) so each call runs under one cProfile.Profile -> it."""
+def resolve(name: str):
+    """A "module:qualname" function's owner (its class, else its module) and its name there."""
     module, qual = name.split(":")
     cls_name, _, fn_name = qual.rpartition(".")
     owner = getattr(importlib.import_module(module), cls_name) if cls_name else importlib.import_module(module)
+    return owner, fn_name
+
+
+def profiled(name: str):
+    """Wraps `name` (module:qualname) so each call runs under one cProfile.Profile -> it."""
+    owner, fn_name = resolve(name)
     fn = getattr(owner, fn_name)
     prof = cProfile.Profile()
 
@@ -122,11 +128,9 @@ class Timers:
         self._lock = threading.Lock()
         self._patched = []
         for name in names:
-            module, qual = name.split(":")
-            cls_name, _, fn_name = qual.rpartition(".")
-            owner = getattr(importlib.import_module(module), cls_name) if cls_name else importlib.import_module(module)
+            owner, fn_name = resolve(name)
             if hasattr(owner, fn_name):   # (another tree, run to compare, may lack a function)
-                self._patch(owner, fn_name, qual)
+                self._patch(owner, fn_name, name.split(":")[1])
 
     def _add(self, label: str, t0: float) -> None:
         if self.on:

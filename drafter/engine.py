@@ -66,10 +66,9 @@ class HeldRequest(DraftRequest):
 
     epoch: int = 0
     # The tree being verified, what draft ahead forks from (`in_flight`): set by `draft` where the
-    # engine drafts ahead, as (committed_len, root token, the drafted nodes' token ids and parents
-    # on the host [B, M], row), and read out as lists once draft ahead asks; or, on an outcome
-    # cache hit, as the lists themselves.
-    flight: tuple | None = None
+    # engine drafts ahead, as a DraftedRow read out once draft ahead asks; on an outcome cache
+    # hit, as the lists themselves.
+    flight: DraftedRow | tuple[int, list[int], list[int], list[bool]] | None = None
     # The outcome cache draft ahead filled for that tree: (committed_len, {outcome: (DraftNodes,
     # row)}), an outcome being the round's committed tokens.
     outcomes: tuple[int, dict[tuple[int, ...], tuple[DraftNodes, int]]] | None = None
@@ -88,12 +87,25 @@ class HeldRequest(DraftRequest):
     @property
     def in_flight(self) -> tuple[int, list[int], list[int], list[bool]] | None:
         """The tree being verified: (committed_len, token ids, parents, valid), root first."""
-        f = self.flight
-        if f is not None and len(f) == 5:
-            committed_len, root, toks, parents, row = f
-            t = [root, *toks[row].tolist()]
-            f = self.flight = (committed_len, t, [-1, *parents[row].tolist()], [x >= 0 for x in t])
-        return f
+        if isinstance(self.flight, DraftedRow):
+            self.flight = self.flight.lists()
+        return self.flight
+
+
+@dataclass(frozen=True)
+class DraftedRow:
+    """One request's row of a round's drafted nodes on the host, under its root, as `draft` left
+    it: read out as lists (`lists`) only where draft ahead asks."""
+
+    committed_len: int
+    root: int
+    token_ids: np.ndarray   # [B, M] the drafted nodes of every request drafted with it
+    parents: np.ndarray     # [B, M]
+    row: int
+
+    def lists(self) -> tuple[int, list[int], list[int], list[bool]]:
+        toks = [self.root, *self.token_ids[self.row].tolist()]
+        return self.committed_len, toks, [-1, *self.parents[self.row].tolist()], [t >= 0 for t in toks]
 
 
 class DrafterEngine:
@@ -307,7 +319,7 @@ class DrafterEngine:
         if self._drafts_ahead:   # what draft_ahead forks from, read out when it does
             for i, r in enumerate(reqs):
                 d, row = drafts[i]
-                r.flight = (r.committed_len, roots[i], host[id(d)][0], host[id(d)][1], row)
+                r.flight = DraftedRow(r.committed_len, roots[i], host[id(d)][0], host[id(d)][1], row)
         if any(q is not None for q in probs_rows):
             b, n = tree.token_ids.shape
             vocab = next(q.shape[-1] for q in probs_rows if q is not None)
@@ -385,10 +397,7 @@ def _tree_of(request_ids: list[str], committed_lens: list[int], roots: list[int]
     for key, (at, rows) in by_tree.items():
         t, par, sc, _ = host[key]
         m = t.shape[1]
-        if len(at) == b and rows == list(range(t.shape[0])):   # the whole tree, in order: no gather
-            token_ids[:, 1: m + 1], parents[:, 1: m + 1], scores[:, 1: m + 1] = t, par, sc
-        else:
-            token_ids[at, 1: m + 1], parents[at, 1: m + 1], scores[at, 1: m + 1] = t[rows], par[rows], sc[rows]
+        token_ids[at, 1: m + 1], parents[at, 1: m + 1], scores[at, 1: m + 1] = t[rows], par[rows], sc[rows]
     return DraftTree(request_ids=request_ids, committed_lens=committed_lens, token_ids=torch.from_numpy(token_ids),
                      parents=torch.from_numpy(parents), node_valid=torch.from_numpy(token_ids >= 0),
                      scores=torch.from_numpy(scores))

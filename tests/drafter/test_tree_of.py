@@ -6,7 +6,7 @@ row's lists."""
 import numpy as np
 import torch
 
-from drafter.engine import HeldRequest, _in_flight, _tree_of
+from drafter.engine import DraftedRow, HeldRequest, _in_flight, _tree_of
 from drafter.tree import DraftNodes, host_lists, ready_rows
 from spectandem.config import SamplingParams
 from spectandem.messages import trees_from_ready
@@ -40,7 +40,7 @@ def test_rows_of_several_trees_match_the_rows_one_by_one():
     assert got.token_ids.shape == (7, 7)                     # the widest tree (6 nodes) and the root
 
 
-def test_one_whole_tree_in_order_takes_it_as_it_is():
+def test_one_whole_tree_in_order():
     a = _nodes(6, 4, 3)
     drafts = {i: (a, i) for i in range(6)}
     got = _tree_of([f"r{i}" for i in range(6)], [5] * 6, list(range(6)), drafts, {id(a): _host(a)})
@@ -54,7 +54,7 @@ def test_the_draft_ahead_record_reads_out_as_the_row_s_lists():
     a = _nodes(3, 4, 4)
     t, p, _, _ = _host(a)
     req = HeldRequest("r", [1, 2, 3], SamplingParams(), 0, False)
-    req.flight = (3, 3, t, p, 1)
+    req.flight = DraftedRow(3, 3, t, p, 1)
     lists = host_lists(a.token_ids, a.parents, a.scores)
     assert req.in_flight == _in_flight(3, ready_rows(3, lists, 1))
     assert req.in_flight is req.flight                      # read out once
