@@ -139,10 +139,10 @@ def engine_samples_report(folder: Path, wait_s: float = 2.0) -> str:
     files = []
     while time.monotonic() < deadline:
         time.sleep(0.2)
-        files = sorted(folder.glob("*.txt"))
+        files = sorted(f for f in folder.glob("*.txt") if not f.name.startswith("cprofile-"))
         if len(files) >= 2:   # a pair's two processes (a plain server's one: the wait runs out)
             time.sleep(0.2)
-            files = sorted(folder.glob("*.txt"))
+            files = sorted(f for f in folder.glob("*.txt") if not f.name.startswith("cprofile-"))
             break
     if not files:
         return "  engine processes: no samples (a process of its own per engine is needed)"
@@ -150,6 +150,26 @@ def engine_samples_report(folder: Path, wait_s: float = 2.0) -> str:
     for f in files:
         lines.append(f"  engine process {f.stem}:")
         lines += [f"    {line}" for line in f.read_text().splitlines()]
+        f.unlink()
+    return "\n".join(lines)
+
+
+def engine_cprofile_report(folder: Path, wait_s: float = 20.0) -> str:
+    """The cProfile tables the engine processes (benchmarks/engine_sampler,
+    SPECTANDEM_ENGINE_CPROFILE) wrote for the measured run that just ended. Taken, then removed."""
+    deadline = time.monotonic() + wait_s
+    files = []
+    while time.monotonic() < deadline:
+        time.sleep(0.5)
+        files = sorted(folder.glob("cprofile-*.txt"))
+        if len(files) >= 2 or (files and time.monotonic() > deadline - wait_s / 2):
+            break
+    if not files:
+        return "  engine processes: no cProfile tables (a process of its own per engine is needed)"
+    lines = []
+    for f in files:
+        lines.append(f"  engine process {f.stem} under cProfile:")
+        lines += [f"    {line}" for line in f.read_text().splitlines() if line.strip()]
         f.unlink()
     return "\n".join(lines)
 
@@ -182,9 +202,12 @@ ROUND_MARKS = (
     ("the router has the reply (_verify ends)", "router_reply"),
     ("the router sends the draft call (_draft_call)", "router_draft"),
     ("the router sends the next verify (_verify)", "router_verify"),
+    ("its gRPC call goes out (VerifierStub.Verify)", "router_verify_send"),
+    ("the drafter has posted the next trees early (draft_next.post)", "draft_next.post.t1"),
     ("the drafter is done with the verdict", "draft_next.t1"),
     ("the drafter starts the draft call", "draft.t0"),
     ("the drafter has posted the trees (draft.post)", "draft.post.t1"),
+    ("a handler thread of the verifier takes up the next verify (verify.queue)", "verify.queue.t0"),
     ("the verifier starts the next verify", "verify.t0"),
     ("the trees are in (verify.tree_wait ends)", "verify.tree_wait.t1"),
     ("the next forward starts (verify.engine)", "verify.engine.t0"),
@@ -194,7 +217,9 @@ ROUND_MARKS = (
 def round_timeline_report(events: list[tuple[str, float, float]], steps: list[tuple[str, float, float]]) -> str:
     """Medians over the rounds of when each hand-off of ROUND_MARKS happens, from the end of the
     last verify's forward, from the engines' recorded calls (`events`) and the router's steps
-    (`steps`, this process's clock: the same host clock). A round counts where every mark is found."""
+    (`steps`, this process's clock: the same host clock). A round counts where the verifier's
+    reply and its next forward are found; each mark is of the rounds it was found in (a draft call
+    that took the early trees posts none; a round without early trees has no draft_next.post)."""
     by: dict[str, list[tuple[float, float]]] = {}
     for name, t0, t1 in events:
         by.setdefault(name, []).append((t0, t1))
@@ -216,29 +241,35 @@ def round_timeline_report(events: list[tuple[str, float, float]], steps: list[tu
     for (_, e_end), (e_next, _) in zip(engine, engine[1:]):
         call = first("verify", e_end, e_next, end=True)
         nxt = first("verify", e_end, e_next + 1e-9)
-        dn = first("draft_next", e_end - 1e-3, e_next)
-        dc = first("draft", e_end, e_next)
-        post = first("draft.post", e_end, e_next)
-        reply = first("router_verify", e_end, e_next, end=True) or first("router_verify_with_prefill", e_end, e_next, end=True)
-        rv = first("router_verify", e_end, e_next) or first("router_verify_with_prefill", e_end, e_next)
-        rd = first("router_draft_call", e_end, e_next)
-        tw = first("verify.tree_wait", e_end, e_next)
-        sent = first("verify.verdicts", e_end, e_next, end=True)
-        if None in (call, nxt, dn, dc, post, reply, rv, rd, tw, sent):
+        if call is None or nxt is None:
             continue
         rounds += 1
-        marks = {"verify.verdicts.t0": sent[0], "verifier": call[1], "draft_next.t0": dn[0], "draft_next.t1": dn[1], "router_reply": reply[1],
-                 "router_draft": rd[0], "router_verify": rv[0], "draft.t0": dc[0], "draft.post.t1": post[1],
-                 "verify.t0": nxt[0], "verify.tree_wait.t1": tw[1], "verify.engine.t0": e_next}
+        found = {
+            "verify.verdicts.t0": first("verify.verdicts", e_end, e_next, end=True),
+            "verifier": call, "draft_next.t0": first("draft_next", e_end - 1e-3, e_next),
+            "draft_next.post.t1": first("draft_next.post", e_end, e_next),
+            "draft_next.t1": first("draft_next", e_end - 1e-3, e_next),
+            "router_reply": (first("router_verify", e_end, e_next, end=True)
+                             or first("router_verify_with_prefill", e_end, e_next, end=True)),
+            "router_draft": first("router_draft_call", e_end, e_next),
+            "router_verify": first("router_verify", e_end, e_next) or first("router_verify_with_prefill", e_end, e_next),
+            "router_verify_send": first("router_verify_send", e_end, e_next),
+            "draft.t0": first("draft", e_end, e_next), "draft.post.t1": first("draft.post", e_end, e_next),
+            "verify.queue.t0": first("verify.queue", e_end, e_next), "verify.t0": nxt,
+            "verify.tree_wait.t1": first("verify.tree_wait", e_end, e_next),
+            "verify.engine.t0": (e_next, e_next)}
+        ends = {"verifier", "draft_next.post.t1", "draft_next.t1", "router_reply", "draft.post.t1", "verify.tree_wait.t1"}
         for label, key in ROUND_MARKS:
-            offsets[label].append(1e3 * (marks[key] - e_end))
+            if found[key] is not None:
+                offsets[label].append(1e3 * (found[key][1 if key in ends else 0] - e_end))
     if not rounds:
-        return "  round timeline: no round with every hand-off recorded (sequential rounds posting trees are needed)"
+        return "  round timeline: no round with the verifier's reply and its next forward recorded"
     lines = [f"  round timeline, {rounds} of {len(engine) - 1} rounds, ms after the last verify's forward "
-             f"(median, p90):"]
+             f"(median, p90, rounds with the mark):"]
     for label, _ in ROUND_MARKS:
         d = sorted(offsets[label])
-        lines.append(f"    {d[len(d) // 2]:7.2f} {d[min(len(d) - 1, len(d) * 9 // 10)]:7.2f}  {label}")
+        if d:
+            lines.append(f"    {d[len(d) // 2]:7.2f} {d[min(len(d) - 1, len(d) * 9 // 10)]:7.2f} {len(d):5d}  {label}")
     return "\n".join(lines)
 
 
@@ -322,6 +353,17 @@ def _time_router(router, timeline: Timeline) -> dict[str, float]:
                     finally:
                         done(_name, t0)
             setattr(r, name, functools.wraps(fn)(timed))
+        stub = getattr(getattr(r, "verifier", None), "stub", None)   # a gRPC verifier link: when its Verify goes out
+        if stub is not None and hasattr(stub, "Verify"):
+            send = stub.Verify
+
+            def sending(*args, _send=send, **kw):
+                t0 = time.perf_counter()
+                call = _send(*args, **kw)
+                done("_verify_send", t0)
+                return call
+            stub.Verify = sending
+    acc["_verify_send"] = 0.0
     return acc
 
 
@@ -542,8 +584,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--trace-dir", default=None, help="where the device traces are kept (default: a temporary folder)")
     ap.add_argument("--time", default="", metavar="FUNCS",
                     help="comma-separated module:qualname functions to time during the measured runs")
-    ap.add_argument("--cprofile", metavar="FUNC", help="module:qualname run under cProfile during the measured runs "
-                    "(in this process): the functions inside its calls by their own time (from Python 3.12 cProfile sees every "
+    ap.add_argument("--cprofile", metavar="FUNC", help="module:qualname (a function, not a coroutine) run under cProfile during the "
+                    "measured runs (in this process), or \"all\": this process for the whole measured run: the "
+                    "functions inside its calls by their own time (from Python 3.12 cProfile sees every "
                          "thread's calls while it is on: other threads' functions show among them)")
     ap.add_argument("--client", choices=("grpc", "in-process"), default="grpc",
                     help="grpc: `spectandem bench serve` in a process of its own; in-process: the same requests "
@@ -557,6 +600,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--engine-trace", type=float, default=0.0, metavar="S",
                     help="on CUDA, S seconds of each engine process's device work traced, from a second into the "
                          "measured run (benchmarks/engine_sampler), reported by benchmarks/engine_traces.py")
+    ap.add_argument("--engine-cprofile", action="store_true",
+                    help="each engine process serve starts under cProfile during the measured run, every thread of it "
+                         "from Python 3.12 (benchmarks/engine_sampler): its functions by own and inclusive time")
     ap.add_argument("--out", help="write the report here too")
     a = ap.parse_args(ours)
 
@@ -566,7 +612,7 @@ def main(argv: list[str] | None = None) -> int:
     concurrency = [int(x) for x in a.concurrency.split(",") if x]
     work = Path(tempfile.mkdtemp(prefix="profile-serve-"))
     engine_samples = None
-    if a.sample_engines or a.engine_timeline or a.engine_trace:   # read by the engine processes serve starts, which inherit this environment
+    if a.sample_engines or a.engine_timeline or a.engine_trace or a.engine_cprofile:   # read by the engine processes serve starts, which inherit this environment
         engine_samples = work / "engine-samples"
         engine_samples.mkdir()
         os.environ["PYTHONPATH"] = os.pathsep.join(
@@ -575,6 +621,8 @@ def main(argv: list[str] | None = None) -> int:
             os.environ["SPECTANDEM_ENGINE_SAMPLES"] = str(engine_samples)
         if a.engine_timeline:
             os.environ["SPECTANDEM_ENGINE_TIMELINE"] = str(engine_samples)
+        if a.engine_cprofile:
+            os.environ["SPECTANDEM_ENGINE_CPROFILE"] = str(engine_samples)
         if a.engine_trace:
             os.environ.update(SPECTANDEM_ENGINE_TRACE=str(engine_samples), SPECTANDEM_ENGINE_TRACE_S=str(a.engine_trace))
     # The process-wide settings `spectandem serve` makes (engine threads, switch interval).
@@ -589,7 +637,10 @@ def main(argv: list[str] | None = None) -> int:
         from benchmarks.profile_router import Timers
         timers = Timers(tuple(f for f in a.time.split(",") if f))
     profiler = None
-    if a.cprofile:
+    if a.cprofile == "all":   # the whole measured run (every thread from Python 3.12)
+        import cProfile
+        profiler = cProfile.Profile()
+    elif a.cprofile:
         from benchmarks.profile_router import profiled
         profiler = profiled(a.cprofile)
     port = served.state["port"]
@@ -632,9 +683,13 @@ def main(argv: list[str] | None = None) -> int:
                 timers.on = True
             if profiler is not None:
                 profiler.clear()
+                if a.cprofile == "all":
+                    profiler.enable()
             if engine_samples is not None:
                 (engine_samples / "on").touch()
             res = bench(port, c, n, a.max_tokens, work / f"c{c}.json", during)
+            if profiler is not None and a.cprofile == "all":
+                profiler.disable()
             if engine_samples is not None:
                 (engine_samples / "on").unlink()
             timeline.on = False
@@ -684,6 +739,8 @@ def main(argv: list[str] | None = None) -> int:
                 report.append(round_timeline_report(_engine_events(engine_samples), timeline.steps))
             if a.sample_engines:
                 report.append(engine_samples_report(engine_samples))
+            if a.engine_cprofile:
+                report.append(engine_cprofile_report(engine_samples))
             if a.engine_trace:
                 report.append(_engine_trace_report(engine_samples, trace_dir / f"engine-traces-c{c}"))
             report += gpu

@@ -286,12 +286,13 @@ class EagleProposer(Proposer):
         proposer's device in its dtype)."""
         slots = [self.slots.get(r.request_id) for r in reqs]
         base = [self.cache_len.get(r.request_id, 0) for r in reqs]
-        for r, n, b0, f, slot in zip(reqs, num_new, base, features, slots):
-            assert n >= 1 and b0 + n == r.committed_len - 1, (r.request_id, b0, n, r.committed_len)
+        token_ids = []
+        for r, n, b0, f in zip(reqs, num_new, base, features):
+            toks = r.token_ids
+            assert n >= 1 and b0 + n == len(toks) - 1, (r.request_id, b0, n, len(toks))
             assert f.shape[0] == n, "one feature row per new pair"
-            self.cache.trim(slot, b0)
-            self.cache.reserve(slot, b0 + n + room)
-        token_ids = [r.token_ids[r.committed_len - n:] for r, n in zip(reqs, num_new)]
+            token_ids.append(toks[-n:])
+        self.cache.fit_many(slots, base, [b0 + n + room for b0, n in zip(base, num_new)])
         return slots, base, token_ids, to_device_all(features, self.device, self.dtype)
 
     def _record(self, reqs, cache_lens: list[int], hidden: torch.Tensor, logits: torch.Tensor) -> None:

@@ -13,6 +13,7 @@ from __future__ import annotations
 import logging
 import signal
 import threading
+import time
 from concurrent import futures
 from contextlib import nullcontext
 from typing import Callable
@@ -66,6 +67,7 @@ class EngineCalls:
     def run(self, context: grpc.ServicerContext, fn: Callable, *args):
         """fn(*args) decodes the request, calls the engine and encodes the reply, so a malformed
         request maps to INVALID_ARGUMENT like any other."""
+        arrived = time.perf_counter()
         wait = context.time_remaining()   # no deadline: None, or beyond what a lock's timeout takes
         if wait is not None and wait <= 0:   # a handler thread that took it up late: its caller gave up already
             context.abort(grpc.StatusCode.DEADLINE_EXCEEDED,
@@ -75,7 +77,8 @@ class EngineCalls:
             context.abort(grpc.StatusCode.DEADLINE_EXCEEDED,
                           f"{self.role}: the engine call in flight did not end before this call's deadline")
         try:
-            return self._engine_turn(getattr(fn, "__name__", "call").lstrip("_"), self._mapped, context, fn, *args)
+            return self._engine_turn(getattr(fn, "__name__", "call").lstrip("_"), self._mapped, context, fn, *args,
+                                     arrived=arrived)
         finally:
             self._lock.release()
 
@@ -86,13 +89,17 @@ class EngineCalls:
         with self._lock:
             return self._engine_turn(kind, fn, *args)
 
-    def _engine_turn(self, kind: str, fn: Callable, *args):
+    def _engine_turn(self, kind: str, fn: Callable, *args, arrived: float | None = None):
         """fn(*args) under the lock: after the last call's work after its reply, timed as `kind`,
-        on the engine thread where there is one."""
-        with self.after.call() if self.after is not None else nullcontext(), self.clock.timing(kind):
-            if self._thread is not None:
-                return self._thread.submit(fn, *args).result()
-            return fn(*args)
+        on the engine thread where there is one. `arrived` (a caller's call: when its handler
+        thread took it up): the wait for the engine until then is timed as "<kind>.queue"."""
+        with self.after.call() if self.after is not None else nullcontext():
+            if arrived is not None:
+                self.clock.add(f"{kind}.queue", time.perf_counter() - arrived)
+            with self.clock.timing(kind):
+                if self._thread is not None:
+                    return self._thread.submit(fn, *args).result()
+                return fn(*args)
 
     def peek(self, context: grpc.ServicerContext, fn: Callable, *args):
         """A cheap read of counters (info), without waiting for a forward in flight."""

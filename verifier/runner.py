@@ -349,8 +349,7 @@ class NativeRunner:
         """One forward over every tree node. token_ids, parents [B, N]; node_valid [B, N].
         -> (logits [B, N, V] float32, features [B, N, F] or None)."""
         b, n = token_ids.shape
-        for slot, c in zip(slots, cache_lens):
-            self.cache.reserve(slot, c + n)
+        self.cache.reserve_many(slots, [c + n for c in cache_lens])
         logits, feats, _ = self._step(slots, cache_lens, token_ids, parents, node_valid)
         return logits, feats
 
@@ -411,8 +410,7 @@ class NativeRunner:
         The caller prefills the rest. Each prompt's slot is empty; its KV afterwards is as after
         `prefill`."""
         b, n = token_ids.shape
-        for slot, c in zip(slots, cache_lens):
-            self.cache.reserve(slot, c + n)
+        self.cache.reserve_many(slots, [c + n for c in cache_lens])
         k = self._mixable(b, n, prompt_slots, prompts)
         if k == 0:
             logits, feats, _ = self._step(slots, cache_lens, token_ids, parents, node_valid)
@@ -465,8 +463,7 @@ class NativeRunner:
         does; then the result has three more entries: how many it prefilled (k), the logits
         after each of them [k, V] and their features ([[len, F]] or None)."""
         b = len(slots)
-        for slot, c in zip(slots, cache_lens):
-            self.cache.reserve(slot, c + steps)
+        self.cache.reserve_many(slots, [c + steps for c in cache_lens])
         parents = torch.full((b, 1), -1, dtype=torch.long)
         valid = torch.ones(b, 1, dtype=torch.bool)
         placeholder = torch.zeros(b, 1, dtype=torch.long)
@@ -544,8 +541,7 @@ class NativeRunner:
             self.cache.compact(slots, torch.from_numpy(np.where(ok, base + nodes, trash)),
                                torch.from_numpy(np.where(ok, base + rank, trash)))
         # The tree's scratch past the committed entries goes back to the pool.
-        for slot, c, k in zip(slots, cache_lens, kept):
-            self.cache.trim(slot, c + k)
+        self.cache.trim_many(slots, [c + k for c, k in zip(cache_lens, kept)])
 
     def trim(self, slot: int, num_entries: int) -> None:
         """The slot's blocks past its first `num_entries` entries go back to the pool (a decode

@@ -22,7 +22,12 @@ goes it writes them to <folder>/timeline-<kind>-<pid>.json.
 With SPECTANDEM_ENGINE_TRACE naming a folder (profile_serve.py --engine-trace S), an engine
 process that has CUDA in use traces its own device work with torch.profiler (CUDA activity only)
 for SPECTANDEM_ENGINE_TRACE_S seconds, starting SPECTANDEM_ENGINE_TRACE_DELAY_S seconds after the
-folder's "on" appears, and writes the trace to <folder>/trace-<kind>-<pid>.json."""
+folder's "on" appears, and writes the trace to <folder>/trace-<kind>-<pid>.json.
+
+With SPECTANDEM_ENGINE_CPROFILE naming a folder (profile_serve.py --engine-cprofile), an engine
+process runs under cProfile while that folder holds "on" (every thread's calls from Python 3.12)
+and, each time the file goes, writes its functions by own time and by inclusive time to
+<folder>/cprofile-<kind>-<pid>.txt."""
 
 from __future__ import annotations
 
@@ -168,7 +173,40 @@ def _trace(folder: str, seconds: float, delay: float) -> None:
             time.sleep(0.02)
 
 
+def _cprofile(folder: str, top: int = 60) -> None:
+    """Each time the run's marker is there: this process under cProfile (every thread's calls from
+    Python 3.12, whose cProfile uses sys.monitoring; only this thread's before), its table
+    written when the marker goes."""
+    time.sleep(1.0)
+    kind = _kind()
+    if kind is None:
+        return
+    import cProfile
+    import io
+    import pstats
+
+    mark = os.path.join(folder, "on")
+    out = os.path.join(folder, f"cprofile-{kind}-{os.getpid()}.txt")
+    while True:
+        while not os.path.exists(mark):
+            time.sleep(0.02)
+        prof = cProfile.Profile()
+        prof.enable()
+        while os.path.exists(mark):
+            time.sleep(0.02)
+        prof.disable()
+        text = io.StringIO()
+        if sys.version_info < (3, 12):
+            text.write("(Python before 3.12: cProfile saw this watcher thread only)\n")
+        for order in ("tottime", "cumulative"):
+            pstats.Stats(prof, stream=text).strip_dirs().sort_stats(order).print_stats(top)
+        with open(out + ".tmp", "w") as f:
+            f.write(text.getvalue())
+        os.replace(out + ".tmp", out)
+
+
 _TRACE = os.environ.get("SPECTANDEM_ENGINE_TRACE")
+_CPROFILE = os.environ.get("SPECTANDEM_ENGINE_CPROFILE")
 if _FOLDER:
     threading.Thread(target=_run, args=(_FOLDER,), name="engine-sampler", daemon=True).start()
 if _TIMELINE:
@@ -177,3 +215,5 @@ if _TRACE:
     threading.Thread(target=_trace, args=(_TRACE, float(os.environ.get("SPECTANDEM_ENGINE_TRACE_S", "1")),
                                           float(os.environ.get("SPECTANDEM_ENGINE_TRACE_DELAY_S", "1"))),
                      name="engine-trace", daemon=True).start()
+if _CPROFILE:
+    threading.Thread(target=_cprofile, args=(_CPROFILE,), name="engine-cprofile", daemon=True).start()

@@ -163,3 +163,56 @@ def test_span_rows_equal_the_rows_of_every_entry_of_the_span() -> None:
     assert (cache.host_span_rows_np([0], 40)[0, :37] != cache.trash_row).all()   # a control: mapped rows are real
     with pytest.raises(ValueError, match="span"):
         cache.host_span_rows_np(slots, 201)
+
+
+def _state(cache) -> tuple:
+    """Everything a trim or a reserve changes: the pool, each slot's blocks, the host tables and
+    which slots the device copy must take."""
+    return (list(cache.blocks.free), {s: list(t) for s, t in cache.blocks.tables.items()},
+            cache.host_tables.tolist(), list(cache._mapped), sorted(cache._stale))
+
+
+def test_batched_trims_and_reserves_equal_the_calls_one_slot_at_a_time() -> None:
+    """`fit_many`, `reserve_many` and `trim_many` leave the pool, the slots' blocks and the tables
+    exactly as `trim`/`reserve` slot by slot do, over rounds of random lengths that grow past
+    blocks, shrink within and across blocks, and stay put (the no-change path); a request past
+    max_len is refused alike."""
+    import random
+
+    from spectandem.kv_cache import PagedKVCache
+
+    def cache():
+        c = PagedKVCache(1, 8, 1, 120, 4, torch.float32, "cpu", num_blocks=80, block_size=16)
+        c.reserve(5, 40)
+        c.fork(5, 6, 33)   # a borrowed prefix: trims keep it
+        return c
+
+    one, many = cache(), cache()
+    rng = random.Random(0)
+    lens = {s: 0 for s in range(7)}
+    for _ in range(60):
+        slots = rng.sample(range(7), rng.randint(1, 7))
+        keep = [max(0, lens[s] + rng.choice([-20, -3, 0, 0, 1, 5])) for s in slots]
+        need = [min(119, k + rng.choice([0, 1, 6, 17, 40])) for k in keep]
+        for s, k, n in zip(slots, keep, need):
+            one.trim(s, k)
+            one.reserve(s, n)
+            lens[s] = n
+        many.fit_many(slots, keep, need)
+        assert _state(one) == _state(many)
+        grow = [n + rng.choice([0, 2, 20]) for n in need]
+        grow = [min(119, g) for g in grow]
+        for s, g in zip(slots, grow):
+            one.reserve(s, g)
+        many.reserve_many(slots, grow)
+        assert _state(one) == _state(many)
+        cut = [max(0, g - rng.choice([0, 5, 30])) for g in grow]
+        for s, c in zip(slots, cut):
+            one.trim(s, c)
+        many.trim_many(slots, cut)
+        assert _state(one) == _state(many)
+        lens.update(zip(slots, cut))
+    assert any(cache_len > 16 for cache_len in lens.values())   # a control: blocks came and went
+    for fn, args in ((many.reserve_many, ([0], [121])), (many.fit_many, ([0], [0], [121]))):
+        with pytest.raises(ValueError, match="max_len"):
+            fn(*args)

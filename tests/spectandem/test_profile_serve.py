@@ -165,8 +165,8 @@ def _round(at: float, tree_wait_ms: float) -> list:
     wait_end = start + tree_wait_ms * ms
     return [("verify", at, at + 11 * ms), ("verify.tree_wait", start, wait_end),
             ("verify.engine", wait_end, at + 10 * ms), ("verify.verdicts", at + 10.25 * ms, at + 10.5 * ms),
-            ("draft_next", at + 10.5 * ms, at + 13 * ms), ("draft", at + 13.5 * ms, at + 14 * ms),
-            ("draft.post", at + 13.8 * ms, at + 14 * ms)]
+            ("draft_next", at + 10.5 * ms, at + 13 * ms), ("draft_next.post", at + 12.6 * ms, at + 12.8 * ms),
+            ("draft", at + 13.5 * ms, at + 14 * ms), ("draft.post", at + 13.8 * ms, at + 14 * ms)]
 
 
 def test_round_timeline_times_each_hand_off_from_the_last_forward():
@@ -174,20 +174,27 @@ def test_round_timeline_times_each_hand_off_from_the_last_forward():
     events, steps = [], []
     # Rounds every 15 ms. The next call starts 12.5 ms after the previous forward's end: its tree
     # wait lasts until 14.5 ms (1.5 ms wait after the 0.5 ms decode of a call starting at 15 + 0.5).
+    # The third round's draft call took the early trees: it posts none.
     for k in range(4):
         at = k * 15 * ms
-        events += _round(at, 1.5 if k else 2.0)
+        events += [e for e in _round(at, 1.5 if k else 2.0) if not (k == 2 and e[0] == "draft.post")]
         steps += [("_draft_call", at - 3 * ms, at - 2 * ms), ("_verify", at - 2.5 * ms, at + 11.5 * ms)]
     report = round_timeline_report(sorted(events, key=lambda e: e[1]), steps)
     lines = report.splitlines()
     assert lines[0].startswith("  round timeline, 3 of 3 rounds"), report
-    got = {line[19:].strip(): (float(line[:11]), float(line[11:19])) for line in lines[1:]}
+    got = {line[25:].strip(): (float(line[:11]), float(line[11:19]), int(line[19:25])) for line in lines[1:]}
     expected = {"the verifier starts sending the verdicts (verify.verdicts)": 0.25, "the verifier replies (its call ends)": 1.0, "the drafter starts on the verdict (draft_next)": 0.5,
                 "the router has the reply (_verify ends)": 1.5, "the router sends the draft call (_draft_call)": 2.0,
-                "the router sends the next verify (_verify)": 2.5, "the drafter is done with the verdict": 3.0,
+                "the router sends the next verify (_verify)": 2.5,
+                "the drafter has posted the next trees early (draft_next.post)": 2.8,
+                "the drafter is done with the verdict": 3.0,
                 "the drafter starts the draft call": 3.5, "the drafter has posted the trees (draft.post)": 4.0,
                 "the verifier starts the next verify": 5.0, "the trees are in (verify.tree_wait ends)": 7.0,
                 "the next forward starts (verify.engine)": 7.0}
     assert {k: v[0] for k, v in got.items()} == expected, report
-    # Without the drafter's events (a plain server, or in-process engines) no round counts.
-    assert "no round" in round_timeline_report([e for e in events if not e[0].startswith("draft")], steps)
+    assert {k: v[2] for k, v in got.items()} == {k: 2 if "draft.post" in k else 3 for k in expected}, report
+    # Without the drafter's events (a plain server) the rounds count, without the drafter's marks.
+    plain = round_timeline_report([e for e in events if not e[0].startswith("draft")], steps)
+    assert plain.splitlines()[0].startswith("  round timeline, 3 of 3 rounds") and "drafter" not in plain, plain
+    # Without the verifier's calls (in-process engines) none does.
+    assert "no round" in round_timeline_report([e for e in events if e[0] == "verify.engine"], steps)
