@@ -151,17 +151,30 @@ def _record_calls(folder: str) -> None:
             os.replace(out + ".tmp", out)
 
 
-def _trace(folder: str, seconds: float, delay: float) -> None:
-    """Each time the run's marker appears: `seconds` of this process's device work traced."""
-    time.sleep(1.0)
+def _each_run(folder: str, prefix: str, ext: str):
+    """For a watcher thread of an engine process: each time the run's marker appears, (the marker,
+    this process's output file <folder>/<prefix>-<kind>-<pid>.<ext>); the next once the marker
+    has gone and come again. Nothing in a process that is no engine's."""
+    time.sleep(1.0)   # sys.argv is set after this module runs
     kind = _kind()
     if kind is None:
         return
-    mark = os.path.join(folder, "on")
-    out = os.path.join(folder, f"trace-{kind}-{os.getpid()}.json")
+    mark, out = os.path.join(folder, "on"), os.path.join(folder, f"{prefix}-{kind}-{os.getpid()}.{ext}")
     while True:
-        while not os.path.exists(mark):
-            time.sleep(0.02)
+        _until(mark, True)
+        yield mark, out
+        _until(mark, False)
+
+
+def _until(mark: str, there: bool) -> None:
+    """Returns once the run's marker is there (`there`) or gone."""
+    while os.path.exists(mark) != there:
+        time.sleep(0.02)
+
+
+def _trace(folder: str, seconds: float, delay: float) -> None:
+    """Each time the run's marker appears: `seconds` of this process's device work traced."""
+    for _, out in _each_run(folder, "trace", "json"):
         torch = sys.modules.get("torch")
         if torch is not None and torch.cuda.is_available() and torch.cuda.is_initialized():
             time.sleep(delay)
@@ -169,31 +182,20 @@ def _trace(folder: str, seconds: float, delay: float) -> None:
                 time.sleep(seconds)
             prof.export_chrome_trace(out + ".tmp")
             os.replace(out + ".tmp", out)
-        while os.path.exists(mark):
-            time.sleep(0.02)
 
 
 def _cprofile(folder: str, top: int = 60) -> None:
     """Each time the run's marker is there: this process under cProfile (every thread's calls from
     Python 3.12, whose cProfile uses sys.monitoring; only this thread's before), its table
     written when the marker goes."""
-    time.sleep(1.0)
-    kind = _kind()
-    if kind is None:
-        return
     import cProfile
     import io
     import pstats
 
-    mark = os.path.join(folder, "on")
-    out = os.path.join(folder, f"cprofile-{kind}-{os.getpid()}.txt")
-    while True:
-        while not os.path.exists(mark):
-            time.sleep(0.02)
+    for mark, out in _each_run(folder, "cprofile", "txt"):
         prof = cProfile.Profile()
         prof.enable()
-        while os.path.exists(mark):
-            time.sleep(0.02)
+        _until(mark, False)
         prof.disable()
         text = io.StringIO()
         if sys.version_info < (3, 12):

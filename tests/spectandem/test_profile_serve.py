@@ -198,3 +198,35 @@ def test_round_timeline_times_each_hand_off_from_the_last_forward():
     assert plain.splitlines()[0].startswith("  round timeline, 3 of 3 rounds") and "drafter" not in plain, plain
     # Without the verifier's calls (in-process engines) none does.
     assert "no round" in round_timeline_report([e for e in events if e[0] == "verify.engine"], steps)
+
+
+def test_engine_cprofile_writes_a_table_while_marked(tmp_path):
+    """SPECTANDEM_ENGINE_CPROFILE in a process run as a drafter's: a cProfile table of the marked
+    window, written when "on" went. From Python 3.12 it holds the busy main thread's function;
+    before, it says that only the watcher thread was seen. A process that is no engine's (the
+    negative control) writes nothing."""
+    engine, folder = _sampled_process(tmp_path, "drafter/__main__.py", var="SPECTANDEM_ENGINE_CPROFILE")
+    other, other_folder = _sampled_process(tmp_path, "tool/main.py", var="SPECTANDEM_ENGINE_CPROFILE")
+    try:
+        time.sleep(1.5)   # the watcher looks at the command line after a second
+        for f in (folder, other_folder):
+            (f / "on").touch()
+        time.sleep(1.0)
+        for f in (folder, other_folder):
+            (f / "on").unlink()
+        deadline = time.monotonic() + 5
+        while not list(folder.glob("cprofile-drafter-*.txt")) and time.monotonic() < deadline:
+            time.sleep(0.1)
+        written = list(folder.glob("cprofile-drafter-*.txt"))
+        assert len(written) == 1, list(folder.iterdir())
+        text = written[0].read_text()
+        assert "Ordered by: internal time" in text and "Ordered by: cumulative time" in text, text
+        if sys.version_info >= (3, 12):
+            assert "(busy)" in text, text
+        else:
+            assert "saw this watcher thread only" in text, text
+        assert list(other_folder.iterdir()) == []
+    finally:
+        for p in (engine, other):
+            p.kill()
+            p.wait()
