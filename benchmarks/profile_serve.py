@@ -132,46 +132,40 @@ class StackSampler:
         return "\n".join(lines)
 
 
-def engine_samples_report(folder: Path, wait_s: float = 2.0) -> str:
-    """What the engine processes' samplers (benchmarks/engine_sampler) wrote for the measured run
-    that just ended: each writes its file once the run's marker is gone. Taken, then removed."""
+def _engine_files_report(folder: Path, files_of, heading: str, wait_s: float) -> list[str]:
+    """The report files the engine processes (benchmarks/engine_sampler) wrote for the measured run
+    that just ended, `files_of(folder)` of them: each writes its own once the run's marker is gone;
+    a pair's two are waited for (a plain server's one: until `wait_s` runs out). Each file's lines
+    under "engine process <name><heading>:"; taken, then removed."""
     deadline = time.monotonic() + wait_s
     files = []
     while time.monotonic() < deadline:
         time.sleep(0.2)
-        files = sorted(f for f in folder.glob("*.txt") if not f.name.startswith("cprofile-"))
-        if len(files) >= 2:   # a pair's two processes (a plain server's one: the wait runs out)
+        files = files_of(folder)
+        if len(files) >= 2:
             time.sleep(0.2)
-            files = sorted(f for f in folder.glob("*.txt") if not f.name.startswith("cprofile-"))
+            files = files_of(folder)
             break
-    if not files:
-        return "  engine processes: no samples (a process of its own per engine is needed)"
     lines = []
     for f in files:
-        lines.append(f"  engine process {f.stem}:")
-        lines += [f"    {line}" for line in f.read_text().splitlines()]
+        lines.append(f"  engine process {f.stem}{heading}:")
+        lines += [f"    {line}" for line in f.read_text().splitlines() if line.strip()]
         f.unlink()
-    return "\n".join(lines)
+    return lines
+
+
+def engine_samples_report(folder: Path, wait_s: float = 2.0) -> str:
+    """What the engine processes' samplers wrote for the measured run that just ended."""
+    lines = _engine_files_report(folder, lambda d: sorted(f for f in d.glob("*.txt") if not f.name.startswith("cprofile-")),
+                                 "", wait_s)
+    return "\n".join(lines) if lines else "  engine processes: no samples (a process of its own per engine is needed)"
 
 
 def engine_cprofile_report(folder: Path, wait_s: float = 20.0) -> str:
-    """The cProfile tables the engine processes (benchmarks/engine_sampler,
-    SPECTANDEM_ENGINE_CPROFILE) wrote for the measured run that just ended. Taken, then removed."""
-    deadline = time.monotonic() + wait_s
-    files = []
-    while time.monotonic() < deadline:
-        time.sleep(0.5)
-        files = sorted(folder.glob("cprofile-*.txt"))
-        if len(files) >= 2 or (files and time.monotonic() > deadline - wait_s / 2):
-            break
-    if not files:
-        return "  engine processes: no cProfile tables (a process of its own per engine is needed)"
-    lines = []
-    for f in files:
-        lines.append(f"  engine process {f.stem} under cProfile:")
-        lines += [f"    {line}" for line in f.read_text().splitlines() if line.strip()]
-        f.unlink()
-    return "\n".join(lines)
+    """The cProfile tables the engine processes (SPECTANDEM_ENGINE_CPROFILE) wrote for the
+    measured run that just ended (a large profile takes seconds to write)."""
+    lines = _engine_files_report(folder, lambda d: sorted(d.glob("cprofile-*.txt")), " under cProfile", wait_s)
+    return "\n".join(lines) if lines else "  engine processes: no cProfile tables (a process of its own per engine is needed)"
 
 
 def _engine_events(folder: Path, wait_s: float = 2.0) -> list[tuple[str, float, float]]:
@@ -244,11 +238,11 @@ def round_timeline_report(events: list[tuple[str, float, float]], steps: list[tu
         if call is None or nxt is None:
             continue
         rounds += 1
+        draft_next = first("draft_next", e_end - 1e-3, e_next)
         found = {
             "verify.verdicts.t0": first("verify.verdicts", e_end, e_next, end=True),
-            "verifier": call, "draft_next.t0": first("draft_next", e_end - 1e-3, e_next),
+            "verifier": call, "draft_next.t0": draft_next, "draft_next.t1": draft_next,
             "draft_next.post.t1": first("draft_next.post", e_end, e_next),
-            "draft_next.t1": first("draft_next", e_end - 1e-3, e_next),
             "router_reply": (first("router_verify", e_end, e_next, end=True)
                              or first("router_verify_with_prefill", e_end, e_next, end=True)),
             "router_draft": first("router_draft_call", e_end, e_next),

@@ -292,7 +292,8 @@ class EagleProposer(Proposer):
             assert n >= 1 and b0 + n == len(toks) - 1, (r.request_id, b0, n, len(toks))
             assert f.shape[0] == n, "one feature row per new pair"
             token_ids.append(toks[-n:])
-        self.cache.fit_many(slots, base, [b0 + n + room for b0, n in zip(base, num_new)])
+        self.cache.trim_many(slots, base)
+        self.cache.reserve_many(slots, [b0 + n + room for b0, n in zip(base, num_new)])
         return slots, base, token_ids, to_device_all(features, self.device, self.dtype)
 
     def _record(self, reqs, cache_lens: list[int], hidden: torch.Tensor, logits: torch.Tensor) -> None:

@@ -185,20 +185,6 @@ class PagedKVCache:
             self._stale.add(slot)
             self._mapped[slot] = len(table)
 
-    def fit_many(self, slots: list[int], keep: list[int], need: list[int]) -> None:
-        """For each slot in turn: `trim(slot, keep)`, then `reserve(slot, need)` — one call for a
-        round's requests. A slot whose blocks already fit (neither more blocks than `keep`
-        entries take, nor fewer than `need` take; the common case, a round within its blocks)
-        costs a length check; the others go through `trim` and `reserve`."""
-        bs, tables, max_len = self.block_size, self.blocks.tables, self.max_len
-        for slot, k, n in zip(slots, keep, need):
-            table = tables.get(slot)
-            have = len(table) if table is not None else 0
-            if have and -(-k // bs) >= have and have * bs >= n and n <= max_len and self._mapped[slot] == have:
-                continue
-            self.trim(slot, k)
-            self.reserve(slot, n)
-
     def reserve_many(self, slots: list[int], num_entries: list[int]) -> None:
         """`reserve` of each slot to its entries, one call for a round's requests (a slot whose
         blocks hold them already costs a length check)."""

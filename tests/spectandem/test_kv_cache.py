@@ -173,7 +173,7 @@ def _state(cache) -> tuple:
 
 
 def test_batched_trims_and_reserves_equal_the_calls_one_slot_at_a_time() -> None:
-    """`fit_many`, `reserve_many` and `trim_many` leave the pool, the slots' blocks and the tables
+    """`trim_many` and `reserve_many` (a catch-up's trims then reserves) leave the pool, the slots' blocks and the tables
     exactly as `trim`/`reserve` slot by slot do, over rounds of random lengths that grow past
     blocks, shrink within and across blocks, and stay put (the no-change path); a request past
     max_len is refused alike."""
@@ -194,11 +194,13 @@ def test_batched_trims_and_reserves_equal_the_calls_one_slot_at_a_time() -> None
         slots = rng.sample(range(7), rng.randint(1, 7))
         keep = [max(0, lens[s] + rng.choice([-20, -3, 0, 0, 1, 5])) for s in slots]
         need = [min(119, k + rng.choice([0, 1, 6, 17, 40])) for k in keep]
-        for s, k, n in zip(slots, keep, need):
+        for s, k in zip(slots, keep):
             one.trim(s, k)
+        for s, n in zip(slots, need):
             one.reserve(s, n)
             lens[s] = n
-        many.fit_many(slots, keep, need)
+        many.trim_many(slots, keep)
+        many.reserve_many(slots, need)
         assert _state(one) == _state(many)
         grow = [n + rng.choice([0, 2, 20]) for n in need]
         grow = [min(119, g) for g in grow]
@@ -213,6 +215,5 @@ def test_batched_trims_and_reserves_equal_the_calls_one_slot_at_a_time() -> None
         assert _state(one) == _state(many)
         lens.update(zip(slots, cut))
     assert any(cache_len > 16 for cache_len in lens.values())   # a control: blocks came and went
-    for fn, args in ((many.reserve_many, ([0], [121])), (many.fit_many, ([0], [0], [121]))):
-        with pytest.raises(ValueError, match="max_len"):
-            fn(*args)
+    with pytest.raises(ValueError, match="max_len"):
+        many.reserve_many([0], [121])
