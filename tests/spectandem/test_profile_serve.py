@@ -92,6 +92,27 @@ def _sampled_process(tmp_path, script: str, body: str = BUSY, var: str = "SPECTA
     return subprocess.Popen([sys.executable, str(path)], env=env), folder
 
 
+def _mark_once(*folders: Path) -> tuple[float, float]:
+    """A measured run as profile_serve marks it in each folder: "on" for a second, after the
+    processes' watchers had a second to look at their command lines -> (on, off) on this clock."""
+    time.sleep(1.5)
+    for f in folders:
+        (f / "on").touch()
+    t_on = time.perf_counter()
+    time.sleep(1.0)
+    for f in folders:
+        (f / "on").unlink()
+    return t_on, time.perf_counter()
+
+
+def _written(folder: Path, pattern: str, wait_s: float = 5.0) -> list[Path]:
+    """The files matching `pattern` once one is there (or `wait_s` ran out)."""
+    deadline = time.monotonic() + wait_s
+    while not list(folder.glob(pattern)) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    return list(folder.glob(pattern))
+
+
 def test_engine_sampler_writes_an_engine_process_s_stacks_while_marked(tmp_path):
     """benchmarks/engine_sampler in a process run as a drafter's (drafter/__main__.py): the samples
     taken while the folder's "on" file existed, written when it went, name the function the process
@@ -99,16 +120,8 @@ def test_engine_sampler_writes_an_engine_process_s_stacks_while_marked(tmp_path)
     engine, folder = _sampled_process(tmp_path, "drafter/__main__.py")
     other, other_folder = _sampled_process(tmp_path, "tool/main.py")
     try:
-        time.sleep(1.5)   # the sampler looks at the command line after a second
-        for f in (folder, other_folder):
-            (f / "on").touch()
-        time.sleep(1.0)
-        for f in (folder, other_folder):
-            (f / "on").unlink()
-        deadline = time.monotonic() + 5
-        while not list(folder.glob("drafter-*.txt")) and time.monotonic() < deadline:
-            time.sleep(0.1)
-        written = list(folder.glob("drafter-*.txt"))
+        _mark_once(folder, other_folder)
+        written = _written(folder, "drafter-*.txt")
         assert len(written) == 1, list(folder.iterdir())
         text = written[0].read_text()
         samples = int(text.splitlines()[0].split()[1])
@@ -128,18 +141,8 @@ def test_engine_timeline_records_the_clock_s_calls_while_marked(tmp_path):
     engine, folder = _sampled_process(tmp_path, "verifier/__main__.py", CLOCKED, "SPECTANDEM_ENGINE_TIMELINE")
     other, other_folder = _sampled_process(tmp_path, "tool/main.py", CLOCKED, "SPECTANDEM_ENGINE_TIMELINE")
     try:
-        time.sleep(1.5)   # the recorder looks at the command line after a second
-        for f in (folder, other_folder):
-            (f / "on").touch()
-        t_on = time.perf_counter()
-        time.sleep(1.0)
-        for f in (folder, other_folder):
-            (f / "on").unlink()
-        t_off = time.perf_counter()
-        deadline = time.monotonic() + 5
-        while not list(folder.glob("timeline-verifier-*.json")) and time.monotonic() < deadline:
-            time.sleep(0.1)
-        written = list(folder.glob("timeline-verifier-*.json"))
+        t_on, t_off = _mark_once(folder, other_folder)
+        written = _written(folder, "timeline-verifier-*.json")
         assert len(written) == 1, list(folder.iterdir())
         events = json.loads(written[0].read_text())
         calls = [e for e in events if e[0] == "verify"]
@@ -208,16 +211,8 @@ def test_engine_cprofile_writes_a_table_while_marked(tmp_path):
     engine, folder = _sampled_process(tmp_path, "drafter/__main__.py", var="SPECTANDEM_ENGINE_CPROFILE")
     other, other_folder = _sampled_process(tmp_path, "tool/main.py", var="SPECTANDEM_ENGINE_CPROFILE")
     try:
-        time.sleep(1.5)   # the watcher looks at the command line after a second
-        for f in (folder, other_folder):
-            (f / "on").touch()
-        time.sleep(1.0)
-        for f in (folder, other_folder):
-            (f / "on").unlink()
-        deadline = time.monotonic() + 5
-        while not list(folder.glob("cprofile-drafter-*.txt")) and time.monotonic() < deadline:
-            time.sleep(0.1)
-        written = list(folder.glob("cprofile-drafter-*.txt"))
+        _mark_once(folder, other_folder)
+        written = _written(folder, "cprofile-drafter-*.txt")
         assert len(written) == 1, list(folder.iterdir())
         text = written[0].read_text()
         assert "Ordered by: internal time" in text and "Ordered by: cumulative time" in text, text
