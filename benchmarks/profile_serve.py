@@ -208,6 +208,19 @@ ROUND_MARKS = (
 )
 
 
+# The legs of a round, each timed within the round from one ROUND_MARKS key to another: (label,
+# from, to); from "both" is the later of the drafter's early post and the next verify's start.
+ROUND_LEGS = (
+    ("the verdicts to the drafter (sending starts -> the drafter starts)", "verify.verdicts.t0", "draft_next.t0"),
+    ("the drafter on the verdict (it starts -> the next trees posted)", "draft_next.t0", "draft_next.post.t1"),
+    ("the reply to the router (the verifier's call ends -> the router has it)", "verifier", "router_reply"),
+    ("the router's turn (it has the reply -> it sends the next verify)", "router_reply", "router_verify"),
+    ("the gRPC leg (the call goes out -> a verifier handler takes it up)", "router_verify_send", "verify.queue.t0"),
+    ("the trees taken (the later of the post and the verify's start -> the tree wait ends)", "both",
+     "verify.tree_wait.t1"),
+)
+
+
 def round_timeline_report(events: list[tuple[str, float, float]], steps: list[tuple[str, float, float]]) -> str:
     """Medians over the rounds of when each hand-off of ROUND_MARKS happens, from the end of the
     last verify's forward, from the engines' recorded calls (`events`) and the router's steps
@@ -231,7 +244,8 @@ def round_timeline_report(events: list[tuple[str, float, float]], steps: list[tu
         return None
 
     offsets: dict[str, list[float]] = {label: [] for label, _ in ROUND_MARKS}
-    rounds = 0
+    legs: dict[str, list[float]] = {label: [] for label, _, _ in ROUND_LEGS}
+    rounds = drafter_last = 0
     for (_, e_end), (e_next, _) in zip(engine, engine[1:]):
         call = first("verify", e_end, e_next, end=True)
         nxt = first("verify", e_end, e_next + 1e-9)
@@ -253,18 +267,36 @@ def round_timeline_report(events: list[tuple[str, float, float]], steps: list[tu
             "verify.tree_wait.t1": first("verify.tree_wait", e_end, e_next),
             "verify.engine.t0": (e_next, e_next)}
         ends = {"verifier", "draft_next.post.t1", "draft_next.t1", "router_reply", "draft.post.t1", "verify.tree_wait.t1"}
+        at = {key: t[1 if key in ends else 0] for key, t in found.items() if t is not None}
         for label, key in ROUND_MARKS:
-            if found[key] is not None:
-                offsets[label].append(1e3 * (found[key][1 if key in ends else 0] - e_end))
+            if key in at:
+                offsets[label].append(1e3 * (at[key] - e_end))
+        if "draft_next.post.t1" in at and "verify.t0" in at:
+            at["both"] = max(at["draft_next.post.t1"], at["verify.t0"])
+            drafter_last += at["draft_next.post.t1"] > at["verify.t0"]
+        for label, a, b in ROUND_LEGS:
+            if a in at and b in at:
+                legs[label].append(1e3 * (at[b] - at[a]))
     if not rounds:
         return "  round timeline: no round with the verifier's reply and its next forward recorded"
     lines = [f"  round timeline, {rounds} of {len(engine) - 1} rounds, ms after the last verify's forward "
              f"(median, p90, rounds with the mark):"]
     for label, _ in ROUND_MARKS:
-        d = sorted(offsets[label])
-        if d:
-            lines.append(f"    {d[len(d) // 2]:7.2f} {d[min(len(d) - 1, len(d) * 9 // 10)]:7.2f} {len(d):5d}  {label}")
+        lines += _quantile_line(offsets[label], label)
+    if any(legs.values()):
+        lines.append("  each round's legs, ms (median, p90, rounds with both ends):")
+        for label, _, _ in ROUND_LEGS:
+            lines += _quantile_line(legs[label], label)
+        if legs[ROUND_LEGS[-1][0]]:
+            lines.append(f"  the drafter's early post came after the next verify started in {drafter_last} of "
+                         f"{len(legs[ROUND_LEGS[-1][0]])} rounds")
     return "\n".join(lines)
+
+
+def _quantile_line(values: list[float], label: str) -> list[str]:
+    """One report line: the median, the p90 and the count of `values`, then `label` (none if empty)."""
+    d = sorted(values)
+    return [f"    {d[len(d) // 2]:7.2f} {d[min(len(d) - 1, len(d) * 9 // 10)]:7.2f} {len(d):5d}  {label}"] if d else []
 
 
 def thread_cpu() -> dict[str, float]:

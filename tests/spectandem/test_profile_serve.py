@@ -181,14 +181,23 @@ def test_round_timeline_times_each_hand_off_from_the_last_forward():
     for k in range(4):
         at = k * 15 * ms
         events += [e for e in _round(at, 1.5 if k else 2.0) if not (k == 2 and e[0] == "draft.post")]
-        steps += [("_draft_call", at - 3 * ms, at - 2 * ms), ("_verify", at - 2.5 * ms, at + 11.5 * ms)]
+        events.append(("verify.queue", at + 0.1 * ms, at + 0.12 * ms))   # a handler takes the call up
+        steps += [("_draft_call", at - 3 * ms, at - 2 * ms), ("_verify", at - 2.5 * ms, at + 11.5 * ms),
+                  ("_verify_send", at - 2.4 * ms, at - 2.3 * ms)]
     report = round_timeline_report(sorted(events, key=lambda e: e[1]), steps)
     lines = report.splitlines()
     assert lines[0].startswith("  round timeline, 3 of 3 rounds"), report
-    got = {line[25:].strip(): (float(line[:11]), float(line[11:19]), int(line[19:25])) for line in lines[1:]}
+    legs_at = next(i for i, line in enumerate(lines) if line.startswith("  each round's legs"))
+
+    def parsed(block):
+        return {line[25:].strip(): (float(line[:11]), float(line[11:19]), int(line[19:25])) for line in block}
+
+    got = parsed(lines[1:legs_at])
     expected = {"the verifier starts sending the verdicts (verify.verdicts)": 0.25, "the verifier replies (its call ends)": 1.0, "the drafter starts on the verdict (draft_next)": 0.5,
                 "the router has the reply (_verify ends)": 1.5, "the router sends the draft call (_draft_call)": 2.0,
                 "the router sends the next verify (_verify)": 2.5,
+                "its gRPC call goes out (VerifierStub.Verify)": 2.6,
+                "a handler thread of the verifier takes up the next verify (verify.queue)": 5.1,
                 "the drafter has posted the next trees early (draft_next.post)": 2.8,
                 "the drafter is done with the verdict": 3.0,
                 "the drafter starts the draft call": 3.5, "the drafter has posted the trees (draft.post)": 4.0,
@@ -196,6 +205,14 @@ def test_round_timeline_times_each_hand_off_from_the_last_forward():
                 "the next forward starts (verify.engine)": 7.0}
     assert {k: v[0] for k, v in got.items()} == expected, report
     assert {k: v[2] for k, v in got.items()} == {k: 2 if "draft.post" in k else 3 for k in expected}, report
+    # The same rounds' legs, each from its two marks within one round; the verify started before the
+    # early post in none of them (it waited 2 ms for the trees after starting at 5 ms).
+    legs = parsed(lines[legs_at + 1:-1])
+    assert {k.split(" (")[0]: round(v[0], 6) for k, v in legs.items()} == {
+        "the verdicts to the drafter": 0.25, "the drafter on the verdict": 2.3, "the reply to the router": 0.5,
+        "the router's turn": 1.0, "the gRPC leg": 2.5, "the trees taken": 2.0}, report
+    assert all(v[2] == 3 for v in legs.values()), report
+    assert lines[-1] == "  the drafter's early post came after the next verify started in 0 of 3 rounds", report
     # Without the drafter's events (a plain server) the rounds count, without the drafter's marks.
     plain = round_timeline_report([e for e in events if not e[0].startswith("draft")], steps)
     assert plain.splitlines()[0].startswith("  round timeline, 3 of 3 rounds") and "drafter" not in plain, plain
