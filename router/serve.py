@@ -647,6 +647,7 @@ class _StopSignals:
 
     def __init__(self, stop: asyncio.Event):
         self.stop, self.task, self.starting = stop, asyncio.current_task(), True
+        self.signalled = False   # a SIGINT or SIGTERM came (not `stop` set otherwise)
 
     def install(self) -> None:
         loop = asyncio.get_running_loop()
@@ -657,6 +658,7 @@ class _StopSignals:
                 pass
 
     def _on_signal(self) -> None:
+        self.signalled = True
         self.stop.set()
         if self.starting and self.task is not None:
             self.task.cancel()
@@ -726,6 +728,7 @@ async def serve_async(args, ready_message=True, stop_event: asyncio.Event | None
     server = None
     router = None
     fronts = None
+    failed = None
     try:
         _starting(stop)
         routers = []
@@ -815,8 +818,13 @@ async def serve_async(args, ready_message=True, stop_event: asyncio.Event | None
         await stop.wait()
     except StartStopped:   # told to end before it served: what started is cleaned up below
         pass
+    except EngineStartError as exc:   # raised after the cleanup, unless a signal told serve to end (below)
+        failed = exc
     finally:
-        # Every step is bounded: one that hangs must not keep the process (or a test) from ending.
+        # From here a signal only sets `stop`: cancelling the task would cut the cleanup short (and
+        # its last word), and every step is bounded: one that hangs must not keep the process (or a
+        # test) from ending.
+        signals.starting = False
         supervisor.stop_restarting()
         if fronts is not None:
             await _bounded("the HTTP fronts", fronts.close())
@@ -828,6 +836,11 @@ async def serve_async(args, ready_message=True, stop_event: asyncio.Event | None
         gc.unfreeze()   # what the server held may be collected again (in-process callers: tests)
         if ready_message:
             print("spectandem stopped", flush=True)
+    # Ctrl-C reaches the engine processes of serve's group too: one may exit, and its exit be seen
+    # (an engine that failed to start), before serve takes the signal itself. Told to end, serve
+    # ends as asked.
+    if failed is not None and not signals.signalled:
+        raise failed
     if fatal:
         raise EngineStartError(f"the {', '.join(fatal)} stayed down after {args.engine_restarts} restarts within "
                                f"{args.engine_restart_window:.0f} s (--engine-restarts, --engine-restart-window)")

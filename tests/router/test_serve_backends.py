@@ -207,6 +207,55 @@ def test_spectandem_serve_as_a_user_would(tmp_path, stop):
     assert "did not stop within" not in log and took < 60, (took, log)
 
 
+@pytest.mark.parametrize("signalled", [True, False])
+def test_an_engine_exit_seen_before_the_signal(signalled, monkeypatch, capsys):
+    """Ctrl-C reaches the engine processes of serve's group too: one may exit, and serve see that
+    (an engine that failed to start) before it takes the signal itself. serve then still cleans up
+    to the end, says it stopped and ends as asked, without an error. The same exit without a
+    signal stays the error it is. (The engines here are stand-ins: what is under test is serve's
+    start and stop around them; test_stopped_while_it_starts runs the real processes.)"""
+    import asyncio
+
+    import router.serve as serve
+    from router.links import EngineStartError
+    from spectandem.cli import build_parser
+
+    cleaned, handlers = [], []
+
+    class Link:
+        address = "127.0.0.1:1"
+
+    async def build(args, cfg, target, draft, supervisor, say):
+        async def cleanup():
+            await asyncio.sleep(0.05)   # the loop turns here: a signal taken now must not cut it short
+            cleaned.append(True)
+        return [(Link(), None)], cleanup, {"verifier": object()}
+
+    install = serve._StopSignals.install
+
+    def installing(self):
+        handlers.append(self)
+        install(self)
+
+    async def exited(link, what, timeout=300.0, process=None):
+        if signalled:   # the signal, taken by the loop once this step has raised
+            asyncio.get_running_loop().call_soon(handlers[-1]._on_signal)
+        raise EngineStartError("the verifier process exited with code -2 before it served")
+
+    monkeypatch.setattr(serve, "_build_replicas", build)
+    monkeypatch.setattr(serve, "_wait_ready", exited)
+    monkeypatch.setattr(serve._StopSignals, "install", installing)
+    args = build_parser().parse_args(["serve", "--backend", "grpc", "--host", "127.0.0.1", "--port", "0",
+                                      "--http-port", "0", "--metrics-port", "0"])
+    if signalled:
+        asyncio.run(serve.serve_async(args))
+    else:
+        with pytest.raises(EngineStartError, match="exited with code -2"):
+            asyncio.run(serve.serve_async(args))
+    assert cleaned == [True]
+    assert capsys.readouterr().out.rstrip().endswith("spectandem stopped")
+
+
 @pytest.mark.parametrize("backend,stop", [pytest.param("ray", "sigterm", marks=RAY_CLUSTERS),
                                           pytest.param("ray", "ctrl-c", marks=RAY_CLUSTERS),
                                           ("grpc", "ctrl-c"), ("grpc", "sigterm")])
