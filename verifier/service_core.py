@@ -124,9 +124,10 @@ def verifier_verify_prefill(engine, tree: DraftTree | None, tags: list[Tag], pla
     """`verifier_verify` with `items` prefilled in the same step where the engine carries them
     (VerifierEngine.verify_with_prefill, decode_with_prefill) -> (the verdicts, the prefill
     results, with features where `prefill_features`). Every tag is checked before anything runs.
-    `clock`: the engine's part is timed as "verify.engine", the features' hand-off as
-    "verify.features" (a service's EngineInfo.calls)."""
-    with timed(clock, "verify.engine"):
+    `clock`: the engine's part is timed as "verify.engine", and again as
+    "verify.engine.with_prompts" where the call carries new requests' prompts; the features'
+    hand-off as "verify.features" (a service's EngineInfo.calls)."""
+    with timed(clock, "verify.engine"), timed(clock if items else None, "verify.engine.with_prompts"):
         outs, prefilled = _verify_on_engine(engine, tree, tags, plain, want_features, items, on_launch)
     with timed(clock, "verify.features"):
         results = _prefill_results(items, prefilled, prefill_features, sender) if items else []

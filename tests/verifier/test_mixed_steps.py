@@ -194,3 +194,29 @@ def test_engine_on_the_transformers_runner_prefills_apart_with_the_same_results(
     ref = apart.verify(tree)
     assert [o.first_token_id for o in outs] == [o.first_token_id for o in ref_outs]
     assert [(v.tag, v.token_ids) for v in verdicts] == [(v.tag, v.token_ids) for v in ref]
+
+
+def test_the_service_times_the_verifies_that_carry_prompts_apart():
+    """verifier_verify_prefill (what the services run for a verify) times the engine's part of
+    every call as "verify.engine", and of a call that carries new requests' prompts also as
+    "verify.engine.with_prompts" (EngineInfo.calls), so that a profile tells the two apart."""
+    from spectandem.call_clock import CallClock
+    from spectandem.protocol import Tag, VerifierPrefillItem
+    from verifier.service_core import verifier_verify_prefill
+
+    runner, model = load_runner(demo_paths("eagle3")[0], FEATURES, 6, 256)
+    engine = VerifierEngine(runner, 6, model.spec.vocab_size)
+    engine.prefill(["a", "b"], RUNNING, [SamplingParams()] * 2, [1, 2])
+    clock = CallClock()
+    tags = [Tag("a", 0, 8), Tag("b", 0, 13)]
+    for k, items in enumerate(([VerifierPrefillItem(Tag("x", 0, len(NEW[0])), NEW[0], SamplingParams(seed=3), 3)],
+                               [], [])):
+        toks, parents, valid = _chain(2, 3, 20 + k)
+        tree = DraftTree(request_ids=["a", "b"], committed_lens=[t.committed_len for t in tags], token_ids=toks,
+                         parents=parents, node_valid=valid, scores=torch.zeros(2, 3))
+        verdicts, prefilled = verifier_verify_prefill(engine, tree, tags, [], False, items, False, clock=clock)
+        assert len(prefilled) == len(items)
+        tags = [v.tag for v in verdicts]
+    stats = clock.stats()
+    assert stats["count"]["verify.engine"] == 3 and stats["count"]["verify.engine.with_prompts"] == 1, stats
+    assert 0 < stats["busy_s"]["verify.engine.with_prompts"] < stats["busy_s"]["verify.engine"], stats
