@@ -394,8 +394,9 @@ def test_a_wave_of_requests_landing_a_little_apart_is_prefilled_at_once(gap_s):
         return v, outs, max(gaps[:-1])
 
     # A loaded machine may oversleep the short gap past ARRIVAL_GAP_S, which makes it another
-    # wave: such a try does not count, and one of three must land as a wave.
-    for _ in range(3):
+    # wave: such a try does not count, and one of ten must land as a wave (on a busy 2-core machine
+    # three tries in a row can oversleep).
+    for _ in range(10):
         v, outs, widest = run(main())
         assert_exact(outs)
         if gap_s > ARRIVAL_GAP_S or widest < ARRIVAL_GAP_S:
