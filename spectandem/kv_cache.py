@@ -15,7 +15,7 @@ per step, whose `attend(layer, q, k_new, v_new, mask, scale)` writes the step's 
 `CacheBatch` / `PagedCacheBatch` gather the span and apply the caller's dense mask;
 `PagedTreeBatch` (NativeRunner's triton_attention) reads the pool in place through the block
 tables with the tree mask it carries; `PackedPrefillBatch` takes several prompts' tokens back to
-back in one row and attends each prompt over its own entries.
+back in one row, writes their K/V into the pool and attends each prompt over its own tokens.
 """
 
 from __future__ import annotations
@@ -27,6 +27,7 @@ import torch
 
 from spectandem.devices import to_device
 from spectandem.kernels.attention import launch_split_len, paged_tree_attention, pool_rows, split_len_for
+from spectandem.kernels.prefill_attention import packed_causal_attention
 from spectandem.modeling.layers import masked_attention
 
 
@@ -379,48 +380,37 @@ class PagedCacheBatch:
 class PackedPrefillBatch:
     """A prefill of several prompts whose tokens lie back to back in one row of the forward
     (`[1, T]`, T their tokens in all, no padding), so its GEMMs take no padded rows: each token's
-    K/V is written at its own slot's entry, and each prompt attends causally over its own entries
-    through the paged attention (spectandem/kernels/attention.py: the Triton kernel on CUDA, its
-    torch reference otherwise) in a padded `[P, L]` layout, P prompts, L the longest: the
-    attention alone sees padding rows, whose outputs are dropped.
+    K/V is written at its own slot's entry, and each prompt attends causally over its own tokens,
+    whose K/V are the forward's own (every prompt starts at entry 0): spectandem/kernels/
+    prefill_attention.py, the Triton kernel on CUDA, its torch reference otherwise.
 
-    Example: prompts of 2 and 3 tokens -> T = 5; `gather` [[0, 1, 0], [2, 3, 4]] (the first
-    prompt's padding row reads its token 0), `scatter` [0, 1, 3, 4, 5] (the real rows of the
-    flattened [2 * 3] output)."""
+    Example: prompts of 2 and 3 tokens -> T = 5, `starts` [0, 2, 5], `longest` 3."""
 
     cache: PagedKVCache
     write_rows: torch.Tensor     # [1, T] physical rows of every token's entry
-    prompts: "PagedTreeBatch"    # the [P, L] layout's attention: the slots' tables, prefixes 0, causal
-    gather: torch.Tensor         # [P, L] each prompt's tokens (indices into T), padded with its first
-    scatter: torch.Tensor        # [T] where each token's row lies in the flattened [P * L] layout
+    starts: torch.Tensor         # [P + 1] int32: prompt p's tokens are [starts[p], starts[p + 1])
+    longest: int                 # the longest prompt's tokens
 
     @classmethod
     def of(cls, cache: PagedKVCache, slots: list[int], lens: list[int]) -> "PackedPrefillBatch":
         """The view of prompts of `lens` tokens in `slots`, each prefilled from entry 0 (the
         slots reserve their entries first)."""
-        longest, starts = max(lens), np.cumsum([0] + lens[:-1])
         slot_of = np.repeat(np.asarray(slots, dtype=np.int64), lens)
         entry = np.concatenate([np.arange(m) for m in lens])
         rows = cache.host_rows_np(slot_of, entry[:, None])[:, 0]
-        ar = np.arange(longest)
-        real = ar[None, :] < np.asarray(lens)[:, None]                                    # [P, L]
-        gather = np.where(real, starts[:, None] + ar[None, :], starts[:, None])
-        scatter = (np.arange(len(lens))[:, None] * longest + ar[None, :])[real]
+        starts = np.concatenate([[0], np.cumsum(lens)]).astype(np.int32)
         dev = cache.k[0].device
-        tables = cache.block_tables(to_device(torch.tensor(slots, dtype=torch.long), dev))
-        prompts = PagedTreeBatch(cache, to_device(torch.from_numpy(rows[gather]), dev), tables,
-                                 torch.zeros(len(lens), dtype=torch.long, device=dev), None)
-        return cls(cache, to_device(torch.from_numpy(rows)[None], dev), prompts,
-                   to_device(torch.from_numpy(gather), dev), to_device(torch.from_numpy(scatter), dev))
+        return cls(cache, to_device(torch.from_numpy(rows)[None], dev), to_device(torch.from_numpy(starts), dev),
+                   max(lens))
 
     def attend(self, layer: int, q: torch.Tensor, k_new: torch.Tensor, v_new: torch.Tensor, mask: None,
                scale: float) -> torch.Tensor:
         """Writes `k_new, v_new [1, nkv, T, hd]`, then attends `q [1, nh, T, hd]` of each prompt over
-        its own entries -> [1, T, nh * hd]. `mask` must be None: the view masks each prompt itself."""
+        its own tokens -> [1, T, nh * hd]. `mask` must be None: the view masks each prompt itself."""
         assert mask is None, "a PackedPrefillBatch masks each prompt itself; the forward's mask must be None"
-        write_rows_kv(self.cache, layer, self.write_rows, k_new, v_new)
-        out = self.prompts.attend_pool(layer, q[0][:, self.gather].transpose(0, 1), scale)   # [P, L, nh * hd]
-        return out.reshape(-1, out.shape[-1])[self.scatter][None]
+        k, _ = write_rows_kv(self.cache, layer, self.write_rows, k_new, v_new)
+        k_new, v_new = k_new.to(k.dtype), v_new.to(k.dtype)   # the pool's values, as the paged kernels read them
+        return packed_causal_attention(q[0].to(k.dtype), k_new[0], v_new[0], self.starts, self.longest, scale)[None]
 
     def attend_rotary(self, layer: int, q: torch.Tensor, k_new: torch.Tensor, v_new: torch.Tensor,
                       cos: torch.Tensor, sin: torch.Tensor, mask: None, scale: float) -> torch.Tensor:
@@ -456,7 +446,7 @@ class PagedTreeBatch:
     block_tables: torch.Tensor  # [B, max_blocks] physical block ids, -1 where none
     prefix_lens: torch.Tensor   # [B] committed entries, visible to every round token
     tree_mask: torch.Tensor | None   # [B, T, T] bool: token t may see round entry j (itself and its ancestors);
-    #                                  None: causal (PackedPrefillBatch's prompts)
+    #                                  None: causal
 
     def attend(self, layer: int, q: torch.Tensor, k_new: torch.Tensor, v_new: torch.Tensor, mask: None,
                scale: float) -> torch.Tensor:

@@ -70,12 +70,17 @@ PREFILL_PAD_SHARE = 0.25
 # its GEMMs, at most PACKED_PREFILL_TOKENS tokens a forward, where that costs less
 # (`packed_prefill_plan`). Costs are in graphed rows: a graphed prefill of r rows costs
 # PREFILL_GRAPH_ROWS + r (the fixed part is the weights' read: on an H100 the 8B-shaped target's
-# graphed prefill took about 6.5 ms + 23 us a row), an eager or packed forward of r rows
-# PREFILL_GRAPH_ROWS + max(r, PREFILL_EAGER_ROWS) (its launches: 34 to 38 ms for a few prompts).
+# graphed prefill took about 6.5 ms + 23 us a row), an eager forward of a group of r rows
+# PREFILL_GRAPH_ROWS + max(r, PREFILL_EAGER_ROWS) (its launches: 34 to 38 ms for a few prompts), a
+# packed forward of r tokens PREFILL_GRAPH_ROWS + max(r, PREFILL_PACKED_ROWS): its attention is one
+# kernel a layer (spectandem/kernels/prefill_attention.py), and its launches take about 21 ms. On
+# an H200 (16 us a graphed row): one prompt of 248 tokens 21.3 ms packed, 8.1 ms graphed; four of
+# 678 tokens 21.2 ms packed, 24.7 ms in three graphed groups; 16 of 2,287 tokens 53 against 113 ms.
 # Example: 16 prompts of 32 to 249 tokens (2,287 in all) make 6 groups costing 4,224 rows, packed 2,543.
 PACKED_PREFILL_TOKENS = 4096
 PREFILL_GRAPH_ROWS = 256
 PREFILL_EAGER_ROWS = 1280
+PREFILL_PACKED_ROWS = 1024
 
 
 def graphed_prefill_pays(rows: int, tokens: int) -> bool:
@@ -604,7 +609,7 @@ def packed_prefill_plan(lens: list[int], groups: list[list[int]], batch_buckets:
     each, where these cost less than `groups` (`prefill_groups`, each graphed or eager as
     `graphed_prefill_chain` says); None where the groups cost less. Costs: PACKED_PREFILL_TOKENS'
     comment. Examples: lens [248, 226, 42, 162, 135, 244] (3 groups, 2,224 rows with their fixed
-    parts) -> [[0, 1, 2, 3, 4, 5]] (1,536 rows); 64 prompts of 133 tokens (8 eager groups, 12,288
+    parts) -> [[0, 1, 2, 3, 4, 5]] (1,313 rows); 64 prompts of 133 tokens (8 eager groups, 12,288
     rows) -> runs of 22, 22 and 20 (9,280 rows)."""
     def group_cost(idx: list[int]) -> int:
         group = [lens[i] for i in idx]
@@ -613,7 +618,7 @@ def packed_prefill_plan(lens: list[int], groups: list[list[int]], batch_buckets:
         return PREFILL_GRAPH_ROWS + (rows if n else max(PREFILL_EAGER_ROWS, rows))
 
     runs = packed_runs(lens)
-    packed = sum(PREFILL_GRAPH_ROWS + max(PREFILL_EAGER_ROWS, sum(lens[i] for i in run)) for run in runs)
+    packed = sum(PREFILL_GRAPH_ROWS + max(PREFILL_PACKED_ROWS, sum(lens[i] for i in run)) for run in runs)
     return runs if packed < sum(group_cost(g) for g in groups) else None
 
 

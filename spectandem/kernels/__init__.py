@@ -1,6 +1,7 @@
 """Triton GPU kernels for the verifier's hot path, each beside the torch reference it must match.
 
     attention.py   tree-masked attention over the paged KV cache (batch-invariant)
+    prefill_attention.py   causal attention of prompts packed back to back (a packed prefill)
     accept.py      greedy acceptance over draft trees, one program per request
     compact.py     KV compaction of the accepted path, all layers in one launch
 

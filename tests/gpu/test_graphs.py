@@ -137,7 +137,8 @@ def _same_verify(eager, other, slots, lens, g, dtype) -> None:
 def test_packed_prefill_equals_eager(dtype, lens):
     """Prompts back to back in one forward on the fast path (fused ops, NativeRunner._prefill_packed):
     the last logits and every position's features as the eager prefill's, and a verify after it
-    (reading the prefill's K/V) as well; `prefill` takes it for the wave of 8."""
+    (reading the prefill's K/V) as well; `prefill` takes it for the prompts of four groups or more
+    (64-3-30-200: four graphed prefills cost more than one packed forward) and the wave of 8."""
     from verifier.runner import packed_prefill_plan, prefill_groups
 
     model = load_llama(demo_paths("none")[0], dtype, "cuda")
@@ -150,7 +151,7 @@ def test_packed_prefill_equals_eager(dtype, lens):
     _same_verify(eager, packed, slots, lens, g, dtype)
     buckets = packed.graphs.batch_buckets
     assert (packed_prefill_plan(list(lens), prefill_groups(list(lens), buckets), buckets, MAX_LEN) is not None) == \
-        (len(lens) == 8)
+        (len(lens) >= 4)
 
 
 @pytest.mark.parametrize("kind", ["eagle3", "eagle"])

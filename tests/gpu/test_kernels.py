@@ -259,6 +259,38 @@ def check_compact_random_overlaps(device, dtype, seed: int) -> None:
 # GPU tests
 
 
+def check_packed_causal_matches_reference(device, dtype, lens: list[int], num_heads: int, num_kv_heads: int,
+                                          head_dim: int, seed: int) -> None:
+    """The packed prefill's attention (prefill_attention.py) against its reference: prompts of
+    `lens` tokens back to back, q, k and v strided as a forward's projections leave them ([T, heads,
+    hd] transposed), each prompt's rows attending only within it (a negative control: the same q
+    with one prompt's keys changed changes that prompt's rows alone)."""
+    from spectandem.kernels.prefill_attention import packed_causal_attention_ref, packed_causal_attention_triton
+
+    gen = torch.Generator().manual_seed(seed)
+    total = sum(lens)
+    q = torch.randn(total, num_heads, head_dim, generator=gen).to(dtype).to(device).transpose(0, 1)
+    k = torch.randn(total, num_kv_heads, head_dim, generator=gen).to(dtype).to(device).transpose(0, 1)
+    v = torch.randn(total, num_kv_heads, head_dim, generator=gen).to(dtype).to(device).transpose(0, 1)
+    starts = torch.tensor([0, *torch.tensor(lens).cumsum(0).tolist()], dtype=torch.int32, device=device)
+    scale = head_dim ** -0.5
+    out = packed_causal_attention_triton(q, k, v, starts, max(lens), scale)
+    ref = packed_causal_attention_ref(q, k, v, starts, max(lens), scale)
+    assert out.shape == (total, num_heads * head_dim)
+    torch.testing.assert_close(out.float(), ref.float(), **TOLERANCE[dtype])
+    # Each row sees its prompt only, and within it only the tokens up to its own: the last prompt's
+    # values changed move the last prompt's rows alone; its last token's value moves its last row alone.
+    s, e = int(starts[-2]), int(starts[-1])
+    v2 = v.clone()
+    v2[:, s:e] += 1.0
+    out2 = packed_causal_attention_triton(q, k, v2, starts, max(lens), scale)
+    assert torch.equal(out2[:s], out[:s]) and not torch.equal(out2[s:e], out[s:e])
+    v3 = v.clone()
+    v3[:, e - 1] += 1.0
+    out3 = packed_causal_attention_triton(q, k, v3, starts, max(lens), scale)
+    assert torch.equal(out3[: e - 1], out[: e - 1]) and not torch.equal(out3[e - 1], out[e - 1])
+
+
 @pytest.fixture(scope="module", autouse=True)
 def _cuda_and_triton():
     if not torch.cuda.is_available():
@@ -307,6 +339,13 @@ def test_tiles_per_program_pairs_only_a_full_launch():
     full = -(-4 * sms // 16)                                         # 8 kv heads x 2 blocks x full >= 4 x sms
     assert attention.tiles_per_program(q(full, 5), 8) == 2
     assert attention.tiles_per_program(q(full - 1, 5), 8) == 1
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=DTYPE_IDS)
+@pytest.mark.parametrize("lens", [(1,), (70, 3, 129), (248, 226, 42, 162, 135, 244)], ids=["1", "70-3-129", "wave-6"])
+@pytest.mark.parametrize("heads", [(32, 8, 128), (4, 4, 64)], ids=["gqa4-128", "mha-64"])
+def test_packed_causal_matches_reference(dtype, lens, heads):
+    check_packed_causal_matches_reference("cuda", dtype, list(lens), *heads, seed=len(lens))
 
 
 @pytest.mark.parametrize("batch,num_nodes", [(1, 1), (4, 5), (16, 16), (8, 64), (3, 37)])

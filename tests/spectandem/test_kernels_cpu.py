@@ -29,6 +29,7 @@ from tests.gpu.test_kernels import (  # noqa: E402  (after the skips: the helper
     check_attention_matches_reference,
     check_compact_matches_paged_cache,
     check_compact_random_overlaps,
+    check_packed_causal_matches_reference,
     check_paired_tiles_equal_single,
 )
 
@@ -86,3 +87,9 @@ def test_compact_matches_paged_cache(dtype):
 @pytest.mark.parametrize("dtype", DTYPES, ids=DTYPE_IDS)
 def test_compact_random_overlaps(dtype):
     check_compact_random_overlaps("cpu", dtype, seed=0)
+
+
+@pytest.mark.parametrize("dtype", ATTENTION_DTYPES, ids=ATTENTION_DTYPE_IDS)
+@pytest.mark.parametrize("lens", [(1,), (40, 3, 70)], ids=["1", "40-3-70"])
+def test_packed_causal_matches_reference(dtype, lens):
+    check_packed_causal_matches_reference("cpu", dtype, list(lens), 4, 2, 32, seed=len(lens))

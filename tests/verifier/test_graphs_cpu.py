@@ -269,9 +269,10 @@ def test_packed_prefill_equals_eager(model, features, lens):
 
 
 def test_packed_prefill_plan_packs_where_the_groups_cost_more():
-    """Prompts of many padded lengths, or more than a graphed group takes, go packed in runs of
-    about even shares of at most PACKED_PREFILL_TOKENS tokens; a few short prompts, or one group
-    that runs graphed, stay in their groups."""
+    """Prompts of many padded lengths, more than a graphed group takes, or whose padding costs more
+    than a packed forward, go packed in runs of about even shares of at most PACKED_PREFILL_TOKENS
+    tokens; a few short prompts, or one group that runs graphed with little padding, stay in their
+    groups."""
     from verifier.runner import PACKED_PREFILL_TOKENS, packed_prefill_plan
 
     buckets = (1, 2, 4, 8, 16, 32, 64)
@@ -283,8 +284,9 @@ def test_packed_prefill_plan_packs_where_the_groups_cost_more():
     assert [len(r) for r in runs] == [22, 22, 20] and [i for r in runs for i in r] == list(range(64))
     assert all(133 * len(r) <= PACKED_PREFILL_TOKENS for r in runs)
     assert plan([32, 48]) is None             # two small graphed prefills cost less than one eager forward
-    assert plan([130] * 8) is None            # one graphed group of 8 x 192
-    assert plan([100] * 3) is None
+    assert plan([130] * 8) == [list(range(8))]   # 1,040 tokens packed, not one graphed group of 8 x 192
+    assert plan([100] * 3) is None            # one graphed group of 4 x 128: less than a packed forward's launches
+    assert plan([60] * 8) is None             # one graphed group of 8 x 64
     assert plan([5000, 5000], max_len=8192) is None   # past the runs' limit each: one eager forward each either way
 
 
