@@ -5,12 +5,14 @@ prompt, verifier/runner.py `_prefill_graphed`), with a plain decode step and a 5
 verify at batch 16 for scale. Each figure is the median of `--iters` calls, synchronized.
 
     python benchmarks/prefill_timing.py [--lengths 64,128,256] [--batches 1,2,4] [--iters 10] [--waves 16,64]
+        [--profile-wave 64]
 
 `--waves`: prompts of the lengths `bench serve`'s default dataset gives (the first W of
 benchmarks/data/heldout-prompts.jsonl under the demo tokenizer, the 8B-shaped pair's), prefilled
 at once as a wave of W requests arriving together does: in groups of one padded length
 (`prefill_groups`, each graphed or eager), back to back in packed forwards (`_prefill_packed`),
-and the path serve takes (`packed_prefill_plan`).
+and the path serve takes (`packed_prefill_plan`). `--profile-wave W`: the packed prefill of the first W
+prompts once more under torch.profiler, its kernels by CUDA time.
 
 Which path serve takes (the last column) is `NativeRunner._graphed_prefill_nodes`: graphed up to
 GRAPHED_PREFILL_MAX tokens and GRAPHED_PREFILL_ROWS rows (batch bucket x padded length), past
@@ -44,6 +46,8 @@ def main() -> int:
     ap.add_argument("--iters", type=int, default=10, help="calls timed per figure (default: %(default)s)")
     ap.add_argument("--waves", default="16,64",
                     help="prompts per wave of dataset prompts, 0 for none (default: %(default)s)")
+    ap.add_argument("--profile-wave", type=int, default=0, metavar="W",
+                    help="profile the packed prefill of the first W dataset prompts (default: none)")
     a = ap.parse_args()
 
     import verifier.runner as vr
@@ -94,18 +98,49 @@ def main() -> int:
         runner.cache.free(s)
     if waves:
         _waves(runner, waves, a.iters)
+    if a.profile_wave:
+        _profile_wave(runner, a.profile_wave)
     return 0
+
+
+def _wave_prompts(w: int) -> list[list[int]]:
+    """The first `w` prompts of bench serve's default dataset under the demo tokenizer."""
+    from benchmarks.bench.datasets import DEFAULT_DATASET, _demo_tokenizer, load_prompts
+
+    tok = _demo_tokenizer()
+    return [tok.encode(p.text).ids for p in load_prompts(DEFAULT_DATASET)[:w]]
+
+
+def _profile_wave(runner, w: int) -> None:
+    import verifier.runner as vr
+    from torch.profiler import ProfilerActivity, profile
+
+    prompts = _wave_prompts(w)
+    slots = list(range(w))
+
+    def packed():
+        for run in vr.packed_runs([len(p) for p in prompts]):
+            runner._prefill_packed([slots[i] for i in run], [prompts[i] for i in run])
+        for s in slots:
+            runner.cache.free(s)
+    packed()
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        packed()
+        torch.cuda.synchronize()
+    events = sorted(prof.key_averages(), key=lambda e: e.self_device_time_total, reverse=True)
+    total = sum(e.self_device_time_total for e in events)
+    print(f"packed prefill of {w} prompts ({sum(len(p) for p in prompts)} tokens) under the profiler: "
+          f"{total / 1000:.2f} ms of CUDA time; its kernels by CUDA time:")
+    for e in events[:12]:
+        print(f"  {e.self_device_time_total / 1000:8.2f} ms {e.count:5d} calls  {e.key[:90]}")
 
 
 def _waves(runner, waves: list[int], iters: int) -> None:
     import verifier.runner as vr
-    from benchmarks.bench.datasets import DEFAULT_DATASET, _demo_tokenizer, load_prompts
-
-    tok = _demo_tokenizer()
-    texts = [p.text for p in load_prompts(DEFAULT_DATASET)]
     print(f"{'wave':>5} {'tokens':>6} {'groups':>6} {'groups ms':>9} {'packed runs':>11} {'packed ms':>9}  serve takes")
     for w in waves:
-        prompts = [tok.encode(t).ids for t in texts[:w]]
+        prompts = _wave_prompts(w)
         lens = [len(p) for p in prompts]
         slots = list(range(w))
         groups = vr.prefill_groups(lens, runner.graphs.batch_buckets)
