@@ -408,9 +408,8 @@ class PackedPrefillBatch:
         """Writes `k_new, v_new [1, nkv, T, hd]`, then attends `q [1, nh, T, hd]` of each prompt over
         its own tokens -> [1, T, nh * hd]. `mask` must be None: the view masks each prompt itself."""
         assert mask is None, "a PackedPrefillBatch masks each prompt itself; the forward's mask must be None"
-        k, _ = write_rows_kv(self.cache, layer, self.write_rows, k_new, v_new)
-        k_new, v_new = k_new.to(k.dtype), v_new.to(k.dtype)   # the pool's values, as the paged kernels read them
-        return packed_causal_attention(q[0].to(k.dtype), k_new[0], v_new[0], self.starts, self.longest, scale)[None]
+        write_rows_kv(self.cache, layer, self.write_rows, k_new, v_new)
+        return packed_causal_attention(q[0], k_new[0], v_new[0], self.starts, self.longest, scale)[None]
 
     def attend_rotary(self, layer: int, q: torch.Tensor, k_new: torch.Tensor, v_new: torch.Tensor,
                       cos: torch.Tensor, sin: torch.Tensor, mask: None, scale: float) -> torch.Tensor:
