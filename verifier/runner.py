@@ -73,9 +73,10 @@ PREFILL_PAD_SHARE = 0.25
 # graphed prefill took about 6.5 ms + 23 us a row), an eager forward of a group of r rows
 # PREFILL_GRAPH_ROWS + max(r, PREFILL_EAGER_ROWS) (its launches: 34 to 38 ms for a few prompts), a
 # packed forward of r tokens PREFILL_GRAPH_ROWS + max(r, PREFILL_PACKED_ROWS): its attention is one
-# kernel a layer (spectandem/kernels/prefill_attention.py), and its launches take about 21 ms. On
-# an H200 (16 us a graphed row): one prompt of 248 tokens 21.3 ms packed, 8.1 ms graphed; four of
-# 678 tokens 21.2 ms packed, 24.7 ms in three graphed groups; 16 of 2,287 tokens 53 against 113 ms.
+# kernel a layer (spectandem/kernels/prefill_attention.py), and its launches take 19-28 ms. On an
+# H200 (about 16 us a graphed row; benchmarks/results/prefill-attention-h200.txt): one prompt of 248
+# tokens 19.1 ms packed, 9.1 ms graphed; four of 678 tokens 21-28 ms packed, 25 ms in three graphed
+# groups; 16 of 2,287 tokens 53 against 84 ms.
 # Example: 16 prompts of 32 to 249 tokens (2,287 in all) make 6 groups costing 4,224 rows, packed 2,543.
 PACKED_PREFILL_TOKENS = 4096
 PREFILL_GRAPH_ROWS = 256
