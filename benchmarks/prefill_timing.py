@@ -111,18 +111,26 @@ def _wave_prompts(w: int) -> list[list[int]]:
     return [tok.encode(p.text).ids for p in load_prompts(DEFAULT_DATASET)[:w]]
 
 
-def _profile_wave(runner, w: int) -> None:
+def _packed_prefill(runner, prompts: list[list[int]]):
+    """A call that prefills `prompts` in slots 0.. as `packed_runs` cuts them, one packed forward
+    a run, then frees the slots."""
     import verifier.runner as vr
-    from torch.profiler import ProfilerActivity, profile
 
-    prompts = _wave_prompts(w)
-    slots = list(range(w))
+    slots = list(range(len(prompts)))
 
-    def packed():
+    def run_all():
         for run in vr.packed_runs([len(p) for p in prompts]):
             runner._prefill_packed([slots[i] for i in run], [prompts[i] for i in run])
         for s in slots:
             runner.cache.free(s)
+    return run_all
+
+
+def _profile_wave(runner, w: int) -> None:
+    from torch.profiler import ProfilerActivity, profile
+
+    prompts = _wave_prompts(w)
+    packed = _packed_prefill(runner, prompts)
     packed()
     torch.cuda.synchronize()
     with profile(activities=[ProfilerActivity.CUDA]) as prof:
@@ -154,15 +162,11 @@ def _waves(runner, waves: list[int], iters: int) -> None:
         call(lambda: runner.prefill(slots, prompts))()   # the groups' graphs captured
         grouped = _timed(call(lambda: runner.prefill(slots, prompts)), iters)
         vr.packed_prefill_plan = plan
-        all_runs = vr.packed_runs(lens)
-
-        def packed():
-            for run in all_runs:
-                runner._prefill_packed([slots[i] for i in run], [prompts[i] for i in run])
-        call(packed)()
-        packed_ms = _timed(call(packed), iters)
+        packed = _packed_prefill(runner, prompts)
+        packed()
+        packed_ms = _timed(packed, iters)
         path = "packed" if runs else "groups"
-        print(f"{w:5d} {sum(lens):6d} {len(groups):6d} {grouped:9.2f} {len(all_runs):11d} {packed_ms:9.2f}  {path}",
+        print(f"{w:5d} {sum(lens):6d} {len(groups):6d} {grouped:9.2f} {len(vr.packed_runs(lens)):11d} {packed_ms:9.2f}  {path}",
               flush=True)
 
 
