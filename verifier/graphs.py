@@ -21,8 +21,8 @@ Graph hazards:
   capture makes its graphs stale.
 - All graphs share one memory pool. Nothing allocated in it outlives its capture (results are
   copied, inside the graph, into output buffers allocated outside the pool), so graphs may
-  replay in any order. Output buffers are shared by every span bucket of one (Bc, N) and
-  overwritten by the next replay: `run` returns copies.
+  replay in any order. Output buffers are shared by every row and span bucket of one N (views of
+  the largest bucket's) and overwritten by the next replay: `run` returns copies.
 - Warm-up (on a side stream, as capture requires) and capture run with every row padding: they
   write only the trash row.
 
@@ -188,6 +188,8 @@ class VerifyGraphs:
         self.warmed = False                                # warm_up ran: later captures are logged
         self._captured: dict[tuple, _Captured] = {}
         self._outputs: dict[tuple, VerifyStep] = {}        # (Bc, N, feature spec) -> static outputs
+        self._shared_outputs: dict[tuple, VerifyStep] = {}  # (N, feature spec) -> the buffers they view
+        self._output_rows: dict[tuple, int] = {}           # (N, feature spec) -> the most rows warm-up captures
         self._prefills: dict[tuple, _Captured] = {}        # (Bc, N, S, feature spec) -> a prefill's graph
         self._prefill_logits: dict[int, torch.Tensor] = {}           # Bc -> [Bc, V]
         self._prefill_features: dict[tuple, torch.Tensor] = {}       # (Bc * N, feature spec) -> flat
@@ -204,6 +206,8 @@ class VerifyGraphs:
         "capturing CUDA graphs: i/total" to `progress`."""
         todo = [(self._capture, key) for key in shapes if key not in self._captured]
         todo += [(self._capture_prefill, key) for key in prefill_shapes if key not in self._prefills]
+        for rows, n, _, layers in shapes:
+            self._output_rows[(n, layers)] = max(rows, self._output_rows.get((n, layers), 0))
         for i, (capture, key) in enumerate(todo, 1):
             capture(*key)
             if progress is not None and (i == len(todo) or i % 10 == 0):
@@ -326,17 +330,32 @@ class VerifyGraphs:
         self._prefills[(rows, n, span, feature_layers)] = step
         return step
 
+    def _step_outputs(self, rows: int, n: int, feature_layers: FeatureSpec) -> VerifyStep:
+        """The output buffers of the (Bc, N, feature spec) graphs: the first `rows` rows of buffers
+        that every row bucket of one (N, feature spec) shares, sized at warm-up for the most rows
+        it captures (a run copies its rows out before the next replay, as the span buckets'
+        sharing already relies on). A larger capture later gets buffers of its own size, which
+        the graphs after it share."""
+        key = (n, feature_layers)
+        whole = self._shared_outputs.get(key)
+        if whole is None or whole.argmax.shape[0] < rows:
+            spec = self.model.spec
+            width = self._feature_width(feature_layers)
+            dtype = next(self.model.parameters()).dtype
+            size = max(rows, self._output_rows.get(key, 0))
+            whole = VerifyStep(torch.empty(size, n, spec.vocab_size, device=self.device),
+                               None if feature_layers is None else torch.empty(size, n, width, dtype=dtype,
+                                                                               device=self.device),
+                               torch.empty(size, n, dtype=torch.long, device=self.device))
+            self._shared_outputs[key] = whole
+        return VerifyStep(whole.logits[:rows], None if whole.features is None else whole.features[:rows],
+                          whole.argmax[:rows])
+
     def _capture(self, rows: int, n: int, span: int | None, feature_layers: FeatureSpec) -> _Captured:
         inputs, flat = self._padding(rows, n, span)
         out = self._outputs.get((rows, n, feature_layers))
         if out is None:
-            spec = self.model.spec
-            width = self._feature_width(feature_layers)
-            dtype = next(self.model.parameters()).dtype
-            out = VerifyStep(torch.empty(rows, n, spec.vocab_size, device=self.device),
-                             None if feature_layers is None else torch.empty(rows, n, width, dtype=dtype,
-                                                                             device=self.device),
-                             torch.empty(rows, n, dtype=torch.long, device=self.device))
+            out = self._step_outputs(rows, n, feature_layers)
             self._outputs[(rows, n, feature_layers)] = out
 
         def body():

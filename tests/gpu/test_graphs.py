@@ -71,6 +71,33 @@ def test_graphed_verify_equals_eager(dtype, b, n):
 
 
 
+def test_row_buckets_share_their_output_buffers():
+    """The verify graphs of one width share output buffers across row buckets (views of the largest
+    that warm-up captures): each replay's results, copied out, stay what they were after the other
+    bucket's replay overwrote the buffers, and equal the same step run eagerly at its bucket."""
+    model = load_llama(demo_paths("none")[0], torch.float32, "cuda")
+    static = NativeRunner(model, AUX, max_slots=24, max_len=MAX_LEN, triton_attention=True)
+    static.graphs = VerifyGraphs(static.model, static.cache, graph=False, tree_attention=True)
+    graphed = NativeRunner(model, AUX, max_slots=24, max_len=MAX_LEN, cuda_graphs=True, triton_attention=True)
+    graphed.graphs.warm_up([(8, 5, None, AUX), (16, 5, None, AUX)])
+    small, large = graphed.graphs._outputs[(8, 5, AUX)], graphed.graphs._outputs[(16, 5, AUX)]
+    assert small.logits.data_ptr() == large.logits.data_ptr() and small.features.data_ptr() == large.features.data_ptr()
+    g = torch.Generator().manual_seed(3)
+    prompts = [torch.randint(1, 4096, (6 + i,), generator=g).tolist() for i in range(14)]
+    slots = list(range(14))
+    for r in (static, graphed):
+        r.prefill(slots, prompts)
+    lens = [len(p) for p in prompts]
+    got, want = [], []
+    for b in (6, 14, 6):   # buckets 8, 16, 8: each replay overwrites the rows the other wrote
+        tokens, parents, valid = random_trees(g, b, 5)
+        for r, out in ((static, want), (graphed, got)):
+            out.append(r.verify(slots[:b], lens[:b], tokens, parents, valid))
+    for (lg, fg), (ls, fs) in zip(got, want):   # read after all three replays
+        assert torch.equal(lg, ls) and torch.equal(fg, fs)
+    assert not torch.equal(got[0][0][:, 0], got[1][0][:6, 0]), "the two steps' trees were the same"
+
+
 def test_a_capture_after_warm_up_is_logged(caplog):
     """Once warm-up has run, a verify of a shape it did not capture is captured on first use and
     logged as a warning naming the shape; replays of captured shapes log nothing."""
