@@ -118,15 +118,19 @@ def write_llama8b_pair(workdir: Path, scale: str, device: str, seed: int):
 
 
 def engine_reference_llama8b(target, head, device: str, rates: list[float], batch_sizes: list[int],
-                             max_tokens: int, seed: int, drafter_device: str | None = None) -> list[dict]:
+                             max_tokens: int, seed: int, drafter_device: str | None = None,
+                             num_prompts: int = 0) -> list[dict]:
     """The engine loop (no router, no server) on the same models: plain decoding and each
     controlled rate at each batch size (benchmarks/bench/llama8b.py bench_controlled), the
-    head on `drafter_device` where given."""
+    head on `drafter_device` where given. Batch 1 runs `num_prompts` prompts in turn (at least
+    the largest batch's): as many as the served run at concurrency 1 measures, so that its
+    accept length is an average over as many requests, not one prompt's draw."""
     from benchmarks.bench.llama8b import ControlledRuns, bench_controlled
     from spectandem.config import GpuPaths
 
     gpu = GpuPaths(cuda_graphs=True, triton_attention=True) if device.startswith("cuda") else GpuPaths()
-    runs = ControlledRuns(target, head, device, max_slots=max(batch_sizes), num_prompts=max(batch_sizes),
+    runs = ControlledRuns(target, head, device, max_slots=max(batch_sizes),
+                          num_prompts=max(max(batch_sizes), num_prompts),
                           prompt_len=128, max_tokens=max_tokens, num_steps=4, seed=seed, gpu=gpu)
     if drafter_device:
         runs = runs.with_drafter_device(drafter_device)
@@ -300,7 +304,7 @@ def run_matrix(args) -> dict:
         if not args.skip_engine_reference:
             say("engine loop reference")
             reference = engine_reference_llama8b(target, head, device, rates, concurrency, args.max_tokens, args.seed,
-                                                 args.drafter_device)
+                                                 args.drafter_device, max(args.min_prompts, args.prompts_per_slot))
         del target, head
         if device.startswith("cuda"):
             torch.cuda.empty_cache()

@@ -1,5 +1,6 @@
 """benchmarks/serve_matrix.py's --append and --plain-outputs (one matrix measured over several
-invocations), its `exact` against the plain outputs, and a server that does not come up."""
+invocations), its `exact` against the plain outputs, a server that does not come up, and the
+engine loop reference's prompts at batch 1."""
 
 from __future__ import annotations
 
@@ -76,3 +77,34 @@ def test_a_server_that_does_not_come_up_leaves_its_stacks_in_its_log(tmp_path):
     text = log.read_text()
     assert f"waiting for the verifier at {address} and the drafter at {address}" in text
     assert "most recent call first" in text   # faulthandler's dump of the threads
+
+
+def test_the_engine_loop_at_batch_1_runs_as_many_prompts_as_the_served_run(monkeypatch):
+    """The engine reference at batch 1 runs `num_prompts` prompts in turn (the served run's count
+    at concurrency 1), not only as many as the largest batch: one prompt's accept length is one
+    draw. Larger batches run one batch of their size. The tiny 8B-shaped pair on the CPU."""
+    import dataclasses
+
+    import torch
+
+    from benchmarks.bench import llama8b
+    from benchmarks.serve_matrix import engine_reference_llama8b
+
+    spec = dataclasses.replace(llama8b.llama8b_spec("tiny"), vocab_size=4096, eos_token_ids=(0,))
+    target = llama8b.random_target(spec, "cpu", torch.float32, 0)
+    head = llama8b.random_eagle3_head(target, 2048, "cpu", torch.float32, 0)
+    runs, run = [], llama8b.ControlledRuns.run
+
+    def counted(self, batch_size, rate, tag):
+        out = run(self, batch_size, rate, tag)
+        runs.append((batch_size, rate, len(out["completions"])))
+        return out
+
+    monkeypatch.setattr(llama8b.ControlledRuns, "run", counted)
+    reference = engine_reference_llama8b(target, head, "cpu", [0.8], [1, 2], 6, 0, None, num_prompts=3)
+    assert set(runs) == {(1, None, 3), (1, 0.8, 3), (2, None, 2), (2, 0.8, 2)}
+    assert [(r["method"], r["batch_size"]) for r in reference] == [("none", 1), ("none", 2), ("eagle3", 1), ("eagle3", 2)]
+    assert all(r["exact"] for r in reference)
+    runs.clear()
+    engine_reference_llama8b(target, head, "cpu", [], [1, 2], 6, 0)   # no count given: the largest batch's
+    assert set(runs) == {(1, None, 2), (2, None, 2)}
