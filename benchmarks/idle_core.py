@@ -5,10 +5,12 @@ computes the same call slower.
     taskset -c 1 python benchmarks/idle_core.py --idle-ms 10 --repeats 3
 
 Each run generates `--prompts` held-out prompts one at a time (batch 1, greedy, the demo pair's
-EAGLE-3 chain in this process, one torch thread) and reports the mean of DrafterEngine.draft per
-call. Between each verify and the next draft the thread either goes straight on ("back to back"),
-sleeps `--idle-ms` ("asleep"), spins that long ("spinning"), or sleeps all but the last 2 ms and
-spins those ("asleep, then spinning"). The modes alternate within each repeat.
+EAGLE-3 chain in this process, one torch thread) and reports the mean of DrafterEngine.draft and
+of VerifierEngine.verify per call. Between each verify and the next draft the thread either goes
+straight on ("back to back"), sleeps `--idle-ms` ("asleep"), spins that long ("spinning"), or
+sleeps all but the last 2 ms and spins those ("asleep, then spinning"). The modes (`--modes`,
+all by default) alternate within each repeat. With `--modes "back to back"`, runs beside a busy
+loop on the other core against runs without tell whether the two cores contend.
 """
 
 from __future__ import annotations
@@ -48,7 +50,12 @@ def main() -> None:
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--prompts", type=int, default=4)
     ap.add_argument("--max-tokens", type=int, default=96)
+    ap.add_argument("--modes", default=",".join(MODES),
+                    help=f"comma-separated, of: {', '.join(MODES)} (default: all)")
     args = ap.parse_args()
+    modes = [m.strip() for m in args.modes.split(",") if m.strip()]
+    if not modes or any(m not in MODES for m in modes):
+        ap.error(f"--modes: each of {', '.join(MODES)}, got {args.modes!r}")
     torch.set_num_threads(1)
 
     from benchmarks.bench.demo import _speculator
@@ -63,7 +70,7 @@ def main() -> None:
     tokenizer = load_tokenizer(demo_paths("eagle3")[0])
     prompts = [tokenizer.encode(p).ids for p in PROMPTS[: args.prompts]]
     params = SamplingParams(temperature=0.0, max_tokens=args.max_tokens)
-    state = {"mode": MODES[0], "draft_s": []}
+    state = {"mode": MODES[0], "draft_s": [], "verify_s": []}
     draft, verify = DrafterEngine.draft, VerifierEngine.verify
 
     def timed_draft(self, *a, **k):
@@ -74,26 +81,29 @@ def main() -> None:
             state["draft_s"].append(time.perf_counter() - t0)
 
     def idle_after_verify(self, *a, **k):
+        t0 = time.perf_counter()
         out = verify(self, *a, **k)
+        state["verify_s"].append(time.perf_counter() - t0)
         _idle(state["mode"], args.idle_ms / 1000)
         return out
 
     DrafterEngine.draft, VerifierEngine.verify = timed_draft, idle_after_verify
 
-    def run(mode: str) -> tuple[float, int]:
-        state["mode"], state["draft_s"] = mode, []
+    def run(mode: str) -> tuple[float, float, int]:
+        state["mode"], state["draft_s"], state["verify_s"] = mode, [], []
         for i, p in enumerate(prompts):
             spec.generate([p], [params], [f"idle-{i}"])
-        return 1000 * sum(state["draft_s"]) / len(state["draft_s"]), len(state["draft_s"])
+        mean = lambda xs: 1000 * sum(xs) / len(xs)   # noqa: E731
+        return mean(state["draft_s"]), mean(state["verify_s"]), len(state["draft_s"])
 
-    run(MODES[0])   # warm-up
-    print(f"the demo drafter's draft, ms a call, {args.idle_ms:g} ms idle before each where the mode idles")
+    run(modes[0])   # warm-up
+    print(f"the demo pair's draft and verify, ms a call, {args.idle_ms:g} ms idle before each draft where the mode idles")
     for rep in range(args.repeats):
         cells = []
-        for mode in MODES:
-            ms, n = run(mode)
-            cells.append(f"{mode} {ms:.2f}")
-        print(f"  repeat {rep + 1} ({n} drafts a run): " + ", ".join(cells))
+        for mode in modes:
+            d, v, n = run(mode)
+            cells.append(f"{mode}: draft {d:.2f}, verify {v:.2f}")
+        print(f"  repeat {rep + 1} ({n} drafts a run): " + "; ".join(cells))
 
 
 if __name__ == "__main__":
