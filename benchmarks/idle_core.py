@@ -50,12 +50,10 @@ def main() -> None:
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--prompts", type=int, default=4)
     ap.add_argument("--max-tokens", type=int, default=96)
-    ap.add_argument("--modes", default=",".join(MODES),
-                    help=f"comma-separated, of: {', '.join(MODES)} (default: all)")
+    ap.add_argument("--modes", nargs="+", choices=MODES, default=list(MODES), metavar="MODE",
+                    help=f"the modes run, each one argument: {' | '.join(repr(m) for m in MODES)} (default: all)")
     args = ap.parse_args()
-    modes = [m.strip() for m in args.modes.split(",") if m.strip()]
-    if not modes or any(m not in MODES for m in modes):
-        ap.error(f"--modes: each of {', '.join(MODES)}, got {args.modes!r}")
+    modes = list(dict.fromkeys(args.modes))
     torch.set_num_threads(1)
 
     from benchmarks.bench.demo import _speculator
