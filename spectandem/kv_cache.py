@@ -444,8 +444,7 @@ class PagedTreeBatch:
     write_rows: torch.Tensor    # [B, T] physical rows of logical entries prefix_lens + 0..T-1
     block_tables: torch.Tensor  # [B, max_blocks] physical block ids, -1 where none
     prefix_lens: torch.Tensor   # [B] committed entries, visible to every round token
-    tree_mask: torch.Tensor | None   # [B, T, T] bool: token t may see round entry j (itself and its ancestors);
-    #                                  None: causal
+    tree_mask: torch.Tensor     # [B, T, T] bool: token t may see round entry j (itself and its ancestors)
 
     def attend(self, layer: int, q: torch.Tensor, k_new: torch.Tensor, v_new: torch.Tensor, mask: None,
                scale: float) -> torch.Tensor:
