@@ -166,7 +166,8 @@ class Router:
         # Round state (the rounds section below).
         self._ahead_unanswered = 0       # "ahead" rounds in a row whose draft-ahead answered neither hit nor miss
         self._capped_plain = False       # this round's plain steps were cut by the requests' ends
-        self._drafted_any = False        # this round drafted for some request
+        # This round's drafted requests: id -> (the request, its tokens before the round).
+        self._drafted: dict[str, tuple[ServedRequest, int]] = {}
         self._draft_failed = frozenset()   # ids whose draft this round came back unusable (stale)
         self._joining = frozenset()        # ids admitted beside this round's draft (their plain row: a plain round)
         # Tree channel rounds (`_posts_trees`): the next round id (unique to this router), and the
@@ -638,7 +639,7 @@ class Router:
                 admit = mixed = []
                 if not self.running:
                     return
-        self._capped_plain = self._drafted_any = False
+        self._capped_plain, self._drafted = False, {}
         self._draft_failed = self._joining = frozenset()
         try:
             if mode == "pingpong":
@@ -659,9 +660,14 @@ class Router:
         # speculation off, every request detached, the drafter away): it decoded plainly, at plain
         # decoding's rate, and counted as the mode's would keep "auto" from the mode once drafts
         # are accepted again (router/pipeline.py).
-        if not self._capped_plain and (mode == "plain" or self._drafted_any):
+        # What a drafting mode commits per request-round is measured on the requests it drafted
+        # for that go on: a detached request decodes plainly beside them, an ending one commits
+        # what its end leaves (router/pipeline.py).
+        if not self._capped_plain and (mode == "plain" or self._drafted):
+            going = [(r, n) for r, n in self._drafted.values() if not r.done]
+            drafted = (sum(len(r.tokens) - n for r, n in going), len(going))
             self._modes.record(mode, self._tokens_committed - before, time.perf_counter() - t0, request_rounds, upkeep,
-                               admitted)
+                               admitted, drafted=drafted if mode != "plain" else None)
         self._round_ended = time.perf_counter()
 
     async def _admit_first(self, batch: list[ServedRequest]) -> None:
@@ -881,16 +887,21 @@ class Router:
             tree = trees_from_ready([r.request_id for r in drafted], [r.committed_len for r in drafted],
                                     [t[1] for t in ready])
             self.counters.ready_trees += len(drafted)
-            self._drafted_any = True
+            self._mark_drafted(drafted)
             return drafted, self.drafter.ready_handle(tree, [r.tag() for r in drafted])
         return drafted, None
+
+    def _mark_drafted(self, requests: list[ServedRequest]) -> None:
+        """This round drafts for `requests` ("auto" measures what their trees commit)."""
+        for r in requests:
+            self._drafted.setdefault(r.request_id, (r, len(r.tokens)))
 
     async def _draft_call(self, drafted: list[ServedRequest], post_round: int = 0):
         """The drafter call for `drafted` -> (draft handle or None, the requests it covers).
         `post_round`: the drafter sends the trees to the verifier over the tree channel as that
         round; the handle then says which requests they cover, and where it could not send them,
         none are covered (the verify of that round finds no trees)."""
-        self._drafted_any = True
+        self._mark_drafted(drafted)
         steps = None
         if self._mode.startswith("short:"):   # shorter trees where the tree does not decide the tokens
             cap = int(self._mode.split(":")[1])

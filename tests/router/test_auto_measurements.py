@@ -37,8 +37,8 @@ def _auto_router(spec, verifier_link) -> tuple[Router, list[tuple[str, float]]]:
         max_len=256, eos_token_ids=spec.eos_token_ids, lookahead=spec.lookahead, want_features=True,
         pipeline="auto"))
     measured, record = [], r._modes.record
-    r._modes.record = lambda mode, tokens, seconds, *rest: (measured.append((mode, seconds)),
-                                                            record(mode, tokens, seconds, *rest))
+    r._modes.record = lambda mode, tokens, seconds, *rest, **kw: (measured.append((mode, seconds)),
+                                                                  record(mode, tokens, seconds, *rest, **kw))
     return r, measured
 
 

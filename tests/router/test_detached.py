@@ -47,16 +47,24 @@ class CountingDrafter(LocalDrafterLink):
         return await super().prefill(items)
 
 
-def _served_settled(spec: LocalSpeculator, prompts, params):
+def _served_settled(spec: LocalSpeculator, prompts, params, records: list | None = None):
     """The requests served by a Router over `spec`'s engines with "auto" forced settled on plain
     from 4 running requests on -> (each (tokens, request), the verifier link, the drafter link,
-    the router's counters)."""
+    the router's counters). `records`: each round's measurement for "auto" is appended to it,
+    (mode, request-rounds, drafted)."""
     async def main():
         vlink, dlink = Recording(spec.verifier), CountingDrafter(spec.drafter)
         r = Router(vlink, dlink, spec.tokenizer, RouterConfig(
             max_len=256, eos_token_ids=spec.eos_token_ids, lookahead=spec.lookahead, want_features=True,
             pipeline="auto"))
         r._modes.settled_plain = lambda num_running: num_running >= 4   # "auto" settled on plain
+        if records is not None:
+            record = r._modes.record
+
+            def recorded(mode, tokens, seconds, request_rounds=1, upkeep=0.0, admitted=0, drafted=None):
+                records.append((mode, request_rounds, drafted))
+                record(mode, tokens, seconds, request_rounds, upkeep, admitted, drafted)
+            r._modes.record = recorded
         r.start()
         try:
             done = await asyncio.gather(*(collect(r, p, sp) for p, sp in zip(prompts, params)))
@@ -144,9 +152,15 @@ def test_requests_with_sampled_drafts_are_admitted_with_the_drafter(monkeypatch)
     params = [p for pair in zip(sampled, greedy) for p in pair]
     expected = [c.token_ids for c in spec.generate(prompts[0::2], sampled)]
     expected_greedy = [c.token_ids for c in plain.generate(prompts[1::2], greedy)]
-    done, _, dlink, c = _served_settled(spec, prompts, params)
+    records = []
+    done, _, dlink, c = _served_settled(spec, prompts, params, records)
     assert [toks for toks, _ in done[0::2]] == expected
     assert [toks for toks, _ in done[1::2]] == expected_greedy
     assert c.detached_admissions == 3
     ids = {req.request_id for _, req in done[0::2]}
     assert ids <= set(dlink.prefilled) and all(req.draft_tokens > 0 for _, req in done[0::2])
+    # "auto" measured what the speculating rounds' trees commit on the sampled requests they
+    # drafted for, not on the detached greedy ones beside them.
+    speculating = [(n, drafted) for mode, n, drafted in records if mode != "plain"]
+    assert speculating and all(drafted is not None and drafted[1] <= 3 for _, drafted in speculating)
+    assert any(n > drafted[1] > 0 for n, drafted in speculating)

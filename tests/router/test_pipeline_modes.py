@@ -465,6 +465,38 @@ def test_plain_rounds_pay_for_the_catch_ups_they_hold_back():
     assert keeps(_attached_plain_run(declared=False)) == {"plain"}
 
 
+def _half_detached_run(declared: bool) -> list[str]:
+    """64 running, half of them detached (admitted while plain was kept): a speculating round
+    drafts for the other 32, each committing 3.5 tokens, while the detached ones commit one;
+    sequential rounds of 18 ms (12,444 committed tokens/s had all 64 drafted, 7,778 as they are),
+    plain rounds of 6.5 ms for 64 tokens (9,846). `declared`: the round passes what its drafted
+    requests committed (as router/loop.py does)."""
+    chooser = ModeChooser(_cfg(pipeline="auto", mode_window=8))
+    rounds = {"sequential": 0.018, "pingpong": 0.030, "short:1": 0.014, "short:2": 0.016, "plain": 0.0065}
+    yields = {"sequential": 3.5, "pingpong": 3.5, "short:1": 1.8, "short:2": 2.5}
+    chosen = []
+    for _ in range(600):
+        mode = chooser.choose(num_running=64, drafter_up=True)
+        chosen.append(mode)
+        if mode == "plain":
+            chooser.record(mode, tokens=64, seconds=rounds[mode], request_rounds=64)
+            continue
+        drafted = (round(32 * yields[mode]), 32)
+        chooser.record(mode, tokens=drafted[0] + 32, seconds=rounds[mode], request_rounds=64,
+                       drafted=drafted if declared else None)
+    return chosen
+
+
+def test_detached_requests_do_not_count_in_what_speculation_commits():
+    """What a speculating mode commits per request-round is measured on the requests it drafted
+    for: with half the batch detached, sequential's trees still commit 3.5 tokens a request-round,
+    and sequential (12,444 tokens/s were all drafted, past PLAIN_EDGE_LARGE over plain's 9,846)
+    is kept. Control: counted over all 64 requests, sequential measures 7,778 and plain is kept."""
+    keeps = lambda chosen: {m for m, n in _windows(chosen[200:]) if n > 8}
+    assert keeps(_half_detached_run(declared=True)) == {"sequential"}
+    assert keeps(_half_detached_run(declared=False)) == {"plain"}
+
+
 @pytest.mark.parametrize("pipeline", ["sequential", "pingpong", "ahead", "auto"])
 def test_rounds_are_counted_by_the_mode_that_ran_them(pipeline):
     """RouterCounters.mode_rounds (GetServerStats, /metrics): every verify counted once, under the
@@ -591,3 +623,42 @@ def test_a_speed_timed_without_arrivals_is_not_replaced_by_one_timed_with_them()
     assert rates["plain"] == pytest.approx(4 / 0.8)
     assert rates["sequential"] == pytest.approx(3 / 1.0)
     assert set(kept_busy) == {"plain"}
+
+
+def test_the_router_measures_speculation_on_the_drafted_requests_that_go_on():
+    """What the router passes "auto" for a speculating round (fake engines, every draft of 4
+    accepted): the tokens and request-rounds of the requests it drafted for that go on after it.
+    Two requests, one of 22 tokens (its first from the prefill, then rounds of 5, the fifth cut
+    to 1 by its end) and one of 40: each round drafts for both, the rounds before the short one's
+    end count both (10 tokens), its last round counts the long one alone (5), and the long one's
+    last round, cut to 4, counts none."""
+    import asyncio
+
+    from router.loop import Router
+    from spectandem.config import SamplingParams
+    from tests.router.fakes import OracleVerifier, ScriptedDrafter, Tokenizer
+    from tests.router.test_router_fakes import collect, config, run
+
+    async def main():
+        router = Router(OracleVerifier(), ScriptedDrafter(), Tokenizer(), config())
+        records, record = [], router._modes.record
+
+        def recorded(mode, tokens, seconds, request_rounds=1, upkeep=0.0, admitted=0, drafted=None):
+            records.append((mode, tokens, request_rounds, drafted))
+            record(mode, tokens, seconds, request_rounds, upkeep, admitted, drafted)
+        router._modes.record = recorded
+        router.start()
+        try:
+            reqs = [router.submit([5, 9, 2], SamplingParams(max_tokens=22, ignore_eos=True)),
+                    router.submit([60, 2], SamplingParams(max_tokens=40, ignore_eos=True))]
+            outs = await asyncio.gather(*(collect(r) for r in reqs))
+        finally:
+            await router.stop()
+        return records, outs
+
+    records, outs = run(main())
+    assert [len(tokens) for tokens, _, _ in outs] == [22, 40]
+    assert all(mode == "sequential" for mode, *_ in records)
+    # Both admitted together, their first tokens from the prefill: rounds of 5 tokens each.
+    assert [(tokens, n, drafted) for _, tokens, n, drafted in records] == \
+        [(10, 2, (10, 2))] * 4 + [(6, 2, (5, 1))] + [(5, 1, (5, 1))] * 2 + [(4, 1, (0, 0))]

@@ -84,7 +84,7 @@ def test_multi_step_plain_rounds_equal_one_step_decoding(plain):
     # "auto" keeping plain (a router without a drafter measures no mode: nothing to choose between).
     router._modes.choose = lambda num_running, drafter_up: "plain"
     recorded, record = [], router._modes.record
-    router._modes.record = lambda mode, tokens, *rest: (recorded.append(tokens), record(mode, tokens, *rest))
+    router._modes.record = lambda mode, tokens, *rest, **kw: (recorded.append(tokens), record(mode, tokens, *rest, **kw))
     got = _serve(router, prompts, params, [plain.verifier])
     assert [(t, r) for t, _, r in got[:5]] == want
     for (toks, text, _), (wt, _) in zip(got[:5], want):
