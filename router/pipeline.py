@@ -62,13 +62,15 @@ A mode's rate is the tokens its kind of draft commits per request-round times th
 its window ran per second. The first counts only the requests a round drafted for that go on
 after it. The detached requests beside them decode plainly: counted in, those that a kept plain
 detached would have each later window of speculation commit less than its trees do, and plain
-kept on that account. The requests that end in the round commit what their ends leave (a plain
-round cut by the requests' ends is no measurement at all): counted in, the tail of a wave of
-requests, where many end, has speculation commit less than it does. (At 64 running on the H200,
-a = 0.8, counting both: kept plain, then sequential kept at 11,647 committed tokens/s against
-plain's 9,888, then measured at 9,920 and plain kept again: 6,814 tokens/s served where a
-sequential server served 7,564.) The first is pooled over the latest rounds of every mode that drafts
-the same trees (sequential and ping-pong; ahead; each short length; plain), as many as hold
+kept on that account. (Their rows still count in the round's speed, and cost less than drafted
+ones, so while many are detached a speculating mode's speed is overstated by the difference, until
+they end: counted as before, the same rounds measured speculation far below plain's.) The
+requests that end in the round commit what their ends leave (a plain round cut by the requests'
+ends is no measurement at all): counted in, the tail of a wave of requests, where many end, has
+speculation commit less than it does. (At 64 running on the H200, a = 0.8, counting both: kept
+plain, then sequential kept at 11,647 committed tokens/s against plain's 9,888, then measured at
+9,920 and plain kept again: 6,814 tokens/s served where a sequential server served 7,564.) The
+first is pooled over the latest rounds of every mode that drafts the same trees (sequential and ping-pong; ahead; each short length; plain), as many as hold
 YIELD_REQUEST_ROUNDS request-rounds, because what a request commits per round depends on its
 text: at one running request, windows of different modes see different stretches of text, and a
 mode compared on its own window's tokens wins or loses by the text it happened to see. Ahead
