@@ -747,6 +747,7 @@ class Router:
             drafted, draft = self._to_draft(self.running)
             if drafted and draft is None:
                 if await self._posts_trees():   # the trees go drafter -> verifier while the verify goes out
+                    self._mark_drafted(drafted)   # now: the draft call starts beside the verify
                     self._tree_round += 1
                     draft = DraftHandle([r.tag() for r in drafted],
                                         TreeRoute(self._tree_round, self.cfg.drafter_timeout + TREE_WAIT_MARGIN_S,

@@ -9,7 +9,6 @@ from __future__ import annotations
 import asyncio
 
 import grpc
-import pytest
 import torch
 
 from router.links_grpc import GrpcDrafterLink

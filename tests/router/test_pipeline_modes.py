@@ -625,22 +625,25 @@ def test_a_speed_timed_without_arrivals_is_not_replaced_by_one_timed_with_them()
     assert set(kept_busy) == {"plain"}
 
 
-def test_the_router_measures_speculation_on_the_drafted_requests_that_go_on():
+@pytest.mark.parametrize("tree_channel", [False, True], ids=["through-router", "tree-channel"])
+def test_the_router_measures_speculation_on_the_drafted_requests_that_go_on(tree_channel):
     """What the router passes "auto" for a speculating round (fake engines, every draft of 4
     accepted): the tokens and request-rounds of the requests it drafted for that go on after it.
     Two requests, one of 22 tokens (its first from the prefill, then rounds of 5, the fifth cut
     to 1 by its end) and one of 40: each round drafts for both, the rounds before the short one's
     end count both (10 tokens), its last round counts the long one alone (5), and the long one's
-    last round, cut to 4, counts none."""
+    last round, cut to 4, counts none. The same where the trees go over the tree channel (the
+    draft call then starts beside the verify)."""
     import asyncio
 
     from router.loop import Router
     from spectandem.config import SamplingParams
-    from tests.router.fakes import OracleVerifier, ScriptedDrafter, Tokenizer
+    from tests.router.fakes import OracleVerifier, ScriptedDrafter, Tokenizer, TreeBox
     from tests.router.test_router_fakes import collect, config, run
 
     async def main():
-        router = Router(OracleVerifier(), ScriptedDrafter(), Tokenizer(), config())
+        box = TreeBox() if tree_channel else None
+        router = Router(OracleVerifier(box), ScriptedDrafter(trees=box), Tokenizer(), config(tree_channel=tree_channel))
         records, record = [], router._modes.record
 
         def recorded(mode, tokens, seconds, request_rounds=1, upkeep=0.0, admitted=0, drafted=None):
@@ -654,9 +657,10 @@ def test_the_router_measures_speculation_on_the_drafted_requests_that_go_on():
             outs = await asyncio.gather(*(collect(r) for r in reqs))
         finally:
             await router.stop()
-        return records, outs
+        return records, outs, router.counters
 
-    records, outs = run(main())
+    records, outs, counters = run(main())
+    assert (counters.posted_trees > 0) == tree_channel
     assert [len(tokens) for tokens, _, _ in outs] == [22, 40]
     assert all(mode == "sequential" for mode, *_ in records)
     # Both admitted together, their first tokens from the prefill: rounds of 5 tokens each.
