@@ -747,7 +747,6 @@ class Router:
             drafted, draft = self._to_draft(self.running)
             if drafted and draft is None:
                 if await self._posts_trees():   # the trees go drafter -> verifier while the verify goes out
-                    self._mark_drafted(drafted)   # now: the draft call starts beside the verify
                     self._tree_round += 1
                     draft = DraftHandle([r.tag() for r in drafted],
                                         TreeRoute(self._tree_round, self.cfg.drafter_timeout + TREE_WAIT_MARGIN_S,
@@ -874,11 +873,14 @@ class Router:
 
     def _to_draft(self, group: list[ServedRequest]) -> tuple[list[ServedRequest], DraftHandle | None]:
         """-> (the requests of `group` this round drafts for, the handle of their trees where the
-        router holds every one of them, else None). The trees the requests held are taken."""
+        router holds every one of them, else None). The trees the requests held are taken; the
+        requests are recorded with their token counts ("auto" measures what their trees commit)."""
         fits = lambda r: r.committed_len - 1 + self.cfg.lookahead <= self.cfg.max_len
         spec_off = self._switch.off(self.counters.rounds) or self._mode == "plain"
         drafted = [r for r in group if self.drafter_up and r.on_drafter and fits(r)
                    and not (spec_off and self._invisible_when_plain(r))]
+        for r in drafted:
+            self._drafted.setdefault(r.request_id, (r, len(r.tokens)))
         ready = [r.next_tree for r in drafted]
         for r in group:
             r.next_tree = None       # a ready tree serves this round or none
@@ -888,21 +890,14 @@ class Router:
             tree = trees_from_ready([r.request_id for r in drafted], [r.committed_len for r in drafted],
                                     [t[1] for t in ready])
             self.counters.ready_trees += len(drafted)
-            self._mark_drafted(drafted)
             return drafted, self.drafter.ready_handle(tree, [r.tag() for r in drafted])
         return drafted, None
-
-    def _mark_drafted(self, requests: list[ServedRequest]) -> None:
-        """This round drafts for `requests` ("auto" measures what their trees commit)."""
-        for r in requests:
-            self._drafted.setdefault(r.request_id, (r, len(r.tokens)))
 
     async def _draft_call(self, drafted: list[ServedRequest], post_round: int = 0):
         """The drafter call for `drafted` -> (draft handle or None, the requests it covers).
         `post_round`: the drafter sends the trees to the verifier over the tree channel as that
         round; the handle then says which requests they cover, and where it could not send them,
         none are covered (the verify of that round finds no trees)."""
-        self._mark_drafted(drafted)
         steps = None
         if self._mode.startswith("short:"):   # shorter trees where the tree does not decide the tokens
             cap = int(self._mode.split(":")[1])

@@ -60,17 +60,16 @@ level rates, plain faster end to end).
 
 A mode's rate is the tokens its kind of draft commits per request-round times the request-rounds
 its window ran per second. The first counts only the requests a round drafted for that go on
-after it. The detached requests beside them decode plainly: counted in, those that a kept plain
-detached would have each later window of speculation commit less than its trees do, and plain
-kept on that account. (Their rows still count in the round's speed, and cost less than drafted
-ones, so while many are detached a speculating mode's speed is overstated by the difference, until
-they end: counted as before, the same rounds measured speculation far below plain's.) The
-requests that end in the round commit what their ends leave (a plain round cut by the requests'
-ends is no measurement at all): counted in, the tail of a wave of requests, where many end, has
-speculation commit less than it does. (At 64 running on the H200, a = 0.8, counting both: kept
-plain, then sequential kept at 11,647 committed tokens/s against plain's 9,888, then measured at
-9,920 and plain kept again: 6,814 tokens/s served where a sequential server served 7,564.) The
-first is pooled over the latest rounds of every mode that drafts the same trees (sequential and ping-pong; ahead; each short length; plain), as many as hold
+after it. Detached requests decode plainly beside them: counted in, those that a kept plain
+detached would have each later window of speculation commit less than its trees do (their rows
+still count in the round's speed, and cost less than drafted ones, so while many are detached a
+speculating mode's speed is overstated by the difference). Requests ending in the round commit
+what their ends leave (a plain round cut by them is no measurement at all): counted in, a wave's
+tail, where many end, has speculation commit less than it does. (At 64 running on the H200, a =
+0.8, counting both: kept plain, then sequential kept at 11,647 committed tokens/s against plain's
+9,888, then measured at 9,920 and plain kept again: 6,814 tokens/s served where a sequential
+server served 7,564.) The first is pooled over the latest rounds of every mode that drafts the
+same trees (sequential and ping-pong; ahead; each short length; plain), as many as hold
 YIELD_REQUEST_ROUNDS request-rounds, because what a request commits per round depends on its
 text: at one running request, windows of different modes see different stretches of text, and a
 mode compared on its own window's tokens wins or loses by the text it happened to see. Ahead
@@ -418,9 +417,8 @@ class ModeChooser:
         the phase has others: it pays for the previous mode's leftovers (a pending catch-up, a
         second micro-batch), not its own. `drafted`: (tokens, request-rounds) of the requests the
         round drafted for that go on after it, where given what its draft kind commits per
-        request-round (`yields`); the round's other requests count in its speed only: those
-        admitted without the drafter decode plainly beside them, and those that end commit what
-        their ends leave (as a plain round cut by the requests' ends is no measurement at all)."""
+        request-round (`yields`; the module docstring says why); the round's other requests
+        count in its speed only."""
         s = self._state
         if s.mode != mode or s.left <= 0:
             return
