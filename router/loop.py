@@ -478,6 +478,27 @@ class Router:
                      "(%d running)", "without" if settled else "with", len(self.running) + len(batch))
         return {r.request_id for r in batch if self._invisible_when_plain(r)} if settled else set()
 
+    def _detach_running(self) -> None:
+        """Where "auto" has settled on plain at this batch size, the running requests whose drafts
+        are deterministic leave the drafter too, as those admitted since do (`_detach`): their
+        plain rounds then carry no target features and no held-back catch-ups, and the drafter
+        frees their slots (released at the next `_settle`). Kept ready to speculate until they ended,
+        they had a speculating server kept on plain serve 0.89 of a plain server at 64 running on
+        the H200, 0.93-0.97 once they left (benchmarks/results/auto-settled-plain-h200.txt). They
+        rejoin as detached admissions do (`_resync`)."""
+        if not (self.drafter_up and self._modes.settled_plain(len(self.running))):
+            return
+        leaving = [r for r in self.running if r.on_drafter and not r.done and self._invisible_when_plain(r)]
+        for r in leaving:
+            r.on_drafter, r.detached = False, True
+            r.backlog.clear()
+            r.ahead_trees = r.next_tree = None
+            self._release_d.add(r.request_id)
+        if leaving:
+            self.counters.detached_running += len(leaving)
+            log.info("auto pipeline: %d running requests leave the drafter (plain settled at %d running)",
+                     len(leaving), len(self.running))
+
     def _admission_features(self, batch: list[ServedRequest], detach: set[str]) -> bool:
         """Whether the verifier's prefill of `batch` returns target features: some request of it
         joins the drafter."""
@@ -626,6 +647,9 @@ class Router:
             return
         await self._resync()
         mode = self._mode = self._modes.choose(len(self.running) + len(admit) + len(mixed), self.drafter_up)
+        if mode == "plain":
+            self._detach_running()
+        detached = sum(r.detached for r in self.running)
         # The round's measurement for "auto" takes in the turn's admission, wherever it ran (before
         # the round, beside its draft, in its verify step); "auto" times a window by its rounds
         # that admitted none where it has enough (router/pipeline.py).
@@ -667,7 +691,7 @@ class Router:
             going = [(r, n) for r, n in self._drafted.values() if not r.done]
             drafted = (sum(len(r.tokens) - n for r, n in going), len(going))
             self._modes.record(mode, self._tokens_committed - before, time.perf_counter() - t0, request_rounds, upkeep,
-                               admitted, drafted=drafted if mode != "plain" else None)
+                               admitted, drafted=drafted if mode != "plain" else None, detached=detached)
         self._round_ended = time.perf_counter()
 
     async def _admit_first(self, batch: list[ServedRequest]) -> None:

@@ -10,7 +10,8 @@ Two sources, one registry (a private `CollectorRegistry`, so nothing process-glo
                num_preemptions, num_resumes, num_fallback_rounds (drafter unavailable),
                num_plain_rounds (speculation switched off), num_drafter_outages,
                num_stale_replies_dropped, num_draft_ahead_{hits,misses}, num_ready_trees, num_posted_trees,
-               num_detached_admissions, num_mixed_prefills, num_prefills_with_verdicts,
+               num_detached_admissions, num_detached_running,
+               num_mixed_prefills, num_prefills_with_verdicts,
                num_requests_{admitted,finished,failed,cancelled}
                (exposed with the `_total` suffix)
                spectandem:num_decode_ahead_taken, num_decode_ahead_forgotten (summed over the
@@ -79,6 +80,8 @@ ROUTER_COUNTERS = (
      "Request-rounds whose trees went from the drafter to the verifier over the tree channel"),
     ("num_detached_admissions", "detached_admissions",
      "Requests admitted without the drafter while auto had settled on plain decoding"),
+    ("num_detached_running", "detached_running",
+     "Running requests that left the drafter when auto settled on plain decoding"),
     ("num_mixed_prefills", "mixed_prefills",
      "Requests sent with a round's verify to be prefilled in its step (the rest of a step's budget prefill apart)"),
     ("num_prefills_with_verdicts", "prefills_with_verdicts",

@@ -41,8 +41,10 @@ short drafts and plain win at large batches where verifying trees costs more tha
 Once plain is kept twice in a row from LARGE_BATCH running requests (`settled_plain`), new
 requests whose drafts are deterministic are admitted without the drafter (no target features, no
 drafter prefill: "detached"; those whose drafts are sampled still join it, their seeded tokens
-following their drafts):
-keeping them ready to speculate cost plain rounds 2-3% at batch 64 on the H200. They decode
+following their drafts), and the running ones leave it (router/loop.py `_detach_running`):
+keeping them ready to speculate cost plain rounds 2-3% at batch 64 on the H200, and a speculating
+server kept on plain served 0.89 of a plain server there while they ended, 0.93-0.97 once they
+left (a = 0.6). They decode
 plainly; a speculating round that drafts for no request (every request detached, or the
 acceptance switch below has speculation off) is not a measurement, so measuring a speculating
 mode again waits for requests admitted with the drafter, or for the switch to turn back on.
@@ -61,9 +63,11 @@ level rates, plain faster end to end).
 A mode's rate is the tokens its kind of draft commits per request-round times the request-rounds
 its window ran per second. The first counts only the requests a round drafted for that go on
 after it. Detached requests decode plainly beside them: counted in, those that a kept plain
-detached would have each later window of speculation commit less than its trees do (their rows
-still count in the round's speed, and cost less than drafted ones, so while many are detached a
-speculating mode's speed is overstated by the difference). Requests ending in the round commit
+detached would have each later window of speculation commit less than its trees do. Their rows
+cost less than drafted ones, so neither does a round where over DETACHED_SHARE of the requests are
+detached time its mode where the mode has a speed already: with 60 of 64 detached, the round costs
+little more than a plain one, and its request-rounds per second times what the drafted requests
+commit would make speculation look about twice as fast as it is. Requests ending in the round commit
 what their ends leave (a plain round cut by them is no measurement at all): counted in, a wave's
 tail, where many end, has speculation commit less than it does. (At 64 running on the H200, a =
 0.8, counting both: kept plain, then sequential kept at 11,647 committed tokens/s against plain's
@@ -151,6 +155,11 @@ STALL_FACTOR = 3.0
 ADMISSION_FREE_ROUNDS = 2
 # A measuring window with fewer runs on, round by round, for up to this many times its length.
 EXTEND_ROUNDS = 3
+# A speculating round where over this share of the running requests are detached (they decode
+# plainly, router/loop.py) does not replace its mode's speed: the plain rows cost less than drafted
+# ones. At an eighth, the round costs within a few percent of one where every request drafts (an
+# estimate: a verify at these batches costs little more for 64 trees than for 56 trees and 8 roots).
+DETACHED_SHARE = 0.125
 
 
 def _depth(kind: str) -> float:
@@ -201,8 +210,9 @@ class _ClassState:
     elapsed: float = 0.0        # seconds of the phase's rounds so far
     pooled: list[int] = field(default_factory=lambda: [0, 0, 0])   # the phase's tokens, request-rounds, rounds in `yields`
     speeds: dict[str, float] = field(default_factory=dict)   # mode -> request-rounds/s its last window ran
-    # mode -> its phase's rounds so far, each (seconds, request-rounds, upkeep seconds, admitted any)
-    acc: dict[str, list[tuple[float, int, float, bool]]] = field(default_factory=dict)
+    # mode -> its phase's rounds so far, each (seconds, request-rounds, upkeep seconds, admitted any,
+    # detached over DETACHED_SHARE)
+    acc: dict[str, list[tuple[float, int, float, bool, bool]]] = field(default_factory=dict)
     # draft kind -> recent rounds, each (tokens, request-rounds): what the kind commits per request-round
     yields: dict[str, deque] = field(default_factory=dict)
     prior: float | None = None   # what the phase's kind committed per request-round when the phase began
@@ -237,10 +247,10 @@ class _ClassState:
         self.left = 0
         rounds = self.acc.pop(self.mode, [])
         speed = _speed(rounds)
-        if speed is not None and (self.mode not in self.speeds or _admission_free(rounds)):
+        if speed is not None and (self.mode not in self.speeds or _representative(rounds)):
             self.speeds[self.mode] = speed
         if log.isEnabledFor(logging.DEBUG):
-            per = sorted(sec / r * 1e3 for sec, r, _, _ in rounds if r)
+            per = sorted(x[0] / x[1] * 1e3 for x in rounds if x[1])
             log.debug("auto pipeline: %s of %s over %d rounds in %.1f ms: %s request-rounds/s; %d rounds recorded, "
                       "%d of them admitting, ms a request-round min / median / max %s", self.phase, self.mode,
                       self.length, self.elapsed * 1e3, "-" if speed is None else f"{speed:.1f}", len(rounds),
@@ -408,7 +418,7 @@ class ModeChooser:
         return near[(s.near_turn - 1) % len(near)]
 
     def record(self, mode: str, tokens: int, seconds: float, request_rounds: int = 1, upkeep: float = 0.0,
-               admitted: int = 0, drafted: tuple[int, int] | None = None) -> None:
+               admitted: int = 0, drafted: tuple[int, int] | None = None, detached: int = 0) -> None:
         """One round of `mode` that committed `tokens` for `request_rounds` requests in `seconds`,
         `upkeep` of them work the mode's rounds owe in turn (the catch-ups plain rounds hold back
         for drafter-attached requests, sent every BACKLOG_ROUNDS rounds: router/loop.py), and
@@ -418,7 +428,9 @@ class ModeChooser:
         second micro-batch), not its own. `drafted`: (tokens, request-rounds) of the requests the
         round drafted for that go on after it, where given what its draft kind commits per
         request-round (`yields`; the module docstring says why); the round's other requests
-        count in its speed only."""
+        count in its speed only. `detached`: how many of the round's requests were detached (they
+        decoded plainly): a drafting round with over DETACHED_SHARE of them does not replace its
+        mode's speed (`_representative`)."""
         s = self._state
         if s.mode != mode or s.left <= 0:
             return
@@ -426,7 +438,8 @@ class ModeChooser:
         s.left -= 1
         s.elapsed += seconds
         if not (first and s.length > 1) and request_rounds > 0:
-            s.acc.setdefault(mode, []).append((seconds - upkeep, request_rounds, upkeep, admitted > 0))
+            mixed = mode != "plain" and detached > DETACHED_SHARE * request_rounds
+            s.acc.setdefault(mode, []).append((seconds - upkeep, request_rounds, upkeep, admitted > 0, mixed))
             got, of = (tokens, request_rounds) if drafted is None else drafted
             if of > 0:
                 pool = s.yields.setdefault(draft_kind(mode), deque())
@@ -448,27 +461,40 @@ def _pool_yield(pool) -> float:
     return sum(t for t, _ in pool) / max(1, sum(r for _, r in pool))
 
 
-def _admission_free(rounds: list[tuple[float, int, float, bool]]) -> bool:
+def _admission_free(rounds: list[tuple[float, int, float, bool, bool]]) -> bool:
     """Whether a window's rounds time its mode without the prompts it admitted: none admitted, or
     ADMISSION_FREE_ROUNDS of them did not."""
     return sum(not x[3] for x in rounds) >= ADMISSION_FREE_ROUNDS or not any(x[3] for x in rounds)
 
 
-def _speed(rounds: list[tuple[float, int, float, bool]]) -> float | None:
+def _unmixed(rounds: list[tuple[float, int, float, bool, bool]]) -> list:
+    """A window's rounds with few detached requests (`record`'s `detached`), or all where none is."""
+    return [x for x in rounds if not x[4]] or rounds
+
+
+def _representative(rounds: list[tuple[float, int, float, bool, bool]]) -> bool:
+    """Whether a window's speed may replace its mode's: some of its rounds had few detached
+    requests, and those time the mode without the prompts they admitted (`_admission_free`)."""
+    return any(not x[4] for x in rounds) and _admission_free(_unmixed(rounds))
+
+
+def _speed(rounds: list[tuple[float, int, float, bool, bool]]) -> float | None:
     """Request-rounds per second of a window's rounds [(seconds, request-rounds, upkeep seconds,
-    admitted any)]: those that admitted no request where ADMISSION_FREE_ROUNDS of them did not,
-    else all; their stalls left out (rounds over STALL_FACTOR times the median per request-round,
-    upkeep aside), and the window's upkeep spread over its request-rounds: the catch-ups a plain
-    round sends every BACKLOG_ROUNDS rounds are plain decoding's cost while requests stay on the
-    drafter, not a stall."""
+    admitted any, detached over DETACHED_SHARE)]: those with few detached requests where some are
+    (else all), of those the ones that admitted no request where ADMISSION_FREE_ROUNDS of them did
+    not (else all); their stalls left out (rounds over STALL_FACTOR times the median per
+    request-round, upkeep aside), and the window's upkeep spread over its request-rounds: the
+    catch-ups a plain round sends every BACKLOG_ROUNDS rounds are plain decoding's cost while
+    requests stay on the drafter, not a stall."""
     if not rounds:
         return None
-    timed = [x for x in rounds if not x[3]] if _admission_free(rounds) else rounds
-    per = sorted(sec / r for sec, r, _, _ in timed)
+    timed = _unmixed(rounds)
+    timed = [x for x in timed if not x[3]] if _admission_free(timed) else timed
+    per = sorted(x[0] / x[1] for x in timed)
     median = per[len(per) // 2]
-    kept = [(sec, r) for sec, r, _, _ in timed if sec / r <= STALL_FACTOR * median]
+    kept = [(x[0], x[1]) for x in timed if x[0] / x[1] <= STALL_FACTOR * median]
     request_rounds = sum(r for _, r in kept)
-    upkeep = sum(u for _, _, u, _ in rounds) * request_rounds / max(1, sum(r for _, r, _, _ in rounds))
+    upkeep = sum(x[2] for x in rounds) * request_rounds / max(1, sum(x[1] for x in rounds))
     seconds = sum(sec for sec, _ in kept) + upkeep
     return request_rounds / seconds if seconds > 0 else None
 

@@ -61,9 +61,9 @@ def _served_settled(spec: LocalSpeculator, prompts, params, records: list | None
         if records is not None:
             record = r._modes.record
 
-            def recorded(mode, tokens, seconds, request_rounds=1, upkeep=0.0, admitted=0, drafted=None):
+            def recorded(mode, tokens, seconds, request_rounds=1, upkeep=0.0, admitted=0, drafted=None, detached=0):
                 records.append((mode, request_rounds, drafted))
-                record(mode, tokens, seconds, request_rounds, upkeep, admitted, drafted)
+                record(mode, tokens, seconds, request_rounds, upkeep, admitted, drafted, detached)
             r._modes.record = recorded
         r.start()
         try:
@@ -164,3 +164,94 @@ def test_requests_with_sampled_drafts_are_admitted_with_the_drafter(monkeypatch)
     speculating = [(n, drafted) for mode, n, drafted in records if mode != "plain"]
     assert speculating and all(drafted is not None and drafted[1] <= 3 for _, drafted in speculating)
     assert any(n > drafted[1] > 0 for n, drafted in speculating)
+
+
+class ReleaseRecording(CountingDrafter):
+    def __init__(self, engine):
+        super().__init__(engine)
+        self.released: list[list[str]] = []
+
+    async def release(self, request_ids, keep_draft=False, outputs=None):
+        self.released.append(list(request_ids))
+        return await super().release(request_ids, keep_draft, outputs)
+
+
+def _served_settling(spec: LocalSpeculator, prompts, params, after_rounds: int, detach_running: bool = True):
+    """The requests served by a Router over `spec`'s engines whose "auto" speculates (sequential)
+    for `after_rounds` rounds and then keeps plain, settled from 4 running requests on -> (each
+    (tokens, request), the verifier link, the drafter link, the router's counters, the ids on the
+    drafter when plain was first kept, the ids it held at the end of each later round).
+    `detach_running` False: the router's `_detach_running` does nothing (the control)."""
+    async def main():
+        vlink, dlink = Recording(spec.verifier), ReleaseRecording(spec.drafter)
+        r = Router(vlink, dlink, spec.tokenizer, RouterConfig(
+            max_len=256, eos_token_ids=spec.eos_token_ids, lookahead=spec.lookahead, want_features=True,
+            pipeline="auto"))
+        plain = lambda: r.counters.rounds >= after_rounds   # noqa: E731
+        r._modes.choose = lambda num_running, up: "plain" if plain() else "sequential"
+        r._modes.settled_plain = lambda num_running: plain() and num_running >= 4
+        if not detach_running:
+            r._detach_running = lambda: None
+        held, at_settle = [], []
+        record = r._modes.record
+
+        def recorded(mode, *args, **kw):
+            if mode == "plain" and not at_settle:
+                at_settle.append(set(spec.drafter.requests))
+            held.append(set(spec.drafter.requests))
+            record(mode, *args, **kw)
+        r._modes.record = recorded
+        r.start()
+        try:
+            done = await asyncio.gather(*(collect(r, p, sp) for p, sp in zip(prompts, params)))
+            await drained(spec)
+            return done, vlink, dlink, r.counters, at_settle, held
+        finally:
+            await r.stop()
+
+    return asyncio.run(main())
+
+
+def _serve_settling(monkeypatch, detach_running: bool):
+    monkeypatch.setattr(router.loop, "LARGE_BATCH", 4)
+    monkeypatch.setattr(router.loop, "REJOIN_MIN_TOKENS", 16)
+    t, d = demo_paths("eagle3")
+    spec = LocalSpeculator(t, d, SpecConfig(method="eagle3"), max_slots=8, max_len=256)
+    plain = LocalSpeculator(*demo_paths("none"), SpecConfig(method="none"), max_slots=8, max_len=256)
+    prompts = [spec.tokenizer.encode(x).ids for x in PROMPT_TEXTS[:6]]
+    # Five requests of 24 tokens and one of 96: the long one runs on alone, below LARGE_BATCH.
+    params = [SamplingParams(max_tokens=24, ignore_eos=True)] * 5 + [SamplingParams(max_tokens=96, ignore_eos=True)]
+    expected = [c.token_ids for c in plain.generate(prompts, params)]
+    out = _served_settling(spec, prompts, params, after_rounds=3, detach_running=detach_running)
+    done = out[0]
+    assert [toks for toks, _ in done] == expected
+    assert not spec.drafter.requests and spec.drafter.proposer.kv_stats()["used_blocks"] == 0
+    assert not spec.verifier.requests
+    return out
+
+
+def test_running_requests_leave_the_drafter_once_plain_is_settled(monkeypatch):
+    """Six greedy requests speculate for three rounds; then "auto" keeps plain, settled. The
+    running requests leave the drafter at once (released there, no features asked for in the
+    rounds that follow), decode plainly, and the long one rejoins once it runs alone and
+    speculates again. Tokens equal plain decoding's throughout. The control, without
+    `_detach_running`: the drafter holds them through the plain rounds."""
+    done, vlink, dlink, c, at_settle, held = _serve_settling(monkeypatch, detach_running=True)
+    ids = [req.request_id for _, req in done]
+    assert c.detached_running == 6 and c.detached_admissions == 0
+    # Held when plain's first round ran; released before the next one (`_settle`), in one call.
+    assert at_settle == [set(ids)] and sorted(dlink.released[0]) == sorted(ids)
+    first = held.index(set(ids), 3)
+    long_req = done[-1][1]
+    assert dlink.prefilled.count(long_req.request_id) == 2       # admitted, then rejoined alone
+    rejoined = next(k for k, h in enumerate(held) if k > first and h)
+    assert rejoined > first + 2 and all(not h for h in held[first + 1:rejoined])
+    # Speculating rounds first, then plain rounds without features until the rejoin.
+    first_plain = vlink.verify_features.index(False)
+    assert first_plain >= 3 and all(vlink.verify_features[:first_plain])
+    assert long_req.draft_tokens > 0
+
+    done0, vlink0, dlink0, c0, at_settle0, held0 = _serve_settling(monkeypatch, detach_running=False)
+    ids0 = {req.request_id for _, req in done0}
+    assert c0.detached_running == 0 and at_settle0 == [ids0]
+    assert held0[held0.index(ids0, 3) + 1] == ids0 and all(vlink0.verify_features)

@@ -497,6 +497,43 @@ def test_detached_requests_do_not_count_in_what_speculation_commits():
     assert keeps(_half_detached_run(declared=False)) == {"plain"}
 
 
+def _mostly_detached_run(declared: bool) -> list[str]:
+    """64 running at a low acceptance: sequential rounds of 19 ms whose trees commit 2.3 tokens a
+    request (7,747 committed tokens/s), plain rounds of 6.5 ms (9,846), so plain is kept. From
+    round 300 on, 60 of the 64 are detached (plain kept them off the drafter): a sequential round
+    then drafts for 4, costs 8 ms, and its 64 request-rounds a second times the 2.3 its drafted
+    requests commit read 18,400. `declared`: the round passes how many were detached (as
+    router/loop.py does)."""
+    chooser = ModeChooser(_cfg(pipeline="auto", mode_window=8))
+    chosen = []
+    for k in range(900):
+        mode = chooser.choose(num_running=64, drafter_up=True)
+        chosen.append(mode)
+        detached = 60 if k >= 300 else 0
+        if mode == "plain":
+            chooser.record(mode, tokens=64, seconds=0.0065, request_rounds=64, detached=detached)
+            continue
+        drafted = 64 - detached
+        yields = {"sequential": 2.3, "pingpong": 2.3, "short:1": 1.5, "short:2": 1.9}
+        seconds = {"sequential": 0.019, "pingpong": 0.030, "short:1": 0.013, "short:2": 0.016}[mode]
+        seconds = seconds if not detached else 0.008
+        got = round(drafted * yields[mode])
+        chooser.record(mode, tokens=got + detached, seconds=seconds, request_rounds=64, drafted=(got, drafted),
+                       detached=detached if declared else 0)
+    return chosen
+
+
+def test_rounds_with_many_detached_requests_do_not_time_speculation():
+    """A speculating round where most requests are detached costs little more than a plain one:
+    timed as its mode's speed, with what its drafted requests commit, it makes sequential look
+    twice as fast as plain and sequential is kept. Declared (over DETACHED_SHARE of the round's
+    requests detached), such rounds update what the drafted requests commit but not the mode's
+    speed, and plain stays kept. Control: undeclared, sequential is kept after round 300."""
+    keeps = lambda chosen: {m for m, n in _windows(chosen[400:]) if n > 8}   # noqa: E731
+    assert keeps(_mostly_detached_run(declared=True)) == {"plain"}
+    assert "sequential" in keeps(_mostly_detached_run(declared=False))
+
+
 @pytest.mark.parametrize("pipeline", ["sequential", "pingpong", "ahead", "auto"])
 def test_rounds_are_counted_by_the_mode_that_ran_them(pipeline):
     """RouterCounters.mode_rounds (GetServerStats, /metrics): every verify counted once, under the
@@ -646,9 +683,9 @@ def test_the_router_measures_speculation_on_the_drafted_requests_that_go_on(tree
         router = Router(OracleVerifier(box), ScriptedDrafter(trees=box), Tokenizer(), config(tree_channel=tree_channel))
         records, record = [], router._modes.record
 
-        def recorded(mode, tokens, seconds, request_rounds=1, upkeep=0.0, admitted=0, drafted=None):
+        def recorded(mode, tokens, seconds, request_rounds=1, upkeep=0.0, admitted=0, drafted=None, detached=0):
             records.append((mode, tokens, request_rounds, drafted))
-            record(mode, tokens, seconds, request_rounds, upkeep, admitted, drafted)
+            record(mode, tokens, seconds, request_rounds, upkeep, admitted, drafted, detached)
         router._modes.record = recorded
         router.start()
         try:
