@@ -76,21 +76,32 @@ def _served_settled(spec: LocalSpeculator, prompts, params, records: list | None
     return asyncio.run(main())
 
 
-def _serve_detached(monkeypatch, rejoin_min_tokens: int):
+def _five_short_one_long(monkeypatch, rejoin_min_tokens: int, short: int, long: int):
+    """LARGE_BATCH 4, the demo pair's engines, six prompts: five requests of `short` greedy tokens
+    and one of `long`, which runs on alone below LARGE_BATCH -> (the speculating engines, the
+    prompts, their params, plain decoding's tokens)."""
     monkeypatch.setattr(router.loop, "LARGE_BATCH", 4)
     monkeypatch.setattr(router.loop, "REJOIN_MIN_TOKENS", rejoin_min_tokens)
     t, d = demo_paths("eagle3")
     spec = LocalSpeculator(t, d, SpecConfig(method="eagle3"), max_slots=8, max_len=256)
     plain = LocalSpeculator(*demo_paths("none"), SpecConfig(method="none"), max_slots=8, max_len=256)
     prompts = [spec.tokenizer.encode(x).ids for x in PROMPT_TEXTS[:6]]
-    # Five short requests and one long one: the long one ends alone, below LARGE_BATCH.
-    params = [SamplingParams(max_tokens=12, ignore_eos=True)] * 5 + [SamplingParams(max_tokens=64, ignore_eos=True)]
-    expected = [c.token_ids for c in plain.generate(prompts, params)]
-    done, vlink, dlink, c = _served_settled(spec, prompts, params)
+    params = [SamplingParams(max_tokens=short, ignore_eos=True)] * 5 + [SamplingParams(max_tokens=long, ignore_eos=True)]
+    return spec, prompts, params, [c.token_ids for c in plain.generate(prompts, params)]
+
+
+def _check_served(spec: LocalSpeculator, done, expected) -> None:
+    """Plain decoding's tokens, and nothing left on either engine."""
     assert [toks for toks, _ in done] == expected
-    assert c.detached_admissions == 6 and vlink.prefill_features == [False]
     assert not spec.drafter.requests and spec.drafter.proposer.kv_stats()["used_blocks"] == 0
     assert not spec.verifier.requests
+
+
+def _serve_detached(monkeypatch, rejoin_min_tokens: int):
+    spec, prompts, params, expected = _five_short_one_long(monkeypatch, rejoin_min_tokens, 12, 64)
+    done, vlink, dlink, c = _served_settled(spec, prompts, params)
+    _check_served(spec, done, expected)
+    assert c.detached_admissions == 6 and vlink.prefill_features == [False]
     return done, vlink, dlink
 
 
@@ -213,20 +224,9 @@ def _served_settling(spec: LocalSpeculator, prompts, params, after_rounds: int, 
 
 
 def _serve_settling(monkeypatch, detach_running: bool):
-    monkeypatch.setattr(router.loop, "LARGE_BATCH", 4)
-    monkeypatch.setattr(router.loop, "REJOIN_MIN_TOKENS", 16)
-    t, d = demo_paths("eagle3")
-    spec = LocalSpeculator(t, d, SpecConfig(method="eagle3"), max_slots=8, max_len=256)
-    plain = LocalSpeculator(*demo_paths("none"), SpecConfig(method="none"), max_slots=8, max_len=256)
-    prompts = [spec.tokenizer.encode(x).ids for x in PROMPT_TEXTS[:6]]
-    # Five requests of 24 tokens and one of 96: the long one runs on alone, below LARGE_BATCH.
-    params = [SamplingParams(max_tokens=24, ignore_eos=True)] * 5 + [SamplingParams(max_tokens=96, ignore_eos=True)]
-    expected = [c.token_ids for c in plain.generate(prompts, params)]
+    spec, prompts, params, expected = _five_short_one_long(monkeypatch, 16, 24, 96)
     out = _served_settling(spec, prompts, params, after_rounds=3, detach_running=detach_running)
-    done = out[0]
-    assert [toks for toks, _ in done] == expected
-    assert not spec.drafter.requests and spec.drafter.proposer.kv_stats()["used_blocks"] == 0
-    assert not spec.verifier.requests
+    _check_served(spec, out[0], expected)
     return out
 
 
