@@ -246,9 +246,11 @@ def test_running_requests_leave_the_drafter_once_plain_is_settled(monkeypatch):
     assert dlink.prefilled.count(long_req.request_id) == 2       # admitted, then rejoined alone
     rejoined = next(k for k, h in enumerate(held) if k > first and h)
     assert rejoined > first + 2 and all(not h for h in held[first + 1:rejoined])
-    # Speculating rounds first, then plain rounds without features until the rejoin.
-    first_plain = vlink.verify_features.index(False)
-    assert first_plain >= 3 and all(vlink.verify_features[:first_plain])
+    # Speculating rounds with features, then plain rounds without until the rejoin, then with.
+    flags = vlink.verify_features
+    first_plain = flags.index(False)
+    back = next(k for k in range(first_plain, len(flags)) if flags[k])
+    assert first_plain >= 3 and all(flags[:first_plain]) and back - first_plain >= 5 and all(flags[back:])
     assert long_req.draft_tokens > 0
 
     done0, vlink0, dlink0, c0, at_settle0, held0 = _serve_settling(monkeypatch, detach_running=False)
