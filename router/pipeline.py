@@ -52,7 +52,8 @@ Detached requests rejoin
 the drafter (a resync) once fewer than LARGE_BATCH run, those that may still generate
 REJOIN_MIN_TOKENS tokens (router/loop.py).
 Ahead must measure AHEAD_EDGE (10%) faster than sequential (and ping-pong) to be kept over
-them: at one running request a near tie is more often the windows' text than the modes.
+them, in AHEAD_CONFIRM (2) of its windows in a row: at one running request a near tie, or one
+window's win, is more often the windows' text than the modes.
 A speculating mode must measure PLAIN_EDGE (5%) faster than plain to be kept over it, and
 PLAIN_EDGE_LARGE (15%) from LARGE_BATCH (32) running requests: near a tie, speculation's rounds
 commit different counts per request, so a closed batch ends in a tail of nearly empty rounds that
@@ -138,6 +139,12 @@ PLAIN_EDGE_LARGE = 1.15   # ... from LARGE_BATCH running requests on
 # 311 and 334 over whole runs: benchmarks/results/RESULTS.md, serve-cpu-2core). Where ahead wins
 # (a drafter on its own GPU, 8B-shaped pair) it wins by 16-58%.
 AHEAD_EDGE = 1.10
+# ... and in this many of its windows in a row (the first sweep's, then one after a keep), the fastest
+# of the other modes kept meanwhile. One window at one running request is
+# one stretch of text: on 2 CPU cores over gRPC (the demo pair) a keep of sequential measured it
+# 20-25% under its first window and the window of ahead after it past the edge, and `auto` kept ahead
+# (1.45-1.48x plain, accept length 3.7) where the run that stayed on sequential served 1.70x (4.4).
+AHEAD_CONFIRM = 2
 LARGE_BATCH = 32
 # Tokens per request-round are pooled per draft kind over the latest rounds that hold this many
 # request-rounds: 16 windows at one running request, one window from 16 on.
@@ -216,6 +223,9 @@ class _ClassState:
     # draft kind -> recent rounds, each (tokens, request-rounds): what the kind commits per request-round
     yields: dict[str, deque] = field(default_factory=dict)
     prior: float | None = None   # what the phase's kind committed per request-round when the phase began
+    ahead_wins: int = 0          # windows of ahead in a row that won while another mode was kept (AHEAD_CONFIRM)
+    ahead_windows: int = 0       # windows of ahead ended so far
+    ahead_counted: int = 0       # ... of which the last one counted in ahead_wins
 
     @property
     def rates(self) -> dict[str, float]:
@@ -245,6 +255,7 @@ class _ClassState:
         again: a kept plain is followed by one speculating mode only, and without this the others
         would keep the old text's rates until their turn came, FAR_EVERY keeps later."""
         self.left = 0
+        self.ahead_windows += self.mode == "ahead"
         rounds = self.acc.pop(self.mode, [])
         speed = _speed(rounds)
         if speed is not None and (self.mode not in self.speeds or _representative(rounds)):
@@ -352,6 +363,13 @@ class ModeChooser:
             s.start("explore", pick, window)                      # then, between keeps, one other again
         else:                                                     # keep the fastest so far
             best = _fastest(rates, plain_edge(num_running))
+            if best != "ahead" or s.kept == "ahead":
+                s.ahead_wins = 0
+            elif s.ahead_windows > s.ahead_counted:   # a window of ahead since the last comparison won
+                s.ahead_wins, s.ahead_counted = s.ahead_wins + 1, s.ahead_windows
+            others = {m: r for m, r in rates.items() if m != "ahead"}
+            if best == "ahead" and s.kept != "ahead" and s.ahead_wins < AHEAD_CONFIRM and others:
+                best = _fastest(others, plain_edge(num_running))   # not yet: the fastest of the others meanwhile
             changed = best != s.kept
             s.keep_windows = min(2 * s.keep_windows, MAX_KEEP_WINDOWS) if not changed else KEEP_WINDOWS
             s.kept = best

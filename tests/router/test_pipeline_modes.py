@@ -35,12 +35,18 @@ def test_auto_measures_every_mode_then_keeps_the_fastest():
 
 
 def test_auto_small_batches_choose_between_sequential_ahead_and_plain():
+    """The fastest is kept; ahead once AHEAD_CONFIRM (2) of its windows in a row have won: the first
+    sweep's, then its next window (after keeps of the fastest of the others, plain by plain's edge,
+    and a window of sequential in turn), which runs on as its keep."""
     order = ["sequential", "ahead", "plain"]
     for fastest in order:
         rates = {m: 100.0 for m in order} | {fastest: 150.0}
-        chosen = _run(ModeChooser(_cfg(pipeline="auto")), rates, 9 + 24, num_running=3)
+        chosen = _run(ModeChooser(_cfg(pipeline="auto")), rates, 9 + 24 + 3 + 48 + 3 + 24, num_running=3)
         assert chosen[:9] == [m for m in order for _ in range(3)]
-        assert set(chosen[9:]) == {fastest}
+        if fastest != "ahead":
+            assert set(chosen[9:33]) == {fastest}
+        else:
+            assert _windows(chosen[9:]) == [("plain", 24), ("sequential", 3), ("plain", 48), ("ahead", 27)]
 
 
 def test_after_forget_text_only_the_draft_kinds_without_a_yield_are_measured():
@@ -106,8 +112,8 @@ def test_a_class_keeps_its_measurements_while_the_batch_is_in_another():
     order = ["sequential", "pingpong", "short:1", "short:2", "plain"]
     at64 = {m: 100.0 for m in order} | {"plain": 150.0}
     _run(chooser, at64, 15 + 2, num_running=64)
-    tail = {"sequential": 100.0, "ahead": 200.0, "plain": 90.0}
-    assert _run(chooser, tail, 9 + 3, num_running=3)[9:] == ["ahead"] * 3
+    tail = {"sequential": 200.0, "ahead": 100.0, "plain": 90.0}
+    assert _run(chooser, tail, 9 + 3, num_running=3)[9:] == ["sequential"] * 3
     assert chooser.rates_for(64) == at64 and chooser.rates_for(3) == tail
     assert set(_run(chooser, at64, 22, num_running=64)) == {"plain"}, "the 64-class resumes keeping plain"
     assert chooser.rates_for(16) == {}
@@ -265,6 +271,32 @@ def test_modes_that_draft_the_same_trees_are_compared_by_their_round_time_not_th
     assert rates["sequential"] / rates["pingpong"] == pytest.approx(1.2)   # the same tokens a round
 
 
+def _one_lucky_window_of_ahead() -> list[str]:
+    """One running request: sequential rounds at 100 committed tokens/s, ahead's at 100 too but for
+    its second window, which measures 130 (a stretch of text: past AHEAD_EDGE); plain at 50."""
+    chooser = ModeChooser(_cfg(pipeline="auto"))
+    chosen, ahead_windows = [], 0
+    for _ in range(600):
+        mode = chooser.choose(num_running=1, drafter_up=True)
+        if mode == "ahead" and (not chosen or chosen[-1] != "ahead"):
+            ahead_windows += 1
+        chosen.append(mode)
+        rate = {"sequential": 100.0, "plain": 50.0}.get(mode, 130.0 if ahead_windows == 2 else 100.0)
+        chooser.record(mode, tokens=10, seconds=10.0 / rate)
+    return chosen
+
+
+def test_ahead_is_kept_only_after_winning_twice_in_a_row(monkeypatch):
+    """One window of ahead past the edge (its text) does not make it kept: its next window, a keep
+    later, measures it at sequential's rate again, and sequential stays. Control: with
+    AHEAD_CONFIRM 1, ahead is kept for a keep on the one window."""
+    import router.pipeline
+
+    assert max(n for m, n in _windows(_one_lucky_window_of_ahead()) if m == "ahead") == 3
+    monkeypatch.setattr(router.pipeline, "AHEAD_CONFIRM", 1)
+    assert max(n for m, n in _windows(_one_lucky_window_of_ahead()) if m == "ahead") > 3
+
+
 def test_ahead_is_judged_by_what_it_commits():
     """A hit's tree was drafted before the verdict's target features were known: with a real head
     ahead commits less a round than sequential (3.4 against 3.9 tokens) in rounds a little faster
@@ -292,11 +324,15 @@ def test_ahead_is_kept_over_sequential_only_where_it_measured_ahead_edge_faster(
     order = ["sequential", "ahead", "plain"]
     near = {"sequential": 100.0, "ahead": 100.0 * (AHEAD_EDGE - 0.03), "plain": 50.0}
     assert set(_run(ModeChooser(_cfg(pipeline="auto")), near, 9 + 24, num_running=1)[9:]) == {"sequential"}
+    # A clear win keeps ahead once confirmed: the first sweep's win keeps sequential for a keep, the
+    # window of ahead after it wins again.
     clear = near | {"ahead": 100.0 * (AHEAD_EDGE + 0.03)}
-    assert set(_run(ModeChooser(_cfg(pipeline="auto")), clear, 9 + 24, num_running=1)[9:]) == {"ahead"}
+    chosen = _run(ModeChooser(_cfg(pipeline="auto")), clear, 9 + 24 + 3 + 24, num_running=1)
+    assert chosen[9:33] == ["sequential"] * 24 and set(chosen[33:]) == {"ahead"}
     # Sequential far behind plain: ahead just past plain's edge is kept, plain's edge the only one.
     over_plain = {"sequential": 40.0, "ahead": 100.0 * (PLAIN_EDGE + 0.02), "plain": 100.0}
-    assert set(_run(ModeChooser(_cfg(pipeline="auto")), over_plain, 9 + 24, num_running=1)[9:]) == {"ahead"}
+    chosen = _run(ModeChooser(_cfg(pipeline="auto")), over_plain, 9 + 24 + 3 + 24, num_running=1)
+    assert chosen[9:33] == ["plain"] * 24 and set(chosen[33:]) == {"ahead"}
     assert order == list(ModeChooser(_cfg(pipeline="auto")).candidates(1))
 
 
