@@ -123,6 +123,7 @@ import logging
 import math
 from collections import deque
 from dataclasses import dataclass, field
+from typing import NamedTuple
 
 log = logging.getLogger("spectandem.router")
 KEEP_WINDOWS = 8          # windows of a keep after the fastest mode changed
@@ -167,6 +168,16 @@ EXTEND_ROUNDS = 3
 # ones. At an eighth, the round costs within a few percent of one where every request drafts (an
 # estimate: a verify at these batches costs little more for 64 trees than for 56 trees and 8 roots).
 DETACHED_SHARE = 0.125
+
+
+class _Round(NamedTuple):
+    """One recorded round of a phase (`ModeChooser.record`)."""
+
+    seconds: float          # its time, upkeep aside
+    request_rounds: int
+    upkeep: float           # seconds of work the mode's rounds owe in turn
+    admitted: bool          # it admitted new requests (their prefill inside `seconds`)
+    mixed: bool             # a drafting round with over DETACHED_SHARE of its requests detached
 
 
 def _depth(kind: str) -> float:
@@ -217,15 +228,12 @@ class _ClassState:
     elapsed: float = 0.0        # seconds of the phase's rounds so far
     pooled: list[int] = field(default_factory=lambda: [0, 0, 0])   # the phase's tokens, request-rounds, rounds in `yields`
     speeds: dict[str, float] = field(default_factory=dict)   # mode -> request-rounds/s its last window ran
-    # mode -> its phase's rounds so far, each (seconds, request-rounds, upkeep seconds, admitted any,
-    # detached over DETACHED_SHARE)
-    acc: dict[str, list[tuple[float, int, float, bool, bool]]] = field(default_factory=dict)
+    acc: dict[str, list[_Round]] = field(default_factory=dict)   # mode -> its phase's rounds so far
     # draft kind -> recent rounds, each (tokens, request-rounds): what the kind commits per request-round
     yields: dict[str, deque] = field(default_factory=dict)
     prior: float | None = None   # what the phase's kind committed per request-round when the phase began
     ahead_wins: int = 0          # windows of ahead in a row that won while another mode was kept (AHEAD_CONFIRM)
-    ahead_windows: int = 0       # windows of ahead ended so far
-    ahead_counted: int = 0       # ... of which the last one counted in ahead_wins
+    ahead_fresh: bool = False    # a window of ahead ended since the last win counted in ahead_wins
 
     @property
     def rates(self) -> dict[str, float]:
@@ -255,17 +263,17 @@ class _ClassState:
         again: a kept plain is followed by one speculating mode only, and without this the others
         would keep the old text's rates until their turn came, FAR_EVERY keeps later."""
         self.left = 0
-        self.ahead_windows += self.mode == "ahead"
+        self.ahead_fresh = self.ahead_fresh or self.mode == "ahead"
         rounds = self.acc.pop(self.mode, [])
         speed = _speed(rounds)
         if speed is not None and (self.mode not in self.speeds or _representative(rounds)):
             self.speeds[self.mode] = speed
         if log.isEnabledFor(logging.DEBUG):
-            per = sorted(x[0] / x[1] * 1e3 for x in rounds if x[1])
+            per = sorted(x.seconds / x.request_rounds * 1e3 for x in rounds if x.request_rounds)
             log.debug("auto pipeline: %s of %s over %d rounds in %.1f ms: %s request-rounds/s; %d rounds recorded, "
                       "%d of them admitting, ms a request-round min / median / max %s", self.phase, self.mode,
                       self.length, self.elapsed * 1e3, "-" if speed is None else f"{speed:.1f}", len(rounds),
-                      sum(x[3] for x in rounds),
+                      sum(x.admitted for x in rounds),
                       " / ".join(f"{v:.3f}" for v in (per[0], per[len(per) // 2], per[-1])) if per else "-")
         tokens, request_rounds, rounds = self.pooled
         kind = draft_kind(self.mode)
@@ -365,8 +373,8 @@ class ModeChooser:
             best = _fastest(rates, plain_edge(num_running))
             if best != "ahead" or s.kept == "ahead":
                 s.ahead_wins = 0
-            elif s.ahead_windows > s.ahead_counted:   # a window of ahead since the last comparison won
-                s.ahead_wins, s.ahead_counted = s.ahead_wins + 1, s.ahead_windows
+            elif s.ahead_fresh:   # a window of ahead since the last win counted, and it won
+                s.ahead_wins, s.ahead_fresh = s.ahead_wins + 1, False
             others = {m: r for m, r in rates.items() if m != "ahead"}
             if best == "ahead" and s.kept != "ahead" and s.ahead_wins < AHEAD_CONFIRM and others:
                 best = _fastest(others, plain_edge(num_running))   # not yet: the fastest of the others meanwhile
@@ -457,7 +465,7 @@ class ModeChooser:
         s.elapsed += seconds
         if not (first and s.length > 1) and request_rounds > 0:
             mixed = mode != "plain" and detached > DETACHED_SHARE * request_rounds
-            s.acc.setdefault(mode, []).append((seconds - upkeep, request_rounds, upkeep, admitted > 0, mixed))
+            s.acc.setdefault(mode, []).append(_Round(seconds - upkeep, request_rounds, upkeep, admitted > 0, mixed))
             got, of = (tokens, request_rounds) if drafted is None else drafted
             if of > 0:
                 pool = s.yields.setdefault(draft_kind(mode), deque())
@@ -479,26 +487,25 @@ def _pool_yield(pool) -> float:
     return sum(t for t, _ in pool) / max(1, sum(r for _, r in pool))
 
 
-def _admission_free(rounds: list[tuple[float, int, float, bool, bool]]) -> bool:
+def _admission_free(rounds: list[_Round]) -> bool:
     """Whether a window's rounds time its mode without the prompts it admitted: none admitted, or
     ADMISSION_FREE_ROUNDS of them did not."""
-    return sum(not x[3] for x in rounds) >= ADMISSION_FREE_ROUNDS or not any(x[3] for x in rounds)
+    return sum(not x.admitted for x in rounds) >= ADMISSION_FREE_ROUNDS or not any(x.admitted for x in rounds)
 
 
-def _unmixed(rounds: list[tuple[float, int, float, bool, bool]]) -> list:
+def _unmixed(rounds: list[_Round]) -> list[_Round]:
     """A window's rounds with few detached requests (`record`'s `detached`), or all where none is."""
-    return [x for x in rounds if not x[4]] or rounds
+    return [x for x in rounds if not x.mixed] or rounds
 
 
-def _representative(rounds: list[tuple[float, int, float, bool, bool]]) -> bool:
+def _representative(rounds: list[_Round]) -> bool:
     """Whether a window's speed may replace its mode's: some of its rounds had few detached
     requests, and those time the mode without the prompts they admitted (`_admission_free`)."""
-    return any(not x[4] for x in rounds) and _admission_free(_unmixed(rounds))
+    return any(not x.mixed for x in rounds) and _admission_free(_unmixed(rounds))
 
 
-def _speed(rounds: list[tuple[float, int, float, bool, bool]]) -> float | None:
-    """Request-rounds per second of a window's rounds [(seconds, request-rounds, upkeep seconds,
-    admitted any, detached over DETACHED_SHARE)]: those with few detached requests where some are
+def _speed(rounds: list[_Round]) -> float | None:
+    """Request-rounds per second of a window's rounds: those with few detached requests where some are
     (else all), of those the ones that admitted no request where ADMISSION_FREE_ROUNDS of them did
     not (else all); their stalls left out (rounds over STALL_FACTOR times the median per
     request-round, upkeep aside), and the window's upkeep spread over its request-rounds: the
@@ -507,12 +514,12 @@ def _speed(rounds: list[tuple[float, int, float, bool, bool]]) -> float | None:
     if not rounds:
         return None
     timed = _unmixed(rounds)
-    timed = [x for x in timed if not x[3]] if _admission_free(timed) else timed
-    per = sorted(x[0] / x[1] for x in timed)
+    timed = [x for x in timed if not x.admitted] if _admission_free(timed) else timed
+    per = sorted(x.seconds / x.request_rounds for x in timed)
     median = per[len(per) // 2]
-    kept = [(x[0], x[1]) for x in timed if x[0] / x[1] <= STALL_FACTOR * median]
+    kept = [(x.seconds, x.request_rounds) for x in timed if x.seconds / x.request_rounds <= STALL_FACTOR * median]
     request_rounds = sum(r for _, r in kept)
-    upkeep = sum(x[2] for x in rounds) * request_rounds / max(1, sum(x[1] for x in rounds))
+    upkeep = sum(x.upkeep for x in rounds) * request_rounds / max(1, sum(x.request_rounds for x in rounds))
     seconds = sum(sec for sec, _ in kept) + upkeep
     return request_rounds / seconds if seconds > 0 else None
 
