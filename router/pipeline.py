@@ -53,7 +53,10 @@ the drafter (a resync) once fewer than LARGE_BATCH run, those that may still gen
 REJOIN_MIN_TOKENS tokens (router/loop.py).
 Ahead must measure AHEAD_EDGE (10%) faster than sequential (and ping-pong) to be kept over
 them, in AHEAD_CONFIRM (2) of its windows in a row: at one running request a near tie, or one
-window's win, is more often the windows' text than the modes.
+window's win, is more often the windows' text than the modes. Where the drafter drafts ahead on a
+GPU stream of its own in the router's process (serve --backend local on a GPU), its drafts run
+beside the verify rather than in the GPU's turns between processes, and the edge is
+AHEAD_EDGE_OWN_STREAM (3%: `RouterConfig.ahead_edge`).
 A speculating mode must measure PLAIN_EDGE (5%) faster than plain to be kept over it, and
 PLAIN_EDGE_LARGE (15%) from LARGE_BATCH (32) running requests: near a tie, speculation's rounds
 commit different counts per request, so a closed batch ends in a tail of nearly empty rounds that
@@ -140,6 +143,14 @@ PLAIN_EDGE_LARGE = 1.15   # ... from LARGE_BATCH running requests on
 # 311 and 334 over whole runs: benchmarks/results/RESULTS.md, serve-cpu-2core). Where ahead wins
 # (a drafter on its own GPU, 8B-shaped pair) it wins by 16-58%.
 AHEAD_EDGE = 1.10
+# ... where the drafter drafts ahead on a GPU stream of its own beside the verifier, in one process
+# (serve --backend local on a GPU). There ahead's rounds are cheaper than sequential's by about the
+# draft (one H200, the 8B-shaped pair, a = 0.8, one running request, two servers measured in
+# alternation: runs where `auto` kept ahead served 424.5 and 425.8 tok/s, runs that kept sequential
+# 375.5-408.9, at the same accept length; benchmarks/results/serve-ab-local-c1-h200.txt), a gain
+# AHEAD_EDGE left unused. A tie within 3% either way serves alike; AHEAD_CONFIRM still asks two
+# winning windows in a row.
+AHEAD_EDGE_OWN_STREAM = 1.03
 # ... and in this many of its windows in a row (the first sweep's, then one after a keep), the fastest
 # of the other modes kept meanwhile. One window at one running request is
 # one stretch of text: on 2 CPU cores over gRPC (the demo pair) a keep of sequential measured it
@@ -194,13 +205,13 @@ def draft_kind(mode: str) -> str:
     return "full" if mode in ("sequential", "pingpong") else mode
 
 
-def _fastest(rates: dict[str, float], edge: float) -> str:
+def _fastest(rates: dict[str, float], edge: float, ahead_edge: float = AHEAD_EDGE) -> str:
     """The mode to keep: the fastest, plain given `edge` (`plain_edge`), and ahead kept over the
-    modes of the "full" kind only where it measured AHEAD_EDGE faster than the fastest of them."""
+    modes of the "full" kind only where it measured `ahead_edge` faster than the fastest of them."""
     weight = lambda m: rates[m] * (edge if m == "plain" else 1.0)   # noqa: E731
     best = max(rates, key=weight)
     full = [rates[m] for m in rates if draft_kind(m) == "full"]
-    if best == "ahead" and full and rates["ahead"] < AHEAD_EDGE * max(full):
+    if best == "ahead" and full and rates["ahead"] < ahead_edge * max(full):
         best = max((m for m in rates if m != "ahead"), key=weight)
     return best
 
@@ -370,14 +381,14 @@ class ModeChooser:
         elif s.phase == "keep" and (pick := self._explore_pick(s)) is not None:
             s.start("explore", pick, window)                      # then, between keeps, one other again
         else:                                                     # keep the fastest so far
-            best = _fastest(rates, plain_edge(num_running))
+            best = _fastest(rates, plain_edge(num_running), self.cfg.ahead_edge)
             if best != "ahead" or s.kept == "ahead":
                 s.ahead_wins = 0
             elif s.ahead_fresh:   # a window of ahead since the last win counted, and it won
                 s.ahead_wins, s.ahead_fresh = s.ahead_wins + 1, False
             others = {m: r for m, r in rates.items() if m != "ahead"}
             if best == "ahead" and s.kept != "ahead" and s.ahead_wins < AHEAD_CONFIRM and others:
-                best = _fastest(others, plain_edge(num_running))   # not yet: the fastest of the others meanwhile
+                best = _fastest(others, plain_edge(num_running), self.cfg.ahead_edge)   # not yet: the fastest of the others meanwhile
             changed = best != s.kept
             s.keep_windows = min(2 * s.keep_windows, MAX_KEEP_WINDOWS) if not changed else KEEP_WINDOWS
             s.kept = best

@@ -8,6 +8,7 @@ import time
 from dataclasses import dataclass, field
 
 from router.detok import Detokenizer
+from router.pipeline import AHEAD_EDGE
 from spectandem.protocol import Tag
 from spectandem.config import SamplingParams
 
@@ -170,6 +171,10 @@ class RouterConfig:
     # outcomes while the verifier verifies (router/pipeline.py); "auto": measured choice.
     pipeline: str = "auto"
     pingpong_min_batch: int = 2
+    # How much faster "ahead" must measure than sequential and ping-pong to be kept over them in
+    # "auto" (router/pipeline.py: AHEAD_EDGE; serve sets AHEAD_EDGE_OWN_STREAM where the drafter
+    # drafts ahead on a GPU stream of its own in the router's process).
+    ahead_edge: float = AHEAD_EDGE
     # Draft lengths "auto" also tries from 2 * pingpong_min_batch requests (tree depth caps, for
     # requests whose tokens do not depend on the tree).
     short_draft_steps: tuple[int, ...] = (1, 2)
@@ -209,6 +214,9 @@ class RouterConfig:
     def __post_init__(self):
         if self.pipeline not in PIPELINES:
             raise ValueError(f"pipeline must be one of {', '.join(PIPELINES)}; got {self.pipeline!r}")
+        if not self.ahead_edge >= 1.0:
+            raise ValueError(f"ahead_edge must be >= 1.0 (ahead kept only where it measured at least as fast), "
+                             f"got {self.ahead_edge}")
         if any(n < 1 for n in self.short_draft_steps):
             raise ValueError(f"short_draft_steps must be >= 1, got {self.short_draft_steps}")
         if isinstance(self.plain_steps, bool) or not isinstance(self.plain_steps, int) or self.plain_steps < 1:

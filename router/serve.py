@@ -283,8 +283,9 @@ def draft_on_verdict(args) -> bool:
     On one H100 (a = 0.8, the verdicts telling where their features lie in the feature channel's
     ring; benchmarks/results/serve-h100-draft-on-verdict.txt) a gRPC round served 299.6 tok/s with
     it against 274.8 without at concurrency 1, a Ray round 287.9 against 243.5; in-process, where
-    the router's draft call reaches the drafter's thread at once, it gained nothing (325.1 / 3,240.0
-    tok/s at 1 / 16 without it against 319.5 / 3,038.2 with it)."""
+    the router's draft call reaches the drafter's thread at once, it gained nothing (one H200,
+    sequential rounds, two servers alternated: 391.5 / 3,709.0 tok/s at 1 / 16 with it against
+    393.5 / 3,661.2 without; benchmarks/results/serve-ab-local-c1-h200.txt)."""
     trees = tree_channel(args)
     value = getattr(args, "draft_on_verdict", None)
     if value and not trees:
@@ -299,6 +300,16 @@ def _own_threads(args) -> bool:
     on the CPU both share one, spectandem/devices.py cpu_engine_thread)."""
     verifier_device, drafter_device = args.engine_devices
     return is_cuda(verifier_device) or is_cuda(drafter_device or verifier_device)
+
+
+def ahead_edge(args) -> float:
+    """How much faster `auto` asks "ahead" to measure than sequential (RouterConfig.ahead_edge):
+    AHEAD_EDGE_OWN_STREAM in-process with an engine on a GPU (each engine a worker thread and a
+    stream of its own: the drafter drafts ahead beside the verify), else AHEAD_EDGE (engine
+    processes take the GPU in turns; on the CPU the engines share one thread)."""
+    from router.pipeline import AHEAD_EDGE, AHEAD_EDGE_OWN_STREAM
+
+    return AHEAD_EDGE_OWN_STREAM if args.backend == "local" and _own_threads(args) else AHEAD_EDGE
 
 
 def _num_replicas(args) -> int:
@@ -754,6 +765,7 @@ async def serve_async(args, ready_message=True, stop_event: asyncio.Event | None
                                                                 max_running=args.max_running,
                                                                 drafter_timeout=args.drafter_timeout,
                                                       pipeline=args.pipeline, plain_steps=args.plain_steps,
+                                                      ahead_edge=ahead_edge(args),
                                                       drafter_learns_outputs=cfg.benchmark_acceptance_rate is not None,
                                                       admit_beside_draft=args.overlap_admission,
                                                       mixed_prefill=args.mixed_prefill, tree_channel=trees,

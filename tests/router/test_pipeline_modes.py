@@ -739,3 +739,20 @@ def test_the_router_measures_speculation_on_the_drafted_requests_that_go_on(tree
     # Both admitted together, their first tokens from the prefill: rounds of 5 tokens each.
     assert [(tokens, n, drafted) for _, tokens, n, drafted in records] == \
         [(10, 2, (10, 2))] * 4 + [(6, 2, (5, 1))] + [(5, 1, (5, 1))] * 2 + [(4, 1, (0, 0))]
+
+
+def test_ahead_edge_comes_from_the_config():
+    """RouterConfig.ahead_edge sets ahead's edge: ahead measuring 6% over sequential at one
+    request is kept (after two winning windows in a row) with the in-process GPU edge of 3%, and
+    not with the default 10% (the control); an edge under 1 is refused."""
+    from router.pipeline import AHEAD_EDGE, AHEAD_EDGE_OWN_STREAM
+
+    rates = {"sequential": 100.0, "ahead": 106.0, "plain": 50.0}
+    rounds = 9 + 24 + 3 + 24
+    own = _run(ModeChooser(_cfg(pipeline="auto", ahead_edge=AHEAD_EDGE_OWN_STREAM)), rates, rounds, num_running=1)
+    assert own[9:33] == ["sequential"] * 24 and set(own[33:]) == {"ahead"}
+    default = _run(ModeChooser(_cfg(pipeline="auto")), rates, rounds, num_running=1)
+    assert _cfg().ahead_edge == AHEAD_EDGE
+    assert {m for m, k in _windows(default[9:]) if k > 3} == {"sequential"}, _windows(default)   # keeps
+    with pytest.raises(ValueError, match="ahead_edge must be >= 1.0"):
+        _cfg(ahead_edge=0.95)

@@ -350,3 +350,23 @@ print("ok")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300,
                          cwd=os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
     assert out.returncode == 0 and out.stdout.strip().endswith("ok"), out.stderr[-3000:]
+
+
+def test_auto_asks_ahead_for_a_smaller_edge_only_in_process_on_a_gpu():
+    """serve's RouterConfig.ahead_edge: AHEAD_EDGE_OWN_STREAM for --backend local with an engine on
+    a GPU (each engine a thread and a stream of its own), AHEAD_EDGE for engine processes sharing
+    the GPU and for local engines on the CPU (one thread for both)."""
+    from router.pipeline import AHEAD_EDGE, AHEAD_EDGE_OWN_STREAM
+    from router.serve import ahead_edge, resolve_serve_flags
+    from spectandem.cli import build_parser
+    from spectandem.config import Platform
+
+    def edge(*argv, gpus=1):
+        args = build_parser().parse_args(["serve", *argv])
+        return ahead_edge(resolve_serve_flags(args, Platform(gpus=gpus, triton=True)))
+
+    assert edge("--backend", "local", "--device", "cuda") == AHEAD_EDGE_OWN_STREAM
+    assert edge("--backend", "grpc", "--device", "cuda") == AHEAD_EDGE
+    assert edge("--backend", "ray", "--device", "cuda") == AHEAD_EDGE
+    assert edge("--backend", "local", "--device", "cpu", gpus=0) == AHEAD_EDGE
+    assert AHEAD_EDGE_OWN_STREAM < AHEAD_EDGE
