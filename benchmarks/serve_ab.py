@@ -7,6 +7,7 @@ equal arm A's first run's at that concurrency (`exact`), whatever the arms chang
     python benchmarks/serve_ab.py --pair llama8b --workdir /tmp/w --rate 0.8 --concurrency 1,16 --repeats 3 \\
         --a "--backend local" --b "--backend local --draft-on-verdict" --out ab.json
 
+`--a-tree DIR` serves arm A from another checkout (the base of a change), arm B from this one.
 Each arm's serve arguments follow the pair's (`--target`, `--draft`, `--benchmark-acceptance-rate`,
 `--gpu-memory-utilization` of `--memory-share`). Prints a row a run (output tokens/s, accept length,
 ITL p50/p99, exact) and each arm's mean; `--out` holds every run's figures; exits 1 where a run's
@@ -25,7 +26,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from benchmarks.serve_matrix import (TRUTH_EXTRA, Server, bench_serve, machine, outputs_of,  # noqa: E402
+from benchmarks.serve_matrix import (ROOT, TRUTH_EXTRA, Server, bench_serve, machine, outputs_of,  # noqa: E402
                                      write_llama8b_pair)
 from router.serve import free_port  # noqa: E402
 
@@ -43,6 +44,9 @@ def main() -> int:
     ap.add_argument("--repeats", type=int, default=3, help="measured runs of each arm at each concurrency")
     ap.add_argument("--a", required=True, help="arm A's serve arguments")
     ap.add_argument("--b", required=True, help="arm B's serve arguments")
+    ap.add_argument("--a-tree", type=Path, default=ROOT,
+                    help="a checkout of spectandem whose code serves arm A (default: this one): two trees of the "
+                         "code A/B'd, e.g. `git worktree add /tmp/base BASE`")
     ap.add_argument("--memory-share", type=float, default=0.42, help="each server's --gpu-memory-utilization")
     ap.add_argument("--start-timeout", type=float, default=300)
     ap.add_argument("--out")
@@ -62,8 +66,9 @@ def main() -> int:
     try:
         for name, extra in arms.items():
             ports = ["--http-port", str(free_port()), "--metrics-port", str(free_port())]
-            servers[name] = Server(base + ports + extra, logs / f"serve-{name}.log", args.start_timeout)
-            print(f"arm {name} up in {servers[name].start_s:.0f} s: {shlex.join(extra)}", flush=True)
+            tree = args.a_tree if name == "A" else ROOT
+            servers[name] = Server(base + ports + extra, logs / f"serve-{name}.log", args.start_timeout, tree)
+            print(f"arm {name} up in {servers[name].start_s:.0f} s: {shlex.join(extra)} ({tree})", flush=True)
         n_learn = max(args.min_prompts, args.prompts_per_slot * max(concurrency))
         for name, server in servers.items():   # the drafter learns the prompts; auto settles
             bench_serve(server.port, max(concurrency), n_learn, args.max_tokens + TRUTH_EXTRA, 0, None,
@@ -97,7 +102,8 @@ def main() -> int:
             server.stop()
     if args.out:
         Path(args.out).write_text(json.dumps({"gpu": machine(args.device), "command": shlex.join(sys.argv),
-                                              "arms": {"A": args.a, "B": args.b}, "runs": runs}, indent=1) + "\n")
+                                              "arms": {"A": args.a, "B": args.b},
+                                              "trees": {"A": str(args.a_tree), "B": str(ROOT)}, "runs": runs}, indent=1) + "\n")
     if not all(r["exact"] for r in runs):
         print("outputs differ between runs: not every run served the same greedy tokens", flush=True)
         return 1

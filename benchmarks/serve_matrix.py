@@ -183,14 +183,15 @@ def engine_reference_demo(device: str, batch_sizes: list[int], max_tokens: int,
 # --------------------------------------------------------------------------- serving
 
 class Server:
-    """`spectandem serve` in a process group of its own, until `stop`."""
+    """`spectandem serve` in a process group of its own, until `stop`; run from `tree` (a checkout
+    of spectandem: its code serves), this one by default."""
 
-    def __init__(self, argv: list[str], log: Path, timeout: float):
+    def __init__(self, argv: list[str], log: Path, timeout: float, tree: Path = ROOT):
         self.port = free_port()
         self.argv = [sys.executable, "-m", "spectandem.cli", "serve", "--port", str(self.port), *argv]
         self.log = log
         self._out = open(log, "w")
-        self.proc = subprocess.Popen(self.argv, stdout=self._out, stderr=subprocess.STDOUT, cwd=ROOT,
+        self.proc = subprocess.Popen(self.argv, stdout=self._out, stderr=subprocess.STDOUT, cwd=tree,
                                      start_new_session=True)
         deadline = time.monotonic() + timeout
         t0 = time.monotonic()

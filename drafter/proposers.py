@@ -21,7 +21,7 @@ from drafter.tree import DraftNodes, draft_tree
 from spectandem.config import SamplingParams, SpecConfig
 from spectandem.devices import to_device, to_device_all
 from spectandem.block_manager import KVCacheFull
-from spectandem.kv_cache import PagedKVCache
+from spectandem.kv_cache import PagedCacheBatch, PagedKVCache
 from spectandem.modeling.ops import FUSED_OPS, HOST_OPS
 
 
@@ -193,8 +193,12 @@ class ScratchTree:
     entries `visible[b, j]` marks.
     """
 
+    # Steps whose physical rows a CPU tree works out at once (`_cache_batch`).
+    HOST_ROWS_AHEAD = 8
+
     def __init__(self, cache: PagedKVCache, slots: torch.Tensor, base: torch.Tensor, k: int, pos_offset: int):
         self.cache, self.slots, self.base, self.k, self.pos_offset = cache, slots, base, k, pos_offset
+        self._rows: torch.Tensor | None = None   # on the CPU: the physical rows of entries 0..n-1 of each slot
 
     def batch(self, step: int, visible: torch.Tensor):
         b, k = self.base.shape[0], self.k
@@ -205,13 +209,27 @@ class ScratchTree:
         cols = torch.arange(span, device=dev)
         if k == 1 and bool(visible.all()):   # a chain sees every entry before its own: the same mask
             mask = cols[None, None, :] < (self.base + step)[:, None, None]
-            return self.cache.batch(self.slots, write, span), positions, mask
+            return self._cache_batch(write, span), positions, mask
         mask = (cols[None, None, :] < self.base[:, None, None]).expand(b, k, span).clone()
         rel = cols[None, :] - self.base[:, None]                                           # [B, span]
         in_scratch = (rel >= 0) & (rel < step * k)
         vis = visible.gather(2, rel.clamp(0, step * k - 1)[:, None, :].expand(b, k, span))
         mask |= vis & in_scratch[:, None, :]
-        return self.cache.batch(self.slots, write, span), positions, mask
+        return self._cache_batch(write, span), positions, mask
+
+    def _cache_batch(self, write: torch.Tensor, span: int) -> PagedCacheBatch:
+        """`cache.batch(slots, write, span)`. On the CPU the rows of HOST_ROWS_AHEAD steps past
+        this one are worked out once (`host_span_rows_np`: a table read per block), and each
+        step takes its read rows, and its write rows among them, from those: the steps' entries
+        were reserved before the first, so the tables do not change under them."""
+        cache = self.cache
+        if not cache.host_indexed:
+            return cache.batch(self.slots, write, span)
+        if self._rows is None or self._rows.shape[1] < span:
+            ahead = min(cache.max_len, span + self.HOST_ROWS_AHEAD * self.k)
+            self._rows = torch.from_numpy(cache.host_span_rows_np(self.slots.tolist(), ahead))
+        read = self._rows[:, :span]
+        return PagedCacheBatch(cache, read.gather(1, write), read)
 
 
 class EagleProposer(Proposer):

@@ -256,10 +256,15 @@ class PagedKVCache:
         return {"num_blocks": self.blocks.num_blocks, "block_size": self.block_size,
                 "used_blocks": self.blocks.num_used}
 
+    @property
+    def host_indexed(self) -> bool:
+        """Whether `rows` works on the host tables (a cache on the CPU)."""
+        return not self._device_tables.is_cuda
+
     def rows(self, slots: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
         """Physical rows of logical `index [B, T]` (not negative) in `slots [B]`. On the CPU,
         `host_rows` (numpy over the host tables: a few torch calls a step cost more there)."""
-        if not self._device_tables.is_cuda:
+        if self.host_indexed:
             return self.host_rows(slots.tolist(), index)
         bs = self.block_size
         block = self._tables[slots[:, None], (index // bs).clamp(max=self._tables.shape[1] - 1)]  # [B, T]
