@@ -26,7 +26,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from benchmarks.serve_matrix import (ROOT, TRUTH_EXTRA, Server, bench_serve, machine, outputs_of,  # noqa: E402
+from benchmarks.serve_matrix import (ROOT, Server, bench_serve, learn_prompts, machine, outputs_of,  # noqa: E402
                                      write_llama8b_pair)
 from router.serve import free_port  # noqa: E402
 
@@ -70,10 +70,8 @@ def main() -> int:
             servers[name] = Server(base + ports + extra, logs / f"serve-{name}.log", args.start_timeout, tree)
             print(f"arm {name} up in {servers[name].start_s:.0f} s: {shlex.join(extra)} ({tree})", flush=True)
         n_learn = max(args.min_prompts, args.prompts_per_slot * max(concurrency))
-        for name, server in servers.items():   # the drafter learns the prompts; auto settles
-            bench_serve(server.port, max(concurrency), n_learn, args.max_tokens + TRUTH_EXTRA, 0, None,
-                        logs / f"{name}-truth.json")
-            bench_serve(server.port, max(concurrency), n_learn, args.max_tokens, 0, None, logs / f"{name}-settle.json")
+        for name, server in servers.items():
+            learn_prompts(server.port, max(concurrency), n_learn, args.max_tokens, None, logs, name)
         for c in concurrency:
             n = max(args.min_prompts, args.prompts_per_slot * c)
             for name, server in servers.items():   # auto's first windows at this batch size, unmeasured

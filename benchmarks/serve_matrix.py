@@ -254,6 +254,16 @@ def bench_serve(port: int, concurrency: int, num_prompts: int, max_tokens: int, 
     return json.loads(out.read_text())
 
 
+def learn_prompts(port: int, concurrency: int, num_prompts: int, max_tokens: int, dataset: str | None, logs: Path,
+                  label: str) -> None:
+    """A controlled-acceptance server's unmeasured passes over the prompts: the drafter learns each
+    prompt's greedy output, a round's drafts past the end (TRUTH_EXTRA), then once more, so that
+    what `auto` measured while nothing was learned yet (drafts never accepted) gives way to rounds
+    whose drafts are."""
+    bench_serve(port, concurrency, num_prompts, max_tokens + TRUTH_EXTRA, 0, dataset, logs / f"bench-{label}-truth.json")
+    bench_serve(port, concurrency, num_prompts, max_tokens, 0, dataset, logs / f"bench-{label}-settle.json")
+
+
 def outputs_of(result: dict) -> dict[int, list[int]]:
     """Prompt index -> output token ids of a bench serve result with saved outputs."""
     return {o["prompt_index"]: o["output_token_ids"] for o in result["requests"] if o.get("ok")}
@@ -353,15 +363,10 @@ def run_matrix(args) -> dict:
                 continue
             try:
                 say(f"  up in {server.start_s:.0f} s")
-                if rate is not None:   # the drafter learns each prompt's greedy output, a round's drafts past the end
+                if rate is not None:
                     n = max(args.min_prompts, args.prompts_per_slot * max(concurrency))
                     try:
-                        bench_serve(server.port, max(concurrency), n, args.max_tokens + TRUTH_EXTRA, 0, args.dataset,
-                                    logs / f"bench-{label}-truth.json")
-                        # once more, unmeasured: what `auto` measured while nothing was learned yet
-                        # (drafts never accepted) gives way to rounds whose drafts are
-                        bench_serve(server.port, max(concurrency), n, args.max_tokens, 0, args.dataset,
-                                    logs / f"bench-{label}-settle.json")
+                        learn_prompts(server.port, max(concurrency), n, args.max_tokens, args.dataset, logs, label)
                     except (RuntimeError, subprocess.TimeoutExpired) as e:
                         say(f"  the learning pass failed: {str(e).splitlines()[0]}")
                         failures.append({"backend": backend, "method": method, "acceptance_rate": rate,

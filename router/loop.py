@@ -649,7 +649,7 @@ class Router:
         mode = self._mode = self._modes.choose(len(self.running) + len(admit) + len(mixed), self.drafter_up)
         if mode == "plain":
             self._detach_running()
-        detached = sum(r.detached for r in self.running)
+        detached = sum(r.detached for r in self.running) if mode != "plain" else 0   # `record` reads it of drafting rounds
         # The round's measurement for "auto" takes in the turn's admission, wherever it ran (before
         # the round, beside its draft, in its verify step); "auto" times a window by its rounds
         # that admitted none where it has enough (router/pipeline.py).

@@ -205,7 +205,7 @@ def draft_kind(mode: str) -> str:
     return "full" if mode in ("sequential", "pingpong") else mode
 
 
-def _fastest(rates: dict[str, float], edge: float, ahead_edge: float = AHEAD_EDGE) -> str:
+def _fastest(rates: dict[str, float], edge: float, ahead_edge: float) -> str:
     """The mode to keep: the fastest, plain given `edge` (`plain_edge`), and ahead kept over the
     modes of the "full" kind only where it measured `ahead_edge` faster than the fastest of them."""
     weight = lambda m: rates[m] * (edge if m == "plain" else 1.0)   # noqa: E731
@@ -381,14 +381,15 @@ class ModeChooser:
         elif s.phase == "keep" and (pick := self._explore_pick(s)) is not None:
             s.start("explore", pick, window)                      # then, between keeps, one other again
         else:                                                     # keep the fastest so far
-            best = _fastest(rates, plain_edge(num_running), self.cfg.ahead_edge)
+            edge, ahead_edge = plain_edge(num_running), self.cfg.ahead_edge
+            best = _fastest(rates, edge, ahead_edge)
             if best != "ahead" or s.kept == "ahead":
                 s.ahead_wins = 0
             elif s.ahead_fresh:   # a window of ahead since the last win counted, and it won
                 s.ahead_wins, s.ahead_fresh = s.ahead_wins + 1, False
             others = {m: r for m, r in rates.items() if m != "ahead"}
             if best == "ahead" and s.kept != "ahead" and s.ahead_wins < AHEAD_CONFIRM and others:
-                best = _fastest(others, plain_edge(num_running), self.cfg.ahead_edge)   # not yet: the fastest of the others meanwhile
+                best = _fastest(others, edge, ahead_edge)   # not yet: the fastest of the others meanwhile
             changed = best != s.kept
             s.keep_windows = min(2 * s.keep_windows, MAX_KEEP_WINDOWS) if not changed else KEEP_WINDOWS
             s.kept = best
