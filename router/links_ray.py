@@ -247,6 +247,7 @@ def start_engines(target_dir: str | Path, draft_dir: str | Path | None, cfg: Spe
                   gpu_memory_utilization: float = 0.9, cpu_kv_cache_gib: float | None = None,
                   feature_channel: str | None = None, tree_channel: bool = False, draft_on_verdict: bool = False,
                   cpu_cores: dict[str, list[int]] | None = None, drafter_threads: int | None = None,
+                  one_thread_up_to: int = 0, one_thread_cores: list[int] | None = None,
                   ) -> tuple[RayVerifierLink, RayDrafterLink | None, Callable[[], None]]:
     """Places a verifier actor (and a drafter actor unless cfg.method is "none") in one
     placement group, one bundle each, and waits until they are built.
@@ -262,7 +263,9 @@ def start_engines(target_dir: str | Path, draft_dir: str | Path | None, cfg: Spe
     the router asks (drafter/next_trees.py). cpu_cores: the cores each actor's process is bound
     to ({"verifier": [...], "drafter": [...]}; serve --cpu-bind), where the actors run on this
     machine's CPU; None: left to the kernel. drafter_threads: the drafter actor's torch threads
-    (default: num_threads, the verifier's)."""
+    (default: num_threads, the verifier's). one_thread_up_to, one_thread_cores: the verifier's
+    forwards of at most that many tokens on one torch thread bound to those cores
+    (spectandem.devices.SmallForwards; serve gives the drafter's)."""
     if not ray.is_initialized():
         raise ValueError("Ray is not initialized: call ray_init(address) first")
     if device not in ("auto", "cpu", "cuda"):
@@ -303,7 +306,8 @@ def start_engines(target_dir: str | Path, draft_dir: str | Path | None, cfg: Spe
         verifier_config, drafter_config = shared_gpu_configs(config)
         verifier = VerifierActor.options(**options(0, -1)).remote(
             verifier_config, layers, model_name=Path(target_dir).name, num_threads=num_threads,
-            cpu_cores=(cpu_cores or {}).get("verifier"))
+            cpu_cores=(cpu_cores or {}).get("verifier"), one_thread_up_to=one_thread_up_to,
+            one_thread_cores=one_thread_cores)
         actors.append(verifier)
         drafter = None
         role = "drafter"

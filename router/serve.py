@@ -133,10 +133,11 @@ def add_serve(sub) -> None:
                    help="the cores of the engine processes serve starts for a speculating pair on the CPU "
                         "(--backend grpc, or ray on a local cluster; one replica): auto binds the drafter's "
                         "process to the last quarter of the cores this process may use (at least one); over ray "
-                        "the verifier's to the others, over grpc the verifier keeps every core and runs forwards "
-                        f"of up to {ONE_THREAD_UP_TO} tokens on one thread; each with as many torch threads as it "
-                        "has cores unless --engine-threads or OMP_NUM_THREADS says otherwise (their --cpu-cores, "
-                        "--one-thread-up-to); none leaves both on every core, taking turns (default: auto)")
+                        "the verifier's to the others, over grpc the verifier keeps every core; either way the "
+                        f"verifier runs forwards of up to {ONE_THREAD_UP_TO} tokens on one thread on the drafter's "
+                        "cores; each with as many torch threads as it has cores unless --engine-threads or "
+                        "OMP_NUM_THREADS says otherwise (their --cpu-cores, --one-thread-up-to, --one-thread-cores); "
+                        "none leaves both on every core, taking turns (default: auto)")
     add_ops_flags(p)
     p.set_defaults(func=_serve)
 
@@ -396,8 +397,9 @@ def engine_commands(args, cfg, target: str, draft: str | None, verifier_port: in
     def threads(n: int | None, role: str) -> list[str]:
         sets = getattr(args, "cpu_sets", None)
         out = (["--threads", str(n)] if n else []) + (["--cpu-cores", format_cores(sets[role])] if sets else [])
-        small = one_thread_up_to(args, role, n)
-        return out + (["--one-thread-up-to", str(small)] if small else [])
+        small = one_thread_up_to(args, role)
+        return out + (["--one-thread-up-to", str(small), "--one-thread-cores", format_cores(one_thread_cores(args, role))]
+                      if small else [])
 
     out = {}
     if verifier_port is not None:
@@ -481,7 +483,9 @@ async def _build_links(args, cfg, target, draft, index: int = 0, supervisor=None
                                    gpu_memory_utilization=args.gpu_memory_utilization,
                                    cpu_kv_cache_gib=args.cpu_kv_cache_gib, call_timeout_s=engine_call_timeout_s(args),
                                    num_threads=args.engine_threads or 1,   # (None: serve_async without _serve)
-                                   drafter_threads=_drafter_threads_of(args), cpu_cores=getattr(args, "cpu_sets", None))
+                                   drafter_threads=_drafter_threads_of(args), cpu_cores=getattr(args, "cpu_sets", None),
+                                   one_thread_up_to=one_thread_up_to(args, "verifier"),
+                                   one_thread_cores=one_thread_cores(args, "verifier"))
 
         async def cleanup():
             # A signal to the whole process group (`timeout`, systemd) ends a local cluster with
@@ -582,8 +586,12 @@ def placement_line(args, cfg) -> str:
 
     def count(n: int, role: str) -> str:
         cores = f" on core{'s' if len(sets[role]) > 1 else ''} {format_cores(sets[role])}" if sets else ""
-        small = one_thread_up_to(args, role, n)
-        return f", {n} thread{'s' if n > 1 else ''}{cores}" + (f", one for forwards of up to {small} tokens" if small else "")
+        small = one_thread_up_to(args, role)
+        if small:
+            on = one_thread_cores(args, role)
+            one = " on one thread" if n > 1 else ""
+            cores += f", forwards of up to {small} tokens{one} on core{'s' if len(on) > 1 else ''} {format_cores(on)}"
+        return f", {n} thread{'s' if n > 1 else ''}{cores}"
 
     threads = count(args.engine_threads, "verifier") if verifier == "cpu" and args.engine_threads else ""
     drafting = count(_drafter_threads_of(args), "drafter") if drafter == "cpu" and args.engine_threads else ""
@@ -966,27 +974,37 @@ def cores_per_replica(args) -> bool:
             and not args.verifier_address and not args.drafter_address)
 
 
-# A gRPC pair's verifier on the CPU whose drafter has cores of its own (`cpu_sets`) runs forwards
-# of at most this many tokens on one torch thread, larger ones on every core's (verifier
-# --one-thread-up-to). On the 2-core CPU (demo pair, concurrency 1, chains of 5 drafts: 6 tokens a
+# A pair's verifier on the CPU whose drafter has cores of its own (`cpu_sets`) runs forwards of at
+# most this many tokens on one torch thread on the drafter's cores (`one_thread_cores`), larger
+# ones on its own cores' threads (verifier --one-thread-up-to). On the 2-core CPU (demo pair, concurrency 1, chains of 5 drafts: 6 tokens a
 # verify), a verify took 5.7-6.3 ms on one thread, against 7.3 on two beside the drafter's core;
 # at 64 (384 tokens) 92.5 ms on two, against 153.2 on one (benchmarks/results/cpu-bind-cpu-2core.txt).
 ONE_THREAD_UP_TO = 32
 
 
-def one_thread_up_to(args, role: str, threads: int | None) -> int:
-    """The verifier's --one-thread-up-to: ONE_THREAD_UP_TO for a gRPC pair's verifier of more than
-    one thread that `cpu_sets` placed (every core, the drafter on its own), else 0 (off)."""
-    bound = getattr(args, "cpu_sets", None) is not None and args.backend == "grpc"
-    return ONE_THREAD_UP_TO if bound and role == "verifier" and (threads or 1) > 1 else 0
+def one_thread_up_to(args, role: str) -> int:
+    """The verifier's --one-thread-up-to: ONE_THREAD_UP_TO for a pair's verifier that `cpu_sets`
+    placed, else 0 (off). Those forwards run on the drafter's cores (`one_thread_cores`)."""
+    return ONE_THREAD_UP_TO if getattr(args, "cpu_sets", None) is not None and role == "verifier" else 0
+
+
+def one_thread_cores(args, role: str) -> list[int] | None:
+    """The verifier's --one-thread-cores: for a pair that `cpu_sets` placed, the drafter's cores.
+    At low concurrency one core then computes a round's verify and its draft in turn, never idling
+    between them (spectandem.devices.SmallForwards). On the 2-core CPU (demo pair, concurrency 1,
+    two servers of one tree but this, runs alternated, benchmarks/results/serve-cpu-2core.txt)
+    EAGLE-3 over gRPC served 221.8 and 218.5 tok/s against 200.7 and 185.9 with the verifier's one
+    thread on any core; over Ray 175.9 against 165.7."""
+    sets = getattr(args, "cpu_sets", None)
+    return sets["drafter"] if sets is not None and role == "verifier" else None
 
 
 def cpu_sets(args) -> dict[str, list[int]] | None:
     """--cpu-bind auto: the cores of each engine process of a speculating pair on this machine's
     CPU (--backend grpc taking turns, `cores_per_replica`; --backend ray on a local cluster), one
     replica, from the cores this process may use: the drafter the last quarter (at least one);
-    over gRPC the verifier every core (its small forwards on one thread: ONE_THREAD_UP_TO), over
-    Ray the rest. Unbound, the kernel's scheduler often ran
+    over gRPC the verifier every core, over Ray the rest; the verifier's small forwards on one
+    thread on the drafter's cores (ONE_THREAD_UP_TO, `one_thread_cores`). Unbound, the kernel's scheduler often ran
     both engines on one core while the other had little to do: on the 2-core CPU (demo pair,
     gRPC, one torch thread each, concurrency 1, alternated) EAGLE-3 served 346.4 and 360.8 tok/s
     bound against 319.7 and 329.5 unbound, the drafter's engine 4.3 / 4.1 ms a draft against 4.9;

@@ -12,6 +12,7 @@ the same; PyTorch's pinned-memory allocator keeps the staging buffer until the c
 from __future__ import annotations
 
 import os
+from contextlib import contextmanager
 
 import torch
 
@@ -104,20 +105,65 @@ def bind_cpu_cores(cores: list[int] | None, every_thread: bool = False) -> None:
     process may run on, or where the platform cannot bind."""
     if cores is None:
         return
-    from spectandem.service_args import format_cores
-
-    if not hasattr(os, "sched_setaffinity"):
-        raise ValueError("--cpu-cores: this platform cannot bind a process to cores")
-    allowed = os.sched_getaffinity(0)
-    outside = sorted(set(cores) - allowed)
-    if outside:
-        raise ValueError(f"--cpu-cores {format_cores(cores)}: core(s) {format_cores(outside)} are not among those "
-                         f"this process may run on ({format_cores(allowed)})")
+    check_cores(cores, "--cpu-cores")
     for tid in os.listdir("/proc/self/task") if every_thread else [0]:   # 0: the calling thread
         try:
             os.sched_setaffinity(int(tid), cores)
         except ProcessLookupError:   # a thread that ended meanwhile
             pass
+
+
+def check_cores(cores: list[int], flag: str) -> None:
+    """Refuses `cores` (the value of `flag`) where one is not a core this process may run on, or
+    where the platform cannot bind threads to cores."""
+    from spectandem.service_args import format_cores
+
+    if not hasattr(os, "sched_setaffinity"):
+        raise ValueError(f"{flag}: this platform cannot bind threads to cores")
+    allowed = os.sched_getaffinity(0)
+    outside = sorted(set(cores) - allowed)
+    if outside:
+        raise ValueError(f"{flag} {format_cores(cores)}: core(s) {format_cores(outside)} are not among those "
+                         f"this process may run on ({format_cores(allowed)})")
+
+
+class SmallForwards:
+    """Where an engine's forwards run on the CPU, by their size (a verifier's --one-thread-up-to
+    and --one-thread-cores). `with placed(tokens):` around a forward of `tokens` tokens, on the
+    thread that runs it: one of at most `up_to` tokens runs on one torch thread, that thread bound
+    to `cores` for the forward where given; a larger one on `threads` torch threads. `up_to` 0:
+    every forward as the process is set.
+
+    serve --cpu-bind gives a speculating pair's verifier the drafter's cores for its small
+    forwards. At low concurrency one core then computes the whole round, the verify and then the
+    draft, and does not idle between them: on this project's 2-core VM an idle vCPU halts at once
+    and computes slower once woken (benchmarks/results/idle-core-cpu-2core.txt). The thread goes
+    back to the process's cores after the forward, so that what it starts later (Ray's and
+    torch's threads take their creator's cores) does not sit on the drafter's."""
+
+    def __init__(self, up_to: int = 0, threads: int = 1, cores: list[int] | None = None):
+        if cores is not None and not up_to:
+            raise ValueError("--one-thread-cores needs --one-thread-up-to: the forwards it places are those of "
+                             "at most that many tokens")
+        self.up_to, self.threads = up_to, threads
+        self.cores = list(cores) if cores is not None else None
+        self.home = sorted(os.sched_getaffinity(0)) if cores is not None else None
+        self.count = 0   # forwards run on one thread (EngineInfo.extra "one_thread_forwards")
+
+    @contextmanager
+    def placed(self, tokens: int):
+        small = bool(self.up_to) and tokens <= self.up_to
+        if self.up_to and self.threads > 1:
+            torch.set_num_threads(1 if small else self.threads)
+        moved = small and self.cores is not None
+        if moved:
+            os.sched_setaffinity(0, self.cores)
+        self.count += small
+        try:
+            yield
+        finally:
+            if moved:
+                os.sched_setaffinity(0, self.home)
 
 
 def set_cpu_threads(n: int | None) -> None:

@@ -187,6 +187,9 @@ def add_verifier_args(p: argparse.ArgumentParser) -> None:
                    help="on the CPU with --threads above one: forwards of at most TOKENS tokens (a verify's tree "
                         "nodes and plain rows, a prefill's prompt tokens) run on one torch thread, larger ones on "
                         "--threads (default: 0, every forward on --threads)")
+    p.add_argument("--one-thread-cores", type=cpu_core_list, default=None, metavar="LIST",
+                   help="with --one-thread-up-to, on the CPU: the cores the thread that runs those small forwards "
+                        "is bound to while it runs them, e.g. the drafter's (default: the process's cores)")
     p.add_argument("--host", default="0.0.0.0", help="address to listen on")
     p.add_argument("--port", type=int, default=50052, help="0 picks a free port (printed)")
     p.add_argument("--feature-channel", default=None, metavar="tcp://HOST:PORT",

@@ -25,11 +25,11 @@ from spectandem.after_reply import AfterReply
 from spectandem.call_clock import CallClock
 from spectandem.channel import FeatureSender, TreeMailbox
 from spectandem.config import EngineConfig
-from spectandem.devices import bind_cpu_cores
+from spectandem.devices import SmallForwards, bind_cpu_cores
 from verifier.factory import build_engine
 from verifier.runner import FeatureSpec
-from verifier.service_core import (tree_from_channel, verdicts_to_drafter, verifier_features, verifier_info,
-                                   verifier_prefill, verifier_verify_prefill, with_prefilled)
+from verifier.service_core import (forward_tokens, tree_from_channel, verdicts_to_drafter, verifier_features,
+                                   verifier_info, verifier_prefill, verifier_verify_prefill, with_prefilled)
 
 
 def _put(features):
@@ -46,9 +46,14 @@ def _put(features):
 @ray.remote
 class VerifierActor:
     def __init__(self, config: EngineConfig, feature_layers: FeatureSpec, model_name: str = "target",
-                 num_threads: int = 1, cpu_cores: list[int] | None = None):
+                 num_threads: int = 1, cpu_cores: list[int] | None = None, one_thread_up_to: int = 0,
+                 one_thread_cores: list[int] | None = None):
+        """`cpu_cores`: the cores of this actor's process (serve --cpu-bind; None: as Ray started
+        it); `one_thread_up_to`, `one_thread_cores`: a forward of at most that many tokens runs on
+        one torch thread bound to those cores (spectandem.devices.SmallForwards)."""
         bind_cpu_cores(cpu_cores, every_thread=True)   # this actor's own process (serve --cpu-bind)
         torch.set_num_threads(num_threads)
+        self.small = SmallForwards(one_thread_up_to, num_threads, one_thread_cores)
         self.engine = build_engine(config, feature_layers)
         self.model_name, self.device = model_name, config.device
         self.sender: FeatureSender | None = None
@@ -98,8 +103,9 @@ class VerifierActor:
     def prefill(self, items: list[VerifierPrefillItem], want_features: bool) -> list[VerifierPrefillResult]:
         """Results whose `features` is an ObjectRef of the prompt's features [prompt_len, F] (or None)."""
         with self.after.call(), self.clock.timing("prefill"):
-            return [replace(r, features=_put(r.features))
-                    for r in verifier_prefill(self.engine, items, want_features, self.sender)]
+            with self.small.placed(forward_tokens(None, [], items)):
+                results = verifier_prefill(self.engine, items, want_features, self.sender)
+            return [replace(r, features=_put(r.features)) for r in results]
 
     def verify(self, draft_payload, tags: list[Tag], plain: list[PlainItem], want_features: bool,
                draft_next: dict[str, int] | None = None) -> list[Verdict]:
@@ -123,8 +129,9 @@ class VerifierActor:
                     draft_payload, tags = tree_from_channel(self.trees, route.round_id, route.wait_s, route.early_after,
                                                             list(route.early_tags))
             self._check_held([t.request_id for t in tags] + [p.tag.request_id for p in plain])
-            outs, prefilled = verifier_verify_prefill(self.engine, draft_payload, tags, plain, want_features, items,
-                                                      prefill_features, self.sender, clock=self.clock)
+            with self.small.placed(forward_tokens(draft_payload, plain, items)):
+                outs, prefilled = verifier_verify_prefill(self.engine, draft_payload, tags, plain, want_features,
+                                                          items, prefill_features, self.sender, clock=self.clock)
             sent = verdicts_to_drafter(self.trees, outs, draft_next, self.clock, self.after, self.sender, tree_round,
                                        list(zip(items, prefilled)))
             prefilled = with_prefilled(prefilled, sent)
@@ -149,7 +156,8 @@ class VerifierActor:
     def info(self) -> EngineInfo:
         info = verifier_info(self.engine, self.model_name)
         ctx = ray.get_runtime_context()
-        info.extra.update(pid=os.getpid(), restarted=self.restarted, node_id=ctx.get_node_id(), placement_group_id=ctx.get_placement_group_id())
+        info.extra.update(pid=os.getpid(), restarted=self.restarted, node_id=ctx.get_node_id(),
+                          placement_group_id=ctx.get_placement_group_id(), one_thread_forwards=self.small.count)
         if self.sender is not None:
             info.extra["feature_channel"] = self.sender.state
             info.extra.update(feature_ring_messages=self.sender.ring_messages,

@@ -23,8 +23,8 @@ import torch
 from spectandem import codec
 from spectandem.after_reply import AfterReply
 from spectandem.channel import FeatureSender, TreeMailbox
-from spectandem.config import EngineConfig, SpecConfig
-from spectandem.devices import engine_process_thread
+from spectandem.config import EngineConfig, SpecConfig, is_cuda
+from spectandem.devices import SmallForwards, engine_process_thread
 from spectandem.feature_layers import resolve_feature_layers
 from spectandem.service_args import add_verifier_args, refuse_tree_flags  # noqa: F401 (add_verifier_args re-exported)
 from spectandem.grpc_server import EngineCalls, EngineServer
@@ -32,8 +32,8 @@ from spectandem.tls import ServerTls, server_tls_from_args
 from spectandem.v1 import engines_pb2, engines_pb2_grpc
 from verifier.engine import VerifierEngine
 from verifier.factory import build_engine
-from verifier.service_core import (tree_from_channel, verdicts_to_drafter, verifier_features, verifier_info,
-                                   verifier_prefill, verifier_verify_prefill, with_prefilled)
+from verifier.service_core import (forward_tokens, tree_from_channel, verdicts_to_drafter, verifier_features,
+                                   verifier_info, verifier_prefill, verifier_verify_prefill, with_prefilled)
 
 SERVICE_NAME = engines_pb2.DESCRIPTOR.services_by_name["Verifier"].full_name
 
@@ -41,15 +41,17 @@ SERVICE_NAME = engines_pb2.DESCRIPTOR.services_by_name["Verifier"].full_name
 class VerifierServicer(engines_pb2_grpc.VerifierServicer):
     def __init__(self, engine: VerifierEngine, model_name: str = "target", device: str = "cpu",
                  sender: FeatureSender | None = None, thread=None, trees: TreeMailbox | None = None,
-                 after: AfterReply | None = None, threads: int = 1, one_thread_up_to: int = 0):
+                 after: AfterReply | None = None, threads: int = 1, one_thread_up_to: int = 0,
+                 one_thread_cores: list[int] | None = None):
         """`after`: where a call leaves the work its reply does not wait for (the decode ahead; the
         feature channel's copies where `sender` was made with its `later`); None: one of its own.
-        `threads`: the torch threads of `thread` (the engine's CPU thread); `one_thread_up_to`:
-        forwards of at most that many tokens run on one of them (`_threads_for`)."""
+        `threads`: the torch threads of `thread` (the engine's CPU thread; None: the calls run on
+        the gRPC handler threads, one torch thread each); `one_thread_up_to`, `one_thread_cores`:
+        forwards of at most that many tokens run on one torch thread, on those cores where given
+        (spectandem.devices.SmallForwards)."""
         self.engine, self.model_name, self.device, self.sender = engine, model_name, device, sender
         self.trees = trees
-        self.threads = threads
-        self.one_thread_up_to = one_thread_up_to if thread is not None and threads > 1 else 0
+        self.small = SmallForwards(one_thread_up_to, threads if thread is not None else 1, one_thread_cores)
         self.calls = EngineCalls("verifier", thread, after if after is not None else AfterReply(thread, device))
 
     def Prefill(self, request, context):
@@ -69,21 +71,10 @@ class VerifierServicer(engines_pb2_grpc.VerifierServicer):
 
     # The bodies run one at a time (_info beside them: it only reads counters).
 
-    def _threads_for(self, tree, plain: list, items: list) -> None:
-        """On the engine's CPU thread, before a forward of `tree`'s nodes, `plain` rows and `items`'
-        prompts: one torch thread where it is small (`one_thread_up_to` tokens), else all of them.
-        A pair on the CPU whose drafter has cores of its own (serve --cpu-bind) gives its verifier
-        every core: a small forward is faster on one thread (the other cores' threads would wait at
-        each op for the drafter's), a large one on all."""
-        if self.one_thread_up_to:
-            tokens = ((tree.node_valid.numel() if tree is not None else 0) + len(plain)
-                      + sum(len(i.prompt_ids) for i in items))
-            torch.set_num_threads(1 if tokens <= self.one_thread_up_to else self.threads)
-
     def _prefill(self, request: engines_pb2.VerifierPrefillRequest) -> engines_pb2.VerifierPrefillReply:
         items = [codec.verifier_prefill_item_from_msg(m) for m in request.items]
-        self._threads_for(None, [], items)
-        results = verifier_prefill(self.engine, items, request.want_features, self.sender)
+        with self.small.placed(forward_tokens(None, [], items)):
+            results = verifier_prefill(self.engine, items, request.want_features, self.sender)
         return engines_pb2.VerifierPrefillReply(results=[codec.verifier_prefill_result_to_msg(r) for r in results])
 
     def _verify(self, request: engines_pb2.VerifyRequest) -> engines_pb2.VerifyReply:
@@ -103,9 +94,9 @@ class VerifierServicer(engines_pb2_grpc.VerifierServicer):
                                                [codec.tag_from_msg(t) for t in request.early_tags])
         elif tree is None and not plain:
             raise ValueError("verify request has neither a tree nor plain items")
-        self._threads_for(tree, plain, items)
-        results, prefilled = verifier_verify_prefill(self.engine, tree, tags, plain, request.want_features, items,
-                                                     request.prefill_features, self.sender, clock=clock)
+        with self.small.placed(forward_tokens(tree, plain, items)):
+            results, prefilled = verifier_verify_prefill(self.engine, tree, tags, plain, request.want_features, items,
+                                                         request.prefill_features, self.sender, clock=clock)
         sent = verdicts_to_drafter(self.trees, results, dict(request.draft_next), clock, self.calls.after,
                                    self.sender, request.tree_round, list(zip(items, prefilled)))
         prefilled = with_prefilled(prefilled, sent)
@@ -128,7 +119,7 @@ class VerifierServicer(engines_pb2_grpc.VerifierServicer):
 
     def _info(self) -> engines_pb2.EngineInfo:
         info = verifier_info(self.engine, self.model_name)
-        info.extra["device"] = self.device
+        info.extra.update(device=self.device, one_thread_forwards=self.small.count)
         if self.sender is not None:
             info.extra["feature_channel"] = self.sender.state
             info.extra.update(feature_ring_messages=self.sender.ring_messages,
@@ -148,25 +139,28 @@ def start_verifier_server(engine: VerifierEngine, host: str = "127.0.0.1", port:
                           tls: ServerTls | None = None, sender: FeatureSender | None = None,
                           thread=None, trees: TreeMailbox | None = None,
                           after: AfterReply | None = None, threads: int = 1,
-                          one_thread_up_to: int = 0) -> EngineServer:
+                          one_thread_up_to: int = 0, one_thread_cores: list[int] | None = None) -> EngineServer:
     """Serves `engine` on the server's threads; returns the started server (port 0: a free one).
     `tls`: TLS or mTLS on the port (None: plaintext); `sender`: the feature channel's end;
     `thread`: the one thread that runs its calls (EngineCalls), `threads` its torch threads;
     `trees`: the tree channel's end; `after`: the calls' work after their replies;
-    `one_thread_up_to`: VerifierServicer's."""
-    servicer = VerifierServicer(engine, model_name, device, sender, thread, trees, after, threads, one_thread_up_to)
+    `one_thread_up_to`, `one_thread_cores`: VerifierServicer's."""
+    servicer = VerifierServicer(engine, model_name, device, sender, thread, trees, after, threads, one_thread_up_to,
+                                one_thread_cores)
     return EngineServer.start(lambda s: engines_pb2_grpc.add_VerifierServicer_to_server(servicer, s),
                               SERVICE_NAME, host, port, tls.grpc_credentials() if tls else None)
 
 
 def serve_verifier(config: EngineConfig, feature_layers: str | None = None, host: str = "0.0.0.0", port: int = 50052,
                    tls: ServerTls | None = None, feature_channel: str | None = None,
-                   tree_channel: str | None = None, one_thread_up_to: int = 0) -> None:
+                   tree_channel: str | None = None, one_thread_up_to: int = 0,
+                   one_thread_cores: list[int] | None = None) -> None:
     """Loads the target (verifier/factory.py), serves it until SIGTERM/SIGINT. `config.draft_dir`
     is read only for the feature layers (see resolve_feature_layers). `feature_channel`:
     tcp://HOST:PORT of the direct channel to the drafter (None: features go inline);
     `tree_channel`: tcp://HOST:PORT where this process takes its drafter's trees (None: in the
-    Verify requests only); `one_thread_up_to`: --one-thread-up-to (VerifierServicer)."""
+    Verify requests only); `one_thread_up_to`, `one_thread_cores`: --one-thread-up-to and
+    --one-thread-cores (VerifierServicer)."""
     target_dir, device = config.target_dir, config.device
     layers = resolve_feature_layers(feature_layers, config.spec.method, config.draft_dir, target_dir)
     threads = torch.get_num_threads()   # the engine thread's (engine_process_thread leaves this one with one)
@@ -181,7 +175,7 @@ def serve_verifier(config: EngineConfig, feature_layers: str | None = None, host
     try:
         server = start_verifier_server(engine, host, port, Path(target_dir).name, device, tls=tls, sender=sender,
                                        thread=thread, trees=trees, after=after, threads=threads,
-                                       one_thread_up_to=one_thread_up_to)
+                                       one_thread_up_to=one_thread_up_to, one_thread_cores=one_thread_cores)
         print(f"spectandem verifier: {Path(target_dir).name}, features {codec.feature_layers_to_str(layers)}, "
               f"listening on {host}:{server.port}", flush=True)
         server.serve_until_signal()
@@ -214,14 +208,22 @@ def run_verifier(args: argparse.Namespace) -> int:
     if target is None:
         target, demo_draft = demo_paths(args.method)
         draft = draft or demo_draft
-    from spectandem.devices import bind_cpu_cores, resolve_flags, set_cpu_threads
+    from spectandem.devices import bind_cpu_cores, check_cores, resolve_flags, set_cpu_threads
 
     bind_cpu_cores(args.cpu_cores)
     set_cpu_threads(args.threads)
     args = resolve_flags(args, target)
+    if args.one_thread_cores is not None:
+        if not args.one_thread_up_to:
+            raise ValueError("--one-thread-cores needs --one-thread-up-to: the forwards it places are those of at "
+                             "most that many tokens")
+        if is_cuda(str(args.device)):
+            raise ValueError(f"--one-thread-cores places CPU forwards; this verifier computes on {args.device}")
+        check_cores(args.one_thread_cores, "--one-thread-cores")
     config = EngineConfig.from_args(args, verifier_spec(args), target, draft, args.max_slots)
     tls = server_tls_from_args(args)  # flag and file errors before the model loads
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
     serve_verifier(config, args.feature_layers, args.host, args.port, tls=tls, feature_channel=args.feature_channel,
-                   tree_channel=args.tree_channel, one_thread_up_to=args.one_thread_up_to)
+                   tree_channel=args.tree_channel, one_thread_up_to=args.one_thread_up_to,
+                   one_thread_cores=args.one_thread_cores)
     return 0

@@ -19,6 +19,12 @@ from spectandem.messages import DraftTree, concat_trees, root_only_tree
 from verifier.engine import NewRequests
 
 
+def forward_tokens(tree: DraftTree | None, plain: list, items: list[VerifierPrefillItem]) -> int:
+    """The tokens of one forward of `tree`'s nodes, `plain` rows and `items`' prompts (what
+    spectandem.devices.SmallForwards places by)."""
+    return (tree.node_valid.numel() if tree is not None else 0) + len(plain) + sum(len(i.prompt_ids) for i in items)
+
+
 def _handles(sender: FeatureSender | None, features: list) -> list:
     """Feature handles for the results: ChannelRefs when the channel took them, else the tensors."""
     refs = sender.send(features) if sender is not None else None

@@ -287,7 +287,7 @@ class EngineInfoRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class EngineInfo(_message.Message):
-    __slots__ = ("role", "model", "kind", "vocab_size", "max_len", "max_slots", "used_slots", "feature_layers", "device", "kv_blocks", "kv_block_size", "kv_used_blocks", "feature_channel", "decode_ahead", "decode_ahead_taken", "decode_ahead_forgotten", "busy_s", "calls", "tree_channel", "next_trees_made", "next_trees_taken", "feature_early_reads", "feature_ring_messages", "feature_group_messages", "early_trees_taken", "prefills_with_verdicts")
+    __slots__ = ("role", "model", "kind", "vocab_size", "max_len", "max_slots", "used_slots", "feature_layers", "device", "kv_blocks", "kv_block_size", "kv_used_blocks", "feature_channel", "decode_ahead", "decode_ahead_taken", "decode_ahead_forgotten", "busy_s", "calls", "tree_channel", "next_trees_made", "next_trees_taken", "feature_early_reads", "feature_ring_messages", "feature_group_messages", "early_trees_taken", "prefills_with_verdicts", "one_thread_forwards")
     class BusySEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
@@ -328,6 +328,7 @@ class EngineInfo(_message.Message):
     FEATURE_GROUP_MESSAGES_FIELD_NUMBER: _ClassVar[int]
     EARLY_TREES_TAKEN_FIELD_NUMBER: _ClassVar[int]
     PREFILLS_WITH_VERDICTS_FIELD_NUMBER: _ClassVar[int]
+    ONE_THREAD_FORWARDS_FIELD_NUMBER: _ClassVar[int]
     role: str
     model: str
     kind: str
@@ -354,4 +355,5 @@ class EngineInfo(_message.Message):
     feature_group_messages: int
     early_trees_taken: int
     prefills_with_verdicts: int
-    def __init__(self, role: _Optional[str] = ..., model: _Optional[str] = ..., kind: _Optional[str] = ..., vocab_size: _Optional[int] = ..., max_len: _Optional[int] = ..., max_slots: _Optional[int] = ..., used_slots: _Optional[int] = ..., feature_layers: _Optional[str] = ..., device: _Optional[str] = ..., kv_blocks: _Optional[int] = ..., kv_block_size: _Optional[int] = ..., kv_used_blocks: _Optional[int] = ..., feature_channel: _Optional[str] = ..., decode_ahead: _Optional[bool] = ..., decode_ahead_taken: _Optional[int] = ..., decode_ahead_forgotten: _Optional[int] = ..., busy_s: _Optional[_Mapping[str, float]] = ..., calls: _Optional[_Mapping[str, int]] = ..., tree_channel: _Optional[str] = ..., next_trees_made: _Optional[int] = ..., next_trees_taken: _Optional[int] = ..., feature_early_reads: _Optional[int] = ..., feature_ring_messages: _Optional[int] = ..., feature_group_messages: _Optional[int] = ..., early_trees_taken: _Optional[int] = ..., prefills_with_verdicts: _Optional[int] = ...) -> None: ...
+    one_thread_forwards: int
+    def __init__(self, role: _Optional[str] = ..., model: _Optional[str] = ..., kind: _Optional[str] = ..., vocab_size: _Optional[int] = ..., max_len: _Optional[int] = ..., max_slots: _Optional[int] = ..., used_slots: _Optional[int] = ..., feature_layers: _Optional[str] = ..., device: _Optional[str] = ..., kv_blocks: _Optional[int] = ..., kv_block_size: _Optional[int] = ..., kv_used_blocks: _Optional[int] = ..., feature_channel: _Optional[str] = ..., decode_ahead: _Optional[bool] = ..., decode_ahead_taken: _Optional[int] = ..., decode_ahead_forgotten: _Optional[int] = ..., busy_s: _Optional[_Mapping[str, float]] = ..., calls: _Optional[_Mapping[str, int]] = ..., tree_channel: _Optional[str] = ..., next_trees_made: _Optional[int] = ..., next_trees_taken: _Optional[int] = ..., feature_early_reads: _Optional[int] = ..., feature_ring_messages: _Optional[int] = ..., feature_group_messages: _Optional[int] = ..., early_trees_taken: _Optional[int] = ..., prefills_with_verdicts: _Optional[int] = ..., one_thread_forwards: _Optional[int] = ...) -> None: ...

@@ -29,6 +29,7 @@ pytestmark = [pytest.mark.slow, RAY_CLUSTERS]
 CFG = SpecConfig(method="eagle3", num_steps=4, topk=1, num_draft_tokens=5)
 _ALLOWED = sorted(os.sched_getaffinity(0))
 CORES = {"verifier": _ALLOWED[:1], "drafter": _ALLOWED[-1:]}   # as serve --cpu-bind binds them (2 cores)
+SMALL = 32   # the verifier's forwards of up to this many tokens on the drafter's cores, as serve's
 MAX_SLOTS, MAX_LEN, MAX_TOKENS = 8, 256, 24
 TEXTS = ["def fibonacci(n):\n", "import os\nimport sys\n\n", "class Queue:\n    def __init__(self",
          "    for i in range(len("]
@@ -40,7 +41,8 @@ def engines():
     ray_init(None, num_cpus=4)  # idempotent
     target, draft = demo_paths(CFG.method)
     verifier, drafter, cleanup = start_engines(target, draft, CFG, MAX_SLOTS, MAX_LEN, device="cpu",
-                                               cpu_cores=CORES, drafter_threads=1)
+                                               cpu_cores=CORES, drafter_threads=1, one_thread_up_to=SMALL,
+                                               one_thread_cores=CORES["drafter"])
     yield verifier, drafter
     cleanup()
     ray.shutdown()
@@ -244,13 +246,27 @@ def test_both_actors_in_one_placement_group(engines):
 
 def test_each_actor_runs_on_the_cores_it_was_given(engines):
     """start_engines' cpu_cores (serve --cpu-bind): every thread of each actor's process, those
-    Ray started before the actor was built included, runs on its cores only."""
+    Ray started before the actor was built included, runs on its cores only, also after prefills
+    of 5 and of 40 tokens; one_thread_up_to: the verifier counts the first, a forward of at most
+    that many tokens, as run on one thread (on the drafter's cores, one_thread_cores), not the
+    second."""
+    verifier, drafter = engines
+
+    async def prefill(n: int) -> int:
+        rid = f"cores-{n}"
+        await verifier.prefill([VerifierPrefillItem(Tag(rid, 0, n), list(range(1, n + 1)), SamplingParams(), 0)],
+                               want_features=False)
+        await verifier.release([rid])
+        return (await verifier.info()).extra.get("one_thread_forwards", 0)
+
+    before = asyncio.run(_infos(*engines))[0].extra.get("one_thread_forwards", 0)
+    assert asyncio.run(prefill(5)) == before + 1
+    assert asyncio.run(prefill(SMALL + 8)) == before + 1
     vinfo, dinfo = asyncio.run(_infos(*engines))
     for info, role in ((vinfo, "verifier"), (dinfo, "drafter")):
-        pid = info.extra["pid"]
-        threads = os.listdir(f"/proc/{pid}/task")
+        threads = {t: os.sched_getaffinity(int(t)) for t in os.listdir(f"/proc/{info.extra['pid']}/task")}
         assert len(threads) > 1
-        assert {t: os.sched_getaffinity(int(t)) for t in threads} == {t: set(CORES[role]) for t in threads}, role
+        assert threads == {t: set(CORES[role]) for t in threads}, role
 
 
 def test_errors_map_to_link_errors(engines):

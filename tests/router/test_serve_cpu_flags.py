@@ -17,6 +17,8 @@ from spectandem.service_args import format_cores
 
 
 def test_grpc_serve_on_the_cpu_with_explicit_no_gpu_flags():
+    from router.serve import ONE_THREAD_UP_TO
+
     env = dict(os.environ, OMP_NUM_THREADS="1")
     argv = [sys.executable, "-m", "spectandem.cli", "serve", "--backend", "grpc", "--port", "0", "--http-port", "0",
             "--metrics-port", "0", "--device", "cpu", "--dtype", "float32", "--no-cuda-graphs",
@@ -47,12 +49,13 @@ def test_grpc_serve_on_the_cpu_with_explicit_no_gpu_flags():
         proc.wait(30)
         reader.join(30)
     out = "".join(lines)
-    # One thread each (the flag); the drafter on cores of its own, the verifier on every core
-    # (--cpu-bind auto, serve's default).
+    # One thread each (the flag); the drafter on cores of its own, the verifier on every core, its
+    # small forwards on the drafter's (--cpu-bind auto, serve's default).
     cores = sorted(os.sched_getaffinity(0))
     if len(cores) > 1:
         split = len(cores) - max(1, len(cores) // 4)
         on = [f" on core{'s' if len(c) > 1 else ''} {format_cores(c)}" for c in (cores, cores[split:])]
+        on[0] += f", forwards of up to {ONE_THREAD_UP_TO} tokens{on[1]}"
     else:
         on = ["", ""]
     assert (f"spectandem serve: verifier on cpu (float32, eager, 1 thread{on[0]}); "
@@ -175,11 +178,13 @@ def test_a_grpc_pairs_drafter_on_the_cpu_leaves_a_core_unless_told():
 
 def test_a_pair_on_the_cpu_is_bound_to_cores_of_its_own_by_default(monkeypatch):
     """--cpu-bind auto: the drafter the last quarter of serve's cores (at least one), the verifier
-    every core over gRPC (its forwards of up to ONE_THREAD_UP_TO tokens on one thread) and the
-    rest over Ray, each with a thread a core unless threads were chosen, on their command lines
-    (--cpu-cores) and in the placement line, Ray's actors on a local cluster alike; nothing bound
-    for --cpu-bind none, one engine, local, a joined Ray cluster, several replicas or a single core."""
-    from router.serve import ONE_THREAD_UP_TO, configure_process, engine_commands, placement_line, resolve_serve_flags
+    every core over gRPC and the rest over Ray (its forwards of up to ONE_THREAD_UP_TO tokens on one
+    thread on the drafter's cores, either way), each with a thread a core unless threads were
+    chosen, on their command lines (--cpu-cores, --one-thread-up-to, --one-thread-cores) and in the
+    placement line, Ray's actors on a local cluster alike; nothing bound for --cpu-bind none, one
+    engine, local, a joined Ray cluster, several replicas or a single core."""
+    from router.serve import (ONE_THREAD_UP_TO, configure_process, engine_commands, one_thread_cores,
+                              one_thread_up_to, placement_line, resolve_serve_flags)
     from spectandem.cli import build_parser
     from spectandem.config import Platform
     from spectandem.service_args import spec_from_flags
@@ -219,13 +224,19 @@ def test_a_pair_on_the_cpu_is_bound_to_cores_of_its_own_by_default(monkeypatch):
     assert bound == {"verifier": ("8", "0-7"), "drafter": ("2", "6-7")}
     verifier = cmds["verifier"]
     assert verifier[verifier.index("--one-thread-up-to") + 1] == str(ONE_THREAD_UP_TO)
-    assert "--one-thread-up-to" not in cmds["drafter"]
+    assert verifier[verifier.index("--one-thread-cores") + 1] == "6-7"
+    assert "--one-thread-up-to" not in cmds["drafter"] and "--one-thread-cores" not in cmds["drafter"]
     line = placement_line(resolved, cfg)
-    assert (f"verifier on cpu (float32, eager, 8 threads on cores 0-7, one for forwards of up to {ONE_THREAD_UP_TO} "
-            "tokens)") in line, line
+    assert (f"verifier on cpu (float32, eager, 8 threads on cores 0-7, forwards of up to {ONE_THREAD_UP_TO} "
+            "tokens on one thread on cores 6-7)") in line, line
     assert "drafter on cpu (float32, eager, 2 threads on cores 6-7)" in line, line
     unbound = resolve_serve_flags(configured("--backend", "grpc", "--cpu-bind", "none"), Platform(gpus=0, triton=False))
-    assert all("--cpu-cores" not in cmd for cmd in engine_commands(unbound, cfg, target, draft, 7001, 7002).values())
+    assert all("--cpu-cores" not in cmd and "--one-thread-cores" not in cmd
+               for cmd in engine_commands(unbound, cfg, target, draft, 7001, 7002).values())
+    assert (one_thread_up_to(unbound, "verifier"), one_thread_cores(unbound, "verifier")) == (0, None)
+    # Over Ray the verifier actor gets the same: its small forwards on the drafter's core.
+    assert (one_thread_up_to(ray, "verifier"), one_thread_cores(ray, "verifier")) == (ONE_THREAD_UP_TO, [3])
+    assert (one_thread_up_to(ray, "drafter"), one_thread_cores(ray, "drafter")) == (0, None)
 
 
 def test_cpu_cores_flag_reads_lists_and_ranges_and_refuses_what_the_process_may_not_use():
@@ -245,34 +256,56 @@ def test_cpu_cores_flag_reads_lists_and_ranges_and_refuses_what_the_process_may_
     assert sorted(os.sched_getaffinity(0)) == allowed   # nothing changed
 
 
-def test_a_verifier_runs_its_small_forwards_on_one_thread_where_told():
-    """--one-thread-up-to: on the engine's CPU thread, a forward of at most that many tokens runs
-    on one torch thread and a larger one on all of them; off without an engine thread of more than
-    one torch thread; a negative count refused."""
+def test_a_verifier_runs_its_small_forwards_on_one_thread_on_the_cores_it_is_told():
+    """--one-thread-up-to and --one-thread-cores (spectandem.devices.SmallForwards): a forward of
+    at most that many tokens runs on one torch thread, the calling thread bound to those cores
+    while it runs and back on the process's cores after; a larger one on every torch thread, not
+    moved. Off at 0 (a control: nothing changes); the cores without the count, or a negative
+    count, refused; the gRPC servicer and the Ray actor count a forward's tokens alike."""
     import argparse
+    import threading
     from types import SimpleNamespace
 
     import torch
 
+    from spectandem.devices import SmallForwards
     from spectandem.service_args import non_negative_int
     from verifier.service import VerifierServicer
+    from verifier.service_core import forward_tokens
 
-    before = torch.get_num_threads()
-    try:
-        servicer = SimpleNamespace(one_thread_up_to=32, threads=2)
-        VerifierServicer._threads_for(servicer, None, [None] * 6, [])
-        assert torch.get_num_threads() == 1
-        VerifierServicer._threads_for(servicer, None, [None] * 384, [])
-        assert torch.get_num_threads() == 2
-        VerifierServicer._threads_for(servicer, None, [None] * 32, [])
-        assert torch.get_num_threads() == 1
-        VerifierServicer._threads_for(SimpleNamespace(one_thread_up_to=0, threads=2), None, [None] * 384, [])
-        assert torch.get_num_threads() == 1   # off: left as it was
-    finally:
-        torch.set_num_threads(before)
-    assert VerifierServicer(None, thread=None, threads=2, one_thread_up_to=32).one_thread_up_to == 0
-    assert VerifierServicer(None, thread=object(), threads=1, one_thread_up_to=32).one_thread_up_to == 0
-    assert VerifierServicer(None, thread=object(), threads=2, one_thread_up_to=32).one_thread_up_to == 32
+    home = sorted(os.sched_getaffinity(0))
+    seen = {}
+
+    def now():
+        return torch.get_num_threads(), sorted(os.sched_getaffinity(0))
+
+    def run():   # on a thread of its own: the binding is the thread's
+        small = SmallForwards(32, threads=2, cores=home[-1:])
+        for tokens in (6, 384, 32):
+            with small.placed(tokens):
+                seen[tokens] = now()
+            seen[f"after {tokens}"] = now()
+        seen["count"] = small.count
+        torch.set_num_threads(3)
+        with SmallForwards(0, threads=2).placed(6):
+            seen["off"] = now()
+        with SmallForwards(32, threads=2).placed(6):
+            seen["threads only"] = now()
+
+    t = threading.Thread(target=run)
+    t.start()
+    t.join()
+    assert seen == {6: (1, home[-1:]), "after 6": (1, home), 384: (2, home), "after 384": (2, home),
+                    32: (1, home[-1:]), "after 32": (1, home), "count": 2, "off": (3, home), "threads only": (1, home)}
+    assert sorted(os.sched_getaffinity(0)) == home   # this thread was never bound
+    with pytest.raises(ValueError, match="--one-thread-cores needs --one-thread-up-to"):
+        SmallForwards(0, threads=2, cores=[0])
+    # A servicer whose calls run on gRPC's handler threads keeps their one torch thread.
+    assert VerifierServicer(None, thread=None, threads=2, one_thread_up_to=32).small.threads == 1
+    assert VerifierServicer(None, thread=object(), threads=2, one_thread_up_to=32, one_thread_cores=[0]).small.cores == [0]
+    tree = SimpleNamespace(node_valid=torch.ones(2, 6, dtype=torch.bool))
+    items = [SimpleNamespace(prompt_ids=[1] * 100)]
+    assert forward_tokens(tree, [None] * 3, items) == 115 and forward_tokens(None, [], []) == 0
     assert non_negative_int("0") == 0
     with pytest.raises(argparse.ArgumentTypeError, match=">= 0"):
         non_negative_int("-1")
@@ -298,6 +331,54 @@ def test_engine_processes_started_with_cpu_cores_run_on_those_cores_only(tmp_pat
     bad = subprocess.run([sys.executable, "-m", "drafter", "--port", "0", "--device", "cpu",
                           "--cpu-cores", str(max(cores) + 1000)], capture_output=True, text=True, timeout=120)
     assert bad.returncode != 0 and "--cpu-cores" in bad.stderr and "not among those" in bad.stderr, bad.stderr[-2000:]
+
+
+def test_a_verifier_process_runs_small_forwards_where_its_flags_say(tmp_path):
+    """A real `python -m verifier --threads 2 --one-thread-up-to 32 --one-thread-cores C`, called
+    over gRPC: a prefill of 5 tokens counts as run on one thread (EngineInfo.one_thread_forwards),
+    one of 40 does not, and afterwards every thread of the process is back on the process's
+    cores."""
+    import asyncio
+
+    from router.links_grpc import GrpcVerifierLink
+    from spectandem.config import SamplingParams
+    from spectandem.protocol import Tag, VerifierPrefillItem
+    from tests.router.link_harness import _spawn, _stop
+
+    cores = sorted(os.sched_getaffinity(0))
+    proc, address = _spawn(["-m", "verifier", "--device", "cpu", "--threads", "2", "--one-thread-up-to", "32",
+                            "--one-thread-cores", str(cores[-1])], tmp_path / "v.log")
+
+    async def prefills() -> list[int]:
+        link, counts = GrpcVerifierLink(address), []
+        try:
+            for n in (5, 40):
+                rid = f"r{n}"
+                await link.prefill([VerifierPrefillItem(Tag(rid, 0, n), list(range(1, n + 1)), SamplingParams(), 0)],
+                                   want_features=False)
+                await link.release([rid])
+                counts.append((await link.info()).extra.get("one_thread_forwards", 0))
+        finally:
+            await link.close()
+        return counts
+
+    try:
+        assert asyncio.run(prefills()) == [1, 1]
+        threads = os.listdir(f"/proc/{proc.pid}/task")
+        assert {t: sorted(os.sched_getaffinity(int(t))) for t in threads} == {t: cores for t in threads}
+    finally:
+        _stop(proc)
+
+
+def test_a_verifier_refuses_one_thread_cores_it_cannot_honour():
+    """--one-thread-cores without --one-thread-up-to, or naming a core the process may not use:
+    the verifier process exits before loading, naming the flag."""
+    cores = sorted(os.sched_getaffinity(0))
+    for extra, says in ((["--one-thread-cores", str(cores[0])], "needs --one-thread-up-to"),
+                        (["--one-thread-up-to", "32", "--one-thread-cores", str(max(cores) + 1000)], "not among those")):
+        bad = subprocess.run([sys.executable, "-m", "verifier", "--port", "0", "--device", "cpu", *extra],
+                             capture_output=True, text=True, timeout=120)
+        assert bad.returncode != 0 and "--one-thread-cores" in bad.stderr and says in bad.stderr, bad.stderr[-2000:]
 
 
 def test_engine_processes_get_the_environment_serve_made_else_its_own(tmp_path):
