@@ -52,6 +52,10 @@ class AfterReply:
             init = (lambda: torch.cuda.set_device(dev.index)) if dev is not None and dev.type == "cuda" \
                 and dev.index is not None else None
             executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="after-reply", initializer=init)
+            # Its worker started now rather than at the first job: a thread takes the cores of the
+            # one that starts it, and the thread that runs a verifier's calls may be on the
+            # drafter's then (spectandem.devices.SmallForwards).
+            executor.submit(int).result()
         self._executor, self.clock = executor, clock
         self._jobs: list[Callable[[], None]] = []
         self._pending: Future | None = None

@@ -131,15 +131,19 @@ class SmallForwards:
     """Where an engine's forwards run on the CPU, by their size (a verifier's --one-thread-up-to
     and --one-thread-cores). `with placed(tokens):` around a forward of `tokens` tokens, on the
     thread that runs it: one of at most `up_to` tokens runs on one torch thread, that thread bound
-    to `cores` for the forward where given; a larger one on `threads` torch threads. `up_to` 0:
-    every forward as the process is set.
+    to `cores` where given; a larger one on `threads` torch threads, on the process's cores. `up_to`
+    0: every forward as the process is set.
 
     serve --cpu-bind gives a speculating pair's verifier the drafter's cores for its small
     forwards. At low concurrency one core then computes the whole round, the verify and then the
     draft, and does not idle between them: on this project's 2-core VM an idle vCPU halts at once
-    and computes slower once woken (benchmarks/results/idle-core-cpu-2core.txt). The thread goes
-    back to the process's cores after the forward, so that what it starts later (Ray's and
-    torch's threads take their creator's cores) does not sit on the drafter's."""
+    and computes slower once woken (benchmarks/results/idle-core-cpu-2core.txt). After a small
+    forward the thread may run on the process's cores and on `cores`, so that what it does next (the
+    verdicts to the drafter, the reply) stays on the core it computed on: moved to the process's
+    other cores after each forward, a gRPC pair served 0.95x, and a Ray pair, whose verifier's
+    process has cores apart from the drafter's, served 1.07x when left there
+    (benchmarks/results/serve-cpu-2core.txt). After a large forward it is back on the process's
+    cores, where the threads it starts later (a thread takes its creator's cores) belong."""
 
     def __init__(self, up_to: int = 0, threads: int = 1, cores: list[int] | None = None):
         if cores is not None and not up_to:
@@ -148,6 +152,7 @@ class SmallForwards:
         self.up_to, self.threads = up_to, threads
         self.cores = list(cores) if cores is not None else None
         self.home = sorted(os.sched_getaffinity(0)) if cores is not None else None
+        self.after_small = sorted(set(self.home) | set(self.cores)) if cores is not None else None
         self.count = 0   # forwards run on one thread (EngineInfo.extra "one_thread_forwards")
 
     @contextmanager
@@ -155,15 +160,15 @@ class SmallForwards:
         small = bool(self.up_to) and tokens <= self.up_to
         if self.up_to and self.threads > 1:
             torch.set_num_threads(1 if small else self.threads)
-        moved = small and self.cores is not None
-        if moved:
-            os.sched_setaffinity(0, self.cores)
+        bound = bool(self.up_to) and self.cores is not None
+        if bound:   # before a large forward too: a team it starts gets the process's cores
+            os.sched_setaffinity(0, self.cores if small else self.home)
         self.count += small
         try:
             yield
         finally:
-            if moved:
-                os.sched_setaffinity(0, self.home)
+            if bound:
+                os.sched_setaffinity(0, self.after_small if small else self.home)
 
 
 def set_cpu_threads(n: int | None) -> None:

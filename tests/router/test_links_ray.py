@@ -246,10 +246,10 @@ def test_both_actors_in_one_placement_group(engines):
 
 def test_each_actor_runs_on_the_cores_it_was_given(engines):
     """start_engines' cpu_cores (serve --cpu-bind): every thread of each actor's process, those
-    Ray started before the actor was built included, runs on its cores only, also after prefills
-    of 5 and of 40 tokens; one_thread_up_to: the verifier counts the first, a forward of at most
-    that many tokens, as run on one thread (on the drafter's cores, one_thread_cores), not the
-    second."""
+    Ray started before the actor was built and those started after its calls included, runs on its
+    cores only once a prefill of 40 tokens came after one of 5; one_thread_up_to: the verifier counts
+    the first, a forward of at most that many tokens, as run on one thread (on the drafter's cores,
+    one_thread_cores), not the second."""
     verifier, drafter = engines
 
     async def prefill(n: int) -> int:

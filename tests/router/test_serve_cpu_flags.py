@@ -259,8 +259,8 @@ def test_cpu_cores_flag_reads_lists_and_ranges_and_refuses_what_the_process_may_
 def test_a_verifier_runs_its_small_forwards_on_one_thread_on_the_cores_it_is_told():
     """--one-thread-up-to and --one-thread-cores (spectandem.devices.SmallForwards): a forward of
     at most that many tokens runs on one torch thread, the calling thread bound to those cores
-    while it runs and back on the process's cores after; a larger one on every torch thread, not
-    moved. Off at 0 (a control: nothing changes); the cores without the count, or a negative
+    while it runs and after it on those and the process's; a larger one on every torch thread and
+    the process's cores. Off at 0 (a control: nothing changes); the cores without the count, or a negative
     count, refused; the gRPC servicer and the Ray actor count a forward's tokens alike."""
     import argparse
     import threading
@@ -291,12 +291,25 @@ def test_a_verifier_runs_its_small_forwards_on_one_thread_on_the_cores_it_is_tol
             seen["off"] = now()
         with SmallForwards(32, threads=2).placed(6):
             seen["threads only"] = now()
+        # A process whose cores are apart from the drafter's (a Ray verifier actor): after a small
+        # forward the thread may stay where it computed, after a large one it is back home.
+        if len(home) > 1:
+            os.sched_setaffinity(0, home[:-1])
+            torch.set_num_threads(1)
+            apart = SmallForwards(32, threads=1, cores=home[-1:])
+            for tokens in (6, 40):
+                with apart.placed(tokens):
+                    seen[f"apart {tokens}"] = now()
+                seen[f"apart after {tokens}"] = now()
 
     t = threading.Thread(target=run)
     t.start()
     t.join()
+    apart = {"apart 6": (1, home[-1:]), "apart after 6": (1, home), "apart 40": (1, home[:-1]),
+             "apart after 40": (1, home[:-1])} if len(home) > 1 else {}
     assert seen == {6: (1, home[-1:]), "after 6": (1, home), 384: (2, home), "after 384": (2, home),
-                    32: (1, home[-1:]), "after 32": (1, home), "count": 2, "off": (3, home), "threads only": (1, home)}
+                    32: (1, home[-1:]), "after 32": (1, home), "count": 2, "off": (3, home), "threads only": (1, home),
+                    **apart}
     assert sorted(os.sched_getaffinity(0)) == home   # this thread was never bound
     with pytest.raises(ValueError, match="--one-thread-cores needs --one-thread-up-to"):
         SmallForwards(0, threads=2, cores=[0])
