@@ -992,9 +992,9 @@ def one_thread_cores(args, role: str) -> list[int] | None:
     """The verifier's --one-thread-cores: for a pair that `cpu_sets` placed, the drafter's cores.
     At low concurrency one core then computes a round's verify and its draft in turn, never idling
     between them (spectandem.devices.SmallForwards). On the 2-core CPU (demo pair, concurrency 1,
-    two servers of one tree but this, runs alternated, benchmarks/results/serve-cpu-2core.txt)
-    EAGLE-3 over gRPC served 221.8 and 218.5 tok/s against 200.7 and 185.9 with the verifier's one
-    thread on any core; over Ray 175.9 against 165.7."""
+    against the tree before it, runs alternated: benchmarks/results/small-forwards-cpu-2core.txt)
+    EAGLE-3 served 1.11x over gRPC and 1.07x over Ray; on core 0 instead of the drafter's, gRPC
+    served 0.92x of the unplaced thread."""
     sets = getattr(args, "cpu_sets", None)
     return sets["drafter"] if sets is not None and role == "verifier" else None
 

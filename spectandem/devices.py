@@ -142,8 +142,8 @@ class SmallForwards:
     verdicts to the drafter, the reply) stays on the core it computed on: moved to the process's
     other cores after each forward, a gRPC pair served 0.95x, and a Ray pair, whose verifier's
     process has cores apart from the drafter's, served 1.07x when left there
-    (benchmarks/results/serve-cpu-2core.txt). After a large forward it is back on the process's
-    cores, where the threads it starts later (a thread takes its creator's cores) belong."""
+    (benchmarks/results/small-forwards-cpu-2core.txt). After a large forward it is back on the
+    process's cores, where the threads it starts later (a thread takes its creator's cores) belong."""
 
     def __init__(self, up_to: int = 0, threads: int = 1, cores: list[int] | None = None):
         if cores is not None and not up_to:
