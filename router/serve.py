@@ -976,9 +976,10 @@ def cores_per_replica(args) -> bool:
 
 # A pair's verifier on the CPU whose drafter has cores of its own (`cpu_sets`) runs forwards of at
 # most this many tokens on one torch thread on the drafter's cores (`one_thread_cores`), larger
-# ones on its own cores' threads (verifier --one-thread-up-to). On the 2-core CPU (demo pair, concurrency 1, chains of 5 drafts: 6 tokens a
-# verify), a verify took 5.7-6.3 ms on one thread, against 7.3 on two beside the drafter's core;
-# at 64 (384 tokens) 92.5 ms on two, against 153.2 on one (benchmarks/results/cpu-bind-cpu-2core.txt).
+# ones on its own cores' threads (verifier --one-thread-up-to). On the 2-core CPU (demo pair,
+# concurrency 1, chains of 5 drafts: 6 tokens a verify), a verify took 5.7-6.3 ms on one thread,
+# against 7.3 on two beside the drafter's core; at 64 (384 tokens) 92.5 ms on two, against 153.2
+# on one (benchmarks/results/cpu-bind-cpu-2core.txt).
 ONE_THREAD_UP_TO = 32
 
 
@@ -1004,8 +1005,8 @@ def cpu_sets(args) -> dict[str, list[int]] | None:
     CPU (--backend grpc taking turns, `cores_per_replica`; --backend ray on a local cluster), one
     replica, from the cores this process may use: the drafter the last quarter (at least one);
     over gRPC the verifier every core, over Ray the rest; the verifier's small forwards on one
-    thread on the drafter's cores (ONE_THREAD_UP_TO, `one_thread_cores`). Unbound, the kernel's scheduler often ran
-    both engines on one core while the other had little to do: on the 2-core CPU (demo pair,
+    thread on the drafter's cores (ONE_THREAD_UP_TO, `one_thread_cores`). Unbound, the kernel's
+    scheduler often ran both engines on one core while the other had little to do: on the 2-core CPU (demo pair,
     gRPC, one torch thread each, concurrency 1, alternated) EAGLE-3 served 346.4 and 360.8 tok/s
     bound against 319.7 and 329.5 unbound, the drafter's engine 4.3 / 4.1 ms a draft against 4.9;
     over Ray 337.1 and 293.5 against 295.8 and 279.8 (benchmarks/results/cpu-bind-cpu-2core.txt).

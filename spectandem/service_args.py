@@ -184,9 +184,9 @@ def add_verifier_args(p: argparse.ArgumentParser) -> None:
     add_memory_flags(p)
     add_threads_flag(p)
     p.add_argument("--one-thread-up-to", type=non_negative_int, default=0, metavar="TOKENS",
-                   help="on the CPU with --threads above one: forwards of at most TOKENS tokens (a verify's tree "
-                        "nodes and plain rows, a prefill's prompt tokens) run on one torch thread, larger ones on "
-                        "--threads (default: 0, every forward on --threads)")
+                   help="on the CPU: forwards of at most TOKENS tokens (a verify's tree nodes and plain rows, a "
+                        "prefill's prompt tokens) run on one torch thread, on --one-thread-cores where given, larger "
+                        "ones on --threads (default: 0, every forward on --threads)")
     p.add_argument("--one-thread-cores", type=cpu_core_list, default=None, metavar="LIST",
                    help="with --one-thread-up-to, on the CPU: the cores the thread that runs those small forwards "
                         "is bound to while it runs them, e.g. the drafter's (default: the process's cores)")
