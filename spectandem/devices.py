@@ -146,21 +146,29 @@ class SmallForwards:
     process's cores, where the threads it starts later (a thread takes its creator's cores) belong."""
 
     def __init__(self, up_to: int = 0, threads: int = 1, cores: list[int] | None = None):
-        if cores is not None and not up_to:
-            raise ValueError("--one-thread-cores needs --one-thread-up-to: the forwards it places are those of "
-                             "at most that many tokens")
+        self.check(up_to, cores)
         self.up_to, self.threads = up_to, threads
         self.cores = list(cores) if cores is not None else None
         self.home = sorted(os.sched_getaffinity(0)) if cores is not None else None
         self.after_small = sorted(set(self.home) | set(self.cores)) if cores is not None else None
         self.count = 0   # forwards run on one thread (EngineInfo.extra "one_thread_forwards")
 
+    @staticmethod
+    def check(up_to: int, cores: list[int] | None) -> None:
+        """Refuses --one-thread-cores without --one-thread-up-to (a verifier's flags, checked
+        before its model loads too). The cores may lie outside the process's own (a Ray verifier
+        actor's are apart from the drafter's); the verifier's entry point checks them against
+        those it was started with."""
+        if cores is not None and not up_to:
+            raise ValueError("--one-thread-cores needs --one-thread-up-to: the forwards it places are those of "
+                             "at most that many tokens")
+
     @contextmanager
     def placed(self, tokens: int):
         small = bool(self.up_to) and tokens <= self.up_to
         if self.up_to and self.threads > 1:
             torch.set_num_threads(1 if small else self.threads)
-        bound = bool(self.up_to) and self.cores is not None
+        bound = self.cores is not None   # (`check`: only with up_to)
         if bound:   # before a large forward too: a team it starts gets the process's cores
             os.sched_setaffinity(0, self.cores if small else self.home)
         self.count += small

@@ -210,16 +210,14 @@ def run_verifier(args: argparse.Namespace) -> int:
         draft = draft or demo_draft
     from spectandem.devices import bind_cpu_cores, check_cores, resolve_flags, set_cpu_threads
 
+    SmallForwards.check(args.one_thread_up_to, args.one_thread_cores)
+    if args.one_thread_cores is not None:   # among the cores it was started with, before --cpu-cores binds it
+        check_cores(args.one_thread_cores, "--one-thread-cores")
     bind_cpu_cores(args.cpu_cores)
     set_cpu_threads(args.threads)
     args = resolve_flags(args, target)
-    if args.one_thread_cores is not None:
-        if not args.one_thread_up_to:
-            raise ValueError("--one-thread-cores needs --one-thread-up-to: the forwards it places are those of at "
-                             "most that many tokens")
-        if is_cuda(str(args.device)):
-            raise ValueError(f"--one-thread-cores places CPU forwards; this verifier computes on {args.device}")
-        check_cores(args.one_thread_cores, "--one-thread-cores")
+    if args.one_thread_cores is not None and is_cuda(str(args.device)):
+        raise ValueError(f"--one-thread-cores places CPU forwards; this verifier computes on {args.device}")
     config = EngineConfig.from_args(args, verifier_spec(args), target, draft, args.max_slots)
     tls = server_tls_from_args(args)  # flag and file errors before the model loads
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
