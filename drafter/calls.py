@@ -78,9 +78,10 @@ class DrafterCalls:
             items, bounds, placements, round_id, prefills = verdicts_from_bytes(body)
             if placements and self.receiver is not None:
                 self.receiver.expect(placements)
-        def post(tree: DraftTree, tags: list[Tag]) -> None:
+        def post(tree: DraftTree | None, tags: list[Tag]) -> None:   # None: an empty body, none made
             with timed(clock, "draft_next.post"):
-                self.poster.post(round_id, codec.draft_tree_to_bytes(tree, tags), early=True)
+                self.poster.post(round_id, codec.draft_tree_to_bytes(tree, tags) if tree is not None else b"",
+                                 early=True)
         self.draft_on(items, bounds, clock, post if round_id and self.poster is not None else None, prefills)
 
     def info(self, model_name: str) -> EngineInfo:

@@ -1,11 +1,15 @@
 """Drafting on the verdict: a drafter that gets a round's verdicts straight from the verifier (in
 this process from the verifier's worker thread, router/links_local.py; from another process over
 the tree channel, spectandem/channel/trees.py) catches up with them and drafts the next trees at
-once, while the router is still committing the round. The router's next draft call, sent as
-always with the same catch-up, then finds those trees made:
+once, while the router is still committing the round. In one process the router's next draft
+call, sent as always with the same catch-up, then finds those trees made:
 
     verifier: verify R ---- verdicts (tags, tokens, features) ----> drafter: catch up, draft R+1  (made)
               reply R ----> router: commit R, Draft(tags R+1, catch-up R) --> drafter: the made trees
+
+Across processes the drafter also posts them to the verifier at once (early trees,
+spectandem/channel/trees.py), and where they serve the round the router makes no draft call
+(router/loop.py `_sequential_round`): the round's catch-up was absorbed on the verdicts.
 
 A round that prefilled new requests in its verify step sends their drafter prefills with its
 verdicts (the router names them in `draft_next`): the drafter prefills them first and drafts their
@@ -60,10 +64,10 @@ class NextTrees:
         catch-up would carry them) and drafts the next trees of the requests whose new committed
         length is below `bounds[request id]`; `post(trees, tags)`, if given, sends them on as they
         are made (the tree channel's early trees: the draft call that takes them hands out the same
-        rows). A verdict that does not follow the drafter's state, or a draft that fails, leaves
-        the work to the router's next call; a prefill that fails, or whose request the drafter
-        holds already or released, is not taken (the router's next call finds it unknown, and
-        its resync prefills it)."""
+        rows), and `post(None, [])` where none are made. A verdict that does not follow the
+        drafter's state, or a draft that fails, leaves the work to the router's next call; a
+        prefill that fails, or whose request the drafter holds already or released, is not taken
+        (the router's next call finds it unknown, and its resync prefills it)."""
         self._made = {}
         self._early_before, self._early = self._early, {}
         self._verified_early = {i.tag.request_id for i in items if i.tag.request_id in self._early_before}
@@ -83,12 +87,14 @@ class NextTrees:
                 if i.tag.request_id not in unknown and i.tag.committed_len < bounds.get(i.tag.request_id, 0)]
         tags += [t for t in new if t.committed_len < bounds.get(t.request_id, 0)]
         if not tags:
+            self._post_none(post)
             return
         try:
             with timed(clock, "draft_next.engine"):
                 tree = drafter_draft(engine, tags)
         except Exception as exc:   # the draft call drafts them again and reports what fails then
             log.debug("next trees not drafted ahead of the draft call: %s", exc)
+            self._post_none(post)
             return
         self._made = {t.request_id: (t, tree) for t in tags}
         self.made += len(tags)
@@ -99,6 +105,16 @@ class NextTrees:
                 log.debug("next trees not sent early: %s", exc)
             else:
                 self._early = {t.request_id: t for t in tags}
+
+    @staticmethod
+    def _post_none(post) -> None:
+        """`post(None, [])`: none are made on these verdicts, so a verify that takes only the early
+        trees (no draft call comes for its round) goes on without them at once."""
+        if post is not None:
+            try:
+                post(None, [])
+            except Exception as exc:
+                log.debug("no early trees, and that not sent: %s", exc)
 
     def _prefill(self, engine, prefills: list[DrafterPrefillItem], receiver, clock: CallClock | None) -> list[Tag]:
         """`draft_on`'s prefills, less those of requests held or released -> the tags taken."""

@@ -766,16 +766,24 @@ class Router:
                 draft, drafted = await draft_task
             if not self.running:   # the verifier failed during admission
                 return
-        posting = None
+        posting = elided = None
         if not admit:
             drafted, draft = self._to_draft(self.running)
             if drafted and draft is None:
                 if await self._posts_trees():   # the trees go drafter -> verifier while the verify goes out
                     self._tree_round += 1
+                    early_after, early_tags = self._early_trees(drafted) if not ahead else (0, ())
                     draft = DraftHandle([r.tag() for r in drafted],
                                         TreeRoute(self._tree_round, self.cfg.drafter_timeout + TREE_WAIT_MARGIN_S,
-                                                  *self._early_trees(drafted)))
-                    posting = functools.partial(self._draft_call, drafted, self._tree_round)   # started below
+                                                  early_after, early_tags, early_only=bool(early_tags)))
+                    if early_tags:
+                        # The drafter drafted this round's trees on the last verdicts and posted
+                        # them; a draft call would only find them made. None goes: the verify takes
+                        # them, or goes on without them at once (TreeRoute.early_only). The
+                        # held-back catch-ups are those the drafter caught up with on the verdicts.
+                        elided = {r.request_id: self._take_backlog([r]) for r in drafted}
+                    else:
+                        posting = functools.partial(self._draft_call, drafted, self._tree_round)   # started below
                 else:
                     draft, drafted = await self._draft_call(drafted)
         # Not those that ended at their first token; nor, this round, new requests whose drafts are
@@ -787,23 +795,18 @@ class Router:
         launched = asyncio.get_running_loop().create_future() if ahead and drafted else None
         draft_next = self._next_drafts(drafted, ahead)
         detach = self._detach(mixed) if mixed else set()
-        if draft_next and posting is not None:   # its verdicts go to the drafter over the tree channel
+        channel_round = posting is not None or elided is not None
+        if draft_next and channel_round:   # its verdicts go to the drafter over the tree channel
             # So do the drafter prefills of the requests its step prefills (the verifier marks
             # those it sent: `_after_prefill`): the drafter takes them first and drafts their
             # first trees with the others' on the verdicts, so the next round's early trees hold
             # them as well.
             draft_next.update((r.request_id, self._draft_bound(r)) for r in mixed if r.request_id not in detach)
-            self._verdicts_after = (self._tree_round, frozenset(draft_next))
-        # The draft call goes out first where the drafter drafts this round's trees on it; where the
-        # early trees serve the round, the verify does, its forward waiting for nothing else.
-        early = posting is not None and bool(draft.payload.early_tags)
-        if posting is not None and not early:
+        if posting is not None:   # the draft call goes out first: the drafter drafts this round's trees on it
             posting = asyncio.ensure_future(posting())
         verify = asyncio.ensure_future(self._verify(draft, drafted, group, launched, draft_next) if not mixed else
                                        self._verify_with_prefill(draft, drafted, group, list(mixed), draft_next,
                                                                  detach))
-        if early:
-            posting = asyncio.ensure_future(posting())
         try:
             if posting is not None:   # from here on, the requests whose trees went (the others get no verdict)
                 drafted = (await posting)[1]
@@ -819,6 +822,13 @@ class Router:
         admitted = None
         if mixed:
             results, admitted = results
+        if elided is not None:
+            self._after_elided(elided, drafted, results)
+        if results is not None and draft_next and channel_round:
+            # The next round's early trees serve those whose verdicts (or drafter prefills) went.
+            went = {v.tag.request_id for v in results if v.to_drafter}
+            went.update(res.tag.request_id for res in (admitted[1] if admitted else ()) if res.with_verdicts)
+            self._verdicts_after = (self._tree_round, frozenset(went & draft_next.keys()))
         if results is not None:
             extend = self._apply(results, drafted, group)
             if admitted is not None:   # after the round's results: they join, then go to the drafter
@@ -833,6 +843,24 @@ class Router:
                     by_id[item.tag.request_id].backlog.append(item)
             elif extend:   # after what the requests still hold back, in order
                 await self._extend(self._take_backlog(drafted) + extend)
+
+    def _after_elided(self, elided: dict[str, list[ExtendItem]], drafted: list[ServedRequest], results) -> None:
+        """A round the early trees served without a draft call (`_sequential_round`): the drafter
+        caught up on the last verdicts before it drafted them, so the catch-ups held back for it
+        (`elided`: request id -> items) are done with where the round verified its tree. Where it
+        did not (the verify found no early trees for the round), they are held back again, before
+        any the round adds, for the next draft call, which then drafts those requests (their
+        verdicts did not go to the drafter: `_early_trees`). A failed verify (`results` None)
+        left the requests off both engines (`_verifier_failed`): nothing is held back for them."""
+        if results is None:
+            return
+        verified = {v.tag.request_id for v in results}
+        served = [r for r in drafted if r.request_id in verified]
+        for r in drafted:
+            if r.request_id not in verified:
+                r.backlog[:0] = elided[r.request_id]
+        self.counters.posted_trees += len(served)
+        self.counters.early_tree_rounds += 1 if served else 0
 
     def _cached(self, r: ServedRequest, ahead: bool) -> bool:
         """Whether this ahead round drafts ahead for `r` (its next tree may be held for the router)."""

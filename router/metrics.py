@@ -10,7 +10,7 @@ Two sources, one registry (a private `CollectorRegistry`, so nothing process-glo
                num_preemptions, num_resumes, num_fallback_rounds (drafter unavailable),
                num_plain_rounds (speculation switched off), num_drafter_outages,
                num_stale_replies_dropped, num_draft_ahead_{hits,misses}, num_ready_trees, num_posted_trees,
-               num_detached_admissions, num_detached_running,
+               num_early_tree_rounds, num_detached_admissions, num_detached_running,
                num_mixed_prefills, num_prefills_with_verdicts,
                num_requests_{admitted,finished,failed,cancelled}
                (exposed with the `_total` suffix)
@@ -78,6 +78,8 @@ ROUTER_COUNTERS = (
     ("num_ready_trees", "ready_trees", "Trees drafted ahead that the router verified without a draft call"),
     ("num_posted_trees", "posted_trees",
      "Request-rounds whose trees went from the drafter to the verifier over the tree channel"),
+    ("num_early_tree_rounds", "early_tree_rounds",
+     "Rounds whose trees the drafter drafted on the last verdicts and sent early, verified without a draft call"),
     ("num_detached_admissions", "detached_admissions",
      "Requests admitted without the drafter while auto had settled on plain decoding"),
     ("num_detached_running", "detached_running",

@@ -133,6 +133,7 @@ class RouterCounters:
     draft_ahead_misses: int = 0
     ready_trees: int = 0             # request-rounds verified with a tree the router held (no draft call)
     posted_trees: int = 0            # request-rounds whose trees went drafter -> verifier (the tree channel)
+    early_tree_rounds: int = 0       # rounds the early trees (drafted on the last verdicts) served without a draft call
     detached_admissions: int = 0     # requests admitted without the drafter ("auto" settled on plain)
     detached_running: int = 0        # running requests that left the drafter when "auto" settled on plain
     mixed_prefills: int = 0          # requests sent with a round's verify to be prefilled in its step (RouterConfig.mixed_prefill)

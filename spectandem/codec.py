@@ -288,12 +288,13 @@ def plain_item_from_msg(msg: engines_pb2.PlainItem) -> PlainItem:
 
 def verdict_to_msg(r: Verdict) -> engines_pb2.VerifyResultMsg:
     return engines_pb2.VerifyResultMsg(tag=tag_to_msg(r.tag), token_ids=r.token_ids, num_accepted=r.num_accepted,
-                                       num_draft_tokens=r.num_draft_tokens, **feature_handle(r.features))
+                                       num_draft_tokens=r.num_draft_tokens, to_drafter=r.to_drafter,
+                                       **feature_handle(r.features))
 
 
 def verdict_from_msg(msg: engines_pb2.VerifyResultMsg) -> Verdict:
     return Verdict(tag_from_msg(msg.tag), list(msg.token_ids), msg.num_accepted, msg.num_draft_tokens,
-                       _features_in(msg, decode=False))
+                       _features_in(msg, decode=False), msg.to_drafter)
 
 
 def drafter_prefill_item_to_msg(item: DrafterPrefillItem) -> engines_pb2.DrafterPrefillItem:

@@ -72,6 +72,8 @@ class Verdict:
     # node (the pairs the drafter's catch-up needs), or None when the drafter reads none. Across
     # a link: that link's opaque handle for them.
     features: Any
+    # The verifier sent it to the drafter over the tree channel (a verify with `draft_next`).
+    to_drafter: bool = False
 
     @property
     def request_id(self) -> str:
@@ -119,12 +121,16 @@ class TreeRoute:
     most `wait_s` seconds. `early_after`, `early_tags`: or those it posted early on the verdicts
     of round `early_after` (its previous tree round), where they hold every one of `early_tags`
     (the round's requests, in order); 0 and () where the router's draft call may not take
-    exactly those trees."""
+    exactly those trees. `early_only`: the router makes no draft call for the round."""
 
     round_id: int
     wait_s: float
     early_after: int = 0
     early_tags: tuple = ()
+    # No draft call posts round `round_id`: only the early trees serve, and where they cannot
+    # (they do not hold every tag, or that round's verdicts did not all go to the drafter) the
+    # verify goes on at once without them.
+    early_only: bool = False
 
 
 @dataclass

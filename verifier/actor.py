@@ -127,13 +127,13 @@ class VerifierActor:
                 route, tree_round = draft_payload, draft_payload.round_id
                 with self.clock.timing("verify.tree_wait"):   # inside "verify"'s time, told apart
                     draft_payload, tags = tree_from_channel(self.trees, route.round_id, route.wait_s, route.early_after,
-                                                            list(route.early_tags))
+                                                            list(route.early_tags), route.early_only)
             self._check_held([t.request_id for t in tags] + [p.tag.request_id for p in plain])
             with self.small.placed(forward_tokens(draft_payload, plain, items)):
                 outs, prefilled = verifier_verify_prefill(self.engine, draft_payload, tags, plain, want_features,
                                                           items, prefill_features, self.sender, clock=self.clock)
-            sent = verdicts_to_drafter(self.trees, outs, draft_next, self.clock, self.after, self.sender, tree_round,
-                                       list(zip(items, prefilled)))
+            outs, sent = verdicts_to_drafter(self.trees, outs, draft_next, self.clock, self.after, self.sender,
+                                             tree_round, list(zip(items, prefilled)))
             prefilled = with_prefilled(prefilled, sent)
             reply = ([replace(r, features=_put(r.features)) for r in outs],
                      [replace(r, features=_put(r.features)) for r in prefilled])

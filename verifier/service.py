@@ -91,14 +91,15 @@ class VerifierServicer(engines_pb2_grpc.VerifierServicer):
             with clock.timing("verify.tree_wait"):
                 tree, tags = tree_from_channel(self.trees, request.tree_round, request.tree_wait_ms / 1000,
                                                request.early_after,
-                                               [codec.tag_from_msg(t) for t in request.early_tags])
+                                               [codec.tag_from_msg(t) for t in request.early_tags],
+                                               request.early_only)
         elif tree is None and not plain:
             raise ValueError("verify request has neither a tree nor plain items")
         with self.small.placed(forward_tokens(tree, plain, items)):
             results, prefilled = verifier_verify_prefill(self.engine, tree, tags, plain, request.want_features, items,
                                                          request.prefill_features, self.sender, clock=clock)
-        sent = verdicts_to_drafter(self.trees, results, dict(request.draft_next), clock, self.calls.after,
-                                   self.sender, request.tree_round, list(zip(items, prefilled)))
+        results, sent = verdicts_to_drafter(self.trees, results, dict(request.draft_next), clock, self.calls.after,
+                                            self.sender, request.tree_round, list(zip(items, prefilled)))
         prefilled = with_prefilled(prefilled, sent)
         with clock.timing("verify.encode"):
             reply = engines_pb2.VerifyReply(results=[codec.verdict_to_msg(r) for r in results],

@@ -14,7 +14,7 @@ from spectandem.protocol import EngineInfo, PlainItem, Tag, Verdict, VerifierPre
 from spectandem.after_reply import AfterReply
 from spectandem.call_clock import CallClock, timed
 from spectandem.channel import FeatureSender, TreeMailbox
-from spectandem.channel.trees import sendable_prefills, verdicts_to_bytes
+from spectandem.channel.trees import sendable_prefills, sendable_verdicts, verdicts_to_bytes
 from spectandem.messages import DraftTree, concat_trees, root_only_tree
 from verifier.engine import NewRequests
 
@@ -51,16 +51,20 @@ def _prefill_results(items: list[VerifierPrefillItem], outs, want_features: bool
 
 
 def tree_from_channel(trees: TreeMailbox | None, round_id: int, wait_s: float, early_after: int = 0,
-                      early_tags: list[Tag] = ()) -> tuple[DraftTree | None, list[Tag]]:
+                      early_tags: list[Tag] = (), early_only: bool = False) -> tuple[DraftTree | None, list[Tag]]:
     """The trees the drafter posted for `round_id` and their tags; (None, []) where none came
     (TreeMailbox.take): the verify goes on with its other rows. `early_after`, `early_tags`: or
     the rows of `early_tags`, in their order, of the trees it posted early on the verdicts of
-    round `early_after`, where those hold every one of them (spectandem/channel/trees.py)."""
+    round `early_after`, where those hold every one of them (spectandem/channel/trees.py).
+    `early_only`: no draft call posts `round_id` (TreeRoute.early_only), so (None, []) at once
+    where the early trees cannot serve."""
     if trees is None:
         return None, []
     want = list(early_tags)
 
     def accept(body: bytes):
+        if not body:   # the drafter made none on those verdicts
+            return None
         tree, tags = codec.draft_tree_from_bytes(body)
         held = {t.request_id: t for t in tags}
         if any(held.get(t.request_id) != t for t in want):
@@ -68,7 +72,9 @@ def tree_from_channel(trees: TreeMailbox | None, round_id: int, wait_s: float, e
         ids = [t.request_id for t in want]
         return (tree if tree.request_ids == ids else tree.select(ids)), want
 
-    data, early = trees.take_or_early(round_id, wait_s, early_after, accept if want else None)
+    data, early = trees.take_or_early(round_id, wait_s, early_after, accept if want else None,
+                                      early_only=early_only and bool(want),
+                                      early_ids=[t.request_id for t in want])
     if early is not None:
         return early
     return codec.draft_tree_from_bytes(data) if data is not None else (None, [])
@@ -76,7 +82,7 @@ def tree_from_channel(trees: TreeMailbox | None, round_id: int, wait_s: float, e
 
 def verdicts_to_drafter(trees: TreeMailbox | None, verdicts: list[Verdict], bounds: dict[str, int] | None,
                         clock: CallClock | None, after: AfterReply, sender: FeatureSender | None = None,
-                        round_id: int = 0, prefills=()) -> set[str]:
+                        round_id: int = 0, prefills=()) -> tuple[list[Verdict], set[str]]:
     """Sends the verdicts of the requests `bounds` names (those the router drafts next,
     drafter/next_trees.py) to the drafter over the tree channel, where it is up and their
     features went over the feature channel. `sender`: the feature channel's end; the verdicts
@@ -91,24 +97,28 @@ def verdicts_to_drafter(trees: TreeMailbox | None, verdicts: list[Verdict], boun
     (verdicts-first-cpu-2core.txt). `round_id`: the verify's tree round (0: its trees did not
     come over the channel), which the drafter's early trees follow. `prefills`: (item, result) of
     the requests the verify prefilled in its step, whose drafter prefills go along where `bounds`
-    names them (spectandem/channel/trees.py). -> the ids of the requests whose drafter prefills
-    went (`with_prefilled` marks their results so)."""
+    names them (spectandem/channel/trees.py). -> (`verdicts`, those that went marked `to_drafter`;
+    the ids of the requests whose drafter prefills went, which `with_prefilled` marks). The
+    mailbox notes the ids that went for `round_id` (TreeMailbox.verdicts_went), which a verify
+    of only the early trees on them checks."""
     if (not bounds or trees is None or not (any(v.tag.request_id in bounds for v in verdicts)
                                             or any(r.tag.request_id in bounds for _, r in prefills))):
-        return set()
-    sent = set()
+        return verdicts, set()
+    sent, went = set(), set()
 
     def send() -> None:
         with timed(clock, "verify.verdicts"):
             going = sendable_prefills(prefills, bounds)
             body = verdicts_to_bytes(verdicts, bounds, sender.placement if sender is not None else None, round_id,
                                      going)
-            if body is not None and trees.send_verdicts(body):
+            ids = [v.tag.request_id for v in sendable_verdicts(verdicts, bounds)]
+            if body is not None and trees.send_verdicts(body, round_id, ids + [res.tag.request_id for _, res in going]):
                 sent.update(res.tag.request_id for _, res in going)
+                went.update(ids)
 
     after.later(send)
     after.run_now()
-    return sent
+    return [replace(v, to_drafter=True) if v.tag.request_id in went else v for v in verdicts], sent
 
 
 def with_prefilled(prefilled: list[VerifierPrefillResult], sent: set[str]) -> list[VerifierPrefillResult]:

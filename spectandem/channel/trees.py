@@ -27,17 +27,21 @@ seq, index, bound], ...]}: "p" (absent where empty) holds the drafter prefills o
 verify prefilled in its step that `draft_next` names, their first tokens and prompt features.
 
 Early trees: the drafter posts the trees it drafts on the verdicts of round R at once, as an
-EARLY frame of round R, before the router's next draft call asks for them:
+EARLY frame of round R (an empty body where it made none on them):
 
     verifier: verify R -- verdicts (r=R) --> drafter: catch up, draft, EARLY(R, trees) --.
-    router:   Draft(post_round=R+1) + Verify(tree_round=R+1, early_after=R, early_tags) |
-    verifier: take(R+1): TREE(R+1), or EARLY(R) where it holds every tag of early_tags <-'
+    router:   Verify(tree_round=R+1, early_after=R, early_tags, early_only), no draft call |
+    verifier: take(R+1): EARLY(R) where it holds every tag of early_tags <------------------'
 
-The router offers early_tags (its round's requests, as it tags them) only where its draft call
+The router offers early_tags (its round's requests, as it tags them) only where a draft call
 would take those very trees (drafter/next_trees.py: the same tags, nothing left to catch up, no
-depth cap), so either frame holds the same rows for them; the verify takes the first that comes,
-and the rows it verifies are early_tags', in their order. The drafter's draft call still posts
-the round's TREE frame.
+depth cap) and the verifier reported each of them sent to the drafter with round R's verdicts
+(Verdict.to_drafter); it then makes no draft call for the round (`early_only`), and the rows the
+verify takes are early_tags', in their order. Such a verify waits for no TREE frame: it goes on
+without trees at once where the mailbox did not send round R's verdicts to the connected drafter
+for every tag (`verdicts_went`), or the EARLY frame comes and does not hold them all; the router
+then drafts those requests with a draft call next round. Without `early_only` the verify takes
+whichever comes first, EARLY(R) holding every tag or the TREE frame the draft call posts.
 
 Failure model: `take` never waits for a tree that cannot come. It returns None (no tree: the
 verify goes on with its other rows, and the requests of the missing trees get no verdict this
@@ -96,7 +100,7 @@ def verdicts_to_bytes(verdicts, bounds: dict[str, int], placement=None, round_id
     prefills."""
     rows = [[v.tag.request_id, v.tag.epoch, v.tag.committed_len, list(v.token_ids), v.features.seq,
              v.features.index, bounds[v.tag.request_id]]
-            for v in verdicts if v.tag.request_id in bounds and isinstance(v.features, ChannelRef)]
+            for v in sendable_verdicts(verdicts, bounds)]
     pre = [[res.tag.request_id, res.tag.epoch, res.tag.committed_len, list(item.prompt_ids), res.first_token_id,
             _params_to_json(item.params), item.seed, res.features.seq, res.features.index, bounds[res.tag.request_id]]
            for item, res in sendable_prefills(prefills, bounds)]
@@ -112,6 +116,12 @@ def verdicts_to_bytes(verdicts, bounds: dict[str, int], placement=None, round_id
     if pre:
         msg["p"] = pre
     return json.dumps(msg, separators=(",", ":")).encode("utf-8")
+
+
+def sendable_verdicts(verdicts, bounds: dict[str, int]) -> list:
+    """Those of `verdicts` that go in a VERDICTS body: `bounds` names them and their features went
+    over the feature channel."""
+    return [v for v in verdicts if v.tag.request_id in bounds and isinstance(v.features, ChannelRef)]
 
 
 def sendable_prefills(prefills, bounds: dict[str, int]) -> list:
@@ -244,6 +254,8 @@ class TreeMailbox(_Rounds):
         self._closed = False
         self._send_lock = threading.Lock()
         self.verdicts_sent = 0
+        # tree round -> (the connection they went over, the request ids whose verdicts went)
+        self._went: dict[int, tuple[socket.socket, frozenset]] = {}
         threading.Thread(target=self._accept, name="tree-mailbox", daemon=True).start()
 
     @property
@@ -303,13 +315,15 @@ class TreeMailbox(_Rounds):
             self._cond.notify_all()
         _shut(conn)
 
-    def send_verdicts(self, body: bytes, timeout_s: float = VERDICT_SEND_S) -> bool:
+    def send_verdicts(self, body: bytes, round_id: int = 0, request_ids=(), timeout_s: float = VERDICT_SEND_S) -> bool:
         """Sends a VERDICTS frame to the connected drafter; False where none is connected, or the
         send failed or did not finish within `timeout_s` (a drafter that stopped reading: the
         verify never waits on it longer). A send that did not finish leaves half a frame in the
         stream, so the connection is then shut: the reader finds it broken, and the drafter
-        connects again."""
+        connects again. `round_id`, `request_ids`: the verify's tree round and the requests whose
+        verdicts (or drafter prefills) the body holds, noted where it went (`verdicts_went`)."""
         with self._cond:
+            self._went.pop(round_id, None)
             conn = self._conn
         if conn is None:
             return False
@@ -322,24 +336,48 @@ class TreeMailbox(_Rounds):
             _shut(conn)
             return False
         self.verdicts_sent += 1
+        if round_id:
+            with self._cond:
+                self._went[round_id] = (conn, frozenset(request_ids))
+                while len(self._went) > _KEEP:
+                    del self._went[min(self._went)]
         return True
+
+    def verdicts_went(self, round_id: int, request_ids) -> bool:
+        """Whether the verdicts of tree round `round_id` went to the drafter for every one of
+        `request_ids` (`send_verdicts`), over the connection that is up now (a drafter that
+        connected since never had them)."""
+        with self._cond:
+            conn, ids = self._went.get(round_id, (None, frozenset()))
+            return conn is not None and conn is self._conn and set(request_ids) <= ids
 
     def take(self, round_id: int, timeout_s: float) -> bytes | None:
         """The tree posted for `round_id` (a serialized DraftTreeMsg), or None: no drafter is
         connected, it went away or posted none for this round, or nothing came within `timeout_s`."""
         return self.take_or_early(round_id, timeout_s)[0]
 
-    def take_or_early(self, round_id: int, timeout_s: float, early_after: int = 0, accept=None):
+    def take_or_early(self, round_id: int, timeout_s: float, early_after: int = 0, accept=None,
+                      early_only: bool = False, early_ids=()):
         """`take`, or the trees posted early on the verdicts of round `early_after` (EARLY), where
         `accept(body)` returns what to verify of them (it is None where they do not hold the
-        round's requests, and the wait goes on) -> (`take`'s result, None) or (None, `accept`'s)."""
+        round's requests, and the wait goes on) -> (`take`'s result, None) or (None, `accept`'s).
+        `early_only` (nothing posts `round_id`): (None, None) at once where the verdicts of
+        `early_after` did not go to the drafter for every one of `early_ids` (`verdicts_went`),
+        and as soon as the early trees come and `accept` refuses them (an empty body: the drafter
+        made none)."""
         first: list = []   # the connection when the wait began (asked first under the lock)
+        if early_only and not self.verdicts_went(early_after, early_ids):
+            self._none_posted(round_id, f"the verdicts of round {early_after} did not all go to the drafter")
+            return None, None
 
         def early():
             for r in [r for r in self._early if r < early_after]:   # rounds done with
                 del self._early[r]
-            body = self._early.pop(early_after, None) if early_after and accept is not None else None
+            # Kept while it is the latest: a verify sent again for the round finds it too.
+            body = self._early.get(early_after) if early_after and accept is not None else None
             got = accept(body) if body is not None else None
+            if got is None and body is not None and early_only:
+                return NONE, b"its trees on those verdicts do not hold the round"
             return None if got is None else (EARLY, got)
 
         def gone():

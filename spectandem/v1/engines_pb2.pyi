@@ -86,7 +86,7 @@ class PlainItem(_message.Message):
     def __init__(self, tag: _Optional[_Union[_common_pb2.RequestTag, _Mapping]] = ..., last_token_id: _Optional[int] = ..., steps: _Optional[int] = ..., again: _Optional[bool] = ...) -> None: ...
 
 class VerifyRequest(_message.Message):
-    __slots__ = ("tree", "want_features", "plain", "prefill", "prefill_features", "tree_round", "tree_wait_ms", "draft_next", "early_after", "early_tags")
+    __slots__ = ("tree", "want_features", "plain", "prefill", "prefill_features", "tree_round", "tree_wait_ms", "draft_next", "early_after", "early_tags", "early_only")
     class DraftNextEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
@@ -104,6 +104,7 @@ class VerifyRequest(_message.Message):
     DRAFT_NEXT_FIELD_NUMBER: _ClassVar[int]
     EARLY_AFTER_FIELD_NUMBER: _ClassVar[int]
     EARLY_TAGS_FIELD_NUMBER: _ClassVar[int]
+    EARLY_ONLY_FIELD_NUMBER: _ClassVar[int]
     tree: DraftTreeMsg
     want_features: bool
     plain: _containers.RepeatedCompositeFieldContainer[PlainItem]
@@ -114,23 +115,26 @@ class VerifyRequest(_message.Message):
     draft_next: _containers.ScalarMap[str, int]
     early_after: int
     early_tags: _containers.RepeatedCompositeFieldContainer[_common_pb2.RequestTag]
-    def __init__(self, tree: _Optional[_Union[DraftTreeMsg, _Mapping]] = ..., want_features: _Optional[bool] = ..., plain: _Optional[_Iterable[_Union[PlainItem, _Mapping]]] = ..., prefill: _Optional[_Iterable[_Union[VerifierPrefillItem, _Mapping]]] = ..., prefill_features: _Optional[bool] = ..., tree_round: _Optional[int] = ..., tree_wait_ms: _Optional[int] = ..., draft_next: _Optional[_Mapping[str, int]] = ..., early_after: _Optional[int] = ..., early_tags: _Optional[_Iterable[_Union[_common_pb2.RequestTag, _Mapping]]] = ...) -> None: ...
+    early_only: bool
+    def __init__(self, tree: _Optional[_Union[DraftTreeMsg, _Mapping]] = ..., want_features: _Optional[bool] = ..., plain: _Optional[_Iterable[_Union[PlainItem, _Mapping]]] = ..., prefill: _Optional[_Iterable[_Union[VerifierPrefillItem, _Mapping]]] = ..., prefill_features: _Optional[bool] = ..., tree_round: _Optional[int] = ..., tree_wait_ms: _Optional[int] = ..., draft_next: _Optional[_Mapping[str, int]] = ..., early_after: _Optional[int] = ..., early_tags: _Optional[_Iterable[_Union[_common_pb2.RequestTag, _Mapping]]] = ..., early_only: _Optional[bool] = ...) -> None: ...
 
 class VerifyResultMsg(_message.Message):
-    __slots__ = ("tag", "token_ids", "num_accepted", "num_draft_tokens", "features", "feature_ref")
+    __slots__ = ("tag", "token_ids", "num_accepted", "num_draft_tokens", "features", "feature_ref", "to_drafter")
     TAG_FIELD_NUMBER: _ClassVar[int]
     TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     NUM_ACCEPTED_FIELD_NUMBER: _ClassVar[int]
     NUM_DRAFT_TOKENS_FIELD_NUMBER: _ClassVar[int]
     FEATURES_FIELD_NUMBER: _ClassVar[int]
     FEATURE_REF_FIELD_NUMBER: _ClassVar[int]
+    TO_DRAFTER_FIELD_NUMBER: _ClassVar[int]
     tag: _common_pb2.RequestTag
     token_ids: _containers.RepeatedScalarFieldContainer[int]
     num_accepted: int
     num_draft_tokens: int
     features: _common_pb2.Tensor
     feature_ref: ChannelRef
-    def __init__(self, tag: _Optional[_Union[_common_pb2.RequestTag, _Mapping]] = ..., token_ids: _Optional[_Iterable[int]] = ..., num_accepted: _Optional[int] = ..., num_draft_tokens: _Optional[int] = ..., features: _Optional[_Union[_common_pb2.Tensor, _Mapping]] = ..., feature_ref: _Optional[_Union[ChannelRef, _Mapping]] = ...) -> None: ...
+    to_drafter: bool
+    def __init__(self, tag: _Optional[_Union[_common_pb2.RequestTag, _Mapping]] = ..., token_ids: _Optional[_Iterable[int]] = ..., num_accepted: _Optional[int] = ..., num_draft_tokens: _Optional[int] = ..., features: _Optional[_Union[_common_pb2.Tensor, _Mapping]] = ..., feature_ref: _Optional[_Union[ChannelRef, _Mapping]] = ..., to_drafter: _Optional[bool] = ...) -> None: ...
 
 class VerifyReply(_message.Message):
     __slots__ = ("results", "prefilled")

@@ -94,7 +94,7 @@ class KvUsage(_message.Message):
     def __init__(self, num_blocks: _Optional[int] = ..., used_blocks: _Optional[int] = ..., block_size: _Optional[int] = ...) -> None: ...
 
 class ServerStats(_message.Message):
-    __slots__ = ("rounds", "num_drafts", "draft_tokens", "accepted_tokens", "accepted_per_pos", "preemptions", "resumes", "stale_dropped", "draft_ahead_hits", "draft_ahead_misses", "fallback_rounds", "requests_admitted", "requests_finished", "requests_failed", "requests_cancelled", "running", "waiting", "verifier_kv", "drafter_kv", "ready_trees", "detached_admissions", "plain_rounds", "drafter_outages", "mixed_prefills", "mode_rounds", "decode_ahead_taken", "decode_ahead_forgotten", "posted_trees", "prefills_with_verdicts", "detached_running")
+    __slots__ = ("rounds", "num_drafts", "draft_tokens", "accepted_tokens", "accepted_per_pos", "preemptions", "resumes", "stale_dropped", "draft_ahead_hits", "draft_ahead_misses", "fallback_rounds", "requests_admitted", "requests_finished", "requests_failed", "requests_cancelled", "running", "waiting", "verifier_kv", "drafter_kv", "ready_trees", "detached_admissions", "plain_rounds", "drafter_outages", "mixed_prefills", "mode_rounds", "decode_ahead_taken", "decode_ahead_forgotten", "posted_trees", "prefills_with_verdicts", "detached_running", "early_tree_rounds")
     class ModeRoundsEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
@@ -132,6 +132,7 @@ class ServerStats(_message.Message):
     POSTED_TREES_FIELD_NUMBER: _ClassVar[int]
     PREFILLS_WITH_VERDICTS_FIELD_NUMBER: _ClassVar[int]
     DETACHED_RUNNING_FIELD_NUMBER: _ClassVar[int]
+    EARLY_TREE_ROUNDS_FIELD_NUMBER: _ClassVar[int]
     rounds: int
     num_drafts: int
     draft_tokens: int
@@ -162,4 +163,5 @@ class ServerStats(_message.Message):
     posted_trees: int
     prefills_with_verdicts: int
     detached_running: int
-    def __init__(self, rounds: _Optional[int] = ..., num_drafts: _Optional[int] = ..., draft_tokens: _Optional[int] = ..., accepted_tokens: _Optional[int] = ..., accepted_per_pos: _Optional[_Iterable[int]] = ..., preemptions: _Optional[int] = ..., resumes: _Optional[int] = ..., stale_dropped: _Optional[int] = ..., draft_ahead_hits: _Optional[int] = ..., draft_ahead_misses: _Optional[int] = ..., fallback_rounds: _Optional[int] = ..., requests_admitted: _Optional[int] = ..., requests_finished: _Optional[int] = ..., requests_failed: _Optional[int] = ..., requests_cancelled: _Optional[int] = ..., running: _Optional[int] = ..., waiting: _Optional[int] = ..., verifier_kv: _Optional[_Union[KvUsage, _Mapping]] = ..., drafter_kv: _Optional[_Union[KvUsage, _Mapping]] = ..., ready_trees: _Optional[int] = ..., detached_admissions: _Optional[int] = ..., plain_rounds: _Optional[int] = ..., drafter_outages: _Optional[int] = ..., mixed_prefills: _Optional[int] = ..., mode_rounds: _Optional[_Mapping[str, int]] = ..., decode_ahead_taken: _Optional[int] = ..., decode_ahead_forgotten: _Optional[int] = ..., posted_trees: _Optional[int] = ..., prefills_with_verdicts: _Optional[int] = ..., detached_running: _Optional[int] = ...) -> None: ...
+    early_tree_rounds: int
+    def __init__(self, rounds: _Optional[int] = ..., num_drafts: _Optional[int] = ..., draft_tokens: _Optional[int] = ..., accepted_tokens: _Optional[int] = ..., accepted_per_pos: _Optional[_Iterable[int]] = ..., preemptions: _Optional[int] = ..., resumes: _Optional[int] = ..., stale_dropped: _Optional[int] = ..., draft_ahead_hits: _Optional[int] = ..., draft_ahead_misses: _Optional[int] = ..., fallback_rounds: _Optional[int] = ..., requests_admitted: _Optional[int] = ..., requests_finished: _Optional[int] = ..., requests_failed: _Optional[int] = ..., requests_cancelled: _Optional[int] = ..., running: _Optional[int] = ..., waiting: _Optional[int] = ..., verifier_kv: _Optional[_Union[KvUsage, _Mapping]] = ..., drafter_kv: _Optional[_Union[KvUsage, _Mapping]] = ..., ready_trees: _Optional[int] = ..., detached_admissions: _Optional[int] = ..., plain_rounds: _Optional[int] = ..., drafter_outages: _Optional[int] = ..., mixed_prefills: _Optional[int] = ..., mode_rounds: _Optional[_Mapping[str, int]] = ..., decode_ahead_taken: _Optional[int] = ..., decode_ahead_forgotten: _Optional[int] = ..., posted_trees: _Optional[int] = ..., prefills_with_verdicts: _Optional[int] = ..., detached_running: _Optional[int] = ..., early_tree_rounds: _Optional[int] = ...) -> None: ...

@@ -72,10 +72,12 @@ def test_rounds_drafted_on_the_verdict_give_the_targets_tokens(plain, pipeline):
     assert dlink.drafter.next_trees.empty   # released with their requests
 
 
-def test_a_round_the_early_trees_serve_sends_its_verify_before_its_draft_call(plain):
-    """The order in which a tree-channel round's two calls start: the draft call first where the
-    drafter drafts the round's trees on it, the verify first where the trees it posted on the last
-    round's verdicts serve the round (its forward then waits for nothing the draft call does)."""
+def test_in_one_process_every_tree_round_sends_its_draft_call_before_its_verify(plain):
+    """In one process the verdicts go from thread to thread and no trees go early (the drafter
+    posts a round's trees on its draft call, which takes those it made on the verdicts): every
+    tree round makes its draft call, sent before its verify, and no verify names early trees or
+    goes without a draft call (router/loop.py `_sequential_round`; across processes the rounds
+    the early trees serve make none: tests/router/test_draft_on_verdict_links.py)."""
     spec = _spec()
     prompts = [spec.tokenizer.encode(x).ids for x in PROMPT_TEXTS[:3]]
     params = [SamplingParams(max_tokens=m, ignore_eos=True) for m in (30, 30, 12)]
@@ -86,7 +88,8 @@ def test_a_round_the_early_trees_serve_sends_its_verify_before_its_draft_call(pl
 
     async def verify_logged(draft_handle, *args, **kw):
         route = draft_handle.payload if draft_handle is not None else None
-        calls.append(("verify", getattr(route, "round_id", None), bool(getattr(route, "early_tags", ()))))
+        calls.append(("verify", getattr(route, "round_id", None),
+                      bool(getattr(route, "early_tags", ())) or getattr(route, "early_only", False)))
         return await verify(draft_handle, *args, **kw)
 
     async def draft_logged(tags, num_steps=None, extend=(), post_round=0):
@@ -102,12 +105,10 @@ def test_a_round_the_early_trees_serve_sends_its_verify_before_its_draft_call(pl
             order.setdefault(call[1], {})["draft"] = i
         elif call[0] == "verify" and call[1]:
             order.setdefault(call[1], {})["verify"] = (i, call[2])
-    rounds = [o for o in order.values() if "draft" in o and "verify" in o]
-    early = [o for o in rounds if o["verify"][1]]
-    late = [o for o in rounds if not o["verify"][1]]
-    assert early and late, calls   # each request's first drafted round has no early trees
-    assert all(o["verify"][0] < o["draft"] for o in early), calls
-    assert all(o["draft"] < o["verify"][0] for o in late), calls
+    assert len(order) > 5 and dlink.drafter.next_trees.taken > 0, calls   # the made trees served
+    assert all("draft" in o and "verify" in o and o["draft"] < o["verify"][0] and not o["verify"][1]
+               for o in order.values()), calls
+    assert router.counters.early_tree_rounds == 0
 
 
 def test_sampled_requests_draw_the_same_tokens_with_and_without_the_hand_off():
@@ -184,6 +185,21 @@ def test_a_round_that_prefills_new_requests_in_its_verify_hands_its_verdicts_on(
     assert got == want
     assert router.counters.mixed_prefills > 0 and any(handed)
     assert router.counters.stale_dropped == 0 and dlink.drafter.next_trees.taken > 0
+
+
+def test_verdicts_on_which_no_tree_is_made_post_an_empty_early_frame():
+    """Where the drafter makes no tree on a round's verdicts (none below its bound, or a request it
+    does not hold), it says so at once (`post(None, [])`, an empty EARLY frame across processes), so a
+    verify that takes only the early trees goes on without them (spectandem/channel/trees.py)."""
+    from drafter.calls import DrafterCalls
+
+    calls = DrafterCalls(_spec().drafter)
+    posted = []
+    record = lambda tree, tags: posted.append((tree, tags))   # noqa: E731
+    calls.draft_on([ExtendItem(Tag("nobody", 0, 9), [1, 2], None)], {"nobody": 100}, post=record)
+    calls.draft_on([], {}, post=record)
+    assert posted == [(None, []), (None, [])]
+    assert calls.next_trees.made == 0
 
 
 async def _prefilled(vlink, dlink, tokenizer, request_id, text):

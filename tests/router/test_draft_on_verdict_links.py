@@ -137,19 +137,27 @@ def test_grpc_engines_draft_on_the_verdict_and_stay_exact(processes, reference):
         control = GrpcVerifierLink(v_addr)   # not asked: no verdict goes
         try:
             await _until_up(v, d)
-            got_control, _ = await _route(control, d, spec, prompts, greedy)
+            got_control, control_counters = await _route(control, d, spec, prompts, greedy)
             before = await _counts(d), await _early_reads(d)
+            calls_before = (await d.info()).calls["count"].get("draft", 0)
             got, counters = await _route(v, d, spec, prompts, greedy)
             after = await _counts(d), await _early_reads(d)
+            draft_calls = (await d.info()).calls["count"].get("draft", 0) - calls_before
             got_seeded, _ = await _route(v, d, spec, prompts, seeded)
             ring = (await v.info()).extra
-            return got_control, before, got, counters, after, got_seeded, await _counts(d), (await d.info()).calls, ring
+            return (got_control, control_counters, before, got, counters, draft_calls, after, got_seeded,
+                    await _counts(d), (await d.info()).calls, ring)
         finally:
             for link in (v, d, control):
                 await link.close()
-    got_control, before, got, counters, after, got_seeded, last, calls, ring = asyncio.run(main())
+    (got_control, control_counters, before, got, counters, draft_calls, after, got_seeded, last, calls,
+     ring) = asyncio.run(main())
     assert got_control == want and got == want and got_seeded == want_seeded
     assert before == ((0, 0), 0)                    # the control sent no verdicts
+    # The rounds the early trees served made no draft call: the drafter answered one call per
+    # other round (each request's first drafted one, and those after a round without them).
+    assert control_counters.early_tree_rounds == 0 and counters.early_tree_rounds > 0
+    assert draft_calls + counters.early_tree_rounds <= counters.rounds and draft_calls < counters.rounds - 5
     # Whether the drafter copies a verdict's features out of the ring ahead of their message's
     # header (FeatureReceiver.early_reads) depends on which of the two reaches it first, a race
     # under load; tests/spectandem/test_channel.py makes both orders.
@@ -205,6 +213,7 @@ def test_ray_actors_draft_on_the_verdict_and_stay_exact(reference):
     assert counters.num_drafts > 0 and counters.stale_dropped == 0
     assert made > 0   # early reads: see the gRPC test
     assert verifier.get("early_trees_taken", 0) > 0, verifier   # made trees that served
+    assert counters.early_tree_rounds > 0   # ... in rounds that made no draft call
     # A request admitted in a verify step: its drafter prefill went with the verdicts (one
     # prefill call, the first request's).
     got_joined, joined_counters, calls = joined

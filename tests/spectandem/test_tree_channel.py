@@ -3,7 +3,8 @@ waiting take, NONE and a missing drafter end a take at once, a drafter that goes
 takes waiting on it, a second drafter connects once the first one's connection ends, a restarted verifier gets
 its drafter back at the same address, and a tree stays takeable until a later round is taken;
 early trees serve a verify only where they hold every one of its tags (their rows then, in the
-verify's order), and otherwise the round's own trees do."""
+verify's order), and otherwise the round's own trees do; a verify of only the early trees (no
+draft call posts its round) goes on without trees at once where they cannot serve."""
 
 from __future__ import annotations
 
@@ -278,6 +279,69 @@ def test_early_trees_serve_a_verify_that_holds_all_their_tags(box):
         assert box.early_taken == 1 and box.trees_taken == 4
     finally:
         poster.close()
+
+
+def test_a_verify_of_only_the_early_trees_never_waits_for_trees_that_cannot_come(box):
+    """`early_only` (no draft call posts the round): the early trees after round 4 serve round 5
+    where the verdicts of round 4 went to the connected drafter for every tag; the verify goes on
+    without trees at once where those verdicts did not all go, where they went over a connection
+    that has since been replaced, and where the EARLY frame comes without every tag, or empty
+    (the drafter made none). Each of those rounds also gets round-own trees posted later, which
+    an `early_only` verify must not wait for."""
+    from spectandem import codec
+    from spectandem.protocol import Tag
+    from verifier.service_core import tree_from_channel
+
+    poster = _connected(box)
+    try:
+        early, tags = _trees([("a", 10), ("b", 20)])
+        assert box.send_verdicts(b'{"v":[]}', 4, ["a", "b"])
+        assert box.verdicts_went(4, ["b", "a"]) and not box.verdicts_went(4, ["a", "z"])
+        assert not box.verdicts_went(3, ["a"])
+        assert poster.post(4, codec.draft_tree_to_bytes(early, tags), early=True)
+        tree, got = tree_from_channel(box, 5, 30.0, 4, [Tag("b", 0, 20)], early_only=True)
+        assert got == [Tag("b", 0, 20)] and tree.request_ids == ["b"]
+
+        t0 = time.monotonic()
+        own, own_tags = _trees([("a", 11)], first_token=500)
+        # verdicts of round 6 went for "a" only; the verify names "a" and "b"
+        assert box.send_verdicts(b'{"v":[]}', 6, ["a"])
+        assert poster.post(6, codec.draft_tree_to_bytes(early, tags), early=True)
+        assert tree_from_channel(box, 7, 30.0, 6, [Tag("a", 0, 10), Tag("b", 0, 20)], early_only=True) == (None, [])
+        # they all went, but the EARLY frame lacks "c"; then one that is empty
+        assert box.send_verdicts(b'{"v":[]}', 8, ["a", "c"])
+        threading.Timer(0.1, lambda: poster.post(8, codec.draft_tree_to_bytes(early, tags), early=True)).start()
+        threading.Timer(0.3, lambda: poster.post(9, codec.draft_tree_to_bytes(own, own_tags))).start()
+        assert tree_from_channel(box, 9, 30.0, 8, [Tag("a", 0, 10), Tag("c", 0, 5)], early_only=True) == (None, [])
+        assert box.send_verdicts(b'{"v":[]}', 10, ["a"])
+        threading.Timer(0.1, lambda: poster.post(10, b"", early=True)).start()
+        assert tree_from_channel(box, 11, 30.0, 10, [Tag("a", 0, 10)], early_only=True) == (None, [])
+        # without early_only the same empty frame leaves the verify waiting for the round's own trees
+        assert box.send_verdicts(b'{"v":[]}', 12, ["a"])
+        assert poster.post(12, b"", early=True)
+        threading.Timer(0.3, lambda: poster.post(13, codec.draft_tree_to_bytes(own, own_tags))).start()
+        tree, got = tree_from_channel(box, 13, 30.0, 12, [Tag("a", 0, 10)])
+        assert got == own_tags
+        assert time.monotonic() - t0 < 20.0   # none waited its 30 s
+    finally:
+        poster.close()
+    # verdicts that went over a connection since replaced: a new drafter never had them
+    _until(lambda: box.state == "waiting")
+    assert box.send_verdicts(b'{"v":[]}', 14, ["a"]) is False   # none is connected
+    second = _connected(box)
+    try:
+        assert box.send_verdicts(b'{"v":[]}', 14, ["a"]) and box.verdicts_went(14, ["a"])
+        second.close()
+        third = _connected(box)
+        try:
+            assert not box.verdicts_went(14, ["a"])
+            t0 = time.monotonic()
+            assert tree_from_channel(box, 15, 30.0, 14, [Tag("a", 0, 10)], early_only=True) == (None, [])
+            assert time.monotonic() - t0 < 20.0
+        finally:
+            third.close()
+    finally:
+        second.close()
 
 
 def test_the_prefills_of_a_verify_step_go_with_its_verdicts_as_the_routers_prefill_would_carry_them():
