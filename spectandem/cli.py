@@ -161,7 +161,8 @@ def _stats(args) -> int:
     print(f"preemptions {stats.preemptions}  resumes {stats.resumes}  stale dropped {stats.stale_dropped}  "
           f"fallback rounds {stats.fallback_rounds} (drafter unavailable; outages {stats.drafter_outages})  "
           f"plain rounds {stats.plain_rounds} (speculation off)  draft-ahead hits/misses {stats.draft_ahead_hits}/"
-          f"{stats.draft_ahead_misses} (ready trees {stats.ready_trees})  trees posted {stats.posted_trees}  "
+          f"{stats.draft_ahead_misses} (ready trees {stats.ready_trees})  trees posted {stats.posted_trees} "
+          f"(early, no draft call: {stats.early_tree_rounds} rounds)  "
           f"decode ahead taken/forgotten {stats.decode_ahead_taken}/{stats.decode_ahead_forgotten}")
     print(f"requests admitted {stats.requests_admitted}  finished {stats.requests_finished}  failed "
           f"{stats.requests_failed}  cancelled {stats.requests_cancelled}  running {stats.running}  "

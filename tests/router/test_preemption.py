@@ -184,6 +184,7 @@ def test_stats_command(small_verifier_pool):
     assert "preemptions" in text.stdout and "verifier KV blocks" in text.stdout
     assert "rounds by pipeline mode " in text.stdout and "rounds by pipeline mode -" not in text.stdout
     assert "decode ahead taken/forgotten 0/0" in text.stdout and d["decode_ahead_taken"] == 0   # off on the CPU
+    assert f"(early, no draft call: {d['early_tree_rounds']} rounds)" in text.stdout
 
 
 # ---------------------------------------------------------------- stale replies (router logic, faked delivery)

@@ -82,8 +82,10 @@ def test_grpc_backend_exact_and_drafter_killed(reference):
         for i, p in enumerate(prompts):
             assert collect(server.stub, request(ids=p, max_tokens=20))[0] == greedy[i].token_ids
             assert collect(server.stub, request(ids=p, max_tokens=20, temperature=0.9, seed=i))[0] == sampled[i].token_ids
-        # Serve's default: the rounds' trees went drafter -> verifier over the tree channel.
+        # Serve's default: the rounds' trees went drafter -> verifier over the tree channel, those
+        # the drafter drafted on the last verdicts early and without a draft call.
         assert server.state["router"].counters.posted_trees > 0
+        assert server.state["router"].counters.early_tree_rounds > 0
 
         long = reference.generate(prompts, [SamplingParams(max_tokens=120, ignore_eos=True)] * 6)
         drafter = server.state["procs"]["drafter"]
