@@ -105,7 +105,6 @@ class GrpcVerifierLink(_GrpcLink):
             if route.early_after:
                 request.early_after = route.early_after
                 request.early_tags.extend(codec.tag_to_msg(t) for t in route.early_tags)
-                request.early_only = route.early_only
         call = self.stub.Verify(request, timeout=self.timeout_s)   # its send goes next on the event loop
         if on_launch is not None:
             # The verifier is another process: nothing here to wait for. What on_launch hands the

@@ -775,11 +775,11 @@ class Router:
                     early_after, early_tags = self._early_trees(drafted) if not ahead else (0, ())
                     draft = DraftHandle([r.tag() for r in drafted],
                                         TreeRoute(self._tree_round, self.cfg.drafter_timeout + TREE_WAIT_MARGIN_S,
-                                                  early_after, early_tags, early_only=bool(early_tags)))
+                                                  early_after, early_tags))
                     if early_tags:
                         # The drafter drafted this round's trees on the last verdicts and posted
                         # them; a draft call would only find them made. None goes: the verify takes
-                        # them, or goes on without them at once (TreeRoute.early_only). The
+                        # them, or goes on without them at once (TreeRoute.early_after). The
                         # held-back catch-ups are those the drafter caught up with on the verdicts.
                         elided = {r.request_id: self._take_backlog([r]) for r in drafted}
                     else:

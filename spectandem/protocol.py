@@ -118,19 +118,16 @@ class DraftHandle:
 class TreeRoute:
     """A verify's `DraftHandle.payload` when the round's trees come over the tree channel
     (spectandem/channel/trees.py): those the drafter posts as round `round_id`, waited for at
-    most `wait_s` seconds. `early_after`, `early_tags`: or those it posted early on the verdicts
-    of round `early_after` (its previous tree round), where they hold every one of `early_tags`
-    (the round's requests, in order); 0 and () where the router's draft call may not take
-    exactly those trees. `early_only`: the router makes no draft call for the round."""
+    most `wait_s` seconds. `early_after`, `early_tags`: a round the router makes no draft call
+    for, which only the trees the drafter posted early on the verdicts of round `early_after`
+    (its previous tree round) serve, where they hold every one of `early_tags` (the round's
+    requests, in order); where they do not, the verify goes on at once without them. 0 and ()
+    for a round whose draft call posts its trees."""
 
     round_id: int
     wait_s: float
     early_after: int = 0
     early_tags: tuple = ()
-    # No draft call posts round `round_id`: only the early trees serve, and where they cannot
-    # (they do not hold every tag, or that round's verdicts did not all go to the drafter) the
-    # verify goes on at once without them.
-    early_only: bool = False
 
 
 @dataclass

@@ -28,8 +28,7 @@ from spectandem.config import EngineConfig
 from spectandem.devices import SmallForwards, bind_cpu_cores
 from verifier.factory import build_engine
 from verifier.runner import FeatureSpec
-from verifier.service_core import (forward_tokens, tree_from_channel, verdicts_to_drafter, verifier_features,
-                                   verifier_info, verifier_prefill, verifier_verify_prefill, with_prefilled)
+from verifier.service_core import forward_tokens, verifier_features, verifier_info, verifier_prefill, verify_call
 
 
 def _put(features):
@@ -122,25 +121,15 @@ class VerifierActor:
         """`verify` with `items` prefilled in the same step (VerifierEngine.verify_with_prefill):
         (its results, the prefill's, their features ObjectRefs as `prefill`'s)."""
         with self.after.call(), self.clock.timing("verify"):
-            tree_round = 0
-            if isinstance(draft_payload, TreeRoute):
-                route, tree_round = draft_payload, draft_payload.round_id
-                with self.clock.timing("verify.tree_wait"):   # inside "verify"'s time, told apart
-                    draft_payload, tags = tree_from_channel(self.trees, route.round_id, route.wait_s, route.early_after,
-                                                            list(route.early_tags), route.early_only)
-            self._check_held([t.request_id for t in tags] + [p.tag.request_id for p in plain])
-            with self.small.placed(forward_tokens(draft_payload, plain, items)):
-                outs, prefilled = verifier_verify_prefill(self.engine, draft_payload, tags, plain, want_features,
-                                                          items, prefill_features, self.sender, clock=self.clock)
-            outs, sent = verdicts_to_drafter(self.trees, outs, draft_next, self.clock, self.after, self.sender,
-                                             tree_round, list(zip(items, prefilled)))
-            prefilled = with_prefilled(prefilled, sent)
-            reply = ([replace(r, features=_put(r.features)) for r in outs],
-                     [replace(r, features=_put(r.features)) for r in prefilled])
-            # The features are in the object store or queued for the channel: the decode ahead
-            # may go (verifier/engine.py), once the reply is on its way.
-            self.after.later(self.engine.after_call)
-        return reply
+            route = draft_payload if isinstance(draft_payload, TreeRoute) else None
+            outs, prefilled = verify_call(self.engine, None if route is not None else draft_payload, tags, route, plain,
+                                          want_features, items, prefill_features, draft_next, trees=self.trees,
+                                          sender=self.sender, small=self.small, clock=self.clock, after=self.after,
+                                          check_held=self._check_held)
+            # Their features in the object store (or queued for the channel); the decode ahead goes
+            # once the reply is on its way.
+            return ([replace(r, features=_put(r.features)) for r in outs],
+                    [replace(r, features=_put(r.features)) for r in prefilled])
 
     def features(self, tag: Tag) -> ray.ObjectRef | None:
         """An ObjectRef of the features of every committed position but the last."""

@@ -28,12 +28,12 @@ from spectandem.devices import SmallForwards, engine_process_thread
 from spectandem.feature_layers import resolve_feature_layers
 from spectandem.service_args import add_verifier_args, refuse_tree_flags  # noqa: F401 (add_verifier_args re-exported)
 from spectandem.grpc_server import EngineCalls, EngineServer
+from spectandem.protocol import TreeRoute
 from spectandem.tls import ServerTls, server_tls_from_args
 from spectandem.v1 import engines_pb2, engines_pb2_grpc
 from verifier.engine import VerifierEngine
 from verifier.factory import build_engine
-from verifier.service_core import (forward_tokens, tree_from_channel, verdicts_to_drafter, verifier_features,
-                                   verifier_info, verifier_prefill, verifier_verify_prefill, with_prefilled)
+from verifier.service_core import forward_tokens, verifier_features, verifier_info, verifier_prefill, verify_call
 
 SERVICE_NAME = engines_pb2.DESCRIPTOR.services_by_name["Verifier"].full_name
 
@@ -85,28 +85,20 @@ class VerifierServicer(engines_pb2_grpc.VerifierServicer):
             plain = [codec.plain_item_from_msg(m) for m in request.plain]
             items = [codec.verifier_prefill_item_from_msg(m) for m in request.prefill]
             tree, tags = codec.draft_tree_from_msg(request.tree) if request.HasField("tree") else (None, [])
+        route = None
         if request.tree_round:
             if tree is not None:
                 raise ValueError("verify request has both a tree and a tree_round")
-            with clock.timing("verify.tree_wait"):
-                tree, tags = tree_from_channel(self.trees, request.tree_round, request.tree_wait_ms / 1000,
-                                               request.early_after,
-                                               [codec.tag_from_msg(t) for t in request.early_tags],
-                                               request.early_only)
+            route = TreeRoute(request.tree_round, request.tree_wait_ms / 1000, request.early_after,
+                              tuple(codec.tag_from_msg(t) for t in request.early_tags))
         elif tree is None and not plain:
             raise ValueError("verify request has neither a tree nor plain items")
-        with self.small.placed(forward_tokens(tree, plain, items)):
-            results, prefilled = verifier_verify_prefill(self.engine, tree, tags, plain, request.want_features, items,
-                                                         request.prefill_features, self.sender, clock=clock)
-        results, sent = verdicts_to_drafter(self.trees, results, dict(request.draft_next), clock, self.calls.after,
-                                            self.sender, request.tree_round, list(zip(items, prefilled)))
-        prefilled = with_prefilled(prefilled, sent)
+        results, prefilled = verify_call(self.engine, tree, tags, route, plain, request.want_features, items,
+                                         request.prefill_features, dict(request.draft_next), trees=self.trees,
+                                         sender=self.sender, small=self.small, clock=clock, after=self.calls.after)
         with clock.timing("verify.encode"):
-            reply = engines_pb2.VerifyReply(results=[codec.verdict_to_msg(r) for r in results],
-                                            prefilled=[codec.verifier_prefill_result_to_msg(r) for r in prefilled])
-        # The reply holds the results: the decode ahead may go (verifier/engine.py), once it is on its way.
-        self.calls.after.later(self.engine.after_call)
-        return reply
+            return engines_pb2.VerifyReply(results=[codec.verdict_to_msg(r) for r in results],
+                                           prefilled=[codec.verifier_prefill_result_to_msg(r) for r in prefilled])
 
     def _features(self, request: engines_pb2.FeaturesRequest) -> engines_pb2.FeaturesReply:
         feats = verifier_features(self.engine, codec.tag_from_msg(request.tag))

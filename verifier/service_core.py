@@ -10,7 +10,8 @@ from __future__ import annotations
 from dataclasses import replace
 
 from spectandem import codec
-from spectandem.protocol import EngineInfo, PlainItem, Tag, Verdict, VerifierPrefillItem, VerifierPrefillResult
+from spectandem.protocol import (EngineInfo, PlainItem, Tag, TreeRoute, Verdict, VerifierPrefillItem,
+                                 VerifierPrefillResult)
 from spectandem.after_reply import AfterReply
 from spectandem.call_clock import CallClock, timed
 from spectandem.channel import FeatureSender, TreeMailbox
@@ -51,13 +52,12 @@ def _prefill_results(items: list[VerifierPrefillItem], outs, want_features: bool
 
 
 def tree_from_channel(trees: TreeMailbox | None, round_id: int, wait_s: float, early_after: int = 0,
-                      early_tags: list[Tag] = (), early_only: bool = False) -> tuple[DraftTree | None, list[Tag]]:
+                      early_tags: list[Tag] = ()) -> tuple[DraftTree | None, list[Tag]]:
     """The trees the drafter posted for `round_id` and their tags; (None, []) where none came
-    (TreeMailbox.take): the verify goes on with its other rows. `early_after`, `early_tags`: or
-    the rows of `early_tags`, in their order, of the trees it posted early on the verdicts of
-    round `early_after`, where those hold every one of them (spectandem/channel/trees.py).
-    `early_only`: no draft call posts `round_id` (TreeRoute.early_only), so (None, []) at once
-    where the early trees cannot serve."""
+    (TreeMailbox.take): the verify goes on with its other rows. `early_after`, `early_tags`: a
+    round no draft call posts, which only the rows of `early_tags`, in their order, of the trees
+    the drafter posted early on the verdicts of round `early_after` serve, where those hold every
+    one of them, else none (spectandem/channel/trees.py)."""
     if trees is None:
         return None, []
     want = list(early_tags)
@@ -73,7 +73,6 @@ def tree_from_channel(trees: TreeMailbox | None, round_id: int, wait_s: float, e
         return (tree if tree.request_ids == ids else tree.select(ids)), want
 
     data, early = trees.take_or_early(round_id, wait_s, early_after, accept if want else None,
-                                      early_only=early_only and bool(want),
                                       early_ids=[t.request_id for t in want])
     if early is not None:
         return early
@@ -125,6 +124,34 @@ def with_prefilled(prefilled: list[VerifierPrefillResult], sent: set[str]) -> li
     """A verify step's prefill results, those whose drafter prefills went with the verdicts
     (`verdicts_to_drafter`) marked so."""
     return [replace(r, with_verdicts=True) if r.tag.request_id in sent else r for r in prefilled]
+
+
+def verify_call(engine, tree: DraftTree | None, tags: list[Tag], route: TreeRoute | None, plain: list[PlainItem],
+                want_features: bool, items: list[VerifierPrefillItem], prefill_features: bool,
+                draft_next: dict[str, int] | None, *, trees: TreeMailbox | None, sender: FeatureSender | None,
+                small, clock: CallClock, after: AfterReply, check_held=None,
+                ) -> tuple[list[Verdict], list[VerifierPrefillResult]]:
+    """A service's verify call (the gRPC servicer's, the Ray actor's), from its decoded request to
+    its results: the trees from the tree channel where `route` says they come that way (timed as
+    "verify.tree_wait"; the requests of trees that do not come get no verdict), `check_held(ids)`
+    where given (raises for a request the engine does not hold, before anything runs), the
+    verify with its prefills, placed by its size (`small`: spectandem.devices.SmallForwards),
+    the verdicts to the drafter (`verdicts_to_drafter`) and, once the reply is on its way, the
+    decode ahead (verifier/engine.py after_call) -> (the verdicts, the prefill results)."""
+    tree_round = 0
+    if route is not None:
+        tree_round = route.round_id
+        with timed(clock, "verify.tree_wait"):
+            tree, tags = tree_from_channel(trees, route.round_id, route.wait_s, route.early_after, list(route.early_tags))
+    if check_held is not None:
+        check_held([t.request_id for t in tags] + [p.tag.request_id for p in plain])
+    with small.placed(forward_tokens(tree, plain, items)):
+        results, prefilled = verifier_verify_prefill(engine, tree, tags, plain, want_features, items,
+                                                     prefill_features, sender, clock=clock)
+    results, sent = verdicts_to_drafter(trees, results, draft_next, clock, after, sender, tree_round,
+                                        list(zip(items, prefilled)))
+    after.later(engine.after_call)
+    return results, with_prefilled(prefilled, sent)
 
 
 def verifier_verify(engine, tree: DraftTree | None, tags: list[Tag], plain: list[PlainItem],

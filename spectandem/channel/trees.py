@@ -30,18 +30,17 @@ Early trees: the drafter posts the trees it drafts on the verdicts of round R at
 EARLY frame of round R (an empty body where it made none on them):
 
     verifier: verify R -- verdicts (r=R) --> drafter: catch up, draft, EARLY(R, trees) --.
-    router:   Verify(tree_round=R+1, early_after=R, early_tags, early_only), no draft call |
-    verifier: take(R+1): EARLY(R) where it holds every tag of early_tags <------------------'
+    router:   Verify(tree_round=R+1, early_after=R, early_tags), no draft call          |
+    verifier: take(R+1): EARLY(R) where it holds every tag of early_tags <--------------'
 
 The router offers early_tags (its round's requests, as it tags them) only where a draft call
 would take those very trees (drafter/next_trees.py: the same tags, nothing left to catch up, no
 depth cap) and the verifier reported each of them sent to the drafter with round R's verdicts
-(Verdict.to_drafter); it then makes no draft call for the round (`early_only`), and the rows the
-verify takes are early_tags', in their order. Such a verify waits for no TREE frame: it goes on
-without trees at once where the mailbox did not send round R's verdicts to the connected drafter
-for every tag (`verdicts_went`), or the EARLY frame comes and does not hold them all; the router
-then drafts those requests with a draft call next round. Without `early_only` the verify takes
-whichever comes first, EARLY(R) holding every tag or the TREE frame the draft call posts.
+(Verdict.to_drafter); it then makes no draft call for the round, and the rows the verify takes
+are early_tags', in their order. Such a verify waits for no TREE frame: it goes on without trees
+at once where the mailbox did not send round R's verdicts to the connected drafter for every tag
+(`verdicts_went`), or the EARLY frame comes and does not hold them all; the router then drafts
+those requests with a draft call next round.
 
 Failure model: `take` never waits for a tree that cannot come. It returns None (no tree: the
 verify goes on with its other rows, and the requests of the missing trees get no verdict this
@@ -356,16 +355,16 @@ class TreeMailbox(_Rounds):
         connected, it went away or posted none for this round, or nothing came within `timeout_s`."""
         return self.take_or_early(round_id, timeout_s)[0]
 
-    def take_or_early(self, round_id: int, timeout_s: float, early_after: int = 0, accept=None,
-                      early_only: bool = False, early_ids=()):
-        """`take`, or the trees posted early on the verdicts of round `early_after` (EARLY), where
-        `accept(body)` returns what to verify of them (it is None where they do not hold the
-        round's requests, and the wait goes on) -> (`take`'s result, None) or (None, `accept`'s).
-        `early_only` (nothing posts `round_id`): (None, None) at once where the verdicts of
-        `early_after` did not go to the drafter for every one of `early_ids` (`verdicts_went`),
-        and as soon as the early trees come and `accept` refuses them (an empty body: the drafter
-        made none)."""
+    def take_or_early(self, round_id: int, timeout_s: float, early_after: int = 0, accept=None, early_ids=()):
+        """`take`, or, with `early_after` and `accept`, only the trees posted early on the verdicts
+        of round `early_after` (EARLY; no draft call posts `round_id`), where `accept(body)` returns
+        what to verify of them -> (`take`'s result, None) or (None, `accept`'s). An early take is
+        (None, None) at once where the verdicts of `early_after` did not go to the drafter for
+        every one of `early_ids` (`verdicts_went`), and as soon as the early trees come and
+        `accept` refuses them (None: they do not hold the round; an empty body: the drafter made
+        none)."""
         first: list = []   # the connection when the wait began (asked first under the lock)
+        early_only = bool(early_after) and accept is not None
         if early_only and not self.verdicts_went(early_after, early_ids):
             self._none_posted(round_id, f"the verdicts of round {early_after} did not all go to the drafter")
             return None, None
@@ -374,11 +373,11 @@ class TreeMailbox(_Rounds):
             for r in [r for r in self._early if r < early_after]:   # rounds done with
                 del self._early[r]
             # Kept while it is the latest: a verify sent again for the round finds it too.
-            body = self._early.get(early_after) if early_after and accept is not None else None
-            got = accept(body) if body is not None else None
-            if got is None and body is not None and early_only:
-                return NONE, b"its trees on those verdicts do not hold the round"
-            return None if got is None else (EARLY, got)
+            body = self._early.get(early_after) if early_only else None
+            if body is None:
+                return None
+            got = accept(body)
+            return (NONE, b"its trees on those verdicts do not hold the round") if got is None else (EARLY, got)
 
         def gone():
             if not first:

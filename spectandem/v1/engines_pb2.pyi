@@ -86,7 +86,7 @@ class PlainItem(_message.Message):
     def __init__(self, tag: _Optional[_Union[_common_pb2.RequestTag, _Mapping]] = ..., last_token_id: _Optional[int] = ..., steps: _Optional[int] = ..., again: _Optional[bool] = ...) -> None: ...
 
 class VerifyRequest(_message.Message):
-    __slots__ = ("tree", "want_features", "plain", "prefill", "prefill_features", "tree_round", "tree_wait_ms", "draft_next", "early_after", "early_tags", "early_only")
+    __slots__ = ("tree", "want_features", "plain", "prefill", "prefill_features", "tree_round", "tree_wait_ms", "draft_next", "early_after", "early_tags")
     class DraftNextEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
@@ -104,7 +104,6 @@ class VerifyRequest(_message.Message):
     DRAFT_NEXT_FIELD_NUMBER: _ClassVar[int]
     EARLY_AFTER_FIELD_NUMBER: _ClassVar[int]
     EARLY_TAGS_FIELD_NUMBER: _ClassVar[int]
-    EARLY_ONLY_FIELD_NUMBER: _ClassVar[int]
     tree: DraftTreeMsg
     want_features: bool
     plain: _containers.RepeatedCompositeFieldContainer[PlainItem]
@@ -115,8 +114,7 @@ class VerifyRequest(_message.Message):
     draft_next: _containers.ScalarMap[str, int]
     early_after: int
     early_tags: _containers.RepeatedCompositeFieldContainer[_common_pb2.RequestTag]
-    early_only: bool
-    def __init__(self, tree: _Optional[_Union[DraftTreeMsg, _Mapping]] = ..., want_features: _Optional[bool] = ..., plain: _Optional[_Iterable[_Union[PlainItem, _Mapping]]] = ..., prefill: _Optional[_Iterable[_Union[VerifierPrefillItem, _Mapping]]] = ..., prefill_features: _Optional[bool] = ..., tree_round: _Optional[int] = ..., tree_wait_ms: _Optional[int] = ..., draft_next: _Optional[_Mapping[str, int]] = ..., early_after: _Optional[int] = ..., early_tags: _Optional[_Iterable[_Union[_common_pb2.RequestTag, _Mapping]]] = ..., early_only: _Optional[bool] = ...) -> None: ...
+    def __init__(self, tree: _Optional[_Union[DraftTreeMsg, _Mapping]] = ..., want_features: _Optional[bool] = ..., plain: _Optional[_Iterable[_Union[PlainItem, _Mapping]]] = ..., prefill: _Optional[_Iterable[_Union[VerifierPrefillItem, _Mapping]]] = ..., prefill_features: _Optional[bool] = ..., tree_round: _Optional[int] = ..., tree_wait_ms: _Optional[int] = ..., draft_next: _Optional[_Mapping[str, int]] = ..., early_after: _Optional[int] = ..., early_tags: _Optional[_Iterable[_Union[_common_pb2.RequestTag, _Mapping]]] = ...) -> None: ...
 
 class VerifyResultMsg(_message.Message):
     __slots__ = ("tag", "token_ids", "num_accepted", "num_draft_tokens", "features", "feature_ref", "to_drafter")

@@ -88,8 +88,7 @@ def test_in_one_process_every_tree_round_sends_its_draft_call_before_its_verify(
 
     async def verify_logged(draft_handle, *args, **kw):
         route = draft_handle.payload if draft_handle is not None else None
-        calls.append(("verify", getattr(route, "round_id", None),
-                      bool(getattr(route, "early_tags", ())) or getattr(route, "early_only", False)))
+        calls.append(("verify", getattr(route, "round_id", None), bool(getattr(route, "early_tags", ()))))
         return await verify(draft_handle, *args, **kw)
 
     async def draft_logged(tags, num_steps=None, extend=(), post_round=0):
