@@ -84,13 +84,15 @@ def main() -> int:
                            "output_tokens_per_s": round(res["output_throughput"], 1),
                            "accept_length": res.get("acceptance_length"),
                            "itl_ms_p50": res.get("p50_itl_ms"), "itl_ms_p99": res.get("p99_itl_ms"),
-                           "mode_rounds": (res.get("server_counters") or {}).get("mode_rounds")}
+                           "mode_rounds": (res.get("server_counters") or {}).get("mode_rounds"),
+                           "early_tree_rounds": (res.get("server_counters") or {}).get("early_tree_rounds")}
                     outs = outputs_of(res)
                     first = outs if first is None else first
                     row["exact"] = len(outs) == n and outs == first
                     runs.append(row)
                     print(f"c={c} {name} #{k}: {row['output_tokens_per_s']:8.1f} tok/s, accept {row['accept_length']}, "
-                          f"itl p50/p99 {row['itl_ms_p50']}/{row['itl_ms_p99']}, exact {row['exact']}", flush=True)
+                          f"itl p50/p99 {row['itl_ms_p50']}/{row['itl_ms_p99']}, exact {row['exact']}, rounds "
+                          f"{row['mode_rounds']} (early trees {row['early_tree_rounds']})", flush=True)
             means = {name: statistics.mean(r["output_tokens_per_s"] for r in runs
                                            if r["arm"] == name and r["concurrency"] == c) for name in arms}
             print(f"c={c} mean: A {means['A']:.1f}, B {means['B']:.1f} tok/s (B/A {means['B'] / means['A']:.3f})",

@@ -1,15 +1,16 @@
 """Drafting on the verdict: a drafter that gets a round's verdicts straight from the verifier (in
 this process from the verifier's worker thread, router/links_local.py; from another process over
 the tree channel, spectandem/channel/trees.py) catches up with them and drafts the next trees at
-once, while the router is still committing the round. In one process the router's next draft
-call, sent as always with the same catch-up, then finds those trees made:
+once, while the router is still committing the round. A router draft call sent with the same
+catch-up then finds those trees made:
 
     verifier: verify R ---- verdicts (tags, tokens, features) ----> drafter: catch up, draft R+1  (made)
               reply R ----> router: commit R, Draft(tags R+1, catch-up R) --> drafter: the made trees
 
-Across processes the drafter also posts them to the verifier at once (early trees,
-spectandem/channel/trees.py), and where they serve the round the router makes no draft call
-(router/loop.py `_sequential_round`): the round's catch-up was absorbed on the verdicts.
+The drafter also posts them to the verifier at once (early trees, spectandem/channel/trees.py:
+an EARLY frame across processes, TreeHandOff.post_early in one), and where they serve the round
+the router makes no draft call (router/loop.py `_sequential_round`): the round's catch-up was
+absorbed on the verdicts.
 
 A round that prefilled new requests in its verify step sends their drafter prefills with its
 verdicts (the router names them in `draft_next`): the drafter prefills them first and drafts their

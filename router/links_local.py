@@ -12,13 +12,22 @@ them.
 
 The other way, a verifier link given its drafter link (`drafter=`) hands a verify's verdicts
 straight to the drafter's thread where the router asks for it (`verify(draft_next=...)`): the
-drafter catches up and drafts the next round's trees while the router commits the round, and the
-next draft call finds them made (drafter/next_trees.py)."""
+drafter catches up and drafts the next round's trees while the router commits the round, and
+hands them back through the hand-off at once as early trees after the verify's tree round
+(`TreeHandOff.post_early`), which the next round's verify takes without a draft call where they
+hold its requests (`TreeRoute.early_after`); a draft call finds them made (drafter/next_trees.py)."""
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 from spectandem.protocol import DraftHandle, DrafterPrefillItem, ExtendItem, TreeRoute
 from router.local_base import _LocalLink
+
+
+def _tree_round(draft) -> int:
+    """The tree round of a verify's handle (0: its trees do not come over the hand-off)."""
+    return draft.payload.round_id if draft is not None and isinstance(draft.payload, TreeRoute) else 0
 
 
 def _check_trees(trees, thread) -> None:
@@ -48,12 +57,20 @@ class LocalVerifierLink(_LocalLink):
 
     def _routed(self, fn):
         """`fn(engine, tree, tags, *rest)` for the worker thread, whose tree and tags, where the
-        handle is a TreeRoute, are those the drafter hands off for its round (none: the verify
-        goes on with its plain rows)."""
+        handle is a TreeRoute, are those the drafter hands off for its round, or, where the route
+        names early trees (`early_after`), the rows of those it drafted on the last verdicts (none:
+        the verify goes on with its plain rows)."""
         def run(engine, tree, tags, *rest):
             if isinstance(tree, TreeRoute):
+                route = tree
                 with self.clock.timing("verify.tree_wait"):
-                    taken = self.trees.take(tree.round_id, tree.wait_s) if self.trees is not None else None
+                    if self.trees is None:
+                        taken = None
+                    elif route.early_after:
+                        taken = self.trees.take_early(route.round_id, route.wait_s, route.early_after,
+                                                      list(route.early_tags))
+                    else:
+                        taken = self.trees.take(route.round_id, route.wait_s)
                 tree, tags = taken if taken is not None else (None, [])
             return fn(engine, tree, tags, *rest)
         return run
@@ -72,28 +89,37 @@ class LocalVerifierLink(_LocalLink):
 
         fn = self._routed(verifier_verify)
         if draft_next and self.drafter is not None:
-            fn = self._handing_on(fn, dict(draft_next))
+            fn = self._handing_on(fn, dict(draft_next), _tree_round(draft))
         return await self._run("verify", fn, self.engine, draft.payload if draft else None,
                                list(draft.tags) if draft else [], plain, want_features, None, on_launch)
 
-    def _handing_on(self, fn, bounds: dict[str, int], verdicts_of=lambda out: out, prefills_of=lambda out: []):
+    def _handing_on(self, fn, bounds: dict[str, int], tree_round: int = 0, verdicts_of=lambda out: out,
+                    prefills_of=lambda out: []):
         """`fn` (a verify for the worker thread), its verdicts (`verdicts_of` its result) of
         `bounds`' requests handed to the drafter once this engine's stream is done (their features
         complete), with the drafter prefills (`prefills_of` its result) of the requests its step
-        prefilled that `bounds` names."""
+        prefilled that `bounds` names. The verdicts handed on come back marked `to_drafter`, the
+        prefills `with_verdicts`. `tree_round`: the verify's tree round (0: none), whose verdicts
+        the tree hand-off notes and whose early trees the drafter posts there."""
         def run(*args):
             outs = fn(*args)
             verdicts = [v for v in verdicts_of(outs) if v.tag.request_id in bounds and v.features is not None]
             prefills = [p for p in prefills_of(outs) if p.tag.request_id in bounds and p.features is not None]
-            if verdicts or prefills:
-                if self._stream is not None:
-                    self._stream.synchronize()
-                self.drafter.draft_next(verdicts, bounds, prefills)
-            if prefills:   # a verify step's results: (verdicts, prefill results), the handed ones marked
-                from verifier.service_core import with_prefilled
+            if not (verdicts or prefills):
+                return outs
+            if self._stream is not None:
+                self._stream.synchronize()
+            went = {v.tag.request_id for v in verdicts}
+            early = tree_round if self.trees is not None else 0
+            if early:
+                self.trees.note_verdicts(early, went | {p.tag.request_id for p in prefills})
+            self.drafter.draft_next(verdicts, bounds, prefills, early)
+            from verifier.service_core import with_prefilled
 
-                outs = (outs[0], with_prefilled(outs[1], {p.tag.request_id for p in prefills}))
-            return outs
+            marked = [replace(v, to_drafter=True) if v.tag.request_id in went else v for v in verdicts_of(outs)]
+            if prefills:   # a verify step's results: (verdicts, prefill results), the handed ones marked
+                return marked, with_prefilled(outs[1], {p.tag.request_id for p in prefills})
+            return marked
         return run
 
     async def verify_prefill(self, draft, plain, want_features, items, prefill_features, on_launch=None,
@@ -106,7 +132,7 @@ class LocalVerifierLink(_LocalLink):
             def prefills_of(out):   # the drafter prefills, as the router's would carry them
                 return [DrafterPrefillItem(res.tag, list(item.prompt_ids), res.first_token_id, item.params, item.seed,
                                            res.features) for item, res in zip(items, out[1]) if not item.resume]
-            fn = self._handing_on(fn, dict(draft_next), lambda out: out[0], prefills_of)
+            fn = self._handing_on(fn, dict(draft_next), _tree_round(draft), lambda out: out[0], prefills_of)
         return await self._run("verify", fn, self.engine,
                                draft.payload if draft else None,
                                list(draft.tags) if draft else [], plain, want_features, list(items),
@@ -125,7 +151,7 @@ class LocalVerifierLink(_LocalLink):
 
         info = verifier_info(self.engine, self.model_name)
         if self.trees is not None:
-            info.extra["tree_channel"] = self.trees.state
+            info.extra.update(tree_channel=self.trees.state, early_trees_taken=self.trees.early_taken)
         info.calls = self.clock.stats()
         return info
 
@@ -145,14 +171,25 @@ class LocalDrafterLink(_LocalLink):
 
         self.drafter = DrafterCalls(engine)   # called in the worker thread only
 
-    def draft_next(self, verdicts, bounds: dict[str, int], prefills=()) -> None:
+    def draft_next(self, verdicts, bounds: dict[str, int], prefills=(), early_after: int = 0) -> None:
         """From the verifier's worker thread (LocalVerifierLink `draft_next`): queues, in this
         link's thread, the prefills, the catch-up of these verdicts and the next trees of the
         requests whose new committed length is below `bounds[request id]` (drafter/next_trees.py).
-        Returns at once."""
+        `early_after`: the verify's tree round, after which the trees made go to the tree hand-off
+        at once as early trees (`TreeHandOff.post_early`; none where it is 0). Returns at once."""
         items = [ExtendItem(v.tag, list(v.token_ids), v.features) for v in verdicts]
-        self._thread.submit(self._call, "draft_next", self.drafter.draft_on, items, dict(bounds), None, None,
+        post = self._posting_early(early_after) if early_after and self.trees is not None else None
+        self._thread.submit(self._call, "draft_next", self.drafter.draft_on, items, dict(bounds), None, post,
                             list(prefills))
+
+    def _posting_early(self, after_round: int):
+        """NextTrees.draft_on's `post`: the trees made to the tree hand-off as early trees after
+        `after_round`, complete on the device first."""
+        def post(tree, tags):
+            if tree is not None and self._stream is not None:
+                self._stream.synchronize()
+            self.trees.post_early(after_round, tree, tags)
+        return post
 
     async def prefill(self, items):
         return await self._run("prefill", self.drafter.prefill, list(items))

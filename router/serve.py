@@ -279,8 +279,9 @@ def tree_channel(args) -> bool:
 
 def draft_on_verdict(args) -> bool:
     """Whether the verifier hands a round's verdicts straight to the drafter (--draft-on-verdict;
-    drafter/next_trees.py); refused without the tree channel, over which they go. On by default
-    with it where the engines are processes of their own (--backend grpc, ray), off in-process.
+    drafter/next_trees.py), and the drafter the trees it drafts on them straight back as early
+    trees; refused without the tree channel, over which they go. On by default with it where the
+    engines are processes of their own (--backend grpc, ray), off in-process.
     On one H100 (a = 0.8, the verdicts telling where their features lie in the feature channel's
     ring; benchmarks/results/serve-h100-draft-on-verdict.txt) a gRPC round served 299.6 tok/s with
     it against 274.8 without at concurrency 1, a Ray round 287.9 against 243.5; in-process, where

@@ -446,8 +446,8 @@ def summarize(config: ServeBenchConfig, results: list[RequestResult], duration: 
 
 
 COUNTERS = ("rounds", "num_drafts", "draft_tokens", "accepted_tokens", "fallback_rounds", "plain_rounds",
-            "draft_ahead_hits", "draft_ahead_misses", "ready_trees", "posted_trees", "preemptions",
-            "requests_finished", "requests_failed")
+            "draft_ahead_hits", "draft_ahead_misses", "ready_trees", "posted_trees", "early_tree_rounds",
+            "preemptions", "requests_finished", "requests_failed")
 
 
 def _counters(before, after, duration: float) -> dict | None:

@@ -201,7 +201,9 @@ class _Rounds:
     def __init__(self):
         self._cond = threading.Condition()
         self._box: dict[int, object] = {}
-        self._early: dict[int, bytes] = {}   # TreeMailbox: EARLY frames, by the round they follow
+        # Early trees, by the round whose verdicts they follow (TreeMailbox: EARLY frames' bodies;
+        # TreeHandOff: (tree, tags), None where none were made).
+        self._early: dict[int, object] = {}
         self.trees_taken = self.trees_missed = self.early_taken = 0
 
     def _put(self, round_id: int, entry) -> None:
@@ -521,13 +523,19 @@ class TreeHandOff(_Rounds):
     and no event loop turn lies between the draft and the verify. The mailbox's rules
     (`_Rounds`); `take` returns None where the drafter posted none for the round or nothing came
     within its timeout. The two ends must not share one worker thread: a verify waiting for its
-    trees would then keep the draft that posts them from running."""
+    trees would then keep the draft that posts them from running.
+
+    Early trees as across processes: the verifier's link notes the requests whose verdicts of a
+    tree round it handed to the drafter (`note_verdicts`), the drafter posts the trees it drafts
+    on them (`post_early`), and a verify that no draft call posts for takes only those
+    (`take_early`)."""
 
     state = "up"
 
     def __init__(self):
         super().__init__()   # entries: (tree, tags), or the reason none came
-        self.trees_posted = 0
+        self.trees_posted = self.early_rows_taken = 0
+        self._went: dict[int, frozenset] = {}   # tree round -> the ids whose verdicts went to the drafter
 
     def post(self, round_id: int, tree, tags: list | None = None, reason: str = "") -> bool:
         """Round `round_id`'s `tree` (a DraftTree on the host or the verifier's device) for `tags`;
@@ -548,6 +556,67 @@ class TreeHandOff(_Rounds):
         if entry is not None:
             self.trees_taken += 1
         return entry
+
+    def note_verdicts(self, round_id: int, request_ids) -> None:
+        """The verdicts of tree round `round_id` of these requests went to the drafter."""
+        with self._cond:
+            self._went[round_id] = frozenset(request_ids)
+            while len(self._went) > _KEEP:
+                del self._went[min(self._went)]
+
+    def verdicts_went(self, round_id: int, request_ids) -> bool:
+        with self._cond:
+            return set(request_ids) <= self._went.get(round_id, frozenset())
+
+    def post_early(self, after_round: int, tree, tags) -> None:
+        """The trees the drafter drafted on the verdicts of tree round `after_round` (`tree` None:
+        it made none on them)."""
+        with self._cond:
+            self._early[after_round] = (tree, list(tags)) if tree is not None else None
+            while len(self._early) > _KEEP:
+                del self._early[min(self._early)]
+            self._cond.notify_all()
+
+    def take_early(self, round_id: int, timeout_s: float, early_after: int, early_tags: list):
+        """Round `round_id`'s trees where no draft call posts them: the rows of `early_tags`, in
+        their order, of the trees posted on the verdicts of round `early_after`, where those hold
+        every one of them -> (the trees, `early_tags`); else None, at once where those verdicts
+        did not all go to the drafter (`verdicts_went`) and as soon as the early trees come
+        without them; within `timeout_s` where none come."""
+        want = list(early_tags)
+        if not self.verdicts_went(early_after, [t.request_id for t in want]):
+            self._none_posted(round_id, f"the verdicts of round {early_after} did not all go to the drafter")
+            return None
+
+        def early():
+            for r in [r for r in self._early if r < early_after]:   # rounds done with
+                del self._early[r]
+            if early_after not in self._early:
+                return None
+            got = _rows_held(self._early[early_after], want)
+            return "its trees on those verdicts do not hold the round" if got is None else got
+        entry = self._wait_for(round_id, timeout_s, early=early)
+        if isinstance(entry, str):
+            self._none_posted(round_id, entry)
+            return None
+        if entry is not None:
+            self.trees_taken += 1
+            self.early_taken += 1
+            self.early_rows_taken += len(want)
+        return entry
+
+
+def _rows_held(entry, want: list):
+    """(the rows of `want`'s requests, in its order, of the early trees `entry` (tree, tags), `want`)
+    where it holds each of those tags; None where it does not, or is None (none made)."""
+    if entry is None:
+        return None
+    tree, tags = entry
+    held = {t.request_id: t for t in tags}
+    if any(held.get(t.request_id) != t for t in want):
+        return None
+    ids = [t.request_id for t in want]
+    return (tree if tree.request_ids == ids else tree.select(ids)), want
 
 
 def _listen(host: str, port: int, wait_s: float = 10.0) -> socket.socket:

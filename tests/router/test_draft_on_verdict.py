@@ -1,10 +1,12 @@
 """The verdict hand-off of one process (router/links_local.py): a verifier link given its drafter
 link hands a sequential round's verdicts to the drafter's worker thread, which catches up and
-drafts the next trees while the router commits the round; the next draft call takes them as
-made. Real demo engines behind the in-process links, each with a thread of its own (here on the
-CPU): greedy tokens equal plain decoding's and sampled ones the same seeds' without the hand-off,
-the made trees are those a draft call makes, a call that asks for other trees drafts them, and
-catch-ups the drafter absorbed ahead are left out of every later call once."""
+drafts the next trees while the router commits the round, and hands them to the verifier's
+thread at once as early trees (TreeHandOff.post_early), which the next round's verify takes
+without a draft call; a draft call takes them as made. Real demo engines behind the in-process
+links, each with a thread of its own (here on the CPU): greedy tokens equal plain decoding's and
+sampled ones the same seeds' without the hand-off, the made trees are those a draft call makes,
+a call that asks for other trees drafts them, and catch-ups the drafter absorbed ahead are left
+out of every later call once."""
 
 from __future__ import annotations
 
@@ -61,23 +63,22 @@ def test_rounds_drafted_on_the_verdict_give_the_targets_tokens(plain, pipeline):
     assert [t for t, _, _ in got] == want
     c = router.counters
     assert c.num_drafts > 0 and c.stale_dropped == 0 and c.fallback_rounds == 0
-    # The drafter made next trees on the verdicts, and the draft calls took them.
-    assert dlink.drafter.next_trees.made > 0 and dlink.drafter.next_trees.taken > 0
+    # The drafter made next trees on the verdicts, and the verifies took them early.
+    assert dlink.drafter.next_trees.made > 0 and c.early_tree_rounds > 0 and vlink.trees.early_rows_taken > 0
     if pipeline == "sequential":
-        # Every drafted request-round but each request's first drafted one took a made tree, less
+        # Every drafted request-round but each request's first drafted one was an early tree, less
         # the requests that joined or left between two rounds (a request's last round makes none).
-        assert dlink.drafter.next_trees.taken >= c.num_drafts - 3 * len(prompts)
+        assert vlink.trees.early_rows_taken >= c.num_drafts - 3 * len(prompts)
     assert dlink.clock.stats()["count"].get("draft_next", 0) > 0
     assert not spec.verifier.requests and not spec.drafter.requests
     assert dlink.drafter.next_trees.empty   # released with their requests
 
 
-def test_in_one_process_every_tree_round_sends_its_draft_call_before_its_verify(plain):
-    """In one process the verdicts go from thread to thread and no trees go early (the drafter
-    posts a round's trees on its draft call, which takes those it made on the verdicts): every
-    tree round makes its draft call, sent before its verify, and no verify names early trees or
-    goes without a draft call (router/loop.py `_sequential_round`; across processes the rounds
-    the early trees serve make none: tests/router/test_draft_on_verdict_links.py)."""
+def test_in_one_process_the_rounds_the_early_trees_serve_make_no_draft_call(plain):
+    """In one process, as across processes (tests/router/test_draft_on_verdict_links.py), a tree
+    round the early trees serve makes no draft call: its verify names the early trees; every other
+    tree round makes its draft call, sent before its verify (router/loop.py `_sequential_round`).
+    Most rounds are of the first kind, and the tokens are plain decoding's."""
     spec = _spec()
     prompts = [spec.tokenizer.encode(x).ids for x in PROMPT_TEXTS[:3]]
     params = [SamplingParams(max_tokens=m, ignore_eos=True) for m in (30, 30, 12)]
@@ -104,10 +105,12 @@ def test_in_one_process_every_tree_round_sends_its_draft_call_before_its_verify(
             order.setdefault(call[1], {})["draft"] = i
         elif call[0] == "verify" and call[1]:
             order.setdefault(call[1], {})["verify"] = (i, call[2])
-    assert len(order) > 5 and dlink.drafter.next_trees.taken > 0, calls   # the made trees served
-    assert all("draft" in o and "verify" in o and o["draft"] < o["verify"][0] and not o["verify"][1]
-               for o in order.values()), calls
-    assert router.counters.early_tree_rounds == 0
+    early = [o for o in order.values() if o["verify"][1]]
+    called = [o for o in order.values() if not o["verify"][1]]
+    assert all("draft" not in o for o in early), calls
+    assert all("draft" in o and o["draft"] < o["verify"][0] for o in called), calls
+    assert len(early) > 2 * len(called) and router.counters.early_tree_rounds == len(early), calls
+    assert dlink.drafter.next_trees.taken == 0   # no draft call found a made tree: the verifies took them
 
 
 def test_sampled_requests_draw_the_same_tokens_with_and_without_the_hand_off():
@@ -122,7 +125,7 @@ def test_sampled_requests_draw_the_same_tokens_with_and_without_the_hand_off():
                   for i in range(len(prompts))]
         router, _, dlink = _router(spec, hand_verdicts=hand)
         outs.append([t for t, _, _ in _serve(router, prompts, params, engines=(spec.verifier, spec.drafter))])
-        assert (dlink.drafter.next_trees.taken > 0) == hand
+        assert (dlink.drafter.next_trees.made > 0) == hand and (router.counters.early_tree_rounds > 0) == hand
         assert router.counters.num_drafts > 0
     assert outs[0] == outs[1]
 
@@ -136,10 +139,11 @@ def test_a_request_ends_where_its_bound_says_and_no_tree_is_made_past_it(plain):
     params = [SamplingParams(max_tokens=m, ignore_eos=True) for m in (5, 200, 17)]
     reference = LocalSpeculator(*demo_paths("none"), SpecConfig(method="none"), max_slots=8, max_len=max_len)
     want = [(c.token_ids, c.finish_reason) for c in reference.generate(prompts, params)]
-    router, _, dlink = _router(spec, max_len=max_len)
+    router, vlink, dlink = _router(spec, max_len=max_len)
     got = _serve(router, prompts, params, engines=(spec.verifier, spec.drafter))
     assert [(t, r) for t, _, r in got] == want
-    assert dlink.drafter.next_trees.made <= dlink.drafter.next_trees.taken + len(prompts)   # at most one unused per request (a stop)
+    used = dlink.drafter.next_trees.taken + vlink.trees.early_rows_taken
+    assert used > 0 and dlink.drafter.next_trees.made <= used + len(prompts)   # at most one unused per request (a stop)
 
 
 def test_a_round_that_prefills_new_requests_in_its_verify_hands_its_verdicts_on(plain):
@@ -167,7 +171,7 @@ def test_a_round_that_prefills_new_requests_in_its_verify_hands_its_verdicts_on(
         async def one(i):
             if i >= 2:   # the later ones arrive while the first two run
                 deadline = time.monotonic() + 10.0
-                while dlink.drafter.next_trees.taken < 2 * i and time.monotonic() < deadline:
+                while vlink.trees.early_rows_taken < 2 * i and time.monotonic() < deadline:
                     await asyncio.sleep(0.001)
             req = router.submit(prompts[i], params[i])
             toks = []
@@ -183,7 +187,7 @@ def test_a_round_that_prefills_new_requests_in_its_verify_hands_its_verdicts_on(
     got = asyncio.run(go())
     assert got == want
     assert router.counters.mixed_prefills > 0 and any(handed)
-    assert router.counters.stale_dropped == 0 and dlink.drafter.next_trees.taken > 0
+    assert router.counters.stale_dropped == 0 and router.counters.early_tree_rounds > 0
 
 
 def test_verdicts_on_which_no_tree_is_made_post_an_empty_early_frame():

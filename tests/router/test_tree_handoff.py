@@ -130,6 +130,53 @@ def test_the_hand_off_keeps_a_round_until_a_later_one_is_taken_and_times_out_alo
     assert (trees.trees_posted, trees.trees_taken, trees.trees_missed) == (2, 3, 3)
 
 
+def test_the_hand_off_serves_a_verify_only_the_early_trees_that_hold_its_round(caplog):
+    """Early trees in one process: the trees posted on the verdicts of round 4 serve round 5's
+    verify of b then a (those rows, in that order) where round 4's verdicts went to the drafter
+    for both; a verify goes on without trees at once where those verdicts did not all go, where
+    the early trees lack one of its tags or hold another committed length, and where the drafter
+    made none; it never waits for round-own trees (none are posted for such a round): each such
+    take ends on its reason, none on its timeout."""
+    import logging
+
+    import torch
+
+    from spectandem.messages import DraftTree
+
+    caplog.set_level(logging.INFO, logger="spectandem.channel")
+    tree = DraftTree(request_ids=["a", "b"], committed_lens=[10, 20], token_ids=torch.tensor([[1, 2], [3, 4]]),
+                     parents=torch.tensor([[-1, 0], [-1, 0]]), node_valid=torch.ones(2, 2, dtype=torch.bool),
+                     scores=torch.zeros(2, 2))
+    tags = [Tag("a", 0, 10), Tag("b", 0, 20)]
+    trees = TreeHandOff()
+    trees.note_verdicts(4, ["a", "b"])
+    threading.Timer(0.1, trees.post_early, args=(4, tree, tags)).start()
+    got, got_tags = trees.take_early(5, 30.0, 4, [Tag("b", 0, 20), Tag("a", 0, 10)])
+    assert got_tags == [Tag("b", 0, 20), Tag("a", 0, 10)] and got.request_ids == ["b", "a"]
+    assert got.token_ids.tolist() == [[3, 4], [1, 2]]
+    assert (trees.early_taken, trees.early_rows_taken) == (1, 2)
+
+    trees.note_verdicts(6, ["a"])                                   # "b"'s verdict did not go
+    trees.post_early(6, tree, tags)
+    assert trees.take_early(7, 30.0, 6, tags) is None
+    trees.note_verdicts(8, ["a", "b"])
+    threading.Timer(0.1, trees.post_early, args=(8, tree, tags)).start()
+    assert trees.take_early(9, 30.0, 8, [Tag("a", 0, 11)]) is None  # another committed length
+    trees.note_verdicts(10, ["a", "c"])
+    trees.post_early(10, tree, tags)
+    assert trees.take_early(11, 30.0, 10, [Tag("c", 0, 5)]) is None  # no "c"
+    trees.note_verdicts(12, ["a"])
+    threading.Timer(0.1, trees.post_early, args=(12, None, [])).start()
+    assert trees.take_early(13, 30.0, 12, [Tag("a", 0, 10)]) is None  # none made
+    assert (trees.early_taken, trees.trees_missed) == (1, 4)
+    reasons = {r.getMessage() for r in caplog.records}
+    held = "its trees on those verdicts do not hold the round"
+    for round_id, why in ((7, "the verdicts of round 6 did not all go to the drafter"), (9, held), (11, held),
+                          (13, held)):
+        assert f"tree channel: the drafter has no tree for round {round_id} ({why})" in reasons, (round_id, reasons)
+    assert not any("nothing came within" in m for m in reasons), reasons
+
+
 def test_a_route_without_a_hand_off_verifies_the_plain_rows():
     """A verifier link without a hand-off finds no trees for a TreeRoute: its plain rows are
     verified, and the routed tags get no verdict."""
