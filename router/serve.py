@@ -287,7 +287,9 @@ def draft_on_verdict(args) -> bool:
     it against 274.8 without at concurrency 1, a Ray round 287.9 against 243.5; in-process, where
     the router's draft call reaches the drafter's thread at once, it gained nothing (one H200,
     sequential rounds, two servers alternated: 391.5 / 3,709.0 tok/s at 1 / 16 with it against
-    393.5 / 3,661.2 without; benchmarks/results/serve-ab-local-c1-h200.txt)."""
+    393.5 / 3,661.2 without; benchmarks/results/serve-ab-local-c1-h200.txt), nor with the early
+    trees and no draft call in the rounds they serve (1.005x at 1, 0.986x at 16 on one H200;
+    benchmarks/results/local-early-trees-h200.txt)."""
     trees = tree_channel(args)
     value = getattr(args, "draft_on_verdict", None)
     if value and not trees:
