@@ -43,10 +43,7 @@ class DrafterCalls:
                      round_id: int, clock: CallClock | None = None) -> tuple[DraftTree | None, list[Tag], list[str], bool]:
         """`draft`, its trees sent to the verifier over the tree channel as round `round_id`
         (drafter_draft_posted) -> (the trees where they were not sent, else None; the tags; the
-        unknown ids; whether the verifier was told). A call that comes after the verdicts of its
-        round, whose early trees the verifier took (NextTrees.late), is answered as posted."""
-        if self.next_trees.late(self.engine, tags):
-            return None, list(tags), [], True
+        unknown ids; whether the verifier was told)."""
         return drafter_draft_posted(self.engine, tags, num_steps, extend, self.receiver, self.poster, round_id, clock,
                                     self.next_trees.extend_and_draft)
 

@@ -47,16 +47,10 @@ class NextTrees:
         # verdict's tag), each left out of the router's next call that carries it again.
         self._made: dict[str, tuple[Tag, DraftTree]] = {}
         self._absorbed: dict[str, Tag] = {}
-        # The tags of the trees last posted early (`draft_on`'s `post`); when the next verdicts
-        # come, those tags, and the ids of the requests among them whose verdicts came: a draft
-        # call for exactly those tags may come after that round's verdicts (`late`).
-        self._early: dict[str, Tag] = {}
-        self._early_before: dict[str, Tag] = {}
-        self._verified_early: set[str] = set()
         # The latest released ids (`released`): a drafter prefill that comes with a verdict after
         # its request was released (it ended at its first token) is not taken.
         self._released: OrderedDict[str, None] = OrderedDict()
-        self.made = self.taken = self.late_calls = self.prefilled = 0
+        self.made = self.taken = self.prefilled = 0
 
     def draft_on(self, engine, items: list[ExtendItem], bounds: dict[str, int], receiver=None,
                  clock: CallClock | None = None, post=None, prefills: list[DrafterPrefillItem] = ()) -> None:
@@ -70,8 +64,6 @@ class NextTrees:
         prefill that fails, or whose request the drafter holds already or released, is not taken
         (the router's next call finds it unknown, and its resync prefills it)."""
         self._made = {}
-        self._early_before, self._early = self._early, {}
-        self._verified_early = {i.tag.request_id for i in items if i.tag.request_id in self._early_before}
         new = self._prefill(engine, prefills, receiver, clock) if prefills else []
         unknown = set()
         if items:
@@ -102,10 +94,8 @@ class NextTrees:
         if post is not None:
             try:
                 post(tree, tags)
-            except Exception as exc:   # the draft call posts them as ever
+            except Exception as exc:   # the router's next round drafts them with a draft call
                 log.debug("next trees not sent early: %s", exc)
-            else:
-                self._early = {t.request_id: t for t in tags}
 
     @staticmethod
     def _post_none(post) -> None:
@@ -145,34 +135,6 @@ class NextTrees:
         while len(self._released) > RELEASED_KEEP:
             self._released.popitem(last=False)
 
-    def late(self, engine, tags: list[Tag]) -> bool:
-        """Whether a draft call for `tags` comes after the verdicts of the very round it drafts
-        for. The router's draft call and the verdicts take different ways to the drafter, so
-        either may come first; where the verifier verified the trees posted early for exactly
-        these tags (spectandem/channel/trees.py) it did not wait for the call. Such a call: its
-        tags are those of the trees last posted early, the drafter has caught up since with that
-        round's verdict of at least one of them (past its tag, at the same epoch: the round was
-        verified, so on the early trees), and the others are still at their tags (their verdicts
-        came inline, and come in the next call's catch-up). Its trees went already and its
-        catch-up was absorbed before them: nothing is left to do."""
-        if not tags or any(self._early_before.get(t.request_id) != t for t in tags):
-            return False
-        past = 0
-        for t in tags:
-            req = engine.requests.get(t.request_id)
-            if req is None or req.epoch != t.epoch or req.committed_len < t.committed_len:
-                return False
-            if req.committed_len > t.committed_len:
-                if t.request_id not in self._verified_early:
-                    return False
-                past += 1
-        if not past:
-            return False
-        for t in tags:
-            del self._early_before[t.request_id]
-        self.late_calls += 1
-        return True
-
     def unabsorbed(self, items) -> list[ExtendItem]:
         """`items` less the verdicts `draft_on` caught up with (each left out once)."""
         if not self._absorbed:
@@ -190,9 +152,6 @@ class NextTrees:
         for rid in request_ids:
             self._made.pop(rid, None)
             self._absorbed.pop(rid, None)
-            self._early.pop(rid, None)
-            self._early_before.pop(rid, None)
-            self._verified_early.discard(rid)
 
     @property
     def empty(self) -> bool:

@@ -287,68 +287,6 @@ def test_made_trees_are_the_draft_calls_and_other_asks_are_drafted_again():
         spec.drafter.check_tag(v.tag.request_id, v.tag.epoch, v.tag.committed_len)
 
 
-def test_a_draft_call_that_comes_after_its_rounds_verdicts_is_answered_as_posted():
-    """Early trees (spectandem/channel/trees.py): the drafter posts the trees it drafts on a
-    round's verdicts at once, the verifier may verify them without waiting for the router's draft
-    call, and the next round's verdicts may then reach the drafter before that call does (they
-    take another way). Real demo engines, the drafter's calls made by hand in that order: the late
-    call is answered as posted with its own tags, changing nothing, and the next call takes the
-    trees made on the newest verdicts, the very trees posted early for it. Where only one of the
-    two requests' verdicts came that way (the other's features went inline), the late call is
-    answered so too, and the next call catches the other up. Negative control: where no tree
-    went early, the same late call is a stale message."""
-    from drafter.calls import DrafterCalls
-    from spectandem.messages import StaleMessage
-    from spectandem.protocol import DraftHandle
-
-    def run(post_early: bool, second_verdicts=("a", "b")):
-        spec = _spec()
-        vlink, dlink = _links(spec, hand_verdicts=False)
-        calls: DrafterCalls = dlink.drafter
-        posted = []
-        post = (lambda tree, tags: posted.append((tree, list(tags)))) if post_early else None
-        bounds = {"a": 10_000, "b": 10_000}
-
-        async def go():
-            tags = [await _prefilled(vlink, dlink, spec.tokenizer, rid, text)
-                    for rid, text in (("a", PROMPT_TEXTS[0]), ("b", PROMPT_TEXTS[1]))]
-            out1 = await vlink.verify(await dlink.draft(tags), [], True)
-            items1 = [ExtendItem(v.tag, list(v.token_ids), v.features) for v in out1]
-            calls.draft_on(items1, bounds, post=post)                # round 1's verdicts: round 2's trees
-            made2 = dict(calls.next_trees._made)
-            tree2 = made2["a"][1]
-            out2 = await vlink.verify(DraftHandle([v.tag for v in out1], tree2), [], True)   # without the call
-            items2 = [ExtendItem(v.tag, list(v.token_ids), v.features) for v in out2]
-            handed = [i for i in items2 if i.tag.request_id in second_verdicts]
-            calls.draft_on(handed, bounds, post=post)                # round 2's verdicts: round 3's trees
-            late = calls.draft_posted([v.tag for v in out1], None, items1, 7)   # round 2's call, late
-            third = calls.draft([v.tag for v in out2], None, [i for i in items2 if i not in handed])
-            return out1, out2, late, third
-        return spec, calls, posted, asyncio.run(go())
-
-    spec, calls, posted, (out1, out2, late, third) = run(True)
-    assert late == (None, [v.tag for v in out1], [], True)
-    assert calls.next_trees.late_calls == 1
-    assert [t for _, t in posted] == [[v.tag for v in out1], [v.tag for v in out2]]
-    tree3, tags3, unknown = third
-    assert tags3 == [v.tag for v in out2] and unknown == []
-    _same_trees(tree3, posted[1][0])                                   # the trees that went early
-    assert calls.next_trees.taken == 2 and calls.next_trees.made == 4
-    for v in out2:                                                      # the late call changed nothing
-        spec.drafter.check_tag(v.tag.request_id, v.tag.epoch, v.tag.committed_len)
-
-    # Only "a"'s verdict of round 2 came to the drafter; "b"'s comes with round 3's draft call.
-    spec, calls, posted, (out1, out2, late, third) = run(True, second_verdicts=("a",))
-    assert late == (None, [v.tag for v in out1], [], True) and calls.next_trees.late_calls == 1
-    tree3, tags3, unknown = third
-    assert tags3 == [v.tag for v in out2] and unknown == [] and tree3.request_ids == ["a", "b"]
-    for v in out2:
-        spec.drafter.check_tag(v.tag.request_id, v.tag.epoch, v.tag.committed_len)
-
-    with pytest.raises(StaleMessage):
-        run(False)
-
-
 def _depth(tree, row: int) -> int:
     parents, valid = tree.parents[row].tolist(), tree.node_valid[row].tolist()
     depth = [0] * len(parents)
