@@ -56,9 +56,9 @@ class _VerdictFirst:
     round's verdict; once a call has taken such a tree, the calls go straight through. Which
     reaches the drafter first, the verdict or the draft call, is a race the draft call can win
     every time on a busy machine; holding it fixes the order, so the test sees the hand-off.
-    A call is held at most `wait_s`, well inside the router's drafter timeout: where the
-    verifier took the early trees, the draft call takes none (it is answered as posted), and a
-    round whose requests are at their bounds makes none to wait for. `every_call`: every call is
+    A call is held at most `wait_s`, well inside the router's drafter timeout: a round whose
+    requests are at their bounds makes no tree to wait for (and a round the early trees serve
+    makes no draft call). `every_call`: every call is
     held, also once one has taken a made tree."""
 
     def __init__(self, link, wait_s: float = 2.0, every_call: bool = False):
@@ -163,9 +163,8 @@ def test_grpc_engines_draft_on_the_verdict_and_stay_exact(processes, reference):
     # under load; tests/spectandem/test_channel.py makes both orders.
     (made, taken), _ = after
     assert counters.num_drafts > 0 and counters.stale_dropped == 0 and counters.fallback_rounds == 0
-    # Trees were made on the verdicts and served: taken by a draft call (held until the drafter
-    # had made them), or verified early, in which case the call that comes after the round's
-    # verdicts takes none (NextTrees.late). Which of the two a round saw is a race.
+    # Trees were made on the verdicts and served: verified early (no draft call), or taken by a
+    # draft call (held until the drafter had made them) where the verify could not take them.
     assert made > 0 and taken + ring.get("early_trees_taken", 0) > 0, (made, taken, ring)
     assert last[0] > made                           # the seeded requests' rounds too
     # The work on each verdict is timed by its parts too (EngineInfo.calls: profile_serve's report).
