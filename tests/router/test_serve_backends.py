@@ -20,6 +20,7 @@ from spectandem.config import SamplingParams, SpecConfig
 from spectandem.demo import demo_paths
 from router.local import LocalSpeculator
 from router.serve import free_port
+from spectandem.service_args import format_cores
 from tests.e2e.conftest import PROMPT_TEXTS
 from tests.router.conftest import RAY_CLUSTERS, Served, collect, request
 
@@ -190,6 +191,12 @@ def test_spectandem_serve_as_a_user_would(tmp_path, stop):
         obj = json.loads(out.stdout)
         assert len(obj["token_ids"]) == 12 and obj["finish_reason"] == "length"
         assert obj["stats"]["num_rounds"] >= 1
+        # --cpu-bind auto (serve's default) over Ray on the CPU: every thread of serve's own process
+        # on the verifier's cores, off the drafter's (the last quarter, at least one core).
+        cores = sorted(os.sched_getaffinity(0))
+        if len(cores) > 1:
+            want = format_cores(cores[: len(cores) - max(1, len(cores) // 4)])
+            assert _threads_cores(proc.pid) == {want}, (_threads_cores(proc.pid), want)
     finally:
         t0 = time.monotonic()
         if stop == "sigterm":
@@ -207,6 +214,18 @@ def test_spectandem_serve_as_a_user_would(tmp_path, stop):
     assert rc == 0, log
     assert "spectandem stopped" in log
     assert "did not stop within" not in log and took < 60, (took, log)
+
+
+def _threads_cores(pid: int) -> set[str]:
+    """The cores each thread of process `pid` may run on, as /proc has them ("0-2,5"), told apart."""
+    out = set()
+    for tid in os.listdir(f"/proc/{pid}/task"):
+        try:
+            with open(f"/proc/{pid}/task/{tid}/status") as f:
+                out.update(line.split()[1] for line in f if line.startswith("Cpus_allowed_list:"))
+        except FileNotFoundError:   # a thread that ended meanwhile
+            pass
+    return out
 
 
 @pytest.mark.parametrize("signalled", [True, False])
