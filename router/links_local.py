@@ -21,6 +21,7 @@ from __future__ import annotations
 
 from dataclasses import replace
 
+from spectandem.channel.trees import rows_held
 from spectandem.protocol import DraftHandle, DrafterPrefillItem, ExtendItem, TreeRoute
 from router.local_base import _LocalLink
 
@@ -67,8 +68,9 @@ class LocalVerifierLink(_LocalLink):
                     if self.trees is None:
                         taken = None
                     elif route.early_after:
-                        taken = self.trees.take_early(route.round_id, route.wait_s, route.early_after,
-                                                      list(route.early_tags))
+                        want = list(route.early_tags)
+                        taken = self.trees.take_early(route.round_id, route.wait_s, route.early_after, want,
+                                                      lambda entry: rows_held(entry, want))
                     else:
                         taken = self.trees.take(route.round_id, route.wait_s)
                 tree, tags = taken if taken is not None else (None, [])

@@ -15,7 +15,7 @@ from spectandem.protocol import (EngineInfo, PlainItem, Tag, TreeRoute, Verdict,
 from spectandem.after_reply import AfterReply
 from spectandem.call_clock import CallClock, timed
 from spectandem.channel import FeatureSender, TreeMailbox
-from spectandem.channel.trees import sendable_prefills, sendable_verdicts, verdicts_to_bytes
+from spectandem.channel.trees import rows_held, sendable_prefills, sendable_verdicts, verdicts_to_bytes
 from spectandem.messages import DraftTree, concat_trees, root_only_tree
 from verifier.engine import NewRequests
 
@@ -60,22 +60,13 @@ def tree_from_channel(trees: TreeMailbox | None, round_id: int, wait_s: float, e
     one of them, else none (spectandem/channel/trees.py)."""
     if trees is None:
         return None, []
-    want = list(early_tags)
-
-    def accept(body: bytes):
-        if not body:   # the drafter made none on those verdicts
-            return None
-        tree, tags = codec.draft_tree_from_bytes(body)
-        held = {t.request_id: t for t in tags}
-        if any(held.get(t.request_id) != t for t in want):
-            return None
-        ids = [t.request_id for t in want]
-        return (tree if tree.request_ids == ids else tree.select(ids)), want
-
-    data, early = trees.take_or_early(round_id, wait_s, early_after, accept if want else None,
-                                      early_ids=[t.request_id for t in want])
-    if early is not None:
-        return early
+    if early_after and early_tags:
+        want = list(early_tags)
+        # An empty body: the drafter made none on those verdicts.
+        taken = trees.take_early(round_id, wait_s, early_after, want,
+                                 lambda body: rows_held(codec.draft_tree_from_bytes(body) if body else None, want))
+        return taken if taken is not None else (None, [])
+    data = trees.take(round_id, wait_s)
     return codec.draft_tree_from_bytes(data) if data is not None else (None, [])
 
 

@@ -69,6 +69,7 @@ log = logging.getLogger("spectandem.channel")
 
 _HEADER = struct.Struct("<QBI")
 TREE, NONE, VERDICTS, EARLY = 1, 0, 2, 3
+_EARLY_TAKE = object()     # marks what `_Rounds.take_early`'s wait found early
 _WELCOME = b"\x01"         # the mailbox's one byte to a connection it takes (it closes the others)
 _KEEP = 16                 # rounds the mailbox holds at most (the latest)
 MAX_FRAME_BYTES = 1 << 30  # a frame claiming more is a broken peer
@@ -204,7 +205,62 @@ class _Rounds:
         # Early trees, by the round whose verdicts they follow (TreeMailbox: EARLY frames' bodies;
         # TreeHandOff: (tree, tags), None where none were made).
         self._early: dict[int, object] = {}
-        self.trees_taken = self.trees_missed = self.early_taken = 0
+        self.trees_taken = self.trees_missed = self.early_taken = self.early_rows_taken = 0
+        self._went: dict[int, tuple[object, frozenset]] = {}   # tree round -> (way, the ids whose verdicts went)
+
+    def _note_verdicts(self, round_id: int, request_ids, way=None) -> None:
+        """The verdicts of tree round `round_id` of these requests went to the drafter, `way` (its
+        connection across processes; None in one)."""
+        with self._cond:
+            self._went[round_id] = (way, frozenset(request_ids))
+            while len(self._went) > _KEEP:
+                del self._went[min(self._went)]
+
+    def _way(self):
+        """The way verdicts go to the drafter now (`_note_verdicts`), asked under the lock: None in
+        one process."""
+        return None
+
+    def verdicts_went(self, round_id: int, request_ids) -> bool:
+        """Whether the verdicts of tree round `round_id` went to the drafter for every one of
+        `request_ids`, the way they go now (a drafter that connected since never had them)."""
+        with self._cond:
+            if round_id not in self._went:
+                return False
+            way, ids = self._went[round_id]
+            return way is self._way() and set(request_ids) <= ids
+
+    def _gone(self):
+        """A wait's `gone` (`_wait_for`): why the entry cannot come, asked under the lock; None: it
+        still can."""
+        return lambda: None
+
+    def take_early(self, round_id: int, timeout_s: float, early_after: int, early_tags: list, accept):
+        """Round `round_id`'s trees where no draft call posts them: `accept(entry)` of the early
+        trees posted on the verdicts of round `early_after` (what to verify of them: the rows of
+        `early_tags`, in their order; None where they do not hold every one of those, or the
+        drafter made none) -> that, or None: at once where the verdicts of `early_after` did not
+        all go to the drafter (`verdicts_went`), as soon as the early trees come and `accept`
+        refuses them, or where the drafter is gone or nothing came within `timeout_s`. The early
+        entry is kept while it is the latest: a verify sent again for the round finds it too."""
+        if not self.verdicts_went(early_after, [t.request_id for t in early_tags]):
+            self._none_posted(round_id, f"the verdicts of round {early_after} did not all go to the drafter")
+            return None
+
+        def early():
+            for r in [r for r in self._early if r < early_after]:   # rounds done with
+                del self._early[r]
+            return (_EARLY_TAKE, accept(self._early[early_after])) if early_after in self._early else None
+        entry = self._wait_for(round_id, timeout_s, self._gone(), early)
+        if entry is None:
+            return None
+        if not (isinstance(entry, tuple) and entry[0] is _EARLY_TAKE and entry[1] is not None):
+            self._none_posted(round_id, "its trees on those verdicts do not hold the round")
+            return None
+        self.trees_taken += 1
+        self.early_taken += 1
+        self.early_rows_taken += len(early_tags)
+        return entry[1]
 
     def _put(self, round_id: int, entry) -> None:
         """Under self._cond."""
@@ -256,7 +312,6 @@ class TreeMailbox(_Rounds):
         self._send_lock = threading.Lock()
         self.verdicts_sent = 0
         # tree round -> (the connection they went over, the request ids whose verdicts went)
-        self._went: dict[int, tuple[socket.socket, frozenset]] = {}
         threading.Thread(target=self._accept, name="tree-mailbox", daemon=True).start()
 
     @property
@@ -338,48 +393,28 @@ class TreeMailbox(_Rounds):
             return False
         self.verdicts_sent += 1
         if round_id:
-            with self._cond:
-                self._went[round_id] = (conn, frozenset(request_ids))
-                while len(self._went) > _KEEP:
-                    del self._went[min(self._went)]
+            self._note_verdicts(round_id, request_ids, conn)
         return True
 
-    def verdicts_went(self, round_id: int, request_ids) -> bool:
-        """Whether the verdicts of tree round `round_id` went to the drafter for every one of
-        `request_ids` (`send_verdicts`), over the connection that is up now (a drafter that
-        connected since never had them)."""
-        with self._cond:
-            conn, ids = self._went.get(round_id, (None, frozenset()))
-            return conn is not None and conn is self._conn and set(request_ids) <= ids
+    def _way(self):
+        return self._conn
 
     def take(self, round_id: int, timeout_s: float) -> bytes | None:
         """The tree posted for `round_id` (a serialized DraftTreeMsg), or None: no drafter is
         connected, it went away or posted none for this round, or nothing came within `timeout_s`."""
-        return self.take_or_early(round_id, timeout_s)[0]
+        entry = self._wait_for(round_id, timeout_s, self._gone())
+        if entry is None:
+            return None
+        kind, body = entry
+        if kind == NONE:
+            self._none_posted(round_id, body.decode("utf-8", "replace"))
+            return None
+        self.trees_taken += 1
+        return body
 
-    def take_or_early(self, round_id: int, timeout_s: float, early_after: int = 0, accept=None, early_ids=()):
-        """`take`, or, with `early_after` and `accept`, only the trees posted early on the verdicts
-        of round `early_after` (EARLY; no draft call posts `round_id`), where `accept(body)` returns
-        what to verify of them -> (`take`'s result, None) or (None, `accept`'s). An early take is
-        (None, None) at once where the verdicts of `early_after` did not go to the drafter for
-        every one of `early_ids` (`verdicts_went`), and as soon as the early trees come and
-        `accept` refuses them (None: they do not hold the round; an empty body: the drafter made
-        none)."""
+    def _gone(self):
+        """No drafter connected as the wait begins, or the one that was went away."""
         first: list = []   # the connection when the wait began (asked first under the lock)
-        early_only = bool(early_after) and accept is not None
-        if early_only and not self.verdicts_went(early_after, early_ids):
-            self._none_posted(round_id, f"the verdicts of round {early_after} did not all go to the drafter")
-            return None, None
-
-        def early():
-            for r in [r for r in self._early if r < early_after]:   # rounds done with
-                del self._early[r]
-            # Kept while it is the latest: a verify sent again for the round finds it too.
-            body = self._early.get(early_after) if early_only else None
-            if body is None:
-                return None
-            got = accept(body)
-            return (NONE, b"its trees on those verdicts do not hold the round") if got is None else (EARLY, got)
 
         def gone():
             if not first:
@@ -387,18 +422,7 @@ class TreeMailbox(_Rounds):
             if first[0] is None:
                 return "no drafter is connected"
             return "its drafter went away" if self._conn is not first[0] or self._closed else None
-        entry = self._wait_for(round_id, timeout_s, gone, early)
-        if entry is None:
-            return None, None
-        kind, body = entry
-        if kind == NONE:
-            self._none_posted(round_id, body.decode("utf-8", "replace"))
-            return None, None
-        self.trees_taken += 1
-        if kind == EARLY:
-            self.early_taken += 1
-            return None, body
-        return body, None
+        return gone
 
     def close(self) -> None:
         with self._cond:
@@ -534,8 +558,7 @@ class TreeHandOff(_Rounds):
 
     def __init__(self):
         super().__init__()   # entries: (tree, tags), or the reason none came
-        self.trees_posted = self.early_rows_taken = 0
-        self._went: dict[int, frozenset] = {}   # tree round -> the ids whose verdicts went to the drafter
+        self.trees_posted = 0
 
     def post(self, round_id: int, tree, tags: list | None = None, reason: str = "") -> bool:
         """Round `round_id`'s `tree` (a DraftTree on the host or the verifier's device) for `tags`;
@@ -559,14 +582,7 @@ class TreeHandOff(_Rounds):
 
     def note_verdicts(self, round_id: int, request_ids) -> None:
         """The verdicts of tree round `round_id` of these requests went to the drafter."""
-        with self._cond:
-            self._went[round_id] = frozenset(request_ids)
-            while len(self._went) > _KEEP:
-                del self._went[min(self._went)]
-
-    def verdicts_went(self, round_id: int, request_ids) -> bool:
-        with self._cond:
-            return set(request_ids) <= self._went.get(round_id, frozenset())
+        self._note_verdicts(round_id, request_ids)
 
     def post_early(self, after_round: int, tree, tags) -> None:
         """The trees the drafter drafted on the verdicts of tree round `after_round` (`tree` None:
@@ -577,38 +593,11 @@ class TreeHandOff(_Rounds):
                 del self._early[min(self._early)]
             self._cond.notify_all()
 
-    def take_early(self, round_id: int, timeout_s: float, early_after: int, early_tags: list):
-        """Round `round_id`'s trees where no draft call posts them: the rows of `early_tags`, in
-        their order, of the trees posted on the verdicts of round `early_after`, where those hold
-        every one of them -> (the trees, `early_tags`); else None, at once where those verdicts
-        did not all go to the drafter (`verdicts_went`) and as soon as the early trees come
-        without them; within `timeout_s` where none come."""
-        want = list(early_tags)
-        if not self.verdicts_went(early_after, [t.request_id for t in want]):
-            self._none_posted(round_id, f"the verdicts of round {early_after} did not all go to the drafter")
-            return None
 
-        def early():
-            for r in [r for r in self._early if r < early_after]:   # rounds done with
-                del self._early[r]
-            if early_after not in self._early:
-                return None
-            got = _rows_held(self._early[early_after], want)
-            return "its trees on those verdicts do not hold the round" if got is None else got
-        entry = self._wait_for(round_id, timeout_s, early=early)
-        if isinstance(entry, str):
-            self._none_posted(round_id, entry)
-            return None
-        if entry is not None:
-            self.trees_taken += 1
-            self.early_taken += 1
-            self.early_rows_taken += len(want)
-        return entry
-
-
-def _rows_held(entry, want: list):
-    """(the rows of `want`'s requests, in its order, of the early trees `entry` (tree, tags), `want`)
-    where it holds each of those tags; None where it does not, or is None (none made)."""
+def rows_held(entry, want: list):
+    """(the rows of `want`'s requests, in its order, of the early trees `entry` (a DraftTree and its
+    tags), `want`) where it holds each of those tags; None where it does not, or is None (none
+    made): what a verify of early trees takes (`_Rounds.take_early`'s `accept`)."""
     if entry is None:
         return None
     tree, tags = entry

@@ -141,6 +141,7 @@ def test_the_hand_off_serves_a_verify_only_the_early_trees_that_hold_its_round(c
 
     import torch
 
+    from spectandem.channel.trees import rows_held
     from spectandem.messages import DraftTree
 
     caplog.set_level(logging.INFO, logger="spectandem.channel")
@@ -149,25 +150,28 @@ def test_the_hand_off_serves_a_verify_only_the_early_trees_that_hold_its_round(c
                      scores=torch.zeros(2, 2))
     tags = [Tag("a", 0, 10), Tag("b", 0, 20)]
     trees = TreeHandOff()
+
+    def take_early(round_id, timeout_s, early_after, want):   # as the verifier's link takes them
+        return trees.take_early(round_id, timeout_s, early_after, want, lambda entry: rows_held(entry, want))
     trees.note_verdicts(4, ["a", "b"])
     threading.Timer(0.1, trees.post_early, args=(4, tree, tags)).start()
-    got, got_tags = trees.take_early(5, 30.0, 4, [Tag("b", 0, 20), Tag("a", 0, 10)])
+    got, got_tags = take_early(5, 30.0, 4, [Tag("b", 0, 20), Tag("a", 0, 10)])
     assert got_tags == [Tag("b", 0, 20), Tag("a", 0, 10)] and got.request_ids == ["b", "a"]
     assert got.token_ids.tolist() == [[3, 4], [1, 2]]
     assert (trees.early_taken, trees.early_rows_taken) == (1, 2)
 
     trees.note_verdicts(6, ["a"])                                   # "b"'s verdict did not go
     trees.post_early(6, tree, tags)
-    assert trees.take_early(7, 30.0, 6, tags) is None
+    assert take_early(7, 30.0, 6, tags) is None
     trees.note_verdicts(8, ["a", "b"])
     threading.Timer(0.1, trees.post_early, args=(8, tree, tags)).start()
-    assert trees.take_early(9, 30.0, 8, [Tag("a", 0, 11)]) is None  # another committed length
+    assert take_early(9, 30.0, 8, [Tag("a", 0, 11)]) is None  # another committed length
     trees.note_verdicts(10, ["a", "c"])
     trees.post_early(10, tree, tags)
-    assert trees.take_early(11, 30.0, 10, [Tag("c", 0, 5)]) is None  # no "c"
+    assert take_early(11, 30.0, 10, [Tag("c", 0, 5)]) is None  # no "c"
     trees.note_verdicts(12, ["a"])
     threading.Timer(0.1, trees.post_early, args=(12, None, [])).start()
-    assert trees.take_early(13, 30.0, 12, [Tag("a", 0, 10)]) is None  # none made
+    assert take_early(13, 30.0, 12, [Tag("a", 0, 10)]) is None  # none made
     assert (trees.early_taken, trees.trees_missed) == (1, 4)
     reasons = {r.getMessage() for r in caplog.records}
     held = "its trees on those verdicts do not hold the round"
